@@ -1,0 +1,33 @@
+"""cupynce: exact, deterministic, memory-bounded contrastive losses on CuPy, NumPy (and torch).
+
+Functional API (CuPy arrays run the CUDA kernels + cuBLAS, NumPy arrays a vectorised NumPy
+path; ``cupynce.torch`` wraps them for PyTorch):
+
+* :func:`nt_xent` — SimCLR's NT-Xent, z (2B, D), positive i <-> (i + B) mod 2B
+* :func:`info_nce` — query/key InfoNCE with in-batch and optional explicit negatives
+* :func:`clip_loss` — CLIP's symmetric loss with a learnable ``logit_scale``
+
+Each has ``*_forward`` (loss and a context) and ``*_backward(ctx, grad_loss)`` (gradients).
+``import cupynce`` needs neither CuPy, nor torch, nor a GPU.
+"""
+from ._version import __version__
+from ._kernels import KernelCompileError, SUPPORTED_DTYPES
+from .contrastive import (
+    Context,
+    clip_loss,
+    clip_loss_backward,
+    clip_loss_forward,
+    info_nce,
+    info_nce_backward,
+    info_nce_forward,
+    nt_xent,
+    nt_xent_backward,
+    nt_xent_forward,
+)
+
+__all__ = [
+    "__version__", "Context", "KernelCompileError", "SUPPORTED_DTYPES",
+    "nt_xent", "nt_xent_forward", "nt_xent_backward",
+    "info_nce", "info_nce_forward", "info_nce_backward",
+    "clip_loss", "clip_loss_forward", "clip_loss_backward",
+]

@@ -1,0 +1,112 @@
+"""cuBLAS products through CuPy's bindings, and workspace (row-block) planning.
+
+``gemm`` computes ``out = alpha * op(a) @ op(b) + beta * out`` on row-major CuPy matrices
+that may be row-strided views (unit column stride, any row stride), with an output dtype
+that may differ from the inputs' (float16/bfloat16 products land in float32).  Precision:
+
+=========  ===========================  ============================
+inputs     cuBLAS compute type          output
+=========  ===========================  ============================
+float16    CUBLAS_COMPUTE_32F           float32 (or float16)
+bfloat16   CUBLAS_COMPUTE_32F           float32 (or bfloat16)
+float32    CUBLAS_COMPUTE_32F (no TF32) float32
+float64    CUBLAS_COMPUTE_64F           float64
+=========  ===========================  ============================
+
+Launches go to the current CuPy stream (CuPy's binding sets it on the handle).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ._kernels import BFLOAT16
+
+#: Default cap on the score-block workspace when the caller gives none (bytes).
+DEFAULT_WORKSPACE_BYTES = 1 << 30
+#: Never take more than this fraction of the free device memory by default.
+FREE_MEMORY_FRACTION = 0.5
+
+
+def _cuda_type(dtype) -> int:
+    from cupy.cuda import runtime
+
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return runtime.CUDA_R_32F
+    if dtype == np.float64:
+        return runtime.CUDA_R_64F
+    if dtype == np.float16:
+        return runtime.CUDA_R_16F
+    if dtype == BFLOAT16:
+        return runtime.CUDA_R_16BF
+    raise ValueError(f"gemm: unsupported dtype {dtype}")
+
+
+def _ld(x, name: str) -> int:
+    """Leading dimension (elements) of a row-major matrix view with unit column stride."""
+    item = x.dtype.itemsize
+    if x.ndim != 2 or (x.shape[1] > 1 and x.strides[1] != item) or x.strides[0] % item:
+        raise ValueError(f"gemm: {name} must be a row-major matrix view, strides {x.strides}")
+    return max(x.strides[0] // item, x.shape[1], 1)
+
+
+def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
+         alpha: float = 1.0, beta: float = 0.0) -> None:
+    """``out[m, n] = alpha * op(a) @ op(b) + beta * out`` (row-major), in place.
+
+    ``op(a)`` is ``a`` (m, k) or, with ``trans_a``, ``a.T`` for ``a`` of shape (k, m);
+    likewise ``b``.  ``a`` and ``b`` share a dtype; ``out`` may be wider (see module doc).
+    """
+    from cupy.cuda import device
+    from cupy_backends.cuda.libs import cublas
+
+    m, n = out.shape
+    k = a.shape[0] if trans_a else a.shape[1]
+    if m == 0 or n == 0:
+        return
+    wide = np.float64 if a.dtype == np.float64 else np.float32
+    compute = cublas.CUBLAS_COMPUTE_64F if wide == np.float64 else cublas.CUBLAS_COMPUTE_32F
+    al = np.array(alpha, dtype=wide)
+    be = np.array(beta, dtype=wide)
+    handle = device.get_cublas_handle()
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    # Row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T: swap the operands.
+    op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
+    op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
+    cublas.gemmEx(
+        handle, op_b, op_a, n, m, k,
+        al.ctypes.data, b.data.ptr, _cuda_type(b.dtype), _ld(b, "b"),
+        a.data.ptr, _cuda_type(a.dtype), _ld(a, "a"),
+        be.ctypes.data, out.data.ptr, _cuda_type(out.dtype), _ld(out, "out"),
+        compute, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+def free_device_bytes() -> int:
+    """Free device memory plus what CuPy's pool holds unused (no stream synchronisation)."""
+    import cupy
+
+    free, _total = cupy.cuda.runtime.memGetInfo()
+    pool = cupy.get_default_memory_pool()
+    return int(free) + int(pool.free_bytes())
+
+
+def plan_rows(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[int],
+              *, align: int = 64) -> int:
+    """Rows per block so that ``rows_per_block * bytes_per_row <= workspace``.
+
+    ``workspace_bytes=None`` takes ``min(DEFAULT_WORKSPACE_BYTES, FREE_MEMORY_FRACTION *
+    free memory)``.  Blocks are rounded down to a multiple of ``align`` rows when larger.
+    """
+    if workspace_bytes is None:
+        cap = min(DEFAULT_WORKSPACE_BYTES, int(FREE_MEMORY_FRACTION * free_device_bytes()))
+    else:
+        cap = workspace_bytes
+    r = cap // max(bytes_per_row, 1)
+    if r < 1:
+        raise ValueError(f"{op}: workspace_bytes={workspace_bytes} is smaller than one row of the "
+                         f"score block ({bytes_per_row} bytes); give at least that")
+    if r >= rows:
+        return rows
+    return (r // align) * align if r >= align else r

@@ -1,0 +1,774 @@
+"""The InfoNCE family: NT-Xent (SimCLR), query/key InfoNCE, and CLIP's symmetric loss.
+
+Each op has three entry points:
+
+* ``op(...)`` — the loss only (no gradient work);
+* ``op_forward(..., requires_grad=True)`` → ``(loss, ctx)``;
+* ``op_backward(ctx, grad_loss=1.0)`` → the gradients of every array input.
+
+CuPy arrays run on the GPU: cuBLAS products on row blocks of the score matrix, with the fused
+row/column kernels of ``kernels_src/contrastive.cu`` between them.  NumPy arrays run the same
+blocked algorithm in vectorised NumPy.  The two never mix.
+
+How the gradient is computed
+----------------------------
+For ``reduction="mean"`` / ``"sum"`` the gradient is linear in the scalar ``grad_loss``, so
+``op_forward(requires_grad=True)`` computes it for ``grad_loss = 1`` in the same pass over the
+score blocks that yields the loss (one product fewer than recomputing later) and keeps only
+the O(N·D) float32 (float64) result; ``op_backward`` multiplies by ``grad_loss`` and casts.
+For ``reduction="none"`` the row weights are known only in backward, so forward keeps the
+inputs and the row log-sum-exps (O(N·D + N)) and backward recomputes the score blocks.
+The full N × N matrix never exists unless it fits in the workspace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from . import _blas, _checks
+from ._kernels import BLOCK, acc_dtype, launch
+
+#: ``F.normalize``'s epsilon: rows are divided by ``max(||x||, NORM_EPS)``.
+NORM_EPS = 1e-12
+#: Workspace for the NumPy path's score blocks when the caller gives none (bytes).
+NUMPY_WORKSPACE_BYTES = 256 << 20
+_FILE = "contrastive.cu"
+
+
+@dataclass
+class Context:
+    """What ``*_backward`` needs from ``*_forward``; treat as opaque.
+
+    ``saved`` holds O(N·D) arrays only: either the unit-weight gradients (mean/sum) or the
+    (normalised) inputs and row statistics needed to recompute them (none).
+    """
+
+    op: str
+    reduction: str
+    n: int
+    xp: ModuleType
+    saved: Dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------
+# small helpers shared by the GPU and NumPy paths
+# ----------------------------------------------------------------------------------------
+def _reduce(xp, per_row, reduction: str):
+    if reduction == "mean":
+        return per_row.mean()
+    if reduction == "sum":
+        return per_row.sum()
+    return per_row
+
+
+def _row_weight(reduction: str, n: int) -> float:
+    return 1.0 / n if reduction == "mean" else 1.0
+
+
+def _rowmajor(xp, x):
+    """A view the kernels and cuBLAS can read (unit column stride), copying only if needed."""
+    item = x.dtype.itemsize
+    if x.ndim == 2 and (x.shape[1] <= 1 or x.strides[1] == item) and x.strides[0] % item == 0 \
+            and x.strides[0] >= x.shape[1] * item:
+        return x
+    return xp.ascontiguousarray(x)
+
+
+def _ptr(x):
+    return 0 if x is None else x.data.ptr
+
+
+def _ld(x) -> int:
+    return max(x.strides[0] // x.dtype.itemsize, x.shape[1])
+
+
+# ----------------------------------------------------------------------------------------
+# GPU building blocks
+# ----------------------------------------------------------------------------------------
+def _gpu_normalize(x):
+    import cupy as cp
+
+    a = acc_dtype(x.dtype)
+    n, d = x.shape
+    xn = cp.empty((n, d), x.dtype)
+    norm = cp.empty((n,), a)
+    launch(_FILE, "l2norm_fwd", x.dtype, (n,),
+           (x, np.int64(_ld(x)), np.int32(d), a.type(NORM_EPS), xn, norm))
+    return xn, norm
+
+
+def _gpu_finish(x, norm, acc, g):
+    """The input-dtype gradient ``g * acc`` (through the normalisation when ``norm`` is given)."""
+    import cupy as cp
+
+    out = cp.empty(acc.shape, x.dtype)
+    if acc.size == 0:
+        return out
+    if norm is not None:
+        n, d = x.shape
+        launch(_FILE, "l2norm_bwd", x.dtype, (n,),
+               (x, np.int64(_ld(x)), np.int32(d), acc.dtype.type(NORM_EPS), norm, acc,
+                _ptr(g), out))
+    else:
+        grid = min((acc.size + BLOCK - 1) // BLOCK, 65535)
+        launch(_FILE, "scale_cast", x.dtype, (grid,), (acc, np.int64(acc.size), _ptr(g), out))
+    return out
+
+
+def _gpu_scalar(value, a):
+    """A (1,) device array holding a Python float (a fill kernel: no host-device copy)."""
+    import cupy as cp
+
+    return cp.full((1,), value, dtype=a)
+
+
+def _gpu_grad_scale(grad_loss, a):
+    """``grad_loss`` (float or 0-d/1-element array) as a (1,) device array of dtype ``a``."""
+    if isinstance(grad_loss, float):
+        return None if grad_loss == 1.0 else _gpu_scalar(grad_loss, a)
+    return grad_loss.astype(a, copy=False).reshape(1)
+
+
+def _weights(xp, grad_loss, reduction: str, n: int, a):
+    """Row weights for the gradient: ``(w_ptr_array_or_None, stride, multiplier)``."""
+    if grad_loss is None:
+        return None, 0, _row_weight(reduction, n)
+    if isinstance(grad_loss, float):
+        return None, 0, grad_loss * _row_weight(reduction, n)
+    g = xp.ascontiguousarray(grad_loss.astype(a, copy=False)).reshape(-1)
+    return g, (1 if g.size == n and reduction == "none" else 0), _row_weight(reduction, n)
+
+
+# ----------------------------------------------------------------------------------------
+# The row-softmax engine (nt_xent, info_nce): GPU
+# ----------------------------------------------------------------------------------------
+def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
+              pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
+              self_pair: bool = False):
+    """Row log-sum-exps, per-row losses and (optionally) accumulated gradients.
+
+    q (N, D) queries, k (Nk, D) keys (columns 0..Nk-1), neg_s (Ms, D) shared negatives
+    (columns Nk..Nk+Ms-1), neg_p (N, Mp, D) per-query negatives.  ``self_pair`` means q is k
+    (NT-Xent): the two gradient products accumulate into one buffer.
+    Returns ``lse, loss, (dq, dk, dns, dnp)`` with float32/64 gradient accumulators.
+    """
+    import cupy as cp
+
+    t = q.dtype
+    a = acc_dtype(t)
+    n, d = q.shape
+    nk = k.shape[0]
+    ms = 0 if neg_s is None else neg_s.shape[0]
+    mp = 0 if neg_p is None else neg_p.shape[1]
+    ncols = nk + ms
+    split_g = want_grad and t != a  # half inputs: the gradient block is stored in T separately
+    row_bytes = ncols * a.itemsize + (ncols * t.itemsize if split_g else 0)
+    rb = _blas.plan_rows(op, n, row_bytes, workspace_bytes)
+    s_buf = cp.empty((rb, ncols), a)
+    g_buf = cp.empty((rb, ncols), t) if split_g else (s_buf if want_grad else None)
+
+    lse = cp.empty((n,), a) if lse_in is None else lse_in
+    loss = cp.empty((n,), a)
+    e = g2 = None
+    if mp:
+        e = cp.empty((n, mp), a)
+        nwarps = n * mp
+        launch(_FILE, "paired_dots", t, ((nwarps * 32 + BLOCK - 1) // BLOCK,),
+               (q, np.int64(_ld(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e))
+        if want_grad:
+            g2 = cp.empty((n, mp), a)
+    dq = dk = dns = dnp = None
+    if want_grad:
+        dq = cp.zeros((n, d), a)
+        dk = dq if self_pair else cp.zeros((nk, d), a)
+        dns = cp.zeros((ms, d), a) if ms else None
+    w_arr, w_stride, w_mul = weights
+
+    for r0 in range(0, n, rb):
+        r1 = min(n, r0 + rb)
+        rows = r1 - r0
+        s_blk = s_buf[:rows]
+        qb = q[r0:r1]
+        _blas.gemm(qb, k, s_blk[:, :nk], trans_b=True)
+        if ms:
+            _blas.gemm(qb, neg_s, s_blk[:, nk:], trans_b=True)
+        g_blk = g_buf[:rows] if want_grad else None
+        launch(_FILE, "row_softmax", t, (rows,), (
+            s_blk, np.int64(ncols), np.int32(ncols),
+            _ptr(e) + r0 * mp * a.itemsize if mp else 0, np.int64(mp), np.int32(mp),
+            np.int32(r0), np.int32(exclude_diag), np.int32(pos_shift), np.int32(pos_mod),
+            0, a.type(scale), _ptr(lse_in), lse if lse_in is None else 0, loss,
+            _ptr(g_blk), np.int64(ncols),
+            _ptr(g2) + r0 * mp * a.itemsize if g2 is not None else 0, np.int64(mp),
+            _ptr(w_arr), np.int64(w_stride), a.type(w_mul)))
+        if want_grad:
+            _blas.gemm(g_blk[:, :nk], k, dq[r0:r1], beta=1.0)
+            _blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=1.0)
+            if ms:
+                _blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
+                _blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=1.0)
+    if want_grad and mp:
+        dnp = cp.empty((n, mp, d), a)
+        launch(_FILE, "paired_grad", t, (n,),
+               (q, np.int64(_ld(q)), neg_p, g2, np.int32(mp), np.int32(d), dq, dnp))
+    return lse, loss, (dq, dk, dns, dnp)
+
+
+# ----------------------------------------------------------------------------------------
+# The row-softmax engine: NumPy (same algorithm, vectorised per row block)
+# ----------------------------------------------------------------------------------------
+def _np_lse(x):
+    m = np.max(x, axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return (np.log(np.sum(np.exp(x - m), axis=1, keepdims=True)) + m)[:, 0]
+
+
+def _np_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
+             pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
+             self_pair: bool = False):
+    a = acc_dtype(q.dtype)
+    qa, ka = q.astype(a), k.astype(a)
+    nsa = None if neg_s is None else neg_s.astype(a)
+    npa = None if neg_p is None else neg_p.astype(a)
+    n, d = q.shape
+    nk = k.shape[0]
+    ncols = nk + (0 if nsa is None else nsa.shape[0])
+    cap = workspace_bytes or NUMPY_WORKSPACE_BYTES
+    rb = max(1, min(n, cap // max(1, ncols * a.itemsize)))
+    lse = np.empty((n,), a) if lse_in is None else lse_in
+    loss = np.empty((n,), a)
+    dq = dk = dns = dnp = None
+    if want_grad:
+        dq = np.zeros((n, d), a)
+        dk = dq if self_pair else np.zeros((nk, d), a)
+        dns = None if nsa is None else np.zeros_like(nsa)
+        dnp = None if npa is None else np.empty_like(npa)
+    w_arr, w_stride, w_mul = weights
+    for r0 in range(0, n, rb):
+        r1 = min(n, r0 + rb)
+        rows = np.arange(r0, r1)
+        qb = qa[r0:r1]
+        blocks = [qb @ ka.T]
+        if nsa is not None:
+            blocks.append(qb @ nsa.T)
+        if npa is not None:
+            blocks.append(np.einsum("rd,rmd->rm", qb, npa[r0:r1]))
+        s = np.concatenate(blocks, axis=1) * a.type(scale)
+        if exclude_diag:
+            s[np.arange(r1 - r0), rows] = -np.inf
+        pos = (rows + pos_shift) % pos_mod
+        if lse_in is None:
+            lse[r0:r1] = _np_lse(s)
+        with np.errstate(invalid="ignore"):
+            loss[r0:r1] = lse[r0:r1] - s[np.arange(r1 - r0), pos]
+        if not want_grad:
+            continue
+        w = a.type(w_mul) * (w_arr[rows * w_stride] if w_arr is not None else a.type(1))
+        with np.errstate(invalid="ignore", over="ignore"):
+            p = np.exp(s - lse[r0:r1, None])
+        p[np.arange(r1 - r0), pos] -= 1
+        g = p * (np.asarray(w, a) * a.type(scale)).reshape(-1, 1)
+        dq[r0:r1] += g[:, :nk] @ ka
+        dk += g[:, :nk].T @ qb
+        if nsa is not None:
+            dq[r0:r1] += g[:, nk:ncols] @ nsa
+            dns += g[:, nk:ncols].T @ qb
+        if npa is not None:
+            gp = g[:, ncols:]
+            dq[r0:r1] += np.einsum("rm,rmd->rd", gp, npa[r0:r1])
+            dnp[r0:r1] = gp[:, :, None] * qb[:, None, :]
+    return lse, loss, (dq, dk, dns, dnp)
+
+
+def _np_normalize(x):
+    a = acc_dtype(x.dtype)
+    xa = x.astype(a)
+    norm = np.sqrt(np.sum(xa * xa, axis=-1))
+    return (xa / np.maximum(norm, NORM_EPS)[..., None]).astype(x.dtype), norm
+
+
+def _np_finish(x, norm, acc, g):
+    a = acc.dtype
+    gs = a.type(1) if g is None else np.asarray(g, a).reshape(())
+    if norm is None:
+        return (acc * gs).astype(x.dtype)
+    xa = x.astype(a)
+    den = np.maximum(norm, NORM_EPS)[..., None]
+    xn = xa / den
+    proj = np.where(norm > NORM_EPS, np.sum(xn * acc, axis=-1), 0)[..., None]
+    return (gs * (acc - xn * proj) / den).astype(x.dtype)
+
+
+def _np_grad_scale(grad_loss, a):
+    if isinstance(grad_loss, float):
+        return None if grad_loss == 1.0 else np.asarray(grad_loss, a)
+    return np.asarray(grad_loss, a).reshape(())
+
+
+# ----------------------------------------------------------------------------------------
+# dispatch helpers
+# ----------------------------------------------------------------------------------------
+class _Path:
+    """The per-backend primitives, chosen once per call from the array module."""
+
+    def __init__(self, xp):
+        self.gpu = xp is not np
+        self.rows = _gpu_rows if self.gpu else _np_rows
+        self.normalize = _gpu_normalize if self.gpu else _np_normalize
+        self.finish = _gpu_finish if self.gpu else _np_finish
+        self.grad_scale = _gpu_grad_scale if self.gpu else _np_grad_scale
+
+
+def _prep(xp, path: _Path, x, normalize: bool):
+    """(array the products use, its norms or None): normalised when asked."""
+    if x is None:
+        return None, None
+    if x.ndim == 2:
+        x = _rowmajor(xp, x)
+    else:
+        x = xp.ascontiguousarray(x)
+    if not normalize:
+        return x, None
+    if x.ndim == 3:  # (N, M, D) negatives: normalise their rows as a 2-D view
+        xn, norm = path.normalize(x.reshape(-1, x.shape[-1]))
+        return xn.reshape(x.shape), norm.reshape(x.shape[:2])
+    return path.normalize(x)
+
+
+def _finish_all(path, originals, norms, accs, g):
+    out = []
+    for x, nrm, acc in zip(originals, norms, accs):
+        if x is None:
+            out.append(None)
+            continue
+        if x.ndim == 3:
+            flat = path.finish(x.reshape(-1, x.shape[-1]),
+                               None if nrm is None else nrm.reshape(-1),
+                               acc.reshape(-1, x.shape[-1]), g)
+            out.append(flat.reshape(x.shape))
+        else:
+            out.append(path.finish(x, nrm, acc, g))
+    return out
+
+
+def _contig_inputs(xp, *xs):
+    """Inputs as the finishing kernels need them (row-major; 3-D contiguous)."""
+    return [None if x is None else (_rowmajor(xp, x) if x.ndim == 2 else xp.ascontiguousarray(x))
+            for x in xs]
+
+
+# ----------------------------------------------------------------------------------------
+# NT-Xent
+# ----------------------------------------------------------------------------------------
+def _check_nt_xent(z, temperature, reduction, workspace_bytes):
+    op = "nt_xent"
+    xp = _checks.array_module(op, z=z)
+    _checks.check_matrix(op, "z", z, min_rows=2)
+    if z.shape[0] % 2:
+        raise ValueError(f"nt_xent: z must have an even number of rows (2B views), "
+                         f"got shape {tuple(z.shape)}")
+    t = _checks.check_temperature(op, temperature)
+    _checks.check_reduction(op, reduction)
+    _checks.check_workspace(op, workspace_bytes)
+    return xp, t
+
+
+def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
+                    normalize: bool = False, workspace_bytes: Optional[int] = None,
+                    requires_grad: bool = True) -> Tuple[Any, Context]:
+    """SimCLR's NT-Xent loss and a context for :func:`nt_xent_backward`.
+
+    Parameters
+    ----------
+    z : (2B, D) array (numpy or cupy), float16 / bfloat16 / float32 / float64
+        The two views stacked: row ``i`` and row ``(i + B) mod 2B`` are a positive pair.
+    temperature : float > 0
+    reduction : "mean" | "sum" | "none"
+    normalize : bool
+        L2-normalise the rows first (as ``F.normalize``, eps 1e-12); gradients go through it.
+    workspace_bytes : int, optional
+        Cap on the score-block workspace; default ``min(1 GiB, half the free memory)``.
+    requires_grad : bool
+        Also prepare the gradient (see the module notes).
+
+    Returns
+    -------
+    loss : 0-d array (mean/sum) or (2B,) array (none); float32, float64 for float64 input.
+    ctx : Context
+
+    Notes
+    -----
+    With S = ẑ ẑᵀ / τ and p(i) = (i + B) mod 2B::
+
+        loss_i = log Σ_{j≠i} exp(S_ij) − S_{i,p(i)}
+        ∂loss/∂ẑ = (G + Gᵀ) ẑ / τ,   G_ij = w_i (softmax_{j≠i}(S_i)_j − [j = p(i)])
+
+    Equal to ``F.cross_entropy(masked_fill(z @ z.T, eye, -inf) / τ, labels)``.
+    """
+    xp, t = _check_nt_xent(z, temperature, reduction, workspace_bytes)
+    path = _Path(xp)
+    n = z.shape[0]
+    z = _contig_inputs(xp, z)[0]
+    zn, norm = _prep(xp, path, z, normalize)
+    fused = requires_grad and reduction != "none"
+    lse, loss, (dz, *_rest) = path.rows(
+        zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
+        lse_in=None, weights=_weights(xp, None, reduction, n, acc_dtype(z.dtype)),
+        want_grad=fused, workspace_bytes=workspace_bytes, op="nt_xent", self_pair=True)
+    ctx = Context("nt_xent", reduction, n, xp)
+    if fused:
+        ctx.saved = dict(z=z, norm=norm, dz=dz)
+    elif requires_grad:
+        ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes)
+    return _reduce(xp, loss, reduction), ctx
+
+
+def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
+    """Gradient of :func:`nt_xent_forward`'s loss w.r.t. ``z``, times ``grad_loss``.
+
+    ``grad_loss``: a real or 0-d array (mean/sum), or a (2B,) array (none).  Returns dz (2B, D)
+    in z's dtype.
+    """
+    _require(ctx, "nt_xent")
+    xp, s = ctx.xp, ctx.saved
+    path = _Path(xp)
+    g = _checks.check_grad_loss("nt_xent_backward", grad_loss, ctx.reduction, ctx.n, xp)
+    a = acc_dtype(s["z"].dtype)
+    if "dz" in s:
+        return path.finish(s["z"], s["norm"], s["dz"], path.grad_scale(g, a))
+    n = ctx.n
+    _, _, (dz, *_rest) = path.rows(
+        s["zn"], s["zn"], None, None, 1.0 / s["t"], exclude_diag=True, pos_shift=n // 2,
+        pos_mod=n, lse_in=s["lse"], weights=_weights(xp, g, "none", n, a), want_grad=True,
+        workspace_bytes=s["ws"], op="nt_xent", self_pair=True)
+    return path.finish(s["z"], s["norm"], dz, None)
+
+
+def nt_xent(z, temperature: float = 0.5, *, reduction: str = "mean", normalize: bool = False,
+            workspace_bytes: Optional[int] = None):
+    """SimCLR's NT-Xent loss of ``z`` (2B, D); see :func:`nt_xent_forward`."""
+    return nt_xent_forward(z, temperature, reduction=reduction, normalize=normalize,
+                           workspace_bytes=workspace_bytes, requires_grad=False)[0]
+
+
+def _require(ctx, op):
+    if not isinstance(ctx, Context) or ctx.op != op:
+        raise TypeError(f"{op}_backward: ctx must be the Context returned by {op}_forward")
+    if not ctx.saved:
+        raise ValueError(f"{op}_backward: the forward ran with requires_grad=False; "
+                         f"run {op}_forward(..., requires_grad=True)")
+
+
+# ----------------------------------------------------------------------------------------
+# InfoNCE (query / key, in-batch and explicit negatives)
+# ----------------------------------------------------------------------------------------
+def _check_info_nce(query, key, negatives, temperature, reduction, workspace_bytes):
+    op = "info_nce"
+    xp = _checks.array_module(op, query=query, key=key, negatives=negatives)
+    _checks.check_matrix(op, "query", query, min_rows=2)
+    _checks.check_matrix(op, "key", key, min_rows=2)
+    if key.shape[0] != query.shape[0]:
+        raise ValueError(f"info_nce: query and key must have the same number of rows "
+                         f"(paired by row), got {tuple(query.shape)} and {tuple(key.shape)}")
+    _checks.check_same(op, ("query", "key"), (query.shape[1], key.shape[1]), "feature sizes D")
+    if negatives is not None:
+        if negatives.ndim not in (2, 3):
+            raise ValueError(f"info_nce: negatives must be (M, D) shared or (N, M, D) per query, "
+                             f"got shape {tuple(negatives.shape)}")
+        _checks.check_float(op, "negatives", negatives)
+        if negatives.shape[-1] != query.shape[1]:
+            raise ValueError(f"info_nce: negatives must have D={query.shape[1]} features like "
+                             f"query, got shape {tuple(negatives.shape)}")
+        if negatives.ndim == 3 and negatives.shape[0] != query.shape[0]:
+            raise ValueError(f"info_nce: per-query negatives must be (N={query.shape[0]}, M, D), "
+                             f"got shape {tuple(negatives.shape)}")
+    _checks.check_same_dtype(op, query=query, key=key, negatives=negatives)
+    t = _checks.check_temperature(op, temperature)
+    _checks.check_reduction(op, reduction)
+    _checks.check_workspace(op, workspace_bytes)
+    return xp, t
+
+
+def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
+                     reduction: str = "mean", normalize: bool = False,
+                     workspace_bytes: Optional[int] = None,
+                     requires_grad: bool = True) -> Tuple[Any, Context]:
+    """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
+
+    Parameters
+    ----------
+    query, key : (N, D) arrays, paired by row; key i is query i's positive and the other
+        N − 1 keys are its in-batch negatives.
+    negatives : None, (M, D) or (N, M, D)
+        Extra negatives added to the candidates: shared by every query (M, D), or
+        per query (N, M, D).
+    temperature, reduction, normalize, workspace_bytes, requires_grad : as for nt_xent.
+        ``normalize`` applies to query, key and negatives alike.
+
+    Returns
+    -------
+    loss, ctx — see :func:`nt_xent_forward`.
+
+    Notes
+    -----
+    ``loss_i = log Σ_{c ∈ C_i} exp(q̂_i·ĉ/τ) − q̂_i·k̂_i/τ`` with candidates C_i = all keys,
+    plus the shared negatives, plus query i's own negatives.  (info-nce-pytorch drops the
+    in-batch keys when explicit negatives are given; here they are always candidates.)
+    """
+    xp, t = _check_info_nce(query, key, negatives, temperature, reduction, workspace_bytes)
+    path = _Path(xp)
+    n = query.shape[0]
+    query, key, negatives = _contig_inputs(xp, query, key, negatives)
+    qn, nq = _prep(xp, path, query, normalize)
+    kn, nk = _prep(xp, path, key, normalize)
+    negn, nneg = _prep(xp, path, negatives, normalize)
+    neg_s = negn if negatives is not None and negatives.ndim == 2 else None
+    neg_p = negn if negatives is not None and negatives.ndim == 3 else None
+    fused = requires_grad and reduction != "none"
+    lse, loss, grads = path.rows(
+        qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
+        lse_in=None, weights=_weights(xp, None, reduction, n, acc_dtype(query.dtype)),
+        want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce")
+    ctx = Context("info_nce", reduction, n, xp)
+    base = dict(x=(query, key, negatives), norms=(nq, nk, nneg))
+    if fused:
+        dq, dk, dns, dnp = grads
+        ctx.saved = dict(base, acc=(dq, dk, dns if dns is not None else dnp))
+    elif requires_grad:
+        ctx.saved = dict(base, xn=(qn, kn, neg_s, neg_p), lse=lse, t=t, ws=workspace_bytes)
+    return _reduce(xp, loss, reduction), ctx
+
+
+def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
+    """Gradients ``(dquery, dkey, dnegatives)`` of :func:`info_nce_forward`'s loss.
+
+    ``dnegatives`` is None when no negatives were given.  Dtypes follow the inputs.
+    """
+    _require(ctx, "info_nce")
+    xp, s = ctx.xp, ctx.saved
+    path = _Path(xp)
+    g = _checks.check_grad_loss("info_nce_backward", grad_loss, ctx.reduction, ctx.n, xp)
+    a = acc_dtype(s["x"][0].dtype)
+    if "acc" in s:
+        return tuple(_finish_all(path, s["x"], s["norms"], s["acc"], path.grad_scale(g, a)))
+    qn, kn, neg_s, neg_p = s["xn"]
+    _, _, (dq, dk, dns, dnp) = path.rows(
+        qn, kn, neg_s, neg_p, 1.0 / s["t"], exclude_diag=False, pos_shift=0, pos_mod=ctx.n,
+        lse_in=s["lse"], weights=_weights(xp, g, "none", ctx.n, a), want_grad=True,
+        workspace_bytes=s["ws"], op="info_nce")
+    accs = (dq, dk, dns if dns is not None else dnp)
+    return tuple(_finish_all(path, s["x"], s["norms"], accs, None))
+
+
+def info_nce(query, key, temperature: float = 0.1, *, negatives=None, reduction: str = "mean",
+             normalize: bool = False, workspace_bytes: Optional[int] = None):
+    """Query/key InfoNCE loss; see :func:`info_nce_forward`."""
+    return info_nce_forward(query, key, temperature, negatives=negatives, reduction=reduction,
+                            normalize=normalize, workspace_bytes=workspace_bytes,
+                            requires_grad=False)[0]
+
+
+# ----------------------------------------------------------------------------------------
+# CLIP's symmetric loss with a learnable temperature
+# ----------------------------------------------------------------------------------------
+def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
+              workspace_bytes):
+    """Row/column statistics (when ``want_loss``) and the gradient accumulators.
+
+    ``ls`` is logit_scale as a (1,) device array of the accumulator dtype.
+    Returns ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``.
+    """
+    import cupy as cp
+
+    t = an.dtype
+    a = acc_dtype(t)
+    n, d = an.shape
+    split_g = want_grad and t != a
+    row_bytes = n * a.itemsize + (n * t.itemsize if split_g else 0)
+    rb = _blas.plan_rows("clip_loss", n, row_bytes, workspace_bytes)
+    s_buf = cp.empty((rb, n), a)
+    g_buf = cp.empty((rb, n), t) if split_g else s_buf
+    pair_loss = None
+    reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
+    if want_loss:
+        lse_r = cp.empty((n,), a)
+        lse_c = cp.empty((n,), a)
+        row_loss = cp.empty((n,), a)
+        pair_loss = cp.empty((n,), a)
+        chunk = 64
+        nch = (rb + chunk - 1) // chunk
+        part_m = cp.empty((nch, n), a)
+        part_s = cp.empty((nch, n), a)
+        col_m = cp.full((n,), -np.inf, a)
+        col_s = cp.zeros((n,), a)
+        cgrid = ((n + BLOCK - 1) // BLOCK,)
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            rows = r1 - r0
+            s_blk = s_buf[:rows]
+            _blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
+            launch(_FILE, "row_softmax", t, (rows,), (
+                s_blk, np.int64(n), np.int32(n), 0, np.int64(0), np.int32(0),
+                np.int32(r0), np.int32(0), np.int32(0), np.int32(n), ls, a.type(1.0),
+                0, lse_r, row_loss, 0, np.int64(0), 0, np.int64(0), 0, np.int64(0), a.type(0)))
+            nc = (rows + chunk - 1) // chunk
+            launch(_FILE, "col_partial", t, (cgrid[0], nc), (
+                s_blk, np.int64(n), np.int32(rows), np.int32(n), np.int32(chunk), ls,
+                a.type(1.0), part_m, part_s))
+            launch(_FILE, "col_combine", t, cgrid, (
+                part_m, part_s, np.int32(nc), np.int32(n), col_m, col_s, np.int32(r1 == n),
+                lse_r, row_loss, lse_c, pair_loss))
+    grads = None
+    if want_grad:
+        w_arr, w_stride, w_mul = weights
+        da = cp.empty((n, d), a)
+        db = cp.zeros((n, d), a)
+        dsp = cp.empty((n,), a)
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            rows = r1 - r0
+            s_blk = s_buf[:rows]
+            if not (reuse and want_loss):
+                _blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
+            g_blk = g_buf[:rows]
+            launch(_FILE, "clip_grad", t, (rows,), (
+                s_blk, np.int64(n), np.int32(n), np.int32(r0), ls, lse_r, lse_c,
+                _ptr(w_arr), np.int64(w_stride), a.type(w_mul), g_blk, np.int64(n), dsp))
+            _blas.gemm(g_blk, bn, da[r0:r1])
+            _blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0)
+        grads = (da, db, dsp)
+    return lse_r, lse_c, pair_loss, grads
+
+
+def _np_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
+             workspace_bytes):
+    a = acc_dtype(an.dtype)
+    aa, ba = an.astype(a), bn.astype(a)
+    n = aa.shape[0]
+    scale = np.exp(np.asarray(ls, a).reshape(()))
+    logits = scale * (aa @ ba.T)  # the NumPy path keeps N x N (CPU memory, small N)
+    pair_loss = None
+    idx = np.arange(n)
+    if want_loss:
+        lse_r = _np_lse(logits)
+        lse_c = _np_lse(logits.T)
+        diag = logits[idx, idx]
+        pair_loss = 0.5 * ((lse_r - diag) + (lse_c - diag))
+    grads = None
+    if want_grad:
+        w_arr, w_stride, w_mul = weights
+        w = a.type(w_mul) * (w_arr[idx * w_stride] if w_arr is not None else np.ones(n, a))
+        with np.errstate(over="ignore", invalid="ignore"):
+            g = 0.5 * (w[:, None] * np.exp(logits - lse_r[:, None])
+                       + w[None, :] * np.exp(logits - lse_c[None, :]))
+        g[idx, idx] -= 0.5 * (w + w)
+        dsp = np.sum(g * logits, axis=1)
+        gs = g * scale
+        grads = (gs @ ba, gs.T @ aa, dsp)
+    return lse_r, lse_c, pair_loss, grads
+
+
+def _check_clip(a, b, logit_scale, reduction, workspace_bytes):
+    op = "clip_loss"
+    xp = _checks.array_module(op, a=a, b=b)
+    _checks.check_matrix(op, "a", a, min_rows=2)
+    _checks.check_matrix(op, "b", b, min_rows=2)
+    if a.shape != b.shape:
+        raise ValueError(f"clip_loss: a and b must have the same shape (N pairs, D), "
+                         f"got {tuple(a.shape)} and {tuple(b.shape)}")
+    _checks.check_same_dtype(op, a=a, b=b)
+    ls, ls_shape = _checks.check_logit_scale(op, logit_scale, xp)
+    if xp is not np and not isinstance(ls, float) and ls.device.id != a.device.id:
+        raise ValueError(f"clip_loss: logit_scale is on cuda:{ls.device.id} but a is on "
+                         f"cuda:{a.device.id}")
+    _checks.check_reduction(op, reduction)
+    _checks.check_workspace(op, workspace_bytes)
+    return xp, ls, ls_shape
+
+
+def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
+                      workspace_bytes: Optional[int] = None,
+                      requires_grad: bool = True) -> Tuple[Any, Context]:
+    """CLIP's symmetric contrastive loss and a context for :func:`clip_loss_backward`.
+
+    Parameters
+    ----------
+    a, b : (N, D) arrays — image and text embeddings, pair i is (a_i, b_i).
+    logit_scale : real, or 0-d / (1,) array (learnable log inverse temperature).
+        s = exp(logit_scale); a device array is never read back to the host.
+    reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
+    normalize, workspace_bytes, requires_grad : as for nt_xent.
+
+    Notes
+    -----
+    ``L = s · â b̂ᵀ``;  ``loss = (CE(L, arange) + CE(Lᵀ, arange)) / 2``.  Gradients:
+    ``dâ = s G b̂``, ``db̂ = s Gᵀ â``, ``dlogit_scale = Σ_ij G_ij L_ij`` with
+    ``G_ij = ½[w_i (softmax_row(L)_ij − δ_ij) + w_j (softmax_col(L)_ij − δ_ij)]``.
+    The column direction reads the score blocks column-wise: no transposed copy.
+    """
+    xp, ls, ls_shape = _check_clip(a, b, logit_scale, reduction, workspace_bytes)
+    path = _Path(xp)
+    n = a.shape[0]
+    acc = acc_dtype(a.dtype)
+    a, b = _contig_inputs(xp, a, b)
+    an, na = _prep(xp, path, a, normalize)
+    bn, nb = _prep(xp, path, b, normalize)
+    if path.gpu:
+        ls_dev = _gpu_scalar(ls, acc) if isinstance(ls, float) else ls.astype(acc).reshape(1)
+        engine = _gpu_clip
+    else:
+        ls_dev = np.asarray(ls, acc).reshape(1)
+        engine = _np_clip
+    fused = requires_grad and reduction != "none"
+    lse_r, lse_c, pair_loss, grads = engine(
+        an, bn, ls_dev, lse_r=None, lse_c=None,
+        weights=_weights(xp, None, reduction, n, acc), want_loss=True, want_grad=fused,
+        workspace_bytes=workspace_bytes)
+    ctx = Context("clip_loss", reduction, n, xp)
+    ls_dtype = acc if isinstance(ls, float) else ls.dtype
+    base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype)
+    if fused:
+        da, db, dsp = grads
+        ctx.saved = dict(base, acc=(da, db), dscale=dsp.sum())
+    elif requires_grad:
+        ctx.saved = dict(base, xn=(an, bn), ls=ls_dev, lse=(lse_r, lse_c), ws=workspace_bytes)
+    return _reduce(xp, pair_loss, reduction), ctx
+
+
+def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
+    """Gradients ``(da, db, dlogit_scale)`` of :func:`clip_loss_forward`'s loss.
+
+    ``dlogit_scale`` has logit_scale's shape and dtype (0-d float32/64 when a Python float was
+    given); da, db follow the inputs' dtype.
+    """
+    _require(ctx, "clip_loss")
+    xp, s = ctx.xp, ctx.saved
+    path = _Path(xp)
+    g = _checks.check_grad_loss("clip_loss_backward", grad_loss, ctx.reduction, ctx.n, xp)
+    acc = acc_dtype(s["x"][0].dtype)
+    if "acc" in s:
+        gs = path.grad_scale(g, acc)
+        da, db = _finish_all(path, s["x"], s["norms"], s["acc"], gs)
+        dscale = s["dscale"] if gs is None else s["dscale"] * gs.reshape(())
+    else:
+        engine = _gpu_clip if path.gpu else _np_clip
+        an, bn = s["xn"]
+        _, _, _, (da_acc, db_acc, dsp) = engine(
+            an, bn, s["ls"], lse_r=s["lse"][0], lse_c=s["lse"][1],
+            weights=_weights(xp, g, "none", ctx.n, acc), want_loss=False, want_grad=True,
+            workspace_bytes=s["ws"])
+        da, db = _finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
+        dscale = dsp.sum()
+    dscale = xp.asarray(dscale).astype(s["ls_dtype"]).reshape(s["ls_shape"])
+    return da, db, dscale
+
+
+def clip_loss(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
+              workspace_bytes: Optional[int] = None):
+    """CLIP's symmetric loss; see :func:`clip_loss_forward`."""
+    return clip_loss_forward(a, b, logit_scale, reduction=reduction, normalize=normalize,
+                             workspace_bytes=workspace_bytes, requires_grad=False)[0]

@@ -1,0 +1,160 @@
+// cupynce common device helpers: storage types, conversions, block reductions.
+//
+// Compiled by NVRTC (through cupy.RawModule) with no CUDA headers: 16-bit types are
+// carried as raw bits and converted with PTX / bit arithmetic, so the same sources
+// compile wherever NVRTC does (sm_80+ for the PTX conversions used here).
+//
+// The loader prepends `#define CPN_BLOCK <n>` (the block size, defined once in Python).
+#pragma once
+
+#ifndef CPN_BLOCK
+#define CPN_BLOCK 256
+#endif
+
+typedef long long i64;
+
+struct __align__(2) f16_t { unsigned short bits; };
+struct __align__(2) bf16_t { unsigned short bits; };
+
+// ---- conversions: load(T) -> accumulator, store(accumulator) -> T ------------------
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ double to_f64(double x) { return x; }
+__device__ __forceinline__ float to_f32(f16_t h) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h.bits));
+    return f;
+}
+__device__ __forceinline__ float to_f32(bf16_t h) {
+    return __uint_as_float(((unsigned int)h.bits) << 16);
+}
+
+template <typename T> struct Conv;
+template <> struct Conv<float> {
+    typedef float acc;
+    static __device__ __forceinline__ float load(float x) { return x; }
+    static __device__ __forceinline__ float store(float x) { return x; }
+};
+template <> struct Conv<double> {
+    typedef double acc;
+    static __device__ __forceinline__ double load(double x) { return x; }
+    static __device__ __forceinline__ double store(double x) { return x; }
+};
+template <> struct Conv<f16_t> {
+    typedef float acc;
+    static __device__ __forceinline__ float load(f16_t x) { return to_f32(x); }
+    static __device__ __forceinline__ f16_t store(float x) {
+        f16_t h;
+        asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h.bits) : "f"(x));
+        return h;
+    }
+};
+template <> struct Conv<bf16_t> {
+    typedef float acc;
+    static __device__ __forceinline__ float load(bf16_t x) { return to_f32(x); }
+    static __device__ __forceinline__ bf16_t store(float x) {
+        // round to nearest even; NaN stays a (quiet) NaN
+        bf16_t h;
+        unsigned int u = __float_as_uint(x);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            h.bits = (unsigned short)((u >> 16) | 0x40u);
+        } else {
+            u += 0x7fffu + ((u >> 16) & 1u);
+            h.bits = (unsigned short)(u >> 16);
+        }
+        return h;
+    }
+};
+
+// ---- math on the accumulator type --------------------------------------------------
+// Full-precision expf/logf (not the __expf intrinsics, whose error grows with |x|).
+__device__ __forceinline__ float cpn_exp(float x) { return expf(x); }
+__device__ __forceinline__ double cpn_exp(double x) { return exp(x); }
+__device__ __forceinline__ float cpn_log(float x) { return logf(x); }
+__device__ __forceinline__ double cpn_log(double x) { return log(x); }
+__device__ __forceinline__ float cpn_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double cpn_sqrt(double x) { return sqrt(x); }
+template <typename A> __device__ __forceinline__ A cpn_inf();
+template <> __device__ __forceinline__ float cpn_inf<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double cpn_inf<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
+template <typename A> __device__ __forceinline__ A cpn_nan();
+template <> __device__ __forceinline__ float cpn_nan<float>() { return __int_as_float(0x7fffffff); }
+template <> __device__ __forceinline__ double cpn_nan<double>() { return __longlong_as_double(0x7fffffffffffffffLL); }
+
+// ---- online log-sum-exp state (m = running max, s = sum exp(x - m)) ----------------
+// NaN-propagating: once a NaN is seen the state stays NaN, so a NaN input can never
+// produce a finite-looking loss (fmax would silently drop it).
+template <typename A> struct Lse {
+    A m, s;
+    __device__ __forceinline__ void init() { m = -cpn_inf<A>(); s = A(0); }
+    __device__ __forceinline__ void add(A x) {
+        if (x > m) {  // new maximum: rescale the sum
+            s = s * cpn_exp(m - x) + A(1);
+            m = x;
+        } else if (x == x) {
+            if (x != -cpn_inf<A>()) s += cpn_exp(x - m);
+        } else {
+            m = x; s = x;  // NaN
+        }
+    }
+    __device__ __forceinline__ void merge(A om, A os) {
+        if (om != om || m != m) { m = cpn_nan<A>(); s = m; return; }
+        if (om == -cpn_inf<A>()) return;
+        if (m == -cpn_inf<A>()) { m = om; s = os; return; }
+        if (om > m) { s = s * cpn_exp(m - om) + os; m = om; }
+        else { s += os * cpn_exp(om - m); }
+    }
+    __device__ __forceinline__ A value() const {
+        if (m != m) return m;
+        if (m == cpn_inf<A>()) return cpn_nan<A>();  // inf logits: undefined softmax
+        return m + cpn_log(s);
+    }
+};
+
+// Block-wide reductions in a fixed order (deterministic). `sh` needs 2 * 32 slots.
+template <typename A>
+__device__ __forceinline__ void block_lse(Lse<A>& st, A* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        A om = __shfl_xor_sync(0xffffffffu, st.m, o);
+        A os = __shfl_xor_sync(0xffffffffu, st.s, o);
+        st.merge(om, os);
+    }
+    __syncthreads();  // protect `sh` from a previous use
+    if (lane == 0) { sh[warp] = st.m; sh[32 + warp] = st.s; }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        Lse<A> t; t.init();
+        if (lane < nw) { t.m = sh[lane]; t.s = sh[32 + lane]; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            A om = __shfl_xor_sync(0xffffffffu, t.m, o);
+            A os = __shfl_xor_sync(0xffffffffu, t.s, o);
+            t.merge(om, os);
+        }
+        if (lane == 0) { sh[0] = t.m; sh[32] = t.s; }
+    }
+    __syncthreads();
+    st.m = sh[0]; st.s = sh[32];
+}
+
+template <typename A>
+__device__ __forceinline__ A block_sum(A v, A* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        A t = lane < nw ? sh[lane] : A(0);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        if (lane == 0) sh[0] = t;
+    }
+    __syncthreads();
+    A r = sh[0];
+    return r;
+}

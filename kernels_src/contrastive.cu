@@ -1,0 +1,289 @@
+// cupynce InfoNCE-family kernels: the fused row/column passes around the cuBLAS products.
+//
+// Naming: extern "C" wrappers `cpn_<stage>_<dtype>`, dtype in {f16, bf16, f32, f64}.
+// T is the storage type of inputs and of the gradient matrix fed back to cuBLAS;
+// A (float, or double for f64) is the type of the score matrix S and of every accumulator.
+// Every reduction is a fixed-order tree inside one block or a sequential loop: no atomics,
+// so results are bitwise reproducible.
+#include "common.cuh"
+
+// Row pass: one block per row r (global row i = row0 + r) of a score block.
+//   logits  = scale * S, scale = scale_mul * (scale_log ? exp(*scale_log) : 1)
+//   columns = segment 1 (n1 columns of s1, leading dim ld1; column i excluded when
+//             exclude_diag) followed by segment 2 (n2 columns of s2, may be null)
+//   positive= column (i + pos_shift) % pos_mod of segment 1
+//   lse     = log-sum-exp over the columns (read from lse_in when given)
+//   loss    = lse - logit[positive]
+//   gradient (when g1 != null): w_i * scale * (softmax - onehot), excluded column 0,
+//             w_i = w_mul * (w_ptr ? w_ptr[i * w_stride] : 1); segment 2 goes to g2 (type A).
+template <typename T, typename A>
+__device__ __forceinline__ void row_softmax_body(
+    const A* __restrict__ s1, i64 ld1, int n1,
+    const A* __restrict__ s2, i64 ld2, int n2,
+    int row0, int exclude_diag, int pos_shift, int pos_mod,
+    const A* __restrict__ scale_log, A scale_mul,
+    const A* __restrict__ lse_in, A* __restrict__ lse_out, A* __restrict__ loss_out,
+    T* __restrict__ g1, i64 ldg1, A* __restrict__ g2, i64 ldg2,
+    const A* __restrict__ w_ptr, i64 w_stride, A w_mul)
+{
+    __shared__ A sh[64];
+    const int r = blockIdx.x;
+    const int i = row0 + r;
+    const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
+    const A* row1 = s1 + (i64)r * ld1;
+    const A* row2 = s2 ? s2 + (i64)r * ld2 : (const A*)0;
+    const int diag = exclude_diag ? i : -1;
+    const int pos = (int)(((i64)i + pos_shift) % pos_mod);
+
+    A lse;
+    if (lse_in) {
+        lse = lse_in[i];
+    } else {
+        Lse<A> st; st.init();
+        for (int j = threadIdx.x; j < n1; j += blockDim.x)
+            if (j != diag) st.add(scale * row1[j]);
+        for (int j = threadIdx.x; j < n2; j += blockDim.x) st.add(scale * row2[j]);
+        block_lse(st, sh);
+        lse = st.value();
+    }
+    if (threadIdx.x == 0) {
+        if (lse_out) lse_out[i] = lse;
+        if (loss_out) loss_out[i] = lse - scale * row1[pos];
+    }
+    if (!g1) return;
+    __syncthreads();  // g1 may alias s1: row1[pos] must be read before it is overwritten
+    const A gm = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1)) * scale;
+    T* grow1 = g1 + (i64)r * ldg1;
+    for (int j = threadIdx.x; j < n1; j += blockDim.x) {
+        A p = (j == diag) ? A(0) : cpn_exp(scale * row1[j] - lse);
+        if (j == pos) p -= A(1);
+        grow1[j] = Conv<T>::store(gm * p);
+    }
+    if (g2) {
+        A* grow2 = g2 + (i64)r * ldg2;
+        for (int j = threadIdx.x; j < n2; j += blockDim.x)
+            grow2[j] = gm * cpn_exp(scale * row2[j] - lse);
+    }
+}
+
+// Column statistics, stage 1: partial online log-sum-exp of `chunk` consecutive rows for
+// each column j of a score block (R x n, leading dim ld). Grid: (ceil(n / blockDim), chunks).
+template <typename A>
+__device__ __forceinline__ void col_partial_body(
+    const A* __restrict__ s, i64 ld, int rows, int n, int chunk,
+    const A* __restrict__ scale_log, A scale_mul,
+    A* __restrict__ part_m, A* __restrict__ part_s)
+{
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
+    const int r0 = blockIdx.y * chunk;
+    const int r1 = min(rows, r0 + chunk);
+    Lse<A> st; st.init();
+    for (int r = r0; r < r1; ++r) st.add(scale * s[(i64)r * ld + j]);
+    part_m[(i64)blockIdx.y * n + j] = st.m;
+    part_s[(i64)blockIdx.y * n + j] = st.s;
+}
+
+// Column statistics, stage 2: fold the partials of one row block, in chunk order, into the
+// running (col_m, col_s). With `finalize`, also turn them into the column lse and the
+// per-pair CLIP loss: col_loss_j = lse_col_j - logit_jj, where logit_jj = lse_row_j - row_loss_j.
+template <typename A>
+__device__ __forceinline__ void col_combine_body(
+    const A* __restrict__ part_m, const A* __restrict__ part_s, int chunks, int n,
+    A* __restrict__ col_m, A* __restrict__ col_s, int finalize,
+    const A* __restrict__ lse_row, const A* __restrict__ row_loss,
+    A* __restrict__ lse_col, A* __restrict__ pair_loss)
+{
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    Lse<A> st; st.m = col_m[j]; st.s = col_s[j];
+    for (int c = 0; c < chunks; ++c) st.merge(part_m[(i64)c * n + j], part_s[(i64)c * n + j]);
+    col_m[j] = st.m; col_s[j] = st.s;
+    if (finalize) {
+        const A lc = st.value();
+        lse_col[j] = lc;
+        const A col_loss = lc - (lse_row[j] - row_loss[j]);
+        pair_loss[j] = A(0.5) * (row_loss[j] + col_loss);
+    }
+}
+
+// CLIP gradient of a row block: block per row r (global i).
+//   G_ij = 1/2 [ w_i (exp(L_ij - lse_row_i) - d_ij) + w_j (exp(L_ij - lse_col_j) - d_ij) ]
+//   g[r, j] = scale * G_ij (the gradient w.r.t. the raw product a_i . b_j)
+//   dscale_part[i] = sum_j G_ij L_ij (row share of d loss / d logit_scale)
+template <typename T, typename A>
+__device__ __forceinline__ void clip_grad_body(
+    const A* __restrict__ s, i64 ld, int n, int row0,
+    const A* __restrict__ scale_log,
+    const A* __restrict__ lse_row, const A* __restrict__ lse_col,
+    const A* __restrict__ w_ptr, i64 w_stride, A w_mul,
+    T* __restrict__ g, i64 ldg, A* __restrict__ dscale_part)
+{
+    __shared__ A sh[64];
+    const int r = blockIdx.x;
+    const int i = row0 + r;
+    const A scale = cpn_exp(scale_log[0]);
+    const A* row = s + (i64)r * ld;
+    T* grow = g + (i64)r * ldg;
+    const A lr = lse_row[i];
+    const A wi = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1));
+    A acc = A(0);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const A wj = w_mul * (w_ptr ? w_ptr[(i64)j * w_stride] : A(1));
+        const A L = scale * row[j];
+        A G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lse_col[j]);
+        if (j == i) G -= wi + wj;
+        G *= A(0.5);
+        acc += G * L;
+        grow[j] = Conv<T>::store(scale * G);
+    }
+    acc = block_sum(acc, sh);
+    if (threadIdx.x == 0) dscale_part[i] = acc;
+}
+
+// Per-query ("paired") negatives: E[i, m] = q_i . neg[i, m]; one warp per (i, m).
+template <typename T, typename A>
+__device__ __forceinline__ void paired_dots_body(
+    const T* __restrict__ q, i64 ldq, const T* __restrict__ neg, int n, int m, int d,
+    A* __restrict__ e)
+{
+    const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (w >= (i64)n * m) return;
+    const i64 i = w / m;
+    const T* qi = q + i * ldq;
+    const T* nk = neg + w * d;
+    A acc = A(0);
+    for (int k = lane; k < d; k += 32) acc += Conv<T>::load(qi[k]) * Conv<T>::load(nk[k]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) e[w] = acc;
+}
+
+// Gradient of the paired negatives; block per query i, threads over d:
+//   dq_acc[i, :] += sum_m g2[i, m] * neg[i, m, :]   (sequential over m)
+//   dneg[i, m, :] = g2[i, m] * q[i, :]
+template <typename T, typename A>
+__device__ __forceinline__ void paired_grad_body(
+    const T* __restrict__ q, i64 ldq, const T* __restrict__ neg, const A* __restrict__ g2,
+    int m, int d, A* __restrict__ dq_acc, A* __restrict__ dneg)
+{
+    const i64 i = blockIdx.x;
+    const A* gi = g2 + i * m;
+    for (int k = threadIdx.x; k < d; k += blockDim.x) {
+        const A qk = Conv<T>::load(q[i * ldq + k]);
+        A acc = dq_acc[i * d + k];
+        for (int t = 0; t < m; ++t) {
+            const i64 off = (i * m + t) * d + k;
+            acc += gi[t] * Conv<T>::load(neg[off]);
+            dneg[off] = gi[t] * qk;
+        }
+        dq_acc[i * d + k] = acc;
+    }
+}
+
+// Row L2 normalisation, as F.normalize: xn = x / max(||x||, eps). Block per row.
+template <typename T, typename A>
+__device__ __forceinline__ void l2norm_fwd_body(
+    const T* __restrict__ x, i64 ldx, int d, A eps, T* __restrict__ xn, A* __restrict__ norm)
+{
+    __shared__ A sh[64];
+    const i64 i = blockIdx.x;
+    const T* xi = x + i * ldx;
+    A ss = A(0);
+    for (int k = threadIdx.x; k < d; k += blockDim.x) { A v = Conv<T>::load(xi[k]); ss += v * v; }
+    ss = block_sum(ss, sh);
+    const A nrm = cpn_sqrt(ss);
+    const A inv = A(1) / (nrm > eps ? nrm : eps);
+    for (int k = threadIdx.x; k < d; k += blockDim.x)
+        xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) * inv);
+    if (threadIdx.x == 0) norm[i] = nrm;
+}
+
+// Backward of the normalisation, times the upstream scalar *g (when g != null):
+//   dx = g * (dxn - [||x|| > eps] xn (xn . dxn)) / max(||x||, eps)
+template <typename T, typename A>
+__device__ __forceinline__ void l2norm_bwd_body(
+    const T* __restrict__ x, i64 ldx, int d, A eps, const A* __restrict__ norm,
+    const A* __restrict__ dxn, const A* __restrict__ g, T* __restrict__ dx)
+{
+    __shared__ A sh[64];
+    const i64 i = blockIdx.x;
+    const T* xi = x + i * ldx;
+    const A nrm = norm[i];
+    const A den = nrm > eps ? nrm : eps;
+    const A inv = A(1) / den;
+    A dot = A(0);
+    for (int k = threadIdx.x; k < d; k += blockDim.x)
+        dot += Conv<T>::load(xi[k]) * inv * dxn[i * d + k];
+    dot = block_sum(dot, sh);
+    const A proj = nrm > eps ? dot : A(0);
+    const A gs = g ? g[0] : A(1);
+    for (int k = threadIdx.x; k < d; k += blockDim.x) {
+        const A xn = Conv<T>::load(xi[k]) * inv;
+        dx[i * d + k] = Conv<T>::store(gs * (dxn[i * d + k] - xn * proj) * inv);
+    }
+}
+
+// out[k] = T(acc[k] * (g ? *g : 1)): the final cast of an accumulated gradient.
+template <typename T, typename A>
+__device__ __forceinline__ void scale_cast_body(
+    const A* __restrict__ acc, i64 n, const A* __restrict__ g, T* __restrict__ out)
+{
+    const A gs = g ? g[0] : A(1);
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (i64)gridDim.x * blockDim.x)
+        out[k] = Conv<T>::store(acc[k] * gs);
+}
+
+// ---- extern "C" wrappers, one per dtype --------------------------------------------
+#define CPN_DEFINE(SUF, T, A)                                                              \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_row_softmax_##SUF(             \
+    const A* s1, i64 ld1, int n1, const A* s2, i64 ld2, int n2,                            \
+    int row0, int exclude_diag, int pos_shift, int pos_mod,                                \
+    const A* scale_log, A scale_mul, const A* lse_in, A* lse_out, A* loss_out,             \
+    T* g1, i64 ldg1, A* g2, i64 ldg2, const A* w_ptr, i64 w_stride, A w_mul) {             \
+    row_softmax_body<T, A>(s1, ld1, n1, s2, ld2, n2, row0, exclude_diag, pos_shift,        \
+        pos_mod, scale_log, scale_mul, lse_in, lse_out, loss_out, g1, ldg1, g2, ldg2,      \
+        w_ptr, w_stride, w_mul); }                                                         \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_##SUF(               \
+    const A* s, i64 ld, int n, int row0, const A* scale_log, const A* lse_row,             \
+    const A* lse_col, const A* w_ptr, i64 w_stride, A w_mul, T* g, i64 ldg,                \
+    A* dscale_part) {                                                                      \
+    clip_grad_body<T, A>(s, ld, n, row0, scale_log, lse_row, lse_col, w_ptr, w_stride,     \
+        w_mul, g, ldg, dscale_part); }                                                     \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_paired_dots_##SUF(             \
+    const T* q, i64 ldq, const T* neg, int n, int m, int d, A* e) {                        \
+    paired_dots_body<T, A>(q, ldq, neg, n, m, d, e); }                                     \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_paired_grad_##SUF(             \
+    const T* q, i64 ldq, const T* neg, const A* g2, int m, int d, A* dq_acc, A* dneg) {    \
+    paired_grad_body<T, A>(q, ldq, neg, g2, m, d, dq_acc, dneg); }                         \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_fwd_##SUF(              \
+    const T* x, i64 ldx, int d, A eps, T* xn, A* norm) {                                   \
+    l2norm_fwd_body<T, A>(x, ldx, d, eps, xn, norm); }                                     \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_bwd_##SUF(              \
+    const T* x, i64 ldx, int d, A eps, const A* norm, const A* dxn, const A* g, T* dx) {   \
+    l2norm_bwd_body<T, A>(x, ldx, d, eps, norm, dxn, g, dx); }                             \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_scale_cast_##SUF(              \
+    const A* acc, i64 n, const A* g, T* out) {                                             \
+    scale_cast_body<T, A>(acc, n, g, out); }
+
+#define CPN_DEFINE_ACC(SUF, A)                                                             \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_partial_##SUF(             \
+    const A* s, i64 ld, int rows, int n, int chunk, const A* scale_log, A scale_mul,       \
+    A* part_m, A* part_s) {                                                                \
+    col_partial_body<A>(s, ld, rows, n, chunk, scale_log, scale_mul, part_m, part_s); }    \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_combine_##SUF(             \
+    const A* part_m, const A* part_s, int chunks, int n, A* col_m, A* col_s,               \
+    int finalize, const A* lse_row, const A* row_loss, A* lse_col, A* pair_loss) {         \
+    col_combine_body<A>(part_m, part_s, chunks, n, col_m, col_s, finalize, lse_row,        \
+        row_loss, lse_col, pair_loss); }
+
+CPN_DEFINE(f16, f16_t, float)
+CPN_DEFINE(bf16, bf16_t, float)
+CPN_DEFINE(f32, float, float)
+CPN_DEFINE(f64, double, double)
+CPN_DEFINE_ACC(f16, float)
+CPN_DEFINE_ACC(bf16, float)
+CPN_DEFINE_ACC(f32, float)
+CPN_DEFINE_ACC(f64, double)
