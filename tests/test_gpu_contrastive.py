@@ -1,0 +1,372 @@
+"""GPU tests of the InfoNCE family (CuPy path): run with ``pytest -m gpu`` on a CUDA machine.
+
+Oracles: the float64 NumPy reference (``cupynce.reference``) for small and medium sizes; for
+large N (where N x N float64 does not fit on the host) an independent blocked float64
+computation in torch on the GPU, written here.
+
+Tolerances (relative, ‖x − ref‖ / ‖ref‖):
+
+=========  =====================  ===================================================
+dtype      loss                   gradients
+=========  =====================  ===================================================
+float64    1e-12                  1e-12
+float32    1e-5                   1e-4        (the seeds' figures)
+f16/bf16   ≤ 2 × the error of the same-dtype PyTorch computation against float64
+           (floor 1e-4 so an exactly-rounded torch loss cannot make the bound zero)
+=========  =====================  ===================================================
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import cupynce
+from cupynce import reference as R
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16]
+TOL = {np.dtype(np.float64): (1e-12, 1e-12), np.dtype(np.float32): (1e-5, 1e-4)}
+
+
+def rel(x, ref) -> float:
+    x = np.asarray(cp.asnumpy(x) if isinstance(x, cp.ndarray) else x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    den = np.linalg.norm(ref.ravel())
+    num = np.linalg.norm((x - ref).ravel())
+    if not np.isfinite(num):
+        return float("inf")
+    return float(num / den) if den > 0 else float(num)
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+# ---- the same-dtype PyTorch computation, for half-precision tolerances --------------------
+def torch_same_dtype(op, dtype, inputs, kw, grad_loss):
+    """Loss and grads of the plain PyTorch formula computed in ``dtype`` on the GPU."""
+    torch = _torch()
+    if torch is None:
+        return None
+    import torch.nn.functional as F
+
+    tdt = {np.dtype(np.float16): torch.float16, BF16: torch.bfloat16}[dtype]
+    ts = [None if x is None else torch.tensor(np.asarray(x, np.float32), device="cuda",
+                                              dtype=tdt, requires_grad=True) for x in inputs]
+    norm = (lambda v: F.normalize(v, dim=-1)) if kw.get("normalize") else (lambda v: v)
+    red = kw["reduction"]
+    if op == "nt_xent":
+        z = norm(ts[0])
+        n = z.shape[0]
+        s = (z @ z.T).masked_fill(torch.eye(n, dtype=torch.bool, device="cuda"), float("-inf"))
+        labels = (torch.arange(n, device="cuda") + n // 2) % n
+        loss = F.cross_entropy(s / kw["t"], labels, reduction=red)
+    elif op == "info_nce":
+        q, k = norm(ts[0]), norm(ts[1])
+        cols = [q @ k.T]
+        if ts[2] is not None:
+            ng = norm(ts[2])
+            cols.append(q @ ng.T if ng.ndim == 2 else torch.einsum("nd,nmd->nm", q, ng))
+        logits = torch.cat(cols, 1) / kw["t"]
+        loss = F.cross_entropy(logits, torch.arange(q.shape[0], device="cuda"), reduction=red)
+    else:
+        a, b = norm(ts[0]), norm(ts[1])
+        ls = ts[2]
+        logits = ls.exp() * a @ b.T
+        lab = torch.arange(a.shape[0], device="cuda")
+        loss = (F.cross_entropy(logits, lab, reduction=red)
+                + F.cross_entropy(logits.T, lab, reduction=red)) / 2
+    g = torch.tensor(np.asarray(grad_loss, np.float32), device="cuda", dtype=loss.dtype)
+    loss.backward(g)
+    return loss.detach().float().cpu().numpy(), [None if t is None else t.grad.float().cpu().numpy()
+                                                for t in ts]
+
+
+def tolerances(op, dtype, inputs, kw, grad_loss, ref_loss, ref_grads):
+    if dtype in TOL:
+        lt, gt = TOL[dtype]
+        return lt, [gt] * len(ref_grads)
+    got = torch_same_dtype(op, dtype, inputs, kw, grad_loss)
+    if got is None:  # no torch on the GPU machine: fixed, documented fallbacks
+        f = 2e-2 if dtype == BF16 else 3e-3
+        return f, [f] * len(ref_grads)
+    tl, tg = got
+    floor = 1e-4
+    lt = max(2 * rel(tl, ref_loss), floor)
+    gts = [None if r is None else max(2 * rel(t, r), floor) for t, r in zip(tg, ref_grads)]
+    return lt, gts
+
+
+# ---- runners: cupynce on CuPy arrays ------------------------------------------------------
+def run_cupynce(op, inputs, kw, grad_loss, workspace_bytes=None):
+    dev = [None if x is None else cp.asarray(x) for x in inputs]
+    g = cp.asarray(grad_loss) if isinstance(grad_loss, np.ndarray) else grad_loss
+    if op == "nt_xent":
+        loss, ctx = cupynce.nt_xent_forward(dev[0], kw["t"], reduction=kw["reduction"],
+                                            normalize=kw["normalize"],
+                                            workspace_bytes=workspace_bytes)
+        return loss, [cupynce.nt_xent_backward(ctx, g)]
+    if op == "info_nce":
+        loss, ctx = cupynce.info_nce_forward(dev[0], dev[1], kw["t"], negatives=dev[2],
+                                             reduction=kw["reduction"], normalize=kw["normalize"],
+                                             workspace_bytes=workspace_bytes)
+        return loss, list(cupynce.info_nce_backward(ctx, g))
+    loss, ctx = cupynce.clip_loss_forward(dev[0], dev[1], dev[2], reduction=kw["reduction"],
+                                          normalize=kw["normalize"],
+                                          workspace_bytes=workspace_bytes)
+    return loss, list(cupynce.clip_loss_backward(ctx, g))
+
+
+def run_reference(op, inputs, kw, grad_loss):
+    if op == "nt_xent":
+        loss, grads = R.nt_xent(inputs[0], kw["t"], reduction=kw["reduction"],
+                                normalize=kw["normalize"], grad_loss=grad_loss)
+    elif op == "info_nce":
+        loss, grads = R.info_nce(inputs[0], inputs[1], kw["t"], negatives=inputs[2],
+                                 reduction=kw["reduction"], normalize=kw["normalize"],
+                                 grad_loss=grad_loss)
+    else:
+        loss, grads = R.clip_loss(inputs[0], inputs[1], inputs[2], reduction=kw["reduction"],
+                                  normalize=kw["normalize"], grad_loss=grad_loss)
+    return loss, list(grads)
+
+
+def make_case(op, dtype, n, d, rng, neg=None, m=3, t=0.3, scale=1.0):
+    def arr(*shape):
+        return (rng.standard_normal(shape) * scale).astype(dtype)
+
+    if op == "nt_xent":
+        return [arr(n, d)]
+    if op == "info_nce":
+        negs = None if neg is None else (arr(m, d) if neg == "shared" else arr(n, m, d))
+        return [arr(n, d), arr(n, d), negs]
+    # logit_scale in the inputs' dtype, as a 0-d array (CLIP's nn.Parameter)
+    return [arr(n, d), arr(n, d), np.asarray(np.log(1 / 0.07) if t == 0.3 else np.log(1 / t), dtype)]
+
+
+def check(op, dtype, inputs, kw, grad_loss, workspace_bytes=None):
+    loss, grads = run_cupynce(op, inputs, kw, grad_loss, workspace_bytes)
+    ref_loss, ref_grads = run_reference(op, inputs, kw, grad_loss)
+    lt, gts = tolerances(op, dtype, inputs, kw, grad_loss, ref_loss, ref_grads)
+    want_loss = np.float64 if dtype == np.float64 else np.float32
+    assert loss.dtype == want_loss, f"{op}: loss dtype {loss.dtype}, expected {want_loss}"
+    e = rel(loss, ref_loss)
+    assert e <= lt, f"{op} {dtype} {kw}: loss rel err {e:.3e} > tol {lt:.3e}"
+    names = {"nt_xent": ["dz"], "info_nce": ["dquery", "dkey", "dnegatives"],
+             "clip_loss": ["da", "db", "dlogit_scale"]}[op]
+    for name, g, r, tol, x in zip(names, grads, ref_grads, gts, inputs):
+        if r is None:
+            assert g is None
+            continue
+        assert g.dtype == x.dtype, f"{op}: {name} dtype {g.dtype}, expected {x.dtype}"
+        assert g.shape == np.shape(x), f"{op}: {name} shape {g.shape} != {np.shape(x)}"
+        e = rel(g, r)
+        assert e <= tol, f"{op} {dtype} {kw}: {name} rel err {e:.3e} > tol {tol:.3e}"
+
+
+def grad_for(reduction, n, rng):
+    return rng.standard_normal(n) if reduction == "none" else 0.7
+
+
+CASES = [("nt_xent", None), ("info_nce", None), ("info_nce", "shared"), ("info_nce", "paired"),
+         ("clip_loss", None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("op,neg", CASES)
+def test_every_op_dtype_reduction(op, neg, dtype, reduction, normalize):
+    rng = np.random.default_rng(zlib.crc32(f"{op}{neg}{dtype}{reduction}{normalize}".encode()))
+    n = 42 if op == "nt_xent" else 41
+    inputs = make_case(op, dtype, n, 33, rng, neg)
+    kw = dict(t=0.3 if op != "info_nce" else 0.2, reduction=reduction, normalize=normalize)
+    check(op, dtype, inputs, kw, grad_for(reduction, n, rng))
+
+
+@pytest.mark.parametrize("n,d", [(2, 1), (6, 3), (130, 33), (258, 129), (1000, 257),
+                                 (2050, 1023), (512, 4096), (4098, 100)])
+@pytest.mark.parametrize("op,neg", CASES)
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+def test_sizes(op, neg, n, d, dtype):
+    rng = np.random.default_rng(n * 7 + d)
+    inputs = make_case(op, dtype, n, d, rng, neg, scale=1 / np.sqrt(d))
+    kw = dict(t=0.1, reduction="mean", normalize=True)
+    check(op, dtype, inputs, kw, 1.0)
+
+
+@pytest.mark.parametrize("t", [0.01, 0.05, 0.2, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op,neg", [("nt_xent", None), ("info_nce", "shared"), ("clip_loss", None)])
+def test_temperatures(op, neg, dtype, t):
+    rng = np.random.default_rng(int(t * 1000))
+    n = 64
+    inputs = make_case(op, dtype, n, 48, rng, neg, t=t)
+    kw = dict(t=t, reduction="mean", normalize=True)
+    loss, grads = run_cupynce(op, inputs, kw, 1.0)
+    assert np.isfinite(float(loss)), f"{op} {dtype} t={t}: non-finite loss"
+    for g in grads:
+        if g is not None:
+            assert bool(cp.isfinite(g.astype(cp.float32)).all()), f"{op} {dtype} t={t}: non-finite grad"
+    check(op, dtype, inputs, kw, 1.0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16, np.dtype(np.float64)], ids=str)
+@pytest.mark.parametrize("op,neg", CASES)
+def test_blocked_equals_unblocked(op, neg, dtype, reduction):
+    rng = np.random.default_rng(5)
+    n = 300
+    inputs = make_case(op, dtype, n, 40, rng, neg)
+    kw = dict(t=0.2, reduction=reduction, normalize=False)
+    g = grad_for(reduction, n, rng)
+    full = run_cupynce(op, inputs, kw, g)
+    # 37 rows of score block (fp32 + half gradient): uneven last block
+    blocked = run_cupynce(op, inputs, kw, g, workspace_bytes=37 * (n + 8) * 6)
+    tol = 1e-12 if dtype == np.float64 else (1e-6 if dtype == np.float32 else 1e-2)
+    assert rel(blocked[0], cp.asnumpy(full[0])) <= tol
+    for a, b in zip(blocked[1], full[1]):
+        if a is not None:
+            assert rel(a, cp.asnumpy(b)) <= tol
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+@pytest.mark.parametrize("op,neg", CASES)
+def test_deterministic(op, neg, dtype, reduction):
+    rng = np.random.default_rng(11)
+    n = 1030
+    inputs = make_case(op, dtype, n, 96, rng, neg)
+    kw = dict(t=0.1, reduction=reduction, normalize=True)
+    g = grad_for(reduction, n, rng)
+    runs = [run_cupynce(op, inputs, kw, g, workspace_bytes=200 * n * 6) for _ in range(3)]
+    for other in runs[1:]:
+        assert cp.asnumpy(other[0]).tobytes() == cp.asnumpy(runs[0][0]).tobytes()
+        for a, b in zip(other[1], runs[0][1]):
+            if a is not None:
+                assert cp.asnumpy(a).tobytes() == cp.asnumpy(b).tobytes(), "gradients differ bitwise"
+
+
+@pytest.mark.parametrize("op,neg", CASES)
+def test_non_default_stream(op, neg):
+    rng = np.random.default_rng(3)
+    n = 520
+    inputs = make_case(op, np.float32, n, 64, rng, neg)
+    kw = dict(t=0.1, reduction="mean", normalize=True)
+    expect = run_cupynce(op, inputs, kw, 0.5)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        got = run_cupynce(op, inputs, kw, 0.5)
+        # queue more work on the stream so a launch on the wrong stream would race
+        cp.cuda.Device().synchronize()
+    stream.synchronize()
+    assert cp.asnumpy(got[0]).tobytes() == cp.asnumpy(expect[0]).tobytes()
+    for a, b in zip(got[1], expect[1]):
+        if a is not None:
+            assert cp.asnumpy(a).tobytes() == cp.asnumpy(b).tobytes()
+
+
+@pytest.mark.parametrize("op,neg", CASES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_inf_give_nan_loss(op, neg, bad):
+    rng = np.random.default_rng(1)
+    inputs = make_case(op, np.float32, 16, 8, rng, neg)
+    inputs[0][3, 2] = bad
+    kw = dict(t=0.1, reduction="mean", normalize=False)
+    loss, _ = run_cupynce(op, inputs, kw, 1.0)
+    assert np.isnan(float(loss)), f"{op}: input with {bad} gave loss {float(loss)}"
+
+
+def test_views_are_accepted():
+    rng = np.random.default_rng(2)
+    base = cp.asarray(rng.standard_normal((64, 50)).astype(np.float32))
+    view = base[:, 3:35]  # row stride 50, unit column stride: no copy needed
+    trans = cp.asfortranarray(view)  # column-major: copied once
+    ref = cupynce.nt_xent(cp.ascontiguousarray(view), 0.2)
+    assert rel(cupynce.nt_xent(view, 0.2), cp.asnumpy(ref)) <= 1e-6
+    assert rel(cupynce.nt_xent(trans, 0.2), cp.asnumpy(ref)) <= 1e-6
+    loss, ctx = cupynce.clip_loss_forward(view, trans, 2.0)
+    da, db, _ = cupynce.clip_loss_backward(ctx)
+    assert da.shape == view.shape and db.shape == view.shape
+
+
+# ---- large N: an independent blocked float64 torch computation on the GPU ---------------
+def torch_blocked_nt_xent_f64(z, t, block=4096):
+    import torch
+
+    z = z.double()
+    n = z.shape[0]
+    lse = torch.empty(n, dtype=torch.float64, device=z.device)
+    pos = torch.empty(n, dtype=torch.float64, device=z.device)
+    for r0 in range(0, n, block):
+        r1 = min(n, r0 + block)
+        s = z[r0:r1] @ z.T / t
+        idx = torch.arange(r0, r1, device=z.device)
+        s[idx - r0, idx] = float("-inf")
+        lse[r0:r1] = torch.logsumexp(s, 1)
+        pos[r0:r1] = s[idx - r0, (idx + n // 2) % n]
+    dz = torch.zeros_like(z)
+    for r0 in range(0, n, block):
+        r1 = min(n, r0 + block)
+        s = z[r0:r1] @ z.T / t
+        idx = torch.arange(r0, r1, device=z.device)
+        s[idx - r0, idx] = float("-inf")
+        p = torch.exp(s - lse[r0:r1, None])
+        p[idx - r0, (idx + n // 2) % n] -= 1
+        p /= n * t
+        dz[r0:r1] += p @ z
+        dz += p.T @ z[r0:r1]
+    return (lse - pos).mean(), dz
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,d,dtype", [(65536, 64, np.dtype(np.float32)), (65536, 64, BF16),
+                                       (16384, 1, np.dtype(np.float32)),
+                                       (8192, 4096, np.dtype(np.float32))], ids=str)
+def test_large_nt_xent(n, d, dtype):
+    torch = _torch()
+    if torch is None:
+        pytest.skip("the large-N oracle needs torch on the GPU")
+    rng = cp.random.default_rng(0)
+    z = rng.standard_normal((n, d), dtype=cp.float32)
+    z /= cp.linalg.norm(z, axis=1, keepdims=True)
+    z = z.astype(dtype)
+    loss, ctx = cupynce.nt_xent_forward(z, 0.1)
+    dz = cupynce.nt_xent_backward(ctx)
+    zt = torch.from_dlpack(z.astype(cp.float32))
+    rl, rdz = torch_blocked_nt_xent_f64(zt, 0.1)
+    lt, gt = (1e-5, 1e-4) if dtype == np.float32 else (2e-3, 2e-2)
+    assert rel(loss, rl.item()) <= lt
+    assert rel(dz, rdz.cpu().numpy()) <= gt
+
+
+@pytest.mark.slow
+def test_large_clip_memory_bounded():
+    """N = 65536: the N x N matrix (16 GiB in fp32) is never allocated whole."""
+    n, d = 65536, 64
+    rng = cp.random.default_rng(0)
+    a = rng.standard_normal((n, d), dtype=cp.float32).astype(BF16)
+    b = rng.standard_normal((n, d), dtype=cp.float32).astype(BF16)
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.used_bytes()
+    ws = 256 << 20
+    loss, ctx = cupynce.clip_loss_forward(a, b, cp.asarray(2.0, cp.float32), normalize=True,
+                                          workspace_bytes=ws)
+    grads = cupynce.clip_loss_backward(ctx)
+    cp.cuda.Device().synchronize()
+    assert np.isfinite(float(loss))
+    assert all(bool(cp.isfinite(g.astype(cp.float32)).all()) for g in grads)
+    # total pool size is an upper bound of the peak: workspace + O(N*D) buffers
+    assert pool.total_bytes() - before <= ws + 64 * n * d * 4
