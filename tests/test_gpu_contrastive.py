@@ -11,8 +11,10 @@ dtype      loss                   gradients
 =========  =====================  ===================================================
 float64    1e-12                  1e-12
 float32    1e-5                   1e-4        (the seeds' figures)
-f16/bf16   ≤ 2 × the error of the same-dtype PyTorch computation against float64
-           (floor 1e-4 so an exactly-rounded torch loss cannot make the bound zero)
+f16/bf16   ≤ 2 × the error of the same-dtype PyTorch computation against float64,
+           with a floor of machine epsilon / 8 (bf16 9.8e-4, f16 1.2e-4): a scalar loss
+           that torch happens to round almost exactly must not make the bound ~0;
+           dlogit_scale (a scalar sum that cancels) has a floor of 4 × epsilon
 =========  =====================  ===================================================
 """
 from __future__ import annotations
@@ -102,9 +104,11 @@ def tolerances(op, dtype, inputs, kw, grad_loss, ref_loss, ref_grads):
         f = 2e-2 if dtype == BF16 else 3e-3
         return f, [f] * len(ref_grads)
     tl, tg = got
-    floor = 1e-4
+    floor = float(ml_dtypes.finfo(dtype).eps) / 8
     lt = max(2 * rel(tl, ref_loss), floor)
     gts = [None if r is None else max(2 * rel(t, r), floor) for t, r in zip(tg, ref_grads)]
+    if op == "clip_loss":  # dlogit_scale = sum_ij G_ij L_ij cancels: one noisy scalar
+        gts[2] = max(gts[2], 4 * float(ml_dtypes.finfo(dtype).eps))
     return lt, gts
 
 
@@ -234,7 +238,8 @@ def test_blocked_equals_unblocked(op, neg, dtype, reduction):
     full = run_cupynce(op, inputs, kw, g)
     # 37 rows of score block (fp32 + half gradient): uneven last block
     blocked = run_cupynce(op, inputs, kw, g, workspace_bytes=37 * (n + 8) * 6)
-    tol = 1e-12 if dtype == np.float64 else (1e-6 if dtype == np.float32 else 1e-2)
+    # different block shapes let cuBLAS pick other kernels: agreement to fp32 rounding
+    tol = 1e-12 if dtype == np.float64 else (1e-5 if dtype == np.float32 else 1e-2)
     assert rel(blocked[0], cp.asnumpy(full[0])) <= tol
     for a, b in zip(blocked[1], full[1]):
         if a is not None:

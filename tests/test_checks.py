@@ -1,0 +1,394 @@
+"""Argument validation: every bad input raises before any work is done.
+
+Each test checks the exception type and, with a regex, that the message names the op, the
+argument and the offending value (or shape / dtype / type).  The ``no_work`` fixture replaces
+every compute primitive (NumPy and GPU paths) with a function that fails the test, so a check
+that fires only after computation started is caught.
+"""
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupynce
+from cupynce import contrastive
+
+N, D = 4, 3
+OPS = ["nt_xent", "info_nce", "clip_loss"]
+
+
+def _arr(shape, dtype=np.float32, seed=0):
+    x = np.random.default_rng(seed).standard_normal(shape)
+    if np.dtype(dtype).kind == "c":
+        return (x + 1j * x).astype(dtype)
+    return x.astype(dtype)
+
+
+def _default_args(op):
+    if op == "nt_xent":
+        return dict(z=_arr((N, D)), temperature=0.5)
+    if op == "info_nce":
+        return dict(query=_arr((N, D)), key=_arr((N, D), seed=1), temperature=0.1)
+    return dict(a=_arr((N, D)), b=_arr((N, D), seed=1), logit_scale=2.0)
+
+
+_FUNCS = {
+    "nt_xent": (cupynce.nt_xent, cupynce.nt_xent_forward, cupynce.nt_xent_backward),
+    "info_nce": (cupynce.info_nce, cupynce.info_nce_forward, cupynce.info_nce_backward),
+    "clip_loss": (cupynce.clip_loss, cupynce.clip_loss_forward, cupynce.clip_loss_backward),
+}
+
+
+def call(op, entry="forward", **overrides):
+    """Call ``op`` (entry "loss" or "forward") with valid defaults, some replaced."""
+    kw = _default_args(op)
+    kw.update(overrides)
+    fn = _FUNCS[op][0 if entry == "loss" else 1]
+    if op == "nt_xent":
+        return fn(kw.pop("z"), kw.pop("temperature"), **kw)
+    if op == "info_nce":
+        return fn(kw.pop("query"), kw.pop("key"), kw.pop("temperature"), **kw)
+    return fn(kw.pop("a"), kw.pop("b"), kw.pop("logit_scale"), **kw)
+
+
+def _first(op):
+    return {"nt_xent": "z", "info_nce": "query", "clip_loss": "a"}[op]
+
+
+def _shape_re(shape):
+    return re.escape(str(tuple(shape)))
+
+
+def no_work_again(monkeypatch):
+    """Replace every compute primitive with one that fails the test (after a real forward)."""
+    def boom(*args, **kwargs):
+        raise AssertionError("work started before the argument checks finished")
+
+    for name in ("_np_rows", "_np_clip", "_np_normalize", "_np_finish", "_np_grad_scale",
+                 "_gpu_rows", "_gpu_clip", "_gpu_normalize", "_gpu_finish", "_gpu_grad_scale",
+                 "_gpu_scalar", "launch"):
+        monkeypatch.setattr(contrastive, name, boom)
+    monkeypatch.setattr(contrastive._blas, "gemm", boom)
+    monkeypatch.setattr(contrastive._blas, "plan_rows", boom)
+    return boom
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """While active, any compute primitive fails the test."""
+    return no_work_again(monkeypatch)
+
+
+def test_valid_defaults_run():
+    """Sanity: the defaults used below are valid (so each test varies exactly one thing)."""
+    for op in OPS:
+        for entry in ("loss", "forward"):
+            call(op, entry)
+
+
+def test_no_work_fixture_is_effective(no_work):
+    with pytest.raises(AssertionError, match="work started"):
+        call("nt_xent")
+
+
+# ----------------------------------------------------------------------------------------
+# shapes
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry", ["loss", "forward"])
+@pytest.mark.parametrize("shape", [(N,), (N, D, 1), ()])
+@pytest.mark.parametrize("arg", ["z", "query", "key", "a", "b"])
+def test_wrong_rank(arg, shape, entry, no_work):
+    op = {"z": "nt_xent", "query": "info_nce", "key": "info_nce", "a": "clip_loss",
+          "b": "clip_loss"}[arg]
+    x = _arr(shape)
+    with pytest.raises(ValueError, match=rf"{op}: {arg} must be 2-D.*got shape {_shape_re(shape)}"):
+        call(op, entry, **{arg: x})
+
+
+def test_info_nce_feature_sizes_differ(no_work):
+    with pytest.raises(ValueError, match=r"info_nce: feature sizes D must match.*query: 3, key: 5"):
+        call("info_nce", key=_arr((N, 5)))
+
+
+def test_info_nce_row_counts_differ(no_work):
+    with pytest.raises(ValueError, match=r"info_nce: query and key.*\(4, 3\) and \(6, 3\)"):
+        call("info_nce", key=_arr((6, D)))
+
+
+@pytest.mark.parametrize("b_shape", [(N, 5), (N + 2, D)])
+def test_clip_shapes_differ(b_shape, no_work):
+    with pytest.raises(ValueError, match=rf"clip_loss: a and b must have the same shape.*"
+                                         rf"\(4, 3\) and {_shape_re(b_shape)}"):
+        call("clip_loss", b=_arr(b_shape))
+
+
+@pytest.mark.parametrize("n", [3, 5, 7])
+def test_nt_xent_odd_rows(n, no_work):
+    with pytest.raises(ValueError, match=rf"nt_xent: z must have an even number of rows.*"
+                                         rf"\({n}, 3\)"):
+        call("nt_xent", z=_arr((n, D)))
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+@pytest.mark.parametrize("arg", ["z", "query", "key", "a", "b"])
+def test_fewer_than_two_rows(arg, rows, no_work):
+    op = {"z": "nt_xent", "query": "info_nce", "key": "info_nce", "a": "clip_loss",
+          "b": "clip_loss"}[arg]
+    kw = {arg: _arr((rows, D))}
+    if arg in ("query", "a"):  # keep the partner the same shape: only the row count is bad
+        kw[{"query": "key", "a": "b"}[arg]] = _arr((rows, D))
+    with pytest.raises(ValueError, match=rf"{op}: {arg} needs at least 2 rows.*\({rows}, 3\)"):
+        call(op, **kw)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_zero_features(op, no_work):
+    arg = _first(op)
+    kw = {arg: _arr((N, 0))}
+    if op != "nt_xent":
+        kw[{"query": "key", "a": "b"}[arg]] = _arr((N, 0))
+    with pytest.raises(ValueError, match=rf"{op}: {arg} needs D >= 1.*\(4, 0\)"):
+        call(op, **kw)
+
+
+@pytest.mark.parametrize("shape,pattern", [
+    ((2, D + 1), r"negatives must have D=3.*\(2, 4\)"),
+    ((N, 2, D + 1), r"negatives must have D=3.*\(4, 2, 4\)"),
+    ((N + 1, 2, D), r"per-query negatives must be \(N=4, M, D\).*\(5, 2, 3\)"),
+    ((N, 2, D, 1), r"negatives must be \(M, D\) shared or \(N, M, D\).*\(4, 2, 3, 1\)"),
+    ((D,), r"negatives must be \(M, D\) shared or \(N, M, D\).*\(3,\)"),
+])
+def test_negatives_wrong_shape(shape, pattern, no_work):
+    with pytest.raises(ValueError, match="info_nce: " + pattern):
+        call("info_nce", negatives=_arr(shape))
+
+
+# ----------------------------------------------------------------------------------------
+# dtypes and array kinds
+# ----------------------------------------------------------------------------------------
+BAD_DTYPES = ["int32", "int64", "bool", "complex64", "complex128", "uint8"]
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES)
+@pytest.mark.parametrize("arg", ["z", "query", "key", "negatives", "a", "b"])
+def test_non_float_dtype(arg, dtype, no_work):
+    op = {"z": "nt_xent", "query": "info_nce", "key": "info_nce", "negatives": "info_nce",
+          "a": "clip_loss", "b": "clip_loss"}[arg]
+    shape = (2, D) if arg == "negatives" else (N, D)
+    x = _arr(shape, dtype)
+    with pytest.raises(TypeError, match=rf"{op}: {arg} has dtype {dtype}; expected a floating"):
+        call(op, **{arg: x})
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES)
+def test_logit_scale_non_float_array(dtype, no_work):
+    with pytest.raises(TypeError, match=rf"clip_loss: logit_scale has dtype {dtype}"):
+        call("clip_loss", logit_scale=_arr((), dtype))
+
+
+@pytest.mark.parametrize("pair", [("float32", "float64"), ("float16", "bfloat16"),
+                                  ("bfloat16", "float32")])
+@pytest.mark.parametrize("op,args", [("info_nce", ("query", "key")), ("clip_loss", ("a", "b"))])
+def test_mixed_float_dtypes(op, args, pair, no_work):
+    dt = [np.dtype(ml_dtypes.bfloat16) if p == "bfloat16" else np.dtype(p) for p in pair]
+    kw = {args[0]: _arr((N, D), dt[0]), args[1]: _arr((N, D), dt[1])}
+    with pytest.raises(TypeError, match=rf"{op}: inputs must share one dtype.*"
+                                        rf"{args[0]}: {pair[0]}, {args[1]}: {pair[1]}"):
+        call(op, **kw)
+
+
+def test_negatives_dtype_differs(no_work):
+    with pytest.raises(TypeError, match=r"info_nce: inputs must share one dtype.*"
+                                        r"negatives: float64"):
+        call("info_nce", negatives=_arr((2, D), np.float64))
+
+
+@pytest.mark.parametrize("arg", ["z", "query", "key", "negatives", "a", "b"])
+def test_torch_tensor_rejected(arg, no_work):
+    torch = pytest.importorskip("torch")
+    op = {"z": "nt_xent", "query": "info_nce", "key": "info_nce", "negatives": "info_nce",
+          "a": "clip_loss", "b": "clip_loss"}[arg]
+    x = torch.zeros((2, D) if arg == "negatives" else (N, D))
+    with pytest.raises(TypeError, match=rf"{op}: {arg} must be a numpy.ndarray or cupy.ndarray, "
+                                        rf"got torch\.Tensor.*cupynce\.torch"):
+        call(op, **{arg: x})
+
+
+@pytest.mark.parametrize("value,tname", [([[1.0, 2.0]] * 4, "builtins.list"),
+                                         (3.0, "builtins.float"), (None, "builtins.NoneType")])
+def test_non_array_rejected(value, tname, no_work):
+    with pytest.raises(TypeError, match=rf"nt_xent: z must be a numpy.ndarray.*got {tname}"):
+        call("nt_xent", z=value)
+
+
+def _cupy_with_device():
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver / no device
+        pytest.skip(f"NumPy/CuPy mixing needs a real cupy.ndarray, and no GPU is usable "
+                    f"(getDeviceCount raised {type(exc).__name__}: {exc})")
+    if count == 0:
+        pytest.skip("NumPy/CuPy mixing needs a real cupy.ndarray; getDeviceCount() == 0")
+    return cupy
+
+
+@pytest.mark.parametrize("op,args", [("info_nce", ("query", "key")),
+                                     ("info_nce", ("query", "negatives")),
+                                     ("clip_loss", ("a", "b"))])
+def test_numpy_cupy_mixed(op, args, no_work):
+    cupy = _cupy_with_device()
+    shape = (2, D) if args[1] == "negatives" else (N, D)
+    kw = {args[1]: cupy.asarray(_arr(shape))}
+    with pytest.raises(TypeError, match=rf"{op}: cannot mix NumPy and CuPy arrays.*"
+                                        rf"{args[0]} is numpy.*{args[1]} is cupy"):
+        call(op, **kw)
+
+
+def test_clip_logit_scale_cupy_with_numpy_inputs(no_work):
+    cupy = _cupy_with_device()
+    with pytest.raises(TypeError, match=r"clip_loss: logit_scale is a cupy array but the "
+                                        r"inputs are numpy arrays"):
+        call("clip_loss", logit_scale=cupy.asarray(2.0))
+
+
+# ----------------------------------------------------------------------------------------
+# scalars: temperature, logit_scale, reduction, workspace_bytes
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry", ["loss", "forward"])
+@pytest.mark.parametrize("value,shown", [(0.0, r"0\.0"), (0, r"0"), (-1.0, r"-1\.0"),
+                                         (-1e-30, r"-1e-30"), (float("nan"), r"nan"),
+                                         (float("inf"), r"inf"), (float("-inf"), r"-inf"),
+                                         (np.float32(-2), r"-2")])
+@pytest.mark.parametrize("op", ["nt_xent", "info_nce"])
+def test_temperature_bad_value(op, value, shown, entry, no_work):
+    with pytest.raises(ValueError, match=rf"{op}: temperature must be finite and > 0, got .*{shown}"):
+        call(op, entry, temperature=value)
+
+
+@pytest.mark.parametrize("value,tname", [("0.5", "str"), (None, "NoneType"), (True, "bool"),
+                                         (np.array(0.5), "ndarray"), (1 + 0j, "complex"),
+                                         ([0.5], "list")])
+@pytest.mark.parametrize("op", ["nt_xent", "info_nce"])
+def test_temperature_not_a_number(op, value, tname, no_work):
+    with pytest.raises(TypeError, match=rf"{op}: temperature must be a real number, got {tname}"):
+        call(op, temperature=value)
+
+
+@pytest.mark.parametrize("value", [0.5, 1, np.float32(0.5), np.float64(2.0), np.int64(1)])
+def test_temperature_accepted_forms(value):
+    call("nt_xent", temperature=value)
+    call("info_nce", temperature=value)
+
+
+@pytest.mark.parametrize("shape", [(2,), (1, 1), (3, 1), (0,)])
+def test_logit_scale_not_scalar(shape, no_work):
+    with pytest.raises(ValueError, match=rf"clip_loss: logit_scale must be a scalar.*"
+                                         rf"got shape {_shape_re(shape)}"):
+        call("clip_loss", logit_scale=np.full(shape, 2.0, np.float32))
+
+
+@pytest.mark.parametrize("value,shown", [(float("nan"), "nan"), (float("inf"), "inf"),
+                                         (float("-inf"), "-inf")])
+def test_logit_scale_not_finite(value, shown, no_work):
+    with pytest.raises(ValueError, match=rf"clip_loss: logit_scale must be finite, got {shown}"):
+        call("clip_loss", logit_scale=value)
+
+
+@pytest.mark.parametrize("value,tname", [(True, "bool"), ("2.0", "str"), (None, "NoneType"),
+                                         ([2.0], "list")])
+def test_logit_scale_wrong_type(value, tname, no_work):
+    with pytest.raises(TypeError, match=rf"clip_loss: logit_scale must be a real scalar.*{tname}"):
+        call("clip_loss", logit_scale=value)
+
+
+@pytest.mark.parametrize("entry", ["loss", "forward"])
+@pytest.mark.parametrize("value", ["avg", "MEAN", None, "", 1])
+@pytest.mark.parametrize("op", OPS)
+def test_bad_reduction(op, value, entry, no_work):
+    with pytest.raises(ValueError, match=rf"{op}: reduction must be one of .*got {re.escape(repr(value))}"):
+        call(op, entry, reduction=value)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, False, "1024", 1024.0])
+@pytest.mark.parametrize("op", OPS)
+def test_bad_workspace_bytes(op, value, no_work):
+    with pytest.raises(ValueError, match=rf"{op}: workspace_bytes must be a positive int or None, "
+                                         rf"got {re.escape(repr(value))}"):
+        call(op, workspace_bytes=value)
+
+
+@pytest.mark.parametrize("value", [None, 1, 1 << 20, np.int64(4096)])
+def test_workspace_bytes_accepted_forms(value):
+    for op in OPS:
+        call(op, workspace_bytes=value)
+
+
+# ----------------------------------------------------------------------------------------
+# backward: grad_loss and ctx
+# ----------------------------------------------------------------------------------------
+def _ctx(op, reduction):
+    return call(op, reduction=reduction)[1]
+
+
+@pytest.mark.parametrize("value,got", [(np.ones(2), r"\(2,\)"), (np.ones((1, 1)), r"\(1, 1\)"),
+                                       (np.ones(N), r"\(4,\)"), ("x", "str"),
+                                       (None, "NoneType"), (True, "bool"), ([1.0], "list")])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("op", OPS)
+def test_grad_loss_not_scalar(op, reduction, value, got, monkeypatch):
+    ctx = _ctx(op, reduction)
+    no_work_again(monkeypatch)
+    with pytest.raises(ValueError, match=rf"{op}_backward: with reduction='{reduction}', "
+                                         rf"grad_loss must be a scalar.*got {got}"):
+        _FUNCS[op][2](ctx, value)
+
+
+@pytest.mark.parametrize("value,got", [(np.ones(N + 1), r"\(5,\)"), (np.ones(N - 1), r"\(3,\)"),
+                                       (np.ones((N, 1)), r"\(4, 1\)"),
+                                       (np.ones((1, N)), r"\(1, 4\)"),
+                                       ([1.0] * N, "list"), (None, "NoneType"),
+                                       (True, "bool")])
+@pytest.mark.parametrize("op", OPS)
+def test_grad_loss_wrong_shape_none(op, value, got, monkeypatch):
+    ctx = _ctx(op, "none")
+    no_work_again(monkeypatch)
+    with pytest.raises(ValueError, match=rf"{op}_backward: with reduction='none', grad_loss must "
+                                         rf"be a real or a numpy array of shape \(4,\), got {got}"):
+        _FUNCS[op][2](ctx, value)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "bool", "complex64"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("op", OPS)
+def test_grad_loss_non_float(op, reduction, dtype, monkeypatch):
+    ctx = _ctx(op, reduction)
+    no_work_again(monkeypatch)
+    g = _arr((N,) if reduction == "none" else (), dtype)
+    with pytest.raises(TypeError, match=rf"{op}_backward: grad_loss has dtype {dtype}"):
+        _FUNCS[op][2](ctx, g)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_backward_wrong_ctx(op, monkeypatch):
+    other = "info_nce" if op != "info_nce" else "nt_xent"
+    ctx = _ctx(other, "mean")
+    no_work_again(monkeypatch)
+    with pytest.raises(TypeError, match=rf"{op}_backward: ctx must be the Context returned by "
+                                        rf"{op}_forward"):
+        _FUNCS[op][2](ctx, 1.0)
+    with pytest.raises(TypeError, match=rf"{op}_backward: ctx must be the Context"):
+        _FUNCS[op][2]({"not": "a ctx"}, 1.0)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_backward_without_saved_state(op, monkeypatch):
+    ctx = call(op, requires_grad=False)[1]
+    no_work_again(monkeypatch)
+    with pytest.raises(ValueError, match=rf"{op}_backward: the forward ran with "
+                                         rf"requires_grad=False"):
+        _FUNCS[op][2](ctx, 1.0)
+
