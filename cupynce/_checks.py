@@ -31,15 +31,18 @@ def is_cupy_array(x: Any) -> bool:
     return cp is not None and isinstance(x, cp.ndarray)
 
 
-def array_module(op: str, **arrays: Any) -> ModuleType:
-    """``numpy`` or ``cupy`` for the given (non-None) arrays; ``TypeError`` on anything else.
+def array_module(op: str, optional: Sequence[str] = (), **arrays: Any) -> ModuleType:
+    """``numpy`` or ``cupy`` for the given arrays; ``TypeError`` on anything else.
 
-    All arrays must be NumPy arrays, or all CuPy arrays on one device.
+    All arrays must be NumPy arrays, or all CuPy arrays on one device.  Only the names in
+    ``optional`` may be None.
     """
     kinds = {}
     for name, x in arrays.items():
         if x is None:
-            continue
+            if name in optional:
+                continue
+            raise TypeError(f"{op}: {name} is required (a numpy.ndarray or cupy.ndarray), got None")
         if isinstance(x, np.ndarray):
             kinds[name] = "numpy"
         elif is_cupy_array(x):
@@ -153,6 +156,8 @@ def check_grad_loss(op: str, grad_loss: Any, reduction: str, n: int, xp: ModuleT
     Scalars may be Python numbers or 0-d arrays of the same kind as the inputs (left on the
     device: never read back).
     """
+    if isinstance(grad_loss, np.generic) and grad_loss.dtype in SUPPORTED_DTYPES:
+        grad_loss = float(grad_loss)  # NumPy / ml_dtypes scalars (bfloat16 is no numbers.Real)
     if reduction == "none":
         if isinstance(grad_loss, numbers.Real) and not isinstance(grad_loss, bool):
             return float(grad_loss)  # broadcast: every row's loss gets the same weight

@@ -57,10 +57,11 @@ class Context:
 # small helpers shared by the GPU and NumPy paths
 # ----------------------------------------------------------------------------------------
 def _reduce(xp, per_row, reduction: str):
+    """The reduced loss: a 0-d array (mean/sum) or the per-row array (none)."""
     if reduction == "mean":
-        return per_row.mean()
+        return xp.asarray(per_row.mean())
     if reduction == "sum":
-        return per_row.sum()
+        return xp.asarray(per_row.sum())
     return per_row
 
 
@@ -221,10 +222,13 @@ def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift
 # The row-softmax engine: NumPy (same algorithm, vectorised per row block)
 # ----------------------------------------------------------------------------------------
 def _np_lse(x):
+    """Row log-sum-exp; NaN for a row holding NaN or +inf (as the CUDA kernel)."""
     m = np.max(x, axis=1, keepdims=True)
+    bad = ~np.isfinite(m) & (m > 0) | np.isnan(m)
     m = np.where(np.isfinite(m), m, 0)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return (np.log(np.sum(np.exp(x - m), axis=1, keepdims=True)) + m)[:, 0]
+        out = (np.log(np.sum(np.exp(x - m), axis=1, keepdims=True)) + m)[:, 0]
+    return np.where(bad[:, 0], np.nan, out).astype(x.dtype, copy=False)
 
 
 def _np_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
@@ -468,7 +472,8 @@ def _require(ctx, op):
 # ----------------------------------------------------------------------------------------
 def _check_info_nce(query, key, negatives, temperature, reduction, workspace_bytes):
     op = "info_nce"
-    xp = _checks.array_module(op, query=query, key=key, negatives=negatives)
+    xp = _checks.array_module(op, query=query, key=key, negatives=negatives,
+                              optional=("negatives",))
     _checks.check_matrix(op, "query", query, min_rows=2)
     _checks.check_matrix(op, "key", key, min_rows=2)
     if key.shape[0] != query.shape[0]:

@@ -23,8 +23,8 @@ OPS = ["nt_xent", "info_nce", "clip_loss"]
 def _arr(shape, dtype=np.float32, seed=0):
     x = np.random.default_rng(seed).standard_normal(shape)
     if np.dtype(dtype).kind == "c":
-        return (x + 1j * x).astype(dtype)
-    return x.astype(dtype)
+        x = x + 1j * x
+    return np.asarray(x).astype(dtype)  # a 0-d ndarray, never a NumPy scalar
 
 
 def _default_args(op):
@@ -218,10 +218,21 @@ def test_torch_tensor_rejected(arg, no_work):
 
 
 @pytest.mark.parametrize("value,tname", [([[1.0, 2.0]] * 4, "builtins.list"),
-                                         (3.0, "builtins.float"), (None, "builtins.NoneType")])
-def test_non_array_rejected(value, tname, no_work):
-    with pytest.raises(TypeError, match=rf"nt_xent: z must be a numpy.ndarray.*got {tname}"):
-        call("nt_xent", z=value)
+                                         (3.0, "builtins.float")])
+@pytest.mark.parametrize("arg", ["z", "query", "key", "a", "b"])
+def test_non_array_rejected(arg, value, tname, no_work):
+    op = {"z": "nt_xent", "query": "info_nce", "key": "info_nce", "a": "clip_loss",
+          "b": "clip_loss"}[arg]
+    with pytest.raises(TypeError, match=rf"{op}: {arg} must be a numpy.ndarray.*got {tname}"):
+        call(op, **{arg: value})
+
+
+@pytest.mark.parametrize("arg", ["z", "query", "key", "a", "b"])
+def test_required_input_none_rejected(arg, no_work):
+    op = {"z": "nt_xent", "query": "info_nce", "key": "info_nce", "a": "clip_loss",
+          "b": "clip_loss"}[arg]
+    with pytest.raises(TypeError, match=rf"{op}: {arg} is required.*got None"):
+        call(op, **{arg: None})
 
 
 def _cupy_with_device():
@@ -370,6 +381,17 @@ def test_grad_loss_non_float(op, reduction, dtype, monkeypatch):
     g = _arr((N,) if reduction == "none" else (), dtype)
     with pytest.raises(TypeError, match=rf"{op}_backward: grad_loss has dtype {dtype}"):
         _FUNCS[op][2](ctx, g)
+
+
+def test_grad_loss_bfloat16_numpy_scalar_accepted():
+    ctx = _ctx("nt_xent", "mean")
+    cupynce.nt_xent_backward(ctx, ml_dtypes.bfloat16(0.5))
+
+
+@pytest.mark.parametrize("g", [np.float16(0.5), np.float32(0.5), np.float64(0.5), 1])
+def test_grad_loss_numpy_scalars_accepted(g):
+    for op in OPS:
+        _FUNCS[op][2](_ctx(op, "mean"), g)
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -1,0 +1,607 @@
+"""Forward + backward time and peak memory of cupynce's NT-Xent and CLIP losses vs PyTorch.
+
+Run from the repository root::
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_contrastive.py --out results.json
+    python benchmarks/bench_contrastive.py --quick            # N in {8192, 16384}, D = 512
+
+What is measured, per case (op, N, D, dtype), ordered from small to large
+--------------------------------------------------------------------------
+Inputs: rows drawn from a normal distribution and L2-normalised in float32, then cast, so the
+logits are realistic (positive pairs have cosine ~0.71: view 2 = normalise(view 1 + noise)).
+NT-Xent: z (N, D) = two stacked views, temperature 0.1.  CLIP: a, b (N, D) paired rows,
+``logit_scale = log(1 / 0.07)`` (a learnable scalar: its gradient is computed too).
+Every implementation computes the mean loss *and* the gradients of all inputs:
+
+``cupynce``
+    ``loss, ctx = op_forward(...); grads = op_backward(ctx, 1.0)`` on CuPy arrays.
+``eager``
+    The usual PyTorch formula, on torch tensors holding the same bits (DLPack, cloned):
+    NT-Xent ``F.cross_entropy((z @ z.T).masked_fill(eye, -inf) / t, labels)`` (the eye mask
+    is built inside, as in typical code); CLIP (open_clip)
+    ``logits = logit_scale.exp() * a @ b.T; (CE(logits, l) + CE(logits.T, l)) / 2``;
+    gradients with ``torch.autograd.grad``.  Skipped ("would not fit", not run) when
+    ``4 x N^2 x itemsize`` exceeds the free device memory; an OOM when tried is a result.
+``compile``
+    ``torch.compile(reference, dynamic=False)``, compiled once per case (after
+    ``torch._dynamo.reset()``); compile + first backward run outside the timing (reported as
+    ``compile_s``).  Skipped when ``2 x N^2 x itemsize`` exceeds free memory.  A compile
+    failure or OOM is recorded, not fatal.
+``cublas_products``
+    The cuBLAS products cupynce issues, alone, with ``cupynce._blas.gemm`` on preallocated
+    buffers and the same row blocks (``_blas.plan_rows``): NT-Xent 3 products of N x N x D
+    (S = Z Zᵀ into float32, G Z, Gᵀ Z; G in the input dtype, float32 accumulation); CLIP 4
+    (S in the loss pass, S again in the gradient pass, G B, Gᵀ A), or 3 when the whole
+    N x N float32 block fits in the workspace.  The ratio cupynce / cuBLAS shows what the
+    fused softmax kernels and Python add on top of the unavoidable products.
+
+Timing and memory come from ``benchmarks/harness.py`` (CUDA events on the current stream
+after a device synchronisation; median and p20/p80 of ``repeat`` runs after ``warmup``; peak
+memory above the inputs from CuPy's pool hook + torch's allocator statistics).  Repeats:
+10 (warm-up 3) for N < 32768, 5 (warm-up 2) above.  Correctness is checked once per case:
+the relative difference of cupynce's loss and gradients against eager's (else compile's).
+
+Output: a markdown table per op, and every measurement plus ``device_info()`` as JSON
+(``--out``, rewritten after every case so that an interrupted run keeps what it measured).
+torch is imported only when an eager/compile column is asked for; without it the script
+still measures cupynce and the cuBLAS products.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # `python benchmarks/bench_contrastive.py` from anywhere
+    sys.path.insert(0, str(_ROOT))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.harness import (  # noqa: E402
+    device_header, device_info, fmt_mib, fmt_ms, fmt_ratio, free_device_bytes, free_memory,
+    is_oom, markdown_table, run_case,
+)
+
+OPS = ("nt_xent", "clip_loss")
+IMPLS = ("cupynce", "cublas", "eager", "compile")
+SIZES = (8192, 16384, 32768, 65536)
+BIG_SIZE = 131072
+QUICK_SIZES = (8192, 16384)
+DIMS = (256, 512)
+QUICK_DIMS = (512,)
+DTYPES = ("bfloat16", "float32")
+ALL_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+NT_XENT_TEMPERATURE = 0.1
+CLIP_LOGIT_SCALE = math.log(1 / 0.07)
+#: Noise norm added to view 1 to make view 2 (both unit rows): positive cosine ~ 1/sqrt(2).
+POSITIVE_NOISE = 1.0
+SEED = 0
+
+#: Eager PyTorch keeps about this many N x N matrices (input dtype) alive at its peak
+#: (scores, masked/scaled copies, log-softmax, their gradients); NT-Xent float32 measures ~3.5.
+EAGER_NN_COPIES = 4
+#: torch.compile fuses the element-wise work: the product and one gradient block remain.
+COMPILE_NN_COPIES = 2
+#: At and above this N: fewer repeats (the products alone take ~0.1-1 s in float32).
+BIG_N = 32768
+
+
+# ------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------
+def np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        from cupynce._kernels import BFLOAT16
+
+        if BFLOAT16 is None:
+            raise SystemExit("bfloat16 needs ml_dtypes")
+        return BFLOAT16
+    return np.dtype(name)
+
+
+def _unit_rows(x):
+    import cupy as cp
+
+    return x / cp.linalg.norm(x, axis=1, keepdims=True)
+
+
+def _cast(x, dtype: np.dtype):
+    """``x.astype(dtype)`` on the device; through the host if CuPy cannot cast to it."""
+    import cupy as cp
+
+    try:
+        return x.astype(dtype)
+    except Exception:  # noqa: BLE001 - e.g. a CuPy without bfloat16 kernels
+        return cp.asarray(cp.asnumpy(x).astype(dtype))
+
+
+def make_inputs(op: str, n: int, d: int, dtype: np.dtype, seed: int = SEED) -> Tuple[Any, ...]:
+    """CuPy inputs: unit rows (normalised in float32, then cast); see the module notes."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(seed)
+    rows = n // 2 if op == "nt_xent" else n
+    x = _unit_rows(rng.standard_normal((rows, d), dtype=cp.float32))
+    noise = rng.standard_normal((rows, d), dtype=cp.float32) * np.float32(POSITIVE_NOISE / math.sqrt(d))
+    y = _unit_rows(x + noise)
+    del noise
+    if op == "nt_xent":
+        return (_cast(cp.concatenate([x, y]), dtype),)
+    ls = cp.asarray(np.float32(CLIP_LOGIT_SCALE))  # 0-d, learnable in both implementations
+    return _cast(x, dtype), _cast(y, dtype), ls
+
+
+# ------------------------------------------------------------------------------------------
+# implementations
+# ------------------------------------------------------------------------------------------
+def cupynce_step(op: str, inputs: Tuple[Any, ...]) -> Callable[[], Any]:
+    import cupynce
+
+    if op == "nt_xent":
+        (z,) = inputs
+
+        def step():
+            loss, ctx = cupynce.nt_xent_forward(z, NT_XENT_TEMPERATURE)
+            return loss, (cupynce.nt_xent_backward(ctx, 1.0),)
+    else:
+        a, b, ls = inputs
+
+        def step():
+            loss, ctx = cupynce.clip_loss_forward(a, b, ls)
+            return loss, cupynce.clip_loss_backward(ctx, 1.0)
+    return step
+
+
+def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[], None], Dict[str, Any]]:
+    """The products cupynce issues for (op, inputs), on the same row blocks; and their plan."""
+    import cupy as cp
+    from cupynce import _blas
+    from cupynce._kernels import acc_dtype
+
+    x = inputs[0]
+    n, d = x.shape
+    t = x.dtype
+    acc = acc_dtype(t)
+    split_g = t != acc  # half inputs: cupynce stores the gradient block separately, in T
+    row_bytes = n * acc.itemsize + (n * t.itemsize if split_g else 0)
+    rb = _blas.plan_rows(op, n, row_bytes, None)
+    rng = cp.random.default_rng(SEED + 1)
+    s_buf = rng.standard_normal((rb, n), dtype=cp.float32).astype(acc, copy=False)
+    s_buf *= acc.type(1.0 / n)  # softmax-like magnitudes (data barely matters to cuBLAS)
+    g_buf = s_buf.astype(t) if split_g else s_buf
+    blocks = [(r0, min(n, r0 + rb)) for r0 in range(0, n, rb)]
+    gemm = _blas.gemm
+    if op == "nt_xent":
+        z = x
+        dz = cp.zeros((n, d), acc)
+        count = 3
+
+        def step() -> None:
+            for r0, r1 in blocks:
+                rows = r1 - r0
+                gemm(z[r0:r1], z, s_buf[:rows], trans_b=True)            # S = Z_r Zᵀ
+                gemm(g_buf[:rows], z, dz[r0:r1], beta=1.0)               # G Z
+                gemm(g_buf[:rows], z[r0:r1], dz, trans_a=True, beta=1.0)  # Gᵀ Z_r
+    else:
+        a, b = inputs[0], inputs[1]
+        da = cp.empty((n, d), acc)
+        db = cp.zeros((n, d), acc)
+        reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
+        count = 3 if reuse else 4
+
+        def step() -> None:
+            for r0, r1 in blocks:                                         # loss pass
+                gemm(a[r0:r1], b, s_buf[:r1 - r0], trans_b=True)
+            for r0, r1 in blocks:                                         # gradient pass
+                rows = r1 - r0
+                if not reuse:
+                    gemm(a[r0:r1], b, s_buf[:rows], trans_b=True)
+                gemm(g_buf[:rows], b, da[r0:r1])                         # G B
+                gemm(g_buf[:rows], a[r0:r1], db, trans_a=True, beta=1.0)  # Gᵀ A_r
+    buf_bytes = s_buf.nbytes + (g_buf.nbytes if split_g else 0)
+    plan = {"products": count, "rows_per_block": int(rb), "blocks": len(blocks),
+            "buffer_bytes": int(buf_bytes), "flop": float(2.0 * n * n * d * count)}
+    return step, plan
+
+
+def load_torch():
+    """torch with CUDA on CuPy's current device, or None (with the reason printed)."""
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"torch not importable ({exc}); measuring cupynce and cuBLAS only", flush=True)
+        return None
+    if not torch.cuda.is_available():
+        print("torch has no CUDA; measuring cupynce and cuBLAS only", flush=True)
+        return None
+    import cupy as cp
+
+    torch.cuda.set_device(cp.cuda.Device().id)
+    torch.zeros(1, device="cuda")  # initialise torch's CUDA state (the harness reads its stats)
+    return torch
+
+
+def torch_reference(torch, op: str) -> Callable[..., Any]:
+    F = torch.nn.functional
+
+    if op == "nt_xent":
+        def nt_xent_ref(z):
+            n = z.shape[0]
+            eye = torch.eye(n, dtype=torch.bool, device=z.device)
+            labels = (torch.arange(n, device=z.device) + n // 2) % n
+            s = (z @ z.T).masked_fill(eye, float("-inf")) / NT_XENT_TEMPERATURE
+            return F.cross_entropy(s, labels)
+        return nt_xent_ref
+
+    def clip_ref(a, b, logit_scale):
+        labels = torch.arange(a.shape[0], device=a.device)
+        logits = logit_scale.exp() * a @ b.T
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    return clip_ref
+
+
+def to_torch(torch, x):
+    """A torch view of a CuPy array, bit for bit (bfloat16 goes through an int16 view)."""
+    from cupynce._kernels import BFLOAT16
+
+    if BFLOAT16 is not None and x.dtype == BFLOAT16:
+        import cupy as cp
+
+        return torch.from_dlpack(x.view(cp.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(x)
+
+
+def torch_step(torch, fn: Callable[..., Any], leaves: Sequence[Any]) -> Callable[[], Any]:
+    def step():
+        loss = fn(*leaves)
+        grads = torch.autograd.grad(loss, leaves)
+        return loss, grads
+    return step
+
+
+# ------------------------------------------------------------------------------------------
+# one case
+# ------------------------------------------------------------------------------------------
+def schedule(n: int, args: argparse.Namespace) -> Tuple[int, int]:
+    warmup, repeat = (2, 5) if n >= BIG_N else (3, 10)
+    if args.warmup is not None:
+        warmup = args.warmup
+    if args.repeat is not None:
+        repeat = args.repeat
+    return warmup, repeat
+
+
+def _guard(stage: str, thunk: Callable[[], Any]) -> Tuple[Any, Optional[Dict[str, Any]]]:
+    """``(thunk(), None)``, or ``(None, failure record)`` on any exception (OOM recognised)."""
+    try:
+        return thunk(), None
+    except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on
+        if is_oom(exc):
+            fail = {"oom": True, "stage": stage, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        else:
+            fail = {"error": f"{type(exc).__name__}: {exc}"[:300], "stage": stage}
+            traceback.print_exc(limit=4)
+    free_memory()
+    return None, fail
+
+
+def _rel(torch, x, ref) -> float:
+    x = x.detach().double()
+    ref = ref.detach().double()
+    num = float(torch.linalg.vector_norm(x - ref))
+    den = float(torch.linalg.vector_norm(ref))
+    return num / den if den > 0 else num
+
+
+def check_against(torch, ours: Any, theirs: Any) -> Dict[str, Any]:
+    """Relative differences of cupynce's (loss, grads) against a torch (loss, grads)."""
+    (c_loss, c_grads), (t_loss, t_grads) = ours, theirs
+    lc, lt = float(c_loss), float(t_loss)
+    grads = [_rel(torch, to_torch(torch, cg), tg) for cg, tg in zip(c_grads, t_grads)]
+    return {"cupynce_loss": lc, "torch_loss": lt,
+            "loss_rel_diff": abs(lc - lt) / abs(lt) if lt else abs(lc - lt),
+            "grad_rel_diff": grads, "grad_rel_diff_max": max(grads) if grads else None}
+
+
+def _line(name: str, r: Dict[str, Any]) -> str:
+    if r.get("oom"):
+        return f"  {name:<16} OOM ({r.get('stage')})"
+    if "skipped" in r:
+        return f"  {name:<16} skipped: {r['skipped']}"
+    if "error" in r:
+        return f"  {name:<16} error ({r.get('stage')}): {r['error']}"
+    s = (f"  {name:<16} {fmt_ms(r['median_ms']):>8} ms  (p20-p80 {fmt_ms(r['p20_ms'])}-"
+         f"{fmt_ms(r['p80_ms'])}, min {fmt_ms(r['min_ms'])}, wall {fmt_ms(r['wall_median_ms'])})")
+    if "peak_extra_bytes" in r:
+        s += f"  peak +{fmt_mib(r['peak_extra_bytes'])} MiB"
+    if "products" in r:
+        tflops = r["flop"] / (r["median_ms"] * 1e-3) / 1e12
+        r["tflops"] = tflops
+        s += (f"  [{r['products']} products x {r['blocks']} block(s) of {r['rows_per_block']} rows,"
+              f" {tflops:.0f} TFLOP/s]")
+    if "compile_s" in r:
+        s += f"  (compile {r['compile_s']:.1f} s)"
+    return s
+
+
+def run_one(op: str, n: int, d: int, dtype_name: str, args: argparse.Namespace,
+            torch) -> Dict[str, Any]:
+    dtype = np_dtype(dtype_name)
+    warmup, repeat = schedule(n, args)
+    rec: Dict[str, Any] = {"op": op, "n": n, "d": d, "dtype": dtype_name,
+                           "warmup": warmup, "repeat": repeat, "check": {}}
+    inputs, fail = _guard("inputs", lambda: make_inputs(op, n, d, dtype))
+    if fail is not None:
+        rec["inputs_error"] = fail
+        print(f"  inputs: {fail}", flush=True)
+        return rec
+
+    ours = None
+    if "cupynce" in args.impls:
+        r = run_case(cupynce_step(op, inputs), warmup=warmup, repeat=repeat, keep_result=True,
+                     catch_errors=True)
+        ours = r.pop("result", None)
+        rec["cupynce"] = r
+        print(_line("cupynce", r), flush=True)
+
+    if "cublas" in args.impls:
+        built, fail = _guard("buffers", lambda: cublas_products_step(op, inputs))
+        if fail is not None:
+            r = fail
+        else:
+            step, plan = built
+            r = run_case(step, warmup=warmup, repeat=repeat, memory=False, catch_errors=True)
+            r.update(plan)
+            del step, built
+        rec["cublas_products"] = r
+        print(_line("cuBLAS products", r), flush=True)
+        free_memory()
+
+    if torch is not None and ("eager" in args.impls or "compile" in args.impls):
+        itemsize = np.dtype(dtype).itemsize
+        ref = torch_reference(torch, op)
+        leaves = [to_torch(torch, x).clone().requires_grad_(True) for x in inputs]
+        for impl, copies in (("eager", EAGER_NN_COPIES), ("compile", COMPILE_NN_COPIES)):
+            if impl not in args.impls:
+                continue
+            free_memory()
+            est = copies * n * n * itemsize
+            free = free_device_bytes()
+            if est > free:
+                r = {"skipped": "would not fit", "estimate_bytes": est, "free_bytes": free}
+                rec[impl] = r
+                print(_line(impl, r) + f" (~{est / 2**30:.0f} GiB > {free / 2**30:.0f} GiB free)",
+                      flush=True)
+                continue
+            compile_s = None
+            if impl == "eager":
+                step = torch_step(torch, ref, leaves)
+            else:
+                torch._dynamo.reset()
+                compiled = torch.compile(ref, dynamic=False)
+                step = torch_step(torch, compiled, leaves)
+
+                def warm() -> float:
+                    t0 = time.perf_counter()
+                    out = step()  # compiles the forward, then (at autograd.grad) the backward
+                    del out
+                    torch.cuda.synchronize()
+                    return time.perf_counter() - t0
+                compile_s, fail = _guard("compile", warm)
+                if fail is not None:
+                    rec[impl] = fail
+                    print(_line(impl, fail), flush=True)
+                    del step, compiled
+                    continue
+            r = run_case(step, warmup=warmup, repeat=repeat, keep_result=True, catch_errors=True)
+            theirs = r.pop("result", None)
+            if compile_s is not None:
+                r["compile_s"] = compile_s
+            r["estimate_bytes"] = est
+            rec[impl] = r
+            print(_line(impl, r), flush=True)
+            if ours is not None and theirs is not None:
+                chk, fail = _guard("check", lambda: check_against(torch, ours, theirs))
+                rec["check"][impl] = chk if fail is None else fail
+                if fail is None:
+                    print(f"  check vs {impl:<8} loss {chk['cupynce_loss']:.6g} vs "
+                          f"{chk['torch_loss']:.6g}: rel diff {chk['loss_rel_diff']:.2e}; "
+                          f"grads max rel diff {chk['grad_rel_diff_max']:.2e}", flush=True)
+            del theirs, step
+            if impl == "compile":
+                del compiled
+                torch._dynamo.reset()
+            free_memory()
+        del leaves
+    if ours is not None and not rec["check"]:
+        rec["check"]["cupynce_loss"] = float(ours[0])
+        print(f"  check: cupynce loss {rec['check']['cupynce_loss']:.6g} (no torch reference)",
+              flush=True)
+    del ours, inputs
+    return rec
+
+
+# ------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------
+def _ok(r: Optional[Dict[str, Any]]) -> bool:
+    return bool(r) and "median_ms" in r
+
+
+def _ms_cell(r: Optional[Dict[str, Any]]) -> str:
+    if not r:
+        return "—"
+    if r.get("oom"):
+        return "OOM"
+    if "skipped" in r:
+        return "skip"
+    if "error" in r:
+        return "error"
+    return fmt_ms(r.get("median_ms"))
+
+
+def _mib_cell(r: Optional[Dict[str, Any]]) -> str:
+    if not _ok(r):
+        return _ms_cell(r) if r and (r.get("oom") or "skipped" in r) else "—"
+    return fmt_mib(r.get("peak_extra_bytes"))
+
+
+def _ratio(num: Optional[Dict[str, Any]], den: Optional[Dict[str, Any]]) -> Optional[float]:
+    if _ok(num) and _ok(den) and den["median_ms"] > 0:
+        return num["median_ms"] / den["median_ms"]
+    return None
+
+
+HEADERS = ["N", "D", "dtype", "cupynce ms", "cupynce MiB", "eager ms", "eager MiB",
+           "compile ms", "compile MiB", "cuBLAS-products ms", "#prod", "speedup vs eager",
+           "speedup vs compile", "cupynce/cuBLAS"]
+
+
+def table(results: Sequence[Dict[str, Any]], op: str) -> str:
+    rows = []
+    for rec in sorted((r for r in results if r["op"] == op),
+                      key=lambda r: (r["n"], r["d"], r["dtype"])):
+        c, e, k, b = (rec.get(x) for x in ("cupynce", "eager", "compile", "cublas_products"))
+        rows.append([
+            rec["n"], rec["d"], rec["dtype"], _ms_cell(c), _mib_cell(c), _ms_cell(e),
+            _mib_cell(e), _ms_cell(k), _mib_cell(k), _ms_cell(b),
+            b.get("products", "—") if b else "—",
+            fmt_ratio(_ratio(e, c)), fmt_ratio(_ratio(k, c)), fmt_ratio(_ratio(c, b)),
+        ])
+    return markdown_table(HEADERS, rows, align="rrl" + "r" * (len(HEADERS) - 3))
+
+
+LEGEND = (
+    "ms: median forward+backward time (CUDA events); MiB: peak device memory above the inputs "
+    "during one forward+backward. speedup = reference ms / cupynce ms. cupynce/cuBLAS = cupynce "
+    "ms / time of the cuBLAS products cupynce issues, run alone (#prod of N×N×D each). "
+    "OOM: ran out of device memory; skip: not run, estimated N×N footprint exceeds free memory; "
+    "error: see the JSON.")
+
+
+def save(path: Optional[str], doc: Dict[str, Any]) -> None:
+    if not path:
+        return
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    os.replace(tmp, p)
+
+
+# ------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------
+def _csv(kind: type, allowed: Optional[Sequence[Any]] = None) -> Callable[[str], List[Any]]:
+    def parse(text: str) -> List[Any]:
+        vals = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        if not vals:
+            raise argparse.ArgumentTypeError("empty list")
+        if allowed is not None:
+            bad = [v for v in vals if v not in allowed]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {list(allowed)}")
+        return vals
+    return parse
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description="cupynce NT-Xent / CLIP forward+backward vs PyTorch eager, torch.compile "
+                    "and the bare cuBLAS products (time and peak memory).")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"N in {list(QUICK_SIZES)}, D in {list(QUICK_DIMS)} only")
+    ap.add_argument("--big", action="store_true", help=f"also N = {BIG_SIZE}")
+    ap.add_argument("--ops", type=_csv(str, OPS), default=list(OPS))
+    ap.add_argument("--dtypes", type=_csv(str, ALL_DTYPES), default=list(DTYPES))
+    ap.add_argument("--sizes", type=_csv(int), default=None, help="N values (rows), even")
+    ap.add_argument("--dims", type=_csv(int), default=None, help="D values")
+    ap.add_argument("--impls", type=_csv(str, IMPLS), default=list(IMPLS),
+                    help="which columns to measure (drop 'compile' to save compile time)")
+    ap.add_argument("--warmup", type=int, default=None, help="override the warm-up count")
+    ap.add_argument("--repeat", type=int, default=None, help="override the repeat count")
+    ap.add_argument("--out", default="bench_contrastive.json",
+                    help="JSON file for all measurements ('' for none)")
+    args = ap.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = list(QUICK_SIZES if args.quick else SIZES)
+        if args.big:
+            args.sizes.append(BIG_SIZE)
+    if args.dims is None:
+        args.dims = list(QUICK_DIMS if args.quick else DIMS)
+    if any(n < 2 or n % 2 for n in args.sizes):
+        ap.error("--sizes: every N must be even and >= 2 (NT-Xent stacks two views)")
+    if any(d < 1 for d in args.dims):
+        ap.error("--dims: every D must be >= 1")
+    if args.repeat is not None and args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    return args
+
+
+def cases(args: argparse.Namespace) -> List[Tuple[str, int, int, str]]:
+    """Small to large: N, then D, then dtype (as listed), then op."""
+    return [(op, n, d, dt) for n in sorted(set(args.sizes)) for d in sorted(set(args.dims))
+            for dt in args.dtypes for op in args.ops]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):
+        pass
+    import cupy  # noqa: F401 - fail early and clearly without CuPy
+    import cupynce  # noqa: F401
+
+    torch = load_torch() if {"eager", "compile"} & set(args.impls) else None
+    info = device_info()
+    print(f"# cupynce contrastive benchmark\n\n{device_header(info)}\n", flush=True)
+    todo = cases(args)
+    doc: Dict[str, Any] = {
+        "benchmark": "contrastive", "device": info,
+        "settings": {"ops": args.ops, "dtypes": args.dtypes, "sizes": args.sizes,
+                     "dims": args.dims, "impls": args.impls, "quick": args.quick,
+                     "big": args.big, "nt_xent_temperature": NT_XENT_TEMPERATURE,
+                     "clip_logit_scale": CLIP_LOGIT_SCALE, "seed": SEED,
+                     "eager_nn_copies": EAGER_NN_COPIES, "compile_nn_copies": COMPILE_NN_COPIES,
+                     "torch": torch is not None},
+        "results": [],
+    }
+    t_start = time.perf_counter()
+    for i, (op, n, d, dt) in enumerate(todo, 1):
+        t0 = time.perf_counter()
+        print(f"[{i}/{len(todo)}] {op} N={n} D={d} {dt}", flush=True)
+        try:
+            rec = run_one(op, n, d, dt, args, torch)
+        except Exception as exc:  # noqa: BLE001 - keep what was measured, go on
+            traceback.print_exc()
+            rec = {"op": op, "n": n, "d": d, "dtype": dt,
+                   "error": f"{type(exc).__name__}: {exc}"[:300]}
+        free_memory()
+        rec["case_s"] = time.perf_counter() - t0
+        doc["results"].append(rec)
+        doc["elapsed_s"] = time.perf_counter() - t_start
+        save(args.out, doc)
+        print(f"  ({rec['case_s']:.1f} s; {doc['elapsed_s']:.0f} s total)", flush=True)
+
+    print(f"\n# Results\n\n{device_header(info)}\n")
+    for op in args.ops:
+        print(f"## {op}\n\n{table(doc['results'], op)}\n")
+    print(LEGEND)
+    if args.out:
+        print(f"\nJSON: {args.out}")
+    print(f"total {time.perf_counter() - t_start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,510 @@
+"""The one timing / memory harness shared by cupynce's benchmarks (and its ``python -m`` report).
+
+Self-contained on purpose: it imports nothing from ``benchmarks/`` (nor from cupynce), so it can
+move into the package unchanged.  CuPy is imported lazily (``import`` of this module needs no
+GPU); torch is never imported here — it is used only when the caller already imported it.
+
+Timing (:func:`time_cuda`)
+    For every repeat: ``cudaDeviceSynchronize``, record a CUDA event on CuPy's current stream,
+    call ``fn``, record a second event, synchronise the device, read the elapsed time.  The
+    device is idle when the start event is recorded, so the span covers all GPU work ``fn``
+    issues *and* any host-side gaps between its launches (Python overhead that starves the GPU
+    counts, as it does in training).
+
+    Stream semantics: CuPy's current stream is, by default, the legacy default ("null")
+    stream, and PyTorch's default stream is the legacy default stream too.  An event recorded
+    on the legacy stream is ordered after all earlier work of every blocking stream, so the
+    events time torch (eager, torch.compile/Triton) work as well as CuPy work.  Work on a
+    user-created *non-blocking* stream would escape the events; the host wall time between the
+    two device synchronisations (``wall_*_ms``, always correct but including launch overhead
+    of the first call) is reported next to the event times as a cross-check.
+
+Memory (:func:`peak_extra_bytes`, :func:`measure_peak`)
+    Peak device memory *above the baseline* while ``fn`` runs, counted the same way for every
+    implementation and both allocators at once:
+
+    * CuPy: a :class:`cupy.cuda.MemoryHook` on the default memory pool tracks the bytes handed
+      out by the pool (``malloc`` / ``free``; rounded sizes) and their running maximum.  Arrays
+      that existed before ``fn`` started are the baseline and are not counted.  (Allocations
+      that bypass CuPy's pool — another allocator, cuBLAS' own workspace — are not seen.)
+    * torch (only if already imported and CUDA-initialised): ``max_memory_allocated()`` after
+      ``reset_peak_memory_stats()``, minus ``memory_allocated()`` before.
+
+    The reported value is the sum of the two peaks (an upper bound on the joint peak when both
+    allocate, exact when only one does).  Caches are emptied first (:func:`free_memory`).
+
+Out-of-memory
+    :func:`run_case` treats device OOM (CuPy's ``OutOfMemoryError``, ``torch.OutOfMemoryError``,
+    cuBLAS allocation failures, anything whose message says "out of memory") as a *result*:
+    it frees memory and returns ``{"oom": True, ...}``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import importlib.metadata as _md
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "time_cuda", "measure_peak", "peak_extra_bytes", "run_case", "free_memory",
+    "free_device_bytes", "is_oom", "device_info", "device_header", "markdown_table",
+    "fmt_ms", "fmt_mib", "fmt_ratio",
+]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+def _torch_cuda():
+    """The torch module if the caller already imported it and CUDA is initialised, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch
+    except Exception:  # pragma: no cover - a broken torch install must not break timing
+        return None
+    return None
+
+
+def _percentile(sorted_vals: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (as ``numpy.percentile``'s default) of sorted values."""
+    if not sorted_vals:
+        return float("nan")
+    pos = (len(sorted_vals) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return float(sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo))
+
+
+def _stats(prefix: str, vals: Sequence[float]) -> Dict[str, float]:
+    s = sorted(vals)
+    return {f"{prefix}median_ms": _percentile(s, 50), f"{prefix}p20_ms": _percentile(s, 20),
+            f"{prefix}p80_ms": _percentile(s, 80), f"{prefix}min_ms": float(s[0]) if s else float("nan")}
+
+
+def _synchronize() -> None:
+    import cupy
+
+    cupy.cuda.Device().synchronize()  # cudaDeviceSynchronize: every stream, torch's included
+
+
+# ------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------
+def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10) -> Dict[str, Any]:
+    """Time ``fn()`` with CUDA events; see the module notes for what the span covers.
+
+    Returns ``median_ms, p20_ms, p80_ms, min_ms`` (event times), ``wall_median_ms,
+    wall_min_ms`` (host time between device synchronisations), ``times_ms`` (every repeat),
+    ``warmup`` and ``repeat``.  ``fn``'s return value is dropped after each call, outside the
+    timed span.
+    """
+    import cupy
+
+    if repeat < 1:
+        raise ValueError(f"time_cuda: repeat must be >= 1, got {repeat}")
+    for _ in range(max(warmup, 0)):
+        out = fn()
+        del out
+    _synchronize()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    ev_ms: List[float] = []
+    wall_ms: List[float] = []
+    for _ in range(repeat):
+        _synchronize()
+        stream = cupy.cuda.get_current_stream()
+        t0 = time.perf_counter()
+        start.record(stream)
+        out = fn()
+        end.record(stream)
+        _synchronize()
+        t1 = time.perf_counter()
+        del out
+        ev_ms.append(float(cupy.cuda.get_elapsed_time(start, end)))
+        wall_ms.append((t1 - t0) * 1e3)
+    res: Dict[str, Any] = _stats("", ev_ms)
+    ws = sorted(wall_ms)
+    res.update(wall_median_ms=_percentile(ws, 50), wall_min_ms=ws[0], times_ms=ev_ms,
+               warmup=warmup, repeat=repeat)
+    return res
+
+
+# ------------------------------------------------------------------------------------------
+# memory
+# ------------------------------------------------------------------------------------------
+_HOOK_CLASS = None
+
+
+def _pool_peak_hook():
+    """A fresh CuPy memory hook counting live pool allocations and their peak (bytes)."""
+    global _HOOK_CLASS
+    if _HOOK_CLASS is None:
+        from cupy.cuda import memory_hook
+
+        class _PoolPeakHook(memory_hook.MemoryHook):
+            name = "cupynce_bench_pool_peak"
+
+            def __init__(self) -> None:
+                self.live: Dict[int, int] = {}
+                self.current = 0
+                self.peak = 0
+
+            def malloc_postprocess(self, **kw: Any) -> None:
+                ptr, size = kw.get("mem_ptr", 0), int(kw.get("mem_size", 0))
+                if not ptr:
+                    return
+                self.live[ptr] = size
+                self.current += size
+                if self.current > self.peak:
+                    self.peak = self.current
+
+            def free_postprocess(self, **kw: Any) -> None:
+                size = self.live.pop(kw.get("mem_ptr", 0), None)
+                if size is not None:  # frees of pre-existing (baseline) arrays are ignored
+                    self.current -= size
+
+        _HOOK_CLASS = _PoolPeakHook
+    return _HOOK_CLASS()
+
+
+def free_memory() -> None:
+    """Collect garbage, then release CuPy's pools and torch's cache back to the device."""
+    gc.collect()
+    try:
+        import cupy
+
+        _synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    except Exception:  # no CuPy / no device: nothing to free
+        pass
+    torch = _torch_cuda()
+    if torch is not None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def free_device_bytes() -> int:
+    """Device memory available to a new computation: free + CuPy's and torch's idle caches."""
+    import cupy
+
+    free, _total = cupy.cuda.runtime.memGetInfo()
+    free += cupy.get_default_memory_pool().free_bytes()
+    torch = _torch_cuda()
+    if torch is not None:
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return int(free)
+
+
+def measure_peak(fn: Callable[[], Any], *, free_first: bool = True) -> Tuple[Dict[str, int], Any]:
+    """Run ``fn()`` once; return ``({"cupy": b, "torch": b, "total": b}, fn's result)``.
+
+    Bytes are peaks above the baseline present when ``fn`` starts (module notes).
+    """
+    if free_first:
+        free_memory()
+    torch = _torch_cuda()
+    t_base = 0
+    if torch is not None:
+        torch.cuda.synchronize()
+        t_base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    hook = _pool_peak_hook()
+    with hook:
+        result = fn()
+        _synchronize()
+    t_peak = 0
+    if torch is None:
+        torch = _torch_cuda()  # fn may have initialised torch's CUDA state itself
+        if torch is not None:
+            t_peak = torch.cuda.max_memory_allocated()
+    else:
+        t_peak = max(torch.cuda.max_memory_allocated() - t_base, 0)
+    peaks = {"cupy": int(hook.peak), "torch": int(t_peak)}
+    peaks["total"] = peaks["cupy"] + peaks["torch"]
+    return peaks, result
+
+
+def peak_extra_bytes(fn: Callable[[], Any]) -> int:
+    """Peak device memory (bytes) above the baseline while ``fn()`` runs, CuPy + torch."""
+    peaks, result = measure_peak(fn)
+    del result
+    return peaks["total"]
+
+
+# ------------------------------------------------------------------------------------------
+# OOM-tolerant case runner
+# ------------------------------------------------------------------------------------------
+_OOM_MARKERS = ("out of memory", "cublas_status_alloc_failed", "cudaerrormemoryallocation",
+                "cuda_error_out_of_memory", "outofmemoryerror")
+
+
+def _oom_types() -> Tuple[type, ...]:
+    types: List[type] = []
+    try:
+        import cupy
+
+        types.append(cupy.cuda.memory.OutOfMemoryError)
+    except Exception:
+        pass
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        for holder, name in ((torch, "OutOfMemoryError"), (getattr(torch, "cuda", None),
+                                                           "OutOfMemoryError")):
+            t = getattr(holder, name, None) if holder is not None else None
+            if isinstance(t, type):
+                types.append(t)
+    return tuple(types)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a device out-of-memory error."""
+    types = _oom_types()
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if types and isinstance(e, types):
+            return True
+        text = f"{type(e).__name__}: {e}".lower()
+        if any(m in text for m in _OOM_MARKERS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory: bool = True,
+             keep_result: bool = False, catch_errors: bool = False) -> Dict[str, Any]:
+    """Measure one implementation: first call, peak extra memory, then :func:`time_cuda`.
+
+    1. ``fn()`` once, untimed (lazy initialisation: kernel loading, cuBLAS heuristics, ...);
+    2. with ``memory``: one more call under :func:`measure_peak` (``peak_extra_bytes``,
+       ``peak_cupy_bytes``, ``peak_torch_bytes``); its return value is kept under ``"result"``
+       when ``keep_result`` (e.g. for a correctness check; pop it before serialising);
+    3. :func:`time_cuda` with ``warmup`` / ``repeat``.
+
+    Device OOM at any step is a result: ``{"oom": True, "stage": ..., "error": ...}`` after
+    freeing memory.  Other exceptions propagate, or with ``catch_errors`` are returned as
+    ``{"error": ..., "stage": ...}``.
+    """
+    out: Dict[str, Any] = {}
+    failure: Optional[Dict[str, Any]] = None
+    stage = "setup"
+    try:
+        free_memory()
+        stage = "first call"
+        first = fn()
+        if keep_result and not memory:
+            out["result"] = first
+        del first
+        if memory:
+            stage = "memory"
+            peaks, result = measure_peak(fn)
+            out.update(peak_extra_bytes=peaks["total"], peak_cupy_bytes=peaks["cupy"],
+                       peak_torch_bytes=peaks["torch"])
+            if keep_result:
+                out["result"] = result
+            del result
+        stage = "timing"
+        out.update(time_cuda(fn, warmup=warmup, repeat=repeat))
+    except Exception as exc:  # noqa: BLE001 - classified below
+        if is_oom(exc):
+            failure = {"oom": True, "stage": stage, "error": _short(exc)}
+        elif catch_errors:
+            failure = {"error": _short(exc), "stage": stage}
+        else:
+            raise
+    if failure is not None:  # the exception (and the frames holding tensors) is gone by now
+        out.clear()
+        free_memory()
+        return failure
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# environment
+# ------------------------------------------------------------------------------------------
+def _version(dist: str) -> Optional[str]:
+    try:
+        return _md.version(dist)
+    except _md.PackageNotFoundError:
+        return None
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def device_info() -> Dict[str, Any]:
+    """GPU, CUDA and package versions, and the date; never raises (errors are recorded)."""
+    info: Dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "numpy": _version("numpy"),
+        "ml_dtypes": _version("ml_dtypes"),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+    }
+    try:
+        import cupy
+
+        info["cupy"] = cupy.__version__
+    except Exception as exc:  # noqa: BLE001
+        info["cupy"] = None
+        info["error"] = _short(exc)
+        return info
+    try:
+        import cupynce  # optional: the harness does not depend on it
+
+        info["cupynce"] = getattr(cupynce, "__version__", None)
+    except Exception:  # noqa: BLE001
+        info["cupynce"] = None
+    try:
+        rt = cupy.cuda.runtime
+        dev = cupy.cuda.Device()
+        props = rt.getDeviceProperties(dev.id)
+        name = props.get("name", b"?")
+        info.update(
+            gpu=name.decode() if isinstance(name, bytes) else str(name),
+            device_id=dev.id,
+            compute_capability=f"{props.get('major')}.{props.get('minor')}",
+            multiprocessors=props.get("multiProcessorCount"),
+            memory_bytes=int(props.get("totalGlobalMem", 0)),
+            memory_gib=round(int(props.get("totalGlobalMem", 0)) / GiB, 1),
+            cuda_runtime=_cuda_version(rt.runtimeGetVersion()),
+            cuda_driver=_cuda_version(rt.driverGetVersion()),
+            cupy_per_thread_default_stream=os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM"),
+        )
+        try:
+            from cupy_backends.cuda.libs import cublas
+
+            info["cublas"] = cublas.getVersion(dev.cublas_handle)
+        except Exception:  # noqa: BLE001
+            pass
+    except Exception as exc:  # noqa: BLE001 - no device here
+        info["gpu"] = None
+        info["error"] = _short(exc)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            info.update(
+                torch_cuda=torch.version.cuda,
+                torch_allow_tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
+                torch_float32_matmul_precision=torch.get_float32_matmul_precision(),
+                torch_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            )
+        except Exception:  # noqa: BLE001
+            pass
+    return info
+
+
+def device_header(info: Dict[str, Any]) -> str:
+    """One line naming the device and versions, for the top of a report."""
+    gpu = info.get("gpu") or "no GPU"
+    mem = f" ({info['memory_gib']} GiB)" if info.get("memory_gib") else ""
+    parts = [f"{gpu}{mem}"]
+    if info.get("cuda_runtime"):
+        parts.append(f"CUDA runtime {info['cuda_runtime']} / driver {info.get('cuda_driver')}")
+    for key in ("cupynce", "cupy", "numpy", "torch", "triton"):
+        if info.get(key):
+            parts.append(f"{key} {info[key]}")
+    parts.append(f"python {info.get('python')}")
+    parts.append(str(info.get("date")))
+    return " · ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------
+# formatting
+# ------------------------------------------------------------------------------------------
+def fmt_ms(x: Optional[float]) -> str:
+    """Milliseconds with about three significant digits ("—" for None)."""
+    if x is None:
+        return "—"
+    if x != x:  # NaN
+        return "nan"
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3f}"
+
+
+def fmt_mib(nbytes: Optional[float]) -> str:
+    """Bytes as MiB ("—" for None)."""
+    if nbytes is None:
+        return "—"
+    mib = nbytes / MiB
+    return f"{mib:.0f}" if mib >= 10 else f"{mib:.1f}"
+
+
+def fmt_ratio(x: Optional[float]) -> str:
+    """A speedup / ratio as ``1.23×`` ("—" for None)."""
+    if x is None or x != x:
+        return "—"
+    return f"{x:.2f}×" if x < 100 else f"{x:.0f}×"
+
+
+def _numeric(cell: str) -> bool:
+    c = cell.strip().rstrip("×").replace(",", "")
+    if c in ("", "—", "-", "nan", "OOM", "skip", "error"):
+        return True
+    try:
+        float(c)
+        return True
+    except ValueError:
+        return False
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                   align: Optional[str] = None) -> str:
+    """A GitHub-flavoured markdown table, padded so that it also reads well as plain text.
+
+    ``align``: one character per column, ``l`` / ``r`` / ``c``; by default numeric columns
+    (cells that are numbers, ratios like ``1.5×``, or placeholders) are right-aligned.
+    """
+    cells = [[str(c) for c in row] for row in rows]
+    ncol = len(headers)
+    for row in cells:
+        if len(row) != ncol:
+            raise ValueError(f"markdown_table: row has {len(row)} cells, expected {ncol}: {row}")
+    if align is None:
+        align = "".join("r" if cells and all(_numeric(r[j]) for r in cells) else "l"
+                        for j in range(ncol))
+    if len(align) != ncol:
+        raise ValueError(f"markdown_table: align {align!r} does not match {ncol} columns")
+    widths = [max([len(headers[j])] + [len(r[j]) for r in cells] + [3]) for j in range(ncol)]
+
+    def line(vals: Sequence[str]) -> str:
+        out = []
+        for v, w, a in zip(vals, widths, align):
+            out.append(v.rjust(w) if a == "r" else v.center(w) if a == "c" else v.ljust(w))
+        return "| " + " | ".join(out) + " |"
+
+    rule = []
+    for w, a in zip(widths, align):
+        rule.append(("-" * (w - 1) + ":") if a == "r" else
+                    (":" + "-" * (w - 2) + ":") if a == "c" else "-" * w)
+    return "\n".join([line(headers), "| " + " | ".join(rule) + " |"] + [line(r) for r in cells])
+
+
+if __name__ == "__main__":  # pragma: no cover - manual check of the environment
+    import json
+
+    print(json.dumps(device_info(), indent=2))

@@ -1,0 +1,126 @@
+"""Every CUDA source compiles (NVRTC for sm_80 / sm_90, and nvcc when on PATH) with no GPU.
+
+The cubin must export every ``cpn_<stage>_<dtype>`` wrapper: the stages are read from the
+source's ``cpn_<stage>_##SUF`` macro lines, the dtype suffixes from ``cupynce._kernels``.
+NVRTC needs only libnvrtc (``nvidia-cuda-nvrtc-cu12``), not a driver or a device.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from cupynce import _kernels
+from cupynce._kernels import KernelCompileError
+
+pytest.importorskip("cupy")  # NVRTC is reached through cupy.cuda.nvrtc
+
+ARCHS = ["sm_80", "sm_90"]
+SUFFIXES = ("f16", "bf16", "f32", "f64")
+_STAGE = re.compile(r"\bcpn_([A-Za-z0-9_]+?)_##SUF\b")
+
+
+def _cu_files():
+    return sorted(p.name for p in _kernels.kernels_dir().glob("*.cu"))
+
+
+@functools.lru_cache(maxsize=None)
+def _cubin(filename, arch):
+    return _kernels.compile_source(filename, arch)
+
+
+def _stages(filename):
+    return sorted(set(_STAGE.findall((_kernels.kernels_dir() / filename).read_text())))
+
+
+def test_kernels_dir_layout():
+    d = _kernels.kernels_dir()
+    assert d.is_dir(), d
+    assert (d / "contrastive.cu").is_file()
+    assert (d / "common.cuh").is_file()
+    assert "contrastive.cu" in _cu_files()
+
+
+def test_dtype_suffixes_cover_supported_dtypes():
+    got = {_kernels.dtype_suffix(dt) for dt in _kernels.SUPPORTED_DTYPES}
+    assert got == set(SUFFIXES)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.bool_, np.complex64, "not-a-dtype"])
+def test_dtype_suffix_rejects_unsupported(dtype):
+    with pytest.raises(ValueError, match=r"nt_xent: unsupported dtype .*; expected one of"):
+        _kernels.dtype_suffix(dtype, op="nt_xent")
+
+
+def test_read_source_pastes_includes():
+    src = _kernels.read_source("contrastive.cu")
+    assert f"#define CPN_BLOCK {_kernels.BLOCK}" in src
+    assert not re.search(r'#\s*include\s+"', src), "local includes must be pasted in"
+    assert "struct __align__(2) bf16_t" in src  # from common.cuh
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("filename", _cu_files())
+def test_nvrtc_compiles_and_exports_every_kernel(filename, arch):
+    cubin = _cubin(filename, arch)
+    assert cubin[:4] == b"\x7fELF", "NVRTC should return a cubin (ELF)"
+    stages = _stages(filename)
+    assert stages, f"no cpn_<stage>_##SUF wrappers found in {filename}"
+    missing = [f"cpn_{st}_{suf}" for st in stages for suf in SUFFIXES
+               if f"cpn_{st}_{suf}".encode() + b"\x00" not in cubin]
+    assert not missing, f"{filename} ({arch}): symbols missing from the cubin: {missing}"
+
+
+def test_python_launches_only_existing_stages():
+    """Every stage that contrastive.py launches exists in contrastive.cu."""
+    py = (_kernels.Path(_kernels.__file__).parent / "contrastive.py").read_text()
+    launched = set(re.findall(r'launch\(_FILE,\s*"([A-Za-z0-9_]+)"', py))
+    assert launched, "no launches found"
+    assert launched <= set(_stages("contrastive.cu")), launched - set(_stages("contrastive.cu"))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("filename", _cu_files())
+def test_nvcc_compiles(filename, tmp_path):
+    src = tmp_path / filename
+    src.write_text(_kernels.read_source(filename))
+    obj = tmp_path / (filename + ".o")
+    res = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++14", "-c", str(src), "-o", str(obj)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"nvcc failed on {filename}:\n{res.stderr}"
+    data = obj.read_bytes()
+    for st in _stages(filename):
+        for suf in SUFFIXES:
+            assert f"cpn_{st}_{suf}".encode() in data, f"cpn_{st}_{suf} missing from nvcc output"
+
+
+BROKEN = """#include "common.cuh"
+extern "C" __global__ void cpn_broken_f32(float* x) { x[0] = undeclared_thing_42; }
+"""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_broken_source_raises_kernel_compile_error(tmp_path, monkeypatch, arch):
+    (tmp_path / "broken.cu").write_text(BROKEN)
+    (tmp_path / "common.cuh").write_text("#pragma once\ntypedef long long i64;\n")
+    monkeypatch.setattr(_kernels, "kernels_dir", lambda: tmp_path)
+    with pytest.raises(KernelCompileError) as info:
+        _kernels.compile_source("broken.cu", arch)
+    msg = str(info.value)
+    assert "kernels_src/broken.cu" in msg and arch in msg, msg
+    assert "undeclared_thing_42" in msg, f"the NVRTC log is missing from the message:\n{msg}"
+    assert "error" in msg.lower(), msg
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_broken_header_raises_kernel_compile_error(tmp_path, monkeypatch):
+    (tmp_path / "ok.cu").write_text('#include "bad.cuh"\n'
+                                    'extern "C" __global__ void cpn_ok_f32(float* x) {}\n')
+    (tmp_path / "bad.cuh").write_text("this is not C++;\n")
+    monkeypatch.setattr(_kernels, "kernels_dir", lambda: tmp_path)
+    with pytest.raises(KernelCompileError, match=r"kernels_src/ok\.cu failed to compile"):
+        _kernels.compile_source("ok.cu", "sm_90")
