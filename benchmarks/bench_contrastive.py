@@ -64,9 +64,9 @@ if str(_ROOT) not in sys.path:  # `python benchmarks/bench_contrastive.py` from 
 
 import numpy as np  # noqa: E402
 
-from benchmarks.harness import (  # noqa: E402
+from cupynce._harness import (  # noqa: E402
     device_header, device_info, fmt_mib, fmt_ms, fmt_ratio, free_device_bytes, free_memory,
-    is_oom, markdown_table, run_case,
+    is_oom, load_torch, markdown_table, run_case, to_torch, torch_reference, torch_step,
 )
 
 OPS = ("nt_xent", "clip_loss")
@@ -212,61 +212,6 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
     return step, plan
 
 
-def load_torch():
-    """torch with CUDA on CuPy's current device, or None (with the reason printed)."""
-    try:
-        import torch
-    except ImportError as exc:
-        print(f"torch not importable ({exc}); measuring cupynce and cuBLAS only", flush=True)
-        return None
-    if not torch.cuda.is_available():
-        print("torch has no CUDA; measuring cupynce and cuBLAS only", flush=True)
-        return None
-    import cupy as cp
-
-    torch.cuda.set_device(cp.cuda.Device().id)
-    torch.zeros(1, device="cuda")  # initialise torch's CUDA state (the harness reads its stats)
-    return torch
-
-
-def torch_reference(torch, op: str) -> Callable[..., Any]:
-    F = torch.nn.functional
-
-    if op == "nt_xent":
-        def nt_xent_ref(z):
-            n = z.shape[0]
-            eye = torch.eye(n, dtype=torch.bool, device=z.device)
-            labels = (torch.arange(n, device=z.device) + n // 2) % n
-            s = (z @ z.T).masked_fill(eye, float("-inf")) / NT_XENT_TEMPERATURE
-            return F.cross_entropy(s, labels)
-        return nt_xent_ref
-
-    def clip_ref(a, b, logit_scale):
-        labels = torch.arange(a.shape[0], device=a.device)
-        logits = logit_scale.exp() * a @ b.T
-        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
-    return clip_ref
-
-
-def to_torch(torch, x):
-    """A torch view of a CuPy array, bit for bit (bfloat16 goes through an int16 view)."""
-    from cupynce._kernels import BFLOAT16
-
-    if BFLOAT16 is not None and x.dtype == BFLOAT16:
-        import cupy as cp
-
-        return torch.from_dlpack(x.view(cp.int16)).view(torch.bfloat16)
-    return torch.from_dlpack(x)
-
-
-def torch_step(torch, fn: Callable[..., Any], leaves: Sequence[Any]) -> Callable[[], Any]:
-    def step():
-        loss = fn(*leaves)
-        grads = torch.autograd.grad(loss, leaves)
-        return loss, grads
-    return step
-
-
 # ------------------------------------------------------------------------------------------
 # one case
 # ------------------------------------------------------------------------------------------
@@ -289,7 +234,7 @@ def _guard(stage: str, thunk: Callable[[], Any]) -> Tuple[Any, Optional[Dict[str
         else:
             fail = {"error": f"{type(exc).__name__}: {exc}"[:300], "stage": stage}
             traceback.print_exc(limit=4)
-    free_memory()
+    free_memory(full_gc=True)
     return None, fail
 
 
@@ -304,7 +249,7 @@ def _rel(torch, x, ref) -> float:
 def check_against(torch, ours: Any, theirs: Any) -> Dict[str, Any]:
     """Relative differences of cupynce's (loss, grads) against a torch (loss, grads)."""
     (c_loss, c_grads), (t_loss, t_grads) = ours, theirs
-    lc, lt = float(c_loss), float(t_loss)
+    lc, lt = float(c_loss), float(t_loss.detach())
     grads = [_rel(torch, to_torch(torch, cg), tg) for cg, tg in zip(c_grads, t_grads)]
     return {"cupynce_loss": lc, "torch_loss": lt,
             "loss_rel_diff": abs(lc - lt) / abs(lt) if lt else abs(lc - lt),
@@ -363,11 +308,10 @@ def run_one(op: str, n: int, d: int, dtype_name: str, args: argparse.Namespace,
             del step, built
         rec["cublas_products"] = r
         print(_line("cuBLAS products", r), flush=True)
-        free_memory()
 
     if torch is not None and ("eager" in args.impls or "compile" in args.impls):
         itemsize = np.dtype(dtype).itemsize
-        ref = torch_reference(torch, op)
+        ref = torch_reference(torch, op, NT_XENT_TEMPERATURE)
         leaves = [to_torch(torch, x).clone().requires_grad_(True) for x in inputs]
         for impl, copies in (("eager", EAGER_NN_COPIES), ("compile", COMPILE_NN_COPIES)):
             if impl not in args.impls:
@@ -401,7 +345,8 @@ def run_one(op: str, n: int, d: int, dtype_name: str, args: argparse.Namespace,
                     print(_line(impl, fail), flush=True)
                     del step, compiled
                     continue
-            r = run_case(step, warmup=warmup, repeat=repeat, keep_result=True, catch_errors=True)
+            r = run_case(step, warmup=warmup, repeat=repeat, keep_result=True, catch_errors=True,
+                         free_first=False)  # freed just above, before the estimate
             theirs = r.pop("result", None)
             if compile_s is not None:
                 r["compile_s"] = compile_s
@@ -419,7 +364,6 @@ def run_one(op: str, n: int, d: int, dtype_name: str, args: argparse.Namespace,
             if impl == "compile":
                 del compiled
                 torch._dynamo.reset()
-            free_memory()
         del leaves
     if ours is not None and not rec["check"]:
         rec["check"]["cupynce_loss"] = float(ours[0])
@@ -470,6 +414,8 @@ def table(results: Sequence[Dict[str, Any]], op: str) -> str:
     for rec in sorted((r for r in results if r["op"] == op),
                       key=lambda r: (r["n"], r["d"], r["dtype"])):
         c, e, k, b = (rec.get(x) for x in ("cupynce", "eager", "compile", "cublas_products"))
+        if c is None and ("error" in rec or "inputs_error" in rec):
+            c = {"error": rec.get("error") or rec.get("inputs_error")}
         rows.append([
             rec["n"], rec["d"], rec["dtype"], _ms_cell(c), _mib_cell(c), _ms_cell(e),
             _mib_cell(e), _ms_cell(k), _mib_cell(k), _ms_cell(b),
@@ -586,7 +532,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             traceback.print_exc()
             rec = {"op": op, "n": n, "d": d, "dtype": dt,
                    "error": f"{type(exc).__name__}: {exc}"[:300]}
-        free_memory()
+        free_memory(full_gc=True)
         rec["case_s"] = time.perf_counter() - t0
         doc["results"].append(rec)
         doc["elapsed_s"] = time.perf_counter() - t_start

@@ -176,9 +176,18 @@ def _pool_peak_hook():
     return _HOOK_CLASS()
 
 
-def free_memory() -> None:
-    """Collect garbage, then release CuPy's pools and torch's cache back to the device."""
-    gc.collect()
+def free_memory(full_gc: bool = False) -> None:
+    """Collect garbage, then release CuPy's pools and torch's cache back to the device.
+
+    Device memory is released by reference counting as soon as the last reference goes; the
+    garbage collection here only catches reference cycles.  A full collection costs ~0.2 s
+    once torch.compile is loaded, so by default only the young generations are collected;
+    pass ``full_gc=True`` between cases and after failures.
+    """
+    if full_gc:
+        gc.collect()
+    else:
+        gc.collect(1)
     try:
         import cupy
 
@@ -288,7 +297,8 @@ def _short(exc: BaseException, limit: int = 300) -> str:
 
 
 def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory: bool = True,
-             keep_result: bool = False, catch_errors: bool = False) -> Dict[str, Any]:
+             keep_result: bool = False, catch_errors: bool = False,
+             free_first: bool = True) -> Dict[str, Any]:
     """Measure one implementation: first call, peak extra memory, then :func:`time_cuda`.
 
     1. ``fn()`` once, untimed (lazy initialisation: kernel loading, cuBLAS heuristics, ...);
@@ -297,15 +307,17 @@ def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory
        when ``keep_result`` (e.g. for a correctness check; pop it before serialising);
     3. :func:`time_cuda` with ``warmup`` / ``repeat``.
 
-    Device OOM at any step is a result: ``{"oom": True, "stage": ..., "error": ...}`` after
-    freeing memory.  Other exceptions propagate, or with ``catch_errors`` are returned as
+    ``free_first``: release cached memory (:func:`free_memory`) before starting.  Device OOM
+    at any step is a result: ``{"oom": True, "stage": ..., "error": ...}`` after freeing
+    memory.  Other exceptions propagate, or with ``catch_errors`` are returned as
     ``{"error": ..., "stage": ...}``.
     """
     out: Dict[str, Any] = {}
     failure: Optional[Dict[str, Any]] = None
     stage = "setup"
     try:
-        free_memory()
+        if free_first:
+            free_memory()
         stage = "first call"
         first = fn()
         if keep_result and not memory:
@@ -313,7 +325,7 @@ def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory
         del first
         if memory:
             stage = "memory"
-            peaks, result = measure_peak(fn)
+            peaks, result = measure_peak(fn, free_first=False)  # peaks are logical bytes
             out.update(peak_extra_bytes=peaks["total"], peak_cupy_bytes=peaks["cupy"],
                        peak_torch_bytes=peaks["torch"])
             if keep_result:
@@ -330,7 +342,7 @@ def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory
             raise
     if failure is not None:  # the exception (and the frames holding tensors) is gone by now
         out.clear()
-        free_memory()
+        free_memory(full_gc=True)
         return failure
     return out
 
@@ -508,3 +520,62 @@ if __name__ == "__main__":  # pragma: no cover - manual check of the environment
     import json
 
     print(json.dumps(device_info(), indent=2))
+
+
+# ------------------------------------------------------------------------------------------
+# the PyTorch reference users run today
+# ------------------------------------------------------------------------------------------
+def load_torch():
+    """torch with CUDA on CuPy's current device, or None (with the reason printed)."""
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"torch not importable ({exc}); measuring cupynce and cuBLAS only", flush=True)
+        return None
+    if not torch.cuda.is_available():
+        print("torch has no CUDA; measuring cupynce and cuBLAS only", flush=True)
+        return None
+    import cupy as cp
+
+    torch.cuda.set_device(cp.cuda.Device().id)
+    torch.zeros(1, device="cuda")  # initialise torch's CUDA state (the harness reads its stats)
+    return torch
+
+
+def torch_reference(torch, op: str, temperature: float = 0.1) -> Callable[..., Any]:
+    """The plain PyTorch formula users run today (the seeds' / open_clip's)."""
+    F = torch.nn.functional
+
+    if op == "nt_xent":
+        def nt_xent_ref(z):
+            n = z.shape[0]
+            eye = torch.eye(n, dtype=torch.bool, device=z.device)
+            labels = (torch.arange(n, device=z.device) + n // 2) % n
+            s = (z @ z.T).masked_fill(eye, float("-inf")) / temperature
+            return F.cross_entropy(s, labels)
+        return nt_xent_ref
+
+    def clip_ref(a, b, logit_scale):
+        labels = torch.arange(a.shape[0], device=a.device)
+        logits = logit_scale.exp() * a @ b.T
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    return clip_ref
+
+
+def to_torch(torch, x):
+    """A torch view of a CuPy array, bit for bit (bfloat16 goes through an int16 view)."""
+    from cupynce._kernels import BFLOAT16
+
+    if BFLOAT16 is not None and x.dtype == BFLOAT16:
+        import cupy as cp
+
+        return torch.from_dlpack(x.view(cp.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(x)
+
+
+def torch_step(torch, fn: Callable[..., Any], leaves: Sequence[Any]) -> Callable[[], Any]:
+    def step():
+        loss = fn(*leaves)
+        grads = torch.autograd.grad(loss, leaves)
+        return loss, grads
+    return step
