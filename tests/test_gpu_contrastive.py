@@ -238,8 +238,9 @@ def test_blocked_equals_unblocked(op, neg, dtype, reduction):
     full = run_cupynce(op, inputs, kw, g)
     # 37 rows of score block (fp32 + half gradient): uneven last block
     blocked = run_cupynce(op, inputs, kw, g, workspace_bytes=37 * (n + 8) * 6)
-    # different block shapes let cuBLAS pick other kernels: agreement to fp32 rounding
-    tol = 1e-12 if dtype == np.float64 else (1e-5 if dtype == np.float32 else 1e-2)
+    # different block shapes let cuBLAS pick other kernels and the shared-negative gradient
+    # sums the blocks in another order: agreement to fp32 rounding of cancelling sums
+    tol = 1e-12 if dtype == np.float64 else (1e-4 if dtype == np.float32 else 1e-2)
     assert rel(blocked[0], cp.asnumpy(full[0])) <= tol
     for a, b in zip(blocked[1], full[1]):
         if a is not None:
