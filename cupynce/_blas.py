@@ -44,7 +44,7 @@ def _cuda_type(dtype) -> int:
     raise ValueError(f"gemm: unsupported dtype {dtype}")
 
 
-def _ld(x, name: str) -> int:
+def leading_dim(x, name: str = "x") -> int:
     """Leading dimension (elements) of a row-major matrix view with unit column stride."""
     item = x.dtype.itemsize
     if x.ndim != 2 or (x.shape[1] > 1 and x.strides[1] != item) or x.strides[0] % item:
@@ -77,9 +77,9 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
     cublas.gemmEx(
         handle, op_b, op_a, n, m, k,
-        al.ctypes.data, b.data.ptr, _cuda_type(b.dtype), _ld(b, "b"),
-        a.data.ptr, _cuda_type(a.dtype), _ld(a, "a"),
-        be.ctypes.data, out.data.ptr, _cuda_type(out.dtype), _ld(out, "out"),
+        al.ctypes.data, b.data.ptr, _cuda_type(b.dtype), leading_dim(b, "b"),
+        a.data.ptr, _cuda_type(a.dtype), leading_dim(a, "a"),
+        be.ctypes.data, out.data.ptr, _cuda_type(out.dtype), leading_dim(out, "out"),
         compute, cublas.CUBLAS_GEMM_DEFAULT)
 
 

@@ -1,7 +1,7 @@
 """The one timing / memory harness shared by cupynce's benchmarks (and its ``python -m`` report).
 
-Self-contained on purpose: it imports nothing from ``benchmarks/`` (nor from cupynce), so it can
-move into the package unchanged.  CuPy is imported lazily (``import`` of this module needs no
+Lives in the package so that ``benchmarks/`` and ``python -m cupynce`` share it (no second copy);
+it uses cupynce only for the free-memory query of ``_blas``.  CuPy is imported lazily (``import`` of this module needs no
 GPU); torch is never imported here — it is used only when the caller already imported it.
 
 Timing (:func:`time_cuda`)
@@ -204,10 +204,9 @@ def free_memory(full_gc: bool = False) -> None:
 
 def free_device_bytes() -> int:
     """Device memory available to a new computation: free + CuPy's and torch's idle caches."""
-    import cupy
+    from cupynce._blas import free_device_bytes as cupy_free_bytes
 
-    free, _total = cupy.cuda.runtime.memGetInfo()
-    free += cupy.get_default_memory_pool().free_bytes()
+    free = cupy_free_bytes()
     torch = _torch_cuda()
     if torch is not None:
         free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()

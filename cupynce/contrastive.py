@@ -82,10 +82,6 @@ def _ptr(x):
     return 0 if x is None else x.data.ptr
 
 
-def _ld(x) -> int:
-    return max(x.strides[0] // x.dtype.itemsize, x.shape[1])
-
-
 # ----------------------------------------------------------------------------------------
 # GPU building blocks
 # ----------------------------------------------------------------------------------------
@@ -97,7 +93,7 @@ def _gpu_normalize(x):
     xn = cp.empty((n, d), x.dtype)
     norm = cp.empty((n,), a)
     launch(_FILE, "l2norm_fwd", x.dtype, (n,),
-           (x, np.int64(_ld(x)), np.int32(d), a.type(NORM_EPS), xn, norm))
+           (x, np.int64(_blas.leading_dim(x)), np.int32(d), a.type(NORM_EPS), xn, norm))
     return xn, norm
 
 
@@ -111,7 +107,7 @@ def _gpu_finish(x, norm, acc, g):
     if norm is not None:
         n, d = x.shape
         launch(_FILE, "l2norm_bwd", x.dtype, (n,),
-               (x, np.int64(_ld(x)), np.int32(d), acc.dtype.type(NORM_EPS), norm, acc,
+               (x, np.int64(_blas.leading_dim(x)), np.int32(d), acc.dtype.type(NORM_EPS), norm, acc,
                 _ptr(g), out))
     else:
         grid = min((acc.size + BLOCK - 1) // BLOCK, 65535)
@@ -178,7 +174,7 @@ def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift
         e = cp.empty((n, mp), a)
         nwarps = n * mp
         launch(_FILE, "paired_dots", t, ((nwarps * 32 + BLOCK - 1) // BLOCK,),
-               (q, np.int64(_ld(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e))
+               (q, np.int64(_blas.leading_dim(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e))
         if want_grad:
             g2 = cp.empty((n, mp), a)
     dq = dk = dns = dnp = None
@@ -214,7 +210,7 @@ def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift
     if want_grad and mp:
         dnp = cp.empty((n, mp, d), a)
         launch(_FILE, "paired_grad", t, (n,),
-               (q, np.int64(_ld(q)), neg_p, g2, np.int32(mp), np.int32(d), dq, dnp))
+               (q, np.int64(_blas.leading_dim(q)), neg_p, g2, np.int32(mp), np.int32(d), dq, dnp))
     return lse, loss, (dq, dk, dns, dnp)
 
 
@@ -328,13 +324,12 @@ class _Path:
 
 
 def _prep(xp, path: _Path, x, normalize: bool):
-    """(array the products use, its norms or None): normalised when asked."""
+    """(array the products use, its norms or None): normalised when asked.
+
+    ``x`` has already been laid out by :func:`_contig_inputs`.
+    """
     if x is None:
         return None, None
-    if x.ndim == 2:
-        x = _rowmajor(xp, x)
-    else:
-        x = xp.ascontiguousarray(x)
     if not normalize:
         return x, None
     if x.ndim == 3:  # (N, M, D) negatives: normalise their rows as a 2-D view
