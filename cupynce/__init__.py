@@ -7,7 +7,8 @@ path; ``cupynce.torch`` wraps them for PyTorch):
 * :func:`info_nce` — query/key InfoNCE with in-batch and optional explicit negatives
 * :func:`clip_loss` — CLIP's symmetric loss with a learnable ``logit_scale``
 
-Each has ``*_forward`` (loss and a context) and ``*_backward(ctx, grad_loss)`` (gradients).
+Each has ``*_forward`` (loss and a context) and ``*_backward(ctx, grad_loss)`` (gradients);
+``*_backward_from_stats`` rebuilds the gradients from the inputs and the O(N) ``ctx.stats``.
 ``import cupynce`` needs neither CuPy, nor torch, nor a GPU.
 """
 from ._version import __version__
@@ -16,18 +17,21 @@ from .contrastive import (
     Context,
     clip_loss,
     clip_loss_backward,
+    clip_loss_backward_from_stats,
     clip_loss_forward,
     info_nce,
     info_nce_backward,
+    info_nce_backward_from_stats,
     info_nce_forward,
     nt_xent,
     nt_xent_backward,
+    nt_xent_backward_from_stats,
     nt_xent_forward,
 )
 
 __all__ = [
     "__version__", "Context", "KernelCompileError", "SUPPORTED_DTYPES",
-    "nt_xent", "nt_xent_forward", "nt_xent_backward",
-    "info_nce", "info_nce_forward", "info_nce_backward",
-    "clip_loss", "clip_loss_forward", "clip_loss_backward",
+    "nt_xent", "nt_xent_forward", "nt_xent_backward", "nt_xent_backward_from_stats",
+    "info_nce", "info_nce_forward", "info_nce_backward", "info_nce_backward_from_stats",
+    "clip_loss", "clip_loss_forward", "clip_loss_backward", "clip_loss_backward_from_stats",
 ]

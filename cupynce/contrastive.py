@@ -22,6 +22,7 @@ The full N × N matrix never exists unless it fits in the workspace.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Dict, Optional, Tuple
@@ -29,13 +30,20 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from . import _blas, _checks
-from ._kernels import BLOCK, acc_dtype, launch
+from ._kernels import BLOCK, acc_dtype, get_kernel, launch
 
 #: ``F.normalize``'s epsilon: rows are divided by ``max(||x||, NORM_EPS)``.
 NORM_EPS = 1e-12
 #: Workspace for the NumPy path's score blocks when the caller gives none (bytes).
 NUMPY_WORKSPACE_BYTES = 256 << 20
 _FILE = "contrastive.cu"
+_TILES = "tiles.cu"
+#: float16 / bfloat16 inputs use the tensor-core tile kernels of ``kernels_src/tiles.cu``
+#: (scores never leave registers) when D and the layouts are multiples of 8 elements and the
+#: GPU is sm_80+; otherwise, or with ``CUPYNCE_TILES=0``, the cuBLAS + row-kernel path.
+USE_TILES = os.environ.get("CUPYNCE_TILES", "1") != "0"
+_TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
+_TILE_THREADS = 256
 
 
 @dataclass
@@ -51,6 +59,10 @@ class Context:
     n: int
     xp: ModuleType
     saved: Dict[str, Any] = field(default_factory=dict)
+    #: The O(N) row statistics of the forward (set when ``requires_grad``): ``(lse,)`` for
+    #: nt_xent / info_nce, ``(lse_rows, lse_cols)`` for clip_loss; float32 (float64 for
+    #: float64 inputs).  With the inputs they are all ``*_backward_from_stats`` needs.
+    stats: Tuple[Any, ...] = ()
 
 
 # ----------------------------------------------------------------------------------------
@@ -154,6 +166,11 @@ def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift
     """
     import cupy as cp
 
+    if neg_p is None and _tiles_ok(q, k, neg_s):
+        return _gpu_rows_tiles(q, k, neg_s, scale, exclude_diag=exclude_diag, pos_shift=pos_shift,
+                               pos_mod=pos_mod, lse_in=lse_in, weights=weights,
+                               want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
+                               self_pair=self_pair)
     t = q.dtype
     a = acc_dtype(t)
     n, d = q.shape
@@ -212,6 +229,187 @@ def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift
         launch(_FILE, "paired_grad", t, (n,),
                (q, np.int64(_blas.leading_dim(q)), neg_p, g2, np.int32(mp), np.int32(d), dq, dnp))
     return lse, loss, (dq, dk, dns, dnp)
+
+
+# ----------------------------------------------------------------------------------------
+# Tensor-core tile engine (float16 / bfloat16): kernels_src/tiles.cu
+# ----------------------------------------------------------------------------------------
+_SM_COUNT: Dict[int, Tuple[int, int]] = {}
+
+
+def _device_caps() -> Tuple[int, int]:
+    """(compute capability as an int, SM count) of the current device, cached per device."""
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    if dev.id not in _SM_COUNT:
+        _SM_COUNT[dev.id] = (int(dev.compute_capability),
+                             int(dev.attributes["MultiProcessorCount"]))
+    return _SM_COUNT[dev.id]
+
+
+def _tiles_ok(*xs) -> bool:
+    """Whether the tile kernels can read these (2-D, same 16-bit dtype) operands."""
+    if not USE_TILES or xs[0].dtype.itemsize != 2:
+        return False
+    for x in xs:
+        if x is None:
+            continue
+        if x.shape[1] % 8 or _blas.leading_dim(x) % 8 or x.data.ptr % 16:
+            return False
+    return _device_caps()[0] >= 80
+
+
+def _splits(row_tiles: int, col_tiles: int) -> int:
+    """Column splits so that the grid has about two CTAs per SM (one per SM when large)."""
+    sms = _device_caps()[1]
+    return max(1, min(col_tiles, -(-2 * sms // max(row_tiles, 1))))
+
+
+def _tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale_log=None,
+          exclude_diag: bool = False, pos_shift: int = 0, pos_mod: int = 1,
+          part=(0, 0, 0), pos_out=0, colp=(0, 0), lse_row=None, lse_col=None,
+          weights=(None, 0, 0.0), g=None, dsp=0) -> None:
+    """Launch ``cpn_tile_<stage>`` over rows ``a`` (global row ``row0`` first) x columns b1|b2."""
+    rows, d = a.shape
+    w_arr, w_stride, w_mul = weights
+    n2 = 0 if b2 is None else b2.shape[0]
+    b2 = b1 if b2 is None else b2
+    args = (a, np.int64(_blas.leading_dim(a)), np.int32(rows), np.int32(row0),
+            b1, np.int64(_blas.leading_dim(b1)), np.int32(b1.shape[0]),
+            b2, np.int64(_blas.leading_dim(b2)), np.int32(n2), np.int32(d),
+            np.float32(scale), _ptr(scale_log), np.int32(exclude_diag), np.int32(pos_shift),
+            np.int32(pos_mod), part[0], part[1], np.int64(part[2]), pos_out, colp[0], colp[1],
+            _ptr(lse_row), _ptr(lse_col), _ptr(w_arr), np.int64(w_stride), np.float32(w_mul),
+            _ptr(g), np.int64(0 if g is None else _blas.leading_dim(g)), dsp)
+    get_kernel(_TILES, f"tile_{stage}", t)(tuple(grid), (_TILE_THREADS,), args)
+
+
+def _tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, pos_mod: int):
+    """Row log-sum-exps and losses ``lse_i - s q_i.k_pos(i)`` with no score matrix in memory."""
+    import cupy as cp
+
+    t, f32 = q.dtype, np.dtype(np.float32)
+    n = q.shape[0]
+    ncols = k.shape[0] + (0 if neg_s is None else neg_s.shape[0])
+    rt, ct = -(-n // _TILE), -(-ncols // _TILE)
+    splits = _splits(rt, ct)
+    part = cp.empty((2, splits, n), f32)
+    pos = cp.empty((n,), f32)
+    _tile("lse", t, (rt, splits), q, 0, k, neg_s, scale=scale, exclude_diag=exclude_diag,
+          pos_shift=pos_shift, pos_mod=pos_mod,
+          part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos.data.ptr)
+    lse = cp.empty((n,), f32)
+    loss = cp.empty((n,), f32)
+    launch(_TILES, "tile_finish", t, (-(-n // BLOCK),),
+           (part, part[1], np.int64(n), np.int32(splits), np.int32(n), pos, lse, loss))
+    return lse, loss
+
+
+def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
+                    pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
+                    self_pair: bool):
+    """:func:`_gpu_rows` on the tile kernels (no per-query negatives).
+
+    The gradient pass writes the 16-bit gradient block G (or, for NT-Xent, H = G + Gᵀ, which
+    needs one product instead of two) straight from the tile registers, then cuBLAS
+    multiplies it by the keys / queries.
+    """
+    import cupy as cp
+
+    t, f32 = q.dtype, np.dtype(np.float32)
+    n, d = q.shape
+    nk = k.shape[0]
+    ms = 0 if neg_s is None else neg_s.shape[0]
+    ncols = nk + ms
+    lse, loss = (lse_in, None) if lse_in is not None else _tile_lse(
+        q, k, neg_s, scale, exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod)
+    if not want_grad:
+        return lse, loss, (None, None, None, None)
+    ldg = -(-ncols // 8) * 8  # 16-byte rows for the kernel's paired stores and cuBLAS
+    rb = _blas.plan_rows(op, n, ldg * t.itemsize, workspace_bytes, align=_TILE)
+    g_buf = cp.empty((rb, ldg), t)
+    dq = cp.empty((n, d), f32)
+    dk = dq if self_pair else cp.zeros((nk, d), f32)
+    dns = cp.zeros((ms, d), f32) if ms else None
+    ct = -(-ncols // _TILE)
+    for r0 in range(0, n, rb):
+        r1 = min(n, r0 + rb)
+        qb = q[r0:r1]
+        g_blk = g_buf[:r1 - r0, :ncols]
+        rt = -(-(r1 - r0) // _TILE)
+        _tile("h" if self_pair else "g", t, (rt, _splits(rt, ct)), qb, r0, k, neg_s,
+              scale=scale, exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod,
+              lse_row=lse, lse_col=lse, weights=weights, g=g_blk)
+        _blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
+        if not self_pair:
+            _blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=1.0)
+        if ms:
+            _blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
+            _blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=1.0)
+    return lse, loss, (dq, dk, dns, None)
+
+
+def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
+                    workspace_bytes):
+    """:func:`_gpu_clip` on the tile kernels: row and column statistics in one pass."""
+    import cupy as cp
+
+    t, f32 = an.dtype, np.dtype(np.float32)
+    n, d = an.shape
+    nt = -(-n // _TILE)
+    pair_loss = None
+    if want_loss:
+        splits = _splits(nt, nt)
+        part = cp.empty((2, splits, n), f32)
+        pos = cp.empty((n,), f32)
+        # column partials: one (m, s) pair per (row tile, column) of the rows in flight
+        rg = _blas.plan_rows("clip_loss", n, -(-8 * n // _TILE), workspace_bytes, align=_TILE)
+        colp = cp.empty((2, -(-rg // _TILE), n), f32)
+        col_m = cp.full((n,), -np.inf, f32)
+        col_s = cp.zeros((n,), f32)
+        cgrid = (-(-n // BLOCK),)
+        for r0 in range(0, n, rg):
+            r1 = min(n, r0 + rg)
+            rt = -(-(r1 - r0) // _TILE)
+            _tile("lse2", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
+                  part=(part.data.ptr + 4 * r0, part[1].data.ptr + 4 * r0, n),
+                  pos_out=pos.data.ptr + 4 * r0, colp=(colp.data.ptr, colp[1].data.ptr))
+            launch(_FILE, "col_combine", t, cgrid, (
+                colp, colp[1], np.int32(rt), np.int32(n), col_m, col_s, np.int32(0),
+                0, 0, 0, 0))
+        lse_r = cp.empty((n,), f32)
+        row_loss = cp.empty((n,), f32)
+        launch(_TILES, "tile_finish", t, cgrid,
+               (part, part[1], np.int64(n), np.int32(splits), np.int32(n), pos, lse_r, row_loss))
+        lse_c = cp.empty((n,), f32)
+        pair_loss = cp.empty((n,), f32)
+        launch(_FILE, "col_combine", t, cgrid, (
+            colp, colp[1], np.int32(0), np.int32(n), col_m, col_s, np.int32(1),
+            lse_r, row_loss, lse_c, pair_loss))
+    grads = None
+    if want_grad:
+        ldg = -(-n // 8) * 8
+        rb = _blas.plan_rows("clip_loss", n, ldg * t.itemsize, workspace_bytes, align=_TILE)
+        g_buf = cp.empty((rb, ldg), t)
+        da = cp.empty((n, d), f32)
+        db = cp.zeros((n, d), f32)
+        dsp = cp.empty((n,), f32)
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            rt = -(-(r1 - r0) // _TILE)
+            splits = _splits(rt, nt)
+            dpart = cp.empty((splits, r1 - r0), f32)
+            g_blk = g_buf[:r1 - r0, :n]
+            _tile("clip", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
+                  lse_row=lse_r, lse_col=lse_c, weights=weights, g=g_blk,
+                  dsp=dpart.data.ptr, part=(0, 0, r1 - r0))
+            launch(_TILES, "tile_sum", t, (-(-(r1 - r0) // BLOCK),),
+                   (dpart, np.int64(r1 - r0), np.int32(splits), np.int32(r1 - r0), dsp[r0:r1]))
+            _blas.gemm(g_blk, bn, da[r0:r1])
+            _blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0)
+        grads = (da, db, dsp)
+    return lse_r, lse_c, pair_loss, grads
 
 
 # ----------------------------------------------------------------------------------------
@@ -418,7 +616,7 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
         zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
         lse_in=None, weights=_weights(xp, None, reduction, n, acc_dtype(z.dtype)),
         want_grad=fused, workspace_bytes=workspace_bytes, op="nt_xent", self_pair=True)
-    ctx = Context("nt_xent", reduction, n, xp)
+    ctx = Context("nt_xent", reduction, n, xp, stats=(lse,) if requires_grad else ())
     if fused:
         ctx.saved = dict(z=z, norm=norm, dz=dz)
     elif requires_grad:
@@ -442,9 +640,27 @@ def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
     n = ctx.n
     _, _, (dz, *_rest) = path.rows(
         s["zn"], s["zn"], None, None, 1.0 / s["t"], exclude_diag=True, pos_shift=n // 2,
-        pos_mod=n, lse_in=s["lse"], weights=_weights(xp, g, "none", n, a), want_grad=True,
+        pos_mod=n, lse_in=s["lse"], weights=_weights(xp, g, ctx.reduction, n, a), want_grad=True,
         workspace_bytes=s["ws"], op="nt_xent", self_pair=True)
     return path.finish(s["z"], s["norm"], dz, None)
+
+
+def nt_xent_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, temperature: float = 0.5,
+                                reduction: str = "mean", normalize: bool = False,
+                                workspace_bytes: Optional[int] = None):
+    """``dz`` from the input and the forward's row log-sum-exps (``ctx.stats[0]``) alone.
+
+    For callers that keep only O(N) state between forward and backward (the PyTorch ops):
+    the score blocks and the normalisation are recomputed.  Same result as
+    :func:`nt_xent_backward` on the forward's context.
+    """
+    xp, t = _check_nt_xent(z, temperature, reduction, workspace_bytes)
+    _check_stats("nt_xent", xp, z.shape[0], z.dtype, lse=lse)
+    z = _contig_inputs(xp, z)[0]
+    zn, norm = _prep(xp, _Path(xp), z, normalize)
+    ctx = Context("nt_xent", reduction, z.shape[0], xp, stats=(lse,),
+                  saved=dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes))
+    return nt_xent_backward(ctx, grad_loss)
 
 
 def nt_xent(z, temperature: float = 0.5, *, reduction: str = "mean", normalize: bool = False,
@@ -452,6 +668,16 @@ def nt_xent(z, temperature: float = 0.5, *, reduction: str = "mean", normalize: 
     """SimCLR's NT-Xent loss of ``z`` (2B, D); see :func:`nt_xent_forward`."""
     return nt_xent_forward(z, temperature, reduction=reduction, normalize=normalize,
                            workspace_bytes=workspace_bytes, requires_grad=False)[0]
+
+
+def _check_stats(op: str, xp, n: int, dtype, **stats) -> None:
+    """Row statistics handed to ``*_backward_from_stats``: (n,) arrays of the accumulator dtype."""
+    want = acc_dtype(dtype)
+    for name, v in stats.items():
+        if not isinstance(v, xp.ndarray) or v.shape != (n,) or v.dtype != want:
+            got = f"{type(v).__name__} {getattr(v, 'shape', '')} {getattr(v, 'dtype', '')}"
+            raise ValueError(f"{op}_backward_from_stats: {name} must be a ({n},) {want} "
+                             f"{xp.__name__} array (ctx.stats of {op}_forward), got {got}")
 
 
 def _require(ctx, op):
@@ -533,7 +759,7 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
         qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
         lse_in=None, weights=_weights(xp, None, reduction, n, acc_dtype(query.dtype)),
         want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce")
-    ctx = Context("info_nce", reduction, n, xp)
+    ctx = Context("info_nce", reduction, n, xp, stats=(lse,) if requires_grad else ())
     base = dict(x=(query, key, negatives), norms=(nq, nk, nneg))
     if fused:
         dq, dk, dns, dnp = grads
@@ -558,10 +784,33 @@ def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
     qn, kn, neg_s, neg_p = s["xn"]
     _, _, (dq, dk, dns, dnp) = path.rows(
         qn, kn, neg_s, neg_p, 1.0 / s["t"], exclude_diag=False, pos_shift=0, pos_mod=ctx.n,
-        lse_in=s["lse"], weights=_weights(xp, g, "none", ctx.n, a), want_grad=True,
+        lse_in=s["lse"], weights=_weights(xp, g, ctx.reduction, ctx.n, a), want_grad=True,
         workspace_bytes=s["ws"], op="info_nce")
     accs = (dq, dk, dns if dns is not None else dnp)
     return tuple(_finish_all(path, s["x"], s["norms"], accs, None))
+
+
+def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.0, *,
+                                 temperature: float = 0.1, reduction: str = "mean",
+                                 normalize: bool = False, workspace_bytes: Optional[int] = None):
+    """``(dquery, dkey, dnegatives)`` from the inputs and ``ctx.stats[0]`` (row lse) alone.
+
+    See :func:`nt_xent_backward_from_stats`; ``dnegatives`` is None without negatives.
+    """
+    xp, t = _check_info_nce(query, key, negatives, temperature, reduction, workspace_bytes)
+    n = query.shape[0]
+    _check_stats("info_nce", xp, n, query.dtype, lse=lse)
+    path = _Path(xp)
+    query, key, negatives = _contig_inputs(xp, query, key, negatives)
+    qn, nq = _prep(xp, path, query, normalize)
+    kn, nk = _prep(xp, path, key, normalize)
+    negn, nneg = _prep(xp, path, negatives, normalize)
+    neg_s = negn if negatives is not None and negatives.ndim == 2 else None
+    neg_p = negn if negatives is not None and negatives.ndim == 3 else None
+    ctx = Context("info_nce", reduction, n, xp, stats=(lse,), saved=dict(
+        x=(query, key, negatives), norms=(nq, nk, nneg), xn=(qn, kn, neg_s, neg_p), lse=lse,
+        t=t, ws=workspace_bytes))
+    return info_nce_backward(ctx, grad_loss)
 
 
 def info_nce(query, key, temperature: float = 0.1, *, negatives=None, reduction: str = "mean",
@@ -584,6 +833,10 @@ def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: 
     """
     import cupy as cp
 
+    if _tiles_ok(an, bn):
+        return _gpu_clip_tiles(an, bn, ls, lse_r=lse_r, lse_c=lse_c, weights=weights,
+                               want_loss=want_loss, want_grad=want_grad,
+                               workspace_bytes=workspace_bytes)
     t = an.dtype
     a = acc_dtype(t)
     n, d = an.shape
@@ -672,6 +925,13 @@ def _np_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: b
     return lse_r, lse_c, pair_loss, grads
 
 
+def _logit_scale_array(xp, ls, acc):
+    """logit_scale as a (1,) array of the accumulator dtype on the inputs' side."""
+    if xp is np:
+        return np.asarray(ls, acc).reshape(1)
+    return _gpu_scalar(ls, acc) if isinstance(ls, float) else ls.astype(acc).reshape(1)
+
+
 def _check_clip(a, b, logit_scale, reduction, workspace_bytes):
     op = "clip_loss"
     xp = _checks.array_module(op, a=a, b=b)
@@ -717,18 +977,15 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     a, b = _contig_inputs(xp, a, b)
     an, na = _prep(xp, path, a, normalize)
     bn, nb = _prep(xp, path, b, normalize)
-    if path.gpu:
-        ls_dev = _gpu_scalar(ls, acc) if isinstance(ls, float) else ls.astype(acc).reshape(1)
-        engine = _gpu_clip
-    else:
-        ls_dev = np.asarray(ls, acc).reshape(1)
-        engine = _np_clip
+    ls_dev = _logit_scale_array(xp, ls, acc)
+    engine = _gpu_clip if path.gpu else _np_clip
     fused = requires_grad and reduction != "none"
     lse_r, lse_c, pair_loss, grads = engine(
         an, bn, ls_dev, lse_r=None, lse_c=None,
         weights=_weights(xp, None, reduction, n, acc), want_loss=True, want_grad=fused,
         workspace_bytes=workspace_bytes)
-    ctx = Context("clip_loss", reduction, n, xp)
+    ctx = Context("clip_loss", reduction, n, xp,
+                  stats=(lse_r, lse_c) if requires_grad else ())
     ls_dtype = acc if isinstance(ls, float) else ls.dtype
     base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype)
     if fused:
@@ -759,12 +1016,34 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
         an, bn = s["xn"]
         _, _, _, (da_acc, db_acc, dsp) = engine(
             an, bn, s["ls"], lse_r=s["lse"][0], lse_c=s["lse"][1],
-            weights=_weights(xp, g, "none", ctx.n, acc), want_loss=False, want_grad=True,
+            weights=_weights(xp, g, ctx.reduction, ctx.n, acc), want_loss=False, want_grad=True,
             workspace_bytes=s["ws"])
         da, db = _finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
         dscale = dsp.sum()
     dscale = xp.asarray(dscale).astype(s["ls_dtype"]).reshape(s["ls_shape"])
     return da, db, dscale
+
+
+def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: Any = 1.0, *,
+                                  reduction: str = "mean", normalize: bool = False,
+                                  workspace_bytes: Optional[int] = None):
+    """``(da, db, dlogit_scale)`` from the inputs and ``ctx.stats`` (row and column lse) alone.
+
+    See :func:`nt_xent_backward_from_stats` and :func:`clip_loss_backward`.
+    """
+    xp, ls, ls_shape = _check_clip(a, b, logit_scale, reduction, workspace_bytes)
+    n = a.shape[0]
+    _check_stats("clip_loss", xp, n, a.dtype, lse_r=lse_r, lse_c=lse_c)
+    path = _Path(xp)
+    acc = acc_dtype(a.dtype)
+    a, b = _contig_inputs(xp, a, b)
+    an, na = _prep(xp, path, a, normalize)
+    bn, nb = _prep(xp, path, b, normalize)
+    ctx = Context("clip_loss", reduction, n, xp, stats=(lse_r, lse_c), saved=dict(
+        x=(a, b), norms=(na, nb), ls_shape=ls_shape,
+        ls_dtype=acc if isinstance(ls, float) else ls.dtype, xn=(an, bn),
+        ls=_logit_scale_array(xp, ls, acc), lse=(lse_r, lse_c), ws=workspace_bytes))
+    return clip_loss_backward(ctx, grad_loss)
 
 
 def clip_loss(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,

@@ -376,3 +376,89 @@ def test_large_clip_memory_bounded():
     assert all(bool(cp.isfinite(g.astype(cp.float32)).all()) for g in grads)
     # total pool size is an upper bound of the peak: workspace + O(N*D) buffers
     assert pool.total_bytes() - before <= ws + 64 * n * d * 4
+
+
+# ---- the tensor-core tile path (kernels_src/tiles.cu): 16-bit inputs, D % 8 == 0 ---------
+HALF = [np.dtype(np.float16), BF16]
+TILE_CASES = [("nt_xent", None), ("info_nce", None), ("info_nce", "shared"), ("clip_loss", None)]
+
+
+def test_tile_path_is_taken_for_aligned_half_inputs():
+    from cupynce import contrastive as C
+
+    x = cp.zeros((64, 64), cp.float16)
+    assert C._tiles_ok(x, x), "aligned float16 must use the tile kernels"
+    assert not C._tiles_ok(cp.zeros((64, 33), cp.float16)), "D % 8 != 0 must fall back"
+    assert not C._tiles_ok(cp.zeros((64, 64), cp.float32)), "float32 uses cuBLAS"
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("n,d", [(42, 64), (300, 40), (1030, 136)])
+@pytest.mark.parametrize("op,neg", TILE_CASES)
+def test_tiles_against_reference(op, neg, n, d, normalize, reduction, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"tiles{op}{neg}{n}{dtype}{reduction}{normalize}".encode()))
+    inputs = make_case(op, dtype, n, d, rng, neg, m=130, scale=1 / np.sqrt(d))
+    kw = dict(t=0.1, reduction=reduction, normalize=normalize)
+    check(op, dtype, inputs, kw, grad_for(reduction, n, rng))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("op,neg", TILE_CASES)
+def test_tiles_agree_with_cublas_path(op, neg, dtype, monkeypatch):
+    """Same inputs through the tile kernels and through cuBLAS + row kernels."""
+    from cupynce import contrastive as C
+
+    rng = np.random.default_rng(3)
+    n = 520
+    inputs = make_case(op, dtype, n, 64, rng, neg, m=70, scale=0.125)
+    kw = dict(t=0.1, reduction="mean", normalize=True)
+    tiles = run_cupynce(op, inputs, kw, 1.0, workspace_bytes=200 * 1024)
+    monkeypatch.setattr(C, "USE_TILES", False)
+    plain = run_cupynce(op, inputs, kw, 1.0, workspace_bytes=200 * 1024)
+    assert rel(tiles[0], cp.asnumpy(plain[0])) <= 1e-5  # fp32 statistics of the same products
+    tol = 1e-2 if dtype == BF16 else 2e-3  # both round the gradient block to 16 bits
+    for a, b in zip(tiles[1], plain[1]):
+        if a is not None:
+            assert rel(a, cp.asnumpy(b)) <= tol
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+@pytest.mark.parametrize("op,neg", CASES)
+def test_backward_from_stats_gpu(op, neg, dtype):
+    """The O(N)-state backward (used by cupynce.torch) equals the context backward, bitwise
+    for the recompute path ("none") and to rounding for the fused mean path."""
+    rng = np.random.default_rng(17)
+    n = 260
+    inputs = make_case(op, dtype, n, 64, rng, neg)
+    dev = [None if x is None else cp.asarray(x) for x in inputs]
+    g = cp.asarray(rng.standard_normal(n).astype(np.float32))
+    for red, gl in (("none", g), ("mean", 0.5)):
+        if op == "nt_xent":
+            _, ctx = cupynce.nt_xent_forward(dev[0], 0.2, reduction=red, normalize=True)
+            want = [cupynce.nt_xent_backward(ctx, gl)]
+            got = [cupynce.nt_xent_backward_from_stats(dev[0], *ctx.stats, gl, temperature=0.2,
+                                                       reduction=red, normalize=True)]
+        elif op == "info_nce":
+            _, ctx = cupynce.info_nce_forward(dev[0], dev[1], 0.2, negatives=dev[2],
+                                              reduction=red, normalize=True)
+            want = cupynce.info_nce_backward(ctx, gl)
+            got = cupynce.info_nce_backward_from_stats(dev[0], dev[1], dev[2], *ctx.stats, gl,
+                                                       temperature=0.2, reduction=red,
+                                                       normalize=True)
+        else:
+            _, ctx = cupynce.clip_loss_forward(dev[0], dev[1], dev[2], reduction=red,
+                                               normalize=True)
+            want = cupynce.clip_loss_backward(ctx, gl)
+            got = cupynce.clip_loss_backward_from_stats(dev[0], dev[1], dev[2], *ctx.stats, gl,
+                                                        reduction=red, normalize=True)
+        for a, b in zip(got, want):
+            if b is None:
+                assert a is None
+                continue
+            if red == "none":
+                assert bool((a == b).all()), f"{op} {dtype}: from_stats differs from ctx backward"
+            else:
+                tol = 1e-5 if dtype == np.float32 else 1e-2
+                assert rel(a, cp.asnumpy(b)) <= tol

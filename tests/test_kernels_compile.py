@@ -37,6 +37,15 @@ def _stages(filename):
     return sorted(set(_STAGE.findall((_kernels.kernels_dir() / filename).read_text())))
 
 
+_DTYPES_LINE = re.compile(r"^// cpn-dtypes:\s*(.+)$", re.M)
+
+
+def _suffixes(filename):
+    """The dtypes a file defines wrappers for: its ``// cpn-dtypes:`` line, else all four."""
+    m = _DTYPES_LINE.search((_kernels.kernels_dir() / filename).read_text())
+    return tuple(m.group(1).split()) if m else SUFFIXES
+
+
 def test_kernels_dir_layout():
     d = _kernels.kernels_dir()
     assert d.is_dir(), d
@@ -70,17 +79,18 @@ def test_nvrtc_compiles_and_exports_every_kernel(filename, arch):
     assert cubin[:4] == b"\x7fELF", "NVRTC should return a cubin (ELF)"
     stages = _stages(filename)
     assert stages, f"no cpn_<stage>_##SUF wrappers found in {filename}"
-    missing = [f"cpn_{st}_{suf}" for st in stages for suf in SUFFIXES
+    missing = [f"cpn_{st}_{suf}" for st in stages for suf in _suffixes(filename)
                if f"cpn_{st}_{suf}".encode() + b"\x00" not in cubin]
     assert not missing, f"{filename} ({arch}): symbols missing from the cubin: {missing}"
 
 
-def test_python_launches_only_existing_stages():
-    """Every stage that contrastive.py launches exists in contrastive.cu."""
+@pytest.mark.parametrize("const,filename", [("_FILE", "contrastive.cu"), ("_TILES", "tiles.cu")])
+def test_python_launches_only_existing_stages(const, filename):
+    """Every stage that contrastive.py launches from a file exists in that file."""
     py = (_kernels.Path(_kernels.__file__).parent / "contrastive.py").read_text()
-    launched = set(re.findall(r'launch\(_FILE,\s*"([A-Za-z0-9_]+)"', py))
-    assert launched, "no launches found"
-    assert launched <= set(_stages("contrastive.cu")), launched - set(_stages("contrastive.cu"))
+    launched = set(re.findall(r'launch\(' + const + r',\s*"([A-Za-z0-9_]+)"', py))
+    assert launched, f"no launches of {filename} found"
+    assert launched <= set(_stages(filename)), launched - set(_stages(filename))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -94,7 +104,7 @@ def test_nvcc_compiles(filename, tmp_path):
     assert res.returncode == 0, f"nvcc failed on {filename}:\n{res.stderr}"
     data = obj.read_bytes()
     for st in _stages(filename):
-        for suf in SUFFIXES:
+        for suf in _suffixes(filename):
             assert f"cpn_{st}_{suf}".encode() in data, f"cpn_{st}_{suf} missing from nvcc output"
 
 
