@@ -44,6 +44,9 @@ _TILES = "tiles.cu"
 USE_TILES = os.environ.get("CUPYNCE_TILES", "1") != "0"
 _TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 _TILE_THREADS = 256
+#: dynamic shared memory of a tile CTA: TSTAGES x (TBM + TBN) x TLD x 2 bytes (TSMEM_BYTES in
+#: tiles.cu; a GPU test checks the two agree through cpn_tile_smem)
+_TILE_SMEM = 3 * (128 + 128) * 72 * 2
 
 
 @dataclass
@@ -282,7 +285,10 @@ def _tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scal
             np.int32(pos_mod), part[0], part[1], np.int64(part[2]), pos_out, colp[0], colp[1],
             _ptr(lse_row), _ptr(lse_col), _ptr(w_arr), np.int64(w_stride), np.float32(w_mul),
             _ptr(g), np.int64(0 if g is None else _blas.leading_dim(g)), dsp)
-    get_kernel(_TILES, f"tile_{stage}", t)(tuple(grid), (_TILE_THREADS,), args)
+    kern = get_kernel(_TILES, f"tile_{stage}", t)
+    if kern.max_dynamic_shared_size_bytes < _TILE_SMEM:  # opt in above 48 KiB, once per kernel
+        kern.max_dynamic_shared_size_bytes = _TILE_SMEM
+    kern(tuple(grid), (_TILE_THREADS,), args, shared_mem=_TILE_SMEM)
 
 
 def _tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, pos_mod: int):

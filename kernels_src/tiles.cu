@@ -26,9 +26,13 @@
 
 #define TBM 128
 #define TBN 128
-#define TBK 32
-#define TLD 40  // shared row stride in 16-bit elements (80 B): conflict-free fragment loads
+#define TBK 64
+#define TLD 72  // shared row stride in 16-bit elements (144 B): conflict-free ldmatrix rows
+#define TSTAGES 3
 #define TTHREADS 256
+// dynamic shared memory of one CTA: TSTAGES x (A tile + B tile); Python reads this value
+// from tile_smem_bytes() below and opts the kernels in above 48 KiB
+#define TSMEM_BYTES (TSTAGES * (TBM + TBN) * TLD * 2)
 
 #define MODE_LSE 0
 #define MODE_LSE2 1
@@ -69,7 +73,15 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int by
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_wait_stages() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(TSTAGES - 2));
+}
+// four 8x8 16-bit matrices from shared memory; lane l gives the address of row (l & 7) of
+// matrix (l >> 3); register k receives matrix k in the mma fragment layout
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
 
 // max that keeps a NaN once seen (fmaxf would drop it)
 __device__ __forceinline__ float nanmax(float a, float b) { return (b > a || b != b) ? b : a; }
@@ -102,8 +114,9 @@ __device__ __forceinline__ void tile_body(
     const float* __restrict__ w_ptr, i64 w_stride, float w_mul,
     T* __restrict__ g, i64 ldg, float* __restrict__ dsp_part)
 {
-    __shared__ __align__(16) unsigned short sA[2][TBM * TLD];
-    __shared__ __align__(16) unsigned short sB[2][TBN * TLD];
+    extern __shared__ __align__(16) unsigned short smem[];
+    unsigned short* sA = smem;                          // [TSTAGES][TBM * TLD]
+    unsigned short* sB = smem + TSTAGES * TBM * TLD;    // [TSTAGES][TBN * TLD]
     __shared__ float red[2][4][TBN];
 
     const float ninf = -cpn_inf<float>();
@@ -145,22 +158,22 @@ __device__ __forceinline__ void tile_body(
         const int n0 = ct * TBN;
 #pragma unroll
         for (int q = tid; q < TBM * (TBK / 8); q += TTHREADS) {
-            const int r = q >> 2, kc = (q & 3) * 8;
+            const int r = q >> 3, kc = (q & 7) * 8;
             const int row = m0 + r;
             const bool ok = row < rows && k0 + kc < d;
             const T* src = ok ? A + (i64)row * lda + k0 + kc : A;
-            cp_async16(smem_u32(&sA[stage][r * TLD + kc]), src, ok ? 16 : 0);
+            cp_async16(smem_u32(sA + stage * TBM * TLD + r * TLD + kc), src, ok ? 16 : 0);
         }
 #pragma unroll
         for (int q = tid; q < TBN * (TBK / 8); q += TTHREADS) {
-            const int r = q >> 2, kc = (q & 3) * 8;
+            const int r = q >> 3, kc = (q & 7) * 8;
             const int col = n0 + r;
             const T* src = B1;
             bool ok = k0 + kc < d;
             if (col < n1) src = B1 + (i64)col * ldb1 + k0 + kc;
             else if (col < ncols) src = B2 + (i64)(col - n1) * ldb2 + k0 + kc;
             else ok = false;
-            cp_async16(smem_u32(&sB[stage][r * TLD + kc]), ok ? src : B1, ok ? 16 : 0);
+            cp_async16(smem_u32(sB + stage * TBN * TLD + r * TLD + kc), ok ? src : B1, ok ? 16 : 0);
         }
     };
 
@@ -172,38 +185,40 @@ __device__ __forceinline__ void tile_body(
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
-    if (total > 0) load(0, 0);
-    cp_commit();
-    for (int it = 0; it < total; ++it) {
-        if (it + 1 < total) load(it + 1, (it + 1) & 1);
+#pragma unroll
+    for (int st = 0; st < TSTAGES - 1; ++st) {
+        if (st < total) load(st, st);
         cp_commit();
-        cp_wait1();
-        __syncthreads();
-        const unsigned short* as = sA[it & 1];
-        const unsigned short* bs = sB[it & 1];
+    }
+    // ldmatrix lane addresses (in elements, within a stage): A rows wm*32 + i*16 + (l & 15),
+    // k + (l >> 4) * 8; B rows wn*64 + (jj*2 + (l >> 4))*8 + (l & 7), k + ((l >> 3) & 1) * 8
+    const int a_off = (wm * 32 + (lane & 15)) * TLD + (lane >> 4) * 8;
+    const int b_off = (wn * 64 + (lane >> 4) * 8 + (lane & 7)) * TLD + ((lane >> 3) & 1) * 8;
+    for (int it = 0; it < total; ++it) {
+        cp_wait_stages();
+        __syncthreads();  // stage it is in; every warp is done with stage it - 1
+        if (it + TSTAGES - 1 < total) load(it + TSTAGES - 1, (it + TSTAGES - 1) % TSTAGES);
+        cp_commit();
+        const int stg = it % TSTAGES;
+        const unsigned as = smem_u32(sA + stg * TBM * TLD + a_off);
+        const unsigned bs = smem_u32(sB + stg * TBN * TLD + b_off);
 #pragma unroll
         for (int kk = 0; kk < TBK; kk += 16) {
             unsigned af[2][4], bf[8][2];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int r = wm * 32 + i * 16 + gq;
-                af[i][0] = *(const unsigned*)(as + r * TLD + kk + 2 * cq);
-                af[i][1] = *(const unsigned*)(as + (r + 8) * TLD + kk + 2 * cq);
-                af[i][2] = *(const unsigned*)(as + r * TLD + kk + 8 + 2 * cq);
-                af[i][3] = *(const unsigned*)(as + (r + 8) * TLD + kk + 8 + 2 * cq);
-            }
+            for (int i = 0; i < 2; ++i) ldmatrix_x4(af[i], as + 2 * (i * 16 * TLD + kk));
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int nn = wn * 64 + j * 8 + gq;
-                bf[j][0] = *(const unsigned*)(bs + nn * TLD + kk + 2 * cq);
-                bf[j][1] = *(const unsigned*)(bs + nn * TLD + kk + 8 + 2 * cq);
+            for (int jj = 0; jj < 4; ++jj) {
+                unsigned r4[4];
+                ldmatrix_x4(r4, bs + 2 * (jj * 16 * TLD + kk));
+                bf[2 * jj][0] = r4[0]; bf[2 * jj][1] = r4[1];
+                bf[2 * jj + 1][0] = r4[2]; bf[2 * jj + 1][1] = r4[3];
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) Mma<T>::run(acc[i][j], af[i], bf[j]);
         }
-        __syncthreads();  // this stage is refilled by the next iteration's load
         if (it % KT != KT - 1) continue;
 
         // ---------------- epilogue of one 128 x 128 tile ----------------
@@ -439,6 +454,7 @@ __device__ __forceinline__ void tile_sum_body(
     lse_col, w_ptr, w_stride, w_mul, g, ldg, dsp_part
 
 // Tensor-core tiles exist for the 16-bit types only:
+// (cpn_tile_smem_<dtype> writes TSMEM_BYTES, so Python never hard-codes it)
 // cpn-dtypes: f16 bf16
 #define CPN_DEFINE_TILES(SUF, T)                                                           \
 extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_lse_##SUF(CPN_TILE_ARGS(T)) { \
@@ -455,6 +471,7 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_finish_##SUF(  
     const float* part_m, const float* part_s, i64 part_ld, int splits, int rows,           \
     const float* pos, float* lse, float* loss) {                                           \
     tile_finish_body(part_m, part_s, part_ld, splits, rows, pos, lse, loss); }             \
+extern "C" __global__ void cpn_tile_smem_##SUF(int* out) { out[0] = TSMEM_BYTES; }          \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_sum_##SUF(                \
     const float* part, i64 part_ld, int splits, int rows, float* out) {                    \
     tile_sum_body(part, part_ld, splits, rows, out); }

@@ -462,3 +462,12 @@ def test_backward_from_stats_gpu(op, neg, dtype):
             else:
                 tol = 1e-5 if dtype == np.float32 else 1e-2
                 assert rel(a, cp.asnumpy(b)) <= tol
+
+
+def test_tile_smem_constant_matches_kernel():
+    from cupynce import contrastive as C
+    from cupynce._kernels import get_kernel
+
+    out = cp.zeros((1,), cp.int32)
+    get_kernel(C._TILES, "tile_smem", cp.float16)((1,), (1,), (out,))
+    assert int(out[0]) == C._TILE_SMEM

@@ -1,0 +1,56 @@
+"""Throughput of each tensor-core tile kernel (kernels_src/tiles.cu) against the cuBLAS
+product of the same shape: where the fused path stands relative to the library GEMM.
+
+    python benchmarks/bench_tiles.py --n 16384 --d 512
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from cupynce import _blas
+from cupynce import contrastive as C
+from cupynce._harness import device_header, device_info, time_cuda
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = ap.parse_args()
+    import cupy as cp
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
+    n, d = args.n, args.d
+    rng = cp.random.default_rng(0)
+    q = (rng.standard_normal((n, d), dtype=cp.float32) / np.sqrt(d)).astype(dt)
+    k = (rng.standard_normal((n, d), dtype=cp.float32) / np.sqrt(d)).astype(dt)
+    s = cp.empty((n, n), cp.float32)
+    g = cp.empty((n, n), dt)
+    lse = C._tile_lse(q, k, None, 10.0, exclude_diag=False, pos_shift=0, pos_mod=n)[0]
+    w = (None, 0, 1.0 / n)
+    rt = -(-n // C._TILE)
+    sp = C._splits(rt, rt)
+    flop = 2.0 * n * n * d
+    cases = {
+        "cuBLAS S = Q K^T (fp32 out)": lambda: _blas.gemm(q, k, s, trans_b=True),
+        "cuBLAS G K (16-bit G)": lambda: _blas.gemm(g, k, s[:, :d]),
+        "tile_lse (+finish)": lambda: C._tile_lse(q, k, None, 10.0, exclude_diag=False,
+                                                  pos_shift=0, pos_mod=n),
+        "tile_g": lambda: C._tile("g", dt, (rt, sp), q, 0, k, None, scale=10.0, pos_mod=n,
+                                  lse_row=lse, lse_col=lse, weights=w, g=g),
+        "tile_h": lambda: C._tile("h", dt, (rt, sp), q, 0, q, None, scale=10.0, pos_mod=n,
+                                  lse_row=lse, lse_col=lse, weights=w, g=g),
+    }
+    print(device_header(device_info()))
+    print(f"N={n} D={d} {args.dtype}; splits={sp}")
+    for name, fn in cases.items():
+        t = time_cuda(fn, warmup=3, repeat=10)["median_ms"]
+        print(f"  {name:32s} {t:8.3f} ms  {flop / t / 1e9:7.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
