@@ -38,10 +38,12 @@ NORM_EPS = 1e-12
 NUMPY_WORKSPACE_BYTES = 256 << 20
 _FILE = "contrastive.cu"
 _TILES = "tiles.cu"
-#: float16 / bfloat16 inputs use the tensor-core tile kernels of ``kernels_src/tiles.cu``
-#: (scores never leave registers) when D and the layouts are multiples of 8 elements and the
-#: GPU is sm_80+; otherwise, or with ``CUPYNCE_TILES=0``, the cuBLAS + row-kernel path.
-USE_TILES = os.environ.get("CUPYNCE_TILES", "1") != "0"
+#: Opt-in (``CUPYNCE_TILES=1``): float16 / bfloat16 inputs use the tensor-core tile kernels of
+#: ``kernels_src/tiles.cu`` (scores never leave registers) when D and the layouts are
+#: multiples of 8 elements and the GPU is sm_80+.  Off by default because, as measured
+#: (benchmarks/NOTES.md), their mma.sync main loop reaches only ~180 TFLOP/s on an H200
+#: against cuBLAS's ~515-820, so the cuBLAS + row-kernel path is faster today.
+USE_TILES = os.environ.get("CUPYNCE_TILES", "0") == "1"
 _TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 _TILE_THREADS = 256
 #: dynamic shared memory of a tile CTA: TSTAGES x (TBM + TBN) x TLD x 2 bytes (TSMEM_BYTES in

@@ -383,7 +383,15 @@ HALF = [np.dtype(np.float16), BF16]
 TILE_CASES = [("nt_xent", None), ("info_nce", None), ("info_nce", "shared"), ("clip_loss", None)]
 
 
-def test_tile_path_is_taken_for_aligned_half_inputs():
+@pytest.fixture
+def tiles_on(monkeypatch):
+    """Force the (opt-in) tile kernels on for one test."""
+    from cupynce import contrastive as C
+
+    monkeypatch.setattr(C, "USE_TILES", True)
+
+
+def test_tile_path_is_taken_for_aligned_half_inputs(tiles_on):
     from cupynce import contrastive as C
 
     x = cp.zeros((64, 64), cp.float16)
@@ -397,7 +405,7 @@ def test_tile_path_is_taken_for_aligned_half_inputs():
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("n,d", [(42, 64), (300, 40), (1030, 136)])
 @pytest.mark.parametrize("op,neg", TILE_CASES)
-def test_tiles_against_reference(op, neg, n, d, normalize, reduction, dtype):
+def test_tiles_against_reference(op, neg, n, d, normalize, reduction, dtype, tiles_on):
     rng = np.random.default_rng(zlib.crc32(f"tiles{op}{neg}{n}{dtype}{reduction}{normalize}".encode()))
     inputs = make_case(op, dtype, n, d, rng, neg, m=130, scale=1 / np.sqrt(d))
     kw = dict(t=0.1, reduction=reduction, normalize=normalize)
@@ -410,6 +418,7 @@ def test_tiles_agree_with_cublas_path(op, neg, dtype, monkeypatch):
     """Same inputs through the tile kernels and through cuBLAS + row kernels."""
     from cupynce import contrastive as C
 
+    monkeypatch.setattr(C, "USE_TILES", True)
     rng = np.random.default_rng(3)
     n = 520
     inputs = make_case(op, dtype, n, 64, rng, neg, m=70, scale=0.125)
@@ -426,9 +435,13 @@ def test_tiles_agree_with_cublas_path(op, neg, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
 @pytest.mark.parametrize("op,neg", CASES)
-def test_backward_from_stats_gpu(op, neg, dtype):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_backward_from_stats_gpu(op, neg, dtype, tiles, monkeypatch):
     """The O(N)-state backward (used by cupynce.torch) equals the context backward, bitwise
     for the recompute path ("none") and to rounding for the fused mean path."""
+    from cupynce import contrastive as C
+
+    monkeypatch.setattr(C, "USE_TILES", tiles)
     rng = np.random.default_rng(17)
     n = 260
     inputs = make_case(op, dtype, n, 64, rng, neg)
@@ -471,3 +484,23 @@ def test_tile_smem_constant_matches_kernel():
     out = cp.zeros((1,), cp.int32)
     get_kernel(C._TILES, "tile_smem", cp.float16)((1,), (1,), (out,))
     assert int(out[0]) == C._TILE_SMEM
+
+
+@pytest.mark.parametrize("op,neg", TILE_CASES)
+def test_tiles_deterministic_and_nan(op, neg, tiles_on):
+    rng = np.random.default_rng(23)
+    n = 1030
+    inputs = make_case(op, BF16, n, 96, rng, neg, m=40)
+    kw = dict(t=0.1, reduction="none", normalize=True)
+    g = grad_for("none", n, rng)
+    runs = [run_cupynce(op, inputs, kw, g, workspace_bytes=300 * 1104 * 2) for _ in range(3)]
+    for other in runs[1:]:
+        assert bool((other[0] == runs[0][0]).all())
+        for a, b in zip(other[1], runs[0][1]):
+            if a is not None:
+                assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all()), f"{op}: not bitwise"
+    bad = [x.copy() if x is not None else None for x in inputs]
+    bad[0][5, 3] = np.nan
+    kw["reduction"] = "mean"
+    loss, _ = run_cupynce(op, bad, kw, 1.0)
+    assert np.isnan(float(loss)), f"{op}: NaN input must give a NaN loss on the tile path"
