@@ -177,3 +177,14 @@ def check_grad_loss(op: str, grad_loss: Any, reduction: str, n: int, xp: ModuleT
                          f"(real or 0-d {xp.__name__} array), got {got}")
     check_float(op, "grad_loss", grad_loss)
     return grad_loss
+
+
+def check_positive_finite(op: str, name: str, value: Any) -> float:
+    """A Python/NumPy real scalar, finite and > 0 (module hyper-parameters: ``init_temperature``,
+    ``max_logit_scale``); ``check_temperature`` is this check for the ops' ``temperature``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or v <= 0.0:
+        raise ValueError(f"{op}: {name} must be finite and > 0, got {value!r}")
+    return v

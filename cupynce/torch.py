@@ -1,0 +1,641 @@
+"""cupynce for PyTorch: the InfoNCE family as torch custom ops, autograd and ``nn.Module`` s.
+
+``import cupynce.torch`` (``import cupynce`` alone never imports torch).  CUDA tensors run
+cupynce's CUDA kernels and cuBLAS products through DLPack — zero copy, on the tensors' device
+and torch's current stream, with memory from torch's caching allocator; CPU tensors run the
+NumPy path.  No compiled extension, no torch build to match.
+
+Functions (same names and arguments as the functional API; tensors in, tensors out;
+autograd through every tensor input):
+
+* :func:`nt_xent` — SimCLR's NT-Xent, z (2B, D)
+* :func:`info_nce` — query/key InfoNCE, shared (M, D) or per-query (N, M, D) negatives
+* :func:`clip_loss` — CLIP's symmetric loss; ``logit_scale`` a real or a tensor (learnable)
+
+Modules: :class:`InfoNCELoss` (= :class:`NTXentLoss`, CuBlaze's interface),
+:class:`InfoNCEFunction` (its autograd Function), :class:`InfoNCE` (info-nce-pytorch's
+query/key interface), :class:`ClipLoss` (= :class:`SymmetricInfoNCE`, learnable temperature).
+
+How it is wired
+---------------
+Each loss is two torch custom ops (``torch.library.custom_op``, torch >= 2.4):
+``cupynce::<op>_fwd`` returns the loss and the O(N) row log-sum-exps, and
+``cupynce::<op>_bwd`` rebuilds the gradients from the inputs and those statistics
+(``cupynce.<op>_backward_from_stats``).  ``register_autograd`` connects them: the forward
+saves the inputs (references, no copy) and the statistics — never an N×N matrix nor an N×D
+gradient — and only when a gradient is required.  Both have ``register_fake`` shapes, so a
+``torch.compile`` d training step traces the forward and the backward without a graph break.
+On torch < 2.4 the same kernels run through plain ``torch.autograd.Function`` s (eager only).
+Double backward is not supported.
+
+torch.autocast
+--------------
+Inside an autocast region for the inputs' device type, the embeddings (z; query, key,
+negatives; a, b) are cast to the autocast dtype before the kernels run, as autocast casts
+the operands of a matmul: float16 / bfloat16 inputs pass through untouched (no copy), float32
+ones are cast down once (O(N·D)); float64 is left alone.  ``logit_scale`` is never cast.  The
+loss is float32 and the gradients return in each input's dtype (autograd casts back through
+the ``.to``).  Registered as the ops' AutocastCPU / AutocastCUDA kernels, which read the
+*current* autocast dtype; on the torch < 2.4 fallback the inputs go to the kernels as they come.
+
+Synchronisation
+---------------
+None in forward or backward: only shapes, dtypes and devices are read on the host; device
+scalars (``logit_scale``, ``grad_output``) stay on the device.
+"""
+import math
+import numbers
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import _checks, contrastive
+from . import _torch_bridge as _b
+
+__all__ = [
+    "nt_xent", "info_nce", "clip_loss",
+    "InfoNCELoss", "NTXentLoss", "InfoNCEFunction", "InfoNCE", "ClipLoss", "SymmetricInfoNCE",
+    "HAS_CUSTOM_OPS", "MIN_TORCH_CUSTOM_OPS",
+]
+
+#: torch.library.custom_op / register_fake / register_autograd / get_autocast_dtype.
+MIN_TORCH_CUSTOM_OPS = "2.4"
+#: True when the losses are torch custom ops (torch >= 2.4); False: autograd.Function fallback.
+HAS_CUSTOM_OPS = all(hasattr(torch.library, f) for f in ("custom_op", "register_fake")) \
+    and hasattr(torch, "get_autocast_dtype")
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The loss / statistics dtype: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ------------------------------------------------------------------------------------------
+# kernels on tensors: one core call each, no autograd (the bodies of the custom ops)
+# ------------------------------------------------------------------------------------------
+# The forwards call the core with reduction="none" and reduce here (``contrastive._reduce``,
+# the core's own reduction): with "mean"/"sum" and requires_grad=True the core would also
+# compute the unit-weight gradient in the forward pass, which the ops do not keep.
+
+def _nt_xent_fwd(z: Tensor, temperature: float, reduction: str, normalize: bool,
+                 workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """(loss, lse): the loss (0-d, or (2B,) for "none") and the (2B,) row log-sum-exps."""
+    with _b.device_scope(z.device):
+        zx = _b.array_of(z)
+        rows, ctx = contrastive.nt_xent_forward(
+            zx, temperature, reduction="none", normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=True)
+        loss = contrastive._reduce(ctx.xp, rows, reduction)
+        return _b.tensor_of(loss), _b.tensor_of(ctx.stats[0])
+
+
+def _nt_xent_bwd(z: Tensor, lse: Tensor, grad_loss: Tensor, temperature: float, reduction: str,
+                 normalize: bool, workspace_bytes: Optional[int]) -> Tensor:
+    """dz (2B, D) in z's dtype, for the upstream gradient ``grad_loss`` (0-d or (2B,))."""
+    with _b.device_scope(z.device):
+        dz = contrastive.nt_xent_backward_from_stats(
+            _b.array_of(z), _b.array_of(lse), _b.array_of(grad_loss), temperature=temperature,
+            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes)
+        return _b.tensor_of(dz)
+
+
+def _info_nce_fwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], temperature: float,
+                  reduction: str, normalize: bool,
+                  workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """(loss, lse): the loss (0-d, or (N,) for "none") and the (N,) row log-sum-exps."""
+    with _b.device_scope(query.device):
+        rows, ctx = contrastive.info_nce_forward(
+            _b.array_of(query), _b.array_of(key), temperature, negatives=_b.array_of(negatives),
+            reduction="none", normalize=normalize, workspace_bytes=workspace_bytes,
+            requires_grad=True)
+        loss = contrastive._reduce(ctx.xp, rows, reduction)
+        return _b.tensor_of(loss), _b.tensor_of(ctx.stats[0])
+
+
+def _info_nce_bwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], lse: Tensor,
+                  grad_loss: Tensor, temperature: float, reduction: str, normalize: bool,
+                  workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dquery, dkey, dnegatives); dnegatives is an empty (0,) tensor without negatives."""
+    with _b.device_scope(query.device):
+        dq, dk, dn = contrastive.info_nce_backward_from_stats(
+            _b.array_of(query), _b.array_of(key), _b.array_of(negatives), _b.array_of(lse),
+            _b.array_of(grad_loss), temperature=temperature, reduction=reduction,
+            normalize=normalize, workspace_bytes=workspace_bytes)
+        dn = query.new_empty((0,)) if dn is None else _b.tensor_of(dn)  # ops return tensors
+        return _b.tensor_of(dq), _b.tensor_of(dk), dn
+
+
+def _clip_loss_fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
+                   reduction: str, normalize: bool,
+                   workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(loss, lse_rows, lse_cols).  ``logit_scale`` is the tensor, or None and the real
+    ``logit_scale_value`` is used (a Python float never becomes a device tensor)."""
+    with _b.device_scope(a.device):
+        ls = logit_scale_value if logit_scale is None else _b.array_of(logit_scale)
+        rows, ctx = contrastive.clip_loss_forward(
+            _b.array_of(a), _b.array_of(b), ls, reduction="none", normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=True)
+        loss = contrastive._reduce(ctx.xp, rows, reduction)
+        lse_r, lse_c = ctx.stats
+        return _b.tensor_of(loss), _b.tensor_of(lse_r), _b.tensor_of(lse_c)
+
+
+def _clip_loss_bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
+                   lse_r: Tensor, lse_c: Tensor, grad_loss: Tensor, reduction: str,
+                   normalize: bool,
+                   workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(da, db, dlogit_scale); dlogit_scale has logit_scale's shape and dtype (0-d float32 /
+    float64 when a real was given)."""
+    with _b.device_scope(a.device):
+        ls = logit_scale_value if logit_scale is None else _b.array_of(logit_scale)
+        da, db, dls = contrastive.clip_loss_backward_from_stats(
+            _b.array_of(a), _b.array_of(b), ls, _b.array_of(lse_r), _b.array_of(lse_c),
+            _b.array_of(grad_loss), reduction=reduction, normalize=normalize,
+            workspace_bytes=workspace_bytes)
+        return _b.tensor_of(da), _b.tensor_of(db), _b.tensor_of(dls)
+
+
+# ------------------------------------------------------------------------------------------
+# shapes for torch.compile (FakeTensor): must match what the kernels return (contiguous)
+# ------------------------------------------------------------------------------------------
+def _loss_like(x: Tensor, reduction: str) -> Tensor:
+    return x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=_acc(x.dtype))
+
+
+def _stat_like(x: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0],), dtype=_acc(x.dtype))
+
+
+def _nt_xent_fwd_fake(z, temperature, reduction, normalize, workspace_bytes):
+    return _loss_like(z, reduction), _stat_like(z)
+
+
+def _nt_xent_bwd_fake(z, lse, grad_loss, temperature, reduction, normalize, workspace_bytes):
+    return z.new_empty(z.shape)
+
+
+def _info_nce_fwd_fake(query, key, negatives, temperature, reduction, normalize,
+                       workspace_bytes):
+    return _loss_like(query, reduction), _stat_like(query)
+
+
+def _info_nce_bwd_fake(query, key, negatives, lse, grad_loss, temperature, reduction,
+                       normalize, workspace_bytes):
+    dn = query.new_empty((0,)) if negatives is None else negatives.new_empty(negatives.shape)
+    return query.new_empty(query.shape), key.new_empty(key.shape), dn
+
+
+def _clip_loss_fwd_fake(a, b, logit_scale, logit_scale_value, reduction, normalize,
+                        workspace_bytes):
+    return _loss_like(a, reduction), _stat_like(a), _stat_like(a)
+
+
+def _clip_loss_bwd_fake(a, b, logit_scale, logit_scale_value, lse_r, lse_c, grad_loss,
+                        reduction, normalize, workspace_bytes):
+    dls = a.new_empty((), dtype=_acc(a.dtype)) if logit_scale is None else \
+        logit_scale.new_empty(logit_scale.shape)
+    return a.new_empty(a.shape), b.new_empty(b.shape), dls
+
+
+# ------------------------------------------------------------------------------------------
+# autograd: setup_context / backward, shared by the custom ops and the fallback Functions
+# ------------------------------------------------------------------------------------------
+# ``backward`` calls ``_BWD[op]``: the backward custom op (so torch.compile traces it into the
+# backward graph) or, on old torch, the plain function.  grad_output may be an expanded
+# (stride-0) tensor; the kernels get it contiguous.
+_BWD = {"nt_xent": _nt_xent_bwd, "info_nce": _info_nce_bwd, "clip_loss": _clip_loss_bwd}
+
+
+def _nt_xent_setup(ctx, inputs, output) -> None:
+    z, temperature, reduction, normalize, workspace_bytes = inputs
+    ctx.save_for_backward(z, output[1])
+    ctx.args = (temperature, reduction, normalize, workspace_bytes)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _nt_xent_backward(ctx, grad_loss, _grad_lse):
+    z, lse = ctx.saved_tensors
+    dz = None
+    if ctx.needs_input_grad[0]:
+        dz = _BWD["nt_xent"](z, lse, grad_loss.contiguous(), *ctx.args)
+    return dz, None, None, None, None
+
+
+def _info_nce_setup(ctx, inputs, output) -> None:
+    query, key, negatives, temperature, reduction, normalize, workspace_bytes = inputs
+    ctx.save_for_backward(query, key, negatives, output[1])
+    ctx.args = (temperature, reduction, normalize, workspace_bytes)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _info_nce_backward(ctx, grad_loss, _grad_lse):
+    query, key, negatives, lse = ctx.saved_tensors
+    dq = dk = dn = None
+    if any(ctx.needs_input_grad[:3]):
+        dq, dk, dn = _BWD["info_nce"](query, key, negatives, lse, grad_loss.contiguous(),
+                                      *ctx.args)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None,
+            dn if need[2] and negatives is not None else None, None, None, None, None)
+
+
+def _clip_loss_setup(ctx, inputs, output) -> None:
+    a, b, logit_scale, logit_scale_value, reduction, normalize, workspace_bytes = inputs
+    ctx.save_for_backward(a, b, logit_scale, output[1], output[2])
+    ctx.args = (logit_scale_value, reduction, normalize, workspace_bytes)
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _clip_loss_backward(ctx, grad_loss, _grad_lse_r, _grad_lse_c):
+    a, b, logit_scale, lse_r, lse_c = ctx.saved_tensors
+    ls_value, reduction, normalize, workspace_bytes = ctx.args
+    da = db = dls = None
+    if any(ctx.needs_input_grad[:3]):
+        da, db, dls = _BWD["clip_loss"](a, b, logit_scale, ls_value, lse_r, lse_c,
+                                        grad_loss.contiguous(), reduction, normalize,
+                                        workspace_bytes)
+    need = ctx.needs_input_grad
+    return (da if need[0] else None, db if need[1] else None,
+            dls if need[2] and logit_scale is not None else None, None, None, None, None)
+
+
+def _fallback(name: str, fwd, setup, backward) -> type:
+    """A ``torch.autograd.Function`` over the same kernels (torch < 2.4, and tests)."""
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(fwd), "setup_context": staticmethod(setup),
+        "backward": staticmethod(backward), "__doc__": f"Eager autograd for {fwd.__name__}."})
+
+
+_NTXentFunction = _fallback("_NTXentFunction", _nt_xent_fwd, _nt_xent_setup, _nt_xent_backward)
+_InfoNCEFunction = _fallback("_InfoNCEFunction", _info_nce_fwd, _info_nce_setup,
+                             _info_nce_backward)
+_ClipLossFunction = _fallback("_ClipLossFunction", _clip_loss_fwd, _clip_loss_setup,
+                              _clip_loss_backward)
+
+# ------------------------------------------------------------------------------------------
+# custom ops (torch >= 2.4)
+# ------------------------------------------------------------------------------------------
+_autocast_lib = None  # keeps the Autocast* kernel registrations alive
+
+
+def _register_autocast(qualname: str, cast_positions: Tuple[int, ...]) -> None:
+    """AutocastCPU / AutocastCUDA kernels for ``qualname``: the embeddings at
+    ``cast_positions`` go to the *current* autocast dtype (``torch.library.register_autocast``
+    fixes one dtype at registration and would also cast logit_scale), then the op runs with
+    autocast excluded, as torch's own ``register_autocast`` kernel does."""
+    global _autocast_lib
+    if _autocast_lib is None:
+        _autocast_lib = torch.library.Library("cupynce", "FRAGMENT")
+    op = torch._library.utils.lookup_op(qualname)
+    for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+        exclude = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(_keyset, *args, _device_type=device_type, _exclude=exclude):
+            dtype = torch.get_autocast_dtype(_device_type)
+            args = tuple(
+                a.to(dtype) if i in cast_positions and isinstance(a, Tensor)
+                and a.is_floating_point() and a.dtype != torch.float64
+                and a.device.type == _device_type else a
+                for i, a in enumerate(args))
+            with torch._C._ExcludeDispatchKeyGuard(_exclude):
+                return op(*args)
+
+        _autocast_lib.impl(qualname.split("::")[1], kernel, key, with_keyset=True)
+
+
+def _custom_op(name: str, fn, fake, *, setup=None, backward=None, autocast=()):
+    op = torch.library.custom_op(f"cupynce::{name}", fn, mutates_args=())
+    op.register_fake(fake)
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup)
+    if autocast:
+        _register_autocast(f"cupynce::{name}", autocast)
+    return op
+
+
+if HAS_CUSTOM_OPS:
+    _BWD = {
+        "nt_xent": _custom_op("nt_xent_bwd", _nt_xent_bwd, _nt_xent_bwd_fake),
+        "info_nce": _custom_op("info_nce_bwd", _info_nce_bwd, _info_nce_bwd_fake),
+        "clip_loss": _custom_op("clip_loss_bwd", _clip_loss_bwd, _clip_loss_bwd_fake),
+    }
+    _NT_XENT = _custom_op("nt_xent_fwd", _nt_xent_fwd, _nt_xent_fwd_fake, setup=_nt_xent_setup,
+                          backward=_nt_xent_backward, autocast=(0,))
+    _INFO_NCE = _custom_op("info_nce_fwd", _info_nce_fwd, _info_nce_fwd_fake,
+                           setup=_info_nce_setup, backward=_info_nce_backward, autocast=(0, 1, 2))
+    _CLIP_LOSS = _custom_op("clip_loss_fwd", _clip_loss_fwd, _clip_loss_fwd_fake,
+                            setup=_clip_loss_setup, backward=_clip_loss_backward,
+                            autocast=(0, 1))
+else:  # pragma: no cover - exercised only on torch < 2.4
+    _NT_XENT = _NTXentFunction.apply
+    _INFO_NCE = _InfoNCEFunction.apply
+    _CLIP_LOSS = _ClipLossFunction.apply
+
+
+# ------------------------------------------------------------------------------------------
+# public functions
+# ------------------------------------------------------------------------------------------
+def _scalars(op: str, reduction: str, workspace_bytes: Optional[int]) -> Tuple[str, Optional[int]]:
+    """The functional API's checks of the non-tensor arguments (same messages)."""
+    return _checks.check_reduction(op, reduction), _checks.check_workspace(op, workspace_bytes)
+
+
+def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
+            normalize: bool = False, workspace_bytes: Optional[int] = None) -> Tensor:
+    """SimCLR's NT-Xent loss of ``z`` (2B, D), differentiable w.r.t. ``z``.
+
+    Parameters
+    ----------
+    z : Tensor (2B, D), float16 / bfloat16 / float32 / float64, CPU or CUDA
+        The two views stacked: rows ``i`` and ``(i + B) mod 2B`` are a positive pair.
+    temperature : float > 0, default 0.5
+    reduction : "mean" (default) | "sum" | "none"
+    normalize : bool, default False
+        L2-normalise the rows first (as ``F.normalize``); the gradient goes through it.
+    workspace_bytes : int, optional
+        Cap on the score-block workspace (CUDA); default ``min(1 GiB, half the free memory)``.
+
+    Returns
+    -------
+    Tensor: 0-d (mean/sum) or (2B,) (none); float32 (float64 for float64 ``z``).
+
+    Notes
+    -----
+    With S = ẑ ẑᵀ / τ and p(i) = (i + B) mod 2B: ``loss_i = log Σ_{j≠i} exp(S_ij) − S_{i,p(i)}``,
+    i.e. ``F.cross_entropy(masked_fill(ẑ ẑᵀ, eye, -inf) / τ, p)``.  Forward keeps z and the
+    (2B,) row log-sum-exps for the backward; memory stays O(N·D) (the score matrix is
+    processed in row blocks).
+    """
+    t = _checks.check_temperature("nt_xent", temperature)
+    reduction, workspace_bytes = _scalars("nt_xent", reduction, workspace_bytes)
+    _b.check_tensors("nt_xent", z=z)
+    return _NT_XENT(z, t, reduction, bool(normalize), workspace_bytes)[0]
+
+
+def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
+             negatives: Optional[Tensor] = None, reduction: str = "mean",
+             normalize: bool = False, workspace_bytes: Optional[int] = None) -> Tensor:
+    """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
+
+    Parameters
+    ----------
+    query, key : Tensor (N, D), paired by row: key i is query i's positive, the other N − 1
+        keys its in-batch negatives.
+    temperature : float > 0, default 0.1
+    negatives : Tensor, optional
+        (M, D) shared by every query, or (N, M, D) per query; differentiable.
+    reduction, normalize, workspace_bytes : as for :func:`nt_xent` (``normalize`` applies to
+        query, key and negatives alike).
+
+    Returns
+    -------
+    Tensor: 0-d (mean/sum) or (N,) (none); float32 (float64 for float64 inputs).
+
+    Notes
+    -----
+    ``loss_i = log Σ_{c ∈ C_i} exp(q̂_i·ĉ/τ) − q̂_i·k̂_i/τ`` with C_i = all keys, the shared
+    negatives and query i's own negatives.  (info-nce-pytorch drops the in-batch keys when
+    explicit negatives are given; here they always count.)
+    """
+    t = _checks.check_temperature("info_nce", temperature)
+    reduction, workspace_bytes = _scalars("info_nce", reduction, workspace_bytes)
+    _b.check_tensors("info_nce", optional=("negatives",), query=query, key=key,
+                     negatives=negatives)
+    return _INFO_NCE(query, key, negatives, t, reduction, bool(normalize), workspace_bytes)[0]
+
+
+def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean",
+              normalize: bool = False, workspace_bytes: Optional[int] = None) -> Tensor:
+    """CLIP's symmetric contrastive loss, differentiable w.r.t. a, b and a tensor logit_scale.
+
+    Parameters
+    ----------
+    a, b : Tensor (N, D) — e.g. image and text embeddings; pair i is (a_i, b_i).
+    logit_scale : real, or Tensor of shape () or (1,) on a's device
+        Log inverse temperature: the logits are ``exp(logit_scale) · â b̂ᵀ``.  A tensor is a
+        differentiable input (CLIP's learnable temperature) and is never read on the host;
+        clamping it is the caller's business (:class:`ClipLoss` does it).
+    reduction : "mean" (default) | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2)
+    normalize, workspace_bytes : as for :func:`nt_xent`.
+
+    Returns
+    -------
+    Tensor: 0-d (mean/sum) or (N,) (none); float32 (float64 for float64 inputs).
+
+    Notes
+    -----
+    ``L = exp(logit_scale) · â b̂ᵀ``; ``loss = (CE(L, arange) + CE(Lᵀ, arange)) / 2`` as in
+    CLIP / open_clip.  Forward keeps a, b, logit_scale and the row and column log-sum-exps.
+    """
+    op = "clip_loss"
+    reduction, workspace_bytes = _scalars(op, reduction, workspace_bytes)
+    if isinstance(logit_scale, Tensor):
+        _b.check_tensors(op, a=a, b=b, logit_scale=logit_scale)
+        ls_tensor, ls_value = logit_scale, 0.0
+    elif isinstance(logit_scale, numbers.Real):
+        _b.check_tensors(op, a=a, b=b)
+        ls_tensor, ls_value = None, _checks.check_logit_scale(op, logit_scale, None)[0]
+    else:
+        raise TypeError(f"{op}: logit_scale must be a real number or a torch.Tensor of shape () "
+                        f"or (1,), got {type(logit_scale).__module__}."
+                        f"{type(logit_scale).__name__}")
+    return _CLIP_LOSS(a, b, ls_tensor, ls_value, reduction, bool(normalize), workspace_bytes)[0]
+
+
+# ------------------------------------------------------------------------------------------
+# modules
+# ------------------------------------------------------------------------------------------
+def _check_bool(op: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+class InfoNCEFunction(torch.autograd.Function):
+    """CuBlaze's autograd Function: ``InfoNCEFunction.apply(features, temperature, use_cublas)``.
+
+    features (2B, D) → the mean NT-Xent loss (0-d float32 / float64), as :func:`nt_xent`
+    without normalisation (CuBlaze expects L2-normalised features).  ``use_cublas``: see
+    :class:`InfoNCELoss`.  Forward and backward call the same ops as :func:`nt_xent`.
+    """
+
+    @staticmethod
+    def forward(ctx, features: Tensor, temperature: float = 0.5,
+                use_cublas: bool = False) -> Tensor:
+        t = _checks.check_temperature("InfoNCEFunction", temperature)
+        _check_bool("InfoNCEFunction", "use_cublas", use_cublas)
+        _b.check_tensors("InfoNCEFunction", features=features)
+        loss, lse = _NT_XENT(features, t, "mean", False, None)
+        ctx.save_for_backward(features, lse)
+        ctx.temperature = t
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        features, lse = ctx.saved_tensors
+        dz = _BWD["nt_xent"](features, lse, grad_loss.contiguous(), ctx.temperature, "mean",
+                             False, None)
+        return dz, None, None
+
+
+class InfoNCELoss(nn.Module):
+    """SimCLR's NT-Xent loss as CuBlaze's module: ``InfoNCELoss(temperature=0.5, use_cublas=False)``.
+
+    ``forward(features)``: features (2B, D), rows i and (i + B) mod 2B the two views of one
+    sample; returns the loss of :func:`nt_xent` (0-d for "mean"/"sum").  CuBlaze expects
+    L2-normalised features; pass ``normalize=True`` to have the loss normalise them (the
+    gradient goes through the normalisation).  Also exported as :class:`NTXentLoss`.
+
+    ``use_cublas`` is accepted for compatibility with CuBlaze, where it switched between
+    hand-written similarity kernels and cuBLAS.  cupynce has one path: every N×N×D product is
+    a cuBLAS GEMM (``cublasGemmEx``, fp32 accumulation, no TF32; NumPy's matmul on the CPU)
+    or, for float16/bfloat16 where the core selects them, its tensor-core tile kernels, with
+    the fused row kernels in between.  Both values run exactly the same code and give
+    bit-identical results; the flag is validated (a bool), stored and shown in ``repr``.
+
+    Parameters
+    ----------
+    temperature : float > 0, default 0.5
+    use_cublas : bool, default False — no effect (see above)
+    reduction : "mean" (default) | "sum" | "none" (keyword-only)
+    normalize : bool, default False (keyword-only)
+    """
+
+    def __init__(self, temperature: float = 0.5, use_cublas: bool = False, *,
+                 reduction: str = "mean", normalize: bool = False) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.temperature = _checks.check_temperature(name, temperature)
+        self.use_cublas = _check_bool(name, "use_cublas", use_cublas)
+        self.reduction = _checks.check_reduction(name, reduction)
+        self.normalize = _check_bool(name, "normalize", normalize)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return nt_xent(features, self.temperature, reduction=self.reduction,
+                       normalize=self.normalize)
+
+    def extra_repr(self) -> str:
+        return (f"temperature={self.temperature}, use_cublas={self.use_cublas}, "
+                f"reduction={self.reduction!r}, normalize={self.normalize}")
+
+
+#: SimCLR's name for :class:`InfoNCELoss`.
+NTXentLoss = InfoNCELoss
+
+
+class InfoNCE(nn.Module):
+    """Query/key InfoNCE, info-nce-pytorch's interface: ``InfoNCE(temperature=0.1,
+    reduction="mean", negative_mode="unpaired")``, ``forward(query, key, negatives=None)``.
+
+    query, key (N, D) paired by row (in-batch negatives: the other keys).  ``negatives``:
+    with ``negative_mode="unpaired"`` an (M, D) set shared by every query, with ``"paired"``
+    (N, M, D), query i's own M negatives.  Rows are L2-normalised (``normalize=True``, as
+    info-nce-pytorch and the tutorial do); unlike info-nce-pytorch the in-batch keys stay
+    candidates when explicit negatives are given.  See :func:`info_nce`.
+    """
+
+    _MODES = {"unpaired": (2, "(M, D)"), "paired": (3, "(N, M, D)")}
+
+    def __init__(self, temperature: float = 0.1, reduction: str = "mean",
+                 negative_mode: str = "unpaired", *, normalize: bool = True) -> None:
+        super().__init__()
+        self.temperature = _checks.check_temperature("InfoNCE", temperature)
+        self.reduction = _checks.check_reduction("InfoNCE", reduction)
+        if negative_mode not in self._MODES:
+            raise ValueError(f"InfoNCE: negative_mode must be one of {tuple(self._MODES)}, "
+                             f"got {negative_mode!r}")
+        self.negative_mode = negative_mode
+        self.normalize = _check_bool("InfoNCE", "normalize", normalize)
+
+    def forward(self, query: Tensor, key: Tensor, negatives: Optional[Tensor] = None) -> Tensor:
+        if isinstance(negatives, Tensor):
+            ndim, shape = self._MODES[self.negative_mode]
+            if negatives.dim() != ndim:
+                raise ValueError(f"InfoNCE: negative_mode={self.negative_mode!r} expects "
+                                 f"negatives of shape {shape}, got {tuple(negatives.shape)}")
+        return info_nce(query, key, self.temperature, negatives=negatives,
+                        reduction=self.reduction, normalize=self.normalize)
+
+    def extra_repr(self) -> str:
+        return (f"temperature={self.temperature}, reduction={self.reduction!r}, "
+                f"negative_mode={self.negative_mode!r}, normalize={self.normalize}")
+
+
+class ClipLoss(nn.Module):
+    """CLIP's symmetric loss with a learnable temperature (the tutorial's LearnableTemperature).
+
+    ``ClipLoss(init_temperature=0.07, learnable=True, max_logit_scale=100.0)``,
+    ``forward(a, b)`` with a, b (N, D).  Also exported as :class:`SymmetricInfoNCE`.
+
+    ``logit_scale`` is an ``nn.Parameter`` (0-d float32) initialised to log(1/τ₀); with
+    ``learnable=False`` it is still a Parameter (same ``state_dict``) with
+    ``requires_grad=False``.  The logits are ``exp(logit_scale) · â b̂ᵀ``.
+
+    Clamping, as CLIP: the forward uses ``logit_scale.clamp(0, log(max_logit_scale))`` — the
+    scale stays in [1, max_logit_scale] (temperature in [1/max_logit_scale, 1]) whatever the
+    optimiser did, and the gradient is zero while the value is clamped (``torch.clamp``'s).
+    To also keep the stored parameter in range, call :meth:`clamp_` after
+    ``optimizer.step()`` (open_clip's ``logit_scale.clamp_(0, math.log(100))`` under no_grad).
+
+    Parameters
+    ----------
+    init_temperature : float in [1/max_logit_scale, 1], default 0.07
+    learnable : bool, default True
+    max_logit_scale : float > 1, default 100.0 (CLIP's)
+    reduction : "mean" (default) | "sum" | "none" (keyword-only)
+    normalize : bool, default True (keyword-only) — L2-normalise a and b first, as the
+        tutorial's SymmetricInfoNCE; pass False for embeddings the model already normalised.
+    """
+
+    def __init__(self, init_temperature: float = 0.07, learnable: bool = True,
+                 max_logit_scale: float = 100.0, *, reduction: str = "mean",
+                 normalize: bool = True) -> None:
+        super().__init__()
+        name = type(self).__name__
+        tau = _checks.check_positive_finite(name, "init_temperature", init_temperature)
+        max_scale = _checks.check_positive_finite(name, "max_logit_scale", max_logit_scale)
+        if max_scale <= 1.0:
+            raise ValueError(f"{name}: max_logit_scale must be > 1, got {max_logit_scale!r}")
+        if not 1.0 / max_scale <= tau <= 1.0:
+            raise ValueError(f"{name}: init_temperature must be in [1/max_logit_scale, 1] = "
+                             f"[{1.0 / max_scale:.6g}, 1] (the clamped range), "
+                             f"got {init_temperature!r}")
+        self.max_logit_scale = max_scale
+        self.reduction = _checks.check_reduction(name, reduction)
+        self.normalize = _check_bool(name, "normalize", normalize)
+        learnable = _check_bool(name, "learnable", learnable)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / tau), dtype=torch.float32),
+                                        requires_grad=learnable)
+
+    @property
+    def learnable(self) -> bool:
+        return self.logit_scale.requires_grad
+
+    def clamped_logit_scale(self) -> Tensor:
+        """``logit_scale.clamp(0, log(max_logit_scale))``: what the forward uses (differentiable)."""
+        return self.logit_scale.clamp(0.0, math.log(self.max_logit_scale))
+
+    @property
+    def temperature(self) -> Tensor:
+        """The current temperature ``exp(-clamped logit_scale)``: a detached 0-d tensor on the
+        parameter's device (no host synchronisation; ``float(loss_fn.temperature)`` to log)."""
+        return torch.exp(-self.clamped_logit_scale().detach())
+
+    @torch.no_grad()
+    def clamp_(self) -> "ClipLoss":
+        """Clamp the stored ``logit_scale`` in place to [0, log(max_logit_scale)] (after a step)."""
+        self.logit_scale.clamp_(0.0, math.log(self.max_logit_scale))
+        return self
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return clip_loss(a, b, self.clamped_logit_scale(), reduction=self.reduction,
+                         normalize=self.normalize)
+
+    def extra_repr(self) -> str:
+        return (f"learnable={self.learnable}, max_logit_scale={self.max_logit_scale}, "
+                f"reduction={self.reduction!r}, normalize={self.normalize}")
+
+
+#: The tutorial's name for :class:`ClipLoss`.
+SymmetricInfoNCE = ClipLoss
