@@ -100,12 +100,7 @@ def check_same_dtype(op: str, **arrays: Any) -> None:
 
 def check_temperature(op: str, temperature: Any) -> float:
     """A Python/NumPy real scalar, finite and > 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"{op}: temperature must be a real number, got {type(temperature).__name__}")
-    t = float(temperature)
-    if not math.isfinite(t) or t <= 0.0:
-        raise ValueError(f"{op}: temperature must be finite and > 0, got {temperature!r}")
-    return t
+    return check_positive_finite(op, "temperature", temperature)
 
 
 def check_reduction(op: str, reduction: Any) -> str:
@@ -181,7 +176,7 @@ def check_grad_loss(op: str, grad_loss: Any, reduction: str, n: int, xp: ModuleT
 
 def check_positive_finite(op: str, name: str, value: Any) -> float:
     """A Python/NumPy real scalar, finite and > 0 (module hyper-parameters: ``init_temperature``,
-    ``max_logit_scale``); ``check_temperature`` is this check for the ops' ``temperature``."""
+    ``max_logit_scale``, and the ops' ``temperature``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
     v = float(value)

@@ -727,6 +727,17 @@ def _check_info_nce(query, key, negatives, temperature, reduction, workspace_byt
     return xp, t
 
 
+def _prep_info_nce(xp, path, query, key, negatives, normalize: bool):
+    """(laid-out inputs, their norms, (q̂, k̂, shared negatives, per-query negatives))."""
+    query, key, negatives = _contig_inputs(xp, query, key, negatives)
+    qn, nq = _prep(xp, path, query, normalize)
+    kn, nk = _prep(xp, path, key, normalize)
+    negn, nneg = _prep(xp, path, negatives, normalize)
+    neg_s = negn if negatives is not None and negatives.ndim == 2 else None
+    neg_p = negn if negatives is not None and negatives.ndim == 3 else None
+    return (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p)
+
+
 def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
                      reduction: str = "mean", normalize: bool = False,
                      workspace_bytes: Optional[int] = None,
@@ -756,12 +767,8 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     xp, t = _check_info_nce(query, key, negatives, temperature, reduction, workspace_bytes)
     path = _Path(xp)
     n = query.shape[0]
-    query, key, negatives = _contig_inputs(xp, query, key, negatives)
-    qn, nq = _prep(xp, path, query, normalize)
-    kn, nk = _prep(xp, path, key, normalize)
-    negn, nneg = _prep(xp, path, negatives, normalize)
-    neg_s = negn if negatives is not None and negatives.ndim == 2 else None
-    neg_p = negn if negatives is not None and negatives.ndim == 3 else None
+    (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_info_nce(
+        xp, path, query, key, negatives, normalize)
     fused = requires_grad and reduction != "none"
     lse, loss, grads = path.rows(
         qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
@@ -809,12 +816,8 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
     n = query.shape[0]
     _check_stats("info_nce", xp, n, query.dtype, lse=lse)
     path = _Path(xp)
-    query, key, negatives = _contig_inputs(xp, query, key, negatives)
-    qn, nq = _prep(xp, path, query, normalize)
-    kn, nk = _prep(xp, path, key, normalize)
-    negn, nneg = _prep(xp, path, negatives, normalize)
-    neg_s = negn if negatives is not None and negatives.ndim == 2 else None
-    neg_p = negn if negatives is not None and negatives.ndim == 3 else None
+    (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_info_nce(
+        xp, path, query, key, negatives, normalize)
     ctx = Context("info_nce", reduction, n, xp, stats=(lse,), saved=dict(
         x=(query, key, negatives), norms=(nq, nk, nneg), xn=(qn, kn, neg_s, neg_p), lse=lse,
         t=t, ws=workspace_bytes))
