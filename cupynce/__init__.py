@@ -6,6 +6,7 @@ path; ``cupynce.torch`` wraps them for PyTorch):
 * :func:`nt_xent` — SimCLR's NT-Xent, z (2B, D), positive i <-> (i + B) mod 2B
 * :func:`info_nce` — query/key InfoNCE with in-batch and optional explicit negatives
 * :func:`clip_loss` — CLIP's symmetric loss with a learnable ``logit_scale``
+* :func:`splade_pool` — SPLADE's max-pooled vocabulary head (+ :func:`flops_regularizer`)
 
 Each has ``*_forward`` (loss and a context) and ``*_backward(ctx, grad_loss)`` (gradients);
 ``*_backward_from_stats`` rebuilds the gradients from the inputs and the O(N) ``ctx.stats``.
@@ -28,10 +29,20 @@ from .contrastive import (
     nt_xent_backward_from_stats,
     nt_xent_forward,
 )
+from .splade import (
+    flops_regularizer,
+    flops_regularizer_backward,
+    splade_pool,
+    splade_pool_backward,
+    splade_pool_backward_from_stats,
+    splade_pool_forward,
+)
 
 __all__ = [
     "__version__", "Context", "KernelCompileError", "SUPPORTED_DTYPES",
     "nt_xent", "nt_xent_forward", "nt_xent_backward", "nt_xent_backward_from_stats",
     "info_nce", "info_nce_forward", "info_nce_backward", "info_nce_backward_from_stats",
     "clip_loss", "clip_loss_forward", "clip_loss_backward", "clip_loss_backward_from_stats",
+    "splade_pool", "splade_pool_forward", "splade_pool_backward",
+    "splade_pool_backward_from_stats", "flops_regularizer", "flops_regularizer_backward",
 ]

@@ -71,6 +71,8 @@ __device__ __forceinline__ float cpn_exp(float x) { return expf(x); }
 __device__ __forceinline__ double cpn_exp(double x) { return exp(x); }
 __device__ __forceinline__ float cpn_log(float x) { return logf(x); }
 __device__ __forceinline__ double cpn_log(double x) { return log(x); }
+__device__ __forceinline__ float cpn_log1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double cpn_log1p(double x) { return log1p(x); }
 __device__ __forceinline__ float cpn_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double cpn_sqrt(double x) { return sqrt(x); }
 template <typename A> __device__ __forceinline__ A cpn_inf();

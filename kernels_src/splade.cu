@@ -1,0 +1,272 @@
+// cupynce SPLADE head kernels: the max over the sequence around cuBLAS logit tiles, and the
+// sparse backward over the active (b, v) entries.
+//
+//   out[b, v] = act(max_{l : mask[b, l]} (x[b, l, :] . W[v, :]) + bias[v]),  act = relu | log1p∘relu
+//
+// Naming: extern "C" wrappers `cpn_<stage>_<index>_<dtype>`, index in {i16, i32} (the type of
+// the stored arg-max), dtype in {f16, bf16, f32, f64}.  T is the storage type of x, W, bias,
+// out and the gradients; A (float, or double for f64) is every accumulator.
+// Every floating-point reduction is a sequential loop in a fixed order (by b for dW and dbias,
+// by v within each (b, l) for dx): no floating-point atomics, bitwise reproducible results.
+// The only atomics are integer counts (whose result does not depend on the order).
+#include "common.cuh"
+
+#define SPL_ACT_RELU 0
+#define SPL_ACT_LOG1P 1
+// accumulators per thread along D in the gradient kernels (a block covers SPL_DK * CPN_BLOCK)
+#define SPL_DK 4
+
+template <typename A>
+__device__ __forceinline__ A spl_act(A m, int act) {
+    if (m != m) return m;  // NaN stays NaN (a plain relu would turn it into 0)
+    const A r = m > A(0) ? m : A(0);
+    return act == SPL_ACT_LOG1P ? cpn_log1p(r) : r;
+}
+
+// g' = grad_out * act'(m) from the stored output: 1 (relu) or 1 / (1 + m) = exp(-out)
+// (log1p_relu) where out > 0, 0 where out == 0, NaN where out is NaN.
+template <typename A>
+__device__ __forceinline__ A spl_gprime(A out, A g, int act) {
+    if (out != out) return out;
+    if (!(out > A(0))) return A(0);
+    return act == SPL_ACT_LOG1P ? g * cpn_exp(-out) : g;
+}
+
+// Max over the sequence of one logit tile. ws holds the logits of batches [b0, b0 + nb) x
+// vocabulary [v0, v0 + vt): row (bl * L + l), column j, leading dim ldw (cuBLAS output, in T:
+// half inputs are rounded to T before the max, as PyTorch's half matmul does).
+// Grid (ceil(vt / CPN_BLOCK), nb); thread per (b, v); ties go to the lowest l.
+template <typename T, typename I>
+__device__ __forceinline__ void splade_max_body(
+    const T* __restrict__ ws, i64 ldw, int L, int vt, int b0, int v0, int V,
+    const unsigned char* __restrict__ mask, const T* __restrict__ bias, int act,
+    T* __restrict__ out, I* __restrict__ arg)
+{
+    typedef typename Conv<T>::acc A;
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= vt) return;
+    const int bl = blockIdx.y;
+    const int b = b0 + bl;
+    const T* col = ws + (i64)bl * L * ldw + j;
+    const unsigned char* mrow = mask ? mask + (i64)b * L : (const unsigned char*)0;
+    A best = A(0);
+    int win = 0;
+    bool any = false;
+#pragma unroll 4
+    for (int l = 0; l < L; ++l) {
+        if (mrow && !mrow[l]) continue;
+        const A s = Conv<T>::load(col[(i64)l * ldw]);
+        // strict '>' keeps the first (lowest l) of equal values; a NaN wins and stays
+        if (!any || (best == best && (s > best || s != s))) { best = s; win = l; any = true; }
+    }
+    const i64 o = (i64)b * V + v0 + j;
+    A val = A(0);
+    if (any) val = spl_act(best + (bias ? Conv<T>::load(bias[v0 + j]) : A(0)), act);
+    out[o] = Conv<T>::store(val);
+    arg[o] = (I)win;
+}
+
+// dW[v, :] = sum_b g'[b, v] x[b, l*(b, v), :] and dbias[v] = sum_b g'[b, v], in b order.
+// Grid (V, ceil(D / (SPL_DK * CPN_BLOCK))); the block first stages (g', l*) of CPN_BLOCK
+// batches in shared memory, then gathers only the x rows of the active entries.
+template <typename T, typename I>
+__device__ __forceinline__ void splade_dw_body(
+    const T* __restrict__ x, const T* __restrict__ out, const T* __restrict__ g,
+    const I* __restrict__ arg, int B, int L, int D, int V, int act,
+    T* __restrict__ dw, T* __restrict__ dbias)
+{
+    typedef typename Conv<T>::acc A;
+    __shared__ A sg[CPN_BLOCK];
+    __shared__ int sl[CPN_BLOCK];
+    const int v = blockIdx.x;
+    const int d0 = blockIdx.y * (SPL_DK * CPN_BLOCK) + threadIdx.x;
+    A acc[SPL_DK];
+#pragma unroll
+    for (int q = 0; q < SPL_DK; ++q) acc[q] = A(0);
+    A bsum = A(0);
+    for (int bb = 0; bb < B; bb += CPN_BLOCK) {
+        const int b = bb + threadIdx.x;
+        A gp = A(0);
+        int l = 0;
+        if (b < B) {
+            const i64 o = (i64)b * V + v;
+            gp = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act);
+            l = (int)arg[o];
+        }
+        __syncthreads();  // the previous chunk's readers are done
+        sg[threadIdx.x] = gp;
+        sl[threadIdx.x] = l;
+        __syncthreads();
+        const int nb = min(CPN_BLOCK, B - bb);
+        for (int k = 0; k < nb; ++k) {
+            const A w = sg[k];
+            if (w == A(0)) continue;  // inactive (a NaN g' is active and propagates)
+            bsum += w;
+            const T* row = x + ((i64)(bb + k) * L + sl[k]) * D;
+#pragma unroll
+            for (int q = 0; q < SPL_DK; ++q) {
+                const int d = d0 + q * CPN_BLOCK;
+                if (d < D) acc[q] += w * Conv<T>::load(row[d]);
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < SPL_DK; ++q) {
+        const int d = d0 + q * CPN_BLOCK;
+        if (d < D) dw[(i64)v * D + d] = Conv<T>::store(acc[q]);
+    }
+    if (dbias && blockIdx.y == 0 && threadIdx.x == 0) dbias[v] = Conv<T>::store(bsum);
+}
+
+// dx grouping, pass 1: counts[b, l, s] = number of active v of segment s of batch b whose
+// arg-max is l (integer atomics in shared memory: the counts do not depend on the order).
+// Grid (nseg, B); dynamic shared memory L ints.
+template <typename T, typename I>
+__device__ __forceinline__ void splade_count_body(
+    const T* __restrict__ out, const T* __restrict__ g, const I* __restrict__ arg,
+    int V, int L, int seg, int nseg, int act, int* __restrict__ counts)
+{
+    typedef typename Conv<T>::acc A;
+    extern __shared__ int cnt[];
+    const int s = blockIdx.x, b = blockIdx.y;
+    for (int l = threadIdx.x; l < L; l += blockDim.x) cnt[l] = 0;
+    __syncthreads();
+    const int v1 = min(V, (s + 1) * seg);
+    for (int v = s * seg + threadIdx.x; v < v1; v += blockDim.x) {
+        const i64 o = (i64)b * V + v;
+        if (spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act) != A(0))
+            atomicAdd(&cnt[(int)arg[o]], 1);
+    }
+    __syncthreads();
+    for (int l = threadIdx.x; l < L; l += blockDim.x)
+        counts[((i64)b * L + l) * nseg + s] = cnt[l];
+}
+
+// dx grouping, pass 2: a stable counting sort. One warp per (segment s, batch b) walks its
+// v in increasing order, 32 at a time, and writes each active v at
+//   list[b, offset[b, l, s] + (active v of (b, l) in segment s before it)]
+// so that list[b] is ordered by (l, v).  Grid (nseg, B), 32 threads, L ints of shared memory.
+template <typename T, typename I>
+__device__ __forceinline__ void splade_place_body(
+    const T* __restrict__ out, const T* __restrict__ g, const I* __restrict__ arg,
+    int V, int L, int seg, int nseg, int act, const int* __restrict__ offsets,
+    int* __restrict__ list)
+{
+    typedef typename Conv<T>::acc A;
+    extern __shared__ int cur[];
+    const int s = blockIdx.x, b = blockIdx.y, lane = threadIdx.x;
+    for (int l = lane; l < L; l += 32) cur[l] = offsets[((i64)b * L + l) * nseg + s];
+    __syncwarp();
+    const int v1 = min(V, (s + 1) * seg);
+    for (int base = s * seg; base < v1; base += 32) {
+        const int v = base + lane;
+        bool on = false;
+        int l = 0;
+        if (v < v1) {
+            const i64 o = (i64)b * V + v;
+            on = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act) != A(0);
+            l = (int)arg[o];
+        }
+        const unsigned am = __ballot_sync(0xffffffffu, on);
+        if (on) {
+            const unsigned peers = __match_any_sync(am, l);
+            const int rank = __popc(peers & ((1u << lane) - 1u));
+            list[(i64)b * V + cur[l] + rank] = v;
+            __syncwarp(am);  // every peer has read cur[l]
+            if (rank == __popc(peers) - 1) cur[l] += __popc(peers);
+        }
+        __syncwarp();
+    }
+}
+
+// dx[b, l, :] = sum over the active v with l*(b, v) = l, in increasing v, of g'[b, v] W[v, :].
+// W is (V, D) with element strides (sv, sd): a row-major matrix or the transpose of one.
+// Grid (L, B, ceil(D / (SPL_DK * CPN_BLOCK))); every (b, l) is written (zeros when empty).
+template <typename T>
+__device__ __forceinline__ void splade_dx_body(
+    const T* __restrict__ W, i64 sv, i64 sd, const T* __restrict__ out,
+    const T* __restrict__ g, const int* __restrict__ list, const int* __restrict__ excl,
+    const int* __restrict__ incl, int V, int L, int D, int nseg, int act, T* __restrict__ dx)
+{
+    typedef typename Conv<T>::acc A;
+    __shared__ int sv_[CPN_BLOCK];
+    __shared__ A sw_[CPN_BLOCK];
+    const int l = blockIdx.x, b = blockIdx.y;
+    const int d0 = blockIdx.z * (SPL_DK * CPN_BLOCK) + threadIdx.x;
+    const i64 bl = (i64)b * L + l;
+    const int start = excl[bl * nseg];
+    const int end = incl[bl * nseg + nseg - 1];
+    A acc[SPL_DK];
+#pragma unroll
+    for (int q = 0; q < SPL_DK; ++q) acc[q] = A(0);
+    for (int e0 = start; e0 < end; e0 += CPN_BLOCK) {
+        const int e = e0 + threadIdx.x;
+        __syncthreads();
+        if (e < end) {
+            const int v = list[(i64)b * V + e];
+            const i64 o = (i64)b * V + v;
+            sv_[threadIdx.x] = v;
+            sw_[threadIdx.x] = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act);
+        }
+        __syncthreads();
+        const int n = min(CPN_BLOCK, end - e0);
+        for (int k = 0; k < n; ++k) {
+            const A w = sw_[k];
+            const T* row = W + (i64)sv_[k] * sv;
+#pragma unroll
+            for (int q = 0; q < SPL_DK; ++q) {
+                const int d = d0 + q * CPN_BLOCK;
+                if (d < D) acc[q] += w * Conv<T>::load(row[(i64)d * sd]);
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < SPL_DK; ++q) {
+        const int d = d0 + q * CPN_BLOCK;
+        if (d < D) dx[bl * D + d] = Conv<T>::store(acc[q]);
+    }
+}
+
+// ---- extern "C" wrappers, one per (index type, dtype) ----------------------------------
+#define SPL_MAX_ARGS(T, I) const T* ws, i64 ldw, int L, int vt, int b0, int v0, int V,           \
+    const unsigned char* mask, const T* bias, int act, T* out, I* arg
+#define SPL_DW_ARGS(T, I) const T* x, const T* out, const T* g, const I* arg, int B, int L,       \
+    int D, int V, int act, T* dw, T* dbias
+#define SPL_COUNT_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
+    int nseg, int act, int* counts
+#define SPL_PLACE_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
+    int nseg, int act, const int* offsets, int* list
+#define SPL_DEFINE(SUF, T)                                                                   \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_max_i16_##SUF(SPL_MAX_ARGS(T, short))                                             \
+{ splade_max_body<T, short>(ws, ldw, L, vt, b0, v0, V, mask, bias, act, out, arg); }        \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_max_i32_##SUF(SPL_MAX_ARGS(T, int))                                               \
+{ splade_max_body<T, int>(ws, ldw, L, vt, b0, v0, V, mask, bias, act, out, arg); }          \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_dw_i16_##SUF(SPL_DW_ARGS(T, short))                                               \
+{ splade_dw_body<T, short>(x, out, g, arg, B, L, D, V, act, dw, dbias); }                    \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_dw_i32_##SUF(SPL_DW_ARGS(T, int))                                                 \
+{ splade_dw_body<T, int>(x, out, g, arg, B, L, D, V, act, dw, dbias); }                      \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_count_i16_##SUF(SPL_COUNT_ARGS(T, short))                                         \
+{ splade_count_body<T, short>(out, g, arg, V, L, seg, nseg, act, counts); }                  \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_count_i32_##SUF(SPL_COUNT_ARGS(T, int))                                           \
+{ splade_count_body<T, int>(out, g, arg, V, L, seg, nseg, act, counts); }                    \
+extern "C" __global__ void __launch_bounds__(32)                                             \
+cpn_splade_place_i16_##SUF(SPL_PLACE_ARGS(T, short))                                         \
+{ splade_place_body<T, short>(out, g, arg, V, L, seg, nseg, act, offsets, list); }           \
+extern "C" __global__ void __launch_bounds__(32)                                             \
+cpn_splade_place_i32_##SUF(SPL_PLACE_ARGS(T, int))                                           \
+{ splade_place_body<T, int>(out, g, arg, V, L, seg, nseg, act, offsets, list); }             \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_dx_##SUF(const T* W, i64 sv, i64 sd, const T* out, const T* g, const int* list,  \
+    const int* excl, const int* incl, int V, int L, int D, int nseg, int act, T* dx)        \
+{ splade_dx_body<T>(W, sv, sd, out, g, list, excl, incl, V, L, D, nseg, act, dx); }
+
+SPL_DEFINE(f16, f16_t)
+SPL_DEFINE(bf16, bf16_t)
+SPL_DEFINE(f32, float)
+SPL_DEFINE(f64, double)
