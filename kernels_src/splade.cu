@@ -35,7 +35,32 @@ __device__ __forceinline__ A spl_gprime(A out, A g, int act) {
 // Max over the sequence of one logit tile. ws holds the logits of batches [b0, b0 + nb) x
 // vocabulary [v0, v0 + vt): row (bl * L + l), column j, leading dim ldw (cuBLAS output, in T:
 // half inputs are rounded to T before the max, as PyTorch's half matmul does).
-// Grid (ceil(vt / CPN_BLOCK), nb); thread per (b, v); ties go to the lowest l.
+// Block (32, SPL_MAX_SLICES): lane -> the column pair j0 + 2 lane, j0 + 2 lane + 1 (one
+// paired load when ldw is even), warp y -> positions l = y, y + SPL_MAX_SLICES, ...
+// (SPL_MAX_UNROLL rows' loads issued before their compares: the loop is latency-bound
+// otherwise); the slices' (max, arg) are then merged in a fixed order.
+// Grid (ceil(vt / 64), nb).  Ties go to the lowest l; a NaN wins.
+#define SPL_MAX_SLICES 8
+#define SPL_MAX_UNROLL 4
+
+template <typename A>
+struct SplMax {
+    A val;
+    int arg;  // -1: no unmasked position seen
+    __device__ __forceinline__ void add(A s, int l) {  // l increasing within one slice
+        if (arg < 0 || (val == val && (s > val || s != s))) { val = s; arg = l; }
+    }
+    __device__ __forceinline__ void merge(A s, int l) {  // l in any order
+        if (l < 0) return;
+        if (arg < 0) { val = s; arg = l; return; }
+        const bool nan_a = val != val, nan_b = s != s;
+        if (nan_a != nan_b) { if (nan_b) { val = s; arg = l; } return; }
+        if ((!nan_a && s > val) || ((nan_a || s == val) && l < arg)) { val = s; arg = l; }
+    }
+};
+
+template <typename T> struct alignas(2 * sizeof(T)) SplPair { T a, b; };
+
 template <typename T, typename I>
 __device__ __forceinline__ void splade_max_body(
     const T* __restrict__ ws, i64 ldw, int L, int vt, int b0, int v0, int V,
@@ -43,27 +68,62 @@ __device__ __forceinline__ void splade_max_body(
     T* __restrict__ out, I* __restrict__ arg)
 {
     typedef typename Conv<T>::acc A;
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= vt) return;
+    __shared__ A sv[SPL_MAX_SLICES][64];
+    __shared__ int sa[SPL_MAX_SLICES][64];
+    const int lane = threadIdx.x, y = threadIdx.y;
+    const int jj = blockIdx.x * 64 + 2 * lane;  // this lane's first column
+    const bool paired = (ldw & 1) == 0 && jj + 1 < vt;
     const int bl = blockIdx.y;
     const int b = b0 + bl;
-    const T* col = ws + (i64)bl * L * ldw + j;
+    const T* tile = ws + (i64)bl * L * ldw;
     const unsigned char* mrow = mask ? mask + (i64)b * L : (const unsigned char*)0;
-    A best = A(0);
-    int win = 0;
-    bool any = false;
-#pragma unroll 4
-    for (int l = 0; l < L; ++l) {
-        if (mrow && !mrow[l]) continue;
-        const A s = Conv<T>::load(col[(i64)l * ldw]);
-        // strict '>' keeps the first (lowest l) of equal values; a NaN wins and stays
-        if (!any || (best == best && (s > best || s != s))) { best = s; win = l; any = true; }
+    SplMax<A> st[2];
+    st[0].val = st[1].val = A(0);
+    st[0].arg = st[1].arg = -1;
+    for (int l0 = y; l0 < L; l0 += SPL_MAX_SLICES * SPL_MAX_UNROLL) {
+        A va[SPL_MAX_UNROLL], vb[SPL_MAX_UNROLL];
+        bool on[SPL_MAX_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SPL_MAX_UNROLL; ++u) {
+            const int l = l0 + u * SPL_MAX_SLICES;
+            on[u] = l < L && (!mrow || mrow[l]);
+            const T* row = tile + (i64)l * ldw + jj;
+            va[u] = vb[u] = A(0);
+            if (on[u] && paired) {
+                const SplPair<T> p = *reinterpret_cast<const SplPair<T>*>(row);
+                va[u] = Conv<T>::load(p.a);
+                vb[u] = Conv<T>::load(p.b);
+            } else if (on[u]) {
+                if (jj < vt) va[u] = Conv<T>::load(row[0]);
+                if (jj + 1 < vt) vb[u] = Conv<T>::load(row[1]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < SPL_MAX_UNROLL; ++u) {
+            if (!on[u]) continue;
+            st[0].add(va[u], l0 + u * SPL_MAX_SLICES);
+            st[1].add(vb[u], l0 + u * SPL_MAX_SLICES);
+        }
     }
-    const i64 o = (i64)b * V + v0 + j;
-    A val = A(0);
-    if (any) val = spl_act(best + (bias ? Conv<T>::load(bias[v0 + j]) : A(0)), act);
-    out[o] = Conv<T>::store(val);
-    arg[o] = (I)win;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        sv[y][2 * lane + k] = st[k].val;
+        sa[y][2 * lane + k] = st[k].arg;
+    }
+    __syncthreads();
+    if (y != 0) return;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int j = jj + k;
+        if (j >= vt) continue;
+        SplMax<A> m = st[k];
+        for (int s = 1; s < SPL_MAX_SLICES; ++s) m.merge(sv[s][2 * lane + k], sa[s][2 * lane + k]);
+        const i64 o = (i64)b * V + v0 + j;
+        A r = A(0);
+        if (m.arg >= 0) r = spl_act(m.val + (bias ? Conv<T>::load(bias[v0 + j]) : A(0)), act);
+        out[o] = Conv<T>::store(r);
+        arg[o] = (I)(m.arg < 0 ? 0 : m.arg);
+    }
 }
 
 // dW[v, :] = sum_b g'[b, v] x[b, l*(b, v), :] and dbias[v] = sum_b g'[b, v], in b order.

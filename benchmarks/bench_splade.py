@@ -1,0 +1,211 @@
+"""Forward + backward time and peak memory of cupynce's SPLADE head vs PyTorch (issue 4).
+
+Run from the repository root::
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_splade.py --out splade.json
+    python benchmarks/bench_splade.py --quick       # the first shape only
+
+Cases: (B, L, D, V) in the issue's four shapes, bfloat16, activation log1p_relu, each with the
+output density set to about 1 % and about 50 % by shifting the bias: the exact (float32) max
+logits ``m[b, v]`` are computed once and the bias is ``bias0 - quantile(m + bias0, 1 - density)``.
+The attention mask marks a random length in [L/2, L] per row (padding as in real batches).
+``grad_out`` is dense (standard normal), as from a ranking loss plus the FLOPS term.
+
+Implementations (each computes out and the gradients of x, W and bias):
+
+``cupynce``      ``splade_pool_forward`` + ``splade_pool_backward`` on CuPy arrays; also timed
+                 alone: ``fwd`` and ``bwd`` (the backward's cost follows the density).
+``eager``        ``logits = x @ W.T + b; masked_fill(~mask, -inf); max over L; log1p(relu)``,
+                 gradients with ``torch.autograd.grad`` (same bits, through DLPack).
+``compile``      ``torch.compile`` of the same function (compile time outside the timing).
+``gemm``         the single forward GEMM (B·L × D by D × V) alone, torch ``x2d @ W.T`` into a
+                 preallocated bf16 output: the yardstick of the issue's 1.6× / 1.3× targets.
+
+Timing and memory through ``cupynce._harness`` (CUDA events, medians of several runs, peak
+memory above the inputs from CuPy's pool hook + torch's allocator statistics).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupynce  # noqa: E402
+from cupynce._harness import (device_header, device_info, fmt_mib, fmt_ms, fmt_ratio,  # noqa: E402
+                              free_memory, load_torch, markdown_table, run_case)
+from cupynce._kernels import BFLOAT16  # noqa: E402
+
+SHAPES = [(32, 256, 768, 30522), (128, 256, 768, 30522), (32, 256, 768, 250002),
+          (16, 768, 1024, 151936)]
+DENSITIES = [0.01, 0.5]
+
+
+def make_inputs(b: int, l: int, d: int, v: int, density: float, seed: int = 0):
+    import cupy as cp
+
+    rs = cp.random.RandomState(seed)
+    x = (rs.standard_normal((b, l, d), dtype=cp.float32)).astype(BFLOAT16)
+    w = (rs.standard_normal((v, d), dtype=cp.float32) * (1.0 / np.sqrt(d))).astype(BFLOAT16)
+    lengths = rs.randint(l // 2, l + 1, size=(b,))
+    mask = cp.arange(l)[None, :] < lengths[:, None]
+    # exact max logits, one batch row at a time (float32 products of the bf16 values)
+    wf = w.astype(cp.float32)
+    m = cp.empty((b, v), cp.float32)
+    for i in range(b):
+        lg = x[i].astype(cp.float32) @ wf.T
+        lg[~mask[i]] = -cp.inf
+        m[i] = lg.max(axis=0)
+    del wf
+    shift = float(cp.quantile(m.ravel(), 1.0 - density))
+    bias = cp.full((v,), -shift, cp.float32).astype(BFLOAT16)
+    g = rs.standard_normal((b, v), dtype=cp.float32).astype(BFLOAT16)
+    return x, w, bias, mask, g
+
+
+def torch_fn(torch):
+    def f(x, w, bias, mask):
+        logits = torch.matmul(x, w.t()) + bias
+        logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
+        return torch.log1p(torch.relu(logits.max(dim=1).values))
+    return f
+
+
+def torch_step(torch, fn, x, w, bias, mask, g):
+    def step():
+        out = fn(x, w, bias, mask)
+        return torch.autograd.grad(out, (x, w, bias), g)
+    return step
+
+
+def run_one(shape, density, args, torch) -> Dict[str, Any]:
+    import cupy as cp
+
+    b, l, d, v = shape
+    rec: Dict[str, Any] = {"B": b, "L": l, "D": d, "V": v, "target_density": density}
+    x, w, bias, mask, g = make_inputs(b, l, d, v, density)
+    ws = None if args.workspace_mib is None else args.workspace_mib << 20
+    rec["workspace_bytes"] = ws
+
+    def fwd(x, w, bias, mask):
+        return cupynce.splade_pool_forward(x, w, bias, mask, workspace_bytes=ws)
+
+    out, ctx = fwd(x, w, bias, mask)
+    rec["density"] = float((out.astype(cp.float32) > 0).mean())
+    ours = (out,) + cupynce.splade_pool_backward(ctx, g)
+    del ctx
+    rep = dict(warmup=args.warmup, repeat=args.repeat)
+
+    def fwd_bwd():
+        o, c = fwd(x, w, bias, mask)
+        return cupynce.splade_pool_backward(c, g)
+
+    rec["cupynce"] = run_case(fwd_bwd, **rep, catch_errors=True)
+    rec["cupynce_fwd"] = run_case(lambda: fwd(x, w, bias, mask), **rep, memory=False,
+                                  catch_errors=True)
+    _o, c = fwd(x, w, bias, mask)
+    rec["cupynce_bwd"] = run_case(lambda: cupynce.splade_pool_backward(c, g), **rep,
+                                  memory=False, catch_errors=True)
+    del _o, c
+    if torch is not None:
+        tx, tw, tb = (torch.from_dlpack(a).clone().requires_grad_(True) for a in (x, w, bias))
+        tm, tg = torch.from_dlpack(mask).clone(), torch.from_dlpack(g).clone()
+        x2 = tx.detach().reshape(b * l, d)
+        buf = torch.empty((b * l, v), dtype=tx.dtype, device=tx.device)
+        rec["gemm"] = run_case(lambda: torch.matmul(x2, tw.detach().t(), out=buf), **rep,
+                               memory=False, catch_errors=True)
+        del buf
+        fn = torch_fn(torch)
+        for impl in args.impls:
+            if impl == "eager":
+                step = torch_step(torch, fn, tx, tw, tb, tm, tg)
+            else:
+                torch._dynamo.reset()
+                step = torch_step(torch, torch.compile(fn, dynamic=False), tx, tw, tb, tm, tg)
+            r = run_case(step, **rep, keep_result=impl == "eager", catch_errors=True)
+            theirs = r.pop("result", None)
+            rec[impl] = r
+            if theirs is not None:
+                ref_out = fn(tx, tw, tb, tm).detach()
+                errs = {}
+                for name, a, t in zip(("out", "dx", "dw", "dbias"), ours, (ref_out,) + tuple(theirs)):
+                    ta = torch.from_dlpack(a).float()
+                    t = t.float()
+                    errs[name] = float((ta - t).abs().max() / t.abs().max().clamp_min(1e-30))
+                rec["check_vs_eager"] = errs
+            del step
+            free_memory(full_gc=True)
+        del tx, tw, tb, tm, tg, x2
+    del x, w, bias, mask, g, out, ours
+    free_memory(full_gc=True)
+    return rec
+
+
+def _ms(r: Optional[Dict[str, Any]]) -> Optional[float]:
+    if not r:
+        return None
+    if r.get("oom"):
+        return float("nan")
+    return r.get("median_ms")
+
+
+def table(records: List[Dict[str, Any]]) -> str:
+    rows = []
+    for r in records:
+        ours, gemm, eager, comp = (_ms(r.get(k)) for k in ("cupynce", "gemm", "eager", "compile"))
+        mem = r.get("cupynce", {}).get("peak_extra_bytes")
+        emem = (r.get("eager") or {}).get("peak_extra_bytes")
+        cmem = (r.get("compile") or {}).get("peak_extra_bytes")
+        rows.append([
+            f"{r['B']}, {r['L']}, {r['D']}, {r['V']}", f"{100 * r['density']:.1f}%",
+            f"{fmt_ms(ours)} ({fmt_ms(_ms(r.get('cupynce_fwd')))} + {fmt_ms(_ms(r.get('cupynce_bwd')))})",
+            fmt_mib(mem), f"{fmt_ms(eager)}, {fmt_mib(emem)}", f"{fmt_ms(comp)}, {fmt_mib(cmem)}",
+            fmt_ms(gemm),
+            fmt_ratio(ours / gemm if ours and gemm else None),
+            fmt_ratio(eager / ours if ours and eager else None),
+            fmt_ratio(mem / emem if mem is not None and emem else None).replace("×", ""),
+        ])
+    return markdown_table(["B, L, D, V", "density", "cupynce ms (fwd + bwd)", "MiB",
+                           "eager ms, MiB", "compile ms, MiB", "GEMM ms", "cupynce / GEMM",
+                           "eager / cupynce", "memory / eager"], rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the first shape only")
+    p.add_argument("--out", type=Path, default=None, help="write every measurement as JSON")
+    p.add_argument("--impls", nargs="*", default=["eager", "compile"], choices=["eager", "compile"])
+    p.add_argument("--shapes", type=int, nargs="*", default=None,
+                   help="indices into SHAPES (default: all; --quick: the first)")
+    p.add_argument("--workspace-mib", type=int, default=None,
+                   help="workspace_bytes for cupynce, in MiB (default: the library's)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=7)
+    args = p.parse_args(argv)
+    torch = load_torch()
+    info = device_info()
+    print(device_header(info), flush=True)
+    records = []
+    shapes = [SHAPES[i] for i in args.shapes] if args.shapes is not None else \
+        SHAPES[:1] if args.quick else SHAPES
+    for shape in shapes:
+        for density in DENSITIES:
+            rec = run_one(shape, density, args, torch)
+            records.append(rec)
+            print(json.dumps({k: (v if not isinstance(v, dict) else
+                                  {kk: vv for kk, vv in v.items() if kk != "times_ms"})
+                              for k, v in rec.items()}), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps({"device": info, "records": records}, indent=1))
+    print()
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
