@@ -18,7 +18,7 @@ accumulation; stored in the input dtype, as PyTorch's half matmul does) into a w
 most ``workspace_bytes`` (default 64 MiB); a kernel reduces max and arg-max over L for every
 (b, v) of the tile and writes ``act(max + bias)``.  The bias is constant over L, so it is
 added after the max; both activations are monotone, so the activation is applied once.  What
-stays for backward is the output and the arg-max, (B, V) int16 (int32 when L > 32767).
+stays for backward is the output and the arg-max, (B, V) int16 (int32 when L > 32768).
 
 Backward (sparse, deterministic): with ``g' = grad_out · act'(out)`` (1 for relu, 1/(1+m) =
 exp(-out) for log1p_relu, 0 where out = 0), only the active entries (``g' != 0``) are touched:
@@ -40,7 +40,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _blas, _checks
-from ._kernels import BLOCK, acc_dtype, get_kernel
+from ._kernels import BLOCK, SUPPORTED_DTYPES, acc_dtype, get_kernel
 from .contrastive import Context, _require
 
 #: Default cap on the forward's logit workspace (bytes).
@@ -103,7 +103,7 @@ def _check(x, weight, bias, mask, activation, workspace_bytes, op="splade_pool")
         if mask.shape != (b, l):
             raise ValueError(f"{op}: mask must have shape ({b}, {l}) (B, L of x), "
                              f"got {tuple(mask.shape)}")
-        if mask.dtype.kind not in "biuf":
+        if mask.dtype.kind not in "biuf" and mask.dtype not in SUPPORTED_DTYPES:  # + bfloat16
             raise TypeError(f"{op}: mask must be bool or a real 0/1 array, got dtype {mask.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -350,7 +350,7 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
     out : (B, V) array, x's dtype
         ``act(max_{l: mask[b,l]} x[b,l]·W[v] + bias[v])``; 0 for a row whose mask is all zero.
     ctx : Context
-        ``ctx.stats == (argmax,)``: (B, V) int16 (int32 when L > 32767), the winning l; ties
+        ``ctx.stats == (argmax,)``: (B, V) int16 (int32 when L > 32768), the winning l; ties
         go to the lowest l; 0 for all-masked rows.
 
     Notes

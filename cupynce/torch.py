@@ -1,4 +1,5 @@
-"""cupynce for PyTorch: the InfoNCE family as torch custom ops, autograd and ``nn.Module`` s.
+"""cupynce for PyTorch: the InfoNCE family and SPLADE's head as torch custom ops, autograd and
+``nn.Module`` s.
 
 ``import cupynce.torch`` (``import cupynce`` alone never imports torch).  CUDA tensors run
 cupynce's CUDA kernels and cuBLAS products through DLPack — zero copy, on the tensors' device
@@ -11,10 +12,13 @@ autograd through every tensor input):
 * :func:`nt_xent` — SimCLR's NT-Xent, z (2B, D)
 * :func:`info_nce` — query/key InfoNCE, shared (M, D) or per-query (N, M, D) negatives
 * :func:`clip_loss` — CLIP's symmetric loss; ``logit_scale`` a real or a tensor (learnable)
+* :func:`splade_pool` — SPLADE's max-pooled vocabulary representation, x (B, L, D), weight
+  (V, D), bias (V,), mask (B, L) → (B, V); :func:`flops_regularizer` (plain torch ops)
 
 Modules: :class:`InfoNCELoss` (= :class:`NTXentLoss`, CuBlaze's interface),
 :class:`InfoNCEFunction` (its autograd Function), :class:`InfoNCE` (info-nce-pytorch's
-query/key interface), :class:`ClipLoss` (= :class:`SymmetricInfoNCE`, learnable temperature).
+query/key interface), :class:`ClipLoss` (= :class:`SymmetricInfoNCE`, learnable temperature),
+:class:`SpladePooling` (SPLADE's head, owning its weight or tied to an MLM decoder).
 
 How it is wired
 ---------------
@@ -28,13 +32,21 @@ gradient — and only when a gradient is required.  Both have ``register_fake`` 
 On torch < 2.4 the same kernels run through plain ``torch.autograd.Function`` s (eager only).
 Double backward is not supported.
 
+``splade_pool`` is wired the same way: ``cupynce::splade_pool_fwd`` returns out (B, V) and the
+winning positions l* (B, V) (``ctx.stats[0]`` of the core, int16 or int32 for long L), and
+``cupynce::splade_pool_bwd`` calls ``cupynce.splade_pool_backward_from_stats``.  The forward
+saves x and weight (references), out and l* — never the (B, L, V) logits — and computes l*
+at all only when x, weight or bias requires a gradient (and grad mode is on).  The mask is
+not differentiable.
+
 torch.autocast
 --------------
 Inside an autocast region for the inputs' device type, the embeddings (z; query, key,
-negatives; a, b) are cast to the autocast dtype before the kernels run, as autocast casts
-the operands of a matmul: float16 / bfloat16 inputs pass through untouched (no copy), float32
-ones are cast down once (O(N·D)); float64 is left alone.  ``logit_scale`` is never cast.  The
-loss is float32 and the gradients return in each input's dtype (autograd casts back through
+negatives; a, b; splade_pool's x, weight and bias — not its mask) are cast to the autocast
+dtype before the kernels run, as autocast casts the operands of a matmul: float16 / bfloat16
+inputs pass through untouched (no copy), float32 ones are cast down once (O(N·D)); float64 is
+left alone.  ``logit_scale`` is never cast.  The loss is float32 (splade_pool's out: the
+autocast dtype) and the gradients return in each input's dtype (autograd casts back through
 the ``.to``).  Registered as the ops' AutocastCPU / AutocastCUDA kernels, which read the
 *current* autocast dtype; on the torch < 2.4 fallback the inputs go to the kernels as they come.
 
@@ -47,16 +59,17 @@ import math
 import numbers
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from . import _checks, contrastive
+from . import _checks, contrastive, splade
 from . import _torch_bridge as _b
 
 __all__ = [
-    "nt_xent", "info_nce", "clip_loss",
+    "nt_xent", "info_nce", "clip_loss", "splade_pool", "flops_regularizer",
     "InfoNCELoss", "NTXentLoss", "InfoNCEFunction", "InfoNCE", "ClipLoss", "SymmetricInfoNCE",
-    "HAS_CUSTOM_OPS", "MIN_TORCH_CUSTOM_OPS",
+    "SpladePooling", "HAS_CUSTOM_OPS", "MIN_TORCH_CUSTOM_OPS",
 ]
 
 #: torch.library.custom_op / register_fake / register_autograd / get_autocast_dtype.
@@ -156,6 +169,49 @@ def _clip_loss_bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_sc
         return _b.tensor_of(da), _b.tensor_of(db), _b.tensor_of(dls)
 
 
+def _mask_array(mask: Optional[Tensor]) -> Any:
+    """The core's view of an attention mask: bool crosses as a uint8 view (same bytes, nonzero
+    = counts; DLPack's bool is not spoken by every CuPy release), other dtypes as they are."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    return _b.array_of(mask)
+
+
+def _argmax_dtype(seq_len: int) -> torch.dtype:
+    """The dtype of the winning positions, the core's choice (int16 while every l < L fits)."""
+    return torch.int16 if splade._index_dtype(seq_len) == np.int16 else torch.int32
+
+
+def _splade_pool_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                     activation: str, workspace_bytes: Optional[int],
+                     requires_grad: bool) -> Tuple[Tensor, Tensor]:
+    """(out, argmax): out (B, V) in x's dtype and the (B, V) winning positions
+    (``ctx.stats[0]``); argmax is an empty (0, 0) tensor when ``requires_grad`` is False (the
+    core then skips it)."""
+    with _b.device_scope(x.device):
+        out, ctx = splade.splade_pool_forward(
+            _b.array_of(x), _b.array_of(weight), _b.array_of(bias), _mask_array(mask),
+            activation=activation, workspace_bytes=workspace_bytes, requires_grad=requires_grad)
+        argmax = _b.tensor_of(ctx.stats[0]) if requires_grad else \
+            x.new_empty((0, 0), dtype=_argmax_dtype(x.shape[1]))
+        return _b.tensor_of(out), argmax
+
+
+def _splade_pool_bwd(x: Tensor, weight: Tensor, out: Tensor, argmax: Tensor, grad_out: Tensor,
+                     has_bias: bool, activation: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias) in the inputs' dtype (x, weight and bias share one); dbias is an
+    empty (0,) tensor without a bias.  Only x, weight, out and argmax are needed: the core
+    reads ``bias`` for its presence, shape (V,) and dtype alone, and ``out[0]`` has all three
+    (x's dtype, which the bias shares), so the bias itself is never saved."""
+    with _b.device_scope(x.device):
+        out_a = _b.array_of(out)
+        dx, dw, db = splade.splade_pool_backward_from_stats(
+            _b.array_of(x), _b.array_of(weight), out_a, _b.array_of(argmax),
+            _b.array_of(grad_out), bias=out_a[0] if has_bias else None, activation=activation)
+        db = x.new_empty((0,)) if db is None else _b.tensor_of(db)
+        return _b.tensor_of(dx), _b.tensor_of(dw), db
+
+
 # ------------------------------------------------------------------------------------------
 # shapes for torch.compile (FakeTensor): must match what the kernels return (contiguous)
 # ------------------------------------------------------------------------------------------
@@ -198,13 +254,25 @@ def _clip_loss_bwd_fake(a, b, logit_scale, logit_scale_value, lse_r, lse_c, grad
     return a.new_empty(a.shape), b.new_empty(b.shape), dls
 
 
+def _splade_pool_fwd_fake(x, weight, bias, mask, activation, workspace_bytes, requires_grad):
+    argmax_shape = (x.shape[0], weight.shape[0]) if requires_grad else (0, 0)
+    return (x.new_empty((x.shape[0], weight.shape[0])),
+            x.new_empty(argmax_shape, dtype=_argmax_dtype(x.shape[1])))
+
+
+def _splade_pool_bwd_fake(x, weight, out, argmax, grad_out, has_bias, activation):
+    db = x.new_empty((weight.shape[0],) if has_bias else (0,))
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), db
+
+
 # ------------------------------------------------------------------------------------------
 # autograd: setup_context / backward, shared by the custom ops and the fallback Functions
 # ------------------------------------------------------------------------------------------
 # ``backward`` calls ``_BWD[op]``: the backward custom op (so torch.compile traces it into the
 # backward graph) or, on old torch, the plain function.  grad_output may be an expanded
 # (stride-0) tensor; the kernels get it contiguous.
-_BWD = {"nt_xent": _nt_xent_bwd, "info_nce": _info_nce_bwd, "clip_loss": _clip_loss_bwd}
+_BWD = {"nt_xent": _nt_xent_bwd, "info_nce": _info_nce_bwd, "clip_loss": _clip_loss_bwd,
+        "splade_pool": _splade_pool_bwd}
 
 
 def _nt_xent_setup(ctx, inputs, output) -> None:
@@ -260,6 +328,30 @@ def _clip_loss_backward(ctx, grad_loss, _grad_lse_r, _grad_lse_c):
             dls if need[2] and logit_scale is not None else None, None, None, None, None)
 
 
+def _splade_pool_setup(ctx, inputs, output) -> None:
+    x, weight, bias, mask, activation, workspace_bytes, requires_grad = inputs
+    out, argmax = output
+    ctx.mark_non_differentiable(argmax)
+    ctx.args = (bias is not None, activation)
+    ctx.has_stats = requires_grad
+    if requires_grad:  # x and weight by reference; out and argmax are O(B·V)
+        ctx.save_for_backward(x, weight, out, argmax)
+
+
+def _splade_pool_backward(ctx, grad_out, _grad_argmax):
+    need = ctx.needs_input_grad
+    nones = (None,) * 4  # mask, activation, workspace_bytes, requires_grad
+    if not ctx.has_stats or not any(need[:3]):
+        # only the mask required a gradient (it never gets one) or nothing at all did
+        return (None, None, None) + nones
+    x, weight, out, argmax = ctx.saved_tensors
+    has_bias, activation = ctx.args
+    dx, dw, db = _BWD["splade_pool"](x, weight, out, argmax, grad_out.contiguous(), has_bias,
+                                     activation)
+    return (dx if need[0] else None, dw if need[1] else None,
+            db if need[2] and has_bias else None) + nones
+
+
 def _fallback(name: str, fwd, setup, backward) -> type:
     """A ``torch.autograd.Function`` over the same kernels (torch < 2.4, and tests)."""
     return type(name, (torch.autograd.Function,), {
@@ -272,6 +364,8 @@ _InfoNCEFunction = _fallback("_InfoNCEFunction", _info_nce_fwd, _info_nce_setup,
                              _info_nce_backward)
 _ClipLossFunction = _fallback("_ClipLossFunction", _clip_loss_fwd, _clip_loss_setup,
                               _clip_loss_backward)
+_SpladePoolFunction = _fallback("_SpladePoolFunction", _splade_pool_fwd, _splade_pool_setup,
+                                _splade_pool_backward)
 
 # ------------------------------------------------------------------------------------------
 # custom ops (torch >= 2.4)
@@ -319,6 +413,7 @@ if HAS_CUSTOM_OPS:
         "nt_xent": _custom_op("nt_xent_bwd", _nt_xent_bwd, _nt_xent_bwd_fake),
         "info_nce": _custom_op("info_nce_bwd", _info_nce_bwd, _info_nce_bwd_fake),
         "clip_loss": _custom_op("clip_loss_bwd", _clip_loss_bwd, _clip_loss_bwd_fake),
+        "splade_pool": _custom_op("splade_pool_bwd", _splade_pool_bwd, _splade_pool_bwd_fake),
     }
     _NT_XENT = _custom_op("nt_xent_fwd", _nt_xent_fwd, _nt_xent_fwd_fake, setup=_nt_xent_setup,
                           backward=_nt_xent_backward, autocast=(0,))
@@ -327,10 +422,14 @@ if HAS_CUSTOM_OPS:
     _CLIP_LOSS = _custom_op("clip_loss_fwd", _clip_loss_fwd, _clip_loss_fwd_fake,
                             setup=_clip_loss_setup, backward=_clip_loss_backward,
                             autocast=(0, 1))
+    _SPLADE_POOL = _custom_op("splade_pool_fwd", _splade_pool_fwd, _splade_pool_fwd_fake,
+                              setup=_splade_pool_setup, backward=_splade_pool_backward,
+                              autocast=(0, 1, 2))
 else:  # pragma: no cover - exercised only on torch < 2.4
     _NT_XENT = _NTXentFunction.apply
     _INFO_NCE = _InfoNCEFunction.apply
     _CLIP_LOSS = _ClipLossFunction.apply
+    _SPLADE_POOL = _SpladePoolFunction.apply
 
 
 # ------------------------------------------------------------------------------------------
@@ -441,6 +540,85 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
                         f"or (1,), got {type(logit_scale).__module__}."
                         f"{type(logit_scale).__name__}")
     return _CLIP_LOSS(a, b, ls_tensor, ls_value, reduction, bool(normalize), workspace_bytes)[0]
+
+
+def _check_activation(op: str, activation: Any) -> str:
+    """The core's check (same message), made before tracing / dispatch."""
+    if not isinstance(activation, str) or activation not in splade.ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {splade.ACTIVATIONS}, "
+                         f"got {activation!r}")
+    return activation
+
+
+def splade_pool(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                mask: Optional[Tensor] = None, *, activation: str = "log1p_relu",
+                workspace_bytes: Optional[int] = None) -> Tensor:
+    """SPLADE's max-pooled vocabulary representation, differentiable w.r.t. x, weight and bias.
+
+    Parameters
+    ----------
+    x : Tensor (B, L, D), float16 / bfloat16 / float32 / float64, CPU or CUDA
+        Hidden states (for a BERT MLM head: after the head's transform, i.e. what the decoder
+        multiplies).
+    weight : Tensor (V, D), x's dtype
+        The vocabulary projection in ``nn.Linear`` / Hugging Face decoder layout (a decoder's
+        ``weight`` as is).  A (D, V) matrix is passed as its transpose ``w.T`` (a view, never
+        copied; the gradient reaches ``w`` through the view).
+    bias : Tensor (V,), x's dtype, optional
+    mask : Tensor (B, L), optional
+        Attention mask, bool or 0/1 of any real dtype (nonzero = the position counts); None:
+        every position counts.  Not differentiable.
+    activation : "log1p_relu" (default, SPLADE's log(1 + ReLU)) | "relu"
+    workspace_bytes : int, optional
+        Cap on the logit-tile workspace (CUDA); the core's default when None.
+
+    Returns
+    -------
+    Tensor (B, V) in x's dtype.
+
+    Notes
+    -----
+    ``out[b, v] = act(max_{l : mask[b, l] ≠ 0} x[b, l, :] · weight[v, :] + bias[v])``, with
+    act = ``max(m, 0)`` (relu) or ``log(1 + max(m, 0))`` (log1p_relu); a row whose mask is all
+    zero gives 0; ties go to the lowest l.  The (B, L, V) logits are never allocated: the forward
+    keeps x, weight (references), out and the (B, V) winning positions l* (int16, int32 for
+    very long L: the core's ``ctx.stats[0]``), and only when a gradient is required.  The backward touches only
+    the active entries (out > 0), with g = grad_out · act'(m):
+    ``dW[v] = Σ_b g[b, v] x[b, l*]``, ``dx[b, l*] += g[b, v] W[v]``, ``dbias[v] = Σ_b g[b, v]``;
+    deterministic (no floating-point atomics).  Under ``torch.autocast`` x, weight and bias
+    are cast to the autocast dtype (as ``F.linear``'s operands; float16/bfloat16 pass as they
+    are) and out is in that dtype.
+    """
+    op = "splade_pool"
+    activation = _check_activation(op, activation)
+    workspace_bytes = _checks.check_workspace(op, workspace_bytes)
+    _b.check_tensors(op, optional=("bias", "mask"), x=x, weight=weight, bias=bias, mask=mask)
+    # argmax is computed and kept only when autograd will need it (read from metadata only)
+    requires_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
+    return _SPLADE_POOL(x, weight, bias, mask, activation, workspace_bytes, requires_grad)[0]
+
+
+def flops_regularizer(out: Tensor) -> Tensor:
+    """SPLADE's FLOPS regulariser ``Σ_v (mean_b out[b, v])²`` of ``out`` (B, V).
+
+    Returns a 0-d tensor, float32 (float64 for float64 ``out``), differentiable:
+    ``d/d out[b, v] = 2 · mean_b(out[:, v]) / B``.  Plain torch ops (a mean over b
+    accumulated in float32/float64, a square, a sum — torch's reductions use no atomics, so it
+    is deterministic), so autograd, autocast and ``torch.compile`` treat it as any torch code;
+    equal to ``cupynce.flops_regularizer`` on the same values (to rounding).  Cost O(B·V).
+    """
+    if not isinstance(out, Tensor):
+        kind = f"{type(out).__module__}.{type(out).__name__}"
+        raise TypeError(f"flops_regularizer: out must be a torch.Tensor, got {kind}")
+    if out.dim() != 2:
+        raise ValueError(f"flops_regularizer: out must be 2-D (B, V), got shape "
+                         f"{tuple(out.shape)}")
+    if not out.is_floating_point():
+        raise TypeError(f"flops_regularizer: out has dtype {out.dtype}; expected a floating dtype")
+    if out.shape[0] == 0:
+        raise ValueError(f"flops_regularizer: out needs B >= 1, got shape {tuple(out.shape)}")
+    return out.mean(dim=0, dtype=_acc(out.dtype)).square().sum()
 
 
 # ------------------------------------------------------------------------------------------
@@ -639,3 +817,127 @@ class ClipLoss(nn.Module):
 
 #: The tutorial's name for :class:`ClipLoss`.
 SymmetricInfoNCE = ClipLoss
+
+
+class SpladePooling(nn.Module):
+    """SPLADE's vocabulary head: ``out = act(max_l (hidden_states @ weight.T + bias))``, (B, V).
+
+    ``SpladePooling(hidden_size, vocab_size, *, activation="log1p_relu", bias=True,
+    weight=None, dtype=None, device=None)`` owns an ``nn.Parameter`` ``weight`` (V, D) and,
+    with ``bias=True``, ``bias`` (V,), initialised as ``nn.Linear(D, V)`` initialises its own
+    (same random draws: under one seed the two are equal).  Or it is *tied* — it shares, never
+    copies, an existing Parameter, and the gradients flow into it:
+
+    * ``SpladePooling.from_decoder(decoder)`` shares an MLM decoder's (``nn.Linear(D, V)``)
+      ``weight`` and ``bias`` (None if it has none);
+    * ``SpladePooling(D, V, weight=param)`` shares ``param`` (V, D) (e.g. the input
+      embeddings, as BERT ties them) and owns a new bias (``bias=True``).
+
+    Only the Parameter objects are shared: if the owner later *replaces* its Parameter (rather
+    than updating it in place) the tie is broken; tie again.
+
+    ``forward(hidden_states, attention_mask=None)``: hidden_states (B, L, D) — for a BERT MLM
+    head, after the head's transform (dense, activation, LayerNorm), i.e. the decoder's input
+    — and attention_mask (B, L) (bool or 0/1; nonzero counts), giving (B, V) in
+    hidden_states' dtype (the autocast dtype under ``torch.autocast``)::
+
+        out[b, v] = act(max_{l : mask[b, l] ≠ 0} hidden_states[b, l] · weight[v] + bias[v])
+
+    act = ``log(1 + max(m, 0))`` ("log1p_relu", default) or ``max(m, 0)`` ("relu"); all-masked
+    rows give 0.  See :func:`splade_pool` (memory, backward, determinism) and
+    :func:`flops_regularizer` for SPLADE's sparsity term.
+
+    Parameters
+    ----------
+    hidden_size : int ≥ 1 — D
+    vocab_size : int ≥ 1 — V
+    activation : "log1p_relu" (default) | "relu" (keyword-only, as the rest)
+    bias : bool, default True — own a bias (V,)
+    weight : nn.Parameter (V, D), optional — share it instead of owning a weight
+    dtype, device : the owned parameters' dtype and device (as ``nn.Linear``'s); with ``weight``
+        given, they default to the weight's and must agree with it.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, *, activation: str = "log1p_relu",
+                 bias: bool = True, weight: Optional[nn.Parameter] = None,
+                 dtype: Optional[torch.dtype] = None,
+                 device: Optional[Any] = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        for arg, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
+        self.hidden_size, self.vocab_size = int(hidden_size), int(vocab_size)
+        self.activation = _check_activation(name, activation)
+        _check_bool(name, "bias", bias)
+        shape = (self.vocab_size, self.hidden_size)
+        if weight is None:
+            self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+            self._owns_weight = True
+        else:
+            if not isinstance(weight, nn.Parameter):
+                raise TypeError(f"{name}: weight must be an nn.Parameter (V, D) to share (a "
+                                f"plain tensor would be copied into a new Parameter and the "
+                                f"tie lost), got {type(weight).__module__}."
+                                f"{type(weight).__name__}")
+            if tuple(weight.shape) != shape:
+                raise ValueError(f"{name}: weight must have shape (vocab_size, hidden_size) = "
+                                 f"{shape}, got {tuple(weight.shape)}")
+            if dtype is not None and dtype != weight.dtype:
+                raise ValueError(f"{name}: dtype={dtype} differs from the shared weight's "
+                                 f"{weight.dtype}")
+            dev = None if device is None else torch.device(device)
+            if dev is not None and (dev.type != weight.device.type
+                                    or dev.index not in (None, weight.device.index)):
+                raise ValueError(f"{name}: device={device} differs from the shared weight's "
+                                 f"{weight.device}")
+            self.weight = weight
+            self._owns_weight = False
+        if bias:
+            self.bias = nn.Parameter(torch.empty((self.vocab_size,), dtype=self.weight.dtype,
+                                                 device=self.weight.device))
+        else:
+            self.register_parameter("bias", None)
+        self._owns_bias = bias
+        self.reset_parameters()
+
+    @classmethod
+    def from_decoder(cls, decoder: nn.Linear, *,
+                     activation: str = "log1p_relu") -> "SpladePooling":
+        """A head tied to ``decoder`` (``nn.Linear(D, V)``, e.g. a Hugging Face MLM head's
+        ``cls.predictions.decoder``): its ``weight`` and ``bias`` Parameters are shared (no
+        copy; ``decoder.weight.grad`` and ``decoder.bias.grad`` receive the gradients)."""
+        if not isinstance(decoder, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_decoder: decoder must be an nn.Linear "
+                            f"(V = out_features, D = in_features), got "
+                            f"{type(decoder).__module__}.{type(decoder).__name__}")
+        head = cls(decoder.in_features, decoder.out_features, activation=activation, bias=False,
+                   weight=decoder.weight)
+        if decoder.bias is not None:
+            head.bias = decoder.bias  # the same Parameter object
+        return head
+
+    @property
+    def tied(self) -> bool:
+        """True when the weight is shared with another module (not owned)."""
+        return not self._owns_weight
+
+    def reset_parameters(self) -> None:
+        """Initialise the *owned* parameters as ``nn.Linear.reset_parameters`` does (a shared
+        weight or bias is left alone): weight ~ kaiming_uniform(a=√5) = U(±1/√D), bias
+        ~ U(±1/√D)."""
+        if self._owns_weight:
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self._owns_bias and self.bias is not None:
+            bound = 1.0 / math.sqrt(self.hidden_size)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """hidden_states (B, L, D), attention_mask (B, L) or None → (B, V)."""
+        return splade_pool(hidden_states, self.weight, self.bias, attention_mask,
+                           activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, "
+                f"activation={self.activation!r}, bias={self.bias is not None}, "
+                f"tied={self.tied}")
