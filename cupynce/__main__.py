@@ -1,170 +1,119 @@
-"""``python -m cupynce``: the machine, a self-check against the float64 oracle, a short benchmark.
+"""``python -m cupynce`` (console script ``cupynce``): the report users run first.
 
-With a CUDA GPU and CuPy the self-check runs the kernels and a short benchmark compares the
-forward+backward time and peak memory with the PyTorch reference (when torch is installed).
-Without a GPU it says so and checks the NumPy path on small sizes.  Exit status 1 if any
-check fails.
+It prints the machine (GPU, CUDA, CuPy, NumPy, torch), runs a self-check of every op against
+the float64 oracle (loss and gradients, pass/fail with errors and tolerances), then benchmarks
+forward + backward against PyTorch and the installed peers (memeff, Inf-CL) over a sweep of
+sizes, and writes ``results.json``, ``summary.md`` and PNG plots to ``--out``.  Without a CUDA
+GPU it says so and runs the NumPy path at small sizes.
+
+Exit status: 0 when everything passed, 1 when a check failed (or cupynce crashed in the
+benchmark), 2 for bad options.
 """
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
-from typing import List
+from typing import List, Optional, Sequence
 
-import numpy as np
+from cupynce._report_ops import DTYPES, REGISTRY
 
-import cupynce
-from cupynce import reference as R
-from cupynce._kernels import BFLOAT16
-
-
-def _gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+EPILOG = """\
+examples:
+  python -m cupynce                      self-check + quick benchmark (under 2 min on an H100)
+  python -m cupynce check                self-check only (results.json, summary.md)
+  python -m cupynce bench --full         the full sweep (minutes)
+  python -m cupynce bench --compile      also torch.compile (GPU)
+  python -m cupynce --ops clip_loss --dtype bfloat16 --out clip-report
+"""
 
 
-def machine(gpu: bool) -> List[str]:
-    lines = [f"cupynce {cupynce.__version__}, Python {platform.python_version()}, "
-             f"NumPy {np.__version__}"]
-    try:
-        import torch
-
-        lines.append(f"torch {torch.__version__}")
-    except ImportError:
-        lines.append("torch not installed (the PyTorch comparison is skipped)")
-    if gpu:
-        import cupy
-
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-        free, total = cupy.cuda.runtime.memGetInfo()
-        lines.append(f"GPU {props['name'].decode()}, {total / 2**30:.1f} GiB, CUDA runtime "
-                     f"{cupy.cuda.runtime.runtimeGetVersion()}, CuPy {cupy.__version__}")
-    else:
-        lines.append("No CUDA GPU (or no CuPy): checking the NumPy path on small sizes only.")
-    return lines
-
-
-def _rel(x, ref) -> float:
-    try:
-        import cupy
-
-        x = cupy.asnumpy(x)
-    except ImportError:
-        pass
-    x = np.asarray(x, np.float64)
-    ref = np.asarray(ref, np.float64)
-    den = np.linalg.norm(ref.ravel())
-    return float(np.linalg.norm((x - ref).ravel()) / (den if den > 0 else 1.0))
+def _csv(kind, allowed: Optional[Sequence[str]] = None, what: str = "value"):
+    def parse(text: str) -> List:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}s")
+        try:
+            vals = [kind(t) for t in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                             f"{what}s") from None
+        if allowed is not None:
+            bad = [v for v in vals if v not in allowed]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {what} {', '.join(map(str, bad))}; choose from "
+                    f"{', '.join(allowed)}")
+        return vals
+    return parse
 
 
-#: (loss, gradient) relative tolerances against the float64 oracle, per dtype
-CHECK_TOL = {"float64": (1e-12, 1e-12), "float32": (1e-5, 1e-4), "float16": (5e-3, 2e-2),
-             "bfloat16": (2e-2, 5e-2)}
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cupynce",
+        description="cupynce's report: the machine, a self-check of every op against the "
+                    "float64 oracle, and a benchmark against PyTorch and installed peers, "
+                    "written to an output folder (results.json, summary.md, PNG plots).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", nargs="?", choices=("check", "bench"), default=None,
+                   help="check: the self-check only; bench: the benchmark only; "
+                        "none: both")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="a short sweep (the default): 3 sizes per op")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="the full sweep: more sizes, up to where PyTorch runs out of "
+                           "memory (minutes)")
+    p.add_argument("--ops", type=_csv(str, list(REGISTRY), "op"), default=None,
+                   help=f"comma-separated ops (default: every op available: "
+                        f"{', '.join(REGISTRY)})")
+    p.add_argument("--dtype", "--dtypes", dest="dtypes", type=_csv(str, DTYPES, "dtype"),
+                   default=None,
+                   help="comma-separated dtypes (default: all four for the check; "
+                        "bfloat16,float32 for the GPU benchmark, float32 on the CPU)")
+    p.add_argument("--out", default="cupynce-report",
+                   help="output folder (default ./cupynce-report/, created if missing)")
+    p.add_argument("--sizes", type=_csv(int, what="integer"), default=None,
+                   help="benchmark sizes overriding the sweep: N (rows) for the contrastive "
+                        "losses, V (vocabulary) for splade_pool")
+    p.add_argument("--dim", type=int, default=None,
+                   help="benchmark feature size D (default 512 on the GPU, 64 on the CPU; "
+                        "768 / 32 for splade_pool)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time torch.compile of the PyTorch formula (GPU only; compiles "
+                        "once per size and dtype, ~10-30 s each)")
+    p.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
+    p.add_argument("--no-bench", action="store_true", help=argparse.SUPPRESS)  # old spelling
+    p.set_defaults(mode="quick")
+    return p
 
 
-def self_check(gpu: bool) -> bool:
-    xp = np
-    if gpu:
-        import cupy as xp  # noqa: F811
-    dtypes = ["float32", "bfloat16", "float16", "float64"] if gpu else ["float32", "float64"]
-    shapes = [(64, 32), (1030, 100)] if gpu else [(16, 8), (130, 33)]
-    rng = np.random.default_rng(0)
-    ok = True
-    print(f"\nSelf-check ({'CuPy kernels' if gpu else 'NumPy path'}) against the float64 oracle")
-    print(f"| op | dtype | N, D | loss err | worst grad err | tol (loss, grad) | |")
-    print("|---|---|---|---|---|---|---|")
-    for name in dtypes:
-        dt = BFLOAT16 if name == "bfloat16" else np.dtype(name)
-        for n, d in shapes:
-            x = [(rng.standard_normal((n, d)) / np.sqrt(d)).astype(dt) for _ in range(2)]
-            dev = [xp.asarray(v) for v in x]
-            runs = []
-            loss, ctx = cupynce.nt_xent_forward(dev[0], 0.1, normalize=True)
-            runs.append(("nt_xent", loss, [cupynce.nt_xent_backward(ctx, 0.5)],
-                         R.nt_xent(x[0], 0.1, normalize=True, grad_loss=0.5)))
-            loss, ctx = cupynce.info_nce_forward(dev[0], dev[1], 0.1, normalize=True)
-            runs.append(("info_nce", loss, list(cupynce.info_nce_backward(ctx, 0.5))[:2],
-                         R.info_nce(x[0], x[1], 0.1, normalize=True, grad_loss=0.5)))
-            ls = float(np.log(1 / 0.07))
-            loss, ctx = cupynce.clip_loss_forward(dev[0], dev[1], ls, normalize=True)
-            runs.append(("clip_loss", loss, list(cupynce.clip_loss_backward(ctx, 0.5))[:2],
-                         R.clip_loss(x[0], x[1], ls, normalize=True, grad_loss=0.5)))
-            lt, gt = CHECK_TOL[name]
-            for op, got_loss, got_grads, (ref_loss, ref_grads) in runs:
-                le = _rel(got_loss, ref_loss)
-                ge = max(_rel(g, r) for g, r in zip(got_grads, ref_grads))
-                good = le <= lt and ge <= gt and np.isfinite(le) and np.isfinite(ge)
-                ok &= good
-                print(f"| {op} | {name} | {n}, {d} | {le:.1e} | {ge:.1e} | {lt:.0e}, {gt:.0e} "
-                      f"| {'pass' if good else 'FAIL'} |")
-    return ok
-
-
-def benchmark(sizes: List[int], dim: int) -> None:
-    """Forward+backward of cupynce vs the eager PyTorch reference, bfloat16, on this GPU."""
-    import cupy as cp
-
-    from cupynce._harness import fmt_mib, fmt_ms, load_torch, run_case, to_torch, \
-        torch_reference, torch_step
-
-    torch = load_torch()
-    ls = float(np.log(1 / 0.07))
-    print(f"\nBenchmark: forward+backward, bfloat16, D={dim}, unit rows; median time, "
-          f"peak extra memory")
-    print("| op | N | cupynce | PyTorch eager | speedup |")
-    print("|---|---|---|---|---|")
-    for op in ("nt_xent", "clip_loss"):
-        for n in sizes:
-            z = cp.random.default_rng(0).standard_normal((n, dim), dtype=cp.float32)
-            z /= cp.linalg.norm(z, axis=1, keepdims=True)
-            a, b = z.astype(BFLOAT16), z[::-1].copy().astype(BFLOAT16)
-            if op == "nt_xent":
-                def ours():
-                    _, ctx = cupynce.nt_xent_forward(a, 0.1)
-                    return cupynce.nt_xent_backward(ctx)
-                leaves = [to_torch(torch, a).clone().requires_grad_()] if torch else None
-            else:
-                def ours():
-                    _, ctx = cupynce.clip_loss_forward(a, b, ls)
-                    return cupynce.clip_loss_backward(ctx)
-                leaves = ([to_torch(torch, a).clone().requires_grad_(),
-                           to_torch(torch, b).clone().requires_grad_(),
-                           torch.tensor(ls, device="cuda", requires_grad=True)]
-                          if torch else None)
-            mine = run_case(ours, repeat=5)
-            ref = (run_case(torch_step(torch, torch_reference(torch, op, 0.1), leaves), repeat=5)
-                   if torch else None)
-
-            def fmt(m):
-                if m is None:
-                    return "n/a (no torch)"
-                if m.get("oom"):
-                    return "out of memory"
-                return f"{fmt_ms(m['median_ms'])} ms, {fmt_mib(m['peak_extra_bytes'])} MiB"
-
-            speed = (f"{ref['median_ms'] / mine['median_ms']:.1f}x"
-                     if ref and not ref.get("oom") and not mine.get("oom") else "")
-            print(f"| {op} | {n} | {fmt(mine)} | {fmt(ref)} | {speed} |", flush=True)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cupynce", description=__doc__.splitlines()[0])
-    p.add_argument("--no-bench", action="store_true", help="self-check only")
-    p.add_argument("--sizes", default="8192,16384", help="benchmark N values (comma-separated)")
-    p.add_argument("--dim", type=int, default=512)
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
-    gpu = _gpu()
-    print("\n".join(machine(gpu)))
-    ok = self_check(gpu)
-    if gpu and not args.no_bench:
-        benchmark([int(s) for s in args.sizes.split(",")], args.dim)
-    print("\nself-check:", "all passed" if ok else "FAILED")
-    return 0 if ok else 1
+    if args.no_bench:
+        if args.command == "bench":
+            p.error("--no-bench contradicts the bench command")
+        args.command = "check"
+    if args.sizes is not None:
+        if any(s < 2 for s in args.sizes):
+            p.error("--sizes: every size must be >= 2")
+        if (args.ops is None or "nt_xent" in args.ops) and any(s % 2 for s in args.sizes):
+            p.error("--sizes: nt_xent needs even N (it stacks two views); "
+                    "pass even sizes or leave nt_xent out with --ops")
+    if args.dim is not None and args.dim < 1:
+        p.error(f"--dim must be >= 1, got {args.dim}")
+    from cupynce import report
+
+    try:
+        return report.run(
+            check=args.command in (None, "check"), bench=args.command in (None, "bench"),
+            mode=args.mode, ops=args.ops, dtypes=args.dtypes, out=args.out, sizes=args.sizes,
+            dim=args.dim, plots=not args.no_plots, torch_compile=args.compile,
+            command=" ".join(["python -m cupynce"] + list(sys.argv[1:] if argv is None
+                                                          else argv)))
+    except ValueError as exc:  # unavailable op, and the like: a usage error
+        p.error(str(exc))
+    return 2  # pragma: no cover - p.error exits
 
 
 if __name__ == "__main__":

@@ -33,6 +33,13 @@ Memory (:func:`peak_extra_bytes`, :func:`measure_peak`)
     The reported value is the sum of the two peaks (an upper bound on the joint peak when both
     allocate, exact when only one does).  Caches are emptied first (:func:`free_memory`).
 
+Host (NumPy path, no GPU)
+    ``run_case(..., device="cpu")`` times with :func:`time_cpu` (``time.perf_counter`` around
+    each call; same keys as :func:`time_cuda`) and measures memory with :func:`measure_peak_host`
+    (``tracemalloc``: the peak of the bytes NumPy and Python allocate above the baseline; memory
+    that other libraries allocate, torch's CPU tensors included, is not seen, so callers pass
+    ``memory=False`` for them).
+
 Out-of-memory
     :func:`run_case` treats device OOM (CuPy's ``OutOfMemoryError``, ``torch.OutOfMemoryError``,
     cuBLAS allocation failures, anything whose message says "out of memory") as a *result*:
@@ -52,7 +59,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 __all__ = [
     "time_cuda", "measure_peak", "peak_extra_bytes", "run_case", "free_memory",
     "free_device_bytes", "is_oom", "device_info", "device_header", "markdown_table",
-    "fmt_ms", "fmt_mib", "fmt_ratio",
+    "fmt_ms", "fmt_mib", "fmt_ratio", "time_cpu", "measure_peak_host", "Progress",
+    "load_torch", "torch_reference", "to_torch", "torch_step",
 ]
 
 MiB = 1 << 20
@@ -134,6 +142,30 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10) -> Di
     res: Dict[str, Any] = _stats("", ev_ms)
     ws = sorted(wall_ms)
     res.update(wall_median_ms=_percentile(ws, 50), wall_min_ms=ws[0], times_ms=ev_ms,
+               warmup=warmup, repeat=repeat)
+    return res
+
+
+def time_cpu(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 5) -> Dict[str, Any]:
+    """Time ``fn()`` on the host with ``time.perf_counter`` (the NumPy path; torch on the CPU).
+
+    Same keys as :func:`time_cuda`; the event times and the wall times are the same numbers.
+    """
+    if repeat < 1:
+        raise ValueError(f"time_cpu: repeat must be >= 1, got {repeat}")
+    for _ in range(max(warmup, 0)):
+        out = fn()
+        del out
+    wall_ms: List[float] = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        del out
+        wall_ms.append((t1 - t0) * 1e3)
+    res: Dict[str, Any] = _stats("", wall_ms)
+    ws = sorted(wall_ms)
+    res.update(wall_median_ms=_percentile(ws, 50), wall_min_ms=ws[0], times_ms=wall_ms,
                warmup=warmup, repeat=repeat)
     return res
 
@@ -249,6 +281,30 @@ def peak_extra_bytes(fn: Callable[[], Any]) -> int:
     return peaks["total"]
 
 
+def measure_peak_host(fn: Callable[[], Any]) -> Tuple[Dict[str, int], Any]:
+    """Run ``fn()`` once; return ``({"host": b, "total": b}, fn's result)`` (``tracemalloc``).
+
+    Bytes are the peak of host memory traced by ``tracemalloc`` (NumPy's array data and Python
+    objects) above the amount traced when ``fn`` starts.
+    """
+    import tracemalloc
+
+    gc.collect(1)
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        result = fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        if started:
+            tracemalloc.stop()
+    extra = max(int(peak) - int(base), 0)
+    return {"host": extra, "total": extra}, result
+
+
 # ------------------------------------------------------------------------------------------
 # OOM-tolerant case runner
 # ------------------------------------------------------------------------------------------
@@ -297,7 +353,7 @@ def _short(exc: BaseException, limit: int = 300) -> str:
 
 def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory: bool = True,
              keep_result: bool = False, catch_errors: bool = False,
-             free_first: bool = True) -> Dict[str, Any]:
+             free_first: bool = True, device: str = "cuda") -> Dict[str, Any]:
     """Measure one implementation: first call, peak extra memory, then :func:`time_cuda`.
 
     1. ``fn()`` once, untimed (lazy initialisation: kernel loading, cuBLAS heuristics, ...);
@@ -305,6 +361,9 @@ def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory
        ``peak_cupy_bytes``, ``peak_torch_bytes``); its return value is kept under ``"result"``
        when ``keep_result`` (e.g. for a correctness check; pop it before serialising);
     3. :func:`time_cuda` with ``warmup`` / ``repeat``.
+
+    ``device="cpu"``: host timing (:func:`time_cpu`) and host memory (:func:`measure_peak_host`,
+    ``peak_extra_bytes`` and ``peak_host_bytes``) for the NumPy path; nothing touches CuPy.
 
     ``free_first``: release cached memory (:func:`free_memory`) before starting.  Device OOM
     at any step is a result: ``{"oom": True, "stage": ..., "error": ...}`` after freeing
@@ -314,9 +373,15 @@ def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory
     out: Dict[str, Any] = {}
     failure: Optional[Dict[str, Any]] = None
     stage = "setup"
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"run_case: device must be 'cuda' or 'cpu', got {device!r}")
+    host = device == "cpu"
     try:
         if free_first:
-            free_memory()
+            if host:
+                gc.collect(1)
+            else:
+                free_memory()
         stage = "first call"
         first = fn()
         if keep_result and not memory:
@@ -324,14 +389,19 @@ def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory
         del first
         if memory:
             stage = "memory"
-            peaks, result = measure_peak(fn, free_first=False)  # peaks are logical bytes
-            out.update(peak_extra_bytes=peaks["total"], peak_cupy_bytes=peaks["cupy"],
-                       peak_torch_bytes=peaks["torch"])
+            if host:
+                peaks, result = measure_peak_host(fn)
+                out.update(peak_extra_bytes=peaks["total"], peak_host_bytes=peaks["host"])
+            else:
+                peaks, result = measure_peak(fn, free_first=False)  # peaks are logical bytes
+                out.update(peak_extra_bytes=peaks["total"], peak_cupy_bytes=peaks["cupy"],
+                           peak_torch_bytes=peaks["torch"])
             if keep_result:
                 out["result"] = result
             del result
         stage = "timing"
-        out.update(time_cuda(fn, warmup=warmup, repeat=repeat))
+        timer = time_cpu if host else time_cuda
+        out.update(timer(fn, warmup=warmup, repeat=repeat))
     except Exception as exc:  # noqa: BLE001 - classified below
         if is_oom(exc):
             failure = {"oom": True, "stage": stage, "error": _short(exc)}
@@ -341,7 +411,10 @@ def run_case(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10, memory
             raise
     if failure is not None:  # the exception (and the frames holding tensors) is gone by now
         out.clear()
-        free_memory(full_gc=True)
+        if host:
+            gc.collect()
+        else:
+            free_memory(full_gc=True)
         return failure
     return out
 
@@ -360,6 +433,18 @@ def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_info() -> Dict[str, Any]:
     """GPU, CUDA and package versions, and the date; never raises (errors are recorded)."""
     info: Dict[str, Any] = {
@@ -370,6 +455,10 @@ def device_info() -> Dict[str, Any]:
         "ml_dtypes": _version("ml_dtypes"),
         "torch": _version("torch"),
         "triton": _version("triton"),
+        "memeff": _version("memeff"),
+        "inf_cl": _version("inf-cl"),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
     }
     try:
         import cupy
@@ -524,15 +613,25 @@ if __name__ == "__main__":  # pragma: no cover - manual check of the environment
 # ------------------------------------------------------------------------------------------
 # the PyTorch reference users run today
 # ------------------------------------------------------------------------------------------
-def load_torch():
-    """torch with CUDA on CuPy's current device, or None (with the reason printed)."""
+def load_torch(device: str = "cuda", *, quiet: bool = False):
+    """torch ready for ``device``, or None (with the reason printed unless ``quiet``).
+
+    ``"cuda"``: torch with CUDA on CuPy's current device, its CUDA state initialised (the
+    harness reads its allocator statistics); ``"cpu"``: torch as imported.
+    """
+    def say(msg: str) -> None:
+        if not quiet:
+            print(msg, flush=True)
+
     try:
         import torch
     except ImportError as exc:
-        print(f"torch not importable ({exc}); measuring cupynce and cuBLAS only", flush=True)
+        say(f"torch not importable ({exc}); measuring cupynce and cuBLAS only")
         return None
+    if device == "cpu":
+        return torch
     if not torch.cuda.is_available():
-        print("torch has no CUDA; measuring cupynce and cuBLAS only", flush=True)
+        say("torch has no CUDA; measuring cupynce and cuBLAS only")
         return None
     import cupy as cp
 
@@ -542,7 +641,13 @@ def load_torch():
 
 
 def torch_reference(torch, op: str, temperature: float = 0.1) -> Callable[..., Any]:
-    """The plain PyTorch formula users run today (the seeds' / open_clip's)."""
+    """The plain PyTorch formula users run today (the seeds' / open_clip's / SPLADE's).
+
+    Arguments of the returned function: ``nt_xent(z)``, ``info_nce(query, key)`` (in-batch
+    negatives), ``clip_loss(a, b, logit_scale)`` (logit_scale a 0-d tensor),
+    ``splade_pool(x, weight, bias, mask)`` (SPLADE's ``max_l log(1 + relu(x Wᵀ + b)) * mask``,
+    the (B, V) output).
+    """
     F = torch.nn.functional
 
     if op == "nt_xent":
@@ -554,6 +659,24 @@ def torch_reference(torch, op: str, temperature: float = 0.1) -> Callable[..., A
             return F.cross_entropy(s, labels)
         return nt_xent_ref
 
+    if op == "info_nce":
+        def info_nce_ref(q, k):
+            labels = torch.arange(q.shape[0], device=q.device)
+            return F.cross_entropy(q @ k.T / temperature, labels)
+        return info_nce_ref
+
+    if op == "splade_pool":
+        def splade_ref(x, weight, bias, mask):
+            logits = x @ weight.T
+            if bias is not None:
+                logits = logits + bias
+            act = torch.log1p(torch.relu(logits)) * mask.unsqueeze(-1).to(logits.dtype)
+            return torch.max(act, dim=1).values
+        return splade_ref
+
+    if op != "clip_loss":
+        raise ValueError(f"torch_reference: unknown op {op!r}")
+
     def clip_ref(a, b, logit_scale):
         labels = torch.arange(a.shape[0], device=a.device)
         logits = logit_scale.exp() * a @ b.T
@@ -562,9 +685,16 @@ def torch_reference(torch, op: str, temperature: float = 0.1) -> Callable[..., A
 
 
 def to_torch(torch, x):
-    """A torch view of a CuPy array, bit for bit (bfloat16 goes through an int16 view)."""
+    """A torch view of a CuPy (or NumPy) array, bit for bit (bfloat16 through an int16 view)."""
     from cupynce._kernels import BFLOAT16
 
+    if type(x).__module__.startswith("numpy"):
+        import numpy as np
+
+        x = np.asarray(x, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+        if BFLOAT16 is not None and x.dtype == BFLOAT16:
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
     if BFLOAT16 is not None and x.dtype == BFLOAT16:
         import cupy as cp
 
@@ -572,9 +702,75 @@ def to_torch(torch, x):
     return torch.from_dlpack(x)
 
 
-def torch_step(torch, fn: Callable[..., Any], leaves: Sequence[Any]) -> Callable[[], Any]:
+def torch_step(torch, fn: Callable[..., Any], leaves: Sequence[Any], *, extra: Sequence[Any] = (),
+               grad_output: Any = None) -> Callable[[], Any]:
+    """A step computing ``out = fn(*leaves, *extra)`` and the gradients of ``leaves``.
+
+    ``grad_output`` (a tensor like ``out``) for a non-scalar ``out``; returns ``(out, grads)``.
+    """
     def step():
-        loss = fn(*leaves)
-        grads = torch.autograd.grad(loss, leaves)
+        loss = fn(*leaves, *extra)
+        grads = torch.autograd.grad(loss, leaves, grad_outputs=grad_output)
         return loss, grads
     return step
+
+
+# ------------------------------------------------------------------------------------------
+# progress
+# ------------------------------------------------------------------------------------------
+class Progress:
+    """A text progress bar on stderr: ``[#####-----] 12/40  0:31 elapsed  label``.
+
+    On a terminal the line is redrawn in place; otherwise (a log file, CI) one line is printed
+    per step, so that the log shows where a long run is.  No dependency.
+    """
+
+    def __init__(self, total: int, *, stream: Any = None, width: int = 24,
+                 enabled: bool = True) -> None:
+        self.total = max(int(total), 0)
+        self.done = 0
+        self.stream = sys.stderr if stream is None else stream
+        self.width = width
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        try:
+            self.tty = bool(self.stream.isatty())
+        except (AttributeError, ValueError):
+            self.tty = False
+        self._last_len = 0
+
+    def _line(self, label: str) -> str:
+        frac = self.done / self.total if self.total else 1.0
+        fill = int(round(frac * self.width))
+        el = int(time.perf_counter() - self.t0)
+        return (f"[{'#' * fill}{'-' * (self.width - fill)}] {self.done}/{self.total} "
+                f"{el // 60}:{el % 60:02d}  {label}")
+
+    def update(self, label: str = "", advance: int = 1) -> None:
+        """Count ``advance`` steps done and show ``label`` (what runs next or just ran)."""
+        self.done = min(self.done + advance, self.total) if self.total else self.done + advance
+        if self.enabled:
+            self._write(label, final=True)
+
+    def show(self, label: str = "") -> None:
+        """Show what runs now (redrawn on a terminal; nothing in a log)."""
+        if not self.enabled:
+            return
+        self._write(label, final=False)
+
+    def _write(self, label: str, final: bool) -> None:
+        line = self._line(label)
+        if self.tty:
+            pad = max(self._last_len - len(line), 0)
+            self.stream.write("\r" + line + " " * pad)
+            self._last_len = len(line)
+        elif final:  # a log: one line per finished step, not per start
+            self.stream.write(line + "\n")
+        else:
+            return
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()

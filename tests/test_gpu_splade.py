@@ -206,8 +206,14 @@ def test_non_default_stream(dtype):
 
 @pytest.mark.parametrize("tiles", ["columns", "batches"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_small_workspace_is_bitwise_the_default(dtype, tiles):
-    """A workspace that forces many (batch x vocabulary) tiles gives the default's bits."""
+def test_small_workspace_agrees_with_the_default(dtype, tiles):
+    """A workspace that forces many (batch x vocabulary) tiles gives the default's result.
+
+    Not bitwise: cuBLAS may pick another kernel (another summation order) for another tile
+    shape, so the logits can differ in the last bit.  Both runs are checked against the
+    reference at the dtype's tolerance; the arg-max must agree except where the logits are
+    within that rounding of each other (the data here has no such near-ties).
+    """
     b, l, d, v = 4, 16, 32, 1000
     item = np.dtype(dtype).itemsize
     # "columns": one batch x 37 columns per tile; "batches": 2 batches x 256 columns
@@ -216,7 +222,8 @@ def test_small_workspace_is_bitwise_the_default(dtype, tiles):
     for act in ACTIVATIONS:
         r0 = run(inp, act)
         r1 = run(inp, act, workspace_bytes=ws)
-        assert_bitwise(r0, r1, f"workspace_bytes={ws}")
+        np.testing.assert_array_equal(C.host(r0[1]), C.host(r1[1]), err_msg=f"ws={ws} argmax")
+        C.check_against_reference(inp, act, *r0, case="default workspace")
         C.check_against_reference(inp, act, *r1, case=f"ws={ws}")
 
 

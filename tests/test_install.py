@@ -50,8 +50,8 @@ def test_import_needs_no_cupy_or_torch(installed):
     assert "torch" not in out.stderr
 
 
-def test_cli_self_check_runs():
-    out = subprocess.run([sys.executable, "-m", "cupynce", "--no-bench"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+def test_cli_self_check_runs(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "cupynce", "check", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "self-check: all passed" in out.stdout

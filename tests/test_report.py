@@ -1,0 +1,325 @@
+"""``python -m cupynce`` (the report): runs on the CPU (NumPy path) and writes every file.
+
+One quick run of the real command (a subprocess) is shared by the file and schema tests; the
+other tests call :func:`cupynce.__main__.main` in this process (so that an op can be
+monkeypatched to plant a wrong result) with small sizes.
+"""
+from __future__ import annotations
+
+import configparser
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupynce
+from cupynce import _harness as H
+from cupynce.__main__ import main
+from cupynce._report_ops import DTYPES, REGISTRY, available_ops
+
+ROOT = Path(__file__).resolve().parents[1]
+PNGS = ("execution_times.png", "speedup.png", "peak_memory.png", "loss_error.png",
+        "gradient_error.png")
+OPS = [name for name, why in available_ops().items() if why is None]
+
+pytest.importorskip("matplotlib")  # the `test` extra installs it: the plots are tested
+
+
+def _strict_json(path: Path):
+    def bad(const):
+        raise AssertionError(f"{path.name} holds {const}: not strict JSON")
+    return json.loads(path.read_text(), parse_constant=bad)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """``python -m cupynce --quick`` at two small sizes, into a fresh folder."""
+    out = tmp_path_factory.mktemp("report") / "out"
+    proc = subprocess.run([sys.executable, "-m", "cupynce", "--quick", "--out", str(out),
+                           "--sizes", "32,64"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    return proc, out
+
+
+# ---- the command and its files ----------------------------------------------------------
+def test_command_runs_and_writes_every_file(quick_run):
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "No CUDA GPU" in proc.stdout or "GPU " in proc.stdout  # the machine is reported
+    assert "self-check: all passed" in proc.stdout
+    assert "[" in proc.stderr and "/" in proc.stderr  # the progress bar goes to stderr
+    for name in ("results.json", "summary.md") + PNGS:
+        f = out / name
+        assert f.is_file() and f.stat().st_size > 0, name
+    for name in PNGS:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert len(data) > 10_000, f"{name} looks empty ({len(data)} bytes)"
+    md = (out / "summary.md").read_text()
+    assert "## Self-check" in md and "## Benchmark" in md
+    for op in OPS:
+        assert f"### {op}, float32" in md
+    for name in PNGS:
+        assert f"]({name})" in md
+
+
+def test_results_json_schema(quick_run):
+    _, out = quick_run
+    doc = _strict_json(out / "results.json")
+    for key, typ in (("schema", str), ("command", str), ("date", str), ("device", dict),
+                     ("versions", dict), ("settings", dict), ("checks", list),
+                     ("check_passed", bool), ("benchmarks", list), ("files", list),
+                     ("skipped_ops", dict), ("elapsed_s", float)):
+        assert isinstance(doc.get(key), typ), (key, doc.get(key))
+    assert doc["schema"] == "cupynce-report/1"
+    dev = doc["device"]
+    assert dev["backend"] in ("numpy", "cupy")
+    assert ("gpu" in dev) and isinstance(dev["python"], str) and isinstance(dev["numpy"], str)
+    for key in ("cupynce", "numpy", "torch", "cupy", "python"):
+        assert key in doc["versions"]
+    assert doc["versions"]["cupynce"] == cupynce.__version__
+    s = doc["settings"]
+    assert s["mode"] == "quick" and s["ops"] == OPS and s["sizes"] == [32, 64]
+    assert set(doc["files"]) == {"results.json", "summary.md", *PNGS}
+
+    checks = doc["checks"]
+    assert {(c["op"], c["dtype"]) for c in checks} == {(o, d) for o in OPS for d in DTYPES}
+    for c in checks:
+        assert isinstance(c["shape"], dict) and isinstance(c["shape_text"], str)
+        for k in ("loss_err", "grad_err", "loss_tol", "grad_tol"):
+            assert isinstance(c[k], float), (k, c)
+        assert isinstance(c["grad_errs"], dict) and c["grad_errs"]
+        assert set(c["grad_errs"]) <= set(REGISTRY[c["op"]].grad_names)
+        assert c["passed"] is True and c["error"] is None
+        assert c["loss_err"] <= c["loss_tol"] and c["grad_err"] <= c["grad_tol"]
+
+    bench = doc["benchmarks"]
+    assert bench
+    for r in bench:
+        assert isinstance(r["op"], str) and isinstance(r["dtype"], str)
+        assert isinstance(r["size"], int) and isinstance(r["shape"], dict)
+        assert r["status"] in ("ok", "oom", "error", "skipped")
+        for k in ("median_ms", "p20_ms", "p80_ms", "min_ms", "loss_err", "grad_err"):
+            assert r.get(k) is None or isinstance(r[k], float), (k, r)
+        assert r.get("peak_bytes") is None or isinstance(r["peak_bytes"], int)
+    for op in OPS:
+        ours = [r for r in bench if r["op"] == op and r["impl"] == "cupynce"]
+        assert sorted(r["size"] for r in ours) == [32, 64]
+        for r in ours:  # every measurement there: time, memory, errors against float64
+            assert r["status"] == "ok" and r["median_ms"] > 0 and r["peak_bytes"] > 0
+            assert r["error_reference"] == "oracle" and r["loss_err"] < 1e-4
+            assert r["grad_err"] < 1e-3
+    try:
+        import torch  # noqa: F401
+        assert any(r["impl"] == "pytorch" and r["status"] == "ok" for r in bench)
+    except ImportError:
+        pass
+
+
+# ---- a wrong result fails the self-check ------------------------------------------------
+@pytest.mark.parametrize("where", ["loss", "gradient", "crash"])
+def test_planted_wrong_result_fails_the_check(where, monkeypatch, tmp_path, capsys):
+    fwd, bwd = cupynce.nt_xent_forward, cupynce.nt_xent_backward
+    if where == "loss":
+        def planted(z, t, **kw):
+            loss, ctx = fwd(z, t, **kw)
+            return loss * (1 + 1e-3), ctx
+        monkeypatch.setattr(cupynce, "nt_xent_forward", planted)
+    elif where == "gradient":
+        def planted(ctx, g=1.0):
+            dz = bwd(ctx, g).copy()
+            dz.reshape(-1)[0] += abs(dz).max()  # one element off (NumPy or CuPy)
+            return dz
+        monkeypatch.setattr(cupynce, "nt_xent_backward", planted)
+    else:
+        def planted(ctx, g=1.0):
+            raise RuntimeError("planted crash")
+        monkeypatch.setattr(cupynce, "nt_xent_backward", planted)
+    rc = main(["check", "--ops", "nt_xent,clip_loss", "--dtype", "float32", "--out",
+               str(tmp_path)])
+    assert rc == 1
+    text = capsys.readouterr().out
+    assert "FAIL" in text and "self-check: FAILED" in text
+    doc = _strict_json(tmp_path / "results.json")
+    assert doc["check_passed"] is False
+    bad = [c for c in doc["checks"] if not c["passed"]]
+    assert bad and all(c["op"] == "nt_xent" for c in bad)
+    assert all(c["passed"] for c in doc["checks"] if c["op"] == "clip_loss")
+    if where == "loss":
+        assert all(c["loss_err"] > c["loss_tol"] for c in bad)
+    elif where == "gradient":
+        assert all(c["grad_err"] > c["grad_tol"] for c in bad)
+    else:
+        assert all("planted crash" in c["error"] for c in bad)
+    assert "FAILED" in (tmp_path / "summary.md").read_text()
+    assert not list(tmp_path.glob("*.png"))  # check only: no benchmark, no plots
+
+
+# ---- options ----------------------------------------------------------------------------
+def test_ops_and_dtype_filter(tmp_path, capsys):
+    rc = main(["--ops", "clip_loss,info_nce", "--dtype", "float64", "--sizes", "16,24",
+               "--out", str(tmp_path), "--no-plots"])
+    assert rc == 0, capsys.readouterr()
+    doc = _strict_json(tmp_path / "results.json")
+    assert doc["settings"]["ops"] == ["clip_loss", "info_nce"]
+    assert {(c["op"], c["dtype"]) for c in doc["checks"]} == {("clip_loss", "float64"),
+                                                             ("info_nce", "float64")}
+    assert {(r["op"], r["dtype"]) for r in doc["benchmarks"]} == {("clip_loss", "float64"),
+                                                                 ("info_nce", "float64")}
+    assert {r["size"] for r in doc["benchmarks"]} == {16, 24}
+    assert not list(tmp_path.glob("*.png")) and "--no-plots" in doc["plots_note"]
+
+
+def test_bench_subcommand_only_benchmarks(tmp_path, capsys):
+    rc = main(["bench", "--ops", "nt_xent", "--sizes", "16", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = _strict_json(tmp_path / "results.json")
+    assert doc["checks"] is None and doc["check_passed"] is None
+    assert {r["op"] for r in doc["benchmarks"]} == {"nt_xent"}
+    assert "self-check" not in capsys.readouterr().out
+    for name in PNGS:
+        assert (tmp_path / name).is_file()
+
+
+def test_op_without_kernels_is_skipped_not_fatal(monkeypatch, tmp_path, capsys):
+    """An op this cupynce lacks (as splade_pool before it lands) is listed as skipped."""
+    spec = REGISTRY["nt_xent"]
+    monkeypatch.setattr(type(spec), "available", lambda self: "planted: not in this build")
+    rc = main(["check", "--dtype", "float32", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = _strict_json(tmp_path / "results.json")
+    assert "nt_xent" not in {c["op"] for c in doc["checks"]}
+    assert doc["skipped_ops"]["nt_xent"] == "planted: not in this build"
+    with pytest.raises(SystemExit) as exc:  # asked for by name: a clear error
+        main(["check", "--ops", "nt_xent", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "not available here: nt_xent (planted: not in this build)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ops", "nt_xent,softmax"], "unknown op softmax; choose from"),
+    (["--dtype", "int8"], "unknown dtype int8; choose from"),
+    (["--sizes", "16,33"], "nt_xent needs even N"),
+    (["--sizes", "8,x"], "not a comma-separated list of integers"),
+    (["--sizes", "1"], "every size must be >= 2"),
+    (["--dim", "0"], "--dim must be >= 1"),
+    (["--quick", "--full"], "not allowed with argument"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["bench", "--no-bench"], "contradicts"),
+    (["--out"], "expected one argument"),
+])
+def test_bad_options_are_clear_errors(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(argv + (["--out", str(tmp_path)] if argv != ["--out"] else []))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "usage: python -m cupynce" in err
+
+
+def test_without_matplotlib_plots_are_skipped(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.delitem(sys.modules, "cupynce._report_plots", raising=False)
+    rc = main(["bench", "--ops", "info_nce", "--sizes", "16", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.png"))
+    doc = _strict_json(tmp_path / "results.json")
+    assert "matplotlib" in doc["plots_note"] and doc["files"] == ["results.json", "summary.md"]
+    assert "matplotlib is not installed" in (tmp_path / "summary.md").read_text()
+
+
+def test_full_sweeps_more_sizes_than_quick():
+    for spec in REGISTRY.values():
+        for gpu in (False, True):
+            quick = spec.bench_shapes("quick", gpu)
+            full = spec.bench_shapes("full", gpu)
+            assert len(full) > len(quick) >= 3
+            sizes = [s[spec.size_key] for s in full]
+            assert sizes == sorted(sizes) and sizes[-1] / sizes[0] >= 10  # log axes
+
+
+def test_console_script_entry_point():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    scripts = cfg["options.entry_points"]["console_scripts"]
+    assert "cupynce = cupynce.__main__:main" in scripts
+    extras = cfg["options.extras_require"]
+    assert "matplotlib" in extras["report"] and "matplotlib" in extras["test"]
+
+
+# ---- the harness pieces the report added ------------------------------------------------
+def test_harness_host_timing_and_memory():
+    r = H.run_case(lambda: np.ones(1 << 20), device="cpu", warmup=1, repeat=3)
+    assert r["repeat"] == 3 and len(r["times_ms"]) == 3 and r["median_ms"] > 0
+    assert (1 << 23) <= r["peak_extra_bytes"] < (1 << 24)  # one 8 MiB array
+    r = H.run_case(lambda: np.ones(1 << 20), device="cpu", memory=False, repeat=2)
+    assert "peak_extra_bytes" not in r
+    failed = H.run_case(lambda: 1 / 0, device="cpu", catch_errors=True)
+    assert failed["stage"] == "first call" and "ZeroDivisionError" in failed["error"]
+    with pytest.raises(ValueError, match="device must be"):
+        H.run_case(lambda: None, device="tpu")
+
+
+def test_progress_bar_in_a_log():
+    buf = io.StringIO()
+    p = H.Progress(4, stream=buf)
+    p.show("starting")  # not a terminal: nothing until a step is done
+    p.update("one")
+    p.update("two", advance=3)
+    p.close()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("[######------------------] 1/4") and lines[0].endswith("one")
+    assert lines[1].startswith("[########################] 4/4")
+
+
+def test_out_of_memory_is_a_result(monkeypatch, tmp_path, capsys):
+    """A (planted) out-of-memory at the larger size is recorded and drawn, not a crash."""
+    fwd = cupynce.clip_loss_forward
+
+    def planted(a, b, ls, **kw):
+        if a.shape[0] > 16:
+            raise RuntimeError("CUDA error: out of memory (planted)")
+        return fwd(a, b, ls, **kw)
+    monkeypatch.setattr(cupynce, "clip_loss_forward", planted)
+    rc = main(["bench", "--ops", "clip_loss", "--sizes", "16,32", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = _strict_json(tmp_path / "results.json")
+    ours = {r["size"]: r for r in doc["benchmarks"] if r["impl"] == "cupynce"}
+    assert ours[16]["status"] == "ok" and ours[32]["status"] == "oom"
+    assert ours[32]["median_ms"] is None and "planted" in ours[32]["error"]
+    assert "| 32 |" in (tmp_path / "summary.md").read_text().replace("  ", " ")
+    assert "OOM" in (tmp_path / "summary.md").read_text()
+    for name in PNGS:
+        assert (tmp_path / name).is_file()
+
+
+def test_torch_float64_reference_beyond_the_oracle(monkeypatch, tmp_path):
+    """Sizes too large for the host oracle get their errors from PyTorch in float64."""
+    pytest.importorskip("torch")
+    from cupynce import report
+
+    monkeypatch.setattr(report, "ORACLE_MAX_BYTES", 0)
+    rc = main(["bench", "--ops", "nt_xent,splade_pool" if "splade_pool" in OPS else "nt_xent",
+               "--sizes", "16", "--out", str(tmp_path), "--no-plots"])
+    assert rc == 0
+    doc = _strict_json(tmp_path / "results.json")
+    for r in doc["benchmarks"]:
+        assert r["status"] == "ok" and r["error_reference"] == "torch-float64"
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4
+
+
+def test_every_implementation_runs_in_half_precision(tmp_path):
+    rc = main(["bench", "--dtype", "bfloat16,float16", "--sizes", "16", "--out", str(tmp_path),
+               "--no-plots"])
+    assert rc == 0
+    doc = _strict_json(tmp_path / "results.json")
+    failed = [(r["op"], r["dtype"], r["impl"], r.get("error")) for r in doc["benchmarks"]
+              if r["status"] != "ok" and r["impl"] in ("cupynce", "pytorch")]
+    assert not failed
+    assert {r["op"] for r in doc["benchmarks"]} == set(OPS)
