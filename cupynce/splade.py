@@ -51,7 +51,6 @@ ACTIVATIONS = ("relu", "log1p_relu")
 _FILE = "splade.cu"
 _SPL_DK = 4  # SPL_DK in splade.cu: accumulators per thread along D
 _MAX_SLICES = 8  # SPL_MAX_SLICES: warps of a max block, warp y over the positions l = y mod 8
-_MAX_COLS = 64  # vocabulary columns of a max block (a column pair per lane)
 #: Vocabulary segments per batch in the dx grouping (more segments: more parallel placement,
 #: larger count arrays).
 _MAX_SEGMENTS = 16
@@ -188,10 +187,11 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
             tile = ws[:nbt * l, :vtt]
             wt = wm[v0:v0 + vtt] if trans_b else wm[:, v0:v0 + vtt]
             _blas.gemm(rows, wt, tile, trans_b=trans_b)
-            fn((-(-vtt // _MAX_COLS), nbt), (32, _MAX_SLICES),
-               (tile, np.int64(_blas.leading_dim(tile)), np.int32(l), np.int32(vtt),
-                np.int32(b0), np.int32(v0), np.int32(v), m8 if m8 is not None else 0,
-                bias if bias is not None else 0, np.int32(act), out, arg))
+            _launch_smem(fn, (-(-vtt // (32 * (8 // dt.itemsize))), nbt), (32, _MAX_SLICES),
+                         (tile, np.int64(_blas.leading_dim(tile)), np.int32(l), np.int32(vtt),
+                          np.int32(b0), np.int32(v0), np.int32(v), m8 if m8 is not None else 0,
+                          bias if bias is not None else 0, np.int32(act), out, arg),
+                         0 if m8 is None else l)
     return out, arg
 
 
@@ -201,7 +201,7 @@ def _segments(v: int) -> Tuple[int, int]:
 
 
 def _launch_smem(fn, grid, block, args, smem: int) -> None:
-    if smem > 48 << 10:
+    if smem > 32 << 10:  # above the default 48 KiB with the static shared memory
         fn.max_dynamic_shared_size_bytes = smem
     fn(grid, block, args, shared_mem=smem)
 

@@ -35,31 +35,25 @@ __device__ __forceinline__ A spl_gprime(A out, A g, int act) {
 // Max over the sequence of one logit tile. ws holds the logits of batches [b0, b0 + nb) x
 // vocabulary [v0, v0 + vt): row (bl * L + l), column j, leading dim ldw (cuBLAS output, in T:
 // half inputs are rounded to T before the max, as PyTorch's half matmul does).
-// Block (32, SPL_MAX_SLICES): lane -> the column pair j0 + 2 lane, j0 + 2 lane + 1 (one
-// paired load when ldw is even), warp y -> positions l = y, y + SPL_MAX_SLICES, ...
-// (SPL_MAX_UNROLL rows' loads issued before their compares: the loop is latency-bound
-// otherwise); the slices' (max, arg) are then merged in a fixed order.
-// Grid (ceil(vt / 64), nb).  Ties go to the lowest l; a NaN wins.
+// Block (32, SPL_MAX_SLICES): lane -> SPL_E consecutive columns (one 8-byte load when ldw is a
+// multiple of SPL_E), warp y -> positions l = y, y + SPL_MAX_SLICES, ...  SPL_MAX_UNROLL rows'
+// loads are issued before their compares (the loop is latency-bound otherwise).  The per-slice
+// (max, arg) are merged in a fixed order.  Grid (ceil(vt / (32 SPL_E)), nb).
+// Ties go to the lowest l.  A NaN logit makes the output NaN (tracked apart from the max, so
+// the inner loop is one compare and two selects per element).
 #define SPL_MAX_SLICES 8
 #define SPL_MAX_UNROLL 4
 
-template <typename A>
-struct SplMax {
-    A val;
-    int arg;  // -1: no unmasked position seen
-    __device__ __forceinline__ void add(A s, int l) {  // l increasing within one slice
-        if (arg < 0 || (val == val && (s > val || s != s))) { val = s; arg = l; }
-    }
-    __device__ __forceinline__ void merge(A s, int l) {  // l in any order
-        if (l < 0) return;
-        if (arg < 0) { val = s; arg = l; return; }
-        const bool nan_a = val != val, nan_b = s != s;
-        if (nan_a != nan_b) { if (nan_b) { val = s; arg = l; } return; }
-        if ((!nan_a && s > val) || ((nan_a || s == val) && l < arg)) { val = s; arg = l; }
-    }
+template <typename T> struct SplVec {  // 8 bytes of T
+    enum { E = 8 / sizeof(T) };
+    struct alignas(8) type { T v[E]; };
 };
 
-template <typename T> struct alignas(2 * sizeof(T)) SplPair { T a, b; };
+// merge (vb, ab) into (va, aa): larger value, then lower l; arg -1 means "nothing seen"
+template <typename A>
+__device__ __forceinline__ void spl_merge(A& va, int& aa, A vb, int ab) {
+    if (ab >= 0 && (vb > va || (vb == va && (aa < 0 || ab < aa)))) { va = vb; aa = ab; }
+}
 
 template <typename T, typename I>
 __device__ __forceinline__ void splade_max_body(
@@ -68,61 +62,85 @@ __device__ __forceinline__ void splade_max_body(
     T* __restrict__ out, I* __restrict__ arg)
 {
     typedef typename Conv<T>::acc A;
-    __shared__ A sv[SPL_MAX_SLICES][64];
-    __shared__ int sa[SPL_MAX_SLICES][64];
+    enum { E = SplVec<T>::E };
+    typedef typename SplVec<T>::type Vec;
+    __shared__ A sv[SPL_MAX_SLICES][32 * E];
+    __shared__ int sa[SPL_MAX_SLICES][32 * E];
+    __shared__ unsigned char sn[SPL_MAX_SLICES][32 * E];
     const int lane = threadIdx.x, y = threadIdx.y;
-    const int jj = blockIdx.x * 64 + 2 * lane;  // this lane's first column
-    const bool paired = (ldw & 1) == 0 && jj + 1 < vt;
+    const int jj = blockIdx.x * (32 * E) + E * lane;  // this lane's first column
+    const bool vec = (ldw % E) == 0 && jj + E <= vt;
+    const bool live = jj < vt;  // lanes past the tile's last column load nothing
     const int bl = blockIdx.y;
     const int b = b0 + bl;
-    const T* tile = ws + (i64)bl * L * ldw;
-    const unsigned char* mrow = mask ? mask + (i64)b * L : (const unsigned char*)0;
-    SplMax<A> st[2];
-    st[0].val = st[1].val = A(0);
-    st[0].arg = st[1].arg = -1;
+    const T* tile = ws + (i64)bl * L * ldw + jj;
+    // the row's mask, staged in shared memory: a global load there would sit between each
+    // row's address and its data load (a dependent latency per step)
+    extern __shared__ unsigned char smask[];
+    if (mask) {
+        for (int l = y * 32 + lane; l < L; l += 32 * SPL_MAX_SLICES) smask[l] = mask[(i64)b * L + l];
+        __syncthreads();
+    }
+    const unsigned char* mrow = mask ? smask : (const unsigned char*)0;
+    A best[E];
+    int win[E];
+    bool nan[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) { best[e] = -cpn_inf<A>(); win[e] = -1; nan[e] = false; }
     for (int l0 = y; l0 < L; l0 += SPL_MAX_SLICES * SPL_MAX_UNROLL) {
-        A va[SPL_MAX_UNROLL], vb[SPL_MAX_UNROLL];
+        Vec val[SPL_MAX_UNROLL];
         bool on[SPL_MAX_UNROLL];
 #pragma unroll
         for (int u = 0; u < SPL_MAX_UNROLL; ++u) {
             const int l = l0 + u * SPL_MAX_SLICES;
-            on[u] = l < L && (!mrow || mrow[l]);
-            const T* row = tile + (i64)l * ldw + jj;
-            va[u] = vb[u] = A(0);
-            if (on[u] && paired) {
-                const SplPair<T> p = *reinterpret_cast<const SplPair<T>*>(row);
-                va[u] = Conv<T>::load(p.a);
-                vb[u] = Conv<T>::load(p.b);
+            on[u] = live && l < L && (!mrow || mrow[l]);
+            const T* row = tile + (i64)l * ldw;
+            if (on[u] && vec) {
+                val[u] = *reinterpret_cast<const Vec*>(row);
             } else if (on[u]) {
-                if (jj < vt) va[u] = Conv<T>::load(row[0]);
-                if (jj + 1 < vt) vb[u] = Conv<T>::load(row[1]);
+#pragma unroll
+                for (int e = 0; e < E; ++e) val[u].v[e] = row[jj + e < vt ? e : 0];
             }
         }
 #pragma unroll
         for (int u = 0; u < SPL_MAX_UNROLL; ++u) {
             if (!on[u]) continue;
-            st[0].add(va[u], l0 + u * SPL_MAX_SLICES);
-            st[1].add(vb[u], l0 + u * SPL_MAX_SLICES);
+            const int l = l0 + u * SPL_MAX_SLICES;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const A s = Conv<T>::load(val[u].v[e]);
+                const bool gt = s > best[e];  // strict: the first (lowest l) of equal values
+                best[e] = gt ? s : best[e];
+                win[e] = gt ? l : win[e];
+                nan[e] |= s != s;
+            }
         }
     }
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        sv[y][2 * lane + k] = st[k].val;
-        sa[y][2 * lane + k] = st[k].arg;
+    for (int e = 0; e < E; ++e) {
+        sv[y][E * lane + e] = best[e];
+        sa[y][E * lane + e] = win[e];
+        sn[y][E * lane + e] = nan[e];
     }
     __syncthreads();
     if (y != 0) return;
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const int j = jj + k;
+    for (int e = 0; e < E; ++e) {
+        const int j = jj + e;
         if (j >= vt) continue;
-        SplMax<A> m = st[k];
-        for (int s = 1; s < SPL_MAX_SLICES; ++s) m.merge(sv[s][2 * lane + k], sa[s][2 * lane + k]);
+        A m = best[e];
+        int w = win[e];
+        bool isnan = nan[e];
+        for (int s = 1; s < SPL_MAX_SLICES; ++s) {
+            spl_merge(m, w, sv[s][E * lane + e], sa[s][E * lane + e]);
+            isnan |= sn[s][E * lane + e] != 0;
+        }
         const i64 o = (i64)b * V + v0 + j;
-        A r = A(0);
-        if (m.arg >= 0) r = spl_act(m.val + (bias ? Conv<T>::load(bias[v0 + j]) : A(0)), act);
+        A r = A(0);  // all positions masked (or every logit -inf: act gives 0 as well)
+        if (isnan) r = cpn_nan<A>();
+        else if (w >= 0) r = spl_act(m + (bias ? Conv<T>::load(bias[v0 + j]) : A(0)), act);
         out[o] = Conv<T>::store(r);
-        arg[o] = (I)(m.arg < 0 ? 0 : m.arg);
+        arg[o] = (I)(w < 0 ? 0 : w);
     }
 }
 
