@@ -16,7 +16,10 @@ How it is computed (CuPy arrays)
 Forward: the logits of a tile of batches × vocabulary are one cuBLAS product (fp32
 accumulation; stored in the input dtype, as PyTorch's half matmul does) into a workspace of at
 most ``workspace_bytes`` (default 64 MiB); a kernel reduces max and arg-max over L for every
-(b, v) of the tile and writes ``act(max + bias)``.  The bias is constant over L, so it is
+(b, v) of the tile and writes ``act(max + bias)`` (when a tile is too narrow to fill the GPU,
+the sequence is split over several blocks whose partial maxima, < 2 MiB, are merged in a fixed
+order by a second kernel).  The logits make one round trip through memory per tile: that
+traffic, not the arithmetic, is what the forward adds to the product (benchmarks/NOTES.md).  The bias is constant over L, so it is
 added after the max; both activations are monotone, so the activation is applied once.  What
 stays for backward is the output and the arg-max, (B, V) int16 (int32 when L > 32768).
 
@@ -51,6 +54,8 @@ ACTIVATIONS = ("relu", "log1p_relu")
 _FILE = "splade.cu"
 _SPL_DK = 4  # SPL_DK in splade.cu: accumulators per thread along D
 _MAX_SLICES = 8  # SPL_MAX_SLICES: warps of a max block, warp y over the positions l = y mod 8
+_MAX_FILL = 1024  # max blocks per tile wanted (~8 per SM of an H100)
+_MIN_CHUNK = 64  # fewest positions per chunk when the sequence is split across blocks
 #: Vocabulary segments per batch in the dx grouping (more segments: more parallel placement,
 #: larger count arrays).
 _MAX_SEGMENTS = 16
@@ -178,7 +183,14 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
     arg = cp.empty((b, v), idt)
     nb, vt = _plan_tiles("splade_pool", b, l, v, dt.itemsize, workspace_bytes)
     ws = cp.empty((nb * l, vt), dt)
-    fn = get_kernel(_FILE, f"splade_max_{_index_tag(idt)}", dt)
+    tag = _index_tag(idt)
+    fn = get_kernel(_FILE, f"splade_max_{tag}", dt)
+    cols = 32 * (8 // dt.itemsize)  # vocabulary columns of a max block (8 bytes per lane)
+    nz = _position_chunks(-(-vt // cols) * nb, l)
+    lchunk = -(-l // nz)
+    acc = acc_dtype(dt)
+    part = [cp.empty((nz, nb, vt), t) for t in (acc, np.int32, np.uint8)] if nz > 1 else None
+    smem = 0 if m8 is None else l
     for b0 in range(0, b, nb):
         nbt = min(nb, b - b0)
         rows = xs[b0 * l:(b0 + nbt) * l]
@@ -187,12 +199,25 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
             tile = ws[:nbt * l, :vtt]
             wt = wm[v0:v0 + vtt] if trans_b else wm[:, v0:v0 + vtt]
             _blas.gemm(rows, wt, tile, trans_b=trans_b)
-            _launch_smem(fn, (-(-vtt // (32 * (8 // dt.itemsize))), nbt), (32, _MAX_SLICES),
-                         (tile, np.int64(_blas.leading_dim(tile)), np.int32(l), np.int32(vtt),
-                          np.int32(b0), np.int32(v0), np.int32(v), m8 if m8 is not None else 0,
-                          bias if bias is not None else 0, np.int32(act), out, arg),
-                         0 if m8 is None else l)
+            common = (np.int32(b0), np.int32(v0), np.int32(v))
+            pv, pa, pn = part if part is not None else (0, 0, 0)
+            _launch_smem(fn, (-(-vtt // cols), nbt, nz), (32, _MAX_SLICES),
+                         (tile, np.int64(_blas.leading_dim(tile)), np.int32(l), np.int32(vtt))
+                         + common + (m8 if m8 is not None else 0, bias if bias is not None else 0,
+                                     np.int32(act), out, arg, np.int32(lchunk), pv, pa, pn),
+                         smem)
+            if part is not None:
+                get_kernel(_FILE, f"splade_max_combine_{tag}", dt)(
+                    (-(-(nbt * vtt) // BLOCK),), (BLOCK,),
+                    (pv, pa, pn, np.int32(nz), np.int32(nbt), np.int32(vtt)) + common
+                    + (bias if bias is not None else 0, np.int32(act), out, arg))
     return out, arg
+
+
+def _position_chunks(blocks: int, l: int) -> int:
+    """Chunks of the sequence per max block so that a tile fills the GPU (>= _MAX_FILL blocks),
+    each chunk at least _MIN_CHUNK positions."""
+    return max(1, min(-(-_MAX_FILL // max(blocks, 1)), l // _MIN_CHUNK))
 
 
 def _segments(v: int) -> Tuple[int, int]:
@@ -358,7 +383,8 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
     For float16 / bfloat16 the logits are accumulated in float32 and rounded to the input
     dtype before the max (as a PyTorch half matmul gives them), so ties are judged on the
     rounded values; the bias is added in float32 and the result rounded once.  A NaN logit
-    that reaches the max gives a NaN output.
+    that reaches the max gives a NaN output (its arg-max is then unspecified, and the NaN
+    reaches the gradients).
     """
     xp = _check(x, weight, bias, mask, activation, workspace_bytes)
     act = _act_code(activation)

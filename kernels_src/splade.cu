@@ -55,11 +55,30 @@ __device__ __forceinline__ void spl_merge(A& va, int& aa, A vb, int ab) {
     if (ab >= 0 && (vb > va || (vb == va && (aa < 0 || ab < aa)))) { va = vb; aa = ab; }
 }
 
+// out[b, v0 + j] and arg[b, v0 + j] from the merged (max, arg, NaN seen) of one (b, j)
+template <typename T, typename I, typename A>
+__device__ __forceinline__ void spl_write(A m, int w, bool isnan, int b, int j, int v0, int V,
+                                          const T* __restrict__ bias, int act,
+                                          T* __restrict__ out, I* __restrict__ arg)
+{
+    const i64 o = (i64)b * V + v0 + j;
+    A r = A(0);  // all positions masked (or every logit -inf: act gives 0 as well)
+    if (isnan) r = cpn_nan<A>();
+    else if (w >= 0) r = spl_act(m + (bias ? Conv<T>::load(bias[v0 + j]) : A(0)), act);
+    out[o] = Conv<T>::store(r);
+    arg[o] = (I)(w < 0 ? 0 : w);
+}
+
+// Grid (ceil(vt / (32 SPL_E)), nb, nz): block z covers the positions [z lchunk, (z+1) lchunk)
+// (narrow tiles need the extra blocks to fill the GPU).  With nz == 1 the block writes out and
+// arg; otherwise its (max, arg, NaN) go to the partials pv/pa/pn[(z nb + bl) vt + j], merged in
+// z order by splade_max_combine.
 template <typename T, typename I>
 __device__ __forceinline__ void splade_max_body(
     const T* __restrict__ ws, i64 ldw, int L, int vt, int b0, int v0, int V,
     const unsigned char* __restrict__ mask, const T* __restrict__ bias, int act,
-    T* __restrict__ out, I* __restrict__ arg)
+    T* __restrict__ out, I* __restrict__ arg, int lchunk,
+    typename Conv<T>::acc* __restrict__ pv, int* __restrict__ pa, unsigned char* __restrict__ pn)
 {
     typedef typename Conv<T>::acc A;
     enum { E = SplVec<T>::E };
@@ -87,13 +106,14 @@ __device__ __forceinline__ void splade_max_body(
     bool nan[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) { best[e] = -cpn_inf<A>(); win[e] = -1; nan[e] = false; }
-    for (int l0 = y; l0 < L; l0 += SPL_MAX_SLICES * SPL_MAX_UNROLL) {
+    const int lbeg = blockIdx.z * lchunk, lend = min(L, lbeg + lchunk);
+    for (int l0 = lbeg + y; l0 < lend; l0 += SPL_MAX_SLICES * SPL_MAX_UNROLL) {
         Vec val[SPL_MAX_UNROLL];
         bool on[SPL_MAX_UNROLL];
 #pragma unroll
         for (int u = 0; u < SPL_MAX_UNROLL; ++u) {
             const int l = l0 + u * SPL_MAX_SLICES;
-            on[u] = live && l < L && (!mrow || mrow[l]);
+            on[u] = live && l < lend && (!mrow || mrow[l]);
             const T* row = tile + (i64)l * ldw;
             if (on[u] && vec) {
                 val[u] = *reinterpret_cast<const Vec*>(row);
@@ -135,13 +155,38 @@ __device__ __forceinline__ void splade_max_body(
             spl_merge(m, w, sv[s][E * lane + e], sa[s][E * lane + e]);
             isnan |= sn[s][E * lane + e] != 0;
         }
-        const i64 o = (i64)b * V + v0 + j;
-        A r = A(0);  // all positions masked (or every logit -inf: act gives 0 as well)
-        if (isnan) r = cpn_nan<A>();
-        else if (w >= 0) r = spl_act(m + (bias ? Conv<T>::load(bias[v0 + j]) : A(0)), act);
-        out[o] = Conv<T>::store(r);
-        arg[o] = (I)(w < 0 ? 0 : w);
+        if (pv) {
+            const i64 p = ((i64)blockIdx.z * gridDim.y + bl) * vt + j;
+            pv[p] = m;
+            pa[p] = w;
+            pn[p] = isnan;
+        } else {
+            spl_write<T, I, A>(m, w, isnan, b, j, v0, V, bias, act, out, arg);
+        }
     }
+}
+
+// Merge the nz partials of splade_max_body in z order.  Thread per (bl, j), grid
+// ceil(nb vt / CPN_BLOCK).
+template <typename T, typename I>
+__device__ __forceinline__ void splade_max_combine_body(
+    const typename Conv<T>::acc* __restrict__ pv, const int* __restrict__ pa,
+    const unsigned char* __restrict__ pn, int nz, int nb, int vt, int b0, int v0, int V,
+    const T* __restrict__ bias, int act, T* __restrict__ out, I* __restrict__ arg)
+{
+    typedef typename Conv<T>::acc A;
+    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (i64)nb * vt) return;
+    const int bl = (int)(t / vt), j = (int)(t % vt);
+    A m = pv[t];
+    int w = pa[t];
+    bool isnan = pn[t] != 0;
+    for (int z = 1; z < nz; ++z) {
+        const i64 p = (i64)z * nb * vt + t;
+        spl_merge(m, w, pv[p], pa[p]);
+        isnan |= pn[p] != 0;
+    }
+    spl_write<T, I, A>(m, w, isnan, b0 + bl, j, v0, V, bias, act, out, arg);
 }
 
 // dW[v, :] = sum_b g'[b, v] x[b, l*(b, v), :] and dbias[v] = sum_b g'[b, v], in b order.
@@ -307,7 +352,10 @@ __device__ __forceinline__ void splade_dx_body(
 
 // ---- extern "C" wrappers, one per (index type, dtype) ----------------------------------
 #define SPL_MAX_ARGS(T, I) const T* ws, i64 ldw, int L, int vt, int b0, int v0, int V,           \
-    const unsigned char* mask, const T* bias, int act, T* out, I* arg
+    const unsigned char* mask, const T* bias, int act, T* out, I* arg, int lchunk,            \
+    Conv<T>::acc* pv, int* pa, unsigned char* pn
+#define SPL_COMBINE_ARGS(T, I) const Conv<T>::acc* pv, const int* pa, const unsigned char* pn,  \
+    int nz, int nb, int vt, int b0, int v0, int V, const T* bias, int act, T* out, I* arg
 #define SPL_DW_ARGS(T, I) const T* x, const T* out, const T* g, const I* arg, int B, int L,       \
     int D, int V, int act, T* dw, T* dbias
 #define SPL_COUNT_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
@@ -317,10 +365,18 @@ __device__ __forceinline__ void splade_dx_body(
 #define SPL_DEFINE(SUF, T)                                                                   \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_max_i16_##SUF(SPL_MAX_ARGS(T, short))                                             \
-{ splade_max_body<T, short>(ws, ldw, L, vt, b0, v0, V, mask, bias, act, out, arg); }        \
+{ splade_max_body<T, short>(ws, ldw, L, vt, b0, v0, V, mask, bias, act, out, arg, lchunk,    \
+                            pv, pa, pn); }                                                   \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_max_i32_##SUF(SPL_MAX_ARGS(T, int))                                               \
-{ splade_max_body<T, int>(ws, ldw, L, vt, b0, v0, V, mask, bias, act, out, arg); }          \
+{ splade_max_body<T, int>(ws, ldw, L, vt, b0, v0, V, mask, bias, act, out, arg, lchunk,      \
+                          pv, pa, pn); }                                                     \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_max_combine_i16_##SUF(SPL_COMBINE_ARGS(T, short))                                 \
+{ splade_max_combine_body<T, short>(pv, pa, pn, nz, nb, vt, b0, v0, V, bias, act, out, arg); }\
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_max_combine_i32_##SUF(SPL_COMBINE_ARGS(T, int))                                   \
+{ splade_max_combine_body<T, int>(pv, pa, pn, nz, nb, vt, b0, v0, V, bias, act, out, arg); }  \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_dw_i16_##SUF(SPL_DW_ARGS(T, short))                                               \
 { splade_dw_body<T, short>(x, out, g, arg, B, L, D, V, act, dw, dbias); }                    \
