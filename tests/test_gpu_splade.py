@@ -93,6 +93,25 @@ def test_bert_sized_vocabulary(dtype):
         C.check_against_reference(inp, act, out, am, grads, case="V30522")
 
 
+@pytest.mark.parametrize("grid", [False, True], ids=["continuous", "ties"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sequence_split_over_blocks(dtype, grid):
+    """Long L, narrow vocabulary: the max kernel splits the sequence over blocks (nz > 1) and a
+    second kernel merges the partial maxima in order; ties still go to the lowest l."""
+    from cupynce import splade
+
+    shape = (2, 1000, 16, 300)
+    blocks = -(-300 // (32 * (8 // np.dtype(dtype).itemsize))) * 2
+    assert splade._position_chunks(blocks, 1000) > 1  # the case under test
+    inp = C.make_inputs(shape, dtype, "rand01", True, seed=12, grid=grid)
+    for act in ACTIVATIONS:
+        out, am, grads = run(inp, act)
+        C.check_against_reference(inp, act, out, am, grads, exact_argmax=grid,
+                                  case=f"split {grid}")
+        again = run(inp, act)
+        assert_bitwise((out, am, grads), again, "split determinism")
+
+
 @pytest.mark.parametrize("mask", [None, "bool"], ids=["nomask", "bool"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
