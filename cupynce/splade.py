@@ -56,6 +56,12 @@ _SPL_DK = 4  # SPL_DK in splade.cu: accumulators per thread along D
 _MAX_SLICES = 8  # SPL_MAX_SLICES: warps of a max block, warp y over the positions l = y mod 8
 _MAX_FILL = 1024  # max blocks per tile wanted (~8 per SM of an H100)
 _MIN_CHUNK = 64  # fewest positions per chunk when the sequence is split across blocks
+#: Shared-memory budgets (bytes) that keep every launch under the default 48 KiB: the mask row
+#: of the max kernel (L bytes, beside ~9 KiB of static shared memory) and the count / place
+#: kernels' per-position counters (4 L bytes); longer sequences use global memory instead.
+_MAX_STAGED_MASK = 32 << 10
+_MAX_SHARED_CURSORS = 32 << 10
+_MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (batches per launch)
 #: Vocabulary segments per batch in the dx grouping (more segments: more parallel placement,
 #: larger count arrays).
 _MAX_SEGMENTS = 16
@@ -111,17 +117,28 @@ def _check(x, weight, bias, mask, activation, workspace_bytes, op="splade_pool")
             raise TypeError(f"{op}: mask must be bool or a real 0/1 array, got dtype {mask.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    _checks.check_workspace(op, workspace_bytes)
-    return xp
+    workspace_bytes = _checks.check_workspace(op, workspace_bytes)
+    itemsize = x.dtype.itemsize
+    if workspace_bytes is not None and workspace_bytes < l * itemsize:
+        raise ValueError(f"{op}: workspace_bytes={workspace_bytes} is smaller than one column of "
+                         f"logits over the sequence (L * itemsize = {l * itemsize} bytes); give "
+                         f"at least that")
+    if xp is not np and b > _MAX_GRID_Y:
+        raise ValueError(f"{op}: x has B={b} rows; the GPU path takes at most {_MAX_GRID_Y} per "
+                         f"call (split the batch)")
+    return xp, workspace_bytes
 
 
-def _check_grad_out(op, xp, grad_out, shape):
+def _check_grad_out(op, xp, grad_out, shape, x):
     ok = isinstance(grad_out, np.ndarray) if xp is np else _checks.is_cupy_array(grad_out)
     if not ok or tuple(grad_out.shape) != shape:
         got = tuple(grad_out.shape) if hasattr(grad_out, "shape") else type(grad_out).__name__
         raise ValueError(f"{op}: grad_out must be a {xp.__name__} array of shape {shape} "
                          f"(the shape of out), got {got}")
     _checks.check_float(op, "grad_out", grad_out)
+    if xp is not np and grad_out.device.id != x.device.id:
+        raise ValueError(f"{op}: grad_out is on cuda:{grad_out.device.id} but the inputs are on "
+                         f"cuda:{x.device.id}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -190,7 +207,8 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
     lchunk = -(-l // nz)
     acc = acc_dtype(dt)
     part = [cp.empty((nz, nb, vt), t) for t in (acc, np.int32, np.uint8)] if nz > 1 else None
-    smem = 0 if m8 is None else l
+    stage = m8 is not None and l <= _MAX_STAGED_MASK  # the mask row in shared memory
+    smem = l if stage else 0
     for b0 in range(0, b, nb):
         nbt = min(nb, b - b0)
         rows = xs[b0 * l:(b0 + nbt) * l]
@@ -201,11 +219,11 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
             _blas.gemm(rows, wt, tile, trans_b=trans_b)
             common = (np.int32(b0), np.int32(v0), np.int32(v))
             pv, pa, pn = part if part is not None else (0, 0, 0)
-            _launch_smem(fn, (-(-vtt // cols), nbt, nz), (32, _MAX_SLICES),
-                         (tile, np.int64(_blas.leading_dim(tile)), np.int32(l), np.int32(vtt))
-                         + common + (m8 if m8 is not None else 0, bias if bias is not None else 0,
-                                     np.int32(act), out, arg, np.int32(lchunk), pv, pa, pn),
-                         smem)
+            fn((-(-vtt // cols), nbt, nz), (32, _MAX_SLICES),
+               (tile, np.int64(_blas.leading_dim(tile)), np.int32(l), np.int32(vtt)) + common
+               + (m8 if m8 is not None else 0, bias if bias is not None else 0, np.int32(act),
+                  out, arg, np.int32(lchunk), np.int32(stage), pv, pa, pn),
+               shared_mem=smem)
             if part is not None:
                 get_kernel(_FILE, f"splade_max_combine_{tag}", dt)(
                     (-(-(nbt * vtt) // BLOCK),), (BLOCK,),
@@ -225,12 +243,6 @@ def _segments(v: int) -> Tuple[int, int]:
     return seg, -(-v // seg)
 
 
-def _launch_smem(fn, grid, block, args, smem: int) -> None:
-    if smem > 32 << 10:  # above the default 48 KiB with the static shared memory
-        fn.max_dynamic_shared_size_bytes = smem
-    fn(grid, block, args, shared_mem=smem)
-
-
 def _gpu_backward(x, weight, out, arg, g, has_bias, act):
     import cupy as cp
 
@@ -240,6 +252,8 @@ def _gpu_backward(x, weight, out, arg, g, has_bias, act):
     tag = _index_tag(arg.dtype)
     xs = cp.ascontiguousarray(x)
     g = cp.ascontiguousarray(g.astype(dt, copy=False))
+    out = cp.ascontiguousarray(out)  # the kernels index (B, V) arrays as b * V + v
+    arg = cp.ascontiguousarray(arg)
     dchunks = -(-d // (_SPL_DK * BLOCK))
     dw = cp.empty((v, d), dt)
     dbias = cp.empty((v,), dt) if has_bias else None
@@ -251,13 +265,16 @@ def _gpu_backward(x, weight, out, arg, g, has_bias, act):
     seg, nseg = _segments(v)
     counts = cp.zeros((b, l, nseg), np.int32)
     scal = (np.int32(v), np.int32(l), np.int32(seg), np.int32(nseg), np.int32(act))
-    _launch_smem(get_kernel(_FILE, f"splade_count_{tag}", dt), (nseg, b), (BLOCK,),
-                 (out, g, arg) + scal + (counts,), 4 * l)
+    glob = 4 * l > _MAX_SHARED_CURSORS  # long sequences: counts and cursors in global memory
+    get_kernel(_FILE, f"splade_count_{tag}", dt)(
+        (nseg, b), (BLOCK,), (out, g, arg) + scal + (np.int32(glob), counts),
+        shared_mem=0 if glob else 4 * l)
     incl = cp.cumsum(counts.reshape(b, l * nseg), axis=1, dtype=np.int32)
     excl = incl - counts.reshape(b, l * nseg)
     lst = cp.empty((b, v), np.int32)
-    _launch_smem(get_kernel(_FILE, f"splade_place_{tag}", dt), (nseg, b), (32,),
-                 (out, g, arg) + scal + (excl, lst), 4 * l)
+    get_kernel(_FILE, f"splade_place_{tag}", dt)(
+        (nseg, b), (32,), (out, g, arg) + scal + (excl, excl.copy() if glob else 0, lst),
+        shared_mem=0 if glob else 4 * l)
     item = dt.itemsize
     dx = cp.empty((b, l, d), dt)
     get_kernel(_FILE, "splade_dx", dt)(
@@ -386,12 +403,13 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
     that reaches the max gives a NaN output (its arg-max is then unspecified, and the NaN
     reaches the gradients).
     """
-    xp = _check(x, weight, bias, mask, activation, workspace_bytes)
+    xp, workspace_bytes = _check(x, weight, bias, mask, activation, workspace_bytes)
     act = _act_code(activation)
     if xp is np:
         out, arg = _np_forward(x, weight, bias, mask, act, workspace_bytes)
     else:
-        out, arg = _gpu_forward(x, weight, bias, mask, act, workspace_bytes)
+        with x.device:  # launches and cuBLAS on the arrays' GPU, whatever the current one is
+            out, arg = _gpu_forward(x, weight, bias, mask, act, workspace_bytes)
     ctx = Context("splade_pool", "none", x.shape[0], xp, stats=(arg,) if requires_grad else ())
     if requires_grad:
         ctx.saved = dict(x=x, weight=weight, out=out, arg=arg, bias=bias, act=act,
@@ -409,12 +427,13 @@ def splade_pool_backward(ctx: Context, grad_out) -> Tuple[Any, Any, Optional[Any
     _require(ctx, "splade_pool")
     s = ctx.saved
     op = "splade_pool_backward"
-    _check_grad_out(op, ctx.xp, grad_out, tuple(s["out"].shape))
+    _check_grad_out(op, ctx.xp, grad_out, tuple(s["out"].shape), s["x"])
     if ctx.xp is np:
         return _np_backward(s["x"], s["weight"], s["out"], s["arg"], grad_out,
                             s["bias"] is not None, s["act"], s["ws"])
-    return _gpu_backward(s["x"], s["weight"], s["out"], s["arg"], grad_out,
-                         s["bias"] is not None, s["act"])
+    with s["x"].device:
+        return _gpu_backward(s["x"], s["weight"], s["out"], s["arg"], grad_out,
+                             s["bias"] is not None, s["act"])
 
 
 def splade_pool_backward_from_stats(x, weight, out, argmax, grad_out, *, bias=None,
@@ -426,7 +445,7 @@ def splade_pool_backward_from_stats(x, weight, out, argmax, grad_out, *, bias=No
     Same result as :func:`splade_pool_backward` on the forward's context.
     """
     op = "splade_pool_backward_from_stats"
-    xp = _check(x, weight, bias, None, activation, None, op=op)
+    xp, _ = _check(x, weight, bias, None, activation, None, op=op)
     b, l, _d = x.shape
     v = weight.shape[0]
     want = _index_dtype(l)
@@ -436,6 +455,13 @@ def splade_pool_backward_from_stats(x, weight, out, argmax, grad_out, *, bias=No
             got = f"{type(arr).__name__} {getattr(arr, 'shape', '')} {getattr(arr, 'dtype', '')}"
             raise ValueError(f"{op}: {name} must be a ({b}, {v}) {dtype} {xp.__name__} array "
                              f"(from splade_pool_forward), got {got}")
+        if xp is not np and arr.device.id != x.device.id:
+            raise ValueError(f"{op}: {name} is on cuda:{arr.device.id} but x is on "
+                             f"cuda:{x.device.id}")
+    if xp is np and argmax.size and (argmax.min() < 0 or argmax.max() >= l):
+        raise ValueError(f"{op}: argmax values must be positions in [0, {l}), got "
+                         f"[{argmax.min()}, {argmax.max()}]")
+    # (on the GPU values are not read back; an out-of-range position makes its entry inactive)
     ctx = Context("splade_pool", "none", b, xp, stats=(argmax,),
                   saved=dict(x=x, weight=weight, out=out, arg=argmax, bias=bias,
                              act=_act_code(activation), ws=None))

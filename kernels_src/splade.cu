@@ -32,6 +32,20 @@ __device__ __forceinline__ A spl_gprime(A out, A g, int act) {
     return act == SPL_ACT_LOG1P ? g * cpn_exp(-out) : g;
 }
 
+// Whether entry o is active, and its g' and winning position: one definition for the dw,
+// count and place passes (they must agree exactly).  An arg-max outside [0, L) (only possible
+// from a caller-supplied arg-max) makes the entry inactive instead of an out-of-bounds access.
+template <typename T, typename I>
+__device__ __forceinline__ bool spl_entry(const T* __restrict__ out, const T* __restrict__ g,
+                                          const I* __restrict__ arg, i64 o, int L, int act,
+                                          typename Conv<T>::acc& gp, int& l)
+{
+    typedef typename Conv<T>::acc A;
+    l = (int)arg[o];
+    gp = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act);
+    return gp != A(0) && (unsigned)l < (unsigned)L;
+}
+
 // Max over the sequence of one logit tile. ws holds the logits of batches [b0, b0 + nb) x
 // vocabulary [v0, v0 + vt): row (bl * L + l), column j, leading dim ldw (cuBLAS output, in T:
 // half inputs are rounded to T before the max, as PyTorch's half matmul does).
@@ -77,7 +91,7 @@ template <typename T, typename I>
 __device__ __forceinline__ void splade_max_body(
     const T* __restrict__ ws, i64 ldw, int L, int vt, int b0, int v0, int V,
     const unsigned char* __restrict__ mask, const T* __restrict__ bias, int act,
-    T* __restrict__ out, I* __restrict__ arg, int lchunk,
+    T* __restrict__ out, I* __restrict__ arg, int lchunk, int stage_mask,
     typename Conv<T>::acc* __restrict__ pv, int* __restrict__ pa, unsigned char* __restrict__ pn)
 {
     typedef typename Conv<T>::acc A;
@@ -95,12 +109,15 @@ __device__ __forceinline__ void splade_max_body(
     const T* tile = ws + (i64)bl * L * ldw + jj;
     // the row's mask, staged in shared memory: a global load there would sit between each
     // row's address and its data load (a dependent latency per step)
+    // (only when the launch gives L bytes of dynamic shared memory; long sequences read it in
+    // place)
     extern __shared__ unsigned char smask[];
-    if (mask) {
+    const bool staged = mask && stage_mask;
+    if (staged) {
         for (int l = y * 32 + lane; l < L; l += 32 * SPL_MAX_SLICES) smask[l] = mask[(i64)b * L + l];
         __syncthreads();
     }
-    const unsigned char* mrow = mask ? smask : (const unsigned char*)0;
+    const unsigned char* mrow = staged ? smask : mask ? mask + (i64)b * L : (const unsigned char*)0;
     A best[E];
     int win[E];
     bool nan[E];
@@ -211,11 +228,7 @@ __device__ __forceinline__ void splade_dw_body(
         const int b = bb + threadIdx.x;
         A gp = A(0);
         int l = 0;
-        if (b < B) {
-            const i64 o = (i64)b * V + v;
-            gp = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act);
-            l = (int)arg[o];
-        }
+        if (b < B && !spl_entry(out, g, arg, (i64)b * V + v, L, act, gp, l)) gp = A(0);
         __syncthreads();  // the previous chunk's readers are done
         sg[threadIdx.x] = gp;
         sl[threadIdx.x] = l;
@@ -247,19 +260,25 @@ __device__ __forceinline__ void splade_dw_body(
 template <typename T, typename I>
 __device__ __forceinline__ void splade_count_body(
     const T* __restrict__ out, const T* __restrict__ g, const I* __restrict__ arg,
-    int V, int L, int seg, int nseg, int act, int* __restrict__ counts)
+    int V, int L, int seg, int nseg, int act, int global, int* __restrict__ counts)
 {
     typedef typename Conv<T>::acc A;
-    extern __shared__ int cnt[];
+    extern __shared__ int cnt[];  // L ints, or none with `global` (long sequences)
     const int s = blockIdx.x, b = blockIdx.y;
-    for (int l = threadIdx.x; l < L; l += blockDim.x) cnt[l] = 0;
-    __syncthreads();
+    if (!global) {
+        for (int l = threadIdx.x; l < L; l += blockDim.x) cnt[l] = 0;
+        __syncthreads();
+    }
     const int v1 = min(V, (s + 1) * seg);
     for (int v = s * seg + threadIdx.x; v < v1; v += blockDim.x) {
-        const i64 o = (i64)b * V + v;
-        if (spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act) != A(0))
-            atomicAdd(&cnt[(int)arg[o]], 1);
+        A gp;
+        int l;
+        if (spl_entry(out, g, arg, (i64)b * V + v, L, act, gp, l)) {
+            if (global) atomicAdd(&counts[((i64)b * L + l) * nseg + s], 1);  // zeroed by the caller
+            else atomicAdd(&cnt[l], 1);
+        }
     }
+    if (global) return;
     __syncthreads();
     for (int l = threadIdx.x; l < L; l += blockDim.x)
         counts[((i64)b * L + l) * nseg + s] = cnt[l];
@@ -273,30 +292,35 @@ template <typename T, typename I>
 __device__ __forceinline__ void splade_place_body(
     const T* __restrict__ out, const T* __restrict__ g, const I* __restrict__ arg,
     int V, int L, int seg, int nseg, int act, const int* __restrict__ offsets,
-    int* __restrict__ list)
+    int* __restrict__ gcur, int* __restrict__ list)
 {
     typedef typename Conv<T>::acc A;
-    extern __shared__ int cur[];
+    // the cursors: L ints of shared memory, or (long sequences) gcur, a copy of the offsets
+    // whose (b, l, s) entries only this warp touches
+    extern __shared__ int scur[];
     const int s = blockIdx.x, b = blockIdx.y, lane = threadIdx.x;
-    for (int l = lane; l < L; l += 32) cur[l] = offsets[((i64)b * L + l) * nseg + s];
+    int* cur = gcur ? gcur : scur;
+    const i64 cbase = gcur ? (i64)b * L * nseg + s : 0;
+    const int cstride = gcur ? nseg : 1;
+    if (!gcur)
+        for (int l = lane; l < L; l += 32) scur[l] = offsets[((i64)b * L + l) * nseg + s];
     __syncwarp();
     const int v1 = min(V, (s + 1) * seg);
     for (int base = s * seg; base < v1; base += 32) {
         const int v = base + lane;
         bool on = false;
         int l = 0;
-        if (v < v1) {
-            const i64 o = (i64)b * V + v;
-            on = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act) != A(0);
-            l = (int)arg[o];
-        }
+        A gp;
+        if (v < v1) on = spl_entry(out, g, arg, (i64)b * V + v, L, act, gp, l);
         const unsigned am = __ballot_sync(0xffffffffu, on);
         if (on) {
             const unsigned peers = __match_any_sync(am, l);
             const int rank = __popc(peers & ((1u << lane) - 1u));
-            list[(i64)b * V + cur[l] + rank] = v;
-            __syncwarp(am);  // every peer has read cur[l]
-            if (rank == __popc(peers) - 1) cur[l] += __popc(peers);
+            int* c = cur + cbase + (i64)l * cstride;
+            list[(i64)b * V + *c + rank] = v;
+            __syncwarp(am);  // every peer has read the cursor
+            if (rank == __popc(peers) - 1) *c += __popc(peers);
+            if (gcur) __threadfence_block();  // the next round's readers see the update
         }
         __syncwarp();
     }
@@ -353,24 +377,24 @@ __device__ __forceinline__ void splade_dx_body(
 // ---- extern "C" wrappers, one per (index type, dtype) ----------------------------------
 #define SPL_MAX_ARGS(T, I) const T* ws, i64 ldw, int L, int vt, int b0, int v0, int V,           \
     const unsigned char* mask, const T* bias, int act, T* out, I* arg, int lchunk,            \
-    Conv<T>::acc* pv, int* pa, unsigned char* pn
+    int stage_mask, Conv<T>::acc* pv, int* pa, unsigned char* pn
 #define SPL_COMBINE_ARGS(T, I) const Conv<T>::acc* pv, const int* pa, const unsigned char* pn,  \
     int nz, int nb, int vt, int b0, int v0, int V, const T* bias, int act, T* out, I* arg
 #define SPL_DW_ARGS(T, I) const T* x, const T* out, const T* g, const I* arg, int B, int L,       \
     int D, int V, int act, T* dw, T* dbias
 #define SPL_COUNT_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
-    int nseg, int act, int* counts
+    int nseg, int act, int global, int* counts
 #define SPL_PLACE_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
-    int nseg, int act, const int* offsets, int* list
+    int nseg, int act, const int* offsets, int* gcur, int* list
 #define SPL_DEFINE(SUF, T)                                                                   \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_max_i16_##SUF(SPL_MAX_ARGS(T, short))                                             \
 { splade_max_body<T, short>(ws, ldw, L, vt, b0, v0, V, mask, bias, act, out, arg, lchunk,    \
-                            pv, pa, pn); }                                                   \
+                            stage_mask, pv, pa, pn); }                                                   \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_max_i32_##SUF(SPL_MAX_ARGS(T, int))                                               \
 { splade_max_body<T, int>(ws, ldw, L, vt, b0, v0, V, mask, bias, act, out, arg, lchunk,      \
-                          pv, pa, pn); }                                                     \
+                          stage_mask, pv, pa, pn); }                                                     \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_max_combine_i16_##SUF(SPL_COMBINE_ARGS(T, short))                                 \
 { splade_max_combine_body<T, short>(pv, pa, pn, nz, nb, vt, b0, v0, V, bias, act, out, arg); }\
@@ -385,16 +409,16 @@ cpn_splade_dw_i32_##SUF(SPL_DW_ARGS(T, int))                                    
 { splade_dw_body<T, int>(x, out, g, arg, B, L, D, V, act, dw, dbias); }                      \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_count_i16_##SUF(SPL_COUNT_ARGS(T, short))                                         \
-{ splade_count_body<T, short>(out, g, arg, V, L, seg, nseg, act, counts); }                  \
+{ splade_count_body<T, short>(out, g, arg, V, L, seg, nseg, act, global, counts); }                  \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_count_i32_##SUF(SPL_COUNT_ARGS(T, int))                                           \
-{ splade_count_body<T, int>(out, g, arg, V, L, seg, nseg, act, counts); }                    \
+{ splade_count_body<T, int>(out, g, arg, V, L, seg, nseg, act, global, counts); }                    \
 extern "C" __global__ void __launch_bounds__(32)                                             \
 cpn_splade_place_i16_##SUF(SPL_PLACE_ARGS(T, short))                                         \
-{ splade_place_body<T, short>(out, g, arg, V, L, seg, nseg, act, offsets, list); }           \
+{ splade_place_body<T, short>(out, g, arg, V, L, seg, nseg, act, offsets, gcur, list); }           \
 extern "C" __global__ void __launch_bounds__(32)                                             \
 cpn_splade_place_i32_##SUF(SPL_PLACE_ARGS(T, int))                                           \
-{ splade_place_body<T, int>(out, g, arg, V, L, seg, nseg, act, offsets, list); }             \
+{ splade_place_body<T, int>(out, g, arg, V, L, seg, nseg, act, offsets, gcur, list); }             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_dx_##SUF(const T* W, i64 sv, i64 sd, const T* out, const T* g, const int* list,  \
     const int* excl, const int* incl, int V, int L, int D, int nseg, int act, T* dx)        \

@@ -518,3 +518,29 @@ def test_flops_regularizer_on_gpu(dtype):
     assert isinstance(d, cp.ndarray) and d.dtype == dtype
     C.check_elementwise("dout", d, gv * dout_r, gv * np.abs(dout_r), TOL[dtype]["grad"],
                         f"{np.dtype(dtype).name} gpu flops")
+
+
+@pytest.mark.parametrize("shape", [(2, 9000, 4, 50), (1, 40000, 2, 7)], ids=["L9000", "L40000"])
+def test_long_sequences(shape):
+    """Long L: the backward's counters and cursors live in global memory (4 L bytes > 32 KiB),
+    and beyond L = 32768 the mask row is read in place and the arg-max is int32."""
+    inp = C.make_inputs(shape, F32, "rand01", True, seed=13)
+    for act in ACTIVATIONS:
+        out, am, grads = run(inp, act)
+        assert C.host(am).dtype == (np.int16 if shape[1] <= 32768 else np.int32)
+        C.check_against_reference(inp, act, out, am, grads, case=f"long {shape}")
+
+
+def test_from_stats_with_non_contiguous_out_and_argmax():
+    """Views of out / argmax with another row stride give the same gradients (copied first)."""
+    inp = C.make_inputs((3, 7, 5, 40), F32, "rand01", True, seed=14)
+    x, w, b, g = (cp.asarray(inp[k]) for k in ("x", "weight", "bias", "grad_out"))
+    out, ctx = cupynce.splade_pool_forward(x, w, b, cp.asarray(inp["mask"]))
+    want = cupynce.splade_pool_backward(ctx, g)
+    buf = cp.zeros((3, 80), out.dtype)
+    buf[:, :40] = out
+    abuf = cp.zeros((3, 80), ctx.stats[0].dtype)
+    abuf[:, 40:] = ctx.stats[0]
+    got = cupynce.splade_pool_backward_from_stats(x, w, buf[:, :40], abuf[:, 40:], g, bias=b)
+    for a, c in zip(want, got):
+        assert bool((a == c).all())
