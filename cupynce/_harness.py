@@ -139,9 +139,15 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10) -> Di
         del out
         ev_ms.append(float(cupy.cuda.get_elapsed_time(start, end)))
         wall_ms.append((t1 - t0) * 1e3)
-    res: Dict[str, Any] = _stats("", ev_ms)
+    return _timing(ev_ms, wall_ms, warmup, repeat)
+
+
+def _timing(times_ms: List[float], wall_ms: List[float], warmup: int,
+            repeat: int) -> Dict[str, Any]:
+    """The result of :func:`time_cuda` / :func:`time_cpu` from the per-repeat times."""
+    res: Dict[str, Any] = _stats("", times_ms)
     ws = sorted(wall_ms)
-    res.update(wall_median_ms=_percentile(ws, 50), wall_min_ms=ws[0], times_ms=ev_ms,
+    res.update(wall_median_ms=_percentile(ws, 50), wall_min_ms=ws[0], times_ms=times_ms,
                warmup=warmup, repeat=repeat)
     return res
 
@@ -163,11 +169,7 @@ def time_cpu(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 5) -> Dict
         t1 = time.perf_counter()
         del out
         wall_ms.append((t1 - t0) * 1e3)
-    res: Dict[str, Any] = _stats("", wall_ms)
-    ws = sorted(wall_ms)
-    res.update(wall_median_ms=_percentile(ws, 50), wall_min_ms=ws[0], times_ms=wall_ms,
-               warmup=warmup, repeat=repeat)
-    return res
+    return _timing(wall_ms, wall_ms, warmup, repeat)
 
 
 # ------------------------------------------------------------------------------------------
