@@ -207,6 +207,8 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
     lchunk = -(-l // nz)
     acc = acc_dtype(dt)
     part = [cp.empty((nz, nb, vt), t) for t in (acc, np.int32, np.uint8)] if nz > 1 else None
+    pv, pa, pn = part if part is not None else (0, 0, 0)
+    combine = get_kernel(_FILE, f"splade_max_combine_{tag}", dt) if part is not None else None
     stage = m8 is not None and l <= _MAX_STAGED_MASK  # the mask row in shared memory
     smem = l if stage else 0
     for b0 in range(0, b, nb):
@@ -218,17 +220,15 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
             wt = wm[v0:v0 + vtt] if trans_b else wm[:, v0:v0 + vtt]
             _blas.gemm(rows, wt, tile, trans_b=trans_b)
             common = (np.int32(b0), np.int32(v0), np.int32(v))
-            pv, pa, pn = part if part is not None else (0, 0, 0)
             fn((-(-vtt // cols), nbt, nz), (32, _MAX_SLICES),
                (tile, np.int64(_blas.leading_dim(tile)), np.int32(l), np.int32(vtt)) + common
                + (m8 if m8 is not None else 0, bias if bias is not None else 0, np.int32(act),
                   out, arg, np.int32(lchunk), np.int32(stage), pv, pa, pn),
                shared_mem=smem)
-            if part is not None:
-                get_kernel(_FILE, f"splade_max_combine_{tag}", dt)(
-                    (-(-(nbt * vtt) // BLOCK),), (BLOCK,),
-                    (pv, pa, pn, np.int32(nz), np.int32(nbt), np.int32(vtt)) + common
-                    + (bias if bias is not None else 0, np.int32(act), out, arg))
+            if combine is not None:
+                combine((-(-(nbt * vtt) // BLOCK),), (BLOCK,),
+                        (pv, pa, pn, np.int32(nz), np.int32(nbt), np.int32(vtt)) + common
+                        + (bias if bias is not None else 0, np.int32(act), out, arg))
     return out, arg
 
 
