@@ -47,9 +47,15 @@ def main() -> None:
     }
     print(device_header(device_info()))
     print(f"N={n} D={d} {args.dtype}; splits={sp}")
-    for name, fn in cases.items():
-        t = time_cuda(fn, warmup=3, repeat=10)["median_ms"]
-        print(f"  {name:32s} {t:8.3f} ms  {flop / t / 1e9:7.1f} TFLOP/s")
+    loops = ["wgmma", "mma.sync"] if C.arch_specific_build(C._TILES) else ["mma.sync"]
+    for loop in loops:
+        C.USE_WGMMA = loop == "wgmma"
+        for name, fn in cases.items():
+            if name.startswith("cuBLAS") and loop != loops[0]:
+                continue
+            t = time_cuda(fn, warmup=3, repeat=10)["median_ms"]
+            label = name if name.startswith("cuBLAS") else f"{name} [{loop}]"
+            print(f"  {label:40s} {t:8.3f} ms  {flop / t / 1e9:7.1f} TFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

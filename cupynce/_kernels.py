@@ -108,12 +108,53 @@ def compile_source(filename: str, arch: str, options: Sequence[str] = NVRTC_OPTI
         nvrtc.destroyProgram(prog)
 
 
+#: Sources with Hopper-only code (wgmma, in functions their Python callers launch only
+#: there): on a compute-capability 9.0 device they are built for ``sm_90a`` (CuPy would build
+#: plain ``sm_90``, where those instructions do not exist); elsewhere they build as usual.
+ARCH_SPECIFIC = frozenset({"tiles.cu"})
+
+
+def arch_specific_build(filename: str) -> bool:
+    """Whether ``filename`` is built for ``sm_90a`` on the current device (see ARCH_SPECIFIC)."""
+    import cupy
+
+    return filename in ARCH_SPECIFIC and cupy.cuda.Device().compute_capability == "90"
+
+
+def _cache_dir() -> Path:
+    """CuPy's kernel cache folder (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``)."""
+    return Path(os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")))
+
+
+def _load_sm90a(filename: str):
+    """Compile ``filename`` for sm_90a with NVRTC (cached on disk by source hash) and load it."""
+    import hashlib
+
+    import cupy
+    from cupy.cuda import nvrtc
+
+    options = NVRTC_OPTIONS + ("-ftz=true",)  # the flag CuPy adds to every RawModule build
+    src = read_source(filename)
+    key = hashlib.sha256("\0".join((src, *options, "sm_90a", str(nvrtc.getVersion())))
+                         .encode()).hexdigest()
+    path = _cache_dir() / f"cupynce_{Path(filename).stem}_{key[:32]}.cubin"
+    if not path.is_file():
+        cubin = compile_source(filename, "sm_90a", options)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, path)  # atomic: concurrent processes never see half a file
+    return cupy.RawModule(path=str(path))
+
+
 @functools.lru_cache(maxsize=None)
 def _loader(filename: str):
     import cupy
 
     @cupy.memoize(for_each_device=True)
     def load():  # one compiled module per (file, device); CuPy also caches it on disk
+        if arch_specific_build(filename):
+            return _load_sm90a(filename)
         src = read_source(filename)
         try:
             mod = cupy.RawModule(code=src, options=NVRTC_OPTIONS)

@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from . import _blas, _checks
-from ._kernels import BLOCK, acc_dtype, get_kernel, launch
+from ._kernels import BLOCK, acc_dtype, arch_specific_build, get_kernel, launch
 
 #: ``F.normalize``'s epsilon: rows are divided by ``max(||x||, NORM_EPS)``.
 NORM_EPS = 1e-12
@@ -38,17 +38,22 @@ NORM_EPS = 1e-12
 NUMPY_WORKSPACE_BYTES = 256 << 20
 _FILE = "contrastive.cu"
 _TILES = "tiles.cu"
-#: Opt-in (``CUPYNCE_TILES=1``): float16 / bfloat16 inputs use the tensor-core tile kernels of
-#: ``kernels_src/tiles.cu`` (scores never leave registers) when D and the layouts are
-#: multiples of 8 elements and the GPU is sm_80+.  Off by default because, as measured
-#: (benchmarks/NOTES.md), their mma.sync main loop reaches only ~180 TFLOP/s on an H200
-#: against cuBLAS's ~515-820, so the cuBLAS + row-kernel path is faster today.
-USE_TILES = os.environ.get("CUPYNCE_TILES", "0") == "1"
+#: The tensor-core tile kernels of ``kernels_src/tiles.cu`` (scores never leave registers) for
+#: float16 / bfloat16 inputs whose D, leading dimensions and pointers are multiples of 8
+#: elements / 16 bytes.  ``CUPYNCE_TILES``: unset / ``auto`` uses them where their wgmma main
+#: loop is built (compute capability 9.0: Hopper, sm_90a), which is faster than cuBLAS + row
+#: kernels there (benchmarks/NOTES.md); ``1`` also on other sm_80+ GPUs (mma.sync main loop,
+#: slower than the cuBLAS path, kept for testing); ``0`` never.  None / True / False here.
+USE_TILES: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("CUPYNCE_TILES", "auto"))
+#: On Hopper, run the wgmma main loop (False: the mma.sync one, so tests can cover both there).
+USE_WGMMA = True
 _TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 _TILE_THREADS = 256
-#: dynamic shared memory of a tile CTA: TSTAGES x (TBM + TBN) x TLD x 2 bytes (TSMEM_BYTES in
-#: tiles.cu; a GPU test checks the two agree through cpn_tile_smem)
+#: dynamic shared memory of a tile CTA (TSMEM_BYTES / WSMEM_BYTES in tiles.cu; a GPU test
+#: checks they agree through cpn_tile_smem): mma.sync, 3 stages x (TBM + TBN) x TLD x 2 bytes;
+#: wgmma, 5 stages x (TBM + TBN) x TBK x 2 bytes + 1 KiB to align the swizzled stages
 _TILE_SMEM = 3 * (128 + 128) * 72 * 2
+_WG_SMEM = 5 * (128 + 128) * 64 * 2 + 1024
 
 
 @dataclass
@@ -254,15 +259,22 @@ def _device_caps() -> Tuple[int, int]:
 
 
 def _tiles_ok(*xs) -> bool:
-    """Whether the tile kernels can read these (2-D, same 16-bit dtype) operands."""
-    if not USE_TILES or xs[0].dtype.itemsize != 2:
+    """Whether the tile kernels take these (2-D, same 16-bit dtype) operands (see USE_TILES)."""
+    if USE_TILES is False or xs[0].dtype.itemsize != 2:
         return False
     for x in xs:
         if x is None:
             continue
         if x.shape[1] % 8 or _blas.leading_dim(x) % 8 or x.data.ptr % 16:
             return False
+    if USE_TILES is None:
+        return _wgmma()
     return _device_caps()[0] >= 80
+
+
+def _wgmma() -> bool:
+    """Whether the tile kernels run the wgmma main loop (tiles.cu built for sm_90a here)."""
+    return USE_WGMMA and arch_specific_build(_TILES)
 
 
 def _splits(row_tiles: int, col_tiles: int) -> int:
@@ -287,10 +299,12 @@ def _tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scal
             np.int32(pos_mod), part[0], part[1], np.int64(part[2]), pos_out, colp[0], colp[1],
             _ptr(lse_row), _ptr(lse_col), _ptr(w_arr), np.int64(w_stride), np.float32(w_mul),
             _ptr(g), np.int64(0 if g is None else _blas.leading_dim(g)), dsp)
-    kern = get_kernel(_TILES, f"tile_{stage}", t)
-    if kern.max_dynamic_shared_size_bytes < _TILE_SMEM:  # opt in above 48 KiB, once per kernel
-        kern.max_dynamic_shared_size_bytes = _TILE_SMEM
-    kern(tuple(grid), (_TILE_THREADS,), args, shared_mem=_TILE_SMEM)
+    wg = _wgmma()
+    kern = get_kernel(_TILES, f"{'wgtile' if wg else 'tile'}_{stage}", t)
+    smem = _WG_SMEM if wg else _TILE_SMEM
+    if kern.max_dynamic_shared_size_bytes < smem:  # opt in above 48 KiB, once per kernel
+        kern.max_dynamic_shared_size_bytes = smem
+    kern(tuple(grid), (_TILE_THREADS,), args, shared_mem=smem)
 
 
 def _tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, pos_mod: int):

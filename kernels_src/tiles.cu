@@ -2,10 +2,18 @@
 //
 // One CTA owns TBM = 128 rows of A (queries) and walks the column tiles of B (keys, then
 // shared negatives) assigned to it: column tile ct = split, split + splits, ... where
-// split = blockIdx.y.  Each 128 x 128 score tile S = A B^T is computed with mma.sync
-// (m16n8k16, fp32 accumulators kept in registers; operands staged in shared memory by
-// cp.async, double buffered) and consumed in registers by an epilogue, so the score matrix
-// never reaches global memory:
+// split = blockIdx.y.  Each 128 x 128 score tile S = A B^T is computed on tensor cores
+// (fp32 accumulators kept in registers; operands staged in shared memory by a cp.async
+// pipeline) and consumed in registers by an epilogue, so the score matrix never reaches
+// global memory.  Two main loops share the epilogues (`TileLoop<T, WG>`):
+//
+//   cpn_tile_*    mma.sync m16n8k16 (sm_80+): 8 warps of 32 x 64, ldmatrix fragments from a
+//                 padded shared layout
+//   cpn_wgtile_*  wgmma m64n128k16 (sm_90a, Hopper): 2 warpgroups of 64 x 128, operands read
+//                 by the tensor cores straight from 128-byte-swizzled shared memory; built
+//                 only when the loader compiles this file for sm_90a (__trap() otherwise)
+//
+// The epilogues:
 //
 //   MODE_LSE   row log-sum-exp partials (per split) and the positive logit
 //   MODE_LSE2  MODE_LSE plus column partials per (row tile, column): CLIP's column softmax
@@ -30,9 +38,13 @@
 #define TLD 72  // shared row stride in 16-bit elements (144 B): conflict-free ldmatrix rows
 #define TSTAGES 3
 #define TTHREADS 256
-// dynamic shared memory of one CTA: TSTAGES x (A tile + B tile); Python reads this value
-// from tile_smem_bytes() below and opts the kernels in above 48 KiB
+// dynamic shared memory of one CTA: TSTAGES x (A tile + B tile); Python reads these values
+// from cpn_tile_smem_<dtype> below and opts the kernels in above 48 KiB
 #define TSMEM_BYTES (TSTAGES * (TBM + TBN) * TLD * 2)
+// wgmma: TBK = 64 16-bit values = one 128-byte swizzle row; stages 1024-byte aligned
+#define WSTAGES 5
+#define WSTAGE_BYTES ((TBM + TBN) * TBK * 2)
+#define WSMEM_BYTES (WSTAGES * WSTAGE_BYTES + 1024)
 
 #define MODE_LSE 0
 #define MODE_LSE2 1
@@ -73,9 +85,6 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int by
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_wait_stages() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(TSTAGES - 2));
-}
 // four 8x8 16-bit matrices from shared memory; lane l gives the address of row (l & 7) of
 // matrix (l >> 3); register k receives matrix k in the mma fragment layout
 __device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
@@ -101,107 +110,115 @@ template <typename T> __device__ __forceinline__ unsigned pack2(float x, float y
     return (unsigned)a.bits | ((unsigned)b.bits << 16);
 }
 
-template <typename T, int MODE>
-__device__ __forceinline__ void tile_body(
-    const T* __restrict__ A, i64 lda, int rows, int row0,
-    const T* __restrict__ B1, i64 ldb1, int n1,
-    const T* __restrict__ B2, i64 ldb2, int n2, int d,
-    float scale_mul, const float* __restrict__ scale_log,
-    int exclude_diag, int pos_shift, int pos_mod,
-    float* __restrict__ part_m, float* __restrict__ part_s, i64 part_ld,
-    float* __restrict__ pos_out, float* __restrict__ colp_m, float* __restrict__ colp_s,
-    const float* __restrict__ lse_row, const float* __restrict__ lse_col,
-    const float* __restrict__ w_ptr, i64 w_stride, float w_mul,
-    T* __restrict__ g, i64 ldg, float* __restrict__ dsp_part)
-{
-    extern __shared__ __align__(16) unsigned short smem[];
-    unsigned short* sA = smem;                          // [TSTAGES][TBM * TLD]
-    unsigned short* sB = smem + TSTAGES * TBM * TLD;    // [TSTAGES][TBN * TLD]
-    __shared__ float red[2][4][TBN];
+// ---- Hopper warpgroup MMA (sm_90a) -------------------------------------------------------
+// Shared-memory matrix descriptor of a K-major operand tile with 128-byte swizzle: rows of
+// 64 16-bit values (128 B), 8-row groups 1024 B apart (stride byte offset), leading byte
+// offset unused (1); the 16-element K steps inside a row advance the start address by 32 B.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned saddr) {
+    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) |
+           (1ull << 62);
+}
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CPN_SM90A_ASM(text) asm volatile(text ::: "memory")
+#else
+#define CPN_SM90A_ASM(text) __trap()  // not an sm_90a build: Python never launches these
+#endif
+__device__ __forceinline__ void wg_fence() { CPN_SM90A_ASM("wgmma.fence.sync.aligned;\n"); }
+__device__ __forceinline__ void wg_commit() { CPN_SM90A_ASM("wgmma.commit_group.sync.aligned;\n"); }
+__device__ __forceinline__ void wg_wait0() { CPN_SM90A_ASM("wgmma.wait_group.sync.aligned 0;\n"); }
+__device__ __forceinline__ void wg_wait1() { CPN_SM90A_ASM("wgmma.wait_group.sync.aligned 1;\n"); }
+// cp.async writes shared memory through the generic proxy, wgmma reads it through the async
+// proxy: each thread fences its own completed copies before the CTA barrier
+__device__ __forceinline__ void fence_proxy_async() {
+    CPN_SM90A_ASM("fence.proxy.async.shared::cta;\n");
+}
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
 
-    const float ninf = -cpn_inf<float>();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp >> 1, wn = warp & 1;  // 4 x 2 warps, each 32 rows x 64 columns
-    const int gq = lane >> 2, cq = lane & 3;
-    const int m0 = blockIdx.x * TBM;
-    const int ncols = n1 + n2;
-    const int ntiles = (ncols + TBN - 1) / TBN;
-    const int split = blockIdx.y, splits = gridDim.y;
-    const int my_tiles = ntiles > split ? (ntiles - split + splits - 1) / splits : 0;
-    const int KT = (d + TBK - 1) / TBK;
-    const int total = my_tiles * KT;
-    const float scale = scale_log ? scale_mul * expf(scale_log[0]) : scale_mul;
-    const float sl2 = scale * CPN_LOG2E;  // logits in base-2 units: t = acc * sl2
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CPN_WGMMA_ASM(TY)                                                                  \
+    asm volatile(                                                                          \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                      \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                        \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "          \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                    \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),          \
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),        \
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),    \
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),    \
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),    \
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),    \
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),    \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),    \
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),    \
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                               \
+        : "l"(da), "l"(db), "r"(scale_d))
+#else
+#define CPN_WGMMA_ASM(TY) __trap()
+#endif
 
-    // per-thread rows: (i, h) -> local row m0 + wm*32 + i*16 + h*8 + gq
-    float rm[2][2], rl[2][2], rx[2][2], li2[2][2], wi[2][2];
-    int gi[2][2];
-    bool rv[2][2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int lr = m0 + wm * 32 + i * 16 + h * 8 + gq;
-            rv[i][h] = lr < rows;
-            gi[i][h] = row0 + lr;
-            rm[i][h] = ninf; rl[i][h] = 0.f; rx[i][h] = 0.f;
-            li2[i][h] = 0.f; wi[i][h] = 0.f;
-            if (MODE >= MODE_G && rv[i][h]) {
-                li2[i][h] = lse_row[gi[i][h]] * CPN_LOG2E;
-                wi[i][h] = w_mul * (w_ptr ? w_ptr[(i64)gi[i][h] * w_stride] : 1.f);
-            }
-        }
-
-    auto load = [&](int it, int stage) {
-        const int ct = split + (it / KT) * splits;
-        const int k0 = (it % KT) * TBK;
-        const int n0 = ct * TBN;
-#pragma unroll
-        for (int q = tid; q < TBM * (TBK / 8); q += TTHREADS) {
-            const int r = q >> 3, kc = (q & 7) * 8;
-            const int row = m0 + r;
-            const bool ok = row < rows && k0 + kc < d;
-            const T* src = ok ? A + (i64)row * lda + k0 + kc : A;
-            cp_async16(smem_u32(sA + stage * TBM * TLD + r * TLD + kc), src, ok ? 16 : 0);
-        }
-#pragma unroll
-        for (int q = tid; q < TBN * (TBK / 8); q += TTHREADS) {
-            const int r = q >> 3, kc = (q & 7) * 8;
-            const int col = n0 + r;
-            const T* src = B1;
-            bool ok = k0 + kc < d;
-            if (col < n1) src = B1 + (i64)col * ldb1 + k0 + kc;
-            else if (col < ncols) src = B2 + (i64)(col - n1) * ldb2 + k0 + kc;
-            else ok = false;
-            cp_async16(smem_u32(sB + stage * TBN * TLD + r * TLD + kc), ok ? src : B1, ok ? 16 : 0);
-        }
-    };
-
-    float acc[2][8][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-
-#pragma unroll
-    for (int st = 0; st < TSTAGES - 1; ++st) {
-        if (st < total) load(st, st);
-        cp_commit();
+// D (64 x 128, fp32) (+)= A (64 x 16) B^T (16 x 128); scale_d = 0 starts a new tile
+template <typename T> struct Wgmma;
+template <> struct Wgmma<bf16_t> {
+    static __device__ __forceinline__ void run(float* d, unsigned long long da,
+                                               unsigned long long db, int scale_d) {
+        CPN_WGMMA_ASM("bf16");
     }
-    // ldmatrix lane addresses (in elements, within a stage): A rows wm*32 + i*16 + (l & 15),
-    // k + (l >> 4) * 8; B rows wn*64 + (jj*2 + (l >> 4))*8 + (l & 7), k + ((l >> 3) & 1) * 8
-    const int a_off = (wm * 32 + (lane & 15)) * TLD + (lane >> 4) * 8;
-    const int b_off = (wn * 64 + (lane >> 4) * 8 + (lane & 7)) * TLD + ((lane >> 3) & 1) * 8;
-    for (int it = 0; it < total; ++it) {
-        cp_wait_stages();
-        __syncthreads();  // stage it is in; every warp is done with stage it - 1
-        if (it + TSTAGES - 1 < total) load(it + TSTAGES - 1, (it + TSTAGES - 1) % TSTAGES);
-        cp_commit();
-        const int stg = it % TSTAGES;
-        const unsigned as = smem_u32(sA + stg * TBM * TLD + a_off);
-        const unsigned bs = smem_u32(sB + stg * TBN * TLD + b_off);
+};
+template <> struct Wgmma<f16_t> {
+    static __device__ __forceinline__ void run(float* d, unsigned long long da,
+                                               unsigned long long db, int scale_d) {
+        CPN_WGMMA_ASM("f16");
+    }
+};
+
+// ---- the two main loops --------------------------------------------------------------
+// Both stage a TBM x TBK tile of A and a TBN x TBK tile of B per pipeline stage (16-byte
+// cp.async chunks, zero-filled outside the matrix) and add one TBK step of A B^T to the
+// accumulators.  Fragment layout (shared by the epilogues): warp w owns rows
+// row_base(w) + i*16 + h*8 + (lane >> 2) and columns col_base(w) + j*8 + 2*(lane & 3) + e of
+// the tile, in acc[i][j][h*2 + e]; NCG warps share each column (col_group(w)) and
+// ROW_WARPS warps share each row.
+template <typename T, bool WG> struct TileLoop;
+
+template <typename T> struct TileLoop<T, false> {  // mma.sync m16n8k16, 4 x 2 warps
+    // synchronous MMA: the stage loaded in iteration it may be any but the one read in it
+    enum { I = 2, J = 8, NCG = 4, ROW_WARPS = 2, STAGES = TSTAGES, PREFETCH = TSTAGES - 1 };
+    static __device__ __forceinline__ int row_base(int w) { return (w >> 1) * 32; }
+    static __device__ __forceinline__ int col_base(int w) { return (w & 1) * 64; }
+    static __device__ __forceinline__ int col_group(int w) { return w >> 1; }
+    unsigned sA, sB;
+    int a_off, b_off;
+    __device__ __forceinline__ void init(void* smem, int lane, int warp) {
+        sA = smem_u32(smem);
+        sB = sA + TSTAGES * TBM * TLD * 2;
+        // ldmatrix lane addresses (elements, within a stage): A rows wm*32 + i*16 + (l & 15),
+        // k + (l >> 4) * 8; B rows wn*64 + (jj*2 + (l >> 4))*8 + (l & 7), k + ((l >> 3) & 1) * 8
+        a_off = (row_base(warp) + (lane & 15)) * TLD + (lane >> 4) * 8;
+        b_off = (col_base(warp) + (lane >> 4) * 8 + (lane & 7)) * TLD + ((lane >> 3) & 1) * 8;
+    }
+    // byte address of 16-byte chunk c of row r in a stage's A (b = 0) or B (b = 1) tile
+    __device__ __forceinline__ unsigned dst(int b, int stage, int r, int c) const {
+        return (b ? sB + stage * TBN * TLD * 2 : sA + stage * TBM * TLD * 2) + (r * TLD + c * 8) * 2;
+    }
+    __device__ __forceinline__ void wait_stage() const {
+        asm volatile("cp.async.wait_group %0;\n" :: "n"(PREFETCH - 1));
+    }
+    __device__ __forceinline__ void retire(float (&)[I][J][4], bool) const {}
+    __device__ __forceinline__ void issue(float (&acc)[I][J][4], int stage, bool first) const {
+        if (first) {
+#pragma unroll
+            for (int i = 0; i < I; ++i)
+#pragma unroll
+                for (int j = 0; j < J; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+        }
+        const unsigned as = sA + stage * TBM * TLD * 2 + a_off * 2;
+        const unsigned bs = sB + stage * TBN * TLD * 2 + b_off * 2;
 #pragma unroll
         for (int kk = 0; kk < TBK; kk += 16) {
             unsigned af[2][4], bf[8][2];
@@ -219,55 +236,238 @@ __device__ __forceinline__ void tile_body(
 #pragma unroll
                 for (int j = 0; j < 8; ++j) Mma<T>::run(acc[i][j], af[i], bf[j]);
         }
-        if (it % KT != KT - 1) continue;
+    }
+};
+
+template <typename T> struct TileLoop<T, true> {  // wgmma m64n128k16, 2 warpgroups
+    // one MMA batch stays in flight while the next is issued (retire waits for all but the
+    // newest), so the other warpgroup may still read stage it - 1: load it + STAGES - 2
+    enum { I = 1, J = 16, NCG = 8, ROW_WARPS = 1, STAGES = WSTAGES, PREFETCH = WSTAGES - 2 };
+    static __device__ __forceinline__ int row_base(int w) { return w * 16; }
+    static __device__ __forceinline__ int col_base(int) { return 0; }
+    static __device__ __forceinline__ int col_group(int w) { return w; }
+    unsigned base;
+    int wg;
+    __device__ __forceinline__ void init(void* smem, int, int warp) {
+        base = (smem_u32(smem) + 1023u) & ~1023u;  // the swizzle pattern repeats every 1 KiB
+        wg = warp >> 2;
+    }
+    // 128-byte swizzle: chunk c of row r lands at chunk c ^ (r mod 8) of that row
+    __device__ __forceinline__ unsigned dst(int b, int stage, int r, int c) const {
+        return base + stage * WSTAGE_BYTES + b * TBM * TBK * 2 + r * 128 + ((c ^ (r & 7)) << 4);
+    }
+    __device__ __forceinline__ void wait_stage() const {
+        asm volatile("cp.async.wait_group %0;\n" :: "n"(PREFETCH - 1));
+        fence_proxy_async();
+    }
+    // start one TBK step on `stage` (asynchronous); `first` starts a new tile (D = A B^T)
+    __device__ __forceinline__ void issue(float (&acc)[I][J][4], int stage, bool first) const {
+        float* d = &acc[0][0][0];
+#pragma unroll
+        for (int r = 0; r < 64; ++r) fence_operand(d[r]);
+        const unsigned a = base + stage * WSTAGE_BYTES + wg * 64 * 128;
+        const unsigned b = base + stage * WSTAGE_BYTES + TBM * TBK * 2;
+        const unsigned long long da = wg_desc(a), db = wg_desc(b);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < TBK / 16; ++kk)  // +32 B per K step = +2 in the descriptor
+            Wgmma<T>::run(d, da + 2 * kk, db + 2 * kk, (first && kk == 0) ? 0 : 1);
+        wg_commit();
+    }
+    // wait for the previous step (all steps when `all`: the epilogue reads the accumulators)
+    __device__ __forceinline__ void retire(float (&acc)[I][J][4], bool all) const {
+        if (all) wg_wait0(); else wg_wait1();
+        float* d = &acc[0][0][0];
+#pragma unroll
+        for (int r = 0; r < 64; ++r) fence_operand(d[r]);
+    }
+};
+
+template <typename T, int MODE, bool WG>
+__device__ __forceinline__ void tile_body(
+    const T* __restrict__ A, i64 lda, int rows, int row0,
+    const T* __restrict__ B1, i64 ldb1, int n1,
+    const T* __restrict__ B2, i64 ldb2, int n2, int d,
+    float scale_mul, const float* __restrict__ scale_log,
+    int exclude_diag, int pos_shift, int pos_mod,
+    float* __restrict__ part_m, float* __restrict__ part_s, i64 part_ld,
+    float* __restrict__ pos_out, float* __restrict__ colp_m, float* __restrict__ colp_s,
+    const float* __restrict__ lse_row, const float* __restrict__ lse_col,
+    const float* __restrict__ w_ptr, i64 w_stride, float w_mul,
+    T* __restrict__ g, i64 ldg, float* __restrict__ dsp_part)
+{
+    typedef TileLoop<T, WG> L;
+    enum { I = L::I, J = L::J, NCG = L::NCG, NS = L::STAGES };
+    extern __shared__ __align__(16) unsigned short smem[];
+    __shared__ float red[2][NCG][TBN];
+
+    const float ninf = -cpn_inf<float>();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rbase = L::row_base(warp), cbase = L::col_base(warp), cg = L::col_group(warp);
+    const int gq = lane >> 2, cq = lane & 3;
+    const int m0 = blockIdx.x * TBM;
+    const int ncols = n1 + n2;
+    const int ntiles = (ncols + TBN - 1) / TBN;
+    const int split = blockIdx.y, splits = gridDim.y;
+    const int my_tiles = ntiles > split ? (ntiles - split + splits - 1) / splits : 0;
+    const int KT = (d + TBK - 1) / TBK;
+    const int total = my_tiles * KT;
+    const float scale = scale_log ? scale_mul * expf(scale_log[0]) : scale_mul;
+    const float sl2 = scale * CPN_LOG2E;  // logits in base-2 units: t = acc * sl2
+    L loop;
+    loop.init(smem, lane, warp);
+
+    // per-thread rows: (i, h) -> local row m0 + rbase + i*16 + h*8 + gq
+    float rm[I][2], rl[I][2], rx[I][2], li2[I][2], wi[I][2];
+    int gi[I][2], pr[I][2];  // global row, its positive column
+    bool rv[I][2];
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int lr = m0 + rbase + i * 16 + h * 8 + gq;
+            rv[i][h] = lr < rows;
+            gi[i][h] = row0 + lr;
+            pr[i][h] = (int)(((i64)gi[i][h] + pos_shift) % pos_mod);
+            rm[i][h] = ninf; rl[i][h] = 0.f; rx[i][h] = 0.f;
+            li2[i][h] = 0.f; wi[i][h] = 0.f;
+            if (MODE >= MODE_G && rv[i][h]) {
+                li2[i][h] = lse_row[gi[i][h]] * CPN_LOG2E;
+                wi[i][h] = w_mul * (w_ptr ? w_ptr[(i64)gi[i][h] * w_stride] : 1.f);
+            }
+        }
+
+    // Loads: thread tid copies 16-byte chunk lc of rows lr0 + 32 u (u < LU) of the A and B
+    // tiles; the A rows are fixed for the CTA, the B rows are set once per column tile.
+    enum { LU = TBM * (TBK / 8) / TTHREADS };
+    const int lr0 = tid >> 3, lc = tid & 7;
+    const T* a_src[LU];
+    const T* b_src[LU];
+    bool a_ok[LU], b_ok[LU];
+#pragma unroll
+    for (int u = 0; u < LU; ++u) {
+        const int row = m0 + lr0 + 32 * u;
+        a_ok[u] = row < rows;
+        a_src[u] = A + (a_ok[u] ? (i64)row * lda : 0) + lc * 8;
+    }
+    int ld_it = 0, ld_kt = 0, ld_tile = 0;  // the next step to load
+    auto load_next = [&]() {
+        const int stage = ld_it % NS;
+        if (ld_kt == 0) {
+            const int n0 = (split + ld_tile * splits) * TBN;
+#pragma unroll
+            for (int u = 0; u < LU; ++u) {
+                const int col = n0 + lr0 + 32 * u;
+                b_ok[u] = col < ncols;
+                b_src[u] = (col < n1 ? B1 + (i64)col * ldb1
+                            : col < ncols ? B2 + (i64)(col - n1) * ldb2 : B1) + lc * 8;
+            }
+        }
+        const int k0 = ld_kt * TBK;
+        const bool kok = k0 + lc * 8 < d;
+#pragma unroll
+        for (int u = 0; u < LU; ++u) {
+            const bool ok = a_ok[u] && kok;
+            cp_async16(loop.dst(0, stage, lr0 + 32 * u, lc), ok ? a_src[u] + k0 : A, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int u = 0; u < LU; ++u) {
+            const bool ok = b_ok[u] && kok;
+            cp_async16(loop.dst(1, stage, lr0 + 32 * u, lc), ok ? b_src[u] + k0 : B1, ok ? 16 : 0);
+        }
+        ++ld_it;
+        if (++ld_kt == KT) { ld_kt = 0; ++ld_tile; }
+    };
+
+    float acc[I][J][4];
+#pragma unroll
+    for (int st = 0; st < L::PREFETCH; ++st) {
+        if (ld_it < total) load_next();
+        cp_commit();
+    }
+    int kt = 0, tile = 0;
+    for (int it = 0; it < total; ++it) {
+        loop.wait_stage();
+        __syncthreads();  // step it is in shared memory; the stage loaded below is free
+        loop.issue(acc, it % NS, kt == 0);
+        if (ld_it < total) load_next();  // overlaps the (asynchronous) MMA
+        cp_commit();
+        loop.retire(acc, kt == KT - 1);
+        if (++kt < KT) continue;
+        kt = 0;
 
         // ---------------- epilogue of one 128 x 128 tile ----------------
-        const int n0 = (split + (it / KT) * splits) * TBN;
+        const int n0 = (split + tile++ * splits) * TBN;
+        // Most tiles hold no column past the end, no diagonal and no positive of this warp's
+        // rows: those take the unchecked copy of the epilogue (C = false).
+        bool special = n0 + TBN > ncols;
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                special |= (unsigned)(gi[i][h] - n0) < TBN || (unsigned)(pr[i][h] - n0) < TBN;
+        special = __any_sync(0xffffffffu, special);
         if (MODE == MODE_LSE || MODE == MODE_LSE2) {
+            #pragma unroll
+            for (int variant = 0; variant < 2; ++variant) {  // two copies: C is a constant in each
+                const bool C = variant == 0;
+                if (C != special) continue;
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+                for (int i = 0; i < I; ++i)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int grow = gi[i][h];
-                    const int pos = (int)(((i64)grow + pos_shift) % pos_mod);
-                    float v[16];
-                    float tm = ninf;
+                    for (int h = 0; h < 2; ++h) {
+                        const int grow = gi[i][h];
+                        float v[2 * J];
+                        float tm = ninf;
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
+                        for (int j = 0; j < J; ++j)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = n0 + wn * 64 + j * 8 + 2 * cq + e;
-                            const float a = acc[i][j][h * 2 + e];
-                            float t = a * sl2;
-                            if (col >= ncols || (exclude_diag && col == grow)) t = ninf;
-                            if (col == pos && rv[i][h]) pos_out[grow - row0] = a * scale;
-                            v[j * 2 + e] = t;
-                            tm = nanmax(tm, t);
+                            for (int e = 0; e < 2; ++e) {
+                                const float a = acc[i][j][h * 2 + e];
+                                float t = a * sl2;
+                                if (C) {
+                                    const int col = n0 + cbase + j * 8 + 2 * cq + e;
+                                    if (col >= ncols || (exclude_diag && col == grow)) t = ninf;
+                                    if (col == pr[i][h] && rv[i][h]) pos_out[grow - row0] = a * scale;
+                                    tm = nanmax(tm, t);
+                                } else {
+                                    tm = fmaxf(tm, t);  // a NaN still reaches l below
+                                }
+                                v[j * 2 + e] = t;
+                            }
+                        float m = rm[i][h], l = rl[i][h];
+                        if (C) {
+                            if (tm != tm) { m = tm; l = tm; }
+                            else if (tm > m) { l *= exp2f(m - tm); m = tm; }
+                            if (m > ninf) {
+#pragma unroll
+                                for (int k = 0; k < 2 * J; ++k) l += exp2f(v[k] - m);
+                            }
+                        } else {
+                            const float mn = fmaxf(m, tm);
+                            l *= exp2f(m - mn);
+#pragma unroll
+                            for (int k = 0; k < 2 * J; ++k) l += exp2f(v[k] - mn);
+                            m = mn;
                         }
-                    float m = rm[i][h], l = rl[i][h];
-                    if (tm != tm) { m = tm; l = tm; }
-                    else if (tm > m) { l *= exp2f(m - tm); m = tm; }
-                    if (m > ninf) {
-#pragma unroll
-                        for (int k = 0; k < 16; ++k) l += exp2f(v[k] - m);
+                        rm[i][h] = m; rl[i][h] = l;
                     }
-                    rm[i][h] = m; rl[i][h] = l;
-                }
+            }
         }
         if (MODE == MODE_LSE2) {  // column partials over this CTA's 128 rows
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < J; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float cm = ninf, cl = 0.f;
 #pragma unroll
-                    for (int i = 0; i < 2; ++i)
+                    for (int i = 0; i < I; ++i)
 #pragma unroll
                         for (int h = 0; h < 2; ++h)
                             if (rv[i][h]) cm = nanmax(cm, acc[i][j][h * 2 + e] * sl2);
                     if (cm > ninf || cm != cm) {
 #pragma unroll
-                        for (int i = 0; i < 2; ++i)
+                        for (int i = 0; i < I; ++i)
 #pragma unroll
                             for (int h = 0; h < 2; ++h)
                                 if (rv[i][h]) cl += exp2f(acc[i][j][h * 2 + e] * sl2 - cm);
@@ -279,16 +479,16 @@ __device__ __forceinline__ void tile_body(
                         lse2_merge(cm, cl, om, ol);
                     }
                     if (gq == 0) {
-                        const int cc = wn * 64 + j * 8 + 2 * cq + e;
-                        red[0][wm][cc] = cm;
-                        red[1][wm][cc] = cl;
+                        const int cc = cbase + j * 8 + 2 * cq + e;
+                        red[0][cg][cc] = cm;
+                        red[1][cg][cc] = cl;
                     }
                 }
             __syncthreads();
             if (tid < TBN && n0 + tid < ncols) {
                 float cm = red[0][0][tid], cl = red[1][0][tid];
 #pragma unroll
-                for (int w = 1; w < 4; ++w) lse2_merge(cm, cl, red[0][w][tid], red[1][w][tid]);
+                for (int w = 1; w < NCG; ++w) lse2_merge(cm, cl, red[0][w][tid], red[1][w][tid]);
                 const i64 o = (i64)blockIdx.x * ncols + n0 + tid;
                 colp_m[o] = cm * CPN_LN2;
                 colp_s[o] = cl;
@@ -296,78 +496,76 @@ __device__ __forceinline__ void tile_body(
             __syncthreads();
         }
         if (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP) {
-            float lc2[16], wc[16];
+            float lc2[2 * J], wc[2 * J];
             if (MODE != MODE_G) {
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
+                for (int j = 0; j < J; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int col = n0 + wn * 64 + j * 8 + 2 * cq + e;
+                        const int col = n0 + cbase + j * 8 + 2 * cq + e;
                         const bool ok = col < ncols;
                         lc2[j * 2 + e] = ok ? lse_col[col] * CPN_LOG2E : 0.f;
                         wc[j * 2 + e] = ok ? w_mul * (w_ptr ? w_ptr[(i64)col * w_stride] : 1.f) : 0.f;
                     }
             }
+            #pragma unroll
+            for (int variant = 0; variant < 2; ++variant) {  // two copies: C is a constant in each
+                const bool C = variant == 0;
+                if (C != special) continue;
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+                for (int i = 0; i < I; ++i)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (!rv[i][h]) continue;
-                    const int grow = gi[i][h];
-                    const int pos = (int)(((i64)grow + pos_shift) % pos_mod);
-                    T* grow_ptr = g + (i64)(grow - row0) * ldg;
+                    for (int h = 0; h < 2; ++h) {
+                        if (!rv[i][h]) continue;
+                        const int grow = gi[i][h], pos = pr[i][h];
+                        T* grow_ptr = g + (i64)(grow - row0) * ldg;
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        float val[2];
+                        for (int j = 0; j < J; ++j) {
+                            float val[2];
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = n0 + wn * 64 + j * 8 + 2 * cq + e;
-                            const float t = acc[i][j][h * 2 + e] * sl2;
-                            float x;
-                            if (MODE == MODE_G) {
-                                float p = (exclude_diag && col == grow) ? 0.f : exp2f(t - li2[i][h]);
-                                if (col == pos) p -= 1.f;
-                                x = wi[i][h] * scale * p;
-                            } else if (MODE == MODE_H) {
-                                if (col == grow) {
-                                    x = 0.f;
-                                } else {
-                                    float p = wi[i][h] * exp2f(t - li2[i][h])
+                            for (int e = 0; e < 2; ++e) {
+                                const int col = n0 + cbase + j * 8 + 2 * cq + e;
+                                const float t = acc[i][j][h * 2 + e] * sl2;
+                                float x;
+                                if (MODE == MODE_G) {
+                                    float p = (C && exclude_diag && col == grow) ? 0.f : exp2f(t - li2[i][h]);
+                                    if (C && col == pos) p -= 1.f;
+                                    x = wi[i][h] * scale * p;
+                                } else if (MODE == MODE_H) {
+                                    if (C && col == grow) {
+                                        x = 0.f;
+                                    } else {
+                                        float p = wi[i][h] * exp2f(t - li2[i][h])
+                                                + wc[j * 2 + e] * exp2f(t - lc2[j * 2 + e]);
+                                        if (C && col == pos) p -= wi[i][h] + wc[j * 2 + e];
+                                        x = scale * p;
+                                    }
+                                } else {  // MODE_CLIP
+                                    float G = wi[i][h] * exp2f(t - li2[i][h])
                                             + wc[j * 2 + e] * exp2f(t - lc2[j * 2 + e]);
-                                    if (col == pos) p -= wi[i][h] + wc[j * 2 + e];
-                                    x = scale * p;
+                                    if (C && col == grow) G -= wi[i][h] + wc[j * 2 + e];
+                                    G *= 0.5f;
+                                    if (!C || col < ncols) rx[i][h] += G * (t * CPN_LN2);
+                                    x = scale * G;
                                 }
-                            } else {  // MODE_CLIP
-                                float G = wi[i][h] * exp2f(t - li2[i][h])
-                                        + wc[j * 2 + e] * exp2f(t - lc2[j * 2 + e]);
-                                if (col == grow) G -= wi[i][h] + wc[j * 2 + e];
-                                G *= 0.5f;
-                                if (col < ncols) rx[i][h] += G * (t * CPN_LN2);
-                                x = scale * G;
+                                val[e] = x;
                             }
-                            val[e] = x;
-                        }
-                        const int col = n0 + wn * 64 + j * 8 + 2 * cq;
-                        if (col + 1 < ncols) {
-                            *(unsigned*)(grow_ptr + col) = pack2<T>(val[0], val[1]);
-                        } else if (col < ncols) {
-                            grow_ptr[col] = Conv<T>::store(val[0]);
+                            const int col = n0 + cbase + j * 8 + 2 * cq;
+                            if (!C || col + 1 < ncols) {
+                                *(unsigned*)(grow_ptr + col) = pack2<T>(val[0], val[1]);
+                            } else if (col < ncols) {
+                                grow_ptr[col] = Conv<T>::store(val[0]);
+                            }
                         }
                     }
-                }
+            }
         }
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
     }
 
     // ---------------- per-row results of this CTA: merge the 4 lanes, then the 2 warps ----
     if (MODE == MODE_LSE || MODE == MODE_LSE2 || MODE == MODE_CLIP) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+        for (int i = 0; i < I; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float m = rm[i][h], l = rl[i][h], x = rx[i][h];
@@ -381,31 +579,31 @@ __device__ __forceinline__ void tile_body(
                 rm[i][h] = m; rl[i][h] = l; rx[i][h] = x;
             }
         __syncthreads();
-        if (wn == 1 && cq == 0) {
+        if (L::ROW_WARPS == 2 && (warp & 1) == 1 && cq == 0) {  // the second warp of each row
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+            for (int i = 0; i < I; ++i)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int rr = wm * 32 + i * 16 + h * 8 + gq;
+                    const int rr = rbase + i * 16 + h * 8 + gq;
                     red[0][0][rr] = rm[i][h];
                     red[1][0][rr] = rl[i][h];
                     red[0][1][rr] = rx[i][h];
                 }
         }
         __syncthreads();
-        if (wn == 0 && cq == 0) {
+        if ((L::ROW_WARPS == 1 || (warp & 1) == 0) && cq == 0) {
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+            for (int i = 0; i < I; ++i)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     if (!rv[i][h]) continue;
-                    const int rr = wm * 32 + i * 16 + h * 8 + gq;
+                    const int rr = rbase + i * 16 + h * 8 + gq;
                     const i64 o = (i64)split * part_ld + (gi[i][h] - row0);
                     if (MODE == MODE_CLIP) {
-                        dsp_part[o] = rx[i][h] + red[0][1][rr];
+                        dsp_part[o] = rx[i][h] + (L::ROW_WARPS == 2 ? red[0][1][rr] : 0.f);
                     } else {
                         float m = rm[i][h], l = rl[i][h];
-                        lse2_merge(m, l, red[0][0][rr], red[1][0][rr]);
+                        if (L::ROW_WARPS == 2) lse2_merge(m, l, red[0][0][rr], red[1][0][rr]);
                         part_m[o] = m * CPN_LN2;
                         part_s[o] = l;
                     }
@@ -454,24 +652,35 @@ __device__ __forceinline__ void tile_sum_body(
     lse_col, w_ptr, w_stride, w_mul, g, ldg, dsp_part
 
 // Tensor-core tiles exist for the 16-bit types only:
-// (cpn_tile_smem_<dtype> writes TSMEM_BYTES, so Python never hard-codes it)
+// (cpn_tile_smem_<dtype> writes TSMEM_BYTES and WSMEM_BYTES, so Python never hard-codes them)
 // cpn-dtypes: f16 bf16
 #define CPN_DEFINE_TILES(SUF, T)                                                           \
-extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_lse_##SUF(CPN_TILE_ARGS(T)) { \
-    tile_body<T, MODE_LSE>(CPN_TILE_PASS); }                                               \
-extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_lse2_##SUF(CPN_TILE_ARGS(T)) { \
-    tile_body<T, MODE_LSE2>(CPN_TILE_PASS); }                                              \
-extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_g_##SUF(CPN_TILE_ARGS(T)) { \
-    tile_body<T, MODE_G>(CPN_TILE_PASS); }                                                 \
-extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_h_##SUF(CPN_TILE_ARGS(T)) { \
-    tile_body<T, MODE_H>(CPN_TILE_PASS); }                                                 \
-extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_clip_##SUF(CPN_TILE_ARGS(T)) { \
-    tile_body<T, MODE_CLIP>(CPN_TILE_PASS); }                                              \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_lse_##SUF(                 \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_LSE, false>(CPN_TILE_PASS); }                    \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_lse2_##SUF(                \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_LSE2, false>(CPN_TILE_PASS); }                   \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_g_##SUF(                   \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_G, false>(CPN_TILE_PASS); }                      \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_h_##SUF(                   \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_H, false>(CPN_TILE_PASS); }                      \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_clip_##SUF(                \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_CLIP, false>(CPN_TILE_PASS); }                   \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_lse_##SUF(               \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_LSE, true>(CPN_TILE_PASS); }                     \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_lse2_##SUF(              \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_LSE2, true>(CPN_TILE_PASS); }                    \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_g_##SUF(                 \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_G, true>(CPN_TILE_PASS); }                       \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_h_##SUF(                 \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_H, true>(CPN_TILE_PASS); }                       \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_clip_##SUF(              \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_CLIP, true>(CPN_TILE_PASS); }                    \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_finish_##SUF(             \
     const float* part_m, const float* part_s, i64 part_ld, int splits, int rows,           \
     const float* pos, float* lse, float* loss) {                                           \
     tile_finish_body(part_m, part_s, part_ld, splits, rows, pos, lse, loss); }             \
-extern "C" __global__ void cpn_tile_smem_##SUF(int* out) { out[0] = TSMEM_BYTES; }          \
+extern "C" __global__ void cpn_tile_smem_##SUF(int* out) {                                 \
+    out[0] = TSMEM_BYTES; out[1] = WSMEM_BYTES; }                                          \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_sum_##SUF(                \
     const float* part, i64 part_ld, int splits, int rows, float* out) {                    \
     tile_sum_body(part, part_ld, splits, rows, out); }

@@ -383,12 +383,17 @@ HALF = [np.dtype(np.float16), BF16]
 TILE_CASES = [("nt_xent", None), ("info_nce", None), ("info_nce", "shared"), ("clip_loss", None)]
 
 
-@pytest.fixture
-def tiles_on(monkeypatch):
-    """Force the (opt-in) tile kernels on for one test."""
+@pytest.fixture(params=["wgmma", "mma_sync"])
+def tiles_on(request, monkeypatch):
+    """Force the tile kernels on for one test, with each main loop (wgmma: Hopper only)."""
     from cupynce import contrastive as C
+    from cupynce._kernels import arch_specific_build
 
+    if request.param == "wgmma" and not arch_specific_build(C._TILES):
+        pytest.skip("the wgmma main loop needs a compute-capability 9.0 GPU")
     monkeypatch.setattr(C, "USE_TILES", True)
+    monkeypatch.setattr(C, "USE_WGMMA", request.param == "wgmma")
+    return request.param
 
 
 def test_tile_path_is_taken_for_aligned_half_inputs(tiles_on):
@@ -481,9 +486,22 @@ def test_tile_smem_constant_matches_kernel():
     from cupynce import contrastive as C
     from cupynce._kernels import get_kernel
 
-    out = cp.zeros((1,), cp.int32)
+    out = cp.zeros((2,), cp.int32)
     get_kernel(C._TILES, "tile_smem", cp.float16)((1,), (1,), (out,))
     assert int(out[0]) == C._TILE_SMEM
+    assert int(out[1]) == C._WG_SMEM
+
+
+def test_tiles_default_follows_the_main_loop(monkeypatch):
+    """CUPYNCE_TILES unset: tiles exactly where the wgmma loop is built (Hopper)."""
+    from cupynce import contrastive as C
+    from cupynce._kernels import arch_specific_build
+
+    monkeypatch.setattr(C, "USE_TILES", None)
+    x = cp.zeros((64, 64), cp.float16)
+    assert C._tiles_ok(x, x) == arch_specific_build(C._TILES)
+    monkeypatch.setattr(C, "USE_TILES", False)
+    assert not C._tiles_ok(x, x)
 
 
 @pytest.mark.parametrize("op,neg", TILE_CASES)

@@ -84,6 +84,29 @@ def test_nvrtc_compiles_and_exports_every_kernel(filename, arch):
     assert not missing, f"{filename} ({arch}): symbols missing from the cubin: {missing}"
 
 
+@pytest.mark.parametrize("filename", sorted(_kernels.ARCH_SPECIFIC))
+def test_arch_specific_file_builds_for_sm90a(filename):
+    """Files with Hopper-only code also build for sm_90a (what the loader does on Hopper), and
+    only that build holds the wgmma instructions (elsewhere those functions trap)."""
+    cubin = _kernels.compile_source(filename, "sm_90a", _kernels.NVRTC_OPTIONS + ("-ftz=true",))
+    assert cubin[:4] == b"\x7fELF"
+    for st in _stages(filename):
+        for suf in _suffixes(filename):
+            assert f"cpn_{st}_{suf}".encode() + b"\x00" in cubin, f"cpn_{st}_{suf}"
+    from cupy.cuda import nvrtc
+
+    def ptx(arch):
+        prog = nvrtc.createProgram(_kernels.read_source(filename), filename, [], [])
+        try:
+            nvrtc.compileProgram(prog, list(_kernels.NVRTC_OPTIONS) + [f"--gpu-architecture={arch}"])
+            return nvrtc.getPTX(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+
+    assert b"wgmma.mma_async" in ptx("compute_90a")
+    assert b"wgmma.mma_async" not in ptx("compute_90")
+
+
 @pytest.mark.parametrize("const,filename", [("_FILE", "contrastive.cu"), ("_TILES", "tiles.cu")])
 def test_python_launches_only_existing_stages(const, filename):
     """Every stage that contrastive.py launches from a file exists in that file."""
