@@ -33,7 +33,11 @@ Every implementation computes the mean loss *and* the gradients of all inputs:
     (S = Z Zᵀ into float32, G Z, Gᵀ Z; G in the input dtype, float32 accumulation); CLIP 4
     (S in the loss pass, S again in the gradient pass, G B, Gᵀ A), or 3 when the whole
     N x N float32 block fits in the workspace.  The ratio cupynce / cuBLAS shows what the
-    fused softmax kernels and Python add on top of the unavoidable products.
+    fused softmax kernels and Python add on top of the unavoidable products.  Where cupynce
+    runs its tensor-core tiles (16-bit inputs on Hopper, the default there) the same count of
+    N x N x D products is done, two (CLIP: two) by the tile kernels and the rest by cuBLAS,
+    and CLIP always counts 4 (the tiles never keep the scores): the ratio then compares the
+    fused kernels with cuBLAS doing the same arithmetic.
 
 Timing and memory come from ``benchmarks/harness.py`` (CUDA events on the current stream
 after a device synchronisation; median and p20/p80 of ``repeat`` runs after ``warmup``; peak
@@ -164,6 +168,7 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
     """The products cupynce issues for (op, inputs), on the same row blocks; and their plan."""
     import cupy as cp
     from cupynce import _blas
+    from cupynce import contrastive as C
     from cupynce._kernels import acc_dtype
 
     x = inputs[0]
@@ -194,7 +199,9 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
         a, b = inputs[0], inputs[1]
         da = cp.empty((n, d), acc)
         db = cp.zeros((n, d), acc)
-        reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
+        # the whole score matrix fits: the cuBLAS path's gradient pass reuses it (the tile
+        # path never stores scores, so it always recomputes them: 4 products)
+        reuse = rb >= n and not C._tiles_ok(a, b)
         count = 3 if reuse else 4
 
         def step() -> None:

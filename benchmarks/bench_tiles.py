@@ -35,6 +35,11 @@ def main() -> None:
     rt = -(-n // C._TILE)
     sp = C._splits(rt, rt)
     flop = 2.0 * n * n * d
+    ls = cp.full((1,), np.log(10.0), cp.float32)
+    part = cp.empty((2, sp, n), cp.float32)
+    pos = cp.empty((n,), cp.float32)
+    colp = cp.empty((2, rt, n), cp.float32)
+    dpart = cp.empty((sp, n), cp.float32)
     cases = {
         "cuBLAS S = Q K^T (fp32 out)": lambda: _blas.gemm(q, k, s, trans_b=True),
         "cuBLAS G K (16-bit G)": lambda: _blas.gemm(g, k, s[:, :d]),
@@ -44,6 +49,13 @@ def main() -> None:
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
         "tile_h": lambda: C._tile("h", dt, (rt, sp), q, 0, q, None, scale=10.0, pos_mod=n,
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
+        "tile_lse2 (CLIP rows + columns)": lambda: C._tile(
+            "lse2", dt, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=n,
+            part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos.data.ptr,
+            colp=(colp.data.ptr, colp[1].data.ptr)),
+        "tile_clip": lambda: C._tile("clip", dt, (rt, sp), q, 0, k, None, scale_log=ls,
+                                     pos_mod=n, lse_row=lse, lse_col=lse, weights=w, g=g,
+                                     dsp=dpart.data.ptr, part=(0, 0, n)),
     }
     print(device_header(device_info()))
     print(f"N={n} D={d} {args.dtype}; splits={sp}")

@@ -300,6 +300,7 @@ __device__ __forceinline__ void tile_body(
     enum { I = L::I, J = L::J, NCG = L::NCG, NS = L::STAGES };
     extern __shared__ __align__(16) unsigned short smem[];
     __shared__ float red[2][NCG][TBN];
+    __shared__ float colv[2][2][TBN];  // H / CLIP: column lse (base 2) and weight, per tile parity
 
     const float ninf = -cpn_inf<float>();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -390,6 +391,12 @@ __device__ __forceinline__ void tile_body(
         loop.wait_stage();
         __syncthreads();  // step it is in shared memory; the stage loaded below is free
         loop.issue(acc, it % NS, kt == 0);
+        if ((MODE == MODE_H || MODE == MODE_CLIP) && kt == 0 && tid < TBN) {
+            const int col = (split + tile * splits) * TBN + tid;  // read by this tile's epilogue
+            const bool ok = col < ncols;
+            colv[tile & 1][0][tid] = ok ? lse_col[col] * CPN_LOG2E : 0.f;
+            colv[tile & 1][1][tid] = ok ? w_mul * (w_ptr ? w_ptr[(i64)col * w_stride] : 1.f) : 0.f;
+        }
         if (ld_it < total) load_next();  // overlaps the (asynchronous) MMA
         cp_commit();
         loop.retire(acc, kt == KT - 1);
@@ -397,7 +404,8 @@ __device__ __forceinline__ void tile_body(
         kt = 0;
 
         // ---------------- epilogue of one 128 x 128 tile ----------------
-        const int n0 = (split + tile++ * splits) * TBN;
+        const int cur = tile++;
+        const int n0 = (split + cur * splits) * TBN;
         // Most tiles hold no column past the end, no diagonal and no positive of this warp's
         // rows: those take the unchecked copy of the epilogue (C = false).
         bool special = n0 + TBN > ncols;
@@ -459,13 +467,17 @@ __device__ __forceinline__ void tile_body(
             for (int j = 0; j < J; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
+                    // the warp's column max first (8 lanes share a column), then one sum of
+                    // exponentials against it: no rescaling merges
                     float cm = ninf, cl = 0.f;
 #pragma unroll
                     for (int i = 0; i < I; ++i)
 #pragma unroll
                         for (int h = 0; h < 2; ++h)
                             if (rv[i][h]) cm = nanmax(cm, acc[i][j][h * 2 + e] * sl2);
-                    if (cm > ninf || cm != cm) {
+#pragma unroll
+                    for (int o = 4; o < 32; o <<= 1) cm = nanmax(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+                    if (cm > ninf) {  // false for NaN too: (NaN, 0) still merges to NaN
 #pragma unroll
                         for (int i = 0; i < I; ++i)
 #pragma unroll
@@ -473,11 +485,7 @@ __device__ __forceinline__ void tile_body(
                                 if (rv[i][h]) cl += exp2f(acc[i][j][h * 2 + e] * sl2 - cm);
                     }
 #pragma unroll
-                    for (int o = 4; o < 32; o <<= 1) {
-                        const float om = __shfl_xor_sync(0xffffffffu, cm, o);
-                        const float ol = __shfl_xor_sync(0xffffffffu, cl, o);
-                        lse2_merge(cm, cl, om, ol);
-                    }
+                    for (int o = 4; o < 32; o <<= 1) cl += __shfl_xor_sync(0xffffffffu, cl, o);
                     if (gq == 0) {
                         const int cc = cbase + j * 8 + 2 * cq + e;
                         red[0][cg][cc] = cm;
@@ -496,19 +504,10 @@ __device__ __forceinline__ void tile_body(
             __syncthreads();
         }
         if (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP) {
-            float lc2[2 * J], wc[2 * J];
-            if (MODE != MODE_G) {
+            if (MODE != MODE_G && KT == 1) __syncthreads();  // colv written this iteration
+            const float* lc2 = colv[cur & 1][0] + cbase + 2 * cq;  // [j * 8 + e]
+            const float* wc = colv[cur & 1][1] + cbase + 2 * cq;
 #pragma unroll
-                for (int j = 0; j < J; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int col = n0 + cbase + j * 8 + 2 * cq + e;
-                        const bool ok = col < ncols;
-                        lc2[j * 2 + e] = ok ? lse_col[col] * CPN_LOG2E : 0.f;
-                        wc[j * 2 + e] = ok ? w_mul * (w_ptr ? w_ptr[(i64)col * w_stride] : 1.f) : 0.f;
-                    }
-            }
-            #pragma unroll
             for (int variant = 0; variant < 2; ++variant) {  // two copies: C is a constant in each
                 const bool C = variant == 0;
                 if (C != special) continue;
@@ -536,14 +535,14 @@ __device__ __forceinline__ void tile_body(
                                         x = 0.f;
                                     } else {
                                         float p = wi[i][h] * exp2f(t - li2[i][h])
-                                                + wc[j * 2 + e] * exp2f(t - lc2[j * 2 + e]);
-                                        if (C && col == pos) p -= wi[i][h] + wc[j * 2 + e];
+                                                + wc[j * 8 + e] * exp2f(t - lc2[j * 8 + e]);
+                                        if (C && col == pos) p -= wi[i][h] + wc[j * 8 + e];
                                         x = scale * p;
                                     }
                                 } else {  // MODE_CLIP
                                     float G = wi[i][h] * exp2f(t - li2[i][h])
-                                            + wc[j * 2 + e] * exp2f(t - lc2[j * 2 + e]);
-                                    if (C && col == grow) G -= wi[i][h] + wc[j * 2 + e];
+                                            + wc[j * 8 + e] * exp2f(t - lc2[j * 8 + e]);
+                                    if (C && col == grow) G -= wi[i][h] + wc[j * 8 + e];
                                     G *= 0.5f;
                                     if (!C || col < ncols) rx[i][h] += G * (t * CPN_LN2);
                                     x = scale * G;
