@@ -35,7 +35,7 @@ Every implementation computes the mean loss *and* the gradients of all inputs:
     N x N float32 block fits in the workspace.  The ratio cupynce / cuBLAS shows what the
     fused softmax kernels and Python add on top of the unavoidable products.  Where cupynce
     runs its tensor-core tiles (16-bit inputs on Hopper, the default there) the same count of
-    N x N x D products is done, two (CLIP: two) by the tile kernels and the rest by cuBLAS,
+    N x N x D products is done (two by the tile kernels, the rest, one or two, by cuBLAS),
     and CLIP always counts 4 (the tiles never keep the scores): the ratio then compares the
     fused kernels with cuBLAS doing the same arithmetic.
 
