@@ -114,11 +114,23 @@ def compile_source(filename: str, arch: str, options: Sequence[str] = NVRTC_OPTI
 ARCH_SPECIFIC = frozenset({"tiles.cu"})
 
 
-def arch_specific_build(filename: str) -> bool:
-    """Whether ``filename`` is built for ``sm_90a`` on the current device (see ARCH_SPECIFIC)."""
+#: NVRTC options of the sm_90a build: CuPy adds ``-ftz=true`` to every RawModule build, so the
+#: sm_90a cubin gets the same flag.
+SM90A_OPTIONS: Tuple[str, ...] = NVRTC_OPTIONS + ("-ftz=true",)
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability():
+    """``_compute_capability()()``: the current device's compute capability ("90" for Hopper),
+    queried once per device (the tile path asks on every launch)."""
     import cupy
 
-    return filename in ARCH_SPECIFIC and cupy.cuda.Device().compute_capability == "90"
+    return cupy.memoize(for_each_device=True)(lambda: cupy.cuda.Device().compute_capability)
+
+
+def arch_specific_build(filename: str) -> bool:
+    """Whether ``filename`` is built for ``sm_90a`` on the current device (see ARCH_SPECIFIC)."""
+    return filename in ARCH_SPECIFIC and _compute_capability()() == "90"
 
 
 def _cache_dir() -> Path:
@@ -133,13 +145,12 @@ def _load_sm90a(filename: str):
     import cupy
     from cupy.cuda import nvrtc
 
-    options = NVRTC_OPTIONS + ("-ftz=true",)  # the flag CuPy adds to every RawModule build
     src = read_source(filename)
-    key = hashlib.sha256("\0".join((src, *options, "sm_90a", str(nvrtc.getVersion())))
+    key = hashlib.sha256("\0".join((src, *SM90A_OPTIONS, "sm_90a", str(nvrtc.getVersion())))
                          .encode()).hexdigest()
     path = _cache_dir() / f"cupynce_{Path(filename).stem}_{key[:32]}.cubin"
     if not path.is_file():
-        cubin = compile_source(filename, "sm_90a", options)
+        cubin = compile_source(filename, "sm_90a", SM90A_OPTIONS)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(cubin)

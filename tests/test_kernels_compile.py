@@ -77,22 +77,25 @@ def test_read_source_pastes_includes():
 def test_nvrtc_compiles_and_exports_every_kernel(filename, arch):
     cubin = _cubin(filename, arch)
     assert cubin[:4] == b"\x7fELF", "NVRTC should return a cubin (ELF)"
-    stages = _stages(filename)
-    assert stages, f"no cpn_<stage>_##SUF wrappers found in {filename}"
-    missing = [f"cpn_{st}_{suf}" for st in stages for suf in _suffixes(filename)
-               if f"cpn_{st}_{suf}".encode() + b"\x00" not in cubin]
+    assert _stages(filename), f"no cpn_<stage>_##SUF wrappers found in {filename}"
+    missing = _missing_symbols(filename, cubin)
     assert not missing, f"{filename} ({arch}): symbols missing from the cubin: {missing}"
+
+
+def _missing_symbols(filename, cubin):
+    """The ``cpn_<stage>_<dtype>`` wrappers of ``filename`` that ``cubin`` does not export."""
+    return [f"cpn_{st}_{suf}" for st in _stages(filename) for suf in _suffixes(filename)
+            if f"cpn_{st}_{suf}".encode() + b"\x00" not in cubin]
 
 
 @pytest.mark.parametrize("filename", sorted(_kernels.ARCH_SPECIFIC))
 def test_arch_specific_file_builds_for_sm90a(filename):
     """Files with Hopper-only code also build for sm_90a (what the loader does on Hopper), and
     only that build holds the wgmma instructions (elsewhere those functions trap)."""
-    cubin = _kernels.compile_source(filename, "sm_90a", _kernels.NVRTC_OPTIONS + ("-ftz=true",))
+    cubin = _kernels.compile_source(filename, "sm_90a", _kernels.SM90A_OPTIONS)
     assert cubin[:4] == b"\x7fELF"
-    for st in _stages(filename):
-        for suf in _suffixes(filename):
-            assert f"cpn_{st}_{suf}".encode() + b"\x00" in cubin, f"cpn_{st}_{suf}"
+    missing = _missing_symbols(filename, cubin)
+    assert not missing, f"{filename} (sm_90a): symbols missing from the cubin: {missing}"
     from cupy.cuda import nvrtc
 
     def ptx(arch):
