@@ -40,6 +40,7 @@ def main() -> None:
     pos = cp.empty((n,), cp.float32)
     colp = cp.empty((2, rt, n), cp.float32)
     dpart = cp.empty((sp, n), cp.float32)
+    dots = (q.astype(cp.float32) * k.astype(cp.float32)).sum(1)  # lse2's column shifts
     cases = {
         "cuBLAS S = Q K^T (fp32 out)": lambda: _blas.gemm(q, k, s, trans_b=True),
         "cuBLAS G K (16-bit G)": lambda: _blas.gemm(g, k, s[:, :d]),
@@ -52,7 +53,7 @@ def main() -> None:
         "tile_lse2 (CLIP rows + columns)": lambda: C._tile(
             "lse2", dt, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=n,
             part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos.data.ptr,
-            colp=(colp.data.ptr, colp[1].data.ptr)),
+            colp=(colp.data.ptr, colp[1].data.ptr), lse_col=dots),
         "tile_clip": lambda: C._tile("clip", dt, (rt, sp), q, 0, k, None, scale_log=ls,
                                      pos_mod=n, lse_row=lse, lse_col=lse, weights=w, g=g,
                                      dsp=dpart.data.ptr, part=(0, 0, n)),

@@ -391,12 +391,19 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
         col_m = cp.full((n,), -np.inf, f32)
         col_s = cp.zeros((n,), f32)
         cgrid = (-(-n // BLOCK),)
+        # a_j . b_j: the kernel shifts column j's exponentials by its positive logit
+        dots = cp.empty((n,), f32)
+        b_rows = bn if _blas.leading_dim(bn) == d else cp.ascontiguousarray(bn)
+        launch(_FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
+               (an, np.int64(_blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
+                np.int32(d), dots))
         for r0 in range(0, n, rg):
             r1 = min(n, r0 + rg)
             rt = -(-(r1 - r0) // _TILE)
             _tile("lse2", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
                   part=(part.data.ptr + 4 * r0, part[1].data.ptr + 4 * r0, n),
-                  pos_out=pos.data.ptr + 4 * r0, colp=(colp.data.ptr, colp[1].data.ptr))
+                  pos_out=pos.data.ptr + 4 * r0, colp=(colp.data.ptr, colp[1].data.ptr),
+                  lse_col=dots)
             launch(_FILE, "col_combine", t, cgrid, (
                 colp, colp[1], np.int32(rt), np.int32(n), col_m, col_s, np.int32(0),
                 0, 0, 0, 0))

@@ -283,6 +283,26 @@ template <typename T> struct TileLoop<T, true> {  // wgmma m64n128k16, 2 warpgro
     }
 };
 
+// f = w 2^-l (CLIP: halved) for the one-exp2 H / CLIP epilogue; NaN (the two-exp2 form is
+// used) when 2^-l is not a normal float (|l| > 100, base 2) or l is not finite.
+template <int MODE>
+__device__ __forceinline__ float hw_factor(float l2, float w) {
+    if (!(fabsf(l2) <= 100.f)) return cpn_nan<float>();
+    return (MODE == MODE_CLIP ? 0.5f * w : w) * exp2f(-l2);
+}
+
+// One halving of a reduce-scatter over lane bit `o`: of v[0, NV) the lane keeps the upper
+// half when `up`, adds its partner's copy of that half, and leaves the sums in v[0, NV/2).
+template <int NV>
+__device__ __forceinline__ void reduce_scatter(float* v, bool up, int o) {
+#pragma unroll
+    for (int k = 0; k < NV / 2; ++k) {
+        const float send = up ? v[k] : v[k + NV / 2];
+        const float keep = up ? v[k + NV / 2] : v[k];
+        v[k] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+}
+
 template <typename T, int MODE, bool WG>
 __device__ __forceinline__ void tile_body(
     const T* __restrict__ A, i64 lda, int rows, int row0,
@@ -300,7 +320,9 @@ __device__ __forceinline__ void tile_body(
     enum { I = L::I, J = L::J, NCG = L::NCG, NS = L::STAGES };
     extern __shared__ __align__(16) unsigned short smem[];
     __shared__ float red[2][NCG][TBN];
-    __shared__ float colv[2][2][TBN];  // H / CLIP: column lse (base 2) and weight, per tile parity
+    // per tile parity: H / CLIP column lse (base 2), weight and factor f_j (see the epilogue);
+    // LSE2 column shift
+    __shared__ float colv[2][3][TBN];
 
     const float ninf = -cpn_inf<float>();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -319,7 +341,7 @@ __device__ __forceinline__ void tile_body(
     loop.init(smem, lane, warp);
 
     // per-thread rows: (i, h) -> local row m0 + rbase + i*16 + h*8 + gq
-    float rm[I][2], rl[I][2], rx[I][2], li2[I][2], wi[I][2];
+    float rm[I][2], rl[I][2], rx[I][2], li2[I][2], wi[I][2], fi[I][2];
     int gi[I][2], pr[I][2];  // global row, its positive column
     bool rv[I][2];
 #pragma unroll
@@ -331,10 +353,11 @@ __device__ __forceinline__ void tile_body(
             gi[i][h] = row0 + lr;
             pr[i][h] = (int)(((i64)gi[i][h] + pos_shift) % pos_mod);
             rm[i][h] = ninf; rl[i][h] = 0.f; rx[i][h] = 0.f;
-            li2[i][h] = 0.f; wi[i][h] = 0.f;
+            li2[i][h] = 0.f; wi[i][h] = 0.f; fi[i][h] = 0.f;
             if (MODE >= MODE_G && rv[i][h]) {
                 li2[i][h] = lse_row[gi[i][h]] * CPN_LOG2E;
                 wi[i][h] = w_mul * (w_ptr ? w_ptr[(i64)gi[i][h] * w_stride] : 1.f);
+                fi[i][h] = hw_factor<MODE>(li2[i][h], wi[i][h]);
             }
         }
 
@@ -391,11 +414,14 @@ __device__ __forceinline__ void tile_body(
         loop.wait_stage();
         __syncthreads();  // step it is in shared memory; the stage loaded below is free
         loop.issue(acc, it % NS, kt == 0);
-        if ((MODE == MODE_H || MODE == MODE_CLIP) && kt == 0 && tid < TBN) {
+        if ((MODE == MODE_H || MODE == MODE_CLIP || MODE == MODE_LSE2) && kt == 0 && tid < TBN) {
             const int col = (split + tile * splits) * TBN + tid;  // read by this tile's epilogue
             const bool ok = col < ncols;
-            colv[tile & 1][0][tid] = ok ? lse_col[col] * CPN_LOG2E : 0.f;
-            colv[tile & 1][1][tid] = ok ? w_mul * (w_ptr ? w_ptr[(i64)col * w_stride] : 1.f) : 0.f;
+            // LSE2: the column's shift, its positive logit (lse_col holds the raw dots)
+            colv[tile & 1][0][tid] = ok ? lse_col[col] * (MODE == MODE_LSE2 ? sl2 : CPN_LOG2E) : 0.f;
+            const float wc = ok ? w_mul * (w_ptr ? w_ptr[(i64)col * w_stride] : 1.f) : 0.f;
+            colv[tile & 1][1][tid] = wc;
+            if (MODE != MODE_LSE2) colv[tile & 1][2][tid] = ok ? hw_factor<MODE>(colv[tile & 1][0][tid], wc) : 0.f;
         }
         if (ld_it < total) load_next();  // overlaps the (asynchronous) MMA
         cp_commit();
@@ -463,6 +489,46 @@ __device__ __forceinline__ void tile_body(
             }
         }
         if (MODE == MODE_LSE2) {  // column partials over this CTA's 128 rows
+            if (KT == 1) __syncthreads();  // colv written this iteration
+            // Fast path: each column shifted by its positive logit c_j (staged in colv), so the
+            // partial is a plain sum of 2^(t - c_j) -- no max to find, no rescaling -- and the
+            // 8 lanes that share a column reduce their 2J sums by a reduce-scatter (2J - J/4
+            // shuffles instead of 6 per column).  Exact while no term exceeds 2^64 (a score
+            // 44 nats above the column's positive); a warp that meets one takes the max-based
+            // path below for this tile.  Both write (m, s) pairs in base 2 to red[].
+            const float* cc2 = colv[cur & 1][0] + cbase + 2 * cq;  // [j * 8 + e]
+            float cs[2 * J];
+            bool big = false;
+#pragma unroll
+            for (int j = 0; j < J; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float c = cc2[j * 8 + e];
+                    float s = 0.f;
+#pragma unroll
+                    for (int i = 0; i < I; ++i)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            if (rv[i][h]) {
+                                const float x = acc[i][j][h * 2 + e] * sl2 - c;
+                                big |= x > 64.f;
+                                s += exp2f(x);
+                            }
+                    cs[j * 2 + e] = s;
+                }
+            if (!__any_sync(0xffffffffu, big)) {
+                reduce_scatter<2 * J>(cs, lane & 16, 16);
+                reduce_scatter<J>(cs, lane & 8, 8);
+                reduce_scatter<J / 2>(cs, lane & 4, 4);
+#pragma unroll
+                for (int k = 0; k < J / 4; ++k) {  // the lane's columns after the three halvings
+                    const int idx = k + ((lane & 16) ? J : 0) + ((lane & 8) ? J / 2 : 0) +
+                                    ((lane & 4) ? J / 4 : 0);  // = j * 2 + e
+                    const int off = (idx >> 1) * 8 + (idx & 1);
+                    red[0][cg][cbase + 2 * cq + off] = cc2[off];
+                    red[1][cg][cbase + 2 * cq + off] = cs[k];
+                }
+            } else {
 #pragma unroll
             for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -492,6 +558,7 @@ __device__ __forceinline__ void tile_body(
                         red[1][cg][cc] = cl;
                     }
                 }
+            }
             __syncthreads();
             if (tid < TBN && n0 + tid < ncols) {
                 float cm = red[0][0][tid], cl = red[1][0][tid];
@@ -507,10 +574,36 @@ __device__ __forceinline__ void tile_body(
             if (MODE != MODE_G && KT == 1) __syncthreads();  // colv written this iteration
             const float* lc2 = colv[cur & 1][0] + cbase + 2 * cq;  // [j * 8 + e]
             const float* wc = colv[cur & 1][1] + cbase + 2 * cq;
+            const float* fc = colv[cur & 1][2] + cbase + 2 * cq;
+            // H / CLIP on unchecked tiles: w_i 2^(t - l_i) + w_j 2^(t - l_j) = 2^t (f_i + f_j)
+            // with f = w 2^-l (times 1/2 for CLIP), one exp2 per score instead of two.  Taken
+            // by a warp when every score of its tile has |t| <= 100 and every f is finite, so
+            // that 2^t and the f are normal floats; otherwise the two-exp2 form below.
+            bool fast = false;
+            if (MODE != MODE_G && !special) {
+                bool bad = false;
 #pragma unroll
-            for (int variant = 0; variant < 2; ++variant) {  // two copies: C is a constant in each
-                const bool C = variant == 0;
-                if (C != special) continue;
+                for (int i = 0; i < I; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) bad |= rv[i][h] && !(fabsf(fi[i][h]) <= 3.0e38f);
+#pragma unroll
+                for (int j = 0; j < J; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        bad |= !(fabsf(fc[j * 8 + e]) <= 3.0e38f);
+#pragma unroll
+                        for (int i = 0; i < I; ++i)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h)
+                                bad |= !(fabsf(acc[i][j][h * 2 + e] * sl2) <= 100.f);
+                    }
+                fast = !__any_sync(0xffffffffu, bad);
+            }
+#pragma unroll
+            for (int variant = 0; variant < 3; ++variant) {  // C and F are constants in each copy
+                const bool C = variant == 0, F = variant == 2;
+                if (MODE == MODE_G && F) continue;
+                if (C != special || F != fast) continue;
 #pragma unroll
                 for (int i = 0; i < I; ++i)
 #pragma unroll
@@ -530,6 +623,10 @@ __device__ __forceinline__ void tile_body(
                                     float p = (C && exclude_diag && col == grow) ? 0.f : exp2f(t - li2[i][h]);
                                     if (C && col == pos) p -= 1.f;
                                     x = wi[i][h] * scale * p;
+                                } else if (F) {  // H or CLIP, unchecked tile
+                                    const float G = exp2f(t) * (fi[i][h] + fc[j * 8 + e]);
+                                    if (MODE == MODE_CLIP) rx[i][h] += G * t;
+                                    x = scale * G;
                                 } else if (MODE == MODE_H) {
                                     if (C && col == grow) {
                                         x = 0.f;
@@ -544,7 +641,7 @@ __device__ __forceinline__ void tile_body(
                                             + wc[j * 8 + e] * exp2f(t - lc2[j * 8 + e]);
                                     if (C && col == grow) G -= wi[i][h] + wc[j * 8 + e];
                                     G *= 0.5f;
-                                    if (!C || col < ncols) rx[i][h] += G * (t * CPN_LN2);
+                                    if (!C || col < ncols) rx[i][h] += G * t;
                                     x = scale * G;
                                 }
                                 val[e] = x;
@@ -599,7 +696,7 @@ __device__ __forceinline__ void tile_body(
                     const int rr = rbase + i * 16 + h * 8 + gq;
                     const i64 o = (i64)split * part_ld + (gi[i][h] - row0);
                     if (MODE == MODE_CLIP) {
-                        dsp_part[o] = rx[i][h] + (L::ROW_WARPS == 2 ? red[0][1][rr] : 0.f);
+                        dsp_part[o] = (rx[i][h] + (L::ROW_WARPS == 2 ? red[0][1][rr] : 0.f)) * CPN_LN2;
                     } else {
                         float m = rm[i][h], l = rl[i][h];
                         if (L::ROW_WARPS == 2) lse2_merge(m, l, red[0][0][rr], red[1][0][rr]);

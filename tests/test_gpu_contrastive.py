@@ -522,3 +522,38 @@ def test_tiles_deterministic_and_nan(op, neg, tiles_on):
     kw["reduction"] = "mean"
     loss, _ = run_cupynce(op, bad, kw, 1.0)
     assert np.isnan(float(loss)), f"{op}: NaN input must give a NaN loss on the tile path"
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("op,neg", TILE_CASES)
+def test_tiles_mixed_fast_and_fallback_epilogues(op, neg, dtype, tiles_on):
+    """Rows 0-99 scaled x 30, the rest unit-scale: warps whose tile holds a score above 100
+    (base 2) or a column score 44 nats above that column's positive take the exact two-exp2 /
+    max-shifted epilogues, the others the one-exp2 / positive-shifted fast paths, in the same
+    launch.  Each group of rows is checked against the float64 reference on its own, so that
+    the large rows cannot hide an error in the small ones."""
+    rng = np.random.default_rng(zlib.crc32(f"mixed{op}{neg}{dtype}".encode()))
+    n, d, big = 1030, 64, 100
+    inputs = make_case(op, dtype, n, d, rng, neg, m=130, scale=1 / np.sqrt(d))
+    x = inputs[0].astype(np.float32)
+    x[:big] *= 30
+    inputs[0] = x.astype(dtype)
+    kw = dict(t=0.1, reduction="none", normalize=False)
+    g = rng.standard_normal(n)
+    s = np.asarray(inputs[0], np.float64) @ np.asarray(inputs[1 if op != "nt_xent" else 0], np.float64).T
+    if op == "nt_xent":
+        np.fill_diagonal(s, 0.0)  # masked out
+    assert np.abs(s).max() * 10 > 100 and np.abs(s[big:, big:]).max() * 10 < 20, "case lost its mix"
+    loss, grads = run_cupynce(op, inputs, kw, g)
+    ref_loss, ref_grads = run_reference(op, inputs, kw, g)
+    gtol = 1e-2 if dtype == BF16 else 2e-3  # the gradient block is rounded to 16 bits
+    for part in (slice(0, big), slice(big, n)):
+        e = rel(cp.asnumpy(loss)[part], np.asarray(ref_loss)[part])
+        assert e <= 1e-4, f"{op} rows {part}: loss rel err {e:.3e}"
+        for gr, r in zip(grads, ref_grads):
+            if r is None:
+                continue
+            r = np.asarray(r)
+            sub = (lambda v: v) if r.ndim == 0 or r.shape[0] != n else (lambda v: v[part])
+            e = rel(sub(cp.asnumpy(gr)), sub(r))
+            assert e <= gtol, f"{op} {dtype} rows {part}: grad rel err {e:.3e} > {gtol:.0e}"
