@@ -299,6 +299,11 @@ def _tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scal
             np.int32(pos_mod), part[0], part[1], np.int64(part[2]), pos_out, colp[0], colp[1],
             _ptr(lse_row), _ptr(lse_col), _ptr(w_arr), np.int64(w_stride), np.float32(w_mul),
             _ptr(g), np.int64(0 if g is None else _blas.leading_dim(g)), dsp)
+    _tile_launch(stage, t, grid, args)
+
+
+def _tile_launch(stage: str, t, grid, args) -> None:
+    """Launch ``cpn_(wg)tile_<stage>`` with the main loop in use and its shared memory."""
     wg = _wgmma()
     kern = get_kernel(_TILES, f"{'wgtile' if wg else 'tile'}_{stage}", t)
     smem = _WG_SMEM if wg else _TILE_SMEM

@@ -43,6 +43,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _blas, _checks
+from . import contrastive as _C  # the tile kernels (tiles.cu) and their launch
 from ._kernels import BLOCK, SUPPORTED_DTYPES, acc_dtype, get_kernel
 from .contrastive import Context, _require
 
@@ -198,6 +199,16 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
     idt = _index_dtype(l)
     out = cp.empty((b, v), dt)
     arg = cp.empty((b, v), idt)
+    if trans_b and _C._tiles_ok(xs, wm):
+        # fused: the max over the sequence in the epilogue of the tensor-core product tiles
+        # (kernels_src/tiles.cu, MODE_SPMAX); no logits workspace at all
+        vtiles = -(-v // _C._TILE)
+        per = _batches_per_cta(b, vtiles, _C._device_caps()[1])
+        _C._tile_launch(f"spmax_{_index_tag(idt)}", dt, (vtiles, -(-b // per)), (
+            wm, np.int64(_blas.leading_dim(wm)), np.int32(v), xs, np.int64(d), np.int32(l),
+            np.int32(d), m8 if m8 is not None else 0, bias if bias is not None else 0,
+            np.int32(act), out, arg, np.int32(b), np.int32(per)))
+        return out, arg
     nb, vt = _plan_tiles("splade_pool", b, l, v, dt.itemsize, workspace_bytes)
     ws = cp.empty((nb * l, vt), dt)
     tag = _index_tag(idt)
@@ -230,6 +241,18 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
                         (pv, pa, pn, np.int32(nz), np.int32(nbt), np.int32(vtt)) + common
                         + (bias if bias is not None else 0, np.int32(act), out, arg))
     return out, arg
+
+
+def _batches_per_cta(b: int, vtiles: int, sms: int) -> int:
+    """Batches per CTA of the fused forward: as many as possible (the pipeline runs on across
+    them, the CTA's weight rows stay in L2) while the grid keeps >= 4 CTAs per SM and its
+    waves >= 95 % full on average (the CTAs are of equal work); else 1."""
+    for per in range(b, 0, -1):
+        ctas = vtiles * -(-b // per)
+        waves = ctas / sms
+        if ctas >= 4 * sms and waves / -(-ctas // sms) >= 0.95:
+            return per
+    return 1
 
 
 def _position_chunks(blocks: int, l: int) -> int:

@@ -10,18 +10,10 @@
 // by v within each (b, l) for dx): no floating-point atomics, bitwise reproducible results.
 // The only atomics are integer counts (whose result does not depend on the order).
 #include "common.cuh"
+#include "splade_common.cuh"
 
-#define SPL_ACT_RELU 0
-#define SPL_ACT_LOG1P 1
 // accumulators per thread along D in the gradient kernels (a block covers SPL_DK * CPN_BLOCK)
 #define SPL_DK 4
-
-template <typename A>
-__device__ __forceinline__ A spl_act(A m, int act) {
-    if (m != m) return m;  // NaN stays NaN (a plain relu would turn it into 0)
-    const A r = m > A(0) ? m : A(0);
-    return act == SPL_ACT_LOG1P ? cpn_log1p(r) : r;
-}
 
 // g' = grad_out * act'(m) from the stored output: 1 (relu) or 1 / (1 + m) = exp(-out)
 // (log1p_relu) where out > 0, 0 where out == 0, NaN where out is NaN.
@@ -62,26 +54,6 @@ template <typename T> struct SplVec {  // 8 bytes of T
     enum { E = 8 / sizeof(T) };
     struct alignas(8) type { T v[E]; };
 };
-
-// merge (vb, ab) into (va, aa): larger value, then lower l; arg -1 means "nothing seen"
-template <typename A>
-__device__ __forceinline__ void spl_merge(A& va, int& aa, A vb, int ab) {
-    if (ab >= 0 && (vb > va || (vb == va && (aa < 0 || ab < aa)))) { va = vb; aa = ab; }
-}
-
-// out[b, v0 + j] and arg[b, v0 + j] from the merged (max, arg, NaN seen) of one (b, j)
-template <typename T, typename I, typename A>
-__device__ __forceinline__ void spl_write(A m, int w, bool isnan, int b, int j, int v0, int V,
-                                          const T* __restrict__ bias, int act,
-                                          T* __restrict__ out, I* __restrict__ arg)
-{
-    const i64 o = (i64)b * V + v0 + j;
-    A r = A(0);  // all positions masked (or every logit -inf: act gives 0 as well)
-    if (isnan) r = cpn_nan<A>();
-    else if (w >= 0) r = spl_act(m + (bias ? Conv<T>::load(bias[v0 + j]) : A(0)), act);
-    out[o] = Conv<T>::store(r);
-    arg[o] = (I)(w < 0 ? 0 : w);
-}
 
 // Grid (ceil(vt / (32 SPL_E)), nb, nz): block z covers the positions [z lchunk, (z+1) lchunk)
 // (narrow tiles need the extra blocks to fill the GPU).  With nz == 1 the block writes out and

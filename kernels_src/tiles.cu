@@ -22,6 +22,11 @@
 //              H_ij = s (w_i p_ij + w_j p_ji - (w_i + w_j) [j = pos(i)]), H_ii = 0,
 //              p_ji = exp(l_ij - lse_j), so dZ = H Z is one product
 //   MODE_CLIP  CLIP's gradient block s G_ij and the row partials of sum_j G_ij L_ij
+//   MODE_SPMAX SPLADE's max over the sequence: A = W (vocabulary rows), B = x[b] for the
+//              CTA's batches (every position tile of each in turn), each logit rounded to T
+//              (as the cuBLAS path and PyTorch's half matmul give it), masked positions
+//              skipped, ties to the lowest l; writes out[b, v] and the arg-max like
+//              splade.cu (splade_common.cuh) -- the (B, L, V) logits never exist
 //
 // Determinism: every reduction has a fixed order (per-thread sequential over the tiles it
 // owns, xor-shuffles in a fixed pattern, then a fixed smem merge); no atomics.
@@ -31,6 +36,7 @@
 // Partials are stored in natural-log units (m, s) with s = sum exp(x - m), the Lse<float>
 // convention of common.cuh, so col_combine in contrastive.cu can fold them.
 #include "common.cuh"
+#include "splade_common.cuh"
 
 #define TBM 128
 #define TBN 128
@@ -51,6 +57,7 @@
 #define MODE_G 2
 #define MODE_H 3
 #define MODE_CLIP 4
+#define MODE_SPMAX 5
 
 #define CPN_LOG2E 1.4426950408889634f
 #define CPN_LN2 0.6931471805599453f
@@ -303,7 +310,7 @@ __device__ __forceinline__ void reduce_scatter(float* v, bool up, int o) {
     }
 }
 
-template <typename T, int MODE, bool WG>
+template <typename T, int MODE, bool WG, typename IX = int>
 __device__ __forceinline__ void tile_body(
     const T* __restrict__ A, i64 lda, int rows, int row0,
     const T* __restrict__ B1, i64 ldb1, int n1,
@@ -314,7 +321,9 @@ __device__ __forceinline__ void tile_body(
     float* __restrict__ pos_out, float* __restrict__ colp_m, float* __restrict__ colp_s,
     const float* __restrict__ lse_row, const float* __restrict__ lse_col,
     const float* __restrict__ w_ptr, i64 w_stride, float w_mul,
-    T* __restrict__ g, i64 ldg, float* __restrict__ dsp_part)
+    T* __restrict__ g, i64 ldg, float* __restrict__ dsp_part,
+    const unsigned char* __restrict__ mask = 0, const T* __restrict__ bias = 0, int act = 0,
+    IX* __restrict__ arg = 0, int sp_batches = 0, int sp_per = 0)
 {
     typedef TileLoop<T, WG> L;
     enum { I = L::I, J = L::J, NCG = L::NCG, NS = L::STAGES };
@@ -330,8 +339,18 @@ __device__ __forceinline__ void tile_body(
     const int gq = lane >> 2, cq = lane & 3;
     const int m0 = blockIdx.x * TBM;
     const int ncols = n1 + n2;
-    const int ntiles = (ncols + TBN - 1) / TBN;
-    const int split = blockIdx.y, splits = gridDim.y;
+    // SPMAX: the CTA (vocabulary tile blockIdx.x, batch group blockIdx.y) covers batches
+    // [sb0, sb1); its column tiles are (batch, position tile) in order, LT tiles per batch,
+    // so the pipeline runs on across batches; x[b] is rows [b n1, (b + 1) n1) of B1
+    const int LT = (n1 + TBN - 1) / TBN;
+    const int sb0 = MODE == MODE_SPMAX ? blockIdx.y * sp_per : 0;
+    const int sb1 = MODE == MODE_SPMAX ? min(sp_batches, sb0 + sp_per) : 0;
+    const int ntiles = MODE == MODE_SPMAX ? (sb1 - sb0) * LT : (ncols + TBN - 1) / TBN;
+    const int split = MODE == MODE_SPMAX ? 0 : blockIdx.y;
+    const int splits = MODE == MODE_SPMAX ? 1 : gridDim.y;
+    // first column of column tile t of this CTA (SPMAX: within its batch), and its batch
+    auto tile_n0 = [&](int t) { return MODE == MODE_SPMAX ? (t % LT) * TBN : (split + t * splits) * TBN; };
+    auto tile_batch = [&](int t) { return sb0 + t / LT; };
     const int my_tiles = ntiles > split ? (ntiles - split + splits - 1) / splits : 0;
     const int KT = (d + TBK - 1) / TBK;
     const int total = my_tiles * KT;
@@ -342,7 +361,8 @@ __device__ __forceinline__ void tile_body(
 
     // per-thread rows: (i, h) -> local row m0 + rbase + i*16 + h*8 + gq
     float rm[I][2], rl[I][2], rx[I][2], li2[I][2], wi[I][2], fi[I][2];
-    int gi[I][2], pr[I][2];  // global row, its positive column
+    int gi[I][2], pr[I][2], win[I][2];  // global row, its positive column; SPMAX arg-max
+    bool nanr[I][2];  // SPMAX: a NaN logit seen
     bool rv[I][2];
 #pragma unroll
     for (int i = 0; i < I; ++i)
@@ -354,7 +374,8 @@ __device__ __forceinline__ void tile_body(
             pr[i][h] = (int)(((i64)gi[i][h] + pos_shift) % pos_mod);
             rm[i][h] = ninf; rl[i][h] = 0.f; rx[i][h] = 0.f;
             li2[i][h] = 0.f; wi[i][h] = 0.f; fi[i][h] = 0.f;
-            if (MODE >= MODE_G && rv[i][h]) {
+            win[i][h] = -1; nanr[i][h] = false;
+            if ((MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP) && rv[i][h]) {
                 li2[i][h] = lse_row[gi[i][h]] * CPN_LOG2E;
                 wi[i][h] = w_mul * (w_ptr ? w_ptr[(i64)gi[i][h] * w_stride] : 1.f);
                 fi[i][h] = hw_factor<MODE>(li2[i][h], wi[i][h]);
@@ -378,12 +399,13 @@ __device__ __forceinline__ void tile_body(
     auto load_next = [&]() {
         const int stage = ld_it % NS;
         if (ld_kt == 0) {
-            const int n0 = (split + ld_tile * splits) * TBN;
+            const int n0 = tile_n0(ld_tile);
+            const T* B1t = MODE == MODE_SPMAX ? B1 + (i64)tile_batch(ld_tile) * n1 * ldb1 : B1;
 #pragma unroll
             for (int u = 0; u < LU; ++u) {
                 const int col = n0 + lr0 + 32 * u;
                 b_ok[u] = col < ncols;
-                b_src[u] = (col < n1 ? B1 + (i64)col * ldb1
+                b_src[u] = (col < n1 ? B1t + (i64)col * ldb1
                             : col < ncols ? B2 + (i64)(col - n1) * ldb2 : B1) + lc * 8;
             }
         }
@@ -415,13 +437,18 @@ __device__ __forceinline__ void tile_body(
         __syncthreads();  // step it is in shared memory; the stage loaded below is free
         loop.issue(acc, it % NS, kt == 0);
         if ((MODE == MODE_H || MODE == MODE_CLIP || MODE == MODE_LSE2) && kt == 0 && tid < TBN) {
-            const int col = (split + tile * splits) * TBN + tid;  // read by this tile's epilogue
+            const int col = tile_n0(tile) + tid;  // read by this tile's epilogue
             const bool ok = col < ncols;
             // LSE2: the column's shift, its positive logit (lse_col holds the raw dots)
             colv[tile & 1][0][tid] = ok ? lse_col[col] * (MODE == MODE_LSE2 ? sl2 : CPN_LOG2E) : 0.f;
             const float wc = ok ? w_mul * (w_ptr ? w_ptr[(i64)col * w_stride] : 1.f) : 0.f;
             colv[tile & 1][1][tid] = wc;
             if (MODE != MODE_LSE2) colv[tile & 1][2][tid] = ok ? hw_factor<MODE>(colv[tile & 1][0][tid], wc) : 0.f;
+        }
+        if (MODE == MODE_SPMAX && kt == 0 && tid < TBN) {  // 1 where position col counts
+            const int col = tile_n0(tile) + tid;
+            colv[tile & 1][0][tid] =
+                col < ncols && (!mask || mask[(i64)tile_batch(tile) * n1 + col]) ? 1.f : 0.f;
         }
         if (ld_it < total) load_next();  // overlaps the (asynchronous) MMA
         cp_commit();
@@ -431,7 +458,7 @@ __device__ __forceinline__ void tile_body(
 
         // ---------------- epilogue of one 128 x 128 tile ----------------
         const int cur = tile++;
-        const int n0 = (split + cur * splits) * TBN;
+        const int n0 = tile_n0(cur);
         // Most tiles hold no column past the end, no diagonal and no positive of this warp's
         // rows: those take the unchecked copy of the epilogue (C = false).
         bool special = n0 + TBN > ncols;
@@ -442,7 +469,7 @@ __device__ __forceinline__ void tile_body(
                 special |= (unsigned)(gi[i][h] - n0) < TBN || (unsigned)(pr[i][h] - n0) < TBN;
         special = __any_sync(0xffffffffu, special);
         if (MODE == MODE_LSE || MODE == MODE_LSE2) {
-            #pragma unroll
+    #pragma unroll
             for (int variant = 0; variant < 2; ++variant) {  // two copies: C is a constant in each
                 const bool C = variant == 0;
                 if (C != special) continue;
@@ -569,6 +596,74 @@ __device__ __forceinline__ void tile_body(
                 colp_s[o] = cl;
             }
             __syncthreads();
+        }
+        if (MODE == MODE_SPMAX) {  // running (max, arg-max, NaN) of each row over positions
+            if (KT == 1) __syncthreads();  // colv written this iteration
+            const float* onc = colv[cur & 1][0] + cbase + 2 * cq;  // [j * 8 + e]
+#pragma unroll
+            for (int i = 0; i < I; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int j = 0; j < J; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {  // increasing column: strict > keeps the first
+                            const float x = Conv<T>::load(Conv<T>::store(acc[i][j][h * 2 + e]));
+                            const bool on = onc[j * 8 + e] != 0.f;
+                            const bool gt = on && x > rm[i][h];
+                            rm[i][h] = gt ? x : rm[i][h];
+                            win[i][h] = gt ? n0 + cbase + j * 8 + 2 * cq + e : win[i][h];
+                            nanr[i][h] |= on && x != x;
+                        }
+        }
+        if (MODE == MODE_SPMAX && cur % LT == LT - 1) {  // the batch's last tile: write it
+#pragma unroll
+            for (int i = 0; i < I; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int o = 1; o < 4; o <<= 1) {
+                        const float om = __shfl_xor_sync(0xffffffffu, rm[i][h], o);
+                        const int ow = __shfl_xor_sync(0xffffffffu, win[i][h], o);
+                        nanr[i][h] |= __shfl_xor_sync(0xffffffffu, (int)nanr[i][h], o) != 0;
+                        spl_merge(rm[i][h], win[i][h], om, ow);
+                    }
+            if (L::ROW_WARPS == 2) {  // the second warp of each row holds columns 64-127
+                if ((warp & 1) == 1 && cq == 0) {
+#pragma unroll
+                    for (int i = 0; i < I; ++i)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int rr = rbase + i * 16 + h * 8 + gq;
+                            red[0][0][rr] = rm[i][h];
+                            red[1][0][rr] = __int_as_float(win[i][h]);
+                            red[0][1][rr] = nanr[i][h] ? 1.f : 0.f;
+                        }
+                }
+                __syncthreads();
+            }
+            if ((L::ROW_WARPS == 1 || (warp & 1) == 0) && cq == 0) {
+#pragma unroll
+                for (int i = 0; i < I; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if (!rv[i][h]) continue;
+                        const int rr = rbase + i * 16 + h * 8 + gq;
+                        float m = rm[i][h];
+                        int w = win[i][h];
+                        bool isnan = nanr[i][h];
+                        if (L::ROW_WARPS == 2) {
+                            spl_merge(m, w, red[0][0][rr], __float_as_int(red[1][0][rr]));
+                            isnan |= red[0][1][rr] != 0.f;
+                        }
+                        spl_write<T, IX, float>(m, w, isnan, tile_batch(cur), gi[i][h], 0,
+                                                rows, bias, act, g, arg);
+                    }
+            }
+#pragma unroll
+            for (int i = 0; i < I; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) { rm[i][h] = ninf; win[i][h] = -1; nanr[i][h] = false; }
         }
         if (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP) {
             if (MODE != MODE_G && KT == 1) __syncthreads();  // colv written this iteration
@@ -781,5 +876,27 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_sum_##SUF(     
     const float* part, i64 part_ld, int splits, int rows, float* out) {                    \
     tile_sum_body(part, part_ld, splits, rows, out); }
 
+// SPLADE's fused max: A = W (V, D), B1 = x (B, L, D) as B L rows, n1 = L, rows = V;
+// grid (ceil(V / 128), ceil(B / per_cta)); out (B, V); arg-max (B, V) int16 (i16) / int32 (i32)
+#define CPN_SPMAX_ARGS(T, IX)                                                              \
+    const T* A, i64 lda, int rows, const T* B1, i64 ldb1, int n1, int d,                   \
+    const unsigned char* mask, const T* bias, int act, T* out, IX* arg, int batches,    \
+    int per_cta
+#define CPN_SPMAX_BODY(T, WG, IX)                                                          \
+    tile_body<T, MODE_SPMAX, WG, IX>(A, lda, rows, 0, B1, ldb1, n1, B1, ldb1, 0, d, 1.f,   \
+        0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.f, out, 0, 0, mask, bias, act, arg,     \
+        batches, per_cta)
+#define CPN_DEFINE_SPMAX(SUF, T)                                                           \
+extern "C" __global__ void __launch_bounds__(TTHREADS)                                     \
+cpn_tile_spmax_i16_##SUF(CPN_SPMAX_ARGS(T, short)) { CPN_SPMAX_BODY(T, false, short); }    \
+extern "C" __global__ void __launch_bounds__(TTHREADS)                                     \
+cpn_tile_spmax_i32_##SUF(CPN_SPMAX_ARGS(T, int)) { CPN_SPMAX_BODY(T, false, int); }        \
+extern "C" __global__ void __launch_bounds__(TTHREADS)                                     \
+cpn_wgtile_spmax_i16_##SUF(CPN_SPMAX_ARGS(T, short)) { CPN_SPMAX_BODY(T, true, short); }   \
+extern "C" __global__ void __launch_bounds__(TTHREADS)                                     \
+cpn_wgtile_spmax_i32_##SUF(CPN_SPMAX_ARGS(T, int)) { CPN_SPMAX_BODY(T, true, int); }
+
 CPN_DEFINE_TILES(f16, f16_t)
 CPN_DEFINE_TILES(bf16, bf16_t)
+CPN_DEFINE_SPMAX(f16, f16_t)
+CPN_DEFINE_SPMAX(bf16, bf16_t)

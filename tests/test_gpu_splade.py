@@ -41,6 +41,18 @@ MASKS = C.MASKS
 TOL = C.TOL
 
 
+@pytest.fixture(autouse=True, params=["tiles", "cublas"])
+def forward_path(request, monkeypatch):
+    """Every test runs twice: with the fused forward (the max in the epilogue of the
+    tensor-core tiles, tiles.cu MODE_SPMAX: 16-bit x and W with D, leading dimensions and
+    pointers multiples of 8 elements / 16 bytes) and with the cuBLAS logit tiles + max kernel.
+    Other cases take the cuBLAS path under both."""
+    from cupynce import contrastive
+
+    monkeypatch.setattr(contrastive, "USE_TILES", request.param == "tiles")
+    return request.param
+
+
 def run(inp, activation, **kw):
     """(out, argmax, grads) of the CuPy path on the NumPy inputs ``inp`` (moved to the GPU)."""
     out, am, grads = C.run_op(inp, activation, to=cp.asarray, **kw)
@@ -69,7 +81,11 @@ GPU_SHAPES = [pytest.param((3, 7, 5, 37), id="B3L7D5V37"),
               pytest.param((2, 1, 5, 37), id="L1"),
               pytest.param((1, 4, 1, 9), id="B1D1V9"),
               pytest.param((2, 5, 8, 1001), id="V1001"),
-              pytest.param((3, 17, 33, 3001), id="B3L17D33V3001")]
+              pytest.param((3, 17, 33, 3001), id="B3L17D33V3001"),
+              # D % 8 == 0: the fused path for 16-bit dtypes (L, V not multiples of 128,
+              # D not of 64)
+              pytest.param((3, 130, 24, 1001), id="B3L130D24V1001"),
+              pytest.param((2, 300, 72, 259), id="B2L300D72V259")]
 
 
 @pytest.mark.parametrize("shape", GPU_SHAPES)
@@ -122,11 +138,24 @@ def test_exact_ties_go_to_the_lowest_position(dtype, activation, mask):
                               case=f"gpu grid {mask}")
 
 
+@pytest.mark.parametrize("mask", [None, "bool"], ids=["nomask", "bool"])
+@pytest.mark.parametrize("dtype", [pytest.param(F16, id="f16"), pytest.param(BF16, id="bf16")])
+def test_exact_ties_across_position_tiles(dtype, mask):
+    """Grid data with D = 8 and L = 300 (three 128-position tiles of the fused path): exact
+    ties within and across tiles go to the lowest l."""
+    inp = C.make_inputs((4, 300, 8, 300), dtype, mask, True, grid=True, bias_shift=0.5)
+    for act in ACTIVATIONS:
+        out, am, grads = run(inp, act)
+        C.check_against_reference(inp, act, out, am, grads, exact_argmax=True,
+                                  case=f"gpu grid L300 {mask}")
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(F16, id="f16"), pytest.param(BF16, id="bf16")])
 def test_half_logits_are_rounded_before_the_max(dtype):
     tiny = 2.0 ** -10 if dtype == F16 else 2.0 ** -7
-    x = cp.asarray(np.array([[[1.0, 0.0], [1.0, tiny]]], dtype))
-    w = cp.asarray(np.array([[1.0, 0.125]], dtype))
+    pad = [0.0] * 6  # D = 8: the fused path takes it too
+    x = cp.asarray(np.array([[[1.0, 0.0] + pad, [1.0, tiny] + pad]], dtype))
+    w = cp.asarray(np.array([[1.0, 0.125] + pad], dtype))
     out, ctx = cupynce.splade_pool_forward(x, w, activation="relu")
     assert int(ctx.stats[0][0, 0]) == 0, "the rounded logits tie: the lowest l must win"
     assert float(out[0, 0]) == 1.0

@@ -29,6 +29,8 @@ then be exactly 0.  The tolerances (``TOL`` below):
   sum is accumulated in fp32 (negligible) and rounded once (u).  Measured on the NumPy path
   (``pytest -s -k measured``): float16 out 3.4e-4 (tol 9.8e-4), gradients <= 8.9e-4 (tol
   3.9e-3); bfloat16 out 2.7e-3 (tol 7.8e-3), gradients <= 8.2e-3 (tol 3.1e-2).
+  A 16-bit gradient also gets an absolute allowance of half its dtype's subnormal spacing
+  (float16 2^-25): a tiny gradient stored as a subnormal cannot be closer than that.
 
 Arg-max.  With continuous data the low-precision logits can tie or swap where the float64
 ones do not; the op's winner l' is accepted iff its float64 logit is within the rounding of
@@ -209,13 +211,17 @@ def term_magnitudes(inp, activation, argmax, out_ref):
     return a_out, (a_dx, a_dw, a_db), s
 
 
-def check_elementwise(name, got, want, mag, tol, case):
-    """``|got - want| <= tol * mag`` element-wise; a verbose failure otherwise."""
+#: half the spacing of the subnormals (the rounding error of a result stored there)
+SUBNORMAL_HALF_STEP = {np.dtype(np.float16): 2.0 ** -25, np.dtype(BF16): 2.0 ** -134}
+
+
+def check_elementwise(name, got, want, mag, tol, case, atol=0.0):
+    """``|got - want| <= tol * mag + atol`` element-wise; a verbose failure otherwise."""
     got = f64(got)
     assert got.shape == want.shape, f"{case} {name}: shape {got.shape} != {want.shape}"
     err = np.abs(got - want)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(err == 0, 0.0, err / (tol * mag))
+        ratio = np.where(err == 0, 0.0, err / (tol * mag + atol))
     ratio = np.where(np.isnan(got) | np.isnan(want), np.inf, ratio)
     worst = float(ratio.max()) if ratio.size else 0.0
     key = (case.split()[0], name)
@@ -311,12 +317,14 @@ def check_against_reference(inp, activation, out, argmax, grads, *, exact_argmax
     assert np.all(out_h[empty] == 0), f"{case}: out of an all-masked row must be 0"
     if "out" in parts:
         check_elementwise("out", out_h, out_r, a_out, tol["out"], case)
+    # a gradient stored in a 16-bit dtype cannot be closer than half its subnormal spacing
+    sub = SUBNORMAL_HALF_STEP.get(np.dtype(dtype), 0.0)
     if "dx" in parts:
-        check_elementwise("dx", dx, dx_r, a_dx, tol["grad"], case)
+        check_elementwise("dx", dx, dx_r, a_dx, tol["grad"], case, sub)
     if "dweight" in parts:
-        check_elementwise("dweight", dw, dw_r, a_dw, tol["grad"], case)
+        check_elementwise("dweight", dw, dw_r, a_dw, tol["grad"], case, sub)
     if "dbias" in parts and db is not None:
-        check_elementwise("dbias", db, db_r, a_db, tol["grad"], case)
+        check_elementwise("dbias", db, db_r, a_db, tol["grad"], case, sub)
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,0 +1,15 @@
+import os, sys, numpy as np, cupy as cp, ml_dtypes, cupynce
+from cupynce import contrastive as C
+C.USE_TILES = True
+C.USE_WGMMA = sys.argv[1] == "wg"
+bf = ml_dtypes.bfloat16
+rng = np.random.default_rng(0)
+x = cp.asarray(rng.standard_normal((2, 200, 72)).astype(bf))
+w = cp.asarray(rng.standard_normal((300, 72)).astype(bf))
+b = cp.asarray(rng.standard_normal(300).astype(bf))
+m = cp.asarray(rng.random((2, 200)) > 0.3)
+o, ctx = cupynce.splade_pool_forward(x, w, b, m)
+a = cp.asarray(rng.standard_normal((1030, 136)).astype(bf)); bb = cp.asarray(rng.standard_normal((1030, 136)).astype(bf))
+l, c = cupynce.clip_loss_forward(a, bb, 2.0); cupynce.clip_loss_backward(c, 1.0)
+l, c = cupynce.nt_xent_forward(a, 0.1); cupynce.nt_xent_backward(c, 1.0)
+cp.cuda.runtime.deviceSynchronize(); print("ok", float(l))
