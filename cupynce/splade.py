@@ -203,11 +203,11 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
         # fused: the max over the sequence in the epilogue of the tensor-core product tiles
         # (kernels_src/tiles.cu, MODE_SPMAX); no logits workspace at all
         vtiles = -(-v // _C._TILE)
-        per = _batches_per_cta(b, vtiles, _C._device_caps()[1])
-        _C._tile_launch(f"spmax_{_index_tag(idt)}", dt, (vtiles, -(-b // per)), (
+        per, group = _spmax_schedule(b, l, d, dt.itemsize)
+        _C._tile_launch(f"spmax_{_index_tag(idt)}", dt, (vtiles * -(-b // per),), (
             wm, np.int64(_blas.leading_dim(wm)), np.int32(v), xs, np.int64(d), np.int32(l),
             np.int32(d), m8 if m8 is not None else 0, bias if bias is not None else 0,
-            np.int32(act), out, arg, np.int32(b), np.int32(per)))
+            np.int32(act), out, arg, np.int32(b), np.int32(per), np.int32(group)))
         return out, arg
     nb, vt = _plan_tiles("splade_pool", b, l, v, dt.itemsize, workspace_bytes)
     ws = cp.empty((nb * l, vt), dt)
@@ -243,16 +243,19 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
     return out, arg
 
 
-def _batches_per_cta(b: int, vtiles: int, sms: int) -> int:
-    """Batches per CTA of the fused forward: as many as possible (the pipeline runs on across
-    them, the CTA's weight rows stay in L2) while the grid keeps >= 4 CTAs per SM and its
-    waves >= 95 % full on average (the CTAs are of equal work); else 1."""
-    for per in range(b, 0, -1):
-        ctas = vtiles * -(-b // per)
-        waves = ctas / sms
-        if ctas >= 4 * sms and waves / -(-ctas // sms) >= 0.95:
-            return per
-    return 1
+#: fused forward: product steps (128 positions x 64 of D) a CTA should run at least, so that
+#: filling its pipeline stays a small part of it; and the x bytes that the CTAs in flight
+#: should share (a part of the H100's 50 MB L2, beside their weight tiles)
+_SPMAX_MIN_STEPS = 48
+_SPMAX_X_BYTES = 12 << 20
+
+
+def _spmax_schedule(b: int, l: int, d: int, item: int) -> Tuple[int, int]:
+    """(batches per CTA, batch groups per grid group) of the fused forward."""
+    steps = -(-l // _C._TILE) * -(-d // 64)  # per batch
+    per = min(b, -(-_SPMAX_MIN_STEPS // steps))
+    group = max(1, min(-(-b // per), _SPMAX_X_BYTES // max(1, per * l * d * item)))
+    return per, group
 
 
 def _position_chunks(blocks: int, l: int) -> int:

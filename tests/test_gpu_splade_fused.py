@@ -51,3 +51,27 @@ def test_fused_forward_with_the_mma_sync_loop(dtype, mask, tiles, monkeypatch):
             out, am, grads = C.run_op(inp, act, to=cp.asarray)
             C.check_against_reference(inp, act, out, am, grads, exact_argmax=grid,
                                       case=f"mma.sync {shape} {mask}")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_fused_schedules_agree_bitwise(dtype, tiles, monkeypatch):
+    """Batches per CTA and the grouped CTA order (a last group of fewer batch groups
+    included) change only who computes an entry, not how: bitwise the same results."""
+    from cupynce import splade
+
+    inp = C.make_inputs((5, 140, 16, 700), dtype, "rand01", True, seed=21)
+    results = {}
+    # (min steps, x bytes) -> (per, group): (1, 1), (1, 2) [groups 2+2+1], (2, 2), (5, 1)
+    for steps, xbytes in ((1, 1), (1, 2 * 140 * 16 * 2), (4, 4 * 140 * 16 * 2), (10 ** 6, 1)):
+        monkeypatch.setattr(splade, "_SPMAX_MIN_STEPS", steps)
+        monkeypatch.setattr(splade, "_SPMAX_X_BYTES", xbytes)
+        sched = splade._spmax_schedule(5, 140, 16, 2)
+        out, am, grads = C.run_op(inp, "log1p_relu", to=cp.asarray)
+        results[sched] = (out, am)
+    assert set(results) == {(1, 1), (1, 2), (2, 2), (5, 1)}, results.keys()
+    first = results[(1, 1)]
+    C.check_against_reference(inp, "log1p_relu", *C.run_op(inp, "log1p_relu", to=cp.asarray),
+                              case="schedules")
+    for sched, (out, am) in results.items():
+        assert bool((out.view(cp.uint16) == first[0].view(cp.uint16)).all()), sched
+        assert bool((am == first[1]).all()), sched
