@@ -51,9 +51,9 @@ _TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 _TILE_THREADS = 256
 #: dynamic shared memory of a tile CTA (TSMEM_BYTES / WSMEM_BYTES in tiles.cu; a GPU test
 #: checks they agree through cpn_tile_smem): mma.sync, 3 stages x (TBM + TBN) x TLD x 2 bytes;
-#: wgmma, 5 stages x (TBM + TBN) x TBK x 2 bytes + 1 KiB to align the swizzled stages
+#: wgmma, 6 stages x (TBM + TBN) x TBK x 2 bytes + 1 KiB to align the swizzled stages
 _TILE_SMEM = 3 * (128 + 128) * 72 * 2
-_WG_SMEM = 5 * (128 + 128) * 64 * 2 + 1024
+_WG_SMEM = 6 * (128 + 128) * 64 * 2 + 1024
 
 
 @dataclass

@@ -48,7 +48,7 @@
 // from cpn_tile_smem_<dtype> below and opts the kernels in above 48 KiB
 #define TSMEM_BYTES (TSTAGES * (TBM + TBN) * TLD * 2)
 // wgmma: TBK = 64 16-bit values = one 128-byte swizzle row; stages 1024-byte aligned
-#define WSTAGES 5
+#define WSTAGES 6
 #define WSTAGE_BYTES ((TBM + TBN) * TBK * 2)
 #define WSMEM_BYTES (WSTAGES * WSTAGE_BYTES + 1024)
 

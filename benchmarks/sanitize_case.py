@@ -1,3 +1,9 @@
+"""A small run of every tile kernel (SPLADE's fused max, CLIP's lse2 / clip, NT-Xent's lse / h)
+for compute-sanitizer, with the wgmma ("wg") or mma.sync ("mma") main loop:
+
+    compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py wg
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py mma
+"""
 import os, sys, numpy as np, cupy as cp, ml_dtypes, cupynce
 from cupynce import contrastive as C
 C.USE_TILES = True
