@@ -290,6 +290,43 @@ template <typename T> struct TileLoop<T, true> {  // wgmma m64n128k16, 2 warpgro
     }
 };
 
+// Per-row results: with mma.sync (ROW_WARPS == 2) a row's columns are split over two warps,
+// so the second warp's quad leader hands three values per row to the first through shared
+// memory (`put(i, h, v)` fills v); then `finish(i, h, v)` runs on the first warp's quad
+// leaders for every valid row, v = the partner's values (0 when ROW_WARPS == 1).  Called by
+// every thread of the CTA (it holds a barrier); slot[k][row] is 128 floats each.
+template <typename L, int I, typename Put, typename Finish>
+__device__ __forceinline__ void row_pairs(float* const (&slot)[3], int warp, int cq, int rbase,
+                                          int gq, const bool (&rv)[I][2], Put put,
+                                          Finish finish) {
+    if (L::ROW_WARPS == 2 && (warp & 1) == 1 && cq == 0) {
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v[3];
+                put(i, h, v);
+                const int rr = rbase + i * 16 + h * 8 + gq;
+#pragma unroll
+                for (int k = 0; k < 3; ++k) slot[k][rr] = v[k];
+            }
+    }
+    __syncthreads();
+    if ((L::ROW_WARPS == 1 || (warp & 1) == 0) && cq == 0) {
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (!rv[i][h]) continue;
+                const int rr = rbase + i * 16 + h * 8 + gq;
+                float v[3];
+#pragma unroll
+                for (int k = 0; k < 3; ++k) v[k] = L::ROW_WARPS == 2 ? slot[k][rr] : 0.f;
+                finish(i, h, (const float*)v);
+            }
+    }
+}
+
 // f = w 2^-l (CLIP: halved) for the one-exp2 H / CLIP epilogue; NaN (the two-exp2 form is
 // used) when 2^-l is not a normal float (|l| > 100, base 2) or l is not finite.
 template <int MODE>
@@ -437,6 +474,9 @@ __device__ __forceinline__ void tile_body(
         ++ld_it;
         if (++ld_kt == KT) { ld_kt = 0; ++ld_tile; }
     };
+
+    // the three per-row slots of row_pairs() in red[] (free outside the column partials)
+    float* const pair_slots[3] = {red[0][0], red[1][0], red[0][1]};
 
     float acc[I][J][4];
 #pragma unroll
@@ -641,38 +681,21 @@ __device__ __forceinline__ void tile_body(
                         nanr[i][h] |= __shfl_xor_sync(0xffffffffu, (int)nanr[i][h], o) != 0;
                         spl_merge(rm[i][h], win[i][h], om, ow);
                     }
-            if (L::ROW_WARPS == 2) {  // the second warp of each row holds columns 64-127
-                if ((warp & 1) == 1 && cq == 0) {
-#pragma unroll
-                    for (int i = 0; i < I; ++i)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int rr = rbase + i * 16 + h * 8 + gq;
-                            red[0][0][rr] = rm[i][h];
-                            red[1][0][rr] = __int_as_float(win[i][h]);
-                            red[0][1][rr] = nanr[i][h] ? 1.f : 0.f;
-                        }
-                }
-                __syncthreads();
-            }
-            if ((L::ROW_WARPS == 1 || (warp & 1) == 0) && cq == 0) {
-#pragma unroll
-                for (int i = 0; i < I; ++i)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        if (!rv[i][h]) continue;
-                        const int rr = rbase + i * 16 + h * 8 + gq;
-                        float m = rm[i][h];
-                        int w = win[i][h];
-                        bool isnan = nanr[i][h];
-                        if (L::ROW_WARPS == 2) {
-                            spl_merge(m, w, red[0][0][rr], __float_as_int(red[1][0][rr]));
-                            isnan |= red[0][1][rr] != 0.f;
-                        }
-                        spl_write<T, IX, float>(m, w, isnan, tile_batch(cur), gi[i][h], 0,
-                                                rows, bias, act, g, arg);
+            row_pairs<L, I>(pair_slots, warp, cq, rbase, gq, rv,  // 2nd warp: columns 64-127
+                [&](int i, int h, float* v) {
+                    v[0] = rm[i][h]; v[1] = __int_as_float(win[i][h]); v[2] = nanr[i][h] ? 1.f : 0.f;
+                },
+                [&](int i, int h, const float* v) {
+                    float m = rm[i][h];
+                    int w = win[i][h];
+                    bool isnan = nanr[i][h];
+                    if (L::ROW_WARPS == 2) {
+                        spl_merge(m, w, v[0], __float_as_int(v[1]));
+                        isnan |= v[2] != 0.f;
                     }
-            }
+                    spl_write<T, IX, float>(m, w, isnan, tile_batch(cur), gi[i][h], 0, rows,
+                                            bias, act, g, arg);
+                });
 #pragma unroll
             for (int i = 0; i < I; ++i)
 #pragma unroll
@@ -782,37 +805,20 @@ __device__ __forceinline__ void tile_body(
                 }
                 rm[i][h] = m; rl[i][h] = l; rx[i][h] = x;
             }
-        __syncthreads();
-        if (L::ROW_WARPS == 2 && (warp & 1) == 1 && cq == 0) {  // the second warp of each row
-#pragma unroll
-            for (int i = 0; i < I; ++i)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int rr = rbase + i * 16 + h * 8 + gq;
-                    red[0][0][rr] = rm[i][h];
-                    red[1][0][rr] = rl[i][h];
-                    red[0][1][rr] = rx[i][h];
+        __syncthreads();  // red[] was last read by the column partials (LSE2)
+        row_pairs<L, I>(pair_slots, warp, cq, rbase, gq, rv,
+            [&](int i, int h, float* v) { v[0] = rm[i][h]; v[1] = rl[i][h]; v[2] = rx[i][h]; },
+            [&](int i, int h, const float* v) {
+                const i64 o = (i64)split * part_ld + (gi[i][h] - row0);
+                if (MODE == MODE_CLIP) {
+                    dsp_part[o] = (rx[i][h] + (L::ROW_WARPS == 2 ? v[2] : 0.f)) * CPN_LN2;
+                } else {
+                    float m = rm[i][h], l = rl[i][h];
+                    if (L::ROW_WARPS == 2) lse2_merge(m, l, v[0], v[1]);
+                    part_m[o] = m * CPN_LN2;
+                    part_s[o] = l;
                 }
-        }
-        __syncthreads();
-        if ((L::ROW_WARPS == 1 || (warp & 1) == 0) && cq == 0) {
-#pragma unroll
-            for (int i = 0; i < I; ++i)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (!rv[i][h]) continue;
-                    const int rr = rbase + i * 16 + h * 8 + gq;
-                    const i64 o = (i64)split * part_ld + (gi[i][h] - row0);
-                    if (MODE == MODE_CLIP) {
-                        dsp_part[o] = (rx[i][h] + (L::ROW_WARPS == 2 ? red[0][1][rr] : 0.f)) * CPN_LN2;
-                    } else {
-                        float m = rm[i][h], l = rl[i][h];
-                        if (L::ROW_WARPS == 2) lse2_merge(m, l, red[0][0][rr], red[1][0][rr]);
-                        part_m[o] = m * CPN_LN2;
-                        part_s[o] = l;
-                    }
-                }
-        }
+            });
     }
 }
 
