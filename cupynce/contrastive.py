@@ -44,6 +44,7 @@ _TILES = "tiles.cu"
 #: loop is built (compute capability 9.0: Hopper, sm_90a), which is faster than cuBLAS + row
 #: kernels there (benchmarks/NOTES.md); ``1`` also on other sm_80+ GPUs (mma.sync main loop,
 #: slower than the cuBLAS path, kept for testing); ``0`` never.  None / True / False here.
+#: The same switch selects SPLADE's fused forward (splade.py).
 USE_TILES: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("CUPYNCE_TILES", "auto"))
 #: On Hopper, run the wgmma main loop (False: the mma.sync one, so tests can cover both there).
 USE_WGMMA = True

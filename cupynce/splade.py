@@ -13,7 +13,12 @@ Entry points (as for the InfoNCE ops):
 
 How it is computed (CuPy arrays)
 --------------------------------
-Forward: the logits of a tile of batches × vocabulary are one cuBLAS product (fp32
+Forward, fused (float16/bfloat16 with D and W's row stride multiples of 8 and a (V, D) weight,
+where the tensor-core tiles run: by default on Hopper, see ``CUPYNCE_TILES``): the max and
+arg-max over L are taken in the epilogue of the product tiles (kernels_src/tiles.cu,
+MODE_SPMAX), each logit rounded to the dtype first; no logits and no workspace at all.
+
+Forward, cuBLAS tiles (everything else): the logits of a tile of batches × vocabulary are one cuBLAS product (fp32
 accumulation; stored in the input dtype, as PyTorch's half matmul does) into a workspace of at
 most ``workspace_bytes`` (default 64 MiB); a kernel reduces max and arg-max over L for every
 (b, v) of the tile and writes ``act(max + bias)`` (when a tile is too narrow to fill the GPU,
@@ -408,8 +413,10 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
     mask : (B, L) bool or 0/1 array, or None (every position counts)
     activation : "relu" | "log1p_relu"
     workspace_bytes : int, optional
-        Cap on the logit workspace, default 64 MiB: the logits of (batches × vocabulary) tiles
-        are computed one tile at a time; (B, L, V) never exists.
+        Cap on the logit workspace of the cuBLAS-tile forward, default 64 MiB: the logits of
+        (batches × vocabulary) tiles are computed one tile at a time; (B, L, V) never exists.
+        The fused forward (16-bit inputs where the tensor-core tiles run, see the module
+        docstring) holds no logits and ignores it.
     requires_grad : bool
         Keep what :func:`splade_pool_backward` needs (x, weight, out, the arg-max).
 
