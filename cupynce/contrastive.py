@@ -282,11 +282,12 @@ def _splits(row_tiles: int, col_tiles: int) -> int:
     """Column splits of a tile grid: the fewest (longest CTAs, fewest partials) that fill the
     GPU's CTA slots in waves >= 90 % full on average, else the best-filling count.
 
-    Slots: one CTA per SM for the wgmma loop (193 KiB of shared memory), two for mma.sync.
-    (N = 8192 on an H100: 64 row tiles x 2 splits = 128 CTAs, one wave 97 % full, where the
-    former "two CTAs per SM" rule gave 320 CTAs in 3 waves, the last 42 % full.)
+    Slots: one CTA per SM for both main loops (wgmma: 193 KiB of shared memory; mma.sync:
+    116 KiB, two of which exceed an H100 SM's 228 KiB).  (N = 8192 on an H100: 64 row tiles
+    x 2 splits = 128 CTAs, one wave 97 % full, where the former "two CTAs per SM" rule gave
+    320 CTAs in 3 waves, the last 42 % full.)
     """
-    slots = _device_caps()[1] * (1 if _wgmma() else 2)
+    slots = _device_caps()[1]
     rt = max(row_tiles, 1)
     best, best_fill = 1, 0.0
     for s in range(1, max(1, min(col_tiles, 4 * slots)) + 1):

@@ -328,11 +328,15 @@ __device__ __forceinline__ void row_pairs(float* const (&slot)[3], int warp, int
 }
 
 // f = w 2^-l (CLIP: halved) for the one-exp2 H / CLIP epilogue; NaN (the two-exp2 form is
-// used) when 2^-l is not a normal float (|l| > 100, base 2) or l is not finite.
+// used) when l is not finite or |l| > 100 (base 2), and when a nonzero f is not a normal
+// float below 2^126: flushed to zero (this file builds with -ftz) it would drop the whole
+// w 2^(t - l) term, and f_i + f_j must stay finite.
 template <int MODE>
 __device__ __forceinline__ float hw_factor(float l2, float w) {
     if (!(fabsf(l2) <= 100.f)) return cpn_nan<float>();
-    return (MODE == MODE_CLIP ? 0.5f * w : w) * exp2f(-l2);
+    const float f = (MODE == MODE_CLIP ? 0.5f * w : w) * exp2f(-l2);
+    if (w != 0.f && !(fabsf(f) >= 1.17549435e-38f && fabsf(f) <= 8.5e37f)) return cpn_nan<float>();
+    return f;
 }
 
 // One halving of a reduce-scatter over lane bit `o`: of v[0, NV) the lane keeps the upper
@@ -716,12 +720,12 @@ __device__ __forceinline__ void tile_body(
 #pragma unroll
                 for (int i = 0; i < I; ++i)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) bad |= rv[i][h] && !(fabsf(fi[i][h]) <= 3.0e38f);
+                    for (int h = 0; h < 2; ++h) bad |= rv[i][h] && fi[i][h] != fi[i][h];
 #pragma unroll
                 for (int j = 0; j < J; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        bad |= !(fabsf(fc[j * 8 + e]) <= 3.0e38f);
+                        bad |= fc[j * 8 + e] != fc[j * 8 + e];
 #pragma unroll
                         for (int i = 0; i < I; ++i)
 #pragma unroll
