@@ -92,6 +92,14 @@ def free_device_bytes() -> int:
     return int(free) + int(pool.free_bytes())
 
 
+def workspace_cap(workspace_bytes: Optional[int]) -> int:
+    """The workspace in bytes: the caller's cap, else ``min(DEFAULT_WORKSPACE_BYTES,
+    FREE_MEMORY_FRACTION * free memory)``."""
+    if workspace_bytes is not None:
+        return workspace_bytes
+    return min(DEFAULT_WORKSPACE_BYTES, int(FREE_MEMORY_FRACTION * free_device_bytes()))
+
+
 def plan_rows(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[int],
               *, align: int = 64) -> int:
     """Rows per block so that ``rows_per_block * bytes_per_row <= workspace``.
@@ -99,10 +107,7 @@ def plan_rows(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[
     ``workspace_bytes=None`` takes ``min(DEFAULT_WORKSPACE_BYTES, FREE_MEMORY_FRACTION *
     free memory)``.  Blocks are rounded down to a multiple of ``align`` rows when larger.
     """
-    if workspace_bytes is None:
-        cap = min(DEFAULT_WORKSPACE_BYTES, int(FREE_MEMORY_FRACTION * free_device_bytes()))
-    else:
-        cap = workspace_bytes
+    cap = workspace_cap(workspace_bytes)
     r = cap // max(bytes_per_row, 1)
     if r < 1:
         raise ValueError(f"{op}: workspace_bytes={workspace_bytes} is smaller than one row of the "

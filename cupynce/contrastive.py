@@ -48,6 +48,10 @@ _TILES = "tiles.cu"
 USE_TILES: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("CUPYNCE_TILES", "auto"))
 #: On Hopper, run the wgmma main loop (False: the mma.sync one, so tests can cover both there).
 USE_WGMMA = True
+#: NT-Xent's forward on the tiles computes each pair of score tiles once (S = Z Zᵀ is
+#: symmetric: row and column partials of half the tiles, see ``_tile_lse_symmetric``) when its
+#: column partials, 8 · N · ceil(N / 128) bytes, fit the workspace; False: every tile.
+SYMMETRIC_LSE = True
 _TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 _TILE_THREADS = 256
 #: dynamic shared memory of a tile CTA (TSMEM_BYTES / WSMEM_BYTES in tiles.cu; a GPU test
@@ -303,7 +307,7 @@ def _splits(row_tiles: int, col_tiles: int) -> int:
 def _tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale_log=None,
           exclude_diag: bool = False, pos_shift: int = 0, pos_mod: int = 1,
           part=(0, 0, 0), pos_out=0, colp=(0, 0), lse_row=None, lse_col=None,
-          weights=(None, 0, 0.0), g=None, dsp=0) -> None:
+          weights=(None, 0, 0.0), g=None, dsp=0, tri: bool = False) -> None:
     """Launch ``cpn_tile_<stage>`` over rows ``a`` (global row ``row0`` first) x columns b1|b2."""
     rows, d = a.shape
     w_arr, w_stride, w_mul = weights
@@ -315,7 +319,7 @@ def _tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scal
             np.float32(scale), _ptr(scale_log), np.int32(exclude_diag), np.int32(pos_shift),
             np.int32(pos_mod), part[0], part[1], np.int64(part[2]), pos_out, colp[0], colp[1],
             _ptr(lse_row), _ptr(lse_col), _ptr(w_arr), np.int64(w_stride), np.float32(w_mul),
-            _ptr(g), np.int64(0 if g is None else _blas.leading_dim(g)), dsp)
+            _ptr(g), np.int64(0 if g is None else _blas.leading_dim(g)), dsp, np.int32(tri))
     _tile_launch(stage, t, grid, args)
 
 
@@ -350,6 +354,50 @@ def _tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, 
     return lse, loss
 
 
+def _tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes, op: str):
+    """NT-Xent's row log-sum-exps and losses with each pair of score tiles computed once.
+
+    S = Z Zᵀ is symmetric, so the column sums of tile (I, J) are the row sums of tile (J, I).
+    Row tile I takes the tiles I + o (mod CT) for o < ``tri_count(I)`` (tiles.cu: every
+    unordered pair once, every CTA about CT / 2 tiles); the ``lse2`` pass writes the row
+    partials of those tiles and the column partials of the off-diagonal ones (shifted by each
+    column's positive logit, ``paired_dots``), and ``tile_finish_tri`` merges, for each row,
+    its row partials and the column partials of the tiles that covered it, in a fixed order.
+    About half the tensor-core work of the square pass.  Returns None (the caller runs the
+    square pass) when the column partials, 8 · N · CT bytes, exceed the workspace.
+    """
+    import cupy as cp
+
+    t, f32 = z.dtype, np.dtype(np.float32)
+    n, d = z.shape
+    ct = -(-n // _TILE)
+    if 8 * n * ct > _blas.workspace_cap(workspace_bytes):
+        return None
+    half = pos_shift  # NT-Xent: positive of row i is i + half (mod 2 half)
+    cnt = ct // 2 + 1  # tiles of the busiest row tile
+    splits = _splits(ct, cnt)
+    part = cp.empty((2, splits, n), f32)
+    colp = cp.empty((2, ct, n), f32)
+    dots = cp.empty((half,), f32)
+    second = z[half:]
+    if _blas.leading_dim(second) != d:
+        second = cp.ascontiguousarray(second)
+    launch(_FILE, "paired_dots", t, (-(-half * 32 // BLOCK),),
+           (z, np.int64(_blas.leading_dim(z)), second, np.int32(half), np.int32(1),
+            np.int32(d), dots))
+    # the lse2 pass reads the column shift from lse_col: the positive dot of every column
+    dots_all = cp.concatenate((dots, dots))
+    _tile("lse2", t, (ct, splits), z, 0, z, None, scale=scale, exclude_diag=True,
+          pos_shift=pos_shift, pos_mod=n, part=(part.data.ptr, part[1].data.ptr, n),
+          colp=(colp.data.ptr, colp[1].data.ptr), lse_col=dots_all, tri=True)
+    lse = cp.empty((n,), f32)
+    loss = cp.empty((n,), f32)
+    launch(_TILES, "tile_finish_tri", t, (-(-n // 32),),
+           (part, part[1], np.int64(n), np.int32(splits), np.int32(n), colp, colp[1], dots,
+            np.int32(half), np.float32(scale), lse, loss))
+    return lse, loss
+
+
 def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
                     pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
                     self_pair: bool):
@@ -366,8 +414,16 @@ def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift:
     nk = k.shape[0]
     ms = 0 if neg_s is None else neg_s.shape[0]
     ncols = nk + ms
-    lse, loss = (lse_in, None) if lse_in is not None else _tile_lse(
-        q, k, neg_s, scale, exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod)
+    stats = None
+    if lse_in is not None:
+        stats = lse_in, None
+    elif self_pair and SYMMETRIC_LSE and neg_s is None and exclude_diag and pos_mod == n \
+            and 2 * pos_shift == n:
+        stats = _tile_lse_symmetric(q, scale, pos_shift, workspace_bytes, op)
+    if stats is None:
+        stats = _tile_lse(q, k, neg_s, scale, exclude_diag=exclude_diag, pos_shift=pos_shift,
+                          pos_mod=pos_mod)
+    lse, loss = stats
     if not want_grad:
         return lse, loss, (None, None, None, None)
     ldg = -(-ncols // 8) * 8  # 16-byte rows for the kernel's paired stores and cuBLAS

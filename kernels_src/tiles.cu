@@ -351,6 +351,15 @@ __device__ __forceinline__ void reduce_scatter(float* v, bool up, int o) {
     }
 }
 
+// Symmetric tile schedule over CT x CT tiles: row tile i takes the column tiles i + o (mod CT),
+// o = 0 .. tri_count(i, CT) - 1.  Each unordered pair {i, j}, i != j, has circular distances
+// d and CT - d, one of them <= (CT - 1) / 2 for odd CT; for even CT the pairs at distance
+// CT / 2 go to the smaller tile.  So every pair is computed exactly once and every row tile
+// takes (CT + 1) / 2 or (CT + 2) / 2 tiles: balanced, unlike the upper triangle.
+__host__ __device__ __forceinline__ int tri_count(int i, int ct) {
+    return 1 + (ct - 1) / 2 + ((ct % 2 == 0 && i < ct / 2) ? 1 : 0);
+}
+
 template <typename T, int MODE, bool WG, typename IX = int>
 __device__ __forceinline__ void tile_body(
     const T* __restrict__ A, i64 lda, int rows, int row0,
@@ -364,7 +373,8 @@ __device__ __forceinline__ void tile_body(
     const float* __restrict__ w_ptr, i64 w_stride, float w_mul,
     T* __restrict__ g, i64 ldg, float* __restrict__ dsp_part,
     const unsigned char* __restrict__ mask = 0, const T* __restrict__ bias = 0, int act = 0,
-    IX* __restrict__ arg = 0, int sp_batches = 0, int sp_per = 0, int sp_group = 1)
+    IX* __restrict__ arg = 0, int sp_batches = 0, int sp_per = 0, int sp_group = 1,
+    int tri = 0)
 {
     typedef TileLoop<T, WG> L;
     enum { I = L::I, J = L::J, NCG = L::NCG, NS = L::STAGES };
@@ -399,11 +409,20 @@ __device__ __forceinline__ void tile_body(
     const int LT = (n1 + TBN - 1) / TBN;
     const int sb0 = MODE == MODE_SPMAX ? sp_grp * sp_per : 0;
     const int sb1 = MODE == MODE_SPMAX ? min(sp_batches, sb0 + sp_per) : 0;
-    const int ntiles = MODE == MODE_SPMAX ? (sb1 - sb0) * LT : (ncols + TBN - 1) / TBN;
+    // LSE2 with `tri` (NT-Xent, S = Z Z^T symmetric, A = B1 = Z, row0 = 0): row tile I takes
+    // the column tiles I + o (mod CT) for o = 0 .. tri_count(I) - 1 only, so every unordered
+    // pair of tiles is computed once (see tri_count); the columns of the o >= 1 tiles get
+    // column partials, which are the row sums of the rows of tile I + o for the tiles < I + o.
+    const int CT = (ncols + TBN - 1) / TBN;
+    const int tri_i = m0 / TBM;
+    const bool TRI = MODE == MODE_LSE2 && tri;
+    const int ntiles = MODE == MODE_SPMAX ? (sb1 - sb0) * LT : TRI ? tri_count(tri_i, CT) : CT;
     const int split = MODE == MODE_SPMAX ? 0 : blockIdx.y;
     const int splits = MODE == MODE_SPMAX ? 1 : gridDim.y;
     // first column of column tile t of this CTA (SPMAX: within its batch), and its batch
-    auto tile_n0 = [&](int t) { return MODE == MODE_SPMAX ? (t % LT) * TBN : (split + t * splits) * TBN; };
+    auto tile_n0 = [&](int t) {
+        return MODE == MODE_SPMAX ? (t % LT) * TBN
+             : TRI ? ((tri_i + split + t * splits) % CT) * TBN : (split + t * splits) * TBN; };
     auto tile_batch = [&](int t) { return sb0 + t / LT; };
     const int my_tiles = ntiles > split ? (ntiles - split + splits - 1) / splits : 0;
     const int KT = (d + TBK - 1) / TBK;
@@ -546,7 +565,7 @@ __device__ __forceinline__ void tile_body(
                                 if (C) {
                                     const int col = n0 + cbase + j * 8 + 2 * cq + e;
                                     if (col >= ncols || (exclude_diag && col == grow)) t = ninf;
-                                    if (col == pr[i][h] && rv[i][h]) pos_out[grow - row0] = a * scale;
+                                    if (pos_out && col == pr[i][h] && rv[i][h]) pos_out[grow - row0] = a * scale;
                                     tm = nanmax(tm, t);
                                 } else {
                                     tm = fmaxf(tm, t);  // a NaN still reaches l below
@@ -572,7 +591,9 @@ __device__ __forceinline__ void tile_body(
                     }
             }
         }
-        if (MODE == MODE_LSE2) {  // column partials over this CTA's 128 rows
+        // column partials over this CTA's 128 rows (TRI: not on the diagonal tile, whose
+        // column sums are its own rows' sums)
+        if (MODE == MODE_LSE2 && !(TRI && n0 == m0)) {
             if (KT == 1) __syncthreads();  // colv written this iteration
             // Fast path: each column shifted by its positive logit c_j (staged in colv), so the
             // partial is a plain sum of 2^(t - c_j) -- no max to find, no rescaling -- and the
@@ -842,6 +863,43 @@ __device__ __forceinline__ void tile_finish_body(
     if (loss) loss[r] = v - pos[r];
 }
 
+// NT-Xent's symmetric schedule (tri_count): row r of tile R merges its split partials, then
+// the column partials colp[i][r] of the tiles i that took tile R at distance o >= 1;
+// loss_r = lse_r - scale dots[r mod half] (dots: z_i . z_{i + half}, i < half).
+// A block of CPN_BLOCK threads takes 32 rows (lane = row, so each load is one coalesced
+// line): warp w merges the distances o = 1 + w, 1 + w + NW, ... (independent loads in
+// flight instead of ct / 2 dependent ones), then warp 0 merges the NW partials in warp
+// order.  Fixed orders throughout: deterministic.
+__device__ __forceinline__ void tile_finish_tri_body(
+    const float* __restrict__ part_m, const float* __restrict__ part_s, i64 part_ld,
+    int splits, int rows, const float* __restrict__ colp_m, const float* __restrict__ colp_s,
+    const float* __restrict__ dots, int half, float scale, float* __restrict__ lse,
+    float* __restrict__ loss)
+{
+    enum { NW = CPN_BLOCK / 32 };
+    __shared__ float sm[NW][32], ss[NW][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r = blockIdx.x * 32 + lane;
+    const int ct = (rows + TBN - 1) / TBN, tr = r / TBN;
+    Lse<float> st; st.init();
+    if (r < rows) {
+        if (warp == 0)
+            for (int s = 0; s < splits; ++s) st.merge(part_m[(i64)s * part_ld + r], part_s[(i64)s * part_ld + r]);
+        for (int o = 1 + warp; o <= ct / 2; o += NW) {
+            const int i = (tr - o + ct) % ct;
+            if (o < tri_count(i, ct)) st.merge(colp_m[(i64)i * rows + r], colp_s[(i64)i * rows + r]);
+        }
+    }
+    sm[warp][lane] = st.m;
+    ss[warp][lane] = st.s;
+    __syncthreads();
+    if (warp != 0 || r >= rows) return;
+    for (int w = 1; w < NW; ++w) st.merge(sm[w][lane], ss[w][lane]);
+    const float v = st.value();
+    lse[r] = v;
+    loss[r] = v - scale * dots[r % half];
+}
+
 // dscale row sums from the split partials (in split order)
 __device__ __forceinline__ void tile_sum_body(
     const float* __restrict__ part, i64 part_ld, int splits, int rows, float* __restrict__ out)
@@ -859,11 +917,11 @@ __device__ __forceinline__ void tile_sum_body(
     int exclude_diag, int pos_shift, int pos_mod, float* part_m, float* part_s,            \
     i64 part_ld, float* pos_out, float* colp_m, float* colp_s, const float* lse_row,       \
     const float* lse_col, const float* w_ptr, i64 w_stride, float w_mul, T* g, i64 ldg,    \
-    float* dsp_part
+    float* dsp_part, int tri
 #define CPN_TILE_PASS                                                                      \
     A, lda, rows, row0, B1, ldb1, n1, B2, ldb2, n2, d, scale_mul, scale_log, exclude_diag, \
     pos_shift, pos_mod, part_m, part_s, part_ld, pos_out, colp_m, colp_s, lse_row,         \
-    lse_col, w_ptr, w_stride, w_mul, g, ldg, dsp_part
+    lse_col, w_ptr, w_stride, w_mul, g, ldg, dsp_part, 0, 0, 0, (int*)0, 0, 0, 1, tri
 
 // Tensor-core tiles exist for the 16-bit types only:
 // (cpn_tile_smem_<dtype> writes TSMEM_BYTES and WSMEM_BYTES, so Python never hard-codes them)
@@ -893,6 +951,12 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_finish_##SUF(  
     const float* part_m, const float* part_s, i64 part_ld, int splits, int rows,           \
     const float* pos, float* lse, float* loss) {                                           \
     tile_finish_body(part_m, part_s, part_ld, splits, rows, pos, lse, loss); }             \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_finish_tri_##SUF(         \
+    const float* part_m, const float* part_s, i64 part_ld, int splits, int rows,           \
+    const float* colp_m, const float* colp_s, const float* dots, int half, float scale,    \
+    float* lse, float* loss) {                                                             \
+    tile_finish_tri_body(part_m, part_s, part_ld, splits, rows, colp_m, colp_s, dots,      \
+        half, scale, lse, loss); }                                                         \
 extern "C" __global__ void cpn_tile_smem_##SUF(int* out) {                                 \
     out[0] = TSMEM_BYTES; out[1] = WSMEM_BYTES; }                                          \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_sum_##SUF(                \
