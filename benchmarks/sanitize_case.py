@@ -1,4 +1,4 @@
-"""A small run of every tile kernel (SPLADE's fused max, CLIP's lse2 / clip, NT-Xent's lse / h)
+"""A small run of every tile kernel (SPLADE's fused max, CLIP's lse2 / clip, NT-Xent's symmetric lse2, lse / h)
 for compute-sanitizer, with the wgmma ("wg") or mma.sync ("mma") main loop:
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py wg
@@ -17,5 +17,8 @@ m = cp.asarray(rng.random((2, 200)) > 0.3)
 o, ctx = cupynce.splade_pool_forward(x, w, b, m)
 a = cp.asarray(rng.standard_normal((1030, 136)).astype(bf)); bb = cp.asarray(rng.standard_normal((1030, 136)).astype(bf))
 l, c = cupynce.clip_loss_forward(a, bb, 2.0); cupynce.clip_loss_backward(c, 1.0)
-l, c = cupynce.nt_xent_forward(a, 0.1); cupynce.nt_xent_backward(c, 1.0)
+l, c = cupynce.nt_xent_forward(a, 0.1); cupynce.nt_xent_backward(c, 1.0)  # symmetric lse2, ct = 9
+l, c = cupynce.nt_xent_forward(a[:1024], 0.1)  # symmetric, even ct = 8
+C.SYMMETRIC_LSE = False
+l, c = cupynce.nt_xent_forward(a, 0.1)  # the square lse pass
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(l))
