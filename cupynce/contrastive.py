@@ -49,9 +49,14 @@ USE_TILES: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("CUPYNCE_
 #: On Hopper, run the wgmma main loop (False: the mma.sync one, so tests can cover both there).
 USE_WGMMA = True
 #: NT-Xent's forward on the tiles computes each pair of score tiles once (S = Z Zᵀ is
-#: symmetric: row and column partials of half the tiles, see ``_tile_lse_symmetric``) when its
-#: column partials, 8 · N · ceil(N / 128) bytes, fit the workspace; False: every tile.
+#: symmetric: row and column partials of half the tiles, see ``_tile_lse_symmetric``) for
+#: N >= ``SYMMETRIC_LSE_MIN_ROWS`` when its column partials, 8 · N · ceil(N / 128) bytes, fit
+#: the workspace; False: every tile.  Measured on an H100 (bf16, D = 512, forward): N = 65536
+#: 11.0 -> 8.1 ms, 32768 2.84 -> 2.22, 16384 0.79 -> 0.67, but N = 8192 0.25 -> 0.28-0.33 ms
+#: (64 row tiles: the heavier row + column epilogue and the extra launches outweigh the
+#: halved tile count), hence the threshold.
 SYMMETRIC_LSE = True
+SYMMETRIC_LSE_MIN_ROWS = 16384
 _TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 _TILE_THREADS = 256
 #: dynamic shared memory of a tile CTA (TSMEM_BYTES / WSMEM_BYTES in tiles.cu; a GPU test
@@ -417,8 +422,8 @@ def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift:
     stats = None
     if lse_in is not None:
         stats = lse_in, None
-    elif self_pair and SYMMETRIC_LSE and neg_s is None and exclude_diag and pos_mod == n \
-            and 2 * pos_shift == n:
+    elif self_pair and SYMMETRIC_LSE and n >= SYMMETRIC_LSE_MIN_ROWS and neg_s is None \
+            and exclude_diag and pos_mod == n and 2 * pos_shift == n:
         stats = _tile_lse_symmetric(q, scale, pos_shift, workspace_bytes, op)
     if stats is None:
         stats = _tile_lse(q, k, neg_s, scale, exclude_diag=exclude_diag, pos_shift=pos_shift,
