@@ -87,20 +87,51 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 # ------------------------------------------------------------------------------------------
 # kernels on tensors: one core call each, no autograd (the bodies of the custom ops)
 # ------------------------------------------------------------------------------------------
-# The forwards call the core with reduction="none" and reduce here (``contrastive._reduce``,
-# the core's own reduction): with "mean"/"sum" and requires_grad=True the core would also
-# compute the unit-weight gradient in the forward pass, which the ops do not keep.
+# Two ways to a gradient (``fused``, chosen by the public functions):
+#
+# * fused (a gradient is required and reduction is "mean" or "sum"): the forward op runs the
+#   core's fused forward, which also computes the gradient for a unit upstream gradient in
+#   the forward's own pass over the scores, and returns its fp32 / fp64 accumulators (and the
+#   row norms for normalize=True).  The backward only scales them by grad_output and casts:
+#   ``(acc * g).to(dtype)`` in torch (the core's scale_cast, bit for bit), or the
+#   ``grad_finish`` op through the normalisation.  Why: autograd runs a CUDA backward on its
+#   own device thread, where the Python of a full backward (checks, DLPack, a dozen launches)
+#   cost ~1.7x its main-thread time on the H100 host (benchmarks/NOTES.md), and the kernels
+#   are the same either way.  Cost: the (N, D) accumulators live from forward to backward.
+# * otherwise ("none", whose upstream gradient is a vector): the forward returns the O(N)
+#   row statistics, and the backward op rebuilds the gradient from them and the inputs.
+#   These forwards call the core with reduction="none" and reduce here
+#   (``contrastive._reduce``, the core's own reduction).
+# Unused outputs are (0,) placeholders (custom ops return tensors, never None).
+
+def _empty(x: Tensor) -> Tensor:
+    return x.new_empty((0,), dtype=_acc(x.dtype))
+
+
+def _opt_tensor(arr: Any, like: Tensor) -> Tensor:
+    return _empty(like) if arr is None else _b.tensor_of(arr)
+
 
 def _nt_xent_fwd(z: Tensor, temperature: float, reduction: str, normalize: bool,
-                 workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor]:
-    """(loss, lse): the loss (0-d, or (2B,) for "none") and the (2B,) row log-sum-exps."""
+                 workspace_bytes: Optional[int],
+                 fused: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, dz_acc, norm): the loss (0-d, or (2B,) for "none"), the (2B,) row
+    log-sum-exps and, when ``fused``, the unit-upstream gradient accumulator (2B, D) and the
+    row norms (2B,) (normalize=True; else a placeholder)."""
     with _b.device_scope(z.device):
         zx = _b.array_of(z)
+        if fused:
+            loss, ctx = contrastive.nt_xent_forward(
+                zx, temperature, reduction=reduction, normalize=normalize,
+                workspace_bytes=workspace_bytes, requires_grad=True)
+            s = ctx.saved
+            return (_b.tensor_of(loss), _b.tensor_of(ctx.stats[0]), _b.tensor_of(s["dz"]),
+                    _opt_tensor(s["norm"], z))
         rows, ctx = contrastive.nt_xent_forward(
             zx, temperature, reduction="none", normalize=normalize,
             workspace_bytes=workspace_bytes, requires_grad=True)
         loss = contrastive._reduce(ctx.xp, rows, reduction)
-        return _b.tensor_of(loss), _b.tensor_of(ctx.stats[0])
+        return _b.tensor_of(loss), _b.tensor_of(ctx.stats[0]), _empty(z), _empty(z)
 
 
 def _nt_xent_bwd(z: Tensor, lse: Tensor, grad_loss: Tensor, temperature: float, reduction: str,
@@ -114,16 +145,28 @@ def _nt_xent_bwd(z: Tensor, lse: Tensor, grad_loss: Tensor, temperature: float, 
 
 
 def _info_nce_fwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], temperature: float,
-                  reduction: str, normalize: bool,
-                  workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor]:
-    """(loss, lse): the loss (0-d, or (N,) for "none") and the (N,) row log-sum-exps."""
+                  reduction: str, normalize: bool, workspace_bytes: Optional[int],
+                  fused: bool = False
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, dq_acc, dk_acc, dn_acc, norm_q, norm_k, norm_n): the loss (0-d, or (N,)
+    for "none"), the (N,) row log-sum-exps and, when ``fused``, the unit-upstream gradient
+    accumulators and the row norms (normalize=True) of query, key and negatives
+    (placeholders where there is none)."""
     with _b.device_scope(query.device):
+        args = (_b.array_of(query), _b.array_of(key), temperature)
+        if fused:
+            loss, ctx = contrastive.info_nce_forward(
+                *args, negatives=_b.array_of(negatives), reduction=reduction,
+                normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=True)
+            s = ctx.saved
+            return ((_b.tensor_of(loss), _b.tensor_of(ctx.stats[0]))
+                    + tuple(_opt_tensor(x, query) for x in s["acc"])
+                    + tuple(_opt_tensor(x, query) for x in s["norms"]))
         rows, ctx = contrastive.info_nce_forward(
-            _b.array_of(query), _b.array_of(key), temperature, negatives=_b.array_of(negatives),
-            reduction="none", normalize=normalize, workspace_bytes=workspace_bytes,
-            requires_grad=True)
+            *args, negatives=_b.array_of(negatives), reduction="none", normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=True)
         loss = contrastive._reduce(ctx.xp, rows, reduction)
-        return _b.tensor_of(loss), _b.tensor_of(ctx.stats[0])
+        return (_b.tensor_of(loss), _b.tensor_of(ctx.stats[0])) + tuple(_empty(query) for _ in range(6))
 
 
 def _info_nce_bwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], lse: Tensor,
@@ -140,18 +183,30 @@ def _info_nce_bwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], lse: 
 
 
 def _clip_loss_fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
-                   reduction: str, normalize: bool,
-                   workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
-    """(loss, lse_rows, lse_cols).  ``logit_scale`` is the tensor, or None and the real
-    ``logit_scale_value`` is used (a Python float never becomes a device tensor)."""
+                   reduction: str, normalize: bool, workspace_bytes: Optional[int],
+                   fused: bool = False
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse_rows, lse_cols, da_acc, db_acc, norm_a, norm_b, dscale): when ``fused``,
+    the unit-upstream gradient accumulators, row norms (normalize=True) and the 0-d
+    d loss / d logit_scale; placeholders otherwise.  ``logit_scale`` is the tensor, or None and
+    the real ``logit_scale_value`` is used (a Python float never becomes a device tensor)."""
     with _b.device_scope(a.device):
         ls = logit_scale_value if logit_scale is None else _b.array_of(logit_scale)
+        if fused:
+            loss, ctx = contrastive.clip_loss_forward(
+                _b.array_of(a), _b.array_of(b), ls, reduction=reduction, normalize=normalize,
+                workspace_bytes=workspace_bytes, requires_grad=True)
+            s = ctx.saved
+            return ((_b.tensor_of(loss),) + tuple(_b.tensor_of(x) for x in ctx.stats)
+                    + tuple(_opt_tensor(x, a) for x in s["acc"])
+                    + tuple(_opt_tensor(x, a) for x in s["norms"])
+                    + (_b.tensor_of(ctx.xp.asarray(s["dscale"])),))
         rows, ctx = contrastive.clip_loss_forward(
             _b.array_of(a), _b.array_of(b), ls, reduction="none", normalize=normalize,
             workspace_bytes=workspace_bytes, requires_grad=True)
         loss = contrastive._reduce(ctx.xp, rows, reduction)
         lse_r, lse_c = ctx.stats
-        return _b.tensor_of(loss), _b.tensor_of(lse_r), _b.tensor_of(lse_c)
+        return (_b.tensor_of(loss), _b.tensor_of(lse_r), _b.tensor_of(lse_c)) + tuple(_empty(a) for _ in range(5))
 
 
 def _clip_loss_bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
@@ -167,6 +222,25 @@ def _clip_loss_bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_sc
             _b.array_of(grad_loss), reduction=reduction, normalize=normalize,
             workspace_bytes=workspace_bytes)
         return _b.tensor_of(da), _b.tensor_of(db), _b.tensor_of(dls)
+
+
+def _grad_finish(x: Tensor, norm: Tensor, acc: Tensor, grad_loss: Tensor) -> Tensor:
+    """The gradient w.r.t. ``x`` (x's dtype) of a fused forward: ``grad_loss`` times the
+    accumulator ``acc`` taken back through the row normalisation of ``x`` (row norms ``norm``)
+    -- the core's own finish (``l2norm_bwd`` / ``_np_finish``), so bit for bit the functional
+    API's backward."""
+    with _b.device_scope(x.device):
+        xa = _b.array_of(x)
+        if isinstance(xa, np.ndarray):
+            xp = np
+        else:
+            import cupy as xp
+        path = contrastive._Path(xp)
+        acc_a = _b.array_of(acc)
+        gs = path.grad_scale(_b.array_of(grad_loss), acc_a.dtype)
+        out = contrastive._finish_all(path, contrastive._contig_inputs(xp, xa),
+                                      [_b.array_of(norm)], [acc_a], gs)
+        return _b.tensor_of(out[0])
 
 
 def _mask_array(mask: Optional[Tensor]) -> Any:
@@ -223,8 +297,21 @@ def _stat_like(x: Tensor) -> Tensor:
     return x.new_empty((x.shape[0],), dtype=_acc(x.dtype))
 
 
-def _nt_xent_fwd_fake(z, temperature, reduction, normalize, workspace_bytes):
-    return _loss_like(z, reduction), _stat_like(z)
+def _acc_like(x: Optional[Tensor], fused: bool, like: Tensor) -> Tensor:
+    """A fused forward's gradient accumulator: x's shape in the accumulation dtype."""
+    return x.new_empty(x.shape, dtype=_acc(x.dtype)) if fused and x is not None else _empty(like)
+
+
+def _norm_like(x: Optional[Tensor], fused: bool, normalize: bool, like: Tensor) -> Tensor:
+    """A fused forward's row norms: x's shape without D (normalize=True)."""
+    if fused and normalize and x is not None:
+        return x.new_empty(x.shape[:-1], dtype=_acc(x.dtype))
+    return _empty(like)
+
+
+def _nt_xent_fwd_fake(z, temperature, reduction, normalize, workspace_bytes, fused=False):
+    return (_loss_like(z, reduction), _stat_like(z), _acc_like(z, fused, z),
+            _norm_like(z, fused, normalize, z))
 
 
 def _nt_xent_bwd_fake(z, lse, grad_loss, temperature, reduction, normalize, workspace_bytes):
@@ -232,8 +319,11 @@ def _nt_xent_bwd_fake(z, lse, grad_loss, temperature, reduction, normalize, work
 
 
 def _info_nce_fwd_fake(query, key, negatives, temperature, reduction, normalize,
-                       workspace_bytes):
-    return _loss_like(query, reduction), _stat_like(query)
+                       workspace_bytes, fused=False):
+    xs = (query, key, negatives)
+    return ((_loss_like(query, reduction), _stat_like(query))
+            + tuple(_acc_like(x, fused, query) for x in xs)
+            + tuple(_norm_like(x, fused, normalize, query) for x in xs))
 
 
 def _info_nce_bwd_fake(query, key, negatives, lse, grad_loss, temperature, reduction,
@@ -243,8 +333,15 @@ def _info_nce_bwd_fake(query, key, negatives, lse, grad_loss, temperature, reduc
 
 
 def _clip_loss_fwd_fake(a, b, logit_scale, logit_scale_value, reduction, normalize,
-                        workspace_bytes):
-    return _loss_like(a, reduction), _stat_like(a), _stat_like(a)
+                        workspace_bytes, fused=False):
+    dscale = a.new_empty((), dtype=_acc(a.dtype)) if fused else _empty(a)
+    return ((_loss_like(a, reduction), _stat_like(a), _stat_like(a))
+            + tuple(_acc_like(x, fused, a) for x in (a, b))
+            + tuple(_norm_like(x, fused, normalize, a) for x in (a, b)) + (dscale,))
+
+
+def _grad_finish_fake(x, norm, acc, grad_loss):
+    return x.new_empty(x.shape)
 
 
 def _clip_loss_bwd_fake(a, b, logit_scale, logit_scale_value, lse_r, lse_c, grad_loss,
@@ -275,57 +372,110 @@ _BWD = {"nt_xent": _nt_xent_bwd, "info_nce": _info_nce_bwd, "clip_loss": _clip_l
         "splade_pool": _splade_pool_bwd}
 
 
+def _fused_flag(inputs, n_args: int) -> bool:
+    """The ``fused`` input (absent from a fallback Function's inputs when not passed)."""
+    return bool(inputs[n_args]) if len(inputs) > n_args else False
+
+
+def _scaled(x: Optional[Tensor], norm: Tensor, acc: Tensor, grad_loss: Tensor,
+            dtype: torch.dtype, normalize: bool) -> Tensor:
+    """A fused forward's gradient for upstream ``grad_loss``: ``acc * g`` cast to the input
+    dtype (= the core's scale_cast: one fp32 / fp64 product, one rounding), or through the
+    normalisation by the ``grad_finish`` op."""
+    if normalize:
+        return _FINISH(x, norm, acc, grad_loss.contiguous())
+    return (acc * grad_loss).to(dtype)
+
+
 def _nt_xent_setup(ctx, inputs, output) -> None:
-    z, temperature, reduction, normalize, workspace_bytes = inputs
-    ctx.save_for_backward(z, output[1])
+    z, temperature, reduction, normalize, workspace_bytes = inputs[:5]
+    ctx.fused = _fused_flag(inputs, 5)
+    if ctx.fused:  # the gradient accumulator (and z and its norms to normalise through)
+        ctx.save_for_backward(z if normalize else None, output[2], output[3])
+        ctx.dtype = z.dtype
+    else:
+        ctx.save_for_backward(z, output[1])
     ctx.args = (temperature, reduction, normalize, workspace_bytes)
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(*output[1:])
 
 
-def _nt_xent_backward(ctx, grad_loss, _grad_lse):
-    z, lse = ctx.saved_tensors
+def _nt_xent_backward(ctx, grad_loss, *_grad_stats):
     dz = None
     if ctx.needs_input_grad[0]:
-        dz = _BWD["nt_xent"](z, lse, grad_loss.contiguous(), *ctx.args)
-    return dz, None, None, None, None
+        if ctx.fused:
+            z, acc, norm = ctx.saved_tensors
+            dz = _scaled(z, norm, acc, grad_loss, ctx.dtype, ctx.args[2])
+        else:
+            z, lse = ctx.saved_tensors
+            dz = _BWD["nt_xent"](z, lse, grad_loss.contiguous(), *ctx.args)
+    return dz, None, None, None, None, None
 
 
 def _info_nce_setup(ctx, inputs, output) -> None:
-    query, key, negatives, temperature, reduction, normalize, workspace_bytes = inputs
-    ctx.save_for_backward(query, key, negatives, output[1])
+    query, key, negatives, temperature, reduction, normalize, workspace_bytes = inputs[:7]
+    ctx.fused = _fused_flag(inputs, 7)
+    ctx.has_neg = negatives is not None
+    if ctx.fused:  # accumulators and norms of query, key, negatives (+ inputs to normalise)
+        xs = (query, key, negatives) if normalize else (None, None, None)
+        ctx.save_for_backward(*xs, *output[2:8])
+        ctx.dtypes = tuple(None if x is None else x.dtype for x in (query, key, negatives))
+    else:
+        ctx.save_for_backward(query, key, negatives, output[1])
     ctx.args = (temperature, reduction, normalize, workspace_bytes)
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(*output[1:])
 
 
-def _info_nce_backward(ctx, grad_loss, _grad_lse):
-    query, key, negatives, lse = ctx.saved_tensors
+def _info_nce_backward(ctx, grad_loss, *_grad_stats):
+    need = ctx.needs_input_grad
     dq = dk = dn = None
-    if any(ctx.needs_input_grad[:3]):
+    if ctx.fused:
+        saved = ctx.saved_tensors
+        xs, accs, norms = saved[:3], saved[3:6], saved[6:9]
+        grads = [_scaled(xs[i], norms[i], accs[i], grad_loss, ctx.dtypes[i], ctx.args[2])
+                 if need[i] and (i < 2 or ctx.has_neg) else None for i in range(3)]
+        dq, dk, dn = grads
+    elif any(need[:3]):
+        query, key, negatives, lse = ctx.saved_tensors
         dq, dk, dn = _BWD["info_nce"](query, key, negatives, lse, grad_loss.contiguous(),
                                       *ctx.args)
-    need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None,
-            dn if need[2] and negatives is not None else None, None, None, None, None)
+            dn if need[2] and ctx.has_neg else None, None, None, None, None, None)
 
 
 def _clip_loss_setup(ctx, inputs, output) -> None:
-    a, b, logit_scale, logit_scale_value, reduction, normalize, workspace_bytes = inputs
-    ctx.save_for_backward(a, b, logit_scale, output[1], output[2])
+    a, b, logit_scale, logit_scale_value, reduction, normalize, workspace_bytes = inputs[:7]
+    ctx.fused = _fused_flag(inputs, 7)
+    ctx.has_ls = logit_scale is not None
+    if ctx.fused:  # accumulators, norms and d loss / d logit_scale (+ inputs to normalise)
+        xs = (a, b) if normalize else (None, None)
+        ctx.save_for_backward(*xs, *output[3:8])
+        ctx.dtypes = (a.dtype, b.dtype)
+        ctx.ls_meta = None if logit_scale is None else (logit_scale.dtype, logit_scale.shape)
+    else:
+        ctx.save_for_backward(a, b, logit_scale, output[1], output[2])
     ctx.args = (logit_scale_value, reduction, normalize, workspace_bytes)
-    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.mark_non_differentiable(*output[1:])
 
 
-def _clip_loss_backward(ctx, grad_loss, _grad_lse_r, _grad_lse_c):
-    a, b, logit_scale, lse_r, lse_c = ctx.saved_tensors
+def _clip_loss_backward(ctx, grad_loss, *_grad_stats):
+    need = ctx.needs_input_grad
     ls_value, reduction, normalize, workspace_bytes = ctx.args
     da = db = dls = None
-    if any(ctx.needs_input_grad[:3]):
+    if ctx.fused:
+        xa, xb, acc_a, acc_b, norm_a, norm_b, dscale = ctx.saved_tensors
+        if need[0]:
+            da = _scaled(xa, norm_a, acc_a, grad_loss, ctx.dtypes[0], normalize)
+        if need[1]:
+            db = _scaled(xb, norm_b, acc_b, grad_loss, ctx.dtypes[1], normalize)
+        if need[2] and ctx.has_ls:  # the core's dscale * g, cast to logit_scale's dtype
+            dls = (dscale * grad_loss).to(ctx.ls_meta[0]).reshape(ctx.ls_meta[1])
+    elif any(need[:3]):
+        a, b, logit_scale, lse_r, lse_c = ctx.saved_tensors
         da, db, dls = _BWD["clip_loss"](a, b, logit_scale, ls_value, lse_r, lse_c,
                                         grad_loss.contiguous(), reduction, normalize,
                                         workspace_bytes)
-    need = ctx.needs_input_grad
     return (da if need[0] else None, db if need[1] else None,
-            dls if need[2] and logit_scale is not None else None, None, None, None, None)
+            dls if need[2] and ctx.has_ls else None, None, None, None, None, None)
 
 
 def _splade_pool_setup(ctx, inputs, output) -> None:
@@ -415,6 +565,7 @@ if HAS_CUSTOM_OPS:
         "clip_loss": _custom_op("clip_loss_bwd", _clip_loss_bwd, _clip_loss_bwd_fake),
         "splade_pool": _custom_op("splade_pool_bwd", _splade_pool_bwd, _splade_pool_bwd_fake),
     }
+    _FINISH = _custom_op("grad_finish", _grad_finish, _grad_finish_fake)
     _NT_XENT = _custom_op("nt_xent_fwd", _nt_xent_fwd, _nt_xent_fwd_fake, setup=_nt_xent_setup,
                           backward=_nt_xent_backward, autocast=(0,))
     _INFO_NCE = _custom_op("info_nce_fwd", _info_nce_fwd, _info_nce_fwd_fake,
@@ -426,6 +577,7 @@ if HAS_CUSTOM_OPS:
                               setup=_splade_pool_setup, backward=_splade_pool_backward,
                               autocast=(0, 1, 2))
 else:  # pragma: no cover - exercised only on torch < 2.4
+    _FINISH = _grad_finish
     _NT_XENT = _NTXentFunction.apply
     _INFO_NCE = _InfoNCEFunction.apply
     _CLIP_LOSS = _ClipLossFunction.apply
@@ -435,6 +587,14 @@ else:  # pragma: no cover - exercised only on torch < 2.4
 # ------------------------------------------------------------------------------------------
 # public functions
 # ------------------------------------------------------------------------------------------
+def _fused(reduction: str, *tensors: Optional[Tensor]) -> bool:
+    """Compute the gradient in the forward (see "Two ways to a gradient"): a gradient will be
+    asked for (grad mode on and an input requires one) and the upstream gradient is a scalar
+    (reduction "mean" / "sum")."""
+    return reduction != "none" and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors)
+
+
 def _scalars(op: str, reduction: str, workspace_bytes: Optional[int]) -> Tuple[str, Optional[int]]:
     """The functional API's checks of the non-tensor arguments (same messages)."""
     return _checks.check_reduction(op, reduction), _checks.check_workspace(op, workspace_bytes)
@@ -469,7 +629,8 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
     t = _checks.check_temperature("nt_xent", temperature)
     reduction, workspace_bytes = _scalars("nt_xent", reduction, workspace_bytes)
     _b.check_tensors("nt_xent", z=z)
-    return _NT_XENT(z, t, reduction, bool(normalize), workspace_bytes)[0]
+    return _NT_XENT(z, t, reduction, bool(normalize), workspace_bytes,
+                    _fused(reduction, z))[0]
 
 
 def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
@@ -501,7 +662,8 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
     reduction, workspace_bytes = _scalars("info_nce", reduction, workspace_bytes)
     _b.check_tensors("info_nce", optional=("negatives",), query=query, key=key,
                      negatives=negatives)
-    return _INFO_NCE(query, key, negatives, t, reduction, bool(normalize), workspace_bytes)[0]
+    return _INFO_NCE(query, key, negatives, t, reduction, bool(normalize), workspace_bytes,
+                     _fused(reduction, query, key, negatives))[0]
 
 
 def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean",
@@ -539,7 +701,8 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
         raise TypeError(f"{op}: logit_scale must be a real number or a torch.Tensor of shape () "
                         f"or (1,), got {type(logit_scale).__module__}."
                         f"{type(logit_scale).__name__}")
-    return _CLIP_LOSS(a, b, ls_tensor, ls_value, reduction, bool(normalize), workspace_bytes)[0]
+    return _CLIP_LOSS(a, b, ls_tensor, ls_value, reduction, bool(normalize), workspace_bytes,
+                      _fused(reduction, a, b, ls_tensor))[0]
 
 
 def _check_activation(op: str, activation: Any) -> str:
@@ -644,15 +807,20 @@ class InfoNCEFunction(torch.autograd.Function):
         t = _checks.check_temperature("InfoNCEFunction", temperature)
         _check_bool("InfoNCEFunction", "use_cublas", use_cublas)
         _b.check_tensors("InfoNCEFunction", features=features)
-        loss, lse = _NT_XENT(features, t, "mean", False, None)
-        ctx.save_for_backward(features, lse)
-        ctx.temperature = t
+        # gradient in the forward when one will be needed (as nt_xent; inside forward grad
+        # mode is off, so requires_grad alone decides)
+        ctx.fused = features.requires_grad
+        loss, lse, acc, _norm = _NT_XENT(features, t, "mean", False, None, ctx.fused)
+        ctx.save_for_backward(acc if ctx.fused else features, lse)
+        ctx.temperature, ctx.dtype = t, features.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        features, lse = ctx.saved_tensors
-        dz = _BWD["nt_xent"](features, lse, grad_loss.contiguous(), ctx.temperature, "mean",
+        saved, lse = ctx.saved_tensors
+        if ctx.fused:
+            return (saved * grad_loss).to(ctx.dtype), None, None
+        dz = _BWD["nt_xent"](saved, lse, grad_loss.contiguous(), ctx.temperature, "mean",
                              False, None)
         return dz, None, None
 

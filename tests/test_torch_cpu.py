@@ -294,7 +294,9 @@ def _bits(t) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64],
                          ids=["f16", "bf16", "f32", "f64"])
 def test_bridge_is_bit_exact(dtype, reduction):
-    """The torch ops hand the core the tensors' bits and return the core's bits."""
+    """The torch ops hand the core the tensors' bits and return the core's bits: for "mean"
+    the core's fused forward and its backward (the gradient computed in the forward, scaled
+    in the backward), for "none" the O(N)-state backward."""
     rng = np.random.default_rng(7)
     n, d = 10, 6
     arr = {k: (rng.standard_normal(s) / 3).astype(dtype)
@@ -310,19 +312,23 @@ def test_bridge_is_bit_exact(dtype, reduction):
         for gt, gn in zip(grads, want_grads):
             np.testing.assert_array_equal(_bits(gt), _bits(_to_torch(np.asarray(gn))))
 
+    fused = reduction == "mean"
     loss, ctx = cupynce.nt_xent_forward(arr["z"], NT_T, **kw)
     check(ct.nt_xent(t["z"], NT_T, **kw), [t["z"]], loss,
+          [cupynce.nt_xent_backward(ctx, go)] if fused else
           [cupynce.nt_xent_backward_from_stats(arr["z"], ctx.stats[0], go, temperature=NT_T,
                                                **kw)])
     loss, ctx = cupynce.info_nce_forward(arr["q"], arr["k"], INFO_T, negatives=arr["neg"], **kw)
     check(ct.info_nce(t["q"], t["k"], INFO_T, negatives=t["neg"], **kw),
           [t["q"], t["k"], t["neg"]], loss,
+          cupynce.info_nce_backward(ctx, go) if fused else
           cupynce.info_nce_backward_from_stats(arr["q"], arr["k"], arr["neg"], ctx.stats[0], go,
                                                temperature=INFO_T, **kw))
     ls_np = np.asarray(CLIP_LS, np.float32)
     ls_t = torch.tensor(CLIP_LS, requires_grad=True)
     loss, ctx = cupynce.clip_loss_forward(arr["a"], arr["b"], ls_np, **kw)
     check(ct.clip_loss(t["a"], t["b"], ls_t, **kw), [t["a"], t["b"], ls_t], loss,
+          cupynce.clip_loss_backward(ctx, go) if fused else
           cupynce.clip_loss_backward_from_stats(arr["a"], arr["b"], ls_np, *ctx.stats, go, **kw))
 
 
@@ -343,18 +349,32 @@ def test_zero_copy_on_cpu(monkeypatch):
     assert seen[-1][0] == ml_dtypes.bfloat16
 
 
-def test_forward_saves_inputs_and_row_stats_only():
+def test_forward_saves_only_what_backward_needs():
+    """reduction="none": the inputs (by reference) and the O(N) row / column statistics.
+    "mean" / "sum" (gradient in the forward): the (N, D) gradient accumulators, and the
+    inputs and row norms only to normalise through (normalize=True) -- never N x N."""
     n, d = 10, 4
     g = _gen("saved")
     a, b = _leaf(_randn(g, (n, d))), _leaf(_randn(g, (n, d)))
     ls = _leaf(torch.tensor(2.0, dtype=torch.float64))
+    inputs = {a.data_ptr(), b.data_ptr(), ls.data_ptr()}
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
-        ct.clip_loss(a, b, ls, normalize=True)
-    inputs = {a.data_ptr(), b.data_ptr(), ls.data_ptr()}
+        ct.clip_loss(a, b, ls, normalize=True, reduction="none")
     stats = [x for x in saved if x.data_ptr() not in inputs]
     assert {x.data_ptr() for x in saved} >= inputs
     assert [tuple(x.shape) for x in stats] == [(n,), (n,)], [x.shape for x in saved]
+    for normalize in (True, False):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x,
+                                                      lambda x: x):
+            ct.clip_loss(a, b, ls, normalize=normalize)
+        shapes = sorted(tuple(x.shape) for x in saved if x.data_ptr() not in inputs
+                        and x.numel() > 0)
+        want = [(), (n,), (n,), (n, d), (n, d)] if normalize else [(), (n, d), (n, d)]
+        assert shapes == want, shapes
+        assert ({x.data_ptr() for x in saved} >= {a.data_ptr(), b.data_ptr()}) == normalize
+        assert ls.data_ptr() not in {x.data_ptr() for x in saved}
     # nothing at all without a gradient to compute
     saved.clear()
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
@@ -512,15 +532,53 @@ def test_compiled_training_step(op, monkeypatch):
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     bwd_calls = _count_calls(monkeypatch, f"{op}_backward_from_stats")
+    finish_calls = _count_calls(monkeypatch, "_finish_all")
     loss = compiled(x, y)
     got = torch.autograd.grad(loss, params, allow_unused=True)
     assert counter.frame_count == 1  # one graph: fullgraph=True would have raised on a break
-    assert len(bwd_calls) == 1  # the backward graph ran the backward op
+    # mean: gradient in the forward; the backward graph scales it (torch ops), through the
+    # grad_finish op where the rows are normalised (nt_xent: z; clip: a and b)
+    assert len(bwd_calls) == 0
+    assert len(finish_calls) == {"nt_xent": 1, "info_nce": 3, "clip_loss": 2}[op]
     torch.testing.assert_close(loss, eager, rtol=1e-12, atol=0)
     for g, w in zip(got, want):
         assert (g is None) == (w is None)
         if g is not None:
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("op", ["nt_xent", "info_nce", "clip_loss"])
+def test_compiled_training_step_per_row(op, monkeypatch):
+    """reduction="none": the backward graph runs the O(N)-state backward op."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    enc = torch.nn.Linear(6, 5, dtype=torch.float64)
+    clip = ct.ClipLoss(0.1, normalize=True, reduction="none").double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randn(8, 6, dtype=torch.float64)
+    w = torch.rand(8, dtype=torch.float64)
+
+    def step(x, y):
+        u, v = enc(x), enc(y)
+        if op == "nt_xent":
+            per_row = ct.nt_xent(torch.cat([u, v]), 0.3, reduction="none", normalize=True)
+            return (per_row * torch.cat([w, w])).sum()
+        if op == "info_nce":
+            return (ct.info_nce(u, v, 0.2, reduction="none") * w).sum()
+        return (clip(u, v) * w).sum()
+
+    params = [enc.weight, enc.bias, clip.logit_scale]
+    want = torch.autograd.grad(step(x, y), params, allow_unused=True)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    bwd_calls = _count_calls(monkeypatch, f"{op}_backward_from_stats")
+    got = torch.autograd.grad(compiled(x, y), params, allow_unused=True)
+    assert counter.frame_count == 1
+    assert len(bwd_calls) == 1
+    for g, r in zip(got, want):
+        assert (g is None) == (r is None)
+        if g is not None:
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-14)
 
 
 def test_compiled_step_under_autocast():
