@@ -57,6 +57,10 @@ USE_WGMMA = True
 #: halved tile count), hence the threshold.
 SYMMETRIC_LSE = True
 SYMMETRIC_LSE_MIN_ROWS = 16384
+#: NT-Xent's gradient pass on the tiles computes each pair of H = G + Gᵀ tiles once and
+#: writes the tile and its mirror (H is symmetric) when the whole 16-bit H fits the workspace
+#: in one block (N ≲ 23000 with the default 1 GiB); False: every tile.
+SYMMETRIC_H = True
 _TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 _TILE_THREADS = 256
 #: dynamic shared memory of a tile CTA (TSMEM_BYTES / WSMEM_BYTES in tiles.cu; a GPU test
@@ -438,14 +442,17 @@ def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift:
     dk = dq if self_pair else cp.zeros((nk, d), f32)
     dns = cp.zeros((ms, d), f32) if ms else None
     ct = -(-ncols // _TILE)
+    # NT-Xent with all of H in one block: each pair of tiles once, mirrored (tiles.cu tri_count)
+    tri = self_pair and SYMMETRIC_H and rb >= n and ms == 0
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         qb = q[r0:r1]
         g_blk = g_buf[:r1 - r0, :ncols]
         rt = -(-(r1 - r0) // _TILE)
-        _tile("h" if self_pair else "g", t, (rt, _splits(rt, ct)), qb, r0, k, neg_s,
+        splits = _splits(rt, ct // 2 + 1 if tri else ct)
+        _tile("h" if self_pair else "g", t, (rt, splits), qb, r0, k, neg_s,
               scale=scale, exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod,
-              lse_row=lse, lse_col=lse, weights=weights, g=g_blk)
+              lse_row=lse, lse_col=lse, weights=weights, g=g_blk, tri=tri)
         _blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
         if not self_pair:
             _blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=1.0)

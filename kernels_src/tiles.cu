@@ -409,13 +409,13 @@ __device__ __forceinline__ void tile_body(
     const int LT = (n1 + TBN - 1) / TBN;
     const int sb0 = MODE == MODE_SPMAX ? sp_grp * sp_per : 0;
     const int sb1 = MODE == MODE_SPMAX ? min(sp_batches, sb0 + sp_per) : 0;
-    // LSE2 with `tri` (NT-Xent, S = Z Z^T symmetric, A = B1 = Z, row0 = 0): row tile I takes
+    // LSE2 / H with `tri` (NT-Xent, S = Z Z^T symmetric, A = B1 = Z, row0 = 0): row tile I takes
     // the column tiles I + o (mod CT) for o = 0 .. tri_count(I) - 1 only, so every unordered
     // pair of tiles is computed once (see tri_count); the columns of the o >= 1 tiles get
     // column partials, which are the row sums of the rows of tile I + o for the tiles < I + o.
     const int CT = (ncols + TBN - 1) / TBN;
     const int tri_i = m0 / TBM;
-    const bool TRI = MODE == MODE_LSE2 && tri;
+    const bool TRI = (MODE == MODE_LSE2 || MODE == MODE_H) && tri;
     const int ntiles = MODE == MODE_SPMAX ? (sb1 - sb0) * LT : TRI ? tri_count(tri_i, CT) : CT;
     const int split = MODE == MODE_SPMAX ? 0 : blockIdx.y;
     const int splits = MODE == MODE_SPMAX ? 1 : gridDim.y;
@@ -807,6 +807,14 @@ __device__ __forceinline__ void tile_body(
                                 *(unsigned*)(grow_ptr + col) = pack2<T>(val[0], val[1]);
                             } else if (col < ncols) {
                                 grow_ptr[col] = Conv<T>::store(val[0]);
+                            }
+                            // H with `tri` (H = H^T, the whole matrix in g, row0 = 0): an
+                            // off-diagonal tile also writes its mirror H_JI = H_IJ^T
+                            if (MODE == MODE_H && TRI && n0 != m0) {
+#pragma unroll
+                                for (int e = 0; e < 2; ++e)
+                                    if (!C || col + e < ncols)
+                                        g[(i64)(col + e) * ldg + grow] = Conv<T>::store(val[e]);
                             }
                         }
                     }

@@ -621,3 +621,45 @@ def test_nt_xent_symmetric_forward(n, tiles_on, monkeypatch):
         fb_loss, _ = run_cupynce("nt_xent", inputs, kw, g, workspace_bytes=small)
         assert taken == [False]
         assert bool((fb_loss == sq_loss).all()), "the fallback is the square pass"
+
+
+@pytest.mark.parametrize("n", [2, 256, 300, 1030, 2048, 4100])
+def test_nt_xent_symmetric_gradient(n, tiles_on, monkeypatch):
+    """NT-Xent's gradient pass computes each pair of H = G + Gᵀ tiles once and writes the
+    mirror too (whole H in one workspace block): the gradient matches the float64 reference
+    and the square pass, run after run bit for bit, and a workspace that splits H into row
+    blocks takes the square pass."""
+    from cupynce import contrastive as C
+
+    rng = np.random.default_rng(zlib.crc32(f"symh{n}".encode()))
+    inputs = make_case("nt_xent", BF16, n, 64, rng, scale=1 / 8)
+    kw = dict(t=0.1, reduction="none", normalize=True)
+    g = rng.standard_normal(n)
+    flags = []
+    real = C._tile
+
+    def spy(stage, *args, **kwargs):
+        if stage == "h":
+            flags.append(kwargs.get("tri", False))
+        return real(stage, *args, **kwargs)
+
+    monkeypatch.setattr(C, "_tile", spy)
+    monkeypatch.setattr(C, "SYMMETRIC_H", True)
+    loss, (dz,) = run_cupynce("nt_xent", inputs, kw, g)
+    assert flags == [True], flags
+    ref_loss, (ref_dz,) = run_reference("nt_xent", inputs, kw, g)
+    assert rel(dz, ref_dz) <= 1e-2
+    again = run_cupynce("nt_xent", inputs, kw, g)[1][0]
+    assert bool((again.view(cp.uint16) == dz.view(cp.uint16)).all()), "not deterministic"
+    monkeypatch.setattr(C, "SYMMETRIC_H", False)
+    flags.clear()
+    sq = run_cupynce("nt_xent", inputs, kw, g)[1][0]
+    assert flags == [False]
+    assert rel(dz, cp.asnumpy(sq)) <= 5e-3, "symmetric and square gradient passes disagree"
+    if n >= 256:  # H in two or more row blocks: the square pass
+        monkeypatch.setattr(C, "SYMMETRIC_H", True)
+        flags.clear()
+        ldg = -(-n // 8) * 8
+        blocked = run_cupynce("nt_xent", inputs, kw, g, workspace_bytes=128 * ldg * 2)[1][0]
+        assert flags and not any(flags)
+        assert rel(blocked, cp.asnumpy(sq)) <= 5e-3
