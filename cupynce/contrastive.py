@@ -494,7 +494,7 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
                   part=(part.data.ptr + 4 * r0, part[1].data.ptr + 4 * r0, n),
                   pos_out=pos.data.ptr + 4 * r0, colp=(colp.data.ptr, colp[1].data.ptr),
                   lse_col=dots)
-            launch(_FILE, "col_combine", t, cgrid, (
+            launch(_FILE, "col_combine", t, (-(-n // 32),), (
                 colp, colp[1], np.int32(rt), np.int32(n), col_m, col_s, np.int32(0),
                 0, 0, 0, 0))
         lse_r = cp.empty((n,), f32)
@@ -503,7 +503,7 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
                (part, part[1], np.int64(n), np.int32(splits), np.int32(n), pos, lse_r, row_loss))
         lse_c = cp.empty((n,), f32)
         pair_loss = cp.empty((n,), f32)
-        launch(_FILE, "col_combine", t, cgrid, (
+        launch(_FILE, "col_combine", t, (-(-n // 32),), (
             colp, colp[1], np.int32(0), np.int32(n), col_m, col_s, np.int32(1),
             lse_r, row_loss, lse_c, pair_loss))
     grads = None
@@ -994,7 +994,7 @@ def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: 
             launch(_FILE, "col_partial", t, (cgrid[0], nc), (
                 s_blk, np.int64(n), np.int32(rows), np.int32(n), np.int32(chunk), ls,
                 a.type(1.0), part_m, part_s))
-            launch(_FILE, "col_combine", t, cgrid, (
+            launch(_FILE, "col_combine", t, (-(-n // 32),), (
                 part_m, part_s, np.int32(nc), np.int32(n), col_m, col_s, np.int32(r1 == n),
                 lse_r, row_loss, lse_c, pair_loss))
     grads = None

@@ -85,9 +85,13 @@ __device__ __forceinline__ void col_partial_body(
     part_s[(i64)blockIdx.y * n + j] = st.s;
 }
 
-// Column statistics, stage 2: fold the partials of one row block, in chunk order, into the
-// running (col_m, col_s). With `finalize`, also turn them into the column lse and the
-// per-pair CLIP loss: col_loss_j = lse_col_j - logit_jj, where logit_jj = lse_row_j - row_loss_j.
+// Column statistics, stage 2: fold the partials of one row block into the running
+// (col_m, col_s).  With `finalize`, also turn them into the column lse and the per-pair CLIP
+// loss: col_loss_j = lse_col_j - logit_jj, where logit_jj = lse_row_j - row_loss_j.
+// A block of CPN_BLOCK threads takes 32 columns (lane = column: coalesced loads); warp w folds
+// the chunks w, w + NW, ... (independent loads in flight instead of `chunks` dependent ones),
+// then warp 0 folds the running pair and the NW partials in warp order.  Fixed orders:
+// deterministic.  Launch with ceil(n / 32) blocks.
 template <typename A>
 __device__ __forceinline__ void col_combine_body(
     const A* __restrict__ part_m, const A* __restrict__ part_s, int chunks, int n,
@@ -95,10 +99,19 @@ __device__ __forceinline__ void col_combine_body(
     const A* __restrict__ lse_row, const A* __restrict__ row_loss,
     A* __restrict__ lse_col, A* __restrict__ pair_loss)
 {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= n) return;
+    enum { NW = CPN_BLOCK / 32 };
+    __shared__ A sm[NW][32], ss[NW][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j = blockIdx.x * 32 + lane;
+    Lse<A> part; part.init();
+    if (j < n)
+        for (int c = warp; c < chunks; c += NW) part.merge(part_m[(i64)c * n + j], part_s[(i64)c * n + j]);
+    sm[warp][lane] = part.m;
+    ss[warp][lane] = part.s;
+    __syncthreads();
+    if (warp != 0 || j >= n) return;
     Lse<A> st; st.m = col_m[j]; st.s = col_s[j];
-    for (int c = 0; c < chunks; ++c) st.merge(part_m[(i64)c * n + j], part_s[(i64)c * n + j]);
+    for (int w = 0; w < NW; ++w) st.merge(sm[w][lane], ss[w][lane]);
     col_m[j] = st.m; col_s[j] = st.s;
     if (finalize) {
         const A lc = st.value();
