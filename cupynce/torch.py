@@ -22,13 +22,25 @@ query/key interface), :class:`ClipLoss` (= :class:`SymmetricInfoNCE`, learnable 
 
 How it is wired
 ---------------
-Each loss is two torch custom ops (``torch.library.custom_op``, torch >= 2.4):
-``cupynce::<op>_fwd`` returns the loss and the O(N) row log-sum-exps, and
-``cupynce::<op>_bwd`` rebuilds the gradients from the inputs and those statistics
-(``cupynce.<op>_backward_from_stats``).  ``register_autograd`` connects them: the forward
-saves the inputs (references, no copy) and the statistics — never an N×N matrix nor an N×D
-gradient — and only when a gradient is required.  Both have ``register_fake`` shapes, so a
-``torch.compile`` d training step traces the forward and the backward without a graph break.
+Each loss is torch custom ops (``torch.library.custom_op``, torch >= 2.4), connected by
+``register_autograd``, with ``register_fake`` shapes so that a ``torch.compile`` d training
+step traces the forward and the backward without a graph break.  Nothing is saved when no
+gradient is required.  Two ways to the gradient:
+
+* reduction "mean" / "sum" with a gradient required (the usual training step):
+  ``cupynce::<op>_fwd`` runs the core's fused forward, which computes the gradient for a unit
+  upstream gradient in the same pass, and returns its fp32 (fp64) accumulators; the forward
+  saves them (O(N·D), never N×N) and the backward only scales them by ``grad_output`` and
+  casts (two torch ops, the core's own rounding), through ``cupynce::grad_finish`` where the
+  rows were normalised.  Why: autograd runs a CUDA backward on its own device thread, where a
+  full Python backward cost ~1.7x its main-thread time (benchmarks/NOTES.md); this halved
+  the host time per call (N = 64: nt_xent 1846 -> 802 µs, clip_loss 2005 -> 1140 µs above
+  the kernels on the H100 host).
+* reduction "none" (a per-row upstream gradient): ``cupynce::<op>_fwd`` returns the loss and
+  the O(N) row log-sum-exps, the forward saves the inputs (references, no copy) and those
+  statistics, and ``cupynce::<op>_bwd`` rebuilds the gradients from them
+  (``cupynce.<op>_backward_from_stats``).
+
 On torch < 2.4 the same kernels run through plain ``torch.autograd.Function`` s (eager only).
 Double backward is not supported.
 
