@@ -8,7 +8,7 @@ import os, sys, numpy as np, cupy as cp, ml_dtypes, cupynce
 from cupynce import contrastive as C
 C.USE_TILES = True
 C.USE_WGMMA = sys.argv[1] == "wg"
-C.SYMMETRIC_LSE_MIN_ROWS = 2  # the symmetric NT-Xent forward at these small sizes too
+C.SYMMETRIC_LSE_MIN_ND = 0  # the symmetric NT-Xent forward at these small sizes too
 bf = ml_dtypes.bfloat16
 rng = np.random.default_rng(0)
 x = cp.asarray(rng.standard_normal((2, 200, 72)).astype(bf))

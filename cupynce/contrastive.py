@@ -49,17 +49,20 @@ USE_TILES: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("CUPYNCE_
 #: On Hopper, run the wgmma main loop (False: the mma.sync one, so tests can cover both there).
 USE_WGMMA = True
 #: NT-Xent's forward on the tiles computes each pair of score tiles once (S = Z Zᵀ is
-#: symmetric: row and column partials of half the tiles, see ``_tile_lse_symmetric``) for
-#: N >= ``SYMMETRIC_LSE_MIN_ROWS`` when its column partials, 8 · N · ceil(N / 128) bytes, fit
-#: the workspace; False: every tile.  Measured on an H100 (bf16, D = 512, forward): N = 65536
-#: 11.0 -> 8.1 ms, 32768 2.84 -> 2.22, 16384 0.79 -> 0.67, but N = 8192 0.25 -> 0.28-0.33 ms
-#: (64 row tiles: the heavier row + column epilogue and the extra launches outweigh the
-#: halved tile count), hence the threshold.
+#: symmetric: row and column partials of half the tiles, see ``_tile_lse_symmetric``) when
+#: N · D >= ``SYMMETRIC_LSE_MIN_ND`` and its column partials, 8 · N · ceil(N / 128) bytes, fit
+#: the workspace; False: every tile.  Its row + column epilogue costs more per tile than the
+#: row-only one, so it pays where the products dominate.  Measured on an H100 (bf16,
+#: forward + backward, square -> symmetric): D = 512: N = 65536 34.3 -> 30.6 ms, 32768 8.54 ->
+#: 7.72, 16384 2.17 -> 2.09, 8192 0.65 -> 0.68; D = 256: 65536 22.0 -> 21.6, 32768 5.54 ->
+#: 5.53, 16384 1.48 -> 1.54, 8192 0.47 -> 0.54; hence the threshold (N = 16384 at D = 512).
 SYMMETRIC_LSE = True
-SYMMETRIC_LSE_MIN_ROWS = 16384
+SYMMETRIC_LSE_MIN_ND = 16384 * 512
 #: NT-Xent's gradient pass on the tiles computes each pair of H = G + Gᵀ tiles once and
 #: writes the tile and its mirror (H is symmetric) when the whole 16-bit H fits the workspace
-#: in one block (N ≲ 23000 with the default 1 GiB); False: every tile.
+#: in one block (N ≲ 23000 with the default 1 GiB); False: every tile.  H100, bf16, D = 512,
+#: forward + backward: N = 16384 2.17 -> 1.90 ms, 8192 0.65 -> 0.58; D = 256: 1.48 -> 1.46,
+#: 0.47 -> 0.46.
 SYMMETRIC_H = True
 _TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 _TILE_THREADS = 256
@@ -426,7 +429,7 @@ def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift:
     stats = None
     if lse_in is not None:
         stats = lse_in, None
-    elif self_pair and SYMMETRIC_LSE and n >= SYMMETRIC_LSE_MIN_ROWS and neg_s is None \
+    elif self_pair and SYMMETRIC_LSE and n * d >= SYMMETRIC_LSE_MIN_ND and neg_s is None \
             and exclude_diag and pos_mod == n and 2 * pos_shift == n:
         stats = _tile_lse_symmetric(q, scale, pos_shift, workspace_bytes, op)
     if stats is None:

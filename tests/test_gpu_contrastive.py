@@ -602,7 +602,7 @@ def test_nt_xent_symmetric_forward(n, tiles_on, monkeypatch):
 
     monkeypatch.setattr(C, "_tile_lse_symmetric", spy)
     monkeypatch.setattr(C, "SYMMETRIC_LSE", True)
-    monkeypatch.setattr(C, "SYMMETRIC_LSE_MIN_ROWS", 2)  # (default: N >= 16384 only)
+    monkeypatch.setattr(C, "SYMMETRIC_LSE_MIN_ND", 0)  # (default: N D >= 16384 * 512)
     sym_loss, sym_grads = run_cupynce("nt_xent", inputs, kw, g)
     assert taken == [True], "the symmetric forward was not used"
     ref_loss, ref_grads = run_reference("nt_xent", inputs, kw, g)
