@@ -446,7 +446,8 @@ def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift:
     dns = cp.zeros((ms, d), f32) if ms else None
     ct = -(-ncols // _TILE)
     # NT-Xent with all of H in one block: each pair of tiles once, mirrored (tiles.cu tri_count)
-    tri = self_pair and SYMMETRIC_H and rb >= n and ms == 0
+    tri = (self_pair and SYMMETRIC_H and rb >= n and ms == 0 and pos_mod == n
+           and 2 * pos_shift == n)  # H = Hᵀ needs the involutive pairing i <-> i + n/2
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         qb = q[r0:r1]

@@ -389,11 +389,23 @@ def _fused_flag(inputs, n_args: int) -> bool:
     return bool(inputs[n_args]) if len(inputs) > n_args else False
 
 
+def _compiling() -> bool:
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(fn()) if fn is not None else False
+
+
 def _scaled(x: Optional[Tensor], norm: Tensor, acc: Tensor, grad_loss: Tensor,
             dtype: torch.dtype, normalize: bool) -> Tensor:
     """A fused forward's gradient for upstream ``grad_loss``: ``acc * g`` cast to the input
     dtype (= the core's scale_cast: one fp32 / fp64 product, one rounding), or through the
-    normalisation by the ``grad_finish`` op."""
+    normalisation by the ``grad_finish`` op.
+
+    Double backward is not supported: ``acc`` does not depend on the inputs in autograd's
+    eyes, so a graph built here (``create_graph=True``) would silently drop the gradient's own
+    dependence on them; raise instead (the per-row path's backward op has no autograd formula
+    and fails the same way)."""
+    if torch.is_grad_enabled() and not _compiling():
+        raise RuntimeError("cupynce.torch: double backward (create_graph=True) is not supported")
     if normalize:
         return _FINISH(x, norm, acc, grad_loss.contiguous())
     return (acc * grad_loss).to(dtype)
@@ -831,7 +843,7 @@ class InfoNCEFunction(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):
         saved, lse = ctx.saved_tensors
         if ctx.fused:
-            return (saved * grad_loss).to(ctx.dtype), None, None
+            return _scaled(None, lse, saved, grad_loss, ctx.dtype, False), None, None
         dz = _BWD["nt_xent"](saved, lse, grad_loss.contiguous(), ctx.temperature, "mean",
                              False, None)
         return dz, None, None

@@ -752,3 +752,27 @@ def test_clip_loss_module_state_dict_round_trip():
 def test_clip_loss_module_errors(kwargs, exc, msg):
     with pytest.raises(exc, match=f"ClipLoss: {msg}"):
         ct.ClipLoss(**kwargs)
+
+
+@pytest.mark.parametrize("op,normalize,reduction", [
+    (op, nz, red) for op in ("nt_xent", "info_nce", "clip_loss")
+    for nz in (False, True) for red in ("mean", "none")] + [("InfoNCEFunction", False, "mean")])
+def test_double_backward_raises(op, normalize, reduction):
+    """create_graph=True: an error, never a gradient that silently drops its own dependence on
+    the inputs (the fused path's backward scales accumulators autograd cannot see into)."""
+    g = _gen(f"dbl{op}{normalize}{reduction}")
+    a, b = _leaf(_randn(g, (8, 4))), _leaf(_randn(g, (8, 4)))
+    ls = _leaf(torch.tensor(2.0, dtype=torch.float64))
+    kw = dict(reduction=reduction, normalize=normalize)
+    if op == "nt_xent":
+        loss, leaves = ct.nt_xent(a, 0.5, **kw), [a]
+    elif op == "info_nce":
+        loss, leaves = ct.info_nce(a, b, 0.2, **kw), [a, b]
+    elif op == "clip_loss":
+        loss, leaves = ct.clip_loss(a, b, ls, **kw), [a, b, ls]
+    else:
+        loss, leaves = ct.InfoNCEFunction.apply(a, 0.5, False), [a]
+    grads = None
+    with pytest.raises(RuntimeError):
+        grads = torch.autograd.grad(loss.sum(), leaves, create_graph=True)
+        sum(x.pow(2).sum() for x in grads).backward()
