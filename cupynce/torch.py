@@ -42,7 +42,7 @@ gradient is required.  Two ways to the gradient:
   (``cupynce.<op>_backward_from_stats``).
 
 On torch < 2.4 the same kernels run through plain ``torch.autograd.Function`` s (eager only).
-Double backward is not supported.
+Double backward (``create_graph=True``) is not supported and raises a RuntimeError.
 
 ``splade_pool`` is wired the same way: ``cupynce::splade_pool_fwd`` returns out (B, V) and the
 winning positions l* (B, V) (``ctx.stats[0]`` of the core, int16 or int32 for long L), and
