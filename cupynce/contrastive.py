@@ -149,7 +149,8 @@ def _gpu_finish(x, norm, acc, g):
                (x, np.int64(_blas.leading_dim(x)), np.int32(d), acc.dtype.type(NORM_EPS), norm, acc,
                 _ptr(g), out))
     else:
-        grid = min((acc.size + BLOCK - 1) // BLOCK, 65535)
+        per_thread = 4 if acc.dtype == np.float32 else 1  # (4-wide loads for fp32, aligned)
+        grid = min(-(-acc.size // (BLOCK * per_thread)), 65535)
         launch(_FILE, "scale_cast", x.dtype, (grid,), (acc, np.int64(acc.size), _ptr(g), out))
     return out
 
@@ -482,8 +483,7 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
         # column partials: one (m, s) pair per (row tile, column) of the rows in flight
         rg = _blas.plan_rows("clip_loss", n, -(-8 * n // _TILE), workspace_bytes, align=_TILE)
         colp = cp.empty((2, -(-rg // _TILE), n), f32)
-        col_m = cp.full((n,), -np.inf, f32)
-        col_s = cp.zeros((n,), f32)
+        col_m = col_s = None  # made after the first tile launch (host time off the GPU's path)
         cgrid = (-(-n // BLOCK),)
         # a_j . b_j: the kernel shifts column j's exponentials by its positive logit
         dots = cp.empty((n,), f32)
@@ -498,6 +498,9 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
                   part=(part.data.ptr + 4 * r0, part[1].data.ptr + 4 * r0, n),
                   pos_out=pos.data.ptr + 4 * r0, colp=(colp.data.ptr, colp[1].data.ptr),
                   lse_col=dots)
+            if col_m is None:
+                col_m = cp.full((n,), -np.inf, f32)
+                col_s = cp.zeros((n,), f32)
             launch(_FILE, "col_combine", t, (-(-n // 32),), (
                 colp, colp[1], np.int32(rt), np.int32(n), col_m, col_s, np.int32(0),
                 0, 0, 0, 0))

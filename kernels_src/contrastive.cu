@@ -239,13 +239,37 @@ __device__ __forceinline__ void l2norm_bwd_body(
     }
 }
 
+// Four fp32 accumulators per 16-byte load and four T per store, for aligned buffers; returns
+// how many leading elements it handled (0: not float or not aligned).  Same arithmetic per
+// element as the scalar loop: one fp32 product, one rounding.
+template <typename T> struct alignas(4 * sizeof(T)) Vec4 { T v[4]; };
+template <typename T, typename A> struct CastVec {
+    static __device__ __forceinline__ i64 run(const A*, i64, A, T*) { return 0; }
+};
+template <typename T> struct CastVec<T, float> {
+    static __device__ __forceinline__ i64 run(const float* __restrict__ acc, i64 n, float gs,
+                                              T* __restrict__ out) {
+        if (((size_t)acc & 15) || ((size_t)out & (4 * sizeof(T) - 1))) return 0;
+        const i64 n4 = n >> 2;
+        for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < n4; q += (i64)gridDim.x * blockDim.x) {
+            const float4 v = reinterpret_cast<const float4*>(acc)[q];
+            Vec4<T> o;
+            o.v[0] = Conv<T>::store(v.x * gs); o.v[1] = Conv<T>::store(v.y * gs);
+            o.v[2] = Conv<T>::store(v.z * gs); o.v[3] = Conv<T>::store(v.w * gs);
+            reinterpret_cast<Vec4<T>*>(out)[q] = o;
+        }
+        return n4 * 4;
+    }
+};
+
 // out[k] = T(acc[k] * (g ? *g : 1)): the final cast of an accumulated gradient.
 template <typename T, typename A>
 __device__ __forceinline__ void scale_cast_body(
     const A* __restrict__ acc, i64 n, const A* __restrict__ g, T* __restrict__ out)
 {
     const A gs = g ? g[0] : A(1);
-    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (i64)gridDim.x * blockDim.x)
+    const i64 done = CastVec<T, A>::run(acc, n, gs, out);
+    for (i64 k = done + (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (i64)gridDim.x * blockDim.x)
         out[k] = Conv<T>::store(acc[k] * gs);
 }
 
