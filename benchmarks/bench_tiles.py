@@ -47,7 +47,7 @@ def main() -> None:
         "tile_lse (+finish)": lambda: C._tile_lse(q, k, None, 10.0, exclude_diag=False,
                                                   pos_shift=0, pos_mod=n),
         "tile_lse symmetric (NT-Xent, +dots, finish)": lambda: C._tile_lse_symmetric(
-            q, 10.0, n // 2, None, "nt_xent"),
+            q, 10.0, n // 2, None),
         "tile_g": lambda: C._tile("g", dt, (rt, sp), q, 0, k, None, scale=10.0, pos_mod=n,
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
         "tile_h": lambda: C._tile("h", dt, (rt, sp), q, 0, q, None, scale=10.0, pos_mod=n,

@@ -367,7 +367,7 @@ def _tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, 
     return lse, loss
 
 
-def _tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes, op: str):
+def _tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
     """NT-Xent's row log-sum-exps and losses with each pair of score tiles computed once.
 
     S = Z Zᵀ is symmetric, so the column sums of tile (I, J) are the row sums of tile (J, I).
@@ -427,12 +427,15 @@ def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift:
     nk = k.shape[0]
     ms = 0 if neg_s is None else neg_s.shape[0]
     ncols = nk + ms
+    # NT-Xent: S = Z Zᵀ and the pairing i <-> i + n/2 is its own inverse, so S and H = G + Gᵀ
+    # are symmetric and each pair of tiles needs computing once (tiles.cu tri_count)
+    symmetric = (self_pair and neg_s is None and exclude_diag and pos_mod == n
+                 and 2 * pos_shift == n)
     stats = None
     if lse_in is not None:
         stats = lse_in, None
-    elif self_pair and SYMMETRIC_LSE and n * d >= SYMMETRIC_LSE_MIN_ND and neg_s is None \
-            and exclude_diag and pos_mod == n and 2 * pos_shift == n:
-        stats = _tile_lse_symmetric(q, scale, pos_shift, workspace_bytes, op)
+    elif symmetric and SYMMETRIC_LSE and n * d >= SYMMETRIC_LSE_MIN_ND:
+        stats = _tile_lse_symmetric(q, scale, pos_shift, workspace_bytes)
     if stats is None:
         stats = _tile_lse(q, k, neg_s, scale, exclude_diag=exclude_diag, pos_shift=pos_shift,
                           pos_mod=pos_mod)
@@ -446,9 +449,7 @@ def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift:
     dk = dq if self_pair else cp.zeros((nk, d), f32)
     dns = cp.zeros((ms, d), f32) if ms else None
     ct = -(-ncols // _TILE)
-    # NT-Xent with all of H in one block: each pair of tiles once, mirrored (tiles.cu tri_count)
-    tri = (self_pair and SYMMETRIC_H and rb >= n and ms == 0 and pos_mod == n
-           and 2 * pos_shift == n)  # H = Hᵀ needs the involutive pairing i <-> i + n/2
+    tri = symmetric and SYMMETRIC_H and rb >= n  # all of H in one block: tiles mirrored
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         qb = q[r0:r1]

@@ -394,7 +394,7 @@ def _compiling() -> bool:
     return bool(fn()) if fn is not None else False
 
 
-def _scaled(x: Optional[Tensor], norm: Tensor, acc: Tensor, grad_loss: Tensor,
+def _scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: Tensor,
             dtype: torch.dtype, normalize: bool) -> Tensor:
     """A fused forward's gradient for upstream ``grad_loss``: ``acc * g`` cast to the input
     dtype (= the core's scale_cast: one fp32 / fp64 product, one rounding), or through the
@@ -843,7 +843,7 @@ class InfoNCEFunction(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):
         saved, lse = ctx.saved_tensors
         if ctx.fused:
-            return _scaled(None, lse, saved, grad_loss, ctx.dtype, False), None, None
+            return _scaled(None, None, saved, grad_loss, ctx.dtype, False), None, None
         dz = _BWD["nt_xent"](saved, lse, grad_loss.contiguous(), ctx.temperature, "mean",
                              False, None)
         return dz, None, None
