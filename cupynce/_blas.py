@@ -27,21 +27,34 @@ from ._kernels import BFLOAT16
 DEFAULT_WORKSPACE_BYTES = 1 << 30
 #: Never take more than this fraction of the free device memory by default.
 FREE_MEMORY_FRACTION = 0.5
+#: With the default workspace, a block of at most this many bytes is taken whole without
+#: querying the free memory (a 16-bit 8192 x 8192 block; the query is a driver call).
+SMALL_BLOCK_BYTES = 128 << 20
+
+
+_CUDA_TYPES: dict = {}
 
 
 def _cuda_type(dtype) -> int:
+    t = _CUDA_TYPES.get(dtype)
+    if t is not None:
+        return t
     from cupy.cuda import runtime
 
+    key = dtype
     dtype = np.dtype(dtype)
     if dtype == np.float32:
-        return runtime.CUDA_R_32F
-    if dtype == np.float64:
-        return runtime.CUDA_R_64F
-    if dtype == np.float16:
-        return runtime.CUDA_R_16F
-    if dtype == BFLOAT16:
-        return runtime.CUDA_R_16BF
-    raise ValueError(f"gemm: unsupported dtype {dtype}")
+        t = runtime.CUDA_R_32F
+    elif dtype == np.float64:
+        t = runtime.CUDA_R_64F
+    elif dtype == np.float16:
+        t = runtime.CUDA_R_16F
+    elif dtype == BFLOAT16:
+        t = runtime.CUDA_R_16BF
+    else:
+        raise ValueError(f"gemm: unsupported dtype {dtype}")
+    _CUDA_TYPES[key] = t
+    return t
 
 
 def leading_dim(x, name: str = "x") -> int:
@@ -50,6 +63,21 @@ def leading_dim(x, name: str = "x") -> int:
     if x.ndim != 2 or (x.shape[1] > 1 and x.strides[1] != item) or x.strides[0] % item:
         raise ValueError(f"gemm: {name} must be a row-major matrix view, strides {x.strides}")
     return max(x.strides[0] // item, x.shape[1], 1)
+
+
+_SCALARS: dict = {}
+
+
+def _scalar(value: float, wide: bool):
+    """alpha / beta as a host scalar cuBLAS reads by pointer (kept alive: the common values
+    are made once)."""
+    key = (value, wide)
+    arr = _SCALARS.get(key)
+    if arr is None:
+        arr = np.array(value, dtype=np.float64 if wide else np.float32)
+        if len(_SCALARS) < 64:
+            _SCALARS[key] = arr
+    return arr
 
 
 def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
@@ -66,10 +94,10 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     k = a.shape[0] if trans_a else a.shape[1]
     if m == 0 or n == 0:
         return
-    wide = np.float64 if a.dtype == np.float64 else np.float32
-    compute = cublas.CUBLAS_COMPUTE_64F if wide == np.float64 else cublas.CUBLAS_COMPUTE_32F
-    al = np.array(alpha, dtype=wide)
-    be = np.array(beta, dtype=wide)
+    wide = a.dtype == np.float64
+    compute = cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F
+    al = _scalar(alpha, wide)
+    be = _scalar(beta, wide)
     handle = device.get_cublas_handle()
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     # Row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T: swap the operands.
@@ -100,13 +128,24 @@ def workspace_cap(workspace_bytes: Optional[int]) -> int:
     return min(DEFAULT_WORKSPACE_BYTES, int(FREE_MEMORY_FRACTION * free_device_bytes()))
 
 
+def fits(nbytes: int, workspace_bytes: Optional[int]) -> bool:
+    """Whether a buffer of ``nbytes`` fits the workspace (see :func:`plan_rows`)."""
+    if workspace_bytes is None and nbytes <= SMALL_BLOCK_BYTES:
+        return True
+    return nbytes <= workspace_cap(workspace_bytes)
+
+
 def plan_rows(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[int],
               *, align: int = 64) -> int:
     """Rows per block so that ``rows_per_block * bytes_per_row <= workspace``.
 
     ``workspace_bytes=None`` takes ``min(DEFAULT_WORKSPACE_BYTES, FREE_MEMORY_FRACTION *
-    free memory)``.  Blocks are rounded down to a multiple of ``align`` rows when larger.
+    free memory)``, except that a whole block of at most ``SMALL_BLOCK_BYTES`` is taken
+    without asking the driver for the free memory (the query costs more host time than a
+    small op's kernels).  Blocks are rounded down to a multiple of ``align`` rows when larger.
     """
+    if workspace_bytes is None and rows * bytes_per_row <= SMALL_BLOCK_BYTES:
+        return rows
     cap = workspace_cap(workspace_bytes)
     r = cap // max(bytes_per_row, 1)
     if r < 1:

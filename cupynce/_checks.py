@@ -18,12 +18,17 @@ from ._kernels import SUPPORTED_DTYPES
 REDUCTIONS = ("mean", "sum", "none")
 
 
+_CUPY: list = []  # [cupy or None] once looked up (the checks run on every call)
+
+
 def _cupy():
-    try:
-        import cupy
-    except ImportError:  # pragma: no cover - exercised only without CuPy
-        return None
-    return cupy
+    if not _CUPY:
+        try:
+            import cupy
+        except ImportError:  # pragma: no cover - exercised only without CuPy
+            cupy = None
+        _CUPY.append(cupy)
+    return _CUPY[0]
 
 
 def is_cupy_array(x: Any) -> bool:
@@ -177,7 +182,8 @@ def check_grad_loss(op: str, grad_loss: Any, reduction: str, n: int, xp: ModuleT
 def check_positive_finite(op: str, name: str, value: Any) -> float:
     """A Python/NumPy real scalar, finite and > 0 (module hyper-parameters: ``init_temperature``,
     ``max_logit_scale``, and the ops' ``temperature``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is not float and (isinstance(value, bool)
+                                     or not isinstance(value, numbers.Real)):
         raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
     v = float(value)
     if not math.isfinite(v) or v <= 0.0:

@@ -181,13 +181,24 @@ def _loader(filename: str):
     return load
 
 
+#: (file, stage, dtype, device id) -> loaded function: a launch costs a dict lookup, not a
+#: module lookup (``cuModuleGetFunction``) and a new Function object per call.
+_FUNCTIONS: Dict[tuple, object] = {}
+
+
 def get_kernel(filename: str, stage: str, dtype):
     """The ``cpn_<stage>_<dtype>`` kernel of ``kernels_src/filename`` on the current device."""
-    fn = _loader(filename)().get_function(f"cpn_{stage}_{dtype_suffix(dtype)}")
-    if os.environ.get("CUPYNCE_DEBUG_KERNELS"):
-        attrs = fn.attributes
-        print(f"cupynce: {fn.name}: {attrs['num_regs']} regs, "
-              f"{attrs['shared_size_bytes']} B shared, {attrs['local_size_bytes']} B local")
+    from cupy.cuda import runtime
+
+    key = (filename, stage, dtype, runtime.getDevice())
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _loader(filename)().get_function(f"cpn_{stage}_{dtype_suffix(dtype)}")
+        if os.environ.get("CUPYNCE_DEBUG_KERNELS"):
+            attrs = fn.attributes
+            print(f"cupynce: {fn.name}: {attrs['num_regs']} regs, "
+                  f"{attrs['shared_size_bytes']} B shared, {attrs['local_size_bytes']} B local")
+        _FUNCTIONS[key] = fn
     return fn
 
 

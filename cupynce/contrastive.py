@@ -22,6 +22,8 @@ The full N × N matrix never exists unless it fits in the workspace.
 """
 from __future__ import annotations
 
+import functools
+
 import os
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -96,12 +98,27 @@ class Context:
 # small helpers shared by the GPU and NumPy paths
 # ----------------------------------------------------------------------------------------
 def _reduce(xp, per_row, reduction: str):
-    """The reduced loss: a 0-d array (mean/sum) or the per-row array (none)."""
-    if reduction == "mean":
-        return xp.asarray(per_row.mean())
-    if reduction == "sum":
-        return xp.asarray(per_row.sum())
-    return per_row
+    """The reduced loss: a 0-d array (mean/sum) or the per-row array (none).
+
+    On the GPU one single-block kernel (``sum_rows``: a fixed-order sum, then / n for the
+    mean) instead of CuPy's reduction, whose host time is several launches'.
+    """
+    if reduction == "none":
+        return per_row
+    if xp is np:
+        return np.asarray(per_row.mean() if reduction == "mean" else per_row.sum())
+    return _gpu_sum(per_row, per_row.size if reduction == "mean" else 1)
+
+
+def _gpu_sum(x, divisor: int):
+    """``sum(x) / divisor`` as a 0-d array of x's (float32/64) dtype, in a fixed order."""
+    import cupy as cp
+
+    if not x.flags.c_contiguous:
+        x = cp.ascontiguousarray(x)
+    out = cp.empty((), x.dtype)
+    launch(_FILE, "sum_rows", x.dtype, (1,), (x, np.int64(x.size), x.dtype.type(divisor), out))
+    return out
 
 
 def _row_weight(reduction: str, n: int) -> float:
@@ -223,10 +240,10 @@ def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift
         if want_grad:
             g2 = cp.empty((n, mp), a)
     dq = dk = dns = dnp = None
-    if want_grad:
-        dq = cp.zeros((n, d), a)
-        dk = dq if self_pair else cp.zeros((nk, d), a)
-        dns = cp.zeros((ms, d), a) if ms else None
+    if want_grad:  # written by the first row block's products (beta = 0), then accumulated
+        dq = cp.empty((n, d), a)
+        dk = dq if self_pair else cp.empty((nk, d), a)
+        dns = cp.empty((ms, d), a) if ms else None
     w_arr, w_stride, w_mul = weights
 
     for r0 in range(0, n, rb):
@@ -247,11 +264,16 @@ def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift
             _ptr(g2) + r0 * mp * a.itemsize if g2 is not None else 0, np.int64(mp),
             _ptr(w_arr), np.int64(w_stride), a.type(w_mul)))
         if want_grad:
-            _blas.gemm(g_blk[:, :nk], k, dq[r0:r1], beta=1.0)
-            _blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=1.0)
+            acc = 1.0 if r0 else 0.0
+            if self_pair:  # dk is dq: its every row is first written by the Gᵀ Q product
+                _blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
+                _blas.gemm(g_blk[:, :nk], k, dq[r0:r1], beta=1.0)
+            else:
+                _blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
+                _blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
             if ms:
                 _blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
-                _blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=1.0)
+                _blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
     if want_grad and mp:
         dnp = cp.empty((n, mp, d), a)
         launch(_FILE, "paired_grad", t, (n,),
@@ -296,6 +318,11 @@ def _wgmma() -> bool:
 
 
 def _splits(row_tiles: int, col_tiles: int) -> int:
+    return _splits_for(row_tiles, col_tiles, _device_caps()[1])
+
+
+@functools.lru_cache(maxsize=1024)
+def _splits_for(row_tiles: int, col_tiles: int, slots: int) -> int:
     """Column splits of a tile grid: the fewest (longest CTAs, fewest partials) that fill the
     GPU's CTA slots in waves >= 90 % full on average, else the best-filling count.
 
@@ -304,7 +331,6 @@ def _splits(row_tiles: int, col_tiles: int) -> int:
     x 2 splits = 128 CTAs, one wave 97 % full, where the former "two CTAs per SM" rule gave
     320 CTAs in 3 waves, the last 42 % full.)
     """
-    slots = _device_caps()[1]
     rt = max(row_tiles, 1)
     best, best_fill = 1, 0.0
     for s in range(1, max(1, min(col_tiles, 4 * slots)) + 1):
@@ -356,14 +382,15 @@ def _tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, 
     rt, ct = -(-n // _TILE), -(-ncols // _TILE)
     splits = _splits(rt, ct)
     part = cp.empty((2, splits, n), f32)
+    part_s = part.data.ptr + 4 * splits * n  # the sums' half (a pointer: no view)
     pos = cp.empty((n,), f32)
     _tile("lse", t, (rt, splits), q, 0, k, neg_s, scale=scale, exclude_diag=exclude_diag,
           pos_shift=pos_shift, pos_mod=pos_mod,
-          part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos.data.ptr)
+          part=(part.data.ptr, part_s, n), pos_out=pos.data.ptr)
     lse = cp.empty((n,), f32)
     loss = cp.empty((n,), f32)
     launch(_TILES, "tile_finish", t, (-(-n // BLOCK),),
-           (part, part[1], np.int64(n), np.int32(splits), np.int32(n), pos, lse, loss))
+           (part, part_s, np.int64(n), np.int32(splits), np.int32(n), pos, lse, loss))
     return lse, loss
 
 
@@ -384,25 +411,28 @@ def _tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
     t, f32 = z.dtype, np.dtype(np.float32)
     n, d = z.shape
     ct = -(-n // _TILE)
-    if 8 * n * ct > _blas.workspace_cap(workspace_bytes):
+    if not _blas.fits(8 * n * ct, workspace_bytes):
         return None
     half = pos_shift  # NT-Xent: positive of row i is i + half (mod 2 half)
     cnt = ct // 2 + 1  # tiles of the busiest row tile
     splits = _splits(ct, cnt)
     part = cp.empty((2, splits, n), f32)
     colp = cp.empty((2, ct, n), f32)
-    dots = cp.empty((half,), f32)
+    # the lse2 pass reads the column shift from lse_col: the positive dot of every column,
+    # dots[i] = dots[i + half] = z_i . z_{i + half}
+    dots = cp.empty((n,), f32)
     second = z[half:]
     if _blas.leading_dim(second) != d:
         second = cp.ascontiguousarray(second)
     launch(_FILE, "paired_dots", t, (-(-half * 32 // BLOCK),),
            (z, np.int64(_blas.leading_dim(z)), second, np.int32(half), np.int32(1),
             np.int32(d), dots))
-    # the lse2 pass reads the column shift from lse_col: the positive dot of every column
-    dots_all = cp.concatenate((dots, dots))
+    cp.cuda.runtime.memcpyAsync(dots.data.ptr + 4 * half, dots.data.ptr, 4 * half,
+                                cp.cuda.runtime.memcpyDeviceToDevice,
+                                cp.cuda.get_current_stream().ptr)
     _tile("lse2", t, (ct, splits), z, 0, z, None, scale=scale, exclude_diag=True,
           pos_shift=pos_shift, pos_mod=n, part=(part.data.ptr, part[1].data.ptr, n),
-          colp=(colp.data.ptr, colp[1].data.ptr), lse_col=dots_all, tri=True)
+          colp=(colp.data.ptr, colp[1].data.ptr), lse_col=dots, tri=True)
     lse = cp.empty((n,), f32)
     loss = cp.empty((n,), f32)
     launch(_TILES, "tile_finish_tri", t, (-(-n // 32),),
@@ -446,8 +476,8 @@ def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift:
     rb = _blas.plan_rows(op, n, ldg * t.itemsize, workspace_bytes, align=_TILE)
     g_buf = cp.empty((rb, ldg), t)
     dq = cp.empty((n, d), f32)
-    dk = dq if self_pair else cp.zeros((nk, d), f32)
-    dns = cp.zeros((ms, d), f32) if ms else None
+    dk = dq if self_pair else cp.empty((nk, d), f32)  # first row block: beta = 0
+    dns = cp.empty((ms, d), f32) if ms else None
     ct = -(-ncols // _TILE)
     tri = symmetric and SYMMETRIC_H and rb >= n  # all of H in one block: tiles mirrored
     for r0 in range(0, n, rb):
@@ -459,12 +489,13 @@ def _gpu_rows_tiles(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift:
         _tile("h" if self_pair else "g", t, (rt, splits), qb, r0, k, neg_s,
               scale=scale, exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod,
               lse_row=lse, lse_col=lse, weights=weights, g=g_blk, tri=tri)
+        acc = 1.0 if r0 else 0.0
         _blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
         if not self_pair:
-            _blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=1.0)
+            _blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
         if ms:
             _blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
-            _blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=1.0)
+            _blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
     return lse, loss, (dq, dk, dns, None)
 
 
@@ -484,7 +515,8 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
         # column partials: one (m, s) pair per (row tile, column) of the rows in flight
         rg = _blas.plan_rows("clip_loss", n, -(-8 * n // _TILE), workspace_bytes, align=_TILE)
         colp = cp.empty((2, -(-rg // _TILE), n), f32)
-        col_m = col_s = None  # made after the first tile launch (host time off the GPU's path)
+        colp_s = colp.data.ptr + 4 * colp[0].size
+        col_m = col_s = None  # running column state, only when the rows come in several groups
         cgrid = (-(-n // BLOCK),)
         # a_j . b_j: the kernel shifts column j's exponentials by its positive logit
         dots = cp.empty((n,), f32)
@@ -492,27 +524,31 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
         launch(_FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
                (an, np.int64(_blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
                 np.int32(d), dots))
+        part_s = part.data.ptr + 4 * splits * n
         for r0 in range(0, n, rg):
             r1 = min(n, r0 + rg)
             rt = -(-(r1 - r0) // _TILE)
             _tile("lse2", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
-                  part=(part.data.ptr + 4 * r0, part[1].data.ptr + 4 * r0, n),
-                  pos_out=pos.data.ptr + 4 * r0, colp=(colp.data.ptr, colp[1].data.ptr),
-                  lse_col=dots)
-            if col_m is None:
-                col_m = cp.full((n,), -np.inf, f32)
-                col_s = cp.zeros((n,), f32)
-            launch(_FILE, "col_combine", t, (-(-n // 32),), (
-                colp, colp[1], np.int32(rt), np.int32(n), col_m, col_s, np.int32(0),
-                0, 0, 0, 0))
+                  part=(part.data.ptr + 4 * r0, part_s + 4 * r0, n),
+                  pos_out=pos.data.ptr + 4 * r0, colp=(colp.data.ptr, colp_s), lse_col=dots)
+            if r1 < n or r0 > 0:  # several row groups: fold into the running column state
+                if col_m is None:
+                    col_m = cp.empty((2, n), f32)
+                launch(_FILE, "col_combine", t, (-(-n // 32),), (
+                    colp, colp_s, np.int32(rt), np.int32(n), col_m, col_m[1],
+                    np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
         lse_r = cp.empty((n,), f32)
         row_loss = cp.empty((n,), f32)
         launch(_TILES, "tile_finish", t, cgrid,
-               (part, part[1], np.int64(n), np.int32(splits), np.int32(n), pos, lse_r, row_loss))
+               (part, part_s, np.int64(n), np.int32(splits), np.int32(n), pos, lse_r, row_loss))
         lse_c = cp.empty((n,), f32)
         pair_loss = cp.empty((n,), f32)
+        # one group: its partials straight to the column lse (fresh + finalize); else the
+        # running state (finalize)
+        last = (np.int32(3), colp, colp_s, np.int32(rt), 0, 0) if col_m is None else \
+            (np.int32(1), 0, 0, np.int32(0), col_m, col_m[1])
         launch(_FILE, "col_combine", t, (-(-n // 32),), (
-            colp, colp[1], np.int32(0), np.int32(n), col_m, col_s, np.int32(1),
+            last[1], last[2], last[3], np.int32(n), last[4], last[5], last[0],
             lse_r, row_loss, lse_c, pair_loss))
     grads = None
     if want_grad:
@@ -520,7 +556,7 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
         rb = _blas.plan_rows("clip_loss", n, ldg * t.itemsize, workspace_bytes, align=_TILE)
         g_buf = cp.empty((rb, ldg), t)
         da = cp.empty((n, d), f32)
-        db = cp.zeros((n, d), f32)
+        db = cp.empty((n, d), f32)  # the first row block's product writes it (beta = 0)
         dsp = cp.empty((n,), f32)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
@@ -534,7 +570,7 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
             launch(_TILES, "tile_sum", t, (-(-(r1 - r0) // BLOCK),),
                    (dpart, np.int64(r1 - r0), np.int32(splits), np.int32(r1 - r0), dsp[r0:r1]))
             _blas.gemm(g_blk, bn, da[r0:r1])
-            _blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0)
+            _blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (da, db, dsp)
     return lse_r, lse_c, pair_loss, grads
 
@@ -986,8 +1022,8 @@ def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: 
         nch = (rb + chunk - 1) // chunk
         part_m = cp.empty((nch, n), a)
         part_s = cp.empty((nch, n), a)
-        col_m = cp.full((n,), -np.inf, a)
-        col_s = cp.zeros((n,), a)
+        # running column state between row blocks (the first block starts it: no fill)
+        col_m = cp.empty((2, n), a) if rb < n else None
         cgrid = ((n + BLOCK - 1) // BLOCK,)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
@@ -1002,14 +1038,16 @@ def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: 
             launch(_FILE, "col_partial", t, (cgrid[0], nc), (
                 s_blk, np.int64(n), np.int32(rows), np.int32(n), np.int32(chunk), ls,
                 a.type(1.0), part_m, part_s))
+            mode = (2 if r0 == 0 else 0) | (1 if r1 == n else 0)  # fresh | finalize
             launch(_FILE, "col_combine", t, (-(-n // 32),), (
-                part_m, part_s, np.int32(nc), np.int32(n), col_m, col_s, np.int32(r1 == n),
+                part_m, part_s, np.int32(nc), np.int32(n), _ptr(col_m),
+                0 if col_m is None else col_m[1], np.int32(mode),
                 lse_r, row_loss, lse_c, pair_loss))
     grads = None
     if want_grad:
         w_arr, w_stride, w_mul = weights
         da = cp.empty((n, d), a)
-        db = cp.zeros((n, d), a)
+        db = cp.empty((n, d), a)  # the first row block's product writes it (beta = 0)
         dsp = cp.empty((n,), a)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
@@ -1022,7 +1060,7 @@ def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: 
                 s_blk, np.int64(n), np.int32(n), np.int32(r0), ls, lse_r, lse_c,
                 _ptr(w_arr), np.int64(w_stride), a.type(w_mul), g_blk, np.int64(n), dsp))
             _blas.gemm(g_blk, bn, da[r0:r1])
-            _blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0)
+            _blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (da, db, dsp)
     return lse_r, lse_c, pair_loss, grads
 
@@ -1059,7 +1097,8 @@ def _logit_scale_array(xp, ls, acc):
     """logit_scale as a (1,) array of the accumulator dtype on the inputs' side."""
     if xp is np:
         return np.asarray(ls, acc).reshape(1)
-    return _gpu_scalar(ls, acc) if isinstance(ls, float) else ls.astype(acc).reshape(1)
+    return _gpu_scalar(ls, acc) if isinstance(ls, float) else \
+        ls.astype(acc, copy=False).reshape(1)
 
 
 def _check_clip(a, b, logit_scale, reduction, workspace_bytes):
@@ -1120,7 +1159,7 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype)
     if fused:
         da, db, dsp = grads
-        ctx.saved = dict(base, acc=(da, db), dscale=dsp.sum())
+        ctx.saved = dict(base, acc=(da, db), dscale=_reduce(xp, dsp, "sum"))
     elif requires_grad:
         ctx.saved = dict(base, xn=(an, bn), ls=ls_dev, lse=(lse_r, lse_c), ws=workspace_bytes)
     return _reduce(xp, pair_loss, reduction), ctx
@@ -1140,7 +1179,8 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
     if "acc" in s:
         gs = path.grad_scale(g, acc)
         da, db = _finish_all(path, s["x"], s["norms"], s["acc"], gs)
-        dscale = s["dscale"] if gs is None else s["dscale"] * gs.reshape(())
+        # (a copy when returned as saved: the caller may change the array it gets)
+        dscale = s["dscale"].copy() if gs is None else s["dscale"] * gs.reshape(())
     else:
         engine = _gpu_clip if path.gpu else _np_clip
         an, bn = s["xn"]
@@ -1149,8 +1189,8 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
             weights=_weights(xp, g, ctx.reduction, ctx.n, acc), want_loss=False, want_grad=True,
             workspace_bytes=s["ws"])
         da, db = _finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
-        dscale = dsp.sum()
-    dscale = xp.asarray(dscale).astype(s["ls_dtype"]).reshape(s["ls_shape"])
+        dscale = _reduce(xp, dsp, "sum")
+    dscale = xp.asarray(dscale).astype(s["ls_dtype"], copy=False).reshape(s["ls_shape"])
     return da, db, dscale
 
 

@@ -86,8 +86,10 @@ __device__ __forceinline__ void col_partial_body(
 }
 
 // Column statistics, stage 2: fold the partials of one row block into the running
-// (col_m, col_s).  With `finalize`, also turn them into the column lse and the per-pair CLIP
-// loss: col_loss_j = lse_col_j - logit_jj, where logit_jj = lse_row_j - row_loss_j.
+// (col_m, col_s).  `mode` bit 1 (fresh): start from the empty state instead of reading
+// (col_m, col_s); bit 0 (finalize): instead of storing the state, turn it into the column lse
+// and the per-pair CLIP loss: col_loss_j = lse_col_j - logit_jj, where
+// logit_jj = lse_row_j - row_loss_j.  (A pass over one row block is one call with both bits.)
 // A block of CPN_BLOCK threads takes 32 columns (lane = column: coalesced loads); warp w folds
 // the chunks w, w + NW, ... (independent loads in flight instead of `chunks` dependent ones),
 // then warp 0 folds the running pair and the NW partials in warp order.  Fixed orders:
@@ -95,7 +97,7 @@ __device__ __forceinline__ void col_partial_body(
 template <typename A>
 __device__ __forceinline__ void col_combine_body(
     const A* __restrict__ part_m, const A* __restrict__ part_s, int chunks, int n,
-    A* __restrict__ col_m, A* __restrict__ col_s, int finalize,
+    A* __restrict__ col_m, A* __restrict__ col_s, int mode,
     const A* __restrict__ lse_row, const A* __restrict__ row_loss,
     A* __restrict__ lse_col, A* __restrict__ pair_loss)
 {
@@ -110,15 +112,37 @@ __device__ __forceinline__ void col_combine_body(
     ss[warp][lane] = part.s;
     __syncthreads();
     if (warp != 0 || j >= n) return;
-    Lse<A> st; st.m = col_m[j]; st.s = col_s[j];
+    // mode bit 1: the first call of a column pass (start from the empty state, so the
+    // running state needs no fill kernel); bit 0: finalize
+    Lse<A> st;
+    if (mode & 2) st.init(); else { st.m = col_m[j]; st.s = col_s[j]; }
     for (int w = 0; w < NW; ++w) st.merge(sm[w][lane], ss[w][lane]);
-    col_m[j] = st.m; col_s[j] = st.s;
-    if (finalize) {
+    if (!(mode & 1)) { col_m[j] = st.m; col_s[j] = st.s; }
+    if (mode & 1) {
         const A lc = st.value();
         lse_col[j] = lc;
         const A col_loss = lc - (lse_row[j] - row_loss[j]);
         pair_loss[j] = A(0.5) * (row_loss[j] + col_loss);
     }
+}
+
+// The reduced loss: out[0] = (sum of x[0..n)) / divisor in one block, in a fixed order
+// (thread t adds x[t], x[t + B], ... in turn, then a fixed tree over the threads): the same
+// bits on every run, and one small launch where CuPy's mean / sum take several.
+template <typename A>
+__device__ __forceinline__ void sum_rows_body(const A* __restrict__ x, i64 n, A divisor,
+                                              A* __restrict__ out)
+{
+    __shared__ A sh[CPN_BLOCK];
+    A s = A(0);
+    for (i64 i = threadIdx.x; i < n; i += CPN_BLOCK) s += x[i];
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = CPN_BLOCK / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = sh[0] / divisor;
 }
 
 // CLIP gradient of a row block: block per row r (global i).
@@ -312,9 +336,12 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_partial_##SUF(  
     col_partial_body<A>(s, ld, rows, n, chunk, scale_log, scale_mul, part_m, part_s); }    \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_combine_##SUF(             \
     const A* part_m, const A* part_s, int chunks, int n, A* col_m, A* col_s,               \
-    int finalize, const A* lse_row, const A* row_loss, A* lse_col, A* pair_loss) {         \
-    col_combine_body<A>(part_m, part_s, chunks, n, col_m, col_s, finalize, lse_row,        \
-        row_loss, lse_col, pair_loss); }
+    int mode, const A* lse_row, const A* row_loss, A* lse_col, A* pair_loss) {             \
+    col_combine_body<A>(part_m, part_s, chunks, n, col_m, col_s, mode, lse_row,            \
+        row_loss, lse_col, pair_loss); }                                                   \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_sum_rows_##SUF(                \
+    const A* x, i64 n, A divisor, A* out) {                                                \
+    sum_rows_body<A>(x, n, divisor, out); }
 
 CPN_DEFINE(f16, f16_t, float)
 CPN_DEFINE(bf16, bf16_t, float)
