@@ -1,4 +1,4 @@
-"""A small run of every tile kernel (SPLADE's fused max, CLIP's lse2 / clip, NT-Xent's symmetric lse2, lse / h)
+"""A small run of every tile kernel and the row / column kernels (SPLADE's fused max, CLIP's lse2 / clip, NT-Xent's symmetric lse2, lse / h)
 for compute-sanitizer, with the wgmma ("wg") or mma.sync ("mma") main loop:
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py wg
@@ -20,6 +20,13 @@ a = cp.asarray(rng.standard_normal((1030, 136)).astype(bf)); bb = cp.asarray(rng
 l, c = cupynce.clip_loss_forward(a, bb, 2.0); cupynce.clip_loss_backward(c, 1.0)
 l, c = cupynce.nt_xent_forward(a, 0.1); cupynce.nt_xent_backward(c, 1.0)  # symmetric lse2, ct = 9
 l, c = cupynce.nt_xent_forward(a[:1024], 0.1)  # symmetric, even ct = 8
+# several row groups / blocks: CLIP's running column state (col_combine's fresh and finalize
+# modes), the tiles' and the cuBLAS path's first-block (beta = 0) gradient products
+l, c = cupynce.clip_loss_forward(a, bb, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
+af, bf32 = a.astype(cp.float32), bb.astype(cp.float32)
+l, c = cupynce.clip_loss_forward(af, bf32, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
+l, c = cupynce.nt_xent_forward(af, 0.1, workspace_bytes=40000); cupynce.nt_xent_backward(c, 1.0)
+l, c = cupynce.info_nce_forward(a, bb, 0.1, workspace_bytes=40000); cupynce.info_nce_backward(c, 1.0)
 C.SYMMETRIC_LSE = False
 l, c = cupynce.nt_xent_forward(a, 0.1)  # the square lse pass
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(l))
