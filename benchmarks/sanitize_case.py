@@ -1,32 +1,41 @@
-"""A small run of every tile kernel and the row / column kernels (SPLADE's fused max, CLIP's lse2 / clip, NT-Xent's symmetric lse2, lse / h)
-for compute-sanitizer, with the wgmma ("wg") or mma.sync ("mma") main loop:
+"""A small run of every tile kernel (SPLADE's fused max, CLIP's lse2 / clip, NT-Xent's symmetric
+lse2, lse / h, the info_nce g) and of the row / column kernels, for compute-sanitizer, with the wgmma ("wg") or mma.sync ("mma") main loop:
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py wg
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py mma
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py mma [tiles|blocks]
+
+An optional second argument runs one half: "tiles" (every tile kernel, one block each) or
+"blocks" (small workspaces: several row groups / blocks).  racecheck exits with code 9 and no
+report when one process runs both halves (hundreds of instrumented launches), so run it per half.
 """
 import os, sys, numpy as np, cupy as cp, ml_dtypes, cupynce
 from cupynce import contrastive as C
 C.USE_TILES = True
 C.USE_WGMMA = sys.argv[1] == "wg"
+part = sys.argv[2] if len(sys.argv) > 2 else "all"
 C.SYMMETRIC_LSE_MIN_ND = 0  # the symmetric NT-Xent forward at these small sizes too
 bf = ml_dtypes.bfloat16
 rng = np.random.default_rng(0)
-x = cp.asarray(rng.standard_normal((2, 200, 72)).astype(bf))
-w = cp.asarray(rng.standard_normal((300, 72)).astype(bf))
-b = cp.asarray(rng.standard_normal(300).astype(bf))
-m = cp.asarray(rng.random((2, 200)) > 0.3)
-o, ctx = cupynce.splade_pool_forward(x, w, b, m)
 a = cp.asarray(rng.standard_normal((1030, 136)).astype(bf)); bb = cp.asarray(rng.standard_normal((1030, 136)).astype(bf))
-l, c = cupynce.clip_loss_forward(a, bb, 2.0); cupynce.clip_loss_backward(c, 1.0)
-l, c = cupynce.nt_xent_forward(a, 0.1); cupynce.nt_xent_backward(c, 1.0)  # symmetric lse2, ct = 9
-l, c = cupynce.nt_xent_forward(a[:1024], 0.1)  # symmetric, even ct = 8
-# several row groups / blocks: CLIP's running column state (col_combine's fresh and finalize
-# modes), the tiles' and the cuBLAS path's first-block (beta = 0) gradient products
-l, c = cupynce.clip_loss_forward(a, bb, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
-af, bf32 = a.astype(cp.float32), bb.astype(cp.float32)
-l, c = cupynce.clip_loss_forward(af, bf32, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
-l, c = cupynce.nt_xent_forward(af, 0.1, workspace_bytes=40000); cupynce.nt_xent_backward(c, 1.0)
-l, c = cupynce.info_nce_forward(a, bb, 0.1, workspace_bytes=1 << 20); cupynce.info_nce_backward(c, 1.0)
-C.SYMMETRIC_LSE = False
-l, c = cupynce.nt_xent_forward(a, 0.1)  # the square lse pass
+if part in ("all", "tiles"):
+    x = cp.asarray(rng.standard_normal((2, 200, 72)).astype(bf))
+    w = cp.asarray(rng.standard_normal((300, 72)).astype(bf))
+    b = cp.asarray(rng.standard_normal(300).astype(bf))
+    m = cp.asarray(rng.random((2, 200)) > 0.3)
+    o, ctx = cupynce.splade_pool_forward(x, w, b, m)
+    l, c = cupynce.clip_loss_forward(a, bb, 2.0); cupynce.clip_loss_backward(c, 1.0)
+    l, c = cupynce.nt_xent_forward(a, 0.1); cupynce.nt_xent_backward(c, 1.0)  # symmetric lse2, ct = 9
+    l, c = cupynce.nt_xent_forward(a[:1024], 0.1)  # symmetric, even ct = 8
+    l, c = cupynce.info_nce_forward(a, bb, 0.1); cupynce.info_nce_backward(c, 1.0)  # lse, g
+    C.SYMMETRIC_LSE = False
+    l, c = cupynce.nt_xent_forward(a, 0.1)  # the square lse pass
+    C.SYMMETRIC_LSE = True
+if part in ("all", "blocks"):
+    # several row groups / blocks: CLIP's running column state (col_combine's fresh and finalize
+    # modes), the tiles' and the cuBLAS path's first-block (beta = 0) gradient products
+    l, c = cupynce.clip_loss_forward(a, bb, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
+    af, bf32 = a.astype(cp.float32), bb.astype(cp.float32)
+    l, c = cupynce.clip_loss_forward(af, bf32, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
+    l, c = cupynce.nt_xent_forward(af, 0.1, workspace_bytes=40000); cupynce.nt_xent_backward(c, 1.0)
+    l, c = cupynce.info_nce_forward(a, bb, 0.1, workspace_bytes=1 << 20); cupynce.info_nce_backward(c, 1.0)
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(l))
