@@ -23,7 +23,6 @@ The full N × N matrix never exists unless it fits in the workspace.
 from __future__ import annotations
 
 import functools
-
 import os
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -516,7 +515,8 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
         rg = _blas.plan_rows("clip_loss", n, -(-8 * n // _TILE), workspace_bytes, align=_TILE)
         colp = cp.empty((2, -(-rg // _TILE), n), f32)
         colp_s = colp.data.ptr + 4 * colp[0].size
-        col_m = col_s = None  # running column state, only when the rows come in several groups
+        # running column state (m and s rows), only when the rows come in several groups
+        col_m = cp.empty((2, n), f32) if rg < n else None
         cgrid = (-(-n // BLOCK),)
         # a_j . b_j: the kernel shifts column j's exponentials by its positive logit
         dots = cp.empty((n,), f32)
@@ -531,9 +531,7 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
             _tile("lse2", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
                   part=(part.data.ptr + 4 * r0, part_s + 4 * r0, n),
                   pos_out=pos.data.ptr + 4 * r0, colp=(colp.data.ptr, colp_s), lse_col=dots)
-            if r1 < n or r0 > 0:  # several row groups: fold into the running column state
-                if col_m is None:
-                    col_m = cp.empty((2, n), f32)
+            if col_m is not None:  # several row groups: fold into the running column state
                 launch(_FILE, "col_combine", t, (-(-n // 32),), (
                     colp, colp_s, np.int32(rt), np.int32(n), col_m, col_m[1],
                     np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
@@ -543,13 +541,12 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
                (part, part_s, np.int64(n), np.int32(splits), np.int32(n), pos, lse_r, row_loss))
         lse_c = cp.empty((n,), f32)
         pair_loss = cp.empty((n,), f32)
-        # one group: its partials straight to the column lse (fresh + finalize); else the
-        # running state (finalize)
-        last = (np.int32(3), colp, colp_s, np.int32(rt), 0, 0) if col_m is None else \
-            (np.int32(1), 0, 0, np.int32(0), col_m, col_m[1])
-        launch(_FILE, "col_combine", t, (-(-n // 32),), (
-            last[1], last[2], last[3], np.int32(n), last[4], last[5], last[0],
-            lse_r, row_loss, lse_c, pair_loss))
+        if col_m is None:  # one group: its partials straight to the column lse (fresh + finalize)
+            fold = (colp, colp_s, np.int32(rt), 0, 0, np.int32(3))
+        else:  # the running state (finalize)
+            fold = (0, 0, np.int32(0), col_m, col_m[1], np.int32(1))
+        launch(_FILE, "col_combine", t, (-(-n // 32),),
+               fold[:3] + (np.int32(n),) + fold[3:] + (lse_r, row_loss, lse_c, pair_loss))
     grads = None
     if want_grad:
         ldg = -(-n // 8) * 8
