@@ -15,8 +15,11 @@ How it is computed (CuPy arrays)
 --------------------------------
 Forward, fused (float16/bfloat16 with D and W's row stride multiples of 8 and a (V, D) weight,
 where the tensor-core tiles run: by default on Hopper, see ``CUPYNCE_TILES``): the max and
-arg-max over L are taken in the epilogue of the product tiles (kernels_src/tiles.cu,
-MODE_SPMAX), each logit rounded to the dtype first; no logits and no workspace at all.
+arg-max over L are taken in the epilogue of the product tiles, each logit rounded to the dtype
+first; no logits and no workspace at all.  On Hopper the product is the warp-specialised
+kernel of kernels_src/splade_wgmma.cu (TMA loads by a producer warp, 128 x 256 wgmma tiles;
+``USE_WS``); elsewhere, or where the driver cannot encode its tensor maps, tiles.cu's
+MODE_SPMAX (128 x 128 tiles, cp.async loads).  Both give the same bits.
 
 Forward, cuBLAS tiles (everything else): the logits of a tile of batches × vocabulary are one cuBLAS product (fp32
 accumulation; stored in the input dtype, as PyTorch's half matmul does) into a workspace of at
@@ -47,7 +50,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from . import _blas, _checks
+from . import _blas, _checks, _tma
 from . import contrastive as _C  # the tile kernels (tiles.cu) and their launch
 from ._kernels import BLOCK, SUPPORTED_DTYPES, acc_dtype, get_kernel
 from .contrastive import Context, _require
@@ -58,6 +61,16 @@ DEFAULT_WORKSPACE_BYTES = 64 << 20
 NUMPY_WORKSPACE_BYTES = 64 << 20
 ACTIVATIONS = ("relu", "log1p_relu")
 _FILE = "splade.cu"
+#: The fused forward on Hopper runs kernels_src/splade_wgmma.cu (warp-specialised, TMA, 128 x
+#: 256 tiles) where the tiles run with the wgmma loop and the driver encodes tensor maps;
+#: False: tiles.cu's MODE_SPMAX kernel (tests cover both).
+USE_WS = True
+_WS_FILE = "splade_wgmma.cu"
+_WS_BM, _WS_BN, _WS_BK = 128, 256, 64  # SW_BM, SW_BN, SW_BK
+_WS_THREADS = 288  # SW_THREADS: 2 consumer warpgroups + 1 producer warp
+#: SW_SMEM_BYTES: 4 stages x (128 + 256) rows x 64 x 2 bytes + 1 KiB to align the stages (a
+#: GPU test checks it against cpn_spmax_ws_smem)
+_WS_SMEM = 4 * (_WS_BM + _WS_BN) * _WS_BK * 2 + 1024
 _SPL_DK = 4  # SPL_DK in splade.cu: accumulators per thread along D
 _MAX_SLICES = 8  # SPL_MAX_SLICES: warps of a max block, warp y over the positions l = y mod 8
 _MAX_FILL = 1024  # max blocks per tile wanted (~8 per SM of an H100)
@@ -205,10 +218,12 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
     out = cp.empty((b, v), dt)
     arg = cp.empty((b, v), idt)
     if trans_b and _C._tiles_ok(xs, wm):
-        # fused: the max over the sequence in the epilogue of the tensor-core product tiles
-        # (kernels_src/tiles.cu, MODE_SPMAX); no logits workspace at all
-        vtiles = -(-v // _C._TILE)
-        per, group = _spmax_schedule(b, l, d, dt.itemsize)
+        # fused: the max over the sequence in the epilogue of the tensor-core product tiles;
+        # no logits workspace at all
+        if USE_WS and _C._wgmma() and _ws_forward(xs, wm, m8, bias, act, out, arg, l):
+            return out, arg
+        vtiles = -(-v // _C._TILE)  # tiles.cu, MODE_SPMAX
+        per, group = _spmax_schedule(b, l, d, dt.itemsize, _C._TILE)
         _C._tile_launch(f"spmax_{_index_tag(idt)}", dt, (vtiles * -(-b // per),), (
             wm, np.int64(_blas.leading_dim(wm)), np.int32(v), xs, np.int64(d), np.int32(l),
             np.int32(d), m8 if m8 is not None else 0, bias if bias is not None else 0,
@@ -255,9 +270,30 @@ _SPMAX_MIN_STEPS = 48
 _SPMAX_X_BYTES = 12 << 20
 
 
-def _spmax_schedule(b: int, l: int, d: int, item: int) -> Tuple[int, int]:
-    """(batches per CTA, batch groups per grid group) of the fused forward."""
-    steps = -(-l // _C._TILE) * -(-d // 64)  # per batch
+def _ws_forward(xs, wm, m8, bias, act: int, out, arg, l: int) -> bool:
+    """The fused forward through kernels_src/splade_wgmma.cu; False (nothing launched) where
+    the driver does not encode the tensor maps."""
+    tw = _tma.matrix_map(wm, _WS_BM, _WS_BK)
+    tx = _tma.matrix_map(xs, _WS_BN, _WS_BK)
+    if tw is None or tx is None:
+        return False
+    b, v = out.shape
+    d = xs.shape[1]
+    per, group = _spmax_schedule(b, l, d, xs.dtype.itemsize, _WS_BN)
+    kern = get_kernel(_WS_FILE, f"spmax_ws_{_index_tag(arg.dtype)}", xs.dtype)
+    if kern.max_dynamic_shared_size_bytes < _WS_SMEM:  # opt in above 48 KiB, once
+        kern.max_dynamic_shared_size_bytes = _WS_SMEM
+    kern((-(-v // _WS_BM) * -(-b // per),), (_WS_THREADS,), (
+        tw, tx, np.int32(v), np.int32(l), np.int32(d), m8 if m8 is not None else 0,
+        bias if bias is not None else 0, np.int32(act), out, arg, np.int32(b), np.int32(per),
+        np.int32(group)), shared_mem=_WS_SMEM)
+    return True
+
+
+def _spmax_schedule(b: int, l: int, d: int, item: int, tile: int) -> Tuple[int, int]:
+    """(batches per CTA, batch groups per grid group) of the fused forward with ``tile``
+    positions per product tile."""
+    steps = -(-l // tile) * -(-d // 64)  # per batch
     per = min(b, -(-_SPMAX_MIN_STEPS // steps))
     group = max(1, min(-(-b // per), _SPMAX_X_BYTES // max(1, per * l * d * item)))
     return per, group

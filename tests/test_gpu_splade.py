@@ -41,15 +41,17 @@ MASKS = C.MASKS
 TOL = C.TOL
 
 
-@pytest.fixture(autouse=True, params=["tiles", "cublas"])
+@pytest.fixture(autouse=True, params=["ws", "tiles", "cublas"])
 def forward_path(request, monkeypatch):
-    """Every test runs twice: with the fused forward (the max in the epilogue of the
-    tensor-core tiles, tiles.cu MODE_SPMAX: 16-bit x and W with D, leading dimensions and
-    pointers multiples of 8 elements / 16 bytes) and with the cuBLAS logit tiles + max kernel.
-    Other cases take the cuBLAS path under both."""
-    from cupynce import contrastive
+    """Every test runs three times: with the fused forward (the max in the epilogue of the
+    tensor-core product: 16-bit x and W with D, leading dimensions and pointers multiples of
+    8 elements / 16 bytes) of splade_wgmma.cu ("ws": Hopper's default; elsewhere the same as
+    "tiles") and of tiles.cu MODE_SPMAX ("tiles"), and with the cuBLAS logit tiles + max
+    kernel ("cublas").  Other cases take the cuBLAS path under all three."""
+    from cupynce import contrastive, splade
 
-    monkeypatch.setattr(contrastive, "USE_TILES", request.param == "tiles")
+    monkeypatch.setattr(contrastive, "USE_TILES", request.param != "cublas")
+    monkeypatch.setattr(splade, "USE_WS", request.param == "ws")
     return request.param
 
 
