@@ -68,6 +68,7 @@ USE_WS = True
 _WS_FILE = "splade_wgmma.cu"
 _WS_BM, _WS_BN, _WS_BK = 128, 256, 64  # SW_BM, SW_BN, SW_BK
 _WS_THREADS = 288  # SW_THREADS: 2 consumer warpgroups + 1 producer warp
+_WS_CLUSTER = 2  # SW_CLUSTER: CTAs per cluster, sharing (multicasting) the x loads
 #: SW_SMEM_BYTES: 4 stages x (128 + 256) rows x 64 x 2 bytes + 1 KiB to align the stages (a
 #: GPU test checks it against cpn_spmax_ws_smem)
 _WS_SMEM = 4 * (_WS_BM + _WS_BN) * _WS_BK * 2 + 1024
@@ -274,7 +275,7 @@ def _ws_forward(xs, wm, m8, bias, act: int, out, arg, l: int) -> bool:
     """The fused forward through kernels_src/splade_wgmma.cu; False (nothing launched) where
     the driver does not encode the tensor maps."""
     tw = _tma.matrix_map(wm, _WS_BM, _WS_BK)
-    tx = _tma.matrix_map(xs, _WS_BN, _WS_BK)
+    tx = _tma.matrix_map(xs, _WS_BN // _WS_CLUSTER, _WS_BK)  # each CTA loads half the x box
     if tw is None or tx is None:
         return False
     b, v = out.shape
@@ -283,7 +284,8 @@ def _ws_forward(xs, wm, m8, bias, act: int, out, arg, l: int) -> bool:
     kern = get_kernel(_WS_FILE, f"spmax_ws_{_index_tag(arg.dtype)}", xs.dtype)
     if kern.max_dynamic_shared_size_bytes < _WS_SMEM:  # opt in above 48 KiB, once
         kern.max_dynamic_shared_size_bytes = _WS_SMEM
-    kern((-(-v // _WS_BM) * -(-b // per),), (_WS_THREADS,), (
+    pairs = -(-v // (_WS_CLUSTER * _WS_BM))  # clusters of 2 CTAs on adjacent vocabulary tiles
+    kern((_WS_CLUSTER * pairs * -(-b // per),), (_WS_THREADS,), (
         tw, tx, np.int32(v), np.int32(l), np.int32(d), m8 if m8 is not None else 0,
         bias if bias is not None else 0, np.int32(act), out, arg, np.int32(b), np.int32(per),
         np.int32(group)), shared_mem=_WS_SMEM)

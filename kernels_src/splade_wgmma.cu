@@ -13,6 +13,11 @@
 //   * 128 x 256 tiles: 85 FLOP per byte read from L2 instead of 64 for 128 x 128 (the tile
 //     kernels of tiles.cu run at the L2's read bandwidth), and no load instructions in the
 //     consumers (cp.async took a third of their issue slots).
+//   * clusters of 2 CTAs on adjacent vocabulary tiles of the same batches: each loads its own
+//     W box and one half (128 positions) of the shared x box, multicast into both CTAs'
+//     shared memory, so L2 delivers 32 KiB per CTA and K step instead of 48.  A stage is
+//     refilled only when the consumers of both CTAs have released it (the empty barriers take
+//     4 arrivals, two of them remote), and no CTA exits before its peer is done with it.
 //   * 288 threads leave 224 registers per thread (128 fp32 accumulators per consumer
 //     thread); with a whole producer warpgroup (384 threads, 168 registers) ptxas serialises
 //     the wgmma pipeline for want of registers, and this needs no setmaxnreg.
@@ -43,6 +48,7 @@
 #define SW_STAGE_BYTES (SW_A_BYTES + SW_B_BYTES)
 #define SW_SMEM_BYTES (SW_STAGES * SW_STAGE_BYTES + 1024)  // + 1 KiB to align the stages
 #define SW_THREADS 288  // 8 consumer warps + 1 producer warp
+#define SW_CLUSTER 2    // CTAs per cluster (the x box is multicast to both)
 
 // CUtensorMap: 128 opaque bytes, 64-byte aligned (cuda.h)
 struct __align__(64) TmaMap { unsigned long long v[16]; };
@@ -58,13 +64,6 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                  :: "r"(bar), "r"(bytes) : "memory");
 }
-// arrive when `pred` (a predicated instruction, not a branch: a divergent path between the
-// wgmma batches makes ptxas serialise them)
-__device__ __forceinline__ void mbar_arrive_if(unsigned bar, bool pred) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
-                 "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
-                 :: "r"(bar), "r"((int)pred) : "memory");
-}
 // wait until the phase of parity `parity` of the barrier has completed
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     asm volatile("{\n.reg .pred p;\nSW_WAIT:\n"
@@ -78,6 +77,26 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TmaMap* map, int c0
                  " [%0], [%1, {%2, %3}], [%4];\n"
                  :: "r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar)
                  : "memory");
+}
+// the same box into dst of every CTA of the cluster in `ctas` (a bit per rank), each
+// signalling its own barrier at offset bar
+__device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaMap* map, int c0,
+                                                   int c1, unsigned bar, unsigned short ctas) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n"
+                 :: "r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar), "h"(ctas)
+                 : "memory");
+}
+// arrive on the barrier at offset bar of cluster CTA `rank` when `pred` (predicated, no branch)
+__device__ __forceinline__ void mbar_arrive_remote_if(unsigned bar, unsigned rank, bool pred) {
+    asm volatile("{\n.reg .pred p;\n.reg .b32 r;\nsetp.ne.b32 p, %2, 0;\n"
+                 "mapa.shared::cluster.u32 r, %0, %1;\n"
+                 "@p mbarrier.arrive.shared::cluster.b64 _, [r];\n}\n"
+                 :: "r"(bar), "r"(rank), "r"((int)pred) : "memory");
+}
+// every thread of both CTAs (release / acquire: barrier inits, then the last remote arrivals)
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 // K-major operand, 128-byte swizzle: rows of 128 B, 8-row groups 1024 B apart (tiles.cu)
 __device__ __forceinline__ unsigned long long sw_desc(unsigned saddr) {
@@ -131,6 +150,55 @@ template <> struct Wgmma256<f16_t> {
     }
 };
 
+// Two fp32 values rounded to T (round to nearest even, as Conv<T>::store) in one register:
+// `round(lo, hi)`, the rounded values back as fp32 (`lo`, `hi`), a NaN-propagating packed max
+// and whether either half is NaN.  NEG_INF2: -inf in both halves.
+template <typename T> struct Pack2;
+template <> struct Pack2<bf16_t> {
+    enum : unsigned { NEG_INF2 = 0xff80ff80u };
+    static __device__ __forceinline__ unsigned round(float lo, float hi) {
+        unsigned r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ float lo(unsigned p) { return __uint_as_float(p << 16); }
+    static __device__ __forceinline__ float hi(unsigned p) { return __uint_as_float(p & 0xffff0000u); }
+    static __device__ __forceinline__ unsigned max_nan(unsigned a, unsigned b) {
+        unsigned r;
+        asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+        return r;
+    }
+    static __device__ __forceinline__ bool any_nan(unsigned p) {
+        return (p & 0x7fffu) > 0x7f80u || ((p >> 16) & 0x7fffu) > 0x7f80u;
+    }
+};
+template <> struct Pack2<f16_t> {
+    enum : unsigned { NEG_INF2 = 0xfc00fc00u };
+    static __device__ __forceinline__ unsigned round(float lo, float hi) {
+        unsigned r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ float lo(unsigned p) {
+        float f;
+        asm("{ .reg .f16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }" : "=f"(f) : "r"(p));
+        return f;
+    }
+    static __device__ __forceinline__ float hi(unsigned p) {
+        float f;
+        asm("{ .reg .f16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "r"(p));
+        return f;
+    }
+    static __device__ __forceinline__ unsigned max_nan(unsigned a, unsigned b) {
+        unsigned r;
+        asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+        return r;
+    }
+    static __device__ __forceinline__ bool any_nan(unsigned p) {
+        return (p & 0x7fffu) > 0x7c00u || ((p >> 16) & 0x7fffu) > 0x7c00u;
+    }
+};
+
 template <typename T, typename IX>
 __device__ __forceinline__ void spmax_ws(
     const TmaMap& tw, const TmaMap& tx, int V, int L, int D,
@@ -139,16 +207,20 @@ __device__ __forceinline__ void spmax_ws(
 {
     extern __shared__ __align__(1024) unsigned char sw_smem_raw[];
     __shared__ __align__(8) unsigned long long bars[2 * SW_STAGES];  // full[s], empty[s]
-    __shared__ float onflag[2][SW_BN];  // per tile parity: 1 where the position counts
+    // per tile parity: bit i of word k is set where position 32 k + i of the tile counts
+    __shared__ unsigned onbits[2][SW_BN / 32];
 
     const int tid = threadIdx.x;
-    // (batch group, vocabulary tile) of this CTA: Triton's grouped ordering (tiles.cu)
+    // (batch group, pair of vocabulary tiles) of this cluster: Triton's grouped ordering
+    // (tiles.cu); the CTA of rank `rank` takes the pair's tile `rank` (the second tile of the
+    // last pair may lie past V: it loads zeros and writes nothing, but shares the x loads)
+    const int rank = blockIdx.x % SW_CLUSTER, cid = blockIdx.x / SW_CLUSTER;
     const int LT = (L + SW_BN - 1) / SW_BN;
     const int ngroups = (batches + per_cta - 1) / per_cta;
-    const int vtiles = (V + SW_BM - 1) / SW_BM;
-    const int span = group * vtiles, first = (blockIdx.x / span) * group;
-    const int gsz = min(ngroups - first, group), rr = blockIdx.x % span;
-    const int grp = first + rr % gsz, v0 = (rr / gsz) * SW_BM;
+    const int vpairs = (V + SW_CLUSTER * SW_BM - 1) / (SW_CLUSTER * SW_BM);
+    const int span = group * vpairs, first = (cid / span) * group;
+    const int gsz = min(ngroups - first, group), rr = cid % span;
+    const int grp = first + rr % gsz, v0 = ((rr / gsz) * SW_CLUSTER + rank) * SW_BM;
     const int sb0 = grp * per_cta, sb1 = min(batches, sb0 + per_cta);
     const int ntiles = (sb1 - sb0) * LT;
     const int KT = (D + SW_BK - 1) / SW_BK;
@@ -157,12 +229,12 @@ __device__ __forceinline__ void spmax_ws(
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < SW_STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 1);   // the producer's arrive.expect_tx (+ TMA bytes)
-            mbar_init(empty0 + 8 * s, 2);  // one arrival per consumer warpgroup
+            mbar_init(full0 + 8 * s, 1);  // the producer's arrive.expect_tx (+ TMA bytes)
+            mbar_init(empty0 + 8 * s, 2 * SW_CLUSTER);  // each consumer warpgroup of each CTA
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    cluster_sync();  // the peer's barriers are initialised before any multicast or arrival
 
     if (tid >= 256) {  // ---------------- producer warp ----------------
         if (tid == 256) {
@@ -173,12 +245,17 @@ __device__ __forceinline__ void spmax_ws(
                     const int s = it % SW_STAGES;
                     mbar_wait(empty0 + 8 * s, ((it / SW_STAGES) & 1) ^ 1);
                     const unsigned a = base + s * SW_STAGE_BYTES;
+                    // its W box, and its half of the x box into both CTAs; the stage's bytes
+                    // arrive from both producers
                     mbar_expect_tx(full0 + 8 * s, SW_STAGE_BYTES);
                     tma_load(a, &tw, kt * SW_BK, v0, full0 + 8 * s);
-                    tma_load(a + SW_A_BYTES, &tx, kt * SW_BK, row, full0 + 8 * s);
+                    tma_load_multicast(a + SW_A_BYTES + rank * (SW_B_BYTES / SW_CLUSTER), &tx,
+                                       kt * SW_BK, row + rank * (SW_BN / SW_CLUSTER),
+                                       full0 + 8 * s, (1u << SW_CLUSTER) - 1);
                 }
             }
         }
+        cluster_sync();  // stay until the peer's consumers have made their last arrivals here
         return;
     }
 
@@ -204,8 +281,16 @@ __device__ __forceinline__ void spmax_ws(
         const int b = sb0 + t / LT, p0 = (t % LT) * SW_BN;
         {  // position flags of this tile (read after the named barrier below)
             const int p = p0 + ct;
-            onflag[t & 1][ct] = p < L && (!mask || mask[(i64)b * L + p]) ? 1.f : 0.f;
+            const unsigned word = __ballot_sync(0xffffffffu, p < L && (!mask || mask[(i64)b * L + p]));
+            if (lane == 0) onbits[t & 1][ct >> 5] = word;
         }
+        // stage s goes back to both producers: one thread per consumer warpgroup arrives on
+        // the empty barrier of each CTA (predicated: a divergent path between the wgmma
+        // batches makes ptxas serialise them)
+        auto release = [&](int s) {
+#pragma unroll
+            for (int r = 0; r < SW_CLUSTER; ++r) mbar_arrive_remote_if(empty0 + 8 * s, r, (ct & 127) == 0);
+        };
         // one K step on the next stage (asynchronous); its stage index
         auto step = [&](bool first) {
             const int s = it % SW_STAGES;
@@ -226,31 +311,59 @@ __device__ __forceinline__ void spmax_ws(
         for (int kt = 1; kt < KT; ++kt) {
             const int s = step(false);
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            mbar_arrive_if(empty0 + 8 * prev, (ct & 127) == 0);  // the previous step's stage
+            release(prev);  // the previous step's stage
             prev = s;
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
         for (int r = 0; r < 128; ++r) sw_fence_operand(acc[r]);
-        mbar_arrive_if(empty0 + 8 * prev, (ct & 127) == 0);
+        release(prev);
         asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumers: flags written
 
         // running (max, arg-max, NaN) of each row over the positions, in increasing position:
-        // strict > keeps the first; each logit rounded to T first (as the cuBLAS path)
-        const float* onc = onflag[t & 1] + 2 * cq;
+        // strict > keeps the first; each logit rounded to T first (as the cuBLAS path), two
+        // at a time (cvt to T x 2); positions that do not count become -inf (never > the
+        // running max, which starts at -inf; a row of -inf only gives arg -1: out 0); NaN seen
+        // through a NaN-propagating packed max.  Tiles where every position counts skip the
+        // mask (the same result, fewer instructions).
+        unsigned bits[SW_BN / 32];  // this thread's columns j * 8 + 2 cq + e: bit (j & 3) * 8 + e
+        bool full = true;
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < SW_BN / 32; ++k) {
+            const unsigned w = onbits[t & 1][k];
+            full &= w == 0xffffffffu;
+            bits[k] = w >> (2 * cq);
+        }
+        auto scan = [&](const bool masked) {  // inlined twice: masked is a constant in each
 #pragma unroll
-            for (int j = 0; j < 32; ++j)
+            for (int h = 0; h < 2; ++h) {
+                float m = rm[h];
+                int wl = -1;  // this tile's winner, j * 8 + e
+                unsigned nanp = Pack2<T>::NEG_INF2;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float x = Conv<T>::load(Conv<T>::store(acc[j * 4 + h * 2 + e]));
-                    const bool on = onc[j * 8 + e] != 0.f;
-                    const bool gt = on && x > rm[h];
-                    rm[h] = gt ? x : rm[h];
-                    win[h] = gt ? p0 + j * 8 + 2 * cq + e : win[h];
-                    nanr[h] |= on && x != x;
+                for (int j = 0; j < 32; ++j) {
+                    unsigned pk = Pack2<T>::round(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1]);
+                    if (masked) {
+                        const unsigned bw = bits[j >> 2] >> ((j & 3) * 8);
+                        pk = ((bw & 1u) ? pk : (pk & 0xffff0000u) | (Pack2<T>::NEG_INF2 & 0xffffu));
+                        pk = ((bw & 2u) ? pk : (pk & 0xffffu) | (Pack2<T>::NEG_INF2 & 0xffff0000u));
+                    }
+                    nanp = Pack2<T>::max_nan(nanp, pk);
+                    const float x0 = Pack2<T>::lo(pk), x1 = Pack2<T>::hi(pk);
+                    bool gt = x0 > m;
+                    m = gt ? x0 : m;
+                    wl = gt ? j * 8 : wl;
+                    gt = x1 > m;
+                    m = gt ? x1 : m;
+                    wl = gt ? j * 8 + 1 : wl;
                 }
+                rm[h] = m;
+                if (wl >= 0) win[h] = p0 + 2 * cq + wl;
+                nanr[h] |= Pack2<T>::any_nan(nanp);
+            }
+        };
+        if (full) scan(false);
+        else scan(true);
         if (t % LT == LT - 1) {  // the batch's last tile: merge the 4 lanes of a row, write
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -268,22 +381,25 @@ __device__ __forceinline__ void spmax_ws(
             }
         }
     }
+    cluster_sync();  // the peer's last multicasts into this CTA and arrivals are done
 }
 #define SW_BODY(T, IX) spmax_ws<T, IX>(tw, tx, V, L, D, mask, bias, act, out, arg, batches, per_cta, group)
+#define SW_CLUSTER_DIMS __cluster_dims__(SW_CLUSTER, 1, 1)
 #else
 #define SW_BODY(T, IX) __trap()  // not an sm_90a build: Python launches this only on Hopper
+#define SW_CLUSTER_DIMS
 #endif
 
-// 1-D grid of ceil(V / 128) x ceil(B / per_cta) CTAs of 288 threads, SW_SMEM_BYTES of
-// dynamic shared memory; out (B, V); arg-max (B, V) int16 (i16) / int32 (i32)
+// 1-D grid of 2 ceil(V / 256) x ceil(B / per_cta) CTAs (clusters of 2) of 288 threads,
+// SW_SMEM_BYTES of dynamic shared memory; out (B, V); arg-max (B, V) int16 (i16) / int32 (i32)
 #define SW_ARGS(T, IX)                                                                     \
     const __grid_constant__ TmaMap tw, const __grid_constant__ TmaMap tx, int V, int L,    \
     int D, const unsigned char* mask, const T* bias, int act, T* out, IX* arg,             \
     int batches, int per_cta, int group
 #define CPN_DEFINE_SPMAX_WS(SUF, T)                                                        \
-extern "C" __global__ void __launch_bounds__(SW_THREADS, 1)                                \
+extern "C" __global__ void __launch_bounds__(SW_THREADS, 1) SW_CLUSTER_DIMS                \
 cpn_spmax_ws_i16_##SUF(SW_ARGS(T, short)) { SW_BODY(T, short); }                           \
-extern "C" __global__ void __launch_bounds__(SW_THREADS, 1)                                \
+extern "C" __global__ void __launch_bounds__(SW_THREADS, 1) SW_CLUSTER_DIMS                \
 cpn_spmax_ws_i32_##SUF(SW_ARGS(T, int)) { SW_BODY(T, int); }                               \
 extern "C" __global__ void cpn_spmax_ws_smem_##SUF(int* out) { out[0] = SW_SMEM_BYTES; }
 
