@@ -38,6 +38,7 @@
 // cpn-dtypes: f16 bf16
 #include "common.cuh"
 #include "splade_common.cuh"
+#include "wgmma.cuh"
 
 #define SW_BM 128      // vocabulary rows per CTA (2 consumer warpgroups x 64)
 #define SW_BN 256      // positions per tile
@@ -98,12 +99,6 @@ __device__ __forceinline__ void mbar_arrive_remote_if(unsigned bar, unsigned ran
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
-// K-major operand, 128-byte swizzle: rows of 128 B, 8-row groups 1024 B apart (tiles.cu)
-__device__ __forceinline__ unsigned long long sw_desc(unsigned saddr) {
-    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) |
-           (1ull << 62);
-}
-__device__ __forceinline__ void sw_fence_operand(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
 
 // D (64 x 256, fp32) (+)= A (64 x 16) B^T (16 x 256); scale_d = 0 starts a new tile
 #define SW_WGMMA_ASM(TY)                                                                    \
@@ -296,7 +291,7 @@ __device__ __forceinline__ void spmax_ws(
             const int s = it % SW_STAGES;
             mbar_wait(full0 + 8 * s, (it / SW_STAGES) & 1);
             const unsigned a = base + s * SW_STAGE_BYTES;
-            const unsigned long long da = sw_desc(a + c * 64 * 128), db = sw_desc(a + SW_A_BYTES);
+            const unsigned long long da = wg_desc(a + c * 64 * 128), db = wg_desc(a + SW_A_BYTES);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < SW_BK / 16; ++kk)  // +32 B per K step = +2 in the descriptor
@@ -316,7 +311,7 @@ __device__ __forceinline__ void spmax_ws(
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
-        for (int r = 0; r < 128; ++r) sw_fence_operand(acc[r]);
+        for (int r = 0; r < 128; ++r) fence_operand(acc[r]);
         release(prev);
         asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumers: flags written
 

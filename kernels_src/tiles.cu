@@ -37,6 +37,7 @@
 // convention of common.cuh, so col_combine in contrastive.cu can fold them.
 #include "common.cuh"
 #include "splade_common.cuh"
+#include "wgmma.cuh"
 
 #define TBM 128
 #define TBN 128
@@ -117,14 +118,7 @@ template <typename T> __device__ __forceinline__ unsigned pack2(float x, float y
     return (unsigned)a.bits | ((unsigned)b.bits << 16);
 }
 
-// ---- Hopper warpgroup MMA (sm_90a) -------------------------------------------------------
-// Shared-memory matrix descriptor of a K-major operand tile with 128-byte swizzle: rows of
-// 64 16-bit values (128 B), 8-row groups 1024 B apart (stride byte offset), leading byte
-// offset unused (1); the 16-element K steps inside a row advance the start address by 32 B.
-__device__ __forceinline__ unsigned long long wg_desc(unsigned saddr) {
-    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) |
-           (1ull << 62);
-}
+// ---- Hopper warpgroup MMA (sm_90a; wg_desc and fence_operand in wgmma.cuh) ---------------
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CPN_SM90A_ASM(text) asm volatile(text ::: "memory")
 #else
@@ -139,7 +133,6 @@ __device__ __forceinline__ void wg_wait1() { CPN_SM90A_ASM("wgmma.wait_group.syn
 __device__ __forceinline__ void fence_proxy_async() {
     CPN_SM90A_ASM("fence.proxy.async.shared::cta;\n");
 }
-__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CPN_WGMMA_ASM(TY)                                                                  \
