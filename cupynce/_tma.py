@@ -66,7 +66,10 @@ def matrix_map(a, box_rows: int, box_cols: int) -> Optional[np.ndarray]:
     rows, cols = a.shape
     item = a.dtype.itemsize
     ld = a.strides[0] // item if rows > 1 else cols
-    out = np.zeros((1,), TENSOR_MAP_DTYPE)
+    # the driver wants the CUtensorMap it writes 64-byte aligned: a view of a larger buffer
+    raw = np.zeros(TENSOR_MAP_DTYPE.itemsize + 64, np.uint8)
+    off = -raw.ctypes.data % 64
+    out = raw[off:off + TENSOR_MAP_DTYPE.itemsize].view(TENSOR_MAP_DTYPE)
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(ld * item)
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)

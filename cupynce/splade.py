@@ -264,16 +264,26 @@ def _gpu_forward(x, weight, bias, mask, act, workspace_bytes):
     return out, arg
 
 
-#: fused forward: product steps (128 positions x 64 of D) a CTA should run at least, so that
-#: filling its pipeline stays a small part of it; and the x bytes that the CTAs in flight
-#: should share (a part of the H100's 50 MB L2, beside their weight tiles)
+#: fused forward: product steps (one position tile -- 128 positions in tiles.cu, 256 in
+#: splade_wgmma.cu -- x 64 of D) a CTA should run at least, so that filling its pipeline stays
+#: a small part of it; and the x bytes that the CTAs in flight should share (a part of the
+#: H100's 50 MB L2, beside their weight tiles)
 _SPMAX_MIN_STEPS = 48
 _SPMAX_X_BYTES = 12 << 20
 
 
+def _ws_fits(rows: int) -> bool:
+    """Whether x's ``rows`` = B·L rows are addressable by splade_wgmma.cu, whose TMA row
+    coordinate (a position tile's first row, + 256) is a signed 32-bit int."""
+    return rows + _WS_BN < 2 ** 31
+
+
 def _ws_forward(xs, wm, m8, bias, act: int, out, arg, l: int) -> bool:
     """The fused forward through kernels_src/splade_wgmma.cu; False (nothing launched) where
-    the driver does not encode the tensor maps."""
+    x has too many rows for it (:func:`_ws_fits`) or the driver does not encode the tensor
+    maps."""
+    if not _ws_fits(xs.shape[0]):
+        return False
     tw = _tma.matrix_map(wm, _WS_BM, _WS_BK)
     tx = _tma.matrix_map(xs, _WS_BN // _WS_CLUSTER, _WS_BK)  # each CTA loads half the x box
     if tw is None or tx is None:

@@ -5,11 +5,12 @@
 // exist.  What differs is the main loop:
 //
 //   * one CTA = 2 consumer warpgroups (warps 0-7) and a producer warp (warp 8).  One thread
-//     of the producer issues the tensor-memory-accelerator (TMA) loads of each K step (W: 128
-//     rows x 64, x: 256 positions x 64, both 128-byte swizzled by the TMA unit) into a
-//     4-stage ring.  The consumers run wgmma m64n256k16 on rows 0-63 / 64-127 of the 128 x 256
-//     tile, then the max epilogue.  Stages are handed over by mbarriers (full: the TMA's byte count; empty:
-//     one arrival per consumer warpgroup once its MMAs on the stage are complete).
+//     of the producer issues the tensor-memory-accelerator (TMA) loads of each K step (W:
+//     128 rows x 64; x: 256 positions x 64, as two 128-position halves, one per CTA of the
+//     cluster, see below; 128-byte swizzled by the TMA unit) into a 4-stage ring.  The
+//     consumers run wgmma m64n256k16 on rows 0-63 / 64-127 of the 128 x 256 tile, then the
+//     max epilogue.  Stages are handed over by mbarriers (full: the TMA's byte count; empty:
+//     one arrival per consumer warpgroup of each CTA once its MMAs on the stage are done).
 //   * 128 x 256 tiles: 85 FLOP per byte read from L2 instead of 64 for 128 x 128 (the tile
 //     kernels of tiles.cu run at the L2's read bandwidth), and no load instructions in the
 //     consumers (cp.async took a third of their issue slots).
@@ -34,7 +35,8 @@
 // stays in registers.  Determinism: fixed per-thread order over positions, a fixed xor
 // shuffle merge of the 4 lanes of a row; no atomics.
 // Requirements (checked in Python): 16-bit dtype, D and ldw multiples of 8 elements,
-// 16-byte aligned pointers, compute capability 9.0 (the loader builds this file for sm_90a).
+// 16-byte aligned pointers, compute capability 9.0 (the loader builds this file for sm_90a),
+// B L + 256 < 2^31 (x's TMA row coordinate is a 32-bit int; tiles.cu takes larger inputs).
 // cpn-dtypes: f16 bf16
 #include "common.cuh"
 #include "splade_common.cuh"

@@ -130,3 +130,18 @@ def test_warp_specialised_shared_memory_matches_python():
     got = cp.zeros((1,), cp.int32)
     get_kernel(splade._WS_FILE, "spmax_ws_smem", C.BF16)((1,), (1,), (got,))
     assert int(got[0]) == splade._WS_SMEM
+
+
+@pytest.mark.parametrize("rows", [1, 7, 1000])
+def test_tensor_maps_are_encoded_into_aligned_buffers(rows):
+    """The driver encodes each CUtensorMap into a 64-byte-aligned host buffer (its documented
+    requirement), also for one-row and strided matrices."""
+    from cupynce import _tma
+
+    if not _tma.available():
+        pytest.skip("no cuTensorMapEncodeTiled in this driver")
+    a = cp.zeros((rows, 72), C.BF16)
+    for m in (a, a[:, :64]):
+        tm = _tma.matrix_map(m, 128, 64)
+        assert tm is not None and tm.shape == (1,) and tm.ctypes.data % 64 == 0
+        assert tm["opaque"].any()  # the driver wrote it

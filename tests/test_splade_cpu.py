@@ -802,3 +802,14 @@ def test_print_measured_errors():
     """Not a check: prints the worst error / magnitude seen per dtype and quantity (-s)."""
     for (dt, name), e in sorted(MEASURED.items()):
         print(f"  {dt:9s} {name:18s} {e:.2e}")
+
+
+def test_warp_specialised_forward_row_limit():
+    """splade_wgmma.cu's TMA row coordinate is a 32-bit int: x with B·L + 256 >= 2^31 rows
+    goes to tiles.cu instead (``_ws_fits``); the tensor-map struct is CUtensorMap's 128 bytes."""
+    from cupynce import _tma, splade
+
+    assert splade._ws_fits(2 ** 31 - 1 - splade._WS_BN)
+    assert not splade._ws_fits(2 ** 31 - splade._WS_BN)
+    assert not splade._ws_fits(32769 * 65536)  # B = 32769, L = 65536
+    assert _tma.TENSOR_MAP_DTYPE.itemsize == 128
