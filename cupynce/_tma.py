@@ -19,6 +19,8 @@ from typing import Optional
 
 import numpy as np
 
+from ._blas import leading_dim
+
 #: ``CUtensorMap`` as CuPy passes it: 16 opaque 64-bit words (cuda.h ``CU_TENSOR_MAP_NUM_QWORDS``)
 TENSOR_MAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])
 
@@ -65,7 +67,7 @@ def matrix_map(a, box_rows: int, box_cols: int) -> Optional[np.ndarray]:
         return None
     rows, cols = a.shape
     item = a.dtype.itemsize
-    ld = a.strides[0] // item if rows > 1 else cols
+    ld = leading_dim(a)
     # the driver wants the CUtensorMap it writes 64-byte aligned: a view of a larger buffer
     raw = np.zeros(TENSOR_MAP_DTYPE.itemsize + 64, np.uint8)
     off = -raw.ctypes.data % 64
