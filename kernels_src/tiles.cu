@@ -133,6 +133,26 @@ __device__ __forceinline__ void wg_wait1() { CPN_SM90A_ASM("wgmma.wait_group.syn
 __device__ __forceinline__ void fence_proxy_async() {
     CPN_SM90A_ASM("fence.proxy.async.shared::cta;\n");
 }
+// Four 8 x 8 16-bit matrices from the mma fragment layout into shared memory (sm_90): lane l
+// gives the address of row (l & 7) of matrix (l >> 3); TRANS stores each matrix transposed.
+template <bool TRANS>
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned a, unsigned b, unsigned c,
+                                            unsigned d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (TRANS)
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+    else
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+#else
+    __trap();
+#endif
+}
+// barrier of one warpgroup (128 threads); id 0 is __syncthreads'
+__device__ __forceinline__ void wg_bar(int wg) {
+    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg) : "memory");
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CPN_WGMMA_ASM(TY)                                                                  \
@@ -182,9 +202,9 @@ template <> struct Wgmma<f16_t> {
 // row_base(w) + i*16 + h*8 + (lane >> 2) and columns col_base(w) + j*8 + 2*(lane & 3) + e of
 // the tile, in acc[i][j][h*2 + e]; NCG warps share each column (col_group(w)) and
 // ROW_WARPS warps share each row.
-template <typename T, bool WG> struct TileLoop;
+template <typename T, bool WG, int NSTG = WSTAGES> struct TileLoop;
 
-template <typename T> struct TileLoop<T, false> {  // mma.sync m16n8k16, 4 x 2 warps
+template <typename T, int NSTG> struct TileLoop<T, false, NSTG> {  // mma.sync m16n8k16, 4 x 2 warps
     // synchronous MMA: the stage loaded in iteration it may be any but the one read in it
     enum { I = 2, J = 8, NCG = 4, ROW_WARPS = 2, STAGES = TSTAGES, PREFETCH = TSTAGES - 1 };
     static __device__ __forceinline__ int row_base(int w) { return (w >> 1) * 32; }
@@ -239,10 +259,10 @@ template <typename T> struct TileLoop<T, false> {  // mma.sync m16n8k16, 4 x 2 w
     }
 };
 
-template <typename T> struct TileLoop<T, true> {  // wgmma m64n128k16, 2 warpgroups
+template <typename T, int NSTG> struct TileLoop<T, true, NSTG> {  // wgmma m64n128k16, 2 WGs
     // one MMA batch stays in flight while the next is issued (retire waits for all but the
     // newest), so the other warpgroup may still read stage it - 1: load it + STAGES - 2
-    enum { I = 1, J = 16, NCG = 8, ROW_WARPS = 1, STAGES = WSTAGES, PREFETCH = WSTAGES - 2 };
+    enum { I = 1, J = 16, NCG = 8, ROW_WARPS = 1, STAGES = NSTG, PREFETCH = NSTG - 2 };
     static __device__ __forceinline__ int row_base(int w) { return w * 16; }
     static __device__ __forceinline__ int col_base(int) { return 0; }
     static __device__ __forceinline__ int col_group(int w) { return w; }
@@ -369,7 +389,11 @@ __device__ __forceinline__ void tile_body(
     IX* __restrict__ arg = 0, int sp_batches = 0, int sp_per = 0, int sp_group = 1,
     int tri = 0)
 {
-    typedef TileLoop<T, WG> L;
+    // G / H / CLIP on wgmma write their 16-bit tile through shared memory (stmatrix, then
+    // 16-byte coalesced stores): the last of the WSTAGES stage slots becomes that staging
+    // buffer, 16 KiB per warpgroup (same dynamic shared memory size for every mode)
+    enum { SOUT = WG && (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP) };
+    typedef TileLoop<T, WG, SOUT ? WSTAGES - 1 : WSTAGES> L;
     enum { I = L::I, J = L::J, NCG = L::NCG, NS = L::STAGES };
     extern __shared__ __align__(16) unsigned short smem[];
     __shared__ float red[2][NCG][TBN];
@@ -424,6 +448,8 @@ __device__ __forceinline__ void tile_body(
     const float sl2 = scale * CPN_LOG2E;  // logits in base-2 units: t = acc * sl2
     L loop;
     loop.init(smem, lane, warp);
+    // SOUT: the staging tile, the last stage slot of the (1 KiB-aligned) wgmma ring
+    const unsigned stage_smem = ((smem_u32(smem) + 1023u) & ~1023u) + (WSTAGES - 1) * WSTAGE_BYTES;
 
     // per-thread rows: (i, h) -> local row m0 + rbase + i*16 + h*8 + gq
     float rm[I][2], rl[I][2], rx[I][2], li2[I][2], wi[I][2], fi[I][2];
@@ -748,6 +774,13 @@ __device__ __forceinline__ void tile_body(
                     }
                 fast = !__any_sync(0xffffffffu, bad);
             }
+            unsigned pk[I][2][J];  // SOUT: the packed values, in the fragment layout
+#pragma unroll
+            for (int i = 0; i < I; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int j = 0; j < J; ++j) pk[i][h][j] = 0u;
 #pragma unroll
             for (int variant = 0; variant < 3; ++variant) {  // C and F are constants in each copy
                 const bool C = variant == 0, F = variant == 2;
@@ -796,7 +829,9 @@ __device__ __forceinline__ void tile_body(
                                 val[e] = x;
                             }
                             const int col = n0 + cbase + j * 8 + 2 * cq;
-                            if (!C || col + 1 < ncols) {
+                            if (SOUT) {
+                                pk[i][h][j] = pack2<T>(val[0], val[1]);
+                            } else if (!C || col + 1 < ncols) {
                                 *(unsigned*)(grow_ptr + col) = pack2<T>(val[0], val[1]);
                             } else if (col < ncols) {
                                 grow_ptr[col] = Conv<T>::store(val[0]);
@@ -811,6 +846,53 @@ __device__ __forceinline__ void tile_body(
                             }
                         }
                     }
+            }
+            if (SOUT) {
+                // The warpgroup's 64 x 128 block: stmatrix into a row-major staging tile
+                // (256-byte rows, 16-byte chunk c of row r at c ^ (r & 7): conflict-free), then
+                // each thread stores 16-byte chunks -- whole 128-byte lines instead of 8 rows x
+                // 16 bytes per warp store.  Chunks past the last row or column are skipped; a
+                // chunk that starts inside a row stays inside its 16-byte-padded leading dim.
+                const int wg = warp >> 2, wl = warp & 3, tw = tid & 127;
+                const unsigned sbuf = stage_smem + wg * (64 * TBN * 2);
+                const char* sgen = (const char*)smem + (sbuf - smem_u32(smem));
+#pragma unroll
+                for (int jp = 0; jp < J / 2; ++jp) {
+                    const int r = wl * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+                    const int c = 2 * jp + (lane >> 4);
+                    stmatrix_x4<false>(sbuf + r * 256 + ((c ^ (r & 7)) << 4), pk[0][0][2 * jp],
+                                       pk[0][1][2 * jp], pk[0][0][2 * jp + 1], pk[0][1][2 * jp + 1]);
+                }
+                wg_bar(wg);
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int idx = u * 128 + tw, r = idx >> 4, c = idx & 15;
+                    const uint4 v = *(const uint4*)(sgen + r * 256 + ((c ^ (r & 7)) << 4));
+                    const int lr = m0 + wg * 64 + r, col = n0 + c * 8;
+                    if (lr < rows && col < ncols) *(uint4*)(g + (i64)lr * ldg + col) = v;
+                }
+                // H with `tri`: the mirror H_JI = H_IJ^T of an off-diagonal tile, transposed
+                // by stmatrix.trans into a 128 x 64 staging tile (128-byte rows)
+                if (MODE == MODE_H && TRI && n0 != m0) {
+                    wg_bar(wg);  // the stores above have read the staging tile
+#pragma unroll
+                    for (int jp = 0; jp < J / 2; ++jp) {
+                        const int mtx = lane >> 3;
+                        const int r = (2 * jp + (mtx >> 1)) * 8 + (lane & 7);
+                        const int c = wl * 2 + (mtx & 1);
+                        stmatrix_x4<true>(sbuf + r * 128 + ((c ^ (r & 7)) << 4), pk[0][0][2 * jp],
+                                          pk[0][1][2 * jp], pk[0][0][2 * jp + 1],
+                                          pk[0][1][2 * jp + 1]);
+                    }
+                    wg_bar(wg);
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        const int idx = u * 128 + tw, r = idx >> 3, c = idx & 7;
+                        const uint4 v = *(const uint4*)(sgen + r * 128 + ((c ^ (r & 7)) << 4));
+                        const int grow = n0 + r, col = m0 + wg * 64 + c * 8;
+                        if (grow < ncols && col < rows) *(uint4*)(g + (i64)grow * ldg + col) = v;
+                    }
+                }
             }
         }
     }

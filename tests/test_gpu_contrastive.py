@@ -663,3 +663,53 @@ def test_nt_xent_symmetric_gradient(n, tiles_on, monkeypatch):
         blocked = run_cupynce("nt_xent", inputs, kw, g, workspace_bytes=128 * ldg * 2)[1][0]
         assert flags and not any(flags)
         assert rel(blocked, cp.asnumpy(sq)) <= 5e-3
+
+
+@pytest.mark.parametrize("n", [300, 1030])
+@pytest.mark.parametrize("stage", ["g", "h", "h_tri", "clip"])
+def test_wgmma_gradient_tiles_staged_stores(stage, n, monkeypatch):
+    """The wgmma loop writes its G / H / CLIP tiles through shared memory (stmatrix, then
+    16-byte stores; with ``tri`` H's mirror through stmatrix.trans).  Every element of the
+    block is written (NaN-filled before), partial tiles included (n = 300, 1030: last row /
+    column tiles of 44 and 6; 300 is not a multiple of 8), the mirrored H is exactly symmetric,
+    and the values agree with the mma.sync loop's direct stores to the 16-bit rounding (the
+    two loops accumulate the products in different orders)."""
+    from cupynce import contrastive as C
+    from cupynce._kernels import arch_specific_build
+
+    if not arch_specific_build(C._TILES):
+        pytest.skip("the wgmma main loop needs a compute-capability 9.0 GPU")
+    rng = cp.random.default_rng(n)
+    d, s = 64, 10.0
+    q = (rng.standard_normal((n, d), dtype=cp.float32) / 8).astype(BF16)
+    sym = stage.startswith("h")
+    k = q if sym else (rng.standard_normal((n, d), dtype=cp.float32) / 8).astype(BF16)
+    shift = n // 2 if sym else 0
+    lse = C._tile_lse(q, k, None, s, exclude_diag=sym, pos_shift=shift, pos_mod=n)[0]
+    rt = -(-n // C._TILE)
+    tri = stage == "h_tri"
+    ldg = -(-n // 8) * 8
+
+    def run(wgmma: bool):
+        monkeypatch.setattr(C, "USE_WGMMA", wgmma)
+        g = cp.full((n, ldg), np.nan, cp.float32).astype(BF16)
+        kw = dict(pos_shift=shift, pos_mod=n, lse_row=lse, lse_col=lse,
+                  weights=(None, 0, 1.0 / n), g=g[:, :n])
+        if stage == "clip":
+            sp = C._splits(rt, rt)
+            dsp = cp.empty((sp, n), cp.float32)
+            ls = cp.full((1,), np.log(s), cp.float32)
+            C._tile("clip", BF16, (rt, sp), q, 0, k, None, scale_log=ls, dsp=dsp.data.ptr,
+                    part=(0, 0, n), **kw)
+        else:
+            sp = C._splits(rt, rt // 2 + 1 if tri else rt)
+            C._tile("h" if sym else "g", BF16, (rt, sp), q, 0, k, None, scale=s,
+                    exclude_diag=sym, tri=tri, **kw)
+        return cp.asnumpy(g[:, :n].astype(cp.float32))
+
+    a, b = run(True), run(False)
+    assert not np.isnan(a).any(), f"wgmma {stage}: unwritten elements {np.argwhere(np.isnan(a))[:5]}"
+    assert not np.isnan(b).any(), f"mma.sync {stage}: unwritten elements"
+    if tri:
+        assert bool((a == a.T).all()), "the mirrored H is not exactly symmetric"
+    np.testing.assert_allclose(a, b, rtol=2.0 ** -7, atol=1e-4 * float(np.abs(b).max()))
