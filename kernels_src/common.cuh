@@ -65,6 +65,56 @@ template <> struct Conv<bf16_t> {
     }
 };
 
+// Two fp32 values rounded to T (round to nearest even, as Conv<T>::store) in one register:
+// `round(lo, hi)`, the rounded values back as fp32 (`lo`, `hi`), a NaN-propagating packed max
+// and whether either half is NaN.  NEG_INF2: -inf in both halves.  sm_80+ instructions: only
+// the tensor-core kernels (tiles.cu, splade_wgmma.cu) instantiate it.
+template <typename T> struct Pack2;
+template <> struct Pack2<bf16_t> {
+    enum : unsigned { NEG_INF2 = 0xff80ff80u };
+    static __device__ __forceinline__ unsigned round(float lo, float hi) {
+        unsigned r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ float lo(unsigned p) { return __uint_as_float(p << 16); }
+    static __device__ __forceinline__ float hi(unsigned p) { return __uint_as_float(p & 0xffff0000u); }
+    static __device__ __forceinline__ unsigned max_nan(unsigned a, unsigned b) {
+        unsigned r;
+        asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+        return r;
+    }
+    static __device__ __forceinline__ bool any_nan(unsigned p) {
+        return (p & 0x7fffu) > 0x7f80u || ((p >> 16) & 0x7fffu) > 0x7f80u;
+    }
+};
+template <> struct Pack2<f16_t> {
+    enum : unsigned { NEG_INF2 = 0xfc00fc00u };
+    static __device__ __forceinline__ unsigned round(float lo, float hi) {
+        unsigned r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ float lo(unsigned p) {
+        float f;
+        asm("{ .reg .f16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }" : "=f"(f) : "r"(p));
+        return f;
+    }
+    static __device__ __forceinline__ float hi(unsigned p) {
+        float f;
+        asm("{ .reg .f16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "r"(p));
+        return f;
+    }
+    static __device__ __forceinline__ unsigned max_nan(unsigned a, unsigned b) {
+        unsigned r;
+        asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+        return r;
+    }
+    static __device__ __forceinline__ bool any_nan(unsigned p) {
+        return (p & 0x7fffu) > 0x7c00u || ((p >> 16) & 0x7fffu) > 0x7c00u;
+    }
+};
+
 // ---- math on the accumulator type --------------------------------------------------
 // Full-precision expf/logf (not the __expf intrinsics, whose error grows with |x|).
 __device__ __forceinline__ float cpn_exp(float x) { return expf(x); }

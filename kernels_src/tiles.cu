@@ -113,9 +113,9 @@ __device__ __forceinline__ void lse2_merge(float& m, float& l, float om, float o
     else { l += ol * exp2f(om - m); }
 }
 
+// x, y rounded to T (nearest even, as Conv<T>::store) in one cvt: x in the low half
 template <typename T> __device__ __forceinline__ unsigned pack2(float x, float y) {
-    const T a = Conv<T>::store(x), b = Conv<T>::store(y);
-    return (unsigned)a.bits | ((unsigned)b.bits << 16);
+    return Pack2<T>::round(x, y);
 }
 
 // ---- Hopper warpgroup MMA (sm_90a; wg_desc and fence_operand in wgmma.cuh) ---------------
@@ -563,7 +563,65 @@ __device__ __forceinline__ void tile_body(
             for (int h = 0; h < 2; ++h)
                 special |= (unsigned)(gi[i][h] - n0) < TBN || (unsigned)(pr[i][h] - n0) < TBN;
         special = __any_sync(0xffffffffu, special);
-        if (MODE == MODE_LSE || MODE == MODE_LSE2) {
+        // LSE2 on an unchecked tile (`colfast`): the column sums reuse the row pass's
+        // exponentials, 2^(t_ij - c_j) = 2^(t_ij - m_i) 2^(m_i - M) 2^(M - c_j) with M the
+        // warp's largest running row max: one exp2 per score instead of two.  Taken when
+        // M - c_j <= 64 for every column of the warp (then no term exceeds 2^64, as on the
+        // shifted path below); the row sums are the same operations in the same order either
+        // way.  A term below 2^-126 (a row 126 binary orders under M) flushes to zero: at most
+        // 2^-62 against the column's full sum, which holds its positive pair's 2^0.
+        const float* cc2 = colv[cur & 1][0] + cbase + 2 * cq;  // LSE2: c_j at [j * 8 + e]
+        float cs[MODE == MODE_LSE2 ? 2 * J : 1];
+        float mw = ninf;
+        bool colfast = false;
+        if (MODE == MODE_LSE2) {
+            if (KT == 1) __syncthreads();  // colv written this iteration
+            if (!special) {
+                float mn[I][2];
+#pragma unroll
+                for (int i = 0; i < I; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float tm = ninf;
+#pragma unroll
+                        for (int j = 0; j < J; ++j)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) tm = fmaxf(tm, acc[i][j][h * 2 + e] * sl2);
+                        mn[i][h] = fmaxf(rm[i][h], tm);
+                        if (rv[i][h]) mw = fmaxf(mw, mn[i][h]);
+                    }
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
+                bool ok = true;
+#pragma unroll
+                for (int j = 0; j < J; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) ok &= mw - cc2[j * 8 + e] <= 64.f;
+                colfast = __all_sync(0xffffffffu, ok);
+                if (colfast) {
+#pragma unroll
+                    for (int k = 0; k < 2 * J; ++k) cs[k] = 0.f;
+#pragma unroll
+                    for (int i = 0; i < I; ++i)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const float m = rm[i][h], mnv = mn[i][h];
+                            const float r = rv[i][h] ? exp2f(mnv - mw) : 0.f;
+                            float l = rl[i][h] * exp2f(m - mnv);
+#pragma unroll
+                            for (int j = 0; j < J; ++j)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const float ev = exp2f(acc[i][j][h * 2 + e] * sl2 - mnv);
+                                    l += ev;
+                                    cs[j * 2 + e] += ev * r;
+                                }
+                            rm[i][h] = mnv; rl[i][h] = l;
+                        }
+                }
+            }
+        }
+        if ((MODE == MODE_LSE || MODE == MODE_LSE2) && !colfast) {
     #pragma unroll
             for (int variant = 0; variant < 2; ++variant) {  // two copies: C is a constant in each
                 const bool C = variant == 0;
@@ -613,16 +671,14 @@ __device__ __forceinline__ void tile_body(
         // column partials over this CTA's 128 rows (TRI: not on the diagonal tile, whose
         // column sums are its own rows' sums)
         if (MODE == MODE_LSE2 && !(TRI && n0 == m0)) {
-            if (KT == 1) __syncthreads();  // colv written this iteration
             // Fast path: each column shifted by its positive logit c_j (staged in colv), so the
             // partial is a plain sum of 2^(t - c_j) -- no max to find, no rescaling -- and the
             // 8 lanes that share a column reduce their 2J sums by a reduce-scatter (2J - J/4
             // shuffles instead of 6 per column).  Exact while no term exceeds 2^64 (a score
             // 44 nats above the column's positive); a warp that meets one takes the max-based
             // path below for this tile.  Both write (m, s) pairs in base 2 to red[].
-            const float* cc2 = colv[cur & 1][0] + cbase + 2 * cq;  // [j * 8 + e]
-            float cs[2 * J];
             bool big = false;
+            if (!colfast) {  // (colfast: cs holds the sums, scaled by 2^(c_j - M))
 #pragma unroll
             for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -640,6 +696,7 @@ __device__ __forceinline__ void tile_body(
                             }
                     cs[j * 2 + e] = s;
                 }
+            }
             if (!__any_sync(0xffffffffu, big)) {
                 reduce_scatter<2 * J>(cs, lane & 16, 16);
                 reduce_scatter<J>(cs, lane & 8, 8);
@@ -650,7 +707,7 @@ __device__ __forceinline__ void tile_body(
                                     ((lane & 4) ? J / 4 : 0);  // = j * 2 + e
                     const int off = (idx >> 1) * 8 + (idx & 1);
                     red[0][cg][cbase + 2 * cq + off] = cc2[off];
-                    red[1][cg][cbase + 2 * cq + off] = cs[k];
+                    red[1][cg][cbase + 2 * cq + off] = colfast ? cs[k] * exp2f(mw - cc2[off]) : cs[k];
                 }
             } else {
 #pragma unroll
