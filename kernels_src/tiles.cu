@@ -811,9 +811,12 @@ __device__ __forceinline__ void tile_body(
             // with f = w 2^-l (times 1/2 for CLIP), one exp2 per score instead of two.  Taken
             // by a warp when every score of its tile has |t| <= 100 and every f is finite, so
             // that 2^t and the f are normal floats; otherwise the two-exp2 form below.
+            // (|t| <= 100 through the largest |acc|: one max per score; a NaN score, which
+            // fmaxf skips, gives NaN on either path)
             bool fast = false;
             if (MODE != MODE_G && !special) {
                 bool bad = false;
+                float amax = 0.f;
 #pragma unroll
                 for (int i = 0; i < I; ++i)
 #pragma unroll
@@ -827,8 +830,9 @@ __device__ __forceinline__ void tile_body(
                         for (int i = 0; i < I; ++i)
 #pragma unroll
                             for (int h = 0; h < 2; ++h)
-                                bad |= !(fabsf(acc[i][j][h * 2 + e] * sl2) <= 100.f);
+                                amax = fmaxf(amax, fabsf(acc[i][j][h * 2 + e]));
                     }
+                bad |= !(amax * fabsf(sl2) <= 100.f);
                 fast = !__any_sync(0xffffffffu, bad);
             }
             unsigned pk[I][2][J];  // SOUT: the packed values, in the fragment layout
@@ -1051,17 +1055,40 @@ __device__ __forceinline__ void tile_sum_body(
     out[r] = a;
 }
 
-#define CPN_TILE_ARGS(T)                                                                   \
-    const T* A, i64 lda, int rows, int row0, const T* B1, i64 ldb1, int n1,                \
-    const T* B2, i64 ldb2, int n2, int d, float scale_mul, const float* scale_log,         \
-    int exclude_diag, int pos_shift, int pos_mod, float* part_m, float* part_s,            \
-    i64 part_ld, float* pos_out, float* colp_m, float* colp_s, const float* lse_row,       \
-    const float* lse_col, const float* w_ptr, i64 w_stride, float w_mul, T* g, i64 ldg,    \
-    float* dsp_part, int tri
+// The contrastive tile kernels take their arguments as one struct passed by value: one
+// kernel parameter for CuPy to marshal instead of 31 (the launch's host time).  Layout:
+// pointers, then 64-bit integers, then 32-bit fields -- no padding inside; Python packs it
+// with struct format "<14Q6q9i2f4x" (contrastive._TILE_ARGS_*; a GPU test compares the
+// offsets through cpn_tile_args_layout).
+template <typename T> struct TileArgs {
+    const T* A; const T* B1; const T* B2; const float* scale_log;
+    float* part_m; float* part_s; float* pos_out; float* colp_m; float* colp_s;
+    const float* lse_row; const float* lse_col; const float* w_ptr; T* g; float* dsp_part;
+    i64 lda, ldb1, ldb2, part_ld, w_stride, ldg;
+    int rows, row0, n1, n2, d, exclude_diag, pos_shift, pos_mod, tri;
+    float scale_mul, w_mul;
+};
+#define CPN_TILE_ARGS(T) const TileArgs<T> p
 #define CPN_TILE_PASS                                                                      \
-    A, lda, rows, row0, B1, ldb1, n1, B2, ldb2, n2, d, scale_mul, scale_log, exclude_diag, \
-    pos_shift, pos_mod, part_m, part_s, part_ld, pos_out, colp_m, colp_s, lse_row,         \
-    lse_col, w_ptr, w_stride, w_mul, g, ldg, dsp_part, 0, 0, 0, (int*)0, 0, 0, 1, tri
+    p.A, p.lda, p.rows, p.row0, p.B1, p.ldb1, p.n1, p.B2, p.ldb2, p.n2, p.d, p.scale_mul,  \
+    p.scale_log, p.exclude_diag, p.pos_shift, p.pos_mod, p.part_m, p.part_s, p.part_ld,    \
+    p.pos_out, p.colp_m, p.colp_s, p.lse_row, p.lse_col, p.w_ptr, p.w_stride, p.w_mul,     \
+    p.g, p.ldg, p.dsp_part, 0, 0, 0, (int*)0, 0, 0, 1, p.tri
+
+#define CPN_TA_OFF(f) (int)((const char*)&x.f - (const char*)&x)
+// offsets of TileArgs' fields in declaration order, then its size (the layout test)
+template <typename T> __device__ void tile_args_layout(int* out) {
+    const TileArgs<T> x = {};
+    const int o[] = {CPN_TA_OFF(A), CPN_TA_OFF(B1), CPN_TA_OFF(B2), CPN_TA_OFF(scale_log),
+        CPN_TA_OFF(part_m), CPN_TA_OFF(part_s), CPN_TA_OFF(pos_out), CPN_TA_OFF(colp_m),
+        CPN_TA_OFF(colp_s), CPN_TA_OFF(lse_row), CPN_TA_OFF(lse_col), CPN_TA_OFF(w_ptr),
+        CPN_TA_OFF(g), CPN_TA_OFF(dsp_part), CPN_TA_OFF(lda), CPN_TA_OFF(ldb1),
+        CPN_TA_OFF(ldb2), CPN_TA_OFF(part_ld), CPN_TA_OFF(w_stride), CPN_TA_OFF(ldg),
+        CPN_TA_OFF(rows), CPN_TA_OFF(row0), CPN_TA_OFF(n1), CPN_TA_OFF(n2), CPN_TA_OFF(d),
+        CPN_TA_OFF(exclude_diag), CPN_TA_OFF(pos_shift), CPN_TA_OFF(pos_mod), CPN_TA_OFF(tri),
+        CPN_TA_OFF(scale_mul), CPN_TA_OFF(w_mul), (int)sizeof(TileArgs<T>)};
+    for (int i = 0; i < (int)(sizeof(o) / sizeof(o[0])); ++i) out[i] = o[i];
+}
 
 // Tensor-core tiles exist for the 16-bit types only:
 // (cpn_tile_smem_<dtype> writes TSMEM_BYTES and WSMEM_BYTES, so Python never hard-codes them)
@@ -1099,6 +1126,7 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_finish_tri_##SU
         half, scale, lse, loss); }                                                         \
 extern "C" __global__ void cpn_tile_smem_##SUF(int* out) {                                 \
     out[0] = TSMEM_BYTES; out[1] = WSMEM_BYTES; }                                          \
+extern "C" __global__ void cpn_tile_args_layout_##SUF(int* out) { tile_args_layout<T>(out); } \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_sum_##SUF(                \
     const float* part, i64 part_ld, int splits, int rows, float* out) {                    \
     tile_sum_body(part, part_ld, splits, rows, out); }

@@ -492,6 +492,28 @@ def test_tile_smem_constant_matches_kernel():
     assert int(out[1]) == C._WG_SMEM
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_tile_args_struct_layout_matches_kernel(dtype):
+    """The tile kernels' by-value TileArgs struct: the offsets of its fields (in declaration
+    order) and its size, read from the kernel, match what Python's struct format packs."""
+    import re
+    import struct
+
+    from cupynce import contrastive as C
+    from cupynce._kernels import get_kernel
+
+    fields = C._TILE_ARGS_FIELDS
+    out = cp.full((len(fields) + 1,), -1, cp.int32)
+    get_kernel(C._TILES, "tile_args_layout", dtype)((1,), (1,), (out,))
+    got = [int(v) for v in cp.asnumpy(out)]
+    fmt = C._TILE_ARGS_FORMAT  # "<14Q6q9i2f4x": the offsets the packer uses, field by field
+    codes = "".join(c * int(n) for n, c in re.findall(r"(\d+)([Qqif])", fmt))
+    assert len(codes) == len(fields)
+    want = [struct.calcsize("<" + codes[:i]) for i in range(len(codes))]
+    assert got[:-1] == want, dict(zip(fields, zip(got, want)))
+    assert got[-1] == struct.calcsize(fmt) == C._TILE_ARGS_DTYPE.itemsize
+
+
 def test_tiles_default_follows_the_main_loop(monkeypatch):
     """CUPYNCE_TILES unset: tiles exactly where the wgmma loop is built (Hopper)."""
     from cupynce import contrastive as C
