@@ -531,28 +531,29 @@ def _gpu_clip_tiles(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_
     pair_loss = None
     if want_loss:
         splits = _splits(nt, nt)
-        part = cp.empty((2, splits, n), f32)
-        pos = cp.empty((n,), f32)
         # column partials: one (m, s) pair per (row tile, column) of the rows in flight
         rg = _blas.plan_rows("clip_loss", n, -(-8 * n // _TILE), workspace_bytes, align=_TILE)
-        colp = cp.empty((2, -(-rg // _TILE), n), f32)
-        colp_s = colp.data.ptr + 4 * colp[0].size
+        cpt = -(-rg // _TILE)
+        # one fp32 scratch allocation (allocations are host time before the first kernel):
+        # dots (n) | pos (n) | part (2, splits, n) | colp (2, cpt, n); kernels get pointers
+        scratch = cp.empty(((2 + 2 * splits + 2 * cpt) * n,), f32)
+        dots, pos = scratch[:n], scratch.data.ptr + 4 * n
+        part, part_s = pos + 4 * n, pos + 4 * n * (1 + splits)
+        colp, colp_s = part + 8 * splits * n, part + 4 * n * (2 * splits + cpt)
         # running column state (m and s rows), only when the rows come in several groups
         col_m = cp.empty((2, n), f32) if rg < n else None
         cgrid = (-(-n // BLOCK),)
         # a_j . b_j: the kernel shifts column j's exponentials by its positive logit
-        dots = cp.empty((n,), f32)
         b_rows = bn if _blas.leading_dim(bn) == d else cp.ascontiguousarray(bn)
         launch(_FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
                (an, np.int64(_blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
                 np.int32(d), dots))
-        part_s = part.data.ptr + 4 * splits * n
         for r0 in range(0, n, rg):
             r1 = min(n, r0 + rg)
             rt = -(-(r1 - r0) // _TILE)
             _tile("lse2", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
-                  part=(part.data.ptr + 4 * r0, part_s + 4 * r0, n),
-                  pos_out=pos.data.ptr + 4 * r0, colp=(colp.data.ptr, colp_s), lse_col=dots)
+                  part=(part + 4 * r0, part_s + 4 * r0, n),
+                  pos_out=pos + 4 * r0, colp=(colp, colp_s), lse_col=dots)
             if col_m is not None:  # several row groups: fold into the running column state
                 launch(_FILE, "col_combine", t, (-(-n // 32),), (
                     colp, colp_s, np.int32(rt), np.int32(n), col_m, col_m[1],
