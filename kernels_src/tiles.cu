@@ -113,11 +113,6 @@ __device__ __forceinline__ void lse2_merge(float& m, float& l, float om, float o
     else { l += ol * exp2f(om - m); }
 }
 
-// x, y rounded to T (nearest even, as Conv<T>::store) in one cvt: x in the low half
-template <typename T> __device__ __forceinline__ unsigned pack2(float x, float y) {
-    return Pack2<T>::round(x, y);
-}
-
 // ---- Hopper warpgroup MMA (sm_90a; wg_desc and fence_operand in wgmma.cuh) ---------------
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CPN_SM90A_ASM(text) asm volatile(text ::: "memory")
@@ -891,15 +886,16 @@ __device__ __forceinline__ void tile_body(
                             }
                             const int col = n0 + cbase + j * 8 + 2 * cq;
                             if (SOUT) {
-                                pk[i][h][j] = pack2<T>(val[0], val[1]);
+                                pk[i][h][j] = Pack2<T>::round(val[0], val[1]);
                             } else if (!C || col + 1 < ncols) {
-                                *(unsigned*)(grow_ptr + col) = pack2<T>(val[0], val[1]);
+                                *(unsigned*)(grow_ptr + col) = Pack2<T>::round(val[0], val[1]);
                             } else if (col < ncols) {
                                 grow_ptr[col] = Conv<T>::store(val[0]);
                             }
                             // H with `tri` (H = H^T, the whole matrix in g, row0 = 0): an
-                            // off-diagonal tile also writes its mirror H_JI = H_IJ^T
-                            if (MODE == MODE_H && TRI && n0 != m0) {
+                            // off-diagonal tile also writes its mirror H_JI = H_IJ^T (SOUT:
+                            // through the staging tile below)
+                            if (!SOUT && MODE == MODE_H && TRI && n0 != m0) {
 #pragma unroll
                                 for (int e = 0; e < 2; ++e)
                                     if (!C || col + e < ncols)
