@@ -22,6 +22,14 @@ Every implementation computes the mean loss *and* the gradients of all inputs:
     ``logits = logit_scale.exp() * a @ b.T; (CE(logits, l) + CE(logits.T, l)) / 2``;
     gradients with ``torch.autograd.grad``.  Skipped ("would not fit", not run) when
     ``4 x N^2 x itemsize`` exceeds the free device memory; an OOM when tried is a result.
+``amp``
+    The same formula under ``torch.autocast("cuda", dtype=<the input dtype>)``: 16-bit inputs
+    only.  This is how mixed-precision training runs it and how ``../shared/ANCHORS.md``
+    measured "PyTorch eager" (its 64 GiB at CLIP N = 65536 is four float32 N x N matrices):
+    the product stays in the 16-bit dtype, but autocast runs ``cross_entropy`` (log-softmax
+    and its gradient) in float32.  Pure 16-bit eager above is the faster of the two
+    baselines; the README reports the speed-up against both.  Skipped when
+    ``16 x N^2`` bytes exceed the free device memory.
 ``compile``
     ``torch.compile(reference, dynamic=False)``, compiled once per case (after
     ``torch._dynamo.reset()``); compile + first backward run outside the timing (reported as
@@ -74,7 +82,7 @@ from cupynce._harness import (  # noqa: E402
 )
 
 OPS = ("nt_xent", "clip_loss")
-IMPLS = ("cupynce", "cublas", "eager", "compile")
+IMPLS = ("cupynce", "cublas", "eager", "amp", "compile")
 SIZES = (8192, 16384, 32768, 65536)
 BIG_SIZE = 131072
 QUICK_SIZES = (8192, 16384)
@@ -92,6 +100,9 @@ SEED = 0
 #: Eager PyTorch keeps about this many N x N matrices (input dtype) alive at its peak
 #: (scores, masked/scaled copies, log-softmax, their gradients); NT-Xent float32 measures ~3.5.
 EAGER_NN_COPIES = 4
+#: Under autocast: the 16-bit scores plus about four float32 N x N matrices (ANCHORS.md:
+#: 64 GiB at CLIP N = 65536), in bytes per score.
+AMP_NN_BYTES = 16
 #: torch.compile fuses the element-wise work: the product and one gradient block remain.
 COMPILE_NN_COPIES = 2
 #: At and above this N: fewer repeats (the products alone take ~0.1-1 s in float32).
@@ -316,15 +327,18 @@ def run_one(op: str, n: int, d: int, dtype_name: str, args: argparse.Namespace,
         rec["cublas_products"] = r
         print(_line("cuBLAS products", r), flush=True)
 
-    if torch is not None and ("eager" in args.impls or "compile" in args.impls):
+    if torch is not None and {"eager", "amp", "compile"} & set(args.impls):
         itemsize = np.dtype(dtype).itemsize
         ref = torch_reference(torch, op, NT_XENT_TEMPERATURE)
         leaves = [to_torch(torch, x).clone().requires_grad_(True) for x in inputs]
-        for impl, copies in (("eager", EAGER_NN_COPIES), ("compile", COMPILE_NN_COPIES)):
+        for impl, nbytes in (("eager", EAGER_NN_COPIES * itemsize), ("amp", AMP_NN_BYTES),
+                             ("compile", COMPILE_NN_COPIES * itemsize)):
             if impl not in args.impls:
                 continue
+            if impl == "amp" and itemsize != 2:
+                continue  # autocast changes nothing a float32 user would run: no column
             free_memory()
-            est = copies * n * n * itemsize
+            est = nbytes * n * n
             free = free_device_bytes()
             if est > free:
                 r = {"skipped": "would not fit", "estimate_bytes": est, "free_bytes": free}
@@ -335,6 +349,13 @@ def run_one(op: str, n: int, d: int, dtype_name: str, args: argparse.Namespace,
             compile_s = None
             if impl == "eager":
                 step = torch_step(torch, ref, leaves)
+            elif impl == "amp":
+                amp_dtype = leaves[0].dtype
+
+                def amp_ref(*xs, _ref=ref, _dt=amp_dtype):
+                    with torch.autocast("cuda", dtype=_dt):
+                        return _ref(*xs)
+                step = torch_step(torch, amp_ref, leaves)
             else:
                 torch._dynamo.reset()
                 compiled = torch.compile(ref, dynamic=False)
@@ -412,29 +433,33 @@ def _ratio(num: Optional[Dict[str, Any]], den: Optional[Dict[str, Any]]) -> Opti
 
 
 HEADERS = ["N", "D", "dtype", "cupynce ms", "cupynce MiB", "eager ms", "eager MiB",
-           "compile ms", "compile MiB", "cuBLAS-products ms", "#prod", "speedup vs eager",
-           "speedup vs compile", "cupynce/cuBLAS"]
+           "amp ms", "amp MiB", "compile ms", "compile MiB", "cuBLAS-products ms", "#prod",
+           "speedup vs eager", "speedup vs amp", "speedup vs compile", "cupynce/cuBLAS"]
 
 
 def table(results: Sequence[Dict[str, Any]], op: str) -> str:
     rows = []
     for rec in sorted((r for r in results if r["op"] == op),
                       key=lambda r: (r["n"], r["d"], r["dtype"])):
-        c, e, k, b = (rec.get(x) for x in ("cupynce", "eager", "compile", "cublas_products"))
+        c, e, m, k, b = (rec.get(x) for x in ("cupynce", "eager", "amp", "compile",
+                                               "cublas_products"))
         if c is None and ("error" in rec or "inputs_error" in rec):
             c = {"error": rec.get("error") or rec.get("inputs_error")}
         rows.append([
             rec["n"], rec["d"], rec["dtype"], _ms_cell(c), _mib_cell(c), _ms_cell(e),
-            _mib_cell(e), _ms_cell(k), _mib_cell(k), _ms_cell(b),
+            _mib_cell(e), _ms_cell(m), _mib_cell(m), _ms_cell(k), _mib_cell(k), _ms_cell(b),
             b.get("products", "—") if b else "—",
-            fmt_ratio(_ratio(e, c)), fmt_ratio(_ratio(k, c)), fmt_ratio(_ratio(c, b)),
+            fmt_ratio(_ratio(e, c)), fmt_ratio(_ratio(m, c)), fmt_ratio(_ratio(k, c)),
+            fmt_ratio(_ratio(c, b)),
         ])
     return markdown_table(HEADERS, rows, align="rrl" + "r" * (len(HEADERS) - 3))
 
 
 LEGEND = (
     "ms: median forward+backward time (CUDA events); MiB: peak device memory above the inputs "
-    "during one forward+backward. speedup = reference ms / cupynce ms. cupynce/cuBLAS = cupynce "
+    "during one forward+backward. eager: the PyTorch formula on the 16-bit tensors; amp: the "
+    "same under torch.autocast (cross_entropy in float32, as ANCHORS.md measured it); —: not "
+    "applicable (float32). speedup = reference ms / cupynce ms. cupynce/cuBLAS = cupynce "
     "ms / time of the cuBLAS products cupynce issues, run alone (#prod of N×N×D each). "
     "OOM: ran out of device memory; skip: not run, estimated N×N footprint exceeds free memory; "
     "error: see the JSON.")
@@ -515,7 +540,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import cupy  # noqa: F401 - fail early and clearly without CuPy
     import cupynce  # noqa: F401
 
-    torch = load_torch() if {"eager", "compile"} & set(args.impls) else None
+    torch = load_torch() if {"eager", "amp", "compile"} & set(args.impls) else None
     info = device_info()
     print(f"# cupynce contrastive benchmark\n\n{device_header(info)}\n", flush=True)
     todo = cases(args)
@@ -526,6 +551,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "big": args.big, "nt_xent_temperature": NT_XENT_TEMPERATURE,
                      "clip_logit_scale": CLIP_LOGIT_SCALE, "seed": SEED,
                      "eager_nn_copies": EAGER_NN_COPIES, "compile_nn_copies": COMPILE_NN_COPIES,
+                     "amp_nn_bytes": AMP_NN_BYTES,
                      "torch": torch is not None},
         "results": [],
     }
