@@ -14,6 +14,13 @@ float64    CUBLAS_COMPUTE_64F           float64
 =========  ===========================  ============================
 
 Launches go to the current CuPy stream (CuPy's binding sets it on the handle).
+
+Tiny products (at most ``SMALL_GEMM_MACS`` multiply-adds, ``k <= SMALL_GEMM_MAX_K``, output
+in the accumulator dtype) skip cuBLAS: ``kernels_src/blas.cu``'s ``small_gemm`` (one thread
+per output element, k summed in order with fused multiply-adds in float32 / float64).  A
+cuBLAS call costs 25-60 µs of host time on the H100 host, several times such a product's own
+GPU time; a launch costs ~10.  Same precision class (fp32 / fp64 accumulation, no TF32), not
+the same bits as cuBLAS; deterministic either way.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._kernels import BFLOAT16
+from ._kernels import BFLOAT16, BLOCK, acc_dtype, launch
 
 #: Default cap on the score-block workspace when the caller gives none (bytes).
 DEFAULT_WORKSPACE_BYTES = 1 << 30
@@ -30,6 +37,10 @@ FREE_MEMORY_FRACTION = 0.5
 #: With the default workspace, a block of at most this many bytes is taken whole without
 #: querying the free memory (a 16-bit 8192 x 8192 block; the query is a driver call).
 SMALL_BLOCK_BYTES = 128 << 20
+#: Products of at most this many multiply-adds (and k <= SMALL_GEMM_MAX_K, so that one
+#: thread's sequential sum stays short) run ``small_gemm`` instead of cuBLAS.
+SMALL_GEMM_MACS = 1 << 20
+SMALL_GEMM_MAX_K = 1024
 
 
 _CUDA_TYPES: dict = {}
@@ -94,6 +105,15 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     k = a.shape[0] if trans_a else a.shape[1]
     if m == 0 or n == 0:
         return
+    if m * n * k <= SMALL_GEMM_MACS and k <= SMALL_GEMM_MAX_K:
+        acc = acc_dtype(a.dtype)
+        if out.dtype == acc:
+            launch("blas.cu", "small_gemm", a.dtype, (-(-m * n // BLOCK),), (
+                a, np.int64(leading_dim(a, "a")), np.int32(trans_a),
+                b, np.int64(leading_dim(b, "b")), np.int32(trans_b),
+                out, np.int64(leading_dim(out, "out")), np.int32(m), np.int32(n),
+                np.int32(k), acc.type(alpha), acc.type(beta)))
+            return
     wide = a.dtype == np.float64
     compute = cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F
     al = _scalar(alpha, wide)

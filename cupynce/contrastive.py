@@ -138,6 +138,41 @@ def _ptr(x):
     return 0 if x is None else x.data.ptr
 
 
+#: A call whose device buffers (score block included) total at most this many bytes takes
+#: them from one allocation (:func:`_carve`): under ``cupynce.torch`` every allocation goes
+#: through torch's caching allocator at 6-20 µs of host time each, more than a tiny op's
+#: kernels.  The views keep the whole allocation alive (a saved gradient keeps the score
+#: block), hence the small cap.
+ARENA_BYTES = 1 << 20
+
+
+def _carve(specs):
+    """``[cp.empty(shape, dtype) for shape, dtype in specs]`` from one allocation (256-byte
+    aligned views); a None spec gives None."""
+    import cupy as cp
+
+    offs, total = [], 0
+    for spec in specs:
+        offs.append(total)
+        if spec is not None:
+            nbytes = int(np.prod(spec[0], dtype=np.int64)) * np.dtype(spec[1]).itemsize
+            total += -(-nbytes // 256) * 256
+    mem = cp.cuda.alloc(max(total, 256))
+    return [None if spec is None else cp.ndarray(spec[0], spec[1], memptr=mem + off)
+            for spec, off in zip(specs, offs)]
+
+
+def _buffers(specs):
+    """The arrays of ``specs`` ((shape, dtype) or None): one allocation when small."""
+    import cupy as cp
+
+    total = sum(int(np.prod(sp[0], dtype=np.int64)) * np.dtype(sp[1]).itemsize + 255
+                for sp in specs if sp is not None)
+    if total <= ARENA_BYTES:
+        return _carve(specs)
+    return [None if sp is None else cp.empty(sp[0], sp[1]) for sp in specs]
+
+
 # ----------------------------------------------------------------------------------------
 # GPU building blocks
 # ----------------------------------------------------------------------------------------
@@ -226,24 +261,25 @@ def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift
     split_g = want_grad and t != a  # half inputs: the gradient block is stored in T separately
     row_bytes = ncols * a.itemsize + (ncols * t.itemsize if split_g else 0)
     rb = _blas.plan_rows(op, n, row_bytes, workspace_bytes)
-    s_buf = cp.empty((rb, ncols), a)
-    g_buf = cp.empty((rb, ncols), t) if split_g else (s_buf if want_grad else None)
-
-    lse = cp.empty((n,), a) if lse_in is None else lse_in
-    loss = cp.empty((n,), a)
-    e = g2 = None
+    # gradient accumulators: written by the first row block's products (beta = 0)
+    s_buf, g_buf, lse, loss, e, g2, dq, dk, dns = _buffers((
+        ((rb, ncols), a), ((rb, ncols), t) if split_g else None,
+        ((n,), a) if lse_in is None else None, ((n,), a),
+        ((n, mp), a) if mp else None, ((n, mp), a) if mp and want_grad else None,
+        ((n, d), a) if want_grad else None,
+        ((nk, d), a) if want_grad and not self_pair else None,
+        ((ms, d), a) if want_grad and ms else None))
+    if not split_g:
+        g_buf = s_buf if want_grad else None
+    if lse is None:
+        lse = lse_in
+    if self_pair:
+        dk = dq
+    dnp = None
     if mp:
-        e = cp.empty((n, mp), a)
         nwarps = n * mp
         launch(_FILE, "paired_dots", t, ((nwarps * 32 + BLOCK - 1) // BLOCK,),
                (q, np.int64(_blas.leading_dim(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e))
-        if want_grad:
-            g2 = cp.empty((n, mp), a)
-    dq = dk = dns = dnp = None
-    if want_grad:  # written by the first row block's products (beta = 0), then accumulated
-        dq = cp.empty((n, d), a)
-        dk = dq if self_pair else cp.empty((nk, d), a)
-        dns = cp.empty((ms, d), a) if ms else None
     w_arr, w_stride, w_mul = weights
 
     for r0 in range(0, n, rb):
@@ -1017,8 +1053,6 @@ def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: 
     ``ls`` is logit_scale as a (1,) device array of the accumulator dtype.
     Returns ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``.
     """
-    import cupy as cp
-
     if _tiles_ok(an, bn):
         return _gpu_clip_tiles(an, bn, ls, lse_r=lse_r, lse_c=lse_c, weights=weights,
                                want_loss=want_loss, want_grad=want_grad,
@@ -1029,21 +1063,24 @@ def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: 
     split_g = want_grad and t != a
     row_bytes = n * a.itemsize + (n * t.itemsize if split_g else 0)
     rb = _blas.plan_rows("clip_loss", n, row_bytes, workspace_bytes)
-    s_buf = cp.empty((rb, n), a)
-    g_buf = cp.empty((rb, n), t) if split_g else s_buf
-    pair_loss = None
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
+    chunk = 64
+    nch = (rb + chunk - 1) // chunk
+    # part_m / part_s: column partials of a row block; col_m: the running column state
+    # between row blocks (the first block starts it: no fill); da, db: written by the first
+    # row block's products (beta = 0)
+    vec = ((n,), a)
+    s_buf, g_buf, lse_r2, lse_c2, row_loss, pair_loss, part_m, part_s, col_m, da, db, dsp = \
+        _buffers((((rb, n), a), ((rb, n), t) if split_g else None,
+                  *((vec,) * 4 if want_loss else (None,) * 4),
+                  ((nch, n), a) if want_loss else None, ((nch, n), a) if want_loss else None,
+                  ((2, n), a) if want_loss and rb < n else None,
+                  ((n, d), a) if want_grad else None, ((n, d), a) if want_grad else None,
+                  vec if want_grad else None))
+    if not split_g:
+        g_buf = s_buf
     if want_loss:
-        lse_r = cp.empty((n,), a)
-        lse_c = cp.empty((n,), a)
-        row_loss = cp.empty((n,), a)
-        pair_loss = cp.empty((n,), a)
-        chunk = 64
-        nch = (rb + chunk - 1) // chunk
-        part_m = cp.empty((nch, n), a)
-        part_s = cp.empty((nch, n), a)
-        # running column state between row blocks (the first block starts it: no fill)
-        col_m = cp.empty((2, n), a) if rb < n else None
+        lse_r, lse_c = lse_r2, lse_c2
         cgrid = ((n + BLOCK - 1) // BLOCK,)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
@@ -1066,9 +1103,6 @@ def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: 
     grads = None
     if want_grad:
         w_arr, w_stride, w_mul = weights
-        da = cp.empty((n, d), a)
-        db = cp.empty((n, d), a)  # the first row block's product writes it (beta = 0)
-        dsp = cp.empty((n,), a)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
             rows = r1 - r0

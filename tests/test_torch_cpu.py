@@ -40,7 +40,10 @@ import torch_oracle as oracle  # noqa: E402  (tests/ is on sys.path under pytest
 REDUCTIONS = ("mean", "sum", "none")
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
-PATHS = ("op", "fallback")
+#: op: the public function (eager: the direct autograd.Function path); registered: the same
+#: function through the registered custom ops (what torch.compile / autocast / modes take);
+#: fallback: the Functions called as on torch < 2.4
+PATHS = ("op", "registered", "fallback")
 NT_T, INFO_T, CLIP_LS = 0.3, 0.2, 2.5
 M_NEG = 3
 
@@ -75,7 +78,21 @@ def plain_backward(monkeypatch):
                                      "clip_loss": ct._clip_loss_bwd})
 
 
+def _registered(fn):
+    """``fn`` with the direct eager path switched off: the call runs the custom ops."""
+    def call(*args, **kwargs):
+        real = ct._direct
+        ct._direct = lambda *tensors: False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ct._direct = real
+    return call
+
+
 def _nt_xent(path):
+    if path == "registered":
+        return _registered(ct.nt_xent)
     if path == "op":
         return ct.nt_xent
     return lambda z, t=0.5, *, reduction="mean", normalize=False: \
@@ -83,6 +100,8 @@ def _nt_xent(path):
 
 
 def _info_nce(path):
+    if path == "registered":
+        return _registered(ct.info_nce)
     if path == "op":
         return ct.info_nce
     return lambda q, k, t=0.1, *, negatives=None, reduction="mean", normalize=False: \
@@ -90,6 +109,8 @@ def _info_nce(path):
 
 
 def _clip_loss(path):
+    if path == "registered":
+        return _registered(ct.clip_loss)
     if path == "op":
         return ct.clip_loss
 
@@ -290,13 +311,17 @@ def _bits(t) -> np.ndarray:
     return t.detach().numpy()
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "registered"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64],
                          ids=["f16", "bf16", "f32", "f64"])
-def test_bridge_is_bit_exact(dtype, reduction):
+def test_bridge_is_bit_exact(dtype, reduction, direct, monkeypatch):
     """The torch ops hand the core the tensors' bits and return the core's bits: for "mean"
     the core's fused forward and its backward (the gradient computed in the forward, scaled
-    in the backward), for "none" the O(N)-state backward."""
+    in the backward), for "none" the O(N)-state backward.  Both eager routes (the direct
+    Functions and the registered custom ops) give the same bits."""
+    if not direct:
+        monkeypatch.setattr(ct, "_direct", lambda *tensors: False)
     rng = np.random.default_rng(7)
     n, d = 10, 6
     arr = {k: (rng.standard_normal(s) / 3).astype(dtype)
@@ -623,6 +648,39 @@ def _opcheck_cases():
 def test_opcheck(case):
     name, args = case
     torch.library.opcheck(getattr(torch.ops.cupynce, name).default, args)
+
+
+def test_direct_path_only_in_plain_eager(monkeypatch):
+    """Eager calls on plain tensors skip the dispatcher; autocast, torch-function / dispatch
+    modes, functorch transforms and subclasses keep the registered ops (compile: the
+    fullgraph tests above)."""
+    z = torch.randn(6, 4, dtype=torch.float64)
+    assert ct._direct(z, None) and ct._direct(torch.nn.Parameter(z))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not ct._direct(z)
+    with torch.device("cpu"):  # a TorchFunctionMode
+        assert not ct._direct(z)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert not ct._direct(z)
+
+    class Sub(torch.Tensor):
+        pass
+    assert not ct._direct(z.as_subclass(Sub))
+    seen = []
+    torch.func.vmap(lambda r: seen.append(ct._direct(r)) or r)(z)
+    assert seen == [False]
+    # and the public functions follow it: no custom-op call in plain eager
+    calls = []
+    real = ct._NT_XENT
+    monkeypatch.setattr(ct, "_NT_XENT", lambda *a: calls.append(1) or real(*a))
+    zl = z.clone().requires_grad_(True)
+    torch.autograd.grad(ct.nt_xent(zl, 0.5), zl)
+    assert not calls
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ct.nt_xent(zl, 0.5)
+    assert calls == [1]
 
 
 # ----------------------------------------------------------------------------------------

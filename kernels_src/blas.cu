@@ -1,0 +1,49 @@
+// cupynce small products: the matrix products of tiny ops, without cuBLAS.
+//
+// At N = 64, D = 32 a cuBLAS call costs 25-60 µs of host time (handle, stream, heuristics)
+// for a product of a few µs; a CuPy launch of this kernel costs ~10.  _blas.gemm routes
+// products of at most SMALL_GEMM_MACS multiply-adds here (see cupynce/_blas.py).
+//
+// Naming: extern "C" wrappers `cpn_small_gemm_<dtype>`, dtype in {f16, bf16, f32, f64}: the
+// inputs' type T; the output is the accumulator type A (float, or double for f64).
+#include "common.cuh"
+
+// Row-major out[m, n] = alpha * sum_k op(a)[r, k] op(b)[k, c] + beta * out[r, c]
+//   op(a)[r, k] = ta ? a[k * lda + r] : a[r * lda + k]
+//   op(b)[k, c] = tb ? b[c * ldb + k] : b[k * ldb + c]
+// One thread per output element; k is summed in order in A (fused multiply-adds): the same
+// bits on every run.  beta == 0 never reads out (it may hold garbage, as for cuBLAS).
+__device__ __forceinline__ float madd(float x, float y, float s) { return __fmaf_rn(x, y, s); }
+__device__ __forceinline__ double madd(double x, double y, double s) { return __fma_rn(x, y, s); }
+
+template <typename T, typename A>
+__device__ __forceinline__ void small_gemm_body(
+    const T* __restrict__ a, i64 lda, int ta, const T* __restrict__ b, i64 ldb, int tb,
+    A* __restrict__ out, i64 ldo, int m, int n, int k, A alpha, A beta)
+{
+    const i64 idx = (i64)blockIdx.x * CPN_BLOCK + threadIdx.x;
+    if (idx >= (i64)m * n) return;
+    const int r = (int)(idx / n), c = (int)(idx % n);
+    const T* pa = ta ? a + r : a + (i64)r * lda;
+    const T* pb = tb ? b + (i64)c * ldb : b + c;
+    const i64 sa = ta ? lda : 1, sb = tb ? 1 : ldb;
+    A s = A(0);
+    for (int kk = 0; kk < k; ++kk)
+        s = madd(Conv<T>::load(pa[kk * sa]), Conv<T>::load(pb[kk * sb]), s);
+    A v = alpha * s;
+    A* o = out + (i64)r * ldo + c;
+    if (beta != A(0)) v = madd(beta, *o, v);
+    *o = v;
+}
+
+// ---- extern "C" wrappers, one per dtype --------------------------------------------
+#define CPN_DEFINE(SUF, T, A)                                                              \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_small_gemm_##SUF(              \
+    const T* a, i64 lda, int ta, const T* b, i64 ldb, int tb, A* out, i64 ldo,             \
+    int m, int n, int k, A alpha, A beta) {                                                \
+    small_gemm_body<T, A>(a, lda, ta, b, ldb, tb, out, ldo, m, n, k, alpha, beta); }
+
+CPN_DEFINE(f16, f16_t, float)
+CPN_DEFINE(bf16, bf16_t, float)
+CPN_DEFINE(f32, float, float)
+CPN_DEFINE(f64, double, double)
