@@ -139,38 +139,37 @@ def _ptr(x):
 
 
 #: A call whose device buffers (score block included) total at most this many bytes takes
-#: them from one allocation (:func:`_carve`): under ``cupynce.torch`` every allocation goes
+#: them from one allocation (:func:`_buffers`): under ``cupynce.torch`` every allocation goes
 #: through torch's caching allocator at 6-20 µs of host time each, more than a tiny op's
 #: kernels.  The views keep the whole allocation alive (a saved gradient keeps the score
 #: block), hence the small cap.
 ARENA_BYTES = 1 << 20
 
 
-def _carve(specs):
-    """``[cp.empty(shape, dtype) for shape, dtype in specs]`` from one allocation (256-byte
-    aligned views); a None spec gives None."""
-    import cupy as cp
-
-    offs, total = [], 0
-    for spec in specs:
-        offs.append(total)
-        if spec is not None:
-            nbytes = int(np.prod(spec[0], dtype=np.int64)) * np.dtype(spec[1]).itemsize
-            total += -(-nbytes // 256) * 256
-    mem = cp.cuda.alloc(max(total, 256))
-    return [None if spec is None else cp.ndarray(spec[0], spec[1], memptr=mem + off)
-            for spec, off in zip(specs, offs)]
-
-
 def _buffers(specs):
-    """The arrays of ``specs`` ((shape, dtype) or None): one allocation when small."""
+    """``[cp.empty(shape, dtype) for shape, dtype in specs]`` (a None spec gives None), from
+    one allocation (256-byte aligned views) when they total at most ``ARENA_BYTES``.
+    ``dtype`` must be a ``numpy.dtype`` (plain integer arithmetic: NumPy calls cost µs)."""
     import cupy as cp
 
-    total = sum(int(np.prod(sp[0], dtype=np.int64)) * np.dtype(sp[1]).itemsize + 255
-                for sp in specs if sp is not None)
-    if total <= ARENA_BYTES:
-        return _carve(specs)
-    return [None if sp is None else cp.empty(sp[0], sp[1]) for sp in specs]
+    sizes, total = [], 0
+    for sp in specs:
+        nbytes = 0
+        if sp is not None:
+            nbytes = sp[1].itemsize
+            for extent in sp[0]:
+                nbytes *= extent
+            nbytes = (nbytes + 255) & ~255
+        sizes.append(nbytes)
+        total += nbytes
+    if total > ARENA_BYTES:
+        return [None if sp is None else cp.empty(sp[0], sp[1]) for sp in specs]
+    mem = cp.cuda.alloc(max(total, 256))
+    out, off = [], 0
+    for sp, nbytes in zip(specs, sizes):
+        out.append(None if sp is None else cp.ndarray(sp[0], sp[1], memptr=mem + off))
+        off += nbytes
+    return out
 
 
 # ----------------------------------------------------------------------------------------
