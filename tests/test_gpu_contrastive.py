@@ -735,3 +735,43 @@ def test_wgmma_gradient_tiles_staged_stores(stage, n, monkeypatch):
     if tri:
         assert bool((a == a.T).all()), "the mirrored H is not exactly symmetric"
     np.testing.assert_allclose(a, b, rtol=2.0 ** -7, atol=1e-4 * float(np.abs(b).max()))
+
+
+# ---- arrays on two GPUs: a clear ValueError before any kernel runs ------------------------
+def _two_gpus():
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+
+
+@pytest.mark.parametrize("case", ["info_nce_key", "info_nce_negatives", "clip_b",
+                                  "clip_logit_scale"])
+def test_arrays_on_two_gpus_raise(case, monkeypatch):
+    _two_gpus()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    with cp.cuda.Device(0):
+        on0 = cp.asarray(x)
+        ls0 = cp.asarray(np.float32(2.0))
+    with cp.cuda.Device(1):
+        on1 = cp.asarray(x)
+        neg1 = cp.asarray(rng.standard_normal((3, 4)).astype(np.float32))
+        ls1 = cp.asarray(np.float32(2.0))
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a kernel ran before the device check")
+    monkeypatch.setattr(cupynce.contrastive, "launch", boom)
+    with cp.cuda.Device(0):
+        if case == "info_nce_key":
+            with pytest.raises(ValueError, match=r"info_nce: all arrays must be on one GPU, got "
+                                                 r"query on cuda:0, key on cuda:1"):
+                cupynce.info_nce(on0, on1)
+        elif case == "info_nce_negatives":
+            with pytest.raises(ValueError, match=r"info_nce: .*negatives on cuda:1"):
+                cupynce.info_nce(on0, on0, negatives=neg1)
+        elif case == "clip_b":
+            with pytest.raises(ValueError, match=r"clip_loss: .*a on cuda:0, b on cuda:1"):
+                cupynce.clip_loss(on0, on1, ls0)
+        else:
+            with pytest.raises(ValueError, match=r"clip_loss: logit_scale is on cuda:1 but a is "
+                                                 r"on cuda:0"):
+                cupynce.clip_loss(on0, on0, ls1)
