@@ -19,8 +19,11 @@ Tiny products (at most ``SMALL_GEMM_MACS`` multiply-adds, ``k <= SMALL_GEMM_MAX_
 in the accumulator dtype) skip cuBLAS: ``kernels_src/blas.cu``'s ``small_gemm`` (one thread
 per output element, k summed in order with fused multiply-adds in float32 / float64).  A
 cuBLAS call costs 25-60 µs of host time on the H100 host, several times such a product's own
-GPU time; a launch costs ~10.  Same precision class (fp32 / fp64 accumulation, no TF32), not
-the same bits as cuBLAS; deterministic either way.
+GPU time; a launch costs ~10.  Same accumulation precision (fp32 / fp64, no TF32), not the same
+bits as cuBLAS; deterministic either way.  Like every NVRTC-built cupynce kernel (CuPy compiles
+with ``-ftz=true``) it flushes float32 subnormals to zero, which cuBLAS keeps (a product of
+1e-20-sized entries gives 0 here, ~1e-39 there): irrelevant at the magnitudes of the scores
+and gradients of these losses.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._kernels import BFLOAT16, BLOCK, acc_dtype, launch
+from ._kernels import BFLOAT16, BLOCK, SUPPORTED_DTYPES, acc_dtype, launch
 
 #: Default cap on the score-block workspace when the caller gives none (bytes).
 DEFAULT_WORKSPACE_BYTES = 1 << 30
@@ -105,7 +108,9 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     k = a.shape[0] if trans_a else a.shape[1]
     if m == 0 or n == 0:
         return
-    if m * n * k <= SMALL_GEMM_MACS and k <= SMALL_GEMM_MAX_K:
+    if a.dtype != b.dtype:
+        raise ValueError(f"gemm: a and b must share a dtype, got {a.dtype} and {b.dtype}")
+    if m * n * k <= SMALL_GEMM_MACS and k <= SMALL_GEMM_MAX_K and a.dtype in SUPPORTED_DTYPES:
         acc = acc_dtype(a.dtype)
         if out.dtype == acc:
             launch("blas.cu", "small_gemm", a.dtype, (-(-m * n // BLOCK),), (

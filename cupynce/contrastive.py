@@ -138,11 +138,10 @@ def _ptr(x):
     return 0 if x is None else x.data.ptr
 
 
-#: A call whose device buffers (score block included) total at most this many bytes takes
-#: them from one allocation (:func:`_buffers`): under ``cupynce.torch`` every allocation goes
-#: through torch's caching allocator at 6-20 µs of host time each, more than a tiny op's
-#: kernels.  The views keep the whole allocation alive (a saved gradient keeps the score
-#: block), hence the small cap.
+#: Buffers totalling at most this many bytes come from one allocation (:func:`_buffers`):
+#: under ``cupynce.torch`` every allocation goes through torch's caching allocator at 6-20 µs
+#: of host time each, more than a tiny op's kernels.  A view keeps its whole allocation
+#: alive, so the cuBLAS path carves its scratch and its outputs from two separate ones.
 ARENA_BYTES = 1 << 20
 
 
@@ -260,11 +259,15 @@ def _gpu_rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift
     split_g = want_grad and t != a  # half inputs: the gradient block is stored in T separately
     row_bytes = ncols * a.itemsize + (ncols * t.itemsize if split_g else 0)
     rb = _blas.plan_rows(op, n, row_bytes, workspace_bytes)
-    # gradient accumulators: written by the first row block's products (beta = 0)
-    s_buf, g_buf, lse, loss, e, g2, dq, dk, dns = _buffers((
+    # the call's scratch (score / gradient blocks, paired-negative dots) and what it returns
+    # come from two allocations: an output the caller keeps (a per-row loss, the saved
+    # gradient accumulators) never holds the score block alive.  The gradient accumulators
+    # are written by the first row block's products (beta = 0).
+    s_buf, g_buf, e, g2 = _buffers((
         ((rb, ncols), a), ((rb, ncols), t) if split_g else None,
+        ((n, mp), a) if mp else None, ((n, mp), a) if mp and want_grad else None))
+    lse, loss, dq, dk, dns = _buffers((
         ((n,), a) if lse_in is None else None, ((n,), a),
-        ((n, mp), a) if mp else None, ((n, mp), a) if mp and want_grad else None,
         ((n, d), a) if want_grad else None,
         ((nk, d), a) if want_grad and not self_pair else None,
         ((ms, d), a) if want_grad and ms else None))
@@ -1065,17 +1068,19 @@ def _gpu_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: 
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     chunk = 64
     nch = (rb + chunk - 1) // chunk
-    # part_m / part_s: column partials of a row block; col_m: the running column state
-    # between row blocks (the first block starts it: no fill); da, db: written by the first
-    # row block's products (beta = 0)
+    # scratch and outputs from two allocations (see _gpu_rows).  part_m / part_s: column
+    # partials of a row block; col_m: the running column state between row blocks (the first
+    # block starts it: no fill); da, db: written by the first row block's products (beta = 0)
+    s_buf, g_buf, row_loss, part_m, part_s, col_m = _buffers((
+        ((rb, n), a), ((rb, n), t) if split_g else None,
+        ((n,), a) if want_loss else None,
+        ((nch, n), a) if want_loss else None, ((nch, n), a) if want_loss else None,
+        ((2, n), a) if want_loss and rb < n else None))
     vec = ((n,), a)
-    s_buf, g_buf, lse_r2, lse_c2, row_loss, pair_loss, part_m, part_s, col_m, da, db, dsp = \
-        _buffers((((rb, n), a), ((rb, n), t) if split_g else None,
-                  *((vec,) * 4 if want_loss else (None,) * 4),
-                  ((nch, n), a) if want_loss else None, ((nch, n), a) if want_loss else None,
-                  ((2, n), a) if want_loss and rb < n else None,
-                  ((n, d), a) if want_grad else None, ((n, d), a) if want_grad else None,
-                  vec if want_grad else None))
+    lse_r2, lse_c2, pair_loss, da, db, dsp = _buffers((
+        *((vec,) * 3 if want_loss else (None,) * 3),
+        ((n, d), a) if want_grad else None, ((n, d), a) if want_grad else None,
+        vec if want_grad else None))
     if not split_g:
         g_buf = s_buf
     if want_loss:

@@ -13,6 +13,7 @@
 //   op(b)[k, c] = tb ? b[c * ldb + k] : b[k * ldb + c]
 // One thread per output element; k is summed in order in A (fused multiply-adds): the same
 // bits on every run.  beta == 0 never reads out (it may hold garbage, as for cuBLAS).
+// Built, like every file here, with CuPy's -ftz=true: float32 subnormals flush to zero.
 __device__ __forceinline__ float madd(float x, float y, float s) { return __fmaf_rn(x, y, s); }
 __device__ __forceinline__ double madd(double x, double y, double s) { return __fma_rn(x, y, s); }
 

@@ -83,12 +83,38 @@ def test_small_gemm_is_deterministic_and_agrees_with_cublas(dtype, monkeypatch):
         _blas.gemm(a, b, out, trans_b=True)
         outs.append(cp.asnumpy(out))
     assert np.array_equal(outs[0], outs[1])
+    from cupy_backends.cuda.libs import cublas
+
+    calls = []
+    real = cublas.gemmEx
+    monkeypatch.setattr(cublas, "gemmEx", lambda *args: calls.append(1) or real(*args))
     monkeypatch.setattr(_blas, "SMALL_GEMM_MACS", 0)  # the same product through cuBLAS
     out = cp.empty((96, 80), acc)
     _blas.gemm(a, b, out, trans_b=True)
+    assert calls == [1]
     ref = a64 @ b64
     assert _rel(out, ref) <= _tol(dtype)
     assert _rel(outs[0], ref) <= _tol(dtype)
+
+
+@pytest.mark.parametrize("beta", [0.0, 2.0])
+def test_small_gemm_empty_k(beta, monkeypatch):
+    """k = 0: out = beta * out (0 for beta = 0, without reading out), as cuBLAS."""
+    _no_cublas(monkeypatch)
+    a = cp.empty((5, 0), cp.float32)
+    b = cp.empty((0, 6), cp.float32)
+    start = np.arange(30, dtype=np.float32).reshape(5, 6)
+    out = cp.asarray(start)
+    if beta == 0.0:
+        out[...] = np.nan
+    _blas.gemm(a, b, out, beta=beta)
+    np.testing.assert_array_equal(cp.asnumpy(out), beta * start)
+
+
+def test_gemm_rejects_mixed_dtypes():
+    with pytest.raises(ValueError, match="gemm: a and b must share a dtype"):
+        _blas.gemm(cp.ones((2, 2), cp.float32), cp.ones((2, 2), cp.float64),
+                   cp.empty((2, 2), cp.float32))
 
 
 def test_large_or_long_products_use_cublas(monkeypatch):

@@ -757,9 +757,13 @@ def test_arrays_on_two_gpus_raise(case, monkeypatch):
         neg1 = cp.asarray(rng.standard_normal((3, 4)).astype(np.float32))
         ls1 = cp.asarray(np.float32(2.0))
 
+    from cupy_backends.cuda.libs import cublas
+
     def boom(*args, **kwargs):
         raise AssertionError("a kernel ran before the device check")
     monkeypatch.setattr(cupynce.contrastive, "launch", boom)
+    monkeypatch.setattr(cupynce._blas, "launch", boom)
+    monkeypatch.setattr(cublas, "gemmEx", boom)
     with cp.cuda.Device(0):
         if case == "info_nce_key":
             with pytest.raises(ValueError, match=r"info_nce: all arrays must be on one GPU, got "

@@ -681,6 +681,12 @@ def test_direct_path_only_in_plain_eager(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ct.nt_xent(zl, 0.5)
     assert calls == [1]
+    # InfoNCEFunction's forward takes the same switch
+    torch.autograd.grad(ct.InfoNCEFunction.apply(zl, 0.5, False), zl)
+    assert calls == [1]
+    with torch.device("cpu"):
+        ct.InfoNCEFunction.apply(zl, 0.5, False)
+    assert calls == [1, 1]
 
 
 # ----------------------------------------------------------------------------------------
