@@ -74,6 +74,8 @@ def _cuda_type(dtype) -> int:
 def leading_dim(x, name: str = "x") -> int:
     """Leading dimension (elements) of a row-major matrix view with unit column stride."""
     item = x.dtype.itemsize
+    if x.ndim == 2 and x.size == 0:  # CuPy gives empty arrays zero strides; nothing is read
+        return max(x.shape[1], 1)
     if x.ndim != 2 or (x.shape[1] > 1 and x.strides[1] != item) or x.strides[0] % item:
         raise ValueError(f"gemm: {name} must be a row-major matrix view, strides {x.strides}")
     return max(x.strides[0] // item, x.shape[1], 1)
