@@ -36,7 +36,7 @@ Every implementation computes the mean loss *and* the gradients of all inputs:
     ``compile_s``).  Skipped when ``2 x N^2 x itemsize`` exceeds free memory.  A compile
     failure or OOM is recorded, not fatal.
 ``cublas_products``
-    The cuBLAS products cupynce issues, alone, with ``cupynce._blas.gemm`` on preallocated
+    The cuBLAS products cupynce issues, alone, with ``cupynce._engine.blas.gemm`` on preallocated
     buffers and the same row blocks (``_blas.plan_rows``): NT-Xent 3 products of N x N x D
     (S = Z Zᵀ into float32, G Z, Gᵀ Z; G in the input dtype, float32 accumulation); CLIP 4
     (S in the loss pass, S again in the gradient pass, G B, Gᵀ A), or 3 when the whole
@@ -76,7 +76,7 @@ if str(_ROOT) not in sys.path:  # `python benchmarks/bench_contrastive.py` from 
 
 import numpy as np  # noqa: E402
 
-from cupynce._harness import (  # noqa: E402
+from cupynce.report.harness import (  # noqa: E402
     device_header, device_info, fmt_mib, fmt_ms, fmt_ratio, free_device_bytes, free_memory,
     is_oom, load_torch, markdown_table, run_case, to_torch, torch_reference, torch_step,
 )
@@ -114,7 +114,7 @@ BIG_N = 32768
 # ------------------------------------------------------------------------------------------
 def np_dtype(name: str) -> np.dtype:
     if name == "bfloat16":
-        from cupynce._kernels import BFLOAT16
+        from cupynce._engine.kernels import BFLOAT16
 
         if BFLOAT16 is None:
             raise SystemExit("bfloat16 needs ml_dtypes")
@@ -178,9 +178,9 @@ def cupynce_step(op: str, inputs: Tuple[Any, ...]) -> Callable[[], Any]:
 def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[], None], Dict[str, Any]]:
     """The products cupynce issues for (op, inputs), on the same row blocks; and their plan."""
     import cupy as cp
-    from cupynce import _blas
-    from cupynce import contrastive as C
-    from cupynce._kernels import acc_dtype
+    from cupynce._engine import blas as _blas
+    from cupynce._engine import tiles as C
+    from cupynce._engine.kernels import acc_dtype
 
     x = inputs[0]
     n, d = x.shape
@@ -212,7 +212,7 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
         db = cp.zeros((n, d), acc)
         # the whole score matrix fits: the cuBLAS path's gradient pass reuses it (the tile
         # path never stores scores, so it always recomputes them: 4 products)
-        reuse = rb >= n and not C._tiles_ok(a, b)
+        reuse = rb >= n and not C.tiles_ok(a, b)
         count = 3 if reuse else 4
 
         def step() -> None:

@@ -21,7 +21,7 @@ Implementations (each computes out and the gradients of x, W and bias):
 ``gemm``         the single forward GEMM (B·L × D by D × V) alone, torch ``x2d @ W.T`` into a
                  preallocated bf16 output: the yardstick of the issue's 1.6× / 1.3× targets.
 
-Timing and memory through ``cupynce._harness`` (CUDA events, medians of several runs, peak
+Timing and memory through ``cupynce.report.harness`` (CUDA events, medians of several runs, peak
 memory above the inputs from CuPy's pool hook + torch's allocator statistics).
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cupynce  # noqa: E402
-from cupynce._harness import (device_header, device_info, fmt_mib, fmt_ms, fmt_ratio,  # noqa: E402
+from cupynce.report.harness import (device_header, device_info, fmt_mib, fmt_ms, fmt_ratio,  # noqa: E402
                               free_memory, load_torch, markdown_table, run_case)
-from cupynce._kernels import BFLOAT16  # noqa: E402
+from cupynce._engine.kernels import BFLOAT16  # noqa: E402
 
 SHAPES = [(32, 256, 768, 30522), (128, 256, 768, 30522), (32, 256, 768, 250002),
           (16, 768, 1024, 151936)]

@@ -9,9 +9,10 @@ import argparse
 
 import numpy as np
 
-from cupynce import _blas
-from cupynce import contrastive as C
-from cupynce._harness import device_header, device_info, time_cuda
+from cupynce._engine import blas as _blas
+from cupynce._engine import kernels
+from cupynce._engine import tiles as C
+from cupynce.report.harness import device_header, device_info, time_cuda
 
 
 def main() -> None:
@@ -30,10 +31,10 @@ def main() -> None:
     k = (rng.standard_normal((n, d), dtype=cp.float32) / np.sqrt(d)).astype(dt)
     s = cp.empty((n, n), cp.float32)
     g = cp.empty((n, n), dt)
-    lse = C._tile_lse(q, k, None, 10.0, exclude_diag=False, pos_shift=0, pos_mod=n)[0]
+    lse = C.tile_lse(q, k, None, 10.0, exclude_diag=False, pos_shift=0, pos_mod=n)[0]
     w = (None, 0, 1.0 / n)
-    rt = -(-n // C._TILE)
-    sp = C._splits(rt, rt)
+    rt = -(-n // C.TILE)
+    sp = C.grid_splits(rt, rt)
     flop = 2.0 * n * n * d
     ls = cp.full((1,), np.log(10.0), cp.float32)
     part = cp.empty((2, sp, n), cp.float32)
@@ -44,25 +45,25 @@ def main() -> None:
     cases = {
         "cuBLAS S = Q K^T (fp32 out)": lambda: _blas.gemm(q, k, s, trans_b=True),
         "cuBLAS G K (16-bit G)": lambda: _blas.gemm(g, k, s[:, :d]),
-        "tile_lse (+finish)": lambda: C._tile_lse(q, k, None, 10.0, exclude_diag=False,
+        "tile_lse (+finish)": lambda: C.tile_lse(q, k, None, 10.0, exclude_diag=False,
                                                   pos_shift=0, pos_mod=n),
-        "tile_lse symmetric (NT-Xent, +dots, finish)": lambda: C._tile_lse_symmetric(
+        "tile_lse symmetric (NT-Xent, +dots, finish)": lambda: C.tile_lse_symmetric(
             q, 10.0, n // 2, None),
-        "tile_g": lambda: C._tile("g", dt, (rt, sp), q, 0, k, None, scale=10.0, pos_mod=n,
+        "tile_g": lambda: C.tile("g", dt, (rt, sp), q, 0, k, None, scale=10.0, pos_mod=n,
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
-        "tile_h": lambda: C._tile("h", dt, (rt, sp), q, 0, q, None, scale=10.0, pos_mod=n,
+        "tile_h": lambda: C.tile("h", dt, (rt, sp), q, 0, q, None, scale=10.0, pos_mod=n,
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
-        "tile_lse2 (CLIP rows + columns)": lambda: C._tile(
+        "tile_lse2 (CLIP rows + columns)": lambda: C.tile(
             "lse2", dt, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=n,
             part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos.data.ptr,
             colp=(colp.data.ptr, colp[1].data.ptr), lse_col=dots),
-        "tile_clip": lambda: C._tile("clip", dt, (rt, sp), q, 0, k, None, scale_log=ls,
+        "tile_clip": lambda: C.tile("clip", dt, (rt, sp), q, 0, k, None, scale_log=ls,
                                      pos_mod=n, lse_row=lse, lse_col=lse, weights=w, g=g,
                                      dsp=dpart.data.ptr, part=(0, 0, n)),
     }
     print(device_header(device_info()))
     print(f"N={n} D={d} {args.dtype}; splits={sp}")
-    loops = ["wgmma", "mma.sync"] if C.arch_specific_build(C._TILES) else ["mma.sync"]
+    loops = ["wgmma", "mma.sync"] if kernels.arch_specific_build(C.FILE) else ["mma.sync"]
     for loop in loops:
         C.USE_WGMMA = loop == "wgmma"
         for name, fn in cases.items():

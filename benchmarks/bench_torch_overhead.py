@@ -37,8 +37,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupynce.torch as ct  # noqa: E402
-from cupynce import _harness, contrastive  # noqa: E402
-from cupynce import _torch_bridge as bridge  # noqa: E402
+from cupynce.ops import _base  # noqa: E402
+from cupynce.ops import clip, info_nce, nt_xent  # noqa: E402
+from cupynce.report import harness as _harness  # noqa: E402
+from cupynce.torch import _bridge as bridge  # noqa: E402
 
 OPS = ("nt_xent", "info_nce", "clip_loss")
 LEGEND = ("starved bursts: bursts in which the GPU finished its spin before the host had queued "
@@ -92,18 +94,18 @@ def core_call(op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
     def call():
         with stream:
             if op == "nt_xent":
-                rows, ctx = contrastive.nt_xent_forward(xs[0], T, reduction="none")
-                contrastive._reduce(ctx.xp, rows, "mean")  # as the bridge does
-                return contrastive.nt_xent_backward_from_stats(xs[0], ctx.stats[0], one,
+                rows, ctx = nt_xent.nt_xent_forward(xs[0], T, reduction="none")
+                _base.reduce(ctx.xp, rows, "mean")  # as the bridge does
+                return nt_xent.nt_xent_backward_from_stats(xs[0], ctx.stats[0], one,
                                                                temperature=T)
             if op == "info_nce":
-                rows, ctx = contrastive.info_nce_forward(xs[0], xs[1], T, reduction="none")
-                contrastive._reduce(ctx.xp, rows, "mean")  # as the bridge does
-                return contrastive.info_nce_backward_from_stats(xs[0], xs[1], None, ctx.stats[0],
+                rows, ctx = info_nce.info_nce_forward(xs[0], xs[1], T, reduction="none")
+                _base.reduce(ctx.xp, rows, "mean")  # as the bridge does
+                return info_nce.info_nce_backward_from_stats(xs[0], xs[1], None, ctx.stats[0],
                                                                 one, temperature=T)
-            rows, ctx = contrastive.clip_loss_forward(xs[0], xs[1], xs[2], reduction="none")
-            contrastive._reduce(ctx.xp, rows, "mean")  # as the bridge does
-            return contrastive.clip_loss_backward_from_stats(xs[0], xs[1], xs[2], *ctx.stats,
+            rows, ctx = clip.clip_loss_forward(xs[0], xs[1], xs[2], reduction="none")
+            _base.reduce(ctx.xp, rows, "mean")  # as the bridge does
+            return clip.clip_loss_backward_from_stats(xs[0], xs[1], xs[2], *ctx.stats,
                                                              one)
     return call
 

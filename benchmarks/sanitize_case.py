@@ -10,7 +10,7 @@ report partway through the "blocks" half (after ~350 instrumented launches; each
 is clean alone, benchmarks/NOTES.md): run racecheck on "tiles", memcheck on everything.
 """
 import os, sys, numpy as np, cupy as cp, ml_dtypes, cupynce
-from cupynce import contrastive as C
+from cupynce._engine import tiles as C
 C.USE_TILES = True
 C.USE_WGMMA = sys.argv[1] == "wg"
 part = sys.argv[2] if len(sys.argv) > 2 else "all"

@@ -10,7 +10,7 @@ same views).  A small MLP encoder (64 → 256 → 128, then a 64-d projection he
   with a learnable temperature (init 0.07, clamped as CLIP).
 
 Each is run twice from the same seed: with cupynce and with the plain PyTorch formula
-(``cupynce._harness.torch_reference``: masked matmul + ``F.cross_entropy``; CLIP's
+(``cupynce.report.harness.torch_reference``: masked matmul + ``F.cross_entropy``; CLIP's
 logit_scale an ``nn.Parameter`` clamped the same way).  Reported side by side: the per-step
 loss curves, their largest relative difference, the median time per step (model + loss +
 optimizer; the views are generated beforehand), and the linear-probe accuracy (scikit-learn
@@ -44,7 +44,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without install
 
 import cupynce.torch as ct  # noqa: E402
-from cupynce import _harness  # noqa: E402
+from cupynce.report import harness as _harness  # noqa: E402
 
 KINDS = ("simclr", "clip")
 IMPLS = ("cupynce", "torch")

@@ -11,25 +11,34 @@ path; ``cupynce.torch`` wraps them for PyTorch):
 Each has ``*_forward`` (loss and a context) and ``*_backward(ctx, grad_loss)`` (gradients);
 ``*_backward_from_stats`` rebuilds the gradients from the inputs and the O(N) ``ctx.stats``.
 ``import cupynce`` needs neither CuPy, nor torch, nor a GPU.
+
+Layout (each layer imports only the ones below it): ``cupynce.ops`` (one module per op:
+checks, NumPy path) → ``cupynce._engine`` (the GPU engine: loader, cuBLAS, row blocks, tiles)
+→ ``kernels_src/`` (CUDA C); ``cupynce.torch`` (autograd, custom ops, modules) and
+``cupynce.report`` (``python -m cupynce``) sit on top.
 """
 from ._version import __version__
-from ._kernels import KernelCompileError, SUPPORTED_DTYPES
-from .contrastive import (
-    Context,
+from ._engine.kernels import SUPPORTED_DTYPES, KernelCompileError
+from .ops._base import Context
+from .ops.clip import (
     clip_loss,
     clip_loss_backward,
     clip_loss_backward_from_stats,
     clip_loss_forward,
+)
+from .ops.info_nce import (
     info_nce,
     info_nce_backward,
     info_nce_backward_from_stats,
     info_nce_forward,
+)
+from .ops.nt_xent import (
     nt_xent,
     nt_xent_backward,
     nt_xent_backward_from_stats,
     nt_xent_forward,
 )
-from .splade import (
+from .ops.splade import (
     flops_regularizer,
     flops_regularizer_backward,
     splade_pool,

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._kernels import SUPPORTED_DTYPES
+from ._engine.kernels import SUPPORTED_DTYPES
 
 REDUCTIONS = ("mean", "sum", "none")
 

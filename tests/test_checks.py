@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 import cupynce
-from cupynce import contrastive
+from cupynce import _engine
+from cupynce._engine import arrays, blas, kernels
+from cupynce.ops import _numpy
+from cupynce.ops import clip as clip_op
 
 N, D = 4, 3
 OPS = ["nt_xent", "info_nce", "clip_loss"]
@@ -67,12 +70,12 @@ def no_work_again(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("work started before the argument checks finished")
 
-    for name in ("_np_rows", "_np_clip", "_np_normalize", "_np_finish", "_np_grad_scale",
-                 "_gpu_rows", "_gpu_clip", "_gpu_normalize", "_gpu_finish", "_gpu_grad_scale",
-                 "_gpu_scalar", "launch"):
-        monkeypatch.setattr(contrastive, name, boom)
-    monkeypatch.setattr(contrastive._blas, "gemm", boom)
-    monkeypatch.setattr(contrastive._blas, "plan_rows", boom)
+    for mod, names in ((_numpy, ("rows", "normalize", "finish", "grad_scale")),
+                       (clip_op, ("numpy_clip",)), (_engine, ("rows", "clip")),
+                       (arrays, ("normalize", "finish", "grad_scale", "scalar", "fixed_sum")),
+                       (kernels, ("launch", "get_kernel")), (blas, ("gemm", "plan_rows"))):
+        for name in names:
+            monkeypatch.setattr(mod, name, boom)
     return boom
 
 

@@ -1,4 +1,4 @@
-"""GPU tests of ``cupynce._blas.gemm``: the small-product kernel (``kernels_src/blas.cu``) and
+"""GPU tests of ``cupynce._engine.blas.gemm``: the small-product kernel (``kernels_src/blas.cu``) and
 the cuBLAS route, against a float64 NumPy product.
 
 Tolerances (relative, ‖x − ref‖ / ‖ref‖, inputs already rounded to their dtype so that only
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupynce import _blas
+from cupynce._engine import blas as _blas
 
 pytestmark = pytest.mark.gpu
 

@@ -386,10 +386,10 @@ TILE_CASES = [("nt_xent", None), ("info_nce", None), ("info_nce", "shared"), ("c
 @pytest.fixture(params=["wgmma", "mma_sync"])
 def tiles_on(request, monkeypatch):
     """Force the tile kernels on for one test, with each main loop (wgmma: Hopper only)."""
-    from cupynce import contrastive as C
-    from cupynce._kernels import arch_specific_build
+    from cupynce._engine import tiles as C
+    from cupynce._engine.kernels import arch_specific_build
 
-    if request.param == "wgmma" and not arch_specific_build(C._TILES):
+    if request.param == "wgmma" and not arch_specific_build(C.FILE):
         pytest.skip("the wgmma main loop needs a compute-capability 9.0 GPU")
     monkeypatch.setattr(C, "USE_TILES", True)
     monkeypatch.setattr(C, "USE_WGMMA", request.param == "wgmma")
@@ -397,12 +397,12 @@ def tiles_on(request, monkeypatch):
 
 
 def test_tile_path_is_taken_for_aligned_half_inputs(tiles_on):
-    from cupynce import contrastive as C
+    from cupynce._engine import tiles as C
 
     x = cp.zeros((64, 64), cp.float16)
-    assert C._tiles_ok(x, x), "aligned float16 must use the tile kernels"
-    assert not C._tiles_ok(cp.zeros((64, 33), cp.float16)), "D % 8 != 0 must fall back"
-    assert not C._tiles_ok(cp.zeros((64, 64), cp.float32)), "float32 uses cuBLAS"
+    assert C.tiles_ok(x, x), "aligned float16 must use the tile kernels"
+    assert not C.tiles_ok(cp.zeros((64, 33), cp.float16)), "D % 8 != 0 must fall back"
+    assert not C.tiles_ok(cp.zeros((64, 64), cp.float32)), "float32 uses cuBLAS"
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -421,7 +421,7 @@ def test_tiles_against_reference(op, neg, n, d, normalize, reduction, dtype, til
 @pytest.mark.parametrize("op,neg", TILE_CASES)
 def test_tiles_agree_with_cublas_path(op, neg, dtype, monkeypatch):
     """Same inputs through the tile kernels and through cuBLAS + row kernels."""
-    from cupynce import contrastive as C
+    from cupynce._engine import tiles as C
 
     monkeypatch.setattr(C, "USE_TILES", True)
     rng = np.random.default_rng(3)
@@ -444,7 +444,7 @@ def test_tiles_agree_with_cublas_path(op, neg, dtype, monkeypatch):
 def test_backward_from_stats_gpu(op, neg, dtype, tiles, monkeypatch):
     """The O(N)-state backward (used by cupynce.torch) equals the context backward, bitwise
     for the recompute path ("none") and to rounding for the fused mean path."""
-    from cupynce import contrastive as C
+    from cupynce._engine import tiles as C
 
     monkeypatch.setattr(C, "USE_TILES", tiles)
     rng = np.random.default_rng(17)
@@ -483,13 +483,13 @@ def test_backward_from_stats_gpu(op, neg, dtype, tiles, monkeypatch):
 
 
 def test_tile_smem_constant_matches_kernel():
-    from cupynce import contrastive as C
-    from cupynce._kernels import get_kernel
+    from cupynce._engine import tiles as C
+    from cupynce._engine.kernels import get_kernel
 
     out = cp.zeros((2,), cp.int32)
-    get_kernel(C._TILES, "tile_smem", cp.float16)((1,), (1,), (out,))
-    assert int(out[0]) == C._TILE_SMEM
-    assert int(out[1]) == C._WG_SMEM
+    get_kernel(C.FILE, "tile_smem", cp.float16)((1,), (1,), (out,))
+    assert int(out[0]) == C.TILE_SMEM
+    assert int(out[1]) == C.WG_SMEM
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -499,31 +499,31 @@ def test_tile_args_struct_layout_matches_kernel(dtype):
     import re
     import struct
 
-    from cupynce import contrastive as C
-    from cupynce._kernels import get_kernel
+    from cupynce._engine import tiles as C
+    from cupynce._engine.kernels import get_kernel
 
-    fields = C._TILE_ARGS_FIELDS
+    fields = C.TILE_ARGS_FIELDS
     out = cp.full((len(fields) + 1,), -1, cp.int32)
-    get_kernel(C._TILES, "tile_args_layout", dtype)((1,), (1,), (out,))
+    get_kernel(C.FILE, "tile_args_layout", dtype)((1,), (1,), (out,))
     got = [int(v) for v in cp.asnumpy(out)]
-    fmt = C._TILE_ARGS_FORMAT  # "<14Q6q9i2f4x": the offsets the packer uses, field by field
+    fmt = C.TILE_ARGS_FORMAT  # "<14Q6q9i2f4x": the offsets the packer uses, field by field
     codes = "".join(c * int(n) for n, c in re.findall(r"(\d+)([Qqif])", fmt))
     assert len(codes) == len(fields)
     want = [struct.calcsize("<" + codes[:i]) for i in range(len(codes))]
     assert got[:-1] == want, dict(zip(fields, zip(got, want)))
-    assert got[-1] == struct.calcsize(fmt) == C._TILE_ARGS_DTYPE.itemsize
+    assert got[-1] == struct.calcsize(fmt) == C.TILE_ARGS_DTYPE.itemsize
 
 
 def test_tiles_default_follows_the_main_loop(monkeypatch):
     """CUPYNCE_TILES unset: tiles exactly where the wgmma loop is built (Hopper)."""
-    from cupynce import contrastive as C
-    from cupynce._kernels import arch_specific_build
+    from cupynce._engine import tiles as C
+    from cupynce._engine.kernels import arch_specific_build
 
     monkeypatch.setattr(C, "USE_TILES", None)
     x = cp.zeros((64, 64), cp.float16)
-    assert C._tiles_ok(x, x) == arch_specific_build(C._TILES)
+    assert C.tiles_ok(x, x) == arch_specific_build(C.FILE)
     monkeypatch.setattr(C, "USE_TILES", False)
-    assert not C._tiles_ok(x, x)
+    assert not C.tiles_ok(x, x)
 
 
 @pytest.mark.parametrize("op,neg", TILE_CASES)
@@ -608,21 +608,21 @@ def test_nt_xent_symmetric_forward(n, tiles_on, monkeypatch):
     tiles and column splits: the statistics match the float64 reference and the square pass,
     the path is really taken, and a workspace too small for its column partials falls back to
     the square pass."""
-    from cupynce import contrastive as C
+    from cupynce._engine import tiles as C
 
     rng = np.random.default_rng(zlib.crc32(f"sym{n}".encode()))
     inputs = make_case("nt_xent", BF16, n, 64, rng, scale=1 / 8)
     kw = dict(t=0.1, reduction="none", normalize=False)
     g = rng.standard_normal(n)
     taken = []
-    real = C._tile_lse_symmetric
+    real = C.tile_lse_symmetric
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(C, "_tile_lse_symmetric", spy)
+    monkeypatch.setattr(C, "tile_lse_symmetric", spy)
     monkeypatch.setattr(C, "SYMMETRIC_LSE", True)
     monkeypatch.setattr(C, "SYMMETRIC_LSE_MIN_ND", 0)  # (default: N D >= 16384 * 512)
     sym_loss, sym_grads = run_cupynce("nt_xent", inputs, kw, g)
@@ -651,21 +651,21 @@ def test_nt_xent_symmetric_gradient(n, tiles_on, monkeypatch):
     mirror too (whole H in one workspace block): the gradient matches the float64 reference
     and the square pass, run after run bit for bit, and a workspace that splits H into row
     blocks takes the square pass."""
-    from cupynce import contrastive as C
+    from cupynce._engine import tiles as C
 
     rng = np.random.default_rng(zlib.crc32(f"symh{n}".encode()))
     inputs = make_case("nt_xent", BF16, n, 64, rng, scale=1 / 8)
     kw = dict(t=0.1, reduction="none", normalize=True)
     g = rng.standard_normal(n)
     flags = []
-    real = C._tile
+    real = C.tile
 
     def spy(stage, *args, **kwargs):
         if stage == "h":
             flags.append(kwargs.get("tri", False))
         return real(stage, *args, **kwargs)
 
-    monkeypatch.setattr(C, "_tile", spy)
+    monkeypatch.setattr(C, "tile", spy)
     monkeypatch.setattr(C, "SYMMETRIC_H", True)
     loss, (dz,) = run_cupynce("nt_xent", inputs, kw, g)
     assert flags == [True], flags
@@ -696,10 +696,10 @@ def test_wgmma_gradient_tiles_staged_stores(stage, n, monkeypatch):
     column tiles of 44 and 6; 300 is not a multiple of 8), the mirrored H is exactly symmetric,
     and the values agree with the mma.sync loop's direct stores to the 16-bit rounding (the
     two loops accumulate the products in different orders)."""
-    from cupynce import contrastive as C
-    from cupynce._kernels import arch_specific_build
+    from cupynce._engine import tiles as C
+    from cupynce._engine.kernels import arch_specific_build
 
-    if not arch_specific_build(C._TILES):
+    if not arch_specific_build(C.FILE):
         pytest.skip("the wgmma main loop needs a compute-capability 9.0 GPU")
     rng = cp.random.default_rng(n)
     d, s = 64, 10.0
@@ -707,8 +707,8 @@ def test_wgmma_gradient_tiles_staged_stores(stage, n, monkeypatch):
     sym = stage.startswith("h")
     k = q if sym else (rng.standard_normal((n, d), dtype=cp.float32) / 8).astype(BF16)
     shift = n // 2 if sym else 0
-    lse = C._tile_lse(q, k, None, s, exclude_diag=sym, pos_shift=shift, pos_mod=n)[0]
-    rt = -(-n // C._TILE)
+    lse = C.tile_lse(q, k, None, s, exclude_diag=sym, pos_shift=shift, pos_mod=n)[0]
+    rt = -(-n // C.TILE)
     tri = stage == "h_tri"
     ldg = -(-n // 8) * 8
 
@@ -718,14 +718,14 @@ def test_wgmma_gradient_tiles_staged_stores(stage, n, monkeypatch):
         kw = dict(pos_shift=shift, pos_mod=n, lse_row=lse, lse_col=lse,
                   weights=(None, 0, 1.0 / n), g=g[:, :n])
         if stage == "clip":
-            sp = C._splits(rt, rt)
+            sp = C.grid_splits(rt, rt)
             dsp = cp.empty((sp, n), cp.float32)
             ls = cp.full((1,), np.log(s), cp.float32)
-            C._tile("clip", BF16, (rt, sp), q, 0, k, None, scale_log=ls, dsp=dsp.data.ptr,
+            C.tile("clip", BF16, (rt, sp), q, 0, k, None, scale_log=ls, dsp=dsp.data.ptr,
                     part=(0, 0, n), **kw)
         else:
-            sp = C._splits(rt, rt // 2 + 1 if tri else rt)
-            C._tile("h" if sym else "g", BF16, (rt, sp), q, 0, k, None, scale=s,
+            sp = C.grid_splits(rt, rt // 2 + 1 if tri else rt)
+            C.tile("h" if sym else "g", BF16, (rt, sp), q, 0, k, None, scale=s,
                     exclude_diag=sym, tri=tri, **kw)
         return cp.asnumpy(g[:, :n].astype(cp.float32))
 
@@ -761,8 +761,10 @@ def test_arrays_on_two_gpus_raise(case, monkeypatch):
 
     def boom(*args, **kwargs):
         raise AssertionError("a kernel ran before the device check")
-    monkeypatch.setattr(cupynce.contrastive, "launch", boom)
-    monkeypatch.setattr(cupynce._blas, "launch", boom)
+    from cupynce._engine import kernels
+
+    monkeypatch.setattr(kernels, "launch", boom)  # every engine module launches through these
+    monkeypatch.setattr(kernels, "get_kernel", boom)
     monkeypatch.setattr(cublas, "gemmEx", boom)
     with cp.cuda.Device(0):
         if case == "info_nce_key":

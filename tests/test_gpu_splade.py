@@ -46,11 +46,11 @@ def forward_path(request, monkeypatch):
     """Every test runs three times: with the fused forward (the max in the epilogue of the
     tensor-core product: 16-bit x and W with D, leading dimensions and pointers multiples of
     8 elements / 16 bytes) of splade_wgmma.cu ("ws": Hopper's default; elsewhere the same as
-    "tiles") and of tiles.cu MODE_SPMAX ("tiles"), and with the cuBLAS logit tiles + max
+    "tiles") and of splade_tiles.cu MODE_SPMAX ("tiles"), and with the cuBLAS logit tiles + max
     kernel ("cublas").  Other cases take the cuBLAS path under all three."""
-    from cupynce import contrastive, splade
+    from cupynce._engine import splade, tiles
 
-    monkeypatch.setattr(contrastive, "USE_TILES", request.param != "cublas")
+    monkeypatch.setattr(tiles, "USE_TILES", request.param != "cublas")
     monkeypatch.setattr(splade, "USE_WS", request.param == "ws")
     return request.param
 
@@ -116,7 +116,7 @@ def test_bert_sized_vocabulary(dtype):
 def test_sequence_split_over_blocks(dtype, grid):
     """Long L, narrow vocabulary: the max kernel splits the sequence over blocks (nz > 1) and a
     second kernel merges the partial maxima in order; ties still go to the lowest l."""
-    from cupynce import splade
+    from cupynce._engine import splade
 
     shape = (2, 1000, 16, 300)
     blocks = -(-300 // (32 * (8 // np.dtype(dtype).itemsize))) * 2

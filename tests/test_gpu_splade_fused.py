@@ -1,6 +1,6 @@
 """GPU tests specific to SPLADE's fused forward (the max over the sequence in the epilogue of
-the tensor-core product: kernels_src/splade_wgmma.cu on Hopper, tiles.cu MODE_SPMAX
-elsewhere).  Every test of test_gpu_splade.py also runs on both (its ``forward_path``
+the tensor-core product: kernels_src/splade_wgmma.cu on Hopper, splade_tiles.cu
+MODE_SPMAX elsewhere).  Every test of test_gpu_splade.py also runs on both (its ``forward_path``
 fixture); these check what those cannot: that the paths are really taken, that they agree
 bit for bit, and the sm_80 main loop that Hopper does not use by default.
 Oracle and tolerances: those of test_gpu_splade.py."""
@@ -20,21 +20,21 @@ HALF = [pytest.param(C.F16, id="f16"), pytest.param(C.BF16, id="bf16")]
 
 @pytest.fixture
 def tiles(monkeypatch):
-    from cupynce import contrastive
+    from cupynce._engine import tiles
 
-    monkeypatch.setattr(contrastive, "USE_TILES", True)
-    return contrastive
+    monkeypatch.setattr(tiles, "USE_TILES", True)
+    return tiles
 
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_fused_forward_issues_no_gemm(dtype, tiles, monkeypatch):
     """Aligned 16-bit inputs never reach cuBLAS (nor a logits workspace) in the forward."""
-    from cupynce import splade
+    from cupynce._engine import splade
 
     def no_gemm(*a, **k):
         raise AssertionError("the fused forward must not call cuBLAS")
 
-    monkeypatch.setattr(splade._blas, "gemm", no_gemm)
+    monkeypatch.setattr(splade.blas, "gemm", no_gemm)
     inp = C.make_inputs((2, 40, 16, 300), dtype, "bool", True, seed=5)
     out = cupynce.splade_pool(*(cp.asarray(inp[k]) for k in ("x", "weight", "bias", "mask")),
                               activation="relu")
@@ -55,9 +55,9 @@ def test_fused_forward_with_the_mma_sync_loop(dtype, mask, tiles, monkeypatch):
 
 
 def _on_hopper():
-    from cupynce import contrastive
+    from cupynce._engine import tiles
 
-    return contrastive._wgmma()
+    return tiles.wgmma()
 
 
 @pytest.mark.parametrize("use_ws", [True, False], ids=["ws", "tiles"])
@@ -65,14 +65,14 @@ def _on_hopper():
 def test_fused_schedules_agree_bitwise(dtype, use_ws, tiles, monkeypatch):
     """Batches per CTA and the grouped CTA order (a last group of fewer batch groups
     included) change only who computes an entry, not how: bitwise the same results."""
-    from cupynce import splade
+    from cupynce._engine import splade
 
     if use_ws and not _on_hopper():
         pytest.skip("splade_wgmma.cu runs on Hopper only")
     monkeypatch.setattr(splade, "USE_WS", use_ws)
     inp = C.make_inputs((5, 140, 16, 700), dtype, "rand01", True, seed=21)
     results = {}
-    tile = splade._WS_BN if use_ws else tiles._TILE
+    tile = splade._WS_BN if use_ws else tiles.TILE
     spb = -(-140 // tile)  # product steps per batch (one K step)
     # (min steps, x bytes) -> (per, group): (1, 1), (1, 2) [groups 2+2+1], (2, 2), (5, 1)
     for steps, xbytes in ((1, 1), (1, 2 * 140 * 16 * 2), (2 * spb, 4 * 140 * 16 * 2),
@@ -97,7 +97,7 @@ def test_warp_specialised_kernel_is_taken_and_agrees_with_tiles(dtype, tiles, mo
     really launched (tiles.cu's kernel is not), and it gives the bits of tiles.cu's
     MODE_SPMAX over shapes with partial vocabulary / position / K tiles, several position
     tiles per batch, masks, and positions of the next batch inside a tile."""
-    from cupynce import splade
+    from cupynce._engine import splade
 
     if not _on_hopper():
         pytest.skip("splade_wgmma.cu runs on Hopper only")
@@ -107,23 +107,23 @@ def test_warp_specialised_kernel_is_taken_and_agrees_with_tiles(dtype, tiles, mo
         for act in C.ACTIVATIONS:
             monkeypatch.setattr(splade, "USE_WS", True)
             calls = []
-            real = tiles._tile_launch
-            monkeypatch.setattr(tiles, "_tile_launch", lambda *a: calls.append(a) or real(*a))
+            real = tiles.tile_launch
+            monkeypatch.setattr(tiles, "tile_launch", lambda *a: calls.append(a) or real(*a))
             ws = C.run_op(inp, act, to=cp.asarray)
-            assert not calls, "tiles.cu ran instead of splade_wgmma.cu"
+            assert not calls, "splade_tiles.cu ran instead of splade_wgmma.cu"
             monkeypatch.setattr(splade, "USE_WS", False)
             ref = C.run_op(inp, act, to=cp.asarray)
             assert len(calls) == 1
-            monkeypatch.setattr(tiles, "_tile_launch", real)
+            monkeypatch.setattr(tiles, "tile_launch", real)
             assert bool((ws[0].view(cp.uint16) == ref[0].view(cp.uint16)).all()), (shape, act)
             assert bool((ws[1] == ref[1]).all()), (shape, act)
             C.check_against_reference(inp, act, *ws, case=f"ws {shape} {mask}")
 
 
 def test_warp_specialised_shared_memory_matches_python():
-    """splade.py's _WS_SMEM is the kernel's SW_SMEM_BYTES."""
-    from cupynce import splade
-    from cupynce._kernels import get_kernel
+    """_engine/splade.py's _WS_SMEM is the kernel's SW_SMEM_BYTES."""
+    from cupynce._engine import splade
+    from cupynce._engine.kernels import get_kernel
 
     if not _on_hopper():
         pytest.skip("splade_wgmma.cu runs on Hopper only")
@@ -136,7 +136,7 @@ def test_warp_specialised_shared_memory_matches_python():
 def test_tensor_maps_are_encoded_into_aligned_buffers(rows):
     """The driver encodes each CUtensorMap into a 64-byte-aligned host buffer (its documented
     requirement), also for one-row and strided matrices."""
-    from cupynce import _tma
+    from cupynce._engine import tma as _tma
 
     if not _tma.available():
         pytest.skip("no cuTensorMapEncodeTiled in this driver")

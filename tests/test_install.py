@@ -26,7 +26,7 @@ def installed(tmp_path_factory):
 
 def test_installed_copy_finds_and_compiles_kernels(installed):
     code = (
-        "import cupynce, cupynce._kernels as k, pathlib;"
+        "import cupynce, cupynce._engine.kernels as k, pathlib;"
         "d = k.kernels_dir();"
         f"assert str(d).startswith({str(installed)!r}), d;"
         "assert (d / 'contrastive.cu').is_file() and (d / 'common.cuh').is_file();"

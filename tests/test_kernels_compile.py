@@ -1,7 +1,7 @@
 """Every CUDA source compiles (NVRTC for sm_80 / sm_90, and nvcc when on PATH) with no GPU.
 
 The cubin must export every ``cpn_<stage>_<dtype>`` wrapper: the stages are read from the
-source's ``cpn_<stage>_##SUF`` macro lines, the dtype suffixes from ``cupynce._kernels``.
+source's ``cpn_<stage>_##SUF`` macro lines, the dtype suffixes from ``cupynce._engine.kernels``.
 NVRTC needs only libnvrtc (``nvidia-cuda-nvrtc-cu12``), not a driver or a device.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from cupynce import _kernels
-from cupynce._kernels import KernelCompileError
+from cupynce._engine import kernels as _kernels
+from cupynce._engine.kernels import KernelCompileError
 
 pytest.importorskip("cupy")  # NVRTC is reached through cupy.cuda.nvrtc
 
@@ -110,12 +110,19 @@ def test_arch_specific_file_builds_for_sm90a(filename):
     assert b"wgmma.mma_async" not in ptx("compute_90")
 
 
-@pytest.mark.parametrize("const,filename", [("_FILE", "contrastive.cu"), ("_TILES", "tiles.cu")])
-def test_python_launches_only_existing_stages(const, filename):
-    """Every stage that contrastive.py launches from a file exists in that file."""
-    py = (_kernels.Path(_kernels.__file__).parent / "contrastive.py").read_text()
+#: engine module -> {name of a file constant in launch(<const>, "<stage>", ...): file}
+_LAUNCHERS = {"arrays.py": {"FILE": "contrastive.cu"},
+              "blocks.py": {"FILE": "contrastive.cu"},
+              "tiles.py": {"FILE": "tiles.cu", "ROWS_FILE": "contrastive.cu"}}
+
+
+@pytest.mark.parametrize("module,const,filename",
+                         [(m, c, f) for m, cs in _LAUNCHERS.items() for c, f in cs.items()])
+def test_python_launches_only_existing_stages(module, const, filename):
+    """Every stage that an engine module launches from a file exists in that file."""
+    py = (_kernels.Path(_kernels.__file__).parent / module).read_text()
     launched = set(re.findall(r'launch\(' + const + r',\s*"([A-Za-z0-9_]+)"', py))
-    assert launched, f"no launches of {filename} found"
+    assert launched, f"no launches of {filename} found in {module}"
     assert launched <= set(_stages(filename)), launched - set(_stages(filename))
 
 

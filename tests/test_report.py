@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import cupynce
-from cupynce import _harness as H
+from cupynce.report import harness as H
 from cupynce.__main__ import main
-from cupynce._report_ops import DTYPES, REGISTRY, available_ops
+from cupynce.report.ops import DTYPES, REGISTRY, available_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 PNGS = ("execution_times.png", "speedup.png", "peak_memory.png", "loss_error.png",
@@ -232,7 +232,7 @@ def test_bad_options_are_clear_errors(argv, message, capsys, tmp_path):
 
 def test_without_matplotlib_plots_are_skipped(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    monkeypatch.delitem(sys.modules, "cupynce._report_plots", raising=False)
+    monkeypatch.delitem(sys.modules, "cupynce.report.plots", raising=False)
     rc = main(["bench", "--ops", "info_nce", "--sizes", "16", "--out", str(tmp_path)])
     assert rc == 0
     assert "matplotlib is not installed" in capsys.readouterr().out
@@ -275,16 +275,39 @@ def test_harness_host_timing_and_memory():
 
 
 def test_progress_bar_in_a_log():
+    """Not a terminal: nothing until a step is done, then one line per finished step (tqdm's
+    meter: bar, count, elapsed time), ending with the step's label."""
+    pytest.importorskip("tqdm")
     buf = io.StringIO()
     p = H.Progress(4, stream=buf)
-    p.show("starting")  # not a terminal: nothing until a step is done
+    p.show("starting")
     p.update("one")
     p.update("two", advance=3)
     p.close()
     lines = buf.getvalue().splitlines()
     assert len(lines) == 2
-    assert lines[0].startswith("[######------------------] 1/4") and lines[0].endswith("one")
-    assert lines[1].startswith("[########################] 4/4")
+    assert " 1/4 " in lines[0] and "25%" in lines[0] and lines[0].endswith("one")
+    assert " 4/4 " in lines[1] and "100%" in lines[1] and lines[1].endswith("two")
+
+
+def test_progress_bar_on_a_terminal():
+    """A terminal gets tqdm's bar redrawn in place, continued after close() (check, then
+    bench)."""
+    pytest.importorskip("tqdm")
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    buf = Tty()
+    p = H.Progress(3, stream=buf)
+    p.show("check a")
+    p.update("check a")
+    p.close()
+    p.update("bench b", advance=2)
+    p.close()
+    text = buf.getvalue()
+    assert "\r" in text and "3/3" in text and "bench b" in text
 
 
 def test_out_of_memory_is_a_result(monkeypatch, tmp_path, capsys):
@@ -311,9 +334,9 @@ def test_out_of_memory_is_a_result(monkeypatch, tmp_path, capsys):
 def test_torch_float64_reference_beyond_the_oracle(monkeypatch, tmp_path):
     """Sizes too large for the host oracle get their errors from PyTorch in float64."""
     pytest.importorskip("torch")
-    from cupynce import report
+    from cupynce.report import runner
 
-    monkeypatch.setattr(report, "ORACLE_MAX_BYTES", 0)
+    monkeypatch.setattr(runner, "ORACLE_MAX_BYTES", 0)
     rc = main(["bench", "--ops", "nt_xent,splade_pool" if "splade_pool" in OPS else "nt_xent",
                "--dtype", "float32", "--sizes", "16", "--out", str(tmp_path), "--no-plots"])
     assert rc == 0

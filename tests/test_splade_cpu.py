@@ -806,8 +806,10 @@ def test_print_measured_errors():
 
 def test_warp_specialised_forward_row_limit():
     """splade_wgmma.cu's TMA row coordinate is a 32-bit int: x with B·L + 256 >= 2^31 rows
-    goes to tiles.cu instead (``_ws_fits``); the tensor-map struct is CUtensorMap's 128 bytes."""
-    from cupynce import _tma, splade
+    goes to splade_tiles.cu instead (``_ws_fits``); the tensor-map struct is CUtensorMap's 128
+    bytes."""
+    from cupynce._engine import splade
+    from cupynce._engine import tma as _tma
 
     assert splade._ws_fits(2 ** 31 - 1 - splade._WS_BN)
     assert not splade._ws_fits(2 ** 31 - splade._WS_BN)

@@ -33,7 +33,12 @@ import torch._dynamo.testing  # noqa: E402  (CompileCounterWithBackend)
 
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
-from cupynce import contrastive  # noqa: E402
+from cupynce.ops import clip as core_clip  # noqa: E402
+from cupynce.ops import nt_xent as core_nt_xent  # noqa: E402
+from cupynce.torch import _registry  # noqa: E402
+from cupynce.torch.ops import clip as tclip  # noqa: E402
+from cupynce.torch.ops import info_nce as tinfo_nce  # noqa: E402
+from cupynce.torch.ops import nt_xent as tnt_xent  # noqa: E402
 
 import torch_oracle as oracle  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -74,19 +79,19 @@ def _leaf(x, dtype=None):
 @pytest.fixture
 def plain_backward(monkeypatch):
     """The fallback exactly as on torch < 2.4: backward calls the plain functions, no ops."""
-    monkeypatch.setattr(ct, "_BWD", {"nt_xent": ct._nt_xent_bwd, "info_nce": ct._info_nce_bwd,
-                                     "clip_loss": ct._clip_loss_bwd})
+    for mod in (tnt_xent, tinfo_nce, tclip):
+        monkeypatch.setattr(mod, "BWD", mod.bwd)
 
 
 def _registered(fn):
     """``fn`` with the direct eager path switched off: the call runs the custom ops."""
     def call(*args, **kwargs):
-        real = ct._direct
-        ct._direct = lambda *tensors: False
+        real = _registry.direct
+        _registry.direct = lambda *tensors: False
         try:
             return fn(*args, **kwargs)
         finally:
-            ct._direct = real
+            _registry.direct = real
     return call
 
 
@@ -96,7 +101,7 @@ def _nt_xent(path):
     if path == "op":
         return ct.nt_xent
     return lambda z, t=0.5, *, reduction="mean", normalize=False: \
-        ct._NTXentFunction.apply(z, t, reduction, normalize, None)[0]
+        tnt_xent.NTXentFunction.apply(z, t, reduction, normalize, None)[0]
 
 
 def _info_nce(path):
@@ -105,7 +110,7 @@ def _info_nce(path):
     if path == "op":
         return ct.info_nce
     return lambda q, k, t=0.1, *, negatives=None, reduction="mean", normalize=False: \
-        ct._InfoNCEFunction.apply(q, k, negatives, t, reduction, normalize, None)[0]
+        tinfo_nce.InfoNCEFunction.apply(q, k, negatives, t, reduction, normalize, None)[0]
 
 
 def _clip_loss(path):
@@ -116,9 +121,9 @@ def _clip_loss(path):
 
     def fallback(a, b, ls, *, reduction="mean", normalize=False):
         tensor = isinstance(ls, torch.Tensor)
-        return ct._ClipLossFunction.apply(a, b, ls if tensor else None,
-                                          0.0 if tensor else float(ls), reduction, normalize,
-                                          None)[0]
+        return tclip.ClipLossFunction.apply(a, b, ls if tensor else None,
+                                            0.0 if tensor else float(ls), reduction, normalize,
+                                            None)[0]
     return fallback
 
 
@@ -321,7 +326,7 @@ def test_bridge_is_bit_exact(dtype, reduction, direct, monkeypatch):
     in the backward), for "none" the O(N)-state backward.  Both eager routes (the direct
     Functions and the registered custom ops) give the same bits."""
     if not direct:
-        monkeypatch.setattr(ct, "_direct", lambda *tensors: False)
+        monkeypatch.setattr(_registry, "direct", lambda *tensors: False)
     rng = np.random.default_rng(7)
     n, d = 10, 6
     arr = {k: (rng.standard_normal(s) / 3).astype(dtype)
@@ -360,13 +365,13 @@ def test_bridge_is_bit_exact(dtype, reduction, direct, monkeypatch):
 def test_zero_copy_on_cpu(monkeypatch):
     """The core reads the tensor's own memory (no host copy), bfloat16 included."""
     seen = []
-    real = contrastive.nt_xent_forward
+    real = core_nt_xent.nt_xent_forward
 
     def spy(z, *args, **kw):
         seen.append((z.dtype, z.__array_interface__["data"][0]))
         return real(z, *args, **kw)
 
-    monkeypatch.setattr(contrastive, "nt_xent_forward", spy)
+    monkeypatch.setattr(core_nt_xent, "nt_xent_forward", spy)
     for dtype in (torch.float32, torch.bfloat16):
         z = torch.randn(8, 4).to(dtype).requires_grad_(True)
         ct.nt_xent(z)
@@ -493,13 +498,13 @@ def test_torch_only_errors():
 # ----------------------------------------------------------------------------------------
 def test_autocast_casts_embeddings_not_logit_scale(monkeypatch):
     seen = {}
-    real = contrastive.clip_loss_forward
+    real = core_clip.clip_loss_forward
 
     def spy(a, b, ls, **kw):
         seen.update(a=(a.dtype, a.__array_interface__["data"][0]), b=b.dtype, ls=ls.dtype)
         return real(a, b, ls, **kw)
 
-    monkeypatch.setattr(contrastive, "clip_loss_forward", spy)
+    monkeypatch.setattr(core_clip, "clip_loss_forward", spy)
     g = _gen("autocast")
     a = _leaf(_randn(g, (8, 4), torch.float32))
     b = _leaf(_randn(g, (8, 4), torch.bfloat16))
@@ -525,10 +530,17 @@ def test_autocast_casts_embeddings_not_logit_scale(monkeypatch):
 # ----------------------------------------------------------------------------------------
 # torch.compile: a training step, forward and backward ops in the graphs, no graph break
 # ----------------------------------------------------------------------------------------
-def _count_calls(monkeypatch, name):
+OP_MODULE = {"nt_xent": "nt_xent", "info_nce": "info_nce", "clip_loss": "clip"}
+
+
+def _count_calls(monkeypatch, module, name):
+    """Count the calls of ``cupynce.ops.<module>.<name>``."""
+    import importlib
+
     calls = []
-    real = getattr(contrastive, name)
-    monkeypatch.setattr(contrastive, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    mod = importlib.import_module(f"cupynce.ops.{module}")
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -556,8 +568,8 @@ def test_compiled_training_step(op, monkeypatch):
 
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    bwd_calls = _count_calls(monkeypatch, f"{op}_backward_from_stats")
-    finish_calls = _count_calls(monkeypatch, "_finish_all")
+    bwd_calls = _count_calls(monkeypatch, OP_MODULE[op], f"{op}_backward_from_stats")
+    finish_calls = _count_calls(monkeypatch, "_base", "finish_all")
     loss = compiled(x, y)
     got = torch.autograd.grad(loss, params, allow_unused=True)
     assert counter.frame_count == 1  # one graph: fullgraph=True would have raised on a break
@@ -596,7 +608,7 @@ def test_compiled_training_step_per_row(op, monkeypatch):
     want = torch.autograd.grad(step(x, y), params, allow_unused=True)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    bwd_calls = _count_calls(monkeypatch, f"{op}_backward_from_stats")
+    bwd_calls = _count_calls(monkeypatch, OP_MODULE[op], f"{op}_backward_from_stats")
     got = torch.autograd.grad(compiled(x, y), params, allow_unused=True)
     assert counter.frame_count == 1
     assert len(bwd_calls) == 1
@@ -634,10 +646,10 @@ def _opcheck_cases():
     r = _leaf
     return [
         ("nt_xent_fwd", (r(z), 0.3, "mean", True, None)),
-        ("nt_xent_bwd", (z, ct._NT_XENT(z, 0.3, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.3, "none", True, None)),
+        ("nt_xent_bwd", (z, tnt_xent.FWD(z, 0.3, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.3, "none", True, None)),
         ("info_nce_fwd", (r(q), r(k), r(neg), 0.2, "none", False, None)),
         ("info_nce_fwd", (r(q), r(k), None, 0.2, "sum", True, None)),
-        ("info_nce_bwd", (q, k, None, ct._INFO_NCE(q, k, None, 0.2, "mean", False, None)[1], one, 0.2, "mean", False, None)),
+        ("info_nce_bwd", (q, k, None, tinfo_nce.FWD(q, k, None, 0.2, "mean", False, None)[1], one, 0.2, "mean", False, None)),
         ("clip_loss_fwd", (r(a), r(b), r(ls), 0.0, "mean", True, None)),
         ("clip_loss_fwd", (r(a), r(b), None, 2.0, "none", False, None)),
         ("clip_loss_bwd", (a, b, ls, 0.0, lse5, lse5, one, "mean", False, None)),
@@ -655,26 +667,26 @@ def test_direct_path_only_in_plain_eager(monkeypatch):
     modes, functorch transforms and subclasses keep the registered ops (compile: the
     fullgraph tests above)."""
     z = torch.randn(6, 4, dtype=torch.float64)
-    assert ct._direct(z, None) and ct._direct(torch.nn.Parameter(z))
+    assert _registry.direct(z, None) and _registry.direct(torch.nn.Parameter(z))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not ct._direct(z)
+        assert not _registry.direct(z)
     with torch.device("cpu"):  # a TorchFunctionMode
-        assert not ct._direct(z)
+        assert not _registry.direct(z)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        assert not ct._direct(z)
+        assert not _registry.direct(z)
 
     class Sub(torch.Tensor):
         pass
-    assert not ct._direct(z.as_subclass(Sub))
+    assert not _registry.direct(z.as_subclass(Sub))
     seen = []
-    torch.func.vmap(lambda r: seen.append(ct._direct(r)) or r)(z)
+    torch.func.vmap(lambda r: seen.append(_registry.direct(r)) or r)(z)
     assert seen == [False]
     # and the public functions follow it: no custom-op call in plain eager
     calls = []
-    real = ct._NT_XENT
-    monkeypatch.setattr(ct, "_NT_XENT", lambda *a: calls.append(1) or real(*a))
+    real = tnt_xent.FWD
+    monkeypatch.setattr(tnt_xent, "FWD", lambda *a: calls.append(1) or real(*a))
     zl = z.clone().requires_grad_(True)
     torch.autograd.grad(ct.nt_xent(zl, 0.5), zl)
     assert not calls

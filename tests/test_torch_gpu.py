@@ -33,7 +33,14 @@ torch = pytest.importorskip("torch")
 
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
-from cupynce import contrastive  # noqa: E402
+from cupynce.ops import _base  # noqa: E402
+from cupynce.ops import clip as core_clip  # noqa: E402
+from cupynce.ops import info_nce as core_info_nce  # noqa: E402
+from cupynce.ops import nt_xent as core_nt_xent  # noqa: E402
+from cupynce.torch import _bridge  # noqa: E402
+
+#: the core module of each op (its public functions; ``_base`` for the shared finish)
+CORE = {"nt_xent": core_nt_xent, "info_nce": core_info_nce, "clip_loss": core_clip}
 
 import torch_oracle as oracle  # noqa: E402
 
@@ -184,27 +191,27 @@ def test_bit_exact_against_functional_api_and_zero_copy(monkeypatch):
     import cupy as cp
 
     seen = []
-    real = contrastive.nt_xent_forward
+    real = core_nt_xent.nt_xent_forward
 
     def spy(z, *a, **k):
         seen.append(z.data.ptr)
         return real(z, *a, **k)
 
-    monkeypatch.setattr(contrastive, "nt_xent_forward", spy)
+    monkeypatch.setattr(core_nt_xent, "nt_xent_forward", spy)
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         z = _leaf(_randn(_gen("bits", dtype), (64, 24), dtype))
         go = torch.randn(64, device=DEV, dtype=_acc(dtype))
         loss = ct.nt_xent(z, NT_T, reduction="none", normalize=True)
         assert seen[-1] == z.data_ptr()  # the kernels read the tensor itself
         (dz,) = torch.autograd.grad(loss, z, go)
-        zc = ct._b.array_of(z)
+        zc = _bridge.array_of(z)
         want, ctx = real(zc, NT_T, reduction="none", normalize=True)
         dwant = cupynce.nt_xent_backward_from_stats(zc, ctx.stats[0], cp.from_dlpack(go),
                                                     temperature=NT_T, reduction="none",
                                                     normalize=True)
-        assert torch.equal(loss, ct._b.tensor_of(want))
+        assert torch.equal(loss, _bridge.tensor_of(want))
         bits = (lambda t: t.view(torch.int16)) if dtype == torch.bfloat16 else (lambda t: t)
-        assert torch.equal(bits(dz), bits(ct._b.tensor_of(dwant)))
+        assert torch.equal(bits(dz), bits(_bridge.tensor_of(dwant)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -217,18 +224,19 @@ def _cycles(seconds: float) -> int:
     return int(seconds * khz * 1e3)
 
 
-def _streams_seen(monkeypatch, *names):
+def _streams_seen(monkeypatch, *targets):
+    """Record the current CuPy stream at each call of ``(module, name)`` in ``targets``."""
     import cupy as cp
 
     seen = []
-    for name in names:
-        real = getattr(contrastive, name)
+    for mod, name in targets:
+        real = getattr(mod, name)
 
         def spy(*a, _real=real, **k):
             seen.append(cp.cuda.get_current_stream().ptr)
             return _real(*a, **k)
 
-        monkeypatch.setattr(contrastive, name, spy)
+        monkeypatch.setattr(mod, name, spy)
     return seen
 
 
@@ -239,8 +247,9 @@ def test_runs_on_torch_current_stream(op, monkeypatch):
     want = ref_fn(*[x.double() if isinstance(x, torch.Tensor) else x for x in src])
     fn(*src)  # compile the kernels outside the timed part
     torch.cuda.synchronize()
-    seen = _streams_seen(monkeypatch, f"{op}_forward", f"{op}_backward_from_stats",
-                         "_finish_all")  # (the fused backward's grad_finish op)
+    seen = _streams_seen(monkeypatch, (CORE[op], f"{op}_forward"),
+                         (CORE[op], f"{op}_backward_from_stats"),
+                         (_base, "finish_all"))  # (the fused backward's grad_finish op)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         x0 = torch.zeros_like(src[0])
@@ -350,8 +359,8 @@ def test_second_gpu(monkeypatch):
     import cupy as cp
 
     seen = []
-    real = contrastive.clip_loss_forward
-    monkeypatch.setattr(contrastive, "clip_loss_forward",
+    real = core_clip.clip_loss_forward
+    monkeypatch.setattr(core_clip, "clip_loss_forward",
                         lambda *a, **k: seen.append(cp.cuda.Device().id) or real(*a, **k))
     g = _gen("dev1")
     a0, b0 = _randn(g, (33, 16), torch.float32), _randn(g, (33, 16), torch.float32)
@@ -379,8 +388,8 @@ def test_second_gpu(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 def test_autocast(dtype, monkeypatch):
     seen = []
-    real = contrastive.clip_loss_forward
-    monkeypatch.setattr(contrastive, "clip_loss_forward",
+    real = core_clip.clip_loss_forward
+    monkeypatch.setattr(core_clip, "clip_loss_forward",
                         lambda a, b, ls, **k: seen.append((str(a.dtype), str(b.dtype),
                                                            str(ls.dtype))) or real(a, b, ls, **k))
     g = _gen("autocast", dtype)
@@ -417,11 +426,11 @@ def test_compiled_training_step_inductor(op, monkeypatch):
     eager = step(x, y)
     want = torch.autograd.grad(eager, params)
     calls, finish = [], []
-    real = getattr(contrastive, f"{op}_backward_from_stats")
-    monkeypatch.setattr(contrastive, f"{op}_backward_from_stats",
+    real = getattr(CORE[op], f"{op}_backward_from_stats")
+    monkeypatch.setattr(CORE[op], f"{op}_backward_from_stats",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
-    real_finish = contrastive._finish_all
-    monkeypatch.setattr(contrastive, "_finish_all",
+    real_finish = _base.finish_all
+    monkeypatch.setattr(_base, "finish_all",
                         lambda *a, **k: finish.append(1) or real_finish(*a, **k))
     compiled = torch.compile(step, fullgraph=True)  # inductor
     for _ in range(2):

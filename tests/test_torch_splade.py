@@ -43,7 +43,8 @@ import torch._dynamo.testing  # noqa: E402  (CompileCounterWithBackend)
 
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
-from cupynce import splade  # noqa: E402
+from cupynce.ops import splade  # noqa: E402
+from cupynce.torch.ops import splade as tsplade  # noqa: E402
 
 import torch_oracle as oracle  # noqa: E402  (rel_err, loss_and_grads)
 
@@ -148,7 +149,7 @@ def _splade(path):
 
     def fallback(x, weight, bias=None, mask=None, *, activation="log1p_relu",
                  workspace_bytes=None):
-        return ct._SpladePoolFunction.apply(x, weight, bias, mask, activation, workspace_bytes,
+        return tsplade.SpladePoolFunction.apply(x, weight, bias, mask, activation, workspace_bytes,
                                             True)[0]
     return fallback
 
@@ -156,7 +157,7 @@ def _splade(path):
 @pytest.fixture
 def plain_backward(monkeypatch):
     """The fallback exactly as on torch < 2.4: backward calls the plain function, no op."""
-    monkeypatch.setitem(ct._BWD, "splade_pool", ct._splade_pool_bwd)
+    monkeypatch.setattr(tsplade, "BWD", tsplade.bwd)
 
 
 def _compare(what, got, ref, dtype, names=("out", "x", "weight", "bias")):
@@ -386,15 +387,15 @@ def test_int32_winners_beyond_int16():
     w = torch.randn(3, 2, generator=g, dtype=F64)
     for seq in (32767, 32768, 32769):
         xs = _leaf(x[:, :seq])
-        out, argmax = ct._SPLADE_POOL(xs, w, None, None, "relu", None, True)
+        out, argmax = tsplade.FWD(xs, w, None, None, "relu", None, True)
         _, ctx = cupynce.splade_pool_forward(xs.detach().numpy(), w.numpy(), activation="relu")
         assert argmax.dtype == _to_torch(ctx.stats[0]).dtype and argmax.shape == (1, 3)
         assert torch.equal(argmax.long(), (xs @ w.T).argmax(dim=1))
-        _, fake = ct._splade_pool_fwd_fake(xs, w, None, None, "relu", None, True)
+        _, fake = tsplade.fwd_fake(xs, w, None, None, "relu", None, True)
         assert fake.dtype == argmax.dtype
         if seq != 32768:
             assert argmax.dtype == (torch.int16 if seq <= 32767 else torch.int32)
-    _, none = ct._SPLADE_POOL(x, w, None, None, "relu", None, False)
+    _, none = tsplade.FWD(x, w, None, None, "relu", None, False)
     assert none.shape == (0, 0)
 
 
@@ -609,7 +610,7 @@ def test_compiled_inference_skips_argmax(monkeypatch):
 
 def _opcheck_cases():
     x, w, b, mk = make_case((3, 5, 4, 7), mask="bool", key=("opcheck",))
-    out, argmax = ct._SPLADE_POOL(_leaf(x), w, b, mk, "log1p_relu", None, True)
+    out, argmax = tsplade.FWD(_leaf(x), w, b, mk, "log1p_relu", None, True)
     out = out.detach()
     go = torch.randn(3, 7, generator=_gen("go-opcheck"), dtype=F64)
     r = _leaf

@@ -2,9 +2,9 @@
 
 Layers: :mod:`cupynce.__main__` parses the command line and calls :func:`run`; this module runs
 the self-check (:func:`run_check`) and the benchmark (:func:`run_bench`) over the ops of
-:data:`cupynce._report_ops.REGISTRY`, timing and measuring memory with the one shared harness
-(:mod:`cupynce._harness`, also used by ``benchmarks/``), and writes ``results.json``,
-``summary.md`` and the plots (:mod:`cupynce._report_plots`).
+:data:`cupynce.report.ops.REGISTRY`, timing and measuring memory with the one shared harness
+(:mod:`cupynce.report.harness`, also used by ``benchmarks/``), and writes ``results.json``,
+``summary.md`` and the plots (:mod:`cupynce.report.plots`).
 
 Backends: with CuPy and a CUDA GPU the kernels run on the GPU and are compared with PyTorch on
 the GPU and with the installed peers; without one, the NumPy path runs at small sizes and is
@@ -12,12 +12,13 @@ compared with PyTorch on the CPU (when installed), with a notice.
 
 Errors are relative, ``‖x − ref‖ / ‖ref‖`` (float64).  The self-check compares with the float64
 oracle (:mod:`cupynce.reference`) against the tolerances of
-:data:`cupynce._report_ops.TOLERANCES`.  The benchmark reports the same errors, for every
+:data:`cupynce.report.ops.TOLERANCES`.  The benchmark reports the same errors, for every
 implementation, against the oracle where it fits on the host (``ORACLE_MAX_BYTES``) and
 otherwise against the same PyTorch formula evaluated in float64 on the GPU.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -30,9 +31,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import cupynce
-from cupynce import _harness as H
-from cupynce._kernels import BFLOAT16
-from cupynce._report_ops import DTYPES, REGISTRY, TOLERANCES, OpSpec, np_dtype
+from cupynce.report import harness as H
+from cupynce._engine.kernels import BFLOAT16
+from cupynce.report.ops import DTYPES, REGISTRY, TOLERANCES, OpSpec, np_dtype
 
 SCHEMA = "cupynce-report/1"
 DEFAULT_OUT = "cupynce-report"
@@ -60,7 +61,7 @@ def gpu_available() -> bool:
 
 
 def machine_info(gpu: bool) -> Dict[str, Any]:
-    """:func:`cupynce._harness.device_info` plus the backend and matplotlib's version."""
+    """:func:`cupynce.report.harness.device_info` plus the backend and matplotlib's version."""
     info = H.device_info()
     info["cupynce"] = cupynce.__version__
     info["backend"] = "cupy" if gpu else "numpy"
@@ -666,9 +667,9 @@ def run(*, check: bool = True, bench: bool = True, mode: str = "quick",
         plot_files: List[str] = []
         if plots and doc.get("benchmarks"):
             try:
-                from cupynce import _report_plots
-
-                plot_files = _report_plots.make_plots(doc, out_dir, title_line(info))
+                # (import_module: a fresh import where matplotlib went missing, see the tests)
+                plots_mod = importlib.import_module("cupynce.report.plots")
+                plot_files = plots_mod.make_plots(doc, out_dir, title_line(info))
             except ImportError as exc:
                 doc["plots_note"] = f"skipped: matplotlib is not installed ({exc}); " \
                                     f"pip install 'cupynce[report]'"

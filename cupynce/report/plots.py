@@ -262,7 +262,7 @@ def make_plots(doc: Dict[str, Any], out_dir: Path, title: str) -> List[str]:
     records = doc.get("benchmarks") or []
     if not records:
         return []
-    from cupynce._report_ops import REGISTRY
+    from cupynce.report.ops import REGISTRY
 
     out_dir = Path(out_dir)
     s = doc["settings"]

@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._blas import leading_dim
+from .blas import leading_dim
 
 #: ``CUtensorMap`` as CuPy passes it: 16 opaque 64-bit words (cuda.h ``CU_TENSOR_MAP_NUM_QWORDS``)
 TENSOR_MAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])

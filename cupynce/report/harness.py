@@ -238,7 +238,7 @@ def free_memory(full_gc: bool = False) -> None:
 
 def free_device_bytes() -> int:
     """Device memory available to a new computation: free + CuPy's and torch's idle caches."""
-    from cupynce._blas import free_device_bytes as cupy_free_bytes
+    from cupynce._engine.blas import free_device_bytes as cupy_free_bytes
 
     free = cupy_free_bytes()
     torch = _torch_cuda()
@@ -688,7 +688,7 @@ def torch_reference(torch, op: str, temperature: float = 0.1) -> Callable[..., A
 
 def to_torch(torch, x):
     """A torch view of a CuPy (or NumPy) array, bit for bit (bfloat16 through an int16 view)."""
-    from cupynce._kernels import BFLOAT16
+    from cupynce._engine.kernels import BFLOAT16
 
     if type(x).__module__.startswith("numpy"):
         import numpy as np
@@ -721,58 +721,66 @@ def torch_step(torch, fn: Callable[..., Any], leaves: Sequence[Any], *, extra: S
 # progress
 # ------------------------------------------------------------------------------------------
 class Progress:
-    """A text progress bar on stderr: ``[#####-----] 12/40  0:31 elapsed  label``.
+    """The report's progress on stderr, drawn by tqdm (the ``report`` extra).
 
-    On a terminal the line is redrawn in place; otherwise (a log file, CI) one line is printed
-    per step, so that the log shows where a long run is.  No dependency.
+    On a terminal: tqdm's bar, redrawn in place, with what runs now.  Otherwise (a log file,
+    CI): one line per finished step, ``tqdm.format_meter``'s bar and counts followed by the
+    step's label, so that the log shows where a long run is.  Without tqdm: the same log lines
+    with the counts alone.
     """
 
-    def __init__(self, total: int, *, stream: Any = None, width: int = 24,
-                 enabled: bool = True) -> None:
+    def __init__(self, total: int, *, stream: Any = None, enabled: bool = True) -> None:
         self.total = max(int(total), 0)
         self.done = 0
         self.stream = sys.stderr if stream is None else stream
-        self.width = width
         self.enabled = enabled
         self.t0 = time.perf_counter()
         try:
-            self.tty = bool(self.stream.isatty())
+            tty = bool(self.stream.isatty())
         except (AttributeError, ValueError):
-            self.tty = False
-        self._last_len = 0
+            tty = False
+        try:
+            import tqdm
+        except ImportError:  # the light install: no bar
+            tqdm = None
+        self._tqdm = tqdm
+        self._live = enabled and tty and tqdm is not None  # a bar redrawn in place
+        self._bar = None
+
+    def _ensure_bar(self):
+        """The terminal bar (a new one, from the current count, after :meth:`close`)."""
+        if self._bar is None:
+            self._bar = self._tqdm.tqdm(total=self.total or None, initial=self.done,
+                                        file=self.stream, leave=True, dynamic_ncols=True)
+        return self._bar
 
     def _line(self, label: str) -> str:
-        frac = self.done / self.total if self.total else 1.0
-        fill = int(round(frac * self.width))
-        el = int(time.perf_counter() - self.t0)
-        return (f"[{'#' * fill}{'-' * (self.width - fill)}] {self.done}/{self.total} "
-                f"{el // 60}:{el % 60:02d}  {label}")
+        if self._tqdm is None:
+            return f"{self.done}/{self.total}  {label}"
+        meter = self._tqdm.tqdm.format_meter(self.done, self.total or None,
+                                             time.perf_counter() - self.t0, ncols=60)
+        return f"{meter}  {label}"
 
     def update(self, label: str = "", advance: int = 1) -> None:
         """Count ``advance`` steps done and show ``label`` (what runs next or just ran)."""
         self.done = min(self.done + advance, self.total) if self.total else self.done + advance
-        if self.enabled:
-            self._write(label, final=True)
-
-    def show(self, label: str = "") -> None:
-        """Show what runs now (redrawn on a terminal; nothing in a log)."""
         if not self.enabled:
             return
-        self._write(label, final=False)
+        if self._live:
+            bar = self._ensure_bar()
+            bar.set_description_str(label, refresh=False)
+            bar.update(advance)
+        else:  # a log: one line per finished step, not per start
+            self.stream.write(self._line(label) + "\n")
+            self.stream.flush()
 
-    def _write(self, label: str, final: bool) -> None:
-        line = self._line(label)
-        if self.tty:
-            pad = max(self._last_len - len(line), 0)
-            self.stream.write("\r" + line + " " * pad)
-            self._last_len = len(line)
-        elif final:  # a log: one line per finished step, not per start
-            self.stream.write(line + "\n")
-        else:
-            return
-        self.stream.flush()
+    def show(self, label: str = "") -> None:
+        """Show what runs now (on a terminal; nothing in a log)."""
+        if self._live:
+            self._ensure_bar().set_description_str(label)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        """End the terminal bar's line (a later step starts a new bar)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

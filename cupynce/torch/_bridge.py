@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from ._kernels import BFLOAT16
+from .._engine.kernels import BFLOAT16
 
 
 def check_tensors(op: str, optional: tuple = (), **tensors: Any) -> torch.device:

@@ -2,14 +2,14 @@
 
 An entry (:class:`OpSpec`) says, for one op, how to make inputs, how to run cupynce's forward
 and backward, the float64 oracle (:mod:`cupynce.reference`), the PyTorch formula users run
-today (:func:`cupynce._harness.torch_reference`), the installed peers, the shapes of the
+today (:func:`cupynce.report.harness.torch_reference`), the installed peers, the shapes of the
 self-check and the sizes of the benchmark sweep.  :mod:`cupynce.report` only loops over
 :data:`REGISTRY`; adding an op is one subclass and one :func:`register` call.
 
 Every runner returns ``(out, grads)``: the loss (or, for SPLADE, the (B, V) output) and the
 gradients of ``sum(grad * out)`` with respect to the inputs, in a fixed order
 (:attr:`OpSpec.grad_names`).  Arrays are NumPy (NumPy path) or CuPy (kernels); nothing here
-times or measures memory (that is :mod:`cupynce._harness`).
+times or measures memory (that is :mod:`cupynce.report.harness`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import numpy as np
 
 import cupynce
 from cupynce import reference as R
-from cupynce._kernels import BFLOAT16
+from cupynce._engine.kernels import BFLOAT16
 
 #: (loss / output, gradient) relative tolerances ``‖x − ref‖ / ‖ref‖`` against the float64
 #: oracle, per dtype.  float32: the seeds' 1e-5 / 1e-4; half: what 16-bit gradient storage
@@ -142,7 +142,7 @@ class OpSpec:
 # the InfoNCE family
 # ------------------------------------------------------------------------------------------
 def _leaves(torch, inputs, dtype=None):
-    from cupynce._harness import to_torch
+    from cupynce.report.harness import to_torch
 
     out = []
     for x in inputs:
@@ -209,7 +209,7 @@ class NTXent(_Contrastive):
         return loss, list(grads)
 
     def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
-        from cupynce._harness import torch_reference, torch_step
+        from cupynce.report.harness import torch_reference, torch_step
 
         fn = torch_reference(torch, "nt_xent", self.temperature)
         return torch_step(torch, torch.compile(fn, dynamic=False) if compile else fn,
@@ -250,7 +250,7 @@ class InfoNCE(_Contrastive):
         return loss, [g for g in grads if g is not None]
 
     def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
-        from cupynce._harness import torch_reference, torch_step
+        from cupynce.report.harness import torch_reference, torch_step
 
         fn = torch_reference(torch, "info_nce", self.temperature)
         return torch_step(torch, torch.compile(fn, dynamic=False) if compile else fn,
@@ -290,7 +290,7 @@ class ClipLoss(_Contrastive):
         return loss, list(grads)
 
     def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
-        from cupynce._harness import torch_reference, torch_step
+        from cupynce.report.harness import torch_reference, torch_step
 
         fn = torch_reference(torch, "clip_loss")
         leaves = _leaves(torch, inputs[:2], dtype)
@@ -432,7 +432,7 @@ class SpladePool(OpSpec):
         return out, list(grads)
 
     def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
-        from cupynce._harness import to_torch, torch_reference, torch_step
+        from cupynce.report.harness import to_torch, torch_reference, torch_step
 
         fn = torch_reference(torch, "splade_pool")
         if shape["activation"] != "log1p_relu":

@@ -31,7 +31,8 @@ from typing import Optional
 
 import numpy as np
 
-from ._kernels import BFLOAT16, BLOCK, SUPPORTED_DTYPES, acc_dtype, launch
+from . import kernels
+from .kernels import BFLOAT16, BLOCK, SUPPORTED_DTYPES, acc_dtype
 
 #: Default cap on the score-block workspace when the caller gives none (bytes).
 DEFAULT_WORKSPACE_BYTES = 1 << 30
@@ -115,7 +116,7 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     if m * n * k <= SMALL_GEMM_MACS and k <= SMALL_GEMM_MAX_K and a.dtype in SUPPORTED_DTYPES:
         acc = acc_dtype(a.dtype)
         if out.dtype == acc:
-            launch("blas.cu", "small_gemm", a.dtype, (-(-m * n // BLOCK),), (
+            kernels.launch("blas.cu", "small_gemm", a.dtype, (-(-m * n // BLOCK),), (
                 a, np.int64(leading_dim(a, "a")), np.int32(trans_a),
                 b, np.int64(leading_dim(b, "b")), np.int32(trans_b),
                 out, np.int64(leading_dim(out, "out")), np.int32(m), np.int32(n),

@@ -1,0 +1,62 @@
+"""The GPU engine every op shares: CuPy arrays in, CuPy arrays out, one job per module.
+
+=============  ==========================================================================
+kernels.py     the loader: finds ``kernels_src``, the dtype table, NVRTC builds (sm_90a
+               where a file has Hopper-only code), memoized ``cpn_<stage>_<dtype>`` handles
+blas.py        cuBLAS products (``gemmEx``, fp32 accumulation, no TF32), the small-product
+               kernel, and the workspace planning (rows per score block)
+arrays.py      buffers from one allocation, row normalisation, gradient finishing, the
+               fixed-order sum
+blocks.py      the cuBLAS row-block path: score blocks through cuBLAS + the row / column
+               kernels of ``contrastive.cu``
+tiles.py       the tensor-core tile path (``tiles.cu``): planning, the launch struct, the
+               symmetric NT-Xent schedules
+tma.py         TMA tensor maps (Hopper) through the CUDA driver
+splade.py      SPLADE's forward (fused max on the tiles or the TMA kernel; cuBLAS tiles +
+               max kernel) and its sparse backward
+=============  ==========================================================================
+
+:func:`rows` and :func:`clip` pick the path for the InfoNCE family: the tiles where they take
+the operands (16-bit, aligned, see ``tiles.tiles_ok``), the row-block path otherwise.  Ops
+describe their problem to them (scale, diagonal exclusion, where each row's positive is,
+whether the keys are the queries); nothing here knows which op is calling.
+
+Layering: ``cupynce.ops`` → ``cupynce._engine`` → ``kernels_src``; nothing here imports an op.
+"""
+from __future__ import annotations
+
+from . import blocks, tiles
+
+
+def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
+         pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
+         self_pair: bool = False):
+    """A row softmax over [keys k | shared negatives neg_s | per-query negatives neg_p].
+
+    q (N, D) queries; k (Nk, D); neg_s (Ms, D) or None; neg_p (N, Mp, D) or None.  Row i's
+    positive is column ``(i + pos_shift) % pos_mod`` of k; ``exclude_diag`` drops column i;
+    ``self_pair`` means k is q (NT-Xent).  ``lse_in``: the forward's row log-sum-exps (the
+    recompute backward); ``weights``: ``(w_array_or_None, stride, multiplier)`` per row.
+    Returns ``lse, loss, (dq, dk, dns, dnp)``: float32 (float64) statistics and gradient
+    accumulators (None where not asked for).  See :func:`blocks.rows`.
+    """
+    kw = dict(exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod, lse_in=lse_in,
+              weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
+              self_pair=self_pair)
+    if neg_p is None and tiles.tiles_ok(q, k, neg_s):
+        return tiles.rows(q, k, neg_s, scale, **kw)
+    return blocks.rows(q, k, neg_s, neg_p, scale, **kw)
+
+
+def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
+         workspace_bytes):
+    """CLIP's row and column statistics (``want_loss``) and gradient accumulators.
+
+    ``ls`` is logit_scale as a (1,) device array of the accumulator dtype.  Returns
+    ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``.  See :func:`blocks.clip`.
+    """
+    kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_loss=want_loss,
+              want_grad=want_grad, workspace_bytes=workspace_bytes)
+    if tiles.tiles_ok(an, bn):
+        return tiles.clip(an, bn, ls, **kw)
+    return blocks.clip(an, bn, ls, **kw)

@@ -1,0 +1,131 @@
+"""Device buffers and the small per-row kernels every op shares (``kernels_src/contrastive.cu``).
+
+* :func:`buffers` — several outputs / scratch arrays from one allocation (host time);
+* :func:`normalize` / :func:`finish` — the L2 row normalisation and the input-dtype gradient
+  through it (``l2norm_fwd`` / ``l2norm_bwd`` / ``scale_cast``);
+* :func:`fixed_sum` — a fixed-order single-block sum (the reduced loss, the same bits on every
+  run);
+* :func:`scalar` / :func:`grad_scale` — scalars as (1,) device arrays, never read back.
+
+CuPy is imported inside the functions: importing the engine needs no GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import blas, kernels
+from .kernels import BLOCK, acc_dtype
+
+#: ``F.normalize``'s epsilon: rows are divided by ``max(||x||, NORM_EPS)``.
+NORM_EPS = 1e-12
+#: The row kernels' source (the row-block path's kernels live there too, see blocks.py).
+FILE = "contrastive.cu"
+#: Buffers totalling at most this many bytes come from one allocation (:func:`buffers`):
+#: under ``cupynce.torch`` every allocation goes through torch's caching allocator at 6-20 µs
+#: of host time each, more than a tiny op's kernels.  A view keeps its whole allocation
+#: alive, so the cuBLAS path carves its scratch and its outputs from two separate ones.
+ARENA_BYTES = 1 << 20
+
+
+def ptr(x) -> int:
+    """The device pointer of ``x`` (0 for None: the kernels' "absent")."""
+    return 0 if x is None else x.data.ptr
+
+
+def rowmajor(xp, x):
+    """A view the kernels and cuBLAS can read (unit column stride), copying only if needed."""
+    item = x.dtype.itemsize
+    if x.ndim == 2 and (x.shape[1] <= 1 or x.strides[1] == item) and x.strides[0] % item == 0 \
+            and x.strides[0] >= x.shape[1] * item:
+        return x
+    return xp.ascontiguousarray(x)
+
+
+def buffers(specs):
+    """``[cp.empty(shape, dtype) for shape, dtype in specs]`` (a None spec gives None), from
+    one allocation (256-byte aligned views) when they total at most ``ARENA_BYTES``.
+    ``dtype`` must be a ``numpy.dtype`` (plain integer arithmetic: NumPy calls cost µs)."""
+    import cupy as cp
+
+    sizes, total = [], 0
+    for sp in specs:
+        nbytes = 0
+        if sp is not None:
+            nbytes = sp[1].itemsize
+            for extent in sp[0]:
+                nbytes *= extent
+            nbytes = (nbytes + 255) & ~255
+        sizes.append(nbytes)
+        total += nbytes
+    if total > ARENA_BYTES:
+        return [None if sp is None else cp.empty(sp[0], sp[1]) for sp in specs]
+    mem = cp.cuda.alloc(max(total, 256))
+    out, off = [], 0
+    for sp, nbytes in zip(specs, sizes):
+        out.append(None if sp is None else cp.ndarray(sp[0], sp[1], memptr=mem + off))
+        off += nbytes
+    return out
+
+
+def fixed_sum(x, divisor: int):
+    """``sum(x) / divisor`` as a 0-d array of x's (float32/64) dtype, in a fixed order.
+
+    One single-block kernel (``sum_rows``) instead of CuPy's reduction, whose host time is
+    several launches'.
+    """
+    import cupy as cp
+
+    if not x.flags.c_contiguous:
+        x = cp.ascontiguousarray(x)
+    out = cp.empty((), x.dtype)
+    kernels.launch(FILE, "sum_rows", x.dtype, (1,),
+                   (x, np.int64(x.size), x.dtype.type(divisor), out))
+    return out
+
+
+def normalize(x):
+    """``(x / max(||x_i||, NORM_EPS), ||x_i||)`` for the rows of the (N, D) matrix ``x``."""
+    import cupy as cp
+
+    a = acc_dtype(x.dtype)
+    n, d = x.shape
+    xn = cp.empty((n, d), x.dtype)
+    norm = cp.empty((n,), a)
+    kernels.launch(FILE, "l2norm_fwd", x.dtype, (n,),
+                   (x, np.int64(blas.leading_dim(x)), np.int32(d), a.type(NORM_EPS), xn, norm))
+    return xn, norm
+
+
+def finish(x, norm, acc, g):
+    """The input-dtype gradient ``g * acc`` (through the normalisation when ``norm`` is given)."""
+    import cupy as cp
+
+    out = cp.empty(acc.shape, x.dtype)
+    if acc.size == 0:
+        return out
+    if norm is not None:
+        n, d = x.shape
+        kernels.launch(FILE, "l2norm_bwd", x.dtype, (n,),
+                       (x, np.int64(blas.leading_dim(x)), np.int32(d), acc.dtype.type(NORM_EPS),
+                        norm, acc, ptr(g), out))
+    else:
+        per_thread = 4 if acc.dtype == np.float32 else 1  # (4-wide loads for fp32, aligned)
+        grid = min(-(-acc.size // (BLOCK * per_thread)), 65535)
+        kernels.launch(FILE, "scale_cast", x.dtype, (grid,),
+                       (acc, np.int64(acc.size), ptr(g), out))
+    return out
+
+
+def scalar(value, a):
+    """A (1,) device array holding a Python float (a fill kernel: no host-device copy)."""
+    import cupy as cp
+
+    return cp.full((1,), value, dtype=a)
+
+
+def grad_scale(grad_loss, a):
+    """``grad_loss`` (float or 0-d/1-element array) as a (1,) device array of dtype ``a``
+    (None for 1.0: the kernels skip the multiplication)."""
+    if isinstance(grad_loss, float):
+        return None if grad_loss == 1.0 else scalar(grad_loss, a)
+    return grad_loss.astype(a, copy=False).reshape(1)

@@ -1,0 +1,287 @@
+"""SPLADE's head on the GPU: the forward's max over the sequence and the sparse backward.
+
+How it is computed
+------------------
+Forward, fused (float16/bfloat16 with D and W's row stride multiples of 8 and a (V, D) weight,
+where the tensor-core tiles run: by default on Hopper, see ``CUPYNCE_TILES``): the max and
+arg-max over L are taken in the epilogue of the product tiles, each logit rounded to the dtype
+first; no logits and no workspace at all.  On Hopper the product is the warp-specialised
+kernel of kernels_src/splade_wgmma.cu (TMA loads by a producer warp, 128 x 256 wgmma tiles;
+``USE_WS``); elsewhere, or where the driver cannot encode its tensor maps, the MODE_SPMAX
+epilogue of the tile loop (kernels_src/splade_tiles.cu: 128 x 128 tiles, cp.async loads).
+Both give the same bits.
+
+Forward, cuBLAS tiles (everything else): the logits of a tile of batches × vocabulary are one
+cuBLAS product (fp32 accumulation; stored in the input dtype, as PyTorch's half matmul does)
+into a workspace of at most ``workspace_bytes`` (default 64 MiB); a kernel reduces max and
+arg-max over L for every (b, v) of the tile and writes ``act(max + bias)`` (when a tile is too
+narrow to fill the GPU, the sequence is split over several blocks whose partial maxima, < 2 MiB,
+are merged in a fixed order by a second kernel).  The logits make one round trip through
+memory per tile: that traffic, not the arithmetic, is what the forward adds to the product
+(docs/design.md).  The bias is constant over L, so it is added after the max; both
+activations are monotone, so the activation is applied once.  What stays for backward is the
+output and the arg-max, (B, V) int16 (int32 when L > 32768).
+
+Backward (sparse, deterministic): with ``g' = grad_out · act'(out)`` (1 for relu, 1/(1+m) =
+exp(-out) for log1p_relu, 0 where out = 0), only the active entries (``g' != 0``) are touched:
+
+* ``dW[v] = Σ_b g'[b, v] x[b, l*(b, v)]`` and ``dbias[v] = Σ_b g'[b, v]`` — one block per v, a
+  sequential loop over b;
+* ``dx[b, l] = Σ_{v : l*(b, v) = l} g'[b, v] W[v]`` — the active v of each batch are grouped by
+  l with a stable counting sort (integer counts, a scan, a warp-ordered placement), then one
+  block per (b, l) sums its list in increasing v.
+
+No floating-point atomics: the same inputs give the same bits.  Gradients are in the inputs'
+dtypes (a bf16 weight gets a bf16 gradient, accumulated in fp32; no fp32 copy of W).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+
+from . import blas, kernels, tiles, tma
+from .kernels import BLOCK, acc_dtype
+
+#: Default cap on the cuBLAS-tile forward's logit workspace (bytes).
+DEFAULT_WORKSPACE_BYTES = 64 << 20
+FILE = "splade.cu"
+#: SPLADE's fused max on the tile kernels (tiles.cu's main loops, MODE_SPMAX epilogue)
+TILES_FILE = "splade_tiles.cu"
+#: The fused forward on Hopper runs kernels_src/splade_wgmma.cu (warp-specialised, TMA, 128 x
+#: 256 tiles) where the tiles run with the wgmma loop and the driver encodes tensor maps;
+#: False: splade_tiles.cu's MODE_SPMAX kernel (tests cover both).
+USE_WS = True
+_WS_FILE = "splade_wgmma.cu"
+_WS_BM, _WS_BN, _WS_BK = 128, 256, 64  # SW_BM, SW_BN, SW_BK
+_WS_THREADS = 288  # SW_THREADS: 2 consumer warpgroups + 1 producer warp
+_WS_CLUSTER = 2  # SW_CLUSTER: CTAs per cluster, sharing (multicasting) the x loads
+#: SW_SMEM_BYTES: 4 stages x (128 + 256) rows x 64 x 2 bytes + 1 KiB to align the stages (a
+#: GPU test checks it against cpn_spmax_ws_smem)
+_WS_SMEM = 4 * (_WS_BM + _WS_BN) * _WS_BK * 2 + 1024
+_SPL_DK = 4  # SPL_DK in splade.cu: accumulators per thread along D
+_MAX_SLICES = 8  # SPL_MAX_SLICES: warps of a max block, warp y over the positions l = y mod 8
+_MAX_FILL = 1024  # max blocks per tile wanted (~8 per SM of an H100)
+_MIN_CHUNK = 64  # fewest positions per chunk when the sequence is split across blocks
+#: Shared-memory budgets (bytes) that keep every launch under the default 48 KiB: the mask row
+#: of the max kernel (L bytes, beside ~9 KiB of static shared memory) and the count / place
+#: kernels' per-position counters (4 L bytes); longer sequences use global memory instead.
+_MAX_STAGED_MASK = 32 << 10
+_MAX_SHARED_CURSORS = 32 << 10
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (batches per launch)
+#: Vocabulary segments per batch in the dx grouping (more segments: more parallel placement,
+#: larger count arrays).
+_MAX_SEGMENTS = 16
+_MIN_SEGMENT = 2048
+
+
+def index_dtype(length: int) -> np.dtype:
+    """The smallest integer type that holds an arg-max over ``length`` positions."""
+    return np.dtype(np.int16) if length <= np.iinfo(np.int16).max + 1 else np.dtype(np.int32)
+
+
+def index_tag(dtype) -> str:
+    return "i16" if np.dtype(dtype) == np.int16 else "i32"
+
+
+def _weight_operand(weight):
+    """``(matrix, trans_b)`` so that ``gemm(x, matrix[tile], trans_b=...)`` gives x Wᵀ.
+
+    A row-major (V, D) weight (rows may be strided) is used as is with ``trans_b``; the
+    transpose of a row-major (D, V) matrix (the seeds' layout) is used through that matrix.
+    Anything else is made contiguous (a copy, only then).
+    """
+    item = weight.dtype.itemsize
+    v, d = weight.shape
+    if (d == 1 or weight.strides[1] == item) and weight.strides[0] % item == 0 \
+            and weight.strides[0] >= d * item:
+        return weight, True
+    if (v == 1 or weight.strides[0] == item) and weight.strides[1] % item == 0 \
+            and weight.strides[1] >= v * item:
+        return weight.T, False
+    import cupy as cp
+    return cp.ascontiguousarray(weight), True
+
+
+def _plan_tiles(op, b, l, v, item, workspace_bytes) -> Tuple[int, int]:
+    """(batches per tile, vocabulary columns per tile) for a workspace of (nb·L) × vt items."""
+    cap = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    per_col = b * l * item
+    vt = cap // per_col
+    if vt >= min(v, 256):  # whole batch, as many columns as fit (multiples of 128)
+        vt = min(v, vt if vt < 128 else (vt // 128) * 128)
+        return b, vt
+    vt = min(v, 256)
+    nb = cap // (l * vt * item)
+    if nb >= 1:
+        return nb, vt
+    vt = cap // (l * item)
+    if vt < 1:
+        raise ValueError(f"{op}: workspace_bytes={workspace_bytes} is smaller than one column of "
+                         f"logits over the sequence ({l * item} bytes); give at least that")
+    return 1, vt
+
+
+def forward(x, weight, bias, mask, act: int, workspace_bytes):
+    """``(out, argmax)`` (B, V) of SPLADE's max-pool on the GPU; ``act`` 0 relu, 1 log1p_relu."""
+    import cupy as cp
+
+    b, l, d = x.shape
+    v = weight.shape[0]
+    dt = x.dtype
+    xs = cp.ascontiguousarray(x).reshape(b * l, d)
+    wm, trans_b = _weight_operand(weight)
+    bias = None if bias is None else cp.ascontiguousarray(bias)
+    m8 = None
+    if mask is not None:
+        m8 = mask if mask.dtype == np.bool_ else (mask != 0)
+        m8 = cp.ascontiguousarray(m8).view(np.uint8)
+    idt = index_dtype(l)
+    out = cp.empty((b, v), dt)
+    arg = cp.empty((b, v), idt)
+    if trans_b and tiles.tiles_ok(xs, wm):
+        # fused: the max over the sequence in the epilogue of the tensor-core product tiles;
+        # no logits workspace at all
+        if USE_WS and tiles.wgmma() and _ws_forward(xs, wm, m8, bias, act, out, arg, l):
+            return out, arg
+        vtiles = -(-v // tiles.TILE)  # splade_tiles.cu, MODE_SPMAX
+        per, group = _spmax_schedule(b, l, d, dt.itemsize, tiles.TILE)
+        grid = (vtiles * -(-b // per),)
+        tiles.tile_launch(TILES_FILE, f"spmax_{index_tag(idt)}", dt, grid, (
+            wm, np.int64(blas.leading_dim(wm)), np.int32(v), xs, np.int64(d), np.int32(l),
+            np.int32(d), m8 if m8 is not None else 0, bias if bias is not None else 0,
+            np.int32(act), out, arg, np.int32(b), np.int32(per), np.int32(group)))
+        return out, arg
+    nb, vt = _plan_tiles("splade_pool", b, l, v, dt.itemsize, workspace_bytes)
+    ws = cp.empty((nb * l, vt), dt)
+    tag = index_tag(idt)
+    fn = kernels.get_kernel(FILE, f"splade_max_{tag}", dt)
+    cols = 32 * (8 // dt.itemsize)  # vocabulary columns of a max block (8 bytes per lane)
+    nz = _position_chunks(-(-vt // cols) * nb, l)
+    lchunk = -(-l // nz)
+    acc = acc_dtype(dt)
+    part = [cp.empty((nz, nb, vt), t) for t in (acc, np.int32, np.uint8)] if nz > 1 else None
+    pv, pa, pn = part if part is not None else (0, 0, 0)
+    combine = None if part is None else kernels.get_kernel(FILE, f"splade_max_combine_{tag}", dt)
+    stage = m8 is not None and l <= _MAX_STAGED_MASK  # the mask row in shared memory
+    smem = l if stage else 0
+    for b0 in range(0, b, nb):
+        nbt = min(nb, b - b0)
+        rows = xs[b0 * l:(b0 + nbt) * l]
+        for v0 in range(0, v, vt):
+            vtt = min(vt, v - v0)
+            tile = ws[:nbt * l, :vtt]
+            wt = wm[v0:v0 + vtt] if trans_b else wm[:, v0:v0 + vtt]
+            blas.gemm(rows, wt, tile, trans_b=trans_b)
+            common = (np.int32(b0), np.int32(v0), np.int32(v))
+            fn((-(-vtt // cols), nbt, nz), (32, _MAX_SLICES),
+               (tile, np.int64(blas.leading_dim(tile)), np.int32(l), np.int32(vtt)) + common
+               + (m8 if m8 is not None else 0, bias if bias is not None else 0, np.int32(act),
+                  out, arg, np.int32(lchunk), np.int32(stage), pv, pa, pn),
+               shared_mem=smem)
+            if combine is not None:
+                combine((-(-(nbt * vtt) // BLOCK),), (BLOCK,),
+                        (pv, pa, pn, np.int32(nz), np.int32(nbt), np.int32(vtt)) + common
+                        + (bias if bias is not None else 0, np.int32(act), out, arg))
+    return out, arg
+
+
+#: fused forward: product steps (one position tile -- 128 positions in tiles.cu, 256 in
+#: splade_wgmma.cu -- x 64 of D) a CTA should run at least, so that filling its pipeline stays
+#: a small part of it; and the x bytes that the CTAs in flight should share (a part of the
+#: H100's 50 MB L2, beside their weight tiles)
+_SPMAX_MIN_STEPS = 48
+_SPMAX_X_BYTES = 12 << 20
+
+
+def _ws_fits(rows: int) -> bool:
+    """Whether x's ``rows`` = B·L rows are addressable by splade_wgmma.cu, whose TMA row
+    coordinate (a position tile's first row, + 256) is a signed 32-bit int."""
+    return rows + _WS_BN < 2 ** 31
+
+
+def _ws_forward(xs, wm, m8, bias, act: int, out, arg, l: int) -> bool:
+    """The fused forward through kernels_src/splade_wgmma.cu; False (nothing launched) where
+    x has too many rows for it (:func:`_ws_fits`) or the driver does not encode the tensor
+    maps."""
+    if not _ws_fits(xs.shape[0]):
+        return False
+    tw = tma.matrix_map(wm, _WS_BM, _WS_BK)
+    tx = tma.matrix_map(xs, _WS_BN // _WS_CLUSTER, _WS_BK)  # each CTA loads half the x box
+    if tw is None or tx is None:
+        return False
+    b, v = out.shape
+    d = xs.shape[1]
+    per, group = _spmax_schedule(b, l, d, xs.dtype.itemsize, _WS_BN)
+    kern = kernels.get_kernel(_WS_FILE, f"spmax_ws_{index_tag(arg.dtype)}", xs.dtype)
+    if kern.max_dynamic_shared_size_bytes < _WS_SMEM:  # opt in above 48 KiB, once
+        kern.max_dynamic_shared_size_bytes = _WS_SMEM
+    pairs = -(-v // (_WS_CLUSTER * _WS_BM))  # clusters of 2 CTAs on adjacent vocabulary tiles
+    kern((_WS_CLUSTER * pairs * -(-b // per),), (_WS_THREADS,), (
+        tw, tx, np.int32(v), np.int32(l), np.int32(d), m8 if m8 is not None else 0,
+        bias if bias is not None else 0, np.int32(act), out, arg, np.int32(b), np.int32(per),
+        np.int32(group)), shared_mem=_WS_SMEM)
+    return True
+
+
+def _spmax_schedule(b: int, l: int, d: int, item: int, tile: int) -> Tuple[int, int]:
+    """(batches per CTA, batch groups per grid group) of the fused forward with ``tile``
+    positions per product tile."""
+    steps = -(-l // tile) * -(-d // 64)  # per batch
+    per = min(b, -(-_SPMAX_MIN_STEPS // steps))
+    group = max(1, min(-(-b // per), _SPMAX_X_BYTES // max(1, per * l * d * item)))
+    return per, group
+
+
+def _position_chunks(blocks: int, l: int) -> int:
+    """Chunks of the sequence per max block so that a tile fills the GPU (>= _MAX_FILL blocks),
+    each chunk at least _MIN_CHUNK positions."""
+    return max(1, min(-(-_MAX_FILL // max(blocks, 1)), l // _MIN_CHUNK))
+
+
+def _segments(v: int) -> Tuple[int, int]:
+    seg = max(_MIN_SEGMENT, -(-v // _MAX_SEGMENTS))
+    return seg, -(-v // seg)
+
+
+def backward(x, weight, out, arg, g, has_bias: bool, act: int):
+    """``(dx, dweight, dbias)`` from the forward's out and arg-max (see the module notes)."""
+    import cupy as cp
+
+    b, l, d = x.shape
+    v = weight.shape[0]
+    dt = x.dtype
+    tag = index_tag(arg.dtype)
+    xs = cp.ascontiguousarray(x)
+    g = cp.ascontiguousarray(g.astype(dt, copy=False))
+    out = cp.ascontiguousarray(out)  # the kernels index (B, V) arrays as b * V + v
+    arg = cp.ascontiguousarray(arg)
+    dchunks = -(-d // (_SPL_DK * BLOCK))
+    dw = cp.empty((v, d), dt)
+    dbias = cp.empty((v,), dt) if has_bias else None
+    kernels.get_kernel(FILE, f"splade_dw_{tag}", dt)(
+        (v, dchunks), (BLOCK,),
+        (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v), np.int32(act),
+         dw, dbias if dbias is not None else 0))
+    # dx: group the active (b, v) by (b, l*) in increasing v, then one block per (b, l)
+    seg, nseg = _segments(v)
+    counts = cp.zeros((b, l, nseg), np.int32)
+    scal = (np.int32(v), np.int32(l), np.int32(seg), np.int32(nseg), np.int32(act))
+    glob = 4 * l > _MAX_SHARED_CURSORS  # long sequences: counts and cursors in global memory
+    kernels.get_kernel(FILE, f"splade_count_{tag}", dt)(
+        (nseg, b), (BLOCK,), (out, g, arg) + scal + (np.int32(glob), counts),
+        shared_mem=0 if glob else 4 * l)
+    incl = cp.cumsum(counts.reshape(b, l * nseg), axis=1, dtype=np.int32)
+    excl = incl - counts.reshape(b, l * nseg)
+    lst = cp.empty((b, v), np.int32)
+    kernels.get_kernel(FILE, f"splade_place_{tag}", dt)(
+        (nseg, b), (32,), (out, g, arg) + scal + (excl, excl.copy() if glob else 0, lst),
+        shared_mem=0 if glob else 4 * l)
+    item = dt.itemsize
+    dx = cp.empty((b, l, d), dt)
+    kernels.get_kernel(FILE, "splade_dx", dt)(
+        (l, b, dchunks), (BLOCK,),
+        (weight, np.int64(weight.strides[0] // item), np.int64(weight.strides[1] // item), out,
+         g, lst, excl, incl, np.int32(v), np.int32(l), np.int32(d), np.int32(nseg),
+         np.int32(act), dx))
+    return dx, dw, dbias

@@ -1,0 +1,375 @@
+"""The tensor-core tile path (``kernels_src/tiles.cu``): planning and launches.
+
+Float16 / bfloat16 operands whose D, leading dimensions and pointers are multiples of 8
+elements / 16 bytes (:func:`tiles_ok`) run fused score tiles: each 128 x 128 tile of S = A Bᵀ
+is computed on the tensor cores and consumed in registers by an epilogue (row / column
+log-sum-exp partials, or the 16-bit gradient block), so the scores never reach memory.  Two
+main loops: wgmma (Hopper, tiles.cu built for sm_90a) and mma.sync (sm_80+).  The gradient
+products (G · K, Gᵀ · Q) stay cuBLAS calls.
+
+* :func:`rows` — NT-Xent / InfoNCE without per-query negatives (NT-Xent's symmetric schedules
+  computing each pair of tiles once);
+* :func:`clip` — CLIP's row and column statistics in one pass, then its gradient block;
+* :func:`tile`, :func:`tile_launch`, :func:`grid_splits` — the launch plumbing SPLADE's fused
+  forward shares (``splade_tiles.cu``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import struct
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from . import blas, kernels
+from .arrays import FILE as ROWS_FILE, ptr
+from .kernels import BLOCK
+
+FILE = "tiles.cu"
+
+#: The tensor-core tile kernels of ``kernels_src/tiles.cu`` (scores never leave registers) for
+#: float16 / bfloat16 inputs whose D, leading dimensions and pointers are multiples of 8
+#: elements / 16 bytes.  ``CUPYNCE_TILES``: unset / ``auto`` uses them where their wgmma main
+#: loop is built (compute capability 9.0: Hopper, sm_90a), which is faster than cuBLAS + row
+#: kernels there (benchmarks/NOTES.md); ``1`` also on other sm_80+ GPUs (mma.sync main loop,
+#: slower than the cuBLAS path, kept for testing); ``0`` never.  None / True / False here.
+#: The same switch selects SPLADE's fused forward (_engine/splade.py).
+USE_TILES: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("CUPYNCE_TILES", "auto"))
+#: On Hopper, run the wgmma main loop (False: the mma.sync one, so tests can cover both there).
+USE_WGMMA = True
+#: NT-Xent's forward on the tiles computes each pair of score tiles once (S = Z Zᵀ is
+#: symmetric: row and column partials of half the tiles, see ``tile_lse_symmetric``) when
+#: N · D >= ``SYMMETRIC_LSE_MIN_ND`` and its column partials, 8 · N · ceil(N / 128) bytes, fit
+#: the workspace; False: every tile.  Its row + column epilogue costs more per tile than the
+#: row-only one, so it pays where the products dominate.  Measured on an H100 (bf16,
+#: forward + backward, square -> symmetric): D = 512: N = 65536 34.3 -> 30.6 ms, 32768 8.54 ->
+#: 7.72, 16384 2.17 -> 2.09, 8192 0.65 -> 0.68; D = 256: 65536 22.0 -> 21.6, 32768 5.54 ->
+#: 5.53, 16384 1.48 -> 1.54, 8192 0.47 -> 0.54; hence the threshold (N = 16384 at D = 512).
+SYMMETRIC_LSE = True
+SYMMETRIC_LSE_MIN_ND = 16384 * 512
+#: NT-Xent's gradient pass on the tiles computes each pair of H = G + Gᵀ tiles once and
+#: writes the tile and its mirror (H is symmetric) when the whole 16-bit H fits the workspace
+#: in one block (N ≲ 23000 with the default 1 GiB); False: every tile.  H100, bf16, D = 512,
+#: forward + backward: N = 16384 2.17 -> 1.90 ms, 8192 0.65 -> 0.58; D = 256: 1.48 -> 1.46,
+#: 0.47 -> 0.46.
+SYMMETRIC_H = True
+TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
+TILE_THREADS = 256
+#: dynamic shared memory of a tile CTA (TSMEM_BYTES / WSMEM_BYTES in tiles.cu; a GPU test
+#: checks they agree through cpn_tile_smem): mma.sync, 3 stages x (TBM + TBN) x TLD x 2 bytes;
+#: wgmma, 6 stages x (TBM + TBN) x TBK x 2 bytes + 1 KiB to align the swizzled stages
+TILE_SMEM = 3 * (128 + 128) * 72 * 2
+WG_SMEM = 6 * (128 + 128) * 64 * 2 + 1024
+
+#: (compute capability, SM count) per device id
+SM_COUNT: Dict[int, Tuple[int, int]] = {}
+
+
+def device_caps() -> Tuple[int, int]:
+    """(compute capability as an int, SM count) of the current device, cached per device."""
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    if dev.id not in SM_COUNT:
+        SM_COUNT[dev.id] = (int(dev.compute_capability),
+                             int(dev.attributes["MultiProcessorCount"]))
+    return SM_COUNT[dev.id]
+
+
+def tiles_ok(*xs) -> bool:
+    """Whether the tile kernels take these (2-D, same 16-bit dtype) operands (see USE_TILES)."""
+    if USE_TILES is False or xs[0].dtype.itemsize != 2:
+        return False
+    for x in xs:
+        if x is None:
+            continue
+        if x.shape[1] % 8 or blas.leading_dim(x) % 8 or x.data.ptr % 16:
+            return False
+    if USE_TILES is None:
+        return wgmma()
+    return device_caps()[0] >= 80
+
+
+def wgmma() -> bool:
+    """Whether the tile kernels run the wgmma main loop (tiles.cu built for sm_90a here)."""
+    return USE_WGMMA and kernels.arch_specific_build(FILE)
+
+
+def grid_splits(row_tiles: int, col_tiles: int) -> int:
+    return grid_splits_for(row_tiles, col_tiles, device_caps()[1])
+
+
+@functools.lru_cache(maxsize=1024)
+def grid_splits_for(row_tiles: int, col_tiles: int, slots: int) -> int:
+    """Column splits of a tile grid: the fewest (longest CTAs, fewest partials) that fill the
+    GPU's CTA slots in waves >= 90 % full on average, else the best-filling count.
+
+    Slots: one CTA per SM for both main loops (wgmma: 193 KiB of shared memory; mma.sync:
+    116 KiB, two of which exceed an H100 SM's 228 KiB).  (N = 8192 on an H100: 64 row tiles
+    x 2 splits = 128 CTAs, one wave 97 % full, where the former "two CTAs per SM" rule gave
+    320 CTAs in 3 waves, the last 42 % full.)
+    """
+    rt = max(row_tiles, 1)
+    best, best_fill = 1, 0.0
+    for s in range(1, max(1, min(col_tiles, 4 * slots)) + 1):
+        ctas = rt * s
+        fill = ctas / (slots * -(-ctas // slots))
+        if fill >= 0.9:
+            return s
+        if fill > best_fill:
+            best, best_fill = s, fill
+    return best
+
+
+#: The contrastive tile kernels' arguments: one by-value struct (``TileArgs`` in tiles.cu),
+#: packed with ``struct`` -- one parameter for CuPy to marshal instead of 31 (~20 us less
+#: host time per launch).  14 pointers, 6 int64, 9 int32, 2 float32, padded to 8 bytes;
+#: ``TILE_ARGS_FIELDS`` is the declaration order (a GPU test checks the offsets).
+TILE_ARGS_FORMAT = "<14Q6q9i2f4x"
+TILE_ARGS_FIELDS = (
+    "A", "B1", "B2", "scale_log", "part_m", "part_s", "pos_out", "colp_m", "colp_s",
+    "lse_row", "lse_col", "w_ptr", "g", "dsp_part",
+    "lda", "ldb1", "ldb2", "part_ld", "w_stride", "ldg",
+    "rows", "row0", "n1", "n2", "d", "exclude_diag", "pos_shift", "pos_mod", "tri",
+    "scale_mul", "w_mul")
+TILE_ARGS_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", struct.calcsize(TILE_ARGS_FORMAT))]})
+_pack_tile_args = struct.Struct(TILE_ARGS_FORMAT).pack
+
+
+def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale_log=None,
+         exclude_diag: bool = False, pos_shift: int = 0, pos_mod: int = 1,
+         part=(0, 0, 0), pos_out=0, colp=(0, 0), lse_row=None, lse_col=None,
+         weights=(None, 0, 0.0), g=None, dsp=0, tri: bool = False) -> None:
+    """Launch ``cpn_tile_<stage>`` over rows ``a`` (global row ``row0`` first) x columns b1|b2."""
+    rows, d = a.shape
+    w_arr, w_stride, w_mul = weights
+    n2 = 0 if b2 is None else b2.shape[0]
+    b2 = b1 if b2 is None else b2
+    ld = blas.leading_dim
+    raw = _pack_tile_args(
+        a.data.ptr, b1.data.ptr, b2.data.ptr, ptr(scale_log), part[0], part[1], pos_out,
+        colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), dsp,
+        ld(a), ld(b1), ld(b2), part[2], w_stride, 0 if g is None else ld(g),
+        rows, row0, b1.shape[0], n2, d, int(exclude_diag), pos_shift, pos_mod, int(tri),
+        scale, w_mul)
+    tile_launch(FILE, stage, t, grid, (np.frombuffer(raw, TILE_ARGS_DTYPE),))
+
+
+#: kernels already opted in to their dynamic shared memory (the attribute query costs host time)
+_SMEM_OPTED: set = set()
+
+
+def tile_launch(filename: str, stage: str, t, grid, args) -> None:
+    """Launch ``cpn_(wg)tile_<stage>`` of ``kernels_src/filename`` (``tiles.cu``, or SPLADE's
+    ``splade_tiles.cu``) with the main loop in use and its shared memory."""
+    wg = wgmma()
+    kern = kernels.get_kernel(filename, f"{'wgtile' if wg else 'tile'}_{stage}", t)
+    smem = WG_SMEM if wg else TILE_SMEM
+    if id(kern) not in _SMEM_OPTED:  # opt in above 48 KiB, once per kernel
+        if kern.max_dynamic_shared_size_bytes < smem:
+            kern.max_dynamic_shared_size_bytes = smem
+        _SMEM_OPTED.add(id(kern))
+    kern(tuple(grid), (TILE_THREADS,), args, shared_mem=smem)
+
+
+def tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, pos_mod: int):
+    """Row log-sum-exps and losses ``lse_i - s q_i.k_pos(i)`` with no score matrix in memory."""
+    import cupy as cp
+
+    t, f32 = q.dtype, np.dtype(np.float32)
+    n = q.shape[0]
+    ncols = k.shape[0] + (0 if neg_s is None else neg_s.shape[0])
+    rt, ct = -(-n // TILE), -(-ncols // TILE)
+    splits = grid_splits(rt, ct)
+    part = cp.empty((2, splits, n), f32)
+    part_s = part.data.ptr + 4 * splits * n  # the sums' half (a pointer: no view)
+    pos = cp.empty((n,), f32)
+    tile("lse", t, (rt, splits), q, 0, k, neg_s, scale=scale, exclude_diag=exclude_diag,
+          pos_shift=pos_shift, pos_mod=pos_mod,
+          part=(part.data.ptr, part_s, n), pos_out=pos.data.ptr)
+    lse = cp.empty((n,), f32)
+    loss = cp.empty((n,), f32)
+    kernels.launch(FILE, "tile_finish", t, (-(-n // BLOCK),),
+           (part, part_s, np.int64(n), np.int32(splits), np.int32(n), pos, lse, loss))
+    return lse, loss
+
+
+def tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
+    """NT-Xent's row log-sum-exps and losses with each pair of score tiles computed once.
+
+    S = Z Zᵀ is symmetric, so the column sums of tile (I, J) are the row sums of tile (J, I).
+    Row tile I takes the tiles I + o (mod CT) for o < ``tri_count(I)`` (tiles.cu: every
+    unordered pair once, every CTA about CT / 2 tiles); the ``lse2`` pass writes the row
+    partials of those tiles and the column partials of the off-diagonal ones (shifted by each
+    column's positive logit, ``paired_dots``), and ``tile_finish_tri`` merges, for each row,
+    its row partials and the column partials of the tiles that covered it, in a fixed order.
+    About half the tensor-core work of the square pass.  Returns None (the caller runs the
+    square pass) when the column partials, 8 · N · CT bytes, exceed the workspace.
+    """
+    import cupy as cp
+
+    t, f32 = z.dtype, np.dtype(np.float32)
+    n, d = z.shape
+    ct = -(-n // TILE)
+    if not blas.fits(8 * n * ct, workspace_bytes):
+        return None
+    half = pos_shift  # NT-Xent: positive of row i is i + half (mod 2 half)
+    cnt = ct // 2 + 1  # tiles of the busiest row tile
+    splits = grid_splits(ct, cnt)
+    part = cp.empty((2, splits, n), f32)
+    colp = cp.empty((2, ct, n), f32)
+    # the lse2 pass reads the column shift from lse_col: the positive dot of every column,
+    # dots[i] = dots[i + half] = z_i . z_{i + half}
+    dots = cp.empty((n,), f32)
+    second = z[half:]
+    if blas.leading_dim(second) != d:
+        second = cp.ascontiguousarray(second)
+    kernels.launch(ROWS_FILE, "paired_dots", t, (-(-half * 32 // BLOCK),),
+           (z, np.int64(blas.leading_dim(z)), second, np.int32(half), np.int32(1),
+            np.int32(d), dots))
+    cp.cuda.runtime.memcpyAsync(dots.data.ptr + 4 * half, dots.data.ptr, 4 * half,
+                                cp.cuda.runtime.memcpyDeviceToDevice,
+                                cp.cuda.get_current_stream().ptr)
+    tile("lse2", t, (ct, splits), z, 0, z, None, scale=scale, exclude_diag=True,
+          pos_shift=pos_shift, pos_mod=n, part=(part.data.ptr, part[1].data.ptr, n),
+          colp=(colp.data.ptr, colp[1].data.ptr), lse_col=dots, tri=True)
+    lse = cp.empty((n,), f32)
+    loss = cp.empty((n,), f32)
+    kernels.launch(FILE, "tile_finish_tri", t, (-(-n // 32),),
+           (part, part[1], np.int64(n), np.int32(splits), np.int32(n), colp, colp[1], dots,
+            np.int32(half), np.float32(scale), lse, loss))
+    return lse, loss
+
+
+def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
+         pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
+         self_pair: bool):
+    """:func:`blocks.rows` on the tile kernels (no per-query negatives).
+
+    The gradient pass writes the 16-bit gradient block G (or, for NT-Xent, H = G + Gᵀ, which
+    needs one product instead of two) straight from the tile registers, then cuBLAS
+    multiplies it by the keys / queries.
+    """
+    import cupy as cp
+
+    t, f32 = q.dtype, np.dtype(np.float32)
+    n, d = q.shape
+    nk = k.shape[0]
+    ms = 0 if neg_s is None else neg_s.shape[0]
+    ncols = nk + ms
+    # NT-Xent: S = Z Zᵀ and the pairing i <-> i + n/2 is its own inverse, so S and H = G + Gᵀ
+    # are symmetric and each pair of tiles needs computing once (tiles.cu tri_count)
+    symmetric = (self_pair and neg_s is None and exclude_diag and pos_mod == n
+                 and 2 * pos_shift == n)
+    stats = None
+    if lse_in is not None:
+        stats = lse_in, None
+    elif symmetric and SYMMETRIC_LSE and n * d >= SYMMETRIC_LSE_MIN_ND:
+        stats = tile_lse_symmetric(q, scale, pos_shift, workspace_bytes)
+    if stats is None:
+        stats = tile_lse(q, k, neg_s, scale, exclude_diag=exclude_diag, pos_shift=pos_shift,
+                          pos_mod=pos_mod)
+    lse, loss = stats
+    if not want_grad:
+        return lse, loss, (None, None, None, None)
+    ldg = -(-ncols // 8) * 8  # 16-byte rows for the kernel's paired stores and cuBLAS
+    rb = blas.plan_rows(op, n, ldg * t.itemsize, workspace_bytes, align=TILE)
+    g_buf = cp.empty((rb, ldg), t)
+    dq = cp.empty((n, d), f32)
+    dk = dq if self_pair else cp.empty((nk, d), f32)  # first row block: beta = 0
+    dns = cp.empty((ms, d), f32) if ms else None
+    ct = -(-ncols // TILE)
+    tri = symmetric and SYMMETRIC_H and rb >= n  # all of H in one block: tiles mirrored
+    for r0 in range(0, n, rb):
+        r1 = min(n, r0 + rb)
+        qb = q[r0:r1]
+        g_blk = g_buf[:r1 - r0, :ncols]
+        rt = -(-(r1 - r0) // TILE)
+        splits = grid_splits(rt, ct // 2 + 1 if tri else ct)
+        tile("h" if self_pair else "g", t, (rt, splits), qb, r0, k, neg_s,
+              scale=scale, exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod,
+              lse_row=lse, lse_col=lse, weights=weights, g=g_blk, tri=tri)
+        acc = 1.0 if r0 else 0.0
+        blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
+        if not self_pair:
+            blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
+        if ms:
+            blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
+            blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
+    return lse, loss, (dq, dk, dns, None)
+
+
+def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
+         workspace_bytes):
+    """:func:`blocks.clip` on the tile kernels: row and column statistics in one pass."""
+    import cupy as cp
+
+    t, f32 = an.dtype, np.dtype(np.float32)
+    n, d = an.shape
+    nt = -(-n // TILE)
+    pair_loss = None
+    if want_loss:
+        splits = grid_splits(nt, nt)
+        # column partials: one (m, s) pair per (row tile, column) of the rows in flight
+        rg = blas.plan_rows("clip_loss", n, -(-8 * n // TILE), workspace_bytes, align=TILE)
+        cpt = -(-rg // TILE)
+        # one fp32 scratch allocation (allocations are host time before the first kernel):
+        # dots (n) | pos (n) | part (2, splits, n) | colp (2, cpt, n); kernels get pointers
+        scratch = cp.empty(((2 + 2 * splits + 2 * cpt) * n,), f32)
+        dots, pos = scratch[:n], scratch.data.ptr + 4 * n
+        part, part_s = pos + 4 * n, pos + 4 * n * (1 + splits)
+        colp, colp_s = part + 8 * splits * n, part + 4 * n * (2 * splits + cpt)
+        # running column state (m and s rows), only when the rows come in several groups
+        col_m = cp.empty((2, n), f32) if rg < n else None
+        cgrid = (-(-n // BLOCK),)
+        # a_j . b_j: the kernel shifts column j's exponentials by its positive logit
+        b_rows = bn if blas.leading_dim(bn) == d else cp.ascontiguousarray(bn)
+        kernels.launch(ROWS_FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
+               (an, np.int64(blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
+                np.int32(d), dots))
+        for r0 in range(0, n, rg):
+            r1 = min(n, r0 + rg)
+            rt = -(-(r1 - r0) // TILE)
+            tile("lse2", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
+                  part=(part + 4 * r0, part_s + 4 * r0, n),
+                  pos_out=pos + 4 * r0, colp=(colp, colp_s), lse_col=dots)
+            if col_m is not None:  # several row groups: fold into the running column state
+                kernels.launch(ROWS_FILE, "col_combine", t, (-(-n // 32),), (
+                    colp, colp_s, np.int32(rt), np.int32(n), col_m, col_m[1],
+                    np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
+        lse_r = cp.empty((n,), f32)
+        row_loss = cp.empty((n,), f32)
+        kernels.launch(FILE, "tile_finish", t, cgrid,
+               (part, part_s, np.int64(n), np.int32(splits), np.int32(n), pos, lse_r, row_loss))
+        lse_c = cp.empty((n,), f32)
+        pair_loss = cp.empty((n,), f32)
+        if col_m is None:  # one group: its partials straight to the column lse (fresh + finalize)
+            fold = (colp, colp_s, np.int32(rt), 0, 0, np.int32(3))
+        else:  # the running state (finalize)
+            fold = (0, 0, np.int32(0), col_m, col_m[1], np.int32(1))
+        kernels.launch(ROWS_FILE, "col_combine", t, (-(-n // 32),),
+               fold[:3] + (np.int32(n),) + fold[3:] + (lse_r, row_loss, lse_c, pair_loss))
+    grads = None
+    if want_grad:
+        ldg = -(-n // 8) * 8
+        rb = blas.plan_rows("clip_loss", n, ldg * t.itemsize, workspace_bytes, align=TILE)
+        g_buf = cp.empty((rb, ldg), t)
+        da = cp.empty((n, d), f32)
+        db = cp.empty((n, d), f32)  # the first row block's product writes it (beta = 0)
+        dsp = cp.empty((n,), f32)
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            rt = -(-(r1 - r0) // TILE)
+            splits = grid_splits(rt, nt)
+            dpart = cp.empty((splits, r1 - r0), f32)
+            g_blk = g_buf[:r1 - r0, :n]
+            tile("clip", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
+                  lse_row=lse_r, lse_col=lse_c, weights=weights, g=g_blk,
+                  dsp=dpart.data.ptr, part=(0, 0, r1 - r0))
+            kernels.launch(FILE, "tile_sum", t, (-(-(r1 - r0) // BLOCK),),
+                   (dpart, np.int64(r1 - r0), np.int32(splits), np.int32(r1 - r0), dsp[r0:r1]))
+            blas.gemm(g_blk, bn, da[r0:r1])
+            blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
+        grads = (da, db, dsp)
+    return lse_r, lse_c, pair_loss, grads

@@ -1,0 +1,14 @@
+"""One module per op: its public functions, its argument checks and its NumPy path.
+
+===============  ===========================================================================
+nt_xent.py       SimCLR's NT-Xent
+info_nce.py      query/key InfoNCE, in-batch and explicit (shared or per-query) negatives
+clip.py          CLIP's symmetric loss with a learnable temperature
+splade.py        SPLADE's max-pooled vocabulary head and its FLOPS regularizer
+_base.py         the context, reductions and the CPU / GPU switch the losses share
+_numpy.py        the NumPy counterparts of the GPU engine's primitives
+===============  ===========================================================================
+
+The functions are re-exported by :mod:`cupynce`; call them from there.  CuPy arrays run the
+GPU engine (``cupynce._engine``), NumPy arrays the NumPy path.
+"""

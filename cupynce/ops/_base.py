@@ -1,0 +1,138 @@
+"""What the InfoNCE-family ops share: the context, the reductions, and the backend switch.
+
+Each op module (nt_xent, info_nce, clip) checks its arguments, lays out its inputs and
+describes its problem to :class:`Path`, which hands it the primitives of the arrays' side:
+the GPU engine (``cupynce._engine``) for CuPy arrays, the NumPy path (``_numpy``) for NumPy
+arrays.  The two never mix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Dict, Tuple
+
+import numpy as np
+
+from .. import _engine
+from .._engine import arrays
+from .._engine.kernels import acc_dtype
+from . import _numpy
+
+
+@dataclass
+class Context:
+    """What ``*_backward`` needs from ``*_forward``; treat as opaque.
+
+    ``saved`` holds O(N·D) arrays only: either the unit-weight gradients (mean/sum) or the
+    (normalised) inputs and row statistics needed to recompute them (none).
+    """
+
+    op: str
+    reduction: str
+    n: int
+    xp: ModuleType
+    saved: Dict[str, Any] = field(default_factory=dict)
+    #: The O(N) row statistics of the forward (set when ``requires_grad``): ``(lse,)`` for
+    #: nt_xent / info_nce, ``(lse_rows, lse_cols)`` for clip_loss; float32 (float64 for
+    #: float64 inputs); ``(argmax,)`` for splade_pool.  With the inputs they are all
+    #: ``*_backward_from_stats`` needs.
+    stats: Tuple[Any, ...] = ()
+
+
+class Path:
+    """The per-backend primitives, chosen once per call from the array module.
+
+    Looked up on their modules at every call (not bound at import), so tests can replace a
+    primitive in one place.
+    """
+
+    def __init__(self, xp):
+        self.gpu = xp is not np
+        self.rows = _engine.rows if self.gpu else _numpy.rows
+        self.normalize = arrays.normalize if self.gpu else _numpy.normalize
+        self.finish = arrays.finish if self.gpu else _numpy.finish
+        self.grad_scale = arrays.grad_scale if self.gpu else _numpy.grad_scale
+
+
+def reduce(xp, per_row, reduction: str):
+    """The reduced loss: a 0-d array (mean/sum) or the per-row array (none).
+
+    On the GPU one single-block kernel (``sum_rows``: a fixed-order sum, then / n for the
+    mean) instead of CuPy's reduction, whose host time is several launches'.
+    """
+    if reduction == "none":
+        return per_row
+    if xp is np:
+        return np.asarray(per_row.mean() if reduction == "mean" else per_row.sum())
+    return arrays.fixed_sum(per_row, per_row.size if reduction == "mean" else 1)
+
+
+def row_weight(reduction: str, n: int) -> float:
+    return 1.0 / n if reduction == "mean" else 1.0
+
+
+def weights(xp, grad_loss, reduction: str, n: int, a):
+    """Row weights for the gradient: ``(w_ptr_array_or_None, stride, multiplier)``."""
+    if grad_loss is None:
+        return None, 0, row_weight(reduction, n)
+    if isinstance(grad_loss, float):
+        return None, 0, grad_loss * row_weight(reduction, n)
+    g = xp.ascontiguousarray(grad_loss.astype(a, copy=False)).reshape(-1)
+    return g, (1 if g.size == n and reduction == "none" else 0), row_weight(reduction, n)
+
+
+def contig_inputs(xp, *xs):
+    """Inputs as the finishing kernels need them (row-major; 3-D contiguous)."""
+    return [None if x is None else (arrays.rowmajor(xp, x) if x.ndim == 2 else xp.ascontiguousarray(x))
+            for x in xs]
+
+
+def prep(path: Path, x, normalize: bool):
+    """(array the products use, its norms or None): normalised when asked.
+
+    ``x`` has already been laid out by :func:`contig_inputs`.
+    """
+    if x is None:
+        return None, None
+    if not normalize:
+        return x, None
+    if x.ndim == 3:  # (N, M, D) negatives: normalise their rows as a 2-D view
+        xn, norm = path.normalize(x.reshape(-1, x.shape[-1]))
+        return xn.reshape(x.shape), norm.reshape(x.shape[:2])
+    return path.normalize(x)
+
+
+def finish_all(path: Path, originals, norms, accs, g):
+    """Each input's gradient in its dtype: ``g * acc``, through its normalisation if any."""
+    out = []
+    for x, nrm, acc in zip(originals, norms, accs):
+        if x is None:
+            out.append(None)
+            continue
+        if x.ndim == 3:
+            flat = path.finish(x.reshape(-1, x.shape[-1]),
+                               None if nrm is None else nrm.reshape(-1),
+                               acc.reshape(-1, x.shape[-1]), g)
+            out.append(flat.reshape(x.shape))
+        else:
+            out.append(path.finish(x, nrm, acc, g))
+    return out
+
+
+def check_stats(op: str, xp, n: int, dtype, **stats) -> None:
+    """Row statistics handed to ``*_backward_from_stats``: (n,) arrays of the accumulator dtype."""
+    want = acc_dtype(dtype)
+    for name, v in stats.items():
+        if not isinstance(v, xp.ndarray) or v.shape != (n,) or v.dtype != want:
+            got = f"{type(v).__name__} {getattr(v, 'shape', '')} {getattr(v, 'dtype', '')}"
+            raise ValueError(f"{op}_backward_from_stats: {name} must be a ({n},) {want} "
+                             f"{xp.__name__} array (ctx.stats of {op}_forward), got {got}")
+
+
+def require(ctx, op: str) -> None:
+    """``ctx`` is the Context of ``op``'s forward, run with ``requires_grad=True``."""
+    if not isinstance(ctx, Context) or ctx.op != op:
+        raise TypeError(f"{op}_backward: ctx must be the Context returned by {op}_forward")
+    if not ctx.saved:
+        raise ValueError(f"{op}_backward: the forward ran with requires_grad=False; "
+                         f"run {op}_forward(..., requires_grad=True)")

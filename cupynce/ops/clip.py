@@ -1,0 +1,185 @@
+"""CLIP's symmetric contrastive loss with a learnable temperature, on CuPy and NumPy arrays.
+
+a, b (N, D) are paired rows (image i, text i); the logits are ``exp(logit_scale) · â b̂ᵀ`` and
+the loss the mean of the row (image → text) and column (text → image) cross entropies.
+Entry points: :func:`clip_loss`, :func:`clip_loss_forward`, :func:`clip_loss_backward` →
+``(da, db, dlogit_scale)``, :func:`clip_loss_backward_from_stats`.  The column softmax reads
+the score blocks column-wise: no transposed copy, no N × N matrix beyond the workspace.
+
+Reference: Radford et al., "Learning Transferable Visual Models From Natural Language
+Supervision" (CLIP), ICML 2021.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .. import _checks, _engine
+from .._engine import arrays
+from .._engine.kernels import acc_dtype
+from . import _numpy
+from ._base import (Context, Path, check_stats, contig_inputs, finish_all, prep, reduce,
+                    require, weights)
+
+__all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward", "clip_loss_backward_from_stats"]
+
+
+def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
+               workspace_bytes):
+    """``cupynce._engine.clip`` on the CPU (same arguments and results); keeps the N × N
+    logits (CPU memory, small N; ``workspace_bytes`` is not used)."""
+    a = acc_dtype(an.dtype)
+    aa, ba = an.astype(a), bn.astype(a)
+    n = aa.shape[0]
+    scale = np.exp(np.asarray(ls, a).reshape(()))
+    logits = scale * (aa @ ba.T)  # the NumPy path keeps N x N (CPU memory, small N)
+    pair_loss = None
+    idx = np.arange(n)
+    if want_loss:
+        lse_r = _numpy.row_lse(logits)
+        lse_c = _numpy.row_lse(logits.T)
+        diag = logits[idx, idx]
+        pair_loss = 0.5 * ((lse_r - diag) + (lse_c - diag))
+    grads = None
+    if want_grad:
+        w_arr, w_stride, w_mul = weights
+        w = a.type(w_mul) * (w_arr[idx * w_stride] if w_arr is not None else np.ones(n, a))
+        with np.errstate(over="ignore", invalid="ignore"):
+            g = 0.5 * (w[:, None] * np.exp(logits - lse_r[:, None])
+                       + w[None, :] * np.exp(logits - lse_c[None, :]))
+        g[idx, idx] -= 0.5 * (w + w)
+        dsp = np.sum(g * logits, axis=1)
+        gs = g * scale
+        grads = (gs @ ba, gs.T @ aa, dsp)
+    return lse_r, lse_c, pair_loss, grads
+
+
+def _logit_scale_array(xp, ls, acc):
+    """logit_scale as a (1,) array of the accumulator dtype on the inputs' side."""
+    if xp is np:
+        return np.asarray(ls, acc).reshape(1)
+    return arrays.scalar(ls, acc) if isinstance(ls, float) else \
+        ls.astype(acc, copy=False).reshape(1)
+
+
+def _check(a, b, logit_scale, reduction, workspace_bytes):
+    op = "clip_loss"
+    xp = _checks.array_module(op, a=a, b=b)
+    _checks.check_matrix(op, "a", a, min_rows=2)
+    _checks.check_matrix(op, "b", b, min_rows=2)
+    if a.shape != b.shape:
+        raise ValueError(f"clip_loss: a and b must have the same shape (N pairs, D), "
+                         f"got {tuple(a.shape)} and {tuple(b.shape)}")
+    _checks.check_same_dtype(op, a=a, b=b)
+    ls, ls_shape = _checks.check_logit_scale(op, logit_scale, xp)
+    if xp is not np and not isinstance(ls, float) and ls.device.id != a.device.id:
+        raise ValueError(f"clip_loss: logit_scale is on cuda:{ls.device.id} but a is on "
+                         f"cuda:{a.device.id}")
+    _checks.check_reduction(op, reduction)
+    _checks.check_workspace(op, workspace_bytes)
+    return xp, ls, ls_shape
+
+
+def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
+                      workspace_bytes: Optional[int] = None,
+                      requires_grad: bool = True) -> Tuple[Any, Context]:
+    """CLIP's symmetric contrastive loss and a context for :func:`clip_loss_backward`.
+
+    Parameters
+    ----------
+    a, b : (N, D) arrays — image and text embeddings, pair i is (a_i, b_i).
+    logit_scale : real, or 0-d / (1,) array (learnable log inverse temperature).
+        s = exp(logit_scale); a device array is never read back to the host.
+    reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
+    normalize, workspace_bytes, requires_grad : as for nt_xent.
+
+    Notes
+    -----
+    ``L = s · â b̂ᵀ``;  ``loss = (CE(L, arange) + CE(Lᵀ, arange)) / 2``.  Gradients:
+    ``dâ = s G b̂``, ``db̂ = s Gᵀ â``, ``dlogit_scale = Σ_ij G_ij L_ij`` with
+    ``G_ij = ½[w_i (softmax_row(L)_ij − δ_ij) + w_j (softmax_col(L)_ij − δ_ij)]``.
+    The column direction reads the score blocks column-wise: no transposed copy.
+    """
+    xp, ls, ls_shape = _check(a, b, logit_scale, reduction, workspace_bytes)
+    path = Path(xp)
+    n = a.shape[0]
+    acc = acc_dtype(a.dtype)
+    a, b = contig_inputs(xp, a, b)
+    an, na = prep(path, a, normalize)
+    bn, nb = prep(path, b, normalize)
+    ls_dev = _logit_scale_array(xp, ls, acc)
+    engine = _engine.clip if path.gpu else numpy_clip
+    fused = requires_grad and reduction != "none"
+    lse_r, lse_c, pair_loss, grads = engine(
+        an, bn, ls_dev, lse_r=None, lse_c=None,
+        weights=weights(xp, None, reduction, n, acc), want_loss=True, want_grad=fused,
+        workspace_bytes=workspace_bytes)
+    ctx = Context("clip_loss", reduction, n, xp,
+                  stats=(lse_r, lse_c) if requires_grad else ())
+    ls_dtype = acc if isinstance(ls, float) else ls.dtype
+    base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype)
+    if fused:
+        da, db, dsp = grads
+        ctx.saved = dict(base, acc=(da, db), dscale=reduce(xp, dsp, "sum"))
+    elif requires_grad:
+        ctx.saved = dict(base, xn=(an, bn), ls=ls_dev, lse=(lse_r, lse_c), ws=workspace_bytes)
+    return reduce(xp, pair_loss, reduction), ctx
+
+
+def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
+    """Gradients ``(da, db, dlogit_scale)`` of :func:`clip_loss_forward`'s loss.
+
+    ``dlogit_scale`` has logit_scale's shape and dtype (0-d float32/64 when a Python float was
+    given); da, db follow the inputs' dtype.
+    """
+    require(ctx, "clip_loss")
+    xp, s = ctx.xp, ctx.saved
+    path = Path(xp)
+    g = _checks.check_grad_loss("clip_loss_backward", grad_loss, ctx.reduction, ctx.n, xp)
+    acc = acc_dtype(s["x"][0].dtype)
+    if "acc" in s:
+        gs = path.grad_scale(g, acc)
+        da, db = finish_all(path, s["x"], s["norms"], s["acc"], gs)
+        # (a copy when returned as saved: the caller may change the array it gets)
+        dscale = s["dscale"].copy() if gs is None else s["dscale"] * gs.reshape(())
+    else:
+        engine = _engine.clip if path.gpu else numpy_clip
+        an, bn = s["xn"]
+        _, _, _, (da_acc, db_acc, dsp) = engine(
+            an, bn, s["ls"], lse_r=s["lse"][0], lse_c=s["lse"][1],
+            weights=weights(xp, g, ctx.reduction, ctx.n, acc), want_loss=False, want_grad=True,
+            workspace_bytes=s["ws"])
+        da, db = finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
+        dscale = reduce(xp, dsp, "sum")
+    dscale = xp.asarray(dscale).astype(s["ls_dtype"], copy=False).reshape(s["ls_shape"])
+    return da, db, dscale
+
+
+def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: Any = 1.0, *,
+                                  reduction: str = "mean", normalize: bool = False,
+                                  workspace_bytes: Optional[int] = None):
+    """``(da, db, dlogit_scale)`` from the inputs and ``ctx.stats`` (row and column lse) alone.
+
+    See :func:`nt_xent_backward_from_stats` and :func:`clip_loss_backward`.
+    """
+    xp, ls, ls_shape = _check(a, b, logit_scale, reduction, workspace_bytes)
+    n = a.shape[0]
+    check_stats("clip_loss", xp, n, a.dtype, lse_r=lse_r, lse_c=lse_c)
+    path = Path(xp)
+    acc = acc_dtype(a.dtype)
+    a, b = contig_inputs(xp, a, b)
+    an, na = prep(path, a, normalize)
+    bn, nb = prep(path, b, normalize)
+    ctx = Context("clip_loss", reduction, n, xp, stats=(lse_r, lse_c), saved=dict(
+        x=(a, b), norms=(na, nb), ls_shape=ls_shape,
+        ls_dtype=acc if isinstance(ls, float) else ls.dtype, xn=(an, bn),
+        ls=_logit_scale_array(xp, ls, acc), lse=(lse_r, lse_c), ws=workspace_bytes))
+    return clip_loss_backward(ctx, grad_loss)
+
+
+def clip_loss(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
+              workspace_bytes: Optional[int] = None):
+    """CLIP's symmetric loss; see :func:`clip_loss_forward`."""
+    return clip_loss_forward(a, b, logit_scale, reduction=reduction, normalize=normalize,
+                             workspace_bytes=workspace_bytes, requires_grad=False)[0]

@@ -1,0 +1,153 @@
+"""Query/key InfoNCE with in-batch negatives and optional explicit negatives, on CuPy and NumPy.
+
+query, key (N, D) are paired by row: key i is query i's positive, the other N − 1 keys its
+in-batch negatives; ``negatives`` adds (M, D) shared or (N, M, D) per-query negatives.
+Entry points as for NT-Xent (:mod:`cupynce.ops.nt_xent`): :func:`info_nce`,
+:func:`info_nce_forward`, :func:`info_nce_backward`, :func:`info_nce_backward_from_stats`.
+
+Reference: van den Oord et al., "Representation Learning with Contrastive Predictive
+Coding", 2018.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from .. import _checks
+from .._engine.kernels import acc_dtype
+from ._base import (Context, Path, check_stats, contig_inputs, finish_all, prep, reduce,
+                    require, weights)
+
+__all__ = ["info_nce", "info_nce_forward", "info_nce_backward", "info_nce_backward_from_stats"]
+
+
+def _check(query, key, negatives, temperature, reduction, workspace_bytes):
+    op = "info_nce"
+    xp = _checks.array_module(op, query=query, key=key, negatives=negatives,
+                              optional=("negatives",))
+    _checks.check_matrix(op, "query", query, min_rows=2)
+    _checks.check_matrix(op, "key", key, min_rows=2)
+    if key.shape[0] != query.shape[0]:
+        raise ValueError(f"info_nce: query and key must have the same number of rows "
+                         f"(paired by row), got {tuple(query.shape)} and {tuple(key.shape)}")
+    _checks.check_same(op, ("query", "key"), (query.shape[1], key.shape[1]), "feature sizes D")
+    if negatives is not None:
+        if negatives.ndim not in (2, 3):
+            raise ValueError(f"info_nce: negatives must be (M, D) shared or (N, M, D) per query, "
+                             f"got shape {tuple(negatives.shape)}")
+        _checks.check_float(op, "negatives", negatives)
+        if negatives.shape[-1] != query.shape[1]:
+            raise ValueError(f"info_nce: negatives must have D={query.shape[1]} features like "
+                             f"query, got shape {tuple(negatives.shape)}")
+        if negatives.ndim == 3 and negatives.shape[0] != query.shape[0]:
+            raise ValueError(f"info_nce: per-query negatives must be (N={query.shape[0]}, M, D), "
+                             f"got shape {tuple(negatives.shape)}")
+    _checks.check_same_dtype(op, query=query, key=key, negatives=negatives)
+    t = _checks.check_temperature(op, temperature)
+    _checks.check_reduction(op, reduction)
+    _checks.check_workspace(op, workspace_bytes)
+    return xp, t
+
+
+def _prep_all(xp, path, query, key, negatives, normalize: bool):
+    """(laid-out inputs, their norms, (q̂, k̂, shared negatives, per-query negatives))."""
+    query, key, negatives = contig_inputs(xp, query, key, negatives)
+    qn, nq = prep(path, query, normalize)
+    kn, nk = prep(path, key, normalize)
+    negn, nneg = prep(path, negatives, normalize)
+    neg_s = negn if negatives is not None and negatives.ndim == 2 else None
+    neg_p = negn if negatives is not None and negatives.ndim == 3 else None
+    return (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p)
+
+
+def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
+                     reduction: str = "mean", normalize: bool = False,
+                     workspace_bytes: Optional[int] = None,
+                     requires_grad: bool = True) -> Tuple[Any, Context]:
+    """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
+
+    Parameters
+    ----------
+    query, key : (N, D) arrays, paired by row; key i is query i's positive and the other
+        N − 1 keys are its in-batch negatives.
+    negatives : None, (M, D) or (N, M, D)
+        Extra negatives added to the candidates: shared by every query (M, D), or
+        per query (N, M, D).
+    temperature, reduction, normalize, workspace_bytes, requires_grad : as for nt_xent.
+        ``normalize`` applies to query, key and negatives alike.
+
+    Returns
+    -------
+    loss, ctx — see :func:`nt_xent_forward`.
+
+    Notes
+    -----
+    ``loss_i = log Σ_{c ∈ C_i} exp(q̂_i·ĉ/τ) − q̂_i·k̂_i/τ`` with candidates C_i = all keys,
+    plus the shared negatives, plus query i's own negatives.  (info-nce-pytorch drops the
+    in-batch keys when explicit negatives are given; here they are always candidates.)
+    """
+    xp, t = _check(query, key, negatives, temperature, reduction, workspace_bytes)
+    path = Path(xp)
+    n = query.shape[0]
+    (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
+        xp, path, query, key, negatives, normalize)
+    fused = requires_grad and reduction != "none"
+    lse, loss, grads = path.rows(
+        qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
+        lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(query.dtype)),
+        want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce")
+    ctx = Context("info_nce", reduction, n, xp, stats=(lse,) if requires_grad else ())
+    base = dict(x=(query, key, negatives), norms=(nq, nk, nneg))
+    if fused:
+        dq, dk, dns, dnp = grads
+        ctx.saved = dict(base, acc=(dq, dk, dns if dns is not None else dnp))
+    elif requires_grad:
+        ctx.saved = dict(base, xn=(qn, kn, neg_s, neg_p), lse=lse, t=t, ws=workspace_bytes)
+    return reduce(xp, loss, reduction), ctx
+
+
+def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
+    """Gradients ``(dquery, dkey, dnegatives)`` of :func:`info_nce_forward`'s loss.
+
+    ``dnegatives`` is None when no negatives were given.  Dtypes follow the inputs.
+    """
+    require(ctx, "info_nce")
+    xp, s = ctx.xp, ctx.saved
+    path = Path(xp)
+    g = _checks.check_grad_loss("info_nce_backward", grad_loss, ctx.reduction, ctx.n, xp)
+    a = acc_dtype(s["x"][0].dtype)
+    if "acc" in s:
+        return tuple(finish_all(path, s["x"], s["norms"], s["acc"], path.grad_scale(g, a)))
+    qn, kn, neg_s, neg_p = s["xn"]
+    _, _, (dq, dk, dns, dnp) = path.rows(
+        qn, kn, neg_s, neg_p, 1.0 / s["t"], exclude_diag=False, pos_shift=0, pos_mod=ctx.n,
+        lse_in=s["lse"], weights=weights(xp, g, ctx.reduction, ctx.n, a), want_grad=True,
+        workspace_bytes=s["ws"], op="info_nce")
+    accs = (dq, dk, dns if dns is not None else dnp)
+    return tuple(finish_all(path, s["x"], s["norms"], accs, None))
+
+
+def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.0, *,
+                                 temperature: float = 0.1, reduction: str = "mean",
+                                 normalize: bool = False, workspace_bytes: Optional[int] = None):
+    """``(dquery, dkey, dnegatives)`` from the inputs and ``ctx.stats[0]`` (row lse) alone.
+
+    See :func:`nt_xent_backward_from_stats`; ``dnegatives`` is None without negatives.
+    """
+    xp, t = _check(query, key, negatives, temperature, reduction, workspace_bytes)
+    n = query.shape[0]
+    check_stats("info_nce", xp, n, query.dtype, lse=lse)
+    path = Path(xp)
+    (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
+        xp, path, query, key, negatives, normalize)
+    ctx = Context("info_nce", reduction, n, xp, stats=(lse,), saved=dict(
+        x=(query, key, negatives), norms=(nq, nk, nneg), xn=(qn, kn, neg_s, neg_p), lse=lse,
+        t=t, ws=workspace_bytes))
+    return info_nce_backward(ctx, grad_loss)
+
+
+def info_nce(query, key, temperature: float = 0.1, *, negatives=None, reduction: str = "mean",
+             normalize: bool = False, workspace_bytes: Optional[int] = None):
+    """Query/key InfoNCE loss; see :func:`info_nce_forward`."""
+    return info_nce_forward(query, key, temperature, negatives=negatives, reduction=reduction,
+                            normalize=normalize, workspace_bytes=workspace_bytes,
+                            requires_grad=False)[0]

@@ -1,0 +1,135 @@
+"""SimCLR's NT-Xent (normalized temperature-scaled cross entropy) on CuPy and NumPy arrays.
+
+z (2B, D) stacks the two views: rows i and (i + B) mod 2B are a positive pair, every other row
+a negative.  Entry points: :func:`nt_xent` (the loss), :func:`nt_xent_forward` → ``(loss,
+ctx)``, :func:`nt_xent_backward` → dz, :func:`nt_xent_backward_from_stats` (dz from z and the
+O(N) row log-sum-exps alone).
+
+How the gradient is computed: for ``reduction="mean"`` / ``"sum"`` the forward computes it
+for a unit upstream gradient in the same pass over the score tiles (one product fewer than
+recomputing) and keeps the O(N·D) float32 (float64) result, which the backward scales; for
+``"none"`` the forward keeps the inputs and the row log-sum-exps and the backward recomputes
+the scores.  The N × N matrix never exists unless it fits the workspace.
+
+Reference: Chen et al., "A Simple Framework for Contrastive Learning of Visual
+Representations" (SimCLR), ICML 2020.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from .. import _checks
+from .._engine.kernels import acc_dtype
+from ._base import (Context, Path, check_stats, contig_inputs, prep, reduce, require,
+                    weights)
+
+__all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward", "nt_xent_backward_from_stats"]
+
+
+def _check(z, temperature, reduction, workspace_bytes):
+    op = "nt_xent"
+    xp = _checks.array_module(op, z=z)
+    _checks.check_matrix(op, "z", z, min_rows=2)
+    if z.shape[0] % 2:
+        raise ValueError(f"nt_xent: z must have an even number of rows (2B views), "
+                         f"got shape {tuple(z.shape)}")
+    t = _checks.check_temperature(op, temperature)
+    _checks.check_reduction(op, reduction)
+    _checks.check_workspace(op, workspace_bytes)
+    return xp, t
+
+
+def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
+                    normalize: bool = False, workspace_bytes: Optional[int] = None,
+                    requires_grad: bool = True) -> Tuple[Any, Context]:
+    """SimCLR's NT-Xent loss and a context for :func:`nt_xent_backward`.
+
+    Parameters
+    ----------
+    z : (2B, D) array (numpy or cupy), float16 / bfloat16 / float32 / float64
+        The two views stacked: row ``i`` and row ``(i + B) mod 2B`` are a positive pair.
+    temperature : float > 0
+    reduction : "mean" | "sum" | "none"
+    normalize : bool
+        L2-normalise the rows first (as ``F.normalize``, eps 1e-12); gradients go through it.
+    workspace_bytes : int, optional
+        Cap on the score-block workspace; default ``min(1 GiB, half the free memory)``.
+    requires_grad : bool
+        Also prepare the gradient (see the module notes).
+
+    Returns
+    -------
+    loss : 0-d array (mean/sum) or (2B,) array (none); float32, float64 for float64 input.
+    ctx : Context
+
+    Notes
+    -----
+    With S = ẑ ẑᵀ / τ and p(i) = (i + B) mod 2B::
+
+        loss_i = log Σ_{j≠i} exp(S_ij) − S_{i,p(i)}
+        ∂loss/∂ẑ = (G + Gᵀ) ẑ / τ,   G_ij = w_i (softmax_{j≠i}(S_i)_j − [j = p(i)])
+
+    Equal to ``F.cross_entropy(masked_fill(z @ z.T, eye, -inf) / τ, labels)``.
+    """
+    xp, t = _check(z, temperature, reduction, workspace_bytes)
+    path = Path(xp)
+    n = z.shape[0]
+    z = contig_inputs(xp, z)[0]
+    zn, norm = prep(path, z, normalize)
+    fused = requires_grad and reduction != "none"
+    lse, loss, (dz, *_rest) = path.rows(
+        zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
+        lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(z.dtype)),
+        want_grad=fused, workspace_bytes=workspace_bytes, op="nt_xent", self_pair=True)
+    ctx = Context("nt_xent", reduction, n, xp, stats=(lse,) if requires_grad else ())
+    if fused:
+        ctx.saved = dict(z=z, norm=norm, dz=dz)
+    elif requires_grad:
+        ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes)
+    return reduce(xp, loss, reduction), ctx
+
+
+def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
+    """Gradient of :func:`nt_xent_forward`'s loss w.r.t. ``z``, times ``grad_loss``.
+
+    ``grad_loss``: a real or 0-d array (mean/sum), or a (2B,) array (none).  Returns dz (2B, D)
+    in z's dtype.
+    """
+    require(ctx, "nt_xent")
+    xp, s = ctx.xp, ctx.saved
+    path = Path(xp)
+    g = _checks.check_grad_loss("nt_xent_backward", grad_loss, ctx.reduction, ctx.n, xp)
+    a = acc_dtype(s["z"].dtype)
+    if "dz" in s:
+        return path.finish(s["z"], s["norm"], s["dz"], path.grad_scale(g, a))
+    n = ctx.n
+    _, _, (dz, *_rest) = path.rows(
+        s["zn"], s["zn"], None, None, 1.0 / s["t"], exclude_diag=True, pos_shift=n // 2,
+        pos_mod=n, lse_in=s["lse"], weights=weights(xp, g, ctx.reduction, n, a), want_grad=True,
+        workspace_bytes=s["ws"], op="nt_xent", self_pair=True)
+    return path.finish(s["z"], s["norm"], dz, None)
+
+
+def nt_xent_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, temperature: float = 0.5,
+                                reduction: str = "mean", normalize: bool = False,
+                                workspace_bytes: Optional[int] = None):
+    """``dz`` from the input and the forward's row log-sum-exps (``ctx.stats[0]``) alone.
+
+    For callers that keep only O(N) state between forward and backward (the PyTorch ops):
+    the score blocks and the normalisation are recomputed.  Same result as
+    :func:`nt_xent_backward` on the forward's context.
+    """
+    xp, t = _check(z, temperature, reduction, workspace_bytes)
+    check_stats("nt_xent", xp, z.shape[0], z.dtype, lse=lse)
+    z = contig_inputs(xp, z)[0]
+    zn, norm = prep(Path(xp), z, normalize)
+    ctx = Context("nt_xent", reduction, z.shape[0], xp, stats=(lse,),
+                  saved=dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes))
+    return nt_xent_backward(ctx, grad_loss)
+
+
+def nt_xent(z, temperature: float = 0.5, *, reduction: str = "mean", normalize: bool = False,
+            workspace_bytes: Optional[int] = None):
+    """SimCLR's NT-Xent loss of ``z`` (2B, D); see :func:`nt_xent_forward`."""
+    return nt_xent_forward(z, temperature, reduction=reduction, normalize=normalize,
+                           workspace_bytes=workspace_bytes, requires_grad=False)[0]

@@ -1,0 +1,214 @@
+"""The machinery every op of ``cupynce.torch`` shares: custom-op registration (with autocast),
+the direct eager path, the fused-gradient helpers, the FakeTensor shapes, argument checks.
+
+Two ways to a gradient (``fused``, chosen by the public functions):
+
+* fused (a gradient is required and reduction is "mean" or "sum"): the forward op runs the
+  core's fused forward, which also computes the gradient for a unit upstream gradient in
+  the forward's own pass over the scores, and returns its fp32 / fp64 accumulators (and the
+  row norms for normalize=True).  The backward only scales them by grad_output and casts:
+  ``(acc * g).to(dtype)`` in torch (the core's scale_cast, bit for bit), or the
+  ``grad_finish`` op through the normalisation.  Why: autograd runs a CUDA backward on its
+  own device thread, where the Python of a full backward (checks, DLPack, a dozen launches)
+  cost ~1.7x its main-thread time on the H100 host (docs/design.md), and the kernels
+  are the same either way.  Cost: the (N, D) accumulators live from forward to backward.
+* otherwise ("none", whose upstream gradient is a vector): the forward returns the O(N)
+  row statistics, and the backward op rebuilds the gradient from them and the inputs.
+  These forwards call the core with reduction="none" and reduce here
+  (``cupynce.ops._base.reduce``, the core's own reduction).
+Unused outputs are (0,) placeholders (custom ops return tensors, never None).
+"""
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .. import _checks
+from ..ops import _base
+from . import _bridge as B
+
+#: torch.library.custom_op / register_fake / register_autograd / get_autocast_dtype.
+MIN_TORCH_CUSTOM_OPS = "2.4"
+#: True when the losses are torch custom ops (torch >= 2.4); False: autograd.Function fallback.
+HAS_CUSTOM_OPS = all(hasattr(torch.library, f) for f in ("custom_op", "register_fake")) \
+    and hasattr(torch, "get_autocast_dtype")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The loss / statistics dtype: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def empty(x: Tensor) -> Tensor:
+    return x.new_empty((0,), dtype=acc_dtype(x.dtype))
+
+
+def opt_tensor(arr: Any, like: Tensor) -> Tensor:
+    return empty(like) if arr is None else B.tensor_of(arr)
+
+
+def grad_finish(x: Tensor, norm: Tensor, acc: Tensor, grad_loss: Tensor) -> Tensor:
+    """The gradient w.r.t. ``x`` (x's dtype) of a fused forward: ``grad_loss`` times the
+    accumulator ``acc`` taken back through the row normalisation of ``x`` (row norms ``norm``)
+    -- the core's own finish (``l2norm_bwd`` / ``ops._numpy.finish``), so bit for bit the functional
+    API's backward."""
+    with B.device_scope(x.device):
+        xa = B.array_of(x)
+        if isinstance(xa, np.ndarray):
+            xp = np
+        else:
+            import cupy as xp
+        path = _base.Path(xp)
+        acc_a = B.array_of(acc)
+        gs = path.grad_scale(B.array_of(grad_loss), acc_a.dtype)
+        out = _base.finish_all(path, _base.contig_inputs(xp, xa), [B.array_of(norm)], [acc_a],
+                               gs)
+        return B.tensor_of(out[0])
+
+
+def loss_like(x: Tensor, reduction: str) -> Tensor:
+    return x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=acc_dtype(x.dtype))
+
+
+def stat_like(x: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0],), dtype=acc_dtype(x.dtype))
+
+
+def acc_like(x: Optional[Tensor], fused: bool, like: Tensor) -> Tensor:
+    """A fused forward's gradient accumulator: x's shape in the accumulation dtype."""
+    return x.new_empty(x.shape, dtype=acc_dtype(x.dtype)) if fused and x is not None else empty(like)
+
+
+def norm_like(x: Optional[Tensor], fused: bool, normalize: bool, like: Tensor) -> Tensor:
+    """A fused forward's row norms: x's shape without D (normalize=True)."""
+    if fused and normalize and x is not None:
+        return x.new_empty(x.shape[:-1], dtype=acc_dtype(x.dtype))
+    return empty(like)
+
+
+def grad_finish_fake(x, norm, acc, grad_loss):
+    return x.new_empty(x.shape)
+
+
+def fused_flag(inputs, n_args: int) -> bool:
+    """The ``fused`` input (absent from a fallback Function's inputs when not passed)."""
+    return bool(inputs[n_args]) if len(inputs) > n_args else False
+
+
+def compiling() -> bool:
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(fn()) if fn is not None else False
+
+
+def scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: Tensor,
+           dtype: torch.dtype, normalize: bool) -> Tensor:
+    """A fused forward's gradient for upstream ``grad_loss``: ``acc * g`` cast to the input
+    dtype (= the core's scale_cast: one fp32 / fp64 product, one rounding), or through the
+    normalisation by the ``grad_finish`` op.
+
+    Double backward is not supported: ``acc`` does not depend on the inputs in autograd's
+    eyes, so a graph built here (``create_graph=True``) would silently drop the gradient's own
+    dependence on them; raise instead (the per-row path's backward op has no autograd formula
+    and fails the same way)."""
+    if torch.is_grad_enabled() and not compiling():
+        raise RuntimeError("cupynce.torch: double backward (create_graph=True) is not supported")
+    if normalize:
+        return FINISH(x, norm, acc, grad_loss.contiguous())
+    return (acc * grad_loss).to(dtype)
+
+
+def fallback(name: str, fwd, setup, backward) -> type:
+    """A ``torch.autograd.Function`` over the same kernels (torch < 2.4, and tests)."""
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(fwd), "setup_context": staticmethod(setup),
+        "backward": staticmethod(backward), "__doc__": f"Eager autograd for {fwd.__name__}."})
+
+_autocast_lib = None  # keeps the Autocast* kernel registrations alive
+
+
+def register_autocast(qualname: str, cast_positions: Tuple[int, ...]) -> None:
+    """AutocastCPU / AutocastCUDA kernels for ``qualname``: the embeddings at
+    ``cast_positions`` go to the *current* autocast dtype (``torch.library.register_autocast``
+    fixes one dtype at registration and would also cast logit_scale), then the op runs with
+    autocast excluded, as torch's own ``register_autocast`` kernel does."""
+    global _autocast_lib
+    if _autocast_lib is None:
+        _autocast_lib = torch.library.Library("cupynce", "FRAGMENT")
+    op = torch._library.utils.lookup_op(qualname)
+    for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+        exclude = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(_keyset, *args, _device_type=device_type, _exclude=exclude):
+            dtype = torch.get_autocast_dtype(_device_type)
+            args = tuple(
+                a.to(dtype) if i in cast_positions and isinstance(a, Tensor)
+                and a.is_floating_point() and a.dtype != torch.float64
+                and a.device.type == _device_type else a
+                for i, a in enumerate(args))
+            with torch._C._ExcludeDispatchKeyGuard(_exclude):
+                return op(*args)
+
+        _autocast_lib.impl(qualname.split("::")[1], kernel, key, with_keyset=True)
+
+
+def custom_op(name: str, fn, fake, *, setup=None, backward=None, autocast=()):
+    op = torch.library.custom_op(f"cupynce::{name}", fn, mutates_args=())
+    op.register_fake(fake)
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup)
+    if autocast:
+        register_autocast(f"cupynce::{name}", autocast)
+    return op
+
+TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+PLAIN_TYPES = (Tensor, nn.Parameter)
+
+
+def direct(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call may take the direct eager path: the ops' bodies through plain
+    ``torch.autograd.Function`` s (each op's ``Function``: same forward, setup and
+    backward functions, so the same kernels and bits) instead of the custom-op dispatcher.
+
+    The dispatcher, its autograd wrapper and its output checks cost ~100-250 µs of host time
+    per forward + backward on the H100 host (N = 64), as much as the kernels' own launches.
+    Everything that needs the registered ops keeps them: ``torch.compile`` / dynamo and
+    ``torch.jit`` tracing, torch-function and dispatch modes (FakeTensor, functionalisation,
+    ``with torch.device(...)``), functorch transforms (vmap, grad), autocast (the ops carry
+    the autocast casts), tensor subclasses; and torch < 2.4, where the Functions are the
+    only path anyway.
+    """
+    if not HAS_CUSTOM_OPS:
+        return True
+    if compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled() \
+            or torch._C._len_torch_dispatch_stack() \
+            or (TRANSFORMS_ACTIVE is not None and TRANSFORMS_ACTIVE()) \
+            or torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
+        return False
+    return all(t is None or type(t) in PLAIN_TYPES for t in tensors)
+
+
+def fused(reduction: str, *tensors: Optional[Tensor]) -> bool:
+    """Compute the gradient in the forward (see "Two ways to a gradient"): a gradient will be
+    asked for (grad mode on and an input requires one) and the upstream gradient is a scalar
+    (reduction "mean" / "sum")."""
+    return reduction != "none" and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors)
+
+
+def scalars(op: str, reduction: str, workspace_bytes: Optional[int]) -> Tuple[str, Optional[int]]:
+    """The functional API's checks of the non-tensor arguments (same messages)."""
+    return _checks.check_reduction(op, reduction), _checks.check_workspace(op, workspace_bytes)
+
+
+def check_bool(op: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+
+#: ``cupynce::grad_finish``: a fused forward's accumulator through the row normalisation
+#: (the plain function on torch < 2.4).
+FINISH = custom_op("grad_finish", grad_finish, grad_finish_fake) if HAS_CUSTOM_OPS \
+    else grad_finish

@@ -1,0 +1,347 @@
+"""The ``nn.Module`` s (and CuBlaze's autograd Function) over the ops of ``cupynce.torch``.
+
+* :class:`InfoNCELoss` (= :class:`NTXentLoss`) and :class:`InfoNCEFunction`: CuBlaze's
+  NT-Xent interface;
+* :class:`InfoNCE`: info-nce-pytorch's query/key interface;
+* :class:`ClipLoss` (= :class:`SymmetricInfoNCE`): CLIP's loss owning its learnable
+  temperature;
+* :class:`SpladePooling`: SPLADE's head, owning its weight or tied to an MLM decoder.
+"""
+import math
+import numbers
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import _checks
+from . import _bridge as B
+from . import _registry as R
+from .ops import nt_xent as nt_xent_ops
+from .ops import splade as splade_ops
+from .ops.clip import clip_loss
+from .ops.info_nce import info_nce
+from .ops.nt_xent import nt_xent
+from .ops.splade import splade_pool
+
+__all__ = ["InfoNCEFunction", "InfoNCELoss", "NTXentLoss", "InfoNCE", "ClipLoss",
+           "SymmetricInfoNCE", "SpladePooling"]
+
+
+class InfoNCEFunction(torch.autograd.Function):
+    """CuBlaze's autograd Function: ``InfoNCEFunction.apply(features, temperature, use_cublas)``.
+
+    features (2B, D) → the mean NT-Xent loss (0-d float32 / float64), as :func:`nt_xent`
+    without normalisation (CuBlaze expects L2-normalised features).  ``use_cublas``: see
+    :class:`InfoNCELoss`.  Forward and backward call the same ops as :func:`nt_xent`.
+    """
+
+    @staticmethod
+    def forward(ctx, features: Tensor, temperature: float = 0.5,
+                use_cublas: bool = False) -> Tensor:
+        t = _checks.check_temperature("InfoNCEFunction", temperature)
+        R.check_bool("InfoNCEFunction", "use_cublas", use_cublas)
+        B.check_tensors("InfoNCEFunction", features=features)
+        # gradient in the forward when one will be needed (as nt_xent; inside forward grad
+        # mode is off, so requires_grad alone decides)
+        ctx.fused = features.requires_grad
+        fwd = nt_xent_ops.fwd if R.direct(features) else nt_xent_ops.FWD  # (no autograd inside forward)
+        loss, lse, acc, _norm = fwd(features, t, "mean", False, None, ctx.fused)
+        ctx.save_for_backward(acc if ctx.fused else features, lse)
+        ctx.temperature, ctx.dtype = t, features.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        saved, lse = ctx.saved_tensors
+        if ctx.fused:
+            return R.scaled(None, None, saved, grad_loss, ctx.dtype, False), None, None
+        dz = nt_xent_ops.BWD(saved, lse, grad_loss.contiguous(), ctx.temperature, "mean",
+                             False, None)
+        return dz, None, None
+
+
+class InfoNCELoss(nn.Module):
+    """SimCLR's NT-Xent loss as CuBlaze's module: ``InfoNCELoss(temperature=0.5, use_cublas=False)``.
+
+    ``forward(features)``: features (2B, D), rows i and (i + B) mod 2B the two views of one
+    sample; returns the loss of :func:`nt_xent` (0-d for "mean"/"sum").  CuBlaze expects
+    L2-normalised features; pass ``normalize=True`` to have the loss normalise them (the
+    gradient goes through the normalisation).  Also exported as :class:`NTXentLoss`.
+
+    ``use_cublas`` is accepted for compatibility with CuBlaze, where it switched between
+    hand-written similarity kernels and cuBLAS.  cupynce has one path: every N×N×D product is
+    a cuBLAS GEMM (``cublasGemmEx``, fp32 accumulation, no TF32; NumPy's matmul on the CPU)
+    or, for float16/bfloat16 where the core selects them, its tensor-core tile kernels, with
+    the fused row kernels in between.  Both values run exactly the same code and give
+    bit-identical results; the flag is validated (a bool), stored and shown in ``repr``.
+
+    Parameters
+    ----------
+    temperature : float > 0, default 0.5
+    use_cublas : bool, default False — no effect (see above)
+    reduction : "mean" (default) | "sum" | "none" (keyword-only)
+    normalize : bool, default False (keyword-only)
+    """
+
+    def __init__(self, temperature: float = 0.5, use_cublas: bool = False, *,
+                 reduction: str = "mean", normalize: bool = False) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.temperature = _checks.check_temperature(name, temperature)
+        self.use_cublas = R.check_bool(name, "use_cublas", use_cublas)
+        self.reduction = _checks.check_reduction(name, reduction)
+        self.normalize = R.check_bool(name, "normalize", normalize)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return nt_xent(features, self.temperature, reduction=self.reduction,
+                       normalize=self.normalize)
+
+    def extra_repr(self) -> str:
+        return (f"temperature={self.temperature}, use_cublas={self.use_cublas}, "
+                f"reduction={self.reduction!r}, normalize={self.normalize}")
+
+
+#: SimCLR's name for :class:`InfoNCELoss`.
+NTXentLoss = InfoNCELoss
+
+
+class InfoNCE(nn.Module):
+    """Query/key InfoNCE, info-nce-pytorch's interface: ``InfoNCE(temperature=0.1,
+    reduction="mean", negative_mode="unpaired")``, ``forward(query, key, negatives=None)``.
+
+    query, key (N, D) paired by row (in-batch negatives: the other keys).  ``negatives``:
+    with ``negative_mode="unpaired"`` an (M, D) set shared by every query, with ``"paired"``
+    (N, M, D), query i's own M negatives.  Rows are L2-normalised (``normalize=True``, as
+    info-nce-pytorch and the tutorial do); unlike info-nce-pytorch the in-batch keys stay
+    candidates when explicit negatives are given.  See :func:`info_nce`.
+    """
+
+    _MODES = {"unpaired": (2, "(M, D)"), "paired": (3, "(N, M, D)")}
+
+    def __init__(self, temperature: float = 0.1, reduction: str = "mean",
+                 negative_mode: str = "unpaired", *, normalize: bool = True) -> None:
+        super().__init__()
+        self.temperature = _checks.check_temperature("InfoNCE", temperature)
+        self.reduction = _checks.check_reduction("InfoNCE", reduction)
+        if negative_mode not in self._MODES:
+            raise ValueError(f"InfoNCE: negative_mode must be one of {tuple(self._MODES)}, "
+                             f"got {negative_mode!r}")
+        self.negative_mode = negative_mode
+        self.normalize = R.check_bool("InfoNCE", "normalize", normalize)
+
+    def forward(self, query: Tensor, key: Tensor, negatives: Optional[Tensor] = None) -> Tensor:
+        if isinstance(negatives, Tensor):
+            ndim, shape = self._MODES[self.negative_mode]
+            if negatives.dim() != ndim:
+                raise ValueError(f"InfoNCE: negative_mode={self.negative_mode!r} expects "
+                                 f"negatives of shape {shape}, got {tuple(negatives.shape)}")
+        return info_nce(query, key, self.temperature, negatives=negatives,
+                        reduction=self.reduction, normalize=self.normalize)
+
+    def extra_repr(self) -> str:
+        return (f"temperature={self.temperature}, reduction={self.reduction!r}, "
+                f"negative_mode={self.negative_mode!r}, normalize={self.normalize}")
+
+
+class ClipLoss(nn.Module):
+    """CLIP's symmetric loss with a learnable temperature (the tutorial's LearnableTemperature).
+
+    ``ClipLoss(init_temperature=0.07, learnable=True, max_logit_scale=100.0)``,
+    ``forward(a, b)`` with a, b (N, D).  Also exported as :class:`SymmetricInfoNCE`.
+
+    ``logit_scale`` is an ``nn.Parameter`` (0-d float32) initialised to log(1/τ₀); with
+    ``learnable=False`` it is still a Parameter (same ``state_dict``) with
+    ``requires_grad=False``.  The logits are ``exp(logit_scale) · â b̂ᵀ``.
+
+    Clamping, as CLIP: the forward uses ``logit_scale.clamp(0, log(max_logit_scale))`` — the
+    scale stays in [1, max_logit_scale] (temperature in [1/max_logit_scale, 1]) whatever the
+    optimiser did, and the gradient is zero while the value is clamped (``torch.clamp``'s).
+    To also keep the stored parameter in range, call :meth:`clamp_` after
+    ``optimizer.step()`` (open_clip's ``logit_scale.clamp_(0, math.log(100))`` under no_grad).
+
+    Parameters
+    ----------
+    init_temperature : float in [1/max_logit_scale, 1], default 0.07
+    learnable : bool, default True
+    max_logit_scale : float > 1, default 100.0 (CLIP's)
+    reduction : "mean" (default) | "sum" | "none" (keyword-only)
+    normalize : bool, default True (keyword-only) — L2-normalise a and b first, as the
+        tutorial's SymmetricInfoNCE; pass False for embeddings the model already normalised.
+    """
+
+    def __init__(self, init_temperature: float = 0.07, learnable: bool = True,
+                 max_logit_scale: float = 100.0, *, reduction: str = "mean",
+                 normalize: bool = True) -> None:
+        super().__init__()
+        name = type(self).__name__
+        tau = _checks.check_positive_finite(name, "init_temperature", init_temperature)
+        max_scale = _checks.check_positive_finite(name, "max_logit_scale", max_logit_scale)
+        if max_scale <= 1.0:
+            raise ValueError(f"{name}: max_logit_scale must be > 1, got {max_logit_scale!r}")
+        if not 1.0 / max_scale <= tau <= 1.0:
+            raise ValueError(f"{name}: init_temperature must be in [1/max_logit_scale, 1] = "
+                             f"[{1.0 / max_scale:.6g}, 1] (the clamped range), "
+                             f"got {init_temperature!r}")
+        self.max_logit_scale = max_scale
+        self.reduction = _checks.check_reduction(name, reduction)
+        self.normalize = R.check_bool(name, "normalize", normalize)
+        learnable = R.check_bool(name, "learnable", learnable)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / tau), dtype=torch.float32),
+                                        requires_grad=learnable)
+
+    @property
+    def learnable(self) -> bool:
+        return self.logit_scale.requires_grad
+
+    def clamped_logit_scale(self) -> Tensor:
+        """``logit_scale.clamp(0, log(max_logit_scale))``: what the forward uses (differentiable)."""
+        return self.logit_scale.clamp(0.0, math.log(self.max_logit_scale))
+
+    @property
+    def temperature(self) -> Tensor:
+        """The current temperature ``exp(-clamped logit_scale)``: a detached 0-d tensor on the
+        parameter's device (no host synchronisation; ``float(loss_fn.temperature)`` to log)."""
+        return torch.exp(-self.clamped_logit_scale().detach())
+
+    @torch.no_grad()
+    def clamp_(self) -> "ClipLoss":
+        """Clamp the stored ``logit_scale`` in place to [0, log(max_logit_scale)] (after a step)."""
+        self.logit_scale.clamp_(0.0, math.log(self.max_logit_scale))
+        return self
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return clip_loss(a, b, self.clamped_logit_scale(), reduction=self.reduction,
+                         normalize=self.normalize)
+
+    def extra_repr(self) -> str:
+        return (f"learnable={self.learnable}, max_logit_scale={self.max_logit_scale}, "
+                f"reduction={self.reduction!r}, normalize={self.normalize}")
+
+
+#: The tutorial's name for :class:`ClipLoss`.
+SymmetricInfoNCE = ClipLoss
+
+
+class SpladePooling(nn.Module):
+    """SPLADE's vocabulary head: ``out = act(max_l (hidden_states @ weight.T + bias))``, (B, V).
+
+    ``SpladePooling(hidden_size, vocab_size, *, activation="log1p_relu", bias=True,
+    weight=None, dtype=None, device=None)`` owns an ``nn.Parameter`` ``weight`` (V, D) and,
+    with ``bias=True``, ``bias`` (V,), initialised as ``nn.Linear(D, V)`` initialises its own
+    (same random draws: under one seed the two are equal).  Or it is *tied* — it shares, never
+    copies, an existing Parameter, and the gradients flow into it:
+
+    * ``SpladePooling.from_decoder(decoder)`` shares an MLM decoder's (``nn.Linear(D, V)``)
+      ``weight`` and ``bias`` (None if it has none);
+    * ``SpladePooling(D, V, weight=param)`` shares ``param`` (V, D) (e.g. the input
+      embeddings, as BERT ties them) and owns a new bias (``bias=True``).
+
+    Only the Parameter objects are shared: if the owner later *replaces* its Parameter (rather
+    than updating it in place) the tie is broken; tie again.
+
+    ``forward(hidden_states, attention_mask=None)``: hidden_states (B, L, D) — for a BERT MLM
+    head, after the head's transform (dense, activation, LayerNorm), i.e. the decoder's input
+    — and attention_mask (B, L) (bool or 0/1; nonzero counts), giving (B, V) in
+    hidden_states' dtype (the autocast dtype under ``torch.autocast``)::
+
+        out[b, v] = act(max_{l : mask[b, l] ≠ 0} hidden_states[b, l] · weight[v] + bias[v])
+
+    act = ``log(1 + max(m, 0))`` ("log1p_relu", default) or ``max(m, 0)`` ("relu"); all-masked
+    rows give 0.  See :func:`splade_pool` (memory, backward, determinism) and
+    :func:`flops_regularizer` for SPLADE's sparsity term.
+
+    Parameters
+    ----------
+    hidden_size : int ≥ 1 — D
+    vocab_size : int ≥ 1 — V
+    activation : "log1p_relu" (default) | "relu" (keyword-only, as the rest)
+    bias : bool, default True — own a bias (V,)
+    weight : nn.Parameter (V, D), optional — share it instead of owning a weight
+    dtype, device : the owned parameters' dtype and device (as ``nn.Linear``'s); with ``weight``
+        given, they default to the weight's and must agree with it.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, *, activation: str = "log1p_relu",
+                 bias: bool = True, weight: Optional[nn.Parameter] = None,
+                 dtype: Optional[torch.dtype] = None,
+                 device: Optional[Any] = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        for arg, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
+        self.hidden_size, self.vocab_size = int(hidden_size), int(vocab_size)
+        self.activation = splade_ops.check_activation(name, activation)
+        R.check_bool(name, "bias", bias)
+        shape = (self.vocab_size, self.hidden_size)
+        if weight is None:
+            self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+            self._owns_weight = True
+        else:
+            if not isinstance(weight, nn.Parameter):
+                raise TypeError(f"{name}: weight must be an nn.Parameter (V, D) to share (a "
+                                f"plain tensor would be copied into a new Parameter and the "
+                                f"tie lost), got {type(weight).__module__}."
+                                f"{type(weight).__name__}")
+            if tuple(weight.shape) != shape:
+                raise ValueError(f"{name}: weight must have shape (vocab_size, hidden_size) = "
+                                 f"{shape}, got {tuple(weight.shape)}")
+            if dtype is not None and dtype != weight.dtype:
+                raise ValueError(f"{name}: dtype={dtype} differs from the shared weight's "
+                                 f"{weight.dtype}")
+            dev = None if device is None else torch.device(device)
+            if dev is not None and (dev.type != weight.device.type
+                                    or dev.index not in (None, weight.device.index)):
+                raise ValueError(f"{name}: device={device} differs from the shared weight's "
+                                 f"{weight.device}")
+            self.weight = weight
+            self._owns_weight = False
+        if bias:
+            self.bias = nn.Parameter(torch.empty((self.vocab_size,), dtype=self.weight.dtype,
+                                                 device=self.weight.device))
+        else:
+            self.register_parameter("bias", None)
+        self._owns_bias = bias
+        self.reset_parameters()
+
+    @classmethod
+    def from_decoder(cls, decoder: nn.Linear, *,
+                     activation: str = "log1p_relu") -> "SpladePooling":
+        """A head tied to ``decoder`` (``nn.Linear(D, V)``, e.g. a Hugging Face MLM head's
+        ``cls.predictions.decoder``): its ``weight`` and ``bias`` Parameters are shared (no
+        copy; ``decoder.weight.grad`` and ``decoder.bias.grad`` receive the gradients)."""
+        if not isinstance(decoder, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_decoder: decoder must be an nn.Linear "
+                            f"(V = out_features, D = in_features), got "
+                            f"{type(decoder).__module__}.{type(decoder).__name__}")
+        head = cls(decoder.in_features, decoder.out_features, activation=activation, bias=False,
+                   weight=decoder.weight)
+        if decoder.bias is not None:
+            head.bias = decoder.bias  # the same Parameter object
+        return head
+
+    @property
+    def tied(self) -> bool:
+        """True when the weight is shared with another module (not owned)."""
+        return not self._owns_weight
+
+    def reset_parameters(self) -> None:
+        """Initialise the *owned* parameters as ``nn.Linear.reset_parameters`` does (a shared
+        weight or bias is left alone): weight ~ kaiming_uniform(a=√5) = U(±1/√D), bias
+        ~ U(±1/√D)."""
+        if self._owns_weight:
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self._owns_bias and self.bias is not None:
+            bound = 1.0 / math.sqrt(self.hidden_size)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """hidden_states (B, L, D), attention_mask (B, L) or None → (B, V)."""
+        return splade_pool(hidden_states, self.weight, self.bias, attention_mask,
+                           activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, "
+                f"activation={self.activation!r}, bias={self.bias is not None}, "
+                f"tied={self.tied}")

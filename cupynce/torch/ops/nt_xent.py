@@ -1,0 +1,121 @@
+"""NT-Xent for PyTorch: the op bodies on tensors, their shapes for torch.compile, autograd,
+the registered custom ops and the public function.
+"""
+from typing import Optional, Tuple
+
+from torch import Tensor
+
+from ... import _checks
+from ...ops import _base
+from ...ops import nt_xent as core
+from .. import _bridge as B
+from .. import _registry as R
+
+
+def fwd(z: Tensor, temperature: float, reduction: str, normalize: bool,
+        workspace_bytes: Optional[int],
+        fused: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, dz_acc, norm): the loss (0-d, or (2B,) for "none"), the (2B,) row
+    log-sum-exps and, when ``fused``, the unit-upstream gradient accumulator (2B, D) and the
+    row norms (2B,) (normalize=True; else a placeholder)."""
+    with B.device_scope(z.device):
+        zx = B.array_of(z)
+        if fused:
+            loss, ctx = core.nt_xent_forward(
+                zx, temperature, reduction=reduction, normalize=normalize,
+                workspace_bytes=workspace_bytes, requires_grad=True)
+            s = ctx.saved
+            return (B.tensor_of(loss), B.tensor_of(ctx.stats[0]), B.tensor_of(s["dz"]),
+                    R.opt_tensor(s["norm"], z))
+        rows, ctx = core.nt_xent_forward(
+            zx, temperature, reduction="none", normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=True)
+        loss = _base.reduce(ctx.xp, rows, reduction)
+        return B.tensor_of(loss), B.tensor_of(ctx.stats[0]), R.empty(z), R.empty(z)
+
+
+def bwd(z: Tensor, lse: Tensor, grad_loss: Tensor, temperature: float, reduction: str,
+        normalize: bool, workspace_bytes: Optional[int]) -> Tensor:
+    """dz (2B, D) in z's dtype, for the upstream gradient ``grad_loss`` (0-d or (2B,))."""
+    with B.device_scope(z.device):
+        dz = core.nt_xent_backward_from_stats(
+            B.array_of(z), B.array_of(lse), B.array_of(grad_loss), temperature=temperature,
+            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes)
+        return B.tensor_of(dz)
+
+
+def fwd_fake(z, temperature, reduction, normalize, workspace_bytes, fused=False):
+    return (R.loss_like(z, reduction), R.stat_like(z), R.acc_like(z, fused, z),
+            R.norm_like(z, fused, normalize, z))
+
+
+def bwd_fake(z, lse, grad_loss, temperature, reduction, normalize, workspace_bytes):
+    return z.new_empty(z.shape)
+
+
+def setup_context(ctx, inputs, output) -> None:
+    z, temperature, reduction, normalize, workspace_bytes = inputs[:5]
+    ctx.fused = R.fused_flag(inputs, 5)
+    if ctx.fused:  # the gradient accumulator (and z and its norms to normalise through)
+        ctx.save_for_backward(z if normalize else None, output[2], output[3])
+        ctx.dtype = z.dtype
+    else:
+        ctx.save_for_backward(z, output[1])
+    ctx.args = (temperature, reduction, normalize, workspace_bytes)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def backward(ctx, grad_loss, *_grad_stats):
+    dz = None
+    if ctx.needs_input_grad[0]:
+        if ctx.fused:
+            z, acc, norm = ctx.saved_tensors
+            dz = R.scaled(z, norm, acc, grad_loss, ctx.dtype, ctx.args[2])
+        else:
+            z, lse = ctx.saved_tensors
+            dz = BWD(z, lse, grad_loss.contiguous(), *ctx.args)
+    return dz, None, None, None, None, None
+
+
+NTXentFunction = R.fallback("NTXentFunction", fwd, setup_context, backward)
+if R.HAS_CUSTOM_OPS:
+    #: the backward op, so that torch.compile traces it into the backward graph
+    BWD = R.custom_op("nt_xent_bwd", bwd, bwd_fake)
+    FWD = R.custom_op("nt_xent_fwd", fwd, fwd_fake, setup=setup_context, backward=backward,
+                      autocast=(0,))
+else:  # pragma: no cover - exercised only on torch < 2.4
+    BWD = bwd
+    FWD = NTXentFunction.apply
+
+
+def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
+            normalize: bool = False, workspace_bytes: Optional[int] = None) -> Tensor:
+    """SimCLR's NT-Xent loss of ``z`` (2B, D), differentiable w.r.t. ``z``.
+
+    Parameters
+    ----------
+    z : Tensor (2B, D), float16 / bfloat16 / float32 / float64, CPU or CUDA
+        The two views stacked: rows ``i`` and ``(i + B) mod 2B`` are a positive pair.
+    temperature : float > 0, default 0.5
+    reduction : "mean" (default) | "sum" | "none"
+    normalize : bool, default False
+        L2-normalise the rows first (as ``F.normalize``); the gradient goes through it.
+    workspace_bytes : int, optional
+        Cap on the score-block workspace (CUDA); default ``min(1 GiB, half the free memory)``.
+
+    Returns
+    -------
+    Tensor: 0-d (mean/sum) or (2B,) (none); float32 (float64 for float64 ``z``).
+
+    Notes
+    -----
+    With S = ẑ ẑᵀ / τ and p(i) = (i + B) mod 2B: ``loss_i = log Σ_{j≠i} exp(S_ij) − S_{i,p(i)}``,
+    i.e. ``F.cross_entropy(masked_fill(ẑ ẑᵀ, eye, -inf) / τ, p)``.  Forward keeps z and the
+    (2B,) row log-sum-exps for the backward; memory stays O(N·D) (the score matrix is
+    processed in row blocks).
+    """
+    t = _checks.check_temperature("nt_xent", temperature)
+    reduction, workspace_bytes = R.scalars("nt_xent", reduction, workspace_bytes)
+    B.check_tensors("nt_xent", z=z)
+    fn = NTXentFunction.apply if R.direct(z) else FWD
+    return fn(z, t, reduction, bool(normalize), workspace_bytes, R.fused(reduction, z))[0]
