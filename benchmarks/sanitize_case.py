@@ -7,7 +7,7 @@ lse2, lse / h, the info_nce g) and of the row / column kernels, for compute-sani
 An optional second argument runs one half: "tiles" (every tile kernel, one block each) or
 "blocks" (small workspaces: several row groups / blocks).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
-is clean alone, benchmarks/NOTES.md): run racecheck on "tiles", memcheck on everything.
+is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
 """
 import os, sys, numpy as np, cupy as cp, ml_dtypes, cupynce
 from cupynce._engine import tiles as C

@@ -2,7 +2,7 @@
 //
 // At N = 64, D = 32 a cuBLAS call costs 25-60 µs of host time (handle, stream, heuristics)
 // for a product of a few µs; a CuPy launch of this kernel costs ~10.  _blas.gemm routes
-// products of at most SMALL_GEMM_MACS multiply-adds here (see cupynce/_blas.py).
+// products of at most SMALL_GEMM_MACS multiply-adds here (see cupynce/_engine/blas.py).
 //
 // Naming: extern "C" wrappers `cpn_small_gemm_<dtype>`, dtype in {f16, bf16, f32, f64}: the
 // inputs' type T; the output is the accumulator type A (float, or double for f64).

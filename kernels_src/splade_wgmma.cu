@@ -24,7 +24,7 @@
 //     the wgmma pipeline for want of registers, and this needs no setmaxnreg.
 //
 // The tensor maps (CUtensorMap, 128 opaque bytes) are encoded on the host by the driver
-// (cupynce/_tma.py) and passed by value as __grid_constant__ parameters.  W is (V, D) with
+// (cupynce/_engine/tma.py) and passed by value as __grid_constant__ parameters.  W is (V, D) with
 // rows `ldw` apart, x is (B L, D); out-of-range rows and K columns are zero-filled by the
 // TMA unit; positions of the next batch inside a tile (L not a multiple of 256) are loaded
 // and skipped by the epilogue's position flags.

@@ -32,7 +32,7 @@ FILE = "tiles.cu"
 #: float16 / bfloat16 inputs whose D, leading dimensions and pointers are multiples of 8
 #: elements / 16 bytes.  ``CUPYNCE_TILES``: unset / ``auto`` uses them where their wgmma main
 #: loop is built (compute capability 9.0: Hopper, sm_90a), which is faster than cuBLAS + row
-#: kernels there (benchmarks/NOTES.md); ``1`` also on other sm_80+ GPUs (mma.sync main loop,
+#: kernels there (docs/notes.md); ``1`` also on other sm_80+ GPUs (mma.sync main loop,
 #: slower than the cuBLAS path, kept for testing); ``0`` never.  None / True / False here.
 #: The same switch selects SPLADE's fused forward (_engine/splade.py).
 USE_TILES: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("CUPYNCE_TILES", "auto"))

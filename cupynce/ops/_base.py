@@ -83,7 +83,8 @@ def weights(xp, grad_loss, reduction: str, n: int, a):
 
 def contig_inputs(xp, *xs):
     """Inputs as the finishing kernels need them (row-major; 3-D contiguous)."""
-    return [None if x is None else (arrays.rowmajor(xp, x) if x.ndim == 2 else xp.ascontiguousarray(x))
+    return [None if x is None
+            else (arrays.rowmajor(xp, x) if x.ndim == 2 else xp.ascontiguousarray(x))
             for x in xs]
 
 

@@ -22,7 +22,8 @@ from . import _numpy
 from ._base import (Context, Path, check_stats, contig_inputs, finish_all, prep, reduce,
                     require, weights)
 
-__all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward", "clip_loss_backward_from_stats"]
+__all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
+           "clip_loss_backward_from_stats"]
 
 
 def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,

@@ -17,7 +17,8 @@ from .._engine.kernels import acc_dtype
 from ._base import (Context, Path, check_stats, contig_inputs, finish_all, prep, reduce,
                     require, weights)
 
-__all__ = ["info_nce", "info_nce_forward", "info_nce_backward", "info_nce_backward_from_stats"]
+__all__ = ["info_nce", "info_nce_forward", "info_nce_backward",
+           "info_nce_backward_from_stats"]
 
 
 def _check(query, key, negatives, temperature, reduction, workspace_bytes):

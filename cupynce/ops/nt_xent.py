@@ -23,7 +23,8 @@ from .._engine.kernels import acc_dtype
 from ._base import (Context, Path, check_stats, contig_inputs, prep, reduce, require,
                     weights)
 
-__all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward", "nt_xent_backward_from_stats"]
+__all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward",
+           "nt_xent_backward_from_stats"]
 
 
 def _check(z, temperature, reduction, workspace_bytes):

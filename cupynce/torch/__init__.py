@@ -48,7 +48,7 @@ gradient is required.  Two ways to the gradient:
 
 Plain eager calls (no ``torch.compile`` / tracing, no autocast, no torch-function or
 dispatch mode, no functorch transform, plain tensors) skip the dispatcher: the same forward,
-setup and backward functions run as plain ``torch.autograd.Function`` s (``_direct``), which
+setup and backward functions run as plain ``torch.autograd.Function`` s (``_registry.direct``), which
 saves the custom-op machinery's host time and gives the same bits.  Everything else goes
 through the registered ops.  On torch < 2.4 the Functions are the only path (eager only).
 Double backward (``create_graph=True``) is not supported and raises a RuntimeError.
