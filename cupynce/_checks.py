@@ -84,7 +84,8 @@ def check_matrix(op: str, name: str, x: Any, *, ndim: int = 2, min_rows: int = 1
         raise ValueError(f"{op}: {name} must be {ndim}-D {want}, got shape {tuple(x.shape)}")
     check_float(op, name, x)
     if x.shape[0] < min_rows:
-        raise ValueError(f"{op}: {name} needs at least {min_rows} rows, got shape {tuple(x.shape)}")
+        rows = "1 row" if min_rows == 1 else f"{min_rows} rows"
+        raise ValueError(f"{op}: {name} needs at least {rows}, got shape {tuple(x.shape)}")
     if x.shape[-1] < 1:
         raise ValueError(f"{op}: {name} needs D >= 1, got shape {tuple(x.shape)}")
 
@@ -103,6 +104,58 @@ def check_same_dtype(op: str, **arrays: Any) -> None:
         raise TypeError(f"{op}: inputs must share one dtype ({desc}); cast them explicitly")
 
 
+def check_bool(op: str, name: str, value: Any) -> bool:
+    """A flag (``normalize``, ``requires_grad``, ...): a Python or NumPy bool, nothing truthy.
+
+    ``normalize="no"`` would otherwise switch normalisation *on*; 0 / 1 are refused too, so that
+    a misplaced positional argument cannot pass as a flag.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{op}: {name} must be a bool (True or False), got "
+                    f"{_type_name(value)} {value!r}")
+
+
+def _type_name(value: Any) -> str:
+    """``module.Class`` of a value (``float``, ``numpy.ndarray``, ``torch.Tensor``, ...)."""
+    t = type(value)
+    mod = t.__module__
+    return t.__name__ if mod == "builtins" else f"{mod.split('.')[0]}.{t.__name__}"
+
+
+def _described(value: Any) -> str:
+    """``torch.Tensor of shape ()``, ``numpy.ndarray of shape (3,)``, ``str``: what was given."""
+    shape = getattr(value, "shape", None)
+    return _type_name(value) if shape is None else f"{_type_name(value)} of shape {tuple(shape)}"
+
+
+def host_scalar(op: str, name: str, value: Any) -> Any:
+    """A real scalar given as a Python / NumPy number or a 0-d host array, as a Python number.
+
+    0-d NumPy arrays and 0-d CPU torch tensors are accepted (``np.float32(0.1)``,
+    ``np.asarray(0.1)``, ``torch.tensor(0.1)``); a GPU array is refused with a ``TypeError``:
+    reading it would synchronise with the GPU.  Anything else is returned unchanged for the
+    caller's own check.
+    """
+    if isinstance(value, (float, int)):  # the common case first (and torch.compile traces it)
+        return value
+    if is_cupy_array(value) or (type(value).__module__.startswith("torch")
+                                and getattr(getattr(value, "device", None), "type", "cpu")
+                                != "cpu"):
+        raise TypeError(f"{op}: {name} must be a real number on the host, got a GPU "
+                        f"{_type_name(value)} (reading it would synchronise with the GPU); "
+                        f"pass a Python float")
+    if isinstance(value, np.generic) and value.dtype in SUPPORTED_DTYPES:
+        return float(value)  # (ml_dtypes' bfloat16 scalars are no numbers.Real)
+    ndim = getattr(value, "ndim", None)
+    if ndim is not None and not isinstance(value, np.generic):
+        if ndim != 0:
+            raise ValueError(f"{op}: {name} must be a scalar, got a {_type_name(value)} of "
+                             f"shape {tuple(value.shape)}")
+        return value.item()
+    return value
+
+
 def check_temperature(op: str, temperature: Any) -> float:
     """A Python/NumPy real scalar, finite and > 0."""
     return check_positive_finite(op, "temperature", temperature)
@@ -114,18 +167,38 @@ def check_reduction(op: str, reduction: Any) -> str:
     return reduction
 
 
-def check_logit_scale(op: str, logit_scale: Any, xp: ModuleType) -> Tuple[Any, Tuple[int, ...]]:
+def _scale_overflow(op: str, value: float, acc: Optional[np.dtype]) -> None:
+    """exp(logit_scale) must be finite in the accumulation dtype: a larger value is almost
+    surely the scale itself passed where its log is expected (open_clip's convention)."""
+    acc = np.dtype(np.float32) if acc is None else np.dtype(acc)
+    limit = math.log(float(np.finfo(acc).max))
+    if value > limit:
+        raise ValueError(
+            f"{op}: logit_scale={value!r} overflows: cupynce takes the *log* of the logit scale "
+            f"(CLIP's learnable log(1/temperature); logits = exp(logit_scale) * a.b, e.g. "
+            f"log(100) = 4.605 at CLIP's clamp), and exp({value!r}) exceeds {acc} (largest "
+            f"logit_scale: {limit:.2f}). If you have the scale itself (open_clip passes "
+            f"logit_scale.exp(), e.g. 100), pass math.log(scale).")
+
+
+def check_logit_scale(op: str, logit_scale: Any, xp: ModuleType,
+                      acc: Optional[np.dtype] = None) -> Tuple[Any, Tuple[int, ...]]:
     """A Python real, or a 0-d / single-element 1-D floating array of the same kind as the inputs.
 
     Returns ``(value, shape)``: a Python float or the array, and the shape of the gradient.
-    A device array is never read back to the host.
+    A value on the host (a real, a NumPy array) must be finite with ``exp(value)`` finite in
+    the accumulation dtype ``acc`` (float32 unless given); a device array is never read back
+    to the host, so that check is the caller's there.
     """
     if isinstance(logit_scale, bool):
         raise TypeError(f"{op}: logit_scale must be a real scalar, got bool")
+    if isinstance(logit_scale, np.generic) and logit_scale.dtype in SUPPORTED_DTYPES:
+        logit_scale = float(logit_scale)
     if isinstance(logit_scale, numbers.Real):
         v = float(logit_scale)
         if not math.isfinite(v):
             raise ValueError(f"{op}: logit_scale must be finite, got {logit_scale!r}")
+        _scale_overflow(op, v, acc)
         return v, ()
     if isinstance(logit_scale, np.ndarray) or is_cupy_array(logit_scale):
         if (xp is np) != isinstance(logit_scale, np.ndarray):
@@ -135,9 +208,14 @@ def check_logit_scale(op: str, logit_scale: Any, xp: ModuleType) -> Tuple[Any, T
             raise ValueError(f"{op}: logit_scale must be a scalar (shape () or (1,)), "
                              f"got shape {tuple(logit_scale.shape)}")
         check_float(op, "logit_scale", logit_scale)
+        if isinstance(logit_scale, np.ndarray):  # on the host: the value can be checked
+            v = float(logit_scale.reshape(()))
+            if not math.isfinite(v):
+                raise ValueError(f"{op}: logit_scale must be finite, got {v!r}")
+            _scale_overflow(op, v, acc)
         return logit_scale, tuple(logit_scale.shape)
     raise TypeError(f"{op}: logit_scale must be a real scalar or a 0-d array, "
-                    f"got {type(logit_scale).__name__}")
+                    f"got {_type_name(logit_scale)}")
 
 
 def check_workspace(op: str, workspace_bytes: Optional[int]) -> Optional[int]:
@@ -163,25 +241,25 @@ def check_grad_loss(op: str, grad_loss: Any, reduction: str, n: int, xp: ModuleT
             return float(grad_loss)  # broadcast: every row's loss gets the same weight
         ok = isinstance(grad_loss, np.ndarray) if xp is np else is_cupy_array(grad_loss)
         if not ok or grad_loss.shape not in ((n,), ()):
-            got = tuple(grad_loss.shape) if hasattr(grad_loss, "shape") else type(grad_loss).__name__
             raise ValueError(f"{op}: with reduction='none', grad_loss must be a real or a "
-                             f"{xp.__name__} array of shape ({n},), got {got}")
+                             f"{xp.__name__} array of shape ({n},), got {_described(grad_loss)}")
         check_float(op, "grad_loss", grad_loss)
         return grad_loss
     if isinstance(grad_loss, numbers.Real) and not isinstance(grad_loss, bool):
         return float(grad_loss)
     ok = isinstance(grad_loss, np.ndarray) if xp is np else is_cupy_array(grad_loss)
     if not ok or grad_loss.size != 1 or grad_loss.ndim > 1:
-        got = tuple(grad_loss.shape) if hasattr(grad_loss, "shape") else type(grad_loss).__name__
         raise ValueError(f"{op}: with reduction={reduction!r}, grad_loss must be a scalar "
-                         f"(real or 0-d {xp.__name__} array), got {got}")
+                         f"(real or 0-d {xp.__name__} array), got {_described(grad_loss)}")
     check_float(op, "grad_loss", grad_loss)
     return grad_loss
 
 
 def check_positive_finite(op: str, name: str, value: Any) -> float:
-    """A Python/NumPy real scalar, finite and > 0 (module hyper-parameters: ``init_temperature``,
-    ``max_logit_scale``, and the ops' ``temperature``)."""
+    """A real scalar, finite and > 0 (module hyper-parameters: ``init_temperature``,
+    ``max_logit_scale``, and the ops' ``temperature``): a Python / NumPy number or a 0-d host
+    array (:func:`host_scalar`)."""
+    value = host_scalar(op, name, value)
     if type(value) is not float and (isinstance(value, bool)
                                      or not isinstance(value, numbers.Real)):
         raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")

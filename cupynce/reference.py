@@ -128,8 +128,21 @@ def l2_normalize(x: ArrayLike, eps: float = 1e-12) -> np.ndarray:
     y : ndarray, shape (..., D), float64
     """
     x = _f64(x)
-    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    norm = _row_norm(x)
     return x / np.maximum(norm, eps)
+
+
+def _row_norm(x: np.ndarray) -> np.ndarray:
+    """``||x||_2`` over the last axis (keepdims), without overflow: ``m ||x / m||`` with
+    ``m = max |x_k|`` where the plain sum of squares would overflow (``|x| >~ 1e154``)."""
+    with np.errstate(over="ignore"):
+        norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    big = np.isinf(norm) & np.all(np.isfinite(x), axis=-1, keepdims=True)
+    if big.any():
+        m = np.max(np.abs(x), axis=-1, keepdims=True)
+        safe = np.where(big, m, 1.0)
+        norm = np.where(big, safe * np.linalg.norm(x / safe, axis=-1, keepdims=True), norm)
+    return norm
 
 
 def l2_normalize_backward(
@@ -159,7 +172,7 @@ def l2_normalize_backward(
     """
     x = _f64(x)
     dy = _f64(grad_y)
-    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    norm = _row_norm(x)
     denom = np.maximum(norm, eps)
     y = x / denom
     radial = y * np.sum(y * dy, axis=-1, keepdims=True)

@@ -125,9 +125,15 @@ __device__ __forceinline__ float cpn_log1p(float x) { return log1pf(x); }
 __device__ __forceinline__ double cpn_log1p(double x) { return log1p(x); }
 __device__ __forceinline__ float cpn_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double cpn_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float cpn_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double cpn_abs(double x) { return fabs(x); }
 template <typename A> __device__ __forceinline__ A cpn_inf();
 template <> __device__ __forceinline__ float cpn_inf<float>() { return __int_as_float(0x7f800000); }
 template <> __device__ __forceinline__ double cpn_inf<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
+// the smallest normal number (what -ftz keeps)
+template <typename A> __device__ __forceinline__ A cpn_min_normal();
+template <> __device__ __forceinline__ float cpn_min_normal<float>() { return 1.17549435e-38f; }
+template <> __device__ __forceinline__ double cpn_min_normal<double>() { return 2.2250738585072014e-308; }
 template <typename A> __device__ __forceinline__ A cpn_nan();
 template <> __device__ __forceinline__ float cpn_nan<float>() { return __int_as_float(0x7fffffff); }
 template <> __device__ __forceinline__ double cpn_nan<double>() { return __longlong_as_double(0x7fffffffffffffffLL); }
@@ -189,6 +195,26 @@ __device__ __forceinline__ void block_lse(Lse<A>& st, A* sh) {
     }
     __syncthreads();
     st.m = sh[0]; st.s = sh[32];
+}
+
+// The block-wide maximum (NaN-free inputs; order does not matter for a max).  `sh`: 32 slots.
+template <typename A>
+__device__ __forceinline__ A block_max(A v, A* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) { const A w = __shfl_xor_sync(0xffffffffu, v, o); v = w > v ? w : v; }
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        A t = lane < nw ? sh[lane] : A(0);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) { const A w = __shfl_xor_sync(0xffffffffu, t, o); t = w > t ? w : t; }
+        if (lane == 0) sh[0] = t;
+    }
+    __syncthreads();
+    return sh[0];
 }
 
 template <typename A>

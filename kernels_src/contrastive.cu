@@ -231,10 +231,34 @@ __device__ __forceinline__ void l2norm_fwd_body(
     A ss = A(0);
     for (int k = threadIdx.x; k < d; k += blockDim.x) { A v = Conv<T>::load(xi[k]); ss += v * v; }
     ss = block_sum(ss, sh);
-    const A nrm = cpn_sqrt(ss);
-    const A inv = A(1) / (nrm > eps ? nrm : eps);
-    for (int k = threadIdx.x; k < d; k += blockDim.x)
-        xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) * inv);
+    A nrm = cpn_sqrt(ss);
+    if (nrm == cpn_inf<A>()) {  // (uniform over the block: every thread holds the block sum)
+        // the sum of squares overflowed (|x| >~ 1.8e19 in float32): ||x|| = m ||x / m|| with
+        // m = max |x_k|, as F.normalize gets it; an inf entry keeps ||x|| = inf
+        A m = A(0);
+        for (int k = threadIdx.x; k < d; k += blockDim.x) {
+            const A v = cpn_abs(Conv<T>::load(xi[k]));
+            m = v > m ? v : m;
+        }
+        m = block_max(m, sh);
+        if (m < cpn_inf<A>()) {  // (x / m, not x * (1 / m): 1 / m may be subnormal, flushed)
+            A s2 = A(0);
+            for (int k = threadIdx.x; k < d; k += blockDim.x) {
+                const A v = Conv<T>::load(xi[k]) / m;
+                s2 += v * v;
+            }
+            nrm = m * cpn_sqrt(block_sum(s2, sh));
+        }
+    }
+    const A den = nrm > eps ? nrm : eps;
+    const A inv = A(1) / den;
+    if (inv >= cpn_min_normal<A>()) {
+        for (int k = threadIdx.x; k < d; k += blockDim.x)
+            xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) * inv);
+    } else {  // ||x|| > 2^126 (float32): 1 / ||x|| would flush to 0 (-ftz); divide instead
+        for (int k = threadIdx.x; k < d; k += blockDim.x)
+            xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) / den);
+    }
     if (threadIdx.x == 0) norm[i] = nrm;
 }
 

@@ -781,3 +781,76 @@ def test_arrays_on_two_gpus_raise(case, monkeypatch):
             with pytest.raises(ValueError, match=r"clip_loss: logit_scale is on cuda:1 but a is "
                                                  r"on cuda:0"):
                 cupynce.clip_loss(on0, on0, ls1)
+
+
+# ---- what a new user hit: huge rows under normalize=True, one-row batches, device scalars ----
+@pytest.fixture(params=["cublas", "tiles"])
+def gpu_path(request, monkeypatch):
+    """Each test twice: the cuBLAS row-block path and the tile kernels (16-bit inputs; the
+    main loop the GPU builds by default, mma.sync elsewhere)."""
+    from cupynce._engine import tiles
+
+    monkeypatch.setattr(tiles, "USE_TILES", request.param == "tiles")
+    return request.param
+
+
+#: a row scale whose sum of squares overflows the accumulator (float32: |x| >~ 1.8e19)
+HUGE = {np.dtype(np.float32): 1e20, BF16: 1e20, np.dtype(np.float64): 1e160}
+HUGE_TOL = {np.dtype(np.float32): (1e-5, 1e-4), BF16: (1e-2, 3e-2),
+            np.dtype(np.float64): (1e-12, 1e-12)}
+
+
+@pytest.mark.parametrize("dtype", list(HUGE), ids=str)
+@pytest.mark.parametrize("op,neg", CASES)
+def test_normalize_huge_rows(op, neg, dtype, gpu_path):
+    """l2norm_fwd computes ||x|| = m ||x / m|| (m = max |x_k|) where the sum of squares
+    overflows: such rows were treated as zero rows.  Fixed tolerances against the float64
+    oracle (torch's own bf16 F.normalize overflows here, so it cannot set the bound); each
+    gradient row is compared relative to its own size (huge rows get ~1 / ||x|| gradients)."""
+    rng = np.random.default_rng(zlib.crc32(f"huge{op}{neg}{dtype}{gpu_path}".encode()))
+    n, d = (42 if op == "nt_xent" else 41), 64
+    inputs = make_case(op, dtype, n, d, rng, neg, scale=HUGE[dtype])
+    inputs[0][1] = rng.standard_normal(d).astype(dtype)  # one ordinary row among huge ones
+    kw = dict(t=0.2, reduction="mean", normalize=True)
+    loss, grads = run_cupynce(op, inputs, kw, 0.7)
+    ref_loss, ref_grads = run_reference(op, inputs, kw, 0.7)
+    lt, gt = HUGE_TOL[dtype]
+    assert rel(loss, ref_loss) <= lt, (float(loss), ref_loss)
+    for g, r in zip(grads, ref_grads):
+        if r is None:
+            continue
+        if np.ndim(r) == 0:  # dlogit_scale
+            assert rel(g, r) <= gt
+            continue
+        g64 = cp.asnumpy(g).astype(np.float64).reshape(len(r), -1)
+        r64 = np.asarray(r, np.float64).reshape(len(r), -1)
+        s = np.maximum(np.linalg.norm(r64, axis=1, keepdims=True), 1e-300)
+        assert np.isfinite(g64).all()
+        assert rel(g64 / s, r64 / s) <= gt
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op,neg", [("info_nce", None), ("info_nce", "shared"),
+                                    ("info_nce", "paired"), ("clip_loss", None)])
+def test_one_row_batch(op, neg, dtype, reduction, gpu_path):
+    """N = 1 (the last batch of an epoch) on every path: info_nce with its negatives, and the
+    in-batch-only losses log 1 - 0 = 0 with zero gradients."""
+    rng = np.random.default_rng(zlib.crc32(f"one{op}{neg}{dtype}{reduction}".encode()))
+    inputs = make_case(op, dtype, 1, 64, rng, neg, m=5, scale=1 / 8)
+    kw = dict(t=0.2, reduction=reduction, normalize=True)
+    g = grad_for(reduction, 1, rng)
+    loss, grads = run_cupynce(op, inputs, kw, g)
+    if neg is None:
+        assert not cp.asnumpy(loss).any()
+        assert all(not cp.asnumpy(gr).astype(np.float64).any() for gr in grads)
+    else:
+        check(op, dtype, inputs, kw, g)
+
+
+def test_device_array_temperature_is_refused():
+    """Reading a device scalar would synchronise with the GPU: a clear TypeError instead."""
+    z = cp.ones((4, 3), cp.float32)
+    with pytest.raises(TypeError, match=r"nt_xent: temperature must be a real number on the "
+                                        r"host, got a GPU cupy\.ndarray"):
+        cupynce.nt_xent(z, cp.asarray(0.5))

@@ -355,3 +355,23 @@ def test_every_implementation_runs_in_half_precision(tmp_path):
               if r["status"] != "ok" and r["impl"] in ("cupynce", "pytorch")]
     assert not failed
     assert {r["op"] for r in doc["benchmarks"]} == set(OPS)
+
+
+def test_version_and_per_command_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"cupynce {cupynce.__version__}"
+    for cmd, words in (("check", "self-check only"), ("bench", "benchmark only")):
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert exc.value.code == 0 and f"usage: python -m cupynce {cmd}" in out and words in out
+
+
+def test_options_before_and_after_the_command(tmp_path):
+    """``--dtype`` given before ``check`` is not reset by the subcommand's own defaults."""
+    for argv in (["--dtype", "float32", "check"], ["check", "--dtype", "float32"]):
+        out = tmp_path / argv[0].strip("-")
+        assert main(argv + ["--ops", "nt_xent", "--out", str(out)]) == 0
+        doc = _strict_json(out / "results.json")
+        assert {c["dtype"] for c in doc["checks"]} == {"float32"}

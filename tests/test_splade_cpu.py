@@ -775,8 +775,8 @@ def _cupy_or_skip():
     cp = pytest.importorskip("cupy")
     try:
         cp.zeros(1)
-    except Exception as e:  # CuPy without a usable GPU
-        pytest.skip(f"CuPy cannot allocate on a GPU here: {type(e).__name__}")
+    except Exception:  # CuPy without a usable GPU
+        pytest.skip("needs a CUDA GPU (none here)")
     return cp
 
 

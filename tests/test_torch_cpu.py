@@ -852,3 +852,55 @@ def test_double_backward_raises(op, normalize, reduction):
     with pytest.raises(RuntimeError):
         grads = torch.autograd.grad(loss.sum(), leaves, create_graph=True)
         sum(x.pow(2).sum() for x in grads).backward()
+
+
+# ----------------------------------------------------------------------------------------
+# what a new user hit: flags, host scalars, a last batch of one row, the exported names
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_normalize_flag_is_checked(value):
+    """normalize="no" used to turn normalisation on (the functions passed bool(normalize))."""
+    z = torch.randn(4, 3, dtype=torch.float64)
+    for name, call in (("nt_xent", lambda: ct.nt_xent(z, normalize=value)),
+                       ("info_nce", lambda: ct.info_nce(z, z, normalize=value)),
+                       ("clip_loss", lambda: ct.clip_loss(z, z, 1.0, normalize=value)),
+                       ("InfoNCELoss", lambda: ct.InfoNCELoss(normalize=value)),
+                       ("InfoNCE", lambda: ct.InfoNCE(normalize=value)),
+                       ("ClipLoss", lambda: ct.ClipLoss(normalize=value))):
+        with pytest.raises(TypeError, match=rf"{name}: normalize must be a bool"):
+            call()
+
+
+def test_temperature_as_a_0d_tensor():
+    """A 0-d CPU tensor (or NumPy array) is a temperature like a float: the same loss."""
+    z = torch.randn(6, 3, dtype=torch.float64)
+    want = ct.nt_xent(z, 0.25)
+    for t in (torch.tensor(0.25), torch.tensor(0.25, dtype=torch.float64), np.asarray(0.25)):
+        assert torch.equal(ct.nt_xent(z, t), want)
+        assert torch.equal(ct.NTXentLoss(t)(z), want)
+    with pytest.raises(ValueError, match=r"temperature must be a scalar"):
+        ct.nt_xent(z, torch.tensor([0.25, 0.5]))
+
+
+def test_modules_take_a_last_batch_of_one_row():
+    """InfoNCE and ClipLoss on one row (the end of an epoch): defined, finite, the gradient of
+    the in-batch-only loss is zero (log 1), negatives still count."""
+    q = torch.randn(1, 5, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 5, dtype=torch.float64, requires_grad=True)
+    clip = ct.ClipLoss().double()
+    loss = clip(q, k)
+    assert loss.item() == 0.0
+    dq, dk, dls = torch.autograd.grad(loss, (q, k, clip.logit_scale))
+    assert not dq.any() and not dk.any() and dls.item() == 0.0
+    neg = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    loss = ct.InfoNCE()(q, k, neg)
+    want = oracle.info_nce(q, k, 0.1, negatives=neg, normalize=True)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+    assert ct.InfoNCE()(q, k).item() == 0.0
+
+
+def test_exports_only_the_api():
+    """``cupynce.torch`` holds its API, its submodules and nothing borrowed."""
+    public = {n for n in dir(ct) if not n.startswith("_")}
+    submodules = {"modules", "ops"}
+    assert public == set(ct.__all__) | submodules, public ^ (set(ct.__all__) | submodules)

@@ -454,3 +454,13 @@ def test_module_bf16_training_step():
     loss.backward()
     assert a.grad.dtype == torch.bfloat16 and m.logit_scale.grad.dtype == torch.float32
     assert torch.isfinite(m.logit_scale.grad) and np.isfinite(float(loss))
+
+
+def test_cuda_tensor_temperature_is_refused():
+    """A CUDA 0-d tensor as temperature would have to be read back (a synchronisation): a
+    clear TypeError; a CPU one is taken as a float."""
+    z = torch.randn(4, 3, device="cuda")
+    with pytest.raises(TypeError, match=r"nt_xent: temperature must be a real number on the "
+                                        r"host, got a GPU torch\.Tensor"):
+        ct.nt_xent(z, torch.tensor(0.5, device="cuda"))
+    assert torch.equal(ct.nt_xent(z, torch.tensor(0.5)), ct.nt_xent(z, 0.5))

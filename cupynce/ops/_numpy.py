@@ -88,7 +88,16 @@ def normalize(x):
     """``(x / max(||x_i||, NORM_EPS), ||x_i||)`` of the rows, the norms in the accumulator dtype."""
     a = acc_dtype(x.dtype)
     xa = x.astype(a)
-    norm = np.sqrt(np.sum(xa * xa, axis=-1))
+    with np.errstate(over="ignore"):
+        norm = np.sqrt(np.sum(xa * xa, axis=-1))
+    big = np.isinf(norm)
+    if big.any():  # the sum of squares overflowed: ||x|| = m ||x / m||, m = max |x_k| (kernel's)
+        m = np.max(np.abs(xa[big]), axis=-1)
+        fin = np.isfinite(m)  # an inf entry keeps ||x|| = inf
+        scaled = xa[big][fin] / m[fin][:, None]
+        sub = norm[big]
+        sub[fin] = m[fin] * np.sqrt(np.sum(scaled * scaled, axis=-1))
+        norm[big] = sub
     return (xa / np.maximum(norm, NORM_EPS)[..., None]).astype(x.dtype), norm
 
 

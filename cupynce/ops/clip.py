@@ -64,21 +64,22 @@ def _logit_scale_array(xp, ls, acc):
         ls.astype(acc, copy=False).reshape(1)
 
 
-def _check(a, b, logit_scale, reduction, workspace_bytes):
+def _check(a, b, logit_scale, reduction, workspace_bytes, normalize):
     op = "clip_loss"
     xp = _checks.array_module(op, a=a, b=b)
-    _checks.check_matrix(op, "a", a, min_rows=2)
-    _checks.check_matrix(op, "b", b, min_rows=2)
+    _checks.check_matrix(op, "a", a)
+    _checks.check_matrix(op, "b", b)
     if a.shape != b.shape:
         raise ValueError(f"clip_loss: a and b must have the same shape (N pairs, D), "
                          f"got {tuple(a.shape)} and {tuple(b.shape)}")
     _checks.check_same_dtype(op, a=a, b=b)
-    ls, ls_shape = _checks.check_logit_scale(op, logit_scale, xp)
+    ls, ls_shape = _checks.check_logit_scale(op, logit_scale, xp, acc_dtype(a.dtype))
     if xp is not np and not isinstance(ls, float) and ls.device.id != a.device.id:
         raise ValueError(f"clip_loss: logit_scale is on cuda:{ls.device.id} but a is on "
                          f"cuda:{a.device.id}")
     _checks.check_reduction(op, reduction)
     _checks.check_workspace(op, workspace_bytes)
+    _checks.check_bool(op, "normalize", normalize)
     return xp, ls, ls_shape
 
 
@@ -102,7 +103,8 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     ``G_ij = ½[w_i (softmax_row(L)_ij − δ_ij) + w_j (softmax_col(L)_ij − δ_ij)]``.
     The column direction reads the score blocks column-wise: no transposed copy.
     """
-    xp, ls, ls_shape = _check(a, b, logit_scale, reduction, workspace_bytes)
+    xp, ls, ls_shape = _check(a, b, logit_scale, reduction, workspace_bytes, normalize)
+    _checks.check_bool("clip_loss", "requires_grad", requires_grad)
     path = Path(xp)
     n = a.shape[0]
     acc = acc_dtype(a.dtype)
@@ -164,7 +166,7 @@ def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: An
 
     See :func:`nt_xent_backward_from_stats` and :func:`clip_loss_backward`.
     """
-    xp, ls, ls_shape = _check(a, b, logit_scale, reduction, workspace_bytes)
+    xp, ls, ls_shape = _check(a, b, logit_scale, reduction, workspace_bytes, normalize)
     n = a.shape[0]
     check_stats("clip_loss", xp, n, a.dtype, lse_r=lse_r, lse_c=lse_c)
     path = Path(xp)

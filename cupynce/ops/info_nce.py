@@ -21,12 +21,13 @@ __all__ = ["info_nce", "info_nce_forward", "info_nce_backward",
            "info_nce_backward_from_stats"]
 
 
-def _check(query, key, negatives, temperature, reduction, workspace_bytes):
+def _check(query, key, negatives, temperature, reduction, workspace_bytes,
+           normalize):
     op = "info_nce"
     xp = _checks.array_module(op, query=query, key=key, negatives=negatives,
                               optional=("negatives",))
-    _checks.check_matrix(op, "query", query, min_rows=2)
-    _checks.check_matrix(op, "key", key, min_rows=2)
+    _checks.check_matrix(op, "query", query)
+    _checks.check_matrix(op, "key", key)
     if key.shape[0] != query.shape[0]:
         raise ValueError(f"info_nce: query and key must have the same number of rows "
                          f"(paired by row), got {tuple(query.shape)} and {tuple(key.shape)}")
@@ -46,6 +47,7 @@ def _check(query, key, negatives, temperature, reduction, workspace_bytes):
     t = _checks.check_temperature(op, temperature)
     _checks.check_reduction(op, reduction)
     _checks.check_workspace(op, workspace_bytes)
+    _checks.check_bool(op, "normalize", normalize)
     return xp, t
 
 
@@ -86,7 +88,9 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     plus the shared negatives, plus query i's own negatives.  (info-nce-pytorch drops the
     in-batch keys when explicit negatives are given; here they are always candidates.)
     """
-    xp, t = _check(query, key, negatives, temperature, reduction, workspace_bytes)
+    xp, t = _check(query, key, negatives, temperature, reduction, workspace_bytes,
+                   normalize)
+    _checks.check_bool("info_nce", "requires_grad", requires_grad)
     path = Path(xp)
     n = query.shape[0]
     (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
@@ -134,7 +138,8 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
 
     See :func:`nt_xent_backward_from_stats`; ``dnegatives`` is None without negatives.
     """
-    xp, t = _check(query, key, negatives, temperature, reduction, workspace_bytes)
+    xp, t = _check(query, key, negatives, temperature, reduction, workspace_bytes,
+                   normalize)
     n = query.shape[0]
     check_stats("info_nce", xp, n, query.dtype, lse=lse)
     path = Path(xp)

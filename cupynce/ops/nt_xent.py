@@ -27,7 +27,7 @@ __all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward",
            "nt_xent_backward_from_stats"]
 
 
-def _check(z, temperature, reduction, workspace_bytes):
+def _check(z, temperature, reduction, workspace_bytes, normalize):
     op = "nt_xent"
     xp = _checks.array_module(op, z=z)
     _checks.check_matrix(op, "z", z, min_rows=2)
@@ -37,6 +37,7 @@ def _check(z, temperature, reduction, workspace_bytes):
     t = _checks.check_temperature(op, temperature)
     _checks.check_reduction(op, reduction)
     _checks.check_workspace(op, workspace_bytes)
+    _checks.check_bool(op, "normalize", normalize)
     return xp, t
 
 
@@ -72,7 +73,8 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
 
     Equal to ``F.cross_entropy(masked_fill(z @ z.T, eye, -inf) / τ, labels)``.
     """
-    xp, t = _check(z, temperature, reduction, workspace_bytes)
+    xp, t = _check(z, temperature, reduction, workspace_bytes, normalize)
+    _checks.check_bool("nt_xent", "requires_grad", requires_grad)
     path = Path(xp)
     n = z.shape[0]
     z = contig_inputs(xp, z)[0]
@@ -120,7 +122,7 @@ def nt_xent_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, temperature: fl
     the score blocks and the normalisation are recomputed.  Same result as
     :func:`nt_xent_backward` on the forward's context.
     """
-    xp, t = _check(z, temperature, reduction, workspace_bytes)
+    xp, t = _check(z, temperature, reduction, workspace_bytes, normalize)
     check_stats("nt_xent", xp, z.shape[0], z.dtype, lse=lse)
     z = contig_inputs(xp, z)[0]
     zn, norm = prep(Path(xp), z, normalize)

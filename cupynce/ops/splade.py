@@ -227,6 +227,7 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
     reaches the gradients).
     """
     xp, workspace_bytes = _check(x, weight, bias, mask, activation, workspace_bytes)
+    _checks.check_bool("splade_pool", "requires_grad", requires_grad)
     act = _act_code(activation)
     if xp is np:
         out, arg = _np_forward(x, weight, bias, mask, act, workspace_bytes)

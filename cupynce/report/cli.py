@@ -48,43 +48,66 @@ def _csv(kind, allowed: Optional[Sequence[str]] = None, what: str = "value"):
     return parse
 
 
+def _options(p: argparse.ArgumentParser, sub: bool) -> None:
+    """The options every form takes (``python -m cupynce [check|bench] [options]``).  On a
+    subcommand their defaults are SUPPRESS, so that an option given before the subcommand is
+    not reset by the subcommand's default."""
+    d = (lambda value: argparse.SUPPRESS) if sub else (lambda value: value)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      default=d("quick"),
+                      help="a short sweep (the default): 3 sizes per op")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full",
+                      default=d("quick"),
+                      help="the full sweep: more sizes, up to where PyTorch runs out of "
+                           "memory (minutes)")
+    p.add_argument("--ops", type=_csv(str, list(REGISTRY), "op"), default=d(None),
+                   help=f"comma-separated ops (default: every op available: "
+                        f"{', '.join(REGISTRY)})")
+    p.add_argument("--dtype", "--dtypes", dest="dtypes", type=_csv(str, DTYPES, "dtype"),
+                   default=d(None),
+                   help="comma-separated dtypes (default: all four for the check; "
+                        "bfloat16,float32 for the GPU benchmark, float32 on the CPU)")
+    p.add_argument("--out", default=d("cupynce-report"),
+                   help="output folder (default ./cupynce-report/, created if missing)")
+    p.add_argument("--sizes", type=_csv(int, what="integer"), default=d(None),
+                   help="benchmark sizes overriding the sweep: N (rows) for the contrastive "
+                        "losses, V (vocabulary) for splade_pool")
+    p.add_argument("--dim", type=int, default=d(None),
+                   help="benchmark feature size D (default 512 on the GPU, 64 on the CPU; "
+                        "768 / 32 for splade_pool)")
+    p.add_argument("--compile", action="store_true", default=d(False),
+                   help="also time torch.compile of the PyTorch formula (GPU only; compiles "
+                        "once per size and dtype, ~10-30 s each)")
+    p.add_argument("--no-plots", action="store_true", default=d(False),
+                   help="do not draw the PNG plots")
+    p.add_argument("--no-bench", action="store_true", default=d(False),
+                   help=argparse.SUPPRESS)  # old spelling of `check`
+
+
 def parser() -> argparse.ArgumentParser:
+    from cupynce import __version__
+
     p = argparse.ArgumentParser(
         prog="python -m cupynce",
         description="cupynce's report: the machine, a self-check of every op against the "
                     "float64 oracle, and a benchmark against PyTorch and installed peers, "
                     "written to an output folder (results.json, summary.md, PNG plots).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", nargs="?", choices=("check", "bench"), default=None,
-                   help="check: the self-check only; bench: the benchmark only; "
-                        "none: both")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="a short sweep (the default): 3 sizes per op")
-    mode.add_argument("--full", dest="mode", action="store_const", const="full",
-                      help="the full sweep: more sizes, up to where PyTorch runs out of "
-                           "memory (minutes)")
-    p.add_argument("--ops", type=_csv(str, list(REGISTRY), "op"), default=None,
-                   help=f"comma-separated ops (default: every op available: "
-                        f"{', '.join(REGISTRY)})")
-    p.add_argument("--dtype", "--dtypes", dest="dtypes", type=_csv(str, DTYPES, "dtype"),
-                   default=None,
-                   help="comma-separated dtypes (default: all four for the check; "
-                        "bfloat16,float32 for the GPU benchmark, float32 on the CPU)")
-    p.add_argument("--out", default="cupynce-report",
-                   help="output folder (default ./cupynce-report/, created if missing)")
-    p.add_argument("--sizes", type=_csv(int, what="integer"), default=None,
-                   help="benchmark sizes overriding the sweep: N (rows) for the contrastive "
-                        "losses, V (vocabulary) for splade_pool")
-    p.add_argument("--dim", type=int, default=None,
-                   help="benchmark feature size D (default 512 on the GPU, 64 on the CPU; "
-                        "768 / 32 for splade_pool)")
-    p.add_argument("--compile", action="store_true",
-                   help="also time torch.compile of the PyTorch formula (GPU only; compiles "
-                        "once per size and dtype, ~10-30 s each)")
-    p.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
-    p.add_argument("--no-bench", action="store_true", help=argparse.SUPPRESS)  # old spelling
-    p.set_defaults(mode="quick")
+    p.add_argument("--version", action="version", version=f"cupynce {__version__}")
+    _options(p, sub=False)
+    subs = p.add_subparsers(dest="command", metavar="{check,bench}",
+                            title="commands (none: both)")
+    for name, text in (
+            ("check", "the self-check only: every op and dtype against the float64 oracle, "
+                      "loss and gradients, with errors and tolerances; exit status 1 on any "
+                      "failure"),
+            ("bench", "the benchmark only: forward + backward against PyTorch (and "
+                      "torch.compile, memeff, Inf-CL where available) over a sweep of sizes, "
+                      "time, peak memory and errors, with tables and plots")):
+        sp = subs.add_parser(name, help=text.split(":")[0], description=text,
+                             prog=f"python -m cupynce {name}")
+        _options(sp, sub=True)
     return p
 
 

@@ -201,10 +201,8 @@ def scalars(op: str, reduction: str, workspace_bytes: Optional[int]) -> Tuple[st
     return _checks.check_reduction(op, reduction), _checks.check_workspace(op, workspace_bytes)
 
 
-def check_bool(op: str, name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
-    return value
+#: the flag check of the core (one message for both layers)
+check_bool = _checks.check_bool
 
 
 

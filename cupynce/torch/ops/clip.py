@@ -4,6 +4,8 @@ function.
 import numbers
 from typing import Any, Optional, Tuple
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from ... import _checks
@@ -147,11 +149,13 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
         ls_tensor, ls_value = logit_scale, 0.0
     elif isinstance(logit_scale, numbers.Real):
         B.check_tensors(op, a=a, b=b)
-        ls_tensor, ls_value = None, _checks.check_logit_scale(op, logit_scale, None)[0]
+        acc = np.float64 if a.dtype == torch.float64 else np.float32
+        ls_tensor, ls_value = None, _checks.check_logit_scale(op, logit_scale, None, acc)[0]
     else:
         raise TypeError(f"{op}: logit_scale must be a real number or a torch.Tensor of shape () "
                         f"or (1,), got {type(logit_scale).__module__}."
                         f"{type(logit_scale).__name__}")
     fn = ClipLossFunction.apply if R.direct(a, b, ls_tensor) else FWD
-    return fn(a, b, ls_tensor, ls_value, reduction, bool(normalize), workspace_bytes,
+    normalize = _checks.check_bool(op, "normalize", normalize)
+    return fn(a, b, ls_tensor, ls_value, reduction, normalize, workspace_bytes,
               R.fused(reduction, a, b, ls_tensor))[0]

@@ -136,5 +136,6 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
     B.check_tensors("info_nce", optional=("negatives",), query=query, key=key,
                      negatives=negatives)
     fn = InfoNCEFunction.apply if R.direct(query, key, negatives) else FWD
-    return fn(query, key, negatives, t, reduction, bool(normalize), workspace_bytes,
+    normalize = _checks.check_bool("info_nce", "normalize", normalize)
+    return fn(query, key, negatives, t, reduction, normalize, workspace_bytes,
               R.fused(reduction, query, key, negatives))[0]

@@ -118,4 +118,5 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
     reduction, workspace_bytes = R.scalars("nt_xent", reduction, workspace_bytes)
     B.check_tensors("nt_xent", z=z)
     fn = NTXentFunction.apply if R.direct(z) else FWD
-    return fn(z, t, reduction, bool(normalize), workspace_bytes, R.fused(reduction, z))[0]
+    normalize = _checks.check_bool("nt_xent", "normalize", normalize)
+    return fn(z, t, reduction, normalize, workspace_bytes, R.fused(reduction, z))[0]
