@@ -375,3 +375,33 @@ def test_options_before_and_after_the_command(tmp_path):
         assert main(argv + ["--ops", "nt_xent", "--out", str(out)]) == 0
         doc = _strict_json(out / "results.json")
         assert {c["dtype"] for c in doc["checks"]} == {"float32"}
+
+
+def test_sizes_without_a_reference_say_so(monkeypatch, tmp_path):
+    """Sizes where no float64 reference fits keep their rows and say why the errors are
+    missing (the error columns used to vanish silently)."""
+    from cupynce.report import runner
+
+    monkeypatch.setattr(runner, "_reference", lambda *a, **k: (None, None))
+    rc = main(["bench", "--ops", "nt_xent", "--dtype", "float32", "--sizes", "16,24",
+               "--out", str(tmp_path), "--no-plots"])
+    assert rc == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert "No errors at N = 16, 24: no float64 reference there" in md
+
+
+def test_tables_show_the_spread_and_the_noise():
+    """ms cells carry the 20-80 % range; a speed-up whose two ranges overlap is marked ≈."""
+    from cupynce.report import runner
+
+    def rec(impl, med, lo, hi):
+        return dict(op="nt_xent", dtype="float32", size=16, impl=impl, status="ok",
+                    median_ms=med, p20_ms=lo, p80_ms=hi, peak_bytes=1 << 20, loss_err=1e-7,
+                    grad_err=1e-6, shape_text="N=16, D=8")
+    noisy = [rec("cupynce", 1.0, 0.9, 1.2), rec("pytorch", 1.1, 1.0, 1.3)]
+    clear = [rec("cupynce", 1.0, 0.95, 1.05), rec("pytorch", 2.0, 1.9, 2.1)]
+    (_, t1), = runner.bench_tables(noisy)
+    (_, t2), = runner.bench_tables(clear)
+    assert "1.00 (0.900–1.20)" in t1 and "≈1.10×" in t1
+    assert "2.00×" in t2 and "≈" not in t2
+    assert runner.within_noise(noisy[0], noisy[1]) and not runner.within_noise(*clear)

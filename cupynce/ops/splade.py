@@ -133,25 +133,28 @@ def _np_forward(x, weight, bias, mask, act, workspace_bytes):
     dt = x.dtype
     a = acc_dtype(dt)
     half = dt.itemsize == 2
-    xa = x.astype(a).reshape(b * l, d)
+    xa = x.astype(a, copy=False).reshape(b * l, d)
     keep = None if mask is None else (np.asarray(mask) != 0)
+    drop = None if keep is None or keep.all() else ~keep  # masked positions, if any
     idt = index_dtype(l)
     out = np.empty((b, v), dt)
     arg = np.empty((b, v), idt)
-    step = _np_step(2 * b * l * a.itemsize, workspace_bytes)  # the logits and their masked copy
+    step = _np_step(2 * b * l * a.itemsize, workspace_bytes)  # the logits (and a rounded copy)
     empty = None if keep is None else ~keep.any(axis=1)[:, None]  # all-masked rows give 0
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
-        logits = xa @ weight[v0:v1].astype(a).T
+        # (vc, B, L): the max over the sequence reduces the contiguous last axis
+        logits = weight[v0:v1].astype(a, copy=False) @ xa.T
         if half:  # the GPU path stores the logits in the input dtype before the max
             logits = logits.astype(dt).astype(a)
-        logits = logits.reshape(b, l, v1 - v0)
-        if keep is not None:
-            logits = np.where(keep[:, :, None], logits, -np.inf)
-        idx = np.argmax(logits, axis=1)  # first occurrence: ties go to the lowest l; NaN wins
-        m = np.take_along_axis(logits, idx[:, None, :], axis=1)[:, 0, :]
+        logits = logits.reshape(v1 - v0, b, l)
+        if drop is not None:
+            logits[:, drop] = -np.inf  # (in place: the chunk's own buffer)
+        idx = np.argmax(logits, axis=2)  # first occurrence: ties go to the lowest l; NaN wins
+        m = np.take_along_axis(logits, idx[:, :, None], axis=2)[:, :, 0].T
+        idx = idx.T
         if bias is not None:
-            m = m + bias[v0:v1].astype(a)
+            m = m + bias[v0:v1].astype(a, copy=False)
         val = _np_act(m, act)
         if empty is not None:
             val, idx = np.where(empty, 0, val), np.where(empty, 0, idx)
@@ -161,24 +164,48 @@ def _np_forward(x, weight, bias, mask, act, workspace_bytes):
 
 
 def _np_backward(x, weight, out, arg, g, has_bias, act, workspace_bytes=None):
+    """The sparse backward on the CPU, in vocabulary chunks.
+
+    Finite x and W (the usual case): each chunk's g' goes into a one-hot (B, L, vc) block
+    G[b, l*(b, v), v] = g'[b, v], and two BLAS products give dx += G W_chunk and
+    dW_chunk = Gᵀ x, as PyTorch's CPU autograd of the formula does (an order of magnitude
+    faster than scattering).  Where x or the chunk's W holds inf / NaN, a zero of G would
+    multiply it into the result, so such chunks take the exact sparse form, which touches only
+    the active entries.  Deterministic either way (fixed-order products, no atomics).
+    """
     b, l, d = x.shape
     v = weight.shape[0]
     dt = x.dtype
     a = acc_dtype(dt)
-    xa = x.astype(a)
+    xa = x.astype(a, copy=False)
+    x_finite = bool(np.isfinite(xa).all())
     gp = _np_gprime(out, g.astype(dt).astype(a), act)  # grad_out in out's dtype, as on the GPU
     dxa = np.zeros((b, l, d), a)
     dw = np.empty((v, d), dt)
     bi = np.arange(b)[:, None]
-    step = _np_step(2 * b * d * a.itemsize, workspace_bytes)
+    step = _np_step(max(b * l, 2 * b * d) * a.itemsize, workspace_bytes)
+    x2, dx2 = xa.reshape(b * l, d), dxa.reshape(b * l, d)
+    onehot = None  # the (B, L, vc) block, zeroed once and cleared entry by entry after use
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         idx = arg[:, v0:v1].astype(np.intp)
         w = gp[:, v0:v1]
+        wc = weight[v0:v1].astype(a, copy=False)
+        if x_finite and np.isfinite(wc).all():
+            if onehot is None:
+                onehot = np.zeros((b, l, min(step, v)), a)
+            blk = onehot[:, :, :v1 - v0]
+            np.put_along_axis(blk, idx[:, None, :], w[:, None, :], axis=1)
+            flat = blk.reshape(b * l, v1 - v0) if blk.flags.c_contiguous else \
+                np.ascontiguousarray(blk).reshape(b * l, v1 - v0)
+            dx2 += flat @ wc  # one (B L x vc) (vc x D) product
+            dw[v0:v1] = (flat.T @ x2).astype(dt)
+            np.put_along_axis(blk, idx[:, None, :], 0, axis=1)
+            continue
         on = (w != 0)[..., None]  # inactive entries contribute exactly nothing (not 0 * inf)
         rows = np.where(on, xa[bi, idx], 0)  # (B, vc, D): the winning x row of every (b, v)
         dw[v0:v1] = np.einsum("bv,bvd->vd", w, rows).astype(dt)
-        contrib = np.where(on, w[..., None] * weight[v0:v1].astype(a)[None], 0)
+        contrib = np.where(on, w[..., None] * wc[None], 0)
         np.add.at(dxa, (np.broadcast_to(bi, idx.shape), idx), contrib)  # sequential: deterministic
     dbias = gp.sum(axis=0).astype(dt) if has_bias else None
     return dxa.astype(dt), dw, dbias

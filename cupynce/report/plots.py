@@ -106,6 +106,20 @@ def _series(recs, impl, dtype, key, scale=1.0):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _spread(recs, impl, dtype, xs):
+    """The 20-80 % range of the repeats at each size of a time series, as error bars
+    (``yerr`` rows: below, above the median); None where the records lack it."""
+    by = {r["size"]: r for r in recs if r["impl"] == impl and r["dtype"] == dtype}
+    lo, hi = [], []
+    for x in xs:
+        r = by[x]
+        if r.get("p20_ms") is None or r.get("p80_ms") is None:
+            return None
+        lo.append(max(r["median_ms"] - r["p20_ms"], 0.0))
+        hi.append(max(r["p80_ms"] - r["median_ms"], 0.0))
+    return [lo, hi]
+
+
 def _legend(fig, used: Dict[Tuple[str, str], bool], oom: bool, oom_text: str) -> None:
     handles = []
     for (impl, dtype) in used:
@@ -180,6 +194,10 @@ def _line_plot(records, path: Path, *, key: str, scale: float, ylabel: str, metr
                 if xs:
                     ls, marker, _ = DTYPE_STYLE.get(dt, ("-", "o", dt))
                     ax.plot(xs, ys, linestyle=ls, marker=marker, color=color, markersize=5)
+                    err = _spread(recs, impl, dt, xs) if key == "median_ms" else None
+                    if err is not None:  # the 20-80 % range of the repeats
+                        ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor=color, capsize=3,
+                                    elinewidth=1)
                     used[(impl, dt)] = True
                     vals += ys
                 if key in ("median_ms", "peak_bytes"):
@@ -206,7 +224,8 @@ def _line_plot(records, path: Path, *, key: str, scale: float, ylabel: str, metr
 def _speedup_plot(records, path: Path, *, title: str, subtitle: str,
                   size_labels: Dict[str, str]) -> str:
     fig, ops, axes = _figure(records, "Speedup of cupynce: other implementation's time ÷ "
-                             "cupynce's time (> 1: cupynce is faster)", title, subtitle,
+                             "cupynce's time (> 1: cupynce is faster; bars: from the 20–80 % "
+                             "ranges)", title, subtitle,
                              _legend_rows(records, skip=("cupynce",)))
     used: Dict[Tuple[str, str], bool] = {}
     any_oom = False
@@ -222,7 +241,7 @@ def _speedup_plot(records, path: Path, *, title: str, subtitle: str,
                 ours = {r["size"]: r for r in recs if r["impl"] == "cupynce"
                         and r["dtype"] == dt and r["status"] == "ok"}
                 theirs = {r["size"]: r for r in recs if r["impl"] == impl and r["dtype"] == dt}
-                xs, ys, oom = [], [], []
+                xs, ys, oom, lo, hi = [], [], [], [], []
                 for size, t in sorted(theirs.items()):
                     c = ours.get(size)
                     if c is None:
@@ -230,11 +249,17 @@ def _speedup_plot(records, path: Path, *, title: str, subtitle: str,
                     if t["status"] == "ok" and t.get("median_ms") and c.get("median_ms"):
                         xs.append(size)
                         ys.append(t["median_ms"] / c["median_ms"])
+                        # the ratio's range from the two 20-80 % ranges (theirs / ours)
+                        lo.append(t.get("p20_ms", t["median_ms"]) / c.get("p80_ms", c["median_ms"]))
+                        hi.append(t.get("p80_ms", t["median_ms"]) / c.get("p20_ms", c["median_ms"]))
                     elif t["status"] == "oom":
                         oom.append(size)
                 if xs:
                     ls, marker, _ = DTYPE_STYLE.get(dt, ("-", "o", dt))
                     ax.plot(xs, ys, linestyle=ls, marker=marker, color=color, markersize=5)
+                    ax.errorbar(xs, ys, yerr=[[max(y - a, 0.0) for y, a in zip(ys, lo)],
+                                              [max(b - y, 0.0) for y, b in zip(ys, hi)]],
+                                fmt="none", ecolor=color, capsize=3, elinewidth=1)
                     vals += ys
                     used[(impl, dt)] = True
                 if oom:

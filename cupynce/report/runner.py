@@ -214,8 +214,8 @@ def _host(x):
 # ------------------------------------------------------------------------------------------
 def schedule(gpu: bool, mode: str, spec: OpSpec, shape: Dict[str, Any]) -> Tuple[int, int]:
     """(warm-up, repeats): fewer at the largest sizes, where one call takes ~0.1-1 s."""
-    if not gpu:
-        return (1, 5) if mode == "quick" else (2, 7)
+    if not gpu:  # host timings scatter (other processes, caches): more repeats for the median
+        return (2, 15) if mode == "quick" else (3, 25)
     size = shape[spec.size_key]
     big = {"n": 32768, "v": 105879}.get(spec.size_key, 1 << 62)
     huge = {"n": 65536, "v": 250002}.get(spec.size_key, 1 << 62)
@@ -432,10 +432,31 @@ def check_table(rows: Sequence[Dict[str, Any]]) -> str:
 
 
 def _cell_ms(r: Optional[Dict[str, Any]]) -> str:
+    """The median and, in brackets, the 20-80 % range of the repeats."""
     if r is None:
         return "—"
-    return {"oom": "OOM", "error": "error", "skipped": "—"}.get(r["status"]) or \
-        H.fmt_ms(r.get("median_ms"))
+    bad = {"oom": "OOM", "error": "error", "skipped": "—"}.get(r["status"])
+    if bad:
+        return bad
+    cell = H.fmt_ms(r.get("median_ms"))
+    if r.get("p20_ms") is not None and r.get("p80_ms") is not None:
+        cell += f" ({H.fmt_ms(r['p20_ms'])}–{H.fmt_ms(r['p80_ms'])})"
+    return cell
+
+
+def within_noise(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]]) -> bool:
+    """Whether two timings' 20-80 % ranges overlap: their ratio is then not a measured
+    difference."""
+    try:
+        return a["p20_ms"] <= b["p80_ms"] and b["p20_ms"] <= a["p80_ms"]
+    except (KeyError, TypeError):
+        return False
+
+
+def _speedup_cell(other: Optional[Dict[str, Any]], ours: Optional[Dict[str, Any]]) -> str:
+    """other ÷ cupynce, marked ≈ when the two are within the noise."""
+    text = H.fmt_ratio(_ratio(other, ours, "median_ms"))
+    return "≈" + text if text != "—" and within_noise(other, ours) else text
 
 
 def _cell_mib(r: Optional[Dict[str, Any]]) -> str:
@@ -472,8 +493,7 @@ def bench_tables(records: Sequence[Dict[str, Any]]) -> List[Tuple[str, str]]:
             cols.append((f"{SHORT[i]} MiB", lambda by, s, i=i: _cell_mib(by.get(i))))
         for i in others:
             cols.append((f"speedup vs {SHORT[i]}",
-                         lambda by, s, i=i: H.fmt_ratio(_ratio(by.get(i), by.get("cupynce"),
-                                                               "median_ms"))))
+                         lambda by, s, i=i: _speedup_cell(by.get(i), by.get("cupynce"))))
         for i in others:
             cols.append((f"memory saved vs {SHORT[i]}",
                          lambda by, s, i=i: H.fmt_ratio(_ratio(by.get(i), by.get("cupynce"),
@@ -492,15 +512,25 @@ def bench_tables(records: Sequence[Dict[str, Any]]) -> List[Tuple[str, str]]:
         rows = [[row[j] for j in keep] for row in rows]
         fixed = ", ".join(p for p in recs[0]["shape_text"].split(", ")
                           if not p.startswith(size_name + "="))
-        out.append((f"{op}, {dname} ({fixed})", H.markdown_table(headers, rows)))
+        table = H.markdown_table(headers, rows)
+        blind = sorted(r["size"] for r in recs if r["impl"] == "cupynce" and r["status"] == "ok"
+                       and r.get("loss_err") is None)
+        if blind:  # say why those rows have no error columns rather than drop them silently
+            table += (f"\n\nNo errors at {size_name} = {', '.join(map(str, blind))}: no float64 "
+                      f"reference there (the oracle needs more than {ORACLE_MAX_BYTES >> 30} "
+                      f"GiB of host memory at that size, and the PyTorch formula in float64 "
+                      f"was not available or ran out of memory).")
+        out.append((f"{op}, {dname} ({fixed})", table))
     return out
 
 
 BENCH_LEGEND = (
-    "ms: median forward + backward time ({timer}); MiB: peak memory above the inputs during "
+    "ms: median forward + backward time ({timer}), in brackets the 20–80 % range of the "
+    "repeats; MiB: peak memory above the inputs during "
     "one forward + backward ({mem}); eager: the plain PyTorch formula. speedup vs X = X's "
     "time ÷ cupynce's time; memory saved vs X = X's peak ÷ cupynce's peak (> 1: cupynce is "
-    "faster / lighter). OOM: out of memory (a result, not a crash); error: see results.json; "
+    "faster / lighter); ≈: within the noise, the two 20–80 % ranges overlap. OOM: out of "
+    "memory (a result, not a crash); error: see results.json; "
     "—: not measured. loss err / grad err: ‖x − ref‖ / ‖ref‖ of the loss (SPLADE: the output) "
     "and of the worst input gradient against float64 ({ref}). splade_pool in 16-bit dtypes: "
     "rounding the logits may move the max to a near-tied position, for PyTorch as for "
