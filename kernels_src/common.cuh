@@ -197,42 +197,37 @@ __device__ __forceinline__ void block_lse(Lse<A>& st, A* sh) {
     st.m = sh[0]; st.s = sh[32];
 }
 
-// The block-wide maximum (NaN-free inputs; order does not matter for a max).  `sh`: 32 slots.
-template <typename A>
-__device__ __forceinline__ A block_max(A v, A* sh) {
+// Block-wide reduction in a fixed order (deterministic): xor-shuffles inside each warp, then
+// warp 0 over the warps' results.  op(a, b) combines two values; lanes past the warp count
+// hold A(0), the identity of both uses below.  `sh` needs 32 slots.
+template <typename A, typename Op>
+__device__ __forceinline__ A block_reduce(A v, A* sh, Op op) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) { const A w = __shfl_xor_sync(0xffffffffu, v, o); v = w > v ? w : v; }
-    __syncthreads();
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();  // protect `sh` from a previous use
     if (lane == 0) sh[warp] = v;
     __syncthreads();
     if (warp == 0) {
         const int nw = blockDim.x >> 5;
         A t = lane < nw ? sh[lane] : A(0);
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) { const A w = __shfl_xor_sync(0xffffffffu, t, o); t = w > t ? w : t; }
+        for (int o = 16; o > 0; o >>= 1) t = op(t, __shfl_xor_sync(0xffffffffu, t, o));
         if (lane == 0) sh[0] = t;
     }
     __syncthreads();
     return sh[0];
 }
 
+struct SumOp {
+    template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
+};
+struct MaxOp {  // (of non-negative, NaN-free values: A(0) is its identity)
+    template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return b > a ? b : a; }
+};
+
 template <typename A>
-__device__ __forceinline__ A block_sum(A v, A* sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        const int nw = blockDim.x >> 5;
-        A t = lane < nw ? sh[lane] : A(0);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-        if (lane == 0) sh[0] = t;
-    }
-    __syncthreads();
-    A r = sh[0];
-    return r;
-}
+__device__ __forceinline__ A block_sum(A v, A* sh) { return block_reduce(v, sh, SumOp()); }
+
+template <typename A>
+__device__ __forceinline__ A block_max(A v, A* sh) { return block_reduce(v, sh, MaxOp()); }
