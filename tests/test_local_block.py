@@ -1,0 +1,141 @@
+"""The rank-local blocks of the global losses (``cupynce.ops._local``), with P emulated ranks.
+
+Each rank's block (its rows against its own columns and every other rank's) must give its rows
+of the single-process loss on the concatenated batch; the row-side gradients plus the
+column-side gradients summed over ranks (what the reduce-scatter of the distributed ops does)
+must give the single-process gradients.  Oracle: the float64 reference (``cupynce.reference``).
+Runs on the NumPy path here (CI) and, in ``test_gpu_local_block``, on the GPU paths.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from cupynce import reference as ref
+from cupynce.ops import _base, _local
+from cupynce.ops._base import reduce, weights
+
+TOL = {np.dtype(np.float64): (1e-12, 1e-12), np.dtype(np.float32): (1e-5, 1e-4)}
+
+
+def rel(x, r) -> float:
+    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
+    den = np.linalg.norm(r.ravel())
+    return float(np.linalg.norm((x - r).ravel()) / (den if den > 0 else 1.0))
+
+
+def nt_xent_ranks(xp, Z, P, t, reduction, g, to=np.asarray):
+    """(per-row loss in global order, dZ) from P emulated ranks' NT-Xent blocks."""
+    n2g, d = Z.shape
+    N = n2g // 2
+    n = N // P
+    a = np.dtype(np.float64) if Z.dtype == np.float64 else np.dtype(np.float32)
+    path = _base.Path(xp)
+    loss = np.empty(n2g)
+    dZ = np.zeros((n2g, d))
+    for r in range(P):
+        mine = np.r_[np.arange(r * n, (r + 1) * n), N + np.arange(r * n, (r + 1) * n)]
+        others = np.setdiff1d(np.arange(n2g), mine)  # every other rank's rows (global order)
+        z = to(Z[mine])
+        # per-row weights: the rank's slice ("none"); else 1 / (global count) for the mean
+        w = weights(xp, to(g[mine]) if reduction == "none" else g, reduction,
+                    len(mine) if reduction == "none" else n2g, a)
+        _, lr, (dq, dk, do) = _local.nt_xent_block(
+            path, z, to(Z[others]) if P > 1 else None, 1.0 / t, lse_in=None, weights=w,
+            want_grad=True, workspace_bytes=None)
+        loss[mine] = _np(lr)
+        dZ[mine] += _np(dq) + _np(dk)
+        if P > 1:
+            dZ[others] += _np(do)
+    return loss, dZ
+
+
+def info_nce_ranks(xp, Q, K, S, Np_, P, t, reduction, g, to=np.asarray):
+    """(per-row loss, dQ, dK, dS, dNp) from P emulated ranks' InfoNCE blocks; S (P m, D):
+    every rank's m shared negatives in rank order; Np_ (N, Mp, D): per-query negatives."""
+    N, d = Q.shape
+    n = N // P
+    a = np.dtype(np.float64) if Q.dtype == np.float64 else np.dtype(np.float32)
+    path = _base.Path(xp)
+    loss = np.empty(N)
+    dQ, dK = np.zeros((N, d)), np.zeros((N, d))
+    dS = None if S is None else np.zeros(S.shape)
+    dNp = None if Np_ is None else np.zeros(Np_.shape)
+    for r in range(P):
+        mine = np.arange(r * n, (r + 1) * n)
+        other_keys = np.setdiff1d(np.arange(N), mine)
+        parts = [K[other_keys]] + ([S] if S is not None else [])
+        others = np.concatenate(parts) if sum(len(p) for p in parts) else None
+        w = weights(xp, to(g[mine]) if reduction == "none" else g, reduction,
+                    len(mine) if reduction == "none" else N, a)
+        _, lr, (dq, dk, do, dnp) = _local.info_nce_block(
+            path, to(Q[mine]), to(K[mine]), None if others is None else to(others),
+            None if Np_ is None else to(Np_[mine]), 1.0 / t, lse_in=None, weights=w,
+            want_grad=True, workspace_bytes=None)
+        loss[mine] = _np(lr)
+        dQ[mine] += _np(dq)
+        dK[mine] += _np(dk)
+        if others is not None:
+            do = _np(do)
+            dK[other_keys] += do[:len(other_keys)]
+            if S is not None:
+                dS += do[len(other_keys):]
+        if Np_ is not None:
+            dNp[mine] = _np(dnp)
+    return loss, dQ, dK, dS, dNp
+
+
+def _np(x):
+    if x is None:
+        return None
+    if type(x).__module__.startswith("cupy"):
+        x = x.get()
+    return np.asarray(x, np.float64)
+
+
+def _reduced(loss, reduction):
+    return reduce(np, loss, reduction)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_nt_xent_blocks_give_the_global_loss(P, reduction, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"nt{P}{reduction}{dtype}".encode()))
+    n, d = 3, 5
+    Z = (rng.standard_normal((2 * n * P, d)) / np.sqrt(d)).astype(dtype)
+    g = rng.standard_normal(2 * n * P) if reduction == "none" else 0.7
+    want, (dz_want,) = ref.nt_xent(Z, 0.3, reduction=reduction, grad_loss=g)
+    loss, dZ = nt_xent_ranks(np, Z, P, 0.3, reduction, g)
+    tl, tg = TOL[np.dtype(dtype)]
+    assert rel(_reduced(loss, reduction), want) <= tl
+    assert rel(dZ, dz_want) <= tg
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("neg", [None, "shared", "paired"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_info_nce_blocks_give_the_global_loss(P, reduction, neg, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"in{P}{reduction}{neg}{dtype}".encode()))
+    n, d, m = 4, 6, 2
+    N = n * P
+
+    def arr(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(d)).astype(dtype)
+
+    Q, K = arr(N, d), arr(N, d)
+    S = arr(m * P, d) if neg == "shared" else None  # each rank's m, in rank order
+    Np_ = arr(N, m, d) if neg == "paired" else None
+    g = rng.standard_normal(N) if reduction == "none" else 0.7
+    negs = S if neg == "shared" else Np_
+    want, (dq_w, dk_w, dn_w) = ref.info_nce(Q, K, 0.2, negatives=negs, reduction=reduction,
+                                            grad_loss=g)
+    loss, dQ, dK, dS, dNp = info_nce_ranks(np, Q, K, S, Np_, P, 0.2, reduction, g)
+    tl, tg = TOL[np.dtype(dtype)]
+    assert rel(_reduced(loss, reduction), want) <= tl
+    assert rel(dQ, dq_w) <= tg and rel(dK, dk_w) <= tg
+    if neg is not None:
+        assert rel(dS if neg == "shared" else dNp, dn_w) <= tg
