@@ -82,20 +82,23 @@ class InfoNCELoss(nn.Module):
     use_cublas : bool, default False — no effect (see above)
     reduction : "mean" (default) | "sum" | "none" (keyword-only)
     normalize : bool, default False (keyword-only)
+    group : torch.distributed process group, optional (keyword-only) — the loss of the group's
+        global batch (see :func:`nt_xent`)
     """
 
     def __init__(self, temperature: float = 0.5, use_cublas: bool = False, *,
-                 reduction: str = "mean", normalize: bool = False) -> None:
+                 reduction: str = "mean", normalize: bool = False, group: Any = None) -> None:
         super().__init__()
         name = type(self).__name__
         self.temperature = _checks.check_temperature(name, temperature)
         self.use_cublas = R.check_bool(name, "use_cublas", use_cublas)
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
+        self.group = group  # a torch.distributed group: the global batch's loss (nt_xent)
 
     def forward(self, features: Tensor) -> Tensor:
         return nt_xent(features, self.temperature, reduction=self.reduction,
-                       normalize=self.normalize)
+                       normalize=self.normalize, group=self.group)
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, use_cublas={self.use_cublas}, "
@@ -120,7 +123,8 @@ class InfoNCE(nn.Module):
     _MODES = {"unpaired": (2, "(M, D)"), "paired": (3, "(N, M, D)")}
 
     def __init__(self, temperature: float = 0.1, reduction: str = "mean",
-                 negative_mode: str = "unpaired", *, normalize: bool = True) -> None:
+                 negative_mode: str = "unpaired", *, normalize: bool = True,
+                 group: Any = None) -> None:
         super().__init__()
         self.temperature = _checks.check_temperature("InfoNCE", temperature)
         self.reduction = _checks.check_reduction("InfoNCE", reduction)
@@ -129,6 +133,7 @@ class InfoNCE(nn.Module):
                              f"got {negative_mode!r}")
         self.negative_mode = negative_mode
         self.normalize = R.check_bool("InfoNCE", "normalize", normalize)
+        self.group = group  # a torch.distributed group: the global batch's loss (info_nce)
 
     def forward(self, query: Tensor, key: Tensor, negatives: Optional[Tensor] = None) -> Tensor:
         if isinstance(negatives, Tensor):
@@ -137,7 +142,7 @@ class InfoNCE(nn.Module):
                 raise ValueError(f"InfoNCE: negative_mode={self.negative_mode!r} expects "
                                  f"negatives of shape {shape}, got {tuple(negatives.shape)}")
         return info_nce(query, key, self.temperature, negatives=negatives,
-                        reduction=self.reduction, normalize=self.normalize)
+                        reduction=self.reduction, normalize=self.normalize, group=self.group)
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, reduction={self.reduction!r}, "

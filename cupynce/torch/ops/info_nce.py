@@ -1,7 +1,7 @@
 """Query/key InfoNCE for PyTorch: op bodies, torch.compile shapes, autograd, custom ops, the
 public function.
 """
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from torch import Tensor
 
@@ -108,7 +108,8 @@ else:  # pragma: no cover - exercised only on torch < 2.4
 
 def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
              negatives: Optional[Tensor] = None, reduction: str = "mean",
-             normalize: bool = False, workspace_bytes: Optional[int] = None) -> Tensor:
+             normalize: bool = False, workspace_bytes: Optional[int] = None,
+             group: Optional[Any] = None) -> Tensor:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
 
     Parameters
@@ -120,6 +121,11 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
         (M, D) shared by every query, or (N, M, D) per query; differentiable.
     reduction, normalize, workspace_bytes : as for :func:`nt_xent` (``normalize`` applies to
         query, key and negatives alike).
+    group : torch.distributed process group, optional
+        The loss of the group's global batch (queries and keys concatenated in rank order):
+        every rank's keys are candidates of every query, shared (M, D) negatives of every rank
+        join every query's candidates, per-query (n, M, D) negatives stay with their query.
+        Gradient convention: DDP's (``cupynce.torch.distributed``).
 
     Returns
     -------
@@ -135,6 +141,11 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
     reduction, workspace_bytes = R.scalars("info_nce", reduction, workspace_bytes)
     B.check_tensors("info_nce", optional=("negatives",), query=query, key=key,
                      negatives=negatives)
+    if group is not None:
+        from .. import distributed
+
+        return distributed.info_nce(query, key, negatives, t, reduction, _checks.check_bool(
+            "info_nce", "normalize", normalize), workspace_bytes, group)
     fn = InfoNCEFunction.apply if R.direct(query, key, negatives) else FWD
     normalize = _checks.check_bool("info_nce", "normalize", normalize)
     return fn(query, key, negatives, t, reduction, normalize, workspace_bytes,

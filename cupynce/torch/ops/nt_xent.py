@@ -1,7 +1,7 @@
 """NT-Xent for PyTorch: the op bodies on tensors, their shapes for torch.compile, autograd,
 the registered custom ops and the public function.
 """
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from torch import Tensor
 
@@ -89,7 +89,8 @@ else:  # pragma: no cover - exercised only on torch < 2.4
 
 
 def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
-            normalize: bool = False, workspace_bytes: Optional[int] = None) -> Tensor:
+            normalize: bool = False, workspace_bytes: Optional[int] = None,
+            group: Optional[Any] = None) -> Tensor:
     """SimCLR's NT-Xent loss of ``z`` (2B, D), differentiable w.r.t. ``z``.
 
     Parameters
@@ -102,6 +103,13 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
         L2-normalise the rows first (as ``F.normalize``); the gradient goes through it.
     workspace_bytes : int, optional
         Cap on the score-block workspace (CUDA); default ``min(1 GiB, half the free memory)``.
+    group : torch.distributed process group, optional
+        The loss of the group's *global* batch: each rank passes its own (2n, D)
+        ``z = [view 1 of its n images; view 2 of them]``; the global batch is [every rank's
+        view 1 in rank order; every rank's view 2 in rank order], each row's positive its
+        image's other view, every other row of every rank a negative.  Every rank returns the
+        global loss (its own rows of it for "none"); the gradient follows DDP's convention
+        (``cupynce.torch.distributed``).  None (default): this process alone.
 
     Returns
     -------
@@ -117,6 +125,11 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
     t = _checks.check_temperature("nt_xent", temperature)
     reduction, workspace_bytes = R.scalars("nt_xent", reduction, workspace_bytes)
     B.check_tensors("nt_xent", z=z)
+    if group is not None:
+        from .. import distributed
+
+        return distributed.nt_xent(z, t, reduction, _checks.check_bool(
+            "nt_xent", "normalize", normalize), workspace_bytes, group)
     fn = NTXentFunction.apply if R.direct(z) else FWD
     normalize = _checks.check_bool("nt_xent", "normalize", normalize)
     return fn(z, t, reduction, normalize, workspace_bytes, R.fused(reduction, z))[0]

@@ -1,0 +1,320 @@
+"""The global InfoNCE family over ``torch.distributed``: every rank gets the loss of the whole batch.
+
+``cupynce.torch.nt_xent(z, ..., group=g)`` and ``info_nce(query, key, ..., group=g)`` (and the
+modules' ``group=``) route here.  With P ranks in ``g``, each holding n local rows (the same n
+everywhere; the global batch is the concatenation in rank order):
+
+* forward: the column-side rows (NT-Xent: z; InfoNCE: the keys and the shared negatives) are
+  all-gathered, O(N·D) bytes per rank; each rank computes its rows against every column with
+  the single-process engine (``cupynce.ops._local``) — never an n × N logits matrix in memory;
+  the loss of the mean / sum is all-reduced (a scalar), so every rank returns the global loss;
+  ``reduction="none"`` returns the rank's own rows of the global per-row loss;
+* backward: the column-side gradients are reduce-scattered (NCCL; all-reduce and slice on
+  backends without reduce-scatter, such as gloo) to the ranks that own those rows, in float32
+  (float64 for float64 inputs).
+
+**Gradient convention (DDP).** ``DistributedDataParallel`` averages the parameter gradients
+over the ranks, so each rank's backward returns P times the gradient of the global loss with
+respect to its local rows: after DDP's average the parameter gradients equal those of one
+process training on the whole batch.  Every rank of the group must run the backward (as under
+DDP), since it holds a collective.
+
+Checks: every rank exchanges its local shapes, dtype and device first (a small all-gather), so
+that mismatched local sizes, dtypes or devices raise the same ``ValueError`` on every rank —
+never a hang or a wrong number.  Deterministic for a fixed world size (fixed-order products,
+the backend's fixed-order collectives).  Eager autograd (``torch.compile`` graph-breaks here).
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..ops import _base, _local
+from . import _bridge as B
+from . import _registry as R
+
+_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def world(group) -> Tuple[int, int]:
+    """(this rank's index in ``group``, the group's size)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _comm_device(group, like: Tensor) -> torch.device:
+    """Where the group's collectives run: the current GPU for NCCL, else the inputs' device."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return like.device
+
+
+def check_group(op: str, group, tensors: Sequence[Optional[Tensor]],
+                names: Sequence[str]) -> Tuple[int, int]:
+    """Exchange every rank's local shapes, dtype and device; raise on every rank if they differ.
+
+    Returns (rank, P).  The first collective of each call: a rank whose inputs are wrong still
+    takes part, so the others never wait on it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{op}: group={group!r} needs torch.distributed to be initialised "
+                         f"(torch.distributed.init_process_group)")
+    rank, size = world(group)
+    nccl = dist.get_backend(group) == "nccl"
+    first = next(t for t in tensors if t is not None)
+    bad_device = any(t is not None and (t.device.type != "cuda") == nccl for t in tensors) \
+        if nccl else False
+    dev = _comm_device(group, first)
+    meta: List[int] = [int(bad_device)]
+    for t in tensors:  # 5 integers a tensor: rank of the array, its shape (padded), dtype
+        shape = [int(s) for s in t.shape[:3]] + [0] * (3 - min(t.dim(), 3)) if t is not None \
+            else [0, 0, 0]
+        meta += [-1, 0, 0, 0, 0] if t is None else \
+            [t.dim()] + shape + [_DTYPE_CODE.get(t.dtype, 0)]
+    mine = torch.tensor(meta, dtype=torch.int64, device=dev)
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group=group)
+    rows = [e.tolist() for e in every]  # (a host read of a few integers: the shape check)
+    if any(r[0] for r in rows):
+        where = [i for i, r in enumerate(rows) if r[0]]
+        raise ValueError(f"{op}: the group's backend is NCCL, which carries CUDA tensors only; "
+                         f"rank(s) {where} passed CPU tensors")
+    if any(r != rows[0] for r in rows):
+        desc = "; ".join(
+            f"rank {i}: " + ", ".join(
+                f"{n} {tuple(r[2 + 5 * j:2 + 5 * j + r[1 + 5 * j]])}"
+                for j, n in enumerate(names) if r[1 + 5 * j] >= 0)
+            for i, r in enumerate(rows))
+        raise ValueError(f"{op}: every rank of the group must pass the same local shapes and "
+                         f"dtypes (equal local batch sizes), got {desc}")
+    return rank, size
+
+
+def all_gather_rows(x: Tensor, group, size: int) -> List[Tensor]:
+    """Every rank's ``x`` (same shape everywhere), in rank order."""
+    x = x.contiguous()
+    out = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(out, x, group=group)
+    return out
+
+
+def reduce_scatter_rows(full: Tensor, group, rank: int, size: int) -> Tensor:
+    """``sum over ranks of full[rank]`` for ``full`` (P, ...): NCCL's reduce-scatter, else an
+    all-reduce of the whole and this rank's slice (gloo has no reduce-scatter)."""
+    full = full.contiguous()
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty_like(full[0])
+        dist.reduce_scatter_tensor(out, full, group=group)
+        return out
+    dist.all_reduce(full, group=group)
+    return full[rank].clone()
+
+
+def _xp(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+class _NTXentGlobal(torch.autograd.Function):
+    """NT-Xent over the group's global batch (see the module notes)."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, t: float, reduction: str, normalize: bool,
+                workspace_bytes: Optional[int], group, rank: int, size: int) -> Tensor:
+        n2 = z.shape[0]
+        with B.device_scope(z.device):
+            za = B.array_of(z.detach())
+            xp = _xp(za)
+            path = _base.Path(xp)
+            zn, norm = _base.prep(path, _base.contig_inputs(xp, za)[0], normalize)
+            zn_t = B.tensor_of(zn)
+        parts = all_gather_rows(zn_t, group, size)
+        others_t = torch.cat([p for i, p in enumerate(parts) if i != rank]) if size > 1 else None
+        with B.device_scope(z.device):
+            others = None if others_t is None else B.array_of(others_t)
+            a = np.dtype(np.float64) if z.dtype == torch.float64 else np.dtype(np.float32)
+            fused = reduction != "none"
+            w = _base.weights(xp, None, reduction, n2 * size, a)
+            lse, rows, grads = _local.nt_xent_block(
+                path, zn, others, 1.0 / t, lse_in=None, weights=w, want_grad=fused,
+                workspace_bytes=workspace_bytes)
+            rows_t = B.tensor_of(rows)
+            acc = None
+            if fused:
+                dq, dk, do = (B.tensor_of(g) if g is not None else None for g in grads)
+                acc = (dq, dk, do)
+        if reduction == "none":
+            loss = rows_t
+        else:
+            loss = rows_t.sum() if reduction == "sum" else rows_t.sum() / (n2 * size)
+            dist.all_reduce(loss, group=group)
+        ctx.args = (t, reduction, normalize, workspace_bytes, group, rank, size, fused)
+        norm_t = None if norm is None else B.tensor_of(norm)
+        if fused:
+            ctx.save_for_backward(z, norm_t, *acc)
+        else:
+            ctx.save_for_backward(z, norm_t, zn_t, others_t, B.tensor_of(lse))
+        return loss
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        t, reduction, normalize, workspace_bytes, group, rank, size, fused = ctx.args
+        saved = ctx.saved_tensors
+        z, norm = saved[0], saved[1]
+        n2 = z.shape[0]
+        if fused:
+            dq, dk, do = saved[2:]
+            gs = g.to(dq.dtype)
+            own = (dq + dk) * gs
+            other = None if do is None else do * gs
+        else:
+            zn_t, others_t, lse_t = saved[2:]
+            with B.device_scope(z.device):
+                zn, lse = B.array_of(zn_t), B.array_of(lse_t)
+                xp = _xp(zn)
+                a = lse.dtype
+                w = _base.weights(xp, B.array_of(g.contiguous().to(lse_t.dtype)), "none", n2, a)
+                _, _, (dq, dk, do) = _local.nt_xent_block(
+                    _base.Path(xp), zn, None if others_t is None else B.array_of(others_t),
+                    1.0 / t, lse_in=lse, weights=w, want_grad=True,
+                    workspace_bytes=workspace_bytes)
+                own = B.tensor_of(dq) + B.tensor_of(dk)
+                other = None if do is None else B.tensor_of(do)
+        full = own.new_zeros((size,) + tuple(own.shape))
+        full[rank] = own
+        if other is not None:
+            blocks = other.reshape(size - 1, n2, -1)
+            idx = [i for i in range(size) if i != rank]
+            full[idx] = blocks
+        mine = reduce_scatter_rows(full, group, rank, size) * size  # DDP: P x the gradient
+        dz = R.grad_finish(z, norm, mine, mine.new_ones(())) if normalize else mine.to(z.dtype)
+        return dz, None, None, None, None, None, None, None
+
+
+class _InfoNCEGlobal(torch.autograd.Function):
+    """InfoNCE over the group's global batch (see the module notes)."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, negatives: Optional[Tensor], t: float,
+                reduction: str, normalize: bool, workspace_bytes: Optional[int], group,
+                rank: int, size: int) -> Tensor:
+        n = query.shape[0]
+        shared = negatives is not None and negatives.dim() == 2
+        with B.device_scope(query.device):
+            arrs = [B.array_of(x.detach()) if x is not None else None
+                    for x in (query, key, negatives)]
+            xp = _xp(arrs[0])
+            path = _base.Path(xp)
+            laid = _base.contig_inputs(xp, *arrs)
+            prepped = [_base.prep(path, x, normalize) for x in laid]
+            (qn, nq), (kn, nk), (negn, nneg) = prepped
+            kn_t = B.tensor_of(kn)
+            negn_t = None if negn is None else B.tensor_of(negn)
+        cols = [kn_t] + ([negn_t] if shared else [])
+        gathered = [all_gather_rows(c, group, size) for c in cols]
+        others_parts = [p for i, p in enumerate(gathered[0]) if i != rank]
+        if shared:
+            others_parts += gathered[1]  # every rank's shared negatives, in rank order
+        others_t = torch.cat(others_parts) if others_parts else None
+        with B.device_scope(query.device):
+            others = None if others_t is None else B.array_of(others_t)
+            neg_p = negn if negatives is not None and not shared else None
+            a = np.dtype(np.float64) if query.dtype == torch.float64 else np.dtype(np.float32)
+            fused = reduction != "none"
+            w = _base.weights(xp, None, reduction, n * size, a)
+            lse, rows, grads = _local.info_nce_block(
+                path, qn, kn, others, neg_p, 1.0 / t, lse_in=None, weights=w, want_grad=fused,
+                workspace_bytes=workspace_bytes)
+            rows_t = B.tensor_of(rows)
+            acc = tuple(None if x is None else B.tensor_of(x) for x in grads) if fused else None
+            norms = tuple(None if x is None else B.tensor_of(x) for x in (nq, nk, nneg))
+        if reduction == "none":
+            loss = rows_t
+        else:
+            loss = rows_t.sum() if reduction == "sum" else rows_t.sum() / (n * size)
+            dist.all_reduce(loss, group=group)
+        ctx.args = (t, reduction, normalize, workspace_bytes, group, rank, size, fused, shared)
+        ctx.has_neg = negatives is not None
+        if fused:
+            ctx.save_for_backward(query, key, negatives, *norms, *acc)
+        else:
+            ctx.save_for_backward(query, key, negatives, *norms, B.tensor_of(qn), kn_t,
+                                  others_t, None if neg_p is None else B.tensor_of(neg_p),
+                                  B.tensor_of(lse))
+        return loss
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        t, reduction, normalize, workspace_bytes, group, rank, size, fused, shared = ctx.args
+        saved = ctx.saved_tensors
+        query, key, negatives, nq, nk, nneg = saved[:6]
+        n = query.shape[0]
+        if fused:
+            dq, dk, do, dnp = saved[6:]
+            gs = g.to(dq.dtype)
+            dq, dk = dq * gs, dk * gs
+            do = None if do is None else do * gs
+            dnp = None if dnp is None else dnp * gs
+        else:
+            qn_t, kn_t, others_t, negp_t, lse_t = saved[6:]
+            with B.device_scope(query.device):
+                qn, lse = B.array_of(qn_t), B.array_of(lse_t)
+                xp = _xp(qn)
+                w = _base.weights(xp, B.array_of(g.contiguous().to(lse_t.dtype)), "none", n,
+                                  lse.dtype)
+                _, _, grads = _local.info_nce_block(
+                    _base.Path(xp), qn, B.array_of(kn_t),
+                    None if others_t is None else B.array_of(others_t),
+                    None if negp_t is None else B.array_of(negp_t), 1.0 / t, lse_in=lse,
+                    weights=w, want_grad=True, workspace_bytes=workspace_bytes)
+                dq, dk, do, dnp = (None if x is None else B.tensor_of(x) for x in grads)
+        # the keys' column-side gradients, and the shared negatives', back to their owners
+        full_k = dk.new_zeros((size,) + tuple(dk.shape))
+        full_k[rank] = dk
+        idx = [i for i in range(size) if i != rank]
+        n_other_keys = n * (size - 1)
+        if do is not None and n_other_keys:
+            full_k[idx] = do[:n_other_keys].reshape(size - 1, n, -1)
+        dk = reduce_scatter_rows(full_k, group, rank, size)
+        dneg = None
+        if shared:
+            m = negatives.shape[0]
+            dneg = reduce_scatter_rows(do[n_other_keys:].reshape(size, m, -1), group, rank,
+                                       size)
+        elif negatives is not None:
+            dneg = dnp
+        outs = []
+        for x, nrm, acc in ((query, nq, dq), (key, nk, dk), (negatives, nneg, dneg)):
+            if x is None:
+                outs.append(None)
+                continue
+            acc = acc * size  # DDP: P x the gradient
+            if normalize:
+                flat = acc.reshape(-1, x.shape[-1])
+                grad = R.grad_finish(x.reshape(-1, x.shape[-1]), nrm.reshape(-1), flat,
+                                     acc.new_ones(())).reshape(x.shape)
+            else:
+                grad = acc.to(x.dtype)
+            outs.append(grad)
+        return (*outs, None, None, None, None, None, None, None)
+
+
+def nt_xent(z: Tensor, t: float, reduction: str, normalize: bool,
+            workspace_bytes: Optional[int], group) -> Tensor:
+    rank, size = check_group("nt_xent", group, [z], ["z"])
+    if z.shape[0] % 2:
+        raise ValueError(f"nt_xent: z must have an even number of rows (2n views), "
+                         f"got shape {tuple(z.shape)}")
+    return _NTXentGlobal.apply(z, t, reduction, normalize, workspace_bytes, group, rank, size)
+
+
+def info_nce(query: Tensor, key: Tensor, negatives: Optional[Tensor], t: float,
+             reduction: str, normalize: bool, workspace_bytes: Optional[int], group) -> Tensor:
+    rank, size = check_group("info_nce", group, [query, key, negatives],
+                             ["query", "key", "negatives"])
+    return _InfoNCEGlobal.apply(query, key, negatives, t, reduction, normalize,
+                                workspace_bytes, group, rank, size)

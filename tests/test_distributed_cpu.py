@@ -1,0 +1,194 @@
+"""The global losses over torch.distributed on the CPU: gloo, 2, 3 and 4 processes (CI).
+
+Each rank holds its slice of one seeded global batch; its loss must be the single-process op's
+on the concatenated batch (its own rows for "none"), and its gradient P times the single-
+process gradient of its rows (DDP's convention: DDP averages over the ranks).  A DDP training
+step is compared parameter by parameter with one process on the whole batch.  Mismatched local
+sizes raise the same error on every rank, without a hang.  Float64 to 1e-12, float32 to the
+single-process tolerances.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+if not dist.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-4)}
+
+
+# ---- the per-rank checks (run in the spawned processes) -----------------------------------
+def _close(got, want, tol, what):
+    got, want = got.detach().double(), want.detach().double()
+    den = want.norm().item() or 1.0
+    err = (got - want).norm().item() / den
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def _nt_xent_rows(rank, n, N):
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n), N + torch.arange(rank * n, (rank + 1) * n)])
+
+
+def check_nt_xent(rank, P):
+    import cupynce.torch as ct
+
+    n, d = 3, 5
+    N = n * P
+    for dtype in (torch.float64, torch.float32):
+        for reduction in ("mean", "sum", "none"):
+            for normalize in (False, True):
+                gen = torch.Generator().manual_seed(11)
+                Z = torch.randn(2 * N, d, generator=gen, dtype=torch.float64).to(dtype)
+                gl = torch.randn(2 * N, generator=gen, dtype=torch.float64)
+                mine = _nt_xent_rows(rank, n, N)
+                z = Z[mine].clone().requires_grad_(True)
+                loss = ct.nt_xent(z, 0.3, reduction=reduction, normalize=normalize,
+                                  group=dist.group.WORLD)
+                zs = Z.clone().requires_grad_(True)
+                want = ct.nt_xent(zs, 0.3, reduction=reduction, normalize=normalize)
+                up = gl.to(want.dtype) if reduction == "none" else torch.tensor(0.7, dtype=want.dtype)
+                loss.backward(up[mine] if reduction == "none" else up)
+                want.backward(up)
+                tl, tg = TOL[dtype]
+                case = f"nt_xent P={P} {dtype} {reduction} normalize={normalize}"
+                _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
+                _close(z.grad, P * zs.grad[mine], tg, case + " grad")
+
+
+def check_info_nce(rank, P):
+    import cupynce.torch as ct
+
+    n, d, m = 4, 6, 2
+    N = n * P
+    mine = torch.arange(rank * n, (rank + 1) * n)
+    for dtype in (torch.float64, torch.float32):
+        for neg in (None, "shared", "paired"):
+            for reduction in ("mean", "none"):
+                normalize = neg != "paired"
+                gen = torch.Generator().manual_seed(23)
+                Q, K = (torch.randn(N, d, generator=gen, dtype=torch.float64).to(dtype)
+                        for _ in range(2))
+                S = torch.randn(P * m, d, generator=gen, dtype=torch.float64).to(dtype)
+                Np_ = torch.randn(N, m, d, generator=gen, dtype=torch.float64).to(dtype)
+                gl = torch.randn(N, generator=gen, dtype=torch.float64)
+                q, k = (x[mine].clone().requires_grad_(True) for x in (Q, K))
+                nloc = {None: None, "shared": S[rank * m:(rank + 1) * m],
+                        "paired": Np_[mine]}[neg]
+                nloc = None if nloc is None else nloc.clone().requires_grad_(True)
+                loss = ct.info_nce(q, k, 0.2, negatives=nloc, reduction=reduction,
+                                   normalize=normalize, group=dist.group.WORLD)
+                qs, ks = (x.clone().requires_grad_(True) for x in (Q, K))
+                nall = {None: None, "shared": S, "paired": Np_}[neg]
+                nall = None if nall is None else nall.clone().requires_grad_(True)
+                want = ct.info_nce(qs, ks, 0.2, negatives=nall, reduction=reduction,
+                                   normalize=normalize)
+                up = gl.to(want.dtype) if reduction == "none" else torch.tensor(0.7, dtype=want.dtype)
+                loss.backward(up[mine] if reduction == "none" else up)
+                want.backward(up)
+                tl, tg = TOL[dtype]
+                case = f"info_nce P={P} {dtype} {neg} {reduction}"
+                _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
+                _close(q.grad, P * qs.grad[mine], tg, case + " dq")
+                _close(k.grad, P * ks.grad[mine], tg, case + " dk")
+                if neg == "shared":
+                    _close(nloc.grad, P * nall.grad[rank * m:(rank + 1) * m], tg, case + " dneg")
+                elif neg == "paired":
+                    _close(nloc.grad, P * nall.grad[mine], tg, case + " dneg")
+
+
+def check_ddp_step(rank, P):
+    """A DDP step on P ranks equals one process's step on the concatenated batch."""
+    import cupynce.torch as ct
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n = 4
+    N = n * P
+    gen = torch.Generator().manual_seed(5)
+    x1, x2 = (torch.randn(N, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+    for op in ("nt_xent", "info_nce"):
+        torch.manual_seed(0)
+        single = torch.nn.Linear(6, 5, dtype=torch.float64)
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(6, 5, dtype=torch.float64))
+        mine = slice(rank * n, (rank + 1) * n)
+        if op == "nt_xent":
+            loss = ct.nt_xent(torch.cat([model(x1[mine]), model(x2[mine])]), 0.3, normalize=True,
+                              group=dist.group.WORLD)
+            want = ct.nt_xent(torch.cat([single(x1), single(x2)]), 0.3, normalize=True)
+        else:
+            loss = ct.info_nce(model(x1[mine]), model(x2[mine]), 0.2, normalize=True,
+                               group=dist.group.WORLD)
+            want = ct.info_nce(single(x1), single(x2), 0.2, normalize=True)
+        loss.backward()
+        want.backward()
+        _close(loss, want, 1e-12, f"DDP {op} loss")
+        for (name, p), ps in zip(model.module.named_parameters(), single.parameters()):
+            _close(p.grad, ps.grad, 1e-12, f"DDP {op} P={P} {name}.grad")
+
+
+def check_mismatched_sizes_raise(rank, P):
+    """Unequal local batches: the same ValueError on every rank, before any kernel; no hang."""
+    import cupynce.torch as ct
+
+    z = torch.randn(2 * (3 + rank), 4, dtype=torch.float64)
+    try:
+        ct.nt_xent(z, 0.5, group=dist.group.WORLD)
+    except ValueError as exc:
+        assert "every rank of the group must pass the same local shapes" in str(exc), exc
+        assert "rank 0: z (6, 4)" in str(exc), exc
+    else:
+        raise AssertionError("unequal local sizes were accepted")
+
+
+# ---- the launcher -------------------------------------------------------------------------
+def _worker(rank, world, init_file, names, queue):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        for name in names:
+            globals()[name](rank, world)
+        queue.put((rank, None))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world, names, timeout=240):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_worker, args=(r, world, init, names, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert not alive, f"{len(alive)} rank(s) still running after {timeout} s (a hang)"
+        results = dict(queue.get() for _ in range(world))
+    failures = {r: tb for r, tb in results.items() if tb}
+    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_global_losses_over_gloo(world):
+    names = ["check_nt_xent", "check_info_nce", "check_ddp_step"]
+    if world > 1:
+        names.append("check_mismatched_sizes_raise")
+    run_ranks(world, names)
