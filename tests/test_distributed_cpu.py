@@ -13,7 +13,6 @@ import os
 import tempfile
 import traceback
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,7 +21,11 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-4)}
+TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-4),
+       torch.bfloat16: (1e-5, 1e-2)}  # bf16: against the single-process op in bf16
+#: where the checks put their tensors ("cpu"; "cuda" in test_distributed_gpu.py)
+DEVICE = "cpu"
+DTYPES = (torch.float64, torch.float32)
 
 
 # ---- the per-rank checks (run in the spawned processes) -----------------------------------
@@ -40,15 +43,16 @@ def _nt_xent_rows(rank, n, N):
 def check_nt_xent(rank, P):
     import cupynce.torch as ct
 
-    n, d = 3, 5
+    n, d = (3, 5) if DEVICE == "cpu" else (40, 64)
     N = n * P
-    for dtype in (torch.float64, torch.float32):
+    for dtype in DTYPES:
         for reduction in ("mean", "sum", "none"):
             for normalize in (False, True):
                 gen = torch.Generator().manual_seed(11)
-                Z = torch.randn(2 * N, d, generator=gen, dtype=torch.float64).to(dtype)
-                gl = torch.randn(2 * N, generator=gen, dtype=torch.float64)
-                mine = _nt_xent_rows(rank, n, N)
+                Z = (torch.randn(2 * N, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype)
+                gl = torch.randn(2 * N, generator=gen, dtype=torch.float64).to(DEVICE)
+                mine = _nt_xent_rows(rank, n, N).to(DEVICE)
                 z = Z[mine].clone().requires_grad_(True)
                 loss = ct.nt_xent(z, 0.3, reduction=reduction, normalize=normalize,
                                   group=dist.group.WORLD)
@@ -66,19 +70,21 @@ def check_nt_xent(rank, P):
 def check_info_nce(rank, P):
     import cupynce.torch as ct
 
-    n, d, m = 4, 6, 2
+    n, d, m = (4, 6, 2) if DEVICE == "cpu" else (40, 64, 8)
     N = n * P
-    mine = torch.arange(rank * n, (rank + 1) * n)
-    for dtype in (torch.float64, torch.float32):
+    mine = torch.arange(rank * n, (rank + 1) * n, device=DEVICE)
+    for dtype in DTYPES:
         for neg in (None, "shared", "paired"):
             for reduction in ("mean", "none"):
                 normalize = neg != "paired"
                 gen = torch.Generator().manual_seed(23)
-                Q, K = (torch.randn(N, d, generator=gen, dtype=torch.float64).to(dtype)
-                        for _ in range(2))
-                S = torch.randn(P * m, d, generator=gen, dtype=torch.float64).to(dtype)
-                Np_ = torch.randn(N, m, d, generator=gen, dtype=torch.float64).to(dtype)
-                gl = torch.randn(N, generator=gen, dtype=torch.float64)
+                Q, K = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype) for _ in range(2))
+                S = (torch.randn(P * m, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype)
+                Np_ = (torch.randn(N, m, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype)
+                gl = torch.randn(N, generator=gen, dtype=torch.float64).to(DEVICE)
                 q, k = (x[mine].clone().requires_grad_(True) for x in (Q, K))
                 nloc = {None: None, "shared": S[rank * m:(rank + 1) * m],
                         "paired": Np_[mine]}[neg]
@@ -112,12 +118,13 @@ def check_ddp_step(rank, P):
     n = 4
     N = n * P
     gen = torch.Generator().manual_seed(5)
-    x1, x2 = (torch.randn(N, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+    x1, x2 = (torch.randn(N, 6, generator=gen, dtype=torch.float64).to(DEVICE)
+              for _ in range(2))
     for op in ("nt_xent", "info_nce"):
         torch.manual_seed(0)
-        single = torch.nn.Linear(6, 5, dtype=torch.float64)
+        single = torch.nn.Linear(6, 5, dtype=torch.float64).to(DEVICE)
         torch.manual_seed(0)
-        model = DDP(torch.nn.Linear(6, 5, dtype=torch.float64))
+        model = DDP(torch.nn.Linear(6, 5, dtype=torch.float64).to(DEVICE))
         mine = slice(rank * n, (rank + 1) * n)
         if op == "nt_xent":
             loss = ct.nt_xent(torch.cat([model(x1[mine]), model(x2[mine])]), 0.3, normalize=True,
@@ -138,7 +145,7 @@ def check_mismatched_sizes_raise(rank, P):
     """Unequal local batches: the same ValueError on every rank, before any kernel; no hang."""
     import cupynce.torch as ct
 
-    z = torch.randn(2 * (3 + rank), 4, dtype=torch.float64)
+    z = torch.randn(2 * (3 + rank), 4, dtype=torch.float64, device=DEVICE)
     try:
         ct.nt_xent(z, 0.5, group=dist.group.WORLD)
     except ValueError as exc:
@@ -149,10 +156,15 @@ def check_mismatched_sizes_raise(rank, P):
 
 
 # ---- the launcher -------------------------------------------------------------------------
-def _worker(rank, world, init_file, names, queue):
+def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu"):
+    global DEVICE, DTYPES
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+    DEVICE = device
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
         for name in names:
@@ -164,14 +176,15 @@ def _worker(rank, world, init_file, names, queue):
         dist.destroy_process_group()
 
 
-def run_ranks(world, names, timeout=240):
+def run_ranks(world, names, timeout=240, backend="gloo", device="cpu"):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, world, init, names, queue))
+        procs = [ctx.Process(target=_worker, args=(r, world, init, names, queue, backend,
+                                                    device))
                  for r in range(world)]
         for p in procs:
             p.start()
