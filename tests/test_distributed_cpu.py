@@ -110,6 +110,37 @@ def check_info_nce(rank, P):
                     _close(nloc.grad, P * nall.grad[mine], tg, case + " dneg")
 
 
+def check_clip_loss(rank, P):
+    import cupynce.torch as ct
+
+    n, d = (4, 6) if DEVICE == "cpu" else (40, 64)
+    N = n * P
+    mine = torch.arange(rank * n, (rank + 1) * n, device=DEVICE)
+    for dtype in DTYPES:
+        for reduction in ("mean", "sum", "none"):
+            for normalize in (False, True):
+                gen = torch.Generator().manual_seed(31)
+                A, Bm = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype) for _ in range(2))
+                gl = torch.randn(N, generator=gen, dtype=torch.float64).to(DEVICE)
+                ls = torch.tensor(2.3, dtype=torch.float32, device=DEVICE, requires_grad=True)
+                a, b = (x[mine].clone().requires_grad_(True) for x in (A, Bm))
+                loss = ct.clip_loss(a, b, ls, reduction=reduction, normalize=normalize,
+                                    group=dist.group.WORLD)
+                lss = ls.detach().clone().requires_grad_(True)
+                As, Bs = (x.clone().requires_grad_(True) for x in (A, Bm))
+                want = ct.clip_loss(As, Bs, lss, reduction=reduction, normalize=normalize)
+                up = gl.to(want.dtype) if reduction == "none" else torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
+                loss.backward(up[mine] if reduction == "none" else up)
+                want.backward(up)
+                tl, tg = TOL[dtype]
+                case = f"clip_loss P={P} {dtype} {reduction} normalize={normalize}"
+                _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
+                _close(a.grad, P * As.grad[mine], tg, case + " da")
+                _close(b.grad, P * Bs.grad[mine], tg, case + " db")
+                _close(ls.grad, lss.grad, max(tg, 1e-10) * 4, case + " dlogit_scale")
+
+
 def check_ddp_step(rank, P):
     """A DDP step on P ranks equals one process's step on the concatenated batch."""
     import cupynce.torch as ct
@@ -120,7 +151,7 @@ def check_ddp_step(rank, P):
     gen = torch.Generator().manual_seed(5)
     x1, x2 = (torch.randn(N, 6, generator=gen, dtype=torch.float64).to(DEVICE)
               for _ in range(2))
-    for op in ("nt_xent", "info_nce"):
+    for op in ("nt_xent", "info_nce", "clip_loss"):
         torch.manual_seed(0)
         single = torch.nn.Linear(6, 5, dtype=torch.float64).to(DEVICE)
         torch.manual_seed(0)
@@ -130,15 +161,23 @@ def check_ddp_step(rank, P):
             loss = ct.nt_xent(torch.cat([model(x1[mine]), model(x2[mine])]), 0.3, normalize=True,
                               group=dist.group.WORLD)
             want = ct.nt_xent(torch.cat([single(x1), single(x2)]), 0.3, normalize=True)
-        else:
+        elif op == "info_nce":
             loss = ct.info_nce(model(x1[mine]), model(x2[mine]), 0.2, normalize=True,
                                group=dist.group.WORLD)
             want = ct.info_nce(single(x1), single(x2), 0.2, normalize=True)
+        else:  # CLIP with its learnable temperature, outside the DDP module
+            head = ct.ClipLoss(0.07, group=dist.group.WORLD).double().to(DEVICE)
+            head_s = ct.ClipLoss(0.07).double().to(DEVICE)
+            loss = head(model(x1[mine]), model(x2[mine]))
+            want = head_s(single(x1), single(x2))
         loss.backward()
         want.backward()
         _close(loss, want, 1e-12, f"DDP {op} loss")
         for (name, p), ps in zip(model.module.named_parameters(), single.parameters()):
             _close(p.grad, ps.grad, 1e-12, f"DDP {op} P={P} {name}.grad")
+        if op == "clip_loss":  # every rank holds the global gradient: the replicas stay equal
+            _close(head.logit_scale.grad, head_s.logit_scale.grad, 1e-12,
+                   f"DDP clip P={P} logit_scale.grad")
 
 
 def check_mismatched_sizes_raise(rank, P):
@@ -201,7 +240,7 @@ def run_ranks(world, names, timeout=240, backend="gloo", device="cpu"):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_global_losses_over_gloo(world):
-    names = ["check_nt_xent", "check_info_nce", "check_ddp_step"]
+    names = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_ddp_step"]
     if world > 1:
         names.append("check_mismatched_sizes_raise")
     run_ranks(world, names)

@@ -30,7 +30,7 @@ from . import blocks, tiles
 
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool = False):
+         self_pair: bool = False, scale_log=None):
     """A row softmax over [keys k | shared negatives neg_s | per-query negatives neg_p].
 
     q (N, D) queries; k (Nk, D); neg_s (Ms, D) or None; neg_p (N, Mp, D) or None.  Row i's
@@ -38,11 +38,13 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     ``self_pair`` means k is q (NT-Xent).  ``lse_in``: the forward's row log-sum-exps (the
     recompute backward); ``weights``: ``(w_array_or_None, stride, multiplier)`` per row.
     Returns ``lse, loss, (dq, dk, dns, dnp)``: float32 (float64) statistics and gradient
-    accumulators (None where not asked for).  See :func:`blocks.rows`.
+    accumulators (None where not asked for).  ``scale_log``: a (1,) device array t of the
+    accumulator dtype; the logits are then ``scale · exp(t) · q·c`` (a learnable log scale,
+    never read on the host).  See :func:`blocks.rows`.
     """
     kw = dict(exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod, lse_in=lse_in,
               weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
-              self_pair=self_pair)
+              self_pair=self_pair, scale_log=scale_log)
     if neg_p is None and tiles.tiles_ok(q, k, neg_s):
         return tiles.rows(q, k, neg_s, scale, **kw)
     return blocks.rows(q, k, neg_s, neg_p, scale, **kw)

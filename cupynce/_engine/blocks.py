@@ -20,7 +20,7 @@ from .kernels import BLOCK, acc_dtype
 
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool = False):
+         self_pair: bool = False, scale_log=None):
     """Row log-sum-exps, per-row losses and (optionally) accumulated gradients.
 
     q (N, D) queries, k (Nk, D) keys (columns 0..Nk-1), neg_s (Ms, D) shared negatives
@@ -78,7 +78,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             s_blk, np.int64(ncols), np.int32(ncols),
             ptr(e) + r0 * mp * a.itemsize if mp else 0, np.int64(mp), np.int32(mp),
             np.int32(r0), np.int32(exclude_diag), np.int32(pos_shift), np.int32(pos_mod),
-            0, a.type(scale), ptr(lse_in), lse if lse_in is None else 0, loss,
+            ptr(scale_log), a.type(scale), ptr(lse_in), lse if lse_in is None else 0, loss,
             ptr(g_blk), np.int64(ncols),
             ptr(g2) + r0 * mp * a.itemsize if g2 is not None else 0, np.int64(mp),
             ptr(w_arr), np.int64(w_stride), a.type(w_mul)))

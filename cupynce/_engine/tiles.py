@@ -173,7 +173,8 @@ def tile_launch(filename: str, stage: str, t, grid, args) -> None:
     kern(tuple(grid), (TILE_THREADS,), args, shared_mem=smem)
 
 
-def tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, pos_mod: int):
+def tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, pos_mod: int,
+             scale_log=None):
     """Row log-sum-exps and losses ``lse_i - s q_i.k_pos(i)`` with no score matrix in memory."""
     import cupy as cp
 
@@ -185,7 +186,8 @@ def tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, p
     part = cp.empty((2, splits, n), f32)
     part_s = part.data.ptr + 4 * splits * n  # the sums' half (a pointer: no view)
     pos = cp.empty((n,), f32)
-    tile("lse", t, (rt, splits), q, 0, k, neg_s, scale=scale, exclude_diag=exclude_diag,
+    tile("lse", t, (rt, splits), q, 0, k, neg_s, scale=scale, scale_log=scale_log,
+         exclude_diag=exclude_diag,
           pos_shift=pos_shift, pos_mod=pos_mod,
           part=(part.data.ptr, part_s, n), pos_out=pos.data.ptr)
     lse = cp.empty((n,), f32)
@@ -244,7 +246,7 @@ def tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
 
 def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool):
+         self_pair: bool, scale_log=None):
     """:func:`blocks.rows` on the tile kernels (no per-query negatives).
 
     The gradient pass writes the 16-bit gradient block G (or, for NT-Xent, H = G + Gᵀ, which
@@ -261,7 +263,7 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
     # NT-Xent: S = Z Zᵀ and the pairing i <-> i + n/2 is its own inverse, so S and H = G + Gᵀ
     # are symmetric and each pair of tiles needs computing once (tiles.cu tri_count)
     symmetric = (self_pair and neg_s is None and exclude_diag and pos_mod == n
-                 and 2 * pos_shift == n)
+                 and 2 * pos_shift == n and scale_log is None)
     stats = None
     if lse_in is not None:
         stats = lse_in, None
@@ -269,7 +271,7 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
         stats = tile_lse_symmetric(q, scale, pos_shift, workspace_bytes)
     if stats is None:
         stats = tile_lse(q, k, neg_s, scale, exclude_diag=exclude_diag, pos_shift=pos_shift,
-                          pos_mod=pos_mod)
+                         pos_mod=pos_mod, scale_log=scale_log)
     lse, loss = stats
     if not want_grad:
         return lse, loss, (None, None, None, None)
@@ -288,8 +290,9 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
         rt = -(-(r1 - r0) // TILE)
         splits = grid_splits(rt, ct // 2 + 1 if tri else ct)
         tile("h" if self_pair else "g", t, (rt, splits), qb, r0, k, neg_s,
-              scale=scale, exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod,
-              lse_row=lse, lse_col=lse, weights=weights, g=g_blk, tri=tri)
+             scale=scale, scale_log=scale_log, exclude_diag=exclude_diag,
+             pos_shift=pos_shift, pos_mod=pos_mod, lse_row=lse, lse_col=lse, weights=weights,
+             g=g_blk, tri=tri)
         acc = 1.0 if r0 else 0.0
         blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
         if not self_pair:

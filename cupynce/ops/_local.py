@@ -42,17 +42,48 @@ def nt_xent_block(path: Path, z, others, scale: float, *, lse_in, weights, want_
 
 
 def info_nce_block(path: Path, q, k, others, neg_p, scale: float, *, lse_in, weights,
-                   want_grad: bool, workspace_bytes: Optional[int]
+                   want_grad: bool, workspace_bytes: Optional[int], scale_log=None
                    ) -> Tuple[Any, Any, Tuple[Any, Any, Any, Any]]:
     """A rank's rows of the global InfoNCE.
 
     ``q``, ``k`` (n, D): the rank's queries and their keys; ``others`` (M, D) or None: the keys
     of every other rank and every rank's shared negatives; ``neg_p`` (n, Mp, D) or None: the
     rank's per-query negatives.  Row i's positive is key i.  Returns ``lse, loss,
-    (dq, dk, d_others, d_neg_p)`` as :func:`nt_xent_block`.
+    (dq, dk, d_others, d_neg_p)`` as :func:`nt_xent_block`.  ``scale_log``: a learnable log
+    scale t (a (1,) array); the logits are then ``scale · exp(t) · q·c``.
     """
     lse, loss, grads = path.rows(
         q, k, others, neg_p, scale, exclude_diag=False, pos_shift=0, pos_mod=q.shape[0],
         lse_in=lse_in, weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes,
-        op="info_nce")
+        op="info_nce", scale_log=scale_log)
     return lse, loss, grads
+
+
+def clip_block(path: Path, a, b, others_a, others_b, ls, *, lse_in, weights, want_grad: bool,
+               workspace_bytes: Optional[int]):
+    """A rank's pairs of the global CLIP loss: both directions of its rows.
+
+    ``a``, ``b`` (n, D): the rank's pairs (normalised if asked); ``others_a`` / ``others_b``:
+    every other rank's a / b rows; ``ls``: logit_scale t as a (1,) array of the accumulator
+    dtype (logits ``exp(t) a·b``).  Pair i's loss is ½(CE of row a_i over every b + CE of
+    column b_i over every a): the image → text rows of the rank's images and the text → image
+    rows of its texts (each rank computes an n × N block for each direction).  ``weights`` are
+    the pairs' weights (the ½ is applied here); ``lse_in``: the forward's ``(lse_rows,
+    lse_cols)`` for a recompute.  Returns ``(lse_rows, lse_cols), pair_loss, (da, db,
+    d_others_a, d_others_b, dscale_part)`` where dscale_part = Σ_ij G_ij L_ij over the rank's
+    rows of both directions (= Σ_i â_i·dâ_i + b̂_i·db̂_i of the row-side gradients), whose sum
+    over the ranks is d loss / d logit_scale.
+    """
+    w_arr, w_stride, w_mul = weights
+    half = (w_arr, w_stride, 0.5 * w_mul)
+    kw = dict(weights=half, want_grad=want_grad, workspace_bytes=workspace_bytes, scale_log=ls)
+    lr, row, (dq_r, dk_r, do_b, _) = info_nce_block(
+        path, a, b, others_b, None, 1.0, lse_in=None if lse_in is None else lse_in[0], **kw)
+    lc, col, (dq_c, dk_c, do_a, _) = info_nce_block(
+        path, b, a, others_a, None, 1.0, lse_in=None if lse_in is None else lse_in[1], **kw)
+    pair = 0.5 * (row + col)
+    if not want_grad:
+        return (lr, lc), pair, None
+    da, db = dq_r + dk_c, dk_r + dq_c
+    dscale = (a.astype(dq_r.dtype) * dq_r).sum() + (b.astype(dq_c.dtype) * dq_c).sum()
+    return (lr, lc), pair, (da, db, do_a, do_b, dscale)

@@ -27,10 +27,12 @@ def row_lse(x):
 
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool = False):
+         self_pair: bool = False, scale_log=None):
     """``cupynce._engine.rows`` on the CPU: the same arguments and results, the score
     matrix in row blocks of at most ``workspace_bytes`` (default ``NUMPY_WORKSPACE_BYTES``)."""
     a = acc_dtype(q.dtype)
+    if scale_log is not None:  # (on the host here: the value can be read)
+        scale = scale * float(np.exp(np.asarray(scale_log, a).reshape(())))
     qa, ka = q.astype(a), k.astype(a)
     nsa = None if neg_s is None else neg_s.astype(a)
     npa = None if neg_p is None else neg_p.astype(a)

@@ -303,6 +303,100 @@ class _InfoNCEGlobal(torch.autograd.Function):
         return (*outs, None, None, None, None, None, None, None)
 
 
+class _ClipGlobal(torch.autograd.Function):
+    """CLIP's loss over the group's global batch: each rank computes both directions of its
+    pairs (its images against every text, its texts against every image), then the column-side
+    gradients go back to their owners.  ``logit_scale``'s gradient is all-reduced: every rank
+    gets the gradient of the global loss (the same value everywhere, which DDP's average
+    keeps)."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, logit_scale: Optional[Tensor], ls_value: float,
+                reduction: str, normalize: bool, workspace_bytes: Optional[int], group,
+                rank: int, size: int) -> Tensor:
+        n = a.shape[0]
+        acc_t = torch.float64 if a.dtype == torch.float64 else torch.float32
+        ls_t = (torch.full((1,), ls_value, dtype=acc_t, device=a.device) if logit_scale is None
+                else logit_scale.detach().reshape(1).to(acc_t))
+        with B.device_scope(a.device):
+            aa, ba = (B.array_of(x.detach()) for x in (a, b))
+            xp = _xp(aa)
+            path = _base.Path(xp)
+            la, lb = _base.contig_inputs(xp, aa, ba)
+            (an, na), (bn, nb) = _base.prep(path, la, normalize), _base.prep(path, lb, normalize)
+            an_t, bn_t = B.tensor_of(an), B.tensor_of(bn)
+        ga, gb = all_gather_rows(an_t, group, size), all_gather_rows(bn_t, group, size)
+        oa = torch.cat([p for i, p in enumerate(ga) if i != rank]) if size > 1 else None
+        ob = torch.cat([p for i, p in enumerate(gb) if i != rank]) if size > 1 else None
+        fused = reduction != "none"
+        with B.device_scope(a.device):
+            lsa = B.array_of(ls_t)
+            w = _base.weights(xp, None, reduction, n * size, np.dtype(lsa.dtype))
+            (lr, lc), pair, grads = _local.clip_block(
+                path, an, bn, None if oa is None else B.array_of(oa),
+                None if ob is None else B.array_of(ob), lsa, lse_in=None, weights=w,
+                want_grad=fused, workspace_bytes=workspace_bytes)
+            pair_t = B.tensor_of(pair)
+            acc = tuple(None if x is None else B.tensor_of(xp.asarray(x)) for x in grads) \
+                if fused else None
+            norms = tuple(None if x is None else B.tensor_of(x) for x in (na, nb))
+        if reduction == "none":
+            loss = pair_t
+        else:
+            loss = pair_t.sum() if reduction == "sum" else pair_t.sum() / (n * size)
+            dist.all_reduce(loss, group=group)
+        ctx.args = (reduction, normalize, workspace_bytes, group, rank, size, fused,
+                    None if logit_scale is None else (logit_scale.dtype, logit_scale.shape))
+        if fused:
+            ctx.save_for_backward(a, b, *norms, *acc)
+        else:
+            ctx.save_for_backward(a, b, *norms, an_t, bn_t, oa, ob, ls_t,
+                                  B.tensor_of(lr), B.tensor_of(lc))
+        return loss
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        reduction, normalize, workspace_bytes, group, rank, size, fused, ls_meta = ctx.args
+        saved = ctx.saved_tensors
+        a, b, na, nb = saved[:4]
+        n = a.shape[0]
+        if fused:
+            da, db, do_a, do_b, dsc = saved[4:]
+            gs = g.to(da.dtype)
+            da, db, dsc = da * gs, db * gs, dsc * gs
+            do_a = None if do_a is None else do_a * gs
+            do_b = None if do_b is None else do_b * gs
+        else:
+            an_t, bn_t, oa, ob, ls_t, lr_t, lc_t = saved[4:]
+            with B.device_scope(a.device):
+                xp = _xp(B.array_of(an_t))
+                lse = (B.array_of(lr_t), B.array_of(lc_t))
+                w = _base.weights(xp, B.array_of(g.contiguous().to(lr_t.dtype)), "none", n,
+                                  lse[0].dtype)
+                _, _, grads = _local.clip_block(
+                    _base.Path(xp), B.array_of(an_t), B.array_of(bn_t),
+                    None if oa is None else B.array_of(oa),
+                    None if ob is None else B.array_of(ob), B.array_of(ls_t), lse_in=lse,
+                    weights=w, want_grad=True, workspace_bytes=workspace_bytes)
+                da, db, do_a, do_b, dsc = (None if x is None else B.tensor_of(xp.asarray(x))
+                                           for x in grads)
+        outs = []
+        for x, nrm, own, other in ((a, na, da, do_a), (b, nb, db, do_b)):
+            full = own.new_zeros((size,) + tuple(own.shape))
+            full[rank] = own
+            if other is not None:
+                full[[i for i in range(size) if i != rank]] = other.reshape(size - 1, n, -1)
+            acc = reduce_scatter_rows(full, group, rank, size) * size  # DDP: P x the gradient
+            outs.append(R.grad_finish(x, nrm, acc, acc.new_ones(())) if normalize
+                        else acc.to(x.dtype))
+        dls = None
+        if ls_meta is not None:
+            total = dsc.reshape(1).clone()
+            dist.all_reduce(total, group=group)  # the global gradient, on every rank
+            dls = total.to(ls_meta[0]).reshape(ls_meta[1])
+        return (*outs, dls, None, None, None, None, None, None, None)
+
+
 def nt_xent(z: Tensor, t: float, reduction: str, normalize: bool,
             workspace_bytes: Optional[int], group) -> Tensor:
     rank, size = check_group("nt_xent", group, [z], ["z"])
@@ -318,3 +412,10 @@ def info_nce(query: Tensor, key: Tensor, negatives: Optional[Tensor], t: float,
                              ["query", "key", "negatives"])
     return _InfoNCEGlobal.apply(query, key, negatives, t, reduction, normalize,
                                 workspace_bytes, group, rank, size)
+
+
+def clip_loss(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], ls_value: float,
+              reduction: str, normalize: bool, workspace_bytes: Optional[int], group) -> Tensor:
+    rank, size = check_group("clip_loss", group, [a, b], ["a", "b"])
+    return _ClipGlobal.apply(a, b, logit_scale, ls_value, reduction, normalize,
+                             workspace_bytes, group, rank, size)

@@ -177,7 +177,7 @@ class ClipLoss(nn.Module):
 
     def __init__(self, init_temperature: float = 0.07, learnable: bool = True,
                  max_logit_scale: float = 100.0, *, reduction: str = "mean",
-                 normalize: bool = True) -> None:
+                 normalize: bool = True, group: Any = None) -> None:
         super().__init__()
         name = type(self).__name__
         tau = _checks.check_positive_finite(name, "init_temperature", init_temperature)
@@ -191,6 +191,7 @@ class ClipLoss(nn.Module):
         self.max_logit_scale = max_scale
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
+        self.group = group  # a torch.distributed group: the global batch's loss (clip_loss)
         learnable = R.check_bool(name, "learnable", learnable)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / tau), dtype=torch.float32),
                                         requires_grad=learnable)
@@ -217,7 +218,7 @@ class ClipLoss(nn.Module):
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         return clip_loss(a, b, self.clamped_logit_scale(), reduction=self.reduction,
-                         normalize=self.normalize)
+                         normalize=self.normalize, group=self.group)
 
     def extra_repr(self) -> str:
         return (f"learnable={self.learnable}, max_logit_scale={self.max_logit_scale}, "

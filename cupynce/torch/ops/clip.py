@@ -120,7 +120,8 @@ else:  # pragma: no cover - exercised only on torch < 2.4
 
 
 def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean",
-              normalize: bool = False, workspace_bytes: Optional[int] = None) -> Tensor:
+              normalize: bool = False, workspace_bytes: Optional[int] = None,
+              group: Optional[Any] = None) -> Tensor:
     """CLIP's symmetric contrastive loss, differentiable w.r.t. a, b and a tensor logit_scale.
 
     Parameters
@@ -132,6 +133,11 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
         clamping it is the caller's business (:class:`ClipLoss` does it).
     reduction : "mean" (default) | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2)
     normalize, workspace_bytes : as for :func:`nt_xent`.
+    group : torch.distributed process group, optional
+        The loss of the group's global batch (pairs concatenated in rank order): each rank's
+        images against every text and its texts against every image.  Feature gradients
+        follow DDP's convention; ``logit_scale``'s gradient is the global one on every rank
+        (``cupynce.torch.distributed``).
 
     Returns
     -------
@@ -157,5 +163,10 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
                         f"{type(logit_scale).__name__}")
     fn = ClipLossFunction.apply if R.direct(a, b, ls_tensor) else FWD
     normalize = _checks.check_bool(op, "normalize", normalize)
+    if group is not None:
+        from .. import distributed
+
+        return distributed.clip_loss(a, b, ls_tensor, ls_value, reduction, normalize,
+                                     workspace_bytes, group)
     return fn(a, b, ls_tensor, ls_value, reduction, normalize, workspace_bytes,
               R.fused(reduction, a, b, ls_tensor))[0]
