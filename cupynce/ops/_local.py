@@ -81,7 +81,7 @@ def clip_block(path: Path, a, b, others_a, others_b, ls, *, lse_in, weights, wan
         path, a, b, others_b, None, 1.0, lse_in=None if lse_in is None else lse_in[0], **kw)
     lc, col, (dq_c, dk_c, do_a, _) = info_nce_block(
         path, b, a, others_a, None, 1.0, lse_in=None if lse_in is None else lse_in[1], **kw)
-    pair = 0.5 * (row + col)
+    pair = None if row is None or col is None else 0.5 * (row + col)  # (None: a recompute)
     if not want_grad:
         return (lr, lc), pair, None
     da, db = dq_r + dk_c, dk_r + dq_c
