@@ -25,6 +25,7 @@ TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-4),
        torch.bfloat16: (1e-5, 1e-2)}  # bf16: against the single-process op in bf16
 #: where the checks put their tensors ("cpu"; "cuda" in test_distributed_gpu.py)
 DEVICE = "cpu"
+BACKEND = "gloo"
 DTYPES = (torch.float64, torch.float32)
 
 
@@ -34,6 +35,18 @@ def _close(got, want, tol, what):
     den = want.norm().item() or 1.0
     err = (got - want).norm().item() / den
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+class _no_sync:
+    """On NCCL: any host synchronisation inside the block raises (the backward has none)."""
+
+    def __enter__(self):
+        if BACKEND == "nccl":
+            torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        if BACKEND == "nccl":
+            torch.cuda.set_sync_debug_mode(0)
 
 
 def _nt_xent_rows(rank, n, N):
@@ -59,7 +72,9 @@ def check_nt_xent(rank, P):
                 zs = Z.clone().requires_grad_(True)
                 want = ct.nt_xent(zs, 0.3, reduction=reduction, normalize=normalize)
                 up = gl.to(want.dtype) if reduction == "none" else torch.tensor(0.7, dtype=want.dtype)
-                loss.backward(up[mine] if reduction == "none" else up)
+                g_up = up[mine] if reduction == "none" else up
+                with _no_sync():
+                    loss.backward(g_up)
                 want.backward(up)
                 tl, tg = TOL[dtype]
                 case = f"nt_xent P={P} {dtype} {reduction} normalize={normalize}"
@@ -131,7 +146,9 @@ def check_clip_loss(rank, P):
                 As, Bs = (x.clone().requires_grad_(True) for x in (A, Bm))
                 want = ct.clip_loss(As, Bs, lss, reduction=reduction, normalize=normalize)
                 up = gl.to(want.dtype) if reduction == "none" else torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
-                loss.backward(up[mine] if reduction == "none" else up)
+                g_up = up[mine] if reduction == "none" else up
+                with _no_sync():
+                    loss.backward(g_up)
                 want.backward(up)
                 tl, tg = TOL[dtype]
                 case = f"clip_loss P={P} {dtype} {reduction} normalize={normalize}"
@@ -194,9 +211,43 @@ def check_mismatched_sizes_raise(rank, P):
         raise AssertionError("unequal local sizes were accepted")
 
 
+def check_bad_inputs_raise_everywhere(rank, P):
+    """One rank's bad inputs, or ranks that disagree on a setting: the same error on every
+    rank (the others would otherwise wait in a collective); double backward is refused."""
+    import cupynce.torch as ct
+
+    q = torch.randn(4, 3, dtype=torch.float64, device=DEVICE)
+    key = q if rank == 0 else torch.randn(5, 3, dtype=torch.float64, device=DEVICE)
+    try:
+        ct.info_nce(q, key, group=dist.group.WORLD)
+    except ValueError as exc:
+        assert "invalid inputs on rank(s) [1" in str(exc), exc
+    else:
+        raise AssertionError("rank 1's mismatched key was accepted")
+    z = torch.randn(6, 3, dtype=torch.float64, device=DEVICE)
+    try:
+        ct.nt_xent(z, 0.5, reduction="mean" if rank == 0 else "none", group=dist.group.WORLD)
+    except ValueError as exc:
+        assert "must pass the same temperature" in str(exc), exc
+    else:
+        raise AssertionError("ranks with different reductions were accepted")
+    with torch.no_grad():  # no gradient wanted: the forward alone, no gradient work
+        loss = ct.nt_xent(z, 0.5, group=dist.group.WORLD)
+    assert loss.requires_grad is False and torch.isfinite(loss)
+    zg = z.clone().requires_grad_(True)
+    loss = ct.nt_xent(zg, 0.5, group=dist.group.WORLD)
+    try:
+        torch.autograd.grad(loss, zg, create_graph=True)
+    except RuntimeError as exc:
+        assert "double backward" in str(exc), exc
+    else:
+        raise AssertionError("double backward was accepted")
+
+
 # ---- the launcher -------------------------------------------------------------------------
 def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu"):
-    global DEVICE, DTYPES
+    global DEVICE, DTYPES, BACKEND
+    BACKEND = backend
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     DEVICE = device
@@ -242,5 +293,5 @@ def run_ranks(world, names, timeout=240, backend="gloo", device="cpu"):
 def test_global_losses_over_gloo(world):
     names = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_ddp_step"]
     if world > 1:
-        names.append("check_mismatched_sizes_raise")
+        names += ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"]
     run_ranks(world, names)

@@ -20,7 +20,8 @@ CHECKS = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_ddp_step"
 
 
 def test_gloo_two_ranks_on_one_gpu():
-    D.run_ranks(2, CHECKS + ["check_mismatched_sizes_raise"], backend="gloo", device="cuda")
+    D.run_ranks(2, CHECKS + ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"],
+                backend="gloo", device="cuda")
 
 
 def test_nccl_one_rank():
@@ -29,5 +30,6 @@ def test_nccl_one_rank():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_one_rank_per_gpu():
-    D.run_ranks(torch.cuda.device_count(), CHECKS + ["check_mismatched_sizes_raise"],
+    D.run_ranks(torch.cuda.device_count(),
+                CHECKS + ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"],
                 backend="nccl", device="cuda")

@@ -43,30 +43,46 @@ def world(group) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _nccl(group) -> bool:
+    """Whether the group's collectives go through NCCL (also a "cpu:gloo,cuda:nccl" group)."""
+    return "nccl" in str(dist.get_backend(group))
+
+
 def _comm_device(group, like: Tensor) -> torch.device:
-    """Where the group's collectives run: the current GPU for NCCL, else the inputs' device."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    """Where the group's collectives run: the inputs' GPU (the current one if they are on the
+    CPU) for NCCL, else the inputs' device."""
+    if _nccl(group):
+        return like.device if like.device.type == "cuda" else \
+            torch.device("cuda", torch.cuda.current_device())
     return like.device
 
 
 def check_group(op: str, group, tensors: Sequence[Optional[Tensor]],
-                names: Sequence[str]) -> Tuple[int, int]:
-    """Exchange every rank's local shapes, dtype and device; raise on every rank if they differ.
+                names: Sequence[str], settings: Sequence[float] = (),
+                problem: Optional[str] = None) -> Tuple[int, int]:
+    """Exchange every rank's local shapes, dtype, device, settings and input problems; raise the
+    same error on every rank if any rank has a problem or they differ.
 
-    Returns (rank, P).  The first collective of each call: a rank whose inputs are wrong still
-    takes part, so the others never wait on it.
+    ``settings``: numbers every rank must agree on (temperature, reduction, normalize, ...:
+    a difference would send the ranks down different collectives); ``problem``: this rank's
+    own input error (shapes, dtypes), raised on every rank.  Returns (rank, P).  The first
+    collective of each call: a rank whose inputs are wrong still takes part, so the others
+    never wait on it.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{op}: group={group!r} needs torch.distributed to be initialised "
                          f"(torch.distributed.init_process_group)")
     rank, size = world(group)
-    nccl = dist.get_backend(group) == "nccl"
+    nccl = _nccl(group)
     first = next(t for t in tensors if t is not None)
     bad_device = any(t is not None and (t.device.type != "cuda") == nccl for t in tensors) \
         if nccl else False
     dev = _comm_device(group, first)
-    meta: List[int] = [int(bad_device)]
+    meta: List[int] = [int(bad_device), int(problem is not None)]
+    for v in settings:  # float64 bits as two int32 halves: exact comparison
+        bits = int(np.array(float(v), np.float64).view(np.int64))
+        meta += [bits >> 32, bits & 0xFFFFFFFF]
+    base = len(meta)
     for t in tensors:  # 5 integers a tensor: rank of the array, its shape (padded), dtype
         shape = [int(s) for s in t.shape[:3]] + [0] * (3 - min(t.dim(), 3)) if t is not None \
             else [0, 0, 0]
@@ -75,7 +91,14 @@ def check_group(op: str, group, tensors: Sequence[Optional[Tensor]],
     mine = torch.tensor(meta, dtype=torch.int64, device=dev)
     every = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(every, mine, group=group)
-    rows = [e.tolist() for e in every]  # (a host read of a few integers: the shape check)
+    rows = torch.stack(every).cpu().tolist()  # (one host read of a few integers: the check)
+    if any(r[1] for r in rows):
+        where = [i for i, r in enumerate(rows) if r[1]]
+        raise ValueError(f"{op}: invalid inputs on rank(s) {where}"
+                         + (f"; here: {problem}" if problem else ""))
+    if any(r[2:base] != rows[0][2:base] for r in rows):
+        raise ValueError(f"{op}: every rank of the group must pass the same temperature / "
+                         f"logit_scale kind, reduction and normalize")
     if any(r[0] for r in rows):
         where = [i for i, r in enumerate(rows) if r[0]]
         raise ValueError(f"{op}: the group's backend is NCCL, which carries CUDA tensors only; "
@@ -83,8 +106,8 @@ def check_group(op: str, group, tensors: Sequence[Optional[Tensor]],
     if any(r != rows[0] for r in rows):
         desc = "; ".join(
             f"rank {i}: " + ", ".join(
-                f"{n} {tuple(r[2 + 5 * j:2 + 5 * j + r[1 + 5 * j]])}"
-                for j, n in enumerate(names) if r[1 + 5 * j] >= 0)
+                f"{n} {tuple(r[base + 1 + 5 * j:base + 1 + 5 * j + min(r[base + 5 * j], 3)])}"
+                for j, n in enumerate(names) if r[base + 5 * j] >= 0)
             for i, r in enumerate(rows))
         raise ValueError(f"{op}: every rank of the group must pass the same local shapes and "
                          f"dtypes (equal local batch sizes), got {desc}")
@@ -103,12 +126,26 @@ def reduce_scatter_rows(full: Tensor, group, rank: int, size: int) -> Tensor:
     """``sum over ranks of full[rank]`` for ``full`` (P, ...): NCCL's reduce-scatter, else an
     all-reduce of the whole and this rank's slice (gloo has no reduce-scatter)."""
     full = full.contiguous()
-    if dist.get_backend(group) == "nccl":
+    if _nccl(group) and full.device.type == "cuda":
         out = torch.empty_like(full[0])
         dist.reduce_scatter_tensor(out, full, group=group)
         return out
     dist.all_reduce(full, group=group)
     return full[rank].clone()
+
+
+def _stack_own(own: Tensor, other: Optional[Tensor], rank: int) -> Tensor:
+    """(P, rows, D): the other ranks' blocks of ``other`` (rank order, this rank left out) with
+    ``own`` at this rank's place (slices and a cat: no index tensor, no host synchronisation)."""
+    if other is None:
+        return own[None]
+    blocks = other.reshape(-1, *own.shape)
+    return torch.cat([blocks[:rank], own[None], blocks[rank:]])
+
+
+def _no_double_backward():
+    if torch.is_grad_enabled():
+        raise RuntimeError("cupynce.torch: double backward (create_graph=True) is not supported")
 
 
 def _xp(x):
@@ -137,7 +174,7 @@ class _NTXentGlobal(torch.autograd.Function):
         with B.device_scope(z.device):
             others = None if others_t is None else B.array_of(others_t)
             a = np.dtype(np.float64) if z.dtype == torch.float64 else np.dtype(np.float32)
-            fused = reduction != "none"
+            fused = reduction != "none" and any(ctx.needs_input_grad)
             w = _base.weights(xp, None, reduction, n2 * size, a)
             lse, rows, grads = _local.nt_xent_block(
                 path, zn, others, 1.0 / t, lse_in=None, weights=w, want_grad=fused,
@@ -162,6 +199,7 @@ class _NTXentGlobal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
+        _no_double_backward()
         t, reduction, normalize, workspace_bytes, group, rank, size, fused = ctx.args
         saved = ctx.saved_tensors
         z, norm = saved[0], saved[1]
@@ -184,12 +222,7 @@ class _NTXentGlobal(torch.autograd.Function):
                     workspace_bytes=workspace_bytes)
                 own = B.tensor_of(dq) + B.tensor_of(dk)
                 other = None if do is None else B.tensor_of(do)
-        full = own.new_zeros((size,) + tuple(own.shape))
-        full[rank] = own
-        if other is not None:
-            blocks = other.reshape(size - 1, n2, -1)
-            idx = [i for i in range(size) if i != rank]
-            full[idx] = blocks
+        full = _stack_own(own, other, rank)
         mine = reduce_scatter_rows(full, group, rank, size) * size  # DDP: P x the gradient
         dz = R.grad_finish(z, norm, mine, mine.new_ones(())) if normalize else mine.to(z.dtype)
         return dz, None, None, None, None, None, None, None
@@ -224,7 +257,7 @@ class _InfoNCEGlobal(torch.autograd.Function):
             others = None if others_t is None else B.array_of(others_t)
             neg_p = negn if negatives is not None and not shared else None
             a = np.dtype(np.float64) if query.dtype == torch.float64 else np.dtype(np.float32)
-            fused = reduction != "none"
+            fused = reduction != "none" and any(ctx.needs_input_grad)
             w = _base.weights(xp, None, reduction, n * size, a)
             lse, rows, grads = _local.info_nce_block(
                 path, qn, kn, others, neg_p, 1.0 / t, lse_in=None, weights=w, want_grad=fused,
@@ -249,6 +282,7 @@ class _InfoNCEGlobal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
+        _no_double_backward()
         t, reduction, normalize, workspace_bytes, group, rank, size, fused, shared = ctx.args
         saved = ctx.saved_tensors
         query, key, negatives, nq, nk, nneg = saved[:6]
@@ -273,12 +307,9 @@ class _InfoNCEGlobal(torch.autograd.Function):
                     weights=w, want_grad=True, workspace_bytes=workspace_bytes)
                 dq, dk, do, dnp = (None if x is None else B.tensor_of(x) for x in grads)
         # the keys' column-side gradients, and the shared negatives', back to their owners
-        full_k = dk.new_zeros((size,) + tuple(dk.shape))
-        full_k[rank] = dk
-        idx = [i for i in range(size) if i != rank]
         n_other_keys = n * (size - 1)
-        if do is not None and n_other_keys:
-            full_k[idx] = do[:n_other_keys].reshape(size - 1, n, -1)
+        full_k = _stack_own(dk, do[:n_other_keys] if do is not None and n_other_keys else None,
+                            rank)
         dk = reduce_scatter_rows(full_k, group, rank, size)
         dneg = None
         if shared:
@@ -328,7 +359,7 @@ class _ClipGlobal(torch.autograd.Function):
         ga, gb = all_gather_rows(an_t, group, size), all_gather_rows(bn_t, group, size)
         oa = torch.cat([p for i, p in enumerate(ga) if i != rank]) if size > 1 else None
         ob = torch.cat([p for i, p in enumerate(gb) if i != rank]) if size > 1 else None
-        fused = reduction != "none"
+        fused = reduction != "none" and any(ctx.needs_input_grad)
         with B.device_scope(a.device):
             lsa = B.array_of(ls_t)
             w = _base.weights(xp, None, reduction, n * size, np.dtype(lsa.dtype))
@@ -356,6 +387,7 @@ class _ClipGlobal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
+        _no_double_backward()
         reduction, normalize, workspace_bytes, group, rank, size, fused, ls_meta = ctx.args
         saved = ctx.saved_tensors
         a, b, na, nb = saved[:4]
@@ -382,10 +414,7 @@ class _ClipGlobal(torch.autograd.Function):
                                            for x in grads)
         outs = []
         for x, nrm, own, other in ((a, na, da, do_a), (b, nb, db, do_b)):
-            full = own.new_zeros((size,) + tuple(own.shape))
-            full[rank] = own
-            if other is not None:
-                full[[i for i in range(size) if i != rank]] = other.reshape(size - 1, n, -1)
+            full = _stack_own(own, other, rank)
             acc = reduce_scatter_rows(full, group, rank, size) * size  # DDP: P x the gradient
             outs.append(R.grad_finish(x, nrm, acc, acc.new_ones(())) if normalize
                         else acc.to(x.dtype))
@@ -397,25 +426,66 @@ class _ClipGlobal(torch.autograd.Function):
         return (*outs, dls, None, None, None, None, None, None, None)
 
 
+_REDUCTION_CODE = {"mean": 0, "sum": 1, "none": 2}
+
+
+def _matrix_problem(name: str, x: Tensor, *, d: Optional[int] = None) -> Optional[str]:
+    if x.dim() != 2:
+        return f"{name} must be 2-D (n, D), got shape {tuple(x.shape)}"
+    if x.dtype not in _DTYPE_CODE:
+        return f"{name} has dtype {x.dtype}; expected float16, bfloat16, float32 or float64"
+    if d is not None and x.shape[1] != d:
+        return f"{name} must have D={d} features, got shape {tuple(x.shape)}"
+    return None
+
+
 def nt_xent(z: Tensor, t: float, reduction: str, normalize: bool,
             workspace_bytes: Optional[int], group) -> Tensor:
-    rank, size = check_group("nt_xent", group, [z], ["z"])
-    if z.shape[0] % 2:
-        raise ValueError(f"nt_xent: z must have an even number of rows (2n views), "
-                         f"got shape {tuple(z.shape)}")
+    problem = _matrix_problem("z", z)
+    if problem is None and (z.shape[0] < 2 or z.shape[0] % 2):
+        problem = (f"z must have an even number of rows, at least 2 (2n views), got shape "
+                   f"{tuple(z.shape)}")
+    rank, size = check_group("nt_xent", group, [z], ["z"],
+                             [t, _REDUCTION_CODE[reduction], normalize], problem)
     return _NTXentGlobal.apply(z, t, reduction, normalize, workspace_bytes, group, rank, size)
 
 
 def info_nce(query: Tensor, key: Tensor, negatives: Optional[Tensor], t: float,
              reduction: str, normalize: bool, workspace_bytes: Optional[int], group) -> Tensor:
+    problem = _matrix_problem("query", query)
+    d = query.shape[-1]
+    if problem is None and tuple(key.shape) != tuple(query.shape):
+        problem = (f"key must have query's shape {tuple(query.shape)} (paired by row), got "
+                   f"{tuple(key.shape)}")
+    problem = problem or _matrix_problem("key", key, d=d)
+    if problem is None and negatives is not None:
+        if negatives.dim() not in (2, 3) or negatives.shape[-1] != d or \
+                (negatives.dim() == 3 and negatives.shape[0] != query.shape[0]):
+            problem = (f"negatives must be (M, {d}) shared or ({query.shape[0]}, M, {d}) per "
+                       f"query, got shape {tuple(negatives.shape)}")
+    dts = {x.dtype for x in (query, key, negatives) if x is not None}
+    if problem is None and len(dts) > 1:
+        problem = f"query, key and negatives must share one dtype, got {sorted(map(str, dts))}"
+    kind = 0 if negatives is None else negatives.dim() - 1
     rank, size = check_group("info_nce", group, [query, key, negatives],
-                             ["query", "key", "negatives"])
+                             ["query", "key", "negatives"],
+                             [t, _REDUCTION_CODE[reduction], normalize, kind], problem)
     return _InfoNCEGlobal.apply(query, key, negatives, t, reduction, normalize,
                                 workspace_bytes, group, rank, size)
 
 
 def clip_loss(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], ls_value: float,
               reduction: str, normalize: bool, workspace_bytes: Optional[int], group) -> Tensor:
-    rank, size = check_group("clip_loss", group, [a, b], ["a", "b"])
+    problem = _matrix_problem("a", a)
+    if problem is None and (tuple(b.shape) != tuple(a.shape) or b.dtype != a.dtype):
+        problem = (f"b must have a's shape {tuple(a.shape)} and dtype {a.dtype}, got "
+                   f"{tuple(b.shape)} {b.dtype}")
+    if problem is None and logit_scale is not None and \
+            (logit_scale.dim() > 1 or logit_scale.numel() != 1):
+        problem = f"logit_scale must be a scalar, got shape {tuple(logit_scale.shape)}"
+    rank, size = check_group("clip_loss", group, [a, b], ["a", "b"],
+                             [0.0 if logit_scale is not None else ls_value,
+                              logit_scale is not None, _REDUCTION_CODE[reduction], normalize],
+                             problem)
     return _ClipGlobal.apply(a, b, logit_scale, ls_value, reduction, normalize,
                              workspace_bytes, group, rank, size)
