@@ -71,7 +71,8 @@ def check_nt_xent(rank, P):
                                   group=dist.group.WORLD)
                 zs = Z.clone().requires_grad_(True)
                 want = ct.nt_xent(zs, 0.3, reduction=reduction, normalize=normalize)
-                up = gl.to(want.dtype) if reduction == "none" else torch.tensor(0.7, dtype=want.dtype)
+                up = gl.to(want.dtype) if reduction == "none" else \
+                    torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
                 g_up = up[mine] if reduction == "none" else up
                 with _no_sync():
                     loss.backward(g_up)
@@ -111,7 +112,8 @@ def check_info_nce(rank, P):
                 nall = None if nall is None else nall.clone().requires_grad_(True)
                 want = ct.info_nce(qs, ks, 0.2, negatives=nall, reduction=reduction,
                                    normalize=normalize)
-                up = gl.to(want.dtype) if reduction == "none" else torch.tensor(0.7, dtype=want.dtype)
+                up = gl.to(want.dtype) if reduction == "none" else \
+                    torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
                 loss.backward(up[mine] if reduction == "none" else up)
                 want.backward(up)
                 tl, tg = TOL[dtype]
@@ -145,7 +147,8 @@ def check_clip_loss(rank, P):
                 lss = ls.detach().clone().requires_grad_(True)
                 As, Bs = (x.clone().requires_grad_(True) for x in (A, Bm))
                 want = ct.clip_loss(As, Bs, lss, reduction=reduction, normalize=normalize)
-                up = gl.to(want.dtype) if reduction == "none" else torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
+                up = gl.to(want.dtype) if reduction == "none" else \
+                    torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
                 g_up = up[mine] if reduction == "none" else up
                 with _no_sync():
                     loss.backward(g_up)
