@@ -92,7 +92,7 @@ def check_info_nce(rank, P):
     for dtype in DTYPES:
         for neg in (None, "shared", "paired"):
             for reduction in ("mean", "none"):
-                normalize = neg != "paired"
+                normalize = (reduction == "mean") == (neg != "paired")  # each kind both ways
                 gen = torch.Generator().manual_seed(23)
                 Q, K = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(
                     DEVICE, dtype) for _ in range(2))

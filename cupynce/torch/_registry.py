@@ -101,6 +101,14 @@ def compiling() -> bool:
     return bool(fn()) if fn is not None else False
 
 
+def refuse_double_backward() -> None:
+    """Raise inside a backward taken with ``create_graph=True`` (the gradients here are not
+    differentiable; a graph built from them would silently drop their dependence on the
+    inputs).  Under ``torch.compile`` the traced backward runs with grad mode on: allowed."""
+    if torch.is_grad_enabled() and not compiling():
+        raise RuntimeError("cupynce.torch: double backward (create_graph=True) is not supported")
+
+
 def scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: Tensor,
            dtype: torch.dtype, normalize: bool) -> Tensor:
     """A fused forward's gradient for upstream ``grad_loss``: ``acc * g`` cast to the input
@@ -111,8 +119,7 @@ def scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: 
     eyes, so a graph built here (``create_graph=True``) would silently drop the gradient's own
     dependence on them; raise instead (the per-row path's backward op has no autograd formula
     and fails the same way)."""
-    if torch.is_grad_enabled() and not compiling():
-        raise RuntimeError("cupynce.torch: double backward (create_graph=True) is not supported")
+    refuse_double_backward()
     if normalize:
         return FINISH(x, norm, acc, grad_loss.contiguous())
     return (acc * grad_loss).to(dtype)

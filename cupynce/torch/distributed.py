@@ -143,9 +143,23 @@ def _stack_own(own: Tensor, other: Optional[Tensor], rank: int) -> Tensor:
     return torch.cat([blocks[:rank], own[None], blocks[rank:]])
 
 
-def _no_double_backward():
-    if torch.is_grad_enabled():
-        raise RuntimeError("cupynce.torch: double backward (create_graph=True) is not supported")
+def _finish(x: Tensor, norm: Optional[Tensor], acc: Tensor, normalize: bool,
+            scale: int) -> Tensor:
+    """``scale`` × the float32 accumulator ``acc`` as x's gradient (x's dtype), through the
+    row normalisation when the rows were normalised (the core's finish, 3-D negatives too)."""
+    if normalize:
+        return R.grad_finish(x, norm, acc, acc.new_full((), scale))
+    return (acc * scale).to(x.dtype)
+
+
+def _global_loss(rows: Tensor, reduction: str, count: int, group) -> Tensor:
+    """The reduced loss of every rank's rows (``count`` of them): an all-reduced scalar; for
+    "none" this rank's own rows."""
+    if reduction == "none":
+        return rows
+    loss = rows.sum() if reduction == "sum" else rows.sum() / count
+    dist.all_reduce(loss, group=group)
+    return loss
 
 
 def _xp(x):
@@ -184,11 +198,7 @@ class _NTXentGlobal(torch.autograd.Function):
             if fused:
                 dq, dk, do = (B.tensor_of(g) if g is not None else None for g in grads)
                 acc = (dq, dk, do)
-        if reduction == "none":
-            loss = rows_t
-        else:
-            loss = rows_t.sum() if reduction == "sum" else rows_t.sum() / (n2 * size)
-            dist.all_reduce(loss, group=group)
+        loss = _global_loss(rows_t, reduction, n2 * size, group)
         ctx.args = (t, reduction, normalize, workspace_bytes, group, rank, size, fused)
         norm_t = None if norm is None else B.tensor_of(norm)
         if fused:
@@ -199,7 +209,7 @@ class _NTXentGlobal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        _no_double_backward()
+        R.refuse_double_backward()
         t, reduction, normalize, workspace_bytes, group, rank, size, fused = ctx.args
         saved = ctx.saved_tensors
         z, norm = saved[0], saved[1]
@@ -223,8 +233,8 @@ class _NTXentGlobal(torch.autograd.Function):
                 own = B.tensor_of(dq) + B.tensor_of(dk)
                 other = None if do is None else B.tensor_of(do)
         full = _stack_own(own, other, rank)
-        mine = reduce_scatter_rows(full, group, rank, size) * size  # DDP: P x the gradient
-        dz = R.grad_finish(z, norm, mine, mine.new_ones(())) if normalize else mine.to(z.dtype)
+        mine = reduce_scatter_rows(full, group, rank, size)
+        dz = _finish(z, norm, mine, normalize, size)  # DDP: P x the gradient
         return dz, None, None, None, None, None, None, None
 
 
@@ -265,11 +275,7 @@ class _InfoNCEGlobal(torch.autograd.Function):
             rows_t = B.tensor_of(rows)
             acc = tuple(None if x is None else B.tensor_of(x) for x in grads) if fused else None
             norms = tuple(None if x is None else B.tensor_of(x) for x in (nq, nk, nneg))
-        if reduction == "none":
-            loss = rows_t
-        else:
-            loss = rows_t.sum() if reduction == "sum" else rows_t.sum() / (n * size)
-            dist.all_reduce(loss, group=group)
+        loss = _global_loss(rows_t, reduction, n * size, group)
         ctx.args = (t, reduction, normalize, workspace_bytes, group, rank, size, fused, shared)
         ctx.has_neg = negatives is not None
         if fused:
@@ -282,7 +288,7 @@ class _InfoNCEGlobal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        _no_double_backward()
+        R.refuse_double_backward()
         t, reduction, normalize, workspace_bytes, group, rank, size, fused, shared = ctx.args
         saved = ctx.saved_tensors
         query, key, negatives, nq, nk, nneg = saved[:6]
@@ -323,14 +329,7 @@ class _InfoNCEGlobal(torch.autograd.Function):
             if x is None:
                 outs.append(None)
                 continue
-            acc = acc * size  # DDP: P x the gradient
-            if normalize:
-                flat = acc.reshape(-1, x.shape[-1])
-                grad = R.grad_finish(x.reshape(-1, x.shape[-1]), nrm.reshape(-1), flat,
-                                     acc.new_ones(())).reshape(x.shape)
-            else:
-                grad = acc.to(x.dtype)
-            outs.append(grad)
+            outs.append(_finish(x, nrm, acc, normalize, size))  # DDP: P x the gradient
         return (*outs, None, None, None, None, None, None, None)
 
 
@@ -371,11 +370,7 @@ class _ClipGlobal(torch.autograd.Function):
             acc = tuple(None if x is None else B.tensor_of(xp.asarray(x)) for x in grads) \
                 if fused else None
             norms = tuple(None if x is None else B.tensor_of(x) for x in (na, nb))
-        if reduction == "none":
-            loss = pair_t
-        else:
-            loss = pair_t.sum() if reduction == "sum" else pair_t.sum() / (n * size)
-            dist.all_reduce(loss, group=group)
+        loss = _global_loss(pair_t, reduction, n * size, group)
         ctx.args = (reduction, normalize, workspace_bytes, group, rank, size, fused,
                     None if logit_scale is None else (logit_scale.dtype, logit_scale.shape))
         if fused:
@@ -387,7 +382,7 @@ class _ClipGlobal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        _no_double_backward()
+        R.refuse_double_backward()
         reduction, normalize, workspace_bytes, group, rank, size, fused, ls_meta = ctx.args
         saved = ctx.saved_tensors
         a, b, na, nb = saved[:4]
@@ -415,9 +410,8 @@ class _ClipGlobal(torch.autograd.Function):
         outs = []
         for x, nrm, own, other in ((a, na, da, do_a), (b, nb, db, do_b)):
             full = _stack_own(own, other, rank)
-            acc = reduce_scatter_rows(full, group, rank, size) * size  # DDP: P x the gradient
-            outs.append(R.grad_finish(x, nrm, acc, acc.new_ones(())) if normalize
-                        else acc.to(x.dtype))
+            acc = reduce_scatter_rows(full, group, rank, size)
+            outs.append(_finish(x, nrm, acc, normalize, size))  # DDP: P x the gradient
         dls = None
         if ls_meta is not None:
             total = dsc.reshape(1).clone()
