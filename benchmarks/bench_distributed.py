@@ -7,9 +7,10 @@ Run from the repository root on a GPU::
 For CLIP and NT-Xent, bf16, D = 512, global batch N split over P = 8 ranks (n = N / 8 rows a
 rank), forward + backward of rank 0's share:
 
-``cupynce block``  what ``cupynce.torch``'s ``group=`` computes between its collectives: the
-                   rank's rows against every column (``cupynce.ops._local``; CLIP: both
-                   directions), gradients included (CuPy arrays, the engine's default path);
+``cupynce block``  what ``group=`` computes between its collectives: the rank's rows against
+                   every column (NT-Xent: ``cupynce.ops._local``; CLIP: the one n × N block
+                   for both directions of ``cupynce.ops._global``, with its column-state
+                   merge), gradients included (CuPy arrays, the engine's default path);
 ``1/P single``     the single-GPU op on the whole batch, divided by P: the target is
                    block ≤ 1.15 × this;
 ``open_clip``      open_clip's formula on the same local block (``local_loss=True``,
@@ -51,11 +52,25 @@ def cupynce_block(op, P, N, d):
 
     path = _base.Path(cp)
     w = _base.weights(cp, None, "mean", N if op == "clip_loss" else 2 * N, np.dtype(np.float32))
-    if op == "clip_loss":
-        a, b, oa, ob = arr(n), arr(n), arr(N - n), arr(N - n)
+    if op == "clip_loss":  # the one-block CLIP of cupynce.ops._global (rank P - 1's rows)
+        from cupynce import _engine
+
+        a, b_all = arr(n), arr(N)
         ls = cp.full((1,), np.log(1 / 0.07), cp.float32)
-        return lambda: _local.clip_block(path, a, b, oa, ob, ls, lse_in=None, weights=w,
-                                         want_grad=True, workspace_bytes=None)
+        row0 = N - n
+
+        def step():
+            dots = _engine.pair_dots(a, b_all[row0:])
+            dots_all = cp.concatenate([dots] * P)  # (what the all-gather returns)
+            lse_r, state, _, _ = _engine.clip(
+                a, b_all, ls, lse_r=None, lse_c=None, weights=None, want_loss=True,
+                want_grad=False, workspace_bytes=None, row0=row0, col_shift=dots_all,
+                col_state=True)
+            lse_c = _engine.col_lse(cp.stack([state] * P))  # (the gathered states)
+            return _engine.clip(a, b_all, ls, lse_r=lse_r, lse_c=lse_c, weights=w,
+                                want_loss=False, want_grad=True, workspace_bytes=None,
+                                row0=row0)
+        return step
     z, others = arr(2 * n), arr(2 * (N - n))
     return lambda: _local.nt_xent_block(path, z, others, 1 / 0.2, lse_in=None, weights=w,
                                         want_grad=True, workspace_bytes=None)
@@ -120,11 +135,12 @@ def open_clip_block(op, P, N, d):
 
 def sent_bytes(op, P, N, d):
     """Bytes a rank sends per step over a ring: all-gather (P - 1) n rows in bf16 and a
-    reduce-scatter of (P - 1) n rows in float32, per column-side tensor."""
+    reduce-scatter of (P - 1) n rows in float32 of the column-side tensor (CLIP: b only, plus
+    the pairs' dots, n floats, and the column states, 2N floats, all-gathered)."""
     n = N // P
     rows = 2 * n if op == "nt_xent" else n
-    tensors = 2 if op == "clip_loss" else 1
-    return tensors * (P - 1) * rows * d * (2 + 4)
+    extra = (P - 1) * (4 * n + 8 * N) if op == "clip_loss" else 0
+    return (P - 1) * rows * d * (2 + 4) + extra
 
 
 def main(argv=None) -> int:

@@ -89,7 +89,8 @@ __device__ __forceinline__ void col_partial_body(
 // (col_m, col_s).  `mode` bit 1 (fresh): start from the empty state instead of reading
 // (col_m, col_s); bit 0 (finalize): instead of storing the state, turn it into the column lse
 // and the per-pair CLIP loss: col_loss_j = lse_col_j - logit_jj, where
-// logit_jj = lse_row_j - row_loss_j.  (A pass over one row block is one call with both bits.)
+// logit_jj = lse_row_j - row_loss_j (pair_loss null: the column lse alone, as for the ranks'
+// column states of a distributed CLIP).  (A pass over one row block is one call with both bits.)
 // A block of CPN_BLOCK threads takes 32 columns (lane = column: coalesced loads); warp w folds
 // the chunks w, w + NW, ... (independent loads in flight instead of `chunks` dependent ones),
 // then warp 0 folds the running pair and the NW partials in warp order.  Fixed orders:
@@ -121,8 +122,10 @@ __device__ __forceinline__ void col_combine_body(
     if (mode & 1) {
         const A lc = st.value();
         lse_col[j] = lc;
-        const A col_loss = lc - (lse_row[j] - row_loss[j]);
-        pair_loss[j] = A(0.5) * (row_loss[j] + col_loss);
+        if (pair_loss) {  // (null: the column lse alone, e.g. of the ranks' column states)
+            const A col_loss = lc - (lse_row[j] - row_loss[j]);
+            pair_loss[j] = A(0.5) * (row_loss[j] + col_loss);
+        }
     }
 }
 

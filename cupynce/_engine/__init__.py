@@ -51,14 +51,24 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
 
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
-         workspace_bytes):
+         workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
     """CLIP's row and column statistics (``want_loss``) and gradient accumulators.
 
     ``ls`` is logit_scale as a (1,) device array of the accumulator dtype.  Returns
-    ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``.  See :func:`blocks.clip`.
+    ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``.  A rank's block of a distributed
+    CLIP: an holds the rows ``row0 ..`` of the image side, bn every column, ``col_shift`` the
+    raw positive dots of every column (the tile path's column shift), and ``col_state``
+    returns the columns' (2, Nc) (m, s) state over these rows in place of lse_c and the row
+    losses in place of pair_loss; the backward takes the merged column lse (:func:`col_lse`).
+    See :func:`blocks.clip`.
     """
     kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_loss=want_loss,
-              want_grad=want_grad, workspace_bytes=workspace_bytes)
+              want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0,
+              col_shift=col_shift, col_state=col_state)
     if tiles.tiles_ok(an, bn):
         return tiles.clip(an, bn, ls, **kw)
     return blocks.clip(an, bn, ls, **kw)
+
+
+col_lse = blocks.col_lse
+pair_dots = blocks.pair_dots

@@ -28,8 +28,10 @@ ARENA_BYTES = 1 << 20
 
 
 def ptr(x) -> int:
-    """The device pointer of ``x`` (0 for None: the kernels' "absent")."""
-    return 0 if x is None else x.data.ptr
+    """The device pointer of ``x`` (0 for None: the kernels' "absent"; an int is one already)."""
+    if x is None or isinstance(x, int):
+        return x or 0
+    return x.data.ptr
 
 
 def rowmajor(xp, x):

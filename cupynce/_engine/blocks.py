@@ -101,17 +101,23 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
 
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
-         workspace_bytes):
+         workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
     """Row/column statistics (when ``want_loss``) and the gradient accumulators.
 
-    ``ls`` is logit_scale as a (1,) device array of the accumulator dtype.
-    Returns ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``.
+    ``ls`` is logit_scale as a (1,) device array of the accumulator dtype.  an (n, D) are the
+    rows ``row0 .. row0 + n - 1`` of the image side, bn (Nc, D) every column; row i's
+    positive is column row0 + i (square problems: row0 = 0, Nc = n).
+    Returns ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``; with ``col_state``
+    ``lse_r, state, row_loss, grads`` where state (2, Nc) is the columns' running (m, s) over
+    these rows (:func:`col_lse` merges the states of several row sets).  ``col_shift`` is the
+    tile path's (unused here).
     """
     t = an.dtype
     a = acc_dtype(t)
     n, d = an.shape
+    nc = bn.shape[0]
     split_g = want_grad and t != a
-    row_bytes = n * a.itemsize + (n * t.itemsize if split_g else 0)
+    row_bytes = nc * a.itemsize + (nc * t.itemsize if split_g else 0)
     rb = blas.plan_rows("clip_loss", n, row_bytes, workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     chunk = 64
@@ -119,39 +125,45 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     # scratch and outputs from two allocations (see rows).  part_m / part_s: column
     # partials of a row block; col_m: the running column state between row blocks (the first
     # block starts it: no fill); da, db: written by the first row block's products (beta = 0)
+    keep_state = want_loss and (rb < n or col_state)
     s_buf, g_buf, row_loss, part_m, part_s, col_m = buffers((
-        ((rb, n), a), ((rb, n), t) if split_g else None,
+        ((rb, nc), a), ((rb, nc), t) if split_g else None,
         ((n,), a) if want_loss else None,
-        ((nch, n), a) if want_loss else None, ((nch, n), a) if want_loss else None,
-        ((2, n), a) if want_loss and rb < n else None))
+        ((nch, nc), a) if want_loss else None, ((nch, nc), a) if want_loss else None,
+        ((2, nc), a) if keep_state else None))
     vec = ((n,), a)
     lse_r2, lse_c2, pair_loss, da, db, dsp = buffers((
-        *((vec,) * 3 if want_loss else (None,) * 3),
-        ((n, d), a) if want_grad else None, ((n, d), a) if want_grad else None,
+        vec if want_loss else None,
+        vec if want_loss and not col_state else None, vec if want_loss and not col_state else None,
+        ((n, d), a) if want_grad else None, ((nc, d), a) if want_grad else None,
         vec if want_grad else None))
     if not split_g:
         g_buf = s_buf
+    # per-row arrays are indexed by the global row (row0 + r) in the kernels
+    shift = row0 * a.itemsize
     if want_loss:
         lse_r, lse_c = lse_r2, lse_c2
-        cgrid = ((n + BLOCK - 1) // BLOCK,)
+        cgrid = ((nc + BLOCK - 1) // BLOCK,)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
             nrows = r1 - r0
             s_blk = s_buf[:nrows]
             blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
             kernels.launch(FILE, "row_softmax", t, (nrows,), (
-                s_blk, np.int64(n), np.int32(n), 0, np.int64(0), np.int32(0),
-                np.int32(r0), np.int32(0), np.int32(0), np.int32(n), ls, a.type(1.0),
-                0, lse_r, row_loss, 0, np.int64(0), 0, np.int64(0), 0, np.int64(0), a.type(0)))
-            nc = (nrows + chunk - 1) // chunk
-            kernels.launch(FILE, "col_partial", t, (cgrid[0], nc), (
-                s_blk, np.int64(n), np.int32(nrows), np.int32(n), np.int32(chunk), ls,
+                s_blk, np.int64(nc), np.int32(nc), 0, np.int64(0), np.int32(0),
+                np.int32(row0 + r0), np.int32(0), np.int32(0), np.int32(nc), ls, a.type(1.0),
+                0, lse_r.data.ptr - shift, row_loss.data.ptr - shift, 0, np.int64(0), 0,
+                np.int64(0), 0, np.int64(0), a.type(0)))
+            nch_b = (nrows + chunk - 1) // chunk
+            kernels.launch(FILE, "col_partial", t, (cgrid[0], nch_b), (
+                s_blk, np.int64(nc), np.int32(nrows), np.int32(nc), np.int32(chunk), ls,
                 a.type(1.0), part_m, part_s))
-            mode = (2 if r0 == 0 else 0) | (1 if r1 == n else 0)  # fresh | finalize
-            kernels.launch(FILE, "col_combine", t, (-(-n // 32),), (
-                part_m, part_s, np.int32(nc), np.int32(n), ptr(col_m),
+            final = r1 == n and not col_state
+            mode = (2 if r0 == 0 else 0) | (1 if final else 0)  # fresh | finalize
+            kernels.launch(FILE, "col_combine", t, (-(-nc // 32),), (
+                part_m, part_s, np.int32(nch_b), np.int32(nc), ptr(col_m),
                 0 if col_m is None else col_m[1], np.int32(mode),
-                lse_r, row_loss, lse_c, pair_loss))
+                lse_r, row_loss, ptr(lse_c), ptr(pair_loss)))
     grads = None
     if want_grad:
         w_arr, w_stride, w_mul = weights
@@ -163,9 +175,43 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
             g_blk = g_buf[:nrows]
             kernels.launch(FILE, "clip_grad", t, (nrows,), (
-                s_blk, np.int64(n), np.int32(n), np.int32(r0), ls, lse_r, lse_c,
-                ptr(w_arr), np.int64(w_stride), a.type(w_mul), g_blk, np.int64(n), dsp))
+                s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls,
+                lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride), a.type(w_mul),
+                g_blk, np.int64(nc), dsp.data.ptr - shift))
             blas.gemm(g_blk, bn, da[r0:r1])
             blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (da, db, dsp)
+    if col_state:
+        return lse_r, col_m, row_loss, grads
     return lse_r, lse_c, pair_loss, grads
+
+
+def col_lse(states):
+    """The column log-sum-exps (Nc,) of P row sets' column states (P, 2, Nc) (``clip(...,
+    col_state=True)``), merged in set order by ``col_combine`` (fixed order: the same bits
+    wherever it runs on the same states)."""
+    import cupy as cp
+
+    p, _, nc = states.shape
+    m = cp.ascontiguousarray(states[:, 0])
+    s = cp.ascontiguousarray(states[:, 1])
+    out = cp.empty((nc,), states.dtype)
+    # (the float32 / float64 instance: its accumulator type is the states')
+    kernels.launch(FILE, "col_combine", states.dtype, (-(-nc // 32),),
+                   (m, s, np.int32(p), np.int32(nc), 0, 0, np.int32(3), 0, 0, out, 0))
+    return out
+
+
+def pair_dots(an, bn):
+    """The raw dots a_i · b_i (n,) in the accumulator dtype (the positive logits before the
+    scale: the tile path's column shift)."""
+    import cupy as cp
+
+    t = an.dtype
+    n, d = an.shape
+    b_rows = bn if blas.leading_dim(bn) == d else cp.ascontiguousarray(bn)
+    out = cp.empty((n,), acc_dtype(t))
+    kernels.launch(FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
+                   (an, np.int64(blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
+                    np.int32(d), out))
+    return out

@@ -304,75 +304,89 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
 
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
-         workspace_bytes):
-    """:func:`blocks.clip` on the tile kernels: row and column statistics in one pass."""
+         workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
+    """:func:`blocks.clip` on the tile kernels: row and column statistics in one pass.
+
+    ``col_shift`` (tiles only): the raw positive dots a_j·b_j of every column, which the
+    column pass shifts its exponentials by (computed here when None: square problems).
+    """
     import cupy as cp
 
     t, f32 = an.dtype, np.dtype(np.float32)
     n, d = an.shape
-    nt = -(-n // TILE)
-    pair_loss = None
+    nc = bn.shape[0]
+    nt, ct = -(-n // TILE), -(-nc // TILE)
+    pair_loss = state = None
     if want_loss:
-        splits = grid_splits(nt, nt)
+        splits = grid_splits(nt, ct)
         # column partials: one (m, s) pair per (row tile, column) of the rows in flight
-        rg = blas.plan_rows("clip_loss", n, -(-8 * n // TILE), workspace_bytes, align=TILE)
+        rg = blas.plan_rows("clip_loss", n, -(-8 * nc // TILE), workspace_bytes, align=TILE)
         cpt = -(-rg // TILE)
         # one fp32 scratch allocation (allocations are host time before the first kernel):
-        # dots (n) | pos (n) | part (2, splits, n) | colp (2, cpt, n); kernels get pointers
-        scratch = cp.empty(((2 + 2 * splits + 2 * cpt) * n,), f32)
-        dots, pos = scratch[:n], scratch.data.ptr + 4 * n
+        # dots (nc) | pos (n) | part (2, splits, n) | colp (2, cpt, nc); kernels get pointers
+        scratch = cp.empty((nc + (1 + 2 * splits) * n + 2 * cpt * nc,), f32)
+        dots, pos = scratch[:nc], scratch.data.ptr + 4 * nc
         part, part_s = pos + 4 * n, pos + 4 * n * (1 + splits)
-        colp, colp_s = part + 8 * splits * n, part + 4 * n * (2 * splits + cpt)
-        # running column state (m and s rows), only when the rows come in several groups
-        col_m = cp.empty((2, n), f32) if rg < n else None
+        colp, colp_s = part + 8 * splits * n, part + 8 * splits * n + 4 * cpt * nc
+        # running column state (m and s rows): several row groups, or the state asked for
+        col_m = cp.empty((2, nc), f32) if rg < n or col_state else None
         cgrid = (-(-n // BLOCK),)
-        # a_j . b_j: the kernel shifts column j's exponentials by its positive logit
-        b_rows = bn if blas.leading_dim(bn) == d else cp.ascontiguousarray(bn)
-        kernels.launch(ROWS_FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
-               (an, np.int64(blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
-                np.int32(d), dots))
+        if col_shift is None:
+            # a_j . b_j: the kernel shifts column j's exponentials by its positive logit
+            b_rows = bn if blas.leading_dim(bn) == d else cp.ascontiguousarray(bn)
+            kernels.launch(ROWS_FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
+                   (an, np.int64(blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
+                    np.int32(d), dots))
+        else:
+            dots = col_shift
         for r0 in range(0, n, rg):
             r1 = min(n, r0 + rg)
             rt = -(-(r1 - r0) // TILE)
-            tile("lse2", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
-                  part=(part + 4 * r0, part_s + 4 * r0, n),
+            tile("lse2", t, (rt, splits), an[r0:r1], row0 + r0, bn, None, scale_log=ls,
+                  pos_mod=nc, part=(part + 4 * r0, part_s + 4 * r0, n),
                   pos_out=pos + 4 * r0, colp=(colp, colp_s), lse_col=dots)
-            if col_m is not None:  # several row groups: fold into the running column state
-                kernels.launch(ROWS_FILE, "col_combine", t, (-(-n // 32),), (
-                    colp, colp_s, np.int32(rt), np.int32(n), col_m, col_m[1],
+            if col_m is not None:  # fold into the running column state
+                kernels.launch(ROWS_FILE, "col_combine", t, (-(-nc // 32),), (
+                    colp, colp_s, np.int32(rt), np.int32(nc), col_m, col_m[1],
                     np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
         lse_r = cp.empty((n,), f32)
         row_loss = cp.empty((n,), f32)
         kernels.launch(FILE, "tile_finish", t, cgrid,
                (part, part_s, np.int64(n), np.int32(splits), np.int32(n), pos, lse_r, row_loss))
-        lse_c = cp.empty((n,), f32)
-        pair_loss = cp.empty((n,), f32)
-        if col_m is None:  # one group: its partials straight to the column lse (fresh + finalize)
-            fold = (colp, colp_s, np.int32(rt), 0, 0, np.int32(3))
-        else:  # the running state (finalize)
-            fold = (0, 0, np.int32(0), col_m, col_m[1], np.int32(1))
-        kernels.launch(ROWS_FILE, "col_combine", t, (-(-n // 32),),
-               fold[:3] + (np.int32(n),) + fold[3:] + (lse_r, row_loss, lse_c, pair_loss))
+        if col_state:  # the column (m, s) state over these rows, to merge with other rows'
+            state, pair_loss = col_m, row_loss
+        else:
+            lse_c = cp.empty((n,), f32)
+            pair_loss = cp.empty((n,), f32)
+            if col_m is None:  # one group: its partials straight to the column lse
+                fold = (colp, colp_s, np.int32(rt), 0, 0, np.int32(3))
+            else:  # the running state (finalize)
+                fold = (0, 0, np.int32(0), col_m, col_m[1], np.int32(1))
+            kernels.launch(ROWS_FILE, "col_combine", t, (-(-n // 32),),
+                   fold[:3] + (np.int32(n),) + fold[3:] + (lse_r, row_loss, lse_c, pair_loss))
     grads = None
     if want_grad:
-        ldg = -(-n // 8) * 8
+        ldg = -(-nc // 8) * 8
         rb = blas.plan_rows("clip_loss", n, ldg * t.itemsize, workspace_bytes, align=TILE)
         g_buf = cp.empty((rb, ldg), t)
         da = cp.empty((n, d), f32)
-        db = cp.empty((n, d), f32)  # the first row block's product writes it (beta = 0)
+        db = cp.empty((nc, d), f32)  # the first row block's product writes it (beta = 0)
         dsp = cp.empty((n,), f32)
+        lse_row = lse_r.data.ptr - 4 * row0  # the kernel reads lse_row[global row]
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
             rt = -(-(r1 - r0) // TILE)
-            splits = grid_splits(rt, nt)
+            splits = grid_splits(rt, ct)
             dpart = cp.empty((splits, r1 - r0), f32)
-            g_blk = g_buf[:r1 - r0, :n]
-            tile("clip", t, (rt, splits), an[r0:r1], r0, bn, None, scale_log=ls, pos_mod=n,
-                  lse_row=lse_r, lse_col=lse_c, weights=weights, g=g_blk,
+            g_blk = g_buf[:r1 - r0, :nc]
+            tile("clip", t, (rt, splits), an[r0:r1], row0 + r0, bn, None, scale_log=ls,
+                  pos_mod=nc, lse_row=lse_row, lse_col=lse_c, weights=weights, g=g_blk,
                   dsp=dpart.data.ptr, part=(0, 0, r1 - r0))
             kernels.launch(FILE, "tile_sum", t, (-(-(r1 - r0) // BLOCK),),
                    (dpart, np.int64(r1 - r0), np.int32(splits), np.int32(r1 - r0), dsp[r0:r1]))
             blas.gemm(g_blk, bn, da[r0:r1])
             blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (da, db, dsp)
+    if col_state:
+        return lse_r, state, pair_loss, grads
     return lse_r, lse_c, pair_loss, grads

@@ -25,6 +25,36 @@ def row_lse(x):
     return np.where(bad[:, 0], np.nan, out).astype(x.dtype, copy=False)
 
 
+def col_state(x):
+    """The columns' (m, s) state (2, Nc) of a logits block x (rows × Nc): m the column max,
+    s = Σ exp(x − m) (as the GPU's Lse state; NaN / +inf columns give NaN)."""
+    m = np.max(x, axis=0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = np.sum(np.exp(x - np.where(np.isfinite(m), m, 0)[None, :]), axis=0)
+    s = np.where(np.isfinite(m), s, np.where(np.isnan(m) | (m > 0), np.nan, 0))
+    return np.stack([m, s]).astype(x.dtype, copy=False)
+
+
+def col_lse(states):
+    """The column log-sum-exps (Nc,) of P row sets' states (P, 2, Nc), merged in set order."""
+    m, s = states[:, 0], states[:, 1]
+    top = np.max(m, axis=0)
+    shift = np.where(np.isfinite(top), top, 0)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        total = np.zeros_like(top)
+        for p in range(states.shape[0]):  # fixed order, as the kernel
+            total = total + s[p] * np.exp(m[p] - shift)
+        out = shift + np.log(total)
+    bad = np.isnan(top) | np.isnan(total) | (np.isinf(top) & (top > 0))
+    return np.where(bad, np.nan, out).astype(states.dtype, copy=False)
+
+
+def pair_dots(an, bn):
+    """The raw dots a_i · b_i (n,) in the accumulator dtype."""
+    a = acc_dtype(an.dtype)
+    return np.einsum("ij,ij->i", an.astype(a), bn.astype(a))
+
+
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None):

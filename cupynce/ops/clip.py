@@ -27,29 +27,35 @@ __all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
 
 
 def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
-               workspace_bytes):
-    """``cupynce._engine.clip`` on the CPU (same arguments and results); keeps the N × N
-    logits (CPU memory, small N; ``workspace_bytes`` is not used)."""
+               workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
+    """``cupynce._engine.clip`` on the CPU (same arguments and results); keeps the n × Nc
+    logits (CPU memory, small sizes; ``workspace_bytes`` and ``col_shift`` are not used)."""
     a = acc_dtype(an.dtype)
     aa, ba = an.astype(a), bn.astype(a)
-    n = aa.shape[0]
+    n, nc = aa.shape[0], ba.shape[0]
     scale = np.exp(np.asarray(ls, a).reshape(()))
-    logits = scale * (aa @ ba.T)  # the NumPy path keeps N x N (CPU memory, small N)
+    logits = scale * (aa @ ba.T)  # the NumPy path keeps n x Nc (CPU memory, small sizes)
     pair_loss = None
     idx = np.arange(n)
+    pos = row0 + idx  # row i's positive column
     if want_loss:
         lse_r = _numpy.row_lse(logits)
-        lse_c = _numpy.row_lse(logits.T)
-        diag = logits[idx, idx]
-        pair_loss = 0.5 * ((lse_r - diag) + (lse_c - diag))
+        row_loss = lse_r - logits[idx, pos]
+        if col_state:
+            lse_c, pair_loss = _numpy.col_state(logits), row_loss
+        else:
+            lse_c = _numpy.row_lse(logits.T)
+            pair_loss = 0.5 * (row_loss + (lse_c - logits[idx, pos]))
     grads = None
     if want_grad:
         w_arr, w_stride, w_mul = weights
-        w = a.type(w_mul) * (w_arr[idx * w_stride] if w_arr is not None else np.ones(n, a))
+        wc = a.type(w_mul) * (w_arr[np.arange(nc) * w_stride] if w_arr is not None
+                              else np.ones(nc, a))
+        w = wc[pos]
         with np.errstate(over="ignore", invalid="ignore"):
             g = 0.5 * (w[:, None] * np.exp(logits - lse_r[:, None])
-                       + w[None, :] * np.exp(logits - lse_c[None, :]))
-        g[idx, idx] -= 0.5 * (w + w)
+                       + wc[None, :] * np.exp(logits - lse_c[None, :]))
+        g[idx, pos] -= 0.5 * (w + w)
         dsp = np.sum(g * logits, axis=1)
         gs = g * scale
         grads = (gs @ ba, gs.T @ aa, dsp)
@@ -85,7 +91,7 @@ def _check(a, b, logit_scale, reduction, workspace_bytes, normalize):
 
 def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
                       workspace_bytes: Optional[int] = None,
-                      requires_grad: bool = True) -> Tuple[Any, Context]:
+                      requires_grad: bool = True, group=None) -> Tuple[Any, Context]:
     """CLIP's symmetric contrastive loss and a context for :func:`clip_loss_backward`.
 
     Parameters
@@ -95,6 +101,14 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
         s = exp(logit_scale); a device array is never read back to the host.
     reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
+    group : communicator, optional
+        The loss of the global batch across ranks: a ``cupy.cuda.nccl.NcclCommunicator``
+        (or a ``cupyx.distributed`` NCCL backend) for CuPy arrays, or a
+        :class:`cupynce.ops._comm.Comm`.  Every rank passes its local rows (equal counts); each rank
+        computes one n × N block for both directions; ``dlogit_scale`` is the global one on
+        every rank;
+        the gradients from ``*_backward`` are P times those of the global loss with respect
+        to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
 
     Notes
     -----
@@ -103,6 +117,12 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     ``G_ij = ½[w_i (softmax_row(L)_ij − δ_ij) + w_j (softmax_col(L)_ij − δ_ij)]``.
     The column direction reads the score blocks column-wise: no transposed copy.
     """
+    if group is not None:
+        from . import _comm, _global
+
+        return _global.clip_loss_forward(
+            _comm.wrap(group), a, b, logit_scale, reduction=reduction, normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=requires_grad)
     xp, ls, ls_shape = _check(a, b, logit_scale, reduction, workspace_bytes, normalize)
     _checks.check_bool("clip_loss", "requires_grad", requires_grad)
     path = Path(xp)
@@ -137,6 +157,10 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
     given); da, db follow the inputs' dtype.
     """
     require(ctx, "clip_loss")
+    if "global" in ctx.saved:
+        from . import _global
+
+        return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
     g = _checks.check_grad_loss("clip_loss_backward", grad_loss, ctx.reduction, ctx.n, xp)
@@ -182,7 +206,8 @@ def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: An
 
 
 def clip_loss(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
-              workspace_bytes: Optional[int] = None):
+              workspace_bytes: Optional[int] = None, group=None):
     """CLIP's symmetric loss; see :func:`clip_loss_forward`."""
     return clip_loss_forward(a, b, logit_scale, reduction=reduction, normalize=normalize,
-                             workspace_bytes=workspace_bytes, requires_grad=False)[0]
+                             workspace_bytes=workspace_bytes, requires_grad=False,
+                             group=group)[0]

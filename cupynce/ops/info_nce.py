@@ -65,7 +65,7 @@ def _prep_all(xp, path, query, key, negatives, normalize: bool):
 def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
                      reduction: str = "mean", normalize: bool = False,
                      workspace_bytes: Optional[int] = None,
-                     requires_grad: bool = True) -> Tuple[Any, Context]:
+                     requires_grad: bool = True, group=None) -> Tuple[Any, Context]:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
 
     Parameters
@@ -77,6 +77,13 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
         per query (N, M, D).
     temperature, reduction, normalize, workspace_bytes, requires_grad : as for nt_xent.
         ``normalize`` applies to query, key and negatives alike.
+    group : communicator, optional
+        The loss of the global batch across ranks: a ``cupy.cuda.nccl.NcclCommunicator``
+        (or a ``cupyx.distributed`` NCCL backend) for CuPy arrays, or a
+        :class:`cupynce.ops._comm.Comm`.  Every rank passes its local rows (equal counts); every
+        rank's keys and shared negatives are candidates of every query;
+        the gradients from ``*_backward`` are P times those of the global loss with respect
+        to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
 
     Returns
     -------
@@ -88,6 +95,13 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     plus the shared negatives, plus query i's own negatives.  (info-nce-pytorch drops the
     in-batch keys when explicit negatives are given; here they are always candidates.)
     """
+    if group is not None:
+        from . import _comm, _global
+
+        return _global.info_nce_forward(
+            _comm.wrap(group), query, key, temperature, negatives=negatives,
+            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
+            requires_grad=requires_grad)
     xp, t = _check(query, key, negatives, temperature, reduction, workspace_bytes,
                    normalize)
     _checks.check_bool("info_nce", "requires_grad", requires_grad)
@@ -116,6 +130,10 @@ def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
     ``dnegatives`` is None when no negatives were given.  Dtypes follow the inputs.
     """
     require(ctx, "info_nce")
+    if "global" in ctx.saved:
+        from . import _global
+
+        return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
     g = _checks.check_grad_loss("info_nce_backward", grad_loss, ctx.reduction, ctx.n, xp)
@@ -152,8 +170,8 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
 
 
 def info_nce(query, key, temperature: float = 0.1, *, negatives=None, reduction: str = "mean",
-             normalize: bool = False, workspace_bytes: Optional[int] = None):
+             normalize: bool = False, workspace_bytes: Optional[int] = None, group=None):
     """Query/key InfoNCE loss; see :func:`info_nce_forward`."""
     return info_nce_forward(query, key, temperature, negatives=negatives, reduction=reduction,
                             normalize=normalize, workspace_bytes=workspace_bytes,
-                            requires_grad=False)[0]
+                            requires_grad=False, group=group)[0]

@@ -43,7 +43,7 @@ def _check(z, temperature, reduction, workspace_bytes, normalize):
 
 def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
                     normalize: bool = False, workspace_bytes: Optional[int] = None,
-                    requires_grad: bool = True) -> Tuple[Any, Context]:
+                    requires_grad: bool = True, group=None) -> Tuple[Any, Context]:
     """SimCLR's NT-Xent loss and a context for :func:`nt_xent_backward`.
 
     Parameters
@@ -58,6 +58,13 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
         Cap on the score-block workspace; default ``min(1 GiB, half the free memory)``.
     requires_grad : bool
         Also prepare the gradient (see the module notes).
+    group : communicator, optional
+        The loss of the global batch across ranks: a ``cupy.cuda.nccl.NcclCommunicator``
+        (or a ``cupyx.distributed`` NCCL backend) for CuPy arrays, or a
+        :class:`cupynce.ops._comm.Comm`.  Every rank passes its own (2n, D) z = [view 1 of its n images; view 2 of
+        them] (equal counts); the global batch is [every rank's view 1; every rank's view 2];
+        the gradients from ``*_backward`` are P times those of the global loss with respect
+        to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
 
     Returns
     -------
@@ -73,6 +80,12 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
 
     Equal to ``F.cross_entropy(masked_fill(z @ z.T, eye, -inf) / τ, labels)``.
     """
+    if group is not None:
+        from . import _comm, _global
+
+        return _global.nt_xent_forward(
+            _comm.wrap(group), z, temperature, reduction=reduction, normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=requires_grad)
     xp, t = _check(z, temperature, reduction, workspace_bytes, normalize)
     _checks.check_bool("nt_xent", "requires_grad", requires_grad)
     path = Path(xp)
@@ -99,6 +112,10 @@ def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
     in z's dtype.
     """
     require(ctx, "nt_xent")
+    if "global" in ctx.saved:
+        from . import _global
+
+        return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
     g = _checks.check_grad_loss("nt_xent_backward", grad_loss, ctx.reduction, ctx.n, xp)
@@ -132,7 +149,8 @@ def nt_xent_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, temperature: fl
 
 
 def nt_xent(z, temperature: float = 0.5, *, reduction: str = "mean", normalize: bool = False,
-            workspace_bytes: Optional[int] = None):
+            workspace_bytes: Optional[int] = None, group=None):
     """SimCLR's NT-Xent loss of ``z`` (2B, D); see :func:`nt_xent_forward`."""
     return nt_xent_forward(z, temperature, reduction=reduction, normalize=normalize,
-                           workspace_bytes=workspace_bytes, requires_grad=False)[0]
+                           workspace_bytes=workspace_bytes, requires_grad=False,
+                           group=group)[0]

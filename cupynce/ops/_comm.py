@@ -1,0 +1,138 @@
+"""The collectives the global (multi-rank) losses need, over engines that exist.
+
+:mod:`cupynce.ops._global` runs each rank's share of a global loss against one small
+interface, :class:`Comm`; this module adapts CuPy's NCCL to it (``cupynce.torch.distributed``
+adapts ``torch.distributed``; the tests adapt an in-process emulation of P ranks):
+
+* ``rank``, ``size``: this rank's index and the number of ranks;
+* ``all_gather(x)`` → (P, *x.shape): every rank's x (same shape and dtype everywhere), in
+  rank order;
+* ``all_reduce(x)`` → the elementwise sum over the ranks (a new array or x itself);
+* ``reduce_scatter(x)`` for x (P, *s) → (*s): the sum over the ranks of their x[rank];
+* ``exchange(ints)`` → every rank's list of Python ints (the host-side agreement check that
+  comes before any other collective, so that bad input raises on every rank, never a hang);
+* ``problem(arrays)``: this rank's reason the engine cannot carry these arrays, or None.
+
+Every collective is issued on the current CuPy stream (device arrays) and is deterministic
+for a fixed world size: NCCL's and gloo's reductions add in a fixed order for a given
+topology, and every rank receives the same bits.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+
+class Comm:
+    """The interface (see the module notes); adapters subclass it."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_gather(self, x):
+        raise NotImplementedError
+
+    def all_reduce(self, x):
+        raise NotImplementedError
+
+    def reduce_scatter(self, x):
+        raise NotImplementedError
+
+    def exchange(self, ints: Sequence[int]) -> List[List[int]]:
+        raise NotImplementedError
+
+    def problem(self, arrays: Sequence[Any]) -> Optional[str]:
+        return None
+
+
+def _nccl():
+    from cupy.cuda import nccl
+
+    return nccl
+
+
+class NcclComm(Comm):
+    """A ``cupy.cuda.nccl.NcclCommunicator`` (or a ``cupyx.distributed`` NCCL backend, through
+    the communicator it holds) as a :class:`Comm`: CuPy arrays on the communicator's GPU,
+    collectives on the current CuPy stream, no host synchronisation (``exchange`` aside).
+
+    Gathers move raw bytes (any dtype, bfloat16 included); the reductions run on the
+    float32 / float64 accumulators and int64 metadata only.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = int(comm.rank_id())
+        self.size = int(comm.size())
+
+    def _stream(self) -> int:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+
+    def _type(self, dtype):
+        nccl = _nccl()
+        kinds = {"float32": nccl.NCCL_FLOAT32, "float64": nccl.NCCL_FLOAT64,
+                 "int64": nccl.NCCL_INT64}
+        if dtype.name not in kinds:  # pragma: no cover - callers reduce accumulators only
+            raise TypeError(f"NcclComm: no reduction for dtype {dtype}")
+        return kinds[dtype.name]
+
+    def all_gather(self, x):
+        import cupy
+
+        x = cupy.ascontiguousarray(x)
+        out = cupy.empty((self.size,) + x.shape, x.dtype)
+        self.comm.allGather(x.data.ptr, out.data.ptr, x.nbytes, _nccl().NCCL_UINT8,
+                            self._stream())
+        return out
+
+    def all_reduce(self, x):
+        import cupy
+
+        x = cupy.ascontiguousarray(x)
+        out = cupy.empty_like(x)
+        self.comm.allReduce(x.data.ptr, out.data.ptr, x.size, self._type(x.dtype),
+                            _nccl().NCCL_SUM, self._stream())
+        return out
+
+    def reduce_scatter(self, x):
+        import cupy
+
+        x = cupy.ascontiguousarray(x)
+        out = cupy.empty(x.shape[1:], x.dtype)
+        self.comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, self._type(x.dtype),
+                                _nccl().NCCL_SUM, self._stream())
+        return out
+
+    def exchange(self, ints: Sequence[int]) -> List[List[int]]:
+        import cupy
+
+        mine = cupy.asarray(list(ints), dtype=cupy.int64)
+        return self.all_gather(mine).get().tolist()  # (the check's one host read)
+
+    def problem(self, arrays: Sequence[Any]) -> Optional[str]:
+        import cupy
+
+        dev = int(self.comm.device_id())
+        for x in arrays:
+            if x is None:
+                continue
+            if not isinstance(x, cupy.ndarray):
+                return (f"a NCCL communicator carries CuPy arrays only, got "
+                        f"{type(x).__module__}.{type(x).__name__}")
+            if x.device.id != dev:
+                return f"the communicator is on cuda:{dev}, an input is on cuda:{x.device.id}"
+        return None
+
+
+def wrap(group) -> Comm:
+    """``group`` as a :class:`Comm`: a Comm as it is; a ``cupy.cuda.nccl.NcclCommunicator``;
+    a ``cupyx.distributed`` NCCL backend (its communicator)."""
+    if isinstance(group, Comm):
+        return group
+    inner = getattr(group, "_comm", group)  # cupyx.distributed.NCCLBackend holds one
+    if all(hasattr(inner, m) for m in ("allGather", "reduceScatter", "rank_id", "size")):
+        return NcclComm(inner)
+    raise TypeError(f"group must be a cupy.cuda.nccl.NcclCommunicator, a cupyx.distributed "
+                    f"NCCL backend or a cupynce Comm (torch.distributed groups go through "
+                    f"cupynce.torch), got {type(group).__module__}.{type(group).__name__}")

@@ -1,0 +1,263 @@
+"""The per-rank code of the global losses (``cupynce.ops._global``) on P emulated ranks in one
+process (``emulated_ranks``: threads and a test communicator with the same collectives).
+
+Each rank holds its slice of one seeded global batch; its loss must be the single-process op's
+on the concatenated batch (its own rows for "none"), its gradients P times the single-process
+gradients of its rows (the data-parallel convention), CLIP's d loss / d logit_scale the global
+one on every rank.  NumPy here (CI); the CuPy paths (tiles, cuBLAS; bf16 / fp16 / fp32) below,
+on a GPU.  Tolerances: float64 1e-12; float32 1e-5 (loss) / 1e-4 (gradients); 16-bit inputs
+against the single-process op on the same 16-bit inputs, 1e-5 / 2e-2 (the gradient is
+rounded to the input dtype, and the rank blocks' sums run in another order).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupynce
+from emulated_ranks import run
+
+TOL = {"float64": (1e-12, 1e-12), "float32": (1e-5, 1e-4), "bfloat16": (1e-5, 2e-2),
+       "float16": (1e-5, 2e-2)}
+
+
+def _err(got, want) -> float:
+    got, want = (np.asarray(_host(x), np.float64) for x in (got, want))
+    return float(np.linalg.norm(got - want) / (np.linalg.norm(want) or 1.0))
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else x
+
+
+def _batch(xp, dtype, shape, seed, scale=0.5):
+    x = np.random.default_rng(seed).standard_normal(shape) * scale
+    if dtype in ("bfloat16",):
+        import ml_dtypes
+
+        x = x.astype(ml_dtypes.bfloat16)
+    else:
+        x = x.astype(dtype)
+    return xp.asarray(x)
+
+
+def _upstream(xp, reduction, count, seed, acc):
+    if reduction == "none":
+        return xp.asarray(np.random.default_rng(seed).uniform(0.2, 1.5, count).astype(acc))
+    return 0.7
+
+
+def _check_nt_xent(xp, dtype, P, n, d, reduction, normalize, device=None, ws=None):
+    N = n * P
+    Z = _batch(xp, dtype, (2 * N, d), 1)
+    acc = np.float64 if dtype == "float64" else np.float32
+    up = _upstream(xp, reduction, 2 * N, 2, acc)
+    rows = [np.r_[r * n:(r + 1) * n, N + r * n:N + (r + 1) * n] for r in range(P)]
+
+    def rank(comm):
+        idx = xp.asarray(rows[comm.rank])
+        loss, ctx = cupynce.nt_xent_forward(Z[idx], 0.3, reduction=reduction,
+                                            normalize=normalize, workspace_bytes=ws, group=comm)
+        g = up[idx] if reduction == "none" else up
+        return loss, cupynce.nt_xent_backward(ctx, g)
+
+    out = run(P, rank, device=device)
+    want, ctx = cupynce.nt_xent_forward(Z, 0.3, reduction=reduction, normalize=normalize)
+    dz = cupynce.nt_xent_backward(ctx, up)
+    tl, tg = TOL[dtype]
+    for r, (loss, g) in enumerate(out):
+        idx = rows[r]
+        assert _err(loss, want[xp.asarray(idx)] if reduction == "none" else want) <= tl
+        assert _err(_host(g).astype(np.float64) / P, _host(dz)[idx]) <= tg
+    if reduction != "none":  # the global loss: the same bits on every rank
+        assert len({float(_host(x[0])) for x in out}) == 1
+
+
+def _check_info_nce(xp, dtype, P, n, d, reduction, normalize, negatives, device=None, ws=None):
+    N, M = n * P, 3
+    Q, K = _batch(xp, dtype, (N, d), 3), _batch(xp, dtype, (N, d), 4)
+    NS = _batch(xp, dtype, (P * M, d), 5) if negatives == "shared" else None
+    NP = _batch(xp, dtype, (N, M, d), 6) if negatives == "per_query" else None
+    acc = np.float64 if dtype == "float64" else np.float32
+    up = _upstream(xp, reduction, N, 7, acc)
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        neg = NS[comm.rank * M:(comm.rank + 1) * M] if NS is not None else \
+            (NP[sl] if NP is not None else None)
+        loss, ctx = cupynce.info_nce_forward(Q[sl], K[sl], 0.2, negatives=neg,
+                                             reduction=reduction, normalize=normalize,
+                                             workspace_bytes=ws, group=comm)
+        return loss, cupynce.info_nce_backward(ctx, up[sl] if reduction == "none" else up)
+
+    out = run(P, rank, device=device)
+    neg = NS if NS is not None else NP
+    want, ctx = cupynce.info_nce_forward(Q, K, 0.2, negatives=neg, reduction=reduction,
+                                         normalize=normalize)
+    gq, gk, gn = cupynce.info_nce_backward(ctx, up)
+    tl, tg = TOL[dtype]
+    for r, (loss, (a, b, c)) in enumerate(out):
+        sl = slice(r * n, (r + 1) * n)
+        assert _err(loss, want[sl] if reduction == "none" else want) <= tl
+        assert _err(_host(a).astype(np.float64) / P, _host(gq)[sl]) <= tg
+        assert _err(_host(b).astype(np.float64) / P, _host(gk)[sl]) <= tg
+        if neg is None:
+            assert c is None
+        else:
+            own = slice(r * M, (r + 1) * M) if NS is not None else sl
+            assert _err(_host(c).astype(np.float64) / P, _host(gn)[own]) <= tg
+
+
+def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None, ws=None):
+    N = n * P
+    A, B = _batch(xp, dtype, (N, d), 8, 1.0), _batch(xp, dtype, (N, d), 9, 1.0)
+    acc = np.float64 if dtype == "float64" else np.float32
+    ls = xp.asarray(np.array([1.3], acc)) if learnable else 1.3
+    up = _upstream(xp, reduction, N, 10, acc)
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        loss, ctx = cupynce.clip_loss_forward(A[sl], B[sl], ls, reduction=reduction,
+                                              normalize=normalize, workspace_bytes=ws,
+                                              group=comm)
+        return loss, cupynce.clip_loss_backward(ctx, up[sl] if reduction == "none" else up)
+
+    out = run(P, rank, device=device)
+    want, ctx = cupynce.clip_loss_forward(A, B, ls, reduction=reduction, normalize=normalize)
+    da, db, dls = cupynce.clip_loss_backward(ctx, up)
+    tl, tg = TOL[dtype]
+    for r, (loss, (ga, gb, gl)) in enumerate(out):
+        sl = slice(r * n, (r + 1) * n)
+        assert _err(loss, want[sl] if reduction == "none" else want) <= tl
+        assert _err(_host(ga).astype(np.float64) / P, _host(da)[sl]) <= tg
+        assert _err(_host(gb).astype(np.float64) / P, _host(db)[sl]) <= tg
+        assert gl.shape == dls.shape and gl.dtype == dls.dtype
+        assert _err(gl, dls) <= tg
+    assert len({_host(x[1][2]).tobytes() for x in out}) == 1  # the same bits on every rank
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_nt_xent_numpy(P, dtype, reduction, normalize):
+    _check_nt_xent(np, dtype, P, 3, 5, reduction, normalize)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("negatives", [None, "shared", "per_query"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_info_nce_numpy(P, dtype, reduction, negatives, normalize):
+    _check_info_nce(np, dtype, P, 3, 5, reduction, normalize, negatives)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_clip_numpy(P, dtype, reduction, normalize, learnable):
+    _check_clip(np, dtype, P, 3, 5, reduction, normalize, learnable)
+
+
+def test_one_rank_bad_input_raises_on_every_rank():
+    """Rank 1's z has an odd row count: rank 1 raises its own error, the others a ValueError
+    naming rank 1; nobody hangs (the emulated barrier would time out)."""
+    Z = np.random.default_rng(0).standard_normal((12, 4))
+
+    def rank(comm):
+        z = Z[:5] if comm.rank == 1 else Z[:6]
+        return cupynce.nt_xent(z, 0.5, group=comm)
+
+    out = run(3, rank, catch=True)
+    assert all(isinstance(e, ValueError) for e in out), out
+    assert "even number of rows" in str(out[1])
+    assert "rank(s) [1]" in str(out[0]) and "rank(s) [1]" in str(out[2])
+
+
+def test_unequal_local_sizes_and_settings_raise_on_every_rank():
+    A = np.random.default_rng(0).standard_normal((12, 4))
+
+    def sizes(comm):
+        n = 4 if comm.rank == 0 else 3
+        return cupynce.clip_loss(A[:n], A[:n], 0.5, group=comm)
+
+    out = run(2, sizes, catch=True)
+    assert all(isinstance(e, ValueError) and "equal local batch sizes" in str(e) for e in out)
+
+    def temps(comm):
+        return cupynce.info_nce(A[:3], A[3:6], 0.1 + 0.1 * comm.rank, group=comm)
+
+    out = run(2, temps, catch=True)
+    assert all(isinstance(e, ValueError) and "same settings" in str(e) for e in out)
+
+
+def test_group_of_the_wrong_kind():
+    with pytest.raises(TypeError, match="group must be"):
+        cupynce.nt_xent(np.ones((4, 3)), group=object())
+
+
+def test_clip_sends_only_the_texts():
+    """The one-block CLIP's collectives: one feature gather (b) where two blocks need two."""
+    A = np.random.default_rng(1).standard_normal((8, 4))
+    run(2, lambda comm: cupynce.clip_loss_forward(A[4 * comm.rank:][:4], A[:4], 0.0,
+                                                  group=comm))
+    # the check; b, the dots, the column states; db to its owners, dlogit_scale, the loss
+    assert run.log[0] == ["exchange", "all_gather", "all_gather", "all_gather",
+                          "reduce_scatter", "all_reduce", "all_reduce"], run.log[0]
+
+
+# ---- GPU: the CuPy paths -------------------------------------------------------------------
+def _gpu():
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError
+    except Exception:  # noqa: BLE001
+        pytest.skip("needs a CUDA GPU (none here)")
+    return cp
+
+
+GPU_DTYPES = ["bfloat16", "float16", "float32"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 2, 4])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("ws", [None, 1 << 17])
+def test_clip_gpu(P, dtype, reduction, ws):
+    cp = _gpu()
+    _check_clip(cp, dtype, P, 136, 64, reduction, True, True, device=0, ws=ws)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_nt_xent_gpu(P, dtype, reduction):
+    cp = _gpu()
+    _check_nt_xent(cp, dtype, P, 72, 64, reduction, True, device=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("negatives", [None, "shared", "per_query"])
+def test_info_nce_gpu(P, dtype, negatives):
+    cp = _gpu()
+    _check_info_nce(cp, dtype, P, 72, 64, "mean", False, negatives, device=0)
+
+
+@pytest.mark.gpu
+def test_clip_gpu_one_rank_same_bits_as_single_process():
+    """P = 1: the one-block path (column state, merge of one state) gives the single-process
+    op's bits, tiles and cuBLAS paths."""
+    cp = _gpu()
+    for dtype in ("bfloat16", "float32"):
+        A, B = _batch(cp, dtype, (256, 64), 1, 1.0), _batch(cp, dtype, (256, 64), 2, 1.0)
+        got = run(1, lambda comm: cupynce.clip_loss(A, B, 1.1, group=comm), device=0)[0]
+        want = cupynce.clip_loss(A, B, 1.1)
+        assert got.get().tobytes() == want.get().tobytes(), dtype
