@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops import _base, _local
+from ..ops import _base, _global, _local
+from ..ops._comm import Comm
 from . import _bridge as B
 from . import _registry as R
 
@@ -333,91 +334,71 @@ class _InfoNCEGlobal(torch.autograd.Function):
         return (*outs, None, None, None, None, None, None, None)
 
 
+class TorchComm(Comm):
+    """A ``torch.distributed`` group as a :class:`cupynce.ops._comm.Comm`: the arrays go to
+    the collectives as torch tensors (DLPack views, no copy; call inside
+    ``_bridge.device_scope``), NCCL on CUDA tensors, gloo on CPU or CUDA ones."""
+
+    def __init__(self, group, like: Tensor):
+        self.group = group
+        self.rank, self.size = world(group)
+        self.nccl = _nccl(group)
+        self.device = _comm_device(group, like)
+
+    def all_gather(self, x):
+        t = B.tensor_of(_xp(x).ascontiguousarray(x))
+        out = t.new_empty((self.size,) + tuple(t.shape))
+        dist.all_gather(list(out.unbind(0)), t, group=self.group)
+        return B.array_of(out)
+
+    def all_reduce(self, x):
+        t = B.tensor_of(_xp(x).ascontiguousarray(x))
+        dist.all_reduce(t, group=self.group)
+        return B.array_of(t)
+
+    def reduce_scatter(self, x):
+        t = B.tensor_of(_xp(x).ascontiguousarray(x))
+        return B.array_of(reduce_scatter_rows(t, self.group, self.rank, self.size))
+
+    def exchange(self, ints):
+        mine = torch.tensor(list(ints), dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        return torch.stack(every).cpu().tolist()  # (the check's one host read)
+
+    def problem(self, arrays):
+        if self.nccl and any(isinstance(x, np.ndarray) for x in arrays):
+            return "the group's backend is NCCL, which carries CUDA tensors only"
+        return None
+
+
 class _ClipGlobal(torch.autograd.Function):
-    """CLIP's loss over the group's global batch: each rank computes both directions of its
-    pairs (its images against every text, its texts against every image), then the column-side
-    gradients go back to their owners.  ``logit_scale``'s gradient is all-reduced: every rank
-    gets the gradient of the global loss (the same value everywhere, which DDP's average
-    keeps)."""
+    """CLIP's loss over the group's global batch: ``cupynce.ops._global``'s one n × N block a
+    rank for both directions (the texts gathered, the column states exchanged), on a
+    :class:`TorchComm`.  ``logit_scale``'s gradient is the global one on every rank."""
 
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor, logit_scale: Optional[Tensor], ls_value: float,
-                reduction: str, normalize: bool, workspace_bytes: Optional[int], group,
-                rank: int, size: int) -> Tensor:
-        n = a.shape[0]
-        acc_t = torch.float64 if a.dtype == torch.float64 else torch.float32
-        ls_t = (torch.full((1,), ls_value, dtype=acc_t, device=a.device) if logit_scale is None
-                else logit_scale.detach().reshape(1).to(acc_t))
+                reduction: str, normalize: bool, workspace_bytes: Optional[int],
+                group) -> Tensor:
         with B.device_scope(a.device):
-            aa, ba = (B.array_of(x.detach()) for x in (a, b))
-            xp = _xp(aa)
-            path = _base.Path(xp)
-            la, lb = _base.contig_inputs(xp, aa, ba)
-            (an, na), (bn, nb) = _base.prep(path, la, normalize), _base.prep(path, lb, normalize)
-            an_t, bn_t = B.tensor_of(an), B.tensor_of(bn)
-        ga, gb = all_gather_rows(an_t, group, size), all_gather_rows(bn_t, group, size)
-        oa = torch.cat([p for i, p in enumerate(ga) if i != rank]) if size > 1 else None
-        ob = torch.cat([p for i, p in enumerate(gb) if i != rank]) if size > 1 else None
-        fused = reduction != "none" and any(ctx.needs_input_grad)
-        with B.device_scope(a.device):
-            lsa = B.array_of(ls_t)
-            w = _base.weights(xp, None, reduction, n * size, np.dtype(lsa.dtype))
-            (lr, lc), pair, grads = _local.clip_block(
-                path, an, bn, None if oa is None else B.array_of(oa),
-                None if ob is None else B.array_of(ob), lsa, lse_in=None, weights=w,
-                want_grad=fused, workspace_bytes=workspace_bytes)
-            pair_t = B.tensor_of(pair)
-            acc = tuple(None if x is None else B.tensor_of(xp.asarray(x)) for x in grads) \
-                if fused else None
-            norms = tuple(None if x is None else B.tensor_of(x) for x in (na, nb))
-        loss = _global_loss(pair_t, reduction, n * size, group)
-        ctx.args = (reduction, normalize, workspace_bytes, group, rank, size, fused,
-                    None if logit_scale is None else (logit_scale.dtype, logit_scale.shape))
-        if fused:
-            ctx.save_for_backward(a, b, *norms, *acc)
-        else:
-            ctx.save_for_backward(a, b, *norms, an_t, bn_t, oa, ob, ls_t,
-                                  B.tensor_of(lr), B.tensor_of(lc))
-        return loss
+            comm = TorchComm(group, a)
+            ls = ls_value if logit_scale is None else B.array_of(logit_scale.detach())
+            loss, core = _global.clip_loss_forward(
+                comm, B.array_of(a.detach()), B.array_of(b.detach()), ls, reduction=reduction,
+                normalize=normalize, workspace_bytes=workspace_bytes,
+                requires_grad=any(ctx.needs_input_grad[:3]))
+            out = B.tensor_of(loss)
+        ctx.core, ctx.has_ls = core, logit_scale is not None
+        return out
 
     @staticmethod
     def backward(ctx, g: Tensor):
         R.refuse_double_backward()
-        reduction, normalize, workspace_bytes, group, rank, size, fused, ls_meta = ctx.args
-        saved = ctx.saved_tensors
-        a, b, na, nb = saved[:4]
-        n = a.shape[0]
-        if fused:
-            da, db, do_a, do_b, dsc = saved[4:]
-            gs = g.to(da.dtype)
-            da, db, dsc = da * gs, db * gs, dsc * gs
-            do_a = None if do_a is None else do_a * gs
-            do_b = None if do_b is None else do_b * gs
-        else:
-            an_t, bn_t, oa, ob, ls_t, lr_t, lc_t = saved[4:]
-            with B.device_scope(a.device):
-                xp = _xp(B.array_of(an_t))
-                lse = (B.array_of(lr_t), B.array_of(lc_t))
-                w = _base.weights(xp, B.array_of(g.contiguous().to(lr_t.dtype)), "none", n,
-                                  lse[0].dtype)
-                _, _, grads = _local.clip_block(
-                    _base.Path(xp), B.array_of(an_t), B.array_of(bn_t),
-                    None if oa is None else B.array_of(oa),
-                    None if ob is None else B.array_of(ob), B.array_of(ls_t), lse_in=lse,
-                    weights=w, want_grad=True, workspace_bytes=workspace_bytes)
-                da, db, do_a, do_b, dsc = (None if x is None else B.tensor_of(xp.asarray(x))
-                                           for x in grads)
-        outs = []
-        for x, nrm, own, other in ((a, na, da, do_a), (b, nb, db, do_b)):
-            full = _stack_own(own, other, rank)
-            acc = reduce_scatter_rows(full, group, rank, size)
-            outs.append(_finish(x, nrm, acc, normalize, size))  # DDP: P x the gradient
-        dls = None
-        if ls_meta is not None:
-            total = dsc.reshape(1).clone()
-            dist.all_reduce(total, group=group)  # the global gradient, on every rank
-            dls = total.to(ls_meta[0]).reshape(ls_meta[1])
-        return (*outs, dls, None, None, None, None, None, None, None)
+        with B.device_scope(g.device):
+            da, db, dls = _global.backward(ctx.core, B.array_of(g.contiguous()))
+            da, db, dls = B.tensor_of(da), B.tensor_of(db), B.tensor_of(dls)
+        return (da, db, dls if ctx.has_ls else None, None, None, None, None, None)
 
 
 _REDUCTION_CODE = {"mean": 0, "sum": 1, "none": 2}
@@ -470,16 +451,8 @@ def info_nce(query: Tensor, key: Tensor, negatives: Optional[Tensor], t: float,
 
 def clip_loss(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], ls_value: float,
               reduction: str, normalize: bool, workspace_bytes: Optional[int], group) -> Tensor:
-    problem = _matrix_problem("a", a)
-    if problem is None and (tuple(b.shape) != tuple(a.shape) or b.dtype != a.dtype):
-        problem = (f"b must have a's shape {tuple(a.shape)} and dtype {a.dtype}, got "
-                   f"{tuple(b.shape)} {b.dtype}")
-    if problem is None and logit_scale is not None and \
-            (logit_scale.dim() > 1 or logit_scale.numel() != 1):
-        problem = f"logit_scale must be a scalar, got shape {tuple(logit_scale.shape)}"
-    rank, size = check_group("clip_loss", group, [a, b], ["a", "b"],
-                             [0.0 if logit_scale is not None else ls_value,
-                              logit_scale is not None, _REDUCTION_CODE[reduction], normalize],
-                             problem)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"clip_loss: group={group!r} needs torch.distributed to be initialised "
+                         f"(torch.distributed.init_process_group)")
     return _ClipGlobal.apply(a, b, logit_scale, ls_value, reduction, normalize,
-                             workspace_bytes, group, rank, size)
+                             workspace_bytes, group)
