@@ -141,33 +141,30 @@ def test_info_nce_blocks_give_the_global_loss(P, reduction, neg, dtype):
         assert rel(dS if neg == "shared" else dNp, dn_w) <= tg
 
 
-def clip_ranks(xp, A, B_, ls, P, reduction, g, to=np.asarray):
-    """(per-pair loss, dA, dB, dlogit_scale) from P emulated ranks' CLIP blocks."""
-    N, d = A.shape
+def clip_ranks(A, B_, ls, P, reduction, g):
+    """(per-pair loss, dA, dB, dlogit_scale) of the global CLIP on P emulated ranks (the one
+    n × N block a rank of ``cupynce.ops._global``), gradients divided by P (the data-parallel
+    factor) and assembled in rank order."""
+    import cupynce
+    from emulated_ranks import run
+
+    N = A.shape[0]
     n = N // P
     a = np.dtype(np.float64) if A.dtype == np.float64 else np.dtype(np.float32)
-    path = _base.Path(xp)
-    loss = np.empty(N)
-    dA, dB = np.zeros((N, d)), np.zeros((N, d))
-    dls = 0.0
-    ls_arr = to(np.asarray([ls], a))
-    for r in range(P):
-        mine = np.arange(r * n, (r + 1) * n)
-        other = np.setdiff1d(np.arange(N), mine)
-        w = weights(xp, to(g[mine]) if reduction == "none" else g, reduction,
-                    len(mine) if reduction == "none" else N, a)
-        _, pair, (da, db, do_a, do_b, dsc) = _local.clip_block(
-            path, to(A[mine]), to(B_[mine]), to(A[other]) if P > 1 else None,
-            to(B_[other]) if P > 1 else None, ls_arr, lse_in=None, weights=w, want_grad=True,
-            workspace_bytes=None)
-        loss[mine] = _np(pair)
-        dA[mine] += _np(da)
-        dB[mine] += _np(db)
-        if P > 1:
-            dA[other] += _np(do_a)
-            dB[other] += _np(do_b)
-        dls += float(_np(dsc))
-    return loss, dA, dB, dls
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        loss, ctx = cupynce.clip_loss_forward(A[sl], B_[sl], np.asarray(ls, a),
+                                              reduction="none", group=comm)
+        up = np.asarray(g[sl] if reduction == "none" else
+                        np.full(n, g / (N if reduction == "mean" else 1)), a)
+        return loss, cupynce.clip_loss_backward(ctx, up)
+
+    out = run(P, rank)
+    loss = np.concatenate([o[0] for o in out]).astype(np.float64)
+    dA = np.concatenate([o[1][0] for o in out]).astype(np.float64) / P
+    dB = np.concatenate([o[1][1] for o in out]).astype(np.float64) / P
+    return loss, dA, dB, float(out[0][1][2])
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
@@ -179,7 +176,7 @@ def test_clip_blocks_give_the_global_loss(P, reduction, dtype):
     A, B_ = ((rng.standard_normal((n * P, d)) / np.sqrt(d)).astype(dtype) for _ in range(2))
     g = rng.standard_normal(n * P) if reduction == "none" else 0.7
     want, (da_w, db_w, dls_w) = ref.clip_loss(A, B_, 2.3, reduction=reduction, grad_loss=g)
-    loss, dA, dB, dls = clip_ranks(np, A, B_, 2.3, P, reduction, g)
+    loss, dA, dB, dls = clip_ranks(A, B_, 2.3, P, reduction, g)
     tl, tg = TOL[np.dtype(dtype)]
     assert rel(_reduced(loss, reduction), want) <= tl
     assert rel(dA, da_w) <= tg and rel(dB, db_w) <= tg

@@ -4,8 +4,9 @@ With P ranks each holding n rows, the global batch is the concatenation in rank 
 computes the softmax of its own rows over *all* columns: its own keys first (so that each row's
 positive, and for NT-Xent its own excluded column, sit at a fixed local offset) followed by the
 columns of every other rank (``others``, in any order: a log-sum-exp does not depend on it).
-The results are the rank's rows of the global per-row loss and log-sum-exps, the row-side
-gradient of its rows, and the column-side gradients of its own keys and of ``others``.  The
+(CLIP's block, one for both directions, is ``_global.clip_loss_forward`` on the engine's
+rectangular ``clip``.)  The results are the rank's rows of the global per-row loss and
+log-sum-exps, the row-side gradient of its rows, and the column-side gradients of its own keys and of ``others``.  The
 column-side gradients of ``others`` belong to the ranks that own those rows: a collective sums
 them there (reduce-scatter), which is how the global gradient is assembled without any rank
 ever holding the n × N logits or an N × N matrix.
@@ -57,33 +58,3 @@ def info_nce_block(path: Path, q, k, others, neg_p, scale: float, *, lse_in, wei
         lse_in=lse_in, weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes,
         op="info_nce", scale_log=scale_log)
     return lse, loss, grads
-
-
-def clip_block(path: Path, a, b, others_a, others_b, ls, *, lse_in, weights, want_grad: bool,
-               workspace_bytes: Optional[int]):
-    """A rank's pairs of the global CLIP loss: both directions of its rows.
-
-    ``a``, ``b`` (n, D): the rank's pairs (normalised if asked); ``others_a`` / ``others_b``:
-    every other rank's a / b rows; ``ls``: logit_scale t as a (1,) array of the accumulator
-    dtype (logits ``exp(t) a·b``).  Pair i's loss is ½(CE of row a_i over every b + CE of
-    column b_i over every a): the image → text rows of the rank's images and the text → image
-    rows of its texts (each rank computes an n × N block for each direction).  ``weights`` are
-    the pairs' weights (the ½ is applied here); ``lse_in``: the forward's ``(lse_rows,
-    lse_cols)`` for a recompute.  Returns ``(lse_rows, lse_cols), pair_loss, (da, db,
-    d_others_a, d_others_b, dscale_part)`` where dscale_part = Σ_ij G_ij L_ij over the rank's
-    rows of both directions (= Σ_i â_i·dâ_i + b̂_i·db̂_i of the row-side gradients), whose sum
-    over the ranks is d loss / d logit_scale.
-    """
-    w_arr, w_stride, w_mul = weights
-    half = (w_arr, w_stride, 0.5 * w_mul)
-    kw = dict(weights=half, want_grad=want_grad, workspace_bytes=workspace_bytes, scale_log=ls)
-    lr, row, (dq_r, dk_r, do_b, _) = info_nce_block(
-        path, a, b, others_b, None, 1.0, lse_in=None if lse_in is None else lse_in[0], **kw)
-    lc, col, (dq_c, dk_c, do_a, _) = info_nce_block(
-        path, b, a, others_a, None, 1.0, lse_in=None if lse_in is None else lse_in[1], **kw)
-    pair = None if row is None or col is None else 0.5 * (row + col)  # (None: a recompute)
-    if not want_grad:
-        return (lr, lc), pair, None
-    da, db = dq_r + dk_c, dk_r + dq_c
-    dscale = (a.astype(dq_r.dtype) * dq_r).sum() + (b.astype(dq_c.dtype) * dq_c).sum()
-    return (lr, lc), pair, (da, db, do_a, do_b, dscale)
