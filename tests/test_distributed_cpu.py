@@ -223,17 +223,42 @@ def check_bad_inputs_raise_everywhere(rank, P):
     key = q if rank == 0 else torch.randn(5, 3, dtype=torch.float64, device=DEVICE)
     try:
         ct.info_nce(q, key, group=dist.group.WORLD)
-    except ValueError as exc:
-        assert "invalid inputs on rank(s) [1" in str(exc), exc
+    except ValueError as exc:  # the rank at fault names its problem, the others name it
+        want = "(4, 3) and (5, 3)" if rank else "invalid inputs on rank(s) [1"
+        assert want in str(exc), exc
     else:
         raise AssertionError("rank 1's mismatched key was accepted")
     z = torch.randn(6, 3, dtype=torch.float64, device=DEVICE)
     try:
         ct.nt_xent(z, 0.5, reduction="mean" if rank == 0 else "none", group=dist.group.WORLD)
     except ValueError as exc:
-        assert "must pass the same temperature" in str(exc), exc
+        assert "must pass the same settings" in str(exc), exc
     else:
         raise AssertionError("ranks with different reductions were accepted")
+    # the torch-level checks too: a bad reduction, a non-tensor, a bad logit_scale on the
+    # last rank only
+    last = rank == P - 1
+    cases = [
+        ("reduction", lambda: ct.nt_xent(z, 0.5, reduction="avg" if last else "mean",
+                                         group=dist.group.WORLD), ValueError),
+        ("must be a torch.Tensor", lambda: ct.nt_xent(z.numpy() if last and DEVICE == "cpu"
+                                                      else z, 0.5, group=dist.group.WORLD),
+         TypeError if DEVICE == "cpu" else None),
+        ("logit_scale", lambda: ct.clip_loss(q, q, "2.0" if last else 2.0,
+                                             group=dist.group.WORLD), TypeError),
+    ]
+    for what, call, kind in cases:
+        if kind is None:
+            continue
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            if last:
+                assert isinstance(exc, kind) and what in str(exc), exc
+            else:
+                assert f"invalid inputs on rank(s) [{P - 1}]" in str(exc), exc
+        else:
+            raise AssertionError(f"rank {P - 1}'s bad {what} was accepted")
     with torch.no_grad():  # no gradient wanted: the forward alone, no gradient work
         loss = ct.nt_xent(z, 0.5, group=dist.group.WORLD)
     assert loss.requires_grad is False and torch.isfinite(loss)

@@ -84,7 +84,10 @@ def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequenc
     """
     err: Optional[BaseException] = None
     result = None
+    pending = getattr(comm, "pending", None)  # an adapter's own argument check failed
     try:
+        if pending is not None:
+            raise pending
         result = local_checks()
         problem = comm.problem(arrays_)
         if problem is not None:

@@ -119,6 +119,21 @@ else:  # pragma: no cover - exercised only on torch < 2.4
     FWD = ClipLossFunction.apply
 
 
+def _logit_scale(a: Any, b: Any, logit_scale: Any) -> Tuple[Optional[Tensor], float]:
+    """Check the tensors and ``logit_scale``: (the tensor, 0.0) or (None, its host value)."""
+    op = "clip_loss"
+    if isinstance(logit_scale, Tensor):
+        B.check_tensors(op, a=a, b=b, logit_scale=logit_scale)
+        return logit_scale, 0.0
+    if isinstance(logit_scale, numbers.Real):
+        B.check_tensors(op, a=a, b=b)
+        acc = np.float64 if a.dtype == torch.float64 else np.float32
+        return None, _checks.check_logit_scale(op, logit_scale, None, acc)[0]
+    raise TypeError(f"{op}: logit_scale must be a real number or a torch.Tensor of shape () "
+                    f"or (1,), got {type(logit_scale).__module__}."
+                    f"{type(logit_scale).__name__}")
+
+
 def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean",
               normalize: bool = False, workspace_bytes: Optional[int] = None,
               group: Optional[Any] = None) -> Tensor:
@@ -149,24 +164,14 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
     CLIP / open_clip.  Forward keeps a, b, logit_scale and the row and column log-sum-exps.
     """
     op = "clip_loss"
-    reduction, workspace_bytes = R.scalars(op, reduction, workspace_bytes)
-    if isinstance(logit_scale, Tensor):
-        B.check_tensors(op, a=a, b=b, logit_scale=logit_scale)
-        ls_tensor, ls_value = logit_scale, 0.0
-    elif isinstance(logit_scale, numbers.Real):
-        B.check_tensors(op, a=a, b=b)
-        acc = np.float64 if a.dtype == torch.float64 else np.float32
-        ls_tensor, ls_value = None, _checks.check_logit_scale(op, logit_scale, None, acc)[0]
-    else:
-        raise TypeError(f"{op}: logit_scale must be a real number or a torch.Tensor of shape () "
-                        f"or (1,), got {type(logit_scale).__module__}."
-                        f"{type(logit_scale).__name__}")
-    fn = ClipLossFunction.apply if R.direct(a, b, ls_tensor) else FWD
-    normalize = _checks.check_bool(op, "normalize", normalize)
-    if group is not None:
+    if group is not None:  # every check inside the group's first exchange
         from .. import distributed
 
-        return distributed.clip_loss(a, b, ls_tensor, ls_value, reduction, normalize,
-                                     workspace_bytes, group)
+        return distributed.clip_loss(a, b, logit_scale, reduction, normalize, workspace_bytes,
+                                     group, _logit_scale)
+    reduction, workspace_bytes = R.scalars(op, reduction, workspace_bytes)
+    ls_tensor, ls_value = _logit_scale(a, b, logit_scale)
+    fn = ClipLossFunction.apply if R.direct(a, b, ls_tensor) else FWD
+    normalize = _checks.check_bool(op, "normalize", normalize)
     return fn(a, b, ls_tensor, ls_value, reduction, normalize, workspace_bytes,
               R.fused(reduction, a, b, ls_tensor))[0]

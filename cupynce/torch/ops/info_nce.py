@@ -137,15 +137,15 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
     negatives and query i's own negatives.  (info-nce-pytorch drops the in-batch keys when
     explicit negatives are given; here they always count.)
     """
+    if group is not None:  # every check inside the group's first exchange
+        from .. import distributed
+
+        return distributed.info_nce(query, key, negatives, temperature, reduction, normalize,
+                                    workspace_bytes, group)
     t = _checks.check_temperature("info_nce", temperature)
     reduction, workspace_bytes = R.scalars("info_nce", reduction, workspace_bytes)
     B.check_tensors("info_nce", optional=("negatives",), query=query, key=key,
                      negatives=negatives)
-    if group is not None:
-        from .. import distributed
-
-        return distributed.info_nce(query, key, negatives, t, reduction, _checks.check_bool(
-            "info_nce", "normalize", normalize), workspace_bytes, group)
     fn = InfoNCEFunction.apply if R.direct(query, key, negatives) else FWD
     normalize = _checks.check_bool("info_nce", "normalize", normalize)
     return fn(query, key, negatives, t, reduction, normalize, workspace_bytes,

@@ -122,14 +122,14 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
     (2B,) row log-sum-exps for the backward; memory stays O(N·D) (the score matrix is
     processed in row blocks).
     """
+    if group is not None:  # every check inside the group's first exchange
+        from .. import distributed
+
+        return distributed.nt_xent(z, temperature, reduction, normalize, workspace_bytes,
+                                   group)
     t = _checks.check_temperature("nt_xent", temperature)
     reduction, workspace_bytes = R.scalars("nt_xent", reduction, workspace_bytes)
     B.check_tensors("nt_xent", z=z)
-    if group is not None:
-        from .. import distributed
-
-        return distributed.nt_xent(z, t, reduction, _checks.check_bool(
-            "nt_xent", "normalize", normalize), workspace_bytes, group)
     fn = NTXentFunction.apply if R.direct(z) else FWD
     normalize = _checks.check_bool("nt_xent", "normalize", normalize)
     return fn(z, t, reduction, normalize, workspace_bytes, R.fused(reduction, z))[0]
