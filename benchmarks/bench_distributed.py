@@ -1,26 +1,29 @@
-"""The local block one of P ranks computes for the global losses, on one GPU (no communication).
+"""One rank's share of the global losses, on one GPU (the collectives looped back).
 
 Run from the repository root on a GPU::
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_distributed.py            # P = 8, N = 65536, 262144
 
-For CLIP and NT-Xent, bf16, D = 512, global batch N split over P = 8 ranks (n = N / 8 rows a
-rank), forward + backward of rank 0's share:
+For CLIP, NT-Xent and InfoNCE, bf16, D = 512, a global batch of N (pairs, images or queries)
+split over P = 8 ranks (n = N / P a rank), forward + backward of rank 0's share:
 
-``cupynce block``  what ``group=`` computes between its collectives: the rank's rows against
-                   every column (NT-Xent: ``cupynce.ops._local``; CLIP: the one n × N block
-                   for both directions of ``cupynce.ops._global``, with its column-state
-                   merge), gradients included (CuPy arrays, the engine's default path);
+``cupynce``        ``cupynce.<op>_forward(..., group=comm)`` and its backward, the library's
+                   own code, with a loop-back communicator (:class:`Loopback`: the gathers
+                   return P copies of this rank's array, the reductions its own): what a rank
+                   computes between its collectives, gradients included, at the default
+                   workspace and at ``workspace_bytes`` = 256 MiB (``lean``);
 ``1/P single``     the single-GPU op on the whole batch, divided by P: the target is
-                   block ≤ 1.15 × this;
-``open_clip``      open_clip's formula on the same local block (``local_loss=True``,
-                   ``gather_with_grad=True``): the n × N logits both ways from the gathered
-                   features, ``F.cross_entropy``, autograd (NT-Xent: the same masked n × 2N
-                   logits), in torch, bf16.
+                   cupynce ≤ 1.15 × this;
+``open_clip``      open_clip's formula on the same rank (``local_loss=True``,
+                   ``gather_with_grad=True``: the n × N logits both ways from the gathered
+                   features, ``F.cross_entropy``, autograd; NT-Xent: lightly's masked n × 2N
+                   logits; InfoNCE: the n × N logits one way), in torch on bf16 leaves, plain
+                   and under ``torch.autocast(bfloat16)`` (``amp``: how open_clip trains with
+                   ``--precision amp_bf16``; cross_entropy runs in float32).
 
-Also the bytes each rank sends per step over a ring (all-gather of the column-side rows in
-bf16, reduce-scatter of their float32 gradients).  CUDA-event medians, peak memory above the
-inputs (``cupynce.report.harness``).
+Also the bytes each rank sends per step over a ring (all-gathers of the column-side rows in
+bf16 and of the O(N) statistics, reduce-scatter of the float32 gradients).  CUDA-event
+medians, peak memory above the inputs (``cupynce.report.harness``).
 """
 from __future__ import annotations
 
@@ -32,115 +35,138 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cupynce.ops._comm import Comm  # noqa: E402
 from cupynce.report.harness import (device_header, device_info, fmt_mib, fmt_ms,  # noqa: E402
                                     fmt_ratio, free_memory, markdown_table, run_case)
 
+LEAN = 256 << 20
 
-def cupynce_block(op, P, N, d):
+
+class Loopback(Comm):
+    """Rank ``rank`` of P with the collectives looped back on one GPU: every other rank holds
+    a copy of this rank's arrays (same shapes, same bytes moved into place)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def all_gather(self, x):
+        import cupy as cp
+
+        return cp.stack([x] * self.size)
+
+    def all_reduce(self, x):
+        return x.copy()
+
+    def reduce_scatter(self, x):
+        return x[self.rank].copy()
+
+    def exchange(self, ints):
+        return [list(ints)] * self.size
+
+
+def _unit(rs, rows, d):
     import cupy as cp
 
     from cupynce._engine.kernels import BFLOAT16
-    from cupynce.ops import _base, _local
+
+    x = rs.standard_normal((rows, d), dtype=cp.float32)
+    x /= cp.linalg.norm(x, axis=1, keepdims=True)
+    return x.astype(BFLOAT16)
+
+
+def cupynce_rank(op, P, N, d, ws=None):
+    import cupy as cp
+
+    import cupynce
 
     n = N // P
     rs = cp.random.RandomState(0)
-
-    def arr(rows):
-        x = rs.standard_normal((rows, d), dtype=cp.float32)
-        x /= cp.linalg.norm(x, axis=1, keepdims=True)
-        return x.astype(BFLOAT16)
-
-    path = _base.Path(cp)
-    w = _base.weights(cp, None, "mean", N if op == "clip_loss" else 2 * N, np.dtype(np.float32))
-    if op == "clip_loss":  # the one-block CLIP of cupynce.ops._global (rank P - 1's rows)
-        from cupynce import _engine
-
-        a, b_all = arr(n), arr(N)
-        ls = cp.full((1,), np.log(1 / 0.07), cp.float32)
-        row0 = N - n
-
-        def step():
-            dots = _engine.pair_dots(a, b_all[row0:])
-            dots_all = cp.concatenate([dots] * P)  # (what the all-gather returns)
-            lse_r, state, _, _ = _engine.clip(
-                a, b_all, ls, lse_r=None, lse_c=None, weights=None, want_loss=True,
-                want_grad=False, workspace_bytes=None, row0=row0, col_shift=dots_all,
-                col_state=True)
-            lse_c = _engine.col_lse(cp.stack([state] * P))  # (the gathered states)
-            return _engine.clip(a, b_all, ls, lse_r=lse_r, lse_c=lse_c, weights=w,
-                                want_loss=False, want_grad=True, workspace_bytes=None,
-                                row0=row0)
-        return step
-    z, others = arr(2 * n), arr(2 * (N - n))
-    return lambda: _local.nt_xent_block(path, z, others, 1 / 0.2, lse_in=None, weights=w,
-                                        want_grad=True, workspace_bytes=None)
+    comm = Loopback(0, P)
+    if op == "clip_loss":
+        a, b = _unit(rs, n, d), _unit(rs, n, d)
+        ls = cp.full((), np.log(1 / 0.07), cp.float32)
+        return lambda: cupynce.clip_loss_backward(cupynce.clip_loss_forward(
+            a, b, ls, workspace_bytes=ws, group=comm)[1])
+    if op == "info_nce":
+        q, k = _unit(rs, n, d), _unit(rs, n, d)
+        return lambda: cupynce.info_nce_backward(cupynce.info_nce_forward(
+            q, k, 0.07, workspace_bytes=ws, group=comm)[1])
+    z = _unit(rs, 2 * n, d)
+    return lambda: cupynce.nt_xent_backward(cupynce.nt_xent_forward(
+        z, 0.2, workspace_bytes=ws, group=comm)[1])
 
 
 def single(op, N, d):
     import cupy as cp
 
     import cupynce
-    from cupynce._engine.kernels import BFLOAT16
 
     rs = cp.random.RandomState(1)
-
-    def arr(rows):
-        x = rs.standard_normal((rows, d), dtype=cp.float32)
-        x /= cp.linalg.norm(x, axis=1, keepdims=True)
-        return x.astype(BFLOAT16)
-
     if op == "clip_loss":
-        a, b = arr(N), arr(N)
+        a, b = _unit(rs, N, d), _unit(rs, N, d)
         ls = cp.full((), np.log(1 / 0.07), cp.float32)
         return lambda: cupynce.clip_loss_backward(cupynce.clip_loss_forward(a, b, ls)[1])
-    z = arr(2 * N)
+    if op == "info_nce":
+        q, k = _unit(rs, N, d), _unit(rs, N, d)
+        return lambda: cupynce.info_nce_backward(cupynce.info_nce_forward(q, k, 0.07)[1])
+    z = _unit(rs, 2 * N, d)
     return lambda: cupynce.nt_xent_backward(cupynce.nt_xent_forward(z, 0.2)[1])
 
 
-def open_clip_block(op, P, N, d):
+def open_clip_rank(op, P, N, d, amp=False):
+    import contextlib
+
     import torch
     import torch.nn.functional as F
 
     n = N // P
     g = torch.Generator(device="cuda").manual_seed(2)
+    cast = torch.autocast("cuda", torch.bfloat16) if amp else contextlib.nullcontext()
 
     def leaf(rows):
         x = F.normalize(torch.randn(rows, d, device="cuda", generator=g), dim=-1)
         return x.to(torch.bfloat16).requires_grad_(True)
 
-    if op == "clip_loss":
-        a, b, A, B = leaf(n), leaf(n), leaf(N), leaf(N)
+    if op in ("clip_loss", "info_nce"):
+        a, b, B = leaf(n), leaf(n), leaf(N)
+        A = leaf(N) if op == "clip_loss" else None
         ls = torch.tensor(np.log(1 / 0.07), device="cuda", requires_grad=True)
-        labels = torch.arange(n, device="cuda")
+        labels = torch.arange(n, device="cuda")  # rank 0's rows: its pairs at 0 .. n - 1
 
         def step():
-            s = ls.exp()
-            lpi = s * a @ B.T
-            lpt = s * b @ A.T
-            loss = (F.cross_entropy(lpi, labels) + F.cross_entropy(lpt, labels)) / 2
-            return torch.autograd.grad(loss, (a, b, A, B, ls))
+            with cast:
+                s = ls.exp()
+                loss = F.cross_entropy(s * a @ B.T, labels)
+                if A is not None:
+                    loss = (loss + F.cross_entropy(s * b @ A.T, labels)) / 2
+            leaves = (a, b, A, B, ls) if A is not None else (a, B, ls)
+            return torch.autograd.grad(loss, leaves)
         return step
     z, Z = leaf(2 * n), leaf(2 * N)
     rows = torch.cat([torch.arange(n), N + torch.arange(n)]).cuda()
     labels = torch.cat([N + torch.arange(n), torch.arange(n)]).cuda()
 
     def step():
-        s = (z @ Z.T) / 0.2
-        s = s.index_put((torch.arange(2 * n, device="cuda"), rows),
-                        torch.tensor(float("-inf"), device="cuda", dtype=s.dtype))
-        loss = F.cross_entropy(s, labels)
+        with cast:
+            s = (z @ Z.T) / 0.2
+            s = s.index_put((torch.arange(2 * n, device="cuda"), rows),
+                            torch.tensor(float("-inf"), device="cuda", dtype=s.dtype))
+            loss = F.cross_entropy(s, labels)
         return torch.autograd.grad(loss, (z, Z))
     return step
 
 
 def sent_bytes(op, P, N, d):
-    """Bytes a rank sends per step over a ring: all-gather (P - 1) n rows in bf16 and a
-    reduce-scatter of (P - 1) n rows in float32 of the column-side tensor (CLIP: b only, plus
-    the pairs' dots, n floats, and the column states, 2N floats, all-gathered)."""
+    """Bytes a rank sends per step over a ring (a rank sends (P - 1) / P of a gathered or
+    reduce-scattered buffer): the column-side rows in bf16 and their float32 gradients,
+    plus the O(N) float32 statistics (CLIP: the pairs' dots and the (2, N) column states;
+    NT-Xent: the dots, the (2, width) column states and the rows' lse)."""
     n = N // P
-    rows = 2 * n if op == "nt_xent" else n
+    if op == "nt_xent":
+        width = ((P - 1) // 2) * 2 * n + (2 * n if P % 2 == 0 else 0)
+        return (P - 1) * (2 * n * d * (2 + 4) + 4 * (2 * n + 2 * width + 2 * n))
     extra = (P - 1) * (4 * n + 8 * N) if op == "clip_loss" else 0
-    return (P - 1) * rows * d * (2 + 4) + extra
+    return (P - 1) * n * d * (2 + 4) + extra
 
 
 def main(argv=None) -> int:
@@ -148,16 +174,19 @@ def main(argv=None) -> int:
     p.add_argument("--P", type=int, default=8)
     p.add_argument("--sizes", type=int, nargs="*", default=[65536, 262144])
     p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--ops", nargs="*", default=["clip_loss", "nt_xent"])
+    p.add_argument("--ops", nargs="*", default=["clip_loss", "nt_xent", "info_nce"])
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args(argv)
     rows = []
+    P, d = args.P, args.dim
     for op in args.ops:
         for N in args.sizes:
             res = {}
-            for name, build in (("block", lambda: cupynce_block(op, args.P, N, args.dim)),
-                                ("single", lambda: single(op, N, args.dim)),
-                                ("open_clip", lambda: open_clip_block(op, args.P, N, args.dim))):
+            for name, build in (("rank", lambda: cupynce_rank(op, P, N, d)),
+                                ("lean", lambda: cupynce_rank(op, P, N, d, LEAN)),
+                                ("single", lambda: single(op, N, d)),
+                                ("open_clip", lambda: open_clip_rank(op, P, N, d)),
+                                ("amp", lambda: open_clip_rank(op, P, N, d, amp=True))):
                 free_memory(full_gc=True)
                 fn = None
                 try:
@@ -166,29 +195,30 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 - out of memory in setup: a result
                     res[name] = {"error": f"{type(exc).__name__}"}
                 del fn
-            blk, one, oc = res["block"], res["single"], res["open_clip"]
+            blk, lean, one = res["rank"], res["lean"], res["single"]
 
             def ms(r, div=1):
                 return fmt_ms(r["median_ms"] / div) if r.get("median_ms") else \
-                    ("OOM" if "memory" in str(r.get("error", "")).lower() else "error")
+                    ("OOM" if r.get("oom") or "memory" in str(r.get("error", "")).lower()
+                     else "error")
 
-            ratio = blk["median_ms"] / (one["median_ms"] / args.P) \
-                if blk.get("median_ms") and one.get("median_ms") else None
-            speed = oc["median_ms"] / blk["median_ms"] \
-                if oc.get("median_ms") and blk.get("median_ms") else None
-            mem = oc["peak_extra_bytes"] / blk["peak_extra_bytes"] \
-                if oc.get("peak_extra_bytes") and blk.get("peak_extra_bytes") else None
-            rows.append([op, N, N // args.P, ms(blk), fmt_mib(blk.get("peak_extra_bytes")),
-                         ms(one, args.P), fmt_ratio(ratio), ms(oc),
-                         fmt_mib(oc.get("peak_extra_bytes")), fmt_ratio(speed),
-                         fmt_ratio(mem), f"{sent_bytes(op, args.P, N, args.dim) / 2**20:.0f}"])
-            print(rows[-1], flush=True)
+            def ratio(x, y, key="median_ms", div=1.0):
+                return fmt_ratio(x[key] / (y[key] / div)) if x.get(key) and y.get(key) else "—"
+
+            row = [op, N, N // P, ms(blk), fmt_mib(blk.get("peak_extra_bytes")), ms(lean),
+                   fmt_mib(lean.get("peak_extra_bytes")), ms(one, P), ratio(blk, one, div=P)]
+            for ref in (res["open_clip"], res["amp"]):
+                row += [ms(ref), fmt_mib(ref.get("peak_extra_bytes")), ratio(ref, blk),
+                        ratio(ref, lean, "peak_extra_bytes")]
+            row.append(f"{sent_bytes(op, P, N, d) / 2**20:.0f}")
+            rows.append(row)
+            print(row, flush=True)
     table = markdown_table(
-        ["op", "N", "n", "cupynce block ms", "block MiB", "1/P single ms", "block / (1/P single)",
-         "open_clip ms", "open_clip MiB", "speedup vs open_clip", "memory vs open_clip",
-         "MiB sent per rank"], rows)
-    print(f"\n{device_header(device_info())} · P = {args.P}, D = {args.dim}, bf16, forward + "
-          f"backward of one rank's share\n\n{table}")
+        ["op", "N", "n", "cupynce ms", "MiB", "lean ms", "lean MiB", "1/P single ms",
+         "cupynce / (1/P single)", "open_clip ms", "MiB", "speed-up", "memory ÷ lean",
+         "open_clip amp ms", "MiB", "speed-up", "memory ÷ lean", "MiB sent per rank"], rows)
+    print(f"\n{device_header(device_info())} · P = {P}, D = {d}, bf16, forward + "
+          f"backward of one rank's share (rank 0)\n\n{table}")
     return 0
 
 

@@ -151,11 +151,14 @@ __device__ __forceinline__ void sum_rows_body(const A* __restrict__ x, i64 n, A 
 // CLIP gradient of a row block: block per row r (global i).
 //   G_ij = 1/2 [ w_i (exp(L_ij - lse_row_i) - d_ij) + w_j (exp(L_ij - lse_col_j) - d_ij) ]
 //   g[r, j] = scale * G_ij (the gradient w.r.t. the raw product a_i . b_j)
-//   dscale_part[i] = sum_j G_ij L_ij (row share of d loss / d logit_scale)
+//   dscale_part[i] = sum_j G_ij L_ij (row share of d loss / d logit_scale; null: not wanted)
+// scale = scale_mul * (scale_log ? exp(*scale_log) : 1).  Also the block of two disjoint row
+// sets of one symmetric softmax (a global NT-Xent's off-diagonal rank block: row0 past the
+// columns, so no d_ij, and w doubled: G = H = w_i p_i(j) + w_j p_j(i)).
 template <typename T, typename A>
 __device__ __forceinline__ void clip_grad_body(
     const A* __restrict__ s, i64 ld, int n, int row0,
-    const A* __restrict__ scale_log,
+    const A* __restrict__ scale_log, A scale_mul,
     const A* __restrict__ lse_row, const A* __restrict__ lse_col,
     const A* __restrict__ w_ptr, i64 w_stride, A w_mul,
     T* __restrict__ g, i64 ldg, A* __restrict__ dscale_part)
@@ -163,7 +166,7 @@ __device__ __forceinline__ void clip_grad_body(
     __shared__ A sh[64];
     const int r = blockIdx.x;
     const int i = row0 + r;
-    const A scale = cpn_exp(scale_log[0]);
+    const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
     const A* row = s + (i64)r * ld;
     T* grow = g + (i64)r * ldg;
     const A lr = lse_row[i];
@@ -178,8 +181,10 @@ __device__ __forceinline__ void clip_grad_body(
         acc += G * L;
         grow[j] = Conv<T>::store(scale * G);
     }
-    acc = block_sum(acc, sh);
-    if (threadIdx.x == 0) dscale_part[i] = acc;
+    if (dscale_part) {  // (uniform over the block: every thread reaches block_sum)
+        acc = block_sum(acc, sh);
+        if (threadIdx.x == 0) dscale_part[i] = acc;
+    }
 }
 
 // Per-query ("paired") negatives: E[i, m] = q_i . neg[i, m]; one warp per (i, m).
@@ -335,11 +340,11 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_row_softmax_##SUF(  
         pos_mod, scale_log, scale_mul, lse_in, lse_out, loss_out, g1, ldg1, g2, ldg2,      \
         w_ptr, w_stride, w_mul); }                                                         \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_##SUF(               \
-    const A* s, i64 ld, int n, int row0, const A* scale_log, const A* lse_row,             \
-    const A* lse_col, const A* w_ptr, i64 w_stride, A w_mul, T* g, i64 ldg,                \
-    A* dscale_part) {                                                                      \
-    clip_grad_body<T, A>(s, ld, n, row0, scale_log, lse_row, lse_col, w_ptr, w_stride,     \
-        w_mul, g, ldg, dscale_part); }                                                     \
+    const A* s, i64 ld, int n, int row0, const A* scale_log, A scale_mul,                  \
+    const A* lse_row, const A* lse_col, const A* w_ptr, i64 w_stride, A w_mul, T* g,       \
+    i64 ldg, A* dscale_part) {                                                             \
+    clip_grad_body<T, A>(s, ld, n, row0, scale_log, scale_mul, lse_row, lse_col, w_ptr,    \
+        w_stride, w_mul, g, ldg, dscale_part); }                                           \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_paired_dots_##SUF(             \
     const T* q, i64 ldq, const T* neg, int n, int m, int d, A* e) {                        \
     paired_dots_body<T, A>(q, ldq, neg, n, m, d, e); }                                     \

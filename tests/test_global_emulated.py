@@ -209,6 +209,56 @@ def test_clip_sends_only_the_texts():
                           "reduce_scatter", "all_reduce", "all_reduce"], run.log[0]
 
 
+@pytest.mark.parametrize("P", range(1, 10))
+def test_nt_xent_plan_covers_each_pair_of_blocks_once(P):
+    """The symmetric NT-Xent schedule: every entry of the global score matrix is computed
+    exactly once (in one orientation), and each rank finds its rows' column states where the
+    computing rank put them."""
+    from cupynce.ops._local import NtXentPlan
+
+    n2 = 6
+    h = n2 // 2
+    seen = np.zeros((P * n2, P * n2), int)
+    plans = [NtXentPlan(r, P, n2) for r in range(P)]
+    layout = {}  # (computing rank, state column) -> (owner rank, owner row)
+    for r, pl in enumerate(plans):
+        own = np.arange(r * n2, (r + 1) * n2)
+        seen[np.ix_(own, own)] += 1
+        blocks = [(own, pl.cols, 0)]
+        if pl.lead:
+            blocks.append((own[:h], [(pl.opp, slice(0, n2))], pl.main_width))
+        for rows, cols, off in blocks:
+            for c, sl in cols:
+                cidx = c * n2 + np.arange(sl.start, sl.stop)
+                seen[np.ix_(rows, cidx)] += 1
+                seen[np.ix_(cidx, rows)] += 1
+                for j in range(sl.start, sl.stop):
+                    layout[(r, off)] = (c, j)
+                    off += 1
+        assert (pl.main_width + (n2 if pl.lead else 0)) <= pl.width
+    assert (seen == 1).all()
+    for r, pl in enumerate(plans):  # every other block's columns of r's rows, found once
+        got = set()
+        for src, off, rows in pl.sources():
+            for i, row in enumerate(range(rows.start, rows.stop)):
+                assert layout[(src, off + i)] == (r, row)
+                got.add((src, row))
+        want = {(layout_src, row) for (layout_src, _), (owner, row) in layout.items()
+                if owner == r}
+        assert got == want
+
+
+def test_nt_xent_collectives():
+    """The symmetric NT-Xent's collectives: the rows, their dots, the column states and the
+    rows' lse gathered (O(N·D) + O(N)), the gradients reduce-scattered, the loss reduced."""
+    Z = np.random.default_rng(1).standard_normal((16, 4))
+    run(2, lambda comm: cupynce.nt_xent_forward(
+        np.concatenate([Z[4 * comm.rank:4 * comm.rank + 4], Z[8 + 4 * comm.rank:][:4]]), 0.5,
+        group=comm))
+    assert run.log[0] == ["exchange", "all_gather", "all_gather", "all_gather", "all_gather",
+                          "reduce_scatter", "all_reduce"], run.log[0]
+
+
 # ---- GPU: the CuPy paths -------------------------------------------------------------------
 def _gpu():
     cp = pytest.importorskip("cupy")
@@ -234,12 +284,15 @@ def test_clip_gpu(P, dtype, reduction, ws):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_nt_xent_gpu(P, dtype, reduction):
+@pytest.mark.parametrize("ws", [None, 1 << 17])
+def test_nt_xent_gpu(P, dtype, reduction, ws):
+    """Every block of the symmetric schedule (the split pair of even P), tiles and cuBLAS
+    paths, one row group or several (a small workspace)."""
     cp = _gpu()
-    _check_nt_xent(cp, dtype, P, 72, 64, reduction, True, device=0)
+    _check_nt_xent(cp, dtype, P, 200, 64, reduction, True, device=0, ws=ws)
 
 
 @pytest.mark.gpu

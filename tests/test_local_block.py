@@ -1,9 +1,10 @@
 """The rank-local blocks of the global losses (``cupynce.ops._local``), with P emulated ranks.
 
-Each rank's block (its rows against its own columns and every other rank's) must give its rows
-of the single-process loss on the concatenated batch; the row-side gradients plus the
-column-side gradients summed over ranks (what the reduce-scatter of the distributed ops does)
-must give the single-process gradients.  Oracle: the float64 reference (``cupynce.reference``).
+Each rank's blocks (InfoNCE: its rows against every column; NT-Xent: the symmetric schedule of
+``_local.NtXentPlan``, each pair of rank blocks once) must give its rows of the single-process
+loss on the concatenated batch; the row-side gradients plus the column-side gradients summed
+over ranks (what the reduce-scatter of the distributed ops does) must give the single-process
+gradients.  Oracle: the float64 reference (``cupynce.reference``).
 Runs on the NumPy path here (CI) and, in ``test_gpu_local_block``, on the GPU paths.
 """
 from __future__ import annotations
@@ -27,28 +28,40 @@ def rel(x, r) -> float:
 
 
 def nt_xent_ranks(xp, Z, P, t, reduction, g, to=np.asarray):
-    """(per-row loss in global order, dZ) from P emulated ranks' NT-Xent blocks."""
+    """(per-row loss in global order, dZ) from P emulated ranks running the symmetric
+    NT-Xent schedule (``_local.NtXentPlan``) phase by phase: every rank's statistics, the
+    column states exchanged and merged, every rank's gradient blocks summed at the owners."""
+    from cupynce import _engine
+    from cupynce.ops import _numpy
+
+    engine = _numpy if xp is np else _engine
     n2g, d = Z.shape
     N = n2g // 2
     n = N // P
-    a = np.dtype(np.float64) if Z.dtype == np.float64 else np.dtype(np.float32)
     path = _base.Path(xp)
+    mine = [np.r_[np.arange(r * n, (r + 1) * n), N + np.arange(r * n, (r + 1) * n)]
+            for r in range(P)]
+    zs = [to(Z[m]) for m in mine]
+    parts = xp.stack(zs)
+    dots = xp.stack([xp.concatenate([engine.pair_dots(z[:n], z[n:])] * 2) for z in zs])
+    plans = [_local.NtXentPlan(r, P, 2 * n) for r in range(P)]
+    stats = [_local.nt_xent_stats(path, engine, plans[r], zs[r], parts, dots, 1.0 / t, None)
+             for r in range(P)]
+    states = xp.stack([s[3] for s in stats]) if plans[0].width else None
+    lse = [_local.nt_xent_lse(plans[r], engine, stats[r][0], stats[r][2], states)
+           for r in range(P)]
     loss = np.empty(n2g)
-    dZ = np.zeros((n2g, d))
     for r in range(P):
-        mine = np.r_[np.arange(r * n, (r + 1) * n), N + np.arange(r * n, (r + 1) * n)]
-        others = np.setdiff1d(np.arange(n2g), mine)  # every other rank's rows (global order)
-        z = to(Z[mine])
-        # per-row weights: the rank's slice ("none"); else 1 / (global count) for the mean
-        w = weights(xp, to(g[mine]) if reduction == "none" else g, reduction,
-                    len(mine) if reduction == "none" else n2g, a)
-        _, lr, (dq, dk, do) = _local.nt_xent_block(
-            path, z, to(Z[others]) if P > 1 else None, 1.0 / t, lse_in=None, weights=w,
-            want_grad=True, workspace_bytes=None)
-        loss[mine] = _np(lr)
-        dZ[mine] += _np(dq) + _np(dk)
-        if P > 1:
-            dZ[others] += _np(do)
+        loss[mine[r]] = _np(stats[r][1] + (lse[r] - stats[r][0]))
+    if reduction == "none":
+        w_all, w_mul = xp.stack([to(g[m]) for m in mine]).astype(lse[0].dtype), 1.0
+    else:
+        w_all, w_mul = None, g * _base.row_weight(reduction, n2g)
+    accs = [_local.nt_xent_grads(path, engine, plans[r], zs[r], parts, 1.0 / t,
+                                 xp.stack(lse), w_all, w_mul, None) for r in range(P)]
+    dZ = np.zeros((n2g, d))
+    for r in range(P):  # the reduce-scatter: every rank's slot r, summed at rank r
+        dZ[mine[r]] = sum(_np(acc[r]) for acc in accs)
     return loss, dZ
 
 

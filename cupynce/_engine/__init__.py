@@ -70,5 +70,18 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     return blocks.clip(an, bn, ls, **kw)
 
 
+def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
+          workspace_bytes, col_shift=None):
+    """The block of two disjoint row sets of one symmetric softmax (a global NT-Xent's
+    off-diagonal rank block): q's row statistics and k's column state over it, or both sides'
+    gradient accumulators.  See :func:`blocks.cross`; ``col_shift`` (the raw positive dots
+    of k's rows) is the tile path's column shift."""
+    kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_stats=want_stats,
+              want_grad=want_grad, workspace_bytes=workspace_bytes, col_shift=col_shift)
+    if tiles.tiles_ok(q, k):  # (the statistics pass needs col_shift there)
+        return tiles.cross(q, k, scale, **kw)
+    return blocks.cross(q, k, scale, **kw)
+
+
 col_lse = blocks.col_lse
 pair_dots = blocks.pair_dots

@@ -175,7 +175,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
             g_blk = g_buf[:nrows]
             kernels.launch(FILE, "clip_grad", t, (nrows,), (
-                s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls,
+                s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
                 lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride), a.type(w_mul),
                 g_blk, np.int64(nc), dsp.data.ptr - shift))
             blas.gemm(g_blk, bn, da[r0:r1])
@@ -215,3 +215,85 @@ def pair_dots(an, bn):
                    (an, np.int64(blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
                     np.int32(d), out))
     return out
+
+
+#: rows numbered past the columns: a block with no diagonal and no positive (see :func:`cross`)
+FAR_MOD = 2 ** 31 - 1
+
+
+def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
+          workspace_bytes, col_shift=None):
+    """The block of two disjoint row sets q (n, D), k (m, D) of one symmetric softmax (a
+    global NT-Xent's off-diagonal rank block: S = scale · q kᵀ, no diagonal or positive in it).
+
+    ``want_stats``: q's row log-sum-exps over these m columns (n,) and k's column (m, s)
+    state over these n rows (2, m) (:func:`col_lse` merges states).  ``want_grad``, given the
+    full log-sum-exps ``lse_r`` (n,) and ``lse_c`` (m,): the accumulators (n, D), (m, D) of
+    the weighted losses of both row sets, through H_ij = w_i p_i(j) + w_j p_j(i):
+    ``dq = scale · H k``, ``dk = scale · Hᵀ q``.  ``weights``: ``(w_r, w_c, mul)``, per-row
+    arrays (or None: 1) and their common multiplier.  ``col_shift`` is the tile path's.
+    Returns ``lse_q, state, (dq, dk)`` (None where not asked for).
+    """
+    t = q.dtype
+    a = acc_dtype(t)
+    n, d = q.shape
+    m = k.shape[0]
+    split_g = want_grad and t != a
+    rb = blas.plan_rows("nt_xent", n, m * a.itemsize + (m * t.itemsize if split_g else 0),
+                        workspace_bytes)
+    chunk = 64
+    nch = (rb + chunk - 1) // chunk
+    s_buf, g_buf, part_m, part_s = buffers((
+        ((rb, m), a), ((rb, m), t) if split_g else None,
+        ((nch, m), a) if want_stats else None, ((nch, m), a) if want_stats else None))
+    lse_q, state, dq, dk = buffers((
+        ((n,), a) if want_stats else None, ((2, m), a) if want_stats else None,
+        ((n, d), a) if want_grad else None, ((m, d), a) if want_grad else None))
+    if not split_g:
+        g_buf = s_buf
+    # the kernels index per-row arrays by the global row, here m + r: past every column
+    shift = m * a.itemsize
+    if want_stats:
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            s_blk = s_buf[:r1 - r0]
+            blas.gemm(q[r0:r1], k, s_blk, trans_b=True)
+            kernels.launch(FILE, "row_softmax", t, (r1 - r0,), (
+                s_blk, np.int64(m), np.int32(m), 0, np.int64(0), np.int32(0),
+                np.int32(m + r0), np.int32(0), np.int32(0), np.int32(FAR_MOD), 0, a.type(scale),
+                0, lse_q.data.ptr - shift, 0, 0, np.int64(0), 0, np.int64(0), 0, np.int64(0),
+                a.type(0)))
+            nch_b = (r1 - r0 + chunk - 1) // chunk
+            kernels.launch(FILE, "col_partial", t, ((m + BLOCK - 1) // BLOCK, nch_b), (
+                s_blk, np.int64(m), np.int32(r1 - r0), np.int32(m), np.int32(chunk), 0,
+                a.type(scale), part_m, part_s))
+            kernels.launch(FILE, "col_combine", t, (-(-m // 32),), (
+                part_m, part_s, np.int32(nch_b), np.int32(m), state, state[1],
+                np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
+    if want_grad:
+        w_arr, w_mul = _pair_weights(weights, a)
+        lse_row = lse_r.data.ptr - shift
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            s_blk = s_buf[:r1 - r0]
+            blas.gemm(q[r0:r1], k, s_blk, trans_b=True)
+            g_blk = g_buf[:r1 - r0]
+            # clip_grad halves w_i p_i(j) + w_j p_j(i): the weights go in doubled
+            kernels.launch(FILE, "clip_grad", t, (r1 - r0,), (
+                s_blk, np.int64(m), np.int32(m), np.int32(m + r0), 0, a.type(scale),
+                lse_row, lse_c, ptr(w_arr), np.int64(1), a.type(2 * w_mul), g_blk,
+                np.int64(m), 0))
+            blas.gemm(g_blk, k, dq[r0:r1])
+            blas.gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0)
+    return lse_q, state, ((dq, dk) if want_grad else None)
+
+
+def _pair_weights(weights, a):
+    """``(w_r, w_c, mul)`` as the kernels read them: one array indexed by the global row,
+    [w_c (m) | w_r (n)] (None when both are None: every weight is ``mul``), and ``mul``."""
+    w_r, w_c, mul = weights
+    if w_r is None and w_c is None:
+        return None, float(mul)
+    import cupy as cp
+
+    return cp.concatenate([w_c, w_r]).astype(a, copy=False), float(mul)

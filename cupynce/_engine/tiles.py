@@ -390,3 +390,60 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     if col_state:
         return lse_r, state, pair_loss, grads
     return lse_r, lse_c, pair_loss, grads
+
+
+def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
+          workspace_bytes, col_shift=None):
+    """:func:`blocks.cross` on the tile kernels: the ``lse2`` pass (row partials, and column
+    partials shifted by ``col_shift``, the raw positive dots of k's rows) and the ``h``
+    gradient block (H = w_i p_i(j) + w_j p_j(i)), with the rows numbered past the columns
+    (``row0 = m``) so that no tile holds a diagonal or a positive."""
+    import cupy as cp
+
+    from .blocks import FAR_MOD, _pair_weights
+
+    t, f32 = q.dtype, np.dtype(np.float32)
+    n, d = q.shape
+    m = k.shape[0]
+    ct = -(-m // TILE)
+    lse_q = state = grads = None
+    if want_stats:
+        splits = grid_splits(-(-n // TILE), ct)
+        rg = blas.plan_rows("nt_xent", n, -(-8 * m // TILE), workspace_bytes, align=TILE)
+        cpt = -(-rg // TILE)
+        # one fp32 scratch: row partials (2, splits, n) | column partials (2, cpt, m)
+        scratch = cp.empty((2 * splits * n + 2 * cpt * m,), f32)
+        part, part_s = scratch.data.ptr, scratch.data.ptr + 4 * splits * n
+        colp, colp_s = part + 8 * splits * n, part + 8 * splits * n + 4 * cpt * m
+        state = cp.empty((2, m), f32)
+        for r0 in range(0, n, rg):
+            r1 = min(n, r0 + rg)
+            rt = -(-(r1 - r0) // TILE)
+            tile("lse2", t, (rt, splits), q[r0:r1], m + r0, k, None, scale=scale,
+                 pos_mod=FAR_MOD, part=(part + 4 * r0, part_s + 4 * r0, n),
+                 colp=(colp, colp_s), lse_col=col_shift)
+            kernels.launch(ROWS_FILE, "col_combine", t, (-(-m // 32),), (
+                colp, colp_s, np.int32(rt), np.int32(m), state, state[1],
+                np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
+        lse_q = cp.empty((n,), f32)
+        kernels.launch(FILE, "tile_finish", t, (-(-n // BLOCK),),
+                       (part, part_s, np.int64(n), np.int32(splits), np.int32(n), 0, lse_q, 0))
+    if want_grad:
+        w_arr, w_mul = _pair_weights(weights, f32)
+        ldg = -(-m // 8) * 8
+        rb = blas.plan_rows("nt_xent", n, ldg * t.itemsize, workspace_bytes, align=TILE)
+        g_buf = cp.empty((rb, ldg), t)
+        dq = cp.empty((n, d), f32)
+        dk = cp.empty((m, d), f32)  # the first row block's product writes it (beta = 0)
+        lse_row = lse_r.data.ptr - 4 * m  # the kernel reads lse_row[global row m + r]
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            rt = -(-(r1 - r0) // TILE)
+            g_blk = g_buf[:r1 - r0, :m]
+            tile("h", t, (rt, grid_splits(rt, ct)), q[r0:r1], m + r0, k, None, scale=scale,
+                 pos_mod=FAR_MOD, lse_row=lse_row, lse_col=lse_c, weights=(w_arr, 1, w_mul),
+                 g=g_blk)
+            blas.gemm(g_blk, k, dq[r0:r1])
+            blas.gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0)
+        grads = (dq, dk)
+    return lse_q, state, grads

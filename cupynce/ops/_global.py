@@ -5,9 +5,16 @@ everywhere; the global batch is the concatenation in rank order), each rank comp
 rows' share with the single-process engine (``_local`` blocks, CLIP's rectangular block) and
 the collectives assemble the rest.  Never an n × N logits matrix; the bytes sent are O(N·D).
 
-* **NT-Xent** (z = [view 1; view 2] of the rank's n images): z is all-gathered; the rank's
-  2n rows against every row of every rank; the global batch is [every rank's view 1; every
-  rank's view 2] (lightly's ``gather_distributed`` semantics, exactly).
+* **NT-Xent** (z = [view 1; view 2] of the rank's n images; the global batch is [every
+  rank's view 1; every rank's view 2], lightly's ``gather_distributed`` semantics, exactly):
+  z and its rows' positive dots are all-gathered.  S = Z Zᵀ is symmetric and every positive
+  sits in a diagonal rank block, so each unordered pair of rank blocks is computed once
+  (``_local.NtXentPlan``): a rank takes its diagonal block (the single-process symmetric
+  NT-Xent) and about (P − 1) / 2 of its off-diagonal blocks (``engine.cross``: its rows'
+  statistics and the other rows' column (m, s) states in one pass); the (2, ~N) states are
+  all-gathered and each rank merges its rows' partials in a fixed order, then gathers every
+  row's lse (2n floats a rank) for the gradient pass over the same blocks.  About half the
+  products of computing each rank's rows against every column.
 * **InfoNCE**: keys (and shared (M, D) negatives) all-gathered; per-query negatives stay.
 * **CLIP, one block for both directions**: only b is all-gathered.  The rank computes the
   n × N block of its images against every text once: its rows' log-sum-exps (image → text,
@@ -50,7 +57,8 @@ from . import _local, _numpy
 from . import clip as clip_op
 from . import info_nce as info_nce_op
 from . import nt_xent as nt_xent_op
-from ._base import Context, Path, contig_inputs, finish_all, prep, require, weights
+from ._base import (Context, Path, contig_inputs, finish_all, prep, require, row_weight,
+                    weights)
 from ._comm import Comm
 
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -185,35 +193,51 @@ def nt_xent_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normali
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [z], ["z"],
         [temperature, reduction, normalize, requires_grad])
     path = Path(xp)
+    engine = _engine if path.gpu else _numpy
     rank, size = comm.rank, comm.size
     n2 = z.shape[0]
     z = contig_inputs(xp, z)[0]
     zn, norm = prep(path, z, normalize)
-    others = _others(xp, comm.all_gather(zn), rank)
-    a = acc_dtype(z.dtype)
-    fused = requires_grad and reduction != "none"
-    lse, rows, grads = _local.nt_xent_block(
-        path, zn, others, 1.0 / t, lse_in=None, weights=weights(xp, None, reduction, n2 * size, a),
-        want_grad=fused, workspace_bytes=workspace_bytes)
+    plan = _local.NtXentPlan(rank, size, n2)
+    parts = comm.all_gather(zn)
+    dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])  # the rows' raw positive dots
+    dots = comm.all_gather(xp.concatenate([dots, dots]))
+    scale = 1.0 / t
+    lse_d, loss_d, partial, state = _local.nt_xent_stats(path, engine, plan, zn, parts, dots,
+                                                         scale, workspace_bytes)
+    states = comm.all_gather(state) if plan.width else None
+    lse = _local.nt_xent_lse(plan, engine, lse_d, partial, states)
+    rows = loss_d + (lse - lse_d)
     ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else ())
-    if fused:
-        dq, dk, do = grads
-        acc = comm.reduce_scatter(_stack_own(xp, dq + dk, do, rank))
-        ctx.saved = dict(x=(z,), norms=(norm,), acc=(acc,), size=size)
-    elif requires_grad:
-        ctx.saved = dict(x=(z,), norms=(norm,), zn=zn, others=others, lse=lse, t=t,
-                         ws=workspace_bytes, comm=comm, size=size)
+    if requires_grad:
+        lse_all = comm.all_gather(lse) if size > 1 else lse[None]
+        base = dict(x=(z,), norms=(norm,), size=size)
+        if reduction != "none":
+            w_mul = row_weight(reduction, n2 * size)
+            acc = _local.nt_xent_grads(path, engine, plan, zn, parts, scale, lse_all, None,
+                                       w_mul, workspace_bytes)
+            ctx.saved = dict(base, acc=(comm.reduce_scatter(acc),))
+        else:
+            ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
+                             scale=scale, ws=workspace_bytes, comm=comm)
     return _loss(comm, xp, rows, reduction, n2 * size), _tags(ctx)
 
 
 def _nt_xent_acc(ctx: Context, g):
     s, xp = ctx.saved, ctx.xp
     comm = s["comm"]
-    w = weights(xp, g, "none", ctx.n, s["lse"].dtype)
-    _, _, (dq, dk, do) = _local.nt_xent_block(
-        Path(xp), s["zn"], s["others"], 1.0 / s["t"], lse_in=s["lse"], weights=w,
-        want_grad=True, workspace_bytes=s["ws"])
-    return (comm.reduce_scatter(_stack_own(xp, dq + dk, do, comm.rank)),)
+    w_all = comm.all_gather(_upstream(xp, g, ctx.n, s["lse_all"].dtype))
+    engine = _engine if xp is not np else _numpy
+    acc = _local.nt_xent_grads(Path(xp), engine, s["plan"], s["zn"], s["parts"], s["scale"],
+                               s["lse_all"], w_all, 1.0, s["ws"])
+    return (comm.reduce_scatter(acc),)
+
+
+def _upstream(xp, g, n: int, acc):
+    """This rank's rows' upstream gradients as an (n,) array (a float broadcast)."""
+    if isinstance(g, float):
+        return xp.full((n,), g, acc)
+    return xp.ascontiguousarray(xp.broadcast_to(g.astype(acc, copy=False), (n,)))
 
 
 # ---- InfoNCE ------------------------------------------------------------------------------
@@ -344,9 +368,7 @@ def _clip_acc(ctx: Context, g):
     engine = _engine if xp is not np else _numpy_engine
     # every pair's upstream gradient (its owner's), the weights of the block's columns
     acc = s["lse"][0].dtype
-    mine = xp.full((ctx.n,), g, acc) if isinstance(g, float) else \
-        xp.broadcast_to(g.astype(acc, copy=False), (ctx.n,))
-    g_all = comm.all_gather(mine).reshape(-1)
+    g_all = comm.all_gather(_upstream(xp, g, ctx.n, acc)).reshape(-1)
     w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
     return _clip_grads(comm, engine, xp, s["an"], s["b_all"], s["ls"], comm.rank * ctx.n,
                        *s["lse"], w, s["ws"])

@@ -116,6 +116,28 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     return lse, loss, (dq, dk, dns, dnp)
 
 
+def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
+          workspace_bytes=None, col_shift=None):
+    """``cupynce._engine.cross`` on the CPU (same arguments and results; keeps the n × m
+    logits of the block: CPU memory, small sizes)."""
+    a = acc_dtype(q.dtype)
+    qa, ka = q.astype(a), k.astype(a)
+    s = (qa @ ka.T) * a.type(scale)
+    lse_q = state = grads = None
+    if want_stats:
+        lse_q, state = row_lse(s), col_state(s)
+    if want_grad:
+        w_r, w_c, mul = weights
+        n, m = s.shape
+        wr = a.type(mul) * (np.ones(n, a) if w_r is None else np.asarray(w_r, a))
+        wc = a.type(mul) * (np.ones(m, a) if w_c is None else np.asarray(w_c, a))
+        with np.errstate(over="ignore", invalid="ignore"):
+            h = (wr[:, None] * np.exp(s - lse_r[:, None]) + wc[None, :] * np.exp(s - lse_c[None, :]))
+        h *= a.type(scale)
+        grads = (h @ ka, h.T @ qa)
+    return lse_q, state, grads
+
+
 def normalize(x):
     """``(x / max(||x_i||, NORM_EPS), ||x_i||)`` of the rows, the norms in the accumulator dtype."""
     a = acc_dtype(x.dtype)
