@@ -4,8 +4,9 @@ lse2, lse / h, the info_nce g) and of the row / column kernels, for compute-sani
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py wg
     compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py mma [tiles|blocks]
 
-An optional second argument runs one half: "tiles" (every tile kernel, one block each) or
-"blocks" (small workspaces: several row groups / blocks).  racecheck exits with code 9 and no
+An optional second argument runs one part: "tiles" (every tile kernel, one block each),
+"blocks" (small workspaces: several row groups / blocks) or "global" (the global NT-Xent's
+rank blocks, ``engine.cross``, on emulated ranks).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
 """
@@ -39,4 +40,14 @@ if part in ("all", "blocks"):
     l, c = cupynce.clip_loss_forward(af, bf32, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
     l, c = cupynce.nt_xent_forward(af, 0.1, workspace_bytes=40000); cupynce.nt_xent_backward(c, 1.0)
     l, c = cupynce.info_nce_forward(a, bb, 0.1, workspace_bytes=1 << 20); cupynce.info_nce_backward(c, 1.0)
+if part in ("all", "global"):
+    # the global NT-Xent's blocks on P = 4 emulated ranks (diagonal, cross, the split pair):
+    # tiles (bf16), then the cuBLAS path (float32) with several row blocks
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import test_local_block as LB
+    Z = rng.standard_normal((8 * 136, 72)) / 8
+    g = rng.standard_normal(8 * 136)
+    LB.nt_xent_ranks(cp, Z.astype(bf), 4, 0.2, "none", g, to=cp.asarray)
+    LB.nt_xent_ranks(cp, Z.astype(np.float32), 4, 0.2, "mean", 0.7, to=cp.asarray)
+    l = cp.zeros(())
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(l))

@@ -9,6 +9,7 @@ single-process tolerances.
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import traceback
@@ -22,11 +23,12 @@ if not dist.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-4),
-       torch.bfloat16: (1e-5, 1e-2)}  # bf16: against the single-process op in bf16
+       torch.bfloat16: (1e-5, 1e-2), torch.float16: (1e-5, 2e-3)}  # 16-bit: against the
+#: single-process op on the same 16-bit inputs (the rank blocks sum in another order)
 #: where the checks put their tensors ("cpu"; "cuda" in test_distributed_gpu.py)
 DEVICE = "cpu"
 BACKEND = "gloo"
-DTYPES = (torch.float64, torch.float32)
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 # ---- the per-rank checks (run in the spawned processes) -----------------------------------
@@ -198,6 +200,23 @@ def check_ddp_step(rank, P):
         if op == "clip_loss":  # every rank holds the global gradient: the replicas stay equal
             _close(head.logit_scale.grad, head_s.logit_scale.grad, 1e-12,
                    f"DDP clip P={P} logit_scale.grad")
+            # logit_scale learning: three SGD steps of model and temperature, the same
+            # parameters as one process's steps on the whole batch, on every rank
+            opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.5)
+            opt_s = torch.optim.SGD([*single.parameters(), *head_s.parameters()], lr=0.5)
+            for step in range(3):
+                opt.step()
+                opt_s.step()
+                head.clamp_()
+                head_s.clamp_()
+                opt.zero_grad()
+                opt_s.zero_grad()
+                head(model(x1[mine]), model(x2[mine])).backward()
+                head_s(single(x1), single(x2)).backward()
+            _close(head.logit_scale, head_s.logit_scale, 1e-12, f"DDP clip P={P} logit_scale")
+            assert abs(head.logit_scale.item() - math.log(1 / 0.07)) > 1e-3  # it learned
+            for (name, p), ps in zip(model.module.named_parameters(), single.parameters()):
+                _close(p, ps, 1e-12, f"DDP clip P={P} {name} after 3 steps")
 
 
 def check_mismatched_sizes_raise(rank, P):
