@@ -131,3 +131,14 @@ def grad_scale(grad_loss, a):
     if isinstance(grad_loss, float):
         return None if grad_loss == 1.0 else scalar(grad_loss, a)
     return grad_loss.astype(a, copy=False).reshape(1)
+
+
+def pair_weights(weights, a):
+    """``(w_r, w_c, mul)`` as the kernels read them: one array indexed by the global row,
+    [w_c (m) | w_r (n)] (None when both are None: every weight is ``mul``), and ``mul``."""
+    w_r, w_c, mul = weights
+    if w_r is None and w_c is None:
+        return None, float(mul)
+    import cupy as cp
+
+    return cp.concatenate([w_c, w_r]).astype(a, copy=False), float(mul)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import blas, kernels
-from .arrays import FILE, buffers, ptr
+from .arrays import FILE, buffers, pair_weights, ptr
 from .kernels import BLOCK, acc_dtype
 
 
@@ -271,7 +271,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
                 part_m, part_s, np.int32(nch_b), np.int32(m), state, state[1],
                 np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
     if want_grad:
-        w_arr, w_mul = _pair_weights(weights, a)
+        w_arr, w_mul = pair_weights(weights, a)
         lse_row = lse_r.data.ptr - shift
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
@@ -287,13 +287,3 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             blas.gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0)
     return lse_q, state, ((dq, dk) if want_grad else None)
 
-
-def _pair_weights(weights, a):
-    """``(w_r, w_c, mul)`` as the kernels read them: one array indexed by the global row,
-    [w_c (m) | w_r (n)] (None when both are None: every weight is ``mul``), and ``mul``."""
-    w_r, w_c, mul = weights
-    if w_r is None and w_c is None:
-        return None, float(mul)
-    import cupy as cp
-
-    return cp.concatenate([w_c, w_r]).astype(a, copy=False), float(mul)

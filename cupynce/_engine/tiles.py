@@ -23,7 +23,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from . import blas, kernels
-from .arrays import FILE as ROWS_FILE, ptr
+from .arrays import FILE as ROWS_FILE, pair_weights, ptr
+from .blocks import FAR_MOD
 from .kernels import BLOCK
 
 FILE = "tiles.cu"
@@ -400,8 +401,6 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     (``row0 = m``) so that no tile holds a diagonal or a positive."""
     import cupy as cp
 
-    from .blocks import FAR_MOD, _pair_weights
-
     t, f32 = q.dtype, np.dtype(np.float32)
     n, d = q.shape
     m = k.shape[0]
@@ -429,7 +428,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
         kernels.launch(FILE, "tile_finish", t, (-(-n // BLOCK),),
                        (part, part_s, np.int64(n), np.int32(splits), np.int32(n), 0, lse_q, 0))
     if want_grad:
-        w_arr, w_mul = _pair_weights(weights, f32)
+        w_arr, w_mul = pair_weights(weights, f32)
         ldg = -(-m // 8) * 8
         rb = blas.plan_rows("nt_xent", n, ldg * t.itemsize, workspace_bytes, align=TILE)
         g_buf = cp.empty((rb, ldg), t)

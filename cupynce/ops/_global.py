@@ -193,7 +193,7 @@ def nt_xent_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normali
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [z], ["z"],
         [temperature, reduction, normalize, requires_grad])
     path = Path(xp)
-    engine = _engine if path.gpu else _numpy
+    engine = _engine_for(xp)
     rank, size = comm.rank, comm.size
     n2 = z.shape[0]
     z = contig_inputs(xp, z)[0]
@@ -227,7 +227,7 @@ def _nt_xent_acc(ctx: Context, g):
     s, xp = ctx.saved, ctx.xp
     comm = s["comm"]
     w_all = comm.all_gather(_upstream(xp, g, ctx.n, s["lse_all"].dtype))
-    engine = _engine if xp is not np else _numpy
+    engine = _engine_for(xp)
     acc = _local.nt_xent_grads(Path(xp), engine, s["plan"], s["zn"], s["parts"], s["scale"],
                                s["lse_all"], w_all, 1.0, s["ws"])
     return (comm.reduce_scatter(acc),)
@@ -324,7 +324,7 @@ def clip_loss_forward(comm: Comm, a, b, logit_scale, *, reduction="mean", normal
     an, na = prep(path, a, normalize)
     bn, nb = prep(path, b, normalize)
     ls_dev = clip_op._logit_scale_array(xp, ls, acc)
-    engine = _engine if path.gpu else _numpy_engine
+    engine = _engine_for(xp)
     # the texts and the pairs' raw dots a_j·b_j of every rank (the tile path's column shift)
     b_all = comm.all_gather(bn).reshape(n * size, -1)
     dots = comm.all_gather(engine.pair_dots(an, bn)).reshape(-1)
@@ -365,7 +365,7 @@ def _clip_grads(comm: Comm, engine, xp, an, b_all, ls, row0: int, lse_r, lse_c, 
 def _clip_acc(ctx: Context, g):
     s, xp = ctx.saved, ctx.xp
     comm = s["comm"]
-    engine = _engine if xp is not np else _numpy_engine
+    engine = _engine_for(xp)
     # every pair's upstream gradient (its owner's), the weights of the block's columns
     acc = s["lse"][0].dtype
     g_all = comm.all_gather(_upstream(xp, g, ctx.n, acc)).reshape(-1)
@@ -378,8 +378,14 @@ class _numpy_engine:
     """The NumPy side of the engine calls above."""
 
     clip = staticmethod(clip_op.numpy_clip)
+    cross = staticmethod(_numpy.cross)
     col_lse = staticmethod(_numpy.col_lse)
     pair_dots = staticmethod(_numpy.pair_dots)
+
+
+def _engine_for(xp):
+    """The engine of the GPU (``cupynce._engine``) or its NumPy side."""
+    return _numpy_engine if xp is np else _engine
 
 
 # ---- backward -----------------------------------------------------------------------------
