@@ -1,30 +1,39 @@
-"""Host overhead of ``cupynce.torch`` per call: forward + backward at N = 64, D = 32 on CUDA.
+"""Small calls through ``cupynce.torch``: time per forward + backward, and its host share.
 
-At this size the kernels take microseconds and a training step is bound by the host, so the
-figure that matters is how long the Python side of one call takes compared with the GPU work
-it issues.  For each op (nt_xent, info_nce, clip_loss with a learnable logit_scale) and each
-path — ``cupynce.torch`` (the bridge), the CuPy core alone on the same stream (what the
-bridge calls, without torch), and the plain PyTorch formula — one "call" is
-``loss = f(*leaves); torch.autograd.grad(loss, leaves)`` (the core: forward, reduce,
-``*_backward_from_stats``) and three numbers are taken:
+In multi-GPU training each GPU's loss call covers a few thousand rows; the kernels then take
+tens of microseconds and the host time around them decides the step.  For each op (nt_xent,
+info_nce, clip_loss with a learnable logit_scale), dtype (bf16, fp32) and N (256 ... 8192,
+D = 512 by default) this times one call ``loss = f(*leaves); torch.autograd.grad(loss, leaves)``
+along these paths, on the same GPU in one run:
 
-* wall: a loop of ``--iters`` calls, synchronised at the end: µs per call in steady state
-  (the larger of host and GPU time per call);
-* GPU: the GPU time of ``--burst`` calls run back to back: the calls are queued while the
-  GPU spins (``torch.cuda._sleep``), CUDA events on the stream bracket them, so the span is
-  kernels plus the device's own launch gaps, with no host starvation;
-* host: the time the host took to queue those calls (the GPU was busy throughout, so nothing
-  waited) — the host cost of one call.
+* ``cupynce.torch`` — the public function, eager;
+* ``cupynce.torch compiled`` — the same function under ``torch.compile`` (custom ops);
+* ``CuPy core`` — what the bridge calls, on CuPy views of the same tensors on torch's stream
+  (forward, reduce, ``*_backward_from_stats``), no torch in the loop;
+* ``PyTorch eager`` / ``torch.compile`` — the plain formula users run (open_clip's for CLIP);
+* ``memeff`` (CLIP) — memeff's fused Triton loss (fixed temperature), where installed.
 
-overhead = wall − GPU: what a call costs above its kernels' time (the issue's bound: 100 µs).
-A "starved" burst is one where the GPU finished its spin before the calls were queued: the
-call synchronised, and its host / GPU figures are not meaningful.
-Medians of ``--repeat`` bursts.  Writes ``bench_torch_overhead.json`` / ``.md`` to ``--out``.
+Three numbers per path:
+
+* time: median over ``--repeat`` calls, each started from an idle, synchronised GPU, of the
+  CUDA-event span of the call (what one call costs, host time before the first kernel
+  included: the ANCHORS measure);
+* kernels: the GPU time of ``--burst`` calls queued back to back behind a GPU spin
+  (``torch.cuda._sleep``) and bracketed by CUDA events: kernels plus the device's own launch
+  gaps, no host starvation;
+* host: the host time those ``--burst`` calls took to queue (the GPU was busy, nothing waited).
+
+overhead = time − kernels: what a call costs above its kernels (the issue's bounds: 150 µs
+through ``cupynce.torch``, eager and compiled; 80 µs for the CuPy core).  A "starved" burst is
+one where the GPU finished its spin before the calls were queued (a call synchronised): its
+host / kernels figures are then not meaningful, and the row says so.
+Writes ``bench_torch_overhead.json`` / ``.md`` to ``--out``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -37,15 +46,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupynce.torch as ct  # noqa: E402
-from cupynce.ops import _base  # noqa: E402
+from cupynce.ops import _graphs  # noqa: E402
 from cupynce.ops import clip, info_nce, nt_xent  # noqa: E402
 from cupynce.report import harness as _harness  # noqa: E402
 from cupynce.torch import _bridge as bridge  # noqa: E402
 
 OPS = ("nt_xent", "info_nce", "clip_loss")
-LEGEND = ("starved bursts: bursts in which the GPU finished its spin before the host had queued "
-          "the calls, i.e. the call waited for the GPU (a synchronisation): host and GPU are then "
-          "not meaningful for that row")
+PATHS = ("cupynce.torch", "cupynce.torch compiled", "CuPy core", "PyTorch eager",
+         "torch.compile", "memeff")
+SIZES = (256, 512, 1024, 2048, 4096, 8192)
 T = 0.1
 LOGIT_SCALE = 2.659  # log(1/0.07)
 
@@ -58,28 +67,32 @@ def _cycles(seconds: float) -> int:
 
 
 def _inputs(op: str, n: int, d: int, dtype: torch.dtype) -> List[torch.Tensor]:
+    """Unit rows (as the ANCHORS runs), a, b / z / q, k requiring grad; CLIP's learnable
+    logit_scale as a 0-d float32 leaf."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = [torch.randn(n, d, generator=g, device="cuda").to(dtype).requires_grad_(True)
-         for _ in range(1 if op == "nt_xent" else 2)]
+    x = [F.normalize(torch.randn(n, d, generator=g, device="cuda"), dim=1).to(dtype)
+         .requires_grad_(True) for _ in range(1 if op == "nt_xent" else 2)]
     if op == "clip_loss":
         x.append(torch.tensor(LOGIT_SCALE, device="cuda", requires_grad=True))
     return x
 
 
-def bridge_call(op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
-    fn = {"nt_xent": lambda z: ct.nt_xent(z, T),
-          "info_nce": lambda q, k: ct.info_nce(q, k, T),
-          "clip_loss": ct.clip_loss}[op]
-    return _harness.torch_step(torch, fn, leaves)
+def _bridge_fn(op: str) -> Callable[..., Any]:
+    return {"nt_xent": lambda z: ct.nt_xent(z, T),
+            "info_nce": lambda q, k: ct.info_nce(q, k, T),
+            "clip_loss": lambda a, b, ls: ct.clip_loss(a, b, ls)}[op]
 
 
-def torch_call(op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
+def _torch_fn(op: str) -> Callable[..., Any]:
     if op == "info_nce":
         def fn(q, k):
             return F.cross_entropy(q @ k.T / T, torch.arange(q.shape[0], device=q.device))
-    else:
-        fn = _harness.torch_reference(torch, op, T)
-    return _harness.torch_step(torch, fn, leaves)
+        return fn
+    return _harness.torch_reference(torch, op, T)
+
+
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=False)
 
 
 def core_call(op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
@@ -94,33 +107,51 @@ def core_call(op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
     def call():
         with stream:
             if op == "nt_xent":
-                rows, ctx = nt_xent.nt_xent_forward(xs[0], T, reduction="none")
-                _base.reduce(ctx.xp, rows, "mean")  # as the bridge does
-                return nt_xent.nt_xent_backward_from_stats(xs[0], ctx.stats[0], one,
-                                                               temperature=T)
+                loss, ctx = nt_xent.nt_xent_forward(xs[0], T)
+                return loss, nt_xent.nt_xent_backward(ctx, one)
             if op == "info_nce":
-                rows, ctx = info_nce.info_nce_forward(xs[0], xs[1], T, reduction="none")
-                _base.reduce(ctx.xp, rows, "mean")  # as the bridge does
-                return info_nce.info_nce_backward_from_stats(xs[0], xs[1], None, ctx.stats[0],
-                                                                one, temperature=T)
-            rows, ctx = clip.clip_loss_forward(xs[0], xs[1], xs[2], reduction="none")
-            _base.reduce(ctx.xp, rows, "mean")  # as the bridge does
-            return clip.clip_loss_backward_from_stats(xs[0], xs[1], xs[2], *ctx.stats,
-                                                             one)
+                loss, ctx = info_nce.info_nce_forward(xs[0], xs[1], T)
+                return loss, info_nce.info_nce_backward(ctx, one)
+            loss, ctx = clip.clip_loss_forward(xs[0], xs[1], xs[2])
+            return loss, clip.clip_loss_backward(ctx, one)
     return call
 
 
-def measure(call: Callable[[], Any], *, iters: int, burst: int, repeat: int) -> Dict[str, Any]:
-    for _ in range(20):
+def memeff_call(op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
+    import memeff
+
+    a, b = leaves[:2]
+    loss_fn = memeff.MemoryEfficientCLIPLoss(temperature=math.exp(-LOGIT_SCALE),
+                                             normalized_inputs=True, stable=False)
+    return _harness.torch_step(torch, loss_fn, [a, b])
+
+
+def make_call(path: str, op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
+    if path == "CuPy core":
+        return core_call(op, leaves)
+    if path == "memeff":
+        return memeff_call(op, leaves)
+    fn = _bridge_fn(op) if path.startswith("cupynce") else _torch_fn(op)
+    if path in ("cupynce.torch compiled", "torch.compile"):
+        fn = _compiled(fn)
+    return _harness.torch_step(torch, fn, leaves)
+
+
+def measure(call: Callable[[], Any], *, warmup: int, burst: int, repeat: int) -> Dict[str, Any]:
+    for _ in range(warmup):
         call()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - t0) / iters * 1e6
-    spin = _cycles(0.2)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start.record()
+        out = call()
+        end.record()
+        torch.cuda.synchronize()
+        del out
+        times.append(start.elapsed_time(end) * 1e3)
+    spin = _cycles(0.05 + burst * 2e-4)
     gpu, host, starved = [], [], 0
     for _ in range(repeat):
         torch.cuda.synchronize()
@@ -136,49 +167,124 @@ def measure(call: Callable[[], Any], *, iters: int, burst: int, repeat: int) -> 
         starved += not busy
         host.append((t1 - t0) / burst * 1e6)
         gpu.append(start.elapsed_time(end) / burst * 1e3)
-    g = statistics.median(gpu)
-    return dict(wall_us=wall_us, gpu_us=g, host_us=statistics.median(host),
-                overhead_us=wall_us - g, gpu_starved_bursts=starved)
+    t, g = statistics.median(times), statistics.median(gpu)
+    return dict(time_us=t, kernels_us=g, host_us=statistics.median(host), overhead_us=t - g,
+                starved_bursts=starved, times_us=times)
+
+
+def _fmt_ms(us: Optional[float]) -> str:
+    if us is None:
+        return "—"
+    return f"{us / 1e3:.3f}" if us < 1e4 else f"{us / 1e3:.1f}"
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> str:
+    return "—" if a is None or b is None else f"{a / b:.2f}×"
+
+
+def tables(res: Dict[str, Any], paths) -> str:
+    """One table per op: time (ms) per path; the ratios of cupynce.torch to eager PyTorch and
+    memeff; overhead (µs above the kernels) of cupynce.torch eager / compiled and the core."""
+    out = []
+    for op, per_dtype in res["results"].items():
+        shown = [p for p in paths if any(p in cell for cases in per_dtype.values()
+                                         for cell in cases.values())]
+        head = (["dtype", "N"] + [f"{p} ms" for p in shown] + ["kernels µs", "÷ eager"]
+                + (["÷ memeff"] if "memeff" in shown else [])
+                + [f"overhead µs: {p}" for p in ("cupynce.torch", "cupynce.torch compiled",
+                                                 "CuPy core") if p in shown])
+        rows = []
+        for dname, cases in per_dtype.items():
+            for n, cell in cases.items():
+                def t(p):
+                    r = cell.get(p)
+                    return r["time_us"] if isinstance(r, dict) else None
+
+                def cellstr(p):
+                    r = cell.get(p)
+                    if r is None:
+                        return "—"
+                    if isinstance(r, str):
+                        return "fails" if "OutOfMemory" not in r else "OOM"
+                    return _fmt_ms(r["time_us"]) + ("*" if r["starved_bursts"] else "")
+                ours = cell.get("cupynce.torch")
+                row = [dname, n] + [cellstr(p) for p in shown]
+                row.append(f"{ours['kernels_us']:.0f}" if isinstance(ours, dict) else "—")
+                row.append(_ratio(t("cupynce.torch"), t("PyTorch eager")))
+                if "memeff" in shown:
+                    row.append(_ratio(t("cupynce.torch"), t("memeff")))
+                for p in ("cupynce.torch", "cupynce.torch compiled", "CuPy core"):
+                    if p in shown:
+                        r = cell.get(p)
+                        row.append(f"{r['overhead_us']:.0f}" if isinstance(r, dict) else "—")
+                rows.append(row)
+        out.append(f"**{op}**\n\n" + _harness.markdown_table(head, rows))
+    return "\n\n".join(out)
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, default=64)
-    p.add_argument("--d", type=int, default=32)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--iters", type=int, default=2000)
-    p.add_argument("--burst", type=int, default=40, help="calls queued behind one GPU spin "
+    csv = lambda f: (lambda s: [f(x) for x in s.split(",") if x])  # noqa: E731
+    p.add_argument("--ops", type=csv(str), default=list(OPS))
+    p.add_argument("--dtypes", type=csv(str), default=["bfloat16", "float32"])
+    p.add_argument("--sizes", type=csv(int), default=list(SIZES))
+    p.add_argument("--paths", type=csv(str), default=list(PATHS))
+    p.add_argument("--d", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--burst", type=int, default=20, help="calls queued behind one GPU spin "
                    "(keep launches below CUDA's queue depth, ~1000)")
-    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--name", default="bench_torch_overhead")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_torch_overhead: needs a CUDA GPU")
-    dtype = getattr(torch, args.dtype)
+    import torch._dynamo as dynamo
+
+    dynamo.config.cache_size_limit = 1024  # one static graph per (op, dtype, N)
+    if hasattr(dynamo.config, "recompile_limit"):
+        dynamo.config.recompile_limit = 1024
     torch.zeros(1, device="cuda")
     info = _harness.device_info()
-    rows, res = [], dict(n=args.n, d=args.d, dtype=args.dtype, info=info, results={})
-    for op in OPS:
+    res = dict(d=args.d, info=info, results={}, args=dict(warmup=args.warmup, burst=args.burst,
+                                                          repeat=args.repeat))
+    for op in args.ops:
         res["results"][op] = {}
-        for path, make in (("cupynce.torch", bridge_call), ("CuPy core alone", core_call),
-                           ("PyTorch eager", torch_call)):
-            leaves = _inputs(op, args.n, args.d, dtype)
-            r = measure(make(op, leaves), iters=args.iters, burst=args.burst,
-                        repeat=args.repeat)
-            res["results"][op][path] = r
-            rows.append([op, path, f"{r['wall_us']:.0f}", f"{r['host_us']:.0f}",
-                         f"{r['gpu_us']:.1f}", f"{r['overhead_us']:.0f}",
-                         str(r["gpu_starved_bursts"])])
-            print(rows[-1], flush=True)
-    table = _harness.markdown_table(
-        ["op", "path", "wall µs/call", "host µs/call", "GPU µs/call", "overhead µs (wall − GPU)",
-         "starved bursts"], rows)
-    md = (f"{_harness.device_header(info)}\n\nforward + backward, N = {args.n}, D = {args.d}, "
-          f"{args.dtype}; wall: {args.iters} calls; host / GPU: median of {args.repeat} bursts of "
-          f"{args.burst} calls queued behind a GPU spin\n\n{table}\n\n{LEGEND}.\n")
+        for dname in args.dtypes:
+            dtype = getattr(torch, dname)
+            res["results"][op][dname] = {}
+            for n in args.sizes:
+                cell = res["results"][op][dname][n] = {}
+                for path in args.paths:
+                    if path == "memeff" and op != "clip_loss":
+                        continue
+                    t0 = time.perf_counter()
+                    try:
+                        leaves = _inputs(op, n, args.d, dtype)
+                        r = measure(make_call(path, op, leaves), warmup=args.warmup,
+                                    burst=args.burst, repeat=args.repeat)
+                    except Exception as exc:  # noqa: BLE001 - a peer failing is a result
+                        r = f"{type(exc).__name__}: {exc}"[:300]
+                    cell[path] = r
+                    msg = r if isinstance(r, str) else (
+                        f"{r['time_us']:.0f} µs, kernels {r['kernels_us']:.0f}, "
+                        f"host {r['host_us']:.0f}, overhead {r['overhead_us']:.0f}"
+                        + (f", {r['starved_bursts']} starved" if r["starved_bursts"] else ""))
+                    gi = _graphs.info()
+                    print(f"{op} {dname} N={n} {path}: {msg} "
+                          f"({time.perf_counter() - t0:.1f} s; graphs: {gi['plans']} plans, "
+                          f"{gi['bytes'] >> 20} MiB{'; refused: ' + str(gi['refused']) if gi['refused'] else ''})",
+                          flush=True)
+                    _graphs.clear()
+                    torch.cuda.empty_cache()
+    md = (f"{_harness.device_header(info)}\n\nforward + backward, D = {args.d}; time: median "
+          f"of {args.repeat} calls each from an idle GPU (CUDA events); kernels: GPU time per "
+          f"call of bursts of {args.burst} calls queued behind a GPU spin (median of "
+          f"{args.repeat}); overhead = time − kernels. * = a starved burst (host / kernels "
+          f"not meaningful).\n\n{tables(res, args.paths)}\n")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_torch_overhead.json").write_text(json.dumps(res, indent=1))
-    (args.out / "bench_torch_overhead.md").write_text(md)
+    (args.out / f"{args.name}.json").write_text(json.dumps(res, indent=1, default=str))
+    (args.out / f"{args.name}.md").write_text(md)
     print(md)
     return res
 

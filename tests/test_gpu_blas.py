@@ -42,11 +42,9 @@ def _operands(rng, dtype, m, n, k, trans_a, trans_b, pad):
 
 
 def _no_cublas(monkeypatch):
-    from cupy_backends.cuda.libs import cublas
-
     def boom(*args, **kwargs):
         raise AssertionError("cuBLAS was called for a small product")
-    monkeypatch.setattr(cublas, "gemmEx", boom)
+    monkeypatch.setattr(_blas, "cublas_gemm", boom)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -83,11 +81,9 @@ def test_small_gemm_is_deterministic_and_agrees_with_cublas(dtype, monkeypatch):
         _blas.gemm(a, b, out, trans_b=True)
         outs.append(cp.asnumpy(out))
     assert np.array_equal(outs[0], outs[1])
-    from cupy_backends.cuda.libs import cublas
-
     calls = []
-    real = cublas.gemmEx
-    monkeypatch.setattr(cublas, "gemmEx", lambda *args: calls.append(1) or real(*args))
+    real = _blas.cublas_gemm
+    monkeypatch.setattr(_blas, "cublas_gemm", lambda *args: calls.append(1) or real(*args))
     monkeypatch.setattr(_blas, "SMALL_GEMM_MACS", 0)  # the same product through cuBLAS
     out = cp.empty((96, 80), acc)
     _blas.gemm(a, b, out, trans_b=True)
@@ -119,15 +115,13 @@ def test_gemm_rejects_mixed_dtypes():
 
 def test_large_or_long_products_use_cublas(monkeypatch):
     """Above the size or k limit, and for a 16-bit output, the product goes to cuBLAS."""
-    from cupy_backends.cuda.libs import cublas
-
     calls = []
-    real = cublas.gemmEx
+    real = _blas.cublas_gemm
 
     def spy(*args, **kwargs):
         calls.append(args[3:6])
         return real(*args, **kwargs)
-    monkeypatch.setattr(cublas, "gemmEx", spy)
+    monkeypatch.setattr(_blas, "cublas_gemm", spy)
     f32 = cp.float32
     long_k = _blas.SMALL_GEMM_MAX_K + 1
     _blas.gemm(cp.ones((2, long_k), f32), cp.ones((long_k, 2), f32), cp.empty((2, 2), f32))

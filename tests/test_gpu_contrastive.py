@@ -760,15 +760,13 @@ def test_arrays_on_two_gpus_raise(case, monkeypatch):
         neg1 = cp.asarray(rng.standard_normal((3, 4)).astype(np.float32))
         ls1 = cp.asarray(np.float32(2.0))
 
-    from cupy_backends.cuda.libs import cublas
-
     def boom(*args, **kwargs):
         raise AssertionError("a kernel ran before the device check")
-    from cupynce._engine import kernels
+    from cupynce._engine import blas, kernels
 
     monkeypatch.setattr(kernels, "launch", boom)  # every engine module launches through these
     monkeypatch.setattr(kernels, "get_kernel", boom)
-    monkeypatch.setattr(cublas, "gemmEx", boom)
+    monkeypatch.setattr(blas, "cublas_gemm", boom)
     with cp.cuda.Device(0):
         if case == "info_nce_key":
             with pytest.raises(ValueError, match=r"info_nce: all arrays must be on one GPU, got "

@@ -27,6 +27,8 @@ and gradients of these losses.
 """
 from __future__ import annotations
 
+import threading
+
 from typing import Optional
 
 import numpy as np
@@ -97,6 +99,85 @@ def _scalar(value: float, wide: bool):
     return arr
 
 
+_LOCAL = threading.local()
+_LIB = None
+
+
+def _libcublas():
+    """The cuBLAS library CuPy loaded, through ctypes (cupynce calls ``cublasGemmEx`` itself:
+    CuPy's wrappers set the handle's stream on every call and refuse to while a stream is
+    captured into a CUDA graph, see ``ops._graphs``)."""
+    global _LIB
+    if _LIB is None:
+        import ctypes
+
+        from cupy_backends.cuda.libs import cublas  # noqa: F401 - CuPy loads the library
+
+        lib = None
+        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+            try:
+                lib = ctypes.CDLL(name)  # an already-loaded library is found by its soname
+                break
+            except OSError:
+                continue
+        if lib is None:  # not on the search path: the path CuPy loaded it from
+            with open("/proc/self/maps") as maps:
+                path = next(line.split()[-1] for line in maps if "libcublas.so" in line
+                            and "libcublasLt" not in line)
+            lib = ctypes.CDLL(path)
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i,
+                                     i]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetPointerMode_v2.argtypes = [vp, i]
+        _LIB = lib
+    return _LIB
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise RuntimeError(f"cupynce: {what} failed with cuBLAS status {status}")
+
+
+def cublas_gemm(*args) -> None:
+    """``cublasGemmEx(*args)`` (CuPy's ``gemmEx`` argument order); raises on an error status."""
+    _check(_libcublas().cublasGemmEx(*args), "cublasGemmEx")
+
+
+def _handle() -> int:
+    """This thread's cuBLAS handle on the current device, bound to CuPy's current stream.
+
+    cupynce's own handles rather than CuPy's (``device.get_cublas_handle``), created with
+    ``cublasCreate`` as CuPy's are (same defaults, so the same algorithms), in host pointer
+    mode, one per thread and device (a handle is not safe to share between threads).  The
+    stream is set only when it changes, so that a product inside a stream capture
+    (``ops._graphs`` binds the capture stream first, :func:`bind_stream`) makes no call
+    besides ``cublasGemmEx``.
+    """
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    handles = getattr(_LOCAL, "handles", None)
+    if handles is None:
+        handles = _LOCAL.handles = {}
+    dev = cupy.cuda.runtime.getDevice()
+    entry = handles.get(dev)
+    if entry is None:
+        h = cublas.create()
+        _check(_libcublas().cublasSetPointerMode_v2(h, cublas.CUBLAS_POINTER_MODE_HOST),
+               "cublasSetPointerMode")
+        entry = handles[dev] = [h, None]
+    ptr = cupy.cuda.get_current_stream().ptr
+    if entry[1] != ptr:
+        _check(_libcublas().cublasSetStream_v2(entry[0], ptr), "cublasSetStream")
+        entry[1] = ptr
+    return entry[0]
+
+
+#: Bind this thread's handle to CuPy's current stream now (before a stream capture begins).
+bind_stream = _handle
+
+
 def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
          alpha: float = 1.0, beta: float = 0.0) -> None:
     """``out[m, n] = alpha * op(a) @ op(b) + beta * out`` (row-major), in place.
@@ -104,7 +185,6 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     ``op(a)`` is ``a`` (m, k) or, with ``trans_a``, ``a.T`` for ``a`` of shape (k, m);
     likewise ``b``.  ``a`` and ``b`` share a dtype; ``out`` may be wider (see module doc).
     """
-    from cupy.cuda import device
     from cupy_backends.cuda.libs import cublas
 
     m, n = out.shape
@@ -126,12 +206,11 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     compute = cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F
     al = _scalar(alpha, wide)
     be = _scalar(beta, wide)
-    handle = device.get_cublas_handle()
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    handle = _handle()
     # Row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T: swap the operands.
     op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
     op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
-    cublas.gemmEx(
+    cublas_gemm(
         handle, op_b, op_a, n, m, k,
         al.ctypes.data, b.data.ptr, _cuda_type(b.dtype), leading_dim(b, "b"),
         a.data.ptr, _cuda_type(a.dtype), leading_dim(a, "a"),

@@ -18,7 +18,7 @@ import numpy as np
 from .. import _checks, _engine
 from .._engine import arrays
 from .._engine.kernels import acc_dtype
-from . import _numpy
+from . import _graphs, _numpy
 from ._base import (Context, Path, check_stats, contig_inputs, finish_all, prep, reduce,
                     require, weights)
 
@@ -129,25 +129,42 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     n = a.shape[0]
     acc = acc_dtype(a.dtype)
     a, b = contig_inputs(xp, a, b)
-    an, na = prep(path, a, normalize)
-    bn, nb = prep(path, b, normalize)
-    ls_dev = _logit_scale_array(xp, ls, acc)
     engine = _engine.clip if path.gpu else numpy_clip
     fused = requires_grad and reduction != "none"
-    lse_r, lse_c, pair_loss, grads = engine(
-        an, bn, ls_dev, lse_r=None, lse_c=None,
-        weights=weights(xp, None, reduction, n, acc), want_loss=True, want_grad=fused,
-        workspace_bytes=workspace_bytes)
+    host_ls = isinstance(ls, float)
+
+    def compute(a, b, ls_in=ls):
+        an, na = prep(path, a, normalize)
+        bn, nb = prep(path, b, normalize)
+        ls_dev = _logit_scale_array(xp, ls_in, acc)
+        lse_r, lse_c, pair_loss, grads = engine(
+            an, bn, ls_dev, lse_r=None, lse_c=None,
+            weights=weights(xp, None, reduction, n, acc), want_loss=True, want_grad=fused,
+            workspace_bytes=workspace_bytes)
+        da, db, dscale = None, None, None
+        if fused:
+            da, db, dsp = grads
+            dscale = reduce(xp, dsp, "sum")
+        return (reduce(xp, pair_loss, reduction), lse_r, lse_c, da, db, dscale, na,
+                nb), (an, bn, ls_dev)
+
+    if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
+        outs = _graphs.run(
+            ("clip_loss", ls if host_ls else None, reduction, normalize, workspace_bytes,
+             fused), (a, b) if host_ls else (a, b, ls), lambda *xs: compute(*xs)[0])
+    else:
+        outs, kept = compute(a, b)
+    loss, lse_r, lse_c, da, db, dscale, na, nb = outs
     ctx = Context("clip_loss", reduction, n, xp,
                   stats=(lse_r, lse_c) if requires_grad else ())
-    ls_dtype = acc if isinstance(ls, float) else ls.dtype
+    ls_dtype = acc if host_ls else ls.dtype
     base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype)
     if fused:
-        da, db, dsp = grads
-        ctx.saved = dict(base, acc=(da, db), dscale=reduce(xp, dsp, "sum"))
+        ctx.saved = dict(base, acc=(da, db), dscale=dscale)
     elif requires_grad:
+        an, bn, ls_dev = kept
         ctx.saved = dict(base, xn=(an, bn), ls=ls_dev, lse=(lse_r, lse_c), ws=workspace_bytes)
-    return reduce(xp, pair_loss, reduction), ctx
+    return loss, ctx
 
 
 def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):

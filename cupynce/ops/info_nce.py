@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple
 
 from .. import _checks
 from .._engine.kernels import acc_dtype
+from . import _graphs
 from ._base import (Context, Path, check_stats, contig_inputs, finish_all, prep, reduce,
                     require, weights)
 
@@ -107,21 +108,36 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     _checks.check_bool("info_nce", "requires_grad", requires_grad)
     path = Path(xp)
     n = query.shape[0]
-    (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
-        xp, path, query, key, negatives, normalize)
+    query, key, negatives = contig_inputs(xp, query, key, negatives)
     fused = requires_grad and reduction != "none"
-    lse, loss, grads = path.rows(
-        qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
-        lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(query.dtype)),
-        want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce")
+
+    def compute(query, key, negatives=None):
+        _, norms, (qn, kn, neg_s, neg_p) = _prep_all(xp, path, query, key, negatives,
+                                                     normalize)
+        lse, loss, grads = path.rows(
+            qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
+            lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(query.dtype)),
+            want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce")
+        dq, dk, dns, dnp = grads
+        return ((reduce(xp, loss, reduction), lse, dq, dk, dns if dns is not None else dnp)
+                + tuple(norms)), (qn, kn, neg_s, neg_p)
+
+    if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
+        inputs = (query, key) + (() if negatives is None else (negatives,))
+        outs = _graphs.run(
+            ("info_nce", t, reduction, normalize, workspace_bytes, fused,
+             None if negatives is None else negatives.ndim), inputs,
+            lambda *xs: compute(*xs)[0])
+    else:
+        outs, xn = compute(query, key, negatives)
+    loss, lse, dq, dk, dneg, nq, nk, nneg = outs
     ctx = Context("info_nce", reduction, n, xp, stats=(lse,) if requires_grad else ())
     base = dict(x=(query, key, negatives), norms=(nq, nk, nneg))
     if fused:
-        dq, dk, dns, dnp = grads
-        ctx.saved = dict(base, acc=(dq, dk, dns if dns is not None else dnp))
+        ctx.saved = dict(base, acc=(dq, dk, dneg))
     elif requires_grad:
-        ctx.saved = dict(base, xn=(qn, kn, neg_s, neg_p), lse=lse, t=t, ws=workspace_bytes)
-    return reduce(xp, loss, reduction), ctx
+        ctx.saved = dict(base, xn=xn, lse=lse, t=t, ws=workspace_bytes)
+    return loss, ctx
 
 
 def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):

@@ -20,6 +20,7 @@ from typing import Any, Optional, Tuple
 
 from .. import _checks
 from .._engine.kernels import acc_dtype
+from . import _graphs
 from ._base import (Context, Path, check_stats, contig_inputs, prep, reduce, require,
                     weights)
 
@@ -91,18 +92,28 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
     path = Path(xp)
     n = z.shape[0]
     z = contig_inputs(xp, z)[0]
-    zn, norm = prep(path, z, normalize)
     fused = requires_grad and reduction != "none"
-    lse, loss, (dz, *_rest) = path.rows(
-        zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
-        lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(z.dtype)),
-        want_grad=fused, workspace_bytes=workspace_bytes, op="nt_xent", self_pair=True)
+
+    def compute(z):
+        zn, norm = prep(path, z, normalize)
+        lse, loss, (dz, *_rest) = path.rows(
+            zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
+            lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(z.dtype)),
+            want_grad=fused, workspace_bytes=workspace_bytes, op="nt_xent", self_pair=True)
+        return reduce(xp, loss, reduction), lse, dz, norm, zn
+
+    if path.gpu and (fused or not requires_grad):  # nothing kept that aliases z
+        loss, lse, dz, norm, _zn = _graphs.run(
+            ("nt_xent", t, reduction, normalize, workspace_bytes, fused), (z,),
+            lambda z: compute(z)[:4] + (None,))
+    else:
+        loss, lse, dz, norm, zn = compute(z)
     ctx = Context("nt_xent", reduction, n, xp, stats=(lse,) if requires_grad else ())
     if fused:
         ctx.saved = dict(z=z, norm=norm, dz=dz)
     elif requires_grad:
         ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes)
-    return reduce(xp, loss, reduction), ctx
+    return loss, ctx
 
 
 def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):

@@ -1,0 +1,224 @@
+"""CUDA graphs for repeated small calls: an op's forward captured once per problem, replayed.
+
+A small call's kernels take tens of microseconds while the host spends ~5-10 µs on each
+launch, allocation and copy, plus the Python that plans them.  :func:`run` captures the
+GPU work of ``compute(*inputs)`` into a CUDA graph the third time (``CAPTURE_AFTER``) it
+sees the same problem, and from then on replays it:
+
+1. copy each input into the plan's static input buffer (``cudaMemcpyAsync``, device to
+   device, on the caller's stream);
+2. launch the graph on the caller's stream (one launch for every kernel and cuBLAS call);
+3. copy each output out of the plan's static buffers into fresh memory from the current
+   allocator (torch's under ``cupynce.torch``), so that what the caller gets is its own:
+   a later call of the same problem never overwrites it.
+
+The graph runs the very kernels, launch configurations and buffers layout of the plain
+call, on copies of the same bits: the results are bit-identical (``tests/test_graphs.py``),
+and as deterministic.  What keys a problem (``key``): the op's own arguments (flags, Python
+scalars, which are baked into the graph), every input's shape, dtype and strides, the
+device, the caller's stream (a plan is used by one stream, so replays are ordered by it),
+and the engine's switches (``tiles.USE_TILES`` and friends).  A problem is replayed only
+where every input is C-contiguous and 16-byte aligned (the tile path's condition, so the
+plain call would take the same path); otherwise, and when graphs are off
+(``CUPYNCE_GRAPHS=0``, :data:`ENABLED`), ``compute`` just runs.
+
+Memory: a plan holds its static inputs, outputs and the workspace of the captured call for
+as long as it is cached.  A plan above ``MAX_PLAN_BYTES`` is dropped after its capture (the
+problem then runs uncaptured: calls that large are bound by their kernels, not the host);
+the cache holds at most ``CACHE_BYTES`` and ``MAX_PLANS`` plans, least recently used out
+first; :func:`clear` empties it.  Under ``cupynce.torch`` the memory comes from torch's
+caching allocator (it shows in ``torch.cuda.memory_allocated``).
+
+Threads: the cache is guarded by a lock, and a plan's copy-in / launch / copy-out is one
+critical section, so two threads sharing a stream cannot interleave their inputs.
+Capture runs on a private non-blocking stream in relaxed mode and allocates nothing: the
+buffers are those a plain run of the same call allocated just before (kept by the plan).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+#: ``CUPYNCE_GRAPHS=0`` turns graphs off (every call runs its kernels one by one).
+ENABLED: bool = os.environ.get("CUPYNCE_GRAPHS", "1") != "0"
+#: A problem is captured on its ``CAPTURE_AFTER + 1``-th call (one-off shapes never pay for a
+#: capture, and the first calls load the kernels and pick the paths outside any capture).
+CAPTURE_AFTER = 2
+#: A captured plan holding more device memory than this is dropped (its calls run uncaptured).
+MAX_PLAN_BYTES = 512 << 20
+#: The cache's bounds: bytes held by all plans, and plans.
+CACHE_BYTES = 1 << 30
+MAX_PLANS = 64
+#: Problem keys seen this many times without a plan stop being counted (bounded memory).
+MAX_SEEN = 4096
+
+_D2D = 3  # cudaMemcpyDeviceToDevice
+
+_lock = threading.RLock()
+_plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_seen: Dict[tuple, int] = {}
+#: keys whose capture failed or whose plan was too large: never captured again
+_refused: Dict[tuple, str] = {}
+_held = 0  # bytes held by the cached plans
+
+
+class _Plan:
+    __slots__ = ("graph", "statics", "outs", "keep", "nbytes", "lock")
+
+    def __init__(self, graph, statics, outs, keep, nbytes):
+        self.graph, self.statics, self.outs, self.keep = graph, statics, outs, keep
+        self.nbytes = nbytes
+        self.lock = threading.Lock()
+
+    def replay(self, inputs: Sequence[Any], stream) -> Tuple[Any, ...]:
+        import cupy as cp
+        from cupy.cuda import runtime
+
+        sp = stream.ptr
+        with self.lock:
+            for st, x in zip(self.statics, inputs):
+                runtime.memcpyAsync(st.data.ptr, x.data.ptr, x.nbytes, _D2D, sp)
+            self.graph.launch(stream)
+            res = []
+            for o in self.outs:
+                if o is None:
+                    res.append(None)
+                    continue
+                out = cp.empty(o.shape, o.dtype)
+                if o.nbytes:
+                    runtime.memcpyAsync(out.data.ptr, o.data.ptr, o.nbytes, _D2D, sp)
+                res.append(out)
+        return tuple(res)
+
+
+def _switches() -> tuple:
+    """The engine's module-level switches that change which kernels a call runs."""
+    from .._engine import arrays, blas, tiles
+
+    return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.SYMMETRIC_LSE, tiles.SYMMETRIC_LSE_MIN_ND,
+            tiles.SYMMETRIC_H, blas.SMALL_GEMM_MACS, blas.SMALL_GEMM_MAX_K,
+            arrays.ARENA_BYTES)
+
+
+def _eligible(inputs: Sequence[Any]) -> bool:
+    for x in inputs:
+        if not x.flags.c_contiguous or x.data.ptr % 16:
+            return False
+    return True
+
+
+def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, ...]]
+        ) -> Tuple[Any, ...]:
+    """``compute(*inputs)`` — a tuple of CuPy arrays (or None) — through a cached CUDA graph
+    where the problem has been seen before (see the module notes).
+
+    ``op_key``: everything besides the inputs' layout that decides what ``compute`` launches
+    (the op, its flags and Python scalars).  ``compute`` must launch work only on CuPy's
+    current stream, never synchronise, never read device memory on the host, and return
+    arrays it allocated (not views of its inputs).
+    """
+    if not ENABLED or not _eligible(inputs):
+        return compute(*inputs)
+    import cupy as cp
+
+    stream = cp.cuda.get_current_stream()
+    key = (op_key, tuple((x.shape, x.dtype.char) for x in inputs), cp.cuda.runtime.getDevice(),
+           stream.ptr, _switches())
+    plan = _plans.get(key)
+    if plan is None:
+        with _lock:
+            plan = _plans.get(key)
+            if plan is None:
+                if key in _refused:
+                    return compute(*inputs)
+                seen = _seen.get(key, 0) + 1
+                if seen <= CAPTURE_AFTER:
+                    if len(_seen) < MAX_SEEN or key in _seen:
+                        _seen[key] = seen
+                    return compute(*inputs)
+                _seen.pop(key, None)
+                plan = _capture(key, inputs, compute)
+                if plan is None:
+                    return compute(*inputs)
+    else:
+        try:
+            _plans.move_to_end(key)  # least recently used goes first
+        except KeyError:  # evicted by another thread meanwhile: this replay still holds it
+            pass
+    return plan.replay(inputs, stream)
+
+
+def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
+    """Capture ``compute`` on static copies of ``inputs``; cache and return the plan (None:
+    refused, the key is remembered).  Called with ``_lock`` held.
+
+    Nothing is allocated during the capture: a first, plain run of ``compute`` on the static
+    inputs records its allocations (all kept by the plan: the graph's buffers), and the
+    capture is handed the same buffers in the same order.
+    """
+    global _held
+    import cupy as cp
+
+    from .._engine import blas
+
+    base = cp.cuda.get_allocator()
+    keep = []
+
+    def recording(size: int):
+        mem = base(size)
+        keep.append((size, mem))
+        return mem
+
+    statics = [cp.empty(x.shape, x.dtype) for x in inputs]
+    order = iter(keep)
+
+    def replaying(size: int):
+        want, mem = next(order, (None, None))
+        if want != size:
+            raise RuntimeError(f"allocation sequence changed ({want} -> {size} bytes)")
+        return mem
+
+    cap = cp.cuda.Stream(non_blocking=True)
+    try:
+        with cp.cuda.using_allocator(recording):
+            compute(*statics)  # (on the caller's stream: loads kernels, picks the paths)
+        with cap, cp.cuda.using_allocator(replaying):
+            blas.bind_stream()  # (cuBLAS's stream cannot be set once the capture runs)
+            cap.begin_capture()
+            try:
+                outs = tuple(compute(*statics))
+            finally:
+                graph = cap.end_capture()
+    except Exception as exc:  # noqa: BLE001 - a capture that fails falls back, remembered
+        _refused[key] = f"capture failed: {type(exc).__name__}: {exc}"[:300]
+        return None
+    nbytes = sum(size for size, _ in keep) + sum(x.nbytes for x in statics)
+    if nbytes > MAX_PLAN_BYTES:
+        _refused[key] = f"plan of {nbytes} bytes > MAX_PLAN_BYTES"
+        return None
+    plan = _Plan(graph, statics, outs, [m for _, m in keep], nbytes)
+    _plans[key] = plan
+    _held += nbytes
+    while _plans and (_held > CACHE_BYTES or len(_plans) > MAX_PLANS):
+        _k, old = _plans.popitem(last=False)
+        _held -= old.nbytes
+    return plan if key in _plans else None
+
+
+def clear() -> None:
+    """Drop every cached plan (their memory goes back to the allocator) and the counts."""
+    global _held
+    with _lock:
+        _plans.clear()
+        _seen.clear()
+        _refused.clear()
+        _held = 0
+
+
+def info() -> Dict[str, Any]:
+    """The cache's state: plans, bytes held, keys refused (with why)."""
+    with _lock:
+        return dict(plans=len(_plans), bytes=_held, refused=dict(_refused),
+                    counting=len(_seen))

@@ -1,0 +1,249 @@
+"""GPU tests of the CUDA-graph replay of small calls (``cupynce.ops._graphs``).
+
+The contract: a replayed call gives the same bits as the same call run kernel by kernel
+(which the other GPU tests hold to the float64 oracle), for every op, dtype and flag; the
+inputs of each call are read afresh; what a call returns is its own (a later call never
+changes it); streams and threads keep their plans apart; problems the plan cannot take
+(non-contiguous or misaligned inputs, too large, a capture that fails) run uncaptured.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import cupynce
+from cupynce.ops import _graphs
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+CALLS = _graphs.CAPTURE_AFTER + 2  # plain calls, the capture, one more replay
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch):
+    monkeypatch.setattr(_graphs, "ENABLED", True)
+    _graphs.clear()
+    yield
+    _graphs.clear()
+
+
+def bits(x):
+    """The bytes of an array (or None), for bitwise comparisons."""
+    if x is None:
+        return None
+    return np.ascontiguousarray(cp.asnumpy(x)).reshape(-1).view(np.uint8).tobytes()
+
+
+def inputs(op, n, d, dtype, seed=0, ls_kind="array"):
+    rng = np.random.default_rng(seed)
+
+    def mat(rows):
+        return cp.asarray(rng.standard_normal((rows, d)).astype(np.float32).astype(dtype))
+
+    if op == "nt_xent":
+        return (mat(n),), {}
+    if op == "info_nce":
+        return (mat(n), mat(n)), {}
+    if op == "info_nce_neg":
+        return (mat(n), mat(n)), {"negatives": mat(n // 2)}
+    ls = cp.asarray(np.float32(2.3 + 0.1 * seed)) if ls_kind == "array" else 2.3 + 0.1 * seed
+    return (mat(n), mat(n), ls), {}
+
+
+def step(op, args, kw, *, normalize=False, reduction="mean", requires_grad=True):
+    """Forward (+ backward with a non-unit upstream gradient): every output's bits."""
+    g = cp.asarray(np.float32(0.75))
+    if op == "nt_xent":
+        loss, ctx = cupynce.nt_xent_forward(args[0], 0.2, normalize=normalize,
+                                            reduction=reduction, requires_grad=requires_grad)
+        grads = (cupynce.nt_xent_backward(ctx, g),) if requires_grad else ()
+    elif op.startswith("info_nce"):
+        loss, ctx = cupynce.info_nce_forward(args[0], args[1], 0.1, normalize=normalize,
+                                             reduction=reduction, requires_grad=requires_grad,
+                                             **kw)
+        grads = cupynce.info_nce_backward(ctx, g) if requires_grad else ()
+    else:
+        loss, ctx = cupynce.clip_loss_forward(*args, normalize=normalize, reduction=reduction,
+                                              requires_grad=requires_grad)
+        grads = cupynce.clip_loss_backward(ctx, g) if requires_grad else ()
+    return [bits(loss)] + [bits(s) for s in ctx.stats] + [bits(x) for x in grads]
+
+
+def plain(fn):
+    """``fn()`` with graphs off."""
+    old = _graphs.ENABLED
+    _graphs.ENABLED = False
+    try:
+        return fn()
+    finally:
+        _graphs.ENABLED = old
+
+
+OPS = ["nt_xent", "info_nce", "info_nce_neg", "clip_loss"]
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32),
+                                   np.dtype(np.float64)], ids=str)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("normalize", [False, True])
+def test_replay_is_bit_identical(op, dtype, normalize):
+    args, kw = inputs(op, 256, 64, dtype)
+    want = plain(lambda: step(op, args, kw, normalize=normalize))
+    for i in range(CALLS):
+        assert step(op, args, kw, normalize=normalize) == want, f"call {i + 1}"
+    assert _graphs.info()["plans"] == 1, _graphs.info()
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("reduction,requires_grad", [("sum", True), ("mean", False),
+                                                     ("none", False)])
+def test_replay_other_modes(op, reduction, requires_grad):
+    args, kw = inputs(op, 384, 128, BF16)
+    want = plain(lambda: step(op, args, kw, reduction=reduction, requires_grad=requires_grad))
+    for _ in range(CALLS):
+        got = step(op, args, kw, reduction=reduction, requires_grad=requires_grad)
+        assert got == want
+    assert _graphs.info()["plans"] == 1
+
+
+def test_host_logit_scale_is_part_of_the_key():
+    """A Python-float logit_scale is baked into the graph: another value is another plan."""
+    for seed in (0, 1):
+        args, kw = inputs("clip_loss", 256, 64, BF16, seed=0, ls_kind="float")
+        args = args[:2] + (2.3 + 0.1 * seed,)
+        want = plain(lambda: step("clip_loss", args, kw))
+        for _ in range(CALLS):
+            assert step("clip_loss", args, kw) == want
+    assert _graphs.info()["plans"] == 2
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_inputs_read_afresh_and_outputs_kept(op):
+    """Replays read each call's inputs (the graph copies them in), and the arrays a call
+    returned keep their values through later calls of the same problem."""
+    batches = [inputs(op, 256, 64, BF16, seed=s) for s in range(CALLS + 2)]
+    want = [plain(lambda a=a, k=k: step(op, a, k)) for a, k in batches]
+    outs = []
+    for (args, kw), w in zip(batches, want):
+        loss, ctx = (cupynce.nt_xent_forward(args[0], 0.2) if op == "nt_xent" else
+                     cupynce.info_nce_forward(args[0], args[1], 0.1, **kw)
+                     if op.startswith("info_nce") else cupynce.clip_loss_forward(*args))
+        outs.append((loss, ctx.stats))
+    assert _graphs.info()["plans"] == 1
+    for (loss, stats), w in zip(outs, want):
+        assert [bits(loss)] + [bits(s) for s in stats] == w[:1 + len(stats)]
+
+
+def test_streams_have_their_own_plans():
+    args, kw = inputs("clip_loss", 256, 64, BF16)
+    want = plain(lambda: step("clip_loss", args, kw))
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    for _ in range(CALLS):
+        for s in (s1, s2):
+            with s:
+                got = step("clip_loss", args, kw)
+            assert got == want
+    assert _graphs.info()["plans"] == 2
+
+
+def test_threads_sharing_a_stream():
+    """Threads replaying one plan on one stream never mix their inputs."""
+    batches = [inputs("info_nce", 256, 64, BF16, seed=s) for s in range(4)]
+    want = [plain(lambda a=a, k=k: step("info_nce", a, k)) for a, k in batches]
+    for args, kw in batches[:1] * CALLS:  # capture first
+        step("info_nce", args, kw)
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(20):
+                got = step("info_nce", *batches[i])
+                if got != want[i]:
+                    errors.append(f"thread {i}: wrong bits")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert _graphs.info()["plans"] == 1
+
+
+def test_layouts_the_plan_cannot_take_run_uncaptured():
+    base = cp.asarray(np.random.default_rng(0).standard_normal(257 * 64).astype(BF16))
+    views = {"misaligned": base[1:1 + 256 * 64].reshape(256, 64), "strided": cp.asarray(
+        np.random.default_rng(1).standard_normal((256, 128)).astype(BF16))[:, ::2]}
+    for name, z in views.items():
+        want = plain(lambda: step("nt_xent", (z,), {}))
+        for _ in range(CALLS):
+            assert step("nt_xent", (z,), {}) == want, name
+    # the strided view is copied to a contiguous array first, which may be replayed
+    assert _graphs.info()["plans"] <= 1
+
+
+def test_large_plans_refused_and_cache_bounded(monkeypatch):
+    monkeypatch.setattr(_graphs, "MAX_PLAN_BYTES", 1 << 10)
+    args, kw = inputs("nt_xent", 256, 64, BF16)
+    want = plain(lambda: step("nt_xent", args, kw))
+    for _ in range(CALLS):
+        assert step("nt_xent", args, kw) == want
+    info = _graphs.info()
+    assert info["plans"] == 0 and "MAX_PLAN_BYTES" in next(iter(info["refused"].values()))
+    monkeypatch.setattr(_graphs, "MAX_PLAN_BYTES", 1 << 30)
+    monkeypatch.setattr(_graphs, "MAX_PLANS", 2)
+    _graphs.clear()
+    for n in (128, 256, 384):
+        args, kw = inputs("nt_xent", n, 64, BF16)
+        for _ in range(CALLS):
+            step("nt_xent", args, kw)
+    assert _graphs.info()["plans"] == 2
+
+
+def test_failed_capture_falls_back(monkeypatch):
+    """A call that cannot be captured (here: one that reads a device value on the host) is
+    remembered as refused and keeps running uncaptured, with the right result."""
+    x = cp.arange(8, dtype=cp.float32)
+
+    def compute(x):
+        return (x * float(x.sum()),)  # a device-to-host copy: not capturable
+
+    for _ in range(CALLS + 1):
+        (y,) = _graphs.run(("test",), (x,), compute)
+        cp.testing.assert_array_equal(y, x * 28.0)
+    info = _graphs.info()
+    assert info["plans"] == 0 and "capture failed" in next(iter(info["refused"].values()))
+
+
+def test_torch_bridge_replays_bit_identically():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    import cupynce.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(512, 128, generator=g, device="cuda").bfloat16().requires_grad_()
+    b = torch.randn(512, 128, generator=g, device="cuda").bfloat16().requires_grad_()
+    ls = torch.tensor(2.5, device="cuda", requires_grad=True)
+
+    def run():
+        loss = ct.clip_loss(a, b, ls)
+        return [loss.detach().clone()] + list(torch.autograd.grad(loss * 0.5, (a, b, ls)))
+
+    want = plain(run)
+    before = torch.cuda.memory_allocated()
+    for _ in range(CALLS):
+        got = run()
+        for x, y in zip(got, want):
+            assert torch.equal(x.view(torch.uint8) if x.dim() else x, y.view(torch.uint8)
+                               if y.dim() else y)
+    assert _graphs.info()["plans"] == 1
+    # the plan's static buffers come from torch's caching allocator
+    assert torch.cuda.memory_allocated() - before >= _graphs.info()["bytes"] > 0
