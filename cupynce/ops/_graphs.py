@@ -8,9 +8,11 @@ sees the same problem, and from then on replays it:
 1. copy each input into the plan's static input buffer (``cudaMemcpyAsync``, device to
    device, on the caller's stream);
 2. launch the graph on the caller's stream (one launch for every kernel and cuBLAS call);
-3. copy each output out of the plan's static buffers into fresh memory from the current
+3. copy the outputs out of the plan's static buffers into fresh memory from the current
    allocator (torch's under ``cupynce.torch``), so that what the caller gets is its own:
-   a later call of the same problem never overwrites it.
+   a later call of the same problem never overwrites it.  The graph itself gathers the
+   small outputs (loss, statistics, scalars: ``PACK_BYTES``) into one block, copied out
+   in one piece; the large ones (gradient accumulators) are copied one by one.
 
 The graph runs the very kernels, launch configurations and buffers layout of the plain
 call, on copies of the same bits: the results are bit-identical (``tests/test_graphs.py``),
@@ -64,11 +66,18 @@ _refused: Dict[tuple, str] = {}
 _held = 0  # bytes held by the cached plans
 
 
-class _Plan:
-    __slots__ = ("graph", "statics", "outs", "keep", "nbytes", "lock")
+#: Outputs up to this size are gathered by the graph into one static block, copied out in
+#: one piece (one allocation, one copy per call for all of them: the loss, the row
+#: statistics, scalars); larger ones are copied out one by one.
+PACK_BYTES = 1 << 20
 
-    def __init__(self, graph, statics, outs, keep, nbytes):
+
+class _Plan:
+    __slots__ = ("graph", "statics", "outs", "pack", "layout", "keep", "nbytes", "lock")
+
+    def __init__(self, graph, statics, outs, pack, layout, keep, nbytes):
         self.graph, self.statics, self.outs, self.keep = graph, statics, outs, keep
+        self.pack, self.layout = pack, layout  # layout[i]: offset in the pack, or None
         self.nbytes = nbytes
         self.lock = threading.Lock()
 
@@ -81,15 +90,20 @@ class _Plan:
             for st, x in zip(self.statics, inputs):
                 runtime.memcpyAsync(st.data.ptr, x.data.ptr, x.nbytes, _D2D, sp)
             self.graph.launch(stream)
+            packed = None
+            if self.pack is not None:
+                packed = cp.cuda.alloc(self.pack.mem.size)
+                runtime.memcpyAsync(packed.ptr, self.pack.ptr, self.pack.mem.size, _D2D, sp)
             res = []
-            for o in self.outs:
+            for o, off in zip(self.outs, self.layout):
                 if o is None:
                     res.append(None)
-                    continue
-                out = cp.empty(o.shape, o.dtype)
-                if o.nbytes:
+                elif off is not None:
+                    res.append(cp.ndarray(o.shape, o.dtype, memptr=packed + off))
+                else:
+                    out = cp.empty(o.shape, o.dtype)
                     runtime.memcpyAsync(out.data.ptr, o.data.ptr, o.nbytes, _D2D, sp)
-                res.append(out)
+                    res.append(out)
         return tuple(res)
 
 
@@ -183,22 +197,34 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
     cap = cp.cuda.Stream(non_blocking=True)
     try:
         with cp.cuda.using_allocator(recording):
-            compute(*statics)  # (on the caller's stream: loads kernels, picks the paths)
+            # (on the caller's stream: loads the kernels, picks the paths, gives the layout)
+            probe = tuple(compute(*statics))
+        layout, off = [], 0
+        for o in probe:
+            small = o is not None and o.nbytes <= PACK_BYTES and o.flags.c_contiguous
+            layout.append(off if small else None)
+            if small:
+                off += (o.nbytes + 255) & ~255
+        pack = base(off) if off else None
         with cap, cp.cuda.using_allocator(replaying):
             blas.bind_stream()  # (cuBLAS's stream cannot be set once the capture runs)
             cap.begin_capture()
             try:
                 outs = tuple(compute(*statics))
+                for o, at in zip(outs, layout):  # gather the small outputs into the pack
+                    if at is not None and o.nbytes:
+                        cp.cuda.runtime.memcpyAsync(pack.ptr + at, o.data.ptr, o.nbytes, _D2D,
+                                                    cap.ptr)
             finally:
                 graph = cap.end_capture()
     except Exception as exc:  # noqa: BLE001 - a capture that fails falls back, remembered
         _refused[key] = f"capture failed: {type(exc).__name__}: {exc}"[:300]
         return None
-    nbytes = sum(size for size, _ in keep) + sum(x.nbytes for x in statics)
+    nbytes = sum(size for size, _ in keep) + sum(x.nbytes for x in statics) + off
     if nbytes > MAX_PLAN_BYTES:
         _refused[key] = f"plan of {nbytes} bytes > MAX_PLAN_BYTES"
         return None
-    plan = _Plan(graph, statics, outs, [m for _, m in keep], nbytes)
+    plan = _Plan(graph, statics, outs, pack, layout, [m for _, m in keep], nbytes)
     _plans[key] = plan
     _held += nbytes
     while _plans and (_held > CACHE_BYTES or len(_plans) > MAX_PLANS):

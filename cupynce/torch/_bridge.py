@@ -135,6 +135,26 @@ def _cupy_stream(torch_stream: "torch.cuda.Stream", dev_id: int):
     return cupy.cuda.ExternalStream(torch_stream.cuda_stream, dev_id)
 
 
+#: (device index, raw stream pointer) -> (CuPy stream wrapper, allocator): built once, as a
+#: small call's host time is counted in microseconds (bounded: streams are few)
+_SCOPES: dict = {}
+_get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _scope(index: int):
+    """CuPy's view of torch's current stream on device ``index`` and the torch allocator."""
+    if _get_raw_stream is not None:
+        ptr = _get_raw_stream(index)
+        entry = _SCOPES.get((index, ptr))
+        if entry is not None:
+            return entry
+    stream = torch.cuda.current_stream(index)
+    entry = (_cupy_stream(stream, index), _torch_allocator(torch.device("cuda", index)))
+    if _get_raw_stream is not None and len(_SCOPES) < 256:
+        _SCOPES[(index, stream.cuda_stream)] = entry
+    return entry
+
+
 @contextlib.contextmanager
 def device_scope(device: torch.device) -> Iterator[None]:
     """Run the enclosed CuPy work on ``device``, torch's current stream and torch's memory.
@@ -147,9 +167,9 @@ def device_scope(device: torch.device) -> Iterator[None]:
         return
     import cupy
 
-    if device.index is None:  # "cuda" without an index: torch's current device
-        device = torch.device("cuda", torch.cuda.current_device())
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), _cupy_stream(stream, device.index), \
-            cupy.cuda.using_allocator(_torch_allocator(device)):
+    index = device.index
+    if index is None:  # "cuda" without an index: torch's current device
+        index = torch.cuda.current_device()
+    stream, alloc = _scope(index)
+    with cupy.cuda.Device(index), stream, cupy.cuda.using_allocator(alloc):
         yield

@@ -122,14 +122,30 @@ def scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: 
     refuse_double_backward()
     if normalize:
         return FINISH(x, norm, acc, grad_loss.contiguous())
-    return (acc * grad_loss).to(dtype)
+    if compiling():
+        return (acc * grad_loss).to(dtype)
+    # one kernel: the product in acc's dtype, rounded once into the output's (as .to(dtype))
+    return torch.mul(acc, grad_loss, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
 
 
 def fallback(name: str, fwd, setup, backward) -> type:
-    """A ``torch.autograd.Function`` over the same kernels (torch < 2.4, and tests)."""
+    """A ``torch.autograd.Function`` over the same kernels: the direct eager path (see
+    :func:`direct`), and torch < 2.4.
+
+    Its ``forward(ctx, *args)`` runs ``fwd`` then ``setup`` (the custom op's set-up, the same
+    function): the old-style signature, because a Function that defines ``setup_context``
+    has ``apply`` bind its arguments with ``inspect.signature`` on every call (40-130 µs of
+    host time per call on the H100 hosts, more than the graph replay of a small call)."""
+    def forward(ctx, *args):
+        out = fwd(*args)
+        setup(ctx, args, out)
+        return out
+
+    forward.__name__ = fwd.__name__
     return type(name, (torch.autograd.Function,), {
-        "forward": staticmethod(fwd), "setup_context": staticmethod(setup),
-        "backward": staticmethod(backward), "__doc__": f"Eager autograd for {fwd.__name__}."})
+        "forward": staticmethod(forward), "backward": staticmethod(backward),
+        "__doc__": f"Eager autograd for {fwd.__name__}."})
+
 
 _autocast_lib = None  # keeps the Autocast* kernel registrations alive
 
