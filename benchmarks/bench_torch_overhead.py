@@ -230,6 +230,19 @@ def tables(res: Dict[str, Any], paths) -> str:
     return "\n\n".join(out)
 
 
+def write(res: Dict[str, Any], args) -> str:
+    md = (f"{_harness.device_header(res['info'])}\n\nforward + backward, D = {args.d}; time: "
+          f"median of {args.repeat} calls each from an idle GPU (CUDA events); kernels: GPU "
+          f"time per call of bursts of {args.burst} calls queued behind a GPU spin (median of "
+          f"{args.repeat}); overhead = time − kernels; compiled: torch.compile(dynamic=True). "
+          f"* = a starved burst (host / kernels not meaningful).\n\n"
+          f"{tables(res, args.paths)}\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(res, indent=1, default=str))
+    (args.out / f"{args.name}.md").write_text(md)
+    return md
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     csv = lambda f: (lambda s: [f(x) for x in s.split(",") if x])  # noqa: E731
@@ -285,14 +298,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                           flush=True)
                     _graphs.clear()
                     torch.cuda.empty_cache()
-    md = (f"{_harness.device_header(info)}\n\nforward + backward, D = {args.d}; time: median "
-          f"of {args.repeat} calls each from an idle GPU (CUDA events); kernels: GPU time per "
-          f"call of bursts of {args.burst} calls queued behind a GPU spin (median of "
-          f"{args.repeat}); overhead = time − kernels. * = a starved burst (host / kernels "
-          f"not meaningful).\n\n{tables(res, args.paths)}\n")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(res, indent=1, default=str))
-    (args.out / f"{args.name}.md").write_text(md)
+        write(res, args)  # (what is done so far, should the run be cut short)
+    md = write(res, args)
     print(md)
     return res
 
