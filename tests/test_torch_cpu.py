@@ -101,7 +101,7 @@ def _nt_xent(path):
     if path == "op":
         return ct.nt_xent
     return lambda z, t=0.5, *, reduction="mean", normalize=False: \
-        tnt_xent.NTXentFunction.apply(z, t, reduction, normalize, None)[0]
+        tnt_xent.NTXentFunction.apply(z, t, reduction, normalize, None)
 
 
 def _info_nce(path):
@@ -110,7 +110,7 @@ def _info_nce(path):
     if path == "op":
         return ct.info_nce
     return lambda q, k, t=0.1, *, negatives=None, reduction="mean", normalize=False: \
-        tinfo_nce.InfoNCEFunction.apply(q, k, negatives, t, reduction, normalize, None)[0]
+        tinfo_nce.InfoNCEFunction.apply(q, k, negatives, t, reduction, normalize, None)
 
 
 def _clip_loss(path):
@@ -123,7 +123,7 @@ def _clip_loss(path):
         tensor = isinstance(ls, torch.Tensor)
         return tclip.ClipLossFunction.apply(a, b, ls if tensor else None,
                                             0.0 if tensor else float(ls), reduction, normalize,
-                                            None)[0]
+                                            None)
     return fallback
 
 

@@ -150,7 +150,7 @@ def _splade(path):
     def fallback(x, weight, bias=None, mask=None, *, activation="log1p_relu",
                  workspace_bytes=None):
         return tsplade.SpladePoolFunction.apply(x, weight, bias, mask, activation, workspace_bytes,
-                                            True)[0]
+                                                True)
     return fallback
 
 

@@ -18,6 +18,7 @@ Two ways to a gradient (``fused``, chosen by the public functions):
   (``cupynce.ops._base.reduce``, the core's own reduction).
 Unused outputs are (0,) placeholders (custom ops return tensors, never None).
 """
+import threading
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -40,7 +41,15 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty(x: Tensor) -> Tensor:
+#: set while a direct Function's forward runs: its unused outputs need no placeholder tensor
+_DIRECT = threading.local()
+
+
+def empty(x: Tensor) -> Optional[Tensor]:
+    """A (0,) placeholder for an unused output (custom ops return tensors, never None); None
+    inside a direct Function's forward, whose extra outputs are only saved for backward."""
+    if getattr(_DIRECT, "on", False):
+        return None
     return x.new_empty((0,), dtype=acc_dtype(x.dtype))
 
 
@@ -130,21 +139,36 @@ def scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: 
 
 def fallback(name: str, fwd, setup, backward) -> type:
     """A ``torch.autograd.Function`` over the same kernels: the direct eager path (see
-    :func:`direct`), and torch < 2.4.
+    :func:`direct`), and torch < 2.4.  ``apply`` returns the op's first output alone (the
+    loss, or SPLADE's pooled output).
 
     Its ``forward(ctx, *args)`` runs ``fwd`` then ``setup`` (the custom op's set-up, the same
-    function): the old-style signature, because a Function that defines ``setup_context``
-    has ``apply`` bind its arguments with ``inspect.signature`` on every call (40-130 µs of
-    host time per call on the H100 hosts, more than the graph replay of a small call)."""
+    function) and returns ``fwd``'s first output: the other outputs (row statistics, gradient
+    accumulators) are saved for backward as intermediates, not returned, since autograd's
+    bookkeeping costs host time per output (~9 µs here, ~25 µs on the H100 hosts).  The
+    old-style signature, because a Function that defines ``setup_context`` has ``apply``
+    bind its arguments with ``inspect.signature`` on every call (40-130 µs there)."""
     def forward(ctx, *args):
-        out = fwd(*args)
+        _DIRECT.on = True
+        try:
+            out = fwd(*args)
+        finally:
+            _DIRECT.on = False
+        ctx.direct = True
         setup(ctx, args, out)
-        return out
+        return out[0]
 
     forward.__name__ = fwd.__name__
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(forward), "backward": staticmethod(backward),
         "__doc__": f"Eager autograd for {fwd.__name__}."})
+
+
+def non_differentiable(ctx, *outputs: Tensor) -> None:
+    """``ctx.mark_non_differentiable`` for the custom op's extra outputs (the direct
+    Function returns only the first output: nothing to mark there)."""
+    if not getattr(ctx, "direct", False):
+        ctx.mark_non_differentiable(*outputs)
 
 
 _autocast_lib = None  # keeps the Autocast* kernel registrations alive

@@ -84,7 +84,7 @@ def setup_context(ctx, inputs, output) -> None:
     else:
         ctx.save_for_backward(a, b, logit_scale, output[1], output[2])
     ctx.args = (logit_scale_value, reduction, normalize, workspace_bytes)
-    ctx.mark_non_differentiable(*output[1:])
+    R.non_differentiable(ctx, *output[1:])
 
 
 def backward(ctx, grad_loss, *_grad_stats):
@@ -116,7 +116,8 @@ if R.HAS_CUSTOM_OPS:
                       autocast=(0, 1))
 else:  # pragma: no cover - exercised only on torch < 2.4
     BWD = bwd
-    FWD = ClipLossFunction.apply
+    def FWD(*args):
+        return (ClipLossFunction.apply(*args),)
 
 
 def _logit_scale(a: Any, b: Any, logit_scale: Any) -> Tuple[Optional[Tensor], float]:
@@ -171,7 +172,9 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
                                      group, _logit_scale)
     reduction, workspace_bytes = R.scalars(op, reduction, workspace_bytes)
     ls_tensor, ls_value = _logit_scale(a, b, logit_scale)
-    fn = ClipLossFunction.apply if R.direct(a, b, ls_tensor) else FWD
     normalize = _checks.check_bool(op, "normalize", normalize)
-    return fn(a, b, ls_tensor, ls_value, reduction, normalize, workspace_bytes,
-              R.fused(reduction, a, b, ls_tensor))[0]
+    args = (a, b, ls_tensor, ls_value, reduction, normalize, workspace_bytes,
+            R.fused(reduction, a, b, ls_tensor))
+    if R.direct(a, b, ls_tensor):
+        return ClipLossFunction.apply(*args)
+    return FWD(*args)[0]

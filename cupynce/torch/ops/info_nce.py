@@ -75,7 +75,7 @@ def setup_context(ctx, inputs, output) -> None:
     else:
         ctx.save_for_backward(query, key, negatives, output[1])
     ctx.args = (temperature, reduction, normalize, workspace_bytes)
-    ctx.mark_non_differentiable(*output[1:])
+    R.non_differentiable(ctx, *output[1:])
 
 
 def backward(ctx, grad_loss, *_grad_stats):
@@ -103,7 +103,8 @@ if R.HAS_CUSTOM_OPS:
                       autocast=(0, 1, 2))
 else:  # pragma: no cover - exercised only on torch < 2.4
     BWD = bwd
-    FWD = InfoNCEFunction.apply
+    def FWD(*args):
+        return (InfoNCEFunction.apply(*args),)
 
 
 def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
@@ -146,7 +147,9 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
     reduction, workspace_bytes = R.scalars("info_nce", reduction, workspace_bytes)
     B.check_tensors("info_nce", optional=("negatives",), query=query, key=key,
                      negatives=negatives)
-    fn = InfoNCEFunction.apply if R.direct(query, key, negatives) else FWD
     normalize = _checks.check_bool("info_nce", "normalize", normalize)
-    return fn(query, key, negatives, t, reduction, normalize, workspace_bytes,
-              R.fused(reduction, query, key, negatives))[0]
+    args = (query, key, negatives, t, reduction, normalize, workspace_bytes,
+            R.fused(reduction, query, key, negatives))
+    if R.direct(query, key, negatives):
+        return InfoNCEFunction.apply(*args)
+    return FWD(*args)[0]

@@ -62,7 +62,7 @@ def setup_context(ctx, inputs, output) -> None:
     else:
         ctx.save_for_backward(z, output[1])
     ctx.args = (temperature, reduction, normalize, workspace_bytes)
-    ctx.mark_non_differentiable(*output[1:])
+    R.non_differentiable(ctx, *output[1:])
 
 
 def backward(ctx, grad_loss, *_grad_stats):
@@ -85,7 +85,8 @@ if R.HAS_CUSTOM_OPS:
                       autocast=(0,))
 else:  # pragma: no cover - exercised only on torch < 2.4
     BWD = bwd
-    FWD = NTXentFunction.apply
+    def FWD(*args):
+        return (NTXentFunction.apply(*args),)
 
 
 def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
@@ -130,6 +131,8 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
     t = _checks.check_temperature("nt_xent", temperature)
     reduction, workspace_bytes = R.scalars("nt_xent", reduction, workspace_bytes)
     B.check_tensors("nt_xent", z=z)
-    fn = NTXentFunction.apply if R.direct(z) else FWD
     normalize = _checks.check_bool("nt_xent", "normalize", normalize)
-    return fn(z, t, reduction, normalize, workspace_bytes, R.fused(reduction, z))[0]
+    args = (z, t, reduction, normalize, workspace_bytes, R.fused(reduction, z))
+    if R.direct(z):
+        return NTXentFunction.apply(*args)
+    return FWD(*args)[0]

@@ -71,14 +71,14 @@ def bwd_fake(x, weight, out, argmax, grad_out, has_bias, activation):
 def setup_context(ctx, inputs, output) -> None:
     x, weight, bias, mask, activation, workspace_bytes, requires_grad = inputs
     out, argmax = output
-    ctx.mark_non_differentiable(argmax)
+    R.non_differentiable(ctx, argmax)
     ctx.args = (bias is not None, activation)
     ctx.has_stats = requires_grad
     if requires_grad:  # x and weight by reference; out and argmax are O(B·V)
         ctx.save_for_backward(x, weight, out, argmax)
 
 
-def backward(ctx, grad_out, _grad_argmax):
+def backward(ctx, grad_out, *_grad_argmax):
     need = ctx.needs_input_grad
     nones = (None,) * 4  # mask, activation, workspace_bytes, requires_grad
     if not ctx.has_stats or not any(need[:3]):
@@ -100,7 +100,8 @@ if R.HAS_CUSTOM_OPS:
                       autocast=(0, 1, 2))
 else:  # pragma: no cover - exercised only on torch < 2.4
     BWD = bwd
-    FWD = SpladePoolFunction.apply
+    def FWD(*args):
+        return (SpladePoolFunction.apply(*args),)
 
 
 def check_activation(op: str, activation: Any) -> str:
@@ -157,8 +158,10 @@ def splade_pool(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     # argmax is computed and kept only when autograd will need it (read from metadata only)
     requires_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
-    fn = SpladePoolFunction.apply if R.direct(x, weight, bias, mask) else FWD
-    return fn(x, weight, bias, mask, activation, workspace_bytes, requires_grad)[0]
+    args = (x, weight, bias, mask, activation, workspace_bytes, requires_grad)
+    if R.direct(x, weight, bias, mask):
+        return SpladePoolFunction.apply(*args)
+    return FWD(*args)[0]
 
 
 def flops_regularizer(out: Tensor) -> Tensor:
