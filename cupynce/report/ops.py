@@ -168,9 +168,9 @@ class _Contrastive(OpSpec):
 
     def bench_shapes(self, mode, gpu, sizes=None, dim=None):
         if sizes is None:
-            if gpu:
-                sizes = (2048, 8192, 32768) if mode == "quick" else \
-                    (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+            if gpu:  # (the small sizes: a per-GPU batch of multi-GPU training)
+                sizes = (256, 1024, 4096, 8192, 32768) if mode == "quick" else \
+                    (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
             else:
                 sizes = (64, 256, 1024) if mode == "quick" else \
                     (64, 128, 256, 512, 1024, 2048, 4096)
