@@ -247,3 +247,72 @@ def test_torch_bridge_replays_bit_identically():
     assert _graphs.info()["plans"] == 1
     # the plan's static buffers come from torch's caching allocator
     assert torch.cuda.memory_allocated() - before >= _graphs.info()["bytes"] > 0
+
+
+def test_calls_inside_a_callers_capture_run_plainly():
+    """Inside the caller's own stream capture (torch.cuda.graph, a CuPy capture) nothing is
+    captured or replayed by cupynce: the work goes into the caller's graph as plain kernels."""
+    x = cp.arange(8, dtype=cp.float32)
+    outs = []
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        for _ in range(CALLS + 1):
+            outs.append(_graphs.run(("test",), (x,), lambda x: (x * 2,))[0])
+        graph = s.end_capture()
+    assert _graphs.info()["plans"] == 0 and not _graphs.info()["counting"]
+    graph.launch(s)
+    s.synchronize()
+    for y in outs:
+        cp.testing.assert_array_equal(y, x * 2)
+
+
+def test_per_thread_default_streams_have_their_own_plans():
+    """cudaStreamPerThread is one handle value for a different stream in each thread."""
+    x = cp.arange(8, dtype=cp.float32)
+    errors = []
+
+    def worker():
+        try:
+            with cp.cuda.Stream.ptds:
+                for _ in range(CALLS):
+                    (y,) = _graphs.run(("test",), (x,), lambda x: (x * 3,))
+                cp.cuda.Stream.ptds.synchronize()
+                if not bool((y == x * 3).all()):
+                    errors.append("wrong values")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert _graphs.info()["plans"] == 2
+
+
+def test_out_of_memory_during_capture_is_not_remembered():
+    """Running out of memory while capturing falls back without refusing the problem for
+    good: it is counted again and captured later."""
+    x = cp.arange(8, dtype=cp.float32)
+
+    class OutOfMemoryError(Exception):
+        pass
+
+    fail = [True]
+
+    def compute(x):
+        if fail[0] and cp.cuda.get_current_stream().is_capturing():
+            raise OutOfMemoryError("out of memory (planted)")
+        return (x + 1,)
+
+    for _ in range(CALLS):
+        (y,) = _graphs.run(("test",), (x,), compute)
+        cp.testing.assert_array_equal(y, x + 1)
+    assert _graphs.info()["plans"] == 0 and not _graphs.info()["refused"]
+    fail[0] = False
+    for _ in range(CALLS):
+        (y,) = _graphs.run(("test",), (x,), compute)
+        cp.testing.assert_array_equal(y, x + 1)
+    assert _graphs.info()["plans"] == 1

@@ -106,32 +106,49 @@ _LIB = None
 def _libcublas():
     """The cuBLAS library CuPy loaded, through ctypes (cupynce calls ``cublasGemmEx`` itself:
     CuPy's wrappers set the handle's stream on every call and refuse to while a stream is
-    captured into a CUDA graph, see ``ops._graphs``)."""
+    captured into a CUDA graph, see ``ops._graphs``).  The very file CuPy loaded (from
+    ``/proc/self/maps``), else the soname of CuPy's CUDA major version: a handle and the calls
+    on it must come from one library."""
     global _LIB
     if _LIB is None:
         import ctypes
 
+        import cupy
         from cupy_backends.cuda.libs import cublas  # noqa: F401 - CuPy loads the library
 
-        lib = None
-        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
-            try:
-                lib = ctypes.CDLL(name)  # an already-loaded library is found by its soname
-                break
-            except OSError:
-                continue
-        if lib is None:  # not on the search path: the path CuPy loaded it from
+        path = None
+        try:
             with open("/proc/self/maps") as maps:
-                path = next(line.split()[-1] for line in maps if "libcublas.so" in line
-                            and "libcublasLt" not in line)
-            lib = ctypes.CDLL(path)
+                path = next((line.split()[-1] for line in maps
+                             if "/libcublas.so" in line and "libcublasLt" not in line), None)
+        except OSError:
+            pass
+        major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+        lib = ctypes.CDLL(path or f"libcublas.so.{major}")
         vp, i = ctypes.c_void_p, ctypes.c_int
         lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i,
                                      i]
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasDestroy_v2.argtypes = [vp]
         lib.cublasSetStream_v2.argtypes = [vp, vp]
         lib.cublasSetPointerMode_v2.argtypes = [vp, i]
         _LIB = lib
     return _LIB
+
+
+class _Handles(dict):
+    """This thread's handles, ``{device: [handle, bound stream]}``; destroyed with the thread."""
+
+    def __del__(self):
+        try:
+            import cupy
+
+            lib = _LIB
+            for dev, (h, _s) in self.items():
+                with cupy.cuda.Device(dev):
+                    lib.cublasDestroy_v2(h)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
+            pass
 
 
 def _check(status: int, what: str) -> None:
@@ -154,28 +171,42 @@ def _handle() -> int:
     (``ops._graphs`` binds the capture stream first, :func:`bind_stream`) makes no call
     besides ``cublasGemmEx``.
     """
+    import ctypes
+
     import cupy
     from cupy_backends.cuda.libs import cublas
 
     handles = getattr(_LOCAL, "handles", None)
     if handles is None:
-        handles = _LOCAL.handles = {}
+        handles = _LOCAL.handles = _Handles()
     dev = cupy.cuda.runtime.getDevice()
     entry = handles.get(dev)
+    lib = _libcublas()
     if entry is None:
-        h = cublas.create()
-        _check(_libcublas().cublasSetPointerMode_v2(h, cublas.CUBLAS_POINTER_MODE_HOST),
+        h = ctypes.c_void_p()
+        _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+        _check(lib.cublasSetPointerMode_v2(h, cublas.CUBLAS_POINTER_MODE_HOST),
                "cublasSetPointerMode")
-        entry = handles[dev] = [h, None]
+        entry = handles[dev] = [h.value, None]
     ptr = cupy.cuda.get_current_stream().ptr
     if entry[1] != ptr:
-        _check(_libcublas().cublasSetStream_v2(entry[0], ptr), "cublasSetStream")
+        _check(lib.cublasSetStream_v2(entry[0], ptr), "cublasSetStream")
         entry[1] = ptr
     return entry[0]
 
 
 #: Bind this thread's handle to CuPy's current stream now (before a stream capture begins).
 bind_stream = _handle
+
+
+def unbind_stream() -> None:
+    """Forget which stream this thread's handle on the current device is bound to (after a
+    capture, whose stream goes away: the next product sets its stream again)."""
+    import cupy
+
+    entry = getattr(_LOCAL, "handles", {}).get(cupy.cuda.runtime.getDevice())
+    if entry is not None:
+        entry[1] = None
 
 
 def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,

@@ -73,11 +73,13 @@ PACK_BYTES = 1 << 20
 
 
 class _Plan:
-    __slots__ = ("graph", "statics", "outs", "pack", "layout", "keep", "nbytes", "lock")
+    __slots__ = ("graph", "statics", "outs", "pack", "pack_bytes", "layout", "keep", "nbytes",
+                 "lock")
 
-    def __init__(self, graph, statics, outs, pack, layout, keep, nbytes):
+    def __init__(self, graph, statics, outs, pack, pack_bytes, layout, keep, nbytes):
         self.graph, self.statics, self.outs, self.keep = graph, statics, outs, keep
-        self.pack, self.layout = pack, layout  # layout[i]: offset in the pack, or None
+        self.pack, self.pack_bytes = pack, pack_bytes
+        self.layout = layout  # layout[i]: the output's offset in the pack, or None
         self.nbytes = nbytes
         self.lock = threading.Lock()
 
@@ -92,8 +94,8 @@ class _Plan:
             self.graph.launch(stream)
             packed = None
             if self.pack is not None:
-                packed = cp.cuda.alloc(self.pack.mem.size)
-                runtime.memcpyAsync(packed.ptr, self.pack.ptr, self.pack.mem.size, _D2D, sp)
+                packed = cp.cuda.alloc(self.pack_bytes)
+                runtime.memcpyAsync(packed.ptr, self.pack.ptr, self.pack_bytes, _D2D, sp)
             res = []
             for o, off in zip(self.outs, self.layout):
                 if o is None:
@@ -113,7 +115,21 @@ def _switches() -> tuple:
 
     return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.SYMMETRIC_LSE, tiles.SYMMETRIC_LSE_MIN_ND,
             tiles.SYMMETRIC_H, blas.SMALL_GEMM_MACS, blas.SMALL_GEMM_MAX_K,
+            blas.DEFAULT_WORKSPACE_BYTES, blas.FREE_MEMORY_FRACTION, blas.SMALL_BLOCK_BYTES,
             arrays.ARENA_BYTES)
+
+
+_PER_THREAD = 2  # cudaStreamPerThread
+
+
+def _capturing(stream) -> bool:
+    """Whether ``stream`` is being captured (by torch.cuda.graph, a CuPy capture, ...): a
+    plan's copies and graph launch would then be recorded into the caller's graph, which
+    would outlive the plan's memory.  An error from the query counts as capturing."""
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # noqa: BLE001 - e.g. the legacy stream while another captures
+        return True
 
 
 def _eligible(inputs: Sequence[Any]) -> bool:
@@ -138,8 +154,13 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
     import cupy as cp
 
     stream = cp.cuda.get_current_stream()
+    if _capturing(stream):  # the caller's own graph: its kernels go in there, plainly
+        return compute(*inputs)
+    sp = stream.ptr
+    # (the per-thread default stream has one handle value for a different stream per thread)
+    skey = (sp, threading.get_ident()) if sp == _PER_THREAD else sp
     key = (op_key, tuple((x.shape, x.dtype.char) for x in inputs), cp.cuda.runtime.getDevice(),
-           stream.ptr, _switches())
+           skey, _switches())
     plan = _plans.get(key)
     if plan is None:
         with _lock:
@@ -149,8 +170,9 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
                     return compute(*inputs)
                 seen = _seen.get(key, 0) + 1
                 if seen <= CAPTURE_AFTER:
-                    if len(_seen) < MAX_SEEN or key in _seen:
-                        _seen[key] = seen
+                    if len(_seen) >= MAX_SEEN and key not in _seen:
+                        _seen.clear()  # (bounded: many one-off problems start the count over)
+                    _seen[key] = seen
                     return compute(*inputs)
                 _seen.pop(key, None)
                 plan = _capture(key, inputs, compute)
@@ -196,9 +218,14 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
 
     cap = cp.cuda.Stream(non_blocking=True)
     try:
+        sp = cp.cuda.get_current_stream().ptr
+        for st, x in zip(statics, inputs):  # (the probe computes on this call's values)
+            cp.cuda.runtime.memcpyAsync(st.data.ptr, x.data.ptr, x.nbytes, _D2D, sp)
         with cp.cuda.using_allocator(recording):
             # (on the caller's stream: loads the kernels, picks the paths, gives the layout)
             probe = tuple(compute(*statics))
+        if any(o is not None and not o.flags.c_contiguous for o in probe):
+            raise ValueError("an output is not C-contiguous (copied out as raw bytes)")
         layout, off = [], 0
         for o in probe:
             small = o is not None and o.nbytes <= PACK_BYTES and o.flags.c_contiguous
@@ -218,19 +245,36 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
             finally:
                 graph = cap.end_capture()
     except Exception as exc:  # noqa: BLE001 - a capture that fails falls back, remembered
-        _refused[key] = f"capture failed: {type(exc).__name__}: {exc}"[:300]
+        if not _out_of_memory(exc):  # (out of memory may pass: counted again from zero)
+            _refuse(key, f"capture failed: {type(exc).__name__}: {exc}"[:300])
         return None
+    finally:
+        blas.unbind_stream()  # (the capture stream is gone: never skip the next setStream)
     nbytes = sum(size for size, _ in keep) + sum(x.nbytes for x in statics) + off
     if nbytes > MAX_PLAN_BYTES:
-        _refused[key] = f"plan of {nbytes} bytes > MAX_PLAN_BYTES"
+        _refuse(key, f"plan of {nbytes} bytes > MAX_PLAN_BYTES")
         return None
-    plan = _Plan(graph, statics, outs, pack, layout, [m for _, m in keep], nbytes)
+    plan = _Plan(graph, statics, outs, pack, off, layout, [m for _, m in keep], nbytes)
     _plans[key] = plan
     _held += nbytes
     while _plans and (_held > CACHE_BYTES or len(_plans) > MAX_PLANS):
         _k, old = _plans.popitem(last=False)
         _held -= old.nbytes
     return plan if key in _plans else None
+
+
+def _refuse(key: tuple, why: str) -> None:
+    if len(_refused) >= MAX_SEEN:
+        _refused.clear()
+    _refused[key] = why
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    import cupy as cp
+
+    if isinstance(exc, cp.cuda.memory.OutOfMemoryError):
+        return True
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
 
 
 def clear() -> None:

@@ -119,7 +119,7 @@ def refuse_double_backward() -> None:
 
 
 def scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: Tensor,
-           dtype: torch.dtype, normalize: bool) -> Tensor:
+           dtype: torch.dtype, normalize: bool, direct: bool = False) -> Tensor:
     """A fused forward's gradient for upstream ``grad_loss``: ``acc * g`` cast to the input
     dtype (= the core's scale_cast: one fp32 / fp64 product, one rounding), or through the
     normalisation by the ``grad_finish`` op.
@@ -131,7 +131,7 @@ def scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: 
     refuse_double_backward()
     if normalize:
         return FINISH(x, norm, acc, grad_loss.contiguous())
-    if compiling():
+    if not direct:  # (out= is for plain tensors: the registered ops meet transforms, modes)
         return (acc * grad_loss).to(dtype)
     # one kernel: the product in acc's dtype, rounded once into the output's (as .to(dtype))
     return torch.mul(acc, grad_loss, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
@@ -149,11 +149,12 @@ def fallback(name: str, fwd, setup, backward) -> type:
     old-style signature, because a Function that defines ``setup_context`` has ``apply``
     bind its arguments with ``inspect.signature`` on every call (40-130 µs there)."""
     def forward(ctx, *args):
+        before = getattr(_DIRECT, "on", False)
         _DIRECT.on = True
         try:
             out = fwd(*args)
         finally:
-            _DIRECT.on = False
+            _DIRECT.on = before
         ctx.direct = True
         setup(ctx, args, out)
         return out[0]

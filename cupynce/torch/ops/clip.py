@@ -94,9 +94,11 @@ def backward(ctx, grad_loss, *_grad_stats):
     if ctx.fused:
         xa, xb, acc_a, acc_b, norm_a, norm_b, dscale = ctx.saved_tensors
         if need[0]:
-            da = R.scaled(xa, norm_a, acc_a, grad_loss, ctx.dtypes[0], normalize)
+            da = R.scaled(xa, norm_a, acc_a, grad_loss, ctx.dtypes[0], normalize,
+                          getattr(ctx, "direct", False))
         if need[1]:
-            db = R.scaled(xb, norm_b, acc_b, grad_loss, ctx.dtypes[1], normalize)
+            db = R.scaled(xb, norm_b, acc_b, grad_loss, ctx.dtypes[1], normalize,
+                          getattr(ctx, "direct", False))
         if need[2] and ctx.has_ls:  # the core's dscale * g, cast to logit_scale's dtype
             dls = (dscale * grad_loss).to(ctx.ls_meta[0]).reshape(ctx.ls_meta[1])
     elif any(need[:3]):

@@ -84,7 +84,8 @@ def backward(ctx, grad_loss, *_grad_stats):
     if ctx.fused:
         saved = ctx.saved_tensors
         xs, accs, norms = saved[:3], saved[3:6], saved[6:9]
-        grads = [R.scaled(xs[i], norms[i], accs[i], grad_loss, ctx.dtypes[i], ctx.args[2])
+        grads = [R.scaled(xs[i], norms[i], accs[i], grad_loss, ctx.dtypes[i], ctx.args[2],
+                           getattr(ctx, "direct", False))
                  if need[i] and (i < 2 or ctx.has_neg) else None for i in range(3)]
         dq, dk, dn = grads
     elif any(need[:3]):

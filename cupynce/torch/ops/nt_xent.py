@@ -70,7 +70,8 @@ def backward(ctx, grad_loss, *_grad_stats):
     if ctx.needs_input_grad[0]:
         if ctx.fused:
             z, acc, norm = ctx.saved_tensors
-            dz = R.scaled(z, norm, acc, grad_loss, ctx.dtype, ctx.args[2])
+            dz = R.scaled(z, norm, acc, grad_loss, ctx.dtype, ctx.args[2],
+                          getattr(ctx, "direct", False))
         else:
             z, lse = ctx.saved_tensors
             dz = BWD(z, lse, grad_loss.contiguous(), *ctx.args)
