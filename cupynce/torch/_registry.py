@@ -53,6 +53,12 @@ def empty(x: Tensor) -> Optional[Tensor]:
     return x.new_empty((0,), dtype=acc_dtype(x.dtype))
 
 
+def fused_stat(arr: Any) -> Optional[Tensor]:
+    """A fused forward's row statistics as a tensor (an output of the custom op; the fused
+    backward does not read them, so a direct Function's forward skips the view: None)."""
+    return None if getattr(_DIRECT, "on", False) else B.tensor_of(arr)
+
+
 def opt_tensor(arr: Any, like: Tensor) -> Tensor:
     return empty(like) if arr is None else B.tensor_of(arr)
 

@@ -30,7 +30,7 @@ def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
                 B.array_of(a), B.array_of(b), ls, reduction=reduction, normalize=normalize,
                 workspace_bytes=workspace_bytes, requires_grad=True)
             s = ctx.saved
-            return ((B.tensor_of(loss),) + tuple(B.tensor_of(x) for x in ctx.stats)
+            return ((B.tensor_of(loss),) + tuple(R.fused_stat(x) for x in ctx.stats)
                     + tuple(R.opt_tensor(x, a) for x in s["acc"])
                     + tuple(R.opt_tensor(x, a) for x in s["norms"])
                     + (B.tensor_of(ctx.xp.asarray(s["dscale"])),))

@@ -27,7 +27,7 @@ def fwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], temperature: fl
                 *args, negatives=B.array_of(negatives), reduction=reduction,
                 normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=True)
             s = ctx.saved
-            return ((B.tensor_of(loss), B.tensor_of(ctx.stats[0]))
+            return ((B.tensor_of(loss), R.fused_stat(ctx.stats[0]))
                     + tuple(R.opt_tensor(x, query) for x in s["acc"])
                     + tuple(R.opt_tensor(x, query) for x in s["norms"]))
         rows, ctx = core.info_nce_forward(

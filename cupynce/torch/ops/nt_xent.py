@@ -25,7 +25,7 @@ def fwd(z: Tensor, temperature: float, reduction: str, normalize: bool,
                 zx, temperature, reduction=reduction, normalize=normalize,
                 workspace_bytes=workspace_bytes, requires_grad=True)
             s = ctx.saved
-            return (B.tensor_of(loss), B.tensor_of(ctx.stats[0]), B.tensor_of(s["dz"]),
+            return (B.tensor_of(loss), R.fused_stat(ctx.stats[0]), B.tensor_of(s["dz"]),
                     R.opt_tensor(s["norm"], z))
         rows, ctx = core.nt_xent_forward(
             zx, temperature, reduction="none", normalize=normalize,
