@@ -42,6 +42,7 @@ __all__ = [
     "nt_xent",
     "info_nce",
     "clip_loss",
+    "siglip_loss",
     "SPLADE_ACTIVATIONS",
     "splade_logits",
     "splade_argmax",
@@ -455,6 +456,93 @@ def clip_loss(
     else:
         da, db = dan, dbn
     return loss, (da, db, dlogit_scale)
+
+
+def _log_sigmoid(x: np.ndarray) -> np.ndarray:
+    """``log σ(x) = −softplus(−x)``, stable for any finite x (NaN stays NaN)."""
+    return -np.logaddexp(0.0, -x)
+
+
+def siglip_loss(
+    a: ArrayLike,
+    b: ArrayLike,
+    logit_scale: ArrayLike,
+    logit_bias: ArrayLike,
+    *,
+    reduction: str = "mean",
+    normalize: bool = False,
+    grad_loss: Optional[ArrayLike] = None,
+) -> Tuple[Loss, Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """SigLIP's pairwise sigmoid loss with a learnable log-scale and bias.
+
+    With ``s = exp(logit_scale)``, ``β = logit_bias`` and ``L = s a b^T + β`` (after optional
+    L2-normalisation of ``a`` and ``b``), labels ``z_ij = +1`` for ``i == j`` and ``-1``
+    otherwise::
+
+        row_i = sum_j -log σ(z_ij L_ij)          (the pairs of row i)
+
+    ``"mean"`` is ``sum_i row_i / N`` (open_clip's and big_vision's normalisation: the sum over
+    all N² pairs divided by the batch size), ``"sum"`` is ``sum_i row_i``, ``"none"`` the rows.
+
+    Gradient, with ``w_i`` the weight of row i (:func:`_row_weights`)::
+
+        G_ij          = -w_i z_ij σ(-z_ij L_ij)
+        da            = s G b,   db = s G^T a
+        dlogit_scale  = sum_ij G_ij (L_ij - β)
+        dlogit_bias   = sum_ij G_ij
+
+    followed by :func:`l2_normalize_backward` for ``a`` and ``b`` if ``normalize``.
+
+    Parameters
+    ----------
+    a, b : array_like, shape (N, D)
+        Paired by row (e.g. image and text embeddings).
+    logit_scale, logit_bias : float or array_like of size 1
+    reduction : {"mean", "sum", "none"}
+    normalize : bool
+    grad_loss : float or array_like of shape (N,), optional
+        Upstream gradient; ``None`` means 1.
+
+    Returns
+    -------
+    loss : float64 scalar, or ndarray of shape (N,) for ``"none"``
+    grads : tuple ``(da, db, dlogit_scale, dlogit_bias)``; the last two are float64 arrays of
+        the shapes of ``np.asarray(logit_scale)`` and ``np.asarray(logit_bias)``.
+    """
+    _check_reduction(reduction)
+    a = _f64(a)
+    b = _f64(b)
+    ls = _f64(logit_scale)
+    lb = _f64(logit_bias)
+    for name, v in (("logit_scale", ls), ("logit_bias", lb)):
+        if v.size != 1:
+            raise ValueError(f"{name} must have size 1, got shape {v.shape}")
+    n = a.shape[0]
+    z = 2.0 * np.eye(n) - 1.0
+
+    an = l2_normalize(a) if normalize else a
+    bn = l2_normalize(b) if normalize else b
+    s = float(np.exp(ls.reshape(())))
+    beta = float(lb.reshape(()))
+    logits = s * (an @ bn.T) + beta
+
+    per_row = -np.sum(_log_sigmoid(z * logits), axis=1)
+    loss = _reduce(per_row, reduction)
+
+    w = _row_weights(reduction, grad_loss, n)
+    g = -w[:, None] * z * np.exp(_log_sigmoid(-z * logits))
+
+    dan = s * (g @ bn)
+    dbn = s * (g.T @ an)
+    dlogit_scale = np.full(ls.shape, np.sum(g * (logits - beta)))
+    dlogit_bias = np.full(lb.shape, np.sum(g))
+
+    if normalize:
+        da = l2_normalize_backward(a, dan)
+        db = l2_normalize_backward(b, dbn)
+    else:
+        da, db = dan, dbn
+    return loss, (da, db, dlogit_scale, dlogit_bias)
 
 
 # --------------------------------------------------------------------------
