@@ -190,32 +190,47 @@ def check_logit_scale(op: str, logit_scale: Any, xp: ModuleType,
     the accumulation dtype ``acc`` (float32 unless given); a device array is never read back
     to the host, so that check is the caller's there.
     """
-    if isinstance(logit_scale, bool):
-        raise TypeError(f"{op}: logit_scale must be a real scalar, got bool")
-    if isinstance(logit_scale, np.generic) and logit_scale.dtype in SUPPORTED_DTYPES:
-        logit_scale = float(logit_scale)
-    if isinstance(logit_scale, numbers.Real):
-        v = float(logit_scale)
+    return check_scalar_input(op, "logit_scale", logit_scale, xp,
+                              lambda v: _scale_overflow(op, v, acc))
+
+
+def check_scalar_input(op: str, name: str, value: Any, xp: ModuleType,
+                       host_check=None) -> Tuple[Any, Tuple[int, ...]]:
+    """A differentiable scalar input (``logit_scale``, ``logit_bias``): a Python real, or a
+    0-d / single-element 1-D floating array of the same kind as the inputs.
+
+    Returns ``(value, shape)``: a Python float or the array, and the shape of its gradient.
+    A value on the host must be finite (and pass ``host_check(value)``); a device array is
+    never read back to the host.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a real scalar, got bool")
+    if isinstance(value, np.generic) and value.dtype in SUPPORTED_DTYPES:
+        value = float(value)
+    if isinstance(value, numbers.Real):
+        v = float(value)
         if not math.isfinite(v):
-            raise ValueError(f"{op}: logit_scale must be finite, got {logit_scale!r}")
-        _scale_overflow(op, v, acc)
+            raise ValueError(f"{op}: {name} must be finite, got {value!r}")
+        if host_check is not None:
+            host_check(v)
         return v, ()
-    if isinstance(logit_scale, np.ndarray) or is_cupy_array(logit_scale):
-        if (xp is np) != isinstance(logit_scale, np.ndarray):
-            raise TypeError(f"{op}: logit_scale is a {type(logit_scale).__module__} array but the "
+    if isinstance(value, np.ndarray) or is_cupy_array(value):
+        if (xp is np) != isinstance(value, np.ndarray):
+            raise TypeError(f"{op}: {name} is a {type(value).__module__} array but the "
                             f"inputs are {xp.__name__} arrays")
-        if logit_scale.ndim > 1 or logit_scale.size != 1:
-            raise ValueError(f"{op}: logit_scale must be a scalar (shape () or (1,)), "
-                             f"got shape {tuple(logit_scale.shape)}")
-        check_float(op, "logit_scale", logit_scale)
-        if isinstance(logit_scale, np.ndarray):  # on the host: the value can be checked
-            v = float(logit_scale.reshape(()))
+        if value.ndim > 1 or value.size != 1:
+            raise ValueError(f"{op}: {name} must be a scalar (shape () or (1,)), "
+                             f"got shape {tuple(value.shape)}")
+        check_float(op, name, value)
+        if isinstance(value, np.ndarray):  # on the host: the value can be checked
+            v = float(value.reshape(()))
             if not math.isfinite(v):
-                raise ValueError(f"{op}: logit_scale must be finite, got {v!r}")
-            _scale_overflow(op, v, acc)
-        return logit_scale, tuple(logit_scale.shape)
-    raise TypeError(f"{op}: logit_scale must be a real scalar or a 0-d array, "
-                    f"got {_type_name(logit_scale)}")
+                raise ValueError(f"{op}: {name} must be finite, got {v!r}")
+            if host_check is not None:
+                host_check(v)
+        return value, tuple(value.shape)
+    raise TypeError(f"{op}: {name} must be a real scalar or a 0-d array, "
+                    f"got {_type_name(value)}")
 
 
 def check_workspace(op: str, workspace_bytes: Optional[int]) -> Optional[int]:

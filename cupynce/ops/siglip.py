@@ -1,0 +1,165 @@
+"""SigLIP's pairwise sigmoid loss with a learnable scale and bias, on CuPy and NumPy arrays.
+
+a, b (N, D) are paired rows (image i, text i); the logits are ``exp(logit_scale) · â b̂ᵀ +
+logit_bias`` and every pair (i, j) is a binary decision, positive for i = j: ``loss_ij =
+−log σ(z_ij L_ij)`` with ``z_ij = +1`` on the diagonal and −1 elsewhere.  No softmax couples
+the pairs, so the loss and its gradient need no row statistics: the backward recomputes the
+scores from the inputs.  Entry points: :func:`siglip_loss`, :func:`siglip_loss_forward`,
+:func:`siglip_loss_backward` → ``(da, db, dlogit_scale, dlogit_bias)``.
+
+Reference: Zhai et al., "Sigmoid Loss for Language Image Pre-Training" (SigLIP), ICCV 2023.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .. import _checks
+from .._engine.kernels import acc_dtype
+from ._base import Context, Path, contig_inputs, finish_all, prep, reduce, require, weights
+
+__all__ = ["siglip_loss", "siglip_loss_forward", "siglip_loss_backward"]
+
+OP = "siglip_loss"
+
+
+def _row_weights(w, n: int, a) -> np.ndarray:
+    """The (n,) row weights of ``weights(...)``'s ``(array_or_None, stride, multiplier)``."""
+    w_arr, stride, mul = w
+    if w_arr is None:
+        return np.full(n, mul, a)
+    return (w_arr[np.arange(n) * stride] * mul).astype(a)
+
+
+def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool):
+    """The NumPy path: ``(row_loss, (da, db, dscale, dbias))`` in the accumulation dtype
+    (None where not asked for).  Keeps the N × N logits (CPU memory, small sizes)."""
+    a = acc_dtype(an.dtype)
+    aa, ba = an.astype(a), bn.astype(a)
+    n = aa.shape[0]
+    scale = np.exp(np.asarray(ls, a).reshape(()))
+    bias = np.asarray(lb, a).reshape(())
+    dots = aa @ ba.T
+    logits = scale * dots + bias
+    z = np.full((n, n), -1.0, a)
+    np.fill_diagonal(z, 1.0)
+    zl = z * logits
+    row_loss = np.logaddexp(a.type(0), -zl).sum(axis=1) if want_loss else None
+    grads = None
+    if want_grad:
+        w = _row_weights(weights, n, a)
+        g = -w[:, None] * z * np.exp(-np.logaddexp(a.type(0), zl))  # −w z σ(−z L)
+        grads = (scale * (g @ ba), scale * (g.T @ aa), np.sum(g * (scale * dots)), np.sum(g))
+    return row_loss, grads
+
+
+def _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize):
+    xp = _checks.array_module(OP, a=a, b=b)
+    _checks.check_matrix(OP, "a", a)
+    _checks.check_matrix(OP, "b", b)
+    if a.shape != b.shape:
+        raise ValueError(f"{OP}: a and b must have the same shape (N pairs, D), "
+                         f"got {tuple(a.shape)} and {tuple(b.shape)}")
+    _checks.check_same_dtype(OP, a=a, b=b)
+    acc = acc_dtype(a.dtype)
+    ls, ls_shape = _checks.check_logit_scale(OP, logit_scale, xp, acc)
+    lb, lb_shape = _checks.check_scalar_input(OP, "logit_bias", logit_bias, xp)
+    for name, v in (("logit_scale", ls), ("logit_bias", lb)):
+        if xp is not np and not isinstance(v, float) and v.device.id != a.device.id:
+            raise ValueError(f"{OP}: {name} is on cuda:{v.device.id} but a is on "
+                             f"cuda:{a.device.id}")
+    _checks.check_reduction(OP, reduction)
+    _checks.check_workspace(OP, workspace_bytes)
+    _checks.check_bool(OP, "normalize", normalize)
+    return xp, (ls, ls_shape), (lb, lb_shape)
+
+
+def _engine(xp):
+    if xp is np:
+        return numpy_siglip
+    raise NotImplementedError(f"{OP}: the GPU kernels are not in this build yet (NumPy arrays "
+                              f"only)")
+
+
+def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean",
+                        normalize: bool = False, workspace_bytes: Optional[int] = None,
+                        requires_grad: bool = True, group=None) -> Tuple[Any, Context]:
+    """SigLIP's sigmoid loss and a context for :func:`siglip_loss_backward`.
+
+    Parameters
+    ----------
+    a, b : (N, D) arrays — image and text embeddings, pair i is (a_i, b_i).
+    logit_scale : real, or 0-d / (1,) array: t, the scale is s = exp(t) (SigLIP: log 10).
+    logit_bias : real, or 0-d / (1,) array: β (SigLIP: −10).
+        Device arrays are never read back to the host.
+    reduction : "mean" (the sum over all N² pairs divided by N, as open_clip and big_vision)
+        | "sum" (the sum over the pairs) | "none" (the (N,) per-row sums).
+    normalize, workspace_bytes, requires_grad : as for nt_xent.
+
+    Notes
+    -----
+    ``L = s · â b̂ᵀ + β``, ``z_ij = 2 [i = j] − 1``, ``row_i = Σ_j −log σ(z_ij L_ij)``.
+    Gradients, with ``G_ij = −w_i z_ij σ(−z_ij L_ij)``: ``dâ = s G b̂``, ``db̂ = s Gᵀ â``,
+    ``dt = Σ_ij G_ij (L_ij − β)``, ``dβ = Σ_ij G_ij``.  −log σ(x) is evaluated as
+    softplus(−x): finite for any finite logit.
+    """
+    if group is not None:
+        raise NotImplementedError(f"{OP}: group= is not in this build yet")
+    xp, (ls, ls_shape), (lb, lb_shape) = _check(a, b, logit_scale, logit_bias, reduction,
+                                                 workspace_bytes, normalize)
+    _checks.check_bool(OP, "requires_grad", requires_grad)
+    engine = _engine(xp)
+    path = Path(xp)
+    n = a.shape[0]
+    acc = acc_dtype(a.dtype)
+    a, b = contig_inputs(xp, a, b)
+    an, na = prep(path, a, normalize)
+    bn, nb = prep(path, b, normalize)
+    fused = requires_grad and reduction != "none"
+    row_loss, grads = engine(an, bn, ls, lb, weights=weights(xp, None, reduction, n, acc),
+                             want_loss=True, want_grad=fused)
+    ctx = Context(OP, reduction, n, xp)
+    base = dict(x=(a, b), norms=(na, nb), shapes=(ls_shape, lb_shape),
+                dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
+    if fused:
+        da, db, dscale, dbias = grads
+        ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
+    elif requires_grad:
+        ctx.saved = dict(base, xn=(an, bn), scalars=(ls, lb))
+    return reduce(xp, row_loss, reduction), ctx
+
+
+def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
+    """Gradients ``(da, db, dlogit_scale, dlogit_bias)`` of :func:`siglip_loss_forward`'s loss.
+
+    ``dlogit_scale`` / ``dlogit_bias`` have the shape and dtype of logit_scale / logit_bias
+    (0-d float32 / float64 when a Python float was given); da, db follow the inputs' dtype.
+    """
+    require(ctx, OP)
+    xp, s = ctx.xp, ctx.saved
+    path = Path(xp)
+    g = _checks.check_grad_loss(f"{OP}_backward", grad_loss, ctx.reduction, ctx.n, xp)
+    acc = acc_dtype(s["x"][0].dtype)
+    if "acc" in s:
+        gs = path.grad_scale(g, acc)
+        da, db = finish_all(path, s["x"], s["norms"], s["acc"], gs)
+        scalars = tuple(v if gs is None else v * gs.reshape(()) for v in s["dscalars"])
+    else:
+        an, bn = s["xn"]
+        _, (da_acc, db_acc, dscale, dbias) = _engine(xp)(
+            an, bn, *s["scalars"], weights=weights(xp, g, ctx.reduction, ctx.n, acc),
+            want_loss=False, want_grad=True)
+        da, db = finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
+        scalars = (dscale, dbias)
+    dls, dlb = (xp.asarray(v).astype(dt, copy=True).reshape(shape)
+                for v, dt, shape in zip(scalars, s["dtypes"], s["shapes"]))
+    return da, db, dls, dlb
+
+
+def siglip_loss(a, b, logit_scale, logit_bias, *, reduction: str = "mean",
+                normalize: bool = False, workspace_bytes: Optional[int] = None, group=None):
+    """SigLIP's sigmoid loss; see :func:`siglip_loss_forward`."""
+    return siglip_loss_forward(a, b, logit_scale, logit_bias, reduction=reduction,
+                               normalize=normalize, workspace_bytes=workspace_bytes,
+                               requires_grad=False, group=group)[0]
