@@ -38,7 +38,12 @@ from .ops.nt_xent import (
     nt_xent_backward_from_stats,
     nt_xent_forward,
 )
-from .ops.siglip import siglip_loss, siglip_loss_backward, siglip_loss_forward
+from .ops.siglip import (
+    siglip_loss,
+    siglip_loss_backward,
+    siglip_loss_backward_from_inputs,
+    siglip_loss_forward,
+)
 from .ops.splade import (
     flops_regularizer,
     flops_regularizer_backward,
@@ -54,6 +59,7 @@ __all__ = [
     "info_nce", "info_nce_forward", "info_nce_backward", "info_nce_backward_from_stats",
     "clip_loss", "clip_loss_forward", "clip_loss_backward", "clip_loss_backward_from_stats",
     "siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
+    "siglip_loss_backward_from_inputs",
     "splade_pool", "splade_pool_forward", "splade_pool_backward",
     "splade_pool_backward_from_stats", "flops_regularizer", "flops_regularizer_backward",
 ]

@@ -5,7 +5,8 @@ logit_bias`` and every pair (i, j) is a binary decision, positive for i = j: ``l
 −log σ(z_ij L_ij)`` with ``z_ij = +1`` on the diagonal and −1 elsewhere.  No softmax couples
 the pairs, so the loss and its gradient need no row statistics: the backward recomputes the
 scores from the inputs.  Entry points: :func:`siglip_loss`, :func:`siglip_loss_forward`,
-:func:`siglip_loss_backward` → ``(da, db, dlogit_scale, dlogit_bias)``.
+:func:`siglip_loss_backward` → ``(da, db, dlogit_scale, dlogit_bias)``,
+:func:`siglip_loss_backward_from_inputs` (the same from the inputs alone).
 
 Reference: Zhai et al., "Sigmoid Loss for Language Image Pre-Training" (SigLIP), ICCV 2023.
 """
@@ -19,7 +20,8 @@ from .. import _checks
 from .._engine.kernels import acc_dtype
 from ._base import Context, Path, contig_inputs, finish_all, prep, reduce, require, weights
 
-__all__ = ["siglip_loss", "siglip_loss_forward", "siglip_loss_backward"]
+__all__ = ["siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
+           "siglip_loss_backward_from_inputs"]
 
 OP = "siglip_loss"
 
@@ -155,6 +157,28 @@ def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
     dls, dlb = (xp.asarray(v).astype(dt, copy=True).reshape(shape)
                 for v, dt, shape in zip(scalars, s["dtypes"], s["shapes"]))
     return da, db, dls, dlb
+
+
+def siglip_loss_backward_from_inputs(a, b, logit_scale, logit_bias, grad_loss: Any = 1.0, *,
+                                     reduction: str = "mean", normalize: bool = False,
+                                     workspace_bytes: Optional[int] = None):
+    """``(da, db, dlogit_scale, dlogit_bias)`` from the inputs alone (no forward context: the
+    loss needs no row statistics), for callers that keep nothing between forward and
+    backward (the PyTorch ops with reduction "none").  Same result as
+    :func:`siglip_loss_backward` on the forward's context."""
+    xp, (ls, ls_shape), (lb, lb_shape) = _check(a, b, logit_scale, logit_bias, reduction,
+                                                 workspace_bytes, normalize)
+    _engine(xp)
+    path = Path(xp)
+    acc = acc_dtype(a.dtype)
+    a, b = contig_inputs(xp, a, b)
+    an, na = prep(path, a, normalize)
+    bn, nb = prep(path, b, normalize)
+    ctx = Context(OP, reduction, a.shape[0], xp, saved=dict(
+        x=(a, b), norms=(na, nb), shapes=(ls_shape, lb_shape),
+        dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)),
+        xn=(an, bn), scalars=(ls, lb)))
+    return siglip_loss_backward(ctx, grad_loss)
 
 
 def siglip_loss(a, b, logit_scale, logit_bias, *, reduction: str = "mean",

@@ -12,6 +12,8 @@ autograd through every tensor input):
 * :func:`nt_xent` — SimCLR's NT-Xent, z (2B, D)
 * :func:`info_nce` — query/key InfoNCE, shared (M, D) or per-query (N, M, D) negatives
 * :func:`clip_loss` — CLIP's symmetric loss; ``logit_scale`` a real or a tensor (learnable)
+* :func:`siglip_loss` — SigLIP's sigmoid loss; ``logit_scale`` and ``logit_bias`` reals or
+  tensors (learnable); :class:`SigLipLoss` owns both
 * :func:`splade_pool` — SPLADE's max-pooled vocabulary representation, x (B, L, D), weight
   (V, D), bias (V,), mask (B, L) → (B, V); :func:`flops_regularizer` (plain torch ops)
 
@@ -79,14 +81,16 @@ scalars (``logit_scale``, ``grad_output``) stay on the device.
 
 from ._registry import HAS_CUSTOM_OPS, MIN_TORCH_CUSTOM_OPS
 from .modules import (ClipLoss, InfoNCE, InfoNCEFunction, InfoNCELoss, NTXentLoss,
-                      SpladePooling, SymmetricInfoNCE)
+                      SigLipLoss, SpladePooling, SymmetricInfoNCE)
 from .ops.clip import clip_loss
 from .ops.info_nce import info_nce
 from .ops.nt_xent import nt_xent
+from .ops.siglip import siglip_loss
 from .ops.splade import flops_regularizer, splade_pool
 
 __all__ = [
-    "nt_xent", "info_nce", "clip_loss", "splade_pool", "flops_regularizer",
+    "nt_xent", "info_nce", "clip_loss", "siglip_loss", "splade_pool", "flops_regularizer",
     "InfoNCELoss", "NTXentLoss", "InfoNCEFunction", "InfoNCE", "ClipLoss", "SymmetricInfoNCE",
+    "SigLipLoss",
     "SpladePooling", "HAS_CUSTOM_OPS", "MIN_TORCH_CUSTOM_OPS",
 ]

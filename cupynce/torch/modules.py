@@ -11,6 +11,7 @@ import math
 import numbers
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -22,6 +23,7 @@ from .ops import splade as splade_ops
 from .ops.clip import clip_loss
 from .ops.info_nce import info_nce
 from .ops.nt_xent import nt_xent
+from .ops.siglip import siglip_loss
 from .ops.splade import splade_pool
 
 __all__ = ["InfoNCEFunction", "InfoNCELoss", "NTXentLoss", "InfoNCE", "ClipLoss",
@@ -227,6 +229,68 @@ class ClipLoss(nn.Module):
 
 #: The tutorial's name for :class:`ClipLoss`.
 SymmetricInfoNCE = ClipLoss
+
+
+class SigLipLoss(nn.Module):
+    """SigLIP's sigmoid loss owning its learnable log-scale and bias.
+
+    ``SigLipLoss(init_logit_scale=log(10), init_logit_bias=-10.0, learnable=True)``,
+    ``forward(a, b)`` with a, b (N, D): :func:`siglip_loss` with the module's parameters.
+    The defaults are the paper's initialisation (t' = log 10, b = −10).
+
+    ``logit_scale`` and ``logit_bias`` are ``nn.Parameter`` s (0-d float32); with
+    ``learnable=False`` they are still Parameters (same ``state_dict``) with
+    ``requires_grad=False``.  No clamping (SigLIP trains both freely).
+
+    Parameters
+    ----------
+    init_logit_scale : finite real, default log(10)
+    init_logit_bias : finite real, default -10.0
+    learnable : bool, default True
+    reduction : "mean" (default) | "sum" | "none" (keyword-only)
+    normalize : bool, default False (keyword-only) — L2-normalise a and b first (SigLIP's
+        towers already output normalised embeddings).
+    """
+
+    def __init__(self, init_logit_scale: float = math.log(10.0),
+                 init_logit_bias: float = -10.0, learnable: bool = True, *,
+                 reduction: str = "mean", normalize: bool = False, group: Any = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        ls, lb = (float(_checks.check_scalar_input(
+            name, arg, _checks.host_scalar(name, arg, v), np)[0])
+            for arg, v in (("init_logit_scale", init_logit_scale),
+                           ("init_logit_bias", init_logit_bias)))
+        self.reduction = _checks.check_reduction(name, reduction)
+        self.normalize = R.check_bool(name, "normalize", normalize)
+        self.group = group
+        learnable = R.check_bool(name, "learnable", learnable)
+        self.logit_scale = nn.Parameter(torch.tensor(ls, dtype=torch.float32),
+                                        requires_grad=learnable)
+        self.logit_bias = nn.Parameter(torch.tensor(lb, dtype=torch.float32),
+                                       requires_grad=learnable)
+
+    @property
+    def learnable(self) -> bool:
+        return self.logit_scale.requires_grad
+
+    @property
+    def temperature(self) -> Tensor:
+        """``exp(-logit_scale)``: a detached 0-d tensor (no host synchronisation)."""
+        return torch.exp(-self.logit_scale.detach())
+
+    @property
+    def bias(self) -> Tensor:
+        """The current logit bias, detached."""
+        return self.logit_bias.detach()
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return siglip_loss(a, b, self.logit_scale, self.logit_bias, reduction=self.reduction,
+                           normalize=self.normalize, group=self.group)
+
+    def extra_repr(self) -> str:
+        return (f"learnable={self.learnable}, reduction={self.reduction!r}, "
+                f"normalize={self.normalize}")
 
 
 class SpladePooling(nn.Module):
