@@ -187,6 +187,70 @@ __device__ __forceinline__ void clip_grad_body(
     }
 }
 
+// SigLIP row pass: one block per row r (global row i = row0 + r) of a raw score block S
+// (S_ij = a_i . b_j; n columns, leading dim ld).  With scale = exp(*scale_log), L_ij =
+// scale * S_ij + *bias and z_ij = +1 for j == i, -1 otherwise (no softmax: every pair alone):
+//   loss_out[i]   = sum_j softplus(-z_ij L_ij)                              (null: not wanted)
+//   when g != null, with G_ij = -w_i z_ij sigmoid(-z_ij L_ij), w_i = w_mul * (w_ptr ?
+//   w_ptr[i * w_stride] : 1):
+//     g[r, j]       = scale * G_ij   (the gradient w.r.t. a_i . b_j; g may alias s)
+//     dscale_part[i] = sum_j G_ij (L_ij - bias),  dbias_part[i] = sum_j G_ij
+// softplus(x) = max(x, 0) + log1p(exp(-|x|)) and the sigmoid from exp(-|y|): finite for any
+// finite logit; a NaN score gives a NaN loss.
+template <typename A>
+__device__ __forceinline__ A cpn_softplus(A x) {
+    return x > A(0) ? x + cpn_log1p(cpn_exp(-x)) : cpn_log1p(cpn_exp(x));
+}
+
+template <typename A>
+__device__ __forceinline__ A cpn_sigmoid(A y) {
+    if (y >= A(0)) return A(1) / (A(1) + cpn_exp(-y));
+    const A e = cpn_exp(y);
+    return e / (A(1) + e);
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ void siglip_rows_body(
+    const A* __restrict__ s, i64 ld, int n, int row0,
+    const A* __restrict__ scale_log, const A* __restrict__ bias_ptr,
+    A* __restrict__ loss_out, T* __restrict__ g, i64 ldg,
+    const A* __restrict__ w_ptr, i64 w_stride, A w_mul,
+    A* __restrict__ dscale_part, A* __restrict__ dbias_part)
+{
+    __shared__ A sh[64];
+    const int r = blockIdx.x;
+    const int i = row0 + r;
+    const A scale = cpn_exp(scale_log[0]);
+    const A bias = bias_ptr[0];
+    const A* row = s + (i64)r * ld;
+    T* grow = g ? g + (i64)r * ldg : (T*)0;
+    const A wi = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1));
+    A loss = A(0), dsc = A(0), dbi = A(0);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const A raw = row[j];  // (read before g, which may alias s, is written)
+        const A L = scale * raw + bias;
+        const A zl = (j == i) ? L : -L;
+        loss += cpn_softplus(-zl);
+        if (grow) {
+            const A sg = cpn_sigmoid(-zl);
+            const A G = (j == i) ? -wi * sg : wi * sg;
+            dsc += G * (scale * raw);
+            dbi += G;
+            grow[j] = Conv<T>::store(scale * G);
+        }
+    }
+    // (uniform over the block: every thread reaches each block_sum)
+    if (loss_out) {
+        loss = block_sum(loss, sh);
+        if (threadIdx.x == 0) loss_out[i] = loss;
+    }
+    if (grow) {
+        dsc = block_sum(dsc, sh);
+        dbi = block_sum(dbi, sh);
+        if (threadIdx.x == 0) { dscale_part[i] = dsc; dbias_part[i] = dbi; }
+    }
+}
+
 // Per-query ("paired") negatives: E[i, m] = q_i . neg[i, m]; one warp per (i, m).
 template <typename T, typename A>
 __device__ __forceinline__ void paired_dots_body(
@@ -345,6 +409,12 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_##SUF(    
     i64 ldg, A* dscale_part) {                                                             \
     clip_grad_body<T, A>(s, ld, n, row0, scale_log, scale_mul, lse_row, lse_col, w_ptr,    \
         w_stride, w_mul, g, ldg, dscale_part); }                                           \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_siglip_rows_##SUF(            \
+    const A* s, i64 ld, int n, int row0, const A* scale_log, const A* bias, A* loss_out,   \
+    T* g, i64 ldg, const A* w_ptr, i64 w_stride, A w_mul, A* dscale_part,                  \
+    A* dbias_part) {                                                                       \
+    siglip_rows_body<T, A>(s, ld, n, row0, scale_log, bias, loss_out, g, ldg, w_ptr,       \
+        w_stride, w_mul, dscale_part, dbias_part); }                                       \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_paired_dots_##SUF(             \
     const T* q, i64 ldq, const T* neg, int n, int m, int d, A* e) {                        \
     paired_dots_body<T, A>(q, ldq, neg, n, m, d, e); }                                     \

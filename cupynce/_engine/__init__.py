@@ -83,5 +83,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     return blocks.cross(q, k, scale, **kw)
 
 
+#: SigLIP's sigmoid loss: the cuBLAS row-block path for every dtype (``blocks.siglip``).
+siglip = blocks.siglip
 col_lse = blocks.col_lse
 pair_dots = blocks.pair_dots

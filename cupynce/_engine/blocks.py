@@ -7,14 +7,15 @@ runs here.  The score matrix is processed in row blocks that fit the workspace
 
 * :func:`rows` — a row softmax over [keys | shared negatives | per-query negatives] (NT-Xent,
   InfoNCE);
-* :func:`clip` — the row and the column softmax of one score matrix (CLIP).
+* :func:`clip` — the row and the column softmax of one score matrix (CLIP);
+* :func:`siglip` — SigLIP's independent pairs (no softmax).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import blas, kernels
-from .arrays import FILE, buffers, pair_weights, ptr
+from .arrays import FILE, buffers, fixed_sum, pair_weights, ptr
 from .kernels import BLOCK, acc_dtype
 
 
@@ -184,6 +185,48 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     if col_state:
         return lse_r, col_m, row_loss, grads
     return lse_r, lse_c, pair_loss, grads
+
+
+def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes):
+    """SigLIP's per-row losses (``want_loss``) and gradient accumulators, in row blocks.
+
+    ``ls`` / ``lb``: logit_scale and logit_bias as (1,) device arrays of the accumulator
+    dtype.  Returns ``row_loss, (da, db, dscale, dbias)``: (n,) losses, (n, D) / (Nc, D)
+    accumulators and the two 0-d scalar gradients (fixed-order sums of per-row parts); None
+    where not asked for.  Each score block: one cuBLAS product, the ``siglip_rows`` kernel
+    (loss, the gradient block in place or in the input dtype, the rows' scalar parts), the
+    two gradient products.
+    """
+    t = an.dtype
+    a = acc_dtype(t)
+    n, d = an.shape
+    nc = bn.shape[0]
+    split_g = want_grad and t != a
+    row_bytes = nc * a.itemsize + (nc * t.itemsize if split_g else 0)
+    rb = blas.plan_rows("siglip_loss", n, row_bytes, workspace_bytes)
+    s_buf, g_buf = buffers((((rb, nc), a), ((rb, nc), t) if split_g else None))
+    row_loss, da, db, parts = buffers((
+        ((n,), a) if want_loss else None, ((n, d), a) if want_grad else None,
+        ((nc, d), a) if want_grad else None, ((2, n), a) if want_grad else None))
+    if not split_g:
+        g_buf = s_buf if want_grad else None
+    w_arr, w_stride, w_mul = weights
+    for r0 in range(0, n, rb):
+        r1 = min(n, r0 + rb)
+        s_blk = s_buf[:r1 - r0]
+        blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
+        g_blk = g_buf[:r1 - r0] if want_grad else None
+        kernels.launch(FILE, "siglip_rows", t, (r1 - r0,), (
+            s_blk, np.int64(nc), np.int32(nc), np.int32(r0), ls, lb, ptr(row_loss),
+            ptr(g_blk), np.int64(nc), ptr(w_arr), np.int64(w_stride), a.type(w_mul),
+            ptr(parts), 0 if parts is None else parts.data.ptr + n * a.itemsize))
+        if want_grad:  # (the first row block's products write db: beta = 0)
+            blas.gemm(g_blk, bn, da[r0:r1])
+            blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
+    grads = None
+    if want_grad:
+        grads = (da, db, fixed_sum(parts[0], 1), fixed_sum(parts[1], 1))
+    return row_loss, grads
 
 
 def col_lse(states):

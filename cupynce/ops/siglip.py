@@ -16,7 +16,8 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .. import _checks
+from .. import _checks, _engine
+from .._engine import arrays
 from .._engine.kernels import acc_dtype
 from ._base import Context, Path, contig_inputs, finish_all, prep, reduce, require, weights
 
@@ -77,11 +78,26 @@ def _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize)
     return xp, (ls, ls_shape), (lb, lb_shape)
 
 
+def numpy_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
+                 workspace_bytes=None):
+    """:func:`numpy_siglip` with the GPU engine's signature (``workspace_bytes`` unused)."""
+    return numpy_siglip(an, bn, ls, lb, weights=weights, want_loss=want_loss,
+                        want_grad=want_grad)
+
+
+def gpu_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
+               workspace_bytes=None):
+    """``cupynce._engine.siglip`` with the scalars as (1,) device arrays of the accumulator
+    dtype (a Python float becomes one by a fill kernel; a device array is never read)."""
+    acc = acc_dtype(an.dtype)
+    ls_dev, lb_dev = (arrays.scalar(v, acc) if isinstance(v, float)
+                      else v.astype(acc, copy=False).reshape(1) for v in (ls, lb))
+    return _engine.siglip(an, bn, ls_dev, lb_dev, weights=weights, want_loss=want_loss,
+                          want_grad=want_grad, workspace_bytes=workspace_bytes)
+
+
 def _engine(xp):
-    if xp is np:
-        return numpy_siglip
-    raise NotImplementedError(f"{OP}: the GPU kernels are not in this build yet (NumPy arrays "
-                              f"only)")
+    return numpy_engine if xp is np else gpu_engine
 
 
 def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean",
@@ -120,7 +136,7 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     bn, nb = prep(path, b, normalize)
     fused = requires_grad and reduction != "none"
     row_loss, grads = engine(an, bn, ls, lb, weights=weights(xp, None, reduction, n, acc),
-                             want_loss=True, want_grad=fused)
+                             want_loss=True, want_grad=fused, workspace_bytes=workspace_bytes)
     ctx = Context(OP, reduction, n, xp)
     base = dict(x=(a, b), norms=(na, nb), shapes=(ls_shape, lb_shape),
                 dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
@@ -128,7 +144,7 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
         da, db, dscale, dbias = grads
         ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
     elif requires_grad:
-        ctx.saved = dict(base, xn=(an, bn), scalars=(ls, lb))
+        ctx.saved = dict(base, xn=(an, bn), scalars=(ls, lb), ws=workspace_bytes)
     return reduce(xp, row_loss, reduction), ctx
 
 
@@ -151,7 +167,7 @@ def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
         an, bn = s["xn"]
         _, (da_acc, db_acc, dscale, dbias) = _engine(xp)(
             an, bn, *s["scalars"], weights=weights(xp, g, ctx.reduction, ctx.n, acc),
-            want_loss=False, want_grad=True)
+            want_loss=False, want_grad=True, workspace_bytes=s["ws"])
         da, db = finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
         scalars = (dscale, dbias)
     dls, dlb = (xp.asarray(v).astype(dt, copy=True).reshape(shape)
@@ -168,7 +184,6 @@ def siglip_loss_backward_from_inputs(a, b, logit_scale, logit_bias, grad_loss: A
     :func:`siglip_loss_backward` on the forward's context."""
     xp, (ls, ls_shape), (lb, lb_shape) = _check(a, b, logit_scale, logit_bias, reduction,
                                                  workspace_bytes, normalize)
-    _engine(xp)
     path = Path(xp)
     acc = acc_dtype(a.dtype)
     a, b = contig_inputs(xp, a, b)
@@ -177,7 +192,7 @@ def siglip_loss_backward_from_inputs(a, b, logit_scale, logit_bias, grad_loss: A
     ctx = Context(OP, reduction, a.shape[0], xp, saved=dict(
         x=(a, b), norms=(na, nb), shapes=(ls_shape, lb_shape),
         dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)),
-        xn=(an, bn), scalars=(ls, lb)))
+        xn=(an, bn), scalars=(ls, lb), ws=workspace_bytes))
     return siglip_loss_backward(ctx, grad_loss)
 
 

@@ -1,0 +1,145 @@
+"""GPU tests of SigLIP's sigmoid loss (CuPy path, ``cupynce._engine.blocks.siglip``).
+
+Against the float64 oracle (``cupynce.reference.siglip_loss``) on the same quantised inputs,
+relative error ``‖x − ref‖ / ‖ref‖``, the reference rounded to each output's dtype:
+
+=========  =====================================================================================
+float64    1e-12 (the scalar gradients: 1e-12 × cond)
+float32    1e-5 (the scalar gradients: 1e-5 × cond)
+f16/bf16   1e-5 + one ulp of the output (2⁻¹⁰ / 2⁻⁷) for da, db: the score block is a cuBLAS
+           product with float32 accumulation, the gradient block is stored in the input dtype
+           for the gradient products (one more rounding: bounds 2⁻⁹ / 2⁻⁶ there)
+=========  =====================================================================================
+
+with normalize, every bound × max(1, s / 10) (the normalised rows are stored in the input
+dtype); cond as in ``test_siglip_cpu.py``.  Plus: several row blocks (a small workspace) give
+the one-block bits for the losses, bitwise determinism, a non-default stream, NaN in → NaN out,
+|logits| up to 1e4 finite, the torch bridge on CUDA tensors.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupynce
+from cupynce import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_siglip_cpu import _cond, _inputs, _rel, _weights  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+DTYPES = [pytest.param(F16, id="f16"), pytest.param(BF16, id="bf16"),
+          pytest.param(F32, id="f32"), pytest.param(F64, id="f64")]
+BASE = {F64: 1e-12, F32: 1e-5, F16: 1e-5, BF16: 1e-5}
+#: the gradient block in the input dtype, then the output: two roundings (16-bit)
+GRAD = {F64: 0.0, F32: 0.0, F16: 2.0 ** -9, BF16: 2.0 ** -6}
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _run(a, b, ls, lb, reduction, normalize, g, **kw):
+    loss, ctx = cupynce.siglip_loss_forward(cp.asarray(a), cp.asarray(b), ls, lb,
+                                            reduction=reduction, normalize=normalize, **kw)
+    grads = cupynce.siglip_loss_backward(ctx, cp.asarray(g) if np.ndim(g) else g)
+    return [cp.asnumpy(x) for x in (loss,) + tuple(grads)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("n, d", [(1, 8), (2, 1), (3, 5), (129, 64), (1000, 96)])
+@pytest.mark.parametrize("ls, lb", [(math.log(10.0), -10.0), (0.0, 5.0),
+                                    (math.log(100.0), -20.0)], ids=["paper", "t0-b5", "t100"])
+def test_matches_oracle(dtype, reduction, normalize, n, d, ls, lb):
+    a, b = _inputs(n, d, dtype)
+    g = np.random.default_rng(n).standard_normal(n).astype(np.float32) \
+        if reduction == "none" else 0.7
+    got = _run(a, b, ls, lb, reduction, normalize, g)
+    rloss, rgrads = ref.siglip_loss(a, b, ls, lb, reduction=reduction, normalize=normalize,
+                                    grad_loss=g)
+    acc = F64 if dtype == F64 else F32
+    s_eff = max(1.0, math.exp(ls) / 10) if normalize else 1.0
+    base = BASE[dtype] * s_eff
+    c_ls, c_lb = _cond(a, b, ls, lb, normalize, _weights(reduction, g, n))
+    tol = [base, base + GRAD[dtype], base + GRAD[dtype], base * c_ls, base * c_lb]
+    want = [np.asarray(rloss).astype(acc), rgrads[0].astype(dtype), rgrads[1].astype(dtype),
+            rgrads[2].astype(acc), rgrads[3].astype(acc)]
+    assert got[1].dtype == dtype and got[0].dtype == acc
+    for name, x, y, t in zip(("loss", "da", "db", "dls", "dlb"), got, want, tol):
+        assert _rel(x, y) <= t, (name, _rel(x, y), t)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_row_blocks_and_determinism(dtype):
+    """Repeated calls give the same bits; a workspace of a few rows (many row blocks) gives
+    the one-block results within rounding (cuBLAS may pick other kernels for other shapes)."""
+    a, b = _inputs(300, 40, dtype)
+    whole = _run(a, b, 2.3, -10.0, "mean", True, 0.5)
+    again = _run(a, b, 2.3, -10.0, "mean", True, 0.5)
+    for x, y in zip(whole, again):
+        assert x.tobytes() == y.tobytes()
+    row_bytes = 300 * 4 + (300 * 2 if dtype == BF16 else 0)
+    blocked = _run(a, b, 2.3, -10.0, "mean", True, 0.5, workspace_bytes=7 * row_bytes)
+    for x, y in zip(whole, blocked):
+        assert _rel(x, y) <= (1e-6 if dtype == F32 else 2.0 ** -7)
+
+
+def test_non_default_stream_and_extremes():
+    a, b = _inputs(64, 32, F32)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        got = _run(a, b, 0.0, -1e4, "none", False, np.ones(64, np.float32))
+    s.synchronize()
+    assert all(np.all(np.isfinite(x)) for x in got)
+    want, _ = ref.siglip_loss(a, b, 0.0, -1e4, reduction="none")
+    assert _rel(got[0], want) <= 1e-6
+    bad = a.copy()
+    bad[3, 4] = np.nan
+    loss = cupynce.siglip_loss(cp.asarray(bad), cp.asarray(b), 1.0, 0.0)
+    assert np.isnan(float(loss))
+
+
+def test_device_scalars_never_read_and_keep_their_shapes():
+    a, b = _inputs(33, 16, F32)
+    ls = cp.asarray([1.5], np.float32)
+    lb = cp.asarray(-3.0, np.float64)
+    loss, ctx = cupynce.siglip_loss_forward(cp.asarray(a), cp.asarray(b), ls, lb)
+    _, _, dls, dlb = cupynce.siglip_loss_backward(ctx)
+    assert dls.shape == (1,) and dls.dtype == np.float32
+    assert dlb.shape == () and dlb.dtype == np.float64
+    _, (_, _, rdls, rdlb) = ref.siglip_loss(a, b, 1.5, -3.0)
+    assert _rel(cp.asnumpy(dls), rdls) <= 1e-5 and _rel(cp.asnumpy(dlb), rdlb) <= 1e-5
+
+
+def test_torch_bridge_on_cuda():
+    """cupynce.torch on CUDA tensors gives the CuPy core's bits (the core is held to the
+    oracle above)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    import cupynce.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(257, 64, generator=g, device="cuda").bfloat16().requires_grad_()
+    b = torch.randn(257, 64, generator=g, device="cuda").bfloat16().requires_grad_()
+    model = ct.SigLipLoss(normalize=True).cuda()
+    loss = model(a, b)
+    loss.backward()
+
+    def arr(t):
+        return cp.from_dlpack(t.detach().view(torch.int16)).view(BF16) \
+            if t.dtype == torch.bfloat16 else cp.from_dlpack(t.detach())
+    wl, ctx = cupynce.siglip_loss_forward(arr(a), arr(b), arr(model.logit_scale),
+                                          arr(model.logit_bias), normalize=True)
+    want = cupynce.siglip_loss_backward(ctx, 1.0)
+    got = (loss, a.grad, b.grad, model.logit_scale.grad, model.logit_bias.grad)
+    for x, y in zip(got, (wl,) + tuple(want)):
+        assert cp.asnumpy(arr(x)).tobytes() == cp.asnumpy(y).tobytes()
