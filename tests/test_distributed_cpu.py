@@ -163,6 +163,42 @@ def check_clip_loss(rank, P):
                 _close(ls.grad, lss.grad, max(tg, 1e-10) * 4, case + " dlogit_scale")
 
 
+def check_siglip_loss(rank, P):
+    import cupynce.torch as ct
+
+    n, d = (4, 6) if DEVICE == "cpu" else (40, 64)
+    N = n * P
+    mine = torch.arange(rank * n, (rank + 1) * n, device=DEVICE)
+    for dtype in DTYPES:
+        for reduction in ("mean", "sum", "none"):
+            for normalize in (False, True):
+                gen = torch.Generator().manual_seed(37)
+                A, Bm = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype) for _ in range(2))
+                gl = torch.randn(N, generator=gen, dtype=torch.float64).to(DEVICE)
+                ls, lb = (torch.tensor(v, dtype=torch.float32, device=DEVICE,
+                                       requires_grad=True) for v in (2.3, -10.0))
+                a, b = (x[mine].clone().requires_grad_(True) for x in (A, Bm))
+                loss = ct.siglip_loss(a, b, ls, lb, reduction=reduction, normalize=normalize,
+                                      group=dist.group.WORLD)
+                lss, lbs = (x.detach().clone().requires_grad_(True) for x in (ls, lb))
+                As, Bs = (x.clone().requires_grad_(True) for x in (A, Bm))
+                want = ct.siglip_loss(As, Bs, lss, lbs, reduction=reduction,
+                                      normalize=normalize)
+                up = gl.to(want.dtype) if reduction == "none" else \
+                    torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
+                with _no_sync():
+                    loss.backward(up[mine] if reduction == "none" else up)
+                want.backward(up)
+                tl, tg = TOL[dtype]
+                case = f"siglip_loss P={P} {dtype} {reduction} normalize={normalize}"
+                _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
+                _close(a.grad, P * As.grad[mine], tg, case + " da")
+                _close(b.grad, P * Bs.grad[mine], tg, case + " db")
+                _close(ls.grad, lss.grad, max(tg, 1e-10) * 4, case + " dlogit_scale")
+                _close(lb.grad, lbs.grad, max(tg, 1e-10) * 4, case + " dlogit_bias")
+
+
 def check_ddp_step(rank, P):
     """A DDP step on P ranks equals one process's step on the concatenated batch."""
     import cupynce.torch as ct
@@ -338,7 +374,8 @@ def run_ranks(world, names, timeout=240, backend="gloo", device="cpu"):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_global_losses_over_gloo(world):
-    names = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_ddp_step"]
+    names = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
+             "check_ddp_step"]
     if world > 1:
         names += ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"]
     run_ranks(world, names)

@@ -16,7 +16,8 @@ import test_distributed_cpu as D  # noqa: E402  (tests/ is on sys.path under pyt
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")]
 
-CHECKS = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_ddp_step"]
+CHECKS = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
+          "check_ddp_step"]
 
 
 def test_gloo_two_ranks_on_one_gpu():

@@ -136,6 +136,60 @@ def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None
     assert len({_host(x[1][2]).tobytes() for x in out}) == 1  # the same bits on every rank
 
 
+def _check_siglip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None,
+                  ws=None):
+    N = n * P
+    A, B = _batch(xp, dtype, (N, d), 11, 1.0), _batch(xp, dtype, (N, d), 12, 1.0)
+    acc = np.float64 if dtype == "float64" else np.float32
+    ls = xp.asarray(np.array([1.1], acc)) if learnable else 1.1
+    lb = xp.asarray(np.array(-2.0, acc)) if learnable else -2.0
+    up = _upstream(xp, reduction, N, 13, acc)
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        loss, ctx = cupynce.siglip_loss_forward(A[sl], B[sl], ls, lb, reduction=reduction,
+                                                normalize=normalize, workspace_bytes=ws,
+                                                group=comm)
+        return loss, cupynce.siglip_loss_backward(ctx, up[sl] if reduction == "none" else up)
+
+    out = run(P, rank, device=device)
+    want, ctx = cupynce.siglip_loss_forward(A, B, ls, lb, reduction=reduction,
+                                            normalize=normalize)
+    da, db, dls, dlb = cupynce.siglip_loss_backward(ctx, up)
+    tl, tg = TOL[dtype]
+    for r, (loss, (ga, gb, gl, gbias)) in enumerate(out):
+        sl = slice(r * n, (r + 1) * n)
+        assert _err(loss, want[sl] if reduction == "none" else want) <= tl
+        assert _err(_host(ga).astype(np.float64) / P, _host(da)[sl]) <= tg
+        assert _err(_host(gb).astype(np.float64) / P, _host(db)[sl]) <= tg
+        for x, y in ((gl, dls), (gbias, dlb)):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            assert _err(x, y) <= tg
+    for k in (2, 3):  # the global scalar gradients: the same bits on every rank
+        assert len({_host(x[1][k]).tobytes() for x in out}) == 1
+    if reduction != "none":
+        assert len({_host(x[0]).tobytes() for x in out}) == 1
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_siglip_numpy(P, dtype, reduction, normalize, learnable):
+    _check_siglip(np, dtype, P, 3, 5, reduction, normalize, learnable)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("ws", [None, 1 << 17])
+def test_siglip_gpu(P, dtype, reduction, ws):
+    cp = _gpu()
+    _check_siglip(cp, dtype, P, 136, 64, reduction, True, True, device=0, ws=ws)
+
+
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

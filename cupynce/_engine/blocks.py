@@ -187,11 +187,14 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     return lse_r, lse_c, pair_loss, grads
 
 
-def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes):
+def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes,
+           row0: int = 0):
     """SigLIP's per-row losses (``want_loss``) and gradient accumulators, in row blocks.
 
     ``ls`` / ``lb``: logit_scale and logit_bias as (1,) device arrays of the accumulator
-    dtype.  Returns ``row_loss, (da, db, dscale, dbias)``: (n,) losses, (n, D) / (Nc, D)
+    dtype.  an holds the rows ``row0 ..`` of the image side, bn every column (a rank's block
+    of a global SigLIP: row r's positive is column row0 + r, the weights are read at the
+    global rows).  Returns ``row_loss, (da, db, dscale, dbias)``: (n,) losses, (n, D) / (Nc, D)
     accumulators and the two 0-d scalar gradients (fixed-order sums of per-row parts); None
     where not asked for.  Each score block: one cuBLAS product, the ``siglip_rows`` kernel
     (loss, the gradient block in place or in the input dtype, the rows' scalar parts), the
@@ -217,9 +220,11 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
         blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
         g_blk = g_buf[:r1 - r0] if want_grad else None
         kernels.launch(FILE, "siglip_rows", t, (r1 - r0,), (
-            s_blk, np.int64(nc), np.int32(nc), np.int32(r0), ls, lb, ptr(row_loss),
+            s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, lb,
+            ptr(row_loss) - row0 * a.itemsize if row_loss is not None else 0,
             ptr(g_blk), np.int64(nc), ptr(w_arr), np.int64(w_stride), a.type(w_mul),
-            ptr(parts), 0 if parts is None else parts.data.ptr + n * a.itemsize))
+            ptr(parts) - row0 * a.itemsize if parts is not None else 0,
+            0 if parts is None else parts.data.ptr + (n - row0) * a.itemsize))
         if want_grad:  # (the first row block's products write db: beta = 0)
             blas.gemm(g_blk, bn, da[r0:r1])
             blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)

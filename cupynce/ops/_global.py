@@ -57,6 +57,7 @@ from . import _local, _numpy
 from . import clip as clip_op
 from . import info_nce as info_nce_op
 from . import nt_xent as nt_xent_op
+from . import siglip as siglip_op
 from ._base import (Context, Path, contig_inputs, finish_all, prep, require, row_weight,
                     weights)
 from ._comm import Comm
@@ -374,6 +375,67 @@ def _clip_acc(ctx: Context, g):
                        *s["lse"], w, s["ws"])
 
 
+# ---- SigLIP -------------------------------------------------------------------------------
+def siglip_loss_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction="mean",
+                        normalize=False, workspace_bytes=None, requires_grad=True):
+    """:func:`cupynce.siglip_loss_forward` over ``comm``'s global batch: the rank's n × N
+    block of its images against every text (b all-gathered), no softmax so no statistics to
+    exchange; the texts' gradients are reduce-scattered to their owners and the scale's and
+    bias's all-reduced (the global values on every rank)."""
+    op = "siglip_loss"
+    ls_array, lb_array = hasattr(logit_scale, "shape"), hasattr(logit_bias, "shape")
+    xp, (ls, ls_shape), (lb, lb_shape) = agree(comm, op, lambda: (
+        siglip_op._check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize),
+        _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
+        [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
+         lb_array, reduction, normalize, requires_grad])
+    path = Path(xp)
+    size = comm.size
+    n = a.shape[0]
+    acc = acc_dtype(a.dtype)
+    a, b = contig_inputs(xp, a, b)
+    an, na = prep(path, a, normalize)
+    bn, nb = prep(path, b, normalize)
+    engine = siglip_op._engine(xp)
+    b_all = comm.all_gather(bn).reshape(n * size, -1)
+    fused = requires_grad and reduction != "none"
+    w = weights(xp, None, reduction, n * size, acc)
+    rows, grads = engine(an, b_all, ls, lb, weights=w, want_loss=True, want_grad=fused,
+                         workspace_bytes=workspace_bytes, row0=comm.rank * n)
+    ctx = Context(op, reduction, n, xp)
+    base = dict(x=(a, b), norms=(na, nb), size=size, shapes=(ls_shape, lb_shape),
+                dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
+    if fused:
+        da, db, dscale, dbias = _siglip_scatter(comm, xp, grads, an.shape)
+        ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
+    elif requires_grad:
+        ctx.saved = dict(base, an=an, b_all=b_all, scalars=(ls, lb), ws=workspace_bytes,
+                         comm=comm)
+    return _loss(comm, xp, rows, reduction, n * size), _tags(ctx)
+
+
+def _siglip_scatter(comm: Comm, xp, grads, shape):
+    """The rank's (da, db) accumulators (the texts' gradients summed at their owners) and
+    the all-reduced d loss / d logit_scale, d loss / d logit_bias."""
+    da, db_all, dscale, dbias = grads
+    db = comm.reduce_scatter(db_all.reshape(comm.size, *shape))
+    both = comm.all_reduce(xp.stack([xp.asarray(dscale).reshape(()),
+                                     xp.asarray(dbias).reshape(())]))
+    return da, db, both[0], both[1]
+
+
+def _siglip_acc(ctx: Context, g):
+    s, xp = ctx.saved, ctx.xp
+    comm = s["comm"]
+    acc = acc_dtype(s["x"][0].dtype)
+    g_all = comm.all_gather(_upstream(xp, g, ctx.n, acc)).reshape(-1)
+    w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
+    _, grads = siglip_op._engine(xp)(s["an"], s["b_all"], *s["scalars"], weights=w,
+                                     want_loss=False, want_grad=True, workspace_bytes=s["ws"],
+                                     row0=comm.rank * ctx.n)
+    return _siglip_scatter(comm, xp, grads, s["an"].shape)
+
+
 class _numpy_engine:
     """The NumPy side of the engine calls above."""
 
@@ -403,20 +465,29 @@ def backward(ctx: Context, grad_loss: Any = 1.0):
     dscale = None
     if "acc" in s:  # the unit-upstream accumulators of the forward (mean / sum): scale them
         accs, gs = s["acc"], _scale(path, g, size, a)
-        if op == "clip_loss":  # (the global value: no factor P)
+        if op in ("clip_loss", "siglip_loss"):  # (the global values: no factor P)
             gd = path.grad_scale(g, a)
-            dscale = s["dscale"].copy() if gd is None else s["dscale"] * gd.reshape(())
+            scalars = (s["dscale"],) if op == "clip_loss" else s["dscalars"]
+            scalars = [x.copy() if gd is None else x * gd.reshape(()) for x in scalars]
+            dscale = scalars[0]
     else:  # reduction "none": recompute with the upstream gradient as the row weights
-        accs = {"nt_xent": _nt_xent_acc, "info_nce": _info_nce_acc,
-                "clip_loss": _clip_acc}[op](ctx, g)
+        accs = {"nt_xent": _nt_xent_acc, "info_nce": _info_nce_acc, "clip_loss": _clip_acc,
+                "siglip_loss": _siglip_acc}[op](ctx, g)
         if op == "clip_loss":
             *accs, dscale = accs
+        elif op == "siglip_loss":
+            *accs, dsc, dbi = accs
+            scalars = [dsc, dbi]
         gs = path.grad_scale(float(size), a)
     grads = finish_all(path, s["x"], s["norms"], accs, gs)
     if op == "nt_xent":
         return grads[0]
     if op == "info_nce":
         return tuple(grads)
+    if op == "siglip_loss":
+        dls, dlb = (xp.asarray(v).astype(dt, copy=True).reshape(shape)
+                    for v, dt, shape in zip(scalars, s["dtypes"], s["shapes"]))
+        return grads[0], grads[1], dls, dlb
     dscale = xp.asarray(dscale).astype(s["ls_dtype"], copy=False).reshape(s["ls_shape"])
     return grads[0], grads[1], dscale
 

@@ -27,31 +27,36 @@ __all__ = ["siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
 OP = "siglip_loss"
 
 
-def _row_weights(w, n: int, a) -> np.ndarray:
-    """The (n,) row weights of ``weights(...)``'s ``(array_or_None, stride, multiplier)``."""
+def _row_weights(w, rows, a) -> np.ndarray:
+    """The row weights of ``weights(...)``'s ``(array_or_None, stride, multiplier)`` at the
+    (global) row indices ``rows``."""
     w_arr, stride, mul = w
     if w_arr is None:
-        return np.full(n, mul, a)
-    return (w_arr[np.arange(n) * stride] * mul).astype(a)
+        return np.full(len(rows), mul, a)
+    return (w_arr[rows * stride] * mul).astype(a)
 
 
-def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool):
+def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
+                 row0: int = 0):
     """The NumPy path: ``(row_loss, (da, db, dscale, dbias))`` in the accumulation dtype
-    (None where not asked for).  Keeps the N × N logits (CPU memory, small sizes)."""
+    (None where not asked for).  an holds the rows ``row0 ..`` of the image side, bn every
+    column (row r's positive is column row0 + r; the weights are read at the global rows).
+    Keeps the n × Nc logits (CPU memory, small sizes)."""
     a = acc_dtype(an.dtype)
     aa, ba = an.astype(a), bn.astype(a)
-    n = aa.shape[0]
+    n, nc = aa.shape[0], ba.shape[0]
     scale = np.exp(np.asarray(ls, a).reshape(()))
     bias = np.asarray(lb, a).reshape(())
     dots = aa @ ba.T
     logits = scale * dots + bias
-    z = np.full((n, n), -1.0, a)
-    np.fill_diagonal(z, 1.0)
+    rows = np.arange(n)
+    z = np.full((n, nc), -1.0, a)
+    z[rows, row0 + rows] = 1.0
     zl = z * logits
     row_loss = np.logaddexp(a.type(0), -zl).sum(axis=1) if want_loss else None
     grads = None
     if want_grad:
-        w = _row_weights(weights, n, a)
+        w = _row_weights(weights, row0 + rows, a)
         g = -w[:, None] * z * np.exp(-np.logaddexp(a.type(0), zl))  # −w z σ(−z L)
         grads = (scale * (g @ ba), scale * (g.T @ aa), np.sum(g * (scale * dots)), np.sum(g))
     return row_loss, grads
@@ -79,21 +84,21 @@ def _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize)
 
 
 def numpy_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
-                 workspace_bytes=None):
+                 workspace_bytes=None, row0: int = 0):
     """:func:`numpy_siglip` with the GPU engine's signature (``workspace_bytes`` unused)."""
     return numpy_siglip(an, bn, ls, lb, weights=weights, want_loss=want_loss,
-                        want_grad=want_grad)
+                        want_grad=want_grad, row0=row0)
 
 
 def gpu_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
-               workspace_bytes=None):
+               workspace_bytes=None, row0: int = 0):
     """``cupynce._engine.siglip`` with the scalars as (1,) device arrays of the accumulator
     dtype (a Python float becomes one by a fill kernel; a device array is never read)."""
     acc = acc_dtype(an.dtype)
     ls_dev, lb_dev = (arrays.scalar(v, acc) if isinstance(v, float)
                       else v.astype(acc, copy=False).reshape(1) for v in (ls, lb))
     return _engine.siglip(an, bn, ls_dev, lb_dev, weights=weights, want_loss=want_loss,
-                          want_grad=want_grad, workspace_bytes=workspace_bytes)
+                          want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0)
 
 
 def _engine(xp):
@@ -114,6 +119,12 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     reduction : "mean" (the sum over all N² pairs divided by N, as open_clip and big_vision)
         | "sum" (the sum over the pairs) | "none" (the (N,) per-row sums).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
+    group : communicator, optional
+        The loss of the global batch across ranks (every rank's images against every rank's
+        texts), as for :func:`cupynce.clip_loss_forward`: each rank computes the n × N block
+        of its rows; the gradients from ``*_backward`` follow the data-parallel convention (P
+        times the global loss's with respect to the local rows); the scale's and bias's are
+        the global ones on every rank.
 
     Notes
     -----
@@ -123,7 +134,11 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     softplus(−x): finite for any finite logit.
     """
     if group is not None:
-        raise NotImplementedError(f"{OP}: group= is not in this build yet")
+        from . import _comm, _global
+
+        return _global.siglip_loss_forward(
+            _comm.wrap(group), a, b, logit_scale, logit_bias, reduction=reduction,
+            normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad)
     xp, (ls, ls_shape), (lb, lb_shape) = _check(a, b, logit_scale, logit_bias, reduction,
                                                  workspace_bytes, normalize)
     _checks.check_bool(OP, "requires_grad", requires_grad)
@@ -155,6 +170,10 @@ def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
     (0-d float32 / float64 when a Python float was given); da, db follow the inputs' dtype.
     """
     require(ctx, OP)
+    if "global" in ctx.saved:
+        from . import _global
+
+        return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
     g = _checks.check_grad_loss(f"{OP}_backward", grad_loss, ctx.reduction, ctx.n, xp)

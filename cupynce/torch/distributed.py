@@ -223,3 +223,27 @@ def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
                                          requires_grad=requires_grad)
     tensors = [a, b, logit_scale if isinstance(logit_scale, Tensor) else None]
     return _run(op, group, checks, fwd, tensors)
+
+
+def siglip_loss(a: Any, b: Any, logit_scale: Any, logit_bias: Any, reduction: Any,
+                normalize: Any, workspace_bytes: Any, group, resolve: Callable) -> Tensor:
+    """``cupynce.torch.siglip_loss(..., group=group)`` (see the module notes); ``resolve``
+    is the single-process op's check of a scalar → (tensor or None, host value)."""
+    op = "siglip_loss"
+    ls: List[Any] = [None, 0.0]
+    lb: List[Any] = [None, 0.0]
+
+    def checks():
+        R.scalars(op, reduction, workspace_bytes)
+        _checks.check_bool(op, "normalize", normalize)
+        B.check_tensors(op, a=a, b=b)
+        ls[:] = resolve("logit_scale", logit_scale, a)
+        lb[:] = resolve("logit_bias", logit_bias, a)
+
+    def fwd(comm, a_, b_, ls_arr, lb_arr, requires_grad):
+        return _global.siglip_loss_forward(
+            comm, a_, b_, ls[1] if ls_arr is None else ls_arr,
+            lb[1] if lb_arr is None else lb_arr, reduction=reduction, normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=requires_grad)
+    tensors = [a, b] + [v if isinstance(v, Tensor) else None for v in (logit_scale, logit_bias)]
+    return _run(op, group, checks, fwd, tensors)

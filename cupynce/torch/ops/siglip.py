@@ -151,7 +151,11 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
     reduction : "mean" (default: the sum over the N² pairs divided by N, as open_clip) |
         "sum" | "none" (the (N,) per-row sums)
     normalize, workspace_bytes : as for :func:`nt_xent`.
-    group : not supported yet (raises).
+    group : torch.distributed process group, optional
+        The loss of the group's global batch (pairs concatenated in rank order): each rank's
+        images against every text.  Feature gradients follow DDP's convention; the scale's
+        and bias's gradients are the global ones on every rank
+        (``cupynce.torch.distributed``).
 
     Returns
     -------
@@ -162,8 +166,11 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
     ``L = exp(t) · â b̂ᵀ + β``, labels ``z = 2 I − 1``,
     ``loss = Σ_ij −log σ(z_ij L_ij) / N`` (open_clip's ``SigLipLoss`` on one GPU).
     """
-    if group is not None:
-        raise NotImplementedError(f"{OP}: group= is not in this build yet")
+    if group is not None:  # every check inside the group's first exchange
+        from .. import distributed
+
+        return distributed.siglip_loss(a, b, logit_scale, logit_bias, reduction, normalize,
+                                       workspace_bytes, group, _scalar)
     reduction, workspace_bytes = R.scalars(OP, reduction, workspace_bytes)
     B.check_tensors(OP, a=a, b=b)
     ls_tensor, ls_value = _scalar("logit_scale", logit_scale, a)
