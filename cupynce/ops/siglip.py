@@ -53,11 +53,16 @@ def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
     z = np.full((n, nc), -1.0, a)
     z[rows, row0 + rows] = 1.0
     zl = z * logits
-    row_loss = np.logaddexp(a.type(0), -zl).sum(axis=1) if want_loss else None
+    e = np.exp(-np.abs(zl))  # (one exponential for both: softplus(−x) and σ(−x), stably)
+    row_loss = None
+    if want_loss:
+        row_loss = (np.maximum(-zl, a.type(0)) + np.log1p(e)).sum(axis=1)
     grads = None
     if want_grad:
         w = _row_weights(weights, row0 + rows, a)
-        g = -w[:, None] * z * np.exp(-np.logaddexp(a.type(0), zl))  # −w z σ(−z L)
+        with np.errstate(invalid="ignore"):  # (NaN scores give NaN gradients)
+            sig = np.where(zl > 0, e, a.type(1)) / (a.type(1) + e)  # σ(−z L)
+        g = -w[:, None] * z * sig
         grads = (scale * (g @ ba), scale * (g.T @ aa), np.sum(g * (scale * dots)), np.sum(g))
     return row_loss, grads
 

@@ -647,6 +647,7 @@ def torch_reference(torch, op: str, temperature: float = 0.1) -> Callable[..., A
 
     Arguments of the returned function: ``nt_xent(z)``, ``info_nce(query, key)`` (in-batch
     negatives), ``clip_loss(a, b, logit_scale)`` (logit_scale a 0-d tensor),
+    ``siglip_loss(a, b, logit_scale, logit_bias)`` (open_clip's SigLipLoss, 0-d scalars),
     ``splade_pool(x, weight, bias, mask)`` (SPLADE's ``max_l log(1 + relu(x Wᵀ + b)) * mask``,
     the (B, V) output).
     """
@@ -675,6 +676,13 @@ def torch_reference(torch, op: str, temperature: float = 0.1) -> Callable[..., A
             act = torch.log1p(torch.relu(logits)) * mask.unsqueeze(-1).to(logits.dtype)
             return torch.max(act, dim=1).values
         return splade_ref
+
+    if op == "siglip_loss":  # open_clip's SigLipLoss on one GPU
+        def siglip_ref(a, b, logit_scale, logit_bias):
+            logits = logit_scale.exp() * a @ b.T + logit_bias
+            labels = 2 * torch.eye(a.shape[0], device=a.device, dtype=logits.dtype) - 1
+            return -F.logsigmoid(labels * logits).sum() / a.shape[0]
+        return siglip_ref
 
     if op != "clip_loss":
         raise ValueError(f"torch_reference: unknown op {op!r}")

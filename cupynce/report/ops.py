@@ -313,6 +313,43 @@ class ClipLoss(_Contrastive):
         return out
 
 
+class SigLip(_Contrastive):
+    name = "siglip_loss"
+    grad_names = ("da", "db", "dlogit_scale", "dlogit_bias")
+    description = "SigLIP sigmoid loss, learnable logit_scale = log 10 and logit_bias = -10"
+    logit_scale = math.log(10.0)
+    logit_bias = -10.0
+
+    def params(self):
+        p = super().params()
+        del p["temperature"]
+        p["logit_scale"], p["logit_bias"] = self.logit_scale, self.logit_bias
+        return p
+
+    def inputs(self, xp, shape, dtype, *, check, seed=0):
+        acc = np.float64 if dtype == np.float64 else np.float32
+        a, b, ls = ClipLoss.inputs(self, xp, shape, dtype, check=check, seed=seed)
+        ls = xp.asarray(np.asarray(self.logit_scale, acc))  # 0-d: gradients checked too
+        return a, b, ls, xp.asarray(np.asarray(self.logit_bias, acc))
+
+    def run(self, inputs, shape, grad, *, check):
+        loss, ctx = cupynce.siglip_loss_forward(*inputs, normalize=check)
+        return loss, list(cupynce.siglip_loss_backward(ctx, grad))
+
+    def oracle(self, inputs, shape, grad, *, check):
+        loss, grads = R.siglip_loss(*inputs, normalize=check, grad_loss=grad)
+        return loss, list(grads)
+
+    def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
+        from cupynce.report.harness import torch_reference, torch_step
+
+        fn = torch_reference(torch, "siglip_loss")
+        leaves = _leaves(torch, inputs[:2], dtype)
+        scalars = _leaves(torch, inputs[2:], torch.float64 if dtype == torch.float64 else None)
+        return torch_step(torch, torch.compile(fn, dynamic=False) if compile else fn,
+                          leaves + scalars)
+
+
 def _memeff_builder(torch, inputs, shape, grad) -> Step:
     """memeff 0.3's fused Triton CLIP loss: fixed temperature (no logit_scale gradient)."""
     import memeff
@@ -457,7 +494,7 @@ def register(spec: OpSpec) -> OpSpec:
     return spec
 
 
-for _spec in (NTXent(), InfoNCE(), ClipLoss(), SpladePool()):
+for _spec in (NTXent(), InfoNCE(), ClipLoss(), SigLip(), SpladePool()):
     register(_spec)
 
 
