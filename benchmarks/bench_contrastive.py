@@ -1,4 +1,4 @@
-"""Forward + backward time and peak memory of cupynce's NT-Xent and CLIP losses vs PyTorch.
+"""Forward + backward time and peak memory of cupynce's NT-Xent, CLIP and SigLIP losses vs PyTorch.
 
 Run from the repository root::
 
@@ -10,7 +10,11 @@ What is measured, per case (op, N, D, dtype), ordered from small to large
 Inputs: rows drawn from a normal distribution and L2-normalised in float32, then cast, so the
 logits are realistic (positive pairs have cosine ~0.71: view 2 = normalise(view 1 + noise)).
 NT-Xent: z (N, D) = two stacked views, temperature 0.1.  CLIP: a, b (N, D) paired rows,
-``logit_scale = log(1 / 0.07)`` (a learnable scalar: its gradient is computed too).
+``logit_scale = log(1 / 0.07)`` (a learnable scalar: its gradient is computed too).  SigLIP:
+a, b as CLIP's, ``logit_scale = log 10`` and ``logit_bias = -10`` (the paper's initialisation,
+both learnable); eager is open_clip's ``SigLipLoss`` formula
+``-logsigmoid((2 I - 1) * (logit_scale.exp() * a @ b.T + logit_bias)).sum() / N``, and the
+cuBLAS products are 3 (S, G B, Gᵀ A per row block).
 Every implementation computes the mean loss *and* the gradients of all inputs:
 
 ``cupynce``
@@ -81,7 +85,7 @@ from cupynce.report.harness import (  # noqa: E402
     is_oom, load_torch, markdown_table, run_case, to_torch, torch_reference, torch_step,
 )
 
-OPS = ("nt_xent", "clip_loss")
+OPS = ("nt_xent", "clip_loss", "siglip_loss")
 IMPLS = ("cupynce", "cublas", "eager", "amp", "compile")
 SIZES = (8192, 16384, 32768, 65536)
 BIG_SIZE = 131072
@@ -93,6 +97,7 @@ ALL_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 NT_XENT_TEMPERATURE = 0.1
 CLIP_LOGIT_SCALE = math.log(1 / 0.07)
+SIGLIP_LOGIT_SCALE, SIGLIP_LOGIT_BIAS = math.log(10.0), -10.0
 #: Noise norm added to view 1 to make view 2 (both unit rows): positive cosine ~ 1/sqrt(2).
 POSITIVE_NOISE = 1.0
 SEED = 0
@@ -150,6 +155,9 @@ def make_inputs(op: str, n: int, d: int, dtype: np.dtype, seed: int = SEED) -> T
     del noise
     if op == "nt_xent":
         return (_cast(cp.concatenate([x, y]), dtype),)
+    if op == "siglip_loss":  # 0-d scale and bias, learnable in both implementations
+        return (_cast(x, dtype), _cast(y, dtype), cp.asarray(np.float32(SIGLIP_LOGIT_SCALE)),
+                cp.asarray(np.float32(SIGLIP_LOGIT_BIAS)))
     ls = cp.asarray(np.float32(CLIP_LOGIT_SCALE))  # 0-d, learnable in both implementations
     return _cast(x, dtype), _cast(y, dtype), ls
 
@@ -166,6 +174,10 @@ def cupynce_step(op: str, inputs: Tuple[Any, ...]) -> Callable[[], Any]:
         def step():
             loss, ctx = cupynce.nt_xent_forward(z, NT_XENT_TEMPERATURE)
             return loss, (cupynce.nt_xent_backward(ctx, 1.0),)
+    elif op == "siglip_loss":
+        def step():
+            loss, ctx = cupynce.siglip_loss_forward(*inputs)
+            return loss, cupynce.siglip_loss_backward(ctx, 1.0)
     else:
         a, b, ls = inputs
 
@@ -195,7 +207,19 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
     g_buf = s_buf.astype(t) if split_g else s_buf
     blocks = [(r0, min(n, r0 + rb)) for r0 in range(0, n, rb)]
     gemm = _blas.gemm
-    if op == "nt_xent":
+    if op == "siglip_loss":  # one pass: S, then G B and Gᵀ A per row block
+        a, b = inputs[0], inputs[1]
+        da = cp.empty((n, d), acc)
+        db = cp.zeros((n, d), acc)
+        count = 3
+
+        def step() -> None:
+            for r0, r1 in blocks:
+                rows = r1 - r0
+                gemm(a[r0:r1], b, s_buf[:rows], trans_b=True)            # S = A_r Bᵀ
+                gemm(g_buf[:rows], b, da[r0:r1])                         # G B
+                gemm(g_buf[:rows], a[r0:r1], db, trans_a=True, beta=1.0)  # Gᵀ A_r
+    elif op == "nt_xent":
         z = x
         dz = cp.zeros((n, d), acc)
         count = 3

@@ -52,6 +52,9 @@ def inputs(op, n, d, dtype, seed=0, ls_kind="array"):
     if op == "info_nce_neg":
         return (mat(n), mat(n)), {"negatives": mat(n // 2)}
     ls = cp.asarray(np.float32(2.3 + 0.1 * seed)) if ls_kind == "array" else 2.3 + 0.1 * seed
+    if op == "siglip_loss":
+        lb = cp.asarray(np.float32(-10.0 + seed)) if ls_kind == "array" else -10.0 + seed
+        return (mat(n), mat(n), ls, lb), {}
     return (mat(n), mat(n), ls), {}
 
 
@@ -67,6 +70,11 @@ def step(op, args, kw, *, normalize=False, reduction="mean", requires_grad=True)
                                              reduction=reduction, requires_grad=requires_grad,
                                              **kw)
         grads = cupynce.info_nce_backward(ctx, g) if requires_grad else ()
+    elif op == "siglip_loss":
+        loss, ctx = cupynce.siglip_loss_forward(*args, normalize=normalize,
+                                                reduction=reduction,
+                                                requires_grad=requires_grad)
+        grads = cupynce.siglip_loss_backward(ctx, g) if requires_grad else ()
     else:
         loss, ctx = cupynce.clip_loss_forward(*args, normalize=normalize, reduction=reduction,
                                               requires_grad=requires_grad)
@@ -84,7 +92,7 @@ def plain(fn):
         _graphs.ENABLED = old
 
 
-OPS = ["nt_xent", "info_nce", "info_nce_neg", "clip_loss"]
+OPS = ["nt_xent", "info_nce", "info_nce_neg", "clip_loss", "siglip_loss"]
 
 
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32),
@@ -132,7 +140,8 @@ def test_inputs_read_afresh_and_outputs_kept(op):
     for (args, kw), w in zip(batches, want):
         loss, ctx = (cupynce.nt_xent_forward(args[0], 0.2) if op == "nt_xent" else
                      cupynce.info_nce_forward(args[0], args[1], 0.1, **kw)
-                     if op.startswith("info_nce") else cupynce.clip_loss_forward(*args))
+                     if op.startswith("info_nce") else cupynce.siglip_loss_forward(*args)
+                     if op == "siglip_loss" else cupynce.clip_loss_forward(*args))
         outs.append((loss, ctx.stats))
     assert _graphs.info()["plans"] == 1
     for (loss, stats), w in zip(outs, want):

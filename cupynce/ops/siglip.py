@@ -19,6 +19,7 @@ import numpy as np
 from .. import _checks, _engine
 from .._engine import arrays
 from .._engine.kernels import acc_dtype
+from . import _graphs
 from ._base import Context, Path, contig_inputs, finish_all, prep, reduce, require, weights
 
 __all__ = ["siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
@@ -152,20 +153,34 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     n = a.shape[0]
     acc = acc_dtype(a.dtype)
     a, b = contig_inputs(xp, a, b)
-    an, na = prep(path, a, normalize)
-    bn, nb = prep(path, b, normalize)
     fused = requires_grad and reduction != "none"
-    row_loss, grads = engine(an, bn, ls, lb, weights=weights(xp, None, reduction, n, acc),
-                             want_loss=True, want_grad=fused, workspace_bytes=workspace_bytes)
+    on_host = tuple(v if isinstance(v, float) else None for v in (ls, lb))
+
+    def compute(a, b, *scalars):
+        scalars = iter(scalars)  # the device scalars, in order (the host ones are baked in)
+        s = [v if v is not None else next(scalars) for v in on_host]
+        an, na = prep(path, a, normalize)
+        bn, nb = prep(path, b, normalize)
+        row_loss, grads = engine(an, bn, *s, weights=weights(xp, None, reduction, n, acc),
+                                 want_loss=True, want_grad=fused,
+                                 workspace_bytes=workspace_bytes)
+        return (reduce(xp, row_loss, reduction),) + (grads or (None,) * 4) + (na, nb), (an, bn)
+
+    device = tuple(v for v in (ls, lb) if not isinstance(v, float))
+    if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
+        outs = _graphs.run((OP, on_host, reduction, normalize, workspace_bytes, fused),
+                           (a, b) + device, lambda *xs: compute(*xs)[0])
+    else:
+        outs, xn = compute(a, b, *device)
+    loss, da, db, dscale, dbias, na, nb = outs
     ctx = Context(OP, reduction, n, xp)
     base = dict(x=(a, b), norms=(na, nb), shapes=(ls_shape, lb_shape),
                 dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
     if fused:
-        da, db, dscale, dbias = grads
         ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
     elif requires_grad:
-        ctx.saved = dict(base, xn=(an, bn), scalars=(ls, lb), ws=workspace_bytes)
-    return reduce(xp, row_loss, reduction), ctx
+        ctx.saved = dict(base, xn=xn, scalars=(ls, lb), ws=workspace_bytes)
+    return loss, ctx
 
 
 def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
