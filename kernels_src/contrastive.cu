@@ -191,29 +191,19 @@ __device__ __forceinline__ void clip_grad_body(
 // (S_ij = a_i . b_j; n columns, leading dim ld).  With scale = exp(*scale_log), L_ij =
 // scale * S_ij + *bias and z_ij = +1 for j == i, -1 otherwise (no softmax: every pair alone):
 //   loss_out[i]   = sum_j softplus(-z_ij L_ij)                              (null: not wanted)
-//   when g != null, with G_ij = -w_i z_ij sigmoid(-z_ij L_ij), w_i = w_mul * (w_ptr ?
-//   w_ptr[i * w_stride] : 1):
-//     g[r, j]       = scale * G_ij   (the gradient w.r.t. a_i . b_j; g may alias s)
+//   when g != null, with v_i = w_ptr ? w_ptr[i * w_stride] : 1 and
+//   G'_ij = -v_i z_ij sigmoid(-z_ij L_ij), G_ij = w_mul G'_ij (the gradient w.r.t. L_ij):
+//     g[r, j]        = scale * G'_ij  (w_mul is the products' alpha: at SigLIP's start, the
+//                      negatives' 10 sigmoid(-10) / N would underflow float16 for N >~ 16k)
 //     dscale_part[i] = sum_j G_ij (L_ij - bias),  dbias_part[i] = sum_j G_ij
-// softplus(x) = max(x, 0) + log1p(exp(-|x|)) and the sigmoid from exp(-|y|): finite for any
-// finite logit; a NaN score gives a NaN loss.
-template <typename A>
-__device__ __forceinline__ A cpn_softplus(A x) {
-    return x > A(0) ? x + cpn_log1p(cpn_exp(-x)) : cpn_log1p(cpn_exp(x));
-}
-
-template <typename A>
-__device__ __forceinline__ A cpn_sigmoid(A y) {
-    if (y >= A(0)) return A(1) / (A(1) + cpn_exp(-y));
-    const A e = cpn_exp(y);
-    return e / (A(1) + e);
-}
-
+// softplus(-x) = max(-x, 0) + log1p(e) and sigmoid(-x) from the same e = exp(-|x|): finite
+// for any finite logit; a NaN score gives NaN.  g may alias s (each element is read, then
+// written, by one thread): neither is __restrict__.
 template <typename T, typename A>
 __device__ __forceinline__ void siglip_rows_body(
-    const A* __restrict__ s, i64 ld, int n, int row0,
+    const A* s, i64 ld, int n, int row0,
     const A* __restrict__ scale_log, const A* __restrict__ bias_ptr,
-    A* __restrict__ loss_out, T* __restrict__ g, i64 ldg,
+    A* __restrict__ loss_out, T* g, i64 ldg,
     const A* __restrict__ w_ptr, i64 w_stride, A w_mul,
     A* __restrict__ dscale_part, A* __restrict__ dbias_part)
 {
@@ -224,19 +214,21 @@ __device__ __forceinline__ void siglip_rows_body(
     const A bias = bias_ptr[0];
     const A* row = s + (i64)r * ld;
     T* grow = g ? g + (i64)r * ldg : (T*)0;
-    const A wi = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1));
+    const A vi = w_ptr ? w_ptr[(i64)i * w_stride] : A(1);
     A loss = A(0), dsc = A(0), dbi = A(0);
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
         const A raw = row[j];  // (read before g, which may alias s, is written)
         const A L = scale * raw + bias;
         const A zl = (j == i) ? L : -L;
-        loss += cpn_softplus(-zl);
+        const A e = cpn_exp(-cpn_abs(zl));
+        if (loss_out) loss += (zl < A(0) ? -zl : A(0)) + cpn_log1p(e);
         if (grow) {
-            const A sg = cpn_sigmoid(-zl);
-            const A G = (j == i) ? -wi * sg : wi * sg;
+            const A sg = (zl > A(0) ? e : A(1)) / (A(1) + e);  // sigmoid(-zl)
+            const A Gp = (j == i) ? -vi * sg : vi * sg;
+            const A G = w_mul * Gp;
             dsc += G * (scale * raw);
             dbi += G;
-            grow[j] = Conv<T>::store(scale * G);
+            grow[j] = Conv<T>::store(scale * Gp);
         }
     }
     // (uniform over the block: every thread reaches each block_sum)

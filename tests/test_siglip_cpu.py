@@ -247,3 +247,13 @@ def test_backward_checks():
     _, ctx = cupynce.nt_xent_forward(np.zeros((4, 3), np.float32), 0.5)
     with pytest.raises(TypeError, match="siglip_loss_backward: ctx must be"):
         cupynce.siglip_loss_backward(ctx)
+
+
+def test_gpu_engine_is_wired():
+    """The CuPy path reaches the engine's SigLIP (no GPU needed to check the wiring)."""
+    from cupynce import _engine
+    from cupynce.ops import siglip as op
+
+    assert op._engine is _engine and callable(_engine.siglip)
+    assert op._engine_for(np) is op.numpy_engine
+    assert op._engine_for(object()) is op.gpu_engine

@@ -197,8 +197,8 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     global rows).  Returns ``row_loss, (da, db, dscale, dbias)``: (n,) losses, (n, D) / (Nc, D)
     accumulators and the two 0-d scalar gradients (fixed-order sums of per-row parts); None
     where not asked for.  Each score block: one cuBLAS product, the ``siglip_rows`` kernel
-    (loss, the gradient block in place or in the input dtype, the rows' scalar parts), the
-    two gradient products.
+    (loss, the gradient block without the uniform weight w_mul, in place or in the input dtype,
+    the rows' scalar parts), the two gradient products with alpha = w_mul.
     """
     t = an.dtype
     a = acc_dtype(t)
@@ -225,9 +225,10 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
             ptr(g_blk), np.int64(nc), ptr(w_arr), np.int64(w_stride), a.type(w_mul),
             ptr(parts) - row0 * a.itemsize if parts is not None else 0,
             0 if parts is None else parts.data.ptr + (n - row0) * a.itemsize))
-        if want_grad:  # (the first row block's products write db: beta = 0)
-            blas.gemm(g_blk, bn, da[r0:r1])
-            blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
+        if want_grad:  # (the block holds s G / w_mul; the first block's products write db)
+            blas.gemm(g_blk, bn, da[r0:r1], alpha=w_mul)
+            blas.gemm(g_blk, an[r0:r1], db, trans_a=True, alpha=w_mul,
+                      beta=1.0 if r0 else 0.0)
     grads = None
     if want_grad:
         grads = (da, db, fixed_sum(parts[0], 1), fixed_sum(parts[1], 1))

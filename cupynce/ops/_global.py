@@ -396,7 +396,7 @@ def siglip_loss_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction=
     a, b = contig_inputs(xp, a, b)
     an, na = prep(path, a, normalize)
     bn, nb = prep(path, b, normalize)
-    engine = siglip_op._engine(xp)
+    engine = siglip_op._engine_for(xp)
     b_all = comm.all_gather(bn).reshape(n * size, -1)
     fused = requires_grad and reduction != "none"
     w = weights(xp, None, reduction, n * size, acc)
@@ -430,7 +430,7 @@ def _siglip_acc(ctx: Context, g):
     acc = acc_dtype(s["x"][0].dtype)
     g_all = comm.all_gather(_upstream(xp, g, ctx.n, acc)).reshape(-1)
     w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
-    _, grads = siglip_op._engine(xp)(s["an"], s["b_all"], *s["scalars"], weights=w,
+    _, grads = siglip_op._engine_for(xp)(s["an"], s["b_all"], *s["scalars"], weights=w,
                                      want_loss=False, want_grad=True, workspace_bytes=s["ws"],
                                      row0=comm.rank * ctx.n)
     return _siglip_scatter(comm, xp, grads, s["an"].shape)

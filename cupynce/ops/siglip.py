@@ -107,7 +107,7 @@ def gpu_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
                           want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0)
 
 
-def _engine(xp):
+def _engine_for(xp):
     return numpy_engine if xp is np else gpu_engine
 
 
@@ -121,7 +121,9 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     a, b : (N, D) arrays — image and text embeddings, pair i is (a_i, b_i).
     logit_scale : real, or 0-d / (1,) array: t, the scale is s = exp(t) (SigLIP: log 10).
     logit_bias : real, or 0-d / (1,) array: β (SigLIP: −10).
-        Device arrays are never read back to the host.
+        Device arrays are never read back to the host.  Pass learnable values as arrays: a
+        Python float is a constant of the call (on the GPU it is part of the CUDA-graph key
+        of repeated calls, so a float that changes every step is captured anew each time).
     reduction : "mean" (the sum over all N² pairs divided by N, as open_clip and big_vision)
         | "sum" (the sum over the pairs) | "none" (the (N,) per-row sums).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
@@ -148,7 +150,7 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     xp, (ls, ls_shape), (lb, lb_shape) = _check(a, b, logit_scale, logit_bias, reduction,
                                                  workspace_bytes, normalize)
     _checks.check_bool(OP, "requires_grad", requires_grad)
-    engine = _engine(xp)
+    engine = _engine_for(xp)
     path = Path(xp)
     n = a.shape[0]
     acc = acc_dtype(a.dtype)
@@ -204,7 +206,7 @@ def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
         scalars = tuple(v if gs is None else v * gs.reshape(()) for v in s["dscalars"])
     else:
         an, bn = s["xn"]
-        _, (da_acc, db_acc, dscale, dbias) = _engine(xp)(
+        _, (da_acc, db_acc, dscale, dbias) = _engine_for(xp)(
             an, bn, *s["scalars"], weights=weights(xp, g, ctx.reduction, ctx.n, acc),
             want_loss=False, want_grad=True, workspace_bytes=s["ws"])
         da, db = finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)

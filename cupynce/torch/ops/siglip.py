@@ -91,6 +91,7 @@ def backward(ctx, grad_loss, *_grad_rest):
     da = db = dls = dlb = None
     direct = getattr(ctx, "direct", False)
     if ctx.fused:
+        R.refuse_double_backward()  # (also when only the scalars need a gradient)
         xa, xb, acc_a, acc_b, norm_a, norm_b, dscale, dbias = ctx.saved_tensors
         if need[0]:
             da = R.scaled(xa, norm_a, acc_a, grad_loss, ctx.dtypes[0], normalize, direct)
