@@ -2,7 +2,8 @@
 
 In multi-GPU training each GPU's loss call covers a few thousand rows; the kernels then take
 tens of microseconds and the host time around them decides the step.  For each op (nt_xent,
-info_nce, clip_loss with a learnable logit_scale), dtype (bf16, fp32) and N (256 ... 8192,
+info_nce, clip_loss with a learnable logit_scale, siglip_loss with a learnable scale and
+bias), dtype (bf16, fp32) and N (256 ... 8192,
 D = 512 by default) this times one call ``loss = f(*leaves); torch.autograd.grad(loss, leaves)``
 along these paths, on the same GPU in one run:
 
@@ -45,13 +46,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
 from cupynce.ops import _graphs  # noqa: E402
 from cupynce.ops import clip, info_nce, nt_xent  # noqa: E402
 from cupynce.report import harness as _harness  # noqa: E402
 from cupynce.torch import _bridge as bridge  # noqa: E402
 
-OPS = ("nt_xent", "info_nce", "clip_loss")
+OPS = ("nt_xent", "info_nce", "clip_loss", "siglip_loss")
 PATHS = ("cupynce.torch", "cupynce.torch compiled", "CuPy core", "PyTorch eager",
          "torch.compile", "memeff")
 SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -74,13 +76,16 @@ def _inputs(op: str, n: int, d: int, dtype: torch.dtype) -> List[torch.Tensor]:
          .requires_grad_(True) for _ in range(1 if op == "nt_xent" else 2)]
     if op == "clip_loss":
         x.append(torch.tensor(LOGIT_SCALE, device="cuda", requires_grad=True))
+    if op == "siglip_loss":  # the paper's initialisation, both learnable
+        x += [torch.tensor(v, device="cuda", requires_grad=True) for v in (2.3026, -10.0)]
     return x
 
 
 def _bridge_fn(op: str) -> Callable[..., Any]:
     return {"nt_xent": lambda z: ct.nt_xent(z, T),
             "info_nce": lambda q, k: ct.info_nce(q, k, T),
-            "clip_loss": lambda a, b, ls: ct.clip_loss(a, b, ls)}[op]
+            "clip_loss": lambda a, b, ls: ct.clip_loss(a, b, ls),
+            "siglip_loss": lambda a, b, ls, lb: ct.siglip_loss(a, b, ls, lb)}[op]
 
 
 def _torch_fn(op: str) -> Callable[..., Any]:
@@ -120,6 +125,9 @@ def core_call(op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
             if op == "info_nce":
                 loss, ctx = info_nce.info_nce_forward(xs[0], xs[1], T)
                 return loss, info_nce.info_nce_backward(ctx, one)
+            if op == "siglip_loss":
+                loss, ctx = cupynce.siglip_loss_forward(*xs)
+                return loss, cupynce.siglip_loss_backward(ctx, one)
             loss, ctx = clip.clip_loss_forward(xs[0], xs[1], xs[2])
             return loss, clip.clip_loss_backward(ctx, one)
     return call
