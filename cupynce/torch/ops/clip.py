@@ -92,6 +92,7 @@ def backward(ctx, grad_loss, *_grad_stats):
     ls_value, reduction, normalize, workspace_bytes = ctx.args
     da = db = dls = None
     if ctx.fused:
+        R.refuse_double_backward()  # (also when only logit_scale needs a gradient)
         xa, xb, acc_a, acc_b, norm_a, norm_b, dscale = ctx.saved_tensors
         if need[0]:
             da = R.scaled(xa, norm_a, acc_a, grad_loss, ctx.dtypes[0], normalize,
