@@ -28,7 +28,6 @@ and gradients of these losses.
 from __future__ import annotations
 
 import threading
-
 from typing import Optional
 
 import numpy as np

@@ -228,7 +228,7 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
             raise ValueError("an output is not C-contiguous (copied out as raw bytes)")
         layout, off = [], 0
         for o in probe:
-            small = o is not None and o.nbytes <= PACK_BYTES and o.flags.c_contiguous
+            small = o is not None and o.nbytes <= PACK_BYTES
             layout.append(off if small else None)
             if small:
                 off += (o.nbytes + 255) & ~255
