@@ -111,7 +111,7 @@ def backward(ctx, grad_loss, *_grad_stats):
             dls if need[2] and ctx.has_ls else None, None, None, None, None, None)
 
 
-ClipLossFunction = R.fallback("ClipLossFunction", fwd, setup_context, backward)
+ClipLossFunction = R.fallback("ClipLossFunction", fwd, setup_context, backward, fast=True)
 if R.HAS_CUSTOM_OPS:
     #: the backward op, so that torch.compile traces it into the backward graph
     BWD = R.custom_op("clip_loss_bwd", bwd, bwd_fake)
