@@ -12,7 +12,13 @@ along these paths, on the same GPU in one run:
 * ``CuPy core`` — what the bridge calls, on CuPy views of the same tensors on torch's stream
   (forward, reduce, ``*_backward_from_stats``), no torch in the loop;
 * ``PyTorch eager`` / ``torch.compile`` — the plain formula users run (open_clip's for CLIP);
-* ``memeff`` (CLIP) — memeff's fused Triton loss (fixed temperature), where installed.
+* ``memeff`` (CLIP) — memeff's fused Triton loss (fixed temperature), where installed;
+* ``autograd floor`` — an ``autograd.Function`` that does no work over the same leaves: the
+  host cost every Function-based loss pays (autograd's graph, its hop to the CUDA device
+  thread and back), against which the bridge's own share shows.
+
+The paths of one (op, dtype, N) are timed interleaved, round-robin within each repeat, so that
+a slow spell of the (noisy, shared) host hits them alike.
 
 Three numbers per path:
 
@@ -55,7 +61,7 @@ from cupynce.torch import _bridge as bridge  # noqa: E402
 
 OPS = ("nt_xent", "info_nce", "clip_loss", "siglip_loss")
 PATHS = ("cupynce.torch", "cupynce.torch compiled", "CuPy core", "PyTorch eager",
-         "torch.compile", "memeff")
+         "torch.compile", "memeff", "autograd floor")
 SIZES = (256, 512, 1024, 2048, 4096, 8192)
 T = 0.1
 LOGIT_SCALE = 2.659  # log(1/0.07)
@@ -142,6 +148,12 @@ def memeff_call(op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
     return _harness.torch_step(torch, loss_fn, [a, b])
 
 
+def _raiser(exc: Exception) -> Callable[[], Any]:
+    def call():
+        raise exc
+    return call
+
+
 def make_call(path: str, op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
     if path == "CuPy core":
         return core_call(op, leaves)
@@ -153,39 +165,74 @@ def make_call(path: str, op: str, leaves: List[torch.Tensor]) -> Callable[[], An
     return _harness.torch_step(torch, fn, leaves)
 
 
-def measure(call: Callable[[], Any], *, warmup: int, burst: int, repeat: int) -> Dict[str, Any]:
-    for _ in range(warmup):
-        call()
-    torch.cuda.synchronize()
+class _Floor(torch.autograd.Function):
+    """An autograd.Function that does no work: a new 0-d output, empty gradients.  Its
+    forward + ``autograd.grad`` is the host floor of any loss built as a Function (the
+    engine's graph, its hop to the CUDA device thread and back)."""
+
+    @staticmethod
+    def forward(ctx, *xs):
+        ctx.likes = [(x.shape, x.dtype) for x in xs]
+        return xs[0].new_empty((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(g.new_empty(s, dtype=d) for s, d in ctx.likes)
+
+
+def floor_call(leaves: List[torch.Tensor]) -> Callable[[], Any]:
+    return _harness.torch_step(torch, lambda *xs: _Floor.apply(*xs), leaves)
+
+
+def measure(calls: Dict[str, Callable[[], Any]], *, warmup: int, burst: int,
+            repeat: int) -> Dict[str, Any]:
+    """Time each of ``calls`` (path -> call), the paths interleaved round-robin within each
+    repeat so that a slow spell of the host hits them alike (the ratios are then fair)."""
+    res: Dict[str, Any] = {}
+    live = {}
+    for path, call in calls.items():
+        try:
+            for _ in range(warmup):
+                call()
+            torch.cuda.synchronize()
+            live[path] = call
+        except Exception as exc:  # noqa: BLE001 - a peer failing is a result
+            res[path] = f"{type(exc).__name__}: {exc}"[:300]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        start.record()
-        out = call()
-        end.record()
-        torch.cuda.synchronize()
-        del out
-        times.append(start.elapsed_time(end) * 1e3)
+    times: Dict[str, List[float]] = {p: [] for p in live}
+    gpu: Dict[str, List[float]] = {p: [] for p in live}
+    host: Dict[str, List[float]] = {p: [] for p in live}
+    starved = dict.fromkeys(live, 0)
     spin = _cycles(0.05 + burst * 2e-4)
-    gpu, host, starved = [], [], 0
     for _ in range(repeat):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(spin)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(burst):
-            call()
-        t1 = time.perf_counter()
-        end.record()
-        busy = not start.query()  # still spinning when the last call was queued
-        torch.cuda.synchronize()
-        starved += not busy
-        host.append((t1 - t0) / burst * 1e6)
-        gpu.append(start.elapsed_time(end) / burst * 1e3)
-    t, g = statistics.median(times), statistics.median(gpu)
-    return dict(time_us=t, kernels_us=g, host_us=statistics.median(host), overhead_us=t - g,
-                starved_bursts=starved, times_us=times)
+        for path, call in live.items():
+            torch.cuda.synchronize()
+            start.record()
+            out = call()
+            end.record()
+            torch.cuda.synchronize()
+            del out
+            times[path].append(start.elapsed_time(end) * 1e3)
+        for path, call in live.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(spin)
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(burst):
+                call()
+            t1 = time.perf_counter()
+            end.record()
+            busy = not start.query()  # still spinning when the last call was queued
+            torch.cuda.synchronize()
+            starved[path] += not busy
+            host[path].append((t1 - t0) / burst * 1e6)
+            gpu[path].append(start.elapsed_time(end) / burst * 1e3)
+    for path in live:
+        t, g = statistics.median(times[path]), statistics.median(gpu[path])
+        res[path] = dict(time_us=t, kernels_us=g, host_us=statistics.median(host[path]),
+                         overhead_us=t - g, starved_bursts=starved[path],
+                         times_us=times[path])
+    return res
 
 
 def _fmt_ms(us: Optional[float]) -> str:
@@ -242,7 +289,8 @@ def write(res: Dict[str, Any], args) -> str:
     md = (f"{_harness.device_header(res['info'])}\n\nforward + backward, D = {args.d}; time: "
           f"median of {args.repeat} calls each from an idle GPU (CUDA events); kernels: GPU "
           f"time per call of bursts of {args.burst} calls queued behind a GPU spin (median of "
-          f"{args.repeat}); overhead = time − kernels; compiled: torch.compile(dynamic=True). "
+          f"{args.repeat}); the paths of a row timed interleaved; overhead = time − kernels; "
+          f"compiled: torch.compile(dynamic=True); autograd floor: a Function doing no work. "
           f"* = a starved burst (host / kernels not meaningful).\n\n"
           f"{tables(res, args.paths)}\n")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -283,29 +331,33 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             dtype = getattr(torch, dname)
             res["results"][op][dname] = {}
             for n in args.sizes:
-                cell = res["results"][op][dname][n] = {}
+                t0 = time.perf_counter()
+                leaves = _inputs(op, n, args.d, dtype)
+                calls = {}
                 for path in args.paths:
                     if path == "memeff" and op != "clip_loss":
                         continue
-                    t0 = time.perf_counter()
                     try:
-                        leaves = _inputs(op, n, args.d, dtype)
-                        r = measure(make_call(path, op, leaves), warmup=args.warmup,
-                                    burst=args.burst, repeat=args.repeat)
+                        calls[path] = (floor_call(leaves) if path == "autograd floor"
+                                       else make_call(path, op, leaves))
                     except Exception as exc:  # noqa: BLE001 - a peer failing is a result
-                        r = f"{type(exc).__name__}: {exc}"[:300]
-                    cell[path] = r
+                        calls[path] = _raiser(exc)
+                cell = res["results"][op][dname][n] = measure(
+                    calls, warmup=args.warmup, burst=args.burst, repeat=args.repeat)
+                gi = _graphs.info()
+                for path, r in cell.items():
                     msg = r if isinstance(r, str) else (
                         f"{r['time_us']:.0f} µs, kernels {r['kernels_us']:.0f}, "
                         f"host {r['host_us']:.0f}, overhead {r['overhead_us']:.0f}"
                         + (f", {r['starved_bursts']} starved" if r["starved_bursts"] else ""))
-                    gi = _graphs.info()
-                    print(f"{op} {dname} N={n} {path}: {msg} "
-                          f"({time.perf_counter() - t0:.1f} s; graphs: {gi['plans']} plans, "
-                          f"{gi['bytes'] >> 20} MiB{'; refused: ' + str(gi['refused']) if gi['refused'] else ''})",
-                          flush=True)
-                    _graphs.clear()
-                    torch.cuda.empty_cache()
+                    print(f"{op} {dname} N={n} {path}: {msg}", flush=True)
+                print(f"  ({time.perf_counter() - t0:.1f} s; graphs: {gi['plans']} plans, "
+                      f"{gi['bytes'] >> 20} MiB"
+                      f"{'; refused: ' + str(gi['refused']) if gi['refused'] else ''})",
+                      flush=True)
+                del calls, leaves
+                _graphs.clear()
+                torch.cuda.empty_cache()
         write(res, args)  # (what is done so far, should the run be cut short)
     md = write(res, args)
     print(md)

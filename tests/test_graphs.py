@@ -82,6 +82,15 @@ def step(op, args, kw, *, normalize=False, reduction="mean", requires_grad=True)
     return [bits(loss)] + [bits(s) for s in ctx.stats] + [bits(x) for x in grads]
 
 
+def _run_threads(targets) -> None:
+    """Run each callable on its own thread; wait for all."""
+    threads = [threading.Thread(target=t) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def plain(fn):
     """``fn()`` with graphs off."""
     old = _graphs.ENABLED
@@ -177,11 +186,7 @@ def test_threads_sharing_a_stream():
         except Exception as exc:  # noqa: BLE001
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads([lambda i=i: worker(i) for i in range(4)])
     assert not errors, errors
     assert _graphs.info()["plans"] == 1
 
@@ -292,11 +297,7 @@ def test_per_thread_default_streams_have_their_own_plans():
         except Exception as exc:  # noqa: BLE001
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=worker) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads([worker, worker])
     assert not errors, errors
     assert _graphs.info()["plans"] == 2
 

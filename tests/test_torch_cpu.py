@@ -904,3 +904,13 @@ def test_exports_only_the_api():
     public = {n for n in dir(ct) if not n.startswith("_")}
     submodules = {"modules", "ops", "distributed"}  # (distributed: once imported)
     assert set(ct.__all__) <= public and public - set(ct.__all__) <= submodules, public
+
+
+def test_double_backward_raises_for_logit_scale_alone():
+    """create_graph=True through CLIP's fused path with only logit_scale requiring a
+    gradient: still an error (the accumulators' dependence on the inputs is invisible)."""
+    g = _gen("dbl-ls")
+    a, b = _randn(g, (8, 4)), _randn(g, (8, 4))
+    ls = _leaf(torch.tensor(2.0, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(ct.clip_loss(a, b, ls), [ls], create_graph=True)

@@ -28,7 +28,6 @@ and gradients of these losses.
 from __future__ import annotations
 
 import threading
-
 from typing import Optional
 
 import numpy as np
@@ -156,6 +155,23 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"cupynce: {what} failed with cuBLAS status {status}")
 
 
+def _ctypes_ok() -> bool:
+    """Whether cuBLAS is reachable through ctypes here (else: CuPy's wrappers, one warning;
+    the products then cannot be captured into CUDA graphs, which fall back to plain calls)."""
+    global _LIB
+    if _LIB is None:
+        try:
+            _libcublas()
+        except (OSError, AttributeError, ImportError) as exc:
+            import warnings
+
+            _LIB = False
+            warnings.warn(f"cupynce: cuBLAS not reachable through ctypes ({exc}); using "
+                          f"CuPy's cuBLAS wrappers (no CUDA-graph capture of small calls)",
+                          RuntimeWarning, stacklevel=3)
+    return _LIB is not False
+
+
 def cublas_gemm(*args) -> None:
     """``cublasGemmEx(*args)`` (CuPy's ``gemmEx`` argument order); raises on an error status."""
     _check(_libcublas().cublasGemmEx(*args), "cublasGemmEx")
@@ -195,8 +211,11 @@ def _handle() -> int:
     return entry[0]
 
 
-#: Bind this thread's handle to CuPy's current stream now (before a stream capture begins).
-bind_stream = _handle
+def bind_stream() -> None:
+    """Bind this thread's handle to CuPy's current stream now (before a stream capture
+    begins); nothing without the ctypes binding (the capture then fails and is refused)."""
+    if _ctypes_ok():
+        _handle()
 
 
 def unbind_stream() -> None:
@@ -237,11 +256,17 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     compute = cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F
     al = _scalar(alpha, wide)
     be = _scalar(beta, wide)
-    handle = _handle()
+    if _ctypes_ok():
+        handle, call = _handle(), cublas_gemm
+    else:  # (CuPy's handle and wrapper: what cupynce used before it called cuBLAS itself)
+        from cupy.cuda import device
+
+        handle, call = device.get_cublas_handle(), cublas.gemmEx
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     # Row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T: swap the operands.
     op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
     op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
-    cublas_gemm(
+    call(
         handle, op_b, op_a, n, m, k,
         al.ctypes.data, b.data.ptr, _cuda_type(b.dtype), leading_dim(b, "b"),
         a.data.ptr, _cuda_type(a.dtype), leading_dim(a, "a"),

@@ -74,7 +74,7 @@ PACK_BYTES = 1 << 20
 
 class _Plan:
     __slots__ = ("graph", "statics", "outs", "pack", "pack_bytes", "layout", "keep", "nbytes",
-                 "lock")
+                 "lock", "__weakref__")
 
     def __init__(self, graph, statics, outs, pack, pack_bytes, layout, keep, nbytes):
         self.graph, self.statics, self.outs, self.keep = graph, statics, outs, keep
@@ -107,6 +107,55 @@ class _Plan:
                     runtime.memcpyAsync(out.data.ptr, o.data.ptr, o.nbytes, _D2D, sp)
                     res.append(out)
         return tuple(res)
+
+    def replay_raw(self, in_ptrs: Sequence[int], pack_ptr: int,
+                   out_ptrs: Sequence[Tuple[int, int]], stream) -> None:
+        """:meth:`replay` on raw device pointers, for a caller that allocates the outputs
+        itself (``cupynce.torch``'s fast path): ``in_ptrs`` the inputs (same layout as the
+        statics), ``pack_ptr`` where the pack goes (``pack_bytes``; ignored without one),
+        ``out_ptrs`` ``(output index, destination)`` of the large outputs wanted."""
+        from cupy.cuda import runtime
+
+        sp = stream.ptr
+        with self.lock:
+            for st, p in zip(self.statics, in_ptrs):
+                runtime.memcpyAsync(st.data.ptr, p, st.nbytes, _D2D, sp)
+            self.graph.launch(stream)
+            if self.pack is not None:
+                runtime.memcpyAsync(pack_ptr, self.pack.ptr, self.pack_bytes, _D2D, sp)
+            for k, p in out_ptrs:
+                o = self.outs[k]
+                runtime.memcpyAsync(p, o.data.ptr, o.nbytes, _D2D, sp)
+
+
+#: per thread: while ``events`` is a list, :func:`run` appends ``(key, plan, inputs, outputs)``
+#: for each replay (``cupynce.torch``'s fast path learns from them, :func:`trace`)
+_tls = threading.local()
+
+
+class trace:
+    """``with trace() as events:`` — the replays :func:`run` makes in this thread inside the
+    block, as ``(key, plan, inputs, outputs)``; ``events`` also holds ``None`` for each call
+    that ran its kernels one by one."""
+
+    def __enter__(self) -> list:
+        self.before = getattr(_tls, "events", None)
+        _tls.events = []
+        return _tls.events
+
+    def __exit__(self, *exc) -> None:
+        _tls.events = self.before
+
+
+def live(key: tuple, plan: "_Plan") -> bool:
+    """Whether ``plan`` is still the cached plan of ``key`` (marked as just used if so)."""
+    if _plans.get(key) is not plan:
+        return False
+    try:
+        _plans.move_to_end(key)
+    except KeyError:  # evicted by another thread meanwhile
+        return False
+    return True
 
 
 def _switches() -> tuple:
@@ -149,6 +198,10 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
     current stream, never synchronise, never read device memory on the host, and return
     arrays it allocated (not views of its inputs).
     """
+    events = getattr(_tls, "events", None)
+    if events is not None:
+        slot = len(events)
+        events.append(None)  # (replaced by the replay's record below, if one is made)
     if not ENABLED or not _eligible(inputs):
         return compute(*inputs)
     import cupy as cp
@@ -183,7 +236,10 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
             _plans.move_to_end(key)  # least recently used goes first
         except KeyError:  # evicted by another thread meanwhile: this replay still holds it
             pass
-    return plan.replay(inputs, stream)
+    res = plan.replay(inputs, stream)
+    if events is not None:
+        events[slot] = (key, plan, tuple(inputs), res)
+    return res
 
 
 def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
@@ -228,7 +284,7 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
             raise ValueError("an output is not C-contiguous (copied out as raw bytes)")
         layout, off = [], 0
         for o in probe:
-            small = o is not None and o.nbytes <= PACK_BYTES and o.flags.c_contiguous
+            small = o is not None and o.nbytes <= PACK_BYTES
             layout.append(off if small else None)
             if small:
                 off += (o.nbytes + 255) & ~255

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from .. import _checks
 from ..ops import _base
 from . import _bridge as B
+from . import _fast
 
 #: torch.library.custom_op / register_fake / register_autograd / get_autocast_dtype.
 MIN_TORCH_CUSTOM_OPS = "2.4"
@@ -143,7 +144,7 @@ def scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: 
     return torch.mul(acc, grad_loss, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
 
 
-def fallback(name: str, fwd, setup, backward) -> type:
+def fallback(name: str, fwd, setup, backward, fast: bool = False) -> type:
     """A ``torch.autograd.Function`` over the same kernels: the direct eager path (see
     :func:`direct`), and torch < 2.4.  ``apply`` returns the op's first output alone (the
     loss, or SPLADE's pooled output).
@@ -153,12 +154,15 @@ def fallback(name: str, fwd, setup, backward) -> type:
     accumulators) are saved for backward as intermediates, not returned, since autograd's
     bookkeeping costs host time per output (~9 µs here, ~25 µs on the H100 hosts).  The
     old-style signature, because a Function that defines ``setup_context`` has ``apply``
-    bind its arguments with ``inspect.signature`` on every call (40-130 µs there)."""
+    bind its arguments with ``inspect.signature`` on every call (40-130 µs there).
+
+    ``fast``: ``fwd``'s GPU work is one graph replay and its outputs are views of the core's
+    (no work after it): repeated calls replay from the tensors (:mod:`cupynce.torch._fast`)."""
     def forward(ctx, *args):
         before = getattr(_DIRECT, "on", False)
         _DIRECT.on = True
         try:
-            out = fwd(*args)
+            out = _fast.call(fwd, args) if fast else fwd(*args)
         finally:
             _DIRECT.on = before
         ctx.direct = True

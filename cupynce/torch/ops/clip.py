@@ -92,6 +92,7 @@ def backward(ctx, grad_loss, *_grad_stats):
     ls_value, reduction, normalize, workspace_bytes = ctx.args
     da = db = dls = None
     if ctx.fused:
+        R.refuse_double_backward()  # (also when only logit_scale needs a gradient)
         xa, xb, acc_a, acc_b, norm_a, norm_b, dscale = ctx.saved_tensors
         if need[0]:
             da = R.scaled(xa, norm_a, acc_a, grad_loss, ctx.dtypes[0], normalize,
@@ -110,7 +111,7 @@ def backward(ctx, grad_loss, *_grad_stats):
             dls if need[2] and ctx.has_ls else None, None, None, None, None, None)
 
 
-ClipLossFunction = R.fallback("ClipLossFunction", fwd, setup_context, backward)
+ClipLossFunction = R.fallback("ClipLossFunction", fwd, setup_context, backward, fast=True)
 if R.HAS_CUSTOM_OPS:
     #: the backward op, so that torch.compile traces it into the backward graph
     BWD = R.custom_op("clip_loss_bwd", bwd, bwd_fake)

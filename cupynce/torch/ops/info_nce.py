@@ -96,7 +96,7 @@ def backward(ctx, grad_loss, *_grad_stats):
             dn if need[2] and ctx.has_neg else None, None, None, None, None, None)
 
 
-InfoNCEFunction = R.fallback("InfoNCEFunction", fwd, setup_context, backward)
+InfoNCEFunction = R.fallback("InfoNCEFunction", fwd, setup_context, backward, fast=True)
 if R.HAS_CUSTOM_OPS:
     #: the backward op, so that torch.compile traces it into the backward graph
     BWD = R.custom_op("info_nce_bwd", bwd, bwd_fake)

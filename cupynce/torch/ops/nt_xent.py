@@ -78,7 +78,7 @@ def backward(ctx, grad_loss, *_grad_stats):
     return dz, None, None, None, None, None
 
 
-NTXentFunction = R.fallback("NTXentFunction", fwd, setup_context, backward)
+NTXentFunction = R.fallback("NTXentFunction", fwd, setup_context, backward, fast=True)
 if R.HAS_CUSTOM_OPS:
     #: the backward op, so that torch.compile traces it into the backward graph
     BWD = R.custom_op("nt_xent_bwd", bwd, bwd_fake)
