@@ -5,7 +5,8 @@ lse2, lse / h, the info_nce g) and of the row / column kernels, for compute-sani
     compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py mma [tiles|blocks]
 
 An optional second argument runs one part: "tiles" (every tile kernel, one block each),
-"blocks" (small workspaces: several row groups / blocks) or "global" (the global NT-Xent's
+"blocks" (small workspaces: several row groups / blocks), "siglip" (SigLIP's row-block
+kernel) or "global" (the global NT-Xent's
 rank blocks, ``engine.cross``, on emulated ranks).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
@@ -40,6 +41,19 @@ if part in ("all", "blocks"):
     l, c = cupynce.clip_loss_forward(af, bf32, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
     l, c = cupynce.nt_xent_forward(af, 0.1, workspace_bytes=40000); cupynce.nt_xent_backward(c, 1.0)
     l, c = cupynce.info_nce_forward(a, bb, 0.1, workspace_bytes=1 << 20); cupynce.info_nce_backward(c, 1.0)
+if part in ("all", "siglip"):
+    # SigLIP's row-block kernel (siglip_rows): one block, then several (small workspace), bf16
+    # and float32, scale / bias as device arrays and as floats, the fused and the
+    # from-inputs gradient
+    ls, lb = cp.asarray(np.float32(2.3)), cp.asarray(np.float32(-10.0))
+    for x, y in ((a, bb), (a.astype(cp.float32), bb.astype(cp.float32))):
+        for ws in (None, 40000):
+            l, c = cupynce.siglip_loss_forward(x, y, ls, lb, workspace_bytes=ws)
+            cupynce.siglip_loss_backward(c, 0.5)
+            cupynce.siglip_loss_backward_from_inputs(x, y, 2.3, -10.0, 0.5, workspace_bytes=ws,
+                                                     normalize=True)
+            l, c = cupynce.siglip_loss_forward(x, y, 2.3, -10.0, reduction="none",
+                                               requires_grad=False, workspace_bytes=ws)
 if part in ("all", "global"):
     # the global NT-Xent's blocks on P = 4 emulated ranks (diagonal, cross, the split pair):
     # tiles (bf16), then the cuBLAS path (float32) with several row blocks

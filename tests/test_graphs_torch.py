@@ -50,6 +50,9 @@ def leaves(op, n, d, dtype, seed=0):
         return [mat(n), mat(n), mat(n // 2)]
     if op == "clip_loss":
         return [mat(n), mat(n), torch.tensor(2.3, device="cuda", requires_grad=True)]
+    if op == "siglip_loss":
+        return [mat(n), mat(n), torch.tensor(2.3, device="cuda", requires_grad=True),
+                torch.tensor(-10.0, device="cuda", requires_grad=True)]
     return [mat(n), mat(n)]  # clip_loss with a float logit_scale
 
 
@@ -59,7 +62,8 @@ def loss_fn(op, normalize=False, reduction="mean"):
             "info_nce": lambda q, k: ct.info_nce(q, k, 0.1, **kw),
             "info_nce_neg": lambda q, k, n: ct.info_nce(q, k, 0.1, negatives=n, **kw),
             "clip_loss": lambda a, b, s: ct.clip_loss(a, b, s, **kw),
-            "clip_float": lambda a, b: ct.clip_loss(a, b, 2.7, **kw)}[op]
+            "clip_float": lambda a, b: ct.clip_loss(a, b, 2.7, **kw),
+            "siglip_loss": lambda a, b, s, c: ct.siglip_loss(a, b, s, c, **kw)}[op]
 
 
 def step(fn, xs, scale=0.75):
@@ -70,7 +74,7 @@ def step(fn, xs, scale=0.75):
             for t in (loss,) + grads]
 
 
-OPS = ["nt_xent", "info_nce", "info_nce_neg", "clip_loss", "clip_float"]
+OPS = ["nt_xent", "info_nce", "info_nce_neg", "clip_loss", "clip_float", "siglip_loss"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32,

@@ -111,7 +111,8 @@ def backward(ctx, grad_loss, *_grad_rest):
             dlb if need[4] and ctx.has[1] else None, None, None, None, None, None)
 
 
-SigLipLossFunction = R.fallback("SigLipLossFunction", fwd, setup_context, backward)
+SigLipLossFunction = R.fallback("SigLipLossFunction", fwd, setup_context, backward,
+                                  fast=True)
 if R.HAS_CUSTOM_OPS:
     #: the backward op, so that torch.compile traces it into the backward graph
     BWD = R.custom_op("siglip_loss_bwd", bwd, bwd_fake)
