@@ -6,7 +6,7 @@ lse2, lse / h, the info_nce g) and of the row / column kernels, for compute-sani
 
 An optional second argument runs one part: "tiles" (every tile kernel, one block each),
 "blocks" (small workspaces: several row groups / blocks), "siglip" (SigLIP's row-block
-kernel) or "global" (the global NT-Xent's
+kernel; "siglip1": bf16 and one block only, few enough launches for racecheck) or "global" (the global NT-Xent's
 rank blocks, ``engine.cross``, on emulated ranks).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
@@ -41,13 +41,14 @@ if part in ("all", "blocks"):
     l, c = cupynce.clip_loss_forward(af, bf32, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
     l, c = cupynce.nt_xent_forward(af, 0.1, workspace_bytes=40000); cupynce.nt_xent_backward(c, 1.0)
     l, c = cupynce.info_nce_forward(a, bb, 0.1, workspace_bytes=1 << 20); cupynce.info_nce_backward(c, 1.0)
-if part in ("all", "siglip"):
+if part in ("all", "siglip", "siglip1"):
     # SigLIP's row-block kernel (siglip_rows): one block, then several (small workspace), bf16
     # and float32, scale / bias as device arrays and as floats, the fused and the
     # from-inputs gradient
     ls, lb = cp.asarray(np.float32(2.3)), cp.asarray(np.float32(-10.0))
-    for x, y in ((a, bb), (a.astype(cp.float32), bb.astype(cp.float32))):
-        for ws in (None, 40000):
+    one = part == "siglip1"  # (bf16, one block: few launches, for racecheck)
+    for x, y in ((a, bb),) + (() if one else ((a.astype(cp.float32), bb.astype(cp.float32)),)):
+        for ws in (None,) if one else (None, 40000):
             l, c = cupynce.siglip_loss_forward(x, y, ls, lb, workspace_bytes=ws)
             cupynce.siglip_loss_backward(c, 0.5)
             cupynce.siglip_loss_backward_from_inputs(x, y, 2.3, -10.0, 0.5, workspace_bytes=ws,

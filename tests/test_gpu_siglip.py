@@ -14,7 +14,11 @@ f16/bf16   1e-5 + one ulp of the output (2⁻¹⁰ / 2⁻⁷) for da, db: the sc
 with normalize, every bound × max(1, s / 10); in float16 / bfloat16 the normalised rows are
 stored in the input dtype (unit roundoff u = 2⁻¹¹ / 2⁻⁸), which moves each logit by up to
 s (2u + u²) (unit rows), so the loss and the scalar gradients get that perturbation's
-first-order bound (:func:`_rounding_slack`, from the float64 pair weights) on top; cond as in
+first-order bound (:func:`_rounding_slack`, from the float64 pair weights) on top, and so do
+da, db (through the normalisation's Jacobian), capped at 0.5 where that bound exceeds it
+(N = 1 at s = 100 in bfloat16: one pair's gradient, nearly parallel to its unit row, is
+mostly cancelled by the projection — 0.2 measured — and the cap still catches a wrong sign
+or a lost term); cond as in
 ``test_siglip_cpu.py``.  Plus: several row blocks (a small workspace) give
 the one-block bits for the losses, bitwise determinism, a non-default stream, NaN in → NaN out,
 |logits| up to 1e4 finite, the torch bridge on CUDA tensors.
@@ -54,30 +58,43 @@ UNIT = {F16: 2.0 ** -11, BF16: 2.0 ** -8}
 
 def _rounding_slack(a, b, ls, lb, reduction, g, dtype, ref_values):
     """Relative bounds, to first order (× 1.25 for the rest), on what storing the normalised
-    rows in ``dtype`` changes in (loss, dlogit_scale, dlogit_bias): every logit L_ij moves by
-    at most δ = s (2u + u²); with H_ij = σ(−z_ij L_ij) = |∂row_i / ∂L_ij| and
-    G_ij = −w_i z_ij H_ij, |Δrow_i| ≤ δ Σ_j H_ij, |ΔG_ij| ≤ |w_i| H_ij (1 − H_ij) δ and
-    |Δ(L_ij − β)| ≤ δ."""
+    rows in ``dtype`` changes in (loss, da, db, dlogit_scale, dlogit_bias).
+
+    Every logit L_ij moves by at most δ = s (2u + u²) (unit rows); with H_ij = σ(−z_ij L_ij)
+    = |∂row_i / ∂L_ij| and G_ij = −w_i z_ij H_ij: |Δrow_i| ≤ δ Σ_j H_ij,
+    |ΔG_ij| ≤ |w_i| H_ij (1 − H_ij) δ, |Δ(L_ij − β)| ≤ δ.  The row gradient before the
+    normalisation's Jacobian, acc_i = s Σ_j G_ij b̂_j, moves by at most
+    s Σ_j (|ΔG_ij| + u |G_ij|), and the projection (I − â âᵀ) / ‖a_i‖ with â off by u
+    adds 2u ‖acc_i‖ / ‖a_i‖ (which is large next to the result where acc_i is nearly
+    parallel to â: the cancellation 16-bit normalised rows cannot avoid)."""
     u = UNIT[dtype]
-    an = ref.l2_normalize(a)
-    bn = ref.l2_normalize(b)
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    na, nb = np.linalg.norm(a64, axis=1), np.linalg.norm(b64, axis=1)
+    an, bn = ref.l2_normalize(a), ref.l2_normalize(b)
     n = an.shape[0]
     scale = math.exp(ls)
     dots = scale * (an @ bn.T)
     z = 2 * np.eye(n) - 1
     h = 1 / (1 + np.exp(z * (dots + lb)))
-    w = np.abs(_weights(reduction, g, n))[:, None]
+    w = _weights(reduction, g, n)[:, None]
+    grad = -w * z * h
     delta = scale * (2 * u + u * u)
     rows = delta * h.sum(1)
     if reduction == "none":
         dloss = np.linalg.norm(rows)
     else:
         dloss = rows.sum() / (n if reduction == "mean" else 1)
-    dg = w * h * (1 - h) * delta
-    ddls = (dg * np.abs(dots)).sum() + (w * h).sum() * delta
+    dg = np.abs(w) * h * (1 - h) * delta
+    ddls = (dg * np.abs(dots)).sum() + np.abs(grad).sum() * delta
     ddlb = dg.sum()
+    acc_a, acc_b = scale * grad @ bn, scale * grad.T @ an
+    dda = (scale * (dg.sum(1) + u * np.abs(grad).sum(1))
+           + 2 * u * np.linalg.norm(acc_a, axis=1)) / na
+    ddb = (scale * (dg.sum(0) + u * np.abs(grad).sum(0))
+           + 2 * u * np.linalg.norm(acc_b, axis=1)) / nb
     out = []
-    for bound, ref_value in zip((dloss, ddls, ddlb), ref_values):
+    for bound, ref_value in zip((dloss, np.linalg.norm(dda), np.linalg.norm(ddb), ddls, ddlb),
+                                ref_values):
         size = np.linalg.norm(np.ravel(ref_value))
         out.append(1.25 * bound / size if size > 0 else 1.25 * bound)
     return out
@@ -109,9 +126,10 @@ def test_matches_oracle(dtype, reduction, normalize, n, d, ls, lb):
     c_ls, c_lb = _cond(a, b, ls, lb, normalize, _weights(reduction, g, n))
     tol = [base, base + GRAD[dtype], base + GRAD[dtype], base * c_ls, base * c_lb]
     if normalize and dtype in UNIT:
-        sl, sls, slb = _rounding_slack(a, b, ls, lb, reduction, g, dtype,
-                                       (rloss, rgrads[2], rgrads[3]))
-        tol = [tol[0] + sl, tol[1], tol[2], tol[3] + sls, tol[4] + slb]
+        slack = _rounding_slack(a, b, ls, lb, reduction, g, dtype, (rloss,) + tuple(rgrads))
+        tol = [t + sl for t, sl in zip(tol, slack)]
+        for i in (1, 2):  # (see the module notes: the cap where the bound passes 0.5)
+            tol[i] = min(tol[i], max(0.5, base + GRAD[dtype]))
     want = [np.asarray(rloss).astype(acc), rgrads[0].astype(dtype), rgrads[1].astype(dtype),
             rgrads[2].astype(acc), rgrads[3].astype(acc)]
     assert got[1].dtype == dtype and got[0].dtype == acc
