@@ -95,7 +95,8 @@ __device__ __forceinline__ void tile_body(
     // G / H / CLIP on wgmma write their 16-bit tile through shared memory (stmatrix, then
     // 16-byte coalesced stores): the last of the WSTAGES stage slots becomes that staging
     // buffer, 16 KiB per warpgroup (same dynamic shared memory size for every mode)
-    enum { SOUT = WG && (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP) };
+    enum { SOUT = WG && (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP
+                         || MODE == MODE_SIGLIP) };
     typedef TileLoop<T, WG, SOUT ? WSTAGES - 1 : WSTAGES> L;
     enum { I = L::I, J = L::J, NCG = L::NCG, NS = L::STAGES };
     extern __shared__ __align__(16) unsigned short smem[];
@@ -149,6 +150,8 @@ __device__ __forceinline__ void tile_body(
     const int total = my_tiles * KT;
     const float scale = scale_log ? scale_mul * expf(scale_log[0]) : scale_mul;
     const float sl2 = scale * CPN_LOG2E;  // logits in base-2 units: t = acc * sl2
+    // SIGLIP: the bias beta (through the lse_col slot, which this mode does not otherwise use)
+    const float sbias = MODE == MODE_SIGLIP ? lse_col[0] : 0.f;
     L loop;
     loop.init(smem, lane, warp);
     // SOUT: the staging tile, the last stage slot of the (1 KiB-aligned) wgmma ring
@@ -174,6 +177,10 @@ __device__ __forceinline__ void tile_body(
                 li2[i][h] = lse_row[gi[i][h]] * CPN_LOG2E;
                 wi[i][h] = w_mul * (w_ptr ? w_ptr[(i64)gi[i][h] * w_stride] : 1.f);
                 fi[i][h] = hw_factor<MODE>(li2[i][h], wi[i][h]);
+            }
+            if (MODE == MODE_SIGLIP) {  // rl: loss, rx: dscale, rm: dbias (sums from 0);
+                rm[i][h] = 0.f;          // wi: v_i without w_mul (the products' alpha)
+                wi[i][h] = rv[i][h] ? (w_ptr ? w_ptr[(i64)gi[i][h] * w_stride] : 1.f) : 0.f;
             }
         }
 
@@ -505,8 +512,8 @@ __device__ __forceinline__ void tile_body(
 #pragma unroll
                 for (int h = 0; h < 2; ++h) { rm[i][h] = ninf; win[i][h] = -1; nanr[i][h] = false; }
         }
-        if (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP) {
-            if (MODE != MODE_G && KT == 1) __syncthreads();  // colv written this iteration
+        if (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP || MODE == MODE_SIGLIP) {
+            if ((MODE == MODE_H || MODE == MODE_CLIP) && KT == 1) __syncthreads();  // colv written
             const float* lc2 = colv[cur & 1][0] + cbase + 2 * cq;  // [j * 8 + e]
             const float* wc = colv[cur & 1][1] + cbase + 2 * cq;
             const float* fc = colv[cur & 1][2] + cbase + 2 * cq;
@@ -517,7 +524,7 @@ __device__ __forceinline__ void tile_body(
             // (|t| <= 100 through the largest |acc|: one max per score; a NaN score, which
             // fmaxf skips, gives NaN on either path)
             bool fast = false;
-            if (MODE != MODE_G && !special) {
+            if ((MODE == MODE_H || MODE == MODE_CLIP) && !special) {
                 bool bad = false;
                 float amax = 0.f;
 #pragma unroll
@@ -548,7 +555,7 @@ __device__ __forceinline__ void tile_body(
 #pragma unroll
             for (int variant = 0; variant < 3; ++variant) {  // C and F are constants in each copy
                 const bool C = variant == 0, F = variant == 2;
-                if (MODE == MODE_G && F) continue;
+                if ((MODE == MODE_G || MODE == MODE_SIGLIP) && F) continue;
                 if (C != special || F != fast) continue;
 #pragma unroll
                 for (int i = 0; i < I; ++i)
@@ -556,7 +563,7 @@ __device__ __forceinline__ void tile_body(
                     for (int h = 0; h < 2; ++h) {
                         if (!rv[i][h]) continue;
                         const int grow = gi[i][h], pos = pr[i][h];
-                        T* grow_ptr = g + (i64)(grow - row0) * ldg;
+                        T* grow_ptr = g ? g + (i64)(grow - row0) * ldg : g;
 #pragma unroll
                         for (int j = 0; j < J; ++j) {
                             float val[2];
@@ -569,6 +576,25 @@ __device__ __forceinline__ void tile_body(
                                     float p = (C && exclude_diag && col == grow) ? 0.f : exp2f(t - li2[i][h]);
                                     if (C && col == pos) p -= 1.f;
                                     x = wi[i][h] * scale * p;
+                                } else if (MODE == MODE_SIGLIP) {
+                                    // L = s a + beta, z = +1 on the positive (col == grow)
+                                    // and -1 elsewhere: softplus(-zL) and sigmoid(-zL) from
+                                    // one e = exp(-|zL|), as siglip_rows (contrastive.cu)
+                                    const float raw = acc[i][j][h * 2 + e];
+                                    const bool posi = C && col == grow;
+                                    const float lg = scale * raw + sbias;
+                                    const float zl = posi ? lg : -lg;
+                                    const float ez = cpn_exp(-fabsf(zl));
+                                    x = 0.f;
+                                    if (!C || col < ncols) {
+                                        rl[i][h] += (zl < 0.f ? -zl : 0.f) + cpn_log1p(ez);
+                                        const float sg = (zl > 0.f ? ez : 1.f) / (1.f + ez);
+                                        const float gp = posi ? -wi[i][h] * sg : wi[i][h] * sg;
+                                        const float gw = w_mul * gp;
+                                        rx[i][h] += gw * (scale * raw);
+                                        rm[i][h] += gw;
+                                        x = scale * gp;
+                                    }
                                 } else if (F) {  // H or CLIP, unchecked tile
                                     const float G = exp2f(t) * (fi[i][h] + fc[j * 8 + e]);
                                     if (MODE == MODE_CLIP) rx[i][h] += G * t;
@@ -595,6 +621,8 @@ __device__ __forceinline__ void tile_body(
                             const int col = n0 + cbase + j * 8 + 2 * cq;
                             if (SOUT) {
                                 pk[i][h][j] = Pack2<T>::round(val[0], val[1]);
+                            } else if (MODE == MODE_SIGLIP && !g) {
+                                // (the loss alone: no gradient block)
                             } else if (!C || col + 1 < ncols) {
                                 *(unsigned*)(grow_ptr + col) = Pack2<T>::round(val[0], val[1]);
                             } else if (col < ncols) {
@@ -612,7 +640,7 @@ __device__ __forceinline__ void tile_body(
                         }
                     }
             }
-            if (SOUT) {
+            if (SOUT && (MODE != MODE_SIGLIP || g)) {  // (g: uniform over the CTA)
                 // The warpgroup's 64 x 128 block: stmatrix into a row-major staging tile
                 // (256-byte rows, 16-byte chunk c of row r at c ^ (r & 7): conflict-free), then
                 // each thread stores 16-byte chunks -- whole 128-byte lines instead of 8 rows x
@@ -663,6 +691,28 @@ __device__ __forceinline__ void tile_body(
     }
 
     // ---------------- per-row results of this CTA: merge the 4 lanes, then the 2 warps ----
+    if (MODE == MODE_SIGLIP) {  // three plain sums per row, in a fixed order
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int o = 1; o < 4; o <<= 1) {
+                    rm[i][h] += __shfl_xor_sync(0xffffffffu, rm[i][h], o);
+                    rl[i][h] += __shfl_xor_sync(0xffffffffu, rl[i][h], o);
+                    rx[i][h] += __shfl_xor_sync(0xffffffffu, rx[i][h], o);
+                }
+        __syncthreads();  // (red[] holds the pair slots)
+        row_pairs<L, I>(pair_slots, warp, cq, rbase, gq, rv,
+            [&](int i, int h, float* v) { v[0] = rm[i][h]; v[1] = rl[i][h]; v[2] = rx[i][h]; },
+            [&](int i, int h, const float* v) {
+                const i64 o = (i64)split * part_ld + (gi[i][h] - row0);
+                const bool two = L::ROW_WARPS == 2;
+                if (part_m) part_m[o] = rl[i][h] + (two ? v[1] : 0.f);   // loss
+                if (part_s) part_s[o] = rm[i][h] + (two ? v[0] : 0.f);   // dbias
+                if (dsp_part) dsp_part[o] = rx[i][h] + (two ? v[2] : 0.f);  // dscale
+            });
+    }
     if (MODE == MODE_LSE || MODE == MODE_LSE2 || MODE == MODE_CLIP) {
 #pragma unroll
         for (int i = 0; i < I; ++i)

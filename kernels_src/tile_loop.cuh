@@ -35,6 +35,7 @@
 #define MODE_H 3
 #define MODE_CLIP 4
 #define MODE_SPMAX 5
+#define MODE_SIGLIP 6
 
 #define CPN_LOG2E 1.4426950408889634f
 #define CPN_LN2 0.6931471805599453f

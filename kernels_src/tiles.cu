@@ -24,6 +24,12 @@
 //              H_ij = s (w_i p_ij + w_j p_ji - (w_i + w_j) [j = pos(i)]), H_ii = 0,
 //              p_ji = exp(l_ij - lse_j), so dZ = H Z is one product
 //   MODE_CLIP  CLIP's gradient block s G_ij and the row partials of sum_j G_ij L_ij
+//   MODE_SIGLIP SigLIP, one pass (no statistics): with L = s S_ij + beta (beta at lse_col[0])
+//              and z = +1 on the positive, -1 elsewhere, the row partials of the loss
+//              sum_j softplus(-z L) (part_m), of dbias sum_j G_ij (part_s) and of dscale
+//              sum_j G_ij (L - beta) (dsp_part), G_ij = w_mul G'_ij, G'_ij = -z v_i
+//              sigmoid(-z L); and, when g is given, the gradient block s G'_ij in T (w_mul
+//              is the products' alpha, as siglip_rows)
 //   MODE_SPMAX SPLADE's max over the sequence (splade_tiles.cu): A = W (vocabulary rows),
 //              B = x[b] for the CTA's batches (every position tile of each in turn), each
 //              logit rounded to T (as the cuBLAS path and PyTorch's half matmul give it),
@@ -152,6 +158,10 @@ extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_h_##SUF(        
     CPN_TILE_ARGS(T)) { tile_body<T, MODE_H, false>(CPN_TILE_PASS); }                      \
 extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_clip_##SUF(                \
     CPN_TILE_ARGS(T)) { tile_body<T, MODE_CLIP, false>(CPN_TILE_PASS); }                   \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_siglip_##SUF(              \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_SIGLIP, false>(CPN_TILE_PASS); }                 \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_siglip_##SUF(            \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_SIGLIP, true>(CPN_TILE_PASS); }                  \
 extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_lse_##SUF(               \
     CPN_TILE_ARGS(T)) { tile_body<T, MODE_LSE, true>(CPN_TILE_PASS); }                     \
 extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_lse2_##SUF(              \

@@ -83,7 +83,15 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     return blocks.cross(q, k, scale, **kw)
 
 
-#: SigLIP's sigmoid loss: the cuBLAS row-block path for every dtype (``blocks.siglip``).
-siglip = blocks.siglip
+def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes,
+           row0: int = 0):
+    """SigLIP's per-row losses and gradient accumulators: the tensor-core tiles where they
+    apply (16-bit, aligned; ``tiles.siglip``), else the cuBLAS row blocks
+    (:func:`blocks.siglip`, which documents the arguments and returns)."""
+    kw = dict(weights=weights, want_loss=want_loss, want_grad=want_grad,
+              workspace_bytes=workspace_bytes, row0=row0)
+    if tiles.tiles_ok(an, bn):
+        return tiles.siglip(an, bn, ls, lb, **kw)
+    return blocks.siglip(an, bn, ls, lb, **kw)
 col_lse = blocks.col_lse
 pair_dots = blocks.pair_dots

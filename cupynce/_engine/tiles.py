@@ -23,7 +23,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from . import blas, kernels
-from .arrays import FILE as ROWS_FILE, pair_weights, ptr
+from .arrays import FILE as ROWS_FILE, buffers, fixed_sum, pair_weights, ptr
 from .blocks import FAR_MOD
 from .kernels import BLOCK
 
@@ -391,6 +391,64 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     if col_state:
         return lse_r, state, pair_loss, grads
     return lse_r, lse_c, pair_loss, grads
+
+
+#: SigLIP's default gradient-block workspace on the tiles (a caller's ``workspace_bytes``
+#: overrides it): 512 MiB keeps N = 65536 bf16 within 1 GiB with the (N, D) accumulators, in
+#: blocks of 4096 rows, long enough for the gradient products to run at cuBLAS's full rate.
+SIGLIP_WORKSPACE_BYTES = 512 << 20
+
+
+def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes,
+           row0: int = 0):
+    """:func:`blocks.siglip` on the tile kernels (``MODE_SIGLIP``): the score tiles never
+    reach memory.  Per row block one launch gives the rows' loss, dbias and dscale partials
+    (per column split, summed in split order by ``tile_sum``) and, for the gradient, the
+    block s G' in the input dtype, which the two gradient products read with alpha = w_mul.
+    Without the gradient there is no block: one launch over every row.  Same returns as
+    :func:`blocks.siglip`."""
+    import cupy as cp
+
+    t, f32 = an.dtype, np.dtype(np.float32)
+    n, d = an.shape
+    nc = bn.shape[0]
+    ct = -(-nc // TILE)
+    w_mul = weights[2]
+    ldg = -(-nc // 8) * 8
+    rb, g_buf = n, None
+    if want_grad:
+        rb = blas.plan_rows("siglip_loss", n, ldg * t.itemsize, workspace_bytes, align=TILE)
+        if workspace_bytes is None:
+            rb = min(rb, max(TILE, SIGLIP_WORKSPACE_BYTES // (ldg * t.itemsize) // TILE * TILE))
+        g_buf = cp.empty((rb, ldg), t)
+    row_loss, da, db, parts = buffers((
+        ((n,), f32) if want_loss else None, ((n, d), f32) if want_grad else None,
+        ((nc, d), f32) if want_grad else None, ((2, n), f32) if want_grad else None))
+    for r0 in range(0, n, rb):
+        r1 = min(n, r0 + rb)
+        m = r1 - r0
+        rt = -(-m // TILE)
+        splits = grid_splits(rt, ct)
+        part = cp.empty((3, splits, m), f32)  # loss | dbias | dscale partials per split
+        g_blk = g_buf[:m, :nc] if want_grad else None
+        tile("siglip", t, (rt, splits), an[r0:r1], row0 + r0, bn, None, scale_log=ls,
+             pos_mod=FAR_MOD, part=(part[0].data.ptr if want_loss else 0,
+                                    part[1].data.ptr if want_grad else 0, m),
+             lse_col=lb, weights=weights, g=g_blk, dsp=part[2].data.ptr if want_grad else 0)
+        sums = [(part[0], row_loss[r0:r1])] if want_loss else []
+        if want_grad:
+            sums += [(part[1], parts[1, r0:r1]), (part[2], parts[0, r0:r1])]
+        for p, out in sums:
+            kernels.launch(FILE, "tile_sum", t, (-(-m // BLOCK),),
+                           (p, np.int64(m), np.int32(splits), np.int32(m), out))
+        if want_grad:  # (the block holds s G' = s G / w_mul; the first block writes db)
+            blas.gemm(g_blk, bn, da[r0:r1], alpha=w_mul)
+            blas.gemm(g_blk, an[r0:r1], db, trans_a=True, alpha=w_mul,
+                      beta=1.0 if r0 else 0.0)
+    grads = None
+    if want_grad:  # parts: dscale, dbias rows (blocks.siglip's layout)
+        grads = (da, db, fixed_sum(parts[0], 1), fixed_sum(parts[1], 1))
+    return row_loss, grads
 
 
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
