@@ -129,74 +129,51 @@ def check_info_nce(rank, P):
                     _close(nloc.grad, P * nall.grad[mine], tg, case + " dneg")
 
 
-def check_clip_loss(rank, P):
+def _check_paired(rank, P, op, scalars, seed):
+    """A paired loss (CLIP, SigLIP) with learnable scalars (``scalars``: their values, in
+    the call's order after a and b) over the group against one process on the whole batch."""
     import cupynce.torch as ct
 
+    fn = getattr(ct, op)
+    names = ("dlogit_scale", "dlogit_bias")
     n, d = (4, 6) if DEVICE == "cpu" else (40, 64)
     N = n * P
     mine = torch.arange(rank * n, (rank + 1) * n, device=DEVICE)
     for dtype in DTYPES:
         for reduction in ("mean", "sum", "none"):
             for normalize in (False, True):
-                gen = torch.Generator().manual_seed(31)
+                gen = torch.Generator().manual_seed(seed)
                 A, Bm = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(
                     DEVICE, dtype) for _ in range(2))
                 gl = torch.randn(N, generator=gen, dtype=torch.float64).to(DEVICE)
-                ls = torch.tensor(2.3, dtype=torch.float32, device=DEVICE, requires_grad=True)
+                sc = [torch.tensor(v, dtype=torch.float32, device=DEVICE, requires_grad=True)
+                      for v in scalars]
                 a, b = (x[mine].clone().requires_grad_(True) for x in (A, Bm))
-                loss = ct.clip_loss(a, b, ls, reduction=reduction, normalize=normalize,
-                                    group=dist.group.WORLD)
-                lss = ls.detach().clone().requires_grad_(True)
+                loss = fn(a, b, *sc, reduction=reduction, normalize=normalize,
+                          group=dist.group.WORLD)
+                scs = [x.detach().clone().requires_grad_(True) for x in sc]
                 As, Bs = (x.clone().requires_grad_(True) for x in (A, Bm))
-                want = ct.clip_loss(As, Bs, lss, reduction=reduction, normalize=normalize)
-                up = gl.to(want.dtype) if reduction == "none" else \
-                    torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
-                g_up = up[mine] if reduction == "none" else up
-                with _no_sync():
-                    loss.backward(g_up)
-                want.backward(up)
-                tl, tg = TOL[dtype]
-                case = f"clip_loss P={P} {dtype} {reduction} normalize={normalize}"
-                _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
-                _close(a.grad, P * As.grad[mine], tg, case + " da")
-                _close(b.grad, P * Bs.grad[mine], tg, case + " db")
-                _close(ls.grad, lss.grad, max(tg, 1e-10) * 4, case + " dlogit_scale")
-
-
-def check_siglip_loss(rank, P):
-    import cupynce.torch as ct
-
-    n, d = (4, 6) if DEVICE == "cpu" else (40, 64)
-    N = n * P
-    mine = torch.arange(rank * n, (rank + 1) * n, device=DEVICE)
-    for dtype in DTYPES:
-        for reduction in ("mean", "sum", "none"):
-            for normalize in (False, True):
-                gen = torch.Generator().manual_seed(37)
-                A, Bm = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(
-                    DEVICE, dtype) for _ in range(2))
-                gl = torch.randn(N, generator=gen, dtype=torch.float64).to(DEVICE)
-                ls, lb = (torch.tensor(v, dtype=torch.float32, device=DEVICE,
-                                       requires_grad=True) for v in (2.3, -10.0))
-                a, b = (x[mine].clone().requires_grad_(True) for x in (A, Bm))
-                loss = ct.siglip_loss(a, b, ls, lb, reduction=reduction, normalize=normalize,
-                                      group=dist.group.WORLD)
-                lss, lbs = (x.detach().clone().requires_grad_(True) for x in (ls, lb))
-                As, Bs = (x.clone().requires_grad_(True) for x in (A, Bm))
-                want = ct.siglip_loss(As, Bs, lss, lbs, reduction=reduction,
-                                      normalize=normalize)
+                want = fn(As, Bs, *scs, reduction=reduction, normalize=normalize)
                 up = gl.to(want.dtype) if reduction == "none" else \
                     torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
                 with _no_sync():
                     loss.backward(up[mine] if reduction == "none" else up)
                 want.backward(up)
                 tl, tg = TOL[dtype]
-                case = f"siglip_loss P={P} {dtype} {reduction} normalize={normalize}"
+                case = f"{op} P={P} {dtype} {reduction} normalize={normalize}"
                 _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
                 _close(a.grad, P * As.grad[mine], tg, case + " da")
                 _close(b.grad, P * Bs.grad[mine], tg, case + " db")
-                _close(ls.grad, lss.grad, max(tg, 1e-10) * 4, case + " dlogit_scale")
-                _close(lb.grad, lbs.grad, max(tg, 1e-10) * 4, case + " dlogit_bias")
+                for name, x, y in zip(names, sc, scs):
+                    _close(x.grad, y.grad, max(tg, 1e-10) * 4, f"{case} {name}")
+
+
+def check_clip_loss(rank, P):
+    _check_paired(rank, P, "clip_loss", (2.3,), 31)
+
+
+def check_siglip_loss(rank, P):
+    _check_paired(rank, P, "siglip_loss", (2.3, -10.0), 37)
 
 
 def check_ddp_step(rank, P):

@@ -175,6 +175,26 @@ def fallback(name: str, fwd, setup, backward, fast: bool = False) -> type:
         "__doc__": f"Eager autograd for {fwd.__name__}."})
 
 
+def register(op: str, function_name: str, fwd, fwd_fake, bwd, bwd_fake, setup, backward, *,
+             autocast: Tuple[int, ...] = (), fast: bool = False):
+    """An op's three faces: ``(Function, FWD, BWD)``.
+
+    ``Function`` is the direct eager path (:func:`fallback`; ``fast`` as there); ``FWD`` the
+    forward custom op ``cupynce::<op>_fwd`` with ``backward`` as its autograd formula and
+    autocast casts at ``autocast``; ``BWD`` the backward op ``cupynce::<op>_bwd``, so that
+    torch.compile traces it into the backward graph.  On torch < 2.4: the Function (``FWD``
+    returns its output as a one-tuple, like the op) and the plain ``bwd``."""
+    function = fallback(function_name, fwd, setup, backward, fast=fast)
+    if not HAS_CUSTOM_OPS:  # pragma: no cover - exercised only on torch < 2.4
+        def fwd_op(*args):
+            return (function.apply(*args),)
+        return function, fwd_op, bwd
+    bwd_op = custom_op(f"{op}_bwd", bwd, bwd_fake)
+    fwd_op = custom_op(f"{op}_fwd", fwd, fwd_fake, setup=setup, backward=backward,
+                       autocast=autocast)
+    return function, fwd_op, bwd_op
+
+
 def non_differentiable(ctx, *outputs: Tensor) -> None:
     """``ctx.mark_non_differentiable`` for the custom op's extra outputs (the direct
     Function returns only the first output: nothing to mark there)."""

@@ -111,16 +111,9 @@ def backward(ctx, grad_loss, *_grad_stats):
             dls if need[2] and ctx.has_ls else None, None, None, None, None, None)
 
 
-ClipLossFunction = R.fallback("ClipLossFunction", fwd, setup_context, backward, fast=True)
-if R.HAS_CUSTOM_OPS:
-    #: the backward op, so that torch.compile traces it into the backward graph
-    BWD = R.custom_op("clip_loss_bwd", bwd, bwd_fake)
-    FWD = R.custom_op("clip_loss_fwd", fwd, fwd_fake, setup=setup_context, backward=backward,
-                      autocast=(0, 1))
-else:  # pragma: no cover - exercised only on torch < 2.4
-    BWD = bwd
-    def FWD(*args):
-        return (ClipLossFunction.apply(*args),)
+ClipLossFunction, FWD, BWD = R.register(
+    "clip_loss", "ClipLossFunction", fwd, fwd_fake, bwd, bwd_fake, setup_context, backward,
+    autocast=(0, 1), fast=True)
 
 
 def _logit_scale(a: Any, b: Any, logit_scale: Any) -> Tuple[Optional[Tensor], float]:

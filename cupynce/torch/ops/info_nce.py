@@ -96,16 +96,9 @@ def backward(ctx, grad_loss, *_grad_stats):
             dn if need[2] and ctx.has_neg else None, None, None, None, None, None)
 
 
-InfoNCEFunction = R.fallback("InfoNCEFunction", fwd, setup_context, backward, fast=True)
-if R.HAS_CUSTOM_OPS:
-    #: the backward op, so that torch.compile traces it into the backward graph
-    BWD = R.custom_op("info_nce_bwd", bwd, bwd_fake)
-    FWD = R.custom_op("info_nce_fwd", fwd, fwd_fake, setup=setup_context, backward=backward,
-                      autocast=(0, 1, 2))
-else:  # pragma: no cover - exercised only on torch < 2.4
-    BWD = bwd
-    def FWD(*args):
-        return (InfoNCEFunction.apply(*args),)
+InfoNCEFunction, FWD, BWD = R.register(
+    "info_nce", "InfoNCEFunction", fwd, fwd_fake, bwd, bwd_fake, setup_context, backward,
+    autocast=(0, 1, 2), fast=True)
 
 
 def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,

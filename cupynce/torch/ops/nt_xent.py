@@ -78,16 +78,9 @@ def backward(ctx, grad_loss, *_grad_stats):
     return dz, None, None, None, None, None
 
 
-NTXentFunction = R.fallback("NTXentFunction", fwd, setup_context, backward, fast=True)
-if R.HAS_CUSTOM_OPS:
-    #: the backward op, so that torch.compile traces it into the backward graph
-    BWD = R.custom_op("nt_xent_bwd", bwd, bwd_fake)
-    FWD = R.custom_op("nt_xent_fwd", fwd, fwd_fake, setup=setup_context, backward=backward,
-                      autocast=(0,))
-else:  # pragma: no cover - exercised only on torch < 2.4
-    BWD = bwd
-    def FWD(*args):
-        return (NTXentFunction.apply(*args),)
+NTXentFunction, FWD, BWD = R.register(
+    "nt_xent", "NTXentFunction", fwd, fwd_fake, bwd, bwd_fake, setup_context, backward,
+    autocast=(0,), fast=True)
 
 
 def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",

@@ -111,18 +111,9 @@ def backward(ctx, grad_loss, *_grad_rest):
             dlb if need[4] and ctx.has[1] else None, None, None, None, None, None)
 
 
-SigLipLossFunction = R.fallback("SigLipLossFunction", fwd, setup_context, backward,
-                                  fast=True)
-if R.HAS_CUSTOM_OPS:
-    #: the backward op, so that torch.compile traces it into the backward graph
-    BWD = R.custom_op("siglip_loss_bwd", bwd, bwd_fake)
-    FWD = R.custom_op("siglip_loss_fwd", fwd, fwd_fake, setup=setup_context, backward=backward,
-                      autocast=(0, 1))
-else:  # pragma: no cover - exercised only on torch < 2.4
-    BWD = bwd
-
-    def FWD(*args):
-        return (SigLipLossFunction.apply(*args),)
+SigLipLossFunction, FWD, BWD = R.register(
+    "siglip_loss", "SigLipLossFunction", fwd, fwd_fake, bwd, bwd_fake, setup_context, backward,
+    autocast=(0, 1), fast=True)
 
 
 def _scalar(name: str, value: Any, a: Tensor) -> Tuple[Optional[Tensor], float]:

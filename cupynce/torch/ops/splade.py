@@ -92,16 +92,9 @@ def backward(ctx, grad_out, *_grad_argmax):
             db if need[2] and has_bias else None) + nones
 
 
-SpladePoolFunction = R.fallback("SpladePoolFunction", fwd, setup_context, backward)
-if R.HAS_CUSTOM_OPS:
-    #: the backward op, so that torch.compile traces it into the backward graph
-    BWD = R.custom_op("splade_pool_bwd", bwd, bwd_fake)
-    FWD = R.custom_op("splade_pool_fwd", fwd, fwd_fake, setup=setup_context, backward=backward,
-                      autocast=(0, 1, 2))
-else:  # pragma: no cover - exercised only on torch < 2.4
-    BWD = bwd
-    def FWD(*args):
-        return (SpladePoolFunction.apply(*args),)
+SpladePoolFunction, FWD, BWD = R.register(
+    "splade_pool", "SpladePoolFunction", fwd, fwd_fake, bwd, bwd_fake, setup_context, backward,
+    autocast=(0, 1, 2))
 
 
 def check_activation(op: str, activation: Any) -> str:
