@@ -22,20 +22,9 @@ import torch._dynamo.testing  # noqa: E402  (CompileCounterWithBackend)
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
 from cupynce import reference as ref  # noqa: E402
-from cupynce.torch import _registry  # noqa: E402
+from test_torch_cpu import _registered  # noqa: E402  (the custom ops, not the direct path)
 
 REDUCTIONS = ("mean", "sum", "none")
-
-
-def _registered(fn):
-    def call(*args, **kwargs):
-        real = _registry.direct
-        _registry.direct = lambda *tensors: False
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _registry.direct = real
-    return call
 
 
 PATHS = {"direct": ct.siglip_loss, "registered": _registered(ct.siglip_loss)}
