@@ -150,8 +150,11 @@ __device__ __forceinline__ void tile_body(
     const int total = my_tiles * KT;
     const float scale = scale_log ? scale_mul * expf(scale_log[0]) : scale_mul;
     const float sl2 = scale * CPN_LOG2E;  // logits in base-2 units: t = acc * sl2
-    // SIGLIP: the bias beta (through the lse_col slot, which this mode does not otherwise use)
+    // SIGLIP: the bias beta (through the lse_col slot, which this mode does not otherwise use);
+    // the loss only where asked for (part_m), the gradient's terms only where asked for
     const float sbias = MODE == MODE_SIGLIP ? lse_col[0] : 0.f;
+    const bool sg_loss = MODE == MODE_SIGLIP && part_m;
+    const bool sg_grad = MODE == MODE_SIGLIP && (g || part_s || dsp_part);
     L loop;
     loop.init(smem, lane, warp);
     // SOUT: the staging tile, the last stage slot of the (1 KiB-aligned) wgmma ring
@@ -586,8 +589,9 @@ __device__ __forceinline__ void tile_body(
                                     const float zl = posi ? lg : -lg;
                                     const float ez = cpn_exp(-fabsf(zl));
                                     x = 0.f;
-                                    if (!C || col < ncols) {
+                                    if (sg_loss && (!C || col < ncols))
                                         rl[i][h] += (zl < 0.f ? -zl : 0.f) + cpn_log1p(ez);
+                                    if (sg_grad && (!C || col < ncols)) {
                                         const float sg = (zl > 0.f ? ez : 1.f) / (1.f + ez);
                                         const float gp = posi ? -wi[i][h] * sg : wi[i][h] * sg;
                                         const float gw = w_mul * gp;
@@ -702,7 +706,7 @@ __device__ __forceinline__ void tile_body(
                     rl[i][h] += __shfl_xor_sync(0xffffffffu, rl[i][h], o);
                     rx[i][h] += __shfl_xor_sync(0xffffffffu, rx[i][h], o);
                 }
-        __syncthreads();  // (red[] holds the pair slots)
+        // (no barrier first: nothing else in this mode uses red[], row_pairs' slots)
         row_pairs<L, I>(pair_slots, warp, cq, rbase, gq, rv,
             [&](int i, int h, float* v) { v[0] = rm[i][h]; v[1] = rl[i][h]; v[2] = rx[i][h]; },
             [&](int i, int h, const float* v) {

@@ -152,6 +152,7 @@ def test_tiles_both_loops(monkeypatch, wgmma, dtype, n, ws):
     tile path is the one taken."""
     from cupynce._engine import tiles
 
+    monkeypatch.setattr(tiles, "USE_TILES", True)  # (else mma.sync tiles only off Hopper)
     monkeypatch.setattr(tiles, "USE_WGMMA", wgmma)
     a, b = _inputs(n, 64, dtype)
     if not tiles.tiles_ok(cp.asarray(a), cp.asarray(b)):
@@ -164,11 +165,11 @@ def test_tiles_both_loops(monkeypatch, wgmma, dtype, n, ws):
         _check_oracle(a, b, math.log(10.0), -10.0, reduction, False, grad, workspace_bytes=ws)
     _check_oracle(a, b, math.log(30.0), -5.0, "sum", True, 0.3, workspace_bytes=ws)
     assert calls
-    # the loss alone (no gradient block, one launch over every row): the gradient pass's
-    # bits where that pass is one row block too (same column splits), else within rounding
+    # the loss alone (no gradient block, one launch over every row) against the loss of a
+    # gradient pass: the same bits where that pass is one row block too (same column splits)
     a_d, b_d = cp.asarray(a), cp.asarray(b)
-    alone = cp.asnumpy(cupynce.siglip_loss(a_d, b_d, 2.3, -10.0, reduction="none"))
-    with_grad = cp.asnumpy(cupynce.siglip_loss_forward(a_d, b_d, 2.3, -10.0, reduction="none",
+    alone = cp.asnumpy(cupynce.siglip_loss(a_d, b_d, 2.3, -10.0, reduction="sum"))
+    with_grad = cp.asnumpy(cupynce.siglip_loss_forward(a_d, b_d, 2.3, -10.0, reduction="sum",
                                                        workspace_bytes=ws)[0])
     if ws is None:
         assert alone.tobytes() == with_grad.tobytes()
@@ -176,3 +177,105 @@ def test_tiles_both_loops(monkeypatch, wgmma, dtype, n, ws):
         assert _rel(alone, with_grad) <= 1e-6
 
 
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma"])
+def test_tiles_match_row_blocks(monkeypatch, wgmma):
+    """The tiles against the cuBLAS row blocks on one problem of every kind at once: a rank's
+    rows (row0 > 0) against more columns than rows (not a multiple of the tile), per-row
+    weights read at the global rows, w_mul != 1, several row blocks on both paths.  Within
+    the rounding of the 16-bit gradient block (da, db) and of float32 sums (the rest)."""
+    from cupynce._engine import blocks, tiles
+
+    monkeypatch.setattr(tiles, "USE_TILES", True)
+    monkeypatch.setattr(tiles, "USE_WGMMA", wgmma)
+    rng = np.random.default_rng(11)
+    n, nc, d, row0 = 300, 1000, 64, 200
+    a64, b64 = rng.standard_normal((n, d)) / 8, rng.standard_normal((nc, d)) / 8
+    an, bn = cp.asarray(a64.astype(BF16)), cp.asarray(b64.astype(BF16))
+    if not tiles.tiles_ok(an, bn):
+        pytest.skip("tensor-core tiles need sm_80+")
+    w = rng.uniform(0.5, 1.5, row0 + n).astype(np.float32)
+    ls, lb = cp.asarray([2.3], cp.float32), cp.asarray([-10.0], cp.float32)
+    kw = dict(weights=(cp.asarray(w), 1, 0.25), want_loss=True, want_grad=True,
+              workspace_bytes=300_000, row0=row0)
+    loss_t, grads_t = tiles.siglip(an, bn, ls, lb, **kw)
+    loss_b, grads_b = blocks.siglip(an, bn, ls, lb, **kw)
+    assert _rel(cp.asnumpy(loss_t), cp.asnumpy(loss_b)) <= 1e-5
+    for x, y in zip(grads_t[:2], grads_b[:2]):
+        assert _rel(cp.asnumpy(x), cp.asnumpy(y)) <= 2.0 ** -8
+    # the scalar sums: within 1e-5 of the sums of their terms' magnitudes (float64 here)
+    s = math.exp(2.3)
+    raw = a64.astype(BF16).astype(np.float64) @ b64.astype(BF16).astype(np.float64).T
+    z = -np.ones((n, nc))
+    z[np.arange(n), row0 + np.arange(n)] = 1.0
+    h = 1 / (1 + np.exp(z * (s * raw - 10.0)))
+    gmag = 0.25 * w[row0:, None] * h
+    for x, y, mag in zip(grads_t[2:], grads_b[2:], ((gmag * np.abs(s * raw)).sum(), gmag.sum())):
+        assert abs(float(x) - float(y)) <= 1e-5 * mag
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_row_blocks_and_determinism(dtype):
+    """Repeated calls give the same bits; a workspace of a few rows (many row blocks) gives
+    the one-block results within rounding (cuBLAS may pick other kernels for other shapes)."""
+    a, b = _inputs(300, 40, dtype)
+    whole = _run(a, b, 2.3, -10.0, "mean", True, 0.5)
+    again = _run(a, b, 2.3, -10.0, "mean", True, 0.5)
+    for x, y in zip(whole, again):
+        assert x.tobytes() == y.tobytes()
+    row_bytes = 300 * 4 + (300 * 2 if dtype == BF16 else 0)
+    blocked = _run(a, b, 2.3, -10.0, "mean", True, 0.5, workspace_bytes=7 * row_bytes)
+    for x, y in zip(whole, blocked):
+        assert _rel(x, y) <= (1e-6 if dtype == F32 else 2.0 ** -7)
+
+
+def test_non_default_stream_and_extremes():
+    a, b = _inputs(64, 32, F32)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        got = _run(a, b, 0.0, -1e4, "none", False, np.ones(64, np.float32))
+    s.synchronize()
+    assert all(np.all(np.isfinite(x)) for x in got)
+    want, _ = ref.siglip_loss(a, b, 0.0, -1e4, reduction="none")
+    assert _rel(got[0], want) <= 1e-6
+    bad = a.copy()
+    bad[3, 4] = np.nan
+    loss = cupynce.siglip_loss(cp.asarray(bad), cp.asarray(b), 1.0, 0.0)
+    assert np.isnan(float(loss))
+
+
+def test_device_scalars_never_read_and_keep_their_shapes():
+    a, b = _inputs(33, 16, F32)
+    ls = cp.asarray([1.5], np.float32)
+    lb = cp.asarray(-3.0, np.float64)
+    loss, ctx = cupynce.siglip_loss_forward(cp.asarray(a), cp.asarray(b), ls, lb)
+    _, _, dls, dlb = cupynce.siglip_loss_backward(ctx)
+    assert dls.shape == (1,) and dls.dtype == np.float32
+    assert dlb.shape == () and dlb.dtype == np.float64
+    _, (_, _, rdls, rdlb) = ref.siglip_loss(a, b, 1.5, -3.0)
+    assert _rel(cp.asnumpy(dls), rdls) <= 1e-5 and _rel(cp.asnumpy(dlb), rdlb) <= 1e-5
+
+
+def test_torch_bridge_on_cuda():
+    """cupynce.torch on CUDA tensors gives the CuPy core's bits (the core is held to the
+    oracle above)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    import cupynce.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(257, 64, generator=g, device="cuda").bfloat16().requires_grad_()
+    b = torch.randn(257, 64, generator=g, device="cuda").bfloat16().requires_grad_()
+    model = ct.SigLipLoss(normalize=True).cuda()
+    loss = model(a, b)
+    loss.backward()
+
+    def arr(t):
+        return cp.from_dlpack(t.detach().view(torch.int16)).view(BF16) \
+            if t.dtype == torch.bfloat16 else cp.from_dlpack(t.detach())
+    wl, ctx = cupynce.siglip_loss_forward(arr(a), arr(b), arr(model.logit_scale),
+                                          arr(model.logit_bias), normalize=True)
+    want = cupynce.siglip_loss_backward(ctx, 1.0)
+    got = (loss, a.grad, b.grad, model.logit_scale.grad, model.logit_bias.grad)
+    for x, y in zip(got, (wl,) + tuple(want)):
+        assert cp.asnumpy(arr(x)).tobytes() == cp.asnumpy(y).tobytes()

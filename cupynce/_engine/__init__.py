@@ -16,8 +16,9 @@ splade.py      SPLADE's forward (fused max on the tiles or the TMA kernel; cuBLA
                max kernel) and its sparse backward
 =============  ==========================================================================
 
-:func:`rows` and :func:`clip` pick the path for the InfoNCE family: the tiles where they take
-the operands (16-bit, aligned, see ``tiles.tiles_ok``), the row-block path otherwise.  Ops
+:func:`rows`, :func:`clip`, :func:`cross` and :func:`siglip` pick the path: the tiles where
+they take the operands (16-bit, aligned, see ``tiles.tiles_ok``), the row-block path
+otherwise.  Ops
 describe their problem to them (scale, diagonal exclusion, where each row's positive is,
 whether the keys are the queries); nothing here knows which op is calling.
 
