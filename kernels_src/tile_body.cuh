@@ -592,7 +592,9 @@ __device__ __forceinline__ void tile_body(
                                     if (sg_loss && (!C || col < ncols))
                                         rl[i][h] += (zl < 0.f ? -zl : 0.f) + cpn_log1p(ez);
                                     if (sg_grad && (!C || col < ncols)) {
-                                        const float sg = (zl > 0.f ? ez : 1.f) / (1.f + ez);
+                                        // (1 + ez in [1, 2]: the fast division is within
+                                        // 2 ulp, far below the 16-bit block's rounding)
+                                        const float sg = __fdividef(zl > 0.f ? ez : 1.f, 1.f + ez);
                                         const float gp = posi ? -wi[i][h] * sg : wi[i][h] * sg;
                                         const float gw = w_mul * gp;
                                         rx[i][h] += gw * (scale * raw);

@@ -171,3 +171,22 @@ def test_inside_a_callers_capture_nothing_is_replayed():
     torch.cuda.synchronize()
     assert _fast.info()["hits"] == hits
     assert torch.equal(out, plain(lambda: ct.nt_xent(static, 0.2)))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_calls_without_gradient_replay_from_tensors(op, reduction):
+    """Evaluation calls (no_grad, or nothing requiring a gradient) run the loss alone, learnt
+    and replayed from the tensors too: graphs-off bits."""
+    xs = [x.detach() for x in leaves(op, 256, 64, torch.bfloat16)]
+    fn = loss_fn(op, reduction=reduction)
+
+    def run():
+        with torch.no_grad():
+            return bytes(fn(*xs).reshape(-1).view(torch.uint8).cpu().numpy())
+
+    want = plain(run)
+    for i in range(CALLS):
+        assert run() == want, f"call {i + 1}"
+    info = _fast.info()
+    assert info["learnt"] == 1 and info["hits"] >= CALLS - _graphs.CAPTURE_AFTER - 1, info

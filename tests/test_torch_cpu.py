@@ -914,3 +914,45 @@ def test_double_backward_raises_for_logit_scale_alone():
     ls = _leaf(torch.tensor(2.0, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(ct.clip_loss(a, b, ls), [ls], create_graph=True)
+
+
+def _no_grad_case(op, dtype):
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(12, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(3)]
+    fns = {"nt_xent": (lambda kw: ct.nt_xent(x[0], 0.3, **kw)),
+           "info_nce": (lambda kw: ct.info_nce(x[0], x[1], 0.2, **kw)),
+           "info_nce_neg": (lambda kw: ct.info_nce(x[0], x[1], 0.2, negatives=x[2], **kw)),
+           "clip_loss": (lambda kw: ct.clip_loss(x[0], x[1], torch.tensor(2.0), **kw)),
+           "siglip_loss": (lambda kw: ct.siglip_loss(x[0], x[1], torch.tensor(2.0),
+                                                     torch.tensor(-3.0), **kw))}
+    return x, fns[op]
+
+
+@pytest.mark.parametrize("op", ["nt_xent", "info_nce", "info_nce_neg", "clip_loss",
+                                "siglip_loss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_calls_without_gradient_run_the_loss_alone(op, dtype, reduction, normalize):
+    """Under no_grad, or with no input requiring a gradient, a direct call runs the op's
+    ``evaluate`` (the loss alone, no autograd node): the custom ops' bits."""
+    x, fn = _no_grad_case(op, dtype)
+    kw = dict(reduction=reduction, normalize=normalize)
+    calls = []
+    real = _registry.evaluate
+    _registry.evaluate = lambda body, args: calls.append(body) or real(body, args)
+    try:
+        plain = fn(kw)  # (nothing requires a gradient)
+        with torch.no_grad():
+            for t in x:
+                t.requires_grad_(True)
+            under = fn(kw)
+    finally:
+        _registry.evaluate = real
+        for t in x:
+            t.requires_grad_(False)
+    assert len(calls) == 2 and plain.grad_fn is None and under.grad_fn is None
+    want = _registered(fn)(kw)
+    for got in (plain, under):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))

@@ -274,6 +274,18 @@ def fused(reduction: str, *tensors: Optional[Tensor]) -> bool:
         t is not None and t.requires_grad for t in tensors)
 
 
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """A gradient may be asked of the result: grad mode on and an input requires one."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def evaluate(body, args) -> Tensor:
+    """A direct call no gradient will be asked of: ``body(*args)`` (an op's ``evaluate``: the
+    loss alone, one graph replay on the GPU) through :func:`cupynce.torch._fast.call`, no
+    autograd Function around it."""
+    return _fast.call(body, args)[0]
+
+
 def scalars(op: str, reduction: str, workspace_bytes: Optional[int]) -> Tuple[str, Optional[int]]:
     """The functional API's checks of the non-tensor arguments (same messages)."""
     return _checks.check_reduction(op, reduction), _checks.check_workspace(op, workspace_bytes)

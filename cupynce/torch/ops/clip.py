@@ -57,6 +57,19 @@ def bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
         return B.tensor_of(da), B.tensor_of(db), B.tensor_of(dls)
 
 
+def evaluate(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
+             reduction: str, normalize: bool, workspace_bytes: Optional[int]) -> Tuple[Tensor]:
+    """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
+    requiring one): the core's forward keeps no context, so repeated GPU calls replay their
+    graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
+    with B.device_scope(a.device):
+        ls = logit_scale_value if logit_scale is None else B.array_of(logit_scale)
+        loss, _ = core.clip_loss_forward(B.array_of(a), B.array_of(b), ls, reduction=reduction,
+                                         normalize=normalize, workspace_bytes=workspace_bytes,
+                                         requires_grad=False)
+        return (B.tensor_of(loss),)
+
+
 def fwd_fake(a, b, logit_scale, logit_scale_value, reduction, normalize,
              workspace_bytes, fused=False):
     dscale = a.new_empty((), dtype=R.acc_dtype(a.dtype)) if fused else R.empty(a)
@@ -172,5 +185,7 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
     args = (a, b, ls_tensor, ls_value, reduction, normalize, workspace_bytes,
             R.fused(reduction, a, b, ls_tensor))
     if R.direct(a, b, ls_tensor):
+        if not R.needs_grad(a, b, ls_tensor):
+            return R.evaluate(evaluate, args[:-1])
         return ClipLossFunction.apply(*args)
     return FWD(*args)[0]

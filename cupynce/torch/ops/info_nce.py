@@ -50,6 +50,19 @@ def bwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], lse: Tensor,
         return B.tensor_of(dq), B.tensor_of(dk), dn
 
 
+def evaluate(query: Tensor, key: Tensor, negatives: Optional[Tensor], temperature: float,
+             reduction: str, normalize: bool, workspace_bytes: Optional[int]) -> Tuple[Tensor]:
+    """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
+    requiring one): the core's forward keeps no context, so repeated GPU calls replay their
+    graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
+    with B.device_scope(query.device):
+        loss, _ = core.info_nce_forward(
+            B.array_of(query), B.array_of(key), temperature, negatives=B.array_of(negatives),
+            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
+            requires_grad=False)
+        return (B.tensor_of(loss),)
+
+
 def fwd_fake(query, key, negatives, temperature, reduction, normalize,
              workspace_bytes, fused=False):
     xs = (query, key, negatives)
@@ -145,5 +158,7 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
     args = (query, key, negatives, t, reduction, normalize, workspace_bytes,
             R.fused(reduction, query, key, negatives))
     if R.direct(query, key, negatives):
+        if not R.needs_grad(query, key, negatives):
+            return R.evaluate(evaluate, args[:-1])
         return InfoNCEFunction.apply(*args)
     return FWD(*args)[0]

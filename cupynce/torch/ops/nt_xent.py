@@ -44,6 +44,18 @@ def bwd(z: Tensor, lse: Tensor, grad_loss: Tensor, temperature: float, reduction
         return B.tensor_of(dz)
 
 
+def evaluate(z: Tensor, temperature: float, reduction: str, normalize: bool,
+             workspace_bytes: Optional[int]) -> Tuple[Tensor]:
+    """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
+    requiring one): the core's forward keeps no context, so repeated GPU calls replay their
+    graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
+    with B.device_scope(z.device):
+        loss, _ = core.nt_xent_forward(B.array_of(z), temperature, reduction=reduction,
+                                       normalize=normalize, workspace_bytes=workspace_bytes,
+                                       requires_grad=False)
+        return (B.tensor_of(loss),)
+
+
 def fwd_fake(z, temperature, reduction, normalize, workspace_bytes, fused=False):
     return (R.loss_like(z, reduction), R.stat_like(z), R.acc_like(z, fused, z),
             R.norm_like(z, fused, normalize, z))
@@ -128,5 +140,7 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
     normalize = _checks.check_bool("nt_xent", "normalize", normalize)
     args = (z, t, reduction, normalize, workspace_bytes, R.fused(reduction, z))
     if R.direct(z):
+        if not R.needs_grad(z):
+            return R.evaluate(evaluate, args[:-1])
         return NTXentFunction.apply(*args)
     return FWD(*args)[0]

@@ -53,6 +53,21 @@ def bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
         return tuple(B.tensor_of(x) for x in grads)
 
 
+def evaluate(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
+             logit_bias: Optional[Tensor], logit_bias_value: float, reduction: str,
+             normalize: bool, workspace_bytes: Optional[int]) -> Tuple[Tensor]:
+    """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
+    requiring one): the core's forward keeps no context, so repeated GPU calls replay their
+    graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
+    with B.device_scope(a.device):
+        ls = logit_scale_value if logit_scale is None else B.array_of(logit_scale)
+        lb = logit_bias_value if logit_bias is None else B.array_of(logit_bias)
+        loss, _ = core.siglip_loss_forward(
+            B.array_of(a), B.array_of(b), ls, lb, reduction=reduction, normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=False)
+        return (B.tensor_of(loss),)
+
+
 def fwd_fake(a, b, logit_scale, logit_scale_value, logit_bias, logit_bias_value, reduction,
              normalize, workspace_bytes, fused=False):
     scalars = tuple(a.new_empty((), dtype=R.acc_dtype(a.dtype)) if fused else R.empty(a)
@@ -178,5 +193,7 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
     args = (a, b, ls_tensor, ls_value, lb_tensor, lb_value, reduction, normalize,
             workspace_bytes, R.fused(reduction, a, b, ls_tensor, lb_tensor))
     if R.direct(a, b, ls_tensor, lb_tensor):
+        if not R.needs_grad(a, b, ls_tensor, lb_tensor):
+            return R.evaluate(evaluate, args[:-1])
         return SigLipLossFunction.apply(*args)
     return FWD(*args)[0]
