@@ -429,15 +429,17 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
         m = r1 - r0
         rt = -(-m // TILE)
         splits = grid_splits(rt, ct)
-        part = cp.empty((3, splits, m), f32)  # loss | dbias | dscale partials per split
+        # per-split row partials of what is asked: loss, then dbias and dscale
+        part = cp.empty((int(want_loss) + 2 * int(want_grad), splits, m), f32)
+        loss_p = part[0] if want_loss else None
+        dbias_p, dscale_p = (part[-2], part[-1]) if want_grad else (None, None)
         g_blk = g_buf[:m, :nc] if want_grad else None
         tile("siglip", t, (rt, splits), an[r0:r1], row0 + r0, bn, None, scale_log=ls,
-             pos_mod=FAR_MOD, part=(part[0].data.ptr if want_loss else 0,
-                                    part[1].data.ptr if want_grad else 0, m),
-             lse_col=lb, weights=weights, g=g_blk, dsp=part[2].data.ptr if want_grad else 0)
-        sums = [(part[0], row_loss[r0:r1])] if want_loss else []
+             pos_mod=FAR_MOD, part=(ptr(loss_p), ptr(dbias_p), m), lse_col=lb,
+             weights=weights, g=g_blk, dsp=ptr(dscale_p))
+        sums = [(loss_p, row_loss[r0:r1])] if want_loss else []
         if want_grad:
-            sums += [(part[1], parts[1, r0:r1]), (part[2], parts[0, r0:r1])]
+            sums += [(dbias_p, parts[1, r0:r1]), (dscale_p, parts[0, r0:r1])]
         for p, out in sums:
             kernels.launch(FILE, "tile_sum", t, (-(-m // BLOCK),),
                            (p, np.int64(m), np.int32(splits), np.int32(m), out))
