@@ -548,6 +548,24 @@ __device__ __forceinline__ void tile_body(
                 bad |= !(amax * fabsf(sl2) <= 100.f);
                 fast = !__any_sync(0xffffffffu, bad);
             }
+            // SIGLIP on unchecked tiles (every score a negative, z = -1): when every |L| of
+            // the warp's tile is >= 4.86 > 7 ln 2, e = exp(-|L|) < 2^-7 and the series
+            // log1p(e) = e (1 - e/2 + e^2/3) and e / (1 + e) = e (1 - e + e^2) are within
+            // ~2^-21 relative (the next terms): FMAs instead of log1pf and a division.
+            // (A NaN score fails the test: the exact form, which gives NaN.)
+            if (MODE == MODE_SIGLIP && !special) {
+                bool ok = true;
+#pragma unroll
+                for (int i = 0; i < I; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int j = 0; j < J; ++j)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                ok &= !rv[i][h] || fabsf(scale * acc[i][j][h * 2 + e] + sbias) >= 4.86f;
+                fast = __all_sync(0xffffffffu, ok);
+            }
             unsigned pk[I][2][J];  // SOUT: the packed values, in the fragment layout
 #pragma unroll
             for (int i = 0; i < I; ++i)
@@ -558,7 +576,7 @@ __device__ __forceinline__ void tile_body(
 #pragma unroll
             for (int variant = 0; variant < 3; ++variant) {  // C and F are constants in each copy
                 const bool C = variant == 0, F = variant == 2;
-                if ((MODE == MODE_G || MODE == MODE_SIGLIP) && F) continue;
+                if (MODE == MODE_G && F) continue;
                 if (C != special || F != fast) continue;
 #pragma unroll
                 for (int i = 0; i < I; ++i)
@@ -590,11 +608,15 @@ __device__ __forceinline__ void tile_body(
                                     const float ez = cpn_exp(-fabsf(zl));
                                     x = 0.f;
                                     if (sg_loss && (!C || col < ncols))
-                                        rl[i][h] += (zl < 0.f ? -zl : 0.f) + cpn_log1p(ez);
+                                        rl[i][h] += (zl < 0.f ? -zl : 0.f)
+                                            + (F ? ez * fmaf(ez, fmaf(ez, 1.f / 3.f, -0.5f), 1.f)
+                                                 : cpn_log1p(ez));
                                     if (sg_grad && (!C || col < ncols)) {
-                                        // (1 + ez in [1, 2]: the fast division is within
-                                        // 2 ulp, far below the 16-bit block's rounding)
-                                        const float sg = __fdividef(zl > 0.f ? ez : 1.f, 1.f + ez);
+                                        // sigmoid(-zl); (1 + ez in [1, 2]: the fast division
+                                        // is within 2 ulp, far below the block's rounding)
+                                        const float se = ez * fmaf(ez, ez - 1.f, 1.f);
+                                        const float sg = F ? (zl > 0.f ? se : 1.f - se)
+                                            : __fdividef(zl > 0.f ? ez : 1.f, 1.f + ez);
                                         const float gp = posi ? -wi[i][h] * sg : wi[i][h] * sg;
                                         const float gw = w_mul * gp;
                                         rx[i][h] += gw * (scale * raw);
