@@ -84,28 +84,18 @@ class _Plan:
         self.lock = threading.Lock()
 
     def replay(self, inputs: Sequence[Any], stream) -> Tuple[Any, ...]:
+        """Copy ``inputs`` in, launch, and return the outputs in fresh memory from the
+        current allocator (the small ones as views of one copied-out pack)."""
         import cupy as cp
-        from cupy.cuda import runtime
 
-        sp = stream.ptr
-        with self.lock:
-            for st, x in zip(self.statics, inputs):
-                runtime.memcpyAsync(st.data.ptr, x.data.ptr, x.nbytes, _D2D, sp)
-            self.graph.launch(stream)
-            packed = None
-            if self.pack is not None:
-                packed = cp.cuda.alloc(self.pack_bytes)
-                runtime.memcpyAsync(packed.ptr, self.pack.ptr, self.pack_bytes, _D2D, sp)
-            res = []
-            for o, off in zip(self.outs, self.layout):
-                if o is None:
-                    res.append(None)
-                elif off is not None:
-                    res.append(cp.ndarray(o.shape, o.dtype, memptr=packed + off))
-                else:
-                    out = cp.empty(o.shape, o.dtype)
-                    runtime.memcpyAsync(out.data.ptr, o.data.ptr, o.nbytes, _D2D, sp)
-                    res.append(out)
+        packed = cp.cuda.alloc(self.pack_bytes) if self.pack is not None else None
+        res = [None if o is None else cp.ndarray(o.shape, o.dtype, memptr=packed + off)
+               if off is not None else cp.empty(o.shape, o.dtype)
+               for o, off in zip(self.outs, self.layout)]
+        large = [(k, r.data.ptr) for k, (r, off) in enumerate(zip(res, self.layout))
+                 if r is not None and off is None]
+        self.replay_raw([x.data.ptr for x in inputs],
+                        packed.ptr if packed is not None else 0, large, stream)
         return tuple(res)
 
     def replay_raw(self, in_ptrs: Sequence[int], pack_ptr: int,
@@ -232,11 +222,8 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
                 plan = _capture(key, inputs, compute)
                 if plan is None:
                     return compute(*inputs)
-    else:
-        try:
-            _plans.move_to_end(key)  # least recently used goes first
-        except KeyError:  # evicted by another thread meanwhile: this replay still holds it
-            pass
+    else:  # (least recently used goes first; evicted by another thread meanwhile: this
+        live(key, plan)  # replay still holds it)
     res = plan.replay(inputs, stream)
     if events is not None:
         events[slot] = (key, plan, tuple(inputs), res)

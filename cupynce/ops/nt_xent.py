@@ -103,9 +103,9 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
         return reduce(xp, loss, reduction), lse, dz, norm, zn
 
     if path.gpu and (fused or not requires_grad):  # nothing kept that aliases z
-        loss, lse, dz, norm, _zn = _graphs.run(
+        loss, lse, dz, norm = _graphs.run(
             ("nt_xent", t, reduction, normalize, workspace_bytes, fused), (z,),
-            lambda z: compute(z)[:4] + (None,))
+            lambda z: compute(z)[:4])
     else:
         loss, lse, dz, norm, zn = compute(z)
     ctx = Context("nt_xent", reduction, n, xp, stats=(lse,) if requires_grad else ())

@@ -38,7 +38,6 @@ from . import _bridge as B
 MAX_ENTRIES = 256
 _entries: Dict[tuple, "_Entry"] = {}
 _stats = dict(hits=0, learnt=0)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class _Entry:
@@ -65,14 +64,14 @@ def call(fwd: Callable[..., Tuple[Any, ...]], args: Sequence[Any]) -> Tuple[Any,
     """``fwd(*args)`` — an op body whose GPU work is one ``_graphs.run`` — replayed from the
     tensors where a call with the same key was learnt (see the module notes)."""
     first = next((a for a in args if isinstance(a, Tensor)), None)
-    if (not _graphs.ENABLED or _raw_stream is None or first is None or not first.is_cuda
+    if (not _graphs.ENABLED or B._get_raw_stream is None or first is None or not first.is_cuda
             or torch.cuda.is_current_stream_capturing()):
         return fwd(*args)
     index = first.get_device()
     if index != torch.cuda.current_device():  # (the raw copies run in the current context)
         return fwd(*args)
     try:
-        key = _key(fwd, args, index, _raw_stream(index))
+        key = _key(fwd, args, index, B._get_raw_stream(index))
         entry = _entries.get(key)
     except TypeError:  # an unhashable argument: no key
         return fwd(*args)
@@ -174,8 +173,8 @@ def _learn(event, args: Sequence[Any], out: Any, index: int) -> Optional[_Entry]
             large[k] = (k, tuple(o.shape), o.dtype)
             outs.append(("o", k))
     stream = B._scope(index)[0]
-    return _Entry(gkey, plan, tuple(ins), plan.pack_bytes if plan.pack is not None else 0,
-                  tuple(outs), tuple(large.values()), stream)
+    return _Entry(gkey, plan, tuple(ins), plan.pack_bytes, tuple(outs), tuple(large.values()),
+                  stream)
 
 
 def info() -> Dict[str, int]:
