@@ -153,6 +153,7 @@ __device__ __forceinline__ void tile_body(
     // SIGLIP: the bias beta (through the lse_col slot, which this mode does not otherwise use);
     // the loss only where asked for (part_m), the gradient's terms only where asked for
     const float sbias = MODE == MODE_SIGLIP ? lse_col[0] : 0.f;
+    const float sb2 = sbias * CPN_LOG2E;  // (the fast path's logits in base-2 units)
     const bool sg_loss = MODE == MODE_SIGLIP && part_m;
     const bool sg_grad = MODE == MODE_SIGLIP && (g || part_s || dsp_part);
     L loop;
@@ -181,9 +182,11 @@ __device__ __forceinline__ void tile_body(
                 wi[i][h] = w_mul * (w_ptr ? w_ptr[(i64)gi[i][h] * w_stride] : 1.f);
                 fi[i][h] = hw_factor<MODE>(li2[i][h], wi[i][h]);
             }
-            if (MODE == MODE_SIGLIP) {  // rl: loss, rx: dscale, rm: dbias (sums from 0);
-                rm[i][h] = 0.f;          // wi: v_i without w_mul (the products' alpha)
+            if (MODE == MODE_SIGLIP) {  // rl: loss, rx: dscale, rm: dbias (sums from 0,
+                rm[i][h] = 0.f;          // of z-signed sigmoids: the row's factors at the end);
+                // wi: v_i without w_mul (the products' alpha); fi: s v_i, the block's factor
                 wi[i][h] = rv[i][h] ? (w_ptr ? w_ptr[(i64)gi[i][h] * w_stride] : 1.f) : 0.f;
+                fi[i][h] = scale * wi[i][h];
             }
         }
 
@@ -548,23 +551,27 @@ __device__ __forceinline__ void tile_body(
                 bad |= !(amax * fabsf(sl2) <= 100.f);
                 fast = !__any_sync(0xffffffffu, bad);
             }
-            // SIGLIP on unchecked tiles (every score a negative, z = -1): when every |L| of
-            // the warp's tile is >= 4.86 > 7 ln 2, e = exp(-|L|) < 2^-7 and the series
-            // log1p(e) = e (1 - e/2 + e^2/3) and e / (1 + e) = e (1 - e + e^2) are within
-            // ~2^-21 relative (the next terms): FMAs instead of log1pf and a division.
-            // (A NaN score fails the test: the exact form, which gives NaN.)
+            // SIGLIP on unchecked tiles (every score a negative, z = -1): when every logit
+            // of the warp's tile is L <= -7 ln 2 (u = L log2(e) <= -7: one max of the raw
+            // dots, s > 0), e = exp(L) = 2^u <= 2^-7 and the series log1p(e) = e (1 - e/2 +
+            // e^2/3) and sigmoid(L) = e / (1 + e) = e (1 - e + e^2) are within ~2^-21
+            // relative (the next terms): one SFU exp2 and FMAs instead of expf, log1pf and
+            // a division.  (NaN, which fmaxf skips, propagates through e on this path too;
+            // +inf fails the test.)
             if (MODE == MODE_SIGLIP && !special) {
-                bool ok = true;
+                float hi = ninf;
 #pragma unroll
                 for (int i = 0; i < I; ++i)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h)
+                    for (int h = 0; h < 2; ++h) {
+                        float rmax = ninf;
 #pragma unroll
                         for (int j = 0; j < J; ++j)
 #pragma unroll
-                            for (int e = 0; e < 2; ++e)
-                                ok &= !rv[i][h] || fabsf(scale * acc[i][j][h * 2 + e] + sbias) >= 4.86f;
-                fast = __all_sync(0xffffffffu, ok);
+                            for (int e = 0; e < 2; ++e) rmax = fmaxf(rmax, acc[i][j][h * 2 + e]);
+                        if (rv[i][h]) hi = fmaxf(hi, rmax);
+                    }
+                fast = __all_sync(0xffffffffu, !(hi > ninf) || fmaf(hi, sl2, sb2) <= -7.f);
             }
             unsigned pk[I][2][J];  // SOUT: the packed values, in the fragment layout
 #pragma unroll
@@ -597,6 +604,20 @@ __device__ __forceinline__ void tile_body(
                                     float p = (C && exclude_diag && col == grow) ? 0.f : exp2f(t - li2[i][h]);
                                     if (C && col == pos) p -= 1.f;
                                     x = wi[i][h] * scale * p;
+                                } else if (MODE == MODE_SIGLIP && F) {
+                                    // every score a negative with u = L log2(e) <= -7 (above)
+                                    const float raw = acc[i][j][h * 2 + e];
+                                    const float ez = cpn_ex2_approx(fmaf(raw, sl2, sb2));
+                                    x = 0.f;
+                                    if (sg_loss)  // log1p(e)
+                                        rl[i][h] = fmaf(ez, fmaf(ez, fmaf(ez, 1.f / 3.f, -0.5f),
+                                                                 1.f), rl[i][h]);
+                                    if (sg_grad) {  // sigmoid(L)
+                                        const float se = ez * fmaf(ez, ez - 1.f, 1.f);
+                                        rx[i][h] = fmaf(se, raw, rx[i][h]);
+                                        rm[i][h] += se;
+                                        x = fi[i][h] * se;
+                                    }
                                 } else if (MODE == MODE_SIGLIP) {
                                     // L = s a + beta, z = +1 on the positive (col == grow)
                                     // and -1 elsewhere: softplus(-zL) and sigmoid(-zL) from
@@ -608,20 +629,16 @@ __device__ __forceinline__ void tile_body(
                                     const float ez = cpn_exp(-fabsf(zl));
                                     x = 0.f;
                                     if (sg_loss && (!C || col < ncols))
-                                        rl[i][h] += (zl < 0.f ? -zl : 0.f)
-                                            + (F ? ez * fmaf(ez, fmaf(ez, 1.f / 3.f, -0.5f), 1.f)
-                                                 : cpn_log1p(ez));
+                                        rl[i][h] += (zl < 0.f ? -zl : 0.f) + cpn_log1p(ez);
                                     if (sg_grad && (!C || col < ncols)) {
-                                        // sigmoid(-zl); (1 + ez in [1, 2]: the fast division
-                                        // is within 2 ulp, far below the block's rounding)
-                                        const float se = ez * fmaf(ez, ez - 1.f, 1.f);
-                                        const float sg = F ? (zl > 0.f ? se : 1.f - se)
-                                            : __fdividef(zl > 0.f ? ez : 1.f, 1.f + ez);
-                                        const float gp = posi ? -wi[i][h] * sg : wi[i][h] * sg;
-                                        const float gw = w_mul * gp;
-                                        rx[i][h] += gw * (scale * raw);
-                                        rm[i][h] += gw;
-                                        x = scale * gp;
+                                        // -z sigmoid(-zl); (1 + ez in [1, 2]: the fast
+                                        // division is within 2 ulp, far below the block's
+                                        // rounding); the row's factors w_mul v_i (s) at the end
+                                        const float sg = __fdividef(zl > 0.f ? ez : 1.f, 1.f + ez);
+                                        const float sz = posi ? -sg : sg;
+                                        rx[i][h] = fmaf(sz, raw, rx[i][h]);
+                                        rm[i][h] += sz;
+                                        x = fi[i][h] * sz;
                                     }
                                 } else if (F) {  // H or CLIP, unchecked tile
                                     const float G = exp2f(t) * (fi[i][h] + fc[j * 8 + e]);
@@ -730,6 +747,13 @@ __device__ __forceinline__ void tile_body(
                     rl[i][h] += __shfl_xor_sync(0xffffffffu, rl[i][h], o);
                     rx[i][h] += __shfl_xor_sync(0xffffffffu, rx[i][h], o);
                 }
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // dbias: w_mul v_i sum(-z sigma); dscale: times s a
+                rm[i][h] *= w_mul * wi[i][h];
+                rx[i][h] *= w_mul * fi[i][h];
+            }
         // (no barrier first: nothing else in this mode uses red[], row_pairs' slots)
         row_pairs<L, I>(pair_slots, warp, cq, rbase, gq, rv,
             [&](int i, int h, float* v) { v[0] = rm[i][h]; v[1] = rl[i][h]; v[2] = rx[i][h]; },
