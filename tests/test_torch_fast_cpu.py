@@ -81,8 +81,9 @@ def test_call_on_cpu_tensors_runs_the_body():
         return (x + 1,)
 
     x = torch.zeros(3)
+    before = _fast.info()["entries"]  # (GPU tests earlier in the session may have learnt some)
     assert torch.equal(_fast.call(body, (x,))[0], x + 1)
-    assert calls and _fast.info()["entries"] == 0
+    assert calls and _fast.info()["entries"] == before
 
 
 def test_contiguous_strides():
