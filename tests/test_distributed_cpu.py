@@ -9,6 +9,7 @@ single-process tolerances.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import tempfile
@@ -305,7 +306,9 @@ def check_bad_inputs_raise_everywhere(rank, P):
 
 
 # ---- the launcher -------------------------------------------------------------------------
-def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu"):
+def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu", module=""):
+    """Rank ``rank``'s process: the check functions ``names`` of this module (or of the test
+    module ``module``), each called as ``f(rank, world)``."""
     global DEVICE, DTYPES, BACKEND
     BACKEND = backend
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -317,8 +320,9 @@ def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu"):
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
+        space = vars(importlib.import_module(module)) if module else globals()
         for name in names:
-            globals()[name](rank, world)
+            space[name](rank, world)
         queue.put((rank, None))
     except BaseException:  # noqa: BLE001 - reported to the test
         queue.put((rank, traceback.format_exc()))
@@ -326,7 +330,7 @@ def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu"):
         dist.destroy_process_group()
 
 
-def run_ranks(world, names, timeout=240, backend="gloo", device="cpu"):
+def run_ranks(world, names, timeout=240, backend="gloo", device="cpu", module=""):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -334,7 +338,7 @@ def run_ranks(world, names, timeout=240, backend="gloo", device="cpu"):
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
         procs = [ctx.Process(target=_worker, args=(r, world, init, names, queue, backend,
-                                                    device))
+                                                    device, module))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -1,0 +1,171 @@
+"""sentence-transformers' in-batch-negatives losses on cupynce's kernels.
+
+``MultipleNegativesRankingLoss`` and ``MultipleNegativesSymmetricRankingLoss`` with the
+library's arguments, usable as the ``loss`` of a ``SentenceTransformerTrainer``:
+``forward(sentence_features, labels)`` embeds the columns with the model as the library does
+(its ``embed_columns``; sentence-transformers is imported there, at the first call) and
+``compute_loss_from_embeddings(embeddings, labels)`` takes the embeddings directly: column 0
+the anchors (n, D), column 1 their positives, further columns hard negatives.
+"""
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import torch as C
+from ._common import dist_group, rank_share
+
+__all__ = ["MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss"]
+
+
+def _normalize_for(op: str, fn: Optional[Callable]) -> bool:
+    """sentence-transformers' ``cos_sim`` -> the op's ``normalize=True``, ``dot_score`` ->
+    False (by name: the library need not be imported to build the loss)."""
+    if fn is None:
+        return True
+    name = getattr(fn, "__name__", "")
+    if name == "cos_sim":
+        return True
+    if name == "dot_score":
+        return False
+    raise NotImplementedError(f"{op}: similarity_fct={name or fn!r} has no cupynce equivalent; "
+                              "cos_sim and dot_score do")
+
+
+def _embed(model: nn.Module, features: Iterable[Dict[str, Any]]) -> List[Tensor]:
+    try:
+        from sentence_transformers.base.losses.merged_forward import embed_columns
+    except ImportError:  # other versions: one forward per column, as their losses do
+        return [model(f)["sentence_embedding"] for f in features]
+    return embed_columns(model, features)
+
+
+class MultipleNegativesRankingLoss(nn.Module):
+    """InfoNCE of each anchor against every candidate of the batch: ``−mean_i log softmax_c
+    (scale · sim(a_i, c))`` at c = p_i, the candidates being every positive and every hard
+    negative of the batch — :func:`cupynce.torch.info_nce` with the positives as keys, the
+    hard negatives as shared negatives and temperature 1 / scale.
+
+    Parameters (the library's)
+    --------------------------
+    model : the SentenceTransformer (used by ``forward`` to embed the columns).
+    scale : float > 0, default 20.
+    similarity_fct : ``cos_sim`` (default; normalize=True) or ``dot_score``; anything else
+        raises ``NotImplementedError``.
+    gather_across_devices : bool
+        With torch.distributed initialised and more than one process: every rank's anchors
+        against every rank's candidates, by the op over the group.  Each rank returns its
+        share as the library does (the mean over its anchors) and P dL/dx as its embeddings'
+        gradient (the library's gather with gradient: the same).
+    directions, partition_mode, hardness_mode, hardness_strength
+        The default directions ("query_to_doc",) (any partition_mode: with one direction
+        they agree), or ("query_to_doc", "doc_to_query") with ``partition_mode=
+        "per_direction"`` (the symmetric loss: :class:`MultipleNegativesSymmetricRankingLoss`),
+        and no hardness weighting (``hardness_mode=None`` or ``hardness_strength=0``); the
+        rest raise ``NotImplementedError``.
+
+    Keyword-only extras: ``workspace_bytes``, ``group`` (the default group unless given).
+    The loss is float32 for 16-bit embeddings (the op's accumulation dtype).
+    """
+
+    def __init__(self, model: Optional[nn.Module] = None, scale: float = 20.0,
+                 similarity_fct: Optional[Callable] = None, gather_across_devices: bool = False,
+                 directions: Sequence[str] = ("query_to_doc",), partition_mode: str = "joint",
+                 hardness_mode: Optional[str] = None, hardness_strength: float = 0.0, *,
+                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None):
+        super().__init__()
+        op = type(self).__name__
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{op}: scale must be a finite real > 0, got {scale!r}")
+        self._check_options(op, tuple(directions), partition_mode, hardness_mode,
+                            hardness_strength)
+        self.model, self.scale = model, float(scale)
+        self.similarity_fct = similarity_fct
+        self.normalize = _normalize_for(op, similarity_fct)
+        self.gather_across_devices = gather_across_devices
+        self.directions, self.partition_mode = tuple(directions), partition_mode
+        self.hardness_mode, self.hardness_strength = hardness_mode, hardness_strength
+        self.workspace_bytes, self.group = workspace_bytes, group
+
+    @staticmethod
+    def _check_options(op, directions, partition_mode, hardness_mode, hardness_strength):
+        if partition_mode not in ("joint", "per_direction"):
+            raise ValueError(f"{op}: partition_mode must be 'joint' or 'per_direction', "
+                             f"got {partition_mode!r}")
+        symmetric = set(directions) == {"query_to_doc", "doc_to_query"} and \
+            len(directions) == 2 and partition_mode == "per_direction"
+        if directions != ("query_to_doc",) and not symmetric:
+            raise NotImplementedError(
+                f"{op}: directions={directions!r} with partition_mode={partition_mode!r} has "
+                "no cupynce equivalent yet; ('query_to_doc',), or ('query_to_doc', "
+                "'doc_to_query') with partition_mode='per_direction' (the symmetric loss)")
+        if hardness_mode is not None and hardness_strength:
+            raise NotImplementedError(f"{op}: hardness_mode={hardness_mode!r} with "
+                                      f"hardness_strength={hardness_strength!r} has no cupynce "
+                                      "equivalent yet")
+
+    def forward(self, sentence_features: Iterable[Dict[str, Any]], labels: Any) -> Tensor:
+        if self.model is None:
+            raise ValueError(f"{type(self).__name__}: forward() embeds with the model; this "
+                             "loss has none (pass model=, or call compute_loss_from_embeddings)")
+        return self.compute_loss_from_embeddings(_embed(self.model, sentence_features), labels)
+
+    def _columns(self, embeddings: Sequence[Tensor]):
+        if len(embeddings) < 2:
+            raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
+        negs = torch.cat(list(embeddings[2:]), 0) if len(embeddings) > 2 else None
+        group, size = dist_group(self.group) if self.gather_across_devices else (None, 1)
+        kw = dict(normalize=self.normalize, workspace_bytes=self.workspace_bytes)
+        return embeddings[0], embeddings[1], negs, group, size, kw
+
+    def compute_loss_from_embeddings(self, embeddings: Sequence[Tensor], labels: Any = None
+                                     ) -> Tensor:
+        q, p, negs, group, size, kw = self._columns(embeddings)
+        red = dict(reduction="none", group=group) if size > 1 else {}
+        t = 1.0 / self.scale
+        if len(self.directions) == 1:
+            loss = C.info_nce(q, p, t, negatives=negs, **red, **kw)
+        elif negs is None:  # both directions, one softmax each: CLIP at a fixed scale
+            loss = C.clip_loss(q, p, math.log(self.scale), **red, **kw)
+        else:
+            loss = (C.info_nce(q, p, t, negatives=negs, **red, **kw)
+                    + C.info_nce(p, q, t, **red, **kw)) / 2
+        return loss if size == 1 else rank_share(loss, size)
+
+    def get_config_dict(self) -> Dict[str, Any]:
+        return {"scale": self.scale,
+                "similarity_fct": "cos_sim" if self.normalize else "dot_score",
+                "gather_across_devices": self.gather_across_devices,
+                "directions": self.directions, "partition_mode": self.partition_mode,
+                "hardness_mode": self.hardness_mode,
+                "hardness_strength": self.hardness_strength, "backend": "cupynce"}
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 / self.scale
+
+    @property
+    def citation(self) -> str:
+        return ("@misc{henderson2017efficient, title={Efficient Natural Language Response "
+                "Suggestion for Smart Reply}, author={Matthew Henderson and others}, year={2017}, "
+                "eprint={1705.00652}, archivePrefix={arXiv}}")
+
+
+class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
+    """The symmetric form: ``(CE(anchor → every candidate) + CE(positive → every anchor)) / 2``
+    — the library's directions ("query_to_doc", "doc_to_query") with one softmax per
+    direction, which :class:`MultipleNegativesRankingLoss` also takes (the library deprecates
+    this class for it).  Without hard negatives that is CLIP's loss at a fixed scale
+    (:func:`cupynce.torch.clip_loss` with logit_scale = log(scale): one pass for both
+    directions); with them, two :func:`cupynce.torch.info_nce` calls.  Arguments and
+    distributed values as :class:`MultipleNegativesRankingLoss`."""
+
+    def __init__(self, model: Optional[nn.Module] = None, scale: float = 20.0,
+                 similarity_fct: Optional[Callable] = None, gather_across_devices: bool = False,
+                 *, workspace_bytes: Optional[int] = None, group: Optional[Any] = None):
+        super().__init__(model, scale, similarity_fct, gather_across_devices,
+                         directions=("query_to_doc", "doc_to_query"),
+                         partition_mode="per_direction", workspace_bytes=workspace_bytes,
+                         group=group)

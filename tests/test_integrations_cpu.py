@@ -1,0 +1,314 @@
+"""cupynce.integrations against the real libraries' classes on the CPU (CI).
+
+open_clip's ``ClipLoss`` / ``SigLipLoss``, lightly's ``NTXentLoss`` (both loaded from their
+installed files: ``library_losses``) and sentence-transformers' ``MultipleNegativesRankingLoss``
+/ ``MultipleNegativesSymmetricRankingLoss``: the same loss and gradients on random inputs for
+every documented option, one process and gloo with 2 and 3 processes (per-rank values and
+feature gradients rank by rank; a learnable scale's gradient rank by rank where the adapter
+says so, else its mean over the ranks, which is what DDP uses).  Float64 to 1e-10 relative
+(the global sums run in another order), float32 to 2e-5 of the tensor's norm.  A library that is not installed
+skips its tests, saying so (CI installs all three: the ``integrations`` extra).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import library_losses as LL  # noqa: E402
+from cupynce.integrations import lightly as c_lightly  # noqa: E402
+from cupynce.integrations import open_clip as c_open_clip  # noqa: E402
+from cupynce.integrations import sentence_transformers as c_st  # noqa: E402
+
+OC = LL.open_clip_loss()
+LIGHTLY = LL.lightly_ntxent()
+try:
+    from sentence_transformers.sentence_transformer import losses as ST
+    from sentence_transformers.util import cos_sim, dot_score
+except ImportError:  # pragma: no cover - CI installs it
+    ST = cos_sim = dot_score = None
+
+need_oc = pytest.mark.skipif(OC is None, reason="open_clip_torch is not installed")
+need_lightly = pytest.mark.skipif(LIGHTLY is None, reason="lightly is not installed")
+need_st = pytest.mark.skipif(ST is None, reason="sentence-transformers is not installed")
+
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12)}
+#: float32: relative error of the whole tensor, ||x - ref|| / ||ref|| (both sides round in
+#: float32; at scale 100 single elements of a gradient differ by more than 1e-5 relative)
+F32_NORM_TOL = 2e-5
+
+
+def unit(x):
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def leaves(*xs):
+    return [x.detach().clone().requires_grad_(True) for x in xs]
+
+
+def run(fn, xs, params=()):
+    """fn(*xs, *params) and the gradients of every leaf."""
+    loss = fn(*xs, *params)
+    grads = torch.autograd.grad(loss, [*xs, *params], allow_unused=True)
+    return loss.detach(), [None if g is None else g.detach() for g in grads]
+
+
+def close(a, b, dtype, what=""):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    if dtype == torch.float64:
+        torch.testing.assert_close(a, b, msg=what, **TOL[dtype])
+    else:
+        err = float((a - b).norm() / b.norm().clamp_min(1e-6))  # (1e-6: a floor for ~0)
+        assert err <= F32_NORM_TOL, f"{what}: relative error {err:.2e}"
+
+
+# ---- open_clip, one process ---------------------------------------------------------------
+@need_oc
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n,d", [(1, 4), (5, 3), (33, 16)])
+@pytest.mark.parametrize("flags", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_open_clip_cliploss(dtype, n, d, flags, bias):
+    g = torch.Generator().manual_seed(n * 7 + d)
+    a, b = (unit(torch.randn(n, d, generator=g, dtype=dtype)) for _ in range(2))
+    t = torch.tensor(math.log(1 / 0.07), dtype=dtype)
+    beta = torch.tensor(-3.0, dtype=dtype)
+    kw = dict(local_loss=flags[0], gather_with_grad=flags[1], cache_labels=True)
+    ref, ours = OC.ClipLoss(**kw), c_open_clip.ClipLoss(**kw)
+    res = []
+    for loss_fn in (ref, ours):
+        def fn(x, y, tt, bb):
+            return loss_fn(x, y, tt.exp(), bb if bias else None)
+        res.append(run(fn, leaves(a, b), leaves(t, beta)))
+    (l0, g0), (l1, g1) = res
+    close(l1, l0, dtype, "loss")
+    for i, name in enumerate(("image", "text", "log scale")):
+        close(g1[i], g0[i], dtype, name)
+    if bias:  # softmax-invariant: open_clip's is rounding noise, cupynce's exactly 0
+        assert g1[3] is not None and float(g1[3]) == 0.0 and abs(float(g0[3])) < 1e-5
+    out = ours(a, b, 10.0, output_dict=True)
+    assert set(out) == {"contrastive_loss"}
+    close(out["contrastive_loss"], ref(a, b, 10.0), dtype, "float scale")
+
+
+@need_oc
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n,d", [(1, 4), (2, 3), (3, 5), (129, 16)])
+@pytest.mark.parametrize("scale,bias", [(10.0, -10.0), (1.0, 5.0), (100.0, -20.0)])
+def test_open_clip_sigliploss(dtype, n, d, scale, bias):
+    g = torch.Generator().manual_seed(n + d)
+    a, b = (unit(torch.randn(n, d, generator=g, dtype=dtype)) for _ in range(2))
+    t, beta = torch.tensor(math.log(scale), dtype=dtype), torch.tensor(bias, dtype=dtype)
+    res = []
+    for loss_fn in (OC.SigLipLoss(), c_open_clip.SigLipLoss()):
+        res.append(run(lambda x, y, tt, bb: loss_fn(x, y, tt.exp(), bb), leaves(a, b),
+                       leaves(t, beta)))
+    (l0, g0), (l1, g1) = res
+    close(l1, l0, dtype, "loss")
+    for i, name in enumerate(("image", "text", "log scale", "bias")):
+        close(g1[i], g0[i], dtype, name)
+
+
+def test_open_clip_options_and_scale_convention():
+    with pytest.raises(NotImplementedError, match="use_horovod"):
+        c_open_clip.ClipLoss(use_horovod=True)
+    with pytest.raises(ValueError, match="dist_impl"):
+        c_open_clip.SigLipLoss(dist_impl="ring")
+    a = unit(torch.randn(4, 3, dtype=torch.float64))
+    for bad in (0.0, -1.0, math.inf, torch.tensor(-2.0, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="scale itself"):
+            c_open_clip.ClipLoss()(a, a, bad)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        c_open_clip.ClipLoss(world_size=2, rank=1)(a, a, 10.0)
+    with pytest.raises(ValueError, match="world_size"):
+        c_open_clip.SigLipLoss(world_size=0)(a, a, 10.0, -10.0)
+
+
+# ---- lightly, one process -----------------------------------------------------------------
+@need_lightly
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n,d", [(1, 4), (2, 3), (17, 8)])
+@pytest.mark.parametrize("temperature", [0.5, 0.07, 2.0])
+def test_lightly_ntxent(dtype, n, d, temperature):
+    g = torch.Generator().manual_seed(n * 3 + d)
+    x0, x1 = (torch.randn(n, d, generator=g, dtype=dtype) * 3 for _ in range(2))
+    res = [run(cls(temperature, gather_distributed=True), leaves(x0, x1))
+           for cls in (LIGHTLY, c_lightly.NTXentLoss)]
+    (l0, g0), (l1, g1) = res
+    close(l1, l0, dtype, "loss")
+    close(g1[0], g0[0], dtype, "out0")
+    close(g1[1], g0[1], dtype, "out1")
+
+
+def test_lightly_options():
+    with pytest.raises(NotImplementedError, match="memory_bank_size"):
+        c_lightly.NTXentLoss(memory_bank_size=(4096, 128))
+    with pytest.raises(NotImplementedError, match="memory_bank_size"):
+        c_lightly.NTXentLoss(memory_bank_size=16)
+    with pytest.raises(ValueError, match="temperature"):
+        c_lightly.NTXentLoss(temperature=0.0)
+    c_lightly.NTXentLoss(memory_bank_size=(0,))  # lightly's spelling of "none"
+    with pytest.raises(ValueError, match="out0 and out1"):
+        c_lightly.NTXentLoss()(torch.zeros(3, 2), torch.zeros(4, 2))
+
+
+# ---- sentence-transformers, one process ---------------------------------------------------
+def _st_pair(name):
+    """(the library's class, cupynce's); "symmetric": MNRL with both directions, one softmax
+    each (the library's replacement of its deprecated MNSRL)."""
+    if name == "symmetric":
+        kw = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
+        return (lambda *a, **k: ST.MultipleNegativesRankingLoss(*a, **k, **kw),
+                lambda *a, **k: c_st.MultipleNegativesRankingLoss(*a, **k, **kw))
+    return getattr(ST, name), getattr(c_st, name)
+
+
+@need_st
+@pytest.mark.parametrize("name", ["MultipleNegativesRankingLoss",
+                                  "MultipleNegativesSymmetricRankingLoss", "symmetric"])
+@pytest.mark.filterwarnings("ignore:The MultipleNegativesSymmetricRankingLoss is deprecated")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("columns", [2, 3, 4])
+@pytest.mark.parametrize("sim", ["cos_sim", "dot_score"])
+@pytest.mark.parametrize("scale", [20.0, 1.0])
+def test_st_losses(name, dtype, columns, sim, scale):
+    ref_cls, our_cls = _st_pair(name)
+    fn = cos_sim if sim == "cos_sim" else dot_score
+    g = torch.Generator().manual_seed(columns * 11)
+    cols = [torch.randn(6, 8, generator=g, dtype=dtype) * (1.0 if sim == "cos_sim" else 0.3)
+            for _ in range(columns)]
+    res = []
+    for cls in (ref_cls, our_cls):
+        loss_fn = cls(None, scale=scale, similarity_fct=fn)
+        res.append(run(lambda *xs: loss_fn.compute_loss_from_embeddings(list(xs), None),
+                       leaves(*cols)))
+    (l0, g0), (l1, g1) = res
+    close(l1, l0, dtype, "loss")
+    for i in range(columns):
+        close(g1[i], g0[i], dtype, f"column {i}")
+
+
+@need_st
+def test_st_options():
+    M = c_st.MultipleNegativesRankingLoss
+    with pytest.raises(NotImplementedError, match="directions"):
+        M(None, directions=("query_to_doc", "doc_to_doc"))
+    with pytest.raises(NotImplementedError, match="directions"):  # one softmax for both
+        M(None, directions=("query_to_doc", "doc_to_query"), partition_mode="joint")
+    with pytest.raises(NotImplementedError, match="hardness_mode"):
+        M(None, hardness_mode="hard_negatives", hardness_strength=1.0)
+    with pytest.raises(NotImplementedError, match="similarity_fct"):
+        M(None, similarity_fct=lambda a, b: a @ b.T)
+    with pytest.raises(ValueError, match="scale"):
+        M(None, scale=0.0)
+    with pytest.raises(ValueError, match="model"):
+        M(None)([{}, {}], None)
+    m = M(None, partition_mode="per_direction", hardness_mode="all_negatives")
+    assert m.get_config_dict()["similarity_fct"] == "cos_sim" and m.temperature == 1 / 20
+
+
+# ---- across processes (gloo) --------------------------------------------------------------
+def _global(seed, n, d, world, dtype=torch.float64, cols=2, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n * world, d, generator=g, dtype=dtype) * scale for _ in range(cols)]
+
+
+def _mine(x, rank, n):
+    return x[rank * n:(rank + 1) * n]
+
+
+def _mean_over_ranks(x):
+    import torch.distributed as dist
+
+    y = x.detach().clone()
+    dist.all_reduce(y)
+    return y / dist.get_world_size()
+
+
+def check_open_clip_clip(rank, world):
+    dt, n = torch.float64, 5
+    a_all, b_all = (unit(x) for x in _global(1, n, 6, world))
+    a, b = _mine(a_all, rank, n), _mine(b_all, rank, n)
+    t = torch.tensor(math.log(20.0), dtype=dt)
+    for flags in ((False, False), (False, True), (True, True), (True, False)):
+        kw = dict(local_loss=flags[0], gather_with_grad=flags[1], rank=rank, world_size=world)
+        res = []
+        for cls in (OC.ClipLoss, c_open_clip.ClipLoss):
+            loss_fn = cls(**kw)
+            res.append(run(lambda x, y, tt: loss_fn(x, y, tt.exp()), leaves(a, b), leaves(t)))
+        (l0, g0), (l1, g1) = res
+        close(l1, l0, dt, f"{flags} loss")
+        close(g1[0], g0[0], dt, f"{flags} image grad")
+        close(g1[1], g0[1], dt, f"{flags} text grad")
+        if flags == (True, True):  # the global one here, each rank's share's there
+            close(g1[2], _mean_over_ranks(g0[2]), dt, f"{flags} scale grad")
+            close(_mean_over_ranks(g1[2]), _mean_over_ranks(g0[2]), dt, "mean scale grad")
+        else:
+            close(g1[2], g0[2], dt, f"{flags} scale grad")
+
+
+def check_open_clip_siglip(rank, world):
+    dt, n = torch.float64, 4
+    a_all, b_all = (unit(x) for x in _global(2, n, 5, world))
+    a, b = _mine(a_all, rank, n), _mine(b_all, rank, n)
+    t, beta = torch.tensor(math.log(10.0), dtype=dt), torch.tensor(-2.0, dtype=dt)
+    for impl in ("bidir", "shift", "reduce", "gather"):
+        res = []
+        for cls in (OC.SigLipLoss, c_open_clip.SigLipLoss):
+            loss_fn = cls(rank=rank, world_size=world, dist_impl=impl)
+            res.append(run(lambda x, y, tt, bb: loss_fn(x, y, tt.exp(), bb), leaves(a, b),
+                           leaves(t, beta)))
+        (l0, g0), (l1, g1) = res
+        close(l1, l0, dt, f"{impl} loss")
+        close(g1[0], g0[0], dt, f"{impl} image grad")
+        close(g1[1], g0[1], dt, f"{impl} text grad")
+        for i in (2, 3):
+            close(g1[i], _mean_over_ranks(g0[i]), dt, f"{impl} scalar {i}")
+
+
+def check_lightly(rank, world):
+    dt, n = torch.float64, 3
+    x0_all, x1_all = _global(3, n, 4, world, scale=2.0)
+    x0, x1 = _mine(x0_all, rank, n), _mine(x1_all, rank, n)
+    res = [run(cls(0.2, gather_distributed=True), leaves(x0, x1))
+           for cls in (LIGHTLY, c_lightly.NTXentLoss)]
+    (l0, g0), (l1, g1) = res
+    close(l1, l0, dt, "loss")
+    close(g1[0], g0[0], dt, "out0")
+    close(g1[1], g0[1], dt, "out1")
+
+
+def check_st(rank, world):
+    dt, n = torch.float64, 3
+    import warnings
+
+    warnings.filterwarnings("ignore", "The MultipleNegativesSymmetricRankingLoss is deprecated")
+    for name in ("MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss",
+                 "symmetric"):
+        for cols in (2, 3):
+            xs = [_mine(x, rank, n) for x in _global(4 + cols, n, 5, world, cols=cols)]
+            res = []
+            for cls in _st_pair(name):
+                loss_fn = cls(None, scale=7.0, gather_across_devices=True)
+                res.append(run(lambda *ys: loss_fn.compute_loss_from_embeddings(list(ys), None),
+                               leaves(*xs)))
+            (l0, g0), (l1, g1) = res
+            close(l1, l0, dt, f"{name} {cols} loss")
+            for i in range(cols):
+                close(g1[i], g0[i], dt, f"{name} {cols} column {i}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_integrations_over_gloo(world):
+    from test_distributed_cpu import run_ranks
+
+    names = ([] if OC is None else ["check_open_clip_clip", "check_open_clip_siglip"]) + \
+        ([] if LIGHTLY is None else ["check_lightly"]) + ([] if ST is None else ["check_st"])
+    if not names:
+        pytest.skip("none of open_clip_torch, lightly, sentence-transformers is installed")
+    run_ranks(world, names, module="test_integrations_cpu")
