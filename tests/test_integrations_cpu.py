@@ -312,3 +312,108 @@ def test_integrations_over_gloo(world):
     if not names:
         pytest.skip("none of open_clip_torch, lightly, sentence-transformers is installed")
     run_ranks(world, names, module="test_integrations_cpu")
+
+
+# ---- two training steps with each library's trainer or loop -------------------------------
+def _two_sgd_steps(make_loss, batches, dims=(12, 8), seed=0):
+    """A linear encoder trained two SGD steps on ``batches`` (each a tuple of inputs that the
+    loss takes after encoding); returns the final weight and the losses."""
+    torch.manual_seed(seed)
+    enc = torch.nn.Linear(*dims, dtype=torch.float64)
+    extra = getattr(make_loss, "params", lambda: [])()
+    opt = torch.optim.SGD([*enc.parameters(), *extra], lr=0.3)
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = make_loss(*[enc(x) for x in batch])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return enc.weight.detach().clone(), losses
+
+
+def _batches(k, n=6, d=12, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(k))
+            for _ in range(2)]
+
+
+class _OpenClipStep:
+    """open_clip's training-loop call: unit features, the model's learnable log scale exp()'d
+    (and SigLIP's bias)."""
+
+    def __init__(self, loss, siglip):
+        self.loss, self.siglip = loss, siglip
+        self.t = torch.nn.Parameter(torch.tensor(math.log(10.0), dtype=torch.float64))
+        self.b = torch.nn.Parameter(torch.tensor(-10.0, dtype=torch.float64))
+
+    def params(self):
+        return [self.t, self.b] if self.siglip else [self.t]
+
+    def __call__(self, x, y):
+        args = (unit(x), unit(y), self.t.exp()) + ((self.b,) if self.siglip else ())
+        return self.loss(*args)
+
+
+@need_oc
+@pytest.mark.parametrize("siglip", [False, True])
+def test_open_clip_training_steps(siglip):
+    name = "SigLipLoss" if siglip else "ClipLoss"
+    runs = [_two_sgd_steps(_OpenClipStep(getattr(mod, name)(), siglip), _batches(2))
+            for mod in (OC, c_open_clip)]
+    (w0, l0), (w1, l1) = runs
+    assert l1 == pytest.approx(l0, rel=1e-10) and l0[1] != l0[0]
+    close(w1, w0, torch.float64, "weights after two steps")
+
+
+@need_lightly
+def test_lightly_training_steps():
+    runs = [_two_sgd_steps(cls(0.1), _batches(2)) for cls in (LIGHTLY, c_lightly.NTXentLoss)]
+    (w0, l0), (w1, l1) = runs
+    assert l1 == pytest.approx(l0, rel=1e-10) and l0[1] != l0[0]
+    close(w1, w0, torch.float64, "weights after two steps")
+
+
+@need_st
+def test_sentence_transformers_trainer_two_steps(tmp_path):
+    """SentenceTransformerTrainer, two SGD steps of a small StaticEmbedding model built
+    offline, with the library's MNRL and with cupynce's: the same losses and weights."""
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("accelerate")
+    import numpy as np
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = [f"w{i}" for i in range(40)]
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+
+    def model():
+        tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = Whitespace()
+        g = torch.Generator().manual_seed(0)
+        emb = StaticEmbedding(tok, embedding_weights=torch.randn(len(vocab), 16, generator=g))
+        return SentenceTransformer(modules=[emb], device="cpu")
+
+    rng = np.random.default_rng(0)
+    rows = [" ".join(rng.choice(words, 5)) for _ in range(16)]
+    data = datasets.Dataset.from_dict({"anchor": rows, "positive": [r[::-1] for r in rows],
+                                       "negative": rows[5:] + rows[:5]})
+    out = []
+    for i, cls in enumerate((ST.MultipleNegativesRankingLoss,
+                             c_st.MultipleNegativesRankingLoss)):
+        m = model()
+        args = SentenceTransformerTrainingArguments(
+            output_dir=str(tmp_path / str(i)), max_steps=2, per_device_train_batch_size=8,
+            learning_rate=0.5, optim="sgd", report_to=[], save_strategy="no", seed=0,
+            use_cpu=True, disable_tqdm=True)
+        trainer = SentenceTransformerTrainer(model=m, args=args, train_dataset=data,
+                                             loss=cls(m, scale=10.0))
+        out.append((trainer.train().training_loss, m[0].embedding.weight.detach().clone()))
+    (l0, w0), (l1, w1) = out
+    assert l1 == pytest.approx(l0, rel=1e-5)
+    assert float((w0 - model()[0].embedding.weight).abs().max()) > 1e-3  # it trained
+    close(w1, w0, torch.float32, "embedding weights after two steps")
