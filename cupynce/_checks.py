@@ -168,17 +168,19 @@ def check_reduction(op: str, reduction: Any) -> str:
 
 
 def _scale_overflow(op: str, value: float, acc: Optional[np.dtype]) -> None:
-    """exp(logit_scale) must be finite in the accumulation dtype: a larger value is almost
-    surely the scale itself passed where its log is expected (open_clip's convention)."""
-    acc = np.dtype(np.float32) if acc is None else np.dtype(acc)
-    limit = math.log(float(np.finfo(acc).max))
+    """exp(logit_scale) must be finite in float32, whatever the dtype: a larger value is almost
+    surely the scale itself passed where its log is expected (open_clip's convention), and one
+    limit for every dtype means a call that runs in float64 also runs in float32 (the float64
+    exponent would let exp(100) = 2.7e43 through, and a meaningless loss with it)."""
+    limit = math.log(float(np.finfo(np.float32).max))
     if value > limit:
         raise ValueError(
-            f"{op}: logit_scale={value!r} overflows: cupynce takes the *log* of the logit scale "
-            f"(CLIP's learnable log(1/temperature); logits = exp(logit_scale) * a.b, e.g. "
-            f"log(100) = 4.605 at CLIP's clamp), and exp({value!r}) exceeds {acc} (largest "
-            f"logit_scale: {limit:.2f}). If you have the scale itself (open_clip passes "
-            f"logit_scale.exp(), e.g. 100), pass math.log(scale).")
+            f"{op}: logit_scale={value!r} is too large: cupynce takes the *log* of the logit "
+            f"scale (CLIP's learnable log(1/temperature): logits = exp(logit_scale) * a.b, "
+            f"log(100) = 4.605 at CLIP's clamp), and exp({value!r}) overflows float32 (the "
+            f"limit for every dtype: logit_scale <= {limit:.2f}). open_clip's convention passes "
+            f"the scale itself (logit_scale.exp(), e.g. 100): pass math.log(scale) here, or use "
+            f"cupynce.integrations.open_clip, which takes open_clip's.")
 
 
 def check_logit_scale(op: str, logit_scale: Any, xp: ModuleType,
@@ -186,9 +188,10 @@ def check_logit_scale(op: str, logit_scale: Any, xp: ModuleType,
     """A Python real, or a 0-d / single-element 1-D floating array of the same kind as the inputs.
 
     Returns ``(value, shape)``: a Python float or the array, and the shape of the gradient.
-    A value on the host (a real, a NumPy array) must be finite with ``exp(value)`` finite in
-    the accumulation dtype ``acc`` (float32 unless given); a device array is never read back
-    to the host, so that check is the caller's there.
+    A value on the host (a real, a NumPy array, a CPU tensor through cupynce.torch) must be
+    finite with ``exp(value)`` finite in float32, for every dtype (``acc`` is unused: one
+    limit everywhere); a device array is never read back to the host (no synchronisation),
+    so there an overflowing scale gives a NaN loss instead of this error.
     """
     return check_scalar_input(op, "logit_scale", logit_scale, xp,
                               lambda v: _scale_overflow(op, v, acc))

@@ -42,6 +42,8 @@ _FUNCS = {
     "nt_xent": (cupynce.nt_xent, cupynce.nt_xent_forward, cupynce.nt_xent_backward),
     "info_nce": (cupynce.info_nce, cupynce.info_nce_forward, cupynce.info_nce_backward),
     "clip_loss": (cupynce.clip_loss, cupynce.clip_loss_forward, cupynce.clip_loss_backward),
+    "siglip_loss": (cupynce.siglip_loss, cupynce.siglip_loss_forward,
+                    cupynce.siglip_loss_backward),
 }
 
 
@@ -54,6 +56,9 @@ def call(op, entry="forward", **overrides):
         return fn(kw.pop("z"), kw.pop("temperature"), **kw)
     if op == "info_nce":
         return fn(kw.pop("query"), kw.pop("key"), kw.pop("temperature"), **kw)
+    if op == "siglip_loss":
+        return fn(kw.pop("a"), kw.pop("b"), kw.pop("logit_scale"), kw.pop("logit_bias", -10.0),
+                  **kw)
     return fn(kw.pop("a"), kw.pop("b"), kw.pop("logit_scale"), **kw)
 
 
@@ -463,30 +468,32 @@ def test_temperature_array_must_be_0d(value, no_work):
 @pytest.mark.parametrize("make", [float, np.float32, lambda v: np.asarray(v, np.float32),
                                   lambda v: np.asarray([v], np.float64)])
 @pytest.mark.parametrize("value", [100.0, 88.8, 1e4])
-def test_logit_scale_overflow_names_both_conventions(make, value, no_work):
-    """exp(logit_scale) must be finite in the accumulation dtype: a value past it is the scale
-    itself (open_clip's convention) where cupynce takes its log.  NaN (float32) or 1.5e44
-    (float64) used to come back silently."""
-    with pytest.raises(ValueError, match=r"clip_loss: logit_scale=.* overflows: cupynce takes "
+@pytest.mark.parametrize("op", ["clip_loss", "siglip_loss"])
+def test_logit_scale_overflow_names_both_conventions(op, make, value, no_work):
+    """exp(logit_scale) must be finite in float32: a value past it is the scale itself
+    (open_clip's convention) where cupynce takes its log.  NaN (float32) or 1.5e44 (float64)
+    used to come back silently."""
+    with pytest.raises(ValueError, match=rf"{op}: logit_scale=.* is too large: cupynce takes "
                                          r"the \*log\* of the logit scale.*open_clip.*"
-                                         r"math\.log\(scale\)"):
-        call("clip_loss", logit_scale=make(value))
+                                         r"math\.log\(scale\).*cupynce\.integrations"):
+        call(op, logit_scale=make(value))
 
 
-def test_logit_scale_limit_follows_the_accumulation_dtype(no_work):
-    """float64 inputs accumulate in float64: exp(100) is finite there, exp(710) is not."""
-    with pytest.raises(ValueError, match=r"exceeds float64"):
-        call("clip_loss", a=_arr((N, D), np.float64), b=_arr((N, D), np.float64, 1),
-             logit_scale=710.0)
-    with pytest.raises(ValueError, match=r"exceeds float32"):
-        call("clip_loss", a=_arr((N, D), np.float16), b=_arr((N, D), np.float16, 1),
-             logit_scale=89.0)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_logit_scale_limit_is_the_same_for_every_dtype(dtype, no_work):
+    """One limit, float32's exp range, for every dtype: a call that runs in float64 runs in
+    float32, and exp(100) = 2.7e43 in float64 (open_clip's clamped scale passed as a log) is
+    refused there too."""
+    a, b = _arr((N, D), dtype), _arr((N, D), dtype, 1)
+    for value in (88.8, 100.0, 710.0):
+        with pytest.raises(ValueError, match=r"overflows float32 \(the limit for every dtype"):
+            call("clip_loss", a=a, b=b, logit_scale=value)
 
 
 def test_large_but_finite_logit_scale_runs():
-    """Below the limit the log convention runs as asked (float64 takes exp(100))."""
+    """Below the limit the log convention runs as asked (exp(88) = 1.7e38)."""
     loss, ctx = call("clip_loss", a=_arr((N, D), np.float64), b=_arr((N, D), np.float64, 1),
-                     logit_scale=100.0, normalize=True)
+                     logit_scale=88.0, normalize=True)
     assert np.isfinite(loss) and all(np.isfinite(g).all() for g in cupynce.clip_loss_backward(ctx))
     loss, _ = call("clip_loss", logit_scale=30.0, normalize=True)
     assert np.isfinite(loss)

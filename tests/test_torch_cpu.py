@@ -956,3 +956,17 @@ def test_calls_without_gradient_run_the_loss_alone(op, dtype, reduction, normali
     for got in (plain, under):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("op", ["clip_loss", "siglip_loss"])
+def test_logit_scale_convention_guard(op, dtype):
+    """open_clip's scale (100) passed where cupynce takes its log: a clear error naming both
+    conventions, for a real and for a host tensor, in every dtype (issue 22)."""
+    a = torch.randn(4, 3, dtype=dtype)
+    extra = (-10.0,) if op == "siglip_loss" else ()
+    for v in (100.0, torch.tensor(100.0, dtype=dtype, requires_grad=True)):
+        with pytest.raises(ValueError, match=r"is too large: cupynce takes the \*log\*.*"
+                                             r"open_clip.*math\.log\(scale\)"):
+            getattr(ct, op)(a, a, v, *extra)
+    assert torch.isfinite(getattr(ct, op)(a, a, math.log(100.0), *extra))
