@@ -417,3 +417,116 @@ def test_sentence_transformers_trainer_two_steps(tmp_path):
     assert l1 == pytest.approx(l0, rel=1e-5)
     assert float((w0 - model()[0].embedding.weight).abs().max()) > 1e-3  # it trained
     close(w1, w0, torch.float32, "embedding weights after two steps")
+
+
+# ---- sentence-transformers' SparseEncoder with cupynce's SpladePooling ---------------------
+@pytest.fixture(scope="module")
+def tiny_mlm(tmp_path_factory):
+    """A one-layer BERT masked LM (V = 65, D = 16, no dropout) saved offline, and its
+    tokenizer: what a fill-mask Transformer module loads."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
+
+    d = tmp_path_factory.mktemp("mlm")
+    words = [f"w{i}" for i in range(60)]
+    (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                                           + words))
+    tok = BertTokenizerFast(vocab_file=str(d / "vocab.txt"))
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(words) + 5, hidden_size=16, num_hidden_layers=1,
+                     num_attention_heads=2, intermediate_size=32, max_position_embeddings=32,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForMaskedLM(cfg)
+    with torch.no_grad():  # a decoder bias that matters (BERT's starts at 0)
+        model.cls.predictions.bias.uniform_(-0.5, 0.5)
+    model.save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    return str(d)
+
+
+SENTS = ["w1 w2 w3", "w4 w5 w6 w7 w8 w9", "w10", "w11 w12 w13 w14"]
+
+
+def _sparse_encoder(path, ours, activation="relu"):
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules.transformer import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling as LibPooling
+
+    t = Transformer(path, transformer_task="fill-mask")
+    pool = c_st.SpladePooling(t, "max", activation) if ours else LibPooling("max", activation)
+    return SparseEncoder(modules=[t, pool], device="cpu"), t
+
+
+@need_st
+@pytest.mark.parametrize("activation", ["relu", "log1p_relu"])
+@pytest.mark.parametrize("train", [True, False])
+def test_st_splade_pooling(tiny_mlm, activation, train):
+    res = []
+    for ours in (False, True):
+        model, t = _sparse_encoder(tiny_mlm, ours, activation)
+        model.train(train)
+        feats = model.preprocess(SENTS)
+        if not train:  # (the library's eval path works in place: no backward there)
+            with torch.no_grad():
+                res.append([model(feats)["sentence_embedding"]])
+            continue
+        out = model(feats)["sentence_embedding"]
+        (out.square().sum() + out.sum()).backward()
+        am = t.auto_model
+        res.append([out.detach(), am.bert.embeddings.word_embeddings.weight.grad,
+                    am.cls.predictions.transform.dense.weight.grad, am.cls.predictions.bias.grad])
+    for i, what in enumerate(("output", "tied embeddings / decoder", "transform", "bias")):
+        if i < len(res[0]):
+            close(res[1][i], res[0][i], torch.float32, what)
+    assert res[0][0].shape == (len(SENTS), 65) and float(res[0][0].max()) > 0
+
+
+@need_st
+def test_st_splade_pooling_options(tiny_mlm):
+    from sentence_transformers.base.modules.transformer import Transformer
+
+    t = Transformer(tiny_mlm, transformer_task="fill-mask")
+    with pytest.raises(NotImplementedError, match="pooling_strategy"):
+        c_st.SpladePooling(t, "sum")
+    with pytest.raises(ValueError, match="activation_function"):
+        c_st.SpladePooling(t, "max", "gelu")
+    with pytest.raises(TypeError, match="decoder"):
+        c_st.SpladePooling(torch.nn.Linear(3, 4))
+    pool = c_st.SpladePooling(t)
+    with pytest.raises(ValueError, match="already fused"):
+        c_st.SpladePooling(t)
+    with pytest.raises(NotImplementedError, match="flattened"):
+        pool({"cu_seq_lens_q": torch.tensor([0, 3]), "token_embeddings": torch.zeros(1, 3, 16)})
+    assert pool.get_embedding_dimension() == 65
+    pool.restore()  # the decoder again: the transformer module's logits are (B, L, V)
+    feats = t.preprocess(SENTS) if hasattr(t, "preprocess") else t.tokenize(SENTS)
+    assert t(dict(feats))["token_embeddings"].shape[-1] == 65
+
+
+@need_st
+def test_st_sparse_encoder_two_sgd_steps(tiny_mlm):
+    """Two SGD steps of the library's SpladeLoss (sparse MNRL + FLOPS regularisers) on a
+    SparseEncoder, with the library's pooling and with cupynce's: the same losses and
+    weights."""
+    from sentence_transformers.sparse_encoder.losses import (SparseMultipleNegativesRankingLoss,
+                                                             SpladeLoss)
+
+    out = []
+    for ours in (False, True):
+        model, t = _sparse_encoder(tiny_mlm, ours)
+        model.train()
+        loss_fn = SpladeLoss(model, SparseMultipleNegativesRankingLoss(model),
+                             document_regularizer_weight=3e-3, query_regularizer_weight=5e-3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for _ in range(2):
+            opt.zero_grad()
+            parts = loss_fn([model.preprocess(SENTS), model.preprocess(SENTS[::-1])], None)
+            loss = sum(parts.values()) if isinstance(parts, dict) else parts  # (as the trainer)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        out.append((losses, t.auto_model.bert.embeddings.word_embeddings.weight.detach().clone()))
+    (l0, w0), (l1, w1) = out
+    assert l1 == pytest.approx(l0, rel=1e-5) and l0[0] != l0[1]
+    close(w1, w0, torch.float32, "embeddings after two steps")

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from .. import torch as C
 from ._common import dist_group, rank_share
 
-__all__ = ["MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss"]
+__all__ = ["MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss",
+           "SpladePooling"]
 
 
 def _normalize_for(op: str, fn: Optional[Callable]) -> bool:
@@ -169,3 +170,94 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
                          directions=("query_to_doc", "doc_to_query"),
                          partition_mode="per_direction", workspace_bytes=workspace_bytes,
                          group=group)
+
+
+class _DecoderInput(nn.Module):
+    """Stands in for a masked-LM's decoder: returns its input, the transformed hidden states
+    (B, L, D), and keeps the decoder's ``weight`` / ``bias`` Parameters (so that the model's
+    weight tying and its ``cls.predictions.bias`` still find them)."""
+
+    def __init__(self, decoder: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = decoder.weight, decoder.bias
+        self.in_features, self.out_features = decoder.in_features, decoder.out_features
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return hidden
+
+
+class SpladePooling(nn.Module):
+    """sentence-transformers' ``SpladePooling`` for a ``SparseEncoder``, fused with the masked
+    LM's decoder: the (B, L, V) logits are never formed.
+
+    ``SparseEncoder(modules=[mlm, SpladePooling(mlm)])`` where the library has
+    ``SparseEncoder(modules=[mlm, SpladePooling()])``: ``mlm`` is the fill-mask
+    ``Transformer`` (or ``MLMTransformer``) module.  On construction its model's output
+    embeddings (the decoder ``nn.Linear(D, V)``, e.g. BERT's ``cls.predictions.decoder``) are
+    replaced by a pass-through, so the transformer module's ``token_embeddings`` become the
+    decoder's input (B, L, D), and this module computes the library's pooled output with
+    :func:`cupynce.torch.splade_pool` on the decoder's own (tied) weight and bias.
+    :meth:`restore` puts the decoder back (do that before saving the model, which then
+    reloads with the library's ``SpladePooling``).
+
+    Parameters (the library's, plus the transformer module first)
+    --------------------------------------------------------------
+    pooling_strategy : "max" (default); "sum" raises ``NotImplementedError``.
+    activation_function : "relu" (default) | "log1p_relu" — the library's names: its "relu"
+        is log(1 + ReLU(logits)) (SPLADE's activation, cupynce's "log1p_relu") and its
+        "log1p_relu" applies log1p once more (on the (B, V) output here: log1p is monotone,
+        so it commutes with the max).
+    embedding_dimension, chunk_size : accepted (no chunks are needed: nothing of size
+        B × L × V is formed).
+
+    The library's flattened input (``cu_seq_lens_q``, from unpadded flash-attention batches)
+    raises ``NotImplementedError``.
+    """
+
+    def __init__(self, transformer: nn.Module, pooling_strategy: str = "max",
+                 activation_function: str = "relu", embedding_dimension: Optional[int] = None,
+                 chunk_size: Optional[int] = None):
+        super().__init__()
+        if pooling_strategy != "max":
+            raise NotImplementedError(f"SpladePooling: pooling_strategy={pooling_strategy!r} "
+                                      "has no cupynce equivalent; only 'max'")
+        if activation_function not in ("relu", "log1p_relu"):
+            raise ValueError("activation_function must be either 'relu' or 'log1p_relu'")
+        self.pooling_strategy, self.activation_function = pooling_strategy, activation_function
+        self.chunk_size = chunk_size
+        model = getattr(transformer, "auto_model", transformer)
+        decoder = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") \
+            else None
+        if isinstance(decoder, _DecoderInput):
+            raise ValueError("SpladePooling: this transformer's decoder is already fused into "
+                             "another cupynce SpladePooling")
+        if not isinstance(decoder, nn.Linear):
+            raise TypeError("SpladePooling: the transformer module's model must have an "
+                            "nn.Linear decoder as its output embeddings (a masked LM), got "
+                            f"{type(decoder).__name__}")
+        self.head = C.SpladePooling.from_decoder(decoder, activation="log1p_relu")
+        self.embedding_dimension = embedding_dimension or decoder.out_features
+        self._model, self._decoder = [model], [decoder]  # (lists: not submodules)
+        model.set_output_embeddings(_DecoderInput(decoder))
+
+    def restore(self) -> None:
+        """Put the masked LM's decoder back (its logits again; this module unusable)."""
+        self._model[0].set_output_embeddings(self._decoder[0])
+
+    def forward(self, features: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        if "cu_seq_lens_q" in features:
+            raise NotImplementedError("SpladePooling: flattened (unpadded) batches are not "
+                                      "supported yet")
+        out = self.head(features["token_embeddings"], features.get("attention_mask"))
+        if self.activation_function == "log1p_relu":
+            out = torch.log1p(out)
+        features["sentence_embedding"] = out
+        return features
+
+    def get_embedding_dimension(self) -> int:
+        return self.embedding_dimension
+
+    def get_config_dict(self) -> Dict[str, Any]:
+        return {"pooling_strategy": self.pooling_strategy,
+                "activation_function": self.activation_function,
+                "embedding_dimension": self.embedding_dimension}
