@@ -58,11 +58,81 @@ def _cases(quick: bool):
             yield ("lightly NTXentLoss", f"2 × {n} views, D = 128", lambda: ntx(0.1),
                    lambda: c_lightly.NTXentLoss(0.1),
                    lambda n=n: ([x * 3 for x in unit(n, 128)], []), "ntxent")
+    try:
+        from sentence_transformers.sparse_encoder.modules import SpladePooling as STPool
+    except ImportError:  # pragma: no cover
+        STPool = None
+    if STPool is not None:
+        for bsz, seq in (((32, 128),) if quick else ((32, 128), (32, 256), (64, 256))):
+            yield ("sentence-transformers SpladePooling", f"B = {bsz}, L = {seq}, V = 30522, "
+                   "D = 768 (decoder included)", lambda: _LibSplade(STPool),
+                   lambda: _OurSplade(c_st.SpladePooling),
+                   lambda b=bsz, l=seq: (_splade_inputs(b, l), []), "splade")
     for n in ((1024,) if quick else (1024, 4096)):
         if STMNRL is not None:
             yield ("sentence-transformers MNRL", f"N = {n} + {n} hard negatives, D = 768",
                    lambda: STMNRL(None), lambda: c_st.MultipleNegativesRankingLoss(None),
                    lambda n=n: (unit(n, 768, k=3), []), "mnrl")
+
+
+def _splade_inputs(bsz, seq, d=768, v=30522):
+    """BERT-base-sized decoder inputs: hidden states (B, L, D) of a transformed MLM output,
+    the decoder's weight (V, D) and bias (V,), a padding mask with lengths in [L/2, L]."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(bsz * seq)
+    h = torch.randn(bsz, seq, d, device="cuda", generator=g)
+    w = torch.randn(v, d, device="cuda", generator=g) / d ** 0.5
+    b = torch.randn(v, device="cuda", generator=g) * 0.5 - 2.0  # (about half active)
+    lens = torch.randint(seq // 2, seq + 1, (bsz,), device="cuda", generator=g)
+    mask = (torch.arange(seq, device="cuda")[None, :] < lens[:, None]).long()
+    return [h, w, b, mask]
+
+
+class _LibSplade:
+    """The library's pipeline: the decoder's (B, L, V) logits, then its SpladePooling."""
+
+    def __init__(self, pool_cls):
+        self.pool = pool_cls("max", "relu")
+
+    def __call__(self, h, w, b, mask):
+        import torch
+
+        logits = torch.nn.functional.linear(h, w, b)
+        return self.pool({"token_embeddings": logits,
+                          "attention_mask": mask})["sentence_embedding"]
+
+
+class _OurSplade:
+    """cupynce's SpladePooling on a stand-in masked LM whose decoder holds (w, b), built once
+    per (w, b) (the decoder on the meta device, then given w and b as its Parameters)."""
+
+    def __init__(self, pool_cls):
+        self.pool_cls, self.key, self.pool, self.leaves = pool_cls, None, None, None
+
+    def __call__(self, h, w, b, mask):
+        import torch
+
+        if self.key != (id(w), id(b)):
+            class _LM(torch.nn.Module):  # get / set_output_embeddings, as a masked LM has
+                def __init__(self):
+                    super().__init__()
+                    self.dec = torch.nn.Linear(w.shape[1], w.shape[0], device="meta")
+
+                def get_output_embeddings(self):
+                    return self.dec
+
+                def set_output_embeddings(self, m):
+                    self.dec = m
+
+            lm = _LM()
+            # Parameters sharing w's and b's storage (their own autograd leaves)
+            lm.dec.weight = torch.nn.Parameter(w.detach())
+            lm.dec.bias = torch.nn.Parameter(b.detach())
+            self.leaves = (lm.dec.weight, lm.dec.bias)
+            self.pool, self.key = self.pool_cls(lm), (id(w), id(b))
+        out = self.pool({"token_embeddings": h, "attention_mask": mask})["sentence_embedding"]
+        return out, self.leaves
 
 
 def _step(kind, loss_fn, xs, scalars):
@@ -74,6 +144,14 @@ def _step(kind, loss_fn, xs, scalars):
         loss = loss_fn(*args)
     elif kind == "ntxent":
         loss = loss_fn(xs[0], xs[1])
+    elif kind == "splade":  # out (B, V) against a fixed upstream gradient
+        h, w, b, mask = xs
+        res = loss_fn(h, w, b, mask)
+        out, leaves = res if isinstance(res, tuple) else (res, (w, b))
+        up = torch.linspace(-1, 1, out.shape[-1], device=out.device, dtype=out.dtype)
+        loss = (out * up).sum()
+        grads = torch.autograd.grad(loss, [h, *leaves])
+        return loss.detach(), [g.detach() for g in grads]
     else:
         loss = loss_fn.compute_loss_from_embeddings(list(xs), None)
     grads = torch.autograd.grad(loss, [*xs, *scalars])
@@ -93,14 +171,17 @@ def main(argv=None) -> int:
     for name, size, lib, ours, make, kind in _cases(args.quick):
         feats, scal = make()
         ref_fn = lib()
-        x64 = [f.double().requires_grad_(True) for f in feats]
+        def leaf(f, dt):  # (a mask stays as it is)
+            return f.to(dt).requires_grad_(True) if f.is_floating_point() else f
+
+        x64 = [leaf(f, torch.float64) for f in feats]
         s64 = [torch.tensor(v, dtype=torch.float64, device="cuda", requires_grad=True)
                for v in scal]
         ref_loss, ref_grads = _step(kind, ref_fn, x64, s64)
         res = {}
         for impl, factory in (("library", lib), ("cupynce", ours)):
             fn = factory()
-            xs = [f.to(torch.bfloat16).requires_grad_(True) for f in feats]
+            xs = [leaf(f, torch.bfloat16) for f in feats]
             ss = [torch.tensor(v, dtype=torch.float32, device="cuda", requires_grad=True)
                   for v in scal]
             case = run_case(lambda: _step(kind, fn, xs, ss), repeat=args.repeat,
@@ -110,7 +191,8 @@ def main(argv=None) -> int:
                 loss, grads = out
                 case["loss_err"] = float(abs(loss.double() - ref_loss) / abs(ref_loss))
                 case["grad_err"] = max(float((g.double() - r).norm() / r.norm().clamp_min(1e-30))
-                                       for g, r in zip(grads[:len(xs)], ref_grads[:len(xs)]))
+                                       for g, r in zip(grads, ref_grads)
+                                       if g.dim() > 0)
             res[impl] = case
             del fn, xs, ss, out
         lib_r, our_r = res["library"], res["cupynce"]

@@ -1,6 +1,7 @@
 """cupynce.integrations on the GPU: bf16 and float32 CUDA tensors against the libraries' classes
 run in float64 on the same values (open_clip's ClipLoss / SigLipLoss, lightly's NTXentLoss,
-sentence-transformers' MNRL and its symmetric form).  Tolerances, relative (gradients:
+sentence-transformers' MNRL and its symmetric form, and its SpladePooling in a SparseEncoder —
+the latter 10x looser: the output is rounded to the dtype after a one-layer BERT in it).  Tolerances, relative (gradients:
 ||x − ref|| / ||ref|| of the whole tensor): float32 loss 1e-5, gradients 1e-4; bf16 loss 1e-3
 (the ops accumulate in float32: measured ≤ 2e-5) and gradients 1e-2 (rounded to bf16 on the way
 out: measured ≤ 3.4e-3 on an H100, where the libraries' own bf16 runs give 3–5e-3)."""
@@ -18,6 +19,7 @@ import library_losses as LL  # noqa: E402
 from cupynce.integrations import lightly as c_lightly  # noqa: E402
 from cupynce.integrations import open_clip as c_oc  # noqa: E402
 from cupynce.integrations import sentence_transformers as c_st  # noqa: E402
+from test_integrations_cpu import SENTS, _sparse_encoder, tiny_mlm  # noqa: E402,F401
 
 pytestmark = pytest.mark.gpu
 OC, LIGHTLY = LL.open_clip_loss(), LL.lightly_ntxent()
@@ -93,3 +95,24 @@ def test_sentence_transformers(dtype, cols, symmetric):
 
     _check(STMNRL(None, **kw), c_st.MultipleNegativesRankingLoss(None, **kw), call,
            _unit(700, 384, cols, cols), [], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sentence_transformers_splade_pooling(tiny_mlm, dtype):
+    """A SparseEncoder (one-layer BERT masked LM) with cupynce's fused SpladePooling, in
+    ``dtype`` on the GPU, against the library's pooling with the model in float64."""
+    pytest.importorskip("sentence_transformers.sparse_encoder")
+    res = []
+    for ours, dt in ((False, torch.float64), (True, dtype)):
+        model, t = _sparse_encoder(tiny_mlm, ours)
+        model.to("cuda", dt)
+        model.train()
+        feats = {k: v.to("cuda") for k, v in model.preprocess(SENTS).items()}
+        out = model(feats)["sentence_embedding"]
+        out.double().square().sum().backward()
+        am = t.auto_model
+        res.append([out.detach().double(), am.bert.embeddings.word_embeddings.weight.grad.double(),
+                    am.cls.predictions.bias.grad.double()])
+    tl, tg = TOL[dtype]
+    for i, (g, r) in enumerate(zip(res[1], res[0])):
+        assert float((g - r).norm() / r.norm()) <= (tl if i == 0 else tg) * 10, i
