@@ -33,16 +33,19 @@ def lightly_ntxent():
     root = _package_dir("lightly")
     if root is None:
         return None
-    if "lightly" not in sys.modules or not getattr(sys.modules["lightly"], "_cupynce_stub", 0):
-        for name in ("lightly", "lightly.models", "lightly.models.modules", "lightly.utils",
-                     "lightly.loss"):
-            m = types.ModuleType(name)
-            m.__path__ = [root + name[len("lightly"):].replace(".", "/")]
-            m._cupynce_stub = 1
-            sys.modules[name] = m
-        # lightly.models.utils imports torchvision; the memory bank uses only its
-        # concat_all_gather, and only for a non-zero bank, which these tests never build
-        utils = types.ModuleType("lightly.models.utils")
-        utils.concat_all_gather = None
-        sys.modules["lightly.models.utils"] = utils
-    return importlib.import_module("lightly.loss.ntx_ent_loss").NTXentLoss
+    for name in ("lightly", "lightly.models", "lightly.models.modules", "lightly.utils",
+                 "lightly.loss"):
+        m = types.ModuleType(name)
+        m.__path__ = [root + name[len("lightly"):].replace(".", "/")]
+        m._cupynce_stub = 1
+        sys.modules[name] = m
+    # lightly.models.utils imports torchvision; the memory bank uses only its
+    # concat_all_gather, and only for a non-zero bank, which these tests never build
+    utils = types.ModuleType("lightly.models.utils")
+    utils.concat_all_gather = None
+    sys.modules["lightly.models.utils"] = utils
+    cls = importlib.import_module("lightly.loss.ntx_ent_loss").NTXentLoss
+    for name in [m for m, mod in sys.modules.items()  # (the stubs out again: the class keeps
+                 if getattr(mod, "_cupynce_stub", 0) or m == "lightly.models.utils"]:
+        del sys.modules[name]                        # what it imported)
+    return cls

@@ -307,7 +307,8 @@ def check_st(rank, world):
 def test_integrations_over_gloo(world):
     from test_distributed_cpu import run_ranks
 
-    names = ([] if OC is None else ["check_open_clip_clip", "check_open_clip_siglip"]) + \
+    names = ([] if OC is None else ["check_open_clip_clip", "check_open_clip_siglip",
+                                    "check_open_clip_unequal_sizes"]) + \
         ([] if LIGHTLY is None else ["check_lightly"]) + ([] if ST is None else ["check_st"])
     if not names:
         pytest.skip("none of open_clip_torch, lightly, sentence-transformers is installed")
@@ -530,3 +531,118 @@ def test_st_sparse_encoder_two_sgd_steps(tiny_mlm):
     (l0, w0), (l1, w1) = out
     assert l1 == pytest.approx(l0, rel=1e-5) and l0[0] != l0[1]
     close(w1, w0, torch.float32, "embeddings after two steps")
+
+
+# ---- the review's cases (issue 22) ---------------------------------------------------------
+@need_st
+def test_st_splade_pooling_saves_and_reloads(tiny_mlm, tmp_path):
+    """A SparseEncoder with cupynce's pooling saves the library's files but for the pooling's
+    class name in modules.json (no extra weights); it reloads (trust_remote_code: the class is
+    cupynce's) with the library's own pooling, giving the same embeddings.  After restore()
+    the saved folder is the library's alone."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SpladePooling as LibPooling
+
+    model, t = _sparse_encoder(tiny_mlm, True, "log1p_relu")
+    pool = model[1]
+    assert isinstance(pool, LibPooling) and not list(pool.parameters())
+    assert not any(k.startswith("1.") for k in model.state_dict())
+    model.eval()
+    with torch.no_grad():
+        ref = model(model.preprocess(SENTS))["sentence_embedding"]
+    model.save_pretrained(str(tmp_path / "m"))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        SparseEncoder(str(tmp_path / "m"), device="cpu")
+    again = SparseEncoder(str(tmp_path / "m"), device="cpu", trust_remote_code=True)
+    assert type(again[1]) is LibPooling and again[1].activation_function == "log1p_relu"
+    again.eval()
+    with torch.no_grad():
+        got = again(again.preprocess(SENTS))["sentence_embedding"]
+    close(got, ref, torch.float32, "reloaded embeddings")
+    lib = pool.restore()  # the decoder back; the returned library pooling takes over
+    model[1] = lib
+    with torch.no_grad():
+        close(model(model.preprocess(SENTS))["sentence_embedding"], ref, torch.float32,
+              "restored")
+    with pytest.raises(RuntimeError, match="restored"):
+        pool({"token_embeddings": torch.zeros(1, 2, 16)})
+    model.save_pretrained(str(tmp_path / "lib"))  # the library's files alone now
+    plain = SparseEncoder(str(tmp_path / "lib"), device="cpu")
+    plain.eval()
+    with torch.no_grad():
+        close(plain(plain.preprocess(SENTS))["sentence_embedding"], ref, torch.float32,
+              "saved after restore")
+
+
+def test_st_splade_pooling_refuses_a_bias_after_the_decoder():
+    """ESM / LUKE-style heads: decoder(x) + bias, the decoder without its own bias."""
+    if ST is None:
+        pytest.skip("sentence-transformers is not installed")
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoder = torch.nn.Linear(4, 9, bias=False)
+            self.bias = torch.nn.Parameter(torch.zeros(9))
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = Head()
+
+        def get_output_embeddings(self):
+            return self.head.decoder
+
+        def set_output_embeddings(self, m):
+            self.head.decoder = m
+
+    with pytest.raises(NotImplementedError, match="bias"):
+        c_st.SpladePooling(LM())
+
+
+@need_oc
+def test_open_clip_half_precision_scale_and_no_bias():
+    """open_clip's pure-bf16 runs hold logit_scale in bf16: its log is taken in float32
+    (log(bf16(100)) in bf16 is 4.594, a scale of 98.9); SigLipLoss without a bias."""
+    a, b = (unit(torch.randn(6, 5, dtype=torch.float64)) for _ in range(2))
+    s = torch.tensor(100.0, dtype=torch.bfloat16)
+    close(c_open_clip.ClipLoss()(a, b, s), OC.ClipLoss()(a, b, s), torch.float32, "clip")
+    close(c_open_clip.SigLipLoss()(a, b, s, None), OC.SigLipLoss()(a, b, s, None),
+          torch.float32, "siglip, no bias")
+    with pytest.raises(ValueError, match="group"):
+        c_open_clip.ClipLoss(group=object())(a, b, 10.0)
+
+
+@need_lightly
+def test_lightly_negative_temperature_is_refused():
+    with pytest.raises(NotImplementedError, match="temperature"):
+        c_lightly.NTXentLoss(temperature=-0.5)
+
+
+@need_st
+def test_st_arguments_as_the_library_takes_them():
+    import numpy as np
+
+    M = c_st.MultipleNegativesRankingLoss
+    assert M(None, scale=np.float32(5.0)).scale == 5.0
+    assert M(None, scale=torch.tensor(5.0)).scale == 5.0
+    with pytest.raises(ValueError, match="hardness_mode"):
+        M(None, hardness_mode="hardest")
+    with pytest.raises(ValueError, match="hardness_strength"):
+        M(None, hardness_strength=-1.0)
+    m = M(None, similarity_fct=cos_sim)
+    x = [torch.randn(4, 3, dtype=torch.float64) * 4 for _ in range(2)]
+    m.similarity_fct = dot_score  # read at each call, as the library does
+    close(m.compute_loss_from_embeddings(x), ST.MultipleNegativesRankingLoss(
+        None, similarity_fct=dot_score).compute_loss_from_embeddings(x, None),
+        torch.float64, "dot_score after the change")
+
+
+def check_open_clip_unequal_sizes(rank, world):
+    """local_loss=True, gather_with_grad=False with unequal local sizes: a ValueError on
+    every rank (its own gather), not an aborted process."""
+    n = 3 if rank == 0 else 4
+    a, b = (unit(torch.randn(n, 5, dtype=torch.float64)) for _ in range(2))
+    loss_fn = c_open_clip.ClipLoss(local_loss=True, rank=rank, world_size=world)
+    with pytest.raises(ValueError, match="same number"):
+        loss_fn(a, b, 10.0)

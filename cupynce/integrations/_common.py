@@ -10,7 +10,8 @@ from torch import Tensor
 def log_scale(op: str, logit_scale: Any) -> Any:
     """open_clip's *exponentiated* ``logit_scale`` (a tensor or a real) as the log that
     cupynce's ops take: ``torch.log`` (the gradient reaches the caller's tensor) or
-    ``math.log``.  A real must be finite and > 0; a host tensor is checked too (a CUDA
+    ``math.log``; a half-precision tensor's log is taken in float32.  A real must be finite
+    and > 0; a host tensor is checked too (a CUDA
     tensor is never read back: its log of a value <= 0 is NaN / -inf, which the op rejects
     or propagates)."""
     if isinstance(logit_scale, Tensor):
@@ -20,6 +21,8 @@ def log_scale(op: str, logit_scale: Any) -> Any:
                 raise ValueError(
                     f"{op}: logit_scale={v!r}: open_clip's convention passes the scale itself "
                     "(logit_scale.exp(), e.g. 100 at CLIP's clamp), which must be finite and > 0")
+        if logit_scale.dtype in (torch.float16, torch.bfloat16):  # (open_clip's pure
+            logit_scale = logit_scale.float()  # bf16: log(bf16(100)) = 4.594, a scale of 98.9)
         return torch.log(logit_scale)
     if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
         raise TypeError(f"{op}: logit_scale must be a tensor or a real, got "
@@ -40,6 +43,9 @@ def world_group(op: str, rank: int, world_size: int, group: Optional[Any] = None
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"{op}: world_size must be an int >= 1, got {world_size!r}")
     if world_size == 1:
+        if group is not None:
+            raise ValueError(f"{op}: group= is given but world_size=1: pass the group's "
+                             "rank and world_size too (open_clip's arguments decide)")
         return None, 1
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{op}: world_size={world_size} but torch.distributed is not "

@@ -30,7 +30,8 @@ class NTXentLoss(nn.Module):
         gradients: the same; DDP's average gives the single-process gradient).
 
     Keyword-only extras: ``workspace_bytes`` (the op's scratch cap), ``group`` (the process
-    group; lightly uses the default one).
+    group, used with ``gather_distributed``; lightly uses the default one).  The loss is
+    float32 for 16-bit inputs (lightly returns the inputs' dtype).
     """
 
     def __init__(self, temperature: float = 0.5,
@@ -46,6 +47,9 @@ class NTXentLoss(nn.Module):
                 "no cupynce equivalent yet; use memory_bank_size=0 (SimCLR), or lightly's class")
         if abs(temperature) < 1e-8:
             raise ValueError(f"Illegal temperature: abs({temperature}) < 1e-8")
+        if temperature < 0:
+            raise NotImplementedError(f"NTXentLoss: temperature={temperature!r}: lightly "
+                                      "accepts a negative temperature, cupynce needs one > 0")
         self.temperature, self.memory_bank_size = temperature, memory_bank_size
         self.gather_distributed = gather_distributed
         self.workspace_bytes, self.group = workspace_bytes, group

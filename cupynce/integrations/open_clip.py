@@ -51,6 +51,9 @@ class ClipLoss(nn.Module):
                                                                #616; reproduced, not advised)
         ============  ================  =====================  ==================================
 
+        (F, T) assumes every rank back-propagates the same upstream gradient (as in
+        data-parallel training): its backward is local, so a rank-dependent loss weight w_r
+        gives w_r P dL/dx where open_clip's gather gives (Σ_r w_r) dL/dx.
         "The rank's share": (CE of its images against every text + CE of its texts against
         every image) / 2, averaged over its n rows (the mean over ranks is L).  ``logit_scale``
         gets dL/dscale on every rank except with ``local_loss=True, gather_with_grad=True``,
@@ -66,6 +69,10 @@ class ClipLoss(nn.Module):
 
     ``logit_bias`` (open_clip's ClipLoss accepts one) adds the same value to every logit of a
     row and of a column, which no softmax sees: the loss is unchanged and its gradient is 0.
+    The loss is float32 for 16-bit features (the op's accumulation dtype; open_clip returns
+    the features' dtype); a half-precision ``logit_scale``'s log is taken in float32.
+    ``group`` must come with open_clip's ``world_size`` / ``rank`` (``world_size=1`` with a
+    group raises).
     """
 
     def __init__(self, local_loss: bool = False, gather_with_grad: bool = False,
@@ -98,17 +105,25 @@ class ClipLoss(nn.Module):
         elif self.gather_with_grad:
             loss = rank_share(C.clip_loss(a, b, t, reduction="none", group=group, **kw), size)
         else:
-            loss = self._local_no_grad(a, b, t, group, size, kw)
+            loss = self._local_no_grad(a, b, logit_scale, group, size)
         if logit_bias is not None and isinstance(logit_bias, Tensor):
             loss = loss + 0.0 * logit_bias.sum()  # softmax-invariant: a zero gradient
         return _out(loss, output_dict)
 
-    def _local_no_grad(self, a: Tensor, b: Tensor, t: Any, group: Any, size: int,
-                       kw: Dict[str, Any]) -> Tensor:
+    def _local_no_grad(self, a: Tensor, b: Tensor, scale: Any, group: Any,
+                       size: int) -> Tensor:
         """open_clip's ``local_loss=True, gather_with_grad=False``: the rank's rows against
-        every (detached) column; scale multiplied into the rows so that its gradient is the
-        share's."""
+        every (detached) column; the (exponentiated) scale multiplied into the rows so that
+        its gradient is the share's."""
         import torch.distributed as dist
+
+        n = torch.tensor([a.shape[0], b.shape[0]], dtype=torch.int64,
+                         device=a.device if "nccl" in str(dist.get_backend(group)) else "cpu")
+        ns = [torch.empty_like(n) for _ in range(size)]
+        dist.all_gather(ns, n, group=group)  # (unequal sizes: an error on every rank, no abort)
+        if any(tuple(x.tolist()) != tuple(ns[0].tolist()) for x in ns) or int(n[0]) != int(n[1]):
+            raise ValueError("ClipLoss: every rank must hold the same number of image and text "
+                             f"rows; got (images, texts) per rank {[tuple(x.tolist()) for x in ns]}")
 
         def others(x: Tensor) -> Tensor:
             parts = [torch.empty_like(x) for _ in range(size)]
@@ -118,11 +133,10 @@ class ClipLoss(nn.Module):
 
         if self.normalize:  # the op's normalisation, before the scale multiplies the rows
             a, b = nn.functional.normalize(a, dim=-1), nn.functional.normalize(b, dim=-1)
-        s = torch.exp(t) if isinstance(t, Tensor) else math.exp(t)
         other_b, other_a = others(b), others(a)
-        li = C.info_nce(a * s, b.detach(), 1.0, negatives=other_b,
+        li = C.info_nce(a * scale, b.detach(), 1.0, negatives=other_b,
                         workspace_bytes=self.workspace_bytes)
-        lt = C.info_nce(b * s, a.detach(), 1.0, negatives=other_a,
+        lt = C.info_nce(b * scale, a.detach(), 1.0, negatives=other_a,
                         workspace_bytes=self.workspace_bytes)
         return (li + lt) / 2
 
@@ -143,7 +157,8 @@ class SigLipLoss(nn.Module):
     every rank's texts, summed and divided by n (the mean over ranks is the global loss L);
     the features' gradients are P dL/dx (DDP's average gives the single-process gradient).
     ``logit_scale`` / ``logit_bias`` get dL/d· on every rank, where open_clip gives each rank
-    its share's: equal after DDP's average, not rank by rank.
+    its share's: equal after DDP's average, not rank by rank.  ``logit_bias=None``: no bias.
+    The loss is float32 for 16-bit features (open_clip returns the features' dtype).
     """
 
     def __init__(self, cache_labels: bool = False, rank: int = 0, world_size: int = 1,
@@ -158,8 +173,10 @@ class SigLipLoss(nn.Module):
         self.normalize, self.workspace_bytes, self.group = normalize, workspace_bytes, group
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Any,
-                logit_bias: Any, output_dict: bool = False):
+                logit_bias: Any = None, output_dict: bool = False):
         t = log_scale("SigLipLoss", logit_scale)
+        if logit_bias is None:  # (open_clip: no bias added)
+            logit_bias = 0.0
         group, size = world_group("SigLipLoss", self.rank, self.world_size, self.group)
         kw = dict(normalize=self.normalize, workspace_bytes=self.workspace_bytes)
         a, b = image_features, text_features

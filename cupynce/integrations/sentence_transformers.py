@@ -77,14 +77,17 @@ class MultipleNegativesRankingLoss(nn.Module):
                  workspace_bytes: Optional[int] = None, group: Optional[Any] = None):
         super().__init__()
         op = type(self).__name__
-        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                and math.isfinite(scale) and scale > 0):
+        try:  # (a real, a NumPy scalar or a one-element tensor, as the library takes)
+            value = float(scale)
+        except (TypeError, ValueError):
+            value = math.nan
+        if isinstance(scale, bool) or not (math.isfinite(value) and value > 0):
             raise ValueError(f"{op}: scale must be a finite real > 0, got {scale!r}")
         self._check_options(op, tuple(directions), partition_mode, hardness_mode,
                             hardness_strength)
-        self.model, self.scale = model, float(scale)
+        self.model, self.scale = model, value
         self.similarity_fct = similarity_fct
-        self.normalize = _normalize_for(op, similarity_fct)
+        _normalize_for(op, similarity_fct)  # (checked now; read again at each call)
         self.gather_across_devices = gather_across_devices
         self.directions, self.partition_mode = tuple(directions), partition_mode
         self.hardness_mode, self.hardness_strength = hardness_mode, hardness_strength
@@ -102,10 +105,21 @@ class MultipleNegativesRankingLoss(nn.Module):
                 f"{op}: directions={directions!r} with partition_mode={partition_mode!r} has "
                 "no cupynce equivalent yet; ('query_to_doc',), or ('query_to_doc', "
                 "'doc_to_query') with partition_mode='per_direction' (the symmetric loss)")
+        if hardness_mode not in (None, "in_batch_negatives", "hard_negatives", "all_negatives"):
+            raise ValueError(f"{op}: hardness_mode must be None, 'in_batch_negatives', "
+                             f"'hard_negatives' or 'all_negatives', got {hardness_mode!r}")
+        if hardness_strength < 0:
+            raise ValueError(f"{op}: hardness_strength must be non-negative, got "
+                             f"{hardness_strength!r}")
         if hardness_mode is not None and hardness_strength:
             raise NotImplementedError(f"{op}: hardness_mode={hardness_mode!r} with "
                                       f"hardness_strength={hardness_strength!r} has no cupynce "
                                       "equivalent yet")
+
+    @property
+    def normalize(self) -> bool:
+        """cos_sim -> the op's normalize=True, dot_score -> False (from ``similarity_fct``)."""
+        return _normalize_for(type(self).__name__, self.similarity_fct)
 
     def forward(self, sentence_features: Iterable[Dict[str, Any]], labels: Any) -> Tensor:
         if self.model is None:
@@ -186,9 +200,8 @@ class _DecoderInput(nn.Module):
         return hidden
 
 
-class SpladePooling(nn.Module):
-    """sentence-transformers' ``SpladePooling`` for a ``SparseEncoder``, fused with the masked
-    LM's decoder: the (B, L, V) logits are never formed.
+_SPLADE_DOC = """sentence-transformers' ``SpladePooling`` for a ``SparseEncoder``, fused with the
+    masked LM's decoder: the (B, L, V) logits are never formed.
 
     ``SparseEncoder(modules=[mlm, SpladePooling(mlm)])`` where the library has
     ``SparseEncoder(modules=[mlm, SpladePooling()])``: ``mlm`` is the fill-mask
@@ -196,9 +209,19 @@ class SpladePooling(nn.Module):
     embeddings (the decoder ``nn.Linear(D, V)``, e.g. BERT's ``cls.predictions.decoder``) are
     replaced by a pass-through, so the transformer module's ``token_embeddings`` become the
     decoder's input (B, L, D), and this module computes the library's pooled output with
-    :func:`cupynce.torch.splade_pool` on the decoder's own (tied) weight and bias.
-    :meth:`restore` puts the decoder back (do that before saving the model, which then
-    reloads with the library's ``SpladePooling``).
+    :func:`cupynce.torch.splade_pool` on the decoder's own (tied) weight and bias.  A subclass
+    of the library's class (built at first use: sentence-transformers is imported then), so
+    the SparseEncoder finds it as its SPLADE pooling; it owns no parameters (they are the
+    masked LM's).
+
+    Saving (``save_pretrained``, trainer checkpoints) writes the library's files — the masked
+    LM with its decoder's weights under their usual names, this module's config — but names
+    this class in ``modules.json``, so the library loads such a folder only with
+    ``trust_remote_code=True``; it then gets its own, unfused ``SpladePooling`` (this class's
+    ``load``) and the full decoder.  Fuse again with ``SpladePooling(mlm)``.  :meth:`restore`
+    puts the decoder back and returns an unfused library ``SpladePooling`` to use in this
+    module's place (``model[1] = pool.restore()``): saved then, the folder is the library's
+    alone.
 
     Parameters (the library's, plus the transformer module first)
     --------------------------------------------------------------
@@ -207,57 +230,89 @@ class SpladePooling(nn.Module):
         is log(1 + ReLU(logits)) (SPLADE's activation, cupynce's "log1p_relu") and its
         "log1p_relu" applies log1p once more (on the (B, V) output here: log1p is monotone,
         so it commutes with the max).
-    embedding_dimension, chunk_size : accepted (no chunks are needed: nothing of size
-        B × L × V is formed).
+    embedding_dimension, chunk_size : as the library's (no chunks are needed here: nothing of
+        size B × L × V is formed).
 
+    Masked-LM heads whose decoder has no bias while the head adds its own after it (ESM, LUKE:
+    ``decoder(x) + bias``) raise ``NotImplementedError``: the fused op would drop that bias.
     The library's flattened input (``cu_seq_lens_q``, from unpadded flash-attention batches)
     raises ``NotImplementedError``.
     """
 
-    def __init__(self, transformer: nn.Module, pooling_strategy: str = "max",
-                 activation_function: str = "relu", embedding_dimension: Optional[int] = None,
-                 chunk_size: Optional[int] = None):
-        super().__init__()
-        if pooling_strategy != "max":
-            raise NotImplementedError(f"SpladePooling: pooling_strategy={pooling_strategy!r} "
-                                      "has no cupynce equivalent; only 'max'")
-        if activation_function not in ("relu", "log1p_relu"):
-            raise ValueError("activation_function must be either 'relu' or 'log1p_relu'")
-        self.pooling_strategy, self.activation_function = pooling_strategy, activation_function
-        self.chunk_size = chunk_size
-        model = getattr(transformer, "auto_model", transformer)
-        decoder = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") \
-            else None
-        if isinstance(decoder, _DecoderInput):
-            raise ValueError("SpladePooling: this transformer's decoder is already fused into "
-                             "another cupynce SpladePooling")
-        if not isinstance(decoder, nn.Linear):
-            raise TypeError("SpladePooling: the transformer module's model must have an "
-                            "nn.Linear decoder as its output embeddings (a masked LM), got "
-                            f"{type(decoder).__name__}")
-        self.head = C.SpladePooling.from_decoder(decoder, activation="log1p_relu")
-        self.embedding_dimension = embedding_dimension or decoder.out_features
-        self._model, self._decoder = [model], [decoder]  # (lists: not submodules)
-        model.set_output_embeddings(_DecoderInput(decoder))
 
-    def restore(self) -> None:
-        """Put the masked LM's decoder back (its logits again; this module unusable)."""
-        self._model[0].set_output_embeddings(self._decoder[0])
+def _splade_pooling_class():
+    """cupynce's SpladePooling, a subclass of the library's (imported here, on first use)."""
+    from sentence_transformers.sparse_encoder.modules import SpladePooling as LibPooling
 
-    def forward(self, features: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        if "cu_seq_lens_q" in features:
-            raise NotImplementedError("SpladePooling: flattened (unpadded) batches are not "
-                                      "supported yet")
-        out = self.head(features["token_embeddings"], features.get("attention_mask"))
-        if self.activation_function == "log1p_relu":
-            out = torch.log1p(out)
-        features["sentence_embedding"] = out
-        return features
+    class SpladePooling(LibPooling):
+        __doc__ = _SPLADE_DOC
 
-    def get_embedding_dimension(self) -> int:
-        return self.embedding_dimension
+        def __init__(self, transformer: nn.Module, pooling_strategy: str = "max",
+                     activation_function: str = "relu",
+                     embedding_dimension: Optional[int] = None,
+                     chunk_size: Optional[int] = None):
+            if pooling_strategy != "max":
+                raise NotImplementedError(f"SpladePooling: pooling_strategy={pooling_strategy!r}"
+                                          " has no cupynce equivalent; only 'max'")
+            super().__init__(pooling_strategy, activation_function, embedding_dimension,
+                             chunk_size)
+            model = getattr(transformer, "auto_model", transformer)
+            decoder = model.get_output_embeddings() \
+                if hasattr(model, "get_output_embeddings") else None
+            if isinstance(decoder, _DecoderInput):
+                raise ValueError("SpladePooling: this transformer's decoder is already fused "
+                                 "into another cupynce SpladePooling")
+            if not isinstance(decoder, nn.Linear):
+                raise TypeError("SpladePooling: the transformer module's model must have an "
+                                "nn.Linear decoder as its output embeddings (a masked LM), got "
+                                f"{type(decoder).__name__}")
+            if decoder.bias is None:
+                for parent in model.modules():
+                    if any(c is decoder for c in parent.children()) and \
+                            isinstance(getattr(parent, "bias", None), nn.Parameter):
+                        raise NotImplementedError(
+                            f"SpladePooling: {type(parent).__name__} adds its own bias after a "
+                            "bias-free decoder (decoder(x) + bias); the fused op would drop it")
+            # (in lists: the Parameters are the masked LM's; no duplicate state_dict keys)
+            self._head = [C.SpladePooling.from_decoder(decoder, activation="log1p_relu")]
+            if self.embedding_dimension is None:
+                self.embedding_dimension = decoder.out_features
+            self._model, self._decoder = [model], [decoder]
+            model.set_output_embeddings(_DecoderInput(decoder))
 
-    def get_config_dict(self) -> Dict[str, Any]:
-        return {"pooling_strategy": self.pooling_strategy,
-                "activation_function": self.activation_function,
-                "embedding_dimension": self.embedding_dimension}
+        @classmethod
+        def load(cls, *args: Any, **kwargs: Any):
+            """A saved folder loads as the library's own (unfused) SpladePooling."""
+            return LibPooling.load(*args, **kwargs)
+
+        def restore(self):
+            """Put the masked LM's decoder back (its logits again) and return an unfused
+            library ``SpladePooling`` of the same settings, to use in this module's place."""
+            self._model[0].set_output_embeddings(self._decoder[0])
+            return LibPooling(self.pooling_strategy, self.activation_function,
+                              self.embedding_dimension, self.chunk_size)
+
+        def forward(self, features: Dict[str, Tensor]) -> Dict[str, Tensor]:
+            if "cu_seq_lens_q" in features:
+                raise NotImplementedError("SpladePooling: flattened (unpadded) batches are not "
+                                          "supported yet")
+            if not isinstance(self._model[0].get_output_embeddings(), _DecoderInput):
+                raise RuntimeError("SpladePooling: the decoder was restored; use the library "
+                                   "SpladePooling that restore() returned")
+            out = self._head[0](features["token_embeddings"], features.get("attention_mask"))
+            if self.activation_function == "log1p_relu":
+                out = torch.log1p(out)
+            features["sentence_embedding"] = out
+            return features
+
+    SpladePooling.__module__ = __name__
+    SpladePooling.__qualname__ = "SpladePooling"
+    return SpladePooling
+
+
+def __getattr__(name: str) -> Any:  # SpladePooling: built (and sentence-transformers imported)
+    if name == "SpladePooling":    # at first use
+        cls = _splade_pooling_class()
+        globals()["SpladePooling"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
