@@ -213,9 +213,17 @@ def test_st_options():
 
 
 # ---- across processes (gloo) --------------------------------------------------------------
+def _device():
+    """Where the rank's tensors live: the launcher's device ("cuda" under NCCL)."""
+    import test_distributed_cpu
+
+    return test_distributed_cpu.DEVICE
+
+
 def _global(seed, n, d, world, dtype=torch.float64, cols=2, scale=1.0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n * world, d, generator=g, dtype=dtype) * scale for _ in range(cols)]
+    return [(torch.randn(n * world, d, generator=g, dtype=dtype) * scale).to(_device())
+            for _ in range(cols)]
 
 
 def _mine(x, rank, n):
@@ -234,7 +242,7 @@ def check_open_clip_clip(rank, world):
     dt, n = torch.float64, 5
     a_all, b_all = (unit(x) for x in _global(1, n, 6, world))
     a, b = _mine(a_all, rank, n), _mine(b_all, rank, n)
-    t = torch.tensor(math.log(20.0), dtype=dt)
+    t = torch.tensor(math.log(20.0), dtype=dt, device=_device())
     for flags in ((False, False), (False, True), (True, True), (True, False)):
         kw = dict(local_loss=flags[0], gather_with_grad=flags[1], rank=rank, world_size=world)
         res = []
@@ -256,7 +264,7 @@ def check_open_clip_siglip(rank, world):
     dt, n = torch.float64, 4
     a_all, b_all = (unit(x) for x in _global(2, n, 5, world))
     a, b = _mine(a_all, rank, n), _mine(b_all, rank, n)
-    t, beta = torch.tensor(math.log(10.0), dtype=dt), torch.tensor(-2.0, dtype=dt)
+    t, beta = (torch.tensor(v, dtype=dt, device=_device()) for v in (math.log(10.0), -2.0))
     for impl in ("bidir", "shift", "reduce", "gather"):
         res = []
         for cls in (OC.SigLipLoss, c_open_clip.SigLipLoss):
@@ -303,16 +311,21 @@ def check_st(rank, world):
                 close(g1[i], g0[i], dt, f"{name} {cols} column {i}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_integrations_over_gloo(world):
-    from test_distributed_cpu import run_ranks
-
+def distributed_checks():
+    """The check functions of the libraries that are installed."""
     names = ([] if OC is None else ["check_open_clip_clip", "check_open_clip_siglip",
                                     "check_open_clip_unequal_sizes"]) + \
         ([] if LIGHTLY is None else ["check_lightly"]) + ([] if ST is None else ["check_st"])
     if not names:
         pytest.skip("none of open_clip_torch, lightly, sentence-transformers is installed")
-    run_ranks(world, names, module="test_integrations_cpu")
+    return names
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_integrations_over_gloo(world):
+    from test_distributed_cpu import run_ranks
+
+    run_ranks(world, distributed_checks(), module="test_integrations_cpu")
 
 
 # ---- two training steps with each library's trainer or loop -------------------------------
@@ -642,7 +655,7 @@ def check_open_clip_unequal_sizes(rank, world):
     """local_loss=True, gather_with_grad=False with unequal local sizes: a ValueError on
     every rank (its own gather), not an aborted process."""
     n = 3 if rank == 0 else 4
-    a, b = (unit(torch.randn(n, 5, dtype=torch.float64)) for _ in range(2))
+    a, b = (unit(torch.randn(n, 5, dtype=torch.float64)).to(_device()) for _ in range(2))
     loss_fn = c_open_clip.ClipLoss(local_loss=True, rank=rank, world_size=world)
     with pytest.raises(ValueError, match="same number"):
         loss_fn(a, b, 10.0)
