@@ -190,8 +190,9 @@ def check_logit_scale(op: str, logit_scale: Any, xp: ModuleType,
     Returns ``(value, shape)``: a Python float or the array, and the shape of the gradient.
     A value on the host (a real, a NumPy array, a CPU tensor through cupynce.torch) must be
     finite with ``exp(value)`` finite in float32, for every dtype (``acc`` is unused: one
-    limit everywhere); a device array is never read back to the host (no synchronisation),
-    so there an overflowing scale gives a NaN loss instead of this error.
+    limit everywhere); a device array is never read back to the host (no synchronisation):
+    there exp overflows on the device for 16-bit / float32 inputs (a NaN loss), while float64
+    inputs take values up to exp(709).
     """
     return check_scalar_input(op, "logit_scale", logit_scale, xp,
                               lambda v: _scale_overflow(op, v, acc))
