@@ -104,6 +104,25 @@ def check_same_dtype(op: str, **arrays: Any) -> None:
         raise TypeError(f"{op}: inputs must share one dtype ({desc}); cast them explicitly")
 
 
+def check_pairs(op: str, a: Any, b: Any) -> ModuleType:
+    """Paired (N, D) rows (CLIP, SigLIP): matrices of one shape and dtype; returns the module."""
+    xp = array_module(op, a=a, b=b)
+    check_matrix(op, "a", a)
+    check_matrix(op, "b", b)
+    if a.shape != b.shape:
+        raise ValueError(f"{op}: a and b must have the same shape (N pairs, D), "
+                         f"got {tuple(a.shape)} and {tuple(b.shape)}")
+    check_same_dtype(op, a=a, b=b)
+    return xp
+
+
+def check_scalar_device(op: str, name: str, value: Any, a: Any, xp: ModuleType) -> None:
+    """A device scalar input (``logit_scale``, ``logit_bias``) on ``a``'s GPU."""
+    if xp is not np and not isinstance(value, float) and value.device.id != a.device.id:
+        raise ValueError(f"{op}: {name} is on cuda:{value.device.id} but a is on "
+                         f"cuda:{a.device.id}")
+
+
 def check_bool(op: str, name: str, value: Any) -> bool:
     """A flag (``normalize``, ``requires_grad``, ...): a Python or NumPy bool, nothing truthy.
 

@@ -9,30 +9,26 @@ from torch import Tensor
 
 def log_scale(op: str, logit_scale: Any) -> Any:
     """open_clip's *exponentiated* ``logit_scale`` (a tensor or a real) as the log that
-    cupynce's ops take: ``torch.log`` (the gradient reaches the caller's tensor) or
-    ``math.log``; a half-precision tensor's log is taken in float32.  A real must be finite
-    and > 0; a host tensor is checked too (a CUDA
-    tensor is never read back: its log of a value <= 0 is NaN / -inf, which the op rejects
-    or propagates)."""
-    if isinstance(logit_scale, Tensor):
-        if logit_scale.device.type == "cpu" and logit_scale.numel() == 1:
-            v = float(logit_scale.detach().reshape(()))
-            if not (v > 0 and math.isfinite(v)):
-                raise ValueError(
-                    f"{op}: logit_scale={v!r}: open_clip's convention passes the scale itself "
-                    "(logit_scale.exp(), e.g. 100 at CLIP's clamp), which must be finite and > 0")
-        if logit_scale.dtype in (torch.float16, torch.bfloat16):  # (open_clip's pure
-            logit_scale = logit_scale.float()  # bf16: log(bf16(100)) = 4.594, a scale of 98.9)
-        return torch.log(logit_scale)
-    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
+    cupynce's ops take: ``torch.log`` (the gradient reaches the caller's tensor; a
+    half-precision tensor's log is taken in float32) or ``math.log``.  A real, or a one-element
+    host tensor, must be finite and > 0 (a CUDA tensor is never read back: the log of a value
+    <= 0 is NaN / -inf, which the op rejects or propagates)."""
+    tensor = isinstance(logit_scale, Tensor)
+    if not tensor and (isinstance(logit_scale, bool)
+                       or not isinstance(logit_scale, (int, float))):
         raise TypeError(f"{op}: logit_scale must be a tensor or a real, got "
                         f"{type(logit_scale).__name__}")
-    v = float(logit_scale)
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(
-            f"{op}: logit_scale={logit_scale!r}: open_clip's convention passes the scale itself "
-            "(logit_scale.exp(), e.g. 100 at CLIP's clamp), which must be finite and > 0")
-    return math.log(v)
+    if not tensor or (logit_scale.device.type == "cpu" and logit_scale.numel() == 1):
+        v = float(logit_scale.detach().reshape(()) if tensor else logit_scale)
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(
+                f"{op}: logit_scale={v!r}: open_clip's convention passes the scale itself "
+                "(logit_scale.exp(), e.g. 100 at CLIP's clamp), which must be finite and > 0")
+    if not tensor:
+        return math.log(float(logit_scale))
+    if logit_scale.dtype in (torch.float16, torch.bfloat16):  # (open_clip's pure bf16:
+        logit_scale = logit_scale.float()  # log(bf16(100)) = 4.594, a scale of 98.9)
+    return torch.log(logit_scale)
 
 
 def world_group(op: str, rank: int, world_size: int, group: Optional[Any] = None

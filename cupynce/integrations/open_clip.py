@@ -13,7 +13,6 @@ Extra keyword-only arguments: ``normalize`` (L2-normalise the features inside th
 expects them normalised by the model), ``workspace_bytes`` (the op's scratch cap), ``group``
 (the process group; the default group when ``world_size > 1``).
 """
-import math
 from typing import Any, Dict, Optional, Union
 
 import torch

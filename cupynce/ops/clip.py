@@ -72,17 +72,9 @@ def _logit_scale_array(xp, ls, acc):
 
 def _check(a, b, logit_scale, reduction, workspace_bytes, normalize):
     op = "clip_loss"
-    xp = _checks.array_module(op, a=a, b=b)
-    _checks.check_matrix(op, "a", a)
-    _checks.check_matrix(op, "b", b)
-    if a.shape != b.shape:
-        raise ValueError(f"clip_loss: a and b must have the same shape (N pairs, D), "
-                         f"got {tuple(a.shape)} and {tuple(b.shape)}")
-    _checks.check_same_dtype(op, a=a, b=b)
+    xp = _checks.check_pairs(op, a, b)
     ls, ls_shape = _checks.check_logit_scale(op, logit_scale, xp, acc_dtype(a.dtype))
-    if xp is not np and not isinstance(ls, float) and ls.device.id != a.device.id:
-        raise ValueError(f"clip_loss: logit_scale is on cuda:{ls.device.id} but a is on "
-                         f"cuda:{a.device.id}")
+    _checks.check_scalar_device(op, "logit_scale", ls, a, xp)
     _checks.check_reduction(op, reduction)
     _checks.check_workspace(op, workspace_bytes)
     _checks.check_bool(op, "normalize", normalize)

@@ -69,20 +69,11 @@ def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
 
 
 def _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize):
-    xp = _checks.array_module(OP, a=a, b=b)
-    _checks.check_matrix(OP, "a", a)
-    _checks.check_matrix(OP, "b", b)
-    if a.shape != b.shape:
-        raise ValueError(f"{OP}: a and b must have the same shape (N pairs, D), "
-                         f"got {tuple(a.shape)} and {tuple(b.shape)}")
-    _checks.check_same_dtype(OP, a=a, b=b)
-    acc = acc_dtype(a.dtype)
-    ls, ls_shape = _checks.check_logit_scale(OP, logit_scale, xp, acc)
+    xp = _checks.check_pairs(OP, a, b)
+    ls, ls_shape = _checks.check_logit_scale(OP, logit_scale, xp, acc_dtype(a.dtype))
     lb, lb_shape = _checks.check_scalar_input(OP, "logit_bias", logit_bias, xp)
     for name, v in (("logit_scale", ls), ("logit_bias", lb)):
-        if xp is not np and not isinstance(v, float) and v.device.id != a.device.id:
-            raise ValueError(f"{OP}: {name} is on cuda:{v.device.id} but a is on "
-                             f"cuda:{a.device.id}")
+        _checks.check_scalar_device(OP, name, v, a, xp)
     _checks.check_reduction(OP, reduction)
     _checks.check_workspace(OP, workspace_bytes)
     _checks.check_bool(OP, "normalize", normalize)

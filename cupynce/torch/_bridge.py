@@ -84,6 +84,12 @@ def array_of(t: Optional[torch.Tensor]) -> Any:
     return x.view(BFLOAT16) if bf16 else x
 
 
+def scalar_of(t: Optional[torch.Tensor], value: float) -> Any:
+    """A scalar argument as the core takes it: the Python float ``value`` where no tensor is
+    given (it never becomes a device tensor), else :func:`array_of` the tensor."""
+    return value if t is None else array_of(t)
+
+
 def tensor_of(x: Any) -> Optional[torch.Tensor]:
     """A torch view of a NumPy / CuPy array (or None); bfloat16 through an int16 view.
 

@@ -24,7 +24,7 @@ def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
     d loss / d logit_scale; placeholders otherwise.  ``logit_scale`` is the tensor, or None and
     the real ``logit_scale_value`` is used (a Python float never becomes a device tensor)."""
     with B.device_scope(a.device):
-        ls = logit_scale_value if logit_scale is None else B.array_of(logit_scale)
+        ls = B.scalar_of(logit_scale, logit_scale_value)
         if fused:
             loss, ctx = core.clip_loss_forward(
                 B.array_of(a), B.array_of(b), ls, reduction=reduction, normalize=normalize,
@@ -49,7 +49,7 @@ def bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
     """(da, db, dlogit_scale); dlogit_scale has logit_scale's shape and dtype (0-d float32 /
     float64 when a real was given)."""
     with B.device_scope(a.device):
-        ls = logit_scale_value if logit_scale is None else B.array_of(logit_scale)
+        ls = B.scalar_of(logit_scale, logit_scale_value)
         da, db, dls = core.clip_loss_backward_from_stats(
             B.array_of(a), B.array_of(b), ls, B.array_of(lse_r), B.array_of(lse_c),
             B.array_of(grad_loss), reduction=reduction, normalize=normalize,
@@ -63,7 +63,7 @@ def evaluate(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_va
     requiring one): the core's forward keeps no context, so repeated GPU calls replay their
     graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
     with B.device_scope(a.device):
-        ls = logit_scale_value if logit_scale is None else B.array_of(logit_scale)
+        ls = B.scalar_of(logit_scale, logit_scale_value)
         loss, _ = core.clip_loss_forward(B.array_of(a), B.array_of(b), ls, reduction=reduction,
                                          normalize=normalize, workspace_bytes=workspace_bytes,
                                          requires_grad=False)

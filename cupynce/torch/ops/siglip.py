@@ -25,8 +25,8 @@ def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
     d loss / d logit_scale and d loss / d logit_bias; placeholders otherwise.  A scalar given
     as None is the real ``*_value`` (a Python float never becomes a device tensor)."""
     with B.device_scope(a.device):
-        ls = logit_scale_value if logit_scale is None else B.array_of(logit_scale)
-        lb = logit_bias_value if logit_bias is None else B.array_of(logit_bias)
+        ls = B.scalar_of(logit_scale, logit_scale_value)
+        lb = B.scalar_of(logit_bias, logit_bias_value)
         loss, ctx = core.siglip_loss_forward(
             B.array_of(a), B.array_of(b), ls, lb, reduction=reduction, normalize=normalize,
             workspace_bytes=workspace_bytes, requires_grad=fused)
@@ -45,8 +45,8 @@ def bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
     """(da, db, dlogit_scale, dlogit_bias) recomputed from the inputs; the scalar gradients
     have the tensor's shape and dtype (0-d float32 / float64 when a real was given)."""
     with B.device_scope(a.device):
-        ls = logit_scale_value if logit_scale is None else B.array_of(logit_scale)
-        lb = logit_bias_value if logit_bias is None else B.array_of(logit_bias)
+        ls = B.scalar_of(logit_scale, logit_scale_value)
+        lb = B.scalar_of(logit_bias, logit_bias_value)
         grads = core.siglip_loss_backward_from_inputs(
             B.array_of(a), B.array_of(b), ls, lb, B.array_of(grad_loss), reduction=reduction,
             normalize=normalize, workspace_bytes=workspace_bytes)
@@ -60,8 +60,8 @@ def evaluate(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_va
     requiring one): the core's forward keeps no context, so repeated GPU calls replay their
     graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
     with B.device_scope(a.device):
-        ls = logit_scale_value if logit_scale is None else B.array_of(logit_scale)
-        lb = logit_bias_value if logit_bias is None else B.array_of(logit_bias)
+        ls = B.scalar_of(logit_scale, logit_scale_value)
+        lb = B.scalar_of(logit_bias, logit_bias_value)
         loss, _ = core.siglip_loss_forward(
             B.array_of(a), B.array_of(b), ls, lb, reduction=reduction, normalize=normalize,
             workspace_bytes=workspace_bytes, requires_grad=False)
