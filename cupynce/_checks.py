@@ -186,12 +186,16 @@ def check_reduction(op: str, reduction: Any) -> str:
     return reduction
 
 
+#: the largest logit_scale (a log) for every dtype: exp of it is float32's largest value
+LOG_SCALE_LIMIT = math.log(float(np.finfo(np.float32).max))
+
+
 def _scale_overflow(op: str, value: float, acc: Optional[np.dtype]) -> None:
     """exp(logit_scale) must be finite in float32, whatever the dtype: a larger value is almost
     surely the scale itself passed where its log is expected (open_clip's convention), and one
     limit for every dtype means a call that runs in float64 also runs in float32 (the float64
     exponent would let exp(100) = 2.7e43 through, and a meaningless loss with it)."""
-    limit = math.log(float(np.finfo(np.float32).max))
+    limit = LOG_SCALE_LIMIT
     if value > limit:
         raise ValueError(
             f"{op}: logit_scale={value!r} is too large: cupynce takes the *log* of the logit "
@@ -209,9 +213,9 @@ def check_logit_scale(op: str, logit_scale: Any, xp: ModuleType,
     Returns ``(value, shape)``: a Python float or the array, and the shape of the gradient.
     A value on the host (a real, a NumPy array, a CPU tensor through cupynce.torch) must be
     finite with ``exp(value)`` finite in float32, for every dtype (``acc`` is unused: one
-    limit everywhere); a device array is never read back to the host (no synchronisation):
-    there exp overflows on the device for 16-bit / float32 inputs (a NaN loss), while float64
-    inputs take values up to exp(709).
+    limit everywhere, ``LOG_SCALE_LIMIT``); a device array is never read back to the host (no
+    synchronisation): the GPU ops turn a device value past the limit into NaN there
+    (``arrays.guard_log_scale``), so the loss and gradients are NaN in every dtype.
     """
     return check_scalar_input(op, "logit_scale", logit_scale, xp,
                               lambda v: _scale_overflow(op, v, acc))

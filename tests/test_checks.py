@@ -7,6 +7,7 @@ that fires only after computation started is caught.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import ml_dtypes
@@ -524,3 +525,32 @@ def test_one_row_is_a_batch(neg):
     loss, ctx = cupynce.clip_loss_forward(q, k, 2.0)
     da, db, dls = cupynce.clip_loss_backward(ctx)
     assert loss == 0 and not da.any() and not db.any() and dls == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("op", ["clip_loss", "siglip_loss"])
+def test_device_logit_scale_past_the_limit_gives_nan(op, dtype):
+    """A device logit_scale is never read on the host: past the host check's limit
+    (log of float32's largest value) the loss and every gradient are NaN, in every dtype —
+    float64's exp(100) would otherwise give a finite, meaningless loss (issue 22).  Also
+    through cupynce.torch with CUDA tensors."""
+    cupy = _cupy_with_device()
+    a, b = cupy.asarray(_arr((N, D), dtype)), cupy.asarray(_arr((N, D), dtype, 1))
+    acc = np.float64 if dtype == np.float64 else np.float32
+    for value, finite in ((100.0, False), (89.0, False), (math.log(100.0), True)):
+        ls = cupy.asarray(value, acc)
+        loss, ctx = call(op, a=a, b=b, logit_scale=ls, normalize=True)
+        grads = _FUNCS[op][2](ctx)
+        outs = [cupy.asnumpy(x) for x in (loss, *grads)]
+        assert all(np.isfinite(x).all() == finite for x in outs), (value, outs)
+        assert finite or all(np.isnan(x).all() for x in outs), (value, outs)
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+
+    ta, tb = (torch.as_tensor(x, device="cuda").requires_grad_(True) for x in (a, b))
+    ls = torch.tensor(100.0, dtype=torch.float64 if dtype == np.float64 else torch.float32,
+                      device="cuda", requires_grad=True)
+    extra = (-10.0,) if op == "siglip_loss" else ()
+    loss = getattr(ct, op)(ta, tb, ls, *extra, normalize=True)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(ta.grad).all() and torch.isnan(ls.grad)

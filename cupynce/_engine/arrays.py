@@ -11,6 +11,8 @@ CuPy is imported inside the functions: importing the engine needs no GPU.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import blas, kernels
@@ -123,6 +125,24 @@ def scalar(value, a):
     import cupy as cp
 
     return cp.full((1,), value, dtype=a)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_scale_guard():
+    import cupy as cp
+
+    # (x - x) / (x - x): NaN for any x past the limit, +inf included
+    return cp.ElementwiseKernel("T x, T limit", "T y", "y = x > limit ? (x - x) / (x - x) : x",
+                                "cupynce_log_scale_guard")
+
+
+def guard_log_scale(ls, limit: float):
+    """A device ``logit_scale`` (the log of the scale), NaN where it exceeds ``limit``: one
+    elementwise kernel, no host read.  The host check refuses such a value; on the device it
+    cannot be read without a synchronisation, so it poisons the loss and the gradients
+    instead (float32's exp overflows there anyway; float64's would not, and would give a
+    finite, meaningless loss)."""
+    return _log_scale_guard()(ls, ls.dtype.type(limit))
 
 
 def grad_scale(grad_loss, a):

@@ -63,11 +63,14 @@ def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad:
 
 
 def _logit_scale_array(xp, ls, acc):
-    """logit_scale as a (1,) array of the accumulator dtype on the inputs' side."""
+    """logit_scale as a (1,) array of the accumulator dtype on the inputs' side (a device
+    value past the host check's limit becomes NaN: ``arrays.guard_log_scale``)."""
     if xp is np:
         return np.asarray(ls, acc).reshape(1)
-    return arrays.scalar(ls, acc) if isinstance(ls, float) else \
-        ls.astype(acc, copy=False).reshape(1)
+    if isinstance(ls, float):  # (checked on the host)
+        return arrays.scalar(ls, acc)
+    return arrays.guard_log_scale(ls.astype(acc, copy=False).reshape(1),
+                                  _checks.LOG_SCALE_LIMIT)
 
 
 def _check(a, b, logit_scale, reduction, workspace_bytes, normalize):

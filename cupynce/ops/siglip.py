@@ -94,6 +94,8 @@ def gpu_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
     acc = acc_dtype(an.dtype)
     ls_dev, lb_dev = (arrays.scalar(v, acc) if isinstance(v, float)
                       else v.astype(acc, copy=False).reshape(1) for v in (ls, lb))
+    if not isinstance(ls, float):  # (a device value past the host check's limit: NaN)
+        ls_dev = arrays.guard_log_scale(ls_dev, _checks.LOG_SCALE_LIMIT)
     return _engine.siglip(an, bn, ls_dev, lb_dev, weights=weights, want_loss=want_loss,
                           want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0)
 
