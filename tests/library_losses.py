@@ -45,7 +45,9 @@ def lightly_ntxent():
     utils.concat_all_gather = None
     sys.modules["lightly.models.utils"] = utils
     cls = importlib.import_module("lightly.loss.ntx_ent_loss").NTXentLoss
-    for name in [m for m, mod in sys.modules.items()  # (the stubs out again: the class keeps
-                 if getattr(mod, "_cupynce_stub", 0) or m == "lightly.models.utils"]:
-        del sys.modules[name]                        # what it imported)
+    # the stubs out again (the class keeps what it imported); a snapshot of sys.modules, read
+    # through __dict__: a lazy module's __getattr__ may import, changing sys.modules mid-loop
+    for name, mod in list(sys.modules.items()):
+        if name == "lightly.models.utils" or getattr(mod, "__dict__", {}).get("_cupynce_stub"):
+            del sys.modules[name]
     return cls
