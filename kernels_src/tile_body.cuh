@@ -260,6 +260,7 @@ __device__ __forceinline__ void tile_body(
         if ((MODE == MODE_H || MODE == MODE_CLIP || MODE == MODE_LSE2) && kt == 0 && tid < TBN) {
             const int col = tile_n0(tile) + tid;  // read by this tile's epilogue
             const bool ok = col < ncols;
+            // LSE2: the column's shift, its positive logit (lse_col holds the raw dots)
             colv[tile & 1][0][tid] = ok ? lse_col[col] * (MODE == MODE_LSE2 ? sl2 : CPN_LOG2E) : 0.f;
             const float wc = ok ? w_mul * (w_ptr ? w_ptr[(i64)col * w_stride] : 1.f) : 0.f;
             colv[tile & 1][1][tid] = wc;
