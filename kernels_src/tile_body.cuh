@@ -242,8 +242,18 @@ __device__ __forceinline__ void tile_body(
         if (ld_it < total) load_next();
         cp_commit();
     }
-    int kt = 0, tile = 0;
-    for (int it = 0; it < total; ++it) {
+    // Tiles outer, K steps inner (not one flattened loop with the epilogue behind a
+    // `continue`: there the accumulators are loop-carried across the epilogue's join and ptxas
+    // drains the wgmma pipe every K step, C7517).  One MMA batch stays in flight in the K loop;
+    // the retire after it waits for all.  Same MMA order: the same bits.
+    int it = 0, tile = 0;
+    for (int tt = 0; tt < my_tiles; ++tt) {
+    if (MODE == MODE_SPMAX && tid < TBN) {  // 1 where position col counts (before the K loop:
+        const int col = tile_n0(tile) + tid;  // between wgmma batches it serialises them, C7514)
+        colv[tile & 1][0][tid] =
+            col < ncols && (!mask || mask[(i64)tile_batch(tile) * n1 + col]) ? 1.f : 0.f;
+    }
+    for (int kt = 0; kt < KT; ++kt, ++it) {
         loop.wait_stage();
         __syncthreads();  // step it is in shared memory; the stage loaded below is free
         loop.issue(acc, it % NS, kt == 0);
@@ -256,16 +266,11 @@ __device__ __forceinline__ void tile_body(
             colv[tile & 1][1][tid] = wc;
             if (MODE != MODE_LSE2) colv[tile & 1][2][tid] = ok ? hw_factor<MODE>(colv[tile & 1][0][tid], wc) : 0.f;
         }
-        if (MODE == MODE_SPMAX && kt == 0 && tid < TBN) {  // 1 where position col counts
-            const int col = tile_n0(tile) + tid;
-            colv[tile & 1][0][tid] =
-                col < ncols && (!mask || mask[(i64)tile_batch(tile) * n1 + col]) ? 1.f : 0.f;
-        }
         if (ld_it < total) load_next();  // overlaps the (asynchronous) MMA
         cp_commit();
-        loop.retire(acc, kt == KT - 1);
-        if (++kt < KT) continue;
-        kt = 0;
+        if (WG) wg_wait1();
+    }
+        loop.retire(acc, true);
 
         // ---------------- epilogue of one 128 x 128 tile ----------------
         const int cur = tile++;
