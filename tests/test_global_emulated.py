@@ -368,3 +368,31 @@ def test_clip_gpu_one_rank_same_bits_as_single_process():
         got = run(1, lambda comm: cupynce.clip_loss(A, B, 1.1, group=comm), device=0)[0]
         want = cupynce.clip_loss(A, B, 1.1)
         assert got.get().tobytes() == want.get().tobytes(), dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["clip", "siglip"])
+@pytest.mark.parametrize("P", [1, 2, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_tile_gradient_in_row_and_column_blocks(monkeypatch, op, P, dtype, reduction):
+    """The tile path's CLIP / SigLIP gradient in row × column blocks (``tiles._plan_2d``, issue
+    23's workspace), forced to 128 × 128 so that the shifted numbering of a block's rows
+    (row0 + r0 − c0, negative right of the diagonal) and the shifted per-index arrays (row
+    and column lse, the weights) meet every case: the diagonal inside, left and right of a
+    block, a short last block, the ranks' global rows; against the float64 oracle."""
+    cp = _gpu()
+    from cupynce._engine import tiles
+    from cupynce.ops import _graphs
+
+    monkeypatch.setattr(_graphs, "ENABLED", False)  # (a cached graph would replay old blocks)
+    plans = []
+
+    def plan(op_name, rows, cols, itemsize, ws):
+        plans.append((rows, cols))
+        return min(rows, 128), min(cols, 128)
+
+    monkeypatch.setattr(tiles, "_plan_2d", plan)
+    check = _check_clip if op == "clip" else _check_siglip
+    check(cp, dtype, P, 136, 64, reduction, True, True, device=0, ws=None)
+    assert plans and all(c == 136 * P for _, c in plans), plans

@@ -55,6 +55,17 @@ SYMMETRIC_LSE_MIN_ND = 16384 * 512
 #: forward + backward: N = 16384 2.17 -> 1.90 ms, 8192 0.65 -> 0.58; D = 256: 1.48 -> 1.46,
 #: 0.47 -> 0.46.
 SYMMETRIC_H = True
+#: CLIP's and SigLIP's default budget on the tiles, in bytes, for each phase's scratch when
+#: the caller gives no ``workspace_bytes``: the forward's column partials and the backward's
+#: 16-bit score-gradient blocks (rows × columns, ``_plan_2d``).  The phases do not overlap
+#: (the forward's scratch goes back to the pool first), so the peak is about this plus the
+#: float32 gradient accumulators: H100, bf16, D = 512, CLIP N = 65536 514 MiB (1538 with the
+#: general 1 GiB cap and whole-row blocks), 131072 774 MiB (2565), at +2-3 % time (the
+#: accumulating products); SigLIP 514 / 779 MiB (769 / 1026) at the same time.  No free-memory
+#: query (a driver call) is made for it.  ``CUPYNCE_TILE_WORKSPACE_MIB`` sets it.  NT-Xent and
+#: InfoNCE keep the general cap: their symmetric passes and single gradient product are worth
+#: it (measured: a 256 MiB cap cost 5 % at N = 65536 and 17 % at 131072).
+TILE_WORKSPACE_BYTES = int(os.environ.get("CUPYNCE_TILE_WORKSPACE_MIB", "256")) << 20
 TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 TILE_THREADS = 256
 #: dynamic shared memory of a tile CTA (TSMEM_BYTES / WSMEM_BYTES in tiles.cu; a GPU test
@@ -136,6 +147,43 @@ TILE_ARGS_FIELDS = (
     "scale_mul", "w_mul")
 TILE_ARGS_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", struct.calcsize(TILE_ARGS_FORMAT))]})
 _pack_tile_args = struct.Struct(TILE_ARGS_FORMAT).pack
+
+
+def _plan(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[int]) -> int:
+    """Rows of a tile-path block: ``blas.plan_rows`` under the caller's workspace, or under
+    ``TILE_WORKSPACE_BYTES`` when none is given."""
+    cap = TILE_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    return blas.plan_rows(op, rows, bytes_per_row, cap, align=TILE)
+
+
+def _plan_2d(op: str, rows: int, cols: int, itemsize: int,
+             workspace_bytes: Optional[int]) -> Tuple[int, int]:
+    """(rows, columns) of the gradient blocks G[r0:r1, c0:c1] of CLIP / SigLIP under the
+    workspace (``TILE_WORKSPACE_BYTES`` when none is given).
+
+    Each block's products accumulate: dA's rows over the column blocks, dB's over the row
+    blocks — every extra block re-reads and re-writes a float32 (·, D) slice, so the blocks
+    are chosen with as few of them as fit: whole rows when they do, else the column count
+    (a divisor-like split of the columns, multiple of 128) that minimises the row blocks plus
+    the column blocks.  At N = 65536, D = 512, bf16, 256 MiB: 8 × 4 blocks of 8192 × 16384
+    rather than 32 row blocks of 2048 (≈ 2.7 GB of accumulator traffic instead of ≈ 8 GB)."""
+    cap = TILE_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    ld = -(-cols // 8) * 8
+    if rows * ld * itemsize <= cap:
+        return rows, cols
+    best, prev = None, 0
+    for k in range(1, -(-cols // TILE) + 1):  # k column blocks
+        cb = -(-cols // (k * TILE)) * TILE
+        if cb == prev:
+            continue
+        prev = cb
+        rb = blas.plan_rows(op, rows, cb * itemsize, cap, align=TILE)
+        cost = -(-rows // rb) + -(-cols // cb)
+        if best is None or cost < best[0]:
+            best = (cost, rb, cb)
+        if rb >= rows:
+            break
+    return best[1], best[2]
 
 
 def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale_log=None,
@@ -321,7 +369,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     if want_loss:
         splits = grid_splits(nt, ct)
         # column partials: one (m, s) pair per (row tile, column) of the rows in flight
-        rg = blas.plan_rows("clip_loss", n, -(-8 * nc // TILE), workspace_bytes, align=TILE)
+        rg = _plan("clip_loss", n, -(-8 * nc // TILE), workspace_bytes)
         cpt = -(-rg // TILE)
         # one fp32 scratch allocation (allocations are host time before the first kernel):
         # dots (nc) | pos (n) | part (2, splits, n) | colp (2, cpt, nc); kernels get pointers
@@ -365,38 +413,42 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 fold = (0, 0, np.int32(0), col_m, col_m[1], np.int32(1))
             kernels.launch(ROWS_FILE, "col_combine", t, (-(-n // 32),),
                    fold[:3] + (np.int32(n),) + fold[3:] + (lse_r, row_loss, lse_c, pair_loss))
+        del scratch, dots  # (to the pool before the gradient block: the phases' peaks apart)
     grads = None
     if want_grad:
-        ldg = -(-nc // 8) * 8
-        rb = blas.plan_rows("clip_loss", n, ldg * t.itemsize, workspace_bytes, align=TILE)
-        g_buf = cp.empty((rb, ldg), t)
-        da = cp.empty((n, d), f32)
+        rb, cb = _plan_2d("clip_loss", n, nc, t.itemsize, workspace_bytes)
+        g_buf = cp.empty((rb, -(-cb // 8) * 8), t)
+        da = cp.empty((n, d), f32)  # the first column block's product writes it (beta = 0)
         db = cp.empty((nc, d), f32)  # the first row block's product writes it (beta = 0)
         dsp = cp.empty((n,), f32)
-        lse_row = lse_r.data.ptr - 4 * row0  # the kernel reads lse_row[global row]
+        w_arr, w_stride, w_mul = weights
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
             rt = -(-(r1 - r0) // TILE)
-            splits = grid_splits(rt, ct)
-            dpart = cp.empty((splits, r1 - r0), f32)
-            g_blk = g_buf[:r1 - r0, :nc]
-            tile("clip", t, (rt, splits), an[r0:r1], row0 + r0, bn, None, scale_log=ls,
-                  pos_mod=nc, lse_row=lse_row, lse_col=lse_c, weights=weights, g=g_blk,
-                  dsp=dpart.data.ptr, part=(0, 0, r1 - r0))
+            blocks = [(c0, min(nc, c0 + cb)) for c0 in range(0, nc, cb)]
+            splits = [grid_splits(rt, -(-(c1 - c0) // TILE)) for c0, c1 in blocks]
+            # dlogit_scale's row partials: every column block's splits, summed in order
+            dpart = cp.empty((sum(splits), r1 - r0), f32)
+            k = 0
+            for (c0, c1), sp in zip(blocks, splits):
+                g_blk = g_buf[:r1 - r0, :c1 - c0]
+                # the block as its own problem: columns c0.. numbered from 0, so the rows from
+                # row0 + r0 - c0 (the diagonal test), and the per-index arrays shifted by c0
+                tile("clip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
+                     scale_log=ls, pos_mod=nc, lse_row=lse_r.data.ptr - 4 * (row0 - c0),
+                     lse_col=lse_c.data.ptr + 4 * c0,
+                     weights=(ptr(w_arr) + 4 * c0 * w_stride if w_arr is not None else None,
+                              w_stride, w_mul),
+                     g=g_blk, dsp=dpart[k].data.ptr, part=(0, 0, r1 - r0))
+                k += sp
+                blas.gemm(g_blk, bn[c0:c1], da[r0:r1], beta=1.0 if c0 else 0.0)
+                blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True, beta=1.0 if r0 else 0.0)
             kernels.launch(FILE, "tile_sum", t, (-(-(r1 - r0) // BLOCK),),
-                   (dpart, np.int64(r1 - r0), np.int32(splits), np.int32(r1 - r0), dsp[r0:r1]))
-            blas.gemm(g_blk, bn, da[r0:r1])
-            blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
+                   (dpart, np.int64(r1 - r0), np.int32(k), np.int32(r1 - r0), dsp[r0:r1]))
         grads = (da, db, dsp)
     if col_state:
         return lse_r, state, pair_loss, grads
     return lse_r, lse_c, pair_loss, grads
-
-
-#: SigLIP's default gradient-block workspace on the tiles (a caller's ``workspace_bytes``
-#: overrides it): 512 MiB keeps N = 65536 bf16 within 1 GiB with the (N, D) accumulators, in
-#: blocks of 4096 rows, long enough for the gradient products to run at cuBLAS's full rate.
-SIGLIP_WORKSPACE_BYTES = 512 << 20
 
 
 def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes,
@@ -412,41 +464,46 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     t, f32 = an.dtype, np.dtype(np.float32)
     n, d = an.shape
     nc = bn.shape[0]
-    ct = -(-nc // TILE)
-    w_mul = weights[2]
-    ldg = -(-nc // 8) * 8
-    rb, g_buf = n, None
+    w_arr, w_stride, w_mul = weights
+    rb, cb, g_buf = n, nc, None
     if want_grad:
-        rb = blas.plan_rows("siglip_loss", n, ldg * t.itemsize, workspace_bytes, align=TILE)
-        if workspace_bytes is None:
-            rb = min(rb, max(TILE, SIGLIP_WORKSPACE_BYTES // (ldg * t.itemsize) // TILE * TILE))
-        g_buf = cp.empty((rb, ldg), t)
+        rb, cb = _plan_2d("siglip_loss", n, nc, t.itemsize, workspace_bytes)
+        g_buf = cp.empty((rb, -(-cb // 8) * 8), t)
     row_loss, da, db, parts = buffers((
         ((n,), f32) if want_loss else None, ((n, d), f32) if want_grad else None,
         ((nc, d), f32) if want_grad else None, ((2, n), f32) if want_grad else None))
+    blocks = [(c0, min(nc, c0 + cb)) for c0 in range(0, nc, cb)]
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         m = r1 - r0
         rt = -(-m // TILE)
-        splits = grid_splits(rt, ct)
-        # per-split row partials of what is asked: loss, then dbias and dscale
-        part = cp.empty((int(want_loss) + 2 * int(want_grad), splits, m), f32)
-        loss_p = part[0] if want_loss else None
-        dbias_p, dscale_p = (part[-2], part[-1]) if want_grad else (None, None)
-        g_blk = g_buf[:m, :nc] if want_grad else None
-        tile("siglip", t, (rt, splits), an[r0:r1], row0 + r0, bn, None, scale_log=ls,
-             pos_mod=FAR_MOD, part=(ptr(loss_p), ptr(dbias_p), m), lse_col=lb,
-             weights=weights, g=g_blk, dsp=ptr(dscale_p))
-        sums = [(loss_p, row_loss[r0:r1])] if want_loss else []
+        splits = [grid_splits(rt, -(-(c1 - c0) // TILE)) for c0, c1 in blocks]
+        # per-split row partials of what is asked: loss, then dbias and dscale; every column
+        # block's splits in turn, summed in that order
+        part = cp.empty((int(want_loss) + 2 * int(want_grad), sum(splits), m), f32)
+        k = 0
+        for (c0, c1), sp in zip(blocks, splits):
+            loss_p = part[0, k] if want_loss else None
+            dbias_p, dscale_p = (part[-2, k], part[-1, k]) if want_grad else (None, None)
+            g_blk = g_buf[:m, :c1 - c0] if want_grad else None
+            # the block as its own problem (see clip): rows from row0 + r0 - c0, the row
+            # weights shifted by c0; lse_col holds the bias
+            tile("siglip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
+                 scale_log=ls, pos_mod=FAR_MOD, part=(ptr(loss_p), ptr(dbias_p), m),
+                 lse_col=lb, weights=(ptr(w_arr) + 4 * c0 * w_stride if w_arr is not None
+                                      else None, w_stride, w_mul),
+                 g=g_blk, dsp=ptr(dscale_p))
+            k += sp
+            if want_grad:  # (the block holds s G' = s G / w_mul; first blocks write da, db)
+                blas.gemm(g_blk, bn[c0:c1], da[r0:r1], alpha=w_mul, beta=1.0 if c0 else 0.0)
+                blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True, alpha=w_mul,
+                          beta=1.0 if r0 else 0.0)
+        sums = [(part[0], row_loss[r0:r1])] if want_loss else []
         if want_grad:
-            sums += [(dbias_p, parts[1, r0:r1]), (dscale_p, parts[0, r0:r1])]
+            sums += [(part[-2], parts[1, r0:r1]), (part[-1], parts[0, r0:r1])]
         for p, out in sums:
             kernels.launch(FILE, "tile_sum", t, (-(-m // BLOCK),),
-                           (p, np.int64(m), np.int32(splits), np.int32(m), out))
-        if want_grad:  # (the block holds s G' = s G / w_mul; the first block writes db)
-            blas.gemm(g_blk, bn, da[r0:r1], alpha=w_mul)
-            blas.gemm(g_blk, an[r0:r1], db, trans_a=True, alpha=w_mul,
-                      beta=1.0 if r0 else 0.0)
+                           (p, np.int64(m), np.int32(k), np.int32(m), out))
     grads = None
     if want_grad:  # parts: dscale, dbias rows (blocks.siglip's layout)
         grads = (da, db, fixed_sum(parts[0], 1), fixed_sum(parts[1], 1))
@@ -487,6 +544,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
         lse_q = cp.empty((n,), f32)
         kernels.launch(FILE, "tile_finish", t, (-(-n // BLOCK),),
                        (part, part_s, np.int64(n), np.int32(splits), np.int32(n), 0, lse_q, 0))
+        del scratch  # (before the gradient block)
     if want_grad:
         w_arr, w_mul = pair_weights(weights, f32)
         ldg = -(-m // 8) * 8

@@ -153,8 +153,8 @@ def _switches() -> tuple:
     from .._engine import arrays, blas, tiles
 
     return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.SYMMETRIC_LSE, tiles.SYMMETRIC_LSE_MIN_ND,
-            tiles.SYMMETRIC_H, tiles.SIGLIP_WORKSPACE_BYTES, blas.SMALL_GEMM_MACS,
-            blas.SMALL_GEMM_MAX_K,
+            tiles.SYMMETRIC_H, tiles.TILE_WORKSPACE_BYTES,
+            blas.SMALL_GEMM_MACS, blas.SMALL_GEMM_MAX_K,
             blas.DEFAULT_WORKSPACE_BYTES, blas.FREE_MEMORY_FRACTION, blas.SMALL_BLOCK_BYTES,
             arrays.ARENA_BYTES)
 
