@@ -62,7 +62,6 @@ __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, con
                                         const TileArgs<T>& p, int ring) {
     typedef WsLayout L;
     enum { I = L::I, J = L::J, NCG = L::NCG,
-           SOUT = MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP || MODE == MODE_SIGLIP,
            NCV = MODE == MODE_LSE2 ? 1 : (MODE == MODE_H || MODE == MODE_CLIP) ? 3 : 0 };
     extern __shared__ __align__(1024) unsigned char ws_smem[];
     // full[c][s] at [c * WS_MAX_STAGES + s], empty[s] at [2 WS_MAX_STAGES + s], A's at the end

@@ -1,7 +1,7 @@
 """Issue 23 device smoke run of the production warp-specialised kernels (kernels_src/tiles_ws.cu):
 
     python dev/issue23_wstile/smoke_prod.py            # from the repository root, PYTHONPATH=.
-    python dev/issue23_wstile/smoke_prod.py --build    # NVRTC builds only (+ ptxas -v of tiles_ws.cu)
+    python dev/issue23_wstile/smoke_prod.py --build    # NVRTC build + ptxas -v of tiles_ws.cu
 
 Prints each cpn_wstile kernel's registers / local / static shared memory, then runs every stage
 once per shape with the new kernel and with the cp.async wgmma loop (tests/test_gpu_wstile.py's
