@@ -14,7 +14,9 @@ NT-Xent: z (N, D) = two stacked views, temperature 0.1.  CLIP: a, b (N, D) paire
 a, b as CLIP's, ``logit_scale = log 10`` and ``logit_bias = -10`` (the paper's initialisation,
 both learnable); eager is open_clip's ``SigLipLoss`` formula
 ``-logsigmoid((2 I - 1) * (logit_scale.exp() * a @ b.T + logit_bias)).sum() / N``, and the
-cuBLAS products are 3 (S, G B, Gᵀ A per row block).
+cuBLAS products are 3 (S, G B, Gᵀ A per row block).  InfoNCE (``--ops info_nce``, not in
+the default set): query and key the two views, in-batch negatives, temperature 0.1; cuBLAS
+products 3 (S, G K, Gᵀ Q).
 Every implementation computes the mean loss *and* the gradients of all inputs:
 
 ``cupynce``
@@ -86,6 +88,8 @@ from cupynce.report.harness import (  # noqa: E402
 )
 
 OPS = ("nt_xent", "clip_loss", "siglip_loss")
+#: also measurable (--ops): InfoNCE with in-batch negatives, query / key = the two views
+ALL_OPS = OPS + ("info_nce",)
 IMPLS = ("cupynce", "cublas", "eager", "amp", "compile")
 SIZES = (8192, 16384, 32768, 65536)
 BIG_SIZE = 131072
@@ -155,6 +159,8 @@ def make_inputs(op: str, n: int, d: int, dtype: np.dtype, seed: int = SEED) -> T
     del noise
     if op == "nt_xent":
         return (_cast(cp.concatenate([x, y]), dtype),)
+    if op == "info_nce":
+        return _cast(x, dtype), _cast(y, dtype)
     if op == "siglip_loss":  # 0-d scale and bias, learnable in both implementations
         return (_cast(x, dtype), _cast(y, dtype), cp.asarray(np.float32(SIGLIP_LOGIT_SCALE)),
                 cp.asarray(np.float32(SIGLIP_LOGIT_BIAS)))
@@ -174,6 +180,12 @@ def cupynce_step(op: str, inputs: Tuple[Any, ...]) -> Callable[[], Any]:
         def step():
             loss, ctx = cupynce.nt_xent_forward(z, NT_XENT_TEMPERATURE)
             return loss, (cupynce.nt_xent_backward(ctx, 1.0),)
+    elif op == "info_nce":
+        q, k = inputs
+
+        def step():
+            loss, ctx = cupynce.info_nce_forward(q, k, NT_XENT_TEMPERATURE)
+            return loss, cupynce.info_nce_backward(ctx, 1.0)[:2]
     elif op == "siglip_loss":
         def step():
             loss, ctx = cupynce.siglip_loss_forward(*inputs)
@@ -219,17 +231,19 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
                 gemm(a[r0:r1], b, s_buf[:rows], trans_b=True)            # S = A_r Bᵀ
                 gemm(g_buf[:rows], b, da[r0:r1])                         # G B
                 gemm(g_buf[:rows], a[r0:r1], db, trans_a=True, beta=1.0)  # Gᵀ A_r
-    elif op == "nt_xent":
-        z = x
-        dz = cp.zeros((n, d), acc)
+    elif op in ("nt_xent", "info_nce"):  # S = Q_r Kᵀ, G K, Gᵀ Q_r (NT-Xent: Q = K = Z)
+        q, k = (x, x) if op == "nt_xent" else inputs
+        dq = cp.zeros((n, d), acc)
+        dk = dq if op == "nt_xent" else cp.zeros((n, d), acc)
+        beta = 1.0 if op == "nt_xent" else 0.0  # (NT-Xent: both products add into dZ)
         count = 3
 
         def step() -> None:
             for r0, r1 in blocks:
                 rows = r1 - r0
-                gemm(z[r0:r1], z, s_buf[:rows], trans_b=True)            # S = Z_r Zᵀ
-                gemm(g_buf[:rows], z, dz[r0:r1], beta=1.0)               # G Z
-                gemm(g_buf[:rows], z[r0:r1], dz, trans_a=True, beta=1.0)  # Gᵀ Z_r
+                gemm(q[r0:r1], k, s_buf[:rows], trans_b=True)            # S = Q_r Kᵀ
+                gemm(g_buf[:rows], k, dq[r0:r1], beta=beta)              # G K
+                gemm(g_buf[:rows], q[r0:r1], dk, trans_a=True, beta=1.0)  # Gᵀ Q_r
     else:
         a, b = inputs[0], inputs[1]
         da = cp.empty((n, d), acc)
@@ -523,7 +537,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help=f"N in {list(QUICK_SIZES)}, D in {list(QUICK_DIMS)} only")
     ap.add_argument("--big", action="store_true", help=f"also N = {BIG_SIZE}")
-    ap.add_argument("--ops", type=_csv(str, OPS), default=list(OPS))
+    ap.add_argument("--ops", type=_csv(str, ALL_OPS), default=list(OPS))
     ap.add_argument("--dtypes", type=_csv(str, ALL_DTYPES), default=list(DTYPES))
     ap.add_argument("--sizes", type=_csv(int), default=None, help="N values (rows), even")
     ap.add_argument("--dims", type=_csv(int), default=None, help="D values")

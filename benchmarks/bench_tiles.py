@@ -1,7 +1,10 @@
 """Throughput of each tensor-core tile kernel (kernels_src/tiles.cu) against the cuBLAS
 product of the same shape: where the fused path stands relative to the library GEMM.
 
-    python benchmarks/bench_tiles.py --n 16384 --d 512
+    python benchmarks/bench_tiles.py --n 16384 --d 512 [--loops wstile,wgmma,mma.sync]
+
+Main loops: "wstile" (Hopper's warp-specialised kernels, tiles_ws.cu, for the stages they
+have), "wgmma" (the cp.async wgmma loop), "mma.sync"; by default those built here.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--loops", default=None, help="comma-separated: wstile, wgmma, mma.sync")
     args = ap.parse_args()
     import cupy as cp
     import ml_dtypes
@@ -37,6 +41,7 @@ def main() -> None:
     sp = C.grid_splits(rt, rt)
     flop = 2.0 * n * n * d
     ls = cp.full((1,), np.log(10.0), cp.float32)
+    lb = cp.full((1,), -10.0, cp.float32)
     part = cp.empty((2, sp, n), cp.float32)
     pos = cp.empty((n,), cp.float32)
     colp = cp.empty((2, rt, n), cp.float32)
@@ -53,6 +58,9 @@ def main() -> None:
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
         "tile_h": lambda: C.tile("h", dt, (rt, sp), q, 0, q, None, scale=10.0, pos_mod=n,
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
+        "tile_h tri (mirrored, half the tiles)": lambda: C.tile(
+            "h", dt, (rt, C.grid_splits(rt, rt // 2 + 1)), q, 0, q, None, scale=10.0,
+            pos_mod=n, lse_row=lse, lse_col=lse, weights=w, g=g, tri=True),
         "tile_lse2 (CLIP rows + columns)": lambda: C.tile(
             "lse2", dt, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=n,
             part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos.data.ptr,
@@ -60,12 +68,20 @@ def main() -> None:
         "tile_clip": lambda: C.tile("clip", dt, (rt, sp), q, 0, k, None, scale_log=ls,
                                      pos_mod=n, lse_row=lse, lse_col=lse, weights=w, g=g,
                                      dsp=dpart.data.ptr, part=(0, 0, n)),
+        "tile_siglip (loss, dbias, dscale, G)": lambda: C.tile(
+            "siglip", dt, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=C.FAR_MOD,
+            part=(part.data.ptr, part[1].data.ptr, n), lse_col=lb, weights=w, g=g,
+            dsp=dpart.data.ptr),
     }
     print(device_header(device_info()))
     print(f"N={n} D={d} {args.dtype}; splits={sp}")
-    loops = ["wgmma", "mma.sync"] if kernels.arch_specific_build(C.FILE) else ["mma.sync"]
+    hopper = kernels.arch_specific_build(C.FILE)
+    loops = ["wstile", "wgmma", "mma.sync"] if hopper else ["mma.sync"]
+    if args.loops:
+        loops = [x for x in args.loops.split(",") if x in loops]
     for loop in loops:
-        C.USE_WGMMA = loop == "wgmma"
+        C.USE_WGMMA = loop != "mma.sync"
+        C.USE_WSTILE = loop == "wstile"
         for name, fn in cases.items():
             if name.startswith("cuBLAS") and loop != loops[0]:
                 continue

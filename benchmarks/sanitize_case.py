@@ -1,20 +1,27 @@
 """A small run of every tile kernel (SPLADE's fused max, CLIP's lse2 / clip, NT-Xent's symmetric
-lse2, lse / h, the info_nce g) and of the row / column kernels, for compute-sanitizer, with the wgmma ("wg") or mma.sync ("mma") main loop:
+lse2, lse / h, the info_nce g) and of the row / column kernels, for compute-sanitizer, with the
+warp-specialised kernels of tiles_ws.cu ("ws"), the cp.async wgmma loop ("wg") or the mma.sync
+one ("mma"):
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitize_case.py wg
     compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py mma [tiles|blocks]
+    compute-sanitizer --tool synccheck python benchmarks/sanitize_case.py ws ws
 
 An optional second argument runs one part: "tiles" (every tile kernel, one block each),
 "blocks" (small workspaces: several row groups / blocks), "siglip" (SigLIP's row-block
 kernel; "siglip1": bf16 and one block only, few enough launches for racecheck) or "global" (the global NT-Xent's
-rank blocks, ``engine.cross``, on emulated ranks).  racecheck exits with code 9 and no
+rank blocks, ``engine.cross``, on emulated ranks) or "ws" (one small call of each
+warp-specialised stage: lse with shared negatives whose columns start mid-tile, lse2 / clip,
+NT-Xent's symmetric lse2 and mirrored h, info_nce's g, SigLIP; ring of A + B stages and A
+resident; a few launches each, for racecheck).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
 """
 import os, sys, numpy as np, cupy as cp, ml_dtypes, cupynce
 from cupynce._engine import tiles as C
 C.USE_TILES = True
-C.USE_WGMMA = sys.argv[1] == "wg"
+C.USE_WGMMA = sys.argv[1] in ("wg", "ws")
+C.USE_WSTILE = sys.argv[1] == "ws"
 part = sys.argv[2] if len(sys.argv) > 2 else "all"
 C.SYMMETRIC_LSE_MIN_ND = 0  # the symmetric NT-Xent forward at these small sizes too
 bf = ml_dtypes.bfloat16
@@ -33,6 +40,23 @@ if part in ("all", "tiles"):
     C.SYMMETRIC_LSE = False
     l, c = cupynce.nt_xent_forward(a, 0.1)  # the square lse pass
     C.SYMMETRIC_LSE = True
+if part in ("all", "ws"):
+    # one call per warp-specialised stage (tiles_ws.cu), counted: each must have run there
+    ran = []
+    real = C.ws_launch
+    C.ws_launch = lambda stage, *x: ran.append(stage) or real(stage, *x)
+    q, k = a[:520], bb[:520]
+    ng = cp.asarray(rng.standard_normal((130, 136)).astype(bf))
+    l, c = cupynce.info_nce_forward(a[:300], bb[:300], 0.1, negatives=ng)  # lse, B2 at 300
+    l, c = cupynce.info_nce_forward(q, k, 0.1, negatives=ng); cupynce.info_nce_backward(c, 1.0)
+    l, c = cupynce.clip_loss_forward(q, k, 2.0); cupynce.clip_loss_backward(c, 1.0)  # lse2, clip
+    l, c = cupynce.nt_xent_forward(q, 0.1); cupynce.nt_xent_backward(c, 1.0)  # lse2 tri, h tri
+    C.WS_AR_MIN_STAGES = 99  # 32 KiB A + B stages
+    l, c = cupynce.siglip_loss_forward(q, k, 2.3, -10.0); cupynce.siglip_loss_backward(c, 1.0)
+    C.WS_AR_MIN_STAGES = 6
+    C.ws_launch = real
+    if C.wstile():
+        assert {"lse", "lse2", "clip", "g", "h", "siglip"} <= set(ran), ran
 if part in ("all", "blocks"):
     # several row groups / blocks: CLIP's running column state (col_combine's fresh and finalize
     # modes), the tiles' and the cuBLAS path's first-block (beta = 0) gradient products

@@ -170,18 +170,26 @@ template <> struct Wgmma<f16_t> {
 // ---- the two main loops --------------------------------------------------------------
 // Both stage a TBM x TBK tile of A and a TBN x TBK tile of B per pipeline stage (16-byte
 // cp.async chunks, zero-filled outside the matrix) and add one TBK step of A B^T to the
-// accumulators.  Fragment layout (shared by the epilogues): warp w owns rows
-// row_base(w) + i*16 + h*8 + (lane >> 2) and columns col_base(w) + j*8 + 2*(lane & 3) + e of
-// the tile, in acc[i][j][h*2 + e]; NCG warps share each column (col_group(w)) and
-// ROW_WARPS warps share each row.
+// accumulators.  Fragment layout (shared by the epilogues, tile_epilogue.cuh): warp w owns
+// rows row_base(w) + i*IS + h*8 + (lane >> 2) and columns col_base(w) + j*8 + 2*(lane & 3) + e
+// of the tile, in acc[i][j][h*2 + e]; NCG warps share each column (col_group(w)) and
+// ROW_WARPS warps (or warpgroups: WsLayout) share each row, `second(w)` telling the one that
+// hands its row values over.  Barriers of the epilogues: tile_sync(w) among the threads of
+// one tile (here the CTA), pair_sync() among the holders of a row.  WGMMA: 16-bit gradient
+// tiles go through the shared-memory staging ("SOUT"), 64 rows at a time from half_row(w, i).
 template <typename T, bool WG, int NSTG = WSTAGES> struct TileLoop;
 
 template <typename T, int NSTG> struct TileLoop<T, false, NSTG> {  // mma.sync m16n8k16, 4 x 2 warps
     // synchronous MMA: the stage loaded in iteration it may be any but the one read in it
-    enum { I = 2, J = 8, NCG = 4, ROW_WARPS = 2, STAGES = TSTAGES, PREFETCH = TSTAGES - 1 };
+    enum { I = 2, J = 8, NCG = 4, ROW_WARPS = 2, IS = 16, WGMMA = 0, WS = 0,
+           STAGES = TSTAGES, PREFETCH = TSTAGES - 1 };
     static __device__ __forceinline__ int row_base(int w) { return (w >> 1) * 32; }
     static __device__ __forceinline__ int col_base(int w) { return (w & 1) * 64; }
     static __device__ __forceinline__ int col_group(int w) { return w >> 1; }
+    static __device__ __forceinline__ bool second(int w) { return (w & 1) != 0; }
+    static __device__ __forceinline__ int half_row(int, int) { return 0; }  // (no SOUT)
+    static __device__ __forceinline__ void tile_sync(int) { __syncthreads(); }
+    static __device__ __forceinline__ void pair_sync() { __syncthreads(); }
     unsigned sA, sB;
     int a_off, b_off;
     __device__ __forceinline__ void init(void* smem, int lane, int warp) {
@@ -234,10 +242,15 @@ template <typename T, int NSTG> struct TileLoop<T, false, NSTG> {  // mma.sync m
 template <typename T, int NSTG> struct TileLoop<T, true, NSTG> {  // wgmma m64n128k16, 2 WGs
     // one MMA batch stays in flight while the next is issued (retire waits for all but the
     // newest), so the other warpgroup may still read stage it - 1: load it + STAGES - 2
-    enum { I = 1, J = 16, NCG = 8, ROW_WARPS = 1, STAGES = NSTG, PREFETCH = NSTG - 2 };
+    enum { I = 1, J = 16, NCG = 8, ROW_WARPS = 1, IS = 16, WGMMA = 1, WS = 0,
+           STAGES = NSTG, PREFETCH = NSTG - 2 };
     static __device__ __forceinline__ int row_base(int w) { return w * 16; }
     static __device__ __forceinline__ int col_base(int) { return 0; }
     static __device__ __forceinline__ int col_group(int w) { return w; }
+    static __device__ __forceinline__ bool second(int) { return false; }
+    static __device__ __forceinline__ int half_row(int w, int) { return (w >> 2) * 64; }
+    static __device__ __forceinline__ void tile_sync(int) { __syncthreads(); }
+    static __device__ __forceinline__ void pair_sync() { __syncthreads(); }
     unsigned base;
     int wg;
     __device__ __forceinline__ void init(void* smem, int, int warp) {
@@ -272,5 +285,24 @@ template <typename T, int NSTG> struct TileLoop<T, true, NSTG> {  // wgmma m64n1
         float* d = &acc[0][0][0];
 #pragma unroll
         for (int r = 0; r < 64; ++r) fence_operand(d[r]);
+    }
+};
+
+// The warp-specialised kernel's fragment layout (tile_ws.cuh): consumer warpgroup c (warps
+// 4c .. 4c + 3) owns WHOLE 128 x 128 tiles, two wgmma m64n128k16 per k16 (i = 0: rows 0-63,
+// i = 1: rows 64-127), so its warp w holds rows i*64 + (w & 3)*16 + h*8 + (lane >> 2) of every
+// column; the two consumers hold the same rows of different tiles (ROW_WARPS = 2: consumer 1
+// hands its row values to consumer 0 at the end).  Epilogue barriers: named barrier 1 + c
+// (the consumer's 128 threads) for a tile, 5 (both consumers) for the row merge.
+struct WsLayout {
+    enum { I = 2, J = 16, NCG = 4, ROW_WARPS = 2, IS = 64, WGMMA = 1, WS = 1 };
+    static __device__ __forceinline__ int row_base(int w) { return (w & 3) * 16; }
+    static __device__ __forceinline__ int col_base(int) { return 0; }
+    static __device__ __forceinline__ int col_group(int w) { return w & 3; }
+    static __device__ __forceinline__ bool second(int w) { return w >= 4; }
+    static __device__ __forceinline__ int half_row(int, int i) { return i * 64; }
+    static __device__ __forceinline__ void tile_sync(int w) { wg_bar(w >> 2); }
+    static __device__ __forceinline__ void pair_sync() {
+        asm volatile("bar.sync 5, 256;\n" ::: "memory");
     }
 };

@@ -109,19 +109,7 @@ __device__ __forceinline__ void tile_sum_body(
     out[r] = a;
 }
 
-// The contrastive tile kernels take their arguments as one struct passed by value: one
-// kernel parameter for CuPy to marshal instead of 31 (the launch's host time).  Layout:
-// pointers, then 64-bit integers, then 32-bit fields -- no padding inside; Python packs it
-// with struct format "<14Q6q9i2f4x" (_engine/tiles.py TILE_ARGS_*; a GPU test compares the
-// offsets through cpn_tile_args_layout).
-template <typename T> struct TileArgs {
-    const T* A; const T* B1; const T* B2; const float* scale_log;
-    float* part_m; float* part_s; float* pos_out; float* colp_m; float* colp_s;
-    const float* lse_row; const float* lse_col; const float* w_ptr; T* g; float* dsp_part;
-    i64 lda, ldb1, ldb2, part_ld, w_stride, ldg;
-    int rows, row0, n1, n2, d, exclude_diag, pos_shift, pos_mod, tri;
-    float scale_mul, w_mul;
-};
+// The launch struct TileArgs is in tile_epilogue.cuh (tiles_ws.cu's kernels take it too).
 #define CPN_TILE_ARGS(T) const TileArgs<T> p
 #define CPN_TILE_PASS                                                                      \
     p.A, p.lda, p.rows, p.row0, p.B1, p.ldb1, p.n1, p.B2, p.ldb2, p.n2, p.d, p.scale_mul,  \

@@ -126,6 +126,13 @@ def test_python_launches_only_existing_stages(module, const, filename):
     assert launched <= set(_stages(filename)), launched - set(_stages(filename))
 
 
+def test_python_launches_only_existing_wstile_stages():
+    """tiles.ws_launch builds cpn_wstile_<stage> from tiles.WS_STAGES: each exists."""
+    from cupynce._engine import tiles
+
+    assert {f"wstile_{s}" for s in tiles.WS_STAGES} <= set(_stages(tiles.WS_FILE))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("filename", _cu_files())
 def test_nvcc_compiles(filename, tmp_path):

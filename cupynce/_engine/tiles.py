@@ -12,6 +12,11 @@ products (G · K, Gᵀ · Q) stay cuBLAS calls.
 * :func:`clip` — CLIP's row and column statistics in one pass, then its gradient block;
 * :func:`tile`, :func:`tile_launch`, :func:`grid_splits` — the launch plumbing SPLADE's fused
   forward shares (``splade_tiles.cu``).
+
+On Hopper the modes of ``WS_STAGES`` run the warp-specialised kernels of ``tiles_ws.cu``
+(issue 23: a TMA producer warpgroup and two consumer warpgroups ping-ponging whole tiles, the
+same epilogues) where :func:`ws_launch` can encode the tensor maps; ``USE_WSTILE`` switches
+them off (the cp.async wgmma loop then runs, as before).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from . import blas, kernels
+from . import blas, kernels, tma
 from .arrays import FILE as ROWS_FILE, buffers, fixed_sum, pair_weights, ptr
 from .blocks import FAR_MOD
 from .kernels import BLOCK
@@ -39,6 +44,22 @@ FILE = "tiles.cu"
 USE_TILES: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("CUPYNCE_TILES", "auto"))
 #: On Hopper, run the wgmma main loop (False: the mma.sync one, so tests can cover both there).
 USE_WGMMA = True
+#: Where the wgmma loop runs, run the stages of ``WS_STAGES`` on the warp-specialised kernels
+#: of ``tiles_ws.cu`` instead (False: the cp.async wgmma loop, so tests and benchmarks can
+#: compare them).  ``CUPYNCE_WSTILE=0`` at import sets it False.
+USE_WSTILE = os.environ.get("CUPYNCE_WSTILE", "1") != "0"
+WS_FILE = "tiles_ws.cu"
+#: the tile stages ``tiles_ws.cu`` has (SPLADE's max keeps its own kernels); those writing the
+#: 16-bit gradient block stage it through 2 x 16 KiB of shared memory
+WS_STAGES = frozenset({"lse", "lse2", "g", "h", "clip", "siglip"})
+_WS_SOUT = frozenset({"g", "h", "clip", "siglip"})
+WS_THREADS = 384
+WS_MAX_STAGES = 8  # (WS_MAX_STAGES in tile_ws.cuh)
+#: The ring of the warp-specialised kernels: A resident (the CTA's 128 rows x D loaded once, a
+#: ring of 16 KiB B boxes) where that leaves at least this many stages, else 32 KiB (A + B)
+#: stages, as many as fit (at most WS_MAX_STAGES).  On an H100 (prototype, LSE, D = 512) A
+#: resident with 6 stages: 0.347 ms at N = 16384 against 0.391 for 6 A + B stages.
+WS_AR_MIN_STAGES = 6
 #: NT-Xent's forward on the tiles computes each pair of score tiles once (S = Z Zᵀ is
 #: symmetric: row and column partials of half the tiles, see ``tile_lse_symmetric``) when
 #: N · D >= ``SYMMETRIC_LSE_MIN_ND`` and its column partials, 8 · N · ceil(N / 128) bytes, fit
@@ -202,7 +223,86 @@ def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale
         ld(a), ld(b1), ld(b2), part[2], w_stride, 0 if g is None else ld(g),
         rows, row0, b1.shape[0], n2, d, int(exclude_diag), pos_shift, pos_mod, int(tri),
         scale, w_mul)
-    tile_launch(FILE, stage, t, grid, (np.frombuffer(raw, TILE_ARGS_DTYPE),))
+    args = np.frombuffer(raw, TILE_ARGS_DTYPE)
+    if stage in WS_STAGES and wstile() and ws_launch(stage, t, grid, a, b1, b2, n2, args):
+        return
+    tile_launch(FILE, stage, t, grid, (args,))
+
+
+def wstile() -> bool:
+    """Whether the tile stages of ``WS_STAGES`` run on ``tiles_ws.cu`` (Hopper, the wgmma loop
+    in use, the driver encodes tensor maps) unless :func:`ws_launch` declines a call."""
+    return USE_WSTILE and wgmma() and tma.available()
+
+
+def ws_ring(stage: str, d: int, static_smem: int, smem_max: int) -> Optional[Tuple[int, int]]:
+    """(ring argument, dynamic shared memory) of ``cpn_wstile_<stage>`` for D = ``d``, with
+    ``static_smem`` bytes of static shared memory and ``smem_max`` per block (opt-in): the
+    ring of tile_ws.cuh (stages | A resident << 8) under ``WS_AR_MIN_STAGES``; None where not
+    even 2 stages fit."""
+    kt = -(-d // 64)
+    sout = 2 * 16384 if stage in _WS_SOUT else 0
+    budget = smem_max - static_smem - 1024 - sout  # (1 KiB: aligning the swizzled boxes)
+    ar = min(WS_MAX_STAGES, budget // 16384 - kt)
+    if ar >= WS_AR_MIN_STAGES:
+        return ar | 256, 1024 + (kt + ar) * 16384 + sout
+    st = min(WS_MAX_STAGES, budget // 32768)
+    return (st, 1024 + st * 32768 + sout) if st >= 2 else None
+
+
+#: 128 x 64 tensor maps by (pointer, rows, columns, leading dimension, dtype): encoding one is
+#: a driver call and two NumPy allocations, the same map for the same matrix
+_MAPS: Dict[tuple, np.ndarray] = {}
+_MAPS_MAX = 512
+
+
+def _tile_map(x) -> Optional[np.ndarray]:
+    key = (x.data.ptr, x.shape[0], x.shape[1], blas.leading_dim(x), x.dtype.name)
+    m = _MAPS.get(key)
+    if m is None:
+        m = tma.matrix_map(x, TILE, 64)
+        if m is None:
+            return None
+        if len(_MAPS) >= _MAPS_MAX:
+            _MAPS.clear()
+        _MAPS[key] = m
+    return m
+
+
+#: per warp-specialised kernel: (its static shared memory, the device's opt-in maximum)
+_WS_SMEM: Dict[int, Tuple[int, int]] = {}
+
+
+def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args) -> bool:
+    """Launch ``cpn_wstile_<stage>`` of ``tiles_ws.cu`` with the packed TileArgs ``args``;
+    False (nothing launched) where it does not apply: B2's columns after n1 % 8 != 0 for a
+    stage writing the gradient block (its 16-byte stores would straddle n1), row coordinates
+    past 2^31 - 128, a tensor map the driver refuses, or no ring that fits."""
+    n1 = b1.shape[0]
+    if n2 and stage in _WS_SOUT and n1 % 8:
+        return False
+    if max(a.shape[0], n1, n2) >= 2 ** 31 - TILE:
+        return False
+    ta, tb1 = _tile_map(a), _tile_map(b1)
+    tb2 = _tile_map(b2) if n2 else tb1
+    if ta is None or tb1 is None or tb2 is None:
+        return False
+    kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
+    info = _WS_SMEM.get(id(kern))
+    if info is None:
+        import cupy as cp
+
+        smem_max = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+        static = int(kern.attributes["shared_size_bytes"])
+        info = _WS_SMEM[id(kern)] = (static, smem_max)
+        if kern.max_dynamic_shared_size_bytes < smem_max - static:  # opt in, once
+            kern.max_dynamic_shared_size_bytes = smem_max - static
+    ring = ws_ring(stage, a.shape[1], *info)
+    if ring is None:
+        return False
+    kern(tuple(grid), (WS_THREADS,), (ta, tb1, tb2, args, np.int32(ring[0])),
+         shared_mem=ring[1])
+    return True
 
 
 #: kernels already opted in to their dynamic shared memory (the attribute query costs host time)

@@ -152,8 +152,9 @@ def _switches() -> tuple:
     """The engine's module-level switches that change which kernels a call runs."""
     from .._engine import arrays, blas, tiles
 
-    return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.SYMMETRIC_LSE, tiles.SYMMETRIC_LSE_MIN_ND,
-            tiles.SYMMETRIC_H, tiles.TILE_WORKSPACE_BYTES,
+    return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.USE_WSTILE, tiles.WS_AR_MIN_STAGES,
+            tiles.SYMMETRIC_LSE, tiles.SYMMETRIC_LSE_MIN_ND, tiles.SYMMETRIC_H,
+            tiles.TILE_WORKSPACE_BYTES,
             blas.SMALL_GEMM_MACS, blas.SMALL_GEMM_MAX_K,
             blas.DEFAULT_WORKSPACE_BYTES, blas.FREE_MEMORY_FRACTION, blas.SMALL_BLOCK_BYTES,
             arrays.ARENA_BYTES)

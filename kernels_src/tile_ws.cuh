@@ -1,0 +1,215 @@
+// cupynce warp-specialised tile walk (Hopper, sm_90a; issue 23): the CTA of tiles.cu's schedule
+// (128 rows m0 = 128 blockIdx.x, column tiles split, split + splits, ... of split = blockIdx.y,
+// or NT-Xent's symmetric `tri` tiles) with a TMA producer and two consumer warpgroups, each
+// consuming WHOLE 128 x 128 tiles through the epilogues of tile_epilogue.cuh:
+//
+//   * warpgroup 2 = producer (setmaxnreg.dec 24); thread 256 issues the TMA boxes (128 rows x
+//     64 of K, 128-byte swizzled; rows and K past the ends zero-filled) into a ring of ST stages
+//     with full / empty mbarriers.  A stage holds the A and B boxes of one K step, or (AR, A
+//     resident) the B box alone after the CTA's KT A boxes, loaded once: half the L2 reads.
+//   * warpgroups 0 / 1 = consumers (setmaxnreg.inc 240): consumer c takes the CTA's tiles
+//     t = c, c + 2, ...: two wgmma m64n128k16 per k16 (rows 0-63 and 64-127, WsLayout), then the
+//     tile's epilogue.  Named barriers 3 + c order the consumers' MMA phases (ping-pong: c waits
+//     on 3 + c before its first MMA of a tile and arrives on 3 + (c ^ 1) once its last is
+//     issued), so one consumer's epilogue overlaps the other's MMAs.
+//   * mbarrier phases: full[c][s] completes one phase per fill of stage s for consumer c, so
+//     each consumer tracks its own parity per stage (bit s of fph): with one full barrier per
+//     stage a consumer running ahead could see a phase of the other's fill.  empty[s] completes
+//     one phase per use of stage s (its owner's release once its MMAs on it are done).
+//   * column tiles: B1's rows ct * 128 .. (ct < CT1 = ceil(n1 / 128)), then B2's from row 0, so
+//     the columns of tile ct >= CT1 start at n1 + (ct - CT1) * 128 (with n1 % 128 != 0 the
+//     last B1 tile ends at nlim = n1, not 128 columns later: each box comes from one matrix).
+//     The epilogues number columns globally (positives, diagonal, lse_col) and stop at nlim.
+//   * per consumer: its colv (column values of its tile, filled after the MMAs from loads
+//     issued before them), LSE2 column scratch and SOUT staging tile (16 KiB); epilogue
+//     barriers are the consumer's named barrier 1 + c, the final row merge is barrier 5.
+//
+// Determinism: every order is fixed (tile t always on consumer t & 1; consumer 1's row values
+// merged into consumer 0's in row_pairs).  Requirements (Python, tiles.ws_ok): those of the
+// tiles, tensor maps encodable, n1 % 8 == 0 for the SOUT modes when B2 is given (16-byte
+// chunks of g must not straddle n1), row coordinates + 128 < 2^31.
+#pragma once
+#include "tile_epilogue.cuh"
+
+#define WS_THREADS 384
+#define WS_MAX_STAGES 8
+#define WS_A_BYTES (TBM * TBK * 2)      // 16 KiB: one A box
+#define WS_B_BYTES (TBN * TBK * 2)      // 16 KiB: one B box
+#define WS_SOUT_BYTES (64 * TBN * 2)    // 16 KiB staging per consumer (SOUT modes)
+#define WS_PROD_REGS 24
+#define WS_CONS_REGS 240
+#define WS_STR2(x) #x
+#define WS_STR(x) WS_STR2(x)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void ws_arrive_if(unsigned bar, bool pred) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+                 "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
+                 :: "r"(bar), "r"((int)pred) : "memory");
+}
+// the two consumers' order barriers (256 threads: one warpgroup syncs, the other arrives)
+__device__ __forceinline__ void ws_bar_sync(int id) {
+    asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory");
+}
+__device__ __forceinline__ void ws_bar_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory");
+}
+
+// One CTA.  ring: ST (stages, <= WS_MAX_STAGES) | AR << 8; the dynamic shared memory is
+// 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x (AR ? 16 : 32) KiB + SOUT ? 32 KiB : 0.
+template <typename T, int MODE, bool PP>
+__device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, const TmaMap& tb2,
+                                        const TileArgs<T>& p, int ring) {
+    typedef WsLayout L;
+    enum { I = L::I, J = L::J, NCG = L::NCG,
+           NCV = MODE == MODE_LSE2 ? 1 : (MODE == MODE_H || MODE == MODE_CLIP) ? 3 : 0 };
+    extern __shared__ __align__(1024) unsigned char ws_smem[];
+    // full[c][s] at [c * WS_MAX_STAGES + s], empty[s] at [2 WS_MAX_STAGES + s], A's at the end
+    __shared__ __align__(8) unsigned long long bars[3 * WS_MAX_STAGES + 1];
+    __shared__ float slot[3][TBM];  // consumer 1's row values for the final merge
+    // per consumer and own-tile parity: the tile's column values (NCV of colv_values')
+    __shared__ float colv[2][2][NCV ? NCV : 1][TBN];
+    __shared__ float red[MODE == MODE_LSE2 ? 2 : 1][2][NCG][TBN];  // per consumer (LSE2)
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int m0 = blockIdx.x * TBM;
+    const int n1 = p.n1, ncols = p.n1 + p.n2;
+    const int CT1 = (n1 + TBN - 1) / TBN, CT = CT1 + (p.n2 + TBN - 1) / TBN;
+    const bool TRI = (MODE == MODE_LSE2 || MODE == MODE_H) && p.tri;
+    const int tri_i = m0 / TBM;
+    const int split = blockIdx.y, splits = gridDim.y;
+    const int ntiles = TRI ? tri_count(tri_i, CT) : CT;
+    const int my_tiles = ntiles > split ? (ntiles - split + splits - 1) / splits : 0;
+    // column tile of the CTA's tile t, and its first column
+    auto tile_ct = [&](int t) {
+        const int ct = split + t * splits;
+        return TRI ? (tri_i + ct) % CT : ct;
+    };
+    auto tile_n0 = [&](int ct) { return ct < CT1 ? ct * TBN : n1 + (ct - CT1) * TBN; };
+    const int KT = (p.d + TBK - 1) / TBK;
+    const int ST = ring & 0xff;
+    const bool AR = (ring >> 8) & 1;
+    const unsigned SB = AR ? WS_B_BYTES : WS_A_BYTES + WS_B_BYTES;  // a ring stage
+    const unsigned abase = (sw_smem(ws_smem) + 1023u) & ~1023u;  // swizzle atoms: 1 KiB
+    const unsigned rbase = AR ? abase + KT * WS_A_BYTES : abase;  // the ring
+    const unsigned full0 = sw_smem(&bars[0]), empty0 = sw_smem(&bars[2 * WS_MAX_STAGES]);
+    const unsigned abar = sw_smem(&bars[3 * WS_MAX_STAGES]);
+    if (tid == 0) {
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(full0 + 8 * s, 1);                      // consumer 0's: expect_tx
+            mbar_init(full0 + 8 * (WS_MAX_STAGES + s), 1);    // consumer 1's
+            mbar_init(empty0 + 8 * s, 1);                     // the owner's release
+        }
+        mbar_init(abar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();  // (the last CTA-wide barrier: the producer warps exit early)
+
+    if (tid >= 256) {  // ---------------- producer warpgroup ----------------
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 " WS_STR(WS_PROD_REGS) ";\n" ::: "memory");
+        if (tid == 256) {
+            if (AR && my_tiles > 0) {  // the CTA's 128 rows of A, once (one phase, parity 0)
+                mbar_expect_tx(abar, KT * WS_A_BYTES);
+                for (int kt = 0; kt < KT; ++kt)
+                    tma_load(abase + kt * WS_A_BYTES, &ta, kt * TBK, m0, abar);
+            }
+            int s = 0;
+            unsigned ph = 0;  // parity of the current use of stage s
+            for (int t = 0; t < my_tiles; ++t) {
+                const int ct = tile_ct(t);
+                const TmaMap* tb = ct < CT1 ? &tb1 : &tb2;
+                const int brow = ct < CT1 ? ct * TBN : (ct - CT1) * TBN;
+                const unsigned fullc = full0 + 8 * ((t & 1) * WS_MAX_STAGES);
+                for (int kt = 0; kt < KT; ++kt) {
+                    mbar_wait(empty0 + 8 * s, ph ^ 1);  // use u - 1 released (u = 0: passes)
+                    const unsigned a = rbase + s * SB;
+                    mbar_expect_tx(fullc + 8 * s, SB);
+                    if (!AR) tma_load(a, &ta, kt * TBK, m0, fullc + 8 * s);
+                    tma_load(AR ? a : a + WS_A_BYTES, tb, kt * TBK, brow, fullc + 8 * s);
+                    if (++s == ST) { s = 0; ph ^= 1; }
+                }
+            }
+        }
+        return;
+    }
+    // ---------------- consumer warpgroups ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 " WS_STR(WS_CONS_REGS) ";\n" ::: "memory");
+    const int c = warp >> 2, lt = tid & 127, gq = lane >> 2;
+    const EpiCtx<T> ep = epi_ctx<T, MODE>(p.g, p.ldg, p.part_m, p.part_s, p.part_ld, p.pos_out,
+        p.colp_m, p.colp_s, p.dsp_part, p.rows, p.row0, ncols, m0, split, p.exclude_diag,
+        p.scale_mul, p.scale_log, p.lse_col, p.w_mul, p.tri);
+    RowState<I> rs;
+    rows_init<T, MODE, L>(rs, ep, p.lse_row, p.w_ptr, p.w_stride, p.pos_shift, p.pos_mod, warp, gq);
+    char* const sout = (char*)ws_smem + (rbase + ST * SB - sw_smem(ws_smem)) + c * WS_SOUT_BYTES;
+    const unsigned fullc = full0 + 8 * (c * WS_MAX_STAGES);
+    const bool leader = lt == 0;  // one release per warpgroup
+    float acc[I][J][4];
+    unsigned fph = 0;  // bit s: parity of this consumer's next use of stage s
+    int s = 0;
+    // K step kt on stage s (asynchronous); returns the stage, advances s
+    auto step = [&](int kt, bool first) {
+        mbar_wait(fullc + 8 * s, (fph >> s) & 1u);
+        fph ^= 1u << s;
+        const unsigned a = AR ? abase + kt * WS_A_BYTES : rbase + s * SB;
+        const unsigned b = AR ? rbase + s * SB : a + WS_A_BYTES;
+        const unsigned long long da0 = wg_desc(a), da1 = wg_desc(a + 64 * 128), db = wg_desc(b);
+        float* d0 = &acc[0][0][0];
+        float* d1 = &acc[1][0][0];
+#pragma unroll
+        for (int r = 0; r < 64; ++r) { fence_operand(d0[r]); fence_operand(d1[r]); }
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < TBK / 16; ++kk) {  // +32 B per k16 = +2 in the descriptor
+            Wgmma<T>::run(d0, da0 + 2 * kk, db + 2 * kk, (first && kk == 0) ? 0 : 1);
+            Wgmma<T>::run(d1, da1 + 2 * kk, db + 2 * kk, (first && kk == 0) ? 0 : 1);
+        }
+        wg_commit();
+        const int cur = s;
+        if (++s == ST) s = 0;
+        return cur;
+    };
+    if (AR && c < my_tiles) mbar_wait(abar, 0);  // A resident (completes once)
+    if (PP && c == 1 && my_tiles > 0) ws_bar_arrive(3);  // consumer 0 goes first
+    for (int t = c, k = 0; t < my_tiles; t += 2, ++k) {
+        const int ct = tile_ct(t);
+        const int n0 = tile_n0(ct), nlim = ct < CT1 ? n1 : ncols;
+        ColRaw raw;
+        if (NCV) raw = colv_load(n0 + lt, nlim, p.lse_col, p.w_ptr, p.w_stride);  // (in flight)
+        s = (t * KT) % ST;  // this tile's first stage (iteration t KT of the ring)
+        if (PP) ws_bar_sync(3 + c);  // my turn on the tensor cores
+        // the first step peeled: no branch between the wgmma batches
+        int prev = step(0, true);
+        for (int kt = 1; kt < KT; ++kt) {
+            const int cur = step(kt, false);
+            wg_wait1();  // the previous step's MMAs are done reading its stage
+            ws_arrive_if(empty0 + 8 * prev, leader);
+            prev = cur;
+        }
+        if (PP && t + 1 < my_tiles) ws_bar_arrive(3 + (c ^ 1));  // the other's turn
+        wg_wait0();
+        {
+            float* d0 = &acc[0][0][0];
+            float* d1 = &acc[1][0][0];
+#pragma unroll
+            for (int r = 0; r < 64; ++r) { fence_operand(d0[r]); fence_operand(d1[r]); }
+        }
+        ws_arrive_if(empty0 + 8 * prev, leader);
+        if (NCV) {  // the tile's column values, read by its epilogue
+            float v[3];
+            colv_values<MODE>(v, raw, p.w_mul, ep.sl2);
+#pragma unroll
+            for (int q = 0; q < NCV; ++q) colv[c][k & 1][q][lt] = v[q];
+            wg_bar(c);  // (the other parity's readers passed this barrier a tile ago)
+        }
+        tile_epilogue<T, MODE, L>(ep, rs, acc, n0, nlim, colv[c][k & 1],
+                                  red[MODE == MODE_LSE2 ? c : 0], sout, warp, lane, lt);
+    }
+    if (MODE == MODE_LSE || MODE == MODE_LSE2 || MODE == MODE_CLIP || MODE == MODE_SIGLIP) {
+        float* const slots[3] = {slot[0], slot[1], slot[2]};
+        rows_finish<T, MODE, L>(ep, rs, slots, warp, lane);
+    }
+}
+#define CPN_WS_BODY(T, MODE) tile_ws<T, MODE, true>(ta, tb1, tb2, p, ring)
+#else
+#define CPN_WS_BODY(T, MODE) __trap()  // not an sm_90a build: Python never launches these
+#endif

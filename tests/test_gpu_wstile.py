@@ -1,0 +1,496 @@
+"""The warp-specialised tile kernels (``kernels_src/tiles_ws.cu``, issue 23) on Hopper, against
+the float64 oracle and against the cp.async wgmma loop they replace (``tiles.USE_WSTILE``).
+
+Every test that must run the new kernels checks that they ran (a spy on ``tiles.ws_launch``).
+Tolerances: against the oracle those of test_gpu_contrastive.py / test_gpu_siglip.py (their
+``check`` / ``_check_oracle``); new against old loop: the row / column statistics are float32
+sums of the same products in another order (1e-5 relative), the gradient blocks are rounded to
+16 bits by both (1e-2 bf16, 2e-3 f16, as test_tiles_agree_with_cublas_path); the ring layout
+(A resident or not, stage count) does not change any arithmetic: the same bits.
+CPU tests at the end: the ring's shared-memory plan (no GPU needed).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupynce
+
+cp = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cupynce._engine import tiles  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+HALF = [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")]
+GTOL = {BF16: 1e-2, F16: 2e-3}  # new vs old loop, 16-bit gradient blocks
+gpu = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    from cupynce._engine import tma
+    from cupynce._engine.kernels import arch_specific_build
+
+    return arch_specific_build(tiles.FILE) and tma.available()
+
+
+@pytest.fixture
+def ws(monkeypatch):
+    """Tiles on, the wgmma loop, the warp-specialised kernels; returns the log of
+    ``ws_launch`` calls, (stage, launched)."""
+    if not _hopper():
+        pytest.skip("the warp-specialised tiles need a compute-capability 9.0 GPU and TMA")
+    monkeypatch.setattr(tiles, "USE_TILES", True)
+    monkeypatch.setattr(tiles, "USE_WGMMA", True)
+    monkeypatch.setattr(tiles, "USE_WSTILE", True)
+    log = []
+    real = tiles.ws_launch
+
+    def spy(stage, *args, **kw):
+        ok = real(stage, *args, **kw)
+        log.append((stage, ok))
+        return ok
+
+    monkeypatch.setattr(tiles, "ws_launch", spy)
+    return log
+
+
+def _old(monkeypatch, fn):
+    """fn() on the cp.async wgmma loop (USE_WSTILE off), then the switch back on."""
+    monkeypatch.setattr(tiles, "USE_WSTILE", False)
+    try:
+        return fn()
+    finally:
+        monkeypatch.setattr(tiles, "USE_WSTILE", True)
+
+
+def _ran(log, *stages):
+    got = {s for s, ok in log if ok}
+    for s in stages:
+        assert s in got, f"cpn_wstile_{s} did not run: {log}"
+
+
+def _host(x):
+    return None if x is None else cp.asnumpy(x)
+
+
+def _rel(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    den = np.linalg.norm(ref.ravel())
+    num = np.linalg.norm((x - ref).ravel())
+    if not np.isfinite(num):
+        return math.inf
+    return float(num / den) if den > 0 else float(num)
+
+
+def _compare(new, old, dtype, what):
+    """(loss, grads) of the new loop against the old one."""
+    e = _rel(_host(new[0]), _host(old[0]))
+    assert e <= 1e-5, f"{what}: loss new vs old loop {e:.3e}"
+    for i, (a, b) in enumerate(zip(new[1], old[1])):
+        if b is None:
+            assert a is None
+            continue
+        e = _rel(_host(a), _host(b))
+        assert e <= GTOL[dtype], f"{what}: grad {i} new vs old loop {e:.3e}"
+
+
+# ---- the public ops: oracle and old loop -------------------------------------------------
+import test_gpu_contrastive as TC  # noqa: E402
+
+OPS = [("nt_xent", None), ("info_nce", None), ("info_nce", "shared"), ("clip_loss", None)]
+STAGES = {"nt_xent": ("lse", "h"), "info_nce": ("lse", "g"), "clip_loss": ("lse2", "clip")}
+
+
+def _stages(op, neg, n):
+    """The stages that must run on the new kernels: InfoNCE's gradient declines shared
+    negatives after n % 8 != 0 keys."""
+    if op == "info_nce" and neg == "shared" and n % 8:
+        return ("lse",)
+    return STAGES[op]
+
+
+def _contrastive(op, neg, dtype, n, d, reduction, normalize, seed, m=130, ws=None):
+    rng = np.random.default_rng(seed)
+    inputs = TC.make_case(op, dtype, n, d, rng, neg, m=m, scale=1 / np.sqrt(d))
+    kw = dict(t=0.1, reduction=reduction, normalize=normalize)
+    return inputs, kw, TC.grad_for(reduction, n, rng)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("n", [1, 127, 129, 300, 1030])
+@pytest.mark.parametrize("op,neg", OPS)
+def test_ops_against_oracle_and_old_loop(op, neg, n, normalize, reduction, dtype, ws,
+                                         monkeypatch):
+    if op == "nt_xent":
+        n += n % 2  # (pairs)
+    d = 64 if n < 1000 else 136
+    seed = zlib.crc32(f"ws{op}{neg}{n}{normalize}{reduction}{dtype}".encode())
+    inputs, kw, g = _contrastive(op, neg, dtype, n, d, reduction, normalize, seed)
+    TC.check(op, dtype, inputs, kw, g)
+    _ran(ws, *_stages(op, neg, n))
+    new = TC.run_cupynce(op, inputs, kw, g)
+    old = _old(monkeypatch, lambda: TC.run_cupynce(op, inputs, kw, g))
+    _compare(new, old, dtype, f"{op} {neg} n={n}")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("op,neg", OPS)
+def test_ops_large(op, neg, dtype, ws, monkeypatch):
+    """N = 4096, D = 512 (A resident, 6 stages for the LSE pass; NT-Xent's forward on the
+    symmetric LSE2 schedule and its gradient on the mirrored H tiles)."""
+    monkeypatch.setattr(tiles, "SYMMETRIC_LSE_MIN_ND", 0)
+    inputs, kw, g = _contrastive(op, neg, dtype, 4096, 512, "mean", True, 7)
+    TC.check(op, dtype, inputs, kw, g)
+    _ran(ws, *(("lse2", "h") if op == "nt_xent" else STAGES[op]))
+    new = TC.run_cupynce(op, inputs, kw, g)
+    old = _old(monkeypatch, lambda: TC.run_cupynce(op, inputs, kw, g))
+    _compare(new, old, dtype, f"{op} {neg} n=4096")
+
+
+@gpu
+@pytest.mark.parametrize("n", [2, 256, 300, 1030, 2048])
+def test_nt_xent_square_and_symmetric_passes(n, ws, monkeypatch):
+    """NT-Xent's square LSE pass (positives, the diagonal excluded), its symmetric LSE2 pass
+    (`tri`: row and column partials of every pair of tiles once, some CTAs with no tile) and
+    both gradient passes (H on every tile, and mirrored)."""
+    inputs, kw, g = _contrastive("nt_xent", None, BF16, n, 64, "none", True, n)
+    for sym in (False, True):
+        monkeypatch.setattr(tiles, "SYMMETRIC_LSE", sym)
+        monkeypatch.setattr(tiles, "SYMMETRIC_H", sym)
+        monkeypatch.setattr(tiles, "SYMMETRIC_LSE_MIN_ND", 0)
+        ws.clear()
+        TC.check("nt_xent", BF16, inputs, kw, g)
+        _ran(ws, "lse2" if sym else "lse", "h")
+        new = TC.run_cupynce("nt_xent", inputs, kw, g)
+        old = _old(monkeypatch, lambda: TC.run_cupynce("nt_xent", inputs, kw, g))
+        _compare(new, old, BF16, f"nt_xent n={n} symmetric={sym}")
+
+
+@gpu
+@pytest.mark.parametrize("n", [300, 1024, 1032])
+@pytest.mark.parametrize("m", [130, 256])
+def test_info_nce_shared_negatives(n, m, ws, monkeypatch):
+    """Shared negatives (B2): the new kernel's columns of B2 start at n1 (not at the next
+    multiple of 128), so the last key tile ends at n1 and the first negative tile starts
+    there.  The gradient stage declines n1 % 8 != 0 (its 16-byte stores would straddle n1)
+    and runs on the old loop."""
+    inputs, kw, g = _contrastive("info_nce", "shared", BF16, n, 64, "none", False, n + m, m=m)
+    TC.check("info_nce", BF16, inputs, kw, g)
+    _ran(ws, "lse")
+    assert (("g", True) in ws) == (n % 8 == 0), ws
+    new = TC.run_cupynce("info_nce", inputs, kw, g)
+    old = _old(monkeypatch, lambda: TC.run_cupynce("info_nce", inputs, kw, g))
+    _compare(new, old, BF16, f"info_nce shared n={n} m={m}")
+
+
+@gpu
+@pytest.mark.parametrize("op,neg", OPS)
+def test_deterministic_and_nan(op, neg, ws):
+    """test_gpu_contrastive's determinism (3 runs, the same bits) and NaN checks on the new
+    kernels."""
+    TC.test_tiles_deterministic_and_nan(op, neg, "wgmma")
+    _ran(ws, *_stages(op, neg, 1030))
+
+
+@gpu
+@pytest.mark.parametrize("op,neg", OPS)
+def test_mixed_fast_and_fallback_epilogues(op, neg, ws, monkeypatch):
+    """test_gpu_contrastive's mixed case (rows 0-99 x 30: the checked / two-exp2 / max-based
+    epilogues beside the fast ones in one launch) on the new kernels."""
+    TC.test_tiles_mixed_fast_and_fallback_epilogues(op, neg, BF16, "wgmma")
+    _ran(ws, *_stages(op, neg, 1030))
+
+
+# ---- SigLIP ------------------------------------------------------------------------------
+import test_gpu_siglip as TS  # noqa: E402
+
+
+@gpu
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("n, d", [(1, 8), (127, 64), (129, 64), (300, 40), (1030, 136),
+                                  (4096, 512)])
+def test_siglip_against_oracle_and_old_loop(n, d, normalize, reduction, dtype, ws,
+                                            monkeypatch):
+    a, b = TS._inputs(n, d, dtype)
+    g = np.random.default_rng(n).standard_normal(n).astype(np.float32) \
+        if reduction == "none" else 0.7
+    TS._check_oracle(a, b, math.log(10.0), -10.0, reduction, normalize, g)
+    _ran(ws, "siglip")
+    new = TS._run(a, b, math.log(10.0), -10.0, reduction, normalize, g)
+    old = _old(monkeypatch, lambda: TS._run(a, b, math.log(10.0), -10.0, reduction,
+                                            normalize, g))
+    # (loss, da, db; the scalar gradients' sums cancel: the oracle check above bounds them)
+    for i, (x, y) in enumerate(zip(new[:3], old[:3])):
+        tol = 1e-5 if i == 0 else GTOL[dtype]
+        assert _rel(x, y) <= tol, (i, _rel(x, y))
+    loss = cupynce.siglip_loss(cp.asarray(a), cp.asarray(b), 2.3, -10.0, reduction="sum")
+    again = cupynce.siglip_loss(cp.asarray(a), cp.asarray(b), 2.3, -10.0, reduction="sum")
+    assert cp.asnumpy(loss).tobytes() == cp.asnumpy(again).tobytes()
+
+
+# ---- the stages one launch at a time: every output written, new against old --------------
+def _lse_host(m, s):
+    """float64 log-sum-exp of (m, s) partials along axis 0 (natural-log units)."""
+    m, s = np.asarray(m, np.float64), np.asarray(s, np.float64)
+    top = np.max(np.where(s > 0, m, -np.inf), axis=0)
+    top = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return top + np.log(np.sum(s * np.exp(m - top), axis=0))
+
+
+def _stage_outputs(stage, dt, n, d, seed, splits=None, n2=0, row0=0):
+    """One launch of ``stage`` on seeded inputs (outputs NaN-filled first), its outputs on
+    the host: the combined partials, the gradient block."""
+    rng = cp.random.default_rng(seed)
+    q = (rng.standard_normal((n, d), dtype=cp.float32) / 8).astype(dt)
+    sym = stage in ("h", "h_tri", "lse2_tri", "lse_sym")
+    k = q if sym else (rng.standard_normal((n, d), dtype=cp.float32) / 8).astype(dt)
+    neg = (rng.standard_normal((n2, d), dtype=cp.float32) / 8).astype(dt) if n2 else None
+    ncols = n + n2
+    s = 10.0
+    shift = n // 2 if sym else 0
+    rt, ct = -(-n // tiles.TILE), -(-ncols // tiles.TILE)
+    tri = stage in ("h_tri", "lse2_tri")
+    sp = splits or tiles.grid_splits(rt, ct // 2 + 1 if tri else ct)
+    nan = np.float32(np.nan)
+    out = {}
+    lse = cp.asarray(np.random.default_rng(seed).uniform(2.0, 4.0, n + ncols + row0)
+                     .astype(np.float32))
+    if stage in ("lse", "lse_sym"):
+        part = cp.full((2, sp, n), nan, cp.float32)
+        pos = cp.full((n,), nan, cp.float32)
+        tiles.tile("lse", dt, (rt, sp), q, row0, k, neg, scale=s, exclude_diag=sym,
+                   pos_shift=shift, pos_mod=n, part=(part.data.ptr, part[1].data.ptr, n),
+                   pos_out=pos.data.ptr)
+        out["part"] = cp.asnumpy(part)
+        out["pos"] = cp.asnumpy(pos)
+    elif stage in ("lse2", "lse2_tri"):
+        part = cp.full((2, sp, n), nan, cp.float32)
+        pos = cp.full((n,), nan, cp.float32)
+        colp = cp.full((2, rt, ncols), nan, cp.float32)
+        dots = (q.astype(cp.float32) * k.astype(cp.float32)).sum(1)
+        ls = cp.full((1,), math.log(s), cp.float32)
+        tiles.tile("lse2", dt, (rt, sp), q, row0, k, None, scale=1.0 if not tri else s,
+                   scale_log=None if tri else ls, exclude_diag=tri, pos_shift=shift,
+                   pos_mod=n, part=(part.data.ptr, part[1].data.ptr, n),
+                   pos_out=0 if tri else pos.data.ptr, colp=(colp.data.ptr, colp[1].data.ptr),
+                   lse_col=dots, tri=tri)
+        out["part"] = cp.asnumpy(part)
+        out["colp"] = cp.asnumpy(colp)
+        if not tri:
+            out["pos"] = cp.asnumpy(pos)
+    else:
+        ldg = -(-ncols // 8) * 8
+        g = cp.full((n, ldg), nan, cp.float32).astype(dt)
+        w = cp.asarray(np.random.default_rng(seed + 1).uniform(0.5, 1.5, n + ncols + row0)
+                       .astype(np.float32))
+        kw = dict(pos_shift=shift, pos_mod=n, lse_row=lse, lse_col=lse,
+                  weights=(w, 1, 1.0 / n), g=g[:, :ncols])
+        if stage == "clip":
+            dsp = cp.full((sp, n), nan, cp.float32)
+            ls = cp.full((1,), math.log(s), cp.float32)
+            tiles.tile("clip", dt, (rt, sp), q, row0, k, None, scale_log=ls,
+                       dsp=dsp.data.ptr, part=(0, 0, n), **kw)
+            out["dsp"] = cp.asnumpy(dsp)
+        elif stage == "siglip":
+            parts = cp.full((3, sp, n), nan, cp.float32)
+            ls = cp.full((1,), math.log(s), cp.float32)
+            lb = cp.full((1,), -5.0, cp.float32)
+            kw.update(lse_col=lb, pos_mod=tiles.FAR_MOD)
+            tiles.tile("siglip", dt, (rt, sp), q, row0, k, None, scale_log=ls,
+                       part=(parts[0].data.ptr, parts[1].data.ptr, n),
+                       dsp=parts[2].data.ptr, **kw)
+            out["parts"] = cp.asnumpy(parts)
+        else:
+            tiles.tile("h" if sym else "g", dt, (rt, sp), q, row0, k, neg, scale=s,
+                       exclude_diag=sym, tri=tri, **kw)
+        out["g"] = cp.asnumpy(g[:, :ncols].astype(cp.float32))
+    return out
+
+
+def _same_outputs(a, b, what):
+    for key in a:
+        x, y = a[key], b[key]
+        assert np.array_equal(np.isnan(x), np.isnan(y)), f"{what} {key}: written elements differ"
+        if key == "part":  # per split: the row lse from (m, s)
+            x, y = _lse_host(x[0], x[1]), _lse_host(y[0], y[1])
+        elif key == "colp":  # per row tile: each column's lse
+            x, y = _lse_host(x[0][None], x[1][None]), _lse_host(y[0][None], y[1][None])
+        ok = ~np.isnan(y)
+        if key == "g":
+            np.testing.assert_allclose(x, y, rtol=2.0 ** -7, atol=1e-4 * float(np.abs(y).max()),
+                                       err_msg=f"{what} g")
+        else:  # (CLIP's dscale and SigLIP's partials are sums of signed terms: 1e-4)
+            # a partial whose every term underflowed is log(0) = -inf: the same in both
+            inf = np.isinf(x) | np.isinf(y)
+            assert np.array_equal(x[inf & ok], y[inf & ok]), f"{what} {key}: infinities differ"
+            ok &= ~inf
+            e = _rel(x[ok], y[ok])
+            tol = 1e-4 if key in ("dsp", "parts") else 1e-5
+            assert e <= tol, f"{what} {key}: new vs old {e:.3e}"
+
+
+ALL_STAGES = ["lse", "lse_sym", "lse2", "lse2_tri", "g", "h", "h_tri", "clip", "siglip"]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n,d", [(1, 64), (130, 8), (300, 40), (1030, 136), (1030, 1024)])
+@pytest.mark.parametrize("stage", ALL_STAGES)
+def test_stage_against_old_loop(stage, n, d, dtype, ws, monkeypatch):
+    """Each stage's raw outputs, new kernel against the old loop: the same elements written
+    (NaN-filled before; where the old loop leaves partials unwritten -- the symmetric
+    schedule's column partials -- the new one must too), the same values to the loops'
+    accumulation orders.  K tails (d % 64), D past the A-resident ring (1024: 32 KiB stages),
+    a partial last row and column tile, a one-row problem."""
+    if stage in ("lse_sym", "h", "h_tri", "lse2_tri") and n % 2:
+        n += 1
+    new = _stage_outputs(stage, dtype, n, d, n + d)
+    _ran(ws, stage.split("_")[0])
+    old = _old(monkeypatch, lambda: _stage_outputs(stage, dtype, n, d, n + d))
+    if stage == "h_tri":
+        assert np.array_equal(new["g"], new["g"].T), "the mirrored H is not symmetric"
+    for key, x in new.items():
+        if key != "colp" or stage == "lse2":  # (the symmetric schedule skips some)
+            assert not np.isnan(x).any(), f"{stage}: unwritten {key} {np.argwhere(np.isnan(x))[:5]}"
+    _same_outputs(new, old, f"{stage} n={n} d={d}")
+
+
+@gpu
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("stage", ["lse", "lse2", "lse2_tri", "g", "h_tri", "clip", "siglip"])
+def test_stage_splits_and_global_rows(stage, splits, ws, monkeypatch):
+    """Column splits by hand: CTAs with an odd number of tiles (consumer 0 takes the last),
+    one tile (consumer 1 idle), none (splits past the tile count: the partials still
+    written); and rows numbered from row0 = 200 (a rank's rows: diagonal and positives away
+    from the local ones) for the non-symmetric stages."""
+    row0 = 0 if stage in ("lse2_tri", "h_tri") else 200
+    n = 1030 if stage != "lse2_tri" else 1024
+    new = _stage_outputs(stage, BF16, n, 64, splits, splits=splits, row0=row0)
+    _ran(ws, stage.split("_")[0])
+    old = _old(monkeypatch, lambda: _stage_outputs(stage, BF16, n, 64, splits, splits=splits,
+                                                   row0=row0))
+    _same_outputs(new, old, f"{stage} splits={splits}")
+
+
+@gpu
+@pytest.mark.parametrize("n,n2", [(300, 130), (1032, 130), (1024, 256), (129, 1)])
+@pytest.mark.parametrize("stage", ["lse", "g"])
+def test_stage_b2_columns(stage, n, n2, ws, monkeypatch):
+    """Columns from two matrices: B2's tiles start at n1; g only where n1 % 8 == 0."""
+    new = _stage_outputs(stage, BF16, n, 72, n, n2=n2)
+    assert ((stage, True) in ws) == (stage == "lse" or n % 8 == 0), ws
+    old = _old(monkeypatch, lambda: _stage_outputs(stage, BF16, n, 72, n, n2=n2))
+    _same_outputs(new, old, f"{stage} n1={n} n2={n2}")
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 200, 512])
+@pytest.mark.parametrize("stage", ["lse", "lse2", "g", "clip", "siglip", "h_tri"])
+def test_ring_layouts_same_bits(stage, d, ws, monkeypatch):
+    """A resident or 32 KiB A + B stages, 2 stages or the most that fit: the same MMAs in the
+    same order, so the same bits (the ring's wrap-around, each consumer's parities per
+    stage, the A barrier)."""
+    n = 1030 if stage != "h_tri" else 1024
+    runs = []
+    for ar_min, st_max in ((1, 8), (99, 8), (1, 2), (99, 2), (1, 3)):
+        monkeypatch.setattr(tiles, "WS_AR_MIN_STAGES", ar_min)
+        monkeypatch.setattr(tiles, "WS_MAX_STAGES", st_max)
+        ws.clear()
+        runs.append(_stage_outputs(stage, BF16, n, d, d))
+        _ran(ws, stage.split("_")[0])
+    for other in runs[1:]:
+        for key in runs[0]:
+            assert runs[0][key].tobytes() == other[key].tobytes(), (stage, d, key)
+
+
+@gpu
+def test_lse_device_scale_log(ws, monkeypatch):
+    """tile_lse with a device log scale (InfoNCE's learnable temperature on the global path)
+    against float64 and the old loop."""
+    rng = np.random.default_rng(4)
+    n, d = 700, 96
+    q = (rng.standard_normal((n, d)) / 8).astype(BF16)
+    k = (rng.standard_normal((n, d)) / 8).astype(BF16)
+    ls = cp.asarray(np.array([math.log(12.0)], np.float32))
+
+    def run():
+        return [cp.asnumpy(x) for x in tiles.tile_lse(cp.asarray(q), cp.asarray(k), None, 0.5,
+                                                      exclude_diag=False, pos_shift=0,
+                                                      pos_mod=n, scale_log=ls)]
+
+    lse, loss = run()
+    _ran(ws, "lse")
+    s = 0.5 * 12.0 * (q.astype(np.float64) @ k.astype(np.float64).T)
+    top = s.max(1)
+    want = top + np.log(np.exp(s - top[:, None]).sum(1))
+    assert _rel(lse, want) <= 1e-5
+    assert _rel(loss, want - np.diag(s)) <= 1e-4
+    old = _old(monkeypatch, run)
+    assert _rel(lse, old[0]) <= 1e-6 and _rel(loss, old[1]) <= 1e-5
+
+
+# ---- global (row0 != 0) paths: tests/test_global_emulated.py's checks on the new kernels --
+import test_global_emulated as TG  # noqa: E402
+
+
+@gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("op", ["clip", "siglip", "nt_xent", "info_nce"])
+def test_global_ranks(op, P, ws):
+    if op == "clip":
+        TG._check_clip(cp, "bfloat16", P, 136, 64, "none", True, True, device=0)
+    elif op == "siglip":
+        TG._check_siglip(cp, "bfloat16", P, 136, 64, "none", True, True, device=0)
+    elif op == "nt_xent":
+        TG._check_nt_xent(cp, "bfloat16", P, 200, 64, "mean", True, device=0)
+    else:
+        TG._check_info_nce(cp, "bfloat16", P, 72, 64, "mean", False, "shared", device=0)
+    assert any(ok for _, ok in ws), ws
+
+
+@gpu
+@pytest.mark.parametrize("op", ["clip", "siglip"])
+@pytest.mark.parametrize("P", [1, 4])
+def test_gradient_blocks_128(monkeypatch, op, P, ws):
+    """test_global_emulated's forced 128 x 128 gradient blocks (rows from row0 + r0 - c0,
+    negative right of the diagonal) on the new kernels."""
+    TG.test_tile_gradient_in_row_and_column_blocks(monkeypatch, op, P, "bfloat16", "none")
+    _ran(ws, op)
+
+
+# ---- CPU: the ring's shared-memory plan -------------------------------------------------
+SMEM_MAX = 232448  # an H100's opt-in shared memory per block
+
+
+@pytest.mark.parametrize("stage,static,d,want", [
+    ("lse", 2048, 512, (6 | 256, 1024 + 14 * 16384)),   # the prototype's pp_ar6
+    ("lse", 2048, 1024, (7, 1024 + 7 * 32768)),         # A does not stay: 7 A + B stages
+    ("lse", 2048, 64, (8 | 256, 1024 + 9 * 16384)),
+    ("lse2", 12288, 512, (6, 1024 + 6 * 32768)),        # A resident would leave 5
+    ("g", 1024, 512, (6, 1024 + 6 * 32768 + 32768)),
+    ("h", 7168, 512, (5, 1024 + 5 * 32768 + 32768)),
+    ("clip", 8192, 256, (7 | 256, 1024 + 11 * 16384 + 32768)),
+])
+def test_ws_ring_plan(stage, static, d, want):
+    got = tiles.ws_ring(stage, d, static, SMEM_MAX)
+    assert got == want
+    assert static + got[1] <= SMEM_MAX
+
+
+def test_ws_ring_none_when_nothing_fits():
+    assert tiles.ws_ring("g", 64, 200000, SMEM_MAX) is None
