@@ -316,7 +316,7 @@ def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu", 
     DEVICE = device
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+        DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:

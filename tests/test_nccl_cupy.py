@@ -37,14 +37,14 @@ def _err(got, want) -> float:
 
 
 def _cases(rank: int, P: int, n: int = 96, d: int = 64):
-    """(op, global arrays, this rank's arrays) for the three ops; float32 (cuBLAS path) and
-    bfloat16 (tiles on Hopper)."""
+    """(op, global arrays, this rank's arrays, this rank's rows) for the four ops; float32
+    (cuBLAS path), bfloat16 and float16 (the tiles on sm_80+)."""
     import ml_dtypes
 
     rng = np.random.default_rng(3)
     N = n * P
     out = []
-    for dtype in (np.float32, ml_dtypes.bfloat16):
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
         Z, A, B = ((rng.standard_normal((rows, d)) / 4).astype(dtype)
                    for rows in (2 * N, N, N))
         mine = np.r_[rank * n:(rank + 1) * n, N + rank * n:N + (rank + 1) * n]
@@ -52,6 +52,7 @@ def _cases(rank: int, P: int, n: int = 96, d: int = 64):
         out.append(("nt_xent", (Z,), (Z[mine],), mine))
         out.append(("info_nce", (A, B), (A[sl], B[sl]), sl))
         out.append(("clip_loss", (A, B), (A[sl], B[sl]), sl))
+        out.append(("siglip_loss", (A, B), (A[sl], B[sl]), sl))
     return out
 
 
@@ -63,6 +64,11 @@ def _run(op, arrays, group):
     if op == "info_nce":
         loss, ctx = cupynce.info_nce_forward(*xs, 0.2, group=group)
         return loss, list(cupynce.info_nce_backward(ctx, 0.7))
+    if op == "siglip_loss":
+        loss, ctx = cupynce.siglip_loss_forward(*xs, cp.asarray(np.float32(2.3)),
+                                                cp.asarray(np.float32(-10.0)), normalize=True,
+                                                group=group)
+        return loss, list(cupynce.siglip_loss_backward(ctx, 0.7))
     loss, ctx = cupynce.clip_loss_forward(*xs, cp.asarray(np.float32(2.0)), normalize=True,
                                           group=group)
     return loss, list(cupynce.clip_loss_backward(ctx, 0.7))
@@ -78,8 +84,8 @@ def _check_rank(rank: int, P: int, comm) -> None:
             if w is None:  # (info_nce without negatives)
                 assert g is None
                 continue
-            if op == "clip_loss" and i == 2:  # d logit_scale: the global value
-                assert _err(g, w) <= gtol, (op, "dlogit_scale")
+            if i >= 2:  # d logit_scale, d logit_bias: the global value on every rank
+                assert _err(g, w) <= gtol, (op, i, whole[0].dtype)
             else:  # DDP's convention: P x this rank's rows of the global gradient
                 assert _err(g.astype(cp.float64) / P, w[rows]) <= gtol, (op, i, whole[0].dtype)
 

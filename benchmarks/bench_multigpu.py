@@ -1,0 +1,315 @@
+"""The global losses on several GPUs over NCCL: one process per GPU, launched by ``torchrun``.
+
+Run from the repository root on a machine with P GPUs (NVLink multicast stays off)::
+
+    export NCCL_NVLS_ENABLE=0
+    for P in 1 2 4; do
+      torchrun --standalone --nproc_per_node $P benchmarks/bench_multigpu.py --json out/p$P.json
+    done
+    python benchmarks/bench_multigpu.py --report out/p1.json out/p2.json out/p4.json
+
+    # the largest global batch: one step each, time and peak memory per GPU
+    torchrun --standalone --nproc_per_node 4 benchmarks/bench_multigpu.py --ops clip_loss \\
+        --sizes 1048576 4194304 --once --json out/largest.json
+
+Each rank holds n = N / P rows of one global batch of N (bf16 unit rows, D = 512; NT-Xent's N
+counts the rows of z = 2B, as in ``bench_contrastive.py``), and one training step is timed:
+forward + backward of the loss with respect to every leaf, the collectives included.
+
+``cupynce``    ``cupynce.torch.<op>(..., group=WORLD)`` — the exact global loss (every rank the
+               loss of the whole batch, DDP's gradient convention); learnable ``logit_scale``
+               (CLIP, SigLIP) and ``logit_bias`` (SigLIP).  With P = 1 the plain
+               single-process op (``group=None``): the scaling baseline.
+``open_clip``  open_clip's formula written here: the features all-gathered with their
+               gradient (``torch.distributed.nn.functional.all_gather``: open_clip's
+               ``local_loss=True, gather_with_grad=True``), the n × N logits of this rank's
+               rows against every column, ``F.cross_entropy`` / ``F.logsigmoid``, autograd.
+               CLIP both directions; InfoNCE one; NT-Xent lightly's masked 2n × 2N logits;
+               SigLIP the n × N sigmoid logits of the rank's rows (open_clip's neighbour
+               exchange computes the same blocks).  Plain bf16, as ``bench_distributed.py``.
+               A case whose logits alone (8 bytes a logit a direction: the bf16 logits, their
+               log-softmax and gradients) would not fit in the GPU is not run and is reported
+               as ``needs N GiB``.
+
+Reported per (op, N, P): the median step time over the repeats (CUDA events on each rank; the
+slowest rank's median), the peak memory above the inputs on the fullest rank (gradients
+included), and, in ``--report``, the scaling efficiency T(1) / (P · T(P)) against the
+single-GPU op at the same N.  ``--once``: one step (after one small warm-up step that
+compiles and plans), timed and measured in the same call — for sizes where a step takes
+seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cupynce.report.harness import (GiB, device_header, device_info, fmt_mib,  # noqa: E402
+                                    fmt_ms, fmt_ratio, free_memory, markdown_table, run_case)
+
+OPS = ("clip_loss", "siglip_loss", "nt_xent", "info_nce")
+#: bytes a logit of the formula's n x N matrix costs per direction (bf16 logits, their
+#: log-softmax and the gradients): open_clip's CLIP at N = 65536 on one GPU took 64 GiB
+LOGIT_BYTES = 8
+TEMPERATURE = 0.07
+
+
+def _logits(op: str, n: int, N: int) -> int:
+    """How many logits the formula materialises on one rank (both directions for CLIP)."""
+    return {"clip_loss": 2 * n * N, "siglip_loss": 3 * n * N // 2, "info_nce": n * N,
+            "nt_xent": n * N}[op]  # NT-Xent: n local rows of z against N rows; SigLIP: the
+    #                                   ±1 label matrix beside the logits
+
+
+def _unit(rows: int, d: int, gen, device, dtype):
+    import torch
+    import torch.nn.functional as F
+
+    x = F.normalize(torch.randn(rows, d, generator=gen, device=device), dim=-1)
+    return x.to(dtype).requires_grad_(True)
+
+
+def cupynce_step(op: str, n: int, d: int, group, device, dtype) -> Callable[[], Any]:
+    """One step of cupynce's global loss on this rank's n rows (z: n rows, n even)."""
+    import torch
+
+    import cupynce.torch as ct
+
+    gen = torch.Generator(device=device).manual_seed(1 + (group.rank() if group else 0))
+    ls = torch.tensor(math.log(1 / TEMPERATURE), device=device, requires_grad=True)
+    if op == "nt_xent":
+        z = _unit(n, d, gen, device, dtype)
+        return lambda: torch.autograd.grad(ct.nt_xent(z, 0.2, group=group), (z,))
+    a, b = _unit(n, d, gen, device, dtype), _unit(n, d, gen, device, dtype)
+    if op == "info_nce":
+        return lambda: torch.autograd.grad(ct.info_nce(a, b, TEMPERATURE, group=group), (a, b))
+    if op == "clip_loss":
+        return lambda: torch.autograd.grad(ct.clip_loss(a, b, ls, group=group), (a, b, ls))
+    bias = torch.tensor(-10.0, device=device, requires_grad=True)
+    return lambda: torch.autograd.grad(ct.siglip_loss(a, b, ls, bias, group=group),
+                                       (a, b, ls, bias))
+
+
+def open_clip_step(op: str, n: int, d: int, rank: int, P: int, device,
+                   dtype) -> Callable[[], Any]:
+    """One step of open_clip's formula (all-gather with gradient + local logits) on this rank."""
+    import torch
+    import torch.nn.functional as F
+
+    def gather(x):
+        if P == 1:
+            return x
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(x))
+
+    gen = torch.Generator(device=device).manual_seed(100 + rank)
+    ls = torch.tensor(math.log(1 / TEMPERATURE), device=device, requires_grad=True)
+    if op == "nt_xent":  # z = [view 1; view 2] of this rank's n / 2 samples, lightly's layout
+        h = n // 2
+        z = _unit(n, d, gen, device, dtype)
+        self_col = torch.cat([torch.arange(h), P * h + torch.arange(h)]).to(device) + rank * h
+        pos_col = torch.cat([P * h + torch.arange(h), torch.arange(h)]).to(device) + rank * h
+        rows = torch.arange(n, device=device)
+
+        def step():
+            parts = gather(z).view(P, 2, h, d)
+            Z = torch.cat([parts[:, 0].reshape(P * h, d), parts[:, 1].reshape(P * h, d)])
+            s = (z @ Z.T) / 0.2
+            s = s.index_put((rows, self_col), torch.tensor(float("-inf"), device=device,
+                                                           dtype=s.dtype))
+            return torch.autograd.grad(F.cross_entropy(s, pos_col), (z,))
+        return step
+    a, b = _unit(n, d, gen, device, dtype), _unit(n, d, gen, device, dtype)
+    labels = rank * n + torch.arange(n, device=device)
+    if op == "info_nce":
+        def step():
+            return torch.autograd.grad(F.cross_entropy((a @ gather(b).T) / TEMPERATURE,
+                                                       labels), (a, b))
+        return step
+    if op == "clip_loss":
+        def step():
+            s = ls.exp()
+            A, B = gather(a), gather(b)
+            loss = (F.cross_entropy(s * a @ B.T, labels) + F.cross_entropy(s * b @ A.T, labels)) / 2
+            return torch.autograd.grad(loss, (a, b, ls))
+        return step
+    bias = torch.tensor(-10.0, device=device, requires_grad=True)
+
+    def step():  # open_clip builds its ±1 labels each call (get_ground_truth)
+        sign = -torch.ones(n, n * P, device=device, dtype=dtype)
+        sign[torch.arange(n, device=device), labels] = 1
+        logits = ls.exp() * a @ gather(b).T + bias
+        loss = -F.logsigmoid(sign * logits).sum() / n
+        return torch.autograd.grad(loss, (a, b, ls, bias))
+    return step
+
+
+def _once(fn: Callable[[], Any], device: str) -> Dict[str, Any]:
+    """One call, timed with CUDA events and its peak memory above the inputs measured."""
+    import torch
+
+    from cupynce.report.harness import is_oom, measure_peak
+
+    if device != "cuda":
+        return run_case(fn, warmup=0, repeat=1, catch_errors=True, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        def timed():
+            start.record()
+            out = fn()
+            end.record()
+            return out
+        peaks, out = measure_peak(timed)
+        del out
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end)
+        return {"median_ms": ms, "times_ms": [ms], "peak_extra_bytes": peaks["total"]}
+    except Exception as exc:  # noqa: BLE001
+        free_memory(full_gc=True)
+        return {"oom": True} if is_oom(exc) else {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def run_rank(ops: List[str], sizes: List[int], d: int = 512, repeat: int = 5,
+             once: bool = False, peers: bool = True, device: str = "cuda",
+             dtype_name: str = "bfloat16") -> List[Dict[str, Any]]:
+    """Every case on this rank (inside an initialised process group); rank 0 gets the rows
+    (one dict per case, merged over the ranks: slowest median, fullest memory)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD if P > 1 else None
+    dtype = getattr(torch, dtype_name)
+    total = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+             if device == "cuda" else 1 << 62)
+    rows: List[Dict[str, Any]] = []
+    if once and ops:  # a small step first: kernels compiled, plans learnt, pools warmed
+        cupynce_step(ops[0], 2 * 1024, d, group, device, dtype)()
+    for op in ops:
+        for N in sizes:
+            n = N // P
+            if N % P or (op == "nt_xent" and n % 2):
+                raise SystemExit(f"N = {N} must split into equal (even, for nt_xent) shares "
+                                 f"over {P} ranks")
+            impls = [("cupynce", lambda: cupynce_step(op, n, d, group, device, dtype))]
+            if peers:
+                impls.append(("open_clip", lambda: open_clip_step(op, n, d, rank, P, device,
+                                                                  dtype)))
+            for name, build in impls:
+                need = LOGIT_BYTES * _logits(op, n, N) if name == "open_clip" else 0
+                if need > 0.92 * total:
+                    res: Dict[str, Any] = {"skipped": f"needs {need / GiB:.0f} GiB"}
+                else:
+                    free_memory(full_gc=True)
+                    fn = build()
+                    res = _once(fn, device) if once else \
+                        run_case(fn, warmup=1, repeat=repeat, catch_errors=True, device=device)
+                    del fn
+                res.pop("result", None)
+                every = [None] * P
+                dist.all_gather_object(every, res)
+                if rank == 0:
+                    rows.append(_merge(op, N, P, name, every))
+                    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _merge(op: str, N: int, P: int, impl: str, every: List[Dict[str, Any]]) -> Dict[str, Any]:
+    row: Dict[str, Any] = {"op": op, "N": N, "P": P, "impl": impl}
+    ok = [r for r in every if r.get("median_ms") is not None]
+    if len(ok) == len(every):
+        row["ms"] = max(r["median_ms"] for r in ok)  # the slowest rank sets the step
+        row["ms_ranks"] = [r["median_ms"] for r in ok]
+        row["peak_bytes"] = max(r.get("peak_extra_bytes") or 0 for r in ok)
+    else:
+        bad = next(r for r in every if r.get("median_ms") is None)
+        row["failed"] = bad.get("skipped") or ("OOM" if bad.get("oom") else
+                                               str(bad.get("error", "error"))[:120])
+    return row
+
+
+# ---- the report ---------------------------------------------------------------------------
+def report(paths: List[str]) -> str:
+    """Markdown tables from the JSON files of several launches (P = 1, 2, 4, ...)."""
+    rows, headers = [], []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        rows += data["rows"]
+        headers.append(f"P = {data['P']}: {device_header(data['device'])}")
+    by = {(r["op"], r["N"], r["P"], r["impl"]): r for r in rows}
+    Ps = sorted({r["P"] for r in rows})
+    out = []
+    for op, N in sorted({(r["op"], r["N"]) for r in rows}, key=lambda k: (OPS.index(k[0]), k[1])):
+        base = by.get((op, N, 1, "cupynce"), {}).get("ms")
+        for P in Ps:
+            c, o = by.get((op, N, P, "cupynce"), {}), by.get((op, N, P, "open_clip"), {})
+            eff = fmt_ratio(None) if not (base and c.get("ms")) else \
+                f"{100 * base / (P * c['ms']):.0f} %"
+            speed = fmt_ratio(o["ms"] / c["ms"]) if c.get("ms") and o.get("ms") else "—"
+            out.append([op, N, P, N // P, _ms(c), _mib(c), eff, _ms(o), _mib(o), speed])
+    table = markdown_table(["op", "global N", "GPUs", "rows a GPU", "cupynce ms", "MiB a GPU",
+                            "scaling T1/(P·TP)", "open_clip formula ms", "MiB a GPU",
+                            "speed-up"], out)
+    return "\n".join(headers) + "\n\n" + table
+
+
+def _ms(r: Dict[str, Any]) -> str:
+    return fmt_ms(r["ms"]) if r.get("ms") else (r.get("failed") or "—")
+
+
+def _mib(r: Dict[str, Any]) -> str:
+    return fmt_mib(r.get("peak_bytes")) if r.get("ms") else "—"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ops", nargs="*", default=list(OPS), choices=OPS)
+    p.add_argument("--sizes", type=int, nargs="*", default=[65536, 262144])
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--once", action="store_true", help="one timed step per case")
+    p.add_argument("--no-peers", action="store_true", help="cupynce only")
+    p.add_argument("--json", help="where rank 0 writes the rows")
+    p.add_argument("--report", nargs="*", help="JSON files to merge into tables (no run)")
+    args = p.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
+    import torch
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("launch with torchrun (see the module docstring), or use --report")
+    import cupy
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    cupy.cuda.Device(local).use()  # the harness times and synchronises CuPy's current device
+    dist.init_process_group("nccl", timeout=_dt.timedelta(minutes=5),
+                            device_id=torch.device("cuda", local))
+    try:
+        rows = run_rank(args.ops, args.sizes, args.dim, args.repeat, args.once,
+                        not args.no_peers)
+        if dist.get_rank() == 0:
+            data = {"P": dist.get_world_size(), "device": device_info(), "rows": rows,
+                    "dim": args.dim, "once": args.once,
+                    "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(data, indent=1))
+            print(report([args.json]) if args.json else json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

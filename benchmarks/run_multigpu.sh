@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The distributed losses on one host with several GPUs (NCCL, one process per GPU).
+#
+#   bash benchmarks/run_multigpu.sh tests     # the multi-GPU tests on 2 GPUs and on all of them
+#   bash benchmarks/run_multigpu.sh largest   # the largest global batch, CLIP, every GPU
+#   bash benchmarks/run_multigpu.sh scaling   # bench_multigpu.py on 1, 2, 4, 8 GPUs (as present)
+#
+# Logs and JSON go to $OUT (default ./multigpu-out).  NVLink multicast stays off: a program that
+# uses it can put a shared host's GPUs out of service.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-multigpu-out}
+mkdir -p "$OUT"
+G=$(nvidia-smi -L | wc -l)
+devices() { seq -s, 0 $(($1 - 1)); }
+counts() { for P in 1 2 4 8; do [ "$P" -le "$G" ] && echo "$P"; done; }
+
+case "${1:-all}" in
+tests | all)
+  nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
+  for P in $(printf '%s\n' 2 "$G" | sort -un); do
+    [ "$P" -le "$G" ] || continue
+    echo "=== $P GPUs: $(date -u +%FT%TZ)" | tee -a "$OUT/tests.log"
+    CUDA_VISIBLE_DEVICES=$(devices "$P") timeout 420 python -m pytest -q -rs -p no:cacheprovider \
+      tests/test_distributed_gpu.py tests/test_nccl_cupy.py tests/test_integrations_gpu.py \
+      tests/test_torch_gpu.py tests/test_torch_splade.py tests/test_gpu_contrastive.py \
+      tests/test_gpu_splade.py \
+      -k "nccl or second_gpu or two_gpus or gloo_two_ranks" 2>&1 | tee -a "$OUT/tests.log"
+  done
+  ;;&
+largest | all)
+  timeout 300 torchrun --standalone --nproc_per_node "$G" benchmarks/bench_multigpu.py \
+    --ops clip_loss --sizes 1048576 4194304 --once --no-peers --json "$OUT/largest.json"
+  ;;&
+scaling | all)
+  files=()
+  for P in $(counts); do
+    timeout 300 torchrun --standalone --nproc_per_node "$P" benchmarks/bench_multigpu.py \
+      --json "$OUT/p$P.json" && files+=("$OUT/p$P.json")
+  done
+  python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/scaling.md"
+  ;;
+esac
