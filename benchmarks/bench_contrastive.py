@@ -90,7 +90,7 @@ from cupynce.report.harness import (  # noqa: E402
 OPS = ("nt_xent", "clip_loss", "siglip_loss")
 #: also measurable (--ops): InfoNCE with in-batch negatives, query / key = the two views
 ALL_OPS = OPS + ("info_nce",)
-IMPLS = ("cupynce", "cublas", "eager", "amp", "compile")
+IMPLS = ("cupynce", "cublas", "eager", "amp", "compile", "memeff")
 SIZES = (8192, 16384, 32768, 65536)
 BIG_SIZE = 131072
 QUICK_SIZES = (8192, 16384)
@@ -431,12 +431,32 @@ def run_one(op: str, n: int, d: int, dtype_name: str, args: argparse.Namespace,
                 del compiled
                 torch._dynamo.reset()
         del leaves
+    if torch is not None and "memeff" in args.impls and op == "clip_loss" and \
+            np.dtype(dtype).itemsize == 2:
+        r = memeff_case(torch, inputs, warmup, repeat)
+        rec["memeff"] = r
+        print(_line("memeff", r), flush=True)
     if ours is not None and not rec["check"]:
         rec["check"]["cupynce_loss"] = float(ours[0])
         print(f"  check: cupynce loss {rec['check']['cupynce_loss']:.6g} (no torch reference)",
               flush=True)
     del ours, inputs
     return rec
+
+
+def memeff_case(torch, inputs: Tuple[Any, ...], warmup: int, repeat: int) -> Dict[str, Any]:
+    """memeff's fused CLIP loss on the same a, b (fixed temperature), or why it did not run."""
+    try:
+        import memeff
+    except ImportError:
+        return {"skipped": "memeff is not installed"}
+    a, b = (to_torch(torch, x).clone().requires_grad_(True) for x in inputs[:2])
+    loss_fn = memeff.MemoryEfficientCLIPLoss(temperature=math.exp(-CLIP_LOGIT_SCALE),
+                                             normalized_inputs=True, stable=False)
+    r = run_case(torch_step(torch, loss_fn, [a, b]), warmup=warmup, repeat=repeat,
+                 catch_errors=True)
+    r.pop("result", None)
+    return r
 
 
 # ------------------------------------------------------------------------------------------
@@ -472,15 +492,16 @@ def _ratio(num: Optional[Dict[str, Any]], den: Optional[Dict[str, Any]]) -> Opti
 
 HEADERS = ["N", "D", "dtype", "cupynce ms", "cupynce MiB", "eager ms", "eager MiB",
            "amp ms", "amp MiB", "compile ms", "compile MiB", "cuBLAS-products ms", "#prod",
-           "speedup vs eager", "speedup vs amp", "speedup vs compile", "cupynce/cuBLAS"]
+           "speedup vs eager", "speedup vs amp", "speedup vs compile", "cupynce/cuBLAS",
+           "memeff ms", "memeff MiB", "cupynce/memeff"]
 
 
 def table(results: Sequence[Dict[str, Any]], op: str) -> str:
     rows = []
     for rec in sorted((r for r in results if r["op"] == op),
                       key=lambda r: (r["n"], r["d"], r["dtype"])):
-        c, e, m, k, b = (rec.get(x) for x in ("cupynce", "eager", "amp", "compile",
-                                               "cublas_products"))
+        c, e, m, k, b, me = (rec.get(x) for x in ("cupynce", "eager", "amp", "compile",
+                                                   "cublas_products", "memeff"))
         if c is None and ("error" in rec or "inputs_error" in rec):
             c = {"error": rec.get("error") or rec.get("inputs_error")}
         rows.append([
@@ -488,7 +509,7 @@ def table(results: Sequence[Dict[str, Any]], op: str) -> str:
             _mib_cell(e), _ms_cell(m), _mib_cell(m), _ms_cell(k), _mib_cell(k), _ms_cell(b),
             b.get("products", "—") if b else "—",
             fmt_ratio(_ratio(e, c)), fmt_ratio(_ratio(m, c)), fmt_ratio(_ratio(k, c)),
-            fmt_ratio(_ratio(c, b)),
+            fmt_ratio(_ratio(c, b)), _ms_cell(me), _mib_cell(me), fmt_ratio(_ratio(c, me)),
         ])
     return markdown_table(HEADERS, rows, align="rrl" + "r" * (len(HEADERS) - 3))
 

@@ -467,10 +467,12 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     nt, ct = -(-n // TILE), -(-nc // TILE)
     pair_loss = state = None
     if want_loss:
-        splits = grid_splits(nt, ct)
         # column partials: one (m, s) pair per (row tile, column) of the rows in flight
         rg = _plan("clip_loss", n, -(-8 * nc // TILE), workspace_bytes)
         cpt = -(-rg // TILE)
+        # the splits fill the GPU with one group's row tiles: a wide block (a rank's share
+        # at global N = 4M has 1024-row groups) would otherwise launch a few CTAs a group
+        splits = grid_splits(min(nt, cpt), ct)
         # one fp32 scratch allocation (allocations are host time before the first kernel):
         # dots (nc) | pos (n) | part (2, splits, n) | colp (2, cpt, nc); kernels get pointers
         scratch = cp.empty((nc + (1 + 2 * splits) * n + 2 * cpt * nc,), f32)
@@ -624,9 +626,9 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     ct = -(-m // TILE)
     lse_q = state = grads = None
     if want_stats:
-        splits = grid_splits(-(-n // TILE), ct)
         rg = blas.plan_rows("nt_xent", n, -(-8 * m // TILE), workspace_bytes, align=TILE)
         cpt = -(-rg // TILE)
+        splits = grid_splits(min(-(-n // TILE), cpt), ct)  # one group's rows fill the GPU
         # one fp32 scratch: row partials (2, splits, n) | column partials (2, cpt, m)
         scratch = cp.empty((2 * splits * n + 2 * cpt * m,), f32)
         part, part_s = scratch.data.ptr, scratch.data.ptr + 4 * splits * n
