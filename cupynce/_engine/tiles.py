@@ -178,6 +178,12 @@ def _plan(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[int]
     return blas.plan_rows(op, rows, bytes_per_row, cap, align=TILE)
 
 
+def _shifted(w_arr, w_stride: int, c0: int) -> Optional[int]:
+    """The float32 per-index weights ``w_arr`` (stride ``w_stride``) from index ``c0`` on, as
+    a pointer (None when there are none): a column block's weights, its columns from 0."""
+    return None if w_arr is None else ptr(w_arr) + 4 * c0 * w_stride
+
+
 def _plan_2d(op: str, rows: int, cols: int, itemsize: int,
              workspace_bytes: Optional[int]) -> Tuple[int, int]:
     """(rows, columns) of the gradient blocks G[r0:r1, c0:c1] of CLIP / SigLIP under the
@@ -199,7 +205,7 @@ def _plan_2d(op: str, rows: int, cols: int, itemsize: int,
         if cb == prev:
             continue
         prev = cb
-        rb = blas.plan_rows(op, rows, cb * itemsize, cap, align=TILE)
+        rb = _plan(op, rows, cb * itemsize, workspace_bytes)
         cost = -(-rows // rb) + -(-cols // cb)
         if best is None or cost < best[0]:
             best = (cost, rb, cb)
@@ -547,8 +553,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 tile("clip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
                      scale_log=ls, pos_mod=nc, lse_row=lse_r.data.ptr - 4 * (row0 - c0),
                      lse_col=lse_c.data.ptr + 4 * c0,
-                     weights=(ptr(w_arr) + 4 * c0 * w_stride if w_arr is not None else None,
-                              w_stride, w_mul),
+                     weights=(_shifted(w_arr, w_stride, c0), w_stride, w_mul),
                      g=g_blk, dsp=dpart[k].data.ptr, part=(0, 0, r1 - r0))
                 k += sp
                 blas.gemm(g_blk, bn[c0:c1], da[r0:r1], beta=1.0 if c0 else 0.0)
@@ -600,8 +605,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
             # weights shifted by c0; lse_col holds the bias
             tile("siglip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
                  scale_log=ls, pos_mod=FAR_MOD, part=(ptr(loss_p), ptr(dbias_p), m),
-                 lse_col=lb, weights=(ptr(w_arr) + 4 * c0 * w_stride if w_arr is not None
-                                      else None, w_stride, w_mul),
+                 lse_col=lb, weights=(_shifted(w_arr, w_stride, c0), w_stride, w_mul),
                  g=g_blk, dsp=ptr(dscale_p))
             k += sp
             if want_grad:  # (the block holds s G' = s G / w_mul; first blocks write da, db)
