@@ -148,6 +148,17 @@ __device__ __forceinline__ void sum_rows_body(const A* __restrict__ x, i64 n, A 
     if (threadIdx.x == 0) out[0] = sh[0] / divisor;
 }
 
+// The device logit-scale guard (arrays.guard_log_scale): y = x, NaN where x > limit (a log
+// scale whose exp overflows float32) -- a device value is never read on the host, so past
+// the limit it poisons the loss and the gradients instead.  (NaN compares false: kept.)
+template <typename A>
+__device__ __forceinline__ void guard_log_scale_body(const A* __restrict__ x, i64 n, A limit,
+                                                     A* __restrict__ y)
+{
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (i64)gridDim.x * blockDim.x)
+        y[k] = x[k] > limit ? cpn_nan<A>() : x[k];
+}
+
 // CLIP gradient of a row block: block per row r (global i).
 //   G_ij = 1/2 [ w_i (exp(L_ij - lse_row_i) - d_ij) + w_j (exp(L_ij - lse_col_j) - d_ij) ]
 //   g[r, j] = scale * G_ij (the gradient w.r.t. the raw product a_i . b_j)
@@ -435,7 +446,10 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_combine_##SUF(  
         row_loss, lse_col, pair_loss); }                                                   \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_sum_rows_##SUF(                \
     const A* x, i64 n, A divisor, A* out) {                                                \
-    sum_rows_body<A>(x, n, divisor, out); }
+    sum_rows_body<A>(x, n, divisor, out); }                                                \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_guard_log_scale_##SUF(         \
+    const A* x, i64 n, A limit, A* y) {                                                    \
+    guard_log_scale_body<A>(x, n, limit, y); }
 
 CPN_DEFINE(f16, f16_t, float)
 CPN_DEFINE(bf16, bf16_t, float)

@@ -317,7 +317,11 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                             if (C) {
                                 const int col = n0 + cbase + j * 8 + 2 * cq + e;
                                 if (col >= nlim || (exclude_diag && col == grow)) t = ninf;
-                                if (pos_out && col == pr[i][h] && rv[i][h]) pos_out[grow - row0] = a * scale;
+                                // (WS: a B1 tile's columns past nlim = n1 are TMA zero fill
+                                // numbered as B2's first, tile_ws.cuh; the cp.async loops'
+                                // tiles run on to ncols, past every positive)
+                                if (pos_out && col == pr[i][h] && (!L::WS || col < nlim) && rv[i][h])
+                                    pos_out[grow - row0] = a * scale;
                                 tm = nanmax(tm, t);
                             } else {
                                 tm = fmaxf(tm, t);  // a NaN still reaches l below

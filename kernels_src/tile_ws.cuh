@@ -19,7 +19,9 @@
 //   * column tiles: B1's rows ct * 128 .. (ct < CT1 = ceil(n1 / 128)), then B2's from row 0, so
 //     the columns of tile ct >= CT1 start at n1 + (ct - CT1) * 128 (with n1 % 128 != 0 the
 //     last B1 tile ends at nlim = n1, not 128 columns later: each box comes from one matrix).
-//     The epilogues number columns globally (positives, diagonal, lse_col) and stop at nlim.
+//     The epilogues number columns globally (positives, diagonal, lse_col) and stop at nlim:
+//     the last B1 tile's columns past n1 (zero fill) carry the numbers of B2's first columns,
+//     so none of them may count -- not even as a positive (pos_out).
 //   * per consumer: its colv (column values of its tile, filled after the MMAs from loads
 //     issued before them), LSE2 column scratch and SOUT staging tile (16 KiB); epilogue
 //     barriers are the consumer's named barrier 1 + c, the final row merge is barrier 5.
@@ -56,7 +58,8 @@ __device__ __forceinline__ void ws_bar_arrive(int id) {
 }
 
 // One CTA.  ring: ST (stages, <= WS_MAX_STAGES) | AR << 8; the dynamic shared memory is
-// 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x (AR ? 16 : 32) KiB + SOUT ? 32 KiB : 0.
+// 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x (AR ? 16 : 32) KiB + SOUT ? 32 KiB : 0,
+// the SOUT staging last (SIGLIP without g, the loss alone, never touches it: not reserved).
 template <typename T, int MODE, bool PP>
 __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, const TmaMap& tb2,
                                         const TileArgs<T>& p, int ring) {

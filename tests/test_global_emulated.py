@@ -396,3 +396,15 @@ def test_tile_gradient_in_row_and_column_blocks(monkeypatch, op, P, dtype, reduc
     check = _check_clip if op == "clip" else _check_siglip
     check(cp, dtype, P, 136, 64, reduction, True, True, device=0, ws=None)
     assert plans and all(c == 136 * P for _, c in plans), plans
+
+
+def test_tile_gradient_block_plan_and_shifted_weights():
+    """CPU: ``tiles._plan_2d``'s blocks (whole rows when they fit; the docstring's N = 65536
+    case: 8 x 4 blocks of 8192 x 16384 at 256 MiB) and ``tiles._shifted``, the column
+    block's weight pointer that CLIP and SigLIP share."""
+    from cupynce._engine import tiles
+
+    assert tiles._plan_2d("clip_loss", 1000, 1000, 2, None) == (1000, 1000)
+    assert tiles._plan_2d("clip_loss", 65536, 65536, 2, 256 << 20) == (8192, 16384)
+    assert tiles._shifted(None, 1, 5) is None
+    assert tiles._shifted(4096, 3, 2) == 4096 + 4 * 3 * 2  # (float32 weights, stride 3)

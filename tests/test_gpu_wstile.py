@@ -399,6 +399,91 @@ def test_stage_b2_columns(stage, n, n2, ws, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("n1,n2", [(300, 130), (129, 256), (1000, 300)])
+def test_stage_b2_positive_after_a_b1_tail(n1, n2, splits, ws, monkeypatch):
+    """Positives among B2's first columns while B1's last tile ends at n1 % 128 != 0: that
+    tile's columns past n1 (TMA zero fill) carry the numbers of B2's first columns, and must
+    not write pos_out (the review of issue 23; no caller has such positives today).  Row i's
+    positive is column (i + n1) % (n1 + n2): B2's row i for i < n2.  pos_out and the row
+    lse against float64 and the old loop, and the same bits on every run (the wrong write
+    raced the right one)."""
+    assert n1 % 128 and n2 > 0
+    d, s = 72, 10.0
+    rng = np.random.default_rng(n1 + n2)
+    q, k, neg = ((rng.standard_normal((r, d)) / 8).astype(BF16) for r in (n1, n1, n2))
+    rt = -(-n1 // tiles.TILE)
+
+    def run():
+        part = cp.full((2, splits, n1), np.nan, cp.float32)
+        pos = cp.full((n1,), np.nan, cp.float32)
+        tiles.tile("lse", BF16, (rt, splits), cp.asarray(q), 0, cp.asarray(k), cp.asarray(neg),
+                   scale=s, pos_shift=n1, pos_mod=n1 + n2,
+                   part=(part.data.ptr, part[1].data.ptr, n1), pos_out=pos.data.ptr)
+        return {"part": cp.asnumpy(part), "pos": cp.asnumpy(pos)}
+
+    new = run()
+    _ran(ws, "lse")
+    cols = np.concatenate([k, neg]).astype(np.float64)
+    logits = s * (q.astype(np.float64) @ cols.T)
+    want = logits[np.arange(n1), (np.arange(n1) + n1) % (n1 + n2)]
+    np.testing.assert_allclose(new["pos"], want, rtol=1e-4, atol=1e-4)
+    top = logits.max(1)
+    lse = top + np.log(np.exp(logits - top[:, None]).sum(1))
+    assert _rel(_lse_host(new["part"][0], new["part"][1]), lse) <= 1e-5
+    for _ in range(2):
+        again = run()
+        assert all(again[key].tobytes() == new[key].tobytes() for key in new)
+    _same_outputs(new, _old(monkeypatch, run), f"lse n1={n1} n2={n2} splits={splits}")
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 512])
+def test_siglip_loss_alone_no_staging(d, ws, monkeypatch):
+    """SigLIP's loss alone (no g) reserves no SOUT staging, so at D = 512 A stays resident
+    (6 B stages); its loss partials: the same bits as the A + B ring (WS_AR_MIN_STAGES = 99)
+    and as the call with the gradient block, near the old loop's."""
+    rings = []
+    real_ring = tiles.ws_ring
+
+    def spy(*args, **kw):
+        r = real_ring(*args, **kw)
+        rings.append(r)
+        return r
+
+    monkeypatch.setattr(tiles, "ws_ring", spy)
+    n, s = 1030, 10.0
+    rng = cp.random.default_rng(d)
+    q, k = ((rng.standard_normal((n, d), dtype=cp.float32) / 8).astype(BF16) for _ in "qk")
+    ls = cp.full((1,), math.log(s), cp.float32)
+    lb = cp.full((1,), -5.0, cp.float32)
+    rt, sp = -(-n // tiles.TILE), 3
+
+    def run(grad=False):
+        parts = cp.full((3, sp, n), np.nan, cp.float32)
+        g = cp.empty((n, -(-n // 8) * 8), BF16)[:, :n] if grad else None
+        tiles.tile("siglip", BF16, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=tiles.FAR_MOD,
+                   part=(parts[0].data.ptr, parts[1].data.ptr if grad else 0, n),
+                   dsp=parts[2].data.ptr if grad else 0, lse_col=lb, weights=(None, 0, 1.0),
+                   g=g)
+        return cp.asnumpy(parts[0])
+
+    loss = run()
+    _ran(ws, "siglip")
+    assert rings[-1][0] & 256, rings  # A resident, and no staging after the ring
+    assert rings[-1][1] == 1024 + (-(-d // 64) + (rings[-1][0] & 255)) * 16384, rings
+    ar_min = tiles.WS_AR_MIN_STAGES
+    monkeypatch.setattr(tiles, "WS_AR_MIN_STAGES", 99)
+    assert run().tobytes() == loss.tobytes()
+    assert not rings[-1][0] & 256, rings
+    monkeypatch.setattr(tiles, "WS_AR_MIN_STAGES", ar_min)
+    assert run(grad=True).tobytes() == loss.tobytes()  # (with the staging)
+    old = _old(monkeypatch, run)
+    assert not np.isnan(loss).any()
+    assert _rel(loss, old) <= 1e-4, _rel(loss, old)
+
+
+@gpu
 @pytest.mark.parametrize("d", [64, 200, 512])
 @pytest.mark.parametrize("stage", ["lse", "lse2", "g", "clip", "siglip", "h_tri"])
 def test_ring_layouts_same_bits(stage, d, ws, monkeypatch):
@@ -494,3 +579,91 @@ def test_ws_ring_plan(stage, static, d, want):
 
 def test_ws_ring_none_when_nothing_fits():
     assert tiles.ws_ring("g", 64, 200000, SMEM_MAX) is None
+
+
+def test_ws_ring_siglip_loss_alone_reserves_no_staging():
+    """SigLIP without the gradient block (g absent) never touches the staging: its 32 KiB go
+    to the ring, where A then stays resident; G, H and CLIP always stage (the kernel does)."""
+    assert tiles.ws_ring("siglip", 512, 2048, SMEM_MAX) == (6, 1024 + 6 * 32768 + 32768)
+    assert tiles.ws_ring("siglip", 512, 2048, SMEM_MAX, block=False) == \
+        (6 | 256, 1024 + 14 * 16384)
+    for stage in ("g", "h", "clip"):
+        assert tiles.ws_ring(stage, 512, 8192, SMEM_MAX, block=False) == \
+            tiles.ws_ring(stage, 512, 8192, SMEM_MAX)
+
+
+class _FakeMatrix:
+    """What ws_launch reads of a CuPy matrix (pointer, shape, strides, dtype), no GPU."""
+
+    def __init__(self, rows, cols, ptr=1 << 20):
+        self.shape, self.ndim, self.size = (rows, cols), 2, rows * cols
+        self.dtype = BF16
+        self.strides = (2 * cols, 2)
+        self.data = type("Mem", (), {"ptr": ptr})()
+
+
+def test_refused_tensor_maps_are_cached(monkeypatch):
+    """A map the driver refuses is remembered like an encoded one: not asked again."""
+    calls = []
+    monkeypatch.setattr(tiles, "_MAPS", {})
+    monkeypatch.setattr(tiles.tma, "matrix_map", lambda x, r, c: calls.append(x) or None)
+    x = _FakeMatrix(300, 64)
+    assert tiles._tile_map(x) is None and tiles._tile_map(x) is None
+    assert len(calls) == 1
+    assert not tiles.ws_launch("lse", BF16, (3, 1), x, x, x, 0, None)  # declined, not launched
+    assert len(calls) == 1
+
+
+def test_ws_launch_opts_in_before_recording(monkeypatch):
+    """The shared-memory opt-in is set before the kernel is recorded as opted in (a thread
+    that finds the record must not launch first), and SigLIP's loss alone launches the
+    A-resident ring without staging."""
+    import cupy
+
+    launches = []
+
+    class Kern:
+        attributes = {"shared_size_bytes": 2048}
+        _smem = 48 << 10
+
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            return self._smem
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, v):
+            assert id(self) not in tiles._WS_SMEM, "recorded before the opt-in was set"
+            self._smem = v
+
+        def __call__(self, grid, block, args, shared_mem):
+            assert shared_mem <= self._smem
+            launches.append((args[-1], shared_mem))
+
+    class Device:
+        attributes = {"MaxSharedMemoryPerBlockOptin": SMEM_MAX}
+
+    kern = Kern()
+    monkeypatch.setattr(tiles, "_WS_SMEM", {})
+    monkeypatch.setattr(tiles, "_tile_map", lambda x: np.zeros(1, tiles.tma.TENSOR_MAP_DTYPE))
+    monkeypatch.setattr(tiles.kernels, "get_kernel", lambda f, st, t: kern)
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    a = _FakeMatrix(1030, 512)
+    assert tiles.ws_launch("siglip", BF16, (9, 2), a, a, a, 0, None, block=False)
+    assert id(kern) in tiles._WS_SMEM and kern._smem == SMEM_MAX - 2048
+    assert tiles.ws_launch("siglip", BF16, (9, 2), a, a, a, 0, None)
+    assert [(int(r), m) for r, m in launches] == [(6 | 256, 1024 + 14 * 16384),
+                                                  (6, 1024 + 7 * 32768)]
+
+
+def test_ws_switches_key_cuda_graphs(monkeypatch):
+    """Every module-level switch that changes what the warp-specialised kernels do is part
+    of the CUDA-graph key (_graphs._switches)."""
+    from cupynce.ops import _graphs
+
+    base = _graphs._switches()
+    for name, value in (("USE_WSTILE", not tiles.USE_WSTILE), ("WS_MAX_STAGES", 3),
+                        ("WS_AR_MIN_STAGES", 99), ("WS_STAGES", frozenset({"lse"}))):
+        with monkeypatch.context() as m:
+            m.setattr(tiles, name, value)
+            assert _graphs._switches() != base, name
+    assert _graphs._switches() == base

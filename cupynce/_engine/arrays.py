@@ -5,13 +5,12 @@
   through it (``l2norm_fwd`` / ``l2norm_bwd`` / ``scale_cast``);
 * :func:`fixed_sum` — a fixed-order single-block sum (the reduced loss, the same bits on every
   run);
-* :func:`scalar` / :func:`grad_scale` — scalars as (1,) device arrays, never read back.
+* :func:`scalar` / :func:`grad_scale` — scalars as (1,) device arrays, never read back;
+  :func:`guard_log_scale` — a device log scale past the limit made NaN, on the device.
 
 CuPy is imported inside the functions: importing the engine needs no GPU.
 """
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 
@@ -127,22 +126,18 @@ def scalar(value, a):
     return cp.full((1,), value, dtype=a)
 
 
-@functools.lru_cache(maxsize=None)
-def _log_scale_guard():
+def guard_log_scale(ls, limit: float):
+    """A device ``logit_scale`` (the log of the scale; a (1,) float32 / float64 array), NaN
+    where it exceeds ``limit``: one small kernel (``guard_log_scale``), no host read.  The
+    host check refuses such a value; on the device it cannot be read without a
+    synchronisation, so it poisons the loss and the gradients instead (float32's exp
+    overflows there anyway; float64's would not, and would give a finite, meaningless loss)."""
     import cupy as cp
 
-    # (x - x) / (x - x): NaN for any x past the limit, +inf included
-    return cp.ElementwiseKernel("T x, T limit", "T y", "y = x > limit ? (x - x) / (x - x) : x",
-                                "cupynce_log_scale_guard")
-
-
-def guard_log_scale(ls, limit: float):
-    """A device ``logit_scale`` (the log of the scale), NaN where it exceeds ``limit``: one
-    elementwise kernel, no host read.  The host check refuses such a value; on the device it
-    cannot be read without a synchronisation, so it poisons the loss and the gradients
-    instead (float32's exp overflows there anyway; float64's would not, and would give a
-    finite, meaningless loss)."""
-    return _log_scale_guard()(ls, ls.dtype.type(limit))
+    out = cp.empty(ls.shape, ls.dtype)
+    kernels.launch(FILE, "guard_log_scale", ls.dtype, (-(-ls.size // BLOCK),),
+                   (ls, np.int64(ls.size), ls.dtype.type(limit), out))
+    return out
 
 
 def grad_scale(grad_loss, a):

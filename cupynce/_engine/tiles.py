@@ -50,7 +50,8 @@ USE_WGMMA = True
 USE_WSTILE = os.environ.get("CUPYNCE_WSTILE", "1") != "0"
 WS_FILE = "tiles_ws.cu"
 #: the tile stages ``tiles_ws.cu`` has (SPLADE's max keeps its own kernels); those writing the
-#: 16-bit gradient block stage it through 2 x 16 KiB of shared memory
+#: 16-bit gradient block stage it through 2 x 16 KiB of shared memory (SigLIP's loss alone
+#: writes none: no staging, see ws_ring)
 WS_STAGES = frozenset({"lse", "lse2", "g", "h", "clip", "siglip"})
 _WS_SOUT = frozenset({"g", "h", "clip", "siglip"})
 WS_THREADS = 384
@@ -177,6 +178,12 @@ def _plan(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[int]
     return blas.plan_rows(op, rows, bytes_per_row, cap, align=TILE)
 
 
+def _shifted(w_arr, w_stride: int, c0: int) -> Optional[int]:
+    """The float32 per-index weights ``w_arr`` (stride ``w_stride``) from index ``c0`` on, as
+    a pointer (None when there are none): a column block's weights, its columns from 0."""
+    return None if w_arr is None else ptr(w_arr) + 4 * c0 * w_stride
+
+
 def _plan_2d(op: str, rows: int, cols: int, itemsize: int,
              workspace_bytes: Optional[int]) -> Tuple[int, int]:
     """(rows, columns) of the gradient blocks G[r0:r1, c0:c1] of CLIP / SigLIP under the
@@ -198,7 +205,7 @@ def _plan_2d(op: str, rows: int, cols: int, itemsize: int,
         if cb == prev:
             continue
         prev = cb
-        rb = blas.plan_rows(op, rows, cb * itemsize, cap, align=TILE)
+        rb = _plan(op, rows, cb * itemsize, workspace_bytes)
         cost = -(-rows // rb) + -(-cols // cb)
         if best is None or cost < best[0]:
             best = (cost, rb, cb)
@@ -224,7 +231,8 @@ def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale
         rows, row0, b1.shape[0], n2, d, int(exclude_diag), pos_shift, pos_mod, int(tri),
         scale, w_mul)
     args = np.frombuffer(raw, TILE_ARGS_DTYPE)
-    if stage in WS_STAGES and wstile() and ws_launch(stage, t, grid, a, b1, b2, n2, args):
+    if stage in WS_STAGES and wstile() and ws_launch(stage, t, grid, a, b1, b2, n2, args,
+                                                     block=g is not None):
         return
     tile_launch(FILE, stage, t, grid, (args,))
 
@@ -235,13 +243,17 @@ def wstile() -> bool:
     return USE_WSTILE and wgmma() and tma.available()
 
 
-def ws_ring(stage: str, d: int, static_smem: int, smem_max: int) -> Optional[Tuple[int, int]]:
+def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
+            block: bool = True) -> Optional[Tuple[int, int]]:
     """(ring argument, dynamic shared memory) of ``cpn_wstile_<stage>`` for D = ``d``, with
     ``static_smem`` bytes of static shared memory and ``smem_max`` per block (opt-in): the
     ring of tile_ws.cuh (stages | A resident << 8) under ``WS_AR_MIN_STAGES``; None where not
-    even 2 stages fit."""
+    even 2 stages fit.  The stages of ``_WS_SOUT`` stage the gradient block after the ring
+    (the kernel places nothing else there); ``block`` False (SigLIP's loss alone: no g, the
+    one mode whose staging depends on g, as in tile_epilogue.cuh) drops it, so the 32 KiB go
+    to the ring: A resident where it then fits."""
     kt = -(-d // 64)
-    sout = 2 * 16384 if stage in _WS_SOUT else 0
+    sout = 2 * 16384 if stage in _WS_SOUT and (block or stage != "siglip") else 0
     budget = smem_max - static_smem - 1024 - sout  # (1 KiB: aligning the swizzled boxes)
     ar = min(WS_MAX_STAGES, budget // 16384 - kt)
     if ar >= WS_AR_MIN_STAGES:
@@ -251,21 +263,22 @@ def ws_ring(stage: str, d: int, static_smem: int, smem_max: int) -> Optional[Tup
 
 
 #: 128 x 64 tensor maps by (pointer, rows, columns, leading dimension, dtype): encoding one is
-#: a driver call and two NumPy allocations, the same map for the same matrix
-_MAPS: Dict[tuple, np.ndarray] = {}
+#: a driver call and two NumPy allocations, the same map for the same matrix; None where the
+#: driver refused it (the same answer for the same key: not asked again on every call)
+_MAPS: Dict[tuple, Optional[np.ndarray]] = {}
 _MAPS_MAX = 512
 
 
 def _tile_map(x) -> Optional[np.ndarray]:
     key = (x.data.ptr, x.shape[0], x.shape[1], blas.leading_dim(x), x.dtype.name)
-    m = _MAPS.get(key)
-    if m is None:
-        m = tma.matrix_map(x, TILE, 64)
-        if m is None:
-            return None
-        if len(_MAPS) >= _MAPS_MAX:
-            _MAPS.clear()
-        _MAPS[key] = m
+    try:  # (not `key in _MAPS` then a read: another thread may clear it in between)
+        return _MAPS[key]
+    except KeyError:
+        pass
+    m = tma.matrix_map(x, TILE, 64)
+    if len(_MAPS) >= _MAPS_MAX:
+        _MAPS.clear()
+    _MAPS[key] = m
     return m
 
 
@@ -273,13 +286,14 @@ def _tile_map(x) -> Optional[np.ndarray]:
 _WS_SMEM: Dict[int, Tuple[int, int]] = {}
 
 
-def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args) -> bool:
-    """Launch ``cpn_wstile_<stage>`` of ``tiles_ws.cu`` with the packed TileArgs ``args``;
-    False (nothing launched) where it does not apply: B2's columns after n1 % 8 != 0 for a
-    stage writing the gradient block (its 16-byte stores would straddle n1), row coordinates
-    past 2^31 - 128, a tensor map the driver refuses, or no ring that fits."""
+def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True) -> bool:
+    """Launch ``cpn_wstile_<stage>`` of ``tiles_ws.cu`` with the packed TileArgs ``args``
+    (``block``: they give a gradient block, see ws_ring); False (nothing launched) where it
+    does not apply: B2's columns after n1 % 8 != 0 for a stage writing the gradient block (its
+    16-byte stores would straddle n1), row coordinates past 2^31 - 128, a tensor map the
+    driver refuses, or no ring that fits."""
     n1 = b1.shape[0]
-    if n2 and stage in _WS_SOUT and n1 % 8:
+    if n2 and stage in _WS_SOUT and block and n1 % 8:
         return False
     if max(a.shape[0], n1, n2) >= 2 ** 31 - TILE:
         return False
@@ -294,10 +308,12 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args) -> bool:
 
         smem_max = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
         static = int(kern.attributes["shared_size_bytes"])
-        info = _WS_SMEM[id(kern)] = (static, smem_max)
         if kern.max_dynamic_shared_size_bytes < smem_max - static:  # opt in, once
             kern.max_dynamic_shared_size_bytes = smem_max - static
-    ring = ws_ring(stage, a.shape[1], *info)
+        # recorded only once set: a thread that finds the record launches with the opt-in
+        # applied (two threads racing here at worst both set it)
+        info = _WS_SMEM[id(kern)] = (static, smem_max)
+    ring = ws_ring(stage, a.shape[1], *info, block=block)
     if ring is None:
         return False
     kern(tuple(grid), (WS_THREADS,), (ta, tb1, tb2, args, np.int32(ring[0])),
@@ -539,8 +555,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 tile("clip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
                      scale_log=ls, pos_mod=nc, lse_row=lse_r.data.ptr - 4 * (row0 - c0),
                      lse_col=lse_c.data.ptr + 4 * c0,
-                     weights=(ptr(w_arr) + 4 * c0 * w_stride if w_arr is not None else None,
-                              w_stride, w_mul),
+                     weights=(_shifted(w_arr, w_stride, c0), w_stride, w_mul),
                      g=g_blk, dsp=dpart[k].data.ptr, part=(0, 0, r1 - r0))
                 k += sp
                 blas.gemm(g_blk, bn[c0:c1], da[r0:r1], beta=1.0 if c0 else 0.0)
@@ -592,8 +607,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
             # weights shifted by c0; lse_col holds the bias
             tile("siglip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
                  scale_log=ls, pos_mod=FAR_MOD, part=(ptr(loss_p), ptr(dbias_p), m),
-                 lse_col=lb, weights=(ptr(w_arr) + 4 * c0 * w_stride if w_arr is not None
-                                      else None, w_stride, w_mul),
+                 lse_col=lb, weights=(_shifted(w_arr, w_stride, c0), w_stride, w_mul),
                  g=g_blk, dsp=ptr(dscale_p))
             k += sp
             if want_grad:  # (the block holds s G' = s G / w_mul; first blocks write da, db)

@@ -152,7 +152,8 @@ def _switches() -> tuple:
     """The engine's module-level switches that change which kernels a call runs."""
     from .._engine import arrays, blas, tiles
 
-    return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.USE_WSTILE, tiles.WS_AR_MIN_STAGES,
+    return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.USE_WSTILE, tiles.WS_STAGES,
+            tiles.WS_AR_MIN_STAGES, tiles.WS_MAX_STAGES,
             tiles.SYMMETRIC_LSE, tiles.SYMMETRIC_LSE_MIN_ND, tiles.SYMMETRIC_H,
             tiles.TILE_WORKSPACE_BYTES,
             blas.SMALL_GEMM_MACS, blas.SMALL_GEMM_MAX_K,
