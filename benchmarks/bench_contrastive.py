@@ -599,7 +599,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import cupy  # noqa: F401 - fail early and clearly without CuPy
     import cupynce  # noqa: F401
 
-    torch = load_torch() if {"eager", "amp", "compile"} & set(args.impls) else None
+    torch = load_torch() if {"eager", "amp", "compile", "memeff"} & set(args.impls) else None
     info = device_info()
     print(f"# cupynce contrastive benchmark\n\n{device_header(info)}\n", flush=True)
     todo = cases(args)

@@ -71,6 +71,23 @@ def _old(monkeypatch, fn):
         monkeypatch.setattr(tiles, "USE_WSTILE", True)
 
 
+def _assert_h_symmetric(g, dtype):
+    """H = Hᵀ: bit for bit where a tile was mirrored (off the diagonal tiles).  Inside a
+    diagonal tile H_rc and H_cr are computed apart, each warp choosing the one-exp2 or the
+    two-exp2 form for its 16 x 128 block, so the two may differ by one rounding of the dtype
+    (seen on an H100: f16, n = 1030, d = 136, one pair in tile (6, 6), 1 ulp; the cp.async
+    loop gives the same two values)."""
+    import ml_dtypes
+
+    g = np.asarray(g, np.float64)
+    t = np.arange(g.shape[0]) // tiles.TILE
+    diag = t[:, None] == t[None, :]
+    assert np.array_equal(g[~diag], g.T[~diag]), "the mirrored H is not symmetric"
+    fi = ml_dtypes.finfo(dtype)
+    np.testing.assert_allclose(g[diag], g.T[diag], rtol=float(fi.eps),
+                               atol=float(fi.eps) * float(fi.tiny), err_msg="diagonal tiles")
+
+
 def _ran(log, *stages):
     got = {s for s, ok in log if ok}
     for s in stages:
@@ -363,7 +380,7 @@ def test_stage_against_old_loop(stage, n, d, dtype, ws, monkeypatch):
     _ran(ws, stage.split("_")[0])
     old = _old(monkeypatch, lambda: _stage_outputs(stage, dtype, n, d, n + d))
     if stage == "h_tri":
-        assert np.array_equal(new["g"], new["g"].T), "the mirrored H is not symmetric"
+        _assert_h_symmetric(new["g"], dtype)
     for key, x in new.items():
         if key != "colp" or stage == "lse2":  # (the symmetric schedule skips some)
             assert not np.isnan(x).any(), f"{stage}: unwritten {key} {np.argwhere(np.isnan(x))[:5]}"
