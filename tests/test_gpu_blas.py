@@ -129,3 +129,103 @@ def test_large_or_long_products_use_cublas(monkeypatch):
     h = cp.ones((4, 4), cp.float16)
     _blas.gemm(h, h, cp.empty((4, 4), cp.float16))
     assert len(calls) == 3
+
+
+# ---- float32 precision modes (issue 24; blas.float32_precision) -----------------------------
+import test_float32_precision as P  # noqa: E402  (tests/ is on sys.path under pytest)
+
+_COMPUTE = {"fp32": 68, "tf32": _blas.COMPUTE_32F_FAST_TF32, "3xtf32": _blas.COMPUTE_32F_FAST_TF32}
+
+
+def _f32_case(seed, m, n, k, trans_a, trans_b, pad, beta, mode):
+    """gemm of row-strided float32 views in ``mode`` through cuBLAS: (error vs float64, out)."""
+    rng = np.random.default_rng(seed)
+    a, b, a64, b64 = _operands(rng, np.float32, m, n, k, trans_a, trans_b, pad)
+    start = rng.standard_normal((m, n + 2)).astype(np.float32)
+    full = cp.asarray(start)
+    out = full[:, :n]
+    if beta == 0.0:
+        out[...] = np.nan  # beta = 0 must not read the output
+    with _blas.float32_precision(mode):
+        _blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=0.75, beta=beta)
+    assert np.array_equal(cp.asnumpy(full[:, n:]), start[:, n:])  # padding untouched
+    ref = 0.75 * (a64 @ b64) + (beta * start[:, :n].astype(np.float64) if beta else 0.0)
+    return _rel(out, ref), cp.asnumpy(out)
+
+
+@pytest.mark.parametrize("mode", ["tf32", "3xtf32"])
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False),
+                                             (True, True)])
+@pytest.mark.parametrize("beta", [0.0, 1.0, -0.5])
+@pytest.mark.parametrize("m,n,k,pad", [(256, 192, 64, 0), (130, 70, 1000, 3), (64, 300, 4096, 1),
+                                       (33, 517, 257, 5)])
+def test_float32_modes_against_float64(mode, trans_a, trans_b, beta, m, n, k, pad, monkeypatch):
+    """3xtf32 within 2x fp32's error (same inputs), tf32 within 1e-2; fp32 as before."""
+    monkeypatch.setattr(_blas, "SMALL_GEMM_MACS", 0)  # every product through cuBLAS
+    case = (m * 7 + n * 3 + k, m, n, k, trans_a, trans_b, pad, beta)
+    e32, _ = _f32_case(*case, "fp32")
+    e, _ = _f32_case(*case, mode)
+    assert e32 <= _tol(np.float32)
+    if mode == "3xtf32":
+        assert e <= 2 * e32, (e, e32)
+    else:
+        assert e <= 1e-2, e
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "3xtf32"])
+def test_float32_modes_issue_their_compute_type(mode, monkeypatch):
+    """fp32: the one call of before (compute 68), bit-identical to the default; tf32: the same
+    call with FAST_TF32; 3xtf32: three FAST_TF32 calls."""
+    calls = []
+    real = _blas.cublas_gemm
+    monkeypatch.setattr(_blas, "cublas_gemm", lambda *args: calls.append(args) or real(*args))
+    case = (5, 200, 160, 320, False, True, 2, 0.5)
+    _, default = _f32_case(*case, _blas.float32_precision_now())
+    calls.clear()
+    _, got = _f32_case(*case, mode)
+    assert [c[17] for c in calls] == [_COMPUTE[mode]] * (3 if mode == "3xtf32" else 1)
+    if mode == "fp32":
+        assert np.array_equal(got, default)
+
+
+def test_split_kernel_matches_numpy_emulation():
+    """cpn_split_tf32_f32 on a row-strided view, bit for bit against the NumPy rule (random bit
+    patterns over every exponent, subnormals, the largest values, inf / NaN)."""
+    x = P._bits(np.random.default_rng(3), 300 * 257)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, np.finfo(np.float32).max,
+                         np.finfo(np.float32).smallest_subnormal * 4097], np.float32)
+    x = np.concatenate([specials, x])[:300 * 250].reshape(300, 250)
+    full = cp.zeros((300, 257), cp.float32)
+    full[:, :250] = cp.asarray(x)
+    hi, lo = _blas.split_tf32(full[:, :250])
+    ref_hi, ref_lo = P.split_tf32(x)
+    assert np.array_equal(cp.asnumpy(hi).view(np.uint32), ref_hi.view(np.uint32))
+    assert np.array_equal(cp.asnumpy(lo).view(np.uint32), ref_lo.view(np.uint32))
+
+
+def test_3xtf32_splits_a_shared_operand_once(monkeypatch):
+    """S = Z Z^T (b is a's very view) splits Z once; the result still within 2x fp32's error."""
+    splits = []
+    real = _blas.split_tf32
+    monkeypatch.setattr(_blas, "split_tf32", lambda x, name="x": splits.append(name)
+                        or real(x, name))
+    z = cp.asarray(np.random.default_rng(4).standard_normal((512, 256)).astype(np.float32))
+    z64 = cp.asnumpy(z).astype(np.float64)
+    outs = {}
+    for mode in ("fp32", "3xtf32"):
+        outs[mode] = cp.empty((512, 512), cp.float32)
+        with _blas.float32_precision(mode):
+            _blas.gemm(z, z, outs[mode], trans_b=True)
+    assert splits == ["a"]
+    ref = z64 @ z64.T
+    assert _rel(outs["3xtf32"], ref) <= 2 * _rel(outs["fp32"], ref)
+
+
+@pytest.mark.parametrize("mode", ["tf32", "3xtf32"])
+def test_small_products_stay_fp32(mode, monkeypatch):
+    """The small_gemm route ignores the precision: the same bits in every mode."""
+    _no_cublas(monkeypatch)
+    case = (6, 64, 64, 32, True, False, 1, 1.0)
+    _, default = _f32_case(*case, "fp32")
+    _, got = _f32_case(*case, mode)
+    assert np.array_equal(got, default)

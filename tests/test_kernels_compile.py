@@ -88,6 +88,16 @@ def _missing_symbols(filename, cubin):
             if f"cpn_{st}_{suf}".encode() + b"\x00" not in cubin]
 
 
+#: kernels written without the ``cpn_<stage>_##SUF`` macros (one dtype), by file
+_SINGLE = {"blas.cu": ("cpn_split_tf32_f32",)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("filename,name", [(f, n) for f, ns in _SINGLE.items() for n in ns])
+def test_single_dtype_kernels_are_exported(filename, name, arch):
+    assert name.encode() + b"\x00" in _cubin(filename, arch)
+
+
 @pytest.mark.parametrize("filename", sorted(_kernels.ARCH_SPECIFIC))
 def test_arch_specific_file_builds_for_sm90a(filename):
     """Files with Hopper-only code also build for sm_90a (what the loader does on Hopper), and

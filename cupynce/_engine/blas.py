@@ -9,26 +9,42 @@ inputs     cuBLAS compute type          output
 =========  ===========================  ============================
 float16    CUBLAS_COMPUTE_32F           float32 (or float16)
 bfloat16   CUBLAS_COMPUTE_32F           float32 (or bfloat16)
-float32    CUBLAS_COMPUTE_32F (no TF32) float32
+float32    CUBLAS_COMPUTE_32F (no TF32) float32   (precision "fp32", the default)
+float32    CUBLAS_COMPUTE_32F_FAST_TF32 float32   (precision "tf32")
+float32    3 x FAST_TF32 on hi/lo split float32   (precision "3xtf32")
 float64    CUBLAS_COMPUTE_64F           float64
 =========  ===========================  ============================
 
 Launches go to the current CuPy stream (CuPy's binding sets it on the handle).
 
+float32 precision (an engine switch; the public ``precision=`` argument, and "3xtf32" as the
+default, come once a GPU has measured its errors): ``FLOAT32_PRECISION`` (env
+``CUPYNCE_FLOAT32``, default "fp32"), overridden in a thread by ``with float32_precision(p):``;
+``float32_precision_now()`` is the one in effect, part of ``ops._graphs``' graph keys.
+"fp32" is the true-fp32 product; "tf32" rounds the operands to TF32 (10 mantissa bits,
+~1e-3 relative error); "3xtf32" splits each operand x = hi + lo (hi = x rounded to TF32,
+``kernels_src/blas.cu``'s ``cpn_split_tf32_f32``) and sums three TF32 tensor-core products,
+hi·hi + hi·lo + lo·hi (lo·lo, ~2^-22 relative, dropped), as CUTLASS's 3xTF32 does: about
+fp32's accuracy at tensor-core rates.  An infinite entry splits as hi = inf, lo = 0, so its
+cross term with a TF32-exact entry (lo = 0) is inf·0 = NaN where fp32 gives ±inf.
+
 Tiny products (at most ``SMALL_GEMM_MACS`` multiply-adds, ``k <= SMALL_GEMM_MAX_K``, output
 in the accumulator dtype) skip cuBLAS: ``kernels_src/blas.cu``'s ``small_gemm`` (one thread
 per output element, k summed in order with fused multiply-adds in float32 / float64).  A
 cuBLAS call costs 25-60 µs of host time on the H100 host, several times such a product's own
-GPU time; a launch costs ~10.  Same accumulation precision (fp32 / fp64, no TF32), not the same
-bits as cuBLAS; deterministic either way.  Like every NVRTC-built cupynce kernel (CuPy compiles
+GPU time; a launch costs ~10.  Same accumulation precision (fp32 / fp64, no TF32, whatever
+the float32 precision: a tiny product gains nothing from the tensor cores), not the same bits
+as cuBLAS; deterministic either way.  Like every NVRTC-built cupynce kernel (CuPy compiles
 with ``-ftz=true``) it flushes float32 subnormals to zero, which cuBLAS keeps (a product of
 1e-20-sized entries gives 0 here, ~1e-39 there): irrelevant at the magnitudes of the scores
 and gradients of these losses.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -46,6 +62,26 @@ SMALL_BLOCK_BYTES = 128 << 20
 #: thread's sequential sum stays short) run ``small_gemm`` instead of cuBLAS.
 SMALL_GEMM_MACS = 1 << 20
 SMALL_GEMM_MAX_K = 1024
+
+#: The float32 product modes (see the module doc).
+FLOAT32_PRECISIONS = ("fp32", "tf32", "3xtf32")
+#: cublasComputeType_t's CUBLAS_COMPUTE_32F_FAST_TF32 (cublas_api.h; CUBLAS_COMPUTE_32F = 68).
+COMPUTE_32F_FAST_TF32 = 77
+
+
+def _check_precision(value, what: str) -> str:
+    if value not in FLOAT32_PRECISIONS:
+        raise ValueError(f"{what}={value!r} is not a float32 precision; expected one of "
+                         f"{', '.join(map(repr, FLOAT32_PRECISIONS))}")
+    return value
+
+
+def _env_precision() -> str:
+    return _check_precision(os.environ.get("CUPYNCE_FLOAT32", "fp32"), "CUPYNCE_FLOAT32")
+
+
+#: float32 products: "fp32" | "tf32" | "3xtf32" (env ``CUPYNCE_FLOAT32``, default "fp32").
+FLOAT32_PRECISION = _env_precision()
 
 
 _CUDA_TYPES: dict = {}
@@ -228,12 +264,56 @@ def unbind_stream() -> None:
         entry[1] = None
 
 
+def float32_precision_now() -> str:
+    """The float32 precision in effect in this thread: the innermost
+    :func:`float32_precision` scope's, else ``FLOAT32_PRECISION``."""
+    p = getattr(_LOCAL, "precision", None)
+    return p if p is not None else _check_precision(FLOAT32_PRECISION, "blas.FLOAT32_PRECISION")
+
+
+def float32_precision(precision: str):
+    """``with float32_precision("3xtf32"):`` -- this thread's float32 products in that mode
+    (validated here, before the scope opens); the previous one comes back on exit."""
+    p = _check_precision(precision, "float32_precision: precision")
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        prev = getattr(_LOCAL, "precision", None)
+        _LOCAL.precision = p
+        try:
+            yield
+        finally:
+            _LOCAL.precision = prev
+    return scope()
+
+
+def split_tf32(x, name: str = "x"):
+    """``(hi, lo)``, contiguous float32 (rows, cols), of the float32 matrix view ``x`` (row
+    stride any): ``x == hi + lo`` exactly, ``hi`` rounded to TF32 (``cpn_split_tf32_f32``)."""
+    import cupy
+
+    rows, cols = x.shape
+    hi = cupy.empty((rows, cols), np.float32)
+    lo = cupy.empty((rows, cols), np.float32)
+    if hi.size:
+        kernels.launch("blas.cu", "split_tf32", np.float32, (-(-hi.size // BLOCK),), (
+            x, np.int64(leading_dim(x, name)), hi, lo, np.int64(rows), np.int32(cols)))
+    return hi, lo
+
+
 def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
          alpha: float = 1.0, beta: float = 0.0) -> None:
     """``out[m, n] = alpha * op(a) @ op(b) + beta * out`` (row-major), in place.
 
     ``op(a)`` is ``a`` (m, k) or, with ``trans_a``, ``a.T`` for ``a`` of shape (k, m);
     likewise ``b``.  ``a`` and ``b`` share a dtype; ``out`` may be wider (see module doc).
+
+    float32 ``a``, ``b`` and ``out`` follow :func:`float32_precision_now` (tiny products,
+    the ``small_gemm`` route, stay fp32 in every mode).  "3xtf32" splits ``a`` and ``b``
+    (:func:`split_tf32`; 2 x their sizes in float32 from CuPy's pool for the call, one split
+    when ``b`` is ``a``'s very view) and issues three TF32 products into ``out``, small
+    terms first as CUTLASS does: ``out = alpha lo_a·hi_b + beta out``, then ``+= alpha
+    hi_a·lo_b``, then ``+= alpha hi_a·hi_b`` (each rounded to float32 in ``out``).
     """
     from cupy_backends.cuda.libs import cublas
 
@@ -254,6 +334,33 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
             return
     wide = a.dtype == np.float64
     compute = cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F
+    if a.dtype == np.float32 and out.dtype == np.float32:
+        mode = float32_precision_now()
+        if mode == "3xtf32":
+            _gemm_3xtf32(a, b, out, trans_a, trans_b, alpha, beta)
+            return
+        if mode == "tf32":
+            compute = COMPUTE_32F_FAST_TF32
+    _cublas_gemm(a, b, out, trans_a, trans_b, alpha, beta, compute)
+
+
+def _gemm_3xtf32(a, b, out, trans_a: bool, trans_b: bool, alpha: float, beta: float) -> None:
+    """gemm's "3xtf32" mode: three TF32 products of the operands' hi / lo parts."""
+    a_hi, a_lo = split_tf32(a, "a")
+    same = (b.data.ptr == a.data.ptr and b.shape == a.shape and b.strides == a.strides)
+    b_hi, b_lo = (a_hi, a_lo) if same else split_tf32(b, "b")
+    for x, y, bt in ((a_lo, b_hi, beta), (a_hi, b_lo, 1.0), (a_hi, b_hi, 1.0)):
+        _cublas_gemm(x, y, out, trans_a, trans_b, alpha, bt, COMPUTE_32F_FAST_TF32)
+
+
+def _cublas_gemm(a, b, out, trans_a: bool, trans_b: bool, alpha: float, beta: float,
+                 compute: int) -> None:
+    """One ``cublasGemmEx`` of gemm's product with the compute type ``compute``."""
+    from cupy_backends.cuda.libs import cublas
+
+    m, n = out.shape
+    k = a.shape[0] if trans_a else a.shape[1]
+    wide = a.dtype == np.float64
     al = _scalar(alpha, wide)
     be = _scalar(beta, wide)
     if _ctypes_ok():

@@ -149,7 +149,8 @@ def live(key: tuple, plan: "_Plan") -> bool:
 
 
 def _switches() -> tuple:
-    """The engine's module-level switches that change which kernels a call runs."""
+    """The engine's module-level switches that change which kernels a call runs (the
+    float32 precision: this thread's, see ``blas.float32_precision``)."""
     from .._engine import arrays, blas, tiles
 
     return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.USE_WSTILE, tiles.WS_STAGES,
@@ -158,7 +159,7 @@ def _switches() -> tuple:
             tiles.TILE_WORKSPACE_BYTES,
             blas.SMALL_GEMM_MACS, blas.SMALL_GEMM_MAX_K,
             blas.DEFAULT_WORKSPACE_BYTES, blas.FREE_MEMORY_FRACTION, blas.SMALL_BLOCK_BYTES,
-            arrays.ARENA_BYTES)
+            blas.float32_precision_now(), arrays.ARENA_BYTES)
 
 
 _PER_THREAD = 2  # cudaStreamPerThread

@@ -1,0 +1,173 @@
+"""The float32 precision switch of ``_engine.blas`` (issue 24), without a GPU: a NumPy
+emulation of ``cpn_split_tf32_f32`` (the kernel's integer rule, bit for bit), the accuracy of an
+emulated 3xTF32 product against float32's, and the switch's validation and graph keys.
+The GPU side (``gemm`` in each mode) is in test_gpu_blas.py.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from cupynce._engine import blas
+
+F32 = np.float32
+U32 = np.uint32
+
+
+def split_tf32(x) -> tuple:
+    """``kernels_src/blas.cu``'s split: hi = x rounded to TF32 to nearest, ties away from zero
+    (add 0x1000 to the bit pattern, clear the low 13 bits), truncated instead where that gives
+    infinity; inf / NaN: hi = x, lo = 0; lo = x - hi (exact)."""
+    x = np.asarray(x, F32)
+    u = x.view(U32)
+    finite = (u & U32(0x7F800000)) != U32(0x7F800000)
+    h = (u + U32(0x1000)) & U32(0xFFFFE000)
+    h = np.where((h & U32(0x7F800000)) == U32(0x7F800000), u & U32(0xFFFFE000), h)
+    hi = np.where(finite, h, u).astype(U32).view(F32)
+    with np.errstate(invalid="ignore"):
+        lo = np.where(finite, x - hi, F32(0)).astype(F32)
+    return hi, lo
+
+
+def tf32_truncate(x) -> np.ndarray:
+    """What a TF32 tensor core reads of a float32 operand: the low 13 mantissa bits dropped."""
+    return (np.asarray(x, F32).view(U32) & U32(0xFFFFE000)).view(F32)
+
+
+def _bits(rng, n) -> np.ndarray:
+    """Random finite float32 values over every exponent (subnormals included)."""
+    u = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(U32)
+    x = u.view(F32)
+    return x[np.isfinite(x)]
+
+
+def test_split_is_exact_and_hi_has_ten_mantissa_bits():
+    x = _bits(np.random.default_rng(0), 1 << 20)
+    hi, lo = split_tf32(x)
+    assert not np.any(hi.view(U32) & U32(0x1FFF)), "hi keeps more than 10 mantissa bits"
+    assert np.all(np.isfinite(hi))
+    assert np.array_equal(hi + lo, x)  # in float32 ...
+    assert np.array_equal(hi.astype(np.float64) + lo, x.astype(np.float64))  # ... and exactly
+    normal = (np.abs(x) >= np.finfo(F32).tiny) & (np.abs(x) < 2.0 ** 127)
+    assert np.all(np.abs(lo[normal]) <= np.abs(x[normal]) * 2.0 ** -11)  # half a TF32 ulp
+
+
+def test_split_rounds_to_nearest_ties_away():
+    """hi against an independent rounding (frexp, 11 significant bits, half away from zero)
+    for normal values, and the ties themselves."""
+    x = _bits(np.random.default_rng(1), 1 << 18)
+    x = x[(np.abs(x) >= np.finfo(F32).tiny) & (np.abs(x) < 2.0 ** 127)]
+    m, e = np.frexp(x.astype(np.float64))
+    ref = np.ldexp(np.sign(m) * np.floor(np.abs(m) * 2.0 ** 11 + 0.5), e - 11)
+    assert np.array_equal(split_tf32(x)[0].astype(np.float64), ref)
+    ulp = 2.0 ** -10
+    ties = np.array([1 + ulp / 2, -(1 + ulp / 2), 1 + 1.5 * ulp, 1 + ulp / 2 - 2.0 ** -23], F32)
+    assert split_tf32(ties)[0].tolist() == [1 + ulp, -(1 + ulp), 1 + 2 * ulp, 1.0]
+
+
+def test_split_special_values():
+    tiny = np.finfo(F32).smallest_subnormal
+    big = np.finfo(F32).max
+    x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, tiny, -tiny, 4097 * tiny, 12345 * tiny,
+                  np.finfo(F32).tiny, big, -big], F32)
+    hi, lo = split_tf32(x)
+    assert hi.view(U32)[:2].tolist() == [0, 0x80000000] and lo[:2].tolist() == [0, 0]  # signs
+    assert hi[2] == np.inf and hi[3] == -np.inf and np.isnan(hi[4])
+    assert hi.view(U32)[4] == x.view(U32)[4] and lo[2:5].tolist() == [0, 0, 0]  # NaN kept
+    # subnormals: rounded at the same bit, the rest exactly in lo (the kernel's subtraction
+    # does not flush them)
+    assert hi[5] == 0 and lo[5] == tiny and hi[6] == 0 and lo[6] == -tiny
+    assert hi.view(U32)[7] == 0x2000 and lo[7] == -(8192 - 4097) * tiny
+    # the largest values would round to infinity: truncated instead, still exact
+    assert np.all(np.isfinite(hi[10:])) and np.array_equal(hi[8:] + lo[8:], x[8:])
+
+
+def _rel(x, ref) -> float:
+    return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
+
+
+def _emulated_3xtf32(a, b) -> np.ndarray:
+    """gemm's "3xtf32" product, emulated: exact products of the TF32 parts (float64 sums; lo
+    read as TF32 by the tensor cores), each of the three GEMMs landing in float32 ``out`` in
+    gemm's order lo·hi, hi·lo, hi·hi."""
+    a_hi, a_lo = split_tf32(a)
+    b_hi, b_lo = split_tf32(b)
+    a_hi, a_lo, b_hi, b_lo = (np.asarray(v, np.float64) for v in
+                              (a_hi, tf32_truncate(a_lo), b_hi, tf32_truncate(b_lo)))
+    out = (a_lo @ b_hi).astype(F32)
+    out = (out + (a_hi @ b_lo).astype(F32)).astype(F32)
+    return (out + (a_hi @ b_hi).astype(F32)).astype(F32)
+
+
+@pytest.mark.parametrize("k", [64, 256, 1024, 4096])
+def test_emulated_3xtf32_error_within_float32s(k):
+    """Relative (Frobenius) error vs float64 at m = n = 64, standard normal inputs; measured
+    (NumPy's float32 matmul on the CPU host): k = 64: 3xTF32 8.6e-8, float32 1.5e-7, TF32
+    (hi·hi) 2.9e-4; k = 256: 8.3e-8, 2.9e-7, 3.0e-4; k = 1024: 8.5e-8, 3.4e-7, 2.9e-4;
+    k = 4096: 8.6e-8, 3.8e-7, 3.0e-4.  The emulation sums in float64, so it shows the split's
+    error (lo·lo dropped, lo read as TF32, three roundings into out), not cuBLAS's fp32
+    accumulation, which the GPU test measures."""
+    rng = np.random.default_rng(k)
+    a = rng.standard_normal((64, k)).astype(F32)
+    b = rng.standard_normal((k, 64)).astype(F32)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    e3 = _rel(_emulated_3xtf32(a, b), ref)
+    e32 = _rel(a @ b, ref)
+    hi_a, hi_b = (np.asarray(split_tf32(v)[0], np.float64) for v in (a, b))
+    etf = _rel((hi_a @ hi_b).astype(F32), ref)
+    assert e3 <= e32, (e3, e32)
+    assert e3 <= 1e-7 and 1e-4 < etf < 1e-3, (e3, etf)
+
+
+def test_env_variable_is_validated(monkeypatch):
+    monkeypatch.setenv("CUPYNCE_FLOAT32", "tf32")
+    assert blas._env_precision() == "tf32"
+    monkeypatch.delenv("CUPYNCE_FLOAT32")
+    assert blas._env_precision() == "fp32"
+    monkeypatch.setenv("CUPYNCE_FLOAT32", "bf16x3")
+    with pytest.raises(ValueError, match=r"CUPYNCE_FLOAT32='bf16x3' is not a float32 precision; "
+                                         r"expected one of 'fp32', 'tf32', '3xtf32'"):
+        blas._env_precision()
+
+
+def test_default_is_fp32():
+    assert blas.FLOAT32_PRECISION == "fp32"  # (the test environment sets no CUPYNCE_FLOAT32)
+    assert blas.float32_precision_now() == "fp32"
+
+
+def test_context_manager_scopes_this_thread(monkeypatch):
+    with pytest.raises(ValueError, match=r"float32_precision: precision='TF32' is not"):
+        blas.float32_precision("TF32")  # refused at the call, before any scope opens
+    seen = []
+    with blas.float32_precision("3xtf32"):
+        assert blas.float32_precision_now() == "3xtf32"
+        with blas.float32_precision("tf32"):
+            assert blas.float32_precision_now() == "tf32"
+            t = threading.Thread(target=lambda: seen.append(blas.float32_precision_now()))
+            t.start()
+            t.join()
+        assert blas.float32_precision_now() == "3xtf32"
+    assert blas.float32_precision_now() == "fp32" and seen == ["fp32"]
+    with pytest.raises(RuntimeError):
+        with blas.float32_precision("tf32"):
+            raise RuntimeError
+    assert blas.float32_precision_now() == "fp32"  # restored on an exception too
+    monkeypatch.setattr(blas, "FLOAT32_PRECISION", "tf32")
+    assert blas.float32_precision_now() == "tf32"
+    monkeypatch.setattr(blas, "FLOAT32_PRECISION", "fast")
+    with pytest.raises(ValueError, match=r"blas.FLOAT32_PRECISION='fast'"):
+        blas.float32_precision_now()
+
+
+def test_graph_key_includes_precision():
+    from cupynce.ops import _graphs
+
+    keys = {}
+    for p in blas.FLOAT32_PRECISIONS:
+        with blas.float32_precision(p):
+            keys[p] = _graphs._switches()
+            assert p in keys[p]
+    assert len(set(keys.values())) == 3
+    assert _graphs._switches() == keys["fp32"]
