@@ -44,7 +44,7 @@ if part in ("all", "ws"):
     # one call per warp-specialised stage (tiles_ws.cu), counted: each must have run there
     ran = []
     real = C.ws_launch
-    C.ws_launch = lambda stage, *x: ran.append(stage) or real(stage, *x)
+    C.ws_launch = lambda stage, *x, **kw: ran.append(stage) or real(stage, *x, **kw)
     q, k = a[:520], bb[:520]
     ng = cp.asarray(rng.standard_normal((130, 136)).astype(bf))
     l, c = cupynce.info_nce_forward(a[:300], bb[:300], 0.1, negatives=ng)  # lse, B2 at 300
