@@ -2,7 +2,8 @@
 against float64 for Z·Zᵀ (positive diagonal) and a random A·Bᵀ, with the mean signed error
 (a bias shows there), the hi·hi product alone on the tensor cores and through fp32, and hi·hi
 in K-chunks summed with round-to-nearest between chunks (what a kernel promoting its
-accumulator every ``chunk`` K elements would get).  Then each mode's time for one
+accumulator every ``chunk`` K elements would get), and an Ozaki-style product of bfloat16
+slices (exact partial products: ``slices_bf16``).  Then each mode's time for one
 16384 x 16384 x 512 product.  On Hopper the tensor cores round the accumulator toward zero
 at every MMA step: 3xtf32's error is hi·hi's, a bias, ~3-13x fp32's (docs/notes.md).
 
@@ -31,10 +32,46 @@ def prod(a, b, compute, out=None, beta=0.0):
     return out
 
 
+def slices_bf16(x, count: int = 3, bits: int = 8):
+    """Ozaki-style split of the float32 rows of ``x`` into ``count`` bfloat16 slices with one
+    scale per row: slice s holds integers |v| <= 2^(bits-1) times 2^(e - (bits - 1) - bits s)
+    (2^e >= the row's max |x|), so every product of two slices' entries is an integer of at most
+    2(bits - 1) bits in one unit per (row, row) pair, and a sum of K of them is exact in fp32
+    while 2^(2 bits - 2) K <= 2^24 (K <= 1024 for 8 bits): the tensor cores' truncation has no
+    bits to drop."""
+    import ml_dtypes
+
+    x64 = cp.asnumpy(x).astype(np.float64)  # (on the host: a measurement, not the kernel)
+    amax = np.maximum(np.abs(x64).max(axis=1, keepdims=True), 1e-300)
+    scale = 2.0 ** (np.ceil(np.log2(amax)) - (bits - 1))
+    out, r = [], x64
+    for _ in range(count):
+        v = np.rint(r / scale)
+        out.append(cp.asarray((v * scale).astype(np.float32).astype(ml_dtypes.bfloat16)))
+        r = r - v * scale
+        scale = scale / 2.0 ** bits
+    return out
+
+
+def ozaki(a, b, count: int, limit: int, bits: int = 8):
+    """a·bᵀ from bf16 slice products through cuBLAS (fp32 out, each exact), the slice pairs
+    (s, t) with s + t <= ``limit`` (0-based), small terms first; (out, products issued).
+    CPU emulation (2026-11-26, K = 256 / 512, Gaussian rows): 3 slices x 6 pairs 5.2e-7,
+    3 x 9 2.1e-7 (fp32: 2.9e-7), 4 slices x 10 pairs 2.3e-9."""
+    sa, sb = slices_bf16(a, count, bits), slices_bf16(b, count, bits)
+    out = cp.zeros((a.shape[0], b.shape[0]), cp.float32)
+    pairs = sorted(((s, t) for s in range(count) for t in range(count) if s + t <= limit),
+                   key=lambda p: -(p[0] + p[1]))
+    for s, t in pairs:
+        B._cublas_gemm(sa[s], sb[t], out, False, True, 1.0, 1.0, FP32)
+    return out, len(pairs)
+
+
 def main() -> None:
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print("| case | fp32 | tf32 | 3xtf32 | hi·hi TF32 | hi·hi fp32 | hi·hi chunks 32 | chunks 128 |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|")
+    print("| case | fp32 | tf32 | 3xtf32 | hi·hi TF32 | hi·hi fp32 | hi·hi chunks 32 | chunks 128 "
+          "| bf16 3 slices, 9 products | 4 slices, 10 products |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for m, k in [(512, 256), (512, 512), (256, 4096)]:
         rng = np.random.default_rng(1)
         for kind in ("Z Zᵀ", "random"):
@@ -55,6 +92,8 @@ def main() -> None:
                 for c0 in range(0, k, chunk):
                     prod(hi[:, c0:c0 + chunk], whi[:, c0:c0 + chunk], TF32, o, 1.0)
                 res.append(rel(o, href))
+            res.append(rel(ozaki(zd, wd, 3, 4)[0], ref))
+            res.append(rel(ozaki(zd, wd, 4, 3)[0], ref))
             print(f"| k={k} {kind} | " + " | ".join(f"{e:.2e} ({b:+.1e})" for e, b in res) + " |")
     z = cp.asarray(np.random.default_rng(2).standard_normal((16384, 512)).astype(np.float32))
     out = cp.empty((16384, 16384), cp.float32)
@@ -68,6 +107,16 @@ def main() -> None:
                 B.gemm(z, z, out, trans_b=True)
             cp.cuda.Device().synchronize()
         print(f"{mode}: 16384 x 16384 x 512 in {(time.perf_counter() - t) / 10 * 1e3:.3f} ms")
+    sa = slices_bf16(z)
+    for _ in range(3):
+        B._cublas_gemm(sa[0], sa[0], out, False, True, 1.0, 0.0, FP32)
+    cp.cuda.Device().synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        B._cublas_gemm(sa[0], sa[0], out, False, True, 1.0, 0.0, FP32)
+    cp.cuda.Device().synchronize()
+    print(f"one bf16 slice product: {(time.perf_counter() - t) / 10 * 1e3:.3f} ms (x 9 or 10 "
+          "for a slices' product, the split not counted)")
 
 
 if __name__ == "__main__":
