@@ -447,6 +447,16 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _torch_tf32(torch) -> bool:
+    """Whether torch runs float32 CUDA matmuls in TF32 (torch >= 2.9: ``fp32_precision``;
+    its ``allow_tf32`` refuses to answer once the new API set TF32)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return matmul.fp32_precision == "tf32"
+    except AttributeError:
+        return bool(matmul.allow_tf32)
+
+
 def device_info() -> Dict[str, Any]:
     """GPU, CUDA and package versions, and the date; never raises (errors are recorded)."""
     info: Dict[str, Any] = {
@@ -474,6 +484,8 @@ def device_info() -> Dict[str, Any]:
         import cupynce  # optional: the harness does not depend on it
 
         info["cupynce"] = getattr(cupynce, "__version__", None)
+        # (the global default of precision=None: how float32 products ran)
+        info["cupynce_float32_precision"] = cupynce.get_float32_precision()
     except Exception:  # noqa: BLE001
         info["cupynce"] = None
     try:
@@ -506,7 +518,8 @@ def device_info() -> Dict[str, Any]:
         try:
             info.update(
                 torch_cuda=torch.version.cuda,
-                torch_allow_tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
+                # (cupynce.torch's precision=None follows this flag; see _registry)
+                torch_allow_tf32_matmul=_torch_tf32(torch),
                 torch_float32_matmul_precision=torch.get_float32_matmul_precision(),
                 torch_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             )
