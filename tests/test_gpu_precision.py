@@ -167,9 +167,10 @@ def test_modes_against_float64(op, n, d, reduction):
         bound = min(X3_FACTOR * e32 + X3_FLOOR * k, X3_CAP * k)
         assert e3 <= bound, (f"{case} 3xtf32: {name} rel err {e3:.3e} > {bound:.3e} "
                              f"(fp32's {e32:.3e}, κ {k:.3g}, tf32's {etf:.3e})")
-    # "fp32" is the default's very call: the same bits
-    for name, x, y in zip(names, got["fp32"], [default[0]] + default[1]):
-        assert _same_bits(x, y), f"{case}: precision='fp32' changed {name}'s bits"
+    # the default ("fp32" unless CUPYNCE_FLOAT32 says otherwise) is that mode's very call
+    dmode = cupynce.get_float32_precision()
+    for name, x, y in zip(names, got[dmode], [default[0]] + default[1]):
+        assert _same_bits(x, y), f"{case}: precision={dmode!r} changed {name}'s bits"
     if _cublas_route(n, d):  # the modes took effect (the bounds alone would not see it)
         for mode in ("tf32", "3xtf32"):
             assert not all(_same_bits(x, y) for x, y in zip(got[mode][1:], got["fp32"][1:])), \
@@ -236,7 +237,7 @@ def test_splade_forward_modes():
     for mode in MODES:
         out = cupynce.splade_pool(cp.asarray(x), cp.asarray(w), precision=mode)
         errs[mode] = rel(out, ref_out)
-        if mode == "fp32":
+        if mode == cupynce.get_float32_precision():
             assert _same_bits(out, default)
     assert errs["fp32"] <= 1e-5 and errs["tf32"] <= TF32_TOL, errs
     assert errs["3xtf32"] <= min(X3_FACTOR * errs["fp32"] + X3_FLOOR, X3_CAP), errs
@@ -270,7 +271,7 @@ def test_torch_follows_its_tf32_flag():
         assert torch.equal(loss(), loss(precision="tf32"))
         assert not torch.equal(loss(precision="3xtf32"), loss())
         matmul.allow_tf32 = False
-        assert torch.equal(loss(), loss(precision="fp32"))
+        assert torch.equal(loss(), loss(precision=cupynce.get_float32_precision()))
         assert not torch.equal(loss(precision="fp32"), loss(precision="tf32"))
     finally:
         if _registry._FP32_PRECISION_API:

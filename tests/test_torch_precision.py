@@ -155,8 +155,9 @@ def test_schemas_take_an_optional_precision(op):
 
 
 def test_compiled_step_follows_the_flag(torch_tf32, spy):
-    """torch.compile (fullgraph): the rule is read when the graph is traced and dynamo's
-    global-state guard (which holds the TF32 flag) retraces when the flag changes."""
+    """torch.compile (fullgraph): the rule is read when the graph is traced; dynamo's
+    global-state guard (which holds the TF32 flag) retraces when the flag changes, and its
+    guard on the global default when that changes."""
     torch._dynamo.reset()
 
     def step(z):
@@ -169,6 +170,10 @@ def test_compiled_step_follows_the_flag(torch_tf32, spy):
         del spy[:]
         fn(z).backward()
         assert _modes(spy) == {want}, (tf32, spy)
+    cupynce.set_float32_precision("3xtf32")  # (dynamo guards the global default too)
+    del spy[:]
+    fn(z).backward()
+    assert _modes(spy) == {"3xtf32"}, spy
     torch._dynamo.reset()
 
 

@@ -447,16 +447,6 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _torch_tf32(torch) -> bool:
-    """Whether torch runs float32 CUDA matmuls in TF32 (torch >= 2.9: ``fp32_precision``;
-    its ``allow_tf32`` refuses to answer once the new API set TF32)."""
-    matmul = torch.backends.cuda.matmul
-    try:
-        return matmul.fp32_precision == "tf32"
-    except AttributeError:
-        return bool(matmul.allow_tf32)
-
-
 def device_info() -> Dict[str, Any]:
     """GPU, CUDA and package versions, and the date; never raises (errors are recorded)."""
     info: Dict[str, Any] = {
@@ -515,11 +505,12 @@ def device_info() -> Dict[str, Any]:
         info["error"] = _short(exc)
     torch = sys.modules.get("torch")
     if torch is not None:
-        try:
+        try:  # (torch >= 2.9 refuses to read allow_tf32 once fp32_precision set TF32)
+            mm = torch.backends.cuda.matmul
+            new = getattr(mm, "fp32_precision", None)
             info.update(
                 torch_cuda=torch.version.cuda,
-                # (cupynce.torch's precision=None follows this flag; see _registry)
-                torch_allow_tf32_matmul=_torch_tf32(torch),
+                torch_allow_tf32_matmul=new == "tf32" if new else bool(mm.allow_tf32),
                 torch_float32_matmul_precision=torch.get_float32_matmul_precision(),
                 torch_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             )
