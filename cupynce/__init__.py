@@ -10,6 +10,11 @@ path; ``cupynce.torch`` wraps them for PyTorch):
 
 Each has ``*_forward`` (loss and a context) and ``*_backward(ctx, grad_loss)`` (gradients);
 ``*_backward_from_stats`` rebuilds the gradients from the inputs and the O(N) ``ctx.stats``.
+
+float32 products on the GPU run in "fp32" (the default), "tf32" or "3xtf32": per call with
+``precision=`` (every entry point; kept in the context for the backward), or for every call
+without one with :func:`set_float32_precision` (:func:`get_float32_precision`; env
+``CUPYNCE_FLOAT32``).  Other dtypes and the NumPy path ignore it.
 ``import cupynce`` needs neither CuPy, nor torch, nor a GPU.
 
 Layout (each layer imports only the ones below it): ``cupynce.ops`` (one module per op:
@@ -19,7 +24,7 @@ checks, NumPy path) → ``cupynce._engine`` (the GPU engine: loader, cuBLAS, row
 """
 from ._version import __version__
 from ._engine.kernels import SUPPORTED_DTYPES, KernelCompileError
-from .ops._base import Context
+from .ops._base import Context, get_float32_precision, set_float32_precision
 from .ops.clip import (
     clip_loss,
     clip_loss_backward,
@@ -55,6 +60,7 @@ from .ops.splade import (
 
 __all__ = [
     "__version__", "Context", "KernelCompileError", "SUPPORTED_DTYPES",
+    "set_float32_precision", "get_float32_precision",
     "nt_xent", "nt_xent_forward", "nt_xent_backward", "nt_xent_backward_from_stats",
     "info_nce", "info_nce_forward", "info_nce_backward", "info_nce_backward_from_stats",
     "clip_loss", "clip_loss_forward", "clip_loss_backward", "clip_loss_backward_from_stats",

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._engine import blas
 from ._engine.kernels import SUPPORTED_DTYPES
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -184,6 +185,24 @@ def check_reduction(op: str, reduction: Any) -> str:
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return reduction
+
+
+def check_precision(op: str, precision: Any, *, allow_none: bool = True) -> str:
+    """An entry point's ``precision=`` (its float32 products): "fp32" | "tf32" | "3xtf32", or
+    None for the global default (:func:`cupynce.get_float32_precision`, read now).
+
+    Returns the resolved mode, which the entry point runs its engine work under
+    (``blas.float32_precision``) and keeps in its Context for the backward.
+    """
+    if precision is None and allow_none:
+        return blas.float32_precision_default()
+    if not isinstance(precision, str) or precision not in blas.FLOAT32_PRECISIONS:
+        modes = ", ".join(map(repr, blas.FLOAT32_PRECISIONS))
+        default = (" or None (the global default, cupynce.get_float32_precision())"
+                   if allow_none else "")
+        raise ValueError(f"{op}: precision must be one of {modes}{default}, "
+                         f"got {precision!r}")
+    return str(precision)  # (a str subclass, e.g. numpy.str_, as a plain str: graph keys)
 
 
 #: the largest logit_scale (a log) for every dtype: exp of it is float32's largest value

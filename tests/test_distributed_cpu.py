@@ -279,6 +279,8 @@ def check_bad_inputs_raise_everywhere(rank, P):
          TypeError if DEVICE == "cpu" else None),
         ("logit_scale", lambda: ct.clip_loss(q, q, "2.0" if last else 2.0,
                                              group=dist.group.WORLD), TypeError),
+        ("precision", lambda: ct.siglip_loss(q, q, 1.0, 0.0, precision="TF32" if last else None,
+                                             group=dist.group.WORLD), ValueError),
     ]
     for what, call, kind in cases:
         if kind is None:
@@ -292,6 +294,12 @@ def check_bad_inputs_raise_everywhere(rank, P):
                 assert f"invalid inputs on rank(s) [{P - 1}]" in str(exc), exc
         else:
             raise AssertionError(f"rank {P - 1}'s bad {what} was accepted")
+    try:  # ranks that resolve to different float32 precisions
+        ct.info_nce(q, q, precision="3xtf32" if last else "fp32", group=dist.group.WORLD)
+    except ValueError as exc:
+        assert "must pass the same settings" in str(exc), exc
+    else:
+        raise AssertionError("ranks with different precisions were accepted")
     with torch.no_grad():  # no gradient wanted: the forward alone, no gradient work
         loss = ct.nt_xent(z, 0.5, group=dist.group.WORLD)
     assert loss.requires_grad is False and torch.isfinite(loss)
@@ -303,6 +311,38 @@ def check_bad_inputs_raise_everywhere(rank, P):
         assert "double backward" in str(exc), exc
     else:
         raise AssertionError("double backward was accepted")
+
+
+def check_precision_reaches_every_product(rank, P):
+    """``precision=`` of a global loss: the rank's products, forward and the "none" backward
+    (which recomputes), run in it (on the CPU: the NumPy engine's primitives are wrapped to
+    record the precision in effect; the real ones run)."""
+    if DEVICE != "cpu":
+        return
+    import cupynce.torch as ct
+    from cupynce._engine import blas
+    from cupynce.ops import _numpy
+
+    seen, real = [], _numpy.rows
+
+    def rows(*args, **kwargs):
+        seen.append(blas.float32_precision_now())
+        return real(*args, **kwargs)
+    _numpy.rows = rows
+    try:
+        for precision, tf32, want in (("3xtf32", True, "3xtf32"), (None, True, "tf32"),
+                                      (None, False, "fp32")):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            z = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+            loss = ct.nt_xent(z, 0.5, reduction="none", precision=precision,
+                              group=dist.group.WORLD)
+            n_forward = len(seen)
+            torch.autograd.grad(loss.sum(), z)
+            assert n_forward and len(seen) > n_forward and set(seen) == {want}, (want, seen)
+            del seen[:]
+    finally:
+        _numpy.rows = real
+        torch.backends.cuda.matmul.allow_tf32 = False
 
 
 # ---- the launcher -------------------------------------------------------------------------
@@ -358,5 +398,6 @@ def test_global_losses_over_gloo(world):
     names = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
              "check_ddp_step"]
     if world > 1:
-        names += ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"]
+        names += ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere",
+                  "check_precision_reaches_every_product"]
     run_ranks(world, names)

@@ -3,8 +3,9 @@
 =============  ==========================================================================
 kernels.py     the loader: finds ``kernels_src``, the dtype table, NVRTC builds (sm_90a
                where a file has Hopper-only code), memoized ``cpn_<stage>_<dtype>`` handles
-blas.py        cuBLAS products (``gemmEx``, fp32 accumulation, no TF32), the small-product
-               kernel, and the workspace planning (rows per score block)
+blas.py        cuBLAS products (``gemmEx``, fp32 accumulation; float32 products in fp32, TF32
+               or 3xTF32 per ``float32_precision``), the small-product kernel, and the
+               workspace planning (rows per score block)
 arrays.py      buffers from one allocation, row normalisation, gradient finishing, the
                fixed-order sum
 blocks.py      the cuBLAS row-block path: score blocks through cuBLAS + the row / column

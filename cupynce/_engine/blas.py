@@ -17,16 +17,19 @@ float64    CUBLAS_COMPUTE_64F           float64
 
 Launches go to the current CuPy stream (CuPy's binding sets it on the handle).
 
-float32 precision (an engine switch; the public ``precision=`` argument, and "3xtf32" as the
-default, come once a GPU has measured its errors): ``FLOAT32_PRECISION`` (env
-``CUPYNCE_FLOAT32``, default "fp32"), overridden in a thread by ``with float32_precision(p):``;
-``float32_precision_now()`` is the one in effect, part of ``ops._graphs``' graph keys.
+float32 precision: ``FLOAT32_PRECISION`` (env ``CUPYNCE_FLOAT32``, default "fp32"; set by
+``cupynce.set_float32_precision``), overridden in a thread by ``with float32_precision(p):``,
+which every public entry point opens around its engine work with its ``precision=`` argument
+(``_checks.check_precision``); ``float32_precision_now()`` is the one in effect, part of
+``ops._graphs``' graph keys.
 "fp32" is the true-fp32 product; "tf32" rounds the operands to TF32 (10 mantissa bits,
 ~1e-3 relative error); "3xtf32" splits each operand x = hi + lo (hi = x rounded to TF32,
 ``kernels_src/blas.cu``'s ``cpn_split_tf32_f32``) and sums three TF32 tensor-core products,
-hi·hi + hi·lo + lo·hi (lo·lo, ~2^-22 relative, dropped), as CUTLASS's 3xTF32 does: about
-fp32's accuracy at tensor-core rates.  An infinite entry splits as hi = inf, lo = 0, so its
-cross term with a TF32-exact entry (lo = 0) is inf·0 = NaN where fp32 gives ±inf.
+hi·hi + hi·lo + lo·hi (lo·lo, ~2^-22 relative, dropped), as CUTLASS's 3xTF32 does.  On an
+H100 its products came out ~3x less accurate than true fp32 (8.7e-7 against 2.7e-7 relative
+for Z·Zᵀ at k = 256: Hopper's tensor cores accumulate with truncation toward zero), so "fp32"
+stays the default.  An infinite entry splits as hi = inf, lo = 0, so its cross term with a
+TF32-exact entry (lo = 0) is inf·0 = NaN where fp32 gives ±inf.
 
 Tiny products (at most ``SMALL_GEMM_MACS`` multiply-adds, ``k <= SMALL_GEMM_MAX_K``, output
 in the accumulator dtype) skip cuBLAS: ``kernels_src/blas.cu``'s ``small_gemm`` (one thread
@@ -41,10 +44,9 @@ and gradients of these losses.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -264,27 +266,41 @@ def unbind_stream() -> None:
         entry[1] = None
 
 
+def float32_precision_default() -> str:
+    """The global default, ``FLOAT32_PRECISION`` (validated: a module attribute anyone may
+    set)."""
+    return _check_precision(FLOAT32_PRECISION, "blas.FLOAT32_PRECISION")
+
+
 def float32_precision_now() -> str:
     """The float32 precision in effect in this thread: the innermost
     :func:`float32_precision` scope's, else ``FLOAT32_PRECISION``."""
     p = getattr(_LOCAL, "precision", None)
-    return p if p is not None else _check_precision(FLOAT32_PRECISION, "blas.FLOAT32_PRECISION")
+    return p if p is not None else float32_precision_default()
 
 
-def float32_precision(precision: str):
+class _Scope:
+    """:func:`float32_precision`'s context manager (a class, not a generator: every entry
+    point opens one per call, forward and backward)."""
+
+    __slots__ = ("p", "prev")
+
+    def __init__(self, p: str):
+        self.p, self.prev = p, None
+
+    def __enter__(self) -> None:
+        self.prev = getattr(_LOCAL, "precision", None)
+        _LOCAL.precision = self.p
+
+    def __exit__(self, *exc) -> bool:
+        _LOCAL.precision = self.prev
+        return False
+
+
+def float32_precision(precision: str) -> _Scope:
     """``with float32_precision("3xtf32"):`` -- this thread's float32 products in that mode
     (validated here, before the scope opens); the previous one comes back on exit."""
-    p = _check_precision(precision, "float32_precision: precision")
-
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        prev = getattr(_LOCAL, "precision", None)
-        _LOCAL.precision = p
-        try:
-            yield
-        finally:
-            _LOCAL.precision = prev
-    return scope()
+    return _Scope(_check_precision(precision, "float32_precision: precision"))
 
 
 def split_tf32(x, name: str = "x"):

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import torch as C
+from ..torch import _registry
 from ._common import dist_group, rank_share
 
 __all__ = ["NTXentLoss"]
@@ -30,14 +31,16 @@ class NTXentLoss(nn.Module):
         gradients: the same; DDP's average gives the single-process gradient).
 
     Keyword-only extras: ``workspace_bytes`` (the op's scratch cap), ``group`` (the process
-    group, used with ``gather_distributed``; lightly uses the default one).  The loss is
+    group, used with ``gather_distributed``; lightly uses the default one), ``precision``
+    (float32 products on CUDA, as :func:`cupynce.torch.nt_xent`'s: None follows torch's TF32
+    setting, then ``cupynce.get_float32_precision()``).  The loss is
     float32 for 16-bit inputs (lightly returns the inputs' dtype).
     """
 
     def __init__(self, temperature: float = 0.5,
                  memory_bank_size: Union[int, Sequence[int]] = 0,
                  gather_distributed: bool = False, *, workspace_bytes: Optional[int] = None,
-                 group: Optional[Any] = None):
+                 group: Optional[Any] = None, precision: Optional[str] = None):
         super().__init__()
         size = memory_bank_size if isinstance(memory_bank_size, int) else \
             (memory_bank_size[0] if len(memory_bank_size) else 0)
@@ -53,13 +56,14 @@ class NTXentLoss(nn.Module):
         self.temperature, self.memory_bank_size = temperature, memory_bank_size
         self.gather_distributed = gather_distributed
         self.workspace_bytes, self.group = workspace_bytes, group
+        self.precision = _registry.module_precision("NTXentLoss", precision)
 
     def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
         if out0.shape != out1.shape or out0.dim() != 2:
             raise ValueError(f"NTXentLoss: out0 and out1 must be (n, D) of one shape, got "
                              f"{tuple(out0.shape)} and {tuple(out1.shape)}")
         z = torch.cat([out0, out1], 0)
-        kw = dict(normalize=True, workspace_bytes=self.workspace_bytes)
+        kw = dict(normalize=True, workspace_bytes=self.workspace_bytes, precision=self.precision)
         group, size = dist_group(self.group) if self.gather_distributed else (None, 1)
         if size == 1:
             return C.nt_xent(z, self.temperature, **kw)

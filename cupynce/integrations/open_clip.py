@@ -11,7 +11,9 @@ caller's tensor exactly as in open_clip).
 
 Extra keyword-only arguments: ``normalize`` (L2-normalise the features inside the op; open_clip
 expects them normalised by the model), ``workspace_bytes`` (the op's scratch cap), ``group``
-(the process group; the default group when ``world_size > 1``).
+(the process group; the default group when ``world_size > 1``), ``precision`` (float32
+products on CUDA: "fp32" | "tf32" | "3xtf32"; None follows torch's TF32 setting, as
+open_clip's own matmuls do, then ``cupynce.get_float32_precision()``).
 """
 from typing import Any, Dict, Optional, Union
 
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import torch as C
+from ..torch import _registry
 from ._common import log_scale, rank_share, scale_grad, world_group
 
 __all__ = ["ClipLoss", "SigLipLoss"]
@@ -77,7 +80,8 @@ class ClipLoss(nn.Module):
     def __init__(self, local_loss: bool = False, gather_with_grad: bool = False,
                  cache_labels: bool = False, rank: int = 0, world_size: int = 1,
                  use_horovod: bool = False, *, normalize: bool = False,
-                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None):
+                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
+                 precision: Optional[str] = None):
         super().__init__()
         if use_horovod:
             raise NotImplementedError(
@@ -88,12 +92,14 @@ class ClipLoss(nn.Module):
         self.cache_labels, self.rank, self.world_size = cache_labels, rank, world_size
         self.use_horovod = False
         self.normalize, self.workspace_bytes, self.group = normalize, workspace_bytes, group
+        self.precision = _registry.module_precision("ClipLoss", precision)
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Any,
                 logit_bias: Optional[Any] = None, output_dict: bool = False):
         t = log_scale("ClipLoss", logit_scale)
         group, size = world_group("ClipLoss", self.rank, self.world_size, self.group)
-        kw = dict(normalize=self.normalize, workspace_bytes=self.workspace_bytes)
+        kw = dict(normalize=self.normalize, workspace_bytes=self.workspace_bytes,
+                  precision=self.precision)
         a, b = image_features, text_features
         if size == 1:
             loss = C.clip_loss(a, b, t, **kw)
@@ -133,10 +139,9 @@ class ClipLoss(nn.Module):
         if self.normalize:  # the op's normalisation, before the scale multiplies the rows
             a, b = nn.functional.normalize(a, dim=-1), nn.functional.normalize(b, dim=-1)
         other_b, other_a = others(b), others(a)
-        li = C.info_nce(a * scale, b.detach(), 1.0, negatives=other_b,
-                        workspace_bytes=self.workspace_bytes)
-        lt = C.info_nce(b * scale, a.detach(), 1.0, negatives=other_a,
-                        workspace_bytes=self.workspace_bytes)
+        kw = dict(workspace_bytes=self.workspace_bytes, precision=self.precision)
+        li = C.info_nce(a * scale, b.detach(), 1.0, negatives=other_b, **kw)
+        lt = C.info_nce(b * scale, a.detach(), 1.0, negatives=other_a, **kw)
         return (li + lt) / 2
 
 
@@ -162,7 +167,8 @@ class SigLipLoss(nn.Module):
 
     def __init__(self, cache_labels: bool = False, rank: int = 0, world_size: int = 1,
                  dist_impl: Optional[str] = None, *, normalize: bool = False,
-                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None):
+                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
+                 precision: Optional[str] = None):
         super().__init__()
         self.dist_impl = dist_impl or "bidir"
         if self.dist_impl not in ("bidir", "shift", "reduce", "gather"):
@@ -170,6 +176,7 @@ class SigLipLoss(nn.Module):
                              "'reduce' or 'gather' (all give the same loss here)")
         self.cache_labels, self.rank, self.world_size = cache_labels, rank, world_size
         self.normalize, self.workspace_bytes, self.group = normalize, workspace_bytes, group
+        self.precision = _registry.module_precision("SigLipLoss", precision)
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Any,
                 logit_bias: Any = None, output_dict: bool = False):
@@ -177,7 +184,8 @@ class SigLipLoss(nn.Module):
         if logit_bias is None:  # (open_clip: no bias added)
             logit_bias = 0.0
         group, size = world_group("SigLipLoss", self.rank, self.world_size, self.group)
-        kw = dict(normalize=self.normalize, workspace_bytes=self.workspace_bytes)
+        kw = dict(normalize=self.normalize, workspace_bytes=self.workspace_bytes,
+                  precision=self.precision)
         a, b = image_features, text_features
         if size == 1:
             loss = C.siglip_loss(a, b, t, logit_bias, **kw)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import torch as C
+from ..torch import _registry
 from ._common import dist_group, rank_share
 
 __all__ = ["MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss",
@@ -66,7 +67,9 @@ class MultipleNegativesRankingLoss(nn.Module):
         and no hardness weighting (``hardness_mode=None`` or ``hardness_strength=0``); the
         rest raise ``NotImplementedError``.
 
-    Keyword-only extras: ``workspace_bytes``, ``group`` (the default group unless given).
+    Keyword-only extras: ``workspace_bytes``, ``group`` (the default group unless given),
+    ``precision`` (float32 products on CUDA, as :func:`cupynce.torch.info_nce`'s: None follows
+    torch's TF32 setting, then ``cupynce.get_float32_precision()``).
     The loss is float32 for 16-bit embeddings (the op's accumulation dtype).
     """
 
@@ -74,7 +77,8 @@ class MultipleNegativesRankingLoss(nn.Module):
                  similarity_fct: Optional[Callable] = None, gather_across_devices: bool = False,
                  directions: Sequence[str] = ("query_to_doc",), partition_mode: str = "joint",
                  hardness_mode: Optional[str] = None, hardness_strength: float = 0.0, *,
-                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None):
+                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
+                 precision: Optional[str] = None):
         super().__init__()
         op = type(self).__name__
         try:  # (a real, a NumPy scalar or a one-element tensor, as the library takes)
@@ -92,6 +96,7 @@ class MultipleNegativesRankingLoss(nn.Module):
         self.directions, self.partition_mode = tuple(directions), partition_mode
         self.hardness_mode, self.hardness_strength = hardness_mode, hardness_strength
         self.workspace_bytes, self.group = workspace_bytes, group
+        self.precision = _registry.module_precision(op, precision)
 
     @staticmethod
     def _check_options(op, directions, partition_mode, hardness_mode, hardness_strength):
@@ -132,7 +137,8 @@ class MultipleNegativesRankingLoss(nn.Module):
             raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
         negs = torch.cat(list(embeddings[2:]), 0) if len(embeddings) > 2 else None
         group, size = dist_group(self.group) if self.gather_across_devices else (None, 1)
-        kw = dict(normalize=self.normalize, workspace_bytes=self.workspace_bytes)
+        kw = dict(normalize=self.normalize, workspace_bytes=self.workspace_bytes,
+                  precision=self.precision)
         return embeddings[0], embeddings[1], negs, group, size, kw
 
     def compute_loss_from_embeddings(self, embeddings: Sequence[Tensor], labels: Any = None
@@ -155,7 +161,8 @@ class MultipleNegativesRankingLoss(nn.Module):
                 "gather_across_devices": self.gather_across_devices,
                 "directions": self.directions, "partition_mode": self.partition_mode,
                 "hardness_mode": self.hardness_mode,
-                "hardness_strength": self.hardness_strength, "backend": "cupynce"}
+                "hardness_strength": self.hardness_strength, "backend": "cupynce",
+                **({} if self.precision is None else {"precision": self.precision})}
 
     @property
     def temperature(self) -> float:
@@ -179,11 +186,12 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
 
     def __init__(self, model: Optional[nn.Module] = None, scale: float = 20.0,
                  similarity_fct: Optional[Callable] = None, gather_across_devices: bool = False,
-                 *, workspace_bytes: Optional[int] = None, group: Optional[Any] = None):
+                 *, workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
+                 precision: Optional[str] = None):
         super().__init__(model, scale, similarity_fct, gather_across_devices,
                          directions=("query_to_doc", "doc_to_query"),
                          partition_mode="per_direction", workspace_bytes=workspace_bytes,
-                         group=group)
+                         group=group, precision=precision)
 
 
 class _DecoderInput(nn.Module):
@@ -232,6 +240,10 @@ _SPLADE_DOC = """sentence-transformers' ``SpladePooling`` for a ``SparseEncoder`
         so it commutes with the max).
     embedding_dimension, chunk_size : as the library's (no chunks are needed here: nothing of
         size B × L × V is formed).
+    precision : keyword-only, float32 logit products on CUDA, as
+        :func:`cupynce.torch.splade_pool`'s (None: torch's TF32 setting, then
+        ``cupynce.get_float32_precision()``); not saved (a saved folder loads the library's
+        class).
 
     Masked-LM heads whose decoder has no bias while the head adds its own after it (ESM, LUKE:
     ``decoder(x) + bias``) raise ``NotImplementedError``: the fused op would drop that bias.
@@ -250,7 +262,7 @@ def _splade_pooling_class():
         def __init__(self, transformer: nn.Module, pooling_strategy: str = "max",
                      activation_function: str = "relu",
                      embedding_dimension: Optional[int] = None,
-                     chunk_size: Optional[int] = None):
+                     chunk_size: Optional[int] = None, *, precision: Optional[str] = None):
             if pooling_strategy != "max":
                 raise NotImplementedError(f"SpladePooling: pooling_strategy={pooling_strategy!r}"
                                           " has no cupynce equivalent; only 'max'")
@@ -274,7 +286,8 @@ def _splade_pooling_class():
                             f"SpladePooling: {type(parent).__name__} adds its own bias after a "
                             "bias-free decoder (decoder(x) + bias); the fused op would drop it")
             # (in lists: the Parameters are the masked LM's; no duplicate state_dict keys)
-            self._head = [C.SpladePooling.from_decoder(decoder, activation="log1p_relu")]
+            self._head = [C.SpladePooling.from_decoder(decoder, activation="log1p_relu",
+                                                       precision=precision)]
             if self.embedding_dimension is None:
                 self.embedding_dimension = decoder.out_features
             self._model, self._decoder = [model], [decoder]

@@ -6,7 +6,8 @@ info_nce.py      query/key InfoNCE, in-batch and explicit (shared or per-query) 
 clip.py          CLIP's symmetric loss with a learnable temperature
 siglip.py        SigLIP's pairwise sigmoid loss with a learnable scale and bias
 splade.py        SPLADE's max-pooled vocabulary head and its FLOPS regularizer
-_base.py         the context, reductions and the CPU / GPU switch the losses share
+_base.py         the context, reductions, the CPU / GPU switch and the float32 precision
+                 default the losses share
 _numpy.py        the NumPy counterparts of the GPU engine's primitives
 ===============  ===========================================================================
 

@@ -1,4 +1,5 @@
-"""What the InfoNCE-family ops share: the context, the reductions, and the backend switch.
+"""What the InfoNCE-family ops share: the context, the reductions, the backend switch, and
+the float32 precision's global default (``set_float32_precision``) and backward scope.
 
 Each op module (nt_xent, info_nce, clip) checks its arguments, lays out its inputs and
 describes its problem to :class:`Path`, which hands it the primitives of the arrays' side:
@@ -7,14 +8,15 @@ arrays.  The two never mix.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from .. import _engine
-from .._engine import arrays
+from .. import _checks, _engine
+from .._engine import arrays, blas
 from .._engine.kernels import acc_dtype
 from . import _numpy
 
@@ -37,6 +39,54 @@ class Context:
     #: float64 inputs); ``(argmax,)`` for splade_pool.  With the inputs they are all
     #: ``*_backward_from_stats`` needs.
     stats: Tuple[Any, ...] = ()
+    #: The float32 precision the forward ran its products in ("fp32" | "tf32" | "3xtf32",
+    #: resolved from its ``precision=``); ``*_backward`` runs in the same (None: no scope).
+    precision: Optional[str] = None
+
+
+def set_float32_precision(precision: str) -> None:
+    """Set the global default of every entry point's ``precision=None``: how float32 products
+    run on the GPU.
+
+    Parameters
+    ----------
+    precision : "fp32" | "tf32" | "3xtf32"
+        "fp32" (the default; env ``CUPYNCE_FLOAT32`` sets the initial value): true fp32 cuBLAS
+        products (``CUBLAS_COMPUTE_32F``).  "tf32": the tensor cores on TF32-rounded operands
+        (10 mantissa bits, ~1e-3 relative error per product, several times faster).
+        "3xtf32": each operand split into its TF32 rounding and the remainder, three TF32
+        products (near fp32's accuracy, ~2-3x fp32's error on Hopper, at tensor-core rates).
+
+    Notes
+    -----
+    Process-wide (every thread without a ``precision=`` of its own); read at each call.  It
+    affects float32 inputs on the GPU only: float16 / bfloat16 / float64 inputs and the NumPy
+    path ignore it.  ``cupynce.torch`` with ``precision=None`` first follows torch's own TF32
+    setting (see :func:`cupynce.torch.nt_xent`).
+    """
+    blas.FLOAT32_PRECISION = _checks.check_precision("set_float32_precision", precision,
+                                                     allow_none=False)
+
+
+def get_float32_precision() -> str:
+    """The global default of ``precision=None`` (see :func:`set_float32_precision`)."""
+    return blas.float32_precision_default()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def in_ctx_precision(backward: F) -> F:
+    """A ``*_backward(ctx, ...)`` run in the float32 precision its forward ran in
+    (``ctx.precision``)."""
+    @functools.wraps(backward)
+    def run(ctx, *args, **kwargs):
+        p = getattr(ctx, "precision", None)
+        if p is None:
+            return backward(ctx, *args, **kwargs)
+        with blas.float32_precision(p):
+            return backward(ctx, *args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 class Path:

@@ -38,9 +38,10 @@ equal those of one process training on the whole batch.  ``logit_scale``'s gradi
 global one on every rank (its average is itself).
 
 **Checks.**  Every rank runs the single-process op's checks, then exchanges its problems,
-local shapes, dtypes and settings (one small all-gather): one rank's bad input, unequal
-local sizes or disagreeing settings raise on every rank (the rank at fault re-raises its own
-error), never a hang or a wrong number.  That exchange is the one host read of the forward;
+local shapes, dtypes and settings (one small all-gather; the settings hold the float32
+``precision`` resolved, which the rank's share and its backward then run in): one rank's bad
+input, unequal local sizes or disagreeing settings raise on every rank (the rank at fault
+re-raises its own error), never a hang or a wrong number.  That exchange is the one host read of the forward;
 the backward has none.  Deterministic for a fixed world size.
 """
 from __future__ import annotations
@@ -51,30 +52,40 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 
 from .. import _checks, _engine
-from .._engine import arrays
+from .._engine import arrays, blas
 from .._engine.kernels import acc_dtype
 from . import _local, _numpy
 from . import clip as clip_op
 from . import info_nce as info_nce_op
 from . import nt_xent as nt_xent_op
 from . import siglip as siglip_op
-from ._base import (Context, Path, contig_inputs, finish_all, prep, require, row_weight,
-                    weights)
+from ._base import (Context, Path, contig_inputs, finish_all, in_ctx_precision, prep, require,
+                    row_weight, weights)
 from ._comm import Comm
 
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
-_REDUCTION_CODE = {"mean": 0, "sum": 1, "none": 2}
+#: the string settings (reduction, float32 precision) as numbers to compare across ranks
+_STR_CODE = {"mean": 0, "sum": 1, "none": 2, "fp32": 10, "tf32": 11, "3xtf32": 12}
 
 
 def _setting(v: Any) -> float:
     """A setting as a float to compare across ranks (NaN where it has none: the local
     checks reject such a value before it matters)."""
     if isinstance(v, str):
-        return float(_REDUCTION_CODE.get(v, -1))
+        return float(_STR_CODE.get(v, -1))
     try:
         return float(v)
     except (TypeError, ValueError):
         return math.nan
+
+
+def _precision_setting(precision: Any) -> Any:
+    """``precision=`` resolved (None → the global default) as the ranks compare it; a bad
+    value as given (the local checks raise it, on every rank through the exchange)."""
+    try:
+        return _checks.check_precision("", precision)
+    except ValueError:
+        return precision
 
 
 def _dtype_name(code: int) -> str:
@@ -125,7 +136,7 @@ def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequenc
     if any(r[1:base] != rows[0][1:base] for r in rows):
         raise ValueError(f"{op}: every rank of the group must pass the same settings "
                          f"(temperature or logit_scale kind, reduction, normalize, "
-                         f"requires_grad), got {[r[1:base] for r in rows]}")
+                         f"requires_grad, float32 precision), got {[r[1:base] for r in rows]}")
     if any(r != rows[0] for r in rows):
         desc = "; ".join(
             f"rank {i}: " + ", ".join(
@@ -182,46 +193,48 @@ def _tags(ctx: Context) -> Context:
 
 # ---- NT-Xent ------------------------------------------------------------------------------
 def nt_xent_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normalize=False,
-                    workspace_bytes=None, requires_grad=True):
+                    workspace_bytes=None, requires_grad=True, precision=None):
     """:func:`cupynce.nt_xent_forward` over ``comm``'s global batch (see the module notes).
 
     ``z`` (2n, D): this rank's [view 1 of its n images; view 2 of them].  Returns the global
     loss (this rank's 2n rows of it for "none") and a context for :func:`backward`.
     """
     op = "nt_xent"
-    xp, t = agree(comm, op, lambda: (
-        nt_xent_op._check(z, temperature, reduction, workspace_bytes, normalize),
+    xp, t, p = agree(comm, op, lambda: (
+        nt_xent_op._check(z, temperature, reduction, workspace_bytes, normalize, precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [z], ["z"],
-        [temperature, reduction, normalize, requires_grad])
-    path = Path(xp)
-    engine = _engine_for(xp)
-    rank, size = comm.rank, comm.size
-    n2 = z.shape[0]
-    z = contig_inputs(xp, z)[0]
-    zn, norm = prep(path, z, normalize)
-    plan = _local.NtXentPlan(rank, size, n2)
-    parts = comm.all_gather(zn)
-    dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])  # the rows' raw positive dots
-    dots = comm.all_gather(xp.concatenate([dots, dots]))
-    scale = 1.0 / t
-    lse_d, loss_d, partial, state = _local.nt_xent_stats(path, engine, plan, zn, parts, dots,
-                                                         scale, workspace_bytes)
-    states = comm.all_gather(state) if plan.width else None
-    lse = _local.nt_xent_lse(plan, engine, lse_d, partial, states)
-    rows = loss_d + (lse - lse_d)
-    ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else ())
-    if requires_grad:
-        lse_all = comm.all_gather(lse) if size > 1 else lse[None]
-        base = dict(x=(z,), norms=(norm,), size=size)
-        if reduction != "none":
-            w_mul = row_weight(reduction, n2 * size)
-            acc = _local.nt_xent_grads(path, engine, plan, zn, parts, scale, lse_all, None,
-                                       w_mul, workspace_bytes)
-            ctx.saved = dict(base, acc=(comm.reduce_scatter(acc),))
-        else:
-            ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
-                             scale=scale, ws=workspace_bytes, comm=comm)
-    return _loss(comm, xp, rows, reduction, n2 * size), _tags(ctx)
+        [temperature, reduction, normalize, requires_grad, _precision_setting(precision)])
+    with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
+        path = Path(xp)
+        engine = _engine_for(xp)
+        rank, size = comm.rank, comm.size
+        n2 = z.shape[0]
+        z = contig_inputs(xp, z)[0]
+        zn, norm = prep(path, z, normalize)
+        plan = _local.NtXentPlan(rank, size, n2)
+        parts = comm.all_gather(zn)
+        dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])  # the rows' raw positive dots
+        dots = comm.all_gather(xp.concatenate([dots, dots]))
+        scale = 1.0 / t
+        lse_d, loss_d, partial, state = _local.nt_xent_stats(path, engine, plan, zn, parts, dots,
+                                                             scale, workspace_bytes)
+        states = comm.all_gather(state) if plan.width else None
+        lse = _local.nt_xent_lse(plan, engine, lse_d, partial, states)
+        rows = loss_d + (lse - lse_d)
+        ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else (),
+                      precision=p)
+        if requires_grad:
+            lse_all = comm.all_gather(lse) if size > 1 else lse[None]
+            base = dict(x=(z,), norms=(norm,), size=size)
+            if reduction != "none":
+                w_mul = row_weight(reduction, n2 * size)
+                acc = _local.nt_xent_grads(path, engine, plan, zn, parts, scale, lse_all, None,
+                                           w_mul, workspace_bytes)
+                ctx.saved = dict(base, acc=(comm.reduce_scatter(acc),))
+            else:
+                ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
+                                 scale=scale, ws=workspace_bytes, comm=comm)
+        return _loss(comm, xp, rows, reduction, n2 * size), _tags(ctx)
 
 
 def _nt_xent_acc(ctx: Context, g):
@@ -244,7 +257,7 @@ def _upstream(xp, g, n: int, acc):
 # ---- InfoNCE ------------------------------------------------------------------------------
 def info_nce_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
                      reduction="mean", normalize=False, workspace_bytes=None,
-                     requires_grad=True):
+                     requires_grad=True, precision=None):
     """:func:`cupynce.info_nce_forward` over ``comm``'s global batch (see the module notes).
 
     Every rank's keys and shared (M, D) negatives join every query's candidates; per-query
@@ -252,35 +265,37 @@ def info_nce_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
     """
     op = "info_nce"
     kind = 0 if negatives is None else getattr(negatives, "ndim", 0) - 1
-    xp, t = agree(comm, op, lambda: (
+    xp, t, p = agree(comm, op, lambda: (
         info_nce_op._check(query, key, negatives, temperature, reduction, workspace_bytes,
-                           normalize),
+                           normalize, precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0],
         [query, key, negatives], ["query", "key", "negatives"],
-        [temperature, reduction, normalize, requires_grad, kind])
-    path = Path(xp)
-    rank, size = comm.rank, comm.size
-    n = query.shape[0]
-    (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = info_nce_op._prep_all(
-        xp, path, query, key, negatives, normalize)
-    others = _others(xp, comm.all_gather(kn), rank)
-    if neg_s is not None:  # every rank's shared negatives, in rank order, after the keys
-        every = comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
-        others = every if others is None else xp.concatenate([others, every])
-    a = acc_dtype(query.dtype)
-    fused = requires_grad and reduction != "none"
-    lse, rows, grads = _local.info_nce_block(
-        path, qn, kn, others, neg_p, 1.0 / t, lse_in=None,
-        weights=weights(xp, None, reduction, n * size, a), want_grad=fused,
-        workspace_bytes=workspace_bytes)
-    ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else ())
-    base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size)
-    if fused:
-        ctx.saved = dict(base, acc=_info_nce_scatter(comm, xp, grads, n, neg_s))
-    elif requires_grad:
-        ctx.saved = dict(base, xn=(qn, kn, others, neg_p), neg_s=neg_s, lse=lse, t=t,
-                         ws=workspace_bytes, comm=comm)
-    return _loss(comm, xp, rows, reduction, n * size), _tags(ctx)
+        [temperature, reduction, normalize, requires_grad, kind, _precision_setting(precision)])
+    with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
+        path = Path(xp)
+        rank, size = comm.rank, comm.size
+        n = query.shape[0]
+        (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = info_nce_op._prep_all(
+            xp, path, query, key, negatives, normalize)
+        others = _others(xp, comm.all_gather(kn), rank)
+        if neg_s is not None:  # every rank's shared negatives, in rank order, after the keys
+            every = comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
+            others = every if others is None else xp.concatenate([others, every])
+        a = acc_dtype(query.dtype)
+        fused = requires_grad and reduction != "none"
+        lse, rows, grads = _local.info_nce_block(
+            path, qn, kn, others, neg_p, 1.0 / t, lse_in=None,
+            weights=weights(xp, None, reduction, n * size, a), want_grad=fused,
+            workspace_bytes=workspace_bytes)
+        ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
+                      precision=p)
+        base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size)
+        if fused:
+            ctx.saved = dict(base, acc=_info_nce_scatter(comm, xp, grads, n, neg_s))
+        elif requires_grad:
+            ctx.saved = dict(base, xn=(qn, kn, others, neg_p), neg_s=neg_s, lse=lse, t=t,
+                             ws=workspace_bytes, comm=comm)
+        return _loss(comm, xp, rows, reduction, n * size), _tags(ctx)
 
 
 def _info_nce_scatter(comm: Comm, xp, grads, n: int, neg_s):
@@ -306,49 +321,52 @@ def _info_nce_acc(ctx: Context, g):
 
 # ---- CLIP ---------------------------------------------------------------------------------
 def clip_loss_forward(comm: Comm, a, b, logit_scale, *, reduction="mean", normalize=False,
-                      workspace_bytes=None, requires_grad=True):
+                      workspace_bytes=None, requires_grad=True, precision=None):
     """:func:`cupynce.clip_loss_forward` over ``comm``'s global batch: one n × N block per rank
     for both directions (see the module notes).  ``logit_scale``'s gradient from
     :func:`backward` is the global one on every rank.
     """
     op = "clip_loss"
     ls_array = hasattr(logit_scale, "shape")
-    xp, ls, ls_shape = agree(comm, op, lambda: (
-        clip_op._check(a, b, logit_scale, reduction, workspace_bytes, normalize),
+    xp, ls, ls_shape, p = agree(comm, op, lambda: (
+        clip_op._check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
-        [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad])
-    path = Path(xp)
-    rank, size = comm.rank, comm.size
-    n = a.shape[0]
-    acc = acc_dtype(a.dtype)
-    a, b = contig_inputs(xp, a, b)
-    an, na = prep(path, a, normalize)
-    bn, nb = prep(path, b, normalize)
-    ls_dev = clip_op._logit_scale_array(xp, ls, acc)
-    engine = _engine_for(xp)
-    # the texts and the pairs' raw dots a_j·b_j of every rank (the tile path's column shift)
-    b_all = comm.all_gather(bn).reshape(n * size, -1)
-    dots = comm.all_gather(engine.pair_dots(an, bn)).reshape(-1)
-    lse_r, state, row_loss, _ = engine.clip(
-        an, b_all, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
-        want_grad=False, workspace_bytes=workspace_bytes, row0=rank * n, col_shift=dots,
-        col_state=True)
-    lse_c = engine.col_lse(comm.all_gather(state))  # every text's lse, the same on every rank
-    own = slice(rank * n, (rank + 1) * n)
-    pair = 0.5 * (row_loss + (lse_c[own] - (lse_r - row_loss)))
-    ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c[own]) if requires_grad else ())
-    ls_dtype = acc if isinstance(ls, float) else ls.dtype
-    base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype, size=size)
-    fused = requires_grad and reduction != "none"
-    if fused:
-        w = weights(xp, None, reduction, n * size, acc)
-        da, db, dscale = _clip_grads(comm, engine, xp, an, b_all, ls_dev, rank * n, lse_r,
-                                     lse_c, w, workspace_bytes)
-        ctx.saved = dict(base, acc=(da, db), dscale=dscale)
-    elif requires_grad:
-        ctx.saved = dict(base, an=an, b_all=b_all, ls=ls_dev, lse=(lse_r, lse_c),
-                         ws=workspace_bytes, comm=comm)
-    return _loss(comm, xp, pair, reduction, n * size), _tags(ctx)
+        [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
+         _precision_setting(precision)])
+    with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
+        path = Path(xp)
+        rank, size = comm.rank, comm.size
+        n = a.shape[0]
+        acc = acc_dtype(a.dtype)
+        a, b = contig_inputs(xp, a, b)
+        an, na = prep(path, a, normalize)
+        bn, nb = prep(path, b, normalize)
+        ls_dev = clip_op._logit_scale_array(xp, ls, acc)
+        engine = _engine_for(xp)
+        # the texts and the pairs' raw dots a_j·b_j of every rank (the tile path's column shift)
+        b_all = comm.all_gather(bn).reshape(n * size, -1)
+        dots = comm.all_gather(engine.pair_dots(an, bn)).reshape(-1)
+        lse_r, state, row_loss, _ = engine.clip(
+            an, b_all, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
+            want_grad=False, workspace_bytes=workspace_bytes, row0=rank * n, col_shift=dots,
+            col_state=True)
+        lse_c = engine.col_lse(comm.all_gather(state))  # every text's lse, the same on every rank
+        own = slice(rank * n, (rank + 1) * n)
+        pair = 0.5 * (row_loss + (lse_c[own] - (lse_r - row_loss)))
+        ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c[own]) if requires_grad else (),
+                      precision=p)
+        ls_dtype = acc if isinstance(ls, float) else ls.dtype
+        base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype, size=size)
+        fused = requires_grad and reduction != "none"
+        if fused:
+            w = weights(xp, None, reduction, n * size, acc)
+            da, db, dscale = _clip_grads(comm, engine, xp, an, b_all, ls_dev, rank * n, lse_r,
+                                         lse_c, w, workspace_bytes)
+            ctx.saved = dict(base, acc=(da, db), dscale=dscale)
+        elif requires_grad:
+            ctx.saved = dict(base, an=an, b_all=b_all, ls=ls_dev, lse=(lse_r, lse_c),
+                             ws=workspace_bytes, comm=comm)
+        return _loss(comm, xp, pair, reduction, n * size), _tags(ctx)
 
 
 def _clip_grads(comm: Comm, engine, xp, an, b_all, ls, row0: int, lse_r, lse_c, w, ws):
@@ -377,41 +395,44 @@ def _clip_acc(ctx: Context, g):
 
 # ---- SigLIP -------------------------------------------------------------------------------
 def siglip_loss_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction="mean",
-                        normalize=False, workspace_bytes=None, requires_grad=True):
+                        normalize=False, workspace_bytes=None, requires_grad=True,
+                        precision=None):
     """:func:`cupynce.siglip_loss_forward` over ``comm``'s global batch: the rank's n × N
     block of its images against every text (b all-gathered), no softmax so no statistics to
     exchange; the texts' gradients are reduce-scattered to their owners and the scale's and
     bias's all-reduced (the global values on every rank)."""
     op = "siglip_loss"
     ls_array, lb_array = hasattr(logit_scale, "shape"), hasattr(logit_bias, "shape")
-    xp, (ls, ls_shape), (lb, lb_shape) = agree(comm, op, lambda: (
-        siglip_op._check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize),
+    xp, (ls, ls_shape), (lb, lb_shape), p = agree(comm, op, lambda: (
+        siglip_op._check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize,
+                         precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
-         lb_array, reduction, normalize, requires_grad])
-    path = Path(xp)
-    size = comm.size
-    n = a.shape[0]
-    acc = acc_dtype(a.dtype)
-    a, b = contig_inputs(xp, a, b)
-    an, na = prep(path, a, normalize)
-    bn, nb = prep(path, b, normalize)
-    engine = siglip_op._engine_for(xp)
-    b_all = comm.all_gather(bn).reshape(n * size, -1)
-    fused = requires_grad and reduction != "none"
-    w = weights(xp, None, reduction, n * size, acc)
-    rows, grads = engine(an, b_all, ls, lb, weights=w, want_loss=True, want_grad=fused,
-                         workspace_bytes=workspace_bytes, row0=comm.rank * n)
-    ctx = Context(op, reduction, n, xp)
-    base = dict(x=(a, b), norms=(na, nb), size=size, shapes=(ls_shape, lb_shape),
-                dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
-    if fused:
-        da, db, dscale, dbias = _siglip_scatter(comm, xp, grads, an.shape)
-        ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
-    elif requires_grad:
-        ctx.saved = dict(base, an=an, b_all=b_all, scalars=(ls, lb), ws=workspace_bytes,
-                         comm=comm)
-    return _loss(comm, xp, rows, reduction, n * size), _tags(ctx)
+         lb_array, reduction, normalize, requires_grad, _precision_setting(precision)])
+    with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
+        path = Path(xp)
+        size = comm.size
+        n = a.shape[0]
+        acc = acc_dtype(a.dtype)
+        a, b = contig_inputs(xp, a, b)
+        an, na = prep(path, a, normalize)
+        bn, nb = prep(path, b, normalize)
+        engine = siglip_op._engine_for(xp)
+        b_all = comm.all_gather(bn).reshape(n * size, -1)
+        fused = requires_grad and reduction != "none"
+        w = weights(xp, None, reduction, n * size, acc)
+        rows, grads = engine(an, b_all, ls, lb, weights=w, want_loss=True, want_grad=fused,
+                             workspace_bytes=workspace_bytes, row0=comm.rank * n)
+        ctx = Context(op, reduction, n, xp, precision=p)
+        base = dict(x=(a, b), norms=(na, nb), size=size, shapes=(ls_shape, lb_shape),
+                    dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
+        if fused:
+            da, db, dscale, dbias = _siglip_scatter(comm, xp, grads, an.shape)
+            ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
+        elif requires_grad:
+            ctx.saved = dict(base, an=an, b_all=b_all, scalars=(ls, lb), ws=workspace_bytes,
+                             comm=comm)
+        return _loss(comm, xp, rows, reduction, n * size), _tags(ctx)
 
 
 def _siglip_scatter(comm: Comm, xp, grads, shape):
@@ -451,10 +472,12 @@ def _engine_for(xp):
 
 
 # ---- backward -----------------------------------------------------------------------------
+@in_ctx_precision
 def backward(ctx: Context, grad_loss: Any = 1.0):
     """The gradients of a global forward's loss (its op's ``*_backward`` routes here):
     P times the gradient of the global loss with respect to this rank's inputs (see the
-    module notes), and for CLIP the global d loss / d logit_scale."""
+    module notes), and for CLIP the global d loss / d logit_scale; in the forward's float32
+    precision (``ctx.precision``)."""
     op = ctx.op
     require(ctx, op)
     xp, s = ctx.xp, ctx.saved

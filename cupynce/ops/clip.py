@@ -16,11 +16,11 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .. import _checks, _engine
-from .._engine import arrays
+from .._engine import arrays, blas
 from .._engine.kernels import acc_dtype
 from . import _graphs, _numpy
-from ._base import (Context, Path, check_stats, contig_inputs, finish_all, prep, reduce,
-                    require, weights)
+from ._base import (Context, Path, check_stats, contig_inputs, finish_all, in_ctx_precision,
+                    prep, reduce, require, weights)
 
 __all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
            "clip_loss_backward_from_stats"]
@@ -73,7 +73,7 @@ def _logit_scale_array(xp, ls, acc):
                                   _checks.LOG_SCALE_LIMIT)
 
 
-def _check(a, b, logit_scale, reduction, workspace_bytes, normalize):
+def _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision):
     op = "clip_loss"
     xp = _checks.check_pairs(op, a, b)
     ls, ls_shape = _checks.check_logit_scale(op, logit_scale, xp, acc_dtype(a.dtype))
@@ -81,12 +81,13 @@ def _check(a, b, logit_scale, reduction, workspace_bytes, normalize):
     _checks.check_reduction(op, reduction)
     _checks.check_workspace(op, workspace_bytes)
     _checks.check_bool(op, "normalize", normalize)
-    return xp, ls, ls_shape
+    return xp, ls, ls_shape, _checks.check_precision(op, precision)
 
 
 def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
                       workspace_bytes: Optional[int] = None,
-                      requires_grad: bool = True, group=None) -> Tuple[Any, Context]:
+                      requires_grad: bool = True, group=None,
+                      precision: Optional[str] = None) -> Tuple[Any, Context]:
     """CLIP's symmetric contrastive loss and a context for :func:`clip_loss_backward`.
 
     Parameters
@@ -104,6 +105,8 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
         every rank;
         the gradients from ``*_backward`` are P times those of the global loss with respect
         to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
+    precision : "fp32" | "tf32" | "3xtf32", optional
+        float32 products on the GPU; as for :func:`cupynce.nt_xent_forward`.
 
     Notes
     -----
@@ -117,8 +120,10 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
 
         return _global.clip_loss_forward(
             _comm.wrap(group), a, b, logit_scale, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=requires_grad)
-    xp, ls, ls_shape = _check(a, b, logit_scale, reduction, workspace_bytes, normalize)
+            workspace_bytes=workspace_bytes, requires_grad=requires_grad,
+            precision=precision)
+    xp, ls, ls_shape, p = _check(a, b, logit_scale, reduction, workspace_bytes, normalize,
+                                 precision)
     _checks.check_bool("clip_loss", "requires_grad", requires_grad)
     path = Path(xp)
     n = a.shape[0]
@@ -143,15 +148,16 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
         return (reduce(xp, pair_loss, reduction), lse_r, lse_c, da, db, dscale, na,
                 nb), (an, bn, ls_dev)
 
-    if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
-        outs = _graphs.run(
-            ("clip_loss", ls if host_ls else None, reduction, normalize, workspace_bytes,
-             fused), (a, b) if host_ls else (a, b, ls), lambda *xs: compute(*xs)[0])
-    else:
-        outs, kept = compute(a, b)
+    with blas.float32_precision(p):  # (the graph key carries it too)
+        if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
+            outs = _graphs.run(
+                ("clip_loss", ls if host_ls else None, reduction, normalize, workspace_bytes,
+                 fused), (a, b) if host_ls else (a, b, ls), lambda *xs: compute(*xs)[0])
+        else:
+            outs, kept = compute(a, b)
     loss, lse_r, lse_c, da, db, dscale, na, nb = outs
     ctx = Context("clip_loss", reduction, n, xp,
-                  stats=(lse_r, lse_c) if requires_grad else ())
+                  stats=(lse_r, lse_c) if requires_grad else (), precision=p)
     ls_dtype = acc if host_ls else ls.dtype
     base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype)
     if fused:
@@ -162,11 +168,13 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     return loss, ctx
 
 
+@in_ctx_precision
 def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
     """Gradients ``(da, db, dlogit_scale)`` of :func:`clip_loss_forward`'s loss.
 
     ``dlogit_scale`` has logit_scale's shape and dtype (0-d float32/64 when a Python float was
-    given); da, db follow the inputs' dtype.
+    given); da, db follow the inputs' dtype.  The products run in the forward's float32
+    precision (``ctx.precision``).
     """
     require(ctx, "clip_loss")
     if "global" in ctx.saved:
@@ -197,12 +205,14 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
 
 def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: Any = 1.0, *,
                                   reduction: str = "mean", normalize: bool = False,
-                                  workspace_bytes: Optional[int] = None):
+                                  workspace_bytes: Optional[int] = None,
+                                  precision: Optional[str] = None):
     """``(da, db, dlogit_scale)`` from the inputs and ``ctx.stats`` (row and column lse) alone.
 
-    See :func:`nt_xent_backward_from_stats` and :func:`clip_loss_backward`.
+    See :func:`nt_xent_backward_from_stats` (``precision`` too) and :func:`clip_loss_backward`.
     """
-    xp, ls, ls_shape = _check(a, b, logit_scale, reduction, workspace_bytes, normalize)
+    xp, ls, ls_shape, p = _check(a, b, logit_scale, reduction, workspace_bytes, normalize,
+                                 precision)
     n = a.shape[0]
     check_stats("clip_loss", xp, n, a.dtype, lse_r=lse_r, lse_c=lse_c)
     path = Path(xp)
@@ -210,7 +220,7 @@ def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: An
     a, b = contig_inputs(xp, a, b)
     an, na = prep(path, a, normalize)
     bn, nb = prep(path, b, normalize)
-    ctx = Context("clip_loss", reduction, n, xp, stats=(lse_r, lse_c), saved=dict(
+    ctx = Context("clip_loss", reduction, n, xp, stats=(lse_r, lse_c), precision=p, saved=dict(
         x=(a, b), norms=(na, nb), ls_shape=ls_shape,
         ls_dtype=acc if isinstance(ls, float) else ls.dtype, xn=(an, bn),
         ls=_logit_scale_array(xp, ls, acc), lse=(lse_r, lse_c), ws=workspace_bytes))
@@ -218,8 +228,9 @@ def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: An
 
 
 def clip_loss(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
-              workspace_bytes: Optional[int] = None, group=None):
+              workspace_bytes: Optional[int] = None, group=None,
+              precision: Optional[str] = None):
     """CLIP's symmetric loss; see :func:`clip_loss_forward`."""
     return clip_loss_forward(a, b, logit_scale, reduction=reduction, normalize=normalize,
                              workspace_bytes=workspace_bytes, requires_grad=False,
-                             group=group)[0]
+                             group=group, precision=precision)[0]

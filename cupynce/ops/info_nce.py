@@ -13,17 +13,18 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from .. import _checks
+from .._engine import blas
 from .._engine.kernels import acc_dtype
 from . import _graphs
-from ._base import (Context, Path, check_stats, contig_inputs, finish_all, prep, reduce,
-                    require, weights)
+from ._base import (Context, Path, check_stats, contig_inputs, finish_all, in_ctx_precision,
+                    prep, reduce, require, weights)
 
 __all__ = ["info_nce", "info_nce_forward", "info_nce_backward",
            "info_nce_backward_from_stats"]
 
 
 def _check(query, key, negatives, temperature, reduction, workspace_bytes,
-           normalize):
+           normalize, precision):
     op = "info_nce"
     xp = _checks.array_module(op, query=query, key=key, negatives=negatives,
                               optional=("negatives",))
@@ -49,7 +50,7 @@ def _check(query, key, negatives, temperature, reduction, workspace_bytes,
     _checks.check_reduction(op, reduction)
     _checks.check_workspace(op, workspace_bytes)
     _checks.check_bool(op, "normalize", normalize)
-    return xp, t
+    return xp, t, _checks.check_precision(op, precision)
 
 
 def _prep_all(xp, path, query, key, negatives, normalize: bool):
@@ -66,7 +67,8 @@ def _prep_all(xp, path, query, key, negatives, normalize: bool):
 def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
                      reduction: str = "mean", normalize: bool = False,
                      workspace_bytes: Optional[int] = None,
-                     requires_grad: bool = True, group=None) -> Tuple[Any, Context]:
+                     requires_grad: bool = True, group=None,
+                     precision: Optional[str] = None) -> Tuple[Any, Context]:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
 
     Parameters
@@ -85,6 +87,8 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
         rank's keys and shared negatives are candidates of every query;
         the gradients from ``*_backward`` are P times those of the global loss with respect
         to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
+    precision : "fp32" | "tf32" | "3xtf32", optional
+        float32 products on the GPU; as for :func:`cupynce.nt_xent_forward`.
 
     Returns
     -------
@@ -102,9 +106,9 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
         return _global.info_nce_forward(
             _comm.wrap(group), query, key, temperature, negatives=negatives,
             reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
-            requires_grad=requires_grad)
-    xp, t = _check(query, key, negatives, temperature, reduction, workspace_bytes,
-                   normalize)
+            requires_grad=requires_grad, precision=precision)
+    xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
+                      normalize, precision)
     _checks.check_bool("info_nce", "requires_grad", requires_grad)
     path = Path(xp)
     n = query.shape[0]
@@ -122,16 +126,18 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
         return ((reduce(xp, loss, reduction), lse, dq, dk, dns if dns is not None else dnp)
                 + tuple(norms)), (qn, kn, neg_s, neg_p)
 
-    if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
-        inputs = (query, key) + (() if negatives is None else (negatives,))
-        outs = _graphs.run(
-            ("info_nce", t, reduction, normalize, workspace_bytes, fused,
-             None if negatives is None else negatives.ndim), inputs,
-            lambda *xs: compute(*xs)[0])
-    else:
-        outs, xn = compute(query, key, negatives)
+    with blas.float32_precision(p):  # (the graph key carries it too)
+        if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
+            inputs = (query, key) + (() if negatives is None else (negatives,))
+            outs = _graphs.run(
+                ("info_nce", t, reduction, normalize, workspace_bytes, fused,
+                 None if negatives is None else negatives.ndim), inputs,
+                lambda *xs: compute(*xs)[0])
+        else:
+            outs, xn = compute(query, key, negatives)
     loss, lse, dq, dk, dneg, nq, nk, nneg = outs
-    ctx = Context("info_nce", reduction, n, xp, stats=(lse,) if requires_grad else ())
+    ctx = Context("info_nce", reduction, n, xp, stats=(lse,) if requires_grad else (),
+                  precision=p)
     base = dict(x=(query, key, negatives), norms=(nq, nk, nneg))
     if fused:
         ctx.saved = dict(base, acc=(dq, dk, dneg))
@@ -140,10 +146,12 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     return loss, ctx
 
 
+@in_ctx_precision
 def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
     """Gradients ``(dquery, dkey, dnegatives)`` of :func:`info_nce_forward`'s loss.
 
-    ``dnegatives`` is None when no negatives were given.  Dtypes follow the inputs.
+    ``dnegatives`` is None when no negatives were given.  Dtypes follow the inputs.  The
+    products run in the forward's float32 precision (``ctx.precision``).
     """
     require(ctx, "info_nce")
     if "global" in ctx.saved:
@@ -167,27 +175,30 @@ def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
 
 def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.0, *,
                                  temperature: float = 0.1, reduction: str = "mean",
-                                 normalize: bool = False, workspace_bytes: Optional[int] = None):
+                                 normalize: bool = False, workspace_bytes: Optional[int] = None,
+                                 precision: Optional[str] = None):
     """``(dquery, dkey, dnegatives)`` from the inputs and ``ctx.stats[0]`` (row lse) alone.
 
-    See :func:`nt_xent_backward_from_stats`; ``dnegatives`` is None without negatives.
+    See :func:`nt_xent_backward_from_stats` (``precision`` too); ``dnegatives`` is None
+    without negatives.
     """
-    xp, t = _check(query, key, negatives, temperature, reduction, workspace_bytes,
-                   normalize)
+    xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
+                      normalize, precision)
     n = query.shape[0]
     check_stats("info_nce", xp, n, query.dtype, lse=lse)
     path = Path(xp)
     (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
         xp, path, query, key, negatives, normalize)
-    ctx = Context("info_nce", reduction, n, xp, stats=(lse,), saved=dict(
+    ctx = Context("info_nce", reduction, n, xp, stats=(lse,), precision=p, saved=dict(
         x=(query, key, negatives), norms=(nq, nk, nneg), xn=(qn, kn, neg_s, neg_p), lse=lse,
         t=t, ws=workspace_bytes))
     return info_nce_backward(ctx, grad_loss)
 
 
 def info_nce(query, key, temperature: float = 0.1, *, negatives=None, reduction: str = "mean",
-             normalize: bool = False, workspace_bytes: Optional[int] = None, group=None):
+             normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
+             precision: Optional[str] = None):
     """Query/key InfoNCE loss; see :func:`info_nce_forward`."""
     return info_nce_forward(query, key, temperature, negatives=negatives, reduction=reduction,
                             normalize=normalize, workspace_bytes=workspace_bytes,
-                            requires_grad=False, group=group)[0]
+                            requires_grad=False, group=group, precision=precision)[0]

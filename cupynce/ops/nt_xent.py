@@ -19,16 +19,17 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from .. import _checks
+from .._engine import blas
 from .._engine.kernels import acc_dtype
 from . import _graphs
-from ._base import (Context, Path, check_stats, contig_inputs, prep, reduce, require,
-                    weights)
+from ._base import (Context, Path, check_stats, contig_inputs, in_ctx_precision, prep, reduce,
+                    require, weights)
 
 __all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward",
            "nt_xent_backward_from_stats"]
 
 
-def _check(z, temperature, reduction, workspace_bytes, normalize):
+def _check(z, temperature, reduction, workspace_bytes, normalize, precision):
     op = "nt_xent"
     xp = _checks.array_module(op, z=z)
     _checks.check_matrix(op, "z", z, min_rows=2)
@@ -39,12 +40,13 @@ def _check(z, temperature, reduction, workspace_bytes, normalize):
     _checks.check_reduction(op, reduction)
     _checks.check_workspace(op, workspace_bytes)
     _checks.check_bool(op, "normalize", normalize)
-    return xp, t
+    return xp, t, _checks.check_precision(op, precision)
 
 
 def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
                     normalize: bool = False, workspace_bytes: Optional[int] = None,
-                    requires_grad: bool = True, group=None) -> Tuple[Any, Context]:
+                    requires_grad: bool = True, group=None,
+                    precision: Optional[str] = None) -> Tuple[Any, Context]:
     """SimCLR's NT-Xent loss and a context for :func:`nt_xent_backward`.
 
     Parameters
@@ -66,6 +68,11 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
         them] (equal counts); the global batch is [every rank's view 1; every rank's view 2];
         the gradients from ``*_backward`` are P times those of the global loss with respect
         to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
+    precision : "fp32" | "tf32" | "3xtf32", optional
+        How float32 products run on the GPU (see :func:`cupynce.set_float32_precision`);
+        None (default): the global default, ``cupynce.get_float32_precision()``.  Kept in the
+        context: the backward runs in the same.  Ignored (validated) for float16 / bfloat16 /
+        float64 inputs and on the NumPy path.
 
     Returns
     -------
@@ -86,8 +93,9 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
 
         return _global.nt_xent_forward(
             _comm.wrap(group), z, temperature, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=requires_grad)
-    xp, t = _check(z, temperature, reduction, workspace_bytes, normalize)
+            workspace_bytes=workspace_bytes, requires_grad=requires_grad,
+            precision=precision)
+    xp, t, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)
     _checks.check_bool("nt_xent", "requires_grad", requires_grad)
     path = Path(xp)
     n = z.shape[0]
@@ -102,13 +110,15 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
             want_grad=fused, workspace_bytes=workspace_bytes, op="nt_xent", self_pair=True)
         return reduce(xp, loss, reduction), lse, dz, norm, zn
 
-    if path.gpu and (fused or not requires_grad):  # nothing kept that aliases z
-        loss, lse, dz, norm = _graphs.run(
-            ("nt_xent", t, reduction, normalize, workspace_bytes, fused), (z,),
-            lambda z: compute(z)[:4])
-    else:
-        loss, lse, dz, norm, zn = compute(z)
-    ctx = Context("nt_xent", reduction, n, xp, stats=(lse,) if requires_grad else ())
+    with blas.float32_precision(p):  # (the graph key carries it too)
+        if path.gpu and (fused or not requires_grad):  # nothing kept that aliases z
+            loss, lse, dz, norm = _graphs.run(
+                ("nt_xent", t, reduction, normalize, workspace_bytes, fused), (z,),
+                lambda z: compute(z)[:4])
+        else:
+            loss, lse, dz, norm, zn = compute(z)
+    ctx = Context("nt_xent", reduction, n, xp, stats=(lse,) if requires_grad else (),
+                  precision=p)
     if fused:
         ctx.saved = dict(z=z, norm=norm, dz=dz)
     elif requires_grad:
@@ -116,11 +126,12 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
     return loss, ctx
 
 
+@in_ctx_precision
 def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
     """Gradient of :func:`nt_xent_forward`'s loss w.r.t. ``z``, times ``grad_loss``.
 
     ``grad_loss``: a real or 0-d array (mean/sum), or a (2B,) array (none).  Returns dz (2B, D)
-    in z's dtype.
+    in z's dtype.  Its products run in the forward's float32 precision (``ctx.precision``).
     """
     require(ctx, "nt_xent")
     if "global" in ctx.saved:
@@ -143,25 +154,28 @@ def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
 
 def nt_xent_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, temperature: float = 0.5,
                                 reduction: str = "mean", normalize: bool = False,
-                                workspace_bytes: Optional[int] = None):
+                                workspace_bytes: Optional[int] = None,
+                                precision: Optional[str] = None):
     """``dz`` from the input and the forward's row log-sum-exps (``ctx.stats[0]``) alone.
 
     For callers that keep only O(N) state between forward and backward (the PyTorch ops):
     the score blocks and the normalisation are recomputed.  Same result as
-    :func:`nt_xent_backward` on the forward's context.
+    :func:`nt_xent_backward` on the forward's context when given the forward's
+    ``precision`` (None: the global default).
     """
-    xp, t = _check(z, temperature, reduction, workspace_bytes, normalize)
+    xp, t, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)
     check_stats("nt_xent", xp, z.shape[0], z.dtype, lse=lse)
     z = contig_inputs(xp, z)[0]
     zn, norm = prep(Path(xp), z, normalize)
-    ctx = Context("nt_xent", reduction, z.shape[0], xp, stats=(lse,),
+    ctx = Context("nt_xent", reduction, z.shape[0], xp, stats=(lse,), precision=p,
                   saved=dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes))
     return nt_xent_backward(ctx, grad_loss)
 
 
 def nt_xent(z, temperature: float = 0.5, *, reduction: str = "mean", normalize: bool = False,
-            workspace_bytes: Optional[int] = None, group=None):
+            workspace_bytes: Optional[int] = None, group=None,
+            precision: Optional[str] = None):
     """SimCLR's NT-Xent loss of ``z`` (2B, D); see :func:`nt_xent_forward`."""
     return nt_xent_forward(z, temperature, reduction=reduction, normalize=normalize,
                            workspace_bytes=workspace_bytes, requires_grad=False,
-                           group=group)[0]
+                           group=group, precision=precision)[0]

@@ -17,10 +17,11 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .. import _checks, _engine
-from .._engine import arrays
+from .._engine import arrays, blas
 from .._engine.kernels import acc_dtype
 from . import _graphs
-from ._base import Context, Path, contig_inputs, finish_all, prep, reduce, require, weights
+from ._base import (Context, Path, contig_inputs, finish_all, in_ctx_precision, prep, reduce,
+                    require, weights)
 
 __all__ = ["siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
            "siglip_loss_backward_from_inputs"]
@@ -68,7 +69,7 @@ def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
     return row_loss, grads
 
 
-def _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize):
+def _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize, precision):
     xp = _checks.check_pairs(OP, a, b)
     ls, ls_shape = _checks.check_logit_scale(OP, logit_scale, xp, acc_dtype(a.dtype))
     lb, lb_shape = _checks.check_scalar_input(OP, "logit_bias", logit_bias, xp)
@@ -77,7 +78,7 @@ def _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize)
     _checks.check_reduction(OP, reduction)
     _checks.check_workspace(OP, workspace_bytes)
     _checks.check_bool(OP, "normalize", normalize)
-    return xp, (ls, ls_shape), (lb, lb_shape)
+    return xp, (ls, ls_shape), (lb, lb_shape), _checks.check_precision(OP, precision)
 
 
 def numpy_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
@@ -106,7 +107,8 @@ def _engine_for(xp):
 
 def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean",
                         normalize: bool = False, workspace_bytes: Optional[int] = None,
-                        requires_grad: bool = True, group=None) -> Tuple[Any, Context]:
+                        requires_grad: bool = True, group=None,
+                        precision: Optional[str] = None) -> Tuple[Any, Context]:
     """SigLIP's sigmoid loss and a context for :func:`siglip_loss_backward`.
 
     Parameters
@@ -126,6 +128,8 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
         of its rows; the gradients from ``*_backward`` follow the data-parallel convention (P
         times the global loss's with respect to the local rows); the scale's and bias's are
         the global ones on every rank.
+    precision : "fp32" | "tf32" | "3xtf32", optional
+        float32 products on the GPU; as for :func:`cupynce.nt_xent_forward`.
 
     Notes
     -----
@@ -139,9 +143,10 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
 
         return _global.siglip_loss_forward(
             _comm.wrap(group), a, b, logit_scale, logit_bias, reduction=reduction,
-            normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad)
-    xp, (ls, ls_shape), (lb, lb_shape) = _check(a, b, logit_scale, logit_bias, reduction,
-                                                 workspace_bytes, normalize)
+            normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad,
+            precision=precision)
+    xp, (ls, ls_shape), (lb, lb_shape), p = _check(a, b, logit_scale, logit_bias, reduction,
+                                                    workspace_bytes, normalize, precision)
     _checks.check_bool(OP, "requires_grad", requires_grad)
     engine = _engine_for(xp)
     path = Path(xp)
@@ -162,13 +167,14 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
         return (reduce(xp, row_loss, reduction),) + (grads or (None,) * 4) + (na, nb), (an, bn)
 
     device = tuple(v for v in (ls, lb) if not isinstance(v, float))
-    if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
-        outs = _graphs.run((OP, on_host, reduction, normalize, workspace_bytes, fused),
-                           (a, b) + device, lambda *xs: compute(*xs)[0])
-    else:
-        outs, xn = compute(a, b, *device)
+    with blas.float32_precision(p):  # (the graph key carries it too)
+        if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
+            outs = _graphs.run((OP, on_host, reduction, normalize, workspace_bytes, fused),
+                               (a, b) + device, lambda *xs: compute(*xs)[0])
+        else:
+            outs, xn = compute(a, b, *device)
     loss, da, db, dscale, dbias, na, nb = outs
-    ctx = Context(OP, reduction, n, xp)
+    ctx = Context(OP, reduction, n, xp, precision=p)
     base = dict(x=(a, b), norms=(na, nb), shapes=(ls_shape, lb_shape),
                 dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
     if fused:
@@ -178,11 +184,13 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     return loss, ctx
 
 
+@in_ctx_precision
 def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
     """Gradients ``(da, db, dlogit_scale, dlogit_bias)`` of :func:`siglip_loss_forward`'s loss.
 
     ``dlogit_scale`` / ``dlogit_bias`` have the shape and dtype of logit_scale / logit_bias
     (0-d float32 / float64 when a Python float was given); da, db follow the inputs' dtype.
+    The products run in the forward's float32 precision (``ctx.precision``).
     """
     require(ctx, OP)
     if "global" in ctx.saved:
@@ -211,19 +219,21 @@ def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
 
 def siglip_loss_backward_from_inputs(a, b, logit_scale, logit_bias, grad_loss: Any = 1.0, *,
                                      reduction: str = "mean", normalize: bool = False,
-                                     workspace_bytes: Optional[int] = None):
+                                     workspace_bytes: Optional[int] = None,
+                                     precision: Optional[str] = None):
     """``(da, db, dlogit_scale, dlogit_bias)`` from the inputs alone (no forward context: the
     loss needs no row statistics), for callers that keep nothing between forward and
     backward (the PyTorch ops with reduction "none").  Same result as
-    :func:`siglip_loss_backward` on the forward's context."""
-    xp, (ls, ls_shape), (lb, lb_shape) = _check(a, b, logit_scale, logit_bias, reduction,
-                                                 workspace_bytes, normalize)
+    :func:`siglip_loss_backward` on the forward's context (given the forward's
+    ``precision``; None: the global default)."""
+    xp, (ls, ls_shape), (lb, lb_shape), p = _check(a, b, logit_scale, logit_bias, reduction,
+                                                    workspace_bytes, normalize, precision)
     path = Path(xp)
     acc = acc_dtype(a.dtype)
     a, b = contig_inputs(xp, a, b)
     an, na = prep(path, a, normalize)
     bn, nb = prep(path, b, normalize)
-    ctx = Context(OP, reduction, a.shape[0], xp, saved=dict(
+    ctx = Context(OP, reduction, a.shape[0], xp, precision=p, saved=dict(
         x=(a, b), norms=(na, nb), shapes=(ls_shape, lb_shape),
         dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)),
         xn=(an, bn), scalars=(ls, lb), ws=workspace_bytes))
@@ -231,8 +241,9 @@ def siglip_loss_backward_from_inputs(a, b, logit_scale, logit_bias, grad_loss: A
 
 
 def siglip_loss(a, b, logit_scale, logit_bias, *, reduction: str = "mean",
-                normalize: bool = False, workspace_bytes: Optional[int] = None, group=None):
+                normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
+                precision: Optional[str] = None):
     """SigLIP's sigmoid loss; see :func:`siglip_loss_forward`."""
     return siglip_loss_forward(a, b, logit_scale, logit_bias, reduction=reduction,
                                normalize=normalize, workspace_bytes=workspace_bytes,
-                               requires_grad=False, group=group)[0]
+                               requires_grad=False, group=group, precision=precision)[0]

@@ -26,6 +26,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .. import _checks
+from .._engine import blas
 from .._engine import splade as _gpu
 from .._engine.kernels import SUPPORTED_DTYPES, acc_dtype
 from .._engine.splade import DEFAULT_WORKSPACE_BYTES, index_dtype
@@ -216,7 +217,8 @@ def _np_backward(x, weight, out, arg, g, has_bias, act, workspace_bytes=None):
 # ----------------------------------------------------------------------------------------
 def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "log1p_relu",
                         workspace_bytes: Optional[int] = None,
-                        requires_grad: bool = True) -> Tuple[Any, Context]:
+                        requires_grad: bool = True,
+                        precision: Optional[str] = None) -> Tuple[Any, Context]:
     """SPLADE's max-pooled vocabulary representation and a context for the backward.
 
     Parameters
@@ -236,6 +238,11 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
         docstring) holds no logits and ignores it.
     requires_grad : bool
         Keep what :func:`splade_pool_backward` needs (x, weight, out, the arg-max).
+    precision : "fp32" | "tf32" | "3xtf32", optional
+        How the float32 logit products run on the GPU (the cuBLAS-tile forward; see
+        :func:`cupynce.set_float32_precision`); None: the global default.  In TF32 a logit
+        near a tie may pick another position l*.  Ignored (validated) for other dtypes and on
+        the NumPy path; the backward runs no products (sparse kernels).
 
     Returns
     -------
@@ -255,13 +262,17 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
     """
     xp, workspace_bytes = _check(x, weight, bias, mask, activation, workspace_bytes)
     _checks.check_bool("splade_pool", "requires_grad", requires_grad)
+    p = _checks.check_precision("splade_pool", precision)
     act = _act_code(activation)
     if xp is np:
-        out, arg = _np_forward(x, weight, bias, mask, act, workspace_bytes)
+        with blas.float32_precision(p):  # (no effect on NumPy's products)
+            out, arg = _np_forward(x, weight, bias, mask, act, workspace_bytes)
     else:
-        with x.device:  # launches and cuBLAS on the arrays' GPU, whatever the current one is
+        # launches and cuBLAS on the arrays' GPU, whatever the current one is
+        with x.device, blas.float32_precision(p):
             out, arg = _gpu.forward(x, weight, bias, mask, act, workspace_bytes)
-    ctx = Context("splade_pool", "none", x.shape[0], xp, stats=(arg,) if requires_grad else ())
+    ctx = Context("splade_pool", "none", x.shape[0], xp, stats=(arg,) if requires_grad else (),
+                  precision=p)
     if requires_grad:
         ctx.saved = dict(x=x, weight=weight, out=out, arg=arg, bias=bias, act=act,
                          ws=workspace_bytes)
@@ -320,10 +331,11 @@ def splade_pool_backward_from_stats(x, weight, out, argmax, grad_out, *, bias=No
 
 
 def splade_pool(x, weight, bias=None, mask=None, *, activation: str = "log1p_relu",
-                workspace_bytes: Optional[int] = None):
+                workspace_bytes: Optional[int] = None, precision: Optional[str] = None):
     """SPLADE's (B, V) representation of ``x`` (B, L, D); see :func:`splade_pool_forward`."""
     return splade_pool_forward(x, weight, bias, mask, activation=activation,
-                               workspace_bytes=workspace_bytes, requires_grad=False)[0]
+                               workspace_bytes=workspace_bytes, requires_grad=False,
+                               precision=precision)[0]
 
 
 def _check_out(op, out):

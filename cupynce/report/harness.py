@@ -474,6 +474,8 @@ def device_info() -> Dict[str, Any]:
         import cupynce  # optional: the harness does not depend on it
 
         info["cupynce"] = getattr(cupynce, "__version__", None)
+        # (the global default of precision=None: how float32 products ran)
+        info["cupynce_float32_precision"] = cupynce.get_float32_precision()
     except Exception:  # noqa: BLE001
         info["cupynce"] = None
     try:
@@ -503,10 +505,12 @@ def device_info() -> Dict[str, Any]:
         info["error"] = _short(exc)
     torch = sys.modules.get("torch")
     if torch is not None:
-        try:
+        try:  # (torch >= 2.9 refuses to read allow_tf32 once fp32_precision set TF32)
+            mm = torch.backends.cuda.matmul
+            new = getattr(mm, "fp32_precision", None)
             info.update(
                 torch_cuda=torch.version.cuda,
-                torch_allow_tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
+                torch_allow_tf32_matmul=new == "tf32" if new else bool(mm.allow_tf32),
                 torch_float32_matmul_precision=torch.get_float32_matmul_precision(),
                 torch_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             )

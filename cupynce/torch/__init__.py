@@ -73,6 +73,21 @@ autocast dtype) and the gradients return in each input's dtype (autograd casts b
 the ``.to``).  Registered as the ops' AutocastCPU / AutocastCUDA kernels, which read the
 *current* autocast dtype; on the torch < 2.4 fallback the inputs go to the kernels as they come.
 
+float32 precision
+-----------------
+Every function and module takes ``precision="fp32" | "tf32" | "3xtf32"`` (float32 CUDA
+products; see :func:`cupynce.set_float32_precision`).  ``precision=None`` (the default) is
+"tf32" when torch runs its own float32 CUDA matmuls in TF32 --
+``torch.backends.cuda.matmul.fp32_precision == "tf32"`` on torch >= 2.9, which
+``torch.backends.cuda.matmul.allow_tf32 = True``, ``torch.set_float32_matmul_precision("high")``
+and ``torch.backends.fp32_precision = "tf32"`` set (it equals ``allow_tf32`` wherever torch
+lets that be read: torch 2.13 refuses once the new API set TF32); ``allow_tf32`` on older
+torch -- else ``cupynce.get_float32_precision()``.  Read on the host at each call
+(``_registry.precision_of``); under ``torch.compile`` when the graph is traced, and dynamo's
+global-state guard (which holds the TF32 flag) retraces when it changes.  The resolved mode is
+an argument of the custom ops (``str? precision``), so the backward op recomputes in the
+forward's.  CPU tensors (the NumPy path) and non-float32 dtypes ignore it.
+
 Synchronisation
 ---------------
 None in forward or backward: only shapes, dtypes and devices are read on the host; device

@@ -112,6 +112,12 @@ def fused_flag(inputs, n_args: int) -> bool:
     return bool(inputs[n_args]) if len(inputs) > n_args else False
 
 
+def input_at(inputs, i: int, default: Any = None) -> Any:
+    """An op's optional input ``i`` (``precision``): absent from a fallback Function's inputs
+    when not passed; the dispatcher fills the schema's default."""
+    return inputs[i] if len(inputs) > i else default
+
+
 def compiling() -> bool:
     fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     return bool(fn()) if fn is not None else False
@@ -289,6 +295,53 @@ def evaluate(body, args) -> Tensor:
 def scalars(op: str, reduction: str, workspace_bytes: Optional[int]) -> Tuple[str, Optional[int]]:
     """The functional API's checks of the non-tensor arguments (same messages)."""
     return _checks.check_reduction(op, reduction), _checks.check_workspace(op, workspace_bytes)
+
+
+def _matmul_fp32_precision_api() -> bool:
+    """Whether this torch has ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9)."""
+    try:
+        torch.backends.cuda.matmul.fp32_precision
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+_FP32_PRECISION_API = _matmul_fp32_precision_api()
+_assume_constant = getattr(getattr(torch, "compiler", None), "assume_constant_result",
+                           lambda fn: fn)
+
+
+@_assume_constant  # (dynamo cannot trace the getter; its global-state guard has the flag)
+def torch_uses_tf32() -> bool:
+    """Whether torch runs its float32 CUDA matmuls in TF32, read on the host (no GPU sync).
+
+    torch >= 2.9: ``torch.backends.cuda.matmul.fp32_precision == "tf32"`` -- what
+    ``torch.backends.cuda.matmul.allow_tf32 = True``, ``torch.set_float32_matmul_precision
+    ("high")`` (or "medium") and ``torch.backends.fp32_precision = "tf32"`` give; it equals
+    ``allow_tf32`` wherever that is readable (torch 2.13 refuses to read ``allow_tf32`` once
+    the new API set TF32).  Older torch: ``torch.backends.cuda.matmul.allow_tf32``.
+    """
+    matmul = torch.backends.cuda.matmul
+    if _FP32_PRECISION_API:
+        return matmul.fp32_precision == "tf32"
+    return bool(matmul.allow_tf32)
+
+
+def precision_of(op: str, precision: Any) -> str:
+    """``cupynce.torch``'s ``precision=``: a mode as given (validated: ``_checks``' message);
+    None: "tf32" where torch's float32 CUDA matmuls use TF32 (:func:`torch_uses_tf32`), else
+    the global default (``cupynce.get_float32_precision()``).  Evaluated at each call."""
+    if precision is None and torch_uses_tf32():
+        return "tf32"
+    return _checks.check_precision(op, precision)
+
+
+def module_precision(name: str, precision: Optional[str]) -> Optional[str]:
+    """A module's (or an integration's) ``precision``: checked at construction, kept as given
+    (None stays None: torch's TF32 setting and the global default are read at each call)."""
+    if precision is not None:
+        _checks.check_precision(name, precision)
+    return precision
 
 
 #: the flag check of the core (one message for both layers)

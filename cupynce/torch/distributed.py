@@ -26,7 +26,8 @@ rank (its average is itself).  Every rank of the group must run the forward (and
 ``"none"``, the backward), as under DDP.
 
 Checks: every argument check runs inside the first collective (a small all-gather of every
-rank's problems, local shapes, dtypes and settings), so one rank's bad input, mismatched local
+rank's problems, local shapes, dtypes and settings, the float32 precision resolved), so one
+rank's bad input (``precision`` included), mismatched local
 sizes or dtypes, CPU tensors on an NCCL group, or ranks that disagree on a setting raise a
 ``ValueError`` / ``TypeError`` on every rank — never a hang or a wrong number.  Deterministic
 for a fixed world size.  Eager autograd: ``torch.compile`` graph-breaks at these calls (the
@@ -168,70 +169,78 @@ def _run(op: str, group, checks: Callable[[], Any], fwd: Callable,
 
 
 def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_bytes: Any,
-            group) -> Tensor:
+            group, precision: Any = None) -> Tensor:
     """``cupynce.torch.nt_xent(..., group=group)`` (see the module notes)."""
     op = "nt_xent"
+    p: List[Any] = [None]
 
     def checks():
         _checks.check_temperature(op, temperature)
         R.scalars(op, reduction, workspace_bytes)
         _checks.check_bool(op, "normalize", normalize)
         B.check_tensors(op, z=z)
+        p[0] = R.precision_of(op, precision)
 
     def fwd(comm, z_, requires_grad):
         return _global.nt_xent_forward(comm, z_, temperature, reduction=reduction,
                                        normalize=normalize, workspace_bytes=workspace_bytes,
-                                       requires_grad=requires_grad)
+                                       requires_grad=requires_grad, precision=p[0])
     return _run(op, group, checks, fwd, [z])
 
 
 def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: Any,
-             normalize: Any, workspace_bytes: Any, group) -> Tensor:
+             normalize: Any, workspace_bytes: Any, group, precision: Any = None) -> Tensor:
     """``cupynce.torch.info_nce(..., group=group)`` (see the module notes)."""
     op = "info_nce"
+    p: List[Any] = [None]
 
     def checks():
         _checks.check_temperature(op, temperature)
         R.scalars(op, reduction, workspace_bytes)
         _checks.check_bool(op, "normalize", normalize)
         B.check_tensors(op, optional=("negatives",), query=query, key=key, negatives=negatives)
+        p[0] = R.precision_of(op, precision)
 
     def fwd(comm, q, k, neg, requires_grad):
         return _global.info_nce_forward(comm, q, k, temperature, negatives=neg,
                                         reduction=reduction, normalize=normalize,
                                         workspace_bytes=workspace_bytes,
-                                        requires_grad=requires_grad)
+                                        requires_grad=requires_grad, precision=p[0])
     return _run(op, group, checks, fwd, [query, key, negatives])
 
 
 def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
-              workspace_bytes: Any, group, resolve: Callable) -> Tensor:
+              workspace_bytes: Any, group, resolve: Callable, precision: Any = None) -> Tensor:
     """``cupynce.torch.clip_loss(..., group=group)`` (see the module notes); ``resolve``
     is the single-process op's check of ``logit_scale`` → (tensor or None, host value)."""
     op = "clip_loss"
     ls: List[Any] = [None, 0.0]
+    p: List[Any] = [None]
 
     def checks():
         R.scalars(op, reduction, workspace_bytes)
         _checks.check_bool(op, "normalize", normalize)
         ls[:] = resolve(a, b, logit_scale)
+        p[0] = R.precision_of(op, precision)
 
     def fwd(comm, a_, b_, ls_arr, requires_grad):
         return _global.clip_loss_forward(comm, a_, b_, ls[1] if ls_arr is None else ls_arr,
                                          reduction=reduction, normalize=normalize,
                                          workspace_bytes=workspace_bytes,
-                                         requires_grad=requires_grad)
+                                         requires_grad=requires_grad, precision=p[0])
     tensors = [a, b, logit_scale if isinstance(logit_scale, Tensor) else None]
     return _run(op, group, checks, fwd, tensors)
 
 
 def siglip_loss(a: Any, b: Any, logit_scale: Any, logit_bias: Any, reduction: Any,
-                normalize: Any, workspace_bytes: Any, group, resolve: Callable) -> Tensor:
+                normalize: Any, workspace_bytes: Any, group, resolve: Callable,
+                precision: Any = None) -> Tensor:
     """``cupynce.torch.siglip_loss(..., group=group)`` (see the module notes); ``resolve``
     is the single-process op's check of a scalar → (tensor or None, host value)."""
     op = "siglip_loss"
     ls: List[Any] = [None, 0.0]
     lb: List[Any] = [None, 0.0]
+    p: List[Any] = [None]
 
     def checks():
         R.scalars(op, reduction, workspace_bytes)
@@ -239,11 +248,12 @@ def siglip_loss(a: Any, b: Any, logit_scale: Any, logit_bias: Any, reduction: An
         B.check_tensors(op, a=a, b=b)
         ls[:] = resolve("logit_scale", logit_scale, a)
         lb[:] = resolve("logit_bias", logit_bias, a)
+        p[0] = R.precision_of(op, precision)
 
     def fwd(comm, a_, b_, ls_arr, lb_arr, requires_grad):
         return _global.siglip_loss_forward(
             comm, a_, b_, ls[1] if ls_arr is None else ls_arr,
             lb[1] if lb_arr is None else lb_arr, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=requires_grad)
+            workspace_bytes=workspace_bytes, requires_grad=requires_grad, precision=p[0])
     tensors = [a, b] + [v if isinstance(v, Tensor) else None for v in (logit_scale, logit_bias)]
     return _run(op, group, checks, fwd, tensors)

@@ -30,37 +30,43 @@ __all__ = ["InfoNCEFunction", "InfoNCELoss", "NTXentLoss", "InfoNCE", "ClipLoss"
            "SymmetricInfoNCE", "SpladePooling"]
 
 
+def _precision_repr(precision: Optional[str]) -> str:
+    return "" if precision is None else f", precision={precision!r}"
+
+
 class InfoNCEFunction(torch.autograd.Function):
     """CuBlaze's autograd Function: ``InfoNCEFunction.apply(features, temperature, use_cublas)``.
 
     features (2B, D) → the mean NT-Xent loss (0-d float32 / float64), as :func:`nt_xent`
     without normalisation (CuBlaze expects L2-normalised features).  ``use_cublas``: see
-    :class:`InfoNCELoss`.  Forward and backward call the same ops as :func:`nt_xent`.
+    :class:`InfoNCELoss`.  An optional fourth argument, ``precision``, is :func:`nt_xent`'s.
+    Forward and backward call the same ops as :func:`nt_xent`.
     """
 
     @staticmethod
     def forward(ctx, features: Tensor, temperature: float = 0.5,
-                use_cublas: bool = False) -> Tensor:
+                use_cublas: bool = False, precision: Optional[str] = None) -> Tensor:
         t = _checks.check_temperature("InfoNCEFunction", temperature)
         R.check_bool("InfoNCEFunction", "use_cublas", use_cublas)
         B.check_tensors("InfoNCEFunction", features=features)
+        p = R.precision_of("InfoNCEFunction", precision)
         # gradient in the forward when one will be needed (as nt_xent; inside forward grad
         # mode is off, so requires_grad alone decides)
         ctx.fused = features.requires_grad
         fwd = nt_xent_ops.fwd if R.direct(features) else nt_xent_ops.FWD  # (no autograd inside forward)
-        loss, lse, acc, _norm = fwd(features, t, "mean", False, None, ctx.fused)
+        loss, lse, acc, _norm = fwd(features, t, "mean", False, None, p, ctx.fused)
         ctx.save_for_backward(acc if ctx.fused else features, lse)
-        ctx.temperature, ctx.dtype = t, features.dtype
+        ctx.temperature, ctx.dtype, ctx.precision = t, features.dtype, p
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
         saved, lse = ctx.saved_tensors
         if ctx.fused:
-            return R.scaled(None, None, saved, grad_loss, ctx.dtype, False), None, None
+            return R.scaled(None, None, saved, grad_loss, ctx.dtype, False), None, None, None
         dz = nt_xent_ops.BWD(saved, lse, grad_loss.contiguous(), ctx.temperature, "mean",
-                             False, None)
-        return dz, None, None
+                             False, None, ctx.precision)
+        return dz, None, None, None
 
 
 class InfoNCELoss(nn.Module):
@@ -73,9 +79,9 @@ class InfoNCELoss(nn.Module):
 
     ``use_cublas`` is accepted for compatibility with CuBlaze, where it switched between
     hand-written similarity kernels and cuBLAS.  cupynce has one path: every N×N×D product is
-    a cuBLAS GEMM (``cublasGemmEx``, fp32 accumulation, no TF32; NumPy's matmul on the CPU)
-    or, for float16/bfloat16 where the core selects them, its tensor-core tile kernels, with
-    the fused row kernels in between.  Both values run exactly the same code and give
+    a cuBLAS GEMM (``cublasGemmEx``, fp32 accumulation, no TF32 unless ``precision`` says so;
+    NumPy's matmul on the CPU) or, for float16/bfloat16 where the core selects them, its
+    tensor-core tile kernels, with the fused row kernels in between.  Both values run exactly the same code and give
     bit-identical results; the flag is validated (a bool), stored and shown in ``repr``.
 
     Parameters
@@ -86,10 +92,14 @@ class InfoNCELoss(nn.Module):
     normalize : bool, default False (keyword-only)
     group : torch.distributed process group, optional (keyword-only) — the loss of the group's
         global batch (see :func:`nt_xent`)
+    precision : "fp32" | "tf32" | "3xtf32", optional (keyword-only) — float32 products on
+        CUDA; None (default) follows torch's TF32 setting at each call, then
+        ``cupynce.get_float32_precision()`` (see :func:`nt_xent`)
     """
 
     def __init__(self, temperature: float = 0.5, use_cublas: bool = False, *,
-                 reduction: str = "mean", normalize: bool = False, group: Any = None) -> None:
+                 reduction: str = "mean", normalize: bool = False, group: Any = None,
+                 precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
         self.temperature = _checks.check_temperature(name, temperature)
@@ -97,14 +107,16 @@ class InfoNCELoss(nn.Module):
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
         self.group = group  # a torch.distributed group: the global batch's loss (nt_xent)
+        self.precision = R.module_precision(name, precision)
 
     def forward(self, features: Tensor) -> Tensor:
         return nt_xent(features, self.temperature, reduction=self.reduction,
-                       normalize=self.normalize, group=self.group)
+                       normalize=self.normalize, group=self.group, precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, use_cublas={self.use_cublas}, "
-                f"reduction={self.reduction!r}, normalize={self.normalize}")
+                f"reduction={self.reduction!r}, normalize={self.normalize}"
+                + _precision_repr(self.precision))
 
 
 #: SimCLR's name for :class:`InfoNCELoss`.
@@ -119,14 +131,15 @@ class InfoNCE(nn.Module):
     with ``negative_mode="unpaired"`` an (M, D) set shared by every query, with ``"paired"``
     (N, M, D), query i's own M negatives.  Rows are L2-normalised (``normalize=True``, as
     info-nce-pytorch and the tutorial do); unlike info-nce-pytorch the in-batch keys stay
-    candidates when explicit negatives are given.  See :func:`info_nce`.
+    candidates when explicit negatives are given.  See :func:`info_nce` (``precision``, keyword
+    only, too).
     """
 
     _MODES = {"unpaired": (2, "(M, D)"), "paired": (3, "(N, M, D)")}
 
     def __init__(self, temperature: float = 0.1, reduction: str = "mean",
                  negative_mode: str = "unpaired", *, normalize: bool = True,
-                 group: Any = None) -> None:
+                 group: Any = None, precision: Optional[str] = None) -> None:
         super().__init__()
         self.temperature = _checks.check_temperature("InfoNCE", temperature)
         self.reduction = _checks.check_reduction("InfoNCE", reduction)
@@ -136,6 +149,7 @@ class InfoNCE(nn.Module):
         self.negative_mode = negative_mode
         self.normalize = R.check_bool("InfoNCE", "normalize", normalize)
         self.group = group  # a torch.distributed group: the global batch's loss (info_nce)
+        self.precision = R.module_precision("InfoNCE", precision)
 
     def forward(self, query: Tensor, key: Tensor, negatives: Optional[Tensor] = None) -> Tensor:
         if isinstance(negatives, Tensor):
@@ -144,11 +158,13 @@ class InfoNCE(nn.Module):
                 raise ValueError(f"InfoNCE: negative_mode={self.negative_mode!r} expects "
                                  f"negatives of shape {shape}, got {tuple(negatives.shape)}")
         return info_nce(query, key, self.temperature, negatives=negatives,
-                        reduction=self.reduction, normalize=self.normalize, group=self.group)
+                        reduction=self.reduction, normalize=self.normalize, group=self.group,
+                        precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, reduction={self.reduction!r}, "
-                f"negative_mode={self.negative_mode!r}, normalize={self.normalize}")
+                f"negative_mode={self.negative_mode!r}, normalize={self.normalize}"
+                + _precision_repr(self.precision))
 
 
 class ClipLoss(nn.Module):
@@ -175,11 +191,13 @@ class ClipLoss(nn.Module):
     reduction : "mean" (default) | "sum" | "none" (keyword-only)
     normalize : bool, default True (keyword-only) — L2-normalise a and b first, as the
         tutorial's SymmetricInfoNCE; pass False for embeddings the model already normalised.
+    group, precision : keyword-only, as for :func:`clip_loss`.
     """
 
     def __init__(self, init_temperature: float = 0.07, learnable: bool = True,
                  max_logit_scale: float = 100.0, *, reduction: str = "mean",
-                 normalize: bool = True, group: Any = None) -> None:
+                 normalize: bool = True, group: Any = None,
+                 precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
         tau = _checks.check_positive_finite(name, "init_temperature", init_temperature)
@@ -194,6 +212,7 @@ class ClipLoss(nn.Module):
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
         self.group = group  # a torch.distributed group: the global batch's loss (clip_loss)
+        self.precision = R.module_precision(name, precision)
         learnable = R.check_bool(name, "learnable", learnable)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / tau), dtype=torch.float32),
                                         requires_grad=learnable)
@@ -220,11 +239,12 @@ class ClipLoss(nn.Module):
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         return clip_loss(a, b, self.clamped_logit_scale(), reduction=self.reduction,
-                         normalize=self.normalize, group=self.group)
+                         normalize=self.normalize, group=self.group, precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"learnable={self.learnable}, max_logit_scale={self.max_logit_scale}, "
-                f"reduction={self.reduction!r}, normalize={self.normalize}")
+                f"reduction={self.reduction!r}, normalize={self.normalize}"
+                + _precision_repr(self.precision))
 
 
 #: The tutorial's name for :class:`ClipLoss`.
@@ -250,11 +270,13 @@ class SigLipLoss(nn.Module):
     reduction : "mean" (default) | "sum" | "none" (keyword-only)
     normalize : bool, default False (keyword-only) — L2-normalise a and b first (SigLIP's
         towers already output normalised embeddings).
+    group, precision : keyword-only, as for :func:`siglip_loss`.
     """
 
     def __init__(self, init_logit_scale: float = math.log(10.0),
                  init_logit_bias: float = -10.0, learnable: bool = True, *,
-                 reduction: str = "mean", normalize: bool = False, group: Any = None) -> None:
+                 reduction: str = "mean", normalize: bool = False, group: Any = None,
+                 precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
         ls, lb = (float(_checks.check_scalar_input(
@@ -264,6 +286,7 @@ class SigLipLoss(nn.Module):
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
         self.group = group
+        self.precision = R.module_precision(name, precision)
         learnable = R.check_bool(name, "learnable", learnable)
         self.logit_scale = nn.Parameter(torch.tensor(ls, dtype=torch.float32),
                                         requires_grad=learnable)
@@ -286,11 +309,11 @@ class SigLipLoss(nn.Module):
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         return siglip_loss(a, b, self.logit_scale, self.logit_bias, reduction=self.reduction,
-                           normalize=self.normalize, group=self.group)
+                           normalize=self.normalize, group=self.group, precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"learnable={self.learnable}, reduction={self.reduction!r}, "
-                f"normalize={self.normalize}")
+                f"normalize={self.normalize}" + _precision_repr(self.precision))
 
 
 class SpladePooling(nn.Module):
@@ -330,12 +353,14 @@ class SpladePooling(nn.Module):
     weight : nn.Parameter (V, D), optional — share it instead of owning a weight
     dtype, device : the owned parameters' dtype and device (as ``nn.Linear``'s); with ``weight``
         given, they default to the weight's and must agree with it.
+    precision : "fp32" | "tf32" | "3xtf32", optional — float32 logit products on CUDA, as for
+        :func:`splade_pool` (None: torch's TF32 setting, then the global default)
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, *, activation: str = "log1p_relu",
                  bias: bool = True, weight: Optional[nn.Parameter] = None,
                  dtype: Optional[torch.dtype] = None,
-                 device: Optional[Any] = None) -> None:
+                 device: Optional[Any] = None, precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
         for arg, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
@@ -343,6 +368,7 @@ class SpladePooling(nn.Module):
                 raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
         self.hidden_size, self.vocab_size = int(hidden_size), int(vocab_size)
         self.activation = splade_ops.check_activation(name, activation)
+        self.precision = R.module_precision(name, precision)
         R.check_bool(name, "bias", bias)
         shape = (self.vocab_size, self.hidden_size)
         if weight is None:
@@ -376,8 +402,8 @@ class SpladePooling(nn.Module):
         self.reset_parameters()
 
     @classmethod
-    def from_decoder(cls, decoder: nn.Linear, *,
-                     activation: str = "log1p_relu") -> "SpladePooling":
+    def from_decoder(cls, decoder: nn.Linear, *, activation: str = "log1p_relu",
+                     precision: Optional[str] = None) -> "SpladePooling":
         """A head tied to ``decoder`` (``nn.Linear(D, V)``, e.g. a Hugging Face MLM head's
         ``cls.predictions.decoder``): its ``weight`` and ``bias`` Parameters are shared (no
         copy; ``decoder.weight.grad`` and ``decoder.bias.grad`` receive the gradients)."""
@@ -386,7 +412,7 @@ class SpladePooling(nn.Module):
                             f"(V = out_features, D = in_features), got "
                             f"{type(decoder).__module__}.{type(decoder).__name__}")
         head = cls(decoder.in_features, decoder.out_features, activation=activation, bias=False,
-                   weight=decoder.weight)
+                   weight=decoder.weight, precision=precision)
         if decoder.bias is not None:
             head.bias = decoder.bias  # the same Parameter object
         return head
@@ -409,9 +435,9 @@ class SpladePooling(nn.Module):
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         """hidden_states (B, L, D), attention_mask (B, L) or None → (B, V)."""
         return splade_pool(hidden_states, self.weight, self.bias, attention_mask,
-                           activation=self.activation)
+                           activation=self.activation, precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, "
                 f"activation={self.activation!r}, bias={self.bias is not None}, "
-                f"tied={self.tied}")
+                f"tied={self.tied}" + _precision_repr(self.precision))

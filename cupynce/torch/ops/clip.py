@@ -17,7 +17,7 @@ from .. import _registry as R
 
 def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
         reduction: str, normalize: bool, workspace_bytes: Optional[int],
-        fused: bool = False
+        precision: Optional[str] = None, fused: bool = False
         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse_rows, lse_cols, da_acc, db_acc, norm_a, norm_b, dscale): when ``fused``,
     the unit-upstream gradient accumulators, row norms (normalize=True) and the 0-d
@@ -28,7 +28,7 @@ def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
         if fused:
             loss, ctx = core.clip_loss_forward(
                 B.array_of(a), B.array_of(b), ls, reduction=reduction, normalize=normalize,
-                workspace_bytes=workspace_bytes, requires_grad=True)
+                workspace_bytes=workspace_bytes, requires_grad=True, precision=precision)
             s = ctx.saved
             return ((B.tensor_of(loss),) + tuple(R.fused_stat(x) for x in ctx.stats)
                     + tuple(R.opt_tensor(x, a) for x in s["acc"])
@@ -36,7 +36,7 @@ def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
                     + (B.tensor_of(ctx.xp.asarray(s["dscale"])),))
         rows, ctx = core.clip_loss_forward(
             B.array_of(a), B.array_of(b), ls, reduction="none", normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=True)
+            workspace_bytes=workspace_bytes, requires_grad=True, precision=precision)
         loss = _base.reduce(ctx.xp, rows, reduction)
         lse_r, lse_c = ctx.stats
         return (B.tensor_of(loss), B.tensor_of(lse_r), B.tensor_of(lse_c)) + tuple(R.empty(a) for _ in range(5))
@@ -44,8 +44,8 @@ def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
 
 def bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
         lse_r: Tensor, lse_c: Tensor, grad_loss: Tensor, reduction: str,
-        normalize: bool,
-        workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
+        normalize: bool, workspace_bytes: Optional[int],
+        precision: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """(da, db, dlogit_scale); dlogit_scale has logit_scale's shape and dtype (0-d float32 /
     float64 when a real was given)."""
     with B.device_scope(a.device):
@@ -53,12 +53,13 @@ def bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
         da, db, dls = core.clip_loss_backward_from_stats(
             B.array_of(a), B.array_of(b), ls, B.array_of(lse_r), B.array_of(lse_c),
             B.array_of(grad_loss), reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes)
+            workspace_bytes=workspace_bytes, precision=precision)
         return B.tensor_of(da), B.tensor_of(db), B.tensor_of(dls)
 
 
 def evaluate(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
-             reduction: str, normalize: bool, workspace_bytes: Optional[int]) -> Tuple[Tensor]:
+             reduction: str, normalize: bool, workspace_bytes: Optional[int],
+             precision: Optional[str] = None) -> Tuple[Tensor]:
     """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
     requiring one): the core's forward keeps no context, so repeated GPU calls replay their
     graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
@@ -66,12 +67,12 @@ def evaluate(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_va
         ls = B.scalar_of(logit_scale, logit_scale_value)
         loss, _ = core.clip_loss_forward(B.array_of(a), B.array_of(b), ls, reduction=reduction,
                                          normalize=normalize, workspace_bytes=workspace_bytes,
-                                         requires_grad=False)
+                                         requires_grad=False, precision=precision)
         return (B.tensor_of(loss),)
 
 
 def fwd_fake(a, b, logit_scale, logit_scale_value, reduction, normalize,
-             workspace_bytes, fused=False):
+             workspace_bytes, precision=None, fused=False):
     dscale = a.new_empty((), dtype=R.acc_dtype(a.dtype)) if fused else R.empty(a)
     return ((R.loss_like(a, reduction), R.stat_like(a), R.stat_like(a))
             + tuple(R.acc_like(x, fused, a) for x in (a, b))
@@ -79,7 +80,7 @@ def fwd_fake(a, b, logit_scale, logit_scale_value, reduction, normalize,
 
 
 def bwd_fake(a, b, logit_scale, logit_scale_value, lse_r, lse_c, grad_loss,
-             reduction, normalize, workspace_bytes):
+             reduction, normalize, workspace_bytes, precision=None):
     dls = a.new_empty((), dtype=R.acc_dtype(a.dtype)) if logit_scale is None else \
         logit_scale.new_empty(logit_scale.shape)
     return a.new_empty(a.shape), b.new_empty(b.shape), dls
@@ -87,7 +88,7 @@ def bwd_fake(a, b, logit_scale, logit_scale_value, lse_r, lse_c, grad_loss,
 
 def setup_context(ctx, inputs, output) -> None:
     a, b, logit_scale, logit_scale_value, reduction, normalize, workspace_bytes = inputs[:7]
-    ctx.fused = R.fused_flag(inputs, 7)
+    ctx.fused = R.fused_flag(inputs, 8)
     ctx.has_ls = logit_scale is not None
     if ctx.fused:  # accumulators, norms and d loss / d logit_scale (+ inputs to normalise)
         xs = (a, b) if normalize else (None, None)
@@ -96,13 +97,14 @@ def setup_context(ctx, inputs, output) -> None:
         ctx.ls_meta = None if logit_scale is None else (logit_scale.dtype, logit_scale.shape)
     else:
         ctx.save_for_backward(a, b, logit_scale, output[1], output[2])
-    ctx.args = (logit_scale_value, reduction, normalize, workspace_bytes)
+    ctx.args = (logit_scale_value, reduction, normalize, workspace_bytes,
+                R.input_at(inputs, 7))
     R.non_differentiable(ctx, *output[1:])
 
 
 def backward(ctx, grad_loss, *_grad_stats):
     need = ctx.needs_input_grad
-    ls_value, reduction, normalize, workspace_bytes = ctx.args
+    ls_value, reduction, normalize, workspace_bytes, precision = ctx.args
     da = db = dls = None
     if ctx.fused:
         R.refuse_double_backward()  # (also when only logit_scale needs a gradient)
@@ -117,11 +119,10 @@ def backward(ctx, grad_loss, *_grad_stats):
             dls = (dscale * grad_loss).to(ctx.ls_meta[0]).reshape(ctx.ls_meta[1])
     elif any(need[:3]):
         a, b, logit_scale, lse_r, lse_c = ctx.saved_tensors
-        da, db, dls = BWD(a, b, logit_scale, ls_value, lse_r, lse_c,
-                                        grad_loss.contiguous(), reduction, normalize,
-                                        workspace_bytes)
+        da, db, dls = BWD(a, b, logit_scale, ls_value, lse_r, lse_c, grad_loss.contiguous(),
+                          reduction, normalize, workspace_bytes, precision)
     return (da if need[0] else None, db if need[1] else None,
-            dls if need[2] and ctx.has_ls else None, None, None, None, None, None)
+            dls if need[2] and ctx.has_ls else None, None, None, None, None, None, None)
 
 
 ClipLossFunction, FWD, BWD = R.register(
@@ -146,7 +147,7 @@ def _logit_scale(a: Any, b: Any, logit_scale: Any) -> Tuple[Optional[Tensor], fl
 
 def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean",
               normalize: bool = False, workspace_bytes: Optional[int] = None,
-              group: Optional[Any] = None) -> Tensor:
+              group: Optional[Any] = None, precision: Optional[str] = None) -> Tensor:
     """CLIP's symmetric contrastive loss, differentiable w.r.t. a, b and a tensor logit_scale.
 
     Parameters
@@ -157,7 +158,8 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
         differentiable input (CLIP's learnable temperature) and is never read on the host;
         clamping it is the caller's business (:class:`ClipLoss` does it).
     reduction : "mean" (default) | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2)
-    normalize, workspace_bytes : as for :func:`nt_xent`.
+    normalize, workspace_bytes, precision : as for :func:`nt_xent` (``precision=None``
+        follows torch's TF32 setting, then ``cupynce.get_float32_precision()``).
     group : torch.distributed process group, optional
         The loss of the group's global batch (pairs concatenated in rank order): each rank's
         images against every text and its texts against every image.  Feature gradients
@@ -178,12 +180,12 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
         from .. import distributed
 
         return distributed.clip_loss(a, b, logit_scale, reduction, normalize, workspace_bytes,
-                                     group, _logit_scale)
+                                     group, _logit_scale, precision)
     reduction, workspace_bytes = R.scalars(op, reduction, workspace_bytes)
     ls_tensor, ls_value = _logit_scale(a, b, logit_scale)
     normalize = _checks.check_bool(op, "normalize", normalize)
     args = (a, b, ls_tensor, ls_value, reduction, normalize, workspace_bytes,
-            R.fused(reduction, a, b, ls_tensor))
+            R.precision_of(op, precision), R.fused(reduction, a, b, ls_tensor))
     if R.direct(a, b, ls_tensor):
         if not R.needs_grad(a, b, ls_tensor):
             return R.evaluate(evaluate, args[:-1])

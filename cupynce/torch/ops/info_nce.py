@@ -14,7 +14,7 @@ from .. import _registry as R
 
 def fwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], temperature: float,
         reduction: str, normalize: bool, workspace_bytes: Optional[int],
-        fused: bool = False
+        precision: Optional[str] = None, fused: bool = False
         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, dq_acc, dk_acc, dn_acc, norm_q, norm_k, norm_n): the loss (0-d, or (N,)
     for "none"), the (N,) row log-sum-exps and, when ``fused``, the unit-upstream gradient
@@ -25,33 +25,36 @@ def fwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], temperature: fl
         if fused:
             loss, ctx = core.info_nce_forward(
                 *args, negatives=B.array_of(negatives), reduction=reduction,
-                normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=True)
+                normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=True,
+                precision=precision)
             s = ctx.saved
             return ((B.tensor_of(loss), R.fused_stat(ctx.stats[0]))
                     + tuple(R.opt_tensor(x, query) for x in s["acc"])
                     + tuple(R.opt_tensor(x, query) for x in s["norms"]))
         rows, ctx = core.info_nce_forward(
             *args, negatives=B.array_of(negatives), reduction="none", normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=True)
+            workspace_bytes=workspace_bytes, requires_grad=True, precision=precision)
         loss = _base.reduce(ctx.xp, rows, reduction)
         return (B.tensor_of(loss), B.tensor_of(ctx.stats[0])) + tuple(R.empty(query) for _ in range(6))
 
 
 def bwd(query: Tensor, key: Tensor, negatives: Optional[Tensor], lse: Tensor,
         grad_loss: Tensor, temperature: float, reduction: str, normalize: bool,
-        workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
+        workspace_bytes: Optional[int],
+        precision: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """(dquery, dkey, dnegatives); dnegatives is an empty (0,) tensor without negatives."""
     with B.device_scope(query.device):
         dq, dk, dn = core.info_nce_backward_from_stats(
             B.array_of(query), B.array_of(key), B.array_of(negatives), B.array_of(lse),
             B.array_of(grad_loss), temperature=temperature, reduction=reduction,
-            normalize=normalize, workspace_bytes=workspace_bytes)
+            normalize=normalize, workspace_bytes=workspace_bytes, precision=precision)
         dn = query.new_empty((0,)) if dn is None else B.tensor_of(dn)  # ops return tensors
         return B.tensor_of(dq), B.tensor_of(dk), dn
 
 
 def evaluate(query: Tensor, key: Tensor, negatives: Optional[Tensor], temperature: float,
-             reduction: str, normalize: bool, workspace_bytes: Optional[int]) -> Tuple[Tensor]:
+             reduction: str, normalize: bool, workspace_bytes: Optional[int],
+             precision: Optional[str] = None) -> Tuple[Tensor]:
     """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
     requiring one): the core's forward keeps no context, so repeated GPU calls replay their
     graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
@@ -59,12 +62,12 @@ def evaluate(query: Tensor, key: Tensor, negatives: Optional[Tensor], temperatur
         loss, _ = core.info_nce_forward(
             B.array_of(query), B.array_of(key), temperature, negatives=B.array_of(negatives),
             reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
-            requires_grad=False)
+            requires_grad=False, precision=precision)
         return (B.tensor_of(loss),)
 
 
 def fwd_fake(query, key, negatives, temperature, reduction, normalize,
-             workspace_bytes, fused=False):
+             workspace_bytes, precision=None, fused=False):
     xs = (query, key, negatives)
     return ((R.loss_like(query, reduction), R.stat_like(query))
             + tuple(R.acc_like(x, fused, query) for x in xs)
@@ -72,14 +75,14 @@ def fwd_fake(query, key, negatives, temperature, reduction, normalize,
 
 
 def bwd_fake(query, key, negatives, lse, grad_loss, temperature, reduction,
-             normalize, workspace_bytes):
+             normalize, workspace_bytes, precision=None):
     dn = query.new_empty((0,)) if negatives is None else negatives.new_empty(negatives.shape)
     return query.new_empty(query.shape), key.new_empty(key.shape), dn
 
 
 def setup_context(ctx, inputs, output) -> None:
     query, key, negatives, temperature, reduction, normalize, workspace_bytes = inputs[:7]
-    ctx.fused = R.fused_flag(inputs, 7)
+    ctx.fused = R.fused_flag(inputs, 8)
     ctx.has_neg = negatives is not None
     if ctx.fused:  # accumulators and norms of query, key, negatives (+ inputs to normalise)
         xs = (query, key, negatives) if normalize else (None, None, None)
@@ -87,7 +90,7 @@ def setup_context(ctx, inputs, output) -> None:
         ctx.dtypes = tuple(None if x is None else x.dtype for x in (query, key, negatives))
     else:
         ctx.save_for_backward(query, key, negatives, output[1])
-    ctx.args = (temperature, reduction, normalize, workspace_bytes)
+    ctx.args = (temperature, reduction, normalize, workspace_bytes, R.input_at(inputs, 7))
     R.non_differentiable(ctx, *output[1:])
 
 
@@ -106,7 +109,7 @@ def backward(ctx, grad_loss, *_grad_stats):
         dq, dk, dn = BWD(query, key, negatives, lse, grad_loss.contiguous(),
                                       *ctx.args)
     return (dq if need[0] else None, dk if need[1] else None,
-            dn if need[2] and ctx.has_neg else None, None, None, None, None, None)
+            dn if need[2] and ctx.has_neg else None, None, None, None, None, None, None)
 
 
 InfoNCEFunction, FWD, BWD = R.register(
@@ -117,7 +120,7 @@ InfoNCEFunction, FWD, BWD = R.register(
 def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
              negatives: Optional[Tensor] = None, reduction: str = "mean",
              normalize: bool = False, workspace_bytes: Optional[int] = None,
-             group: Optional[Any] = None) -> Tensor:
+             group: Optional[Any] = None, precision: Optional[str] = None) -> Tensor:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
 
     Parameters
@@ -127,8 +130,9 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
     temperature : float > 0, default 0.1
     negatives : Tensor, optional
         (M, D) shared by every query, or (N, M, D) per query; differentiable.
-    reduction, normalize, workspace_bytes : as for :func:`nt_xent` (``normalize`` applies to
-        query, key and negatives alike).
+    reduction, normalize, workspace_bytes, precision : as for :func:`nt_xent` (``normalize``
+        applies to query, key and negatives alike; ``precision=None`` follows torch's TF32
+        setting, then ``cupynce.get_float32_precision()``).
     group : torch.distributed process group, optional
         The loss of the group's global batch (queries and keys concatenated in rank order):
         every rank's keys are candidates of every query, shared (M, D) negatives of every rank
@@ -149,14 +153,14 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
         from .. import distributed
 
         return distributed.info_nce(query, key, negatives, temperature, reduction, normalize,
-                                    workspace_bytes, group)
+                                    workspace_bytes, group, precision)
     t = _checks.check_temperature("info_nce", temperature)
     reduction, workspace_bytes = R.scalars("info_nce", reduction, workspace_bytes)
     B.check_tensors("info_nce", optional=("negatives",), query=query, key=key,
                      negatives=negatives)
     normalize = _checks.check_bool("info_nce", "normalize", normalize)
     args = (query, key, negatives, t, reduction, normalize, workspace_bytes,
-            R.fused(reduction, query, key, negatives))
+            R.precision_of("info_nce", precision), R.fused(reduction, query, key, negatives))
     if R.direct(query, key, negatives):
         if not R.needs_grad(query, key, negatives):
             return R.evaluate(evaluate, args[:-1])

@@ -18,8 +18,8 @@ OP = "siglip_loss"
 
 def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
         logit_bias: Optional[Tensor], logit_bias_value: float, reduction: str,
-        normalize: bool, workspace_bytes: Optional[int], fused: bool = False
-        ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        normalize: bool, workspace_bytes: Optional[int], precision: Optional[str] = None,
+        fused: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, da_acc, db_acc, norm_a, norm_b, dscale, dbias): when ``fused``, the
     unit-upstream gradient accumulators, row norms (normalize=True) and the 0-d
     d loss / d logit_scale and d loss / d logit_bias; placeholders otherwise.  A scalar given
@@ -29,7 +29,7 @@ def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
         lb = B.scalar_of(logit_bias, logit_bias_value)
         loss, ctx = core.siglip_loss_forward(
             B.array_of(a), B.array_of(b), ls, lb, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=fused)
+            workspace_bytes=workspace_bytes, requires_grad=fused, precision=precision)
         if not fused:
             return (B.tensor_of(loss),) + tuple(R.empty(a) for _ in range(6))
         s = ctx.saved
@@ -40,8 +40,8 @@ def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
 
 def bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
         logit_bias: Optional[Tensor], logit_bias_value: float, grad_loss: Tensor,
-        reduction: str, normalize: bool, workspace_bytes: Optional[int]
-        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        reduction: str, normalize: bool, workspace_bytes: Optional[int],
+        precision: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(da, db, dlogit_scale, dlogit_bias) recomputed from the inputs; the scalar gradients
     have the tensor's shape and dtype (0-d float32 / float64 when a real was given)."""
     with B.device_scope(a.device):
@@ -49,13 +49,14 @@ def bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: 
         lb = B.scalar_of(logit_bias, logit_bias_value)
         grads = core.siglip_loss_backward_from_inputs(
             B.array_of(a), B.array_of(b), ls, lb, B.array_of(grad_loss), reduction=reduction,
-            normalize=normalize, workspace_bytes=workspace_bytes)
+            normalize=normalize, workspace_bytes=workspace_bytes, precision=precision)
         return tuple(B.tensor_of(x) for x in grads)
 
 
 def evaluate(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
              logit_bias: Optional[Tensor], logit_bias_value: float, reduction: str,
-             normalize: bool, workspace_bytes: Optional[int]) -> Tuple[Tensor]:
+             normalize: bool, workspace_bytes: Optional[int],
+             precision: Optional[str] = None) -> Tuple[Tensor]:
     """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
     requiring one): the core's forward keeps no context, so repeated GPU calls replay their
     graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
@@ -64,12 +65,12 @@ def evaluate(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_va
         lb = B.scalar_of(logit_bias, logit_bias_value)
         loss, _ = core.siglip_loss_forward(
             B.array_of(a), B.array_of(b), ls, lb, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=False)
+            workspace_bytes=workspace_bytes, requires_grad=False, precision=precision)
         return (B.tensor_of(loss),)
 
 
 def fwd_fake(a, b, logit_scale, logit_scale_value, logit_bias, logit_bias_value, reduction,
-             normalize, workspace_bytes, fused=False):
+             normalize, workspace_bytes, precision=None, fused=False):
     scalars = tuple(a.new_empty((), dtype=R.acc_dtype(a.dtype)) if fused else R.empty(a)
                     for _ in range(2))  # (two tensors: outputs never alias each other)
     return ((R.loss_like(a, reduction),) + tuple(R.acc_like(x, fused, a) for x in (a, b))
@@ -77,7 +78,7 @@ def fwd_fake(a, b, logit_scale, logit_scale_value, logit_bias, logit_bias_value,
 
 
 def bwd_fake(a, b, logit_scale, logit_scale_value, logit_bias, logit_bias_value, grad_loss,
-             reduction, normalize, workspace_bytes):
+             reduction, normalize, workspace_bytes, precision=None):
     def scalar_like(t):
         return a.new_empty((), dtype=R.acc_dtype(a.dtype)) if t is None else \
             t.new_empty(t.shape)
@@ -87,7 +88,7 @@ def bwd_fake(a, b, logit_scale, logit_scale_value, logit_bias, logit_bias_value,
 
 def setup_context(ctx, inputs, output) -> None:
     a, b, ls, ls_value, lb, lb_value, reduction, normalize, workspace_bytes = inputs[:9]
-    ctx.fused = R.fused_flag(inputs, 9)
+    ctx.fused = R.fused_flag(inputs, 10)
     ctx.has = (ls is not None, lb is not None)
     ctx.meta = tuple(None if t is None else (t.dtype, t.shape) for t in (ls, lb))
     if ctx.fused:  # accumulators, norms, the scalar gradients (+ inputs to normalise)
@@ -96,13 +97,14 @@ def setup_context(ctx, inputs, output) -> None:
         ctx.dtypes = (a.dtype, b.dtype)
     else:
         ctx.save_for_backward(a, b, ls, lb)
-    ctx.args = (ls_value, lb_value, reduction, normalize, workspace_bytes)
+    ctx.args = (ls_value, lb_value, reduction, normalize, workspace_bytes,
+                R.input_at(inputs, 9))
     R.non_differentiable(ctx, *output[1:])
 
 
 def backward(ctx, grad_loss, *_grad_rest):
     need = ctx.needs_input_grad
-    ls_value, lb_value, reduction, normalize, workspace_bytes = ctx.args
+    ls_value, lb_value, reduction, normalize, workspace_bytes, precision = ctx.args
     da = db = dls = dlb = None
     direct = getattr(ctx, "direct", False)
     if ctx.fused:
@@ -120,10 +122,10 @@ def backward(ctx, grad_loss, *_grad_rest):
         R.refuse_double_backward()
         a, b, ls, lb = ctx.saved_tensors
         da, db, dls, dlb = BWD(a, b, ls, ls_value, lb, lb_value, grad_loss.contiguous(),
-                               reduction, normalize, workspace_bytes)
+                               reduction, normalize, workspace_bytes, precision)
     return (da if need[0] else None, db if need[1] else None,
             dls if need[2] and ctx.has[0] else None, None,
-            dlb if need[4] and ctx.has[1] else None, None, None, None, None, None)
+            dlb if need[4] and ctx.has[1] else None, None, None, None, None, None, None)
 
 
 SigLipLossFunction, FWD, BWD = R.register(
@@ -146,7 +148,8 @@ def _scalar(name: str, value: Any, a: Tensor) -> Tuple[Optional[Tensor], float]:
 
 def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
                 reduction: str = "mean", normalize: bool = False,
-                workspace_bytes: Optional[int] = None, group: Optional[Any] = None) -> Tensor:
+                workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
+                precision: Optional[str] = None) -> Tensor:
     """SigLIP's pairwise sigmoid loss, differentiable w.r.t. a, b and tensor scale / bias.
 
     Parameters
@@ -158,7 +161,8 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
     logit_bias : real, or Tensor of shape () or (1,) (SigLIP starts at −10).
     reduction : "mean" (default: the sum over the N² pairs divided by N, as open_clip) |
         "sum" | "none" (the (N,) per-row sums)
-    normalize, workspace_bytes : as for :func:`nt_xent`.
+    normalize, workspace_bytes, precision : as for :func:`nt_xent` (``precision=None``
+        follows torch's TF32 setting, then ``cupynce.get_float32_precision()``).
     group : torch.distributed process group, optional
         The loss of the group's global batch (pairs concatenated in rank order): each rank's
         images against every text.  Feature gradients follow DDP's convention; the scale's
@@ -178,7 +182,7 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
         from .. import distributed
 
         return distributed.siglip_loss(a, b, logit_scale, logit_bias, reduction, normalize,
-                                       workspace_bytes, group, _scalar)
+                                       workspace_bytes, group, _scalar, precision)
     reduction, workspace_bytes = R.scalars(OP, reduction, workspace_bytes)
     B.check_tensors(OP, a=a, b=b)
     ls_tensor, ls_value = _scalar("logit_scale", logit_scale, a)
@@ -191,7 +195,8 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
     B.check_tensors(OP, **tensors)
     normalize = _checks.check_bool(OP, "normalize", normalize)
     args = (a, b, ls_tensor, ls_value, lb_tensor, lb_value, reduction, normalize,
-            workspace_bytes, R.fused(reduction, a, b, ls_tensor, lb_tensor))
+            workspace_bytes, R.precision_of(OP, precision),
+            R.fused(reduction, a, b, ls_tensor, lb_tensor))
     if R.direct(a, b, ls_tensor, lb_tensor):
         if not R.needs_grad(a, b, ls_tensor, lb_tensor):
             return R.evaluate(evaluate, args[:-1])

@@ -28,15 +28,16 @@ def argmax_dtype(seq_len: int) -> torch.dtype:
 
 
 def fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-        activation: str, workspace_bytes: Optional[int],
-        requires_grad: bool) -> Tuple[Tensor, Tensor]:
+        activation: str, workspace_bytes: Optional[int], requires_grad: bool,
+        precision: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """(out, argmax): out (B, V) in x's dtype and the (B, V) winning positions
     (``ctx.stats[0]``); argmax is an empty (0, 0) tensor when ``requires_grad`` is False (the
     core then skips it)."""
     with B.device_scope(x.device):
         out, ctx = core.splade_pool_forward(
             B.array_of(x), B.array_of(weight), B.array_of(bias), _mask_array(mask),
-            activation=activation, workspace_bytes=workspace_bytes, requires_grad=requires_grad)
+            activation=activation, workspace_bytes=workspace_bytes, requires_grad=requires_grad,
+            precision=precision)
         argmax = B.tensor_of(ctx.stats[0]) if requires_grad else \
             x.new_empty((0, 0), dtype=argmax_dtype(x.shape[1]))
         return B.tensor_of(out), argmax
@@ -57,7 +58,8 @@ def bwd(x: Tensor, weight: Tensor, out: Tensor, argmax: Tensor, grad_out: Tensor
         return B.tensor_of(dx), B.tensor_of(dw), db
 
 
-def fwd_fake(x, weight, bias, mask, activation, workspace_bytes, requires_grad):
+def fwd_fake(x, weight, bias, mask, activation, workspace_bytes, requires_grad,
+             precision=None):
     argmax_shape = (x.shape[0], weight.shape[0]) if requires_grad else (0, 0)
     return (x.new_empty((x.shape[0], weight.shape[0])),
             x.new_empty(argmax_shape, dtype=argmax_dtype(x.shape[1])))
@@ -69,7 +71,7 @@ def bwd_fake(x, weight, out, argmax, grad_out, has_bias, activation):
 
 
 def setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, mask, activation, workspace_bytes, requires_grad = inputs
+    x, weight, bias, mask, activation, workspace_bytes, requires_grad = inputs[:7]
     out, argmax = output
     R.non_differentiable(ctx, argmax)
     ctx.args = (bias is not None, activation)
@@ -80,7 +82,7 @@ def setup_context(ctx, inputs, output) -> None:
 
 def backward(ctx, grad_out, *_grad_argmax):
     need = ctx.needs_input_grad
-    nones = (None,) * 4  # mask, activation, workspace_bytes, requires_grad
+    nones = (None,) * 5  # mask, activation, workspace_bytes, requires_grad, precision
     if not ctx.has_stats or not any(need[:3]):
         # only the mask required a gradient (it never gets one) or nothing at all did
         return (None, None, None) + nones
@@ -107,7 +109,7 @@ def check_activation(op: str, activation: Any) -> str:
 
 def splade_pool(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                 mask: Optional[Tensor] = None, *, activation: str = "log1p_relu",
-                workspace_bytes: Optional[int] = None) -> Tensor:
+                workspace_bytes: Optional[int] = None, precision: Optional[str] = None) -> Tensor:
     """SPLADE's max-pooled vocabulary representation, differentiable w.r.t. x, weight and bias.
 
     Parameters
@@ -126,6 +128,10 @@ def splade_pool(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     activation : "log1p_relu" (default, SPLADE's log(1 + ReLU)) | "relu"
     workspace_bytes : int, optional
         Cap on the logit-tile workspace (CUDA); the core's default when None.
+    precision : "fp32" | "tf32" | "3xtf32", optional
+        How float32 logit products run on CUDA; None follows torch's TF32 setting, then
+        ``cupynce.get_float32_precision()`` (see :func:`nt_xent`).  The backward runs no
+        products.
 
     Returns
     -------
@@ -151,7 +157,8 @@ def splade_pool(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     # argmax is computed and kept only when autograd will need it (read from metadata only)
     requires_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
-    args = (x, weight, bias, mask, activation, workspace_bytes, requires_grad)
+    args = (x, weight, bias, mask, activation, workspace_bytes, requires_grad,
+            R.precision_of(op, precision))
     if R.direct(x, weight, bias, mask):
         return SpladePoolFunction.apply(*args)
     return FWD(*args)[0]
