@@ -171,3 +171,13 @@ def test_graph_key_includes_precision():
             assert p in keys[p]
     assert len(set(keys.values())) == 3
     assert _graphs._switches() == keys["fp32"]
+
+
+def truncation_bound(k: int) -> float:
+    """What Hopper's tensor cores add to a "3xtf32" product's relative error over a reduction
+    of length ``k``: each TF32 MMA step (k = 8) adds its products to the accumulator rounding
+    toward zero, losing up to 1 ulp (2^-23 relative) of the partial sum, half that on
+    average and the same way every step.  Measured (benchmarks/bench_f32_products.py, H200):
+    0.5-0.55 of this for Z·Zᵀ at k = 256 / 512; the ops' gradients (k = N = 1000) 0.3 of it.
+    """
+    return (k / 8) * 2.0 ** -24

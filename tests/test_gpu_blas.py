@@ -159,14 +159,6 @@ def _f32_case(seed, m, n, k, trans_a, trans_b, pad, beta, mode):
 @pytest.mark.parametrize("beta", [0.0, 1.0, -0.5])
 @pytest.mark.parametrize("m,n,k,pad", [(256, 192, 64, 0), (130, 70, 1000, 3), (64, 300, 4096, 1),
                                        (33, 517, 257, 5)])
-def _truncation_bound(k: int) -> float:
-    """What Hopper's tensor cores add to 3xtf32's error: each TF32 MMA step (k = 8) rounds the
-    accumulator toward zero, at most 1 ulp (2^-23 relative) of the partial sum; half that on
-    average, and the same sign every step (docs/notes.md, issue 24: measured 0.5-0.55 of
-    (k / 8) 2^-24 for Z Zᵀ at k = 256 / 512 on an H200)."""
-    return (k / 8) * 2.0 ** -24
-
-
 def test_float32_modes_against_float64(mode, trans_a, trans_b, beta, m, n, k, pad, monkeypatch):
     """3xtf32 within 2x fp32's error plus the tensor cores' truncation bias (same inputs) and
     30x better than tf32; tf32 within 1e-2; fp32 as before."""
@@ -177,7 +169,7 @@ def test_float32_modes_against_float64(mode, trans_a, trans_b, beta, m, n, k, pa
     assert e32 <= _tol(np.float32)
     if mode == "3xtf32":
         e_tf32, _ = _f32_case(*case, "tf32")
-        assert e <= 2 * e32 + _truncation_bound(k), (e, e32)
+        assert e <= 2 * e32 + P.truncation_bound(k), (e, e32)
         assert e <= e_tf32 / 30, (e, e_tf32)
     else:
         assert e <= 1e-2, e
@@ -230,7 +222,7 @@ def test_3xtf32_splits_a_shared_operand_once(monkeypatch):
             _blas.gemm(z, z, outs[mode], trans_b=True)
     assert splits == ["a"]
     ref = z64 @ z64.T
-    assert _rel(outs["3xtf32"], ref) <= 2 * _rel(outs["fp32"], ref) + _truncation_bound(256)
+    assert _rel(outs["3xtf32"], ref) <= 2 * _rel(outs["fp32"], ref) + P.truncation_bound(256)
 
 
 @pytest.mark.parametrize("mode", ["tf32", "3xtf32"])

@@ -9,14 +9,17 @@ Relative errors ‖x − ref‖ / ‖ref‖ (inputs rounded to float32 first; th
            1e-4; and bit for bit the call without ``precision`` (the default)
 "tf32"     2e-2 (TF32 keeps 10 mantissa bits: ~2e-4 measured by a float64 emulation
            of the rounded operands at these shapes, up to 1e-3 for SigLIP's scale)
-"3xtf32"   ≤ 8 × fp32's error + 1e-7, and ≤ 2e-5: on an H100 cuBLAS's 3xTF32
-           products came out ~3× less accurate than true fp32 (8.7e-7 against
-           2.7e-7 relative for Z·Zᵀ at K = 256; Hopper's tensor cores accumulate
-           with truncation toward zero), hence the factor 8
+"3xtf32"   ≤ 2 × fp32's error + the tensor cores' truncation bias over the longest
+           reduction, K = max(N, D) (the gradient products reduce over N):
+           ``test_float32_precision.truncation_bound`` = (K / 8) 2⁻²⁴; and 10×
+           better than tf32.  Hopper's tensor cores accumulate with truncation toward
+           zero: measured on an H200, 3xtf32's gradients at N = 1000 came out 2.4e-6
+           against fp32's 2.5e-7 (0.3 of the bias bound); its products alone 3-13×
+           fp32's error (docs/notes.md, issue 24)
 =========  =========================================================================
 
 The scalar gradients (CLIP's dlogit_scale, SigLIP's dlogit_scale and dlogit_bias) are sums
-whose terms cancel: every bound of theirs above (the 3xtf32 floor 1e-7 and cap 2e-5
+whose terms cancel: every bound of theirs above (the 3xtf32 truncation term
 included) is multiplied by their condition κ ≥ 1, estimated as the float64 oracle's relative
 response to a one-ulp float32 perturbation of the inputs, divided by 2⁻²⁴ (as
 test_gpu_siglip.py scales its float32 bound by the sums' condition: a sum that cancels cannot
@@ -37,6 +40,7 @@ import pytest
 import cupynce
 from cupynce import reference as R
 from cupynce._engine import blas
+import test_float32_precision as P  # (tests/ is on sys.path under pytest)
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +49,7 @@ cp = pytest.importorskip("cupy")
 MODES = blas.FLOAT32_PRECISIONS
 FP32_TOL = (1e-5, 1e-4)  # loss, gradients (test_gpu_contrastive.py's float32)
 TF32_TOL = 2e-2
-X3_FACTOR, X3_FLOOR, X3_CAP = 8.0, 1e-7, 2e-5
+X3_FACTOR, X3_VS_TF32 = 2.0, 10.0
 SHAPES = [(64, 32), (64, 256), (300, 32), (300, 256), (1000, 32), (1000, 256)]
 OPS = ["nt_xent", "info_nce", "clip_loss", "siglip_loss"]
 NAMES = {"nt_xent": ["dz"], "info_nce": ["dquery", "dkey"],
@@ -164,9 +168,10 @@ def test_modes_against_float64(op, n, d, reduction):
         assert e32 <= tol32, f"{case} fp32: {name} rel err {e32:.3e} > {tol32:.1e} (κ {k:.3g})"
         assert etf <= TF32_TOL * k, (f"{case} tf32: {name} rel err {etf:.3e} > "
                                      f"{TF32_TOL * k:.1e} (κ {k:.3g}, fp32's {e32:.3e})")
-        bound = min(X3_FACTOR * e32 + X3_FLOOR * k, X3_CAP * k)
+        bound = X3_FACTOR * e32 + P.truncation_bound(max(n, d)) * k
         assert e3 <= bound, (f"{case} 3xtf32: {name} rel err {e3:.3e} > {bound:.3e} "
                              f"(fp32's {e32:.3e}, κ {k:.3g}, tf32's {etf:.3e})")
+        assert e3 <= etf / X3_VS_TF32, f"{case} 3xtf32: {name} {e3:.3e} vs tf32's {etf:.3e}"
     # the default ("fp32" unless CUPYNCE_FLOAT32 says otherwise) is that mode's very call
     dmode = cupynce.get_float32_precision()
     for name, x, y in zip(names, got[dmode], [default[0]] + default[1]):
@@ -240,7 +245,7 @@ def test_splade_forward_modes():
         if mode == cupynce.get_float32_precision():
             assert _same_bits(out, default)
     assert errs["fp32"] <= 1e-5 and errs["tf32"] <= TF32_TOL, errs
-    assert errs["3xtf32"] <= min(X3_FACTOR * errs["fp32"] + X3_FLOOR, X3_CAP), errs
+    assert errs["3xtf32"] <= X3_FACTOR * errs["fp32"] + P.truncation_bound(256), errs
 
 
 def _torch_cuda():
