@@ -2,8 +2,8 @@
 beside the errors against float64 (issue 24).
 
 Per op and N (D = 512 by default; the inputs and the step of ``bench_contrastive.py``): the
-median time of the step in each precision (``blas.float32_precision`` around the step: the
-engine switch the public ``precision=`` argument enters), its peak extra memory, and the
+median time of the step in each precision (``cupynce.set_float32_precision`` around the step:
+the default every entry point's ``precision=None`` takes), its peak extra memory, and the
 relative errors of the loss and of the gradients, ``|L - L64| / |L64|`` and
 ``||g - g64|| / ||g64||`` (all gradients stacked), against cupynce's float64 path on the very
 float32 inputs upcast.  PyTorch eager / torch.compile float32 times: run
@@ -34,6 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     import cupy as cp
 
+    import cupynce
     from cupynce._engine import blas
     from cupynce.report.harness import run_case
 
@@ -52,8 +53,13 @@ def main() -> None:
                 step = B.cupynce_step(op, inputs)
 
                 def run(step=step, mode=mode):
-                    with blas.float32_precision(mode):
+                    # (the global default: the entry points resolve precision=None to it)
+                    prev = cupynce.get_float32_precision()
+                    cupynce.set_float32_precision(mode)
+                    try:
                         return step()
+                    finally:
+                        cupynce.set_float32_precision(prev)
                 loss, grads = run()
                 el = abs(float(loss) - l64) / abs(l64)
                 eg = float(cp.linalg.norm(_flat(cp, grads) - g64) / cp.linalg.norm(g64))

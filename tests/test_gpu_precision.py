@@ -11,8 +11,11 @@ Relative errors ‖x − ref‖ / ‖ref‖ (inputs rounded to float32 first; th
            of the rounded operands at these shapes, up to 1e-3 for SigLIP's scale)
 "3xtf32"   ≤ 2 × fp32's error + the tensor cores' truncation bias over the longest
            reduction, K = max(N, D) (the gradient products reduce over N):
-           ``test_float32_precision.truncation_bound`` = (K / 8) 2⁻²⁴; and 10×
-           better than tf32.  Hopper's tensor cores accumulate with truncation toward
+           ``test_float32_precision.truncation_bound`` = (K / 8) 2⁻²⁴.  (No
+           "better than tf32" here: a loss or a scalar gradient's error is mostly
+           not the products', and small products stay fp32 in every mode; the
+           bits check below shows the mode took effect, test_gpu_blas.py the
+           products' own errors.)  Hopper's tensor cores accumulate with truncation toward
            zero: measured on an H200, 3xtf32's gradients at N = 1000 came out 2.4e-6
            against fp32's 2.5e-7 (0.3 of the bias bound); its products alone 3-13×
            fp32's error (docs/notes.md, issue 24)
@@ -49,7 +52,7 @@ cp = pytest.importorskip("cupy")
 MODES = blas.FLOAT32_PRECISIONS
 FP32_TOL = (1e-5, 1e-4)  # loss, gradients (test_gpu_contrastive.py's float32)
 TF32_TOL = 2e-2
-X3_FACTOR, X3_VS_TF32 = 2.0, 10.0
+X3_FACTOR = 2.0
 SHAPES = [(64, 32), (64, 256), (300, 32), (300, 256), (1000, 32), (1000, 256)]
 OPS = ["nt_xent", "info_nce", "clip_loss", "siglip_loss"]
 NAMES = {"nt_xent": ["dz"], "info_nce": ["dquery", "dkey"],
@@ -171,7 +174,6 @@ def test_modes_against_float64(op, n, d, reduction):
         bound = X3_FACTOR * e32 + P.truncation_bound(max(n, d)) * k
         assert e3 <= bound, (f"{case} 3xtf32: {name} rel err {e3:.3e} > {bound:.3e} "
                              f"(fp32's {e32:.3e}, κ {k:.3g}, tf32's {etf:.3e})")
-        assert e3 <= etf / X3_VS_TF32, f"{case} 3xtf32: {name} {e3:.3e} vs tf32's {etf:.3e}"
     # the default ("fp32" unless CUPYNCE_FLOAT32 says otherwise) is that mode's very call
     dmode = cupynce.get_float32_precision()
     for name, x, y in zip(names, got[dmode], [default[0]] + default[1]):
