@@ -126,16 +126,19 @@ __device__ __forceinline__ void wg_bar(int wg) {
     asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg) : "memory");
 }
 
+// one wgmma m64n128 with both operands from shared-memory descriptors: INSTR the shape and
+// types ("m64n128k16.f32.bf16.bf16"), IMM the immediates after scale-d (16-bit types: scale-a,
+// scale-b, transpose-a, transpose-b; tf32: scale-a, scale-b only, no transposes)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define CPN_WGMMA_ASM(TY)                                                                  \
+#define CPN_WGMMA_ASM_SS(INSTR, IMM)                                                       \
     asm volatile(                                                                          \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                      \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                        \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                       \
+        "wgmma.mma_async.sync.aligned." INSTR " "                                          \
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "          \
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-        "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                    \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "\
+        "%64, %65, p, " IMM ";\n}\n"                                                       \
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),          \
           "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),        \
           "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),    \
@@ -149,8 +152,9 @@ __device__ __forceinline__ void wg_bar(int wg) {
           "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                               \
         : "l"(da), "l"(db), "r"(scale_d))
 #else
-#define CPN_WGMMA_ASM(TY) __trap()
+#define CPN_WGMMA_ASM_SS(INSTR, IMM) __trap()
 #endif
+#define CPN_WGMMA_ASM(TY) CPN_WGMMA_ASM_SS("m64n128k16.f32." TY "." TY, "1, 1, 0, 0")
 
 // D (64 x 128, fp32) (+)= A (64 x 16) B^T (16 x 128); scale_d = 0 starts a new tile
 template <typename T> struct Wgmma;
@@ -164,6 +168,16 @@ template <> struct Wgmma<f16_t> {
     static __device__ __forceinline__ void run(float* d, unsigned long long da,
                                                unsigned long long db, int scale_d) {
         CPN_WGMMA_ASM("f16");
+    }
+};
+// D (64 x 128, fp32) (+)= A (64 x 8) B^T (8 x 128) of TF32 operands (float32 in shared memory,
+// the tensor cores read the top 19 bits: sign, exponent, 10 mantissa bits), both K-major:
+// a 128-byte swizzled row holds 32 of K, so the k8 steps advance the descriptors by 32 B
+// (+2), as the 16-bit k16 steps do (tiles_ws_tf32.cu)
+struct WgmmaTf32 {
+    static __device__ __forceinline__ void run(float* d, unsigned long long da,
+                                               unsigned long long db, int scale_d) {
+        CPN_WGMMA_ASM_SS("m64n128k8.f32.tf32.tf32", "1, 1");
     }
 };
 

@@ -7,6 +7,7 @@
 //     64 of K, 128-byte swizzled; rows and K past the ends zero-filled) into a ring of ST stages
 //     with full / empty mbarriers.  A stage holds the A and B boxes of one K step, or (AR, A
 //     resident) the B box alone after the CTA's KT A boxes, loaded once: half the L2 reads.
+//     (The 16-bit operands; the split float32 ones: see Operands below.)
 //   * warpgroups 0 / 1 = consumers (setmaxnreg.inc 240): consumer c takes the CTA's tiles
 //     t = c, c + 2, ...: two wgmma m64n128k16 per k16 (rows 0-63 and 64-127, WsLayout), then the
 //     tile's epilogue.  Named barriers 3 + c order the consumers' MMA phases (ping-pong: c waits
@@ -25,6 +26,12 @@
 //   * per consumer: its colv (column values of its tile, filled after the MMAs from loads
 //     issued before them), LSE2 column scratch and SOUT staging tile (16 KiB); epilogue
 //     barriers are the consumer's named barrier 1 + c, the final row merge is barrier 5.
+//
+// Operands: the walk is templated on an operand policy (Ops) that says what a ring stage holds,
+// what the producer loads into it and how a consumer runs a tile's MMAs on it: WsOps16<T>
+// below for the 16-bit kernels (tiles_ws.cu), WsOpsTf32x3 for the split float32 ones
+// (tiles_ws_tf32.cu).  Everything else -- the schedule, the ring's barriers, the ping-pong,
+// the epilogues and the row merge -- is this file's, for both.
 //
 // Determinism: every order is fixed (tile t always on consumer t & 1; consumer 1's row values
 // merged into consumer 0's in row_pairs).  Requirements (Python, tiles.ws_ok): those of the
@@ -57,12 +64,90 @@ __device__ __forceinline__ void ws_bar_arrive(int id) {
     asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory");
 }
 
+// A consumer's view of the ring: its full barriers (fullc, stage s at + 8 s), the empty ones,
+// the A-resident boxes (abase), the ring (rbase, SB bytes a stage, ST stages), whether A is
+// resident and whether this thread releases stages (one per warpgroup).
+struct WsRing {
+    unsigned fullc, empty0, abase, rbase, SB;
+    int ST;
+    bool AR, leader;
+};
+
+// The 16-bit operands: a stage holds the A and B boxes of one K step of TBK = 64 (or, A
+// resident, the B box alone); a tile is two wgmma m64n128k16 per k16 into acc, one K step's
+// batch kept in flight while the next is issued.
+template <typename T> struct WsOps16 {
+    enum { KSTEP = TBK, AR_OK = 1 };
+    typedef const TmaMap* BSrc;  // the tile's B map (B1 or B2)
+    const TmaMap *ta, *tb1, *tb2;
+    static __device__ __forceinline__ unsigned stage_bytes(bool ar) {
+        return ar ? WS_B_BYTES : WS_A_BYTES + WS_B_BYTES;
+    }
+    __device__ __forceinline__ BSrc b_src(bool first) const { return first ? tb1 : tb2; }
+    // A box kt of the CTA's rows (A resident)
+    __device__ __forceinline__ void load_a(unsigned dst, int kt, int m0, unsigned bar) const {
+        tma_load(dst, ta, kt * TBK, m0, bar);
+    }
+    // the stage at `a` for K step kt of the tile whose B rows start at brow
+    __device__ __forceinline__ void load_stage(unsigned a, bool ar, int kt, int m0, BSrc tb,
+                                               int brow, unsigned bar) const {
+        if (!ar) tma_load(a, ta, kt * TBK, m0, bar);
+        tma_load(ar ? a : a + WS_A_BYTES, tb, kt * TBK, brow, bar);
+    }
+    // The tile's MMAs over KT K steps from ring stage s on (s, fph advanced; every stage it
+    // read released); issued() once its last MMAs are issued; acc complete on return.
+    template <typename Issued>
+    __device__ __forceinline__ void mma_tile(float (&acc)[2][16][4], const WsRing& r, int KT,
+                                             int& s, unsigned& fph, Issued issued) const {
+        // K step kt on stage s (asynchronous); returns the stage, advances s
+        auto step = [&](int kt, bool first) {
+            mbar_wait(r.fullc + 8 * s, (fph >> s) & 1u);
+            fph ^= 1u << s;
+            const unsigned a = r.AR ? r.abase + kt * WS_A_BYTES : r.rbase + s * r.SB;
+            const unsigned b = r.AR ? r.rbase + s * r.SB : a + WS_A_BYTES;
+            const unsigned long long da0 = wg_desc(a), da1 = wg_desc(a + 64 * 128),
+                                     db = wg_desc(b);
+            float* d0 = &acc[0][0][0];
+            float* d1 = &acc[1][0][0];
+#pragma unroll
+            for (int q = 0; q < 64; ++q) { fence_operand(d0[q]); fence_operand(d1[q]); }
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < TBK / 16; ++kk) {  // +32 B per k16 = +2 in the descriptor
+                Wgmma<T>::run(d0, da0 + 2 * kk, db + 2 * kk, (first && kk == 0) ? 0 : 1);
+                Wgmma<T>::run(d1, da1 + 2 * kk, db + 2 * kk, (first && kk == 0) ? 0 : 1);
+            }
+            wg_commit();
+            const int cur = s;
+            if (++s == r.ST) s = 0;
+            return cur;
+        };
+        // the first step peeled: no branch between the wgmma batches
+        int prev = step(0, true);
+        for (int kt = 1; kt < KT; ++kt) {
+            const int cur = step(kt, false);
+            wg_wait1();  // the previous step's MMAs are done reading its stage
+            ws_arrive_if(r.empty0 + 8 * prev, r.leader);
+            prev = cur;
+        }
+        issued();
+        wg_wait0();
+        {
+            float* d0 = &acc[0][0][0];
+            float* d1 = &acc[1][0][0];
+#pragma unroll
+            for (int q = 0; q < 64; ++q) { fence_operand(d0[q]); fence_operand(d1[q]); }
+        }
+        ws_arrive_if(r.empty0 + 8 * prev, r.leader);
+    }
+};
+
 // One CTA.  ring: ST (stages, <= WS_MAX_STAGES) | AR << 8; the dynamic shared memory is
-// 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x (AR ? 16 : 32) KiB + SOUT ? 32 KiB : 0,
-// the SOUT staging last (SIGLIP without g, the loss alone, never touches it: not reserved).
-template <typename T, int MODE, bool PP>
-__device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, const TmaMap& tb2,
-                                        const TileArgs<T>& p, int ring) {
+// 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x stage + SOUT ? 32 KiB : 0, the SOUT staging
+// last (SIGLIP without g, the loss alone, never touches it: not reserved); a stage is
+// Ops::stage_bytes(AR) (16-bit: AR ? 16 : 32 KiB), KT = ceil(d / Ops::KSTEP).
+template <typename T, int MODE, bool PP, typename Ops>
+__device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& p, int ring) {
     typedef WsLayout L;
     enum { I = L::I, J = L::J, NCG = L::NCG,
            NCV = MODE == MODE_LSE2 ? 1 : (MODE == MODE_H || MODE == MODE_CLIP) ? 3 : 0 };
@@ -89,10 +174,10 @@ __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, con
         return TRI ? (tri_i + ct) % CT : ct;
     };
     auto tile_n0 = [&](int ct) { return ct < CT1 ? ct * TBN : n1 + (ct - CT1) * TBN; };
-    const int KT = (p.d + TBK - 1) / TBK;
+    const int KT = (p.d + Ops::KSTEP - 1) / Ops::KSTEP;
     const int ST = ring & 0xff;
-    const bool AR = (ring >> 8) & 1;
-    const unsigned SB = AR ? WS_B_BYTES : WS_A_BYTES + WS_B_BYTES;  // a ring stage
+    const bool AR = Ops::AR_OK && ((ring >> 8) & 1);
+    const unsigned SB = Ops::stage_bytes(AR);  // a ring stage
     const unsigned abase = (sw_smem(ws_smem) + 1023u) & ~1023u;  // swizzle atoms: 1 KiB
     const unsigned rbase = AR ? abase + KT * WS_A_BYTES : abase;  // the ring
     const unsigned full0 = sw_smem(&bars[0]), empty0 = sw_smem(&bars[2 * WS_MAX_STAGES]);
@@ -113,22 +198,20 @@ __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, con
         if (tid == 256) {
             if (AR && my_tiles > 0) {  // the CTA's 128 rows of A, once (one phase, parity 0)
                 mbar_expect_tx(abar, KT * WS_A_BYTES);
-                for (int kt = 0; kt < KT; ++kt)
-                    tma_load(abase + kt * WS_A_BYTES, &ta, kt * TBK, m0, abar);
+                for (int kt = 0; kt < KT; ++kt) ops.load_a(abase + kt * WS_A_BYTES, kt, m0, abar);
             }
             int s = 0;
             unsigned ph = 0;  // parity of the current use of stage s
             for (int t = 0; t < my_tiles; ++t) {
                 const int ct = tile_ct(t);
-                const TmaMap* tb = ct < CT1 ? &tb1 : &tb2;
+                const typename Ops::BSrc tb = ops.b_src(ct < CT1);
                 const int brow = ct < CT1 ? ct * TBN : (ct - CT1) * TBN;
                 const unsigned fullc = full0 + 8 * ((t & 1) * WS_MAX_STAGES);
                 for (int kt = 0; kt < KT; ++kt) {
                     mbar_wait(empty0 + 8 * s, ph ^ 1);  // use u - 1 released (u = 0: passes)
                     const unsigned a = rbase + s * SB;
                     mbar_expect_tx(fullc + 8 * s, SB);
-                    if (!AR) tma_load(a, &ta, kt * TBK, m0, fullc + 8 * s);
-                    tma_load(AR ? a : a + WS_A_BYTES, tb, kt * TBK, brow, fullc + 8 * s);
+                    ops.load_stage(a, AR, kt, m0, tb, brow, fullc + 8 * s);
                     if (++s == ST) { s = 0; ph ^= 1; }
                 }
             }
@@ -144,33 +227,14 @@ __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, con
     RowState<I> rs;
     rows_init<T, MODE, L>(rs, ep, p.lse_row, p.w_ptr, p.w_stride, p.pos_shift, p.pos_mod, warp, gq);
     char* const sout = (char*)ws_smem + (rbase + ST * SB - sw_smem(ws_smem)) + c * WS_SOUT_BYTES;
-    const unsigned fullc = full0 + 8 * (c * WS_MAX_STAGES);
-    const bool leader = lt == 0;  // one release per warpgroup
+    WsRing rg;
+    rg.fullc = full0 + 8 * (c * WS_MAX_STAGES);
+    rg.empty0 = empty0; rg.abase = abase; rg.rbase = rbase; rg.SB = SB; rg.ST = ST;
+    rg.AR = AR;
+    rg.leader = lt == 0;  // one release per warpgroup
     float acc[I][J][4];
     unsigned fph = 0;  // bit s: parity of this consumer's next use of stage s
     int s = 0;
-    // K step kt on stage s (asynchronous); returns the stage, advances s
-    auto step = [&](int kt, bool first) {
-        mbar_wait(fullc + 8 * s, (fph >> s) & 1u);
-        fph ^= 1u << s;
-        const unsigned a = AR ? abase + kt * WS_A_BYTES : rbase + s * SB;
-        const unsigned b = AR ? rbase + s * SB : a + WS_A_BYTES;
-        const unsigned long long da0 = wg_desc(a), da1 = wg_desc(a + 64 * 128), db = wg_desc(b);
-        float* d0 = &acc[0][0][0];
-        float* d1 = &acc[1][0][0];
-#pragma unroll
-        for (int r = 0; r < 64; ++r) { fence_operand(d0[r]); fence_operand(d1[r]); }
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < TBK / 16; ++kk) {  // +32 B per k16 = +2 in the descriptor
-            Wgmma<T>::run(d0, da0 + 2 * kk, db + 2 * kk, (first && kk == 0) ? 0 : 1);
-            Wgmma<T>::run(d1, da1 + 2 * kk, db + 2 * kk, (first && kk == 0) ? 0 : 1);
-        }
-        wg_commit();
-        const int cur = s;
-        if (++s == ST) s = 0;
-        return cur;
-    };
     if (AR && c < my_tiles) mbar_wait(abar, 0);  // A resident (completes once)
     if (PP && c == 1 && my_tiles > 0) ws_bar_arrive(3);  // consumer 0 goes first
     for (int t = c, k = 0; t < my_tiles; t += 2, ++k) {
@@ -180,23 +244,9 @@ __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, con
         if (NCV) raw = colv_load(n0 + lt, nlim, p.lse_col, p.w_ptr, p.w_stride);  // (in flight)
         s = (t * KT) % ST;  // this tile's first stage (iteration t KT of the ring)
         if (PP) ws_bar_sync(3 + c);  // my turn on the tensor cores
-        // the first step peeled: no branch between the wgmma batches
-        int prev = step(0, true);
-        for (int kt = 1; kt < KT; ++kt) {
-            const int cur = step(kt, false);
-            wg_wait1();  // the previous step's MMAs are done reading its stage
-            ws_arrive_if(empty0 + 8 * prev, leader);
-            prev = cur;
-        }
-        if (PP && t + 1 < my_tiles) ws_bar_arrive(3 + (c ^ 1));  // the other's turn
-        wg_wait0();
-        {
-            float* d0 = &acc[0][0][0];
-            float* d1 = &acc[1][0][0];
-#pragma unroll
-            for (int r = 0; r < 64; ++r) { fence_operand(d0[r]); fence_operand(d1[r]); }
-        }
-        ws_arrive_if(empty0 + 8 * prev, leader);
+        ops.mma_tile(acc, rg, KT, s, fph, [&] {
+            if (PP && t + 1 < my_tiles) ws_bar_arrive(3 + (c ^ 1));  // the other's turn
+        });
         if (NCV) {  // the tile's column values, read by its epilogue
             float v[3];
             colv_values<MODE>(v, raw, p.w_mul, ep.sl2);
@@ -211,6 +261,14 @@ __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, con
         float* const slots[3] = {slot[0], slot[1], slot[2]};
         rows_finish<T, MODE, L>(ep, rs, slots, warp, lane);
     }
+}
+// the 16-bit kernels (tiles_ws.cu): maps of A, B1 and B2
+template <typename T, int MODE, bool PP>
+__device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, const TmaMap& tb2,
+                                        const TileArgs<T>& p, int ring) {
+    WsOps16<T> ops;
+    ops.ta = &ta; ops.tb1 = &tb1; ops.tb2 = &tb2;
+    tile_ws_walk<T, MODE, PP>(ops, p, ring);
 }
 #define CPN_WS_BODY(T, MODE) tile_ws<T, MODE, true>(ta, tb1, tb2, p, ring)
 #else

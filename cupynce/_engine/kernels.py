@@ -115,7 +115,8 @@ def compile_source(filename: str, arch: str, options: Sequence[str] = NVRTC_OPTI
 #: Sources with Hopper-only code (wgmma, in functions their Python callers launch only
 #: there): on a compute-capability 9.0 device they are built for ``sm_90a`` (CuPy would build
 #: plain ``sm_90``, where those instructions do not exist); elsewhere they build as usual.
-ARCH_SPECIFIC = frozenset({"tiles.cu", "tiles_ws.cu", "splade_tiles.cu", "splade_wgmma.cu"})
+ARCH_SPECIFIC = frozenset({"tiles.cu", "tiles_ws.cu", "tiles_ws_tf32.cu", "splade_tiles.cu",
+                           "splade_wgmma.cu"})
 
 
 #: NVRTC options of the sm_90a build: CuPy adds ``-ftz=true`` to every RawModule build, so the
@@ -194,12 +195,29 @@ def get_kernel(filename: str, stage: str, dtype):
     key = (filename, stage, dtype, runtime.getDevice())
     fn = _FUNCTIONS.get(key)
     if fn is None:
-        fn = _loader(filename)().get_function(f"cpn_{stage}_{dtype_suffix(dtype)}")
-        if os.environ.get("CUPYNCE_DEBUG_KERNELS"):
-            attrs = fn.attributes
-            print(f"cupynce: {fn.name}: {attrs['num_regs']} regs, "
-                  f"{attrs['shared_size_bytes']} B shared, {attrs['local_size_bytes']} B local")
+        fn = _debug(_loader(filename)().get_function(f"cpn_{stage}_{dtype_suffix(dtype)}"))
         _FUNCTIONS[key] = fn
+    return fn
+
+
+def get_function(filename: str, name: str):
+    """The kernel named ``name`` of ``kernels_src/filename`` on the current device: for the
+    wrappers whose suffix names no dtype (``tiles_ws_tf32.cu``'s ``cpn_wstile_lse_tf32x3``)."""
+    from cupy.cuda import runtime
+
+    key = (filename, name, runtime.getDevice())
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _FUNCTIONS[key] = _debug(_loader(filename)().get_function(name))
+    return fn
+
+
+def _debug(fn):
+    """``fn``, its registers and memory printed first under ``CUPYNCE_DEBUG_KERNELS``."""
+    if os.environ.get("CUPYNCE_DEBUG_KERNELS"):
+        attrs = fn.attributes
+        print(f"cupynce: {fn.name}: {attrs['num_regs']} regs, "
+              f"{attrs['shared_size_bytes']} B shared, {attrs['local_size_bytes']} B local")
     return fn
 
 

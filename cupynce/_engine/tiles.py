@@ -262,9 +262,10 @@ def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
     return (st, 1024 + st * 32768 + sout) if st >= 2 else None
 
 
-#: 128 x 64 tensor maps by (pointer, rows, columns, leading dimension, dtype): encoding one is
-#: a driver call and two NumPy allocations, the same map for the same matrix; None where the
-#: driver refused it (the same answer for the same key: not asked again on every call)
+#: 128-row tensor maps by (pointer, rows, columns, leading dimension, dtype), boxes of one
+#: 128-byte row (64 16-bit values, or 32 float32 for tiles_tf32): encoding one is a driver call
+#: and two NumPy allocations, the same map for the same matrix; None where the driver refused
+#: it (the same answer for the same key: not asked again on every call)
 _MAPS: Dict[tuple, Optional[np.ndarray]] = {}
 _MAPS_MAX = 512
 
@@ -275,7 +276,7 @@ def _tile_map(x) -> Optional[np.ndarray]:
         return _MAPS[key]
     except KeyError:
         pass
-    m = tma.matrix_map(x, TILE, 64)
+    m = tma.matrix_map(x, TILE, 128 // x.dtype.itemsize)
     if len(_MAPS) >= _MAPS_MAX:
         _MAPS.clear()
     _MAPS[key] = m
@@ -284,6 +285,23 @@ def _tile_map(x) -> Optional[np.ndarray]:
 
 #: per warp-specialised kernel: (its static shared memory, the device's opt-in maximum)
 _WS_SMEM: Dict[int, Tuple[int, int]] = {}
+
+
+def ws_smem(kern) -> Tuple[int, int]:
+    """(static shared memory, the device's opt-in maximum per block) of the warp-specialised
+    kernel ``kern``, opted in to all the dynamic shared memory that leaves (once)."""
+    info = _WS_SMEM.get(id(kern))
+    if info is None:
+        import cupy as cp
+
+        smem_max = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+        static = int(kern.attributes["shared_size_bytes"])
+        if kern.max_dynamic_shared_size_bytes < smem_max - static:  # opt in, once
+            kern.max_dynamic_shared_size_bytes = smem_max - static
+        # recorded only once set: a thread that finds the record launches with the opt-in
+        # applied (two threads racing here at worst both set it)
+        info = _WS_SMEM[id(kern)] = (static, smem_max)
+    return info
 
 
 def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True) -> bool:
@@ -302,18 +320,7 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True)
     if ta is None or tb1 is None or tb2 is None:
         return False
     kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
-    info = _WS_SMEM.get(id(kern))
-    if info is None:
-        import cupy as cp
-
-        smem_max = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-        static = int(kern.attributes["shared_size_bytes"])
-        if kern.max_dynamic_shared_size_bytes < smem_max - static:  # opt in, once
-            kern.max_dynamic_shared_size_bytes = smem_max - static
-        # recorded only once set: a thread that finds the record launches with the opt-in
-        # applied (two threads racing here at worst both set it)
-        info = _WS_SMEM[id(kern)] = (static, smem_max)
-    ring = ws_ring(stage, a.shape[1], *info, block=block)
+    ring = ws_ring(stage, a.shape[1], *ws_smem(kern), block=block)
     if ring is None:
         return False
     kern(tuple(grid), (WS_THREADS,), (ta, tb1, tb2, args, np.int32(ring[0])),

@@ -26,7 +26,7 @@ TENSOR_MAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])
 
 # cuda.h enumerators (CUDA 12.0+): CUtensorMapDataType, CUtensorMapSwizzle,
 # CUtensorMapL2promotion, CUtensorMapInterleave / CUtensorMapFloatOOBfill (0: none / zeros)
-_DATA_TYPE = {"float16": 6, "bfloat16": 9}
+_DATA_TYPE = {"float16": 6, "float32": 7, "bfloat16": 9}
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 
@@ -54,19 +54,25 @@ def available() -> bool:
 
 
 def matrix_map(a, box_rows: int, box_cols: int) -> Optional[np.ndarray]:
-    """A 128-byte-swizzled tile map over the row-major 16-bit matrix ``a`` (rows, cols).
+    """A 128-byte-swizzled tile map over the row-major matrix ``a`` (rows, cols): float16,
+    bfloat16 or float32 (the TF32 tiles read float32 boxes, ``tiles_ws_tf32.cu``).
 
-    Boxes are ``box_rows`` rows x ``box_cols`` columns (``box_cols`` x 2 bytes must be 128:
-    one swizzle span); boxes reaching past the matrix are zero-filled by the TMA unit.
-    ``a`` may have strided rows (a leading dimension in elements, multiple of 8, its pointer
-    16-byte aligned).  Returns the (1,) ``TENSOR_MAP_DTYPE`` array to pass to the kernel, or
-    None where the driver refuses the map.
+    Boxes are ``box_rows`` rows x ``box_cols`` columns (``box_cols`` x the item size must be
+    128 bytes: one swizzle span, 64 16-bit or 32 float32 values); boxes reaching past the
+    matrix are zero-filled by the TMA unit.  ``a`` may have strided rows (a leading dimension
+    of a multiple of 16 bytes, its pointer 16-byte aligned).  Returns the (1,)
+    ``TENSOR_MAP_DTYPE`` array to pass to the kernel, or None where the driver refuses the
+    map; ``ValueError`` for another dtype or box width.
     """
+    item = a.dtype.itemsize
+    code = _DATA_TYPE.get(a.dtype.name)
+    if code is None or box_cols * item != 128:
+        raise ValueError(f"matrix_map: a {a.dtype} matrix with {box_cols}-column boxes; expected "
+                         f"float16 / bfloat16 with 64 or float32 with 32 (128-byte rows)")
     fn = _encode_fn()
     if fn is None:
         return None
     rows, cols = a.shape
-    item = a.dtype.itemsize
     ld = leading_dim(a)
     # the driver wants the CUtensorMap it writes 64-byte aligned: a view of a larger buffer
     raw = np.zeros(TENSOR_MAP_DTYPE.itemsize + 64, np.uint8)
@@ -76,6 +82,6 @@ def matrix_map(a, box_rows: int, box_cols: int) -> Optional[np.ndarray]:
     strides = (ctypes.c_uint64 * 1)(ld * item)
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
-    res = fn(out.ctypes.data, _DATA_TYPE[a.dtype.name], 2, ctypes.c_void_p(a.data.ptr), dims,
+    res = fn(out.ctypes.data, code, 2, ctypes.c_void_p(a.data.ptr), dims,
              strides, box, elem, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
     return out if res == 0 else None

@@ -1,0 +1,131 @@
+// cupynce fused score tiles of float32 operands on Hopper's tensor cores (issue 24, prototype):
+// tile_ws.cuh's warp-specialised walk (TMA producer warpgroup, two consumer warpgroups that
+// ping-pong whole 128 x 128 tiles, tile_epilogue.cuh's epilogues) over split operands
+// x = hi + lo (hi = x rounded to TF32, lo = x - hi exactly: blas.split_tf32), three TF32
+// products S = lo_a hi_b + hi_a lo_b + hi_a hi_b (lo lo, ~2^-22 relative, dropped), with the
+// accumulator promoted every 32 of K so that the scores are as accurate as fp32's or better.
+// LSE only so far; not wired into any op (tiles_tf32.tile_lse_tf32x3 launches it).  Built for
+// sm_90a only (__trap() elsewhere).
+//
+//   cpn_wstile_lse_tf32x3(ahi, alo, bhi, blo, p, ring): tensor maps of A_hi, A_lo (rows x d)
+//   and B_hi, B_lo (n1 x d), float32, 128 x 32 boxes, 128-byte swizzle (tma.matrix_map);
+//   p the TileArgs<float> of tiles.cu with n2 = 0 (no B2 in the prototype); ring = stages
+//   (no A-resident ring).  Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory
+//   1 KiB + stages x 64 KiB.  The outputs are cpn_wstile_lse_bf16's (row (m, s) partials per
+//   split, positive logits), combined by tiles.cu's cpn_tile_finish_*.
+//
+// Why the promotion: Hopper's tensor cores add each MMA step's products to the accumulator
+// truncating toward zero, ~0.5 ulp of the partial sum lost per k8 step, always the same way,
+// so a long chain of TF32 MMAs into one accumulator (cuBLAS's 3xTF32) is 3-13x less accurate
+// than fp32 (docs/notes.md, issue 24).  Here each ring stage's 32 of K goes into a zeroed
+// chunk accumulator on the tensor cores -- the small terms first (4 k8 steps of lo_a hi_b,
+// 4 of hi_a lo_b, then 4 of hi_a hi_b: the large partial sums see 4 truncations, the small
+// ones round at their own, ~2^-11 smaller, magnitude) -- and the chunk is added to the fp32
+// main accumulator with ordinary round-to-nearest FADDs (measured with cuBLAS chunks: ~1e-7
+// relative, fp32 ~2.7e-7, at k = 256).
+// cpn-dtypes: tf32x3
+#include "tile_ws.cuh"
+
+#define WS_TF32_KSTEP 32                 // a 128-byte swizzle row: 32 float32 of K
+#define WS_TF32_BOX (TBM * WS_TF32_KSTEP * 4)  // 16 KiB: one 128 x 32 float32 box
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// tile_epilogue<float, MODE_LSE, ...> compiles the 16-bit gradient-block branches (G, H, CLIP,
+// SIGLIP) too, which pack two values a register; LSE never takes them (no g): this only lets
+// them compile.
+template <> struct Pack2<float> {
+    static __device__ __forceinline__ unsigned round(float, float) {
+        __trap();
+        return 0u;
+    }
+};
+
+// The split float32 operands (tile_ws.cuh's operand policy): a stage holds the four boxes of
+// one 32-wide K step, A_hi | A_lo | B_hi | B_lo (64 KiB); B1 only, no A-resident ring.
+struct WsOpsTf32x3 {
+    enum { KSTEP = WS_TF32_KSTEP, AR_OK = 0 };
+    typedef int BSrc;  // (B1 always)
+    const TmaMap *ahi, *alo, *bhi, *blo;
+    static __device__ __forceinline__ unsigned stage_bytes(bool) { return 4 * WS_TF32_BOX; }
+    __device__ __forceinline__ BSrc b_src(bool) const { return 0; }
+    __device__ __forceinline__ void load_a(unsigned, int, int, unsigned) const {}  // (AR_OK = 0)
+    __device__ __forceinline__ void load_stage(unsigned a, bool, int kt, int m0, BSrc, int brow,
+                                               unsigned bar) const {
+        const int k = kt * KSTEP;
+        tma_load(a, ahi, k, m0, bar);
+        tma_load(a + WS_TF32_BOX, alo, k, m0, bar);
+        tma_load(a + 2 * WS_TF32_BOX, bhi, k, brow, bar);
+        tma_load(a + 3 * WS_TF32_BOX, blo, k, brow, bar);
+    }
+    // The tile (see tile_ws.cuh's WsOps16::mma_tile): per stage and per 64-row half h, 12
+    // wgmma m64n128k8 into the chunk accumulator ch (scale-d = 0 on the first), commit, wait,
+    // then acc[h] += ch.  One chunk of 64 registers: the main accumulator takes 128 of the
+    // consumer's 240, so the two halves' chunks (128 more) would not fit; the tensor cores
+    // idle while a consumer waits for its chunk and adds it (the other consumer is in its
+    // epilogue then, or waiting for the ring).  The stage is released once its second half
+    // has been read.
+    template <typename Issued>
+    __device__ __forceinline__ void mma_tile(float (&acc)[2][16][4], const WsRing& r, int KT,
+                                             int& s, unsigned& fph, Issued issued) const {
+        float ch[64];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+        for (int kt = 0; kt < KT; ++kt) {
+            mbar_wait(r.fullc + 8 * s, (fph >> s) & 1u);
+            fph ^= 1u << s;
+            const unsigned a = r.rbase + s * r.SB;
+            const unsigned long long dbh = wg_desc(a + 2 * WS_TF32_BOX),
+                                     dbl = wg_desc(a + 3 * WS_TF32_BOX);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned ah = a + h * 64 * 128;  // rows 64 h .. of the A boxes
+                const unsigned long long dah = wg_desc(ah), dal = wg_desc(ah + WS_TF32_BOX);
+#pragma unroll
+                for (int q = 0; q < 64; ++q) fence_operand(ch[q]);
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)  // +32 B per k8 = +2 in the descriptor
+                    WgmmaTf32::run(ch, dal + 2 * kk, dbh + 2 * kk, kk == 0 ? 0 : 1);
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) WgmmaTf32::run(ch, dah + 2 * kk, dbl + 2 * kk, 1);
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) WgmmaTf32::run(ch, dah + 2 * kk, dbh + 2 * kk, 1);
+                wg_commit();
+                if (h == 1 && kt == KT - 1) issued();
+                wg_wait0();
+#pragma unroll
+                for (int q = 0; q < 64; ++q) fence_operand(ch[q]);
+                if (h == 1) ws_arrive_if(r.empty0 + 8 * s, r.leader);  // the stage is read
+                float* d = &acc[h][0][0];
+#pragma unroll
+                for (int q = 0; q < 64; ++q) d[q] += ch[q];  // round to nearest
+            }
+            if (++s == r.ST) s = 0;
+        }
+    }
+};
+
+template <int MODE>
+__device__ __forceinline__ void tile_ws_tf32x3(const TmaMap& ahi, const TmaMap& alo,
+                                               const TmaMap& bhi, const TmaMap& blo,
+                                               const TileArgs<float>& p, int ring) {
+    WsOpsTf32x3 ops;
+    ops.ahi = &ahi; ops.alo = &alo; ops.bhi = &bhi; ops.blo = &blo;
+    tile_ws_walk<float, MODE, true>(ops, p, ring);
+}
+#define CPN_WS_TF32_BODY(MODE) tile_ws_tf32x3<MODE>(ahi, alo, bhi, blo, p, ring)
+#else
+#define CPN_WS_TF32_BODY(MODE) __trap()  // not an sm_90a build: Python never launches these
+#endif
+
+#define CPN_DEFINE_WS_TF32(SUF)                                                            \
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_lse_##SUF(          \
+    const __grid_constant__ TmaMap ahi, const __grid_constant__ TmaMap alo,                \
+    const __grid_constant__ TmaMap bhi, const __grid_constant__ TmaMap blo,                \
+    const TileArgs<float> p, int ring) { CPN_WS_TF32_BODY(MODE_LSE); }
+
+CPN_DEFINE_WS_TF32(tf32x3)
