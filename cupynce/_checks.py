@@ -187,19 +187,21 @@ def check_reduction(op: str, reduction: Any) -> str:
     return reduction
 
 
-def check_precision(op: str, precision: Any, *, allow_none: bool = True) -> str:
+def check_precision(op: str, precision: Any, *, allow_none: bool = True,
+                    none_means: str = "the global default, cupynce.get_float32_precision()"
+                    ) -> str:
     """An entry point's ``precision=`` (its float32 products): "fp32" | "tf32" | "3xtf32", or
     None for the global default (:func:`cupynce.get_float32_precision`, read now).
 
     Returns the resolved mode, which the entry point runs its engine work under
-    (``blas.float32_precision``) and keeps in its Context for the backward.
+    (``blas.float32_precision``) and keeps in its Context for the backward.  ``none_means``:
+    what None stands for, in the error message (``cupynce.torch``'s differs).
     """
     if precision is None and allow_none:
         return blas.float32_precision_default()
     if not isinstance(precision, str) or precision not in blas.FLOAT32_PRECISIONS:
         modes = ", ".join(map(repr, blas.FLOAT32_PRECISIONS))
-        default = (" or None (the global default, cupynce.get_float32_precision())"
-                   if allow_none else "")
+        default = f" or None ({none_means})" if allow_none else ""
         raise ValueError(f"{op}: precision must be one of {modes}{default}, "
                          f"got {precision!r}")
     return str(precision)  # (a str subclass, e.g. numpy.str_, as a plain str: graph keys)

@@ -136,7 +136,16 @@ def _scalar(value: float, wide: bool):
     return arr
 
 
-_LOCAL = threading.local()
+class _Local(threading.local):
+    """This thread's cuBLAS handles and float32 precision scope.  ``precision`` defaults to
+    None as a class attribute, so reading it never misses (a ``getattr`` default on a
+    ``threading.local`` raises and catches AttributeError inside: ~0.35 us a read, and
+    every call reads it for its graph keys and scope)."""
+
+    precision: Optional[str] = None
+
+
+_LOCAL = _Local()
 _LIB = None
 
 
@@ -275,7 +284,7 @@ def float32_precision_default() -> str:
 def float32_precision_now() -> str:
     """The float32 precision in effect in this thread: the innermost
     :func:`float32_precision` scope's, else ``FLOAT32_PRECISION``."""
-    p = getattr(_LOCAL, "precision", None)
+    p = _LOCAL.precision
     return p if p is not None else float32_precision_default()
 
 
@@ -289,7 +298,7 @@ class _Scope:
         self.p, self.prev = p, None
 
     def __enter__(self) -> None:
-        self.prev = getattr(_LOCAL, "precision", None)
+        self.prev = _LOCAL.precision
         _LOCAL.precision = self.p
 
     def __exit__(self, *exc) -> bool:
@@ -301,6 +310,17 @@ def float32_precision(precision: str) -> _Scope:
     """``with float32_precision("3xtf32"):`` -- this thread's float32 products in that mode
     (validated here, before the scope opens); the previous one comes back on exit."""
     return _Scope(_check_precision(precision, "float32_precision: precision"))
+
+
+def split_row_bytes(dtype, cols: int) -> int:
+    """Scratch bytes per row that a "3xtf32" product adds for a float32 operand of ``cols``
+    columns per row (its hi and lo halves, :func:`split_tf32`), 0 in every other case: the
+    row-block planners add it for the score / gradient block that the gradient products
+    take as an operand, so that ``workspace_bytes`` (and the default's share of the free
+    memory) bounds the block and its split together."""
+    if np.dtype(dtype) == np.float32 and float32_precision_now() == "3xtf32":
+        return 2 * cols * 4
+    return 0
 
 
 def split_tf32(x, name: str = "x"):
@@ -327,7 +347,8 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     float32 ``a``, ``b`` and ``out`` follow :func:`float32_precision_now` (tiny products,
     the ``small_gemm`` route, stay fp32 in every mode).  "3xtf32" splits ``a`` and ``b``
     (:func:`split_tf32`; 2 x their sizes in float32 from CuPy's pool for the call, one split
-    when ``b`` is ``a``'s very view) and issues three TF32 products into ``out``, small
+    when ``b`` is ``a``'s very view; the row-block planners count a score block's split in
+    the workspace, :func:`split_row_bytes`) and issues three TF32 products into ``out``, small
     terms first as CUTLASS does: ``out = alpha lo_a·hi_b + beta out``, then ``+= alpha
     hi_a·lo_b``, then ``+= alpha hi_a·hi_b`` (each rounded to float32 in ``out``).
     """

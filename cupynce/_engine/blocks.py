@@ -40,6 +40,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     ncols = nk + ms
     split_g = want_grad and t != a  # half inputs: the gradient block is stored in T separately
     row_bytes = ncols * a.itemsize + (ncols * t.itemsize if split_g else 0)
+    if want_grad:  # (float32 in "3xtf32": the gradient products split the block)
+        row_bytes += blas.split_row_bytes(t, ncols)
     rb = blas.plan_rows(op, n, row_bytes, workspace_bytes)
     # the call's scratch (score / gradient blocks, paired-negative dots) and what it returns
     # come from two allocations: an output the caller keeps (a per-row loss, the saved
@@ -119,6 +121,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     nc = bn.shape[0]
     split_g = want_grad and t != a
     row_bytes = nc * a.itemsize + (nc * t.itemsize if split_g else 0)
+    if want_grad:  # (float32 in "3xtf32": the gradient products split the block)
+        row_bytes += blas.split_row_bytes(t, nc)
     rb = blas.plan_rows("clip_loss", n, row_bytes, workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     chunk = 64
@@ -206,6 +210,8 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     nc = bn.shape[0]
     split_g = want_grad and t != a
     row_bytes = nc * a.itemsize + (nc * t.itemsize if split_g else 0)
+    if want_grad:  # (float32 in "3xtf32": the gradient products split the block)
+        row_bytes += blas.split_row_bytes(t, nc)
     rb = blas.plan_rows("siglip_loss", n, row_bytes, workspace_bytes)
     s_buf, g_buf = buffers((((rb, nc), a), ((rb, nc), t) if split_g else None))
     row_loss, da, db, parts = buffers((
@@ -288,8 +294,10 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     n, d = q.shape
     m = k.shape[0]
     split_g = want_grad and t != a
-    rb = blas.plan_rows("nt_xent", n, m * a.itemsize + (m * t.itemsize if split_g else 0),
-                        workspace_bytes)
+    row_bytes = m * a.itemsize + (m * t.itemsize if split_g else 0)
+    if want_grad:  # (float32 in "3xtf32": the gradient products split the block)
+        row_bytes += blas.split_row_bytes(t, m)
+    rb = blas.plan_rows("nt_xent", n, row_bytes, workspace_bytes)
     chunk = 64
     nch = (rb + chunk - 1) // chunk
     s_buf, g_buf, part_m, part_s = buffers((

@@ -81,7 +81,10 @@ def _setting(v: Any) -> float:
 
 def _precision_setting(precision: Any) -> Any:
     """``precision=`` resolved (None → the global default) as the ranks compare it; a bad
-    value as given (the local checks raise it, on every rank through the exchange)."""
+    value as given (the local checks raise it, on every rank through the exchange).  Each
+    forward resolves once and hands the result to both its local checks and the exchange, so
+    the mode the ranks agreed on is the one the rank runs (a ``set_float32_precision`` from
+    another thread between two reads cannot split them)."""
     try:
         return _checks.check_precision("", precision)
     except ValueError:
@@ -200,10 +203,11 @@ def nt_xent_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normali
     loss (this rank's 2n rows of it for "none") and a context for :func:`backward`.
     """
     op = "nt_xent"
+    precision = _precision_setting(precision)
     xp, t, p = agree(comm, op, lambda: (
         nt_xent_op._check(z, temperature, reduction, workspace_bytes, normalize, precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [z], ["z"],
-        [temperature, reduction, normalize, requires_grad, _precision_setting(precision)])
+        [temperature, reduction, normalize, requires_grad, precision])
     with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         engine = _engine_for(xp)
@@ -264,13 +268,14 @@ def info_nce_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
     (n, M, D) negatives stay with their query.
     """
     op = "info_nce"
+    precision = _precision_setting(precision)
     kind = 0 if negatives is None else getattr(negatives, "ndim", 0) - 1
     xp, t, p = agree(comm, op, lambda: (
         info_nce_op._check(query, key, negatives, temperature, reduction, workspace_bytes,
                            normalize, precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0],
         [query, key, negatives], ["query", "key", "negatives"],
-        [temperature, reduction, normalize, requires_grad, kind, _precision_setting(precision)])
+        [temperature, reduction, normalize, requires_grad, kind, precision])
     with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         rank, size = comm.rank, comm.size
@@ -327,12 +332,13 @@ def clip_loss_forward(comm: Comm, a, b, logit_scale, *, reduction="mean", normal
     :func:`backward` is the global one on every rank.
     """
     op = "clip_loss"
+    precision = _precision_setting(precision)
     ls_array = hasattr(logit_scale, "shape")
     xp, ls, ls_shape, p = agree(comm, op, lambda: (
         clip_op._check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
-         _precision_setting(precision)])
+         precision])
     with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         rank, size = comm.rank, comm.size
@@ -402,13 +408,14 @@ def siglip_loss_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction=
     exchange; the texts' gradients are reduce-scattered to their owners and the scale's and
     bias's all-reduced (the global values on every rank)."""
     op = "siglip_loss"
+    precision = _precision_setting(precision)
     ls_array, lb_array = hasattr(logit_scale, "shape"), hasattr(logit_bias, "shape")
     xp, (ls, ls_shape), (lb, lb_shape), p = agree(comm, op, lambda: (
         siglip_op._check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize,
                          precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
-         lb_array, reduction, normalize, requires_grad, _precision_setting(precision)])
+         lb_array, reduction, normalize, requires_grad, precision])
     with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         size = comm.size

@@ -505,17 +505,24 @@ def device_info() -> Dict[str, Any]:
         info["error"] = _short(exc)
     torch = sys.modules.get("torch")
     if torch is not None:
-        try:  # (torch >= 2.9 refuses to read allow_tf32 once fp32_precision set TF32)
+        # each field on its own: torch >= 2.9 refuses to read allow_tf32 and
+        # get_float32_matmul_precision() once the new fp32_precision API set TF32, which must
+        # not lose the rest (the TF32 runs are the ones whose record matters)
+        def mm_tf32():
             mm = torch.backends.cuda.matmul
             new = getattr(mm, "fp32_precision", None)
-            info.update(
-                torch_cuda=torch.version.cuda,
-                torch_allow_tf32_matmul=new == "tf32" if new else bool(mm.allow_tf32),
-                torch_float32_matmul_precision=torch.get_float32_matmul_precision(),
-                torch_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            )
-        except Exception:  # noqa: BLE001
-            pass
+            return new == "tf32" if new else bool(mm.allow_tf32)
+
+        for key, read in (("torch_cuda", lambda: torch.version.cuda),
+                          ("torch_allow_tf32_matmul", mm_tf32),
+                          ("torch_float32_matmul_precision",
+                           torch.get_float32_matmul_precision),
+                          ("torch_alloc_conf",
+                           lambda: os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))):
+            try:
+                info[key] = read()
+            except Exception:  # noqa: BLE001
+                pass
     return info
 
 

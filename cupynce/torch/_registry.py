@@ -307,6 +307,27 @@ def _matmul_fp32_precision_api() -> bool:
 
 
 _FP32_PRECISION_API = _matmul_fp32_precision_api()
+
+
+def _matmul_fp32_getter():
+    """What ``torch.backends.cuda.matmul.fp32_precision`` calls (torch >= 2.9), taken once:
+    the attribute goes through ``cuBLASModule.__getattr__`` (~0.8 us a read against ~0.1
+    for the getter; read at every call with ``precision=None``).  None where this torch has
+    no such getter or it disagrees with the attribute (the attribute is then read)."""
+    if not _FP32_PRECISION_API:
+        return None
+    fn = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if fn is None:
+        return None
+    try:
+        if fn("cuda", "matmul") != torch.backends.cuda.matmul.fp32_precision:
+            return None
+    except (RuntimeError, TypeError):
+        return None
+    return lambda: fn("cuda", "matmul")
+
+
+_MATMUL_FP32 = _matmul_fp32_getter()
 _assume_constant = getattr(getattr(torch, "compiler", None), "assume_constant_result",
                            lambda fn: fn)
 
@@ -321,6 +342,8 @@ def torch_uses_tf32() -> bool:
     ``allow_tf32`` wherever that is readable (torch 2.13 refuses to read ``allow_tf32`` once
     the new API set TF32).  Older torch: ``torch.backends.cuda.matmul.allow_tf32``.
     """
+    if _MATMUL_FP32 is not None:
+        return _MATMUL_FP32() == "tf32"
     matmul = torch.backends.cuda.matmul
     if _FP32_PRECISION_API:
         return matmul.fp32_precision == "tf32"
@@ -333,14 +356,19 @@ def precision_of(op: str, precision: Any) -> str:
     the global default (``cupynce.get_float32_precision()``).  Evaluated at each call."""
     if precision is None and torch_uses_tf32():
         return "tf32"
-    return _checks.check_precision(op, precision)
+    return _checks.check_precision(op, precision, none_means=NONE_MEANS)
+
+
+#: what precision=None means in cupynce.torch, for the error message
+NONE_MEANS = ("torch's TF32 setting (torch.backends.cuda.matmul.fp32_precision), then "
+              "cupynce.get_float32_precision()")
 
 
 def module_precision(name: str, precision: Optional[str]) -> Optional[str]:
     """A module's (or an integration's) ``precision``: checked at construction, kept as given
     (None stays None: torch's TF32 setting and the global default are read at each call)."""
     if precision is not None:
-        _checks.check_precision(name, precision)
+        _checks.check_precision(name, precision, none_means=NONE_MEANS)
     return precision
 
 
