@@ -30,6 +30,11 @@ Three numbers per path:
   gaps, no host starvation;
 * host: the host time those ``--burst`` calls took to queue (the GPU was busy, nothing waited).
 
+With ``--kernels``, each path's kernels too: GPU time per call of each kernel (torch.profiler,
+CUPTI), largest first — where a call's GPU time goes, beside where its wall time goes.  For a
+large call of the CuPy core alone (how the issue-23 split of docs/results.md was taken):
+``--ops nt_xent --dtypes bfloat16 --sizes 16384 --paths "CuPy core" --burst 1 --kernels``.
+
 overhead = time − kernels: what a call costs above its kernels (the issue's bounds: 150 µs
 through ``cupynce.torch``, eager and compiled; 80 µs for the CuPy core).  A "starved" burst is
 one where the GPU finished its spin before the calls were queued (a call synchronised): its
@@ -184,6 +189,19 @@ def floor_call(leaves: List[torch.Tensor]) -> Callable[[], Any]:
     return _harness.torch_step(torch, lambda *xs: _Floor.apply(*xs), leaves)
 
 
+def kernel_times(call: Callable[[], Any], runs: int = 5) -> List[tuple]:
+    """[(kernel name, µs a call, launches a call)] of ``call()``'s GPU work, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            call()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / runs, e.count // runs)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def measure(calls: Dict[str, Callable[[], Any]], *, warmup: int, burst: int,
             repeat: int) -> Dict[str, Any]:
     """Time each of ``calls`` (path -> call), the paths interleaved round-robin within each
@@ -311,6 +329,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--burst", type=int, default=20, help="calls queued behind one GPU spin "
                    "(keep launches below CUDA's queue depth, ~1000)")
     p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--kernels", action="store_true",
+                   help="also list each path's kernels and their GPU time (torch.profiler)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="bench_torch_overhead")
     args = p.parse_args(argv)
@@ -344,6 +364,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                         calls[path] = _raiser(exc)
                 cell = res["results"][op][dname][n] = measure(
                     calls, warmup=args.warmup, burst=args.burst, repeat=args.repeat)
+                if args.kernels:
+                    for path, r in cell.items():
+                        if isinstance(r, dict):
+                            r["kernels"] = kernel_times(calls[path])[:12]
                 gi = _graphs.info()
                 for path, r in cell.items():
                     msg = r if isinstance(r, str) else (
@@ -351,6 +375,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                         f"host {r['host_us']:.0f}, overhead {r['overhead_us']:.0f}"
                         + (f", {r['starved_bursts']} starved" if r["starved_bursts"] else ""))
                     print(f"{op} {dname} N={n} {path}: {msg}", flush=True)
+                    for k, us, c in (r.get("kernels", ()) if isinstance(r, dict) else ()):
+                        print(f"    {us:8.1f} µs x{c}  {k[:80]}", flush=True)
                 print(f"  ({time.perf_counter() - t0:.1f} s; graphs: {gi['plans']} plans, "
                       f"{gi['bytes'] >> 20} MiB"
                       f"{'; refused: ' + str(gi['refused']) if gi['refused'] else ''})",
