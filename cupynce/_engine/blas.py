@@ -26,9 +26,9 @@ which every public entry point opens around its engine work with its ``precision
 ~1e-3 relative error); "3xtf32" splits each operand x = hi + lo (hi = x rounded to TF32,
 ``kernels_src/blas.cu``'s ``cpn_split_tf32_f32``) and sums three TF32 tensor-core products,
 hi·hi + hi·lo + lo·hi (lo·lo, ~2^-22 relative, dropped), as CUTLASS's 3xTF32 does.  On an
-H100 its products came out ~3x less accurate than true fp32 (8.7e-7 against 2.7e-7 relative
-for Z·Zᵀ at k = 256: Hopper's tensor cores accumulate with truncation toward zero), so "fp32"
-stays the default.  An infinite entry splits as hi = inf, lo = 0, so its cross term with a
+H100 its products came out 3-13x less accurate than true fp32 (8.8e-7 against 2.7e-7 relative
+for Z·Zᵀ at k = 256: Hopper's tensor cores accumulate with truncation toward zero,
+``benchmarks/bench_f32_products.py``), so "fp32" stays the default.  An infinite entry splits as hi = inf, lo = 0, so its cross term with a
 TF32-exact entry (lo = 0) is inf·0 = NaN where fp32 gives ±inf.
 
 Tiny products (at most ``SMALL_GEMM_MACS`` multiply-adds, ``k <= SMALL_GEMM_MAX_K``, output

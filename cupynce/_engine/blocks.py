@@ -19,6 +19,17 @@ from .arrays import FILE, buffers, fixed_sum, pair_weights, ptr
 from .kernels import BLOCK, acc_dtype
 
 
+def _row_bytes(t, a, cols: int, want_grad: bool) -> int:
+    """Workspace bytes a row block takes per row: its ``cols`` scores in the accumulator dtype
+    ``a``; with the gradient, a separate copy of the gradient block in the input dtype ``t``
+    for half inputs and, for float32 in "3xtf32", the split the gradient products make of it
+    (``blas.split_row_bytes``)."""
+    row = cols * a.itemsize
+    if want_grad:
+        row += (cols * t.itemsize if t != a else 0) + blas.split_row_bytes(t, cols)
+    return row
+
+
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None):
@@ -39,10 +50,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     mp = 0 if neg_p is None else neg_p.shape[1]
     ncols = nk + ms
     split_g = want_grad and t != a  # half inputs: the gradient block is stored in T separately
-    row_bytes = ncols * a.itemsize + (ncols * t.itemsize if split_g else 0)
-    if want_grad:  # (float32 in "3xtf32": the gradient products split the block)
-        row_bytes += blas.split_row_bytes(t, ncols)
-    rb = blas.plan_rows(op, n, row_bytes, workspace_bytes)
+    rb = blas.plan_rows(op, n, _row_bytes(t, a, ncols, want_grad), workspace_bytes)
     # the call's scratch (score / gradient blocks, paired-negative dots) and what it returns
     # come from two allocations: an output the caller keeps (a per-row loss, the saved
     # gradient accumulators) never holds the score block alive.  The gradient accumulators
@@ -120,10 +128,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     n, d = an.shape
     nc = bn.shape[0]
     split_g = want_grad and t != a
-    row_bytes = nc * a.itemsize + (nc * t.itemsize if split_g else 0)
-    if want_grad:  # (float32 in "3xtf32": the gradient products split the block)
-        row_bytes += blas.split_row_bytes(t, nc)
-    rb = blas.plan_rows("clip_loss", n, row_bytes, workspace_bytes)
+    rb = blas.plan_rows("clip_loss", n, _row_bytes(t, a, nc, want_grad), workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     chunk = 64
     nch = (rb + chunk - 1) // chunk
@@ -209,10 +214,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     n, d = an.shape
     nc = bn.shape[0]
     split_g = want_grad and t != a
-    row_bytes = nc * a.itemsize + (nc * t.itemsize if split_g else 0)
-    if want_grad:  # (float32 in "3xtf32": the gradient products split the block)
-        row_bytes += blas.split_row_bytes(t, nc)
-    rb = blas.plan_rows("siglip_loss", n, row_bytes, workspace_bytes)
+    rb = blas.plan_rows("siglip_loss", n, _row_bytes(t, a, nc, want_grad), workspace_bytes)
     s_buf, g_buf = buffers((((rb, nc), a), ((rb, nc), t) if split_g else None))
     row_loss, da, db, parts = buffers((
         ((n,), a) if want_loss else None, ((n, d), a) if want_grad else None,
@@ -294,10 +296,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     n, d = q.shape
     m = k.shape[0]
     split_g = want_grad and t != a
-    row_bytes = m * a.itemsize + (m * t.itemsize if split_g else 0)
-    if want_grad:  # (float32 in "3xtf32": the gradient products split the block)
-        row_bytes += blas.split_row_bytes(t, m)
-    rb = blas.plan_rows("nt_xent", n, row_bytes, workspace_bytes)
+    rb = blas.plan_rows("nt_xent", n, _row_bytes(t, a, m, want_grad), workspace_bytes)
     chunk = 64
     nch = (rb + chunk - 1) // chunk
     s_buf, g_buf, part_m, part_s = buffers((
