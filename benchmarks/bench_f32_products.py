@@ -4,17 +4,16 @@ against float64 for Z·Zᵀ (positive diagonal) and a random A·Bᵀ, with the m
 in K-chunks summed with round-to-nearest between chunks (what a kernel promoting its
 accumulator every ``chunk`` K elements would get), and an Ozaki-style product of bfloat16
 slices (exact partial products: ``slices_bf16``).  Then each mode's time for one
-16384 x 16384 x 512 product.  On Hopper the tensor cores round the accumulator toward zero
+16384 x 16384 x 512 product (median of CUDA-event spans, ``report.harness.time_cuda``).  On Hopper the tensor cores round the accumulator toward zero
 at every MMA step: 3xtf32's error is hi·hi's, a bias, ~3-13x fp32's (docs/notes.md).
 
     python benchmarks/bench_f32_products.py
 """
-import time
-
 import cupy as cp
 import numpy as np
 
 from cupynce._engine import blas as B
+from cupynce.report.harness import time_cuda
 
 FP32, TF32 = 68, B.COMPUTE_32F_FAST_TF32
 
@@ -99,25 +98,12 @@ def main() -> None:
     out = cp.empty((16384, 16384), cp.float32)
     for mode in B.FLOAT32_PRECISIONS:
         with B.float32_precision(mode):
-            for _ in range(3):
-                B.gemm(z, z, out, trans_b=True)
-            cp.cuda.Device().synchronize()
-            t = time.perf_counter()
-            for _ in range(10):
-                B.gemm(z, z, out, trans_b=True)
-            cp.cuda.Device().synchronize()
-        print(f"{mode}: 16384 x 16384 x 512 in {(time.perf_counter() - t) / 10 * 1e3:.3f} ms")
+            ms = time_cuda(lambda: B.gemm(z, z, out, trans_b=True))["median_ms"]
+        print(f"{mode}: 16384 x 16384 x 512 in {ms:.3f} ms")
     sa = slices_bf16(z)
-    for _ in range(3):
-        B._cublas_gemm(sa[0], sa[0], out, False, True, 1.0, 0.0, FP32)
-    cp.cuda.Device().synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        B._cublas_gemm(sa[0], sa[0], out, False, True, 1.0, 0.0, FP32)
-    cp.cuda.Device().synchronize()
-    print(f"one bf16 slice product: {(time.perf_counter() - t) / 10 * 1e3:.3f} ms (x 9 or 10 "
-          "for a slices' product, the split not counted)")
-
+    ms = time_cuda(lambda: B._cublas_gemm(sa[0], sa[0], out, False, True, 1.0, 0.0, FP32))
+    print(f"one bf16 slice product: {ms['median_ms']:.3f} ms (x 9 or 10 for a slices' product, "
+          "the split not counted)")
 
 if __name__ == "__main__":
     main()
