@@ -28,8 +28,9 @@ which every public entry point opens around its engine work with its ``precision
 hi·hi + hi·lo + lo·hi (lo·lo, ~2^-22 relative, dropped), as CUTLASS's 3xTF32 does.  On an
 H100 its products came out 3-13x less accurate than true fp32 (8.8e-7 against 2.7e-7 relative
 for Z·Zᵀ at k = 256: Hopper's tensor cores accumulate with truncation toward zero,
-``benchmarks/bench_f32_products.py``), so "fp32" stays the default.  An infinite entry splits as hi = inf, lo = 0, so its cross term with a
-TF32-exact entry (lo = 0) is inf·0 = NaN where fp32 gives ±inf.
+``benchmarks/bench_f32_products.py``), so "fp32" stays the default.  An infinite entry
+splits as hi = inf, lo = 0, so its cross term with a TF32-exact entry (lo = 0) is inf·0 = NaN
+where fp32 gives ±inf.
 
 Tiny products (at most ``SMALL_GEMM_MACS`` multiply-adds, ``k <= SMALL_GEMM_MAX_K``, output
 in the accumulator dtype) skip cuBLAS: ``kernels_src/blas.cu``'s ``small_gemm`` (one thread

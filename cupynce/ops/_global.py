@@ -41,8 +41,8 @@ global one on every rank (its average is itself).
 local shapes, dtypes and settings (one small all-gather; the settings hold the float32
 ``precision`` resolved, which the rank's share and its backward then run in): one rank's bad
 input, unequal local sizes or disagreeing settings raise on every rank (the rank at fault
-re-raises its own error), never a hang or a wrong number.  That exchange is the one host read of the forward;
-the backward has none.  Deterministic for a fixed world size.
+re-raises its own error), never a hang or a wrong number.  That exchange is the one host read
+of the forward; the backward has none.  Deterministic for a fixed world size.
 """
 from __future__ import annotations
 
