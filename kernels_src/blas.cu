@@ -51,26 +51,7 @@ CPN_DEFINE(f32, float, float)
 CPN_DEFINE(f64, double, double)
 
 // ---- 3xTF32 operand split (float32 only; _blas.gemm's "3xtf32" mode) -------------------
-// x = hi + lo exactly: hi = x rounded to TF32 (10 explicit mantissa bits) to nearest, ties away
-// from zero, lo = x - hi.  The rounding is integer arithmetic on the bit pattern (add half of
-// the 13 dropped bits' range, clear them; the carry moves into the exponent as it should), not
-// PTX cvt.rna.tf32.f32: the same hi for every finite x whose rounding stays finite, on every
-// arch, with the dropped bits defined as zero, and it is the rule tests/test_float32_precision.py
-// emulates in NumPy.  Edges: a finite x that would round to infinity (|x| >= (2 - 2^-11) 2^127)
-// is truncated instead (hi + lo == x for every finite x; cvt.rna would give inf); inf / NaN
-// give hi = x, lo = 0.  lo = x - hi is exact (Sterbenz, or both subnormal); the subtraction is
-// inline PTX without .ftz so that CuPy's -ftz=true does not flush a subnormal x or lo.
-__device__ __forceinline__ void split_tf32(float x, float& hi, float& lo)
-{
-    const unsigned u = __float_as_uint(x);
-    if ((u & 0x7f800000u) == 0x7f800000u) { hi = x; lo = 0.f; return; }
-    unsigned h = (u + 0x1000u) & ~0x1fffu;
-    if ((h & 0x7f800000u) == 0x7f800000u) h = u & ~0x1fffu;
-    hi = __uint_as_float(h);
-    float d;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(x), "f"(hi));
-    lo = d;
-}
+// (split_tf32: common.cuh, shared with the TF32x3 tiles' split gradient blocks)
 
 // hi, lo: contiguous (rows, cols); x: row-major, row stride ldx (a row-strided view).
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_split_tf32_f32(

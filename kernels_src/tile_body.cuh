@@ -169,7 +169,7 @@ __device__ __forceinline__ void tile_body(
         __syncthreads();  // step it is in shared memory; the stage loaded below is free
         loop.issue(acc, it % NS, kt == 0);
         if ((MODE == MODE_H || MODE == MODE_CLIP || MODE == MODE_LSE2) && kt == 0 && tid < TBN) {
-            float v[3];  // read by this tile's epilogue
+            float v[4];  // read by this tile's epilogue
             colv_values<MODE>(v, colv_load(tile_n0(tile) + tid, ncols, lse_col, w_ptr, w_stride),
                               w_mul, ep.sl2);
             colv[tile & 1][0][tid] = v[0];

@@ -101,7 +101,7 @@ template <typename T> struct EpiCtx {
     float *part_m, *part_s, *pos_out, *colp_m, *colp_s, *dsp_part;
     i64 part_ld, ldg;
     int rows, row0, ncols, m0, split, exclude_diag;
-    float scale, sl2, sbias, sb2, w_mul;
+    float scale, sl2, sl2lo, sbias, sb2, w_mul;
     bool sg_loss, sg_grad, tri;
 };
 
@@ -118,6 +118,15 @@ __device__ __forceinline__ EpiCtx<T> epi_ctx(
     ep.exclude_diag = exclude_diag; ep.w_mul = w_mul;
     ep.scale = scale_log ? scale_mul * expf(scale_log[0]) : scale_mul;
     ep.sl2 = ep.scale * CPN_LOG2E;  // logits in base-2 units: t = acc * sl2
+    ep.sl2lo = 0.f;
+    if (sizeof(T) == 4) {
+        // float32 (the TF32x3 tiles): s log2(e) as sl2 + sl2lo, t = acc sl2 + acc sl2lo (log2e
+        // in float32 alone is 1.3e-8 off and the product rounds: a bias of every logit alike,
+        // -4.7e-8 at s = 1 / 0.07, which the float32 gradient's cancellation magnifies)
+        const double s2 = (double)ep.scale * 1.4426950408889634;
+        ep.sl2 = (float)s2;
+        ep.sl2lo = (float)(s2 - (double)ep.sl2);
+    }
     // SIGLIP: the bias beta (through the lse_col slot, which this mode does not otherwise use);
     // the loss only where asked for (part_m), the gradient's terms only where asked for
     ep.sbias = MODE == MODE_SIGLIP ? lse_col[0] : 0.f;
@@ -133,6 +142,7 @@ __device__ __forceinline__ EpiCtx<T> epi_ctx(
 // weight and one-exp2 factor, the global row and its positive column, whether it exists.
 template <int I> struct RowState {
     float rm[I][2], rl[I][2], rx[I][2], li2[I][2], wi[I][2], fi[I][2];
+    float lo2[I][2];  // float32 H: the row's log2 S (its lse in base 2 = li2 + lo2)
     int gi[I][2], pr[I][2];
     bool rv[I][2];
 };
@@ -152,11 +162,21 @@ __device__ __forceinline__ void rows_init(RowState<L::I>& rs, const EpiCtx<T>& e
             rs.gi[i][h] = ep.row0 + lr;
             rs.pr[i][h] = (int)(((i64)rs.gi[i][h] + pos_shift) % pos_mod);
             rs.rm[i][h] = ninf; rs.rl[i][h] = 0.f; rs.rx[i][h] = 0.f;
-            rs.li2[i][h] = 0.f; rs.wi[i][h] = 0.f; rs.fi[i][h] = 0.f;
+            rs.li2[i][h] = 0.f; rs.wi[i][h] = 0.f; rs.fi[i][h] = 0.f; rs.lo2[i][h] = 0.f;
             if ((MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP) && rs.rv[i][h]) {
-                rs.li2[i][h] = lse_row[rs.gi[i][h]] * CPN_LOG2E;
+                if (sizeof(T) == 4) {
+                    // float32 (the TF32x3 tiles): lse_row holds (M, log2 S) pairs, the row's
+                    // log-sum-exp in base 2 as its finish left it (tiles_ws_tf32.cu), so that
+                    // t - lse = (t - M) - log2 S keeps the positive's small exponent exact
+                    const float2 ml = ((const float2*)lse_row)[rs.gi[i][h]];
+                    rs.li2[i][h] = ml.x;
+                    rs.lo2[i][h] = ml.y;
+                } else {
+                    rs.li2[i][h] = lse_row[rs.gi[i][h]] * CPN_LOG2E;
+                }
                 rs.wi[i][h] = ep.w_mul * (w_ptr ? w_ptr[(i64)rs.gi[i][h] * w_stride] : 1.f);
-                rs.fi[i][h] = hw_factor<MODE>(rs.li2[i][h], rs.wi[i][h]);
+                rs.fi[i][h] = hw_factor<MODE>(
+                    sizeof(T) == 4 ? rs.li2[i][h] + rs.lo2[i][h] : rs.li2[i][h], rs.wi[i][h]);
             }
             if (MODE == MODE_SIGLIP) {  // rl: loss, rx: dscale, rm: dbias (sums from 0,
                 rs.rm[i][h] = 0.f;       // of z-signed sigmoids: the row's factors at the end);
@@ -172,21 +192,31 @@ __device__ __forceinline__ void rows_init(RowState<L::I>& rs, const EpiCtx<T>& e
 // factor f_j; LSE2 the column's shift, its positive logit (lse_col holds the raw dots).
 // Columns past nlim get zeros.  Two halves: the loads (the warp-specialised kernel issues
 // them before the tile's MMAs) and the values.
-struct ColRaw { float l, w; bool ok; };
+struct ColRaw { float l, w, llo; bool ok; };
+template <bool F32 = false>
 __device__ __forceinline__ ColRaw colv_load(int col, int nlim, const float* __restrict__ lse_col,
                                             const float* __restrict__ w_ptr, i64 w_stride) {
     ColRaw r;
     r.ok = col < nlim;
-    r.l = r.ok ? lse_col[col] : 0.f;
+    r.llo = 0.f;
+    if (F32) {  // (float32 H: (M, log2 S) pairs, as rows_init)
+        const float2 ml = r.ok ? ((const float2*)lse_col)[col] : make_float2(0.f, 0.f);
+        r.l = ml.x;
+        r.llo = ml.y;
+    } else {
+        r.l = r.ok ? lse_col[col] : 0.f;
+    }
     r.w = r.ok && w_ptr ? w_ptr[(i64)col * w_stride] : 1.f;
     return r;
 }
-template <int MODE>
-__device__ __forceinline__ void colv_values(float (&v)[3], const ColRaw& r, float w_mul,
+template <int MODE, bool F32 = false>
+__device__ __forceinline__ void colv_values(float (&v)[4], const ColRaw& r, float w_mul,
                                             float sl2) {
-    v[0] = r.ok ? r.l * (MODE == MODE_LSE2 ? sl2 : CPN_LOG2E) : 0.f;
+    // (F32, H: v[0] = M, v[3] = log2 S of the column's (M, log2 S) pair, as rows_init)
+    v[0] = r.ok ? (F32 && MODE != MODE_LSE2 ? r.l : r.l * (MODE == MODE_LSE2 ? sl2 : CPN_LOG2E)) : 0.f;
     v[1] = r.ok ? w_mul * r.w : 0.f;
-    v[2] = MODE != MODE_LSE2 && r.ok ? hw_factor<MODE>(v[0], v[1]) : 0.f;
+    v[2] = MODE != MODE_LSE2 && r.ok ? hw_factor<MODE>(F32 ? v[0] + r.llo : v[0], v[1]) : 0.f;
+    v[3] = r.llo;
 }
 
 // The epilogue of one 128 x 128 tile (columns n0 .. n0 + 127, those at or past nlim absent) for
@@ -200,12 +230,14 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                                               const float (*cv)[TBN], float (*red)[L::NCG][TBN],
                                               char* sout, int warp, int lane, int lt) {
     enum { I = L::I, J = L::J, NCG = L::NCG,
-           SOUT = L::WGMMA && (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP
-                               || MODE == MODE_SIGLIP) };
+           SOUT = L::WGMMA && sizeof(T) == 2
+                  && (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP
+                      || MODE == MODE_SIGLIP) };
     const float ninf = -cpn_inf<float>();
     const int cbase = L::col_base(warp), cg = L::col_group(warp);
     const int gq = lane >> 2, cq = lane & 3;
     T* const g = ep.g;
+    float* const glo = ep.dsp_part;  // float32 G / H: the split block's lo half (TF32x3 tiles)
     float* const pos_out = ep.pos_out;
     float* const colp_m = ep.colp_m;
     float* const colp_s = ep.colp_s;
@@ -213,6 +245,9 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
     const int rows = ep.rows, row0 = ep.row0, ncols = ep.ncols, m0 = ep.m0;
     const int exclude_diag = ep.exclude_diag;
     const float scale = ep.scale, sl2 = ep.sl2, sbias = ep.sbias, sb2 = ep.sb2;
+    // a logit in base-2 units (float32: s log2(e) in two floats, epi_ctx)
+    const float sl2lo = ep.sl2lo;
+    auto t2 = [&](float a) -> float { return sizeof(T) == 4 ? fmaf(a, sl2, a * sl2lo) : a * sl2; };
     const bool sg_loss = ep.sg_loss, sg_grad = ep.sg_grad, TRI = ep.tri;
     float (&rm)[I][2] = rs.rm;
     float (&rl)[I][2] = rs.rl;
@@ -261,7 +296,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                             amax = fmaxf(amax, acc[i][j][h * 2 + e]);
                             amin = fminf(amin, acc[i][j][h * 2 + e]);
                         }
-                    const float tm = sl2 >= 0.f ? amax * sl2 : amin * sl2;
+                    const float tm = sl2 >= 0.f ? t2(amax) : t2(amin);
                     mn[i][h] = fmaxf(rm[i][h], tm);
                     if (rv[i][h]) mw = fmaxf(mw, mn[i][h]);
                 }
@@ -287,7 +322,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                         for (int j = 0; j < J; ++j)
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {
-                                const float ev = exp2f(acc[i][j][h * 2 + e] * sl2 - mnv);
+                                const float ev = exp2f(t2(acc[i][j][h * 2 + e]) - mnv);
                                 l += ev;
                                 cs[j * 2 + e] += ev * r;
                             }
@@ -313,7 +348,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const float a = acc[i][j][h * 2 + e];
-                            float t = a * sl2;
+                            float t = t2(a);
                             if (C) {
                                 const int col = n0 + cbase + j * 8 + 2 * cq + e;
                                 if (col >= nlim || (exclude_diag && col == grow)) t = ninf;
@@ -321,7 +356,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                                 // numbered as B2's first, tile_ws.cuh; the cp.async loops'
                                 // tiles run on to ncols, past every positive)
                                 if (pos_out && col == pr[i][h] && (!L::WS || col < nlim) && rv[i][h])
-                                    pos_out[grow - row0] = a * scale;
+                                    pos_out[grow - row0] = sizeof(T) == 4 ? t : a * scale;
                                 tm = nanmax(tm, t);
                             } else {
                                 tm = fmaxf(tm, t);  // a NaN still reaches l below
@@ -390,14 +425,16 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
 #pragma unroll
                             for (int h = 0; h < 2; ++h)
                                 if (rv[i][h]) {
-                                    const float x = acc[i][j][h * 2 + e] * sl2 - c;
+                                    const float x = t2(acc[i][j][h * 2 + e]) - c;
                                     big |= x > 64.f;
                                     s += exp2f(x);
                                 }
                         cs[j * 2 + e] = s;
                     }
             }
-            if (colfast || !__any_sync(0xffffffffu, big)) {  // (colfast: acc is dead here)
+            // (float32: a special tile -- the positives' -- takes the max-based sums, whose
+            // largest term is exactly 1 where the positive is the column's max)
+            if (colfast || (!(sizeof(T) == 4 && special) && !__any_sync(0xffffffffu, big))) {
                 put_sums(colfast);
             } else {
 #pragma unroll
@@ -411,7 +448,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                         for (int i = 0; i < I; ++i)
 #pragma unroll
                             for (int h = 0; h < 2; ++h)
-                                if (rv[i][h]) cm = nanmax(cm, acc[i][j][h * 2 + e] * sl2);
+                                if (rv[i][h]) cm = nanmax(cm, t2(acc[i][j][h * 2 + e]));
 #pragma unroll
                         for (int o = 4; o < 32; o <<= 1)
                             cm = nanmax(cm, __shfl_xor_sync(0xffffffffu, cm, o));
@@ -420,7 +457,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                             for (int i = 0; i < I; ++i)
 #pragma unroll
                                 for (int h = 0; h < 2; ++h)
-                                    if (rv[i][h]) cl += exp2f(acc[i][j][h * 2 + e] * sl2 - cm);
+                                    if (rv[i][h]) cl += exp2f(t2(acc[i][j][h * 2 + e]) - cm);
                         }
 #pragma unroll
                         for (int o = 4; o < 32; o <<= 1) cl += __shfl_xor_sync(0xffffffffu, cl, o);
@@ -438,7 +475,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
 #pragma unroll
             for (int w = 1; w < NCG; ++w) lse2_merge(cm, cl, red[0][w][lt], red[1][w][lt]);
             const i64 o = (i64)blockIdx.x * ncols + n0 + lt;
-            colp_m[o] = cm * CPN_LN2;
+            colp_m[o] = sizeof(T) == 4 ? cm : cm * CPN_LN2;  // (float32: base 2, below)
             colp_s[o] = cl;
         }
         L::tile_sync(warp);
@@ -447,6 +484,8 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
         const float* lc2 = cv[0] + cbase + 2 * cq;  // [j * 8 + e]
         const float* wc = cv[1] + cbase + 2 * cq;
         const float* fc = cv[2] + cbase + 2 * cq;
+        const float* lcl = cv[3] + cbase + 2 * cq;  // (float32 H only: the columns' log2 S)
+        const float (&lo2)[I][2] = rs.lo2;
         // H / CLIP on unchecked tiles: w_i 2^(t - l_i) + w_j 2^(t - l_j) = 2^t (f_i + f_j)
         // with f = w 2^-l (times 1/2 for CLIP), one exp2 per score instead of two.  Taken
         // by a warp when every score of its tile has |t| <= 100 and every f is finite, so
@@ -522,7 +561,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int col = n0 + cbase + j * 8 + 2 * cq + e;
-                            const float t = acc[i][j][h * 2 + e] * sl2;
+                            const float t = t2(acc[i][j][h * 2 + e]);
                             float x;
                             if (MODE == MODE_G) {
                                 float p = (C && exclude_diag && col == grow) ? 0.f : exp2f(t - li2[i][h]);
@@ -568,6 +607,23 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                                 const float G = exp2f(t) * (fi[i][h] + fc[j * 8 + e]);
                                 if (MODE == MODE_CLIP) rx[i][h] += G * t;
                                 x = scale * G;
+                            } else if (MODE == MODE_H && sizeof(T) == 4) {
+                                // float32: exponents (t - M) - log2 S against the rows' and
+                                // columns' (M, log2 S) pairs; P - 1 at the positive through
+                                // expm1 (P is near 1 there: exp2 - 1 would cancel)
+                                if (C && col == grow) {
+                                    x = 0.f;
+                                } else {
+                                    const float di = (t - li2[i][h]) - lo2[i][h];
+                                    const float dc = (t - lc2[j * 8 + e]) - lcl[j * 8 + e];
+                                    float p;
+                                    if (C && col == pos)
+                                        p = wi[i][h] * expm1f(di * CPN_LN2)
+                                          + wc[j * 8 + e] * expm1f(dc * CPN_LN2);
+                                    else
+                                        p = wi[i][h] * exp2f(di) + wc[j * 8 + e] * exp2f(dc);
+                                    x = scale * p;
+                                }
                             } else if (MODE == MODE_H) {
                                 if (C && col == grow) {
                                     x = 0.f;
@@ -592,6 +648,22 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                             pk[i][h][j] = Pack2<T>::round(val[0], val[1]);
                         } else if (MODE == MODE_SIGLIP && !g) {
                             // (the loss alone: no gradient block)
+                        } else if (sizeof(T) == 4) {
+                            // float32 (the TF32x3 tiles): the block split x = hi + lo
+                            // (split_tf32) for the TF32x3 products that read it, hi into g,
+                            // lo into glo (the same leading dimension)
+                            float hv[2], lv[2];
+                            split_tf32(val[0], hv[0], lv[0]);
+                            split_tf32(val[1], hv[1], lv[1]);
+                            float* const gh = (float*)grow_ptr + col;
+                            float* const gl = glo + (i64)(grow - row0) * ldg + col;
+                            if (!C || col + 1 < nlim) {
+                                *(float2*)gh = make_float2(hv[0], hv[1]);
+                                *(float2*)gl = make_float2(lv[0], lv[1]);
+                            } else if (col < nlim) {
+                                gh[0] = hv[0];
+                                gl[0] = lv[0];
+                            }
                         } else if (!C || col + 1 < nlim) {
                             *(unsigned*)(grow_ptr + col) = Pack2<T>::round(val[0], val[1]);
                         } else if (col < nlim) {
@@ -603,8 +675,17 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                         if (!SOUT && MODE == MODE_H && TRI && n0 != m0) {
 #pragma unroll
                             for (int e = 0; e < 2; ++e)
-                                if (!C || col + e < nlim)
-                                    g[(i64)(col + e) * ldg + grow] = Conv<T>::store(val[e]);
+                                if (!C || col + e < nlim) {
+                                    const i64 o = (i64)(col + e) * ldg + grow;
+                                    if (sizeof(T) == 4) {
+                                        float hv, lv;
+                                        split_tf32(val[e], hv, lv);
+                                        ((float*)g)[o] = hv;
+                                        glo[o] = lv;
+                                    } else {
+                                        g[o] = Conv<T>::store(val[e]);
+                                    }
+                                }
                         }
                     }
                 }
@@ -742,7 +823,9 @@ __device__ __forceinline__ void rows_finish(const EpiCtx<T>& ep, RowState<L::I>&
                 } else {
                     float m = rm[i][h], l = rl[i][h];
                     if (L::ROW_WARPS == 2) lse2_merge(m, l, v[0], v[1]);
-                    part_m[o] = m * CPN_LN2;
+                    // float32 (the TF32x3 tiles): the maxima stay in base 2 for their own
+                    // finish, which keeps each row's log-sum-exp as the pair (M, log2 S)
+                    part_m[o] = sizeof(T) == 4 ? m : m * CPN_LN2;
                     part_s[o] = l;
                 }
             });

@@ -36,8 +36,10 @@
 #define MODE_CLIP 4
 #define MODE_SPMAX 5
 #define MODE_SIGLIP 6
+#define MODE_MM 7      // the TF32x3 product tiles (tiles_ws_tf32.cu): out = alpha A B^T, no softmax
 
 #define CPN_LOG2E 1.4426950408889634f
+#define CPN_LOG2E_LO 1.925963e-8f  // log2(e) - (float)CPN_LOG2E
 #define CPN_LN2 0.6931471805599453f
 
 template <typename T> struct Mma;

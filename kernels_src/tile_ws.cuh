@@ -142,6 +142,31 @@ template <typename T> struct WsOps16 {
     }
 };
 
+// MODE_MM's epilogue: the 128 x 128 product tile times alpha (p.scale_mul) into the float32
+// rows of p.g (leading dimension p.ldg), rows < p.rows and columns < nlim; a quad's float2
+// stores cover 32 contiguous bytes (whole sectors).
+template <typename L, typename T>
+__device__ __forceinline__ void ws_mm_store(const TileArgs<T>& p, const float (&acc)[2][16][4],
+                                            int m0, int n0, int nlim, int warp, int lane) {
+    const float alpha = p.scale_mul;
+    const int gq = lane >> 2, cq = lane & 3;
+#pragma unroll
+    for (int i = 0; i < L::I; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int lr = m0 + L::row_base(warp) + i * L::IS + h * 8 + gq;
+            if (lr >= p.rows) continue;
+            float* const o = (float*)p.g + (i64)lr * p.ldg;
+#pragma unroll
+            for (int j = 0; j < L::J; ++j) {
+                const int col = n0 + j * 8 + 2 * cq;
+                const float v0 = alpha * acc[i][j][h * 2], v1 = alpha * acc[i][j][h * 2 + 1];
+                if (col + 1 < nlim) *(float2*)(o + col) = make_float2(v0, v1);
+                else if (col < nlim) o[col] = v0;
+            }
+        }
+}
+
 // One CTA.  ring: ST (stages, <= WS_MAX_STAGES) | AR << 8; the dynamic shared memory is
 // 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x stage + SOUT ? 32 KiB : 0, the SOUT staging
 // last (SIGLIP without g, the loss alone, never touches it: not reserved); a stage is
@@ -150,7 +175,8 @@ template <typename T, int MODE, bool PP, typename Ops>
 __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& p, int ring) {
     typedef WsLayout L;
     enum { I = L::I, J = L::J, NCG = L::NCG,
-           NCV = MODE == MODE_LSE2 ? 1 : (MODE == MODE_H || MODE == MODE_CLIP) ? 3 : 0 };
+           NCV = MODE == MODE_LSE2 ? 1 : (MODE == MODE_H || MODE == MODE_CLIP)
+                                            ? (sizeof(T) == 4 ? 4 : 3) : 0 };
     extern __shared__ __align__(1024) unsigned char ws_smem[];
     // full[c][s] at [c * WS_MAX_STAGES + s], empty[s] at [2 WS_MAX_STAGES + s], A's at the end
     __shared__ __align__(8) unsigned long long bars[3 * WS_MAX_STAGES + 1];
@@ -241,15 +267,21 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
         const int ct = tile_ct(t);
         const int n0 = tile_n0(ct), nlim = ct < CT1 ? n1 : ncols;
         ColRaw raw;
-        if (NCV) raw = colv_load(n0 + lt, nlim, p.lse_col, p.w_ptr, p.w_stride);  // (in flight)
+        if (NCV)  // (in flight)
+            raw = colv_load<sizeof(T) == 4 && MODE == MODE_H>(n0 + lt, nlim, p.lse_col, p.w_ptr,
+                                                              p.w_stride);
         s = (t * KT) % ST;  // this tile's first stage (iteration t KT of the ring)
         if (PP) ws_bar_sync(3 + c);  // my turn on the tensor cores
         ops.mma_tile(acc, rg, KT, s, fph, [&] {
             if (PP && t + 1 < my_tiles) ws_bar_arrive(3 + (c ^ 1));  // the other's turn
         });
+        if (MODE == MODE_MM) {  // a product tile (tiles_ws_tf32.cu): g = alpha acc
+            ws_mm_store<L>(p, acc, m0, n0, nlim, warp, lane);
+            continue;
+        }
         if (NCV) {  // the tile's column values, read by its epilogue
-            float v[3];
-            colv_values<MODE>(v, raw, p.w_mul, ep.sl2);
+            float v[4];
+            colv_values<MODE, sizeof(T) == 4>(v, raw, p.w_mul, ep.sl2);
 #pragma unroll
             for (int q = 0; q < NCV; ++q) colv[c][k & 1][q][lt] = v[q];
             wg_bar(c);  // (the other parity's readers passed this barrier a tile ago)

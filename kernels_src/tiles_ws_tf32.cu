@@ -4,15 +4,20 @@
 // x = hi + lo (hi = x rounded to TF32, lo = x - hi exactly: blas.split_tf32), three TF32
 // products S = lo_a hi_b + hi_a lo_b + hi_a hi_b (lo lo, ~2^-22 relative, dropped), with the
 // accumulator promoted every 32 of K so that the scores are as accurate as fp32's or better.
-// LSE only so far; not wired into any op (tiles_tf32.tile_lse_tf32x3 launches it).  Built for
-// sm_90a only (__trap() elsewhere).
+// Modes LSE, LSE2 (NT-Xent's symmetric forward), H (NT-Xent's gradient block) and MM (a
+// product); not yet wired into any op (tiles_tf32.py launches them).  Built for sm_90a only
+// (__trap() elsewhere).
 //
-//   cpn_wstile_lse_tf32x3(ahi, alo, bhi, blo, p, ring): tensor maps of A_hi, A_lo (rows x d)
+//   cpn_wstile_<mode>_tf32x3(ahi, alo, bhi, blo, p, ring): tensor maps of A_hi, A_lo (rows x d)
 //   and B_hi, B_lo (n1 x d), float32, 128 x 32 boxes, 128-byte swizzle (tma.matrix_map);
-//   p the TileArgs<float> of tiles.cu with n2 = 0 (no B2 in the prototype); ring = stages
-//   (no A-resident ring).  Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory
-//   1 KiB + stages x 64 KiB.  The outputs are cpn_wstile_lse_bf16's (row (m, s) partials per
-//   split, positive logits), combined by tiles.cu's cpn_tile_finish_*.
+//   p the TileArgs<float> of tiles.cu with n2 = 0 (no B2); ring = stages (no A-resident
+//   ring).  Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory 1 KiB +
+//   stages x 64 KiB.  LSE / LSE2 write cpn_wstile_<mode>_bf16's outputs (row (m, s) partials
+//   per split, column partials, positive logits), combined by tiles.cu's finishing kernels;
+//   H writes the float32 block split, H = hi + lo (split_tf32), hi into p.g and lo into
+//   p.dsp_part (same ldg; no SOUT staging: direct float2 stores, the mirror of a `tri` tile
+//   element by element); MM writes p.g = alpha A B^T (alpha = p.scale_mul; A = the H block,
+//   B = the keys transposed, d = the block's columns).
 //
 // Why the promotion: Hopper's tensor cores add each MMA step's products to the accumulator
 // truncating toward zero, ~0.5 ulp of the partial sum lost per k8 step, always the same way,
@@ -122,10 +127,64 @@ __device__ __forceinline__ void tile_ws_tf32x3(const TmaMap& ahi, const TmaMap& 
 #define CPN_WS_TF32_BODY(MODE) __trap()  // not an sm_90a build: Python never launches these
 #endif
 
-#define CPN_DEFINE_WS_TF32(SUF)                                                            \
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_lse_##SUF(          \
+#define CPN_WS_TF32_ARGS                                                                   \
     const __grid_constant__ TmaMap ahi, const __grid_constant__ TmaMap alo,                \
     const __grid_constant__ TmaMap bhi, const __grid_constant__ TmaMap blo,                \
-    const TileArgs<float> p, int ring) { CPN_WS_TF32_BODY(MODE_LSE); }
+    const TileArgs<float> p, int ring
+#define CPN_DEFINE_WS_TF32(SUF)                                                            \
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_lse_##SUF(          \
+    CPN_WS_TF32_ARGS) { CPN_WS_TF32_BODY(MODE_LSE); }                                      \
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_lse2_##SUF(         \
+    CPN_WS_TF32_ARGS) { CPN_WS_TF32_BODY(MODE_LSE2); }                                     \
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_h_##SUF(            \
+    CPN_WS_TF32_ARGS) { CPN_WS_TF32_BODY(MODE_H); }                                        \
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_mm_##SUF(           \
+    CPN_WS_TF32_ARGS) { CPN_WS_TF32_BODY(MODE_MM); }
 
 CPN_DEFINE_WS_TF32(tf32x3)
+
+// ---- the finish of the float32 statistics (LSE / LSE2 partials in base 2) -----------------
+// Each row's log-sum-exp stays the pair (M, log2 S) that its partials merge to (lse2_merge,
+// in a fixed order): ml[r] = (M, log2 S) for the H pass, lse[r] = (M + log2 S) ln 2 and
+// loss[r] = ((M - t_pos) + log2 S) ln 2 rounded once from double, t_pos being the positive's
+// base-2 logit as the tiles computed it (pos2), so that lse - L_pos does not cancel two
+// separately rounded numbers.  Tri (NT-Xent's symmetric pass): the column partials of the
+// tiles that covered the row merged after its row partials (tiles.cu's tile_finish_tri order);
+// a row whose positive sat in a column of another row tile's tile takes its partner's pos2
+// (NaN where not written: the buffer starts as NaN).  One thread a row.
+__device__ __forceinline__ void tf32x3_finish_row(int r, float m, float s, float t_pos,
+                                                  float* lse, float* loss, float2* ml) {
+    const double l2 = log2((double)s);
+    const double ln2 = 0.6931471805599453;
+    ml[r] = make_float2(m, (float)l2);
+    lse[r] = (float)(((double)m + l2) * ln2);
+    loss[r] = (float)(((double)(m - t_pos) + l2) * ln2);
+}
+
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tf32x3_finish(
+    const float* __restrict__ part_m, const float* __restrict__ part_s, i64 part_ld, int splits,
+    int rows, const float* __restrict__ pos2, float* lse, float* loss, float2* ml) {
+    const int r = blockIdx.x * CPN_BLOCK + threadIdx.x;
+    if (r >= rows) return;
+    float m = -cpn_inf<float>(), s = 0.f;
+    for (int k = 0; k < splits; ++k) lse2_merge(m, s, part_m[k * part_ld + r], part_s[k * part_ld + r]);
+    tf32x3_finish_row(r, m, s, pos2[r], lse, loss, ml);
+}
+
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tf32x3_finish_tri(
+    const float* __restrict__ part_m, const float* __restrict__ part_s, i64 part_ld, int splits,
+    int rows, const float* __restrict__ colp_m, const float* __restrict__ colp_s,
+    const float* __restrict__ pos2, int half, float* lse, float* loss, float2* ml) {
+    const int r = blockIdx.x * CPN_BLOCK + threadIdx.x;
+    if (r >= rows) return;
+    const int ct = (rows + TBN - 1) / TBN, tr = r / TBN;
+    float m = -cpn_inf<float>(), s = 0.f;
+    for (int k = 0; k < splits; ++k) lse2_merge(m, s, part_m[k * part_ld + r], part_s[k * part_ld + r]);
+    for (int o = 1; o <= ct / 2; ++o) {
+        const int i = (tr - o + ct) % ct;
+        if (o < tri_count(i, ct)) lse2_merge(m, s, colp_m[(i64)i * rows + r], colp_s[(i64)i * rows + r]);
+    }
+    float tp = pos2[r];
+    if (tp != tp) tp = pos2[(r + half) % rows];
+    tf32x3_finish_row(r, m, s, tp, lse, loss, ml);
+}

@@ -194,6 +194,115 @@ def test_split_count_changes_only_the_merge(tf32):
     assert _rel(four[0], one[0]) <= 1e-7
 
 
+# ---- the product tiles (mm) and NT-Xent's passes (lse2, h) ---------------------------------
+
+def _nt_xent_oracle(z, scale):
+    """float64 (lse, loss, dz) of NT-Xent's mean loss over the float32 rows z (positive
+    i <-> i + n/2, the diagonal left out): dz = s (dS + dSᵀ) z, dS = (P - E) / n."""
+    n = z.shape[0]
+    z64 = z.astype(np.float64)
+    logits = scale * (z64 @ z64.T)
+    lse, loss, _ = _reduce(logits, True, n // 2, n)
+    p = np.exp(logits - lse[:, None])
+    p[np.arange(n), np.arange(n)] = 0.0
+    p[np.arange(n), (np.arange(n) + n // 2) % n] -= 1.0
+    ds = p / n
+    return lse, loss, scale * ((ds + ds.T) @ z64)
+
+
+def _nt_xent_inputs(n, d, seed):
+    rng = np.random.default_rng(seed)
+    z = _unit(rng.standard_normal((n, d)))
+    h = n // 2
+    z[h:2 * h] = _unit(z[:h] + 0.3 * _unit(rng.standard_normal((h, d))))
+    return z.astype(np.float32)
+
+
+def _nt_xent_fp32(z, t):
+    """cupynce's float32 cuBLAS path (precision="fp32"): (lse, loss, dz) on the host."""
+    import cupynce
+
+    zd = cp.asarray(z)
+    loss, ctx = cupynce.nt_xent_forward(zd, t, reduction="none", requires_grad=True,
+                                        precision="fp32")
+    dz = cupynce.nt_xent_backward(ctx, cp.full((z.shape[0],), 1.0 / z.shape[0], np.float32))
+    return cp.asnumpy(ctx.stats[0]), cp.asnumpy(loss), cp.asnumpy(dz)
+
+
+#: the mm tiles' error over cuBLAS fp32's, at most.  Measured on an H100 (2026-11-26): same-sign
+#: operands 1.36e-7 / 1.45e-7 / 1.94e-7 against cuBLAS fp32's 7.8e-8 / 6.5e-8 / 1.7e-7 at
+#: K = 520 / 1030 / 4096 (cuBLAS's fp32 sums K in short blocks; the promoted chunks still lose
+#: a truncation per k8 step inside each 32), so 2.5x; zero-mean operands 1.04x at K = 1030
+#: (random-walk partial sums: rounding noise of one size), so 1.25x.  The products alone are
+#: thus not fp32-accurate; the op's gradient is (test_nt_xent_against_float64_and_fp32: H's
+#: accuracy dominates it).  And against float64 at most MM_TOL, the kernel's own bound.
+MM_FACTOR = {"positive": 2.5, "zero-mean": 1.25}
+MM_TOL = 3e-7
+
+
+@gpu
+@pytest.mark.parametrize("data", ["positive", "zero-mean"])
+@pytest.mark.parametrize("m,k,c", [(300, 520, 200), (129, 1030, 130), (257, 4096, 512)])
+def test_mm_against_float64_and_fp32(tf32, m, k, c, data):
+    """out = A Bᵀ on the promoted TF32x3 tiles against float64 and cuBLAS fp32's product
+    (K >= 520: 17+ promoted chunks; MM_FACTOR), deterministic, alpha applied."""
+    rng = np.random.default_rng(m + k)
+    if data == "positive":
+        a = rng.random((m, k)).astype(np.float32)
+        b = rng.random((c, k)).astype(np.float32)
+    else:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((c, k)).astype(np.float32)
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    ad, bd = cp.asarray(a), cp.asarray(b)
+    out = cp.empty((m, c), np.float32)
+    tiles_tf32.mm(tiles_tf32.split(ad), tiles_tf32.split(bd), out, alpha=0.5)
+    got = 2.0 * cp.asnumpy(out)
+    fp32 = cp.empty((m, c), np.float32)
+    with blas.float32_precision("fp32"):
+        blas.gemm(ad, bd, fp32, trans_b=True)
+    e_k, e_f = _rel(got, ref), _rel(cp.asnumpy(fp32), ref)
+    msg = f"tf32x3 mm {e_k:.3g} against cuBLAS fp32 {e_f:.3g}"
+    assert e_k <= MM_FACTOR[data] * e_f, msg
+    assert e_k <= MM_TOL, msg
+    again = cp.empty((m, c), np.float32)
+    tiles_tf32.mm(tiles_tf32.split(ad), tiles_tf32.split(bd), again, alpha=0.5)
+    assert np.array_equal(cp.asnumpy(again).view(np.uint32), cp.asnumpy(out).view(np.uint32))
+
+
+@gpu
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("n,d", [(1030, 72), (512, 130), (2048, 512)])
+def test_nt_xent_against_float64_and_fp32(tf32, n, d, symmetric):
+    """NT-Xent on the TF32x3 tiles (lse2 or lse, h, mm) against float64: lse, loss and dz no
+    less accurate than cupynce's float32 cuBLAS path (the issue's bar), with a floor of 2e-7
+    for the statistics (the shared epilogue's float32 arithmetic, module doc)."""
+    t = 0.07
+    z = _nt_xent_inputs(n, d, seed=n + d)
+    ref_lse, ref_loss, ref_dz = _nt_xent_oracle(z, 1 / t)
+    f_lse, f_loss, f_dz = _nt_xent_fp32(z, t)
+    lse, loss, dz = tiles_tf32.nt_xent(cp.asarray(z), 1 / t, (None, 0, 1.0 / n),
+                                       symmetric=symmetric)
+    got = [cp.asnumpy(x) for x in (lse, loss, dz)]
+    errs = [(_rel(g, r), _rel(f, r)) for g, f, r in zip(got, (f_lse, f_loss, f_dz),
+                                                          (ref_lse, ref_loss, ref_dz))]
+    msg = "tf32x3 / fp32 errors (lse, loss, dz): " + ", ".join(f"{a:.3g} / {b:.3g}"
+                                                                 for a, b in errs)
+    # (the loss is lse - L_pos: its floor is the lse's, over the loss's smaller norm)
+    loss_floor = 2e-7 * np.linalg.norm(ref_lse) / np.linalg.norm(ref_loss)
+    for (e_k, e_f), floor in zip(errs, (2e-7, loss_floor, 0.0)):
+        assert e_k <= max(e_f, floor), msg
+
+
+@gpu
+def test_nt_xent_passes_deterministic(tf32):
+    z = cp.asarray(_nt_xent_inputs(1030, 72, seed=1))
+    a = tiles_tf32.nt_xent(z, 1 / 0.07, (None, 0, 1e-3))
+    b = tiles_tf32.nt_xent(z, 1 / 0.07, (None, 0, 1e-3))
+    for x, y in zip(a, b):
+        assert np.array_equal(cp.asnumpy(x).view(np.uint32), cp.asnumpy(y).view(np.uint32))
+
+
 # ---- CPU (no GPU needed) -------------------------------------------------------------------
 
 def test_ring_plan():

@@ -14,12 +14,13 @@ matrix (InfoNCE's per-query negatives), no A-resident ring, sm_90a only.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import numpy as np
 
 from . import blas, kernels, tiles, tma
-from .kernels import BFLOAT16, BLOCK
+from .kernels import BLOCK
 
 FILE = "tiles_ws_tf32.cu"
 KERNEL = "cpn_wstile_lse_tf32x3"
@@ -64,11 +65,27 @@ def split(x, name: str = "x"):
     return blas.split_tf32(x, name)
 
 
-def _kernel():
-    """The kernel on the current device and (its static shared memory, the opt-in maximum),
-    opted in as the 16-bit warp-specialised kernels are (:func:`tiles.ws_smem`)."""
-    kern = kernels.get_function(FILE, KERNEL)
+def _kernel(mode: str = "lse"):
+    """The kernel of ``mode`` (lse, lse2, h, mm) on the current device and (its static shared
+    memory, the opt-in maximum), opted in as the 16-bit warp-specialised kernels are
+    (:func:`tiles.ws_smem`)."""
+    kern = kernels.get_function(FILE, f"cpn_wstile_{mode}_tf32x3")
     return kern, tiles.ws_smem(kern)
+
+
+def _launch(mode: str, parts, grid, raw: bytes) -> None:
+    """Launch ``cpn_wstile_<mode>_tf32x3`` over the split operands ``parts`` = (A_hi, A_lo,
+    B_hi, B_lo) with the packed :data:`tiles.TILE_ARGS_FORMAT` arguments ``raw``."""
+    kern, info = _kernel(mode)
+    rg = ring(*info)
+    if rg is None:
+        raise TF32TilesUnavailable(f"cpn_wstile_{mode}_tf32x3: {info[1]} bytes of shared "
+                                   f"memory per block hold fewer than {MIN_STAGES} ring stages")
+    maps = [tiles._tile_map(x) for x in parts]
+    if any(mp is None for mp in maps):
+        raise TF32TilesUnavailable(f"cpn_wstile_{mode}_tf32x3: the driver refused a tensor map")
+    args = np.frombuffer(raw, tiles.TILE_ARGS_DTYPE)
+    kern(tuple(grid), (tiles.WS_THREADS,), (*maps, args, np.int32(rg[0])), shared_mem=rg[1])
 
 
 def _check(x, name: str):
@@ -146,39 +163,169 @@ def lse_split(parts, scale: float, *, exclude_diag: bool = False, pos_shift: int
     """:func:`tile_lse_tf32x3` from operands already split: ``parts`` = (q_hi, q_lo, k_hi,
     k_lo) as :func:`split` gives them (contiguous float32, columns a multiple of 4).  The
     kernel and the finish alone (benchmarks time them apart from the split)."""
+    lse, loss, pos2, _ = _lse_square(parts, scale, exclude_diag=exclude_diag,
+                                     pos_shift=pos_shift, pos_mod=pos_mod, scale_log=scale_log,
+                                     splits=splits)
+    if not positives:
+        return lse, loss
+    # the kernel's positives are base-2 logits: natural ones in float64 (no second rounding)
+    return lse, loss, pos2.astype(np.float64) * math.log(2.0)
+
+
+def _lse_square(parts, scale: float, *, exclude_diag: bool, pos_shift: int,
+                pos_mod: Optional[int], scale_log=None, splits: Optional[int] = None):
+    """The square ``lse`` pass and :func:`_finish`: (lse, loss, pos2, ml)."""
     import cupy as cp
 
     q_hi, _, k_hi, _ = parts
     n, dp = q_hi.shape
     m = k_hi.shape[0]
-    kern, info = _kernel()
-    rg = ring(*info)
-    if rg is None:
-        raise TF32TilesUnavailable(f"tile_lse_tf32x3: {info[1]} bytes of shared memory per "
-                                   f"block hold fewer than {MIN_STAGES} ring stages")
     pos_mod = m if pos_mod is None else pos_mod
-    maps = [tiles._tile_map(x) for x in parts]
-    if any(mp is None for mp in maps):
-        raise TF32TilesUnavailable("tile_lse_tf32x3: the driver refused a tensor map")
     rt, ct = -(-n // tiles.TILE), -(-m // tiles.TILE)
     if splits is None:
         splits = tiles.grid_splits(rt, ct)
     f32 = np.dtype(np.float32)
     part = cp.empty((2, splits, n), f32)
     part_s = part.data.ptr + 4 * splits * n  # the sums' half
-    pos = cp.empty((n,), f32)
+    pos2 = cp.empty((n,), f32)
     ptr = tiles.ptr
     raw = tiles._pack_tile_args(
         q_hi.data.ptr, k_hi.data.ptr, k_hi.data.ptr, ptr(scale_log), part.data.ptr, part_s,
-        pos.data.ptr, 0, 0, 0, 0, 0, 0, 0,
+        pos2.data.ptr, 0, 0, 0, 0, 0, 0, 0,
         dp, dp, dp, n, 0, 0,
         n, 0, m, 0, dp, int(exclude_diag), pos_shift, pos_mod, 0,
         scale, 0.0)
-    args = np.frombuffer(raw, tiles.TILE_ARGS_DTYPE)
-    kern((rt, splits), (tiles.WS_THREADS,), (*maps, args, np.int32(rg[0])), shared_mem=rg[1])
-    lse = cp.empty((n,), f32)
-    loss = cp.empty((n,), f32)
-    # tiles.cu's finish (float32 partials in and out: the dtype only names the wrapper)
-    kernels.launch(tiles.FILE, "tile_finish", BFLOAT16, (-(-n // BLOCK),),
-                   (part, part_s, np.int64(n), np.int32(splits), np.int32(n), pos, lse, loss))
-    return (lse, loss, pos) if positives else (lse, loss)
+    _launch("lse", parts, (rt, splits), raw)
+    lse, loss, ml = _finish(part, splits, n, pos2)
+    return lse, loss, pos2, ml
+
+
+def _finish(part, splits: int, n: int, pos2, colp=None, half: int = 0):
+    """``cpn_tf32x3_finish`` (``_tri`` with the column partials ``colp``): the rows' partials
+    merged in base 2 to (lse, loss, ml) -- ml (n, 2) float32: each row's (M, log2 S), what
+    :func:`h_block` reads.  Returns (lse, loss, ml)."""
+    import cupy as cp
+
+    f32 = np.dtype(np.float32)
+    lse, loss = cp.empty((n,), f32), cp.empty((n,), f32)
+    ml = cp.empty((n, 2), f32)
+    grid = (-(-n // BLOCK),)
+    if colp is None:
+        kern = kernels.get_function(FILE, "cpn_tf32x3_finish")
+        kern(grid, (BLOCK,), (part, part[1], np.int64(n), np.int32(splits), np.int32(n), pos2,
+                              lse, loss, ml))
+    else:
+        kern = kernels.get_function(FILE, "cpn_tf32x3_finish_tri")
+        kern(grid, (BLOCK,), (part, part[1], np.int64(n), np.int32(splits), np.int32(n), colp,
+                              colp[1], pos2, np.int32(half), lse, loss, ml))
+    return lse, loss, ml
+
+
+def _args(a_hi, b_hi, *, rows: int, n1: int, d: int, scale: float, part=(0, 0, 0), pos_out=0,
+          colp=(0, 0), lse_row=None, lse_col=None, weights=(None, 0, 0.0), g=None, g_lo=None,
+          exclude_diag: bool = False, pos_shift: int = 0, pos_mod: int = 1,
+          tri: bool = False) -> bytes:
+    """The packed TileArgs<float> of a TF32x3 launch (B1 only; no scale_log)."""
+    ld, ptr = blas.leading_dim, tiles.ptr
+    w_arr, w_stride, w_mul = weights
+    return tiles._pack_tile_args(
+        a_hi.data.ptr, b_hi.data.ptr, b_hi.data.ptr, 0, part[0], part[1], pos_out,
+        colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), ptr(g_lo),
+        ld(a_hi), ld(b_hi), ld(b_hi), part[2], w_stride, 0 if g is None else ld(g),
+        rows, 0, n1, 0, d, int(exclude_diag), pos_shift, pos_mod, int(tri), scale, w_mul)
+
+
+def lse_symmetric(z, parts, scale: float, pos_shift: int):
+    """NT-Xent's row statistics on the TF32x3 tiles with each pair of score tiles computed once
+    (the ``lse2`` pass + ``cpn_tf32x3_finish_tri``: :func:`tiles.tile_lse_symmetric`'s
+    schedule).  ``z`` (n, d) float32 rows, ``parts`` = its :func:`split`, ``pos_shift`` = n / 2.
+    The column shifts are the positive dots z_i · z_{i + n/2} in float32 (``paired_dots``; a
+    shift only: the positives' logits for the losses are the tiles').  Returns (lse, loss, ml)
+    as :func:`_finish`."""
+    import cupy as cp
+
+    z_hi, z_lo = parts
+    n, d = z.shape
+    dp = z_hi.shape[1]
+    f32 = np.dtype(np.float32)
+    half = pos_shift
+    ct = -(-n // tiles.TILE)
+    splits = tiles.grid_splits(ct, ct // 2 + 1)
+    part = cp.empty((2, splits, n), f32)
+    colp = cp.empty((2, ct, n), f32)
+    dots = cp.empty((n,), f32)
+    pos2 = cp.full((n,), np.nan, f32)  # written for the rows whose tile held the positive
+    second = cp.ascontiguousarray(z[half:])
+    kernels.launch(tiles.ROWS_FILE, "paired_dots", f32, (-(-half * 32 // BLOCK),),
+                   (z, np.int64(blas.leading_dim(z)), second, np.int32(half), np.int32(1),
+                    np.int32(d), dots))
+    dots[half:] = dots[:half]
+    raw = _args(z_hi, z_hi, rows=n, n1=n, d=dp, scale=scale,
+                part=(part.data.ptr, part[1].data.ptr, n), colp=(colp.data.ptr, colp[1].data.ptr),
+                pos_out=pos2.data.ptr, lse_col=dots, exclude_diag=True, pos_shift=half,
+                pos_mod=n, tri=True)
+    _launch("lse2", (z_hi, z_lo, z_hi, z_lo), (ct, splits), raw)
+    return _finish(part, splits, n, pos2, colp, half)
+
+
+def h_block(parts, ml, scale: float, pos_shift: int, weights, *, tri: bool = True):
+    """NT-Xent's gradient block H = scale (W P + (W P)ᵀ - pairs) of the split rows ``parts``
+    (n, dp) as its own TF32 split: ``(H_hi, H_lo)``, (n, n) float32 views of (n, ldg) buffers
+    (ldg = n rounded up to 4).  ``ml``: the rows' (M, log2 S) from the statistics' finish
+    (:func:`_finish`).  ``tri``: each pair of tiles once, the mirror written too."""
+    import cupy as cp
+
+    z_hi, z_lo = parts
+    n, dp = z_hi.shape
+    ldg = -(-n // 4) * 4
+    f32 = np.dtype(np.float32)
+    h_hi = cp.empty((n, ldg), f32)[:, :n]
+    h_lo = cp.empty((n, ldg), f32)[:, :n]
+    ct = -(-n // tiles.TILE)
+    splits = tiles.grid_splits(ct, ct // 2 + 1 if tri else ct)
+    raw = _args(z_hi, z_hi, rows=n, n1=n, d=dp, scale=scale, lse_row=ml, lse_col=ml,
+                weights=weights, g=h_hi, g_lo=h_lo, exclude_diag=True, pos_shift=pos_shift,
+                pos_mod=n, tri=tri)
+    _launch("h", (z_hi, z_lo, z_hi, z_lo), (ct, splits), raw)
+    return h_hi, h_lo
+
+
+def mm(a_parts, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None):
+    """``out = alpha · A Bᵀ`` on the TF32x3 tiles (three TF32 products per 32-wide K step,
+    promoted to an fp32 register sum): ``a_parts`` = (A_hi, A_lo) (m, k), ``bt_parts`` =
+    (B_hi, B_lo) (c, k) -- both K-major, as TF32 wgmma wants --, ``out`` (m, c) float32 with
+    a leading dimension of even length.  Returns ``out``."""
+    a_hi, a_lo = a_parts
+    b_hi, b_lo = bt_parts
+    m, k = a_hi.shape
+    c = b_hi.shape[0]
+    rt, ct = -(-m // tiles.TILE), -(-c // tiles.TILE)
+    if splits is None:
+        splits = tiles.grid_splits(rt, ct)
+    raw = _args(a_hi, b_hi, rows=m, n1=c, d=k, scale=alpha, g=out)
+    _launch("mm", (a_hi, a_lo, b_hi, b_lo), (rt, splits), raw)
+    return out
+
+
+def nt_xent(z, scale: float, weights, *, want_grad: bool = True, symmetric: bool = True):
+    """NT-Xent's (lse, loss, dz) of the float32 rows ``z`` (2B, d) on the TF32x3 tiles: the
+    statistics (symmetric ``lse2`` or square ``lse`` pass), then H (``h``, mirrored tiles) and
+    dz = H z (``mm``, against zᵀ split).  ``weights`` as :func:`tiles.rows` takes them; dz is
+    the gradient w.r.t. ``z`` itself (before any normalisation's finish)."""
+    import cupy as cp
+
+    n, d = z.shape
+    half = n // 2
+    parts = split(z, "z")
+    if symmetric:
+        lse, loss, ml = lse_symmetric(z, parts, scale, half)
+    else:
+        lse, loss, _, ml = _lse_square(parts + parts, scale, exclude_diag=True,
+                                       pos_shift=half, pos_mod=n)
+    if not want_grad:
+        return lse, loss, None
+    h = h_block(parts, ml, scale, half, weights, tri=symmetric)
+    zt = split(cp.ascontiguousarray(z.T), "z")  # (d, n): K-major for the product
+    dz = cp.empty((n, d), np.float32)
+    mm(h, zt, dz)
+    return lse, loss, dz
