@@ -1,16 +1,27 @@
 """Float32 score tiles on Hopper's tensor cores (``kernels_src/tiles_ws_tf32.cu``, issue 24):
-a prototype, not wired into any op (the float32 ops keep cuBLAS, ``blas.float32_precision``).
+not yet wired into any op (the float32 ops keep cuBLAS, ``blas.float32_precision``).
 
 Each float32 operand is split x = hi + lo (:func:`blas.split_tf32`: hi = x rounded to TF32,
 lo = x - hi exactly) and the warp-specialised tile walk of ``tile_ws.cuh`` computes
 S = lo_a·hi_b + hi_a·lo_b + hi_a·hi_b with TF32 wgmma, adding each 32-wide K step's chunk to
 an fp32 register sum with round-to-nearest adds: Hopper's tensor cores truncate when they
 accumulate, which makes cuBLAS's 3xTF32 (one long accumulation) 3-13x less accurate than
-fp32; the promoted chunks are not (docs/notes.md, issue 24).  The LSE epilogue, its outputs
-and the finishing kernel are the 16-bit tiles' (``tiles.tile_lse``).
+fp32; the promoted chunks are not (docs/notes.md, issue 24).
 
-Prototype limits: LSE only (no gradient block, no LSE2 / CLIP / SigLIP), no second column
-matrix (InfoNCE's per-query negatives), no A-resident ring, sm_90a only.
+What runs: :func:`tile_lse_tf32x3` / :func:`lse_split` (the square LSE pass), and NT-Xent's
+whole float32 step, :func:`nt_xent` -- :func:`lse_symmetric` (each pair of score tiles once),
+:func:`h_block` (H = G + Gᵀ written as its own split H_hi + H_lo) and :func:`mm` (dz = H z on
+the same promoted product tiles, against zᵀ split).  Accuracy choices, float32 only (the
+16-bit kernels' code is unchanged, their outputs bit for bit): logits in base 2 through
+s·log2(e) held in two floats; the rows' partials kept in base 2 and merged by
+``cpn_tf32x3_finish[_tri]`` into each row's (M, log2 S) pair, which H reads so that
+t - lse = (t - M) - log2 S and P - 1 at the positive comes from expm1 (the float32 gradient
+is a difference of nearly equal terms: that, not the products, sets its error); the losses
+from the tiles' own base-2 positive logits.  Measured (H100, N = 16384, D = 512, t = 0.07):
+dz 7.2e-6 and lse 1.4e-7 relative against float64, cuBLAS fp32's path 1.7e-5 / 3.0e-7.
+
+Limits: B1 only (no shared negatives, no per-query ones), no A-resident ring, sm_90a only; the
+symmetric H needs the whole (n, n) split block (8 n² bytes: 2 GiB at n = 16384, no row blocks).
 """
 from __future__ import annotations
 
@@ -117,13 +128,14 @@ def tile_lse_tf32x3(q, k, scale: float, *, neg_s=None, exclude_diag: bool = Fals
     splits : int, optional
         Column splits of the grid (default :func:`tiles.grid_splits`; for tests).
     positives : bool
-        Also return the positive logits ``L_{i, p(i)}`` the kernel wrote (its products,
-        rounded once to float32: what the tests measure the products' accuracy on).
+        Also return the positive logits ``L_{i, p(i)}`` the kernel wrote (its products in
+        base 2, rounded once to float32, times ln 2 in float64: what the tests measure the
+        products' accuracy on).
 
     Returns
     -------
     lse, loss : cupy.ndarray, (n,) float32
-    pos : cupy.ndarray, (n,) float32, with ``positives`` (rows whose p(i) is not a column of
+    pos : cupy.ndarray, (n,) float64, with ``positives`` (rows whose p(i) is not a column of
         ``k`` hold garbage, as their loss does)
 
     Notes
