@@ -30,11 +30,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import blas, kernels, tiles, tma
+from . import blas, blocks, kernels, tiles, tma
 from .kernels import BLOCK
 
 FILE = "tiles_ws_tf32.cu"
-KERNEL = "cpn_wstile_lse_tf32x3"
 #: K elements per ring stage (WS_TF32_KSTEP: one 128-byte swizzled row of float32) and the
 #: stage: four 128 x 32 float32 boxes, A_hi | A_lo | B_hi | B_lo
 KSTEP = 32
@@ -198,15 +197,10 @@ def _lse_square(parts, scale: float, *, exclude_diag: bool, pos_shift: int,
         splits = tiles.grid_splits(rt, ct)
     f32 = np.dtype(np.float32)
     part = cp.empty((2, splits, n), f32)
-    part_s = part.data.ptr + 4 * splits * n  # the sums' half
     pos2 = cp.empty((n,), f32)
-    ptr = tiles.ptr
-    raw = tiles._pack_tile_args(
-        q_hi.data.ptr, k_hi.data.ptr, k_hi.data.ptr, ptr(scale_log), part.data.ptr, part_s,
-        pos2.data.ptr, 0, 0, 0, 0, 0, 0, 0,
-        dp, dp, dp, n, 0, 0,
-        n, 0, m, 0, dp, int(exclude_diag), pos_shift, pos_mod, 0,
-        scale, 0.0)
+    raw = _args(q_hi, k_hi, rows=n, n1=m, d=dp, scale=scale, scale_log=scale_log,
+                part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos2.data.ptr,
+                exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod)
     _launch("lse", parts, (rt, splits), raw)
     lse, loss, ml = _finish(part, splits, n, pos2)
     return lse, loss, pos2, ml
@@ -233,15 +227,15 @@ def _finish(part, splits: int, n: int, pos2, colp=None, half: int = 0):
     return lse, loss, ml
 
 
-def _args(a_hi, b_hi, *, rows: int, n1: int, d: int, scale: float, part=(0, 0, 0), pos_out=0,
-          colp=(0, 0), lse_row=None, lse_col=None, weights=(None, 0, 0.0), g=None, g_lo=None,
-          exclude_diag: bool = False, pos_shift: int = 0, pos_mod: int = 1,
-          tri: bool = False) -> bytes:
-    """The packed TileArgs<float> of a TF32x3 launch (B1 only; no scale_log)."""
+def _args(a_hi, b_hi, *, rows: int, n1: int, d: int, scale: float, scale_log=None,
+          part=(0, 0, 0), pos_out=0, colp=(0, 0), lse_row=None, lse_col=None,
+          weights=(None, 0, 0.0), g=None, g_lo=None, exclude_diag: bool = False,
+          pos_shift: int = 0, pos_mod: int = 1, tri: bool = False) -> bytes:
+    """The packed TileArgs<float> of a TF32x3 launch (B1 only: B2 is B1's map)."""
     ld, ptr = blas.leading_dim, tiles.ptr
     w_arr, w_stride, w_mul = weights
     return tiles._pack_tile_args(
-        a_hi.data.ptr, b_hi.data.ptr, b_hi.data.ptr, 0, part[0], part[1], pos_out,
+        a_hi.data.ptr, b_hi.data.ptr, b_hi.data.ptr, ptr(scale_log), part[0], part[1], pos_out,
         colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), ptr(g_lo),
         ld(a_hi), ld(b_hi), ld(b_hi), part[2], w_stride, 0 if g is None else ld(g),
         rows, 0, n1, 0, d, int(exclude_diag), pos_shift, pos_mod, int(tri), scale, w_mul)
@@ -257,7 +251,7 @@ def lse_symmetric(z, parts, scale: float, pos_shift: int):
     import cupy as cp
 
     z_hi, z_lo = parts
-    n, d = z.shape
+    n = z.shape[0]
     dp = z_hi.shape[1]
     f32 = np.dtype(np.float32)
     half = pos_shift
@@ -265,13 +259,9 @@ def lse_symmetric(z, parts, scale: float, pos_shift: int):
     splits = tiles.grid_splits(ct, ct // 2 + 1)
     part = cp.empty((2, splits, n), f32)
     colp = cp.empty((2, ct, n), f32)
-    dots = cp.empty((n,), f32)
+    pd = blocks.pair_dots(z[:half], z[half:])  # dots[i] = dots[i + half] = z_i . z_{i + half}
+    dots = cp.concatenate((pd, pd))
     pos2 = cp.full((n,), np.nan, f32)  # written for the rows whose tile held the positive
-    second = cp.ascontiguousarray(z[half:])
-    kernels.launch(tiles.ROWS_FILE, "paired_dots", f32, (-(-half * 32 // BLOCK),),
-                   (z, np.int64(blas.leading_dim(z)), second, np.int32(half), np.int32(1),
-                    np.int32(d), dots))
-    dots[half:] = dots[:half]
     raw = _args(z_hi, z_hi, rows=n, n1=n, d=dp, scale=scale,
                 part=(part.data.ptr, part[1].data.ptr, n), colp=(colp.data.ptr, colp[1].data.ptr),
                 pos_out=pos2.data.ptr, lse_col=dots, exclude_diag=True, pos_shift=half,
