@@ -4,6 +4,7 @@ Run from the repository root::
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_contrastive.py --out results.json
     python benchmarks/bench_contrastive.py --quick            # N in {8192, 16384}, D = 512
+    python benchmarks/bench_contrastive.py --dtypes float32 --precisions fp32,tf32,3xtf32,auto
 
 What is measured, per case (op, N, D, dtype), ordered from small to large
 --------------------------------------------------------------------------
@@ -20,7 +21,12 @@ products 3 (S, G K, Gᵀ Q).
 Every implementation computes the mean loss *and* the gradients of all inputs:
 
 ``cupynce``
-    ``loss, ctx = op_forward(...); grads = op_backward(ctx, 1.0)`` on CuPy arrays.
+    ``loss, ctx = op_forward(...); grads = op_backward(ctx, 1.0)`` on CuPy arrays.  float32
+    cases run once per ``--precisions`` mode (``precision=`` of every ``*_forward``, from
+    ``cupynce._engine.blas.FLOAT32_PRECISIONS``: fp32, tf32, 3xtf32, auto; default auto
+    alone); the first listed is the ``cupynce`` column of the per-op tables, every one is
+    recorded as ``cupynce_<p>`` and listed in the "float32 precisions" table.  Other dtypes
+    run once, without a precision argument.
 ``eager``
     The usual PyTorch formula, on torch tensors holding the same bits (DLPack, cloned):
     NT-Xent ``F.cross_entropy((z @ z.T).masked_fill(eye, -inf) / t, labels)`` (the eye mask
@@ -58,11 +64,17 @@ after a device synchronisation; median and p20/p80 of ``repeat`` runs after ``wa
 memory above the inputs from CuPy's pool hook + torch's allocator statistics).  Repeats:
 10 (warm-up 3) for N < 32768, 5 (warm-up 2) above.  Correctness is checked once per case:
 the relative difference of cupynce's loss and gradients against eager's (else compile's).
+float32 cases also get errors against a float64 oracle (``--errors``, the default;
+``--no-errors`` to skip): the eager formula on float64 copies of the inputs, run once per
+case, against which every precision's loss and gradients are compared (relative errors,
+``check["float64_<p>"]``).  Its footprint is estimated as 6 float64 N x N matrices
+(48·N² bytes); above the free device memory it is skipped (``float64_reference``), as it is
+without torch.  torch is imported for it even when no torch column is asked for.
 
 Output: a markdown table per op, and every measurement plus ``device_info()`` as JSON
 (``--out``, rewritten after every case so that an interrupted run keeps what it measured).
-torch is imported only when an eager/compile column is asked for; without it the script
-still measures cupynce and the cuBLAS products.
+torch is imported only when an eager/compile column or the float64 oracle is asked for;
+without it the script still measures cupynce and the cuBLAS products.
 """
 from __future__ import annotations
 
@@ -86,6 +98,8 @@ from cupynce.report.harness import (  # noqa: E402
     device_header, device_info, fmt_mib, fmt_ms, fmt_ratio, free_device_bytes, free_memory,
     is_oom, load_torch, markdown_table, run_case, to_torch, torch_reference, torch_step,
 )
+
+from cupynce._engine.blas import FLOAT32_PRECISIONS  # noqa: E402
 
 OPS = ("nt_xent", "clip_loss", "siglip_loss")
 #: also measurable (--ops): InfoNCE with in-batch negatives, query / key = the two views
@@ -171,30 +185,33 @@ def make_inputs(op: str, n: int, d: int, dtype: np.dtype, seed: int = SEED) -> T
 # ------------------------------------------------------------------------------------------
 # implementations
 # ------------------------------------------------------------------------------------------
-def cupynce_step(op: str, inputs: Tuple[Any, ...]) -> Callable[[], Any]:
+def cupynce_step(op: str, inputs: Tuple[Any, ...],
+                 precision: Optional[str] = None) -> Callable[[], Any]:
+    """``step() -> (loss, grads)``; ``precision`` (float32 mode) is passed only when given."""
     import cupynce
 
+    kw: Dict[str, Any] = {} if precision is None else {"precision": precision}
     if op == "nt_xent":
         (z,) = inputs
 
         def step():
-            loss, ctx = cupynce.nt_xent_forward(z, NT_XENT_TEMPERATURE)
+            loss, ctx = cupynce.nt_xent_forward(z, NT_XENT_TEMPERATURE, **kw)
             return loss, (cupynce.nt_xent_backward(ctx, 1.0),)
     elif op == "info_nce":
         q, k = inputs
 
         def step():
-            loss, ctx = cupynce.info_nce_forward(q, k, NT_XENT_TEMPERATURE)
+            loss, ctx = cupynce.info_nce_forward(q, k, NT_XENT_TEMPERATURE, **kw)
             return loss, cupynce.info_nce_backward(ctx, 1.0)[:2]
     elif op == "siglip_loss":
         def step():
-            loss, ctx = cupynce.siglip_loss_forward(*inputs)
+            loss, ctx = cupynce.siglip_loss_forward(*inputs, **kw)
             return loss, cupynce.siglip_loss_backward(ctx, 1.0)
     else:
         a, b, ls = inputs
 
         def step():
-            loss, ctx = cupynce.clip_loss_forward(a, b, ls)
+            loss, ctx = cupynce.clip_loss_forward(a, b, ls, **kw)
             return loss, cupynce.clip_loss_backward(ctx, 1.0)
     return step
 
@@ -312,6 +329,43 @@ def check_against(torch, ours: Any, theirs: Any) -> Dict[str, Any]:
             "grad_rel_diff": grads, "grad_rel_diff_max": max(grads) if grads else None}
 
 
+#: The float64 oracle (the PyTorch formula on float64 copies) keeps about 6 float64 N x N
+#: matrices alive: this many bytes per score; skipped when that exceeds free memory.
+F64_NN_BYTES = 48
+
+
+def float64_errors(torch, op: str, n: int, inputs: Tuple[Any, ...], kept: Dict[str, Any],
+                   rec: Dict[str, Any]) -> None:
+    """Relative errors of each precision's kept (loss, grads) against the float64 formula,
+    into ``rec["check"]["float64_<p>"]`` (one reference per case)."""
+    free_memory()
+    est = F64_NN_BYTES * n * n
+    free = free_device_bytes()
+    if est > free:
+        rec["float64_reference"] = {"skipped": "would not fit", "estimate_bytes": est,
+                                    "free_bytes": free}
+        print(f"  error vs float64: skipped (~{est / 2**30:.0f} GiB > {free / 2**30:.0f} GiB "
+              f"free)", flush=True)
+        return
+
+    def reference() -> Any:
+        leaves = [to_torch(torch, x).double().clone().requires_grad_(True) for x in inputs]
+        return torch_step(torch, torch_reference(torch, op, NT_XENT_TEMPERATURE), leaves)()
+    theirs, fail = _guard("float64 reference", reference)
+    if fail is not None:
+        rec["float64_reference"] = fail
+        print(_line("float64 reference", fail), flush=True)
+        return
+    for p, ours in kept.items():
+        chk, fail = _guard("check", lambda o=ours, t=theirs: check_against(torch, o, t))
+        rec["check"][f"float64_{p}"] = chk if fail is None else fail
+        if fail is None:
+            print(f"  error vs float64 [{p}]: loss {chk['loss_rel_diff']:.2e}, grads max "
+                  f"{chk['grad_rel_diff_max']:.2e}", flush=True)
+    del theirs
+    free_memory()
+
+
 def _line(name: str, r: Dict[str, Any]) -> str:
     if r.get("oom"):
         return f"  {name:<16} OOM ({r.get('stage')})"
@@ -345,13 +399,27 @@ def run_one(op: str, n: int, d: int, dtype_name: str, args: argparse.Namespace,
         print(f"  inputs: {fail}", flush=True)
         return rec
 
-    ours = None
+    ours = None  # the (first) cupynce run's (loss, grads), for the checks vs eager / compile
     if "cupynce" in args.impls:
-        r = run_case(cupynce_step(op, inputs), warmup=warmup, repeat=repeat, keep_result=True,
-                     catch_errors=True)
-        ours = r.pop("result", None)
-        rec["cupynce"] = r
-        print(_line("cupynce", r), flush=True)
+        f32 = np.dtype(dtype) == np.float32
+        kept: Dict[str, Any] = {}  # precision -> (loss, grads), until the float64 check
+        for p in (args.precisions if f32 else [None]):
+            r = run_case(cupynce_step(op, inputs, p), warmup=warmup, repeat=repeat,
+                         keep_result=True, catch_errors=True)
+            res = r.pop("result", None)
+            if "cupynce" not in rec:  # the first precision feeds the per-op table
+                rec["cupynce"], ours = r, res
+            if p is None:
+                print(_line("cupynce", r), flush=True)
+                continue
+            rec[f"cupynce_{p}"] = r
+            print(_line(f"cupynce {p}", r), flush=True)
+            if res is not None:
+                kept[p] = res
+            del res
+        if kept and args.errors and torch is not None:
+            float64_errors(torch, op, n, inputs, kept, rec)
+        del kept
 
     if "cublas" in args.impls:
         built, fail = _guard("buffers", lambda: cublas_products_step(op, inputs))
@@ -420,7 +488,7 @@ def run_one(op: str, n: int, d: int, dtype_name: str, args: argparse.Namespace,
             rec[impl] = r
             print(_line(impl, r), flush=True)
             if ours is not None and theirs is not None:
-                chk, fail = _guard("check", lambda: check_against(torch, ours, theirs))
+                chk, fail = _guard("check", lambda o=ours, t=theirs: check_against(torch, o, t))
                 rec["check"][impl] = chk if fail is None else fail
                 if fail is None:
                     print(f"  check vs {impl:<8} loss {chk['cupynce_loss']:.6g} vs "
@@ -524,6 +592,44 @@ LEGEND = (
     "error: see the JSON.")
 
 
+PRECISION_HEADERS = ["op", "N", "D", "precision", "cupynce ms", "MiB", "loss err",
+                     "grad err (max)", "vs eager", "vs compile"]
+
+
+def _err_cell(chk: Optional[Dict[str, Any]], key: str) -> str:
+    x = chk.get(key) if chk else None
+    return "—" if x is None else f"{x:.1e}"
+
+
+def precision_table(results: Sequence[Dict[str, Any]], ops: Sequence[str],
+                    precisions: Sequence[str]) -> Optional[str]:
+    """One row per float32 case and precision; None when no float32 case ran any."""
+    rows = []
+    for rec in sorted((r for r in results if r.get("dtype") == "float32" and r["op"] in ops),
+                      key=lambda r: (list(ops).index(r["op"]), r["n"], r["d"])):
+        for p in precisions:
+            r = rec.get(f"cupynce_{p}")
+            if r is None:
+                continue
+            chk = rec.get("check", {}).get(f"float64_{p}")
+            rows.append([rec["op"], rec["n"], rec["d"], p, _ms_cell(r), _mib_cell(r),
+                         _err_cell(chk, "loss_rel_diff"), _err_cell(chk, "grad_rel_diff_max"),
+                         fmt_ratio(_ratio(rec.get("eager"), r)),
+                         fmt_ratio(_ratio(rec.get("compile"), r))])
+    if not rows:
+        return None
+    return markdown_table(PRECISION_HEADERS, rows, align="lrrl" + "r" * 6)
+
+
+PRECISION_LEGEND = (
+    "float32 precisions: cupynce per --precisions mode (fp32: true-fp32 products; tf32: TF32 "
+    "tensor cores; 3xtf32: three TF32 products on a hi/lo split; auto: the library default); "
+    "loss err / grad err: relative error (|Δ| / |ref|, grads: Frobenius norm, max over inputs) "
+    "against the same PyTorch formula in float64 (—: not computed, e.g. its ~48·N² bytes "
+    "exceeded free memory); vs eager / vs compile = float32 PyTorch ms / this ms; the per-op "
+    "tables show the first listed precision.")
+
+
 def save(path: Optional[str], doc: Dict[str, Any]) -> None:
     if not path:
         return
@@ -564,6 +670,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--dims", type=_csv(int), default=None, help="D values")
     ap.add_argument("--impls", type=_csv(str, IMPLS), default=list(IMPLS),
                     help="which columns to measure (drop 'compile' to save compile time)")
+    ap.add_argument("--precisions", type=_csv(str, FLOAT32_PRECISIONS), default=["auto"],
+                    help="float32 cases: run cupynce once per mode (precision=), from "
+                         f"{list(FLOAT32_PRECISIONS)}; the first feeds the per-op tables")
+    ap.add_argument("--errors", action=argparse.BooleanOptionalAction, default=True,
+                    help="float32 cases: relative errors of each precision against the PyTorch "
+                         "formula in float64 (needs torch; skipped when ~48 N^2 bytes exceed "
+                         "free device memory)")
     ap.add_argument("--warmup", type=int, default=None, help="override the warm-up count")
     ap.add_argument("--repeat", type=int, default=None, help="override the repeat count")
     ap.add_argument("--out", default="bench_contrastive.json",
@@ -599,7 +712,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import cupy  # noqa: F401 - fail early and clearly without CuPy
     import cupynce  # noqa: F401
 
-    torch = load_torch() if {"eager", "amp", "compile", "memeff"} & set(args.impls) else None
+    f64_oracle = args.errors and "float32" in args.dtypes and "cupynce" in args.impls
+    torch = (load_torch() if f64_oracle or {"eager", "amp", "compile", "memeff"} & set(args.impls)
+             else None)
     info = device_info()
     print(f"# cupynce contrastive benchmark\n\n{device_header(info)}\n", flush=True)
     todo = cases(args)
@@ -610,7 +725,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "big": args.big, "nt_xent_temperature": NT_XENT_TEMPERATURE,
                      "clip_logit_scale": CLIP_LOGIT_SCALE, "seed": SEED,
                      "eager_nn_copies": EAGER_NN_COPIES, "compile_nn_copies": COMPILE_NN_COPIES,
-                     "amp_nn_bytes": AMP_NN_BYTES,
+                     "amp_nn_bytes": AMP_NN_BYTES, "precisions": args.precisions,
+                     "errors": args.errors, "f64_nn_bytes": F64_NN_BYTES,
                      "torch": torch is not None},
         "results": [],
     }
@@ -635,6 +751,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for op in args.ops:
         print(f"## {op}\n\n{table(doc['results'], op)}\n")
     print(LEGEND)
+    ptable = precision_table(doc["results"], args.ops, args.precisions)
+    if ptable is not None:
+        print(f"\n## float32 precisions\n\n{ptable}\n\n{PRECISION_LEGEND}")
     if args.out:
         print(f"\nJSON: {args.out}")
     print(f"total {time.perf_counter() - t_start:.0f} s", flush=True)

@@ -1,6 +1,7 @@
 """NT-Xent in float32 on the TF32x3 tiles (issue 24, ``tiles_tf32.nt_xent``: the lse2 / lse
-pass, the H block split hi + lo, dz = H z on the promoted TF32x3 product tiles) against
-cupynce's float32 paths (``precision`` "fp32" / "tf32" / "3xtf32", cuBLAS) and PyTorch eager:
+pass, the float32 H block, dz = H z on the promoted TF32x3 product tiles, A split in shared
+memory) against the op under each float32 ``precision`` ("auto" = these tiles through the op;
+"fp32" / "tf32" through the cuBLAS row blocks) and PyTorch eager:
 time of forward + backward and the errors of lse and dz against a float64 reference.
 
     python benchmarks/bench_tf32_nt_xent.py [--n 8192,16384] [--d 512] [--repeat 10]
@@ -96,7 +97,8 @@ def main(argv=None):
 
         cases = [("tf32x3 tiles, symmetric", tiles_call(True)),
                  ("tf32x3 tiles, square lse", tiles_call(False))]
-        cases += [(f"cuBLAS {pr}", core_call(pr)) for pr in ("fp32", "tf32", "3xtf32")]
+        cases += [("op, precision auto (tiles)", core_call("auto"))]
+        cases += [(f"op, cuBLAS {pr}", core_call(pr)) for pr in ("fp32", "tf32")]
         for name, f in cases:
             lse, _, dz = f()
             e_l, e_d = _rel(cp, lse, ref_lse), _rel(cp, dz, ref_dz)
@@ -111,14 +113,15 @@ def main(argv=None):
         parts = tiles_tf32.split(z)
         _, _, ml = tiles_tf32.lse_symmetric(z, parts, 1 / T, n // 2)
         h = tiles_tf32.h_block(parts, ml, 1 / T, n // 2, w)
+        hb = cp.empty((n, -(-n // 4) * 4), cp.float32)
         zt = tiles_tf32.split(cp.ascontiguousarray(z.T))
         dz = cp.empty_like(z)
         passes = [("split z and zᵀ", lambda: (tiles_tf32.split(z),
                                             tiles_tf32.split(cp.ascontiguousarray(z.T)))),
                   ("lse2 (symmetric) + finish", lambda: tiles_tf32.lse_symmetric(z, parts, 1 / T,
                                                                                 n // 2)),
-                  ("h (mirrored, hi + lo)", lambda: tiles_tf32.h_block(parts, ml, 1 / T,
-                                                                      n // 2, w)),
+                  ("h (mirrored, float32)", lambda: tiles_tf32.h_block(parts, ml, 1 / T,
+                                                                      n // 2, w, out=hb)),
                   ("mm dz = H z", lambda: tiles_tf32.mm(h, zt, dz))]
         tflop = 2 * n * n * args.d / 1e12
         print(f"\nN={n} D={args.d} float32, t = {T}, forward + backward "

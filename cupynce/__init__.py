@@ -11,7 +11,9 @@ path; ``cupynce.torch`` wraps them for PyTorch):
 Each has ``*_forward`` (loss and a context) and ``*_backward(ctx, grad_loss)`` (gradients);
 ``*_backward_from_stats`` rebuilds the gradients from the inputs and the O(N) ``ctx.stats``.
 
-float32 products on the GPU run in "fp32" (the default), "tf32" or "3xtf32": per call with
+float32 products on the GPU run in "auto" (the default: float32 accuracy, NT-Xent on Hopper's
+tensor cores through TF32x3 tiles, everything else true fp32), "fp32", "tf32" or "3xtf32": per
+call with
 ``precision=`` (every entry point; kept in the context for the backward), or for every call
 without one with :func:`set_float32_precision` (:func:`get_float32_precision`; env
 ``CUPYNCE_FLOAT32``).  Other dtypes and the NumPy path ignore it.

@@ -190,8 +190,8 @@ def check_reduction(op: str, reduction: Any) -> str:
 def check_precision(op: str, precision: Any, *, allow_none: bool = True,
                     none_means: str = "the global default, cupynce.get_float32_precision()"
                     ) -> str:
-    """An entry point's ``precision=`` (its float32 products): "fp32" | "tf32" | "3xtf32", or
-    None for the global default (:func:`cupynce.get_float32_precision`, read now).
+    """An entry point's ``precision=`` (its float32 products): "fp32" | "tf32" | "3xtf32" |
+    "auto", or None for the global default (:func:`cupynce.get_float32_precision`, read now).
 
     Returns the resolved mode, which the entry point runs its engine work under
     (``blas.float32_precision``) and keeps in its Context for the backward.  ``none_means``:

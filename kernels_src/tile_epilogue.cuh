@@ -237,7 +237,6 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
     const int cbase = L::col_base(warp), cg = L::col_group(warp);
     const int gq = lane >> 2, cq = lane & 3;
     T* const g = ep.g;
-    float* const glo = ep.dsp_part;  // float32 G / H: the split block's lo half (TF32x3 tiles)
     float* const pos_out = ep.pos_out;
     float* const colp_m = ep.colp_m;
     float* const colp_s = ep.colp_s;
@@ -649,21 +648,11 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                         } else if (MODE == MODE_SIGLIP && !g) {
                             // (the loss alone: no gradient block)
                         } else if (sizeof(T) == 4) {
-                            // float32 (the TF32x3 tiles): the block split x = hi + lo
-                            // (split_tf32) for the TF32x3 products that read it, hi into g,
-                            // lo into glo (the same leading dimension)
-                            float hv[2], lv[2];
-                            split_tf32(val[0], hv[0], lv[0]);
-                            split_tf32(val[1], hv[1], lv[1]);
+                            // float32 (the TF32x3 tiles): the block as it is; the product
+                            // that reads it splits it (tiles_ws_tf32.cu's MM)
                             float* const gh = (float*)grow_ptr + col;
-                            float* const gl = glo + (i64)(grow - row0) * ldg + col;
-                            if (!C || col + 1 < nlim) {
-                                *(float2*)gh = make_float2(hv[0], hv[1]);
-                                *(float2*)gl = make_float2(lv[0], lv[1]);
-                            } else if (col < nlim) {
-                                gh[0] = hv[0];
-                                gl[0] = lv[0];
-                            }
+                            if (!C || col + 1 < nlim) *(float2*)gh = make_float2(val[0], val[1]);
+                            else if (col < nlim) gh[0] = val[0];
                         } else if (!C || col + 1 < nlim) {
                             *(unsigned*)(grow_ptr + col) = Pack2<T>::round(val[0], val[1]);
                         } else if (col < nlim) {
@@ -677,14 +666,8 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                             for (int e = 0; e < 2; ++e)
                                 if (!C || col + e < nlim) {
                                     const i64 o = (i64)(col + e) * ldg + grow;
-                                    if (sizeof(T) == 4) {
-                                        float hv, lv;
-                                        split_tf32(val[e], hv, lv);
-                                        ((float*)g)[o] = hv;
-                                        glo[o] = lv;
-                                    } else {
-                                        g[o] = Conv<T>::store(val[e]);
-                                    }
+                                    if (sizeof(T) == 4) ((float*)g)[o] = val[e];
+                                    else g[o] = Conv<T>::store(val[e]);
                                 }
                         }
                     }

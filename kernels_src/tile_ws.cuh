@@ -83,6 +83,8 @@ template <typename T> struct WsOps16 {
     static __device__ __forceinline__ unsigned stage_bytes(bool ar) {
         return ar ? WS_B_BYTES : WS_A_BYTES + WS_B_BYTES;
     }
+    // the bytes the TMA writes into a stage (all of it)
+    static __device__ __forceinline__ unsigned tx_bytes(bool ar) { return stage_bytes(ar); }
     __device__ __forceinline__ BSrc b_src(bool first) const { return first ? tb1 : tb2; }
     // A box kt of the CTA's rows (A resident)
     __device__ __forceinline__ void load_a(unsigned dst, int kt, int m0, unsigned bar) const {
@@ -170,7 +172,8 @@ __device__ __forceinline__ void ws_mm_store(const TileArgs<T>& p, const float (&
 // One CTA.  ring: ST (stages, <= WS_MAX_STAGES) | AR << 8; the dynamic shared memory is
 // 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x stage + SOUT ? 32 KiB : 0, the SOUT staging
 // last (SIGLIP without g, the loss alone, never touches it: not reserved); a stage is
-// Ops::stage_bytes(AR) (16-bit: AR ? 16 : 32 KiB), KT = ceil(d / Ops::KSTEP).
+// Ops::stage_bytes(AR) (16-bit: AR ? 16 : 32 KiB; the TMA fills Ops::tx_bytes(AR) of it),
+// KT = ceil(d / Ops::KSTEP).
 template <typename T, int MODE, bool PP, typename Ops>
 __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& p, int ring) {
     typedef WsLayout L;
@@ -236,7 +239,7 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
                 for (int kt = 0; kt < KT; ++kt) {
                     mbar_wait(empty0 + 8 * s, ph ^ 1);  // use u - 1 released (u = 0: passes)
                     const unsigned a = rbase + s * SB;
-                    mbar_expect_tx(fullc + 8 * s, SB);
+                    mbar_expect_tx(fullc + 8 * s, Ops::tx_bytes(AR));
                     ops.load_stage(a, AR, kt, m0, tb, brow, fullc + 8 * s);
                     if (++s == ST) { s = 0; ph ^= 1; }
                 }

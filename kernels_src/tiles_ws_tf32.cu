@@ -46,42 +46,79 @@ template <> struct Pack2<float> {
 };
 
 // The split float32 operands (tile_ws.cuh's operand policy): a stage holds the four boxes of
-// one 32-wide K step, A_hi | A_lo | B_hi | B_lo (64 KiB); B1 only, no A-resident ring.
-struct WsOpsTf32x3 {
+// one 32-wide K step, A_hi | A_lo | B_hi | B_lo (64 KiB).  SPLIT_A (MM, whose A is the float32
+// block H wrote once): the TMA loads A into A_hi's box and the consumer splits it there, hi
+// in place and lo into A_lo's box (the boxes' swizzle is position-wise, so the split is
+// too), one stage ahead of its MMAs: A crosses DRAM once, not as hi + lo.  B1 only, no
+// A-resident ring.
+template <bool SPLIT_A> struct WsOpsTf32x3 {
     enum { KSTEP = WS_TF32_KSTEP, AR_OK = 0 };
     typedef int BSrc;  // (B1 always)
     const TmaMap *ahi, *alo, *bhi, *blo;
     static __device__ __forceinline__ unsigned stage_bytes(bool) { return 4 * WS_TF32_BOX; }
+    static __device__ __forceinline__ unsigned tx_bytes(bool) {
+        return (SPLIT_A ? 3 : 4) * WS_TF32_BOX;
+    }
     __device__ __forceinline__ BSrc b_src(bool) const { return 0; }
     __device__ __forceinline__ void load_a(unsigned, int, int, unsigned) const {}  // (AR_OK = 0)
     __device__ __forceinline__ void load_stage(unsigned a, bool, int kt, int m0, BSrc, int brow,
                                                unsigned bar) const {
         const int k = kt * KSTEP;
         tma_load(a, ahi, k, m0, bar);
-        tma_load(a + WS_TF32_BOX, alo, k, m0, bar);
+        if (!SPLIT_A) tma_load(a + WS_TF32_BOX, alo, k, m0, bar);
         tma_load(a + 2 * WS_TF32_BOX, bhi, k, brow, bar);
         tma_load(a + 3 * WS_TF32_BOX, blo, k, brow, bar);
+    }
+    // SPLIT_A: the A box of the stage at `a` split, x = hi + lo (split_tf32), by the
+    // consumer's 128 threads (16-byte chunks, conflict-free), made visible to the tensor
+    // cores' async proxy and waited for by the whole warpgroup.
+    static __device__ __forceinline__ void split_a(unsigned a, int c, int lt) {
+#pragma unroll
+        for (int u = 0; u < WS_TF32_BOX / (16 * 128); ++u) {
+            const unsigned o = a + (unsigned)(u * 128 + lt) * 16u;
+            float x[4], h[4], l[4];
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(o) : "memory");
+#pragma unroll
+            for (int e = 0; e < 4; ++e) split_tf32(x[e], h[e], l[e]);
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                         :: "r"(o), "f"(h[0]), "f"(h[1]), "f"(h[2]), "f"(h[3]) : "memory");
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                         :: "r"(o + WS_TF32_BOX), "f"(l[0]), "f"(l[1]), "f"(l[2]), "f"(l[3])
+                         : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        wg_bar(c);
     }
     // The tile (see tile_ws.cuh's WsOps16::mma_tile): per stage and per 64-row half h, 12
     // wgmma m64n128k8 into the chunk accumulator ch (scale-d = 0 on the first), commit, wait,
     // then acc[h] += ch.  One chunk of 64 registers: the main accumulator takes 128 of the
     // consumer's 240, so the two halves' chunks (128 more) would not fit; the tensor cores
     // idle while a consumer waits for its chunk and adds it (the other consumer is in its
-    // epilogue then, or waiting for the ring).  The stage is released once its second half
-    // has been read.
+    // epilogue then, or waiting for the ring).  SPLIT_A: the next stage is waited for and
+    // split while the first half's MMAs run (the tile's first stage before them).  The stage
+    // is released once its second half has been read.
     template <typename Issued>
     __device__ __forceinline__ void mma_tile(float (&acc)[2][16][4], const WsRing& r, int KT,
                                              int& s, unsigned& fph, Issued issued) const {
         float ch[64];
+        const int c = (int)(threadIdx.x >> 7), lt = (int)(threadIdx.x & 127);
+        auto wait_full = [&](int st) {
+            mbar_wait(r.fullc + 8 * st, (fph >> st) & 1u);
+            fph ^= 1u << st;
+        };
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
             for (int j = 0; j < 16; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+        if (SPLIT_A) {
+            wait_full(s);
+            split_a(r.rbase + s * r.SB, c, lt);
+        }
         for (int kt = 0; kt < KT; ++kt) {
-            mbar_wait(r.fullc + 8 * s, (fph >> s) & 1u);
-            fph ^= 1u << s;
+            if (!SPLIT_A) wait_full(s);
             const unsigned a = r.rbase + s * r.SB;
             const unsigned long long dbh = wg_desc(a + 2 * WS_TF32_BOX),
                                      dbl = wg_desc(a + 3 * WS_TF32_BOX);
@@ -101,6 +138,11 @@ struct WsOpsTf32x3 {
                 for (int kk = 0; kk < 4; ++kk) WgmmaTf32::run(ch, dah + 2 * kk, dbh + 2 * kk, 1);
                 wg_commit();
                 if (h == 1 && kt == KT - 1) issued();
+                if (SPLIT_A && h == 0 && kt + 1 < KT) {  // (stage s + 1: not read by these)
+                    const int s1 = s + 1 == r.ST ? 0 : s + 1;
+                    wait_full(s1);
+                    split_a(r.rbase + s1 * r.SB, c, lt);
+                }
                 wg_wait0();
 #pragma unroll
                 for (int q = 0; q < 64; ++q) fence_operand(ch[q]);
@@ -118,7 +160,7 @@ template <int MODE>
 __device__ __forceinline__ void tile_ws_tf32x3(const TmaMap& ahi, const TmaMap& alo,
                                                const TmaMap& bhi, const TmaMap& blo,
                                                const TileArgs<float>& p, int ring) {
-    WsOpsTf32x3 ops;
+    WsOpsTf32x3<MODE == MODE_MM> ops;
     ops.ahi = &ahi; ops.alo = &alo; ops.bhi = &bhi; ops.blo = &blo;
     tile_ws_walk<float, MODE, true>(ops, p, ring);
 }

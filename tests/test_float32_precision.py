@@ -125,16 +125,16 @@ def test_env_variable_is_validated(monkeypatch):
     monkeypatch.setenv("CUPYNCE_FLOAT32", "tf32")
     assert blas._env_precision() == "tf32"
     monkeypatch.delenv("CUPYNCE_FLOAT32")
-    assert blas._env_precision() == "fp32"
+    assert blas._env_precision() == "auto"
     monkeypatch.setenv("CUPYNCE_FLOAT32", "bf16x3")
     with pytest.raises(ValueError, match=r"CUPYNCE_FLOAT32='bf16x3' is not a float32 precision; "
-                                         r"expected one of 'fp32', 'tf32', '3xtf32'"):
+                                         r"expected one of 'fp32', 'tf32', '3xtf32', 'auto'$"):
         blas._env_precision()
 
 
-def test_default_is_fp32():
-    assert blas.FLOAT32_PRECISION == "fp32"  # (the test environment sets no CUPYNCE_FLOAT32)
-    assert blas.float32_precision_now() == "fp32"
+def test_default_is_auto():
+    assert blas.FLOAT32_PRECISION == "auto"  # (the test environment sets no CUPYNCE_FLOAT32)
+    assert blas.float32_precision_now() == "auto"
 
 
 def test_context_manager_scopes_this_thread(monkeypatch):
@@ -149,11 +149,11 @@ def test_context_manager_scopes_this_thread(monkeypatch):
             t.start()
             t.join()
         assert blas.float32_precision_now() == "3xtf32"
-    assert blas.float32_precision_now() == "fp32" and seen == ["fp32"]
+    assert blas.float32_precision_now() == "auto" and seen == ["auto"]
     with pytest.raises(RuntimeError):
         with blas.float32_precision("tf32"):
             raise RuntimeError
-    assert blas.float32_precision_now() == "fp32"  # restored on an exception too
+    assert blas.float32_precision_now() == "auto"  # restored on an exception too
     monkeypatch.setattr(blas, "FLOAT32_PRECISION", "tf32")
     assert blas.float32_precision_now() == "tf32"
     monkeypatch.setattr(blas, "FLOAT32_PRECISION", "fast")
@@ -169,8 +169,8 @@ def test_graph_key_includes_precision():
         with blas.float32_precision(p):
             keys[p] = _graphs._switches()
             assert p in keys[p]
-    assert len(set(keys.values())) == 3
-    assert _graphs._switches() == keys["fp32"]
+    assert len(set(keys.values())) == 4
+    assert _graphs._switches() == keys["auto"]
 
 
 def truncation_bound(k: int) -> float:

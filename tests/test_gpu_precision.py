@@ -9,6 +9,13 @@ Relative errors ‖x − ref‖ / ‖ref‖ (inputs rounded to float32 first; th
            1e-4; and bit for bit the call without ``precision`` (the default)
 "tf32"     2e-2 (TF32 keeps 10 mantissa bits: ~2e-4 measured by a float64 emulation
            of the rounded operands at these shapes, up to 1e-3 for SigLIP's scale)
+"auto"     the default: "fp32"'s very call, bit for bit, at every shape here (below
+           ``tiles_tf32.AUTO_MIN_ROWS`` x ``AUTO_MIN_DIM``); NT-Xent from there on, on
+           Hopper, is "3xtf32"'s call (the TF32x3 tiles), and
+           ``test_auto_nt_xent_as_accurate_as_fp32`` holds it to the issue's bar: per-row
+           losses and dz no less accurate than "fp32"'s; the mean loss, one float32 number
+           whose error is one draw of its last roundings, within ``SCALAR_SLACK`` (two
+           float32 ulps, 2 × 2⁻²⁴ relative) of "fp32"'s
 "3xtf32"   ≤ 2 × fp32's error + the tensor cores' truncation bias over the longest
            reduction, K = max(N, D) (the gradient products reduce over N):
            ``test_float32_precision.truncation_bound`` = (K / 8) 2⁻²⁴.  (No
@@ -53,6 +60,9 @@ MODES = blas.FLOAT32_PRECISIONS
 FP32_TOL = (1e-5, 1e-4)  # loss, gradients (test_gpu_contrastive.py's float32)
 TF32_TOL = 2e-2
 X3_FACTOR = 2.0
+SCALAR_SLACK = 2 * 2.0 ** -24
+#: NT-Xent shapes at and above "auto"'s TF32x3 threshold (tiles_tf32.AUTO_MIN_ROWS x _DIM)
+AUTO_SHAPES = [(4096, 64), (4096, 512), (6144, 256)]
 SHAPES = [(64, 32), (64, 256), (300, 32), (300, 256), (1000, 32), (1000, 256)]
 OPS = ["nt_xent", "info_nce", "clip_loss", "siglip_loss"]
 NAMES = {"nt_xent": ["dz"], "info_nce": ["dquery", "dkey"],
@@ -138,6 +148,14 @@ def _cublas_route(n: int, d: int) -> bool:
     return n * n * d > blas.SMALL_GEMM_MACS or d > blas.SMALL_GEMM_MAX_K
 
 
+def _auto_tiles(n: int, d: int) -> bool:
+    """Whether "auto" runs NT-Xent (n, d) on the TF32x3 tiles (``tiles_tf32.applies``)."""
+    from cupynce._engine import tiles_tf32
+
+    return (n >= tiles_tf32.AUTO_MIN_ROWS and d >= tiles_tf32.AUTO_MIN_DIM
+            and tiles_tf32.available())
+
+
 def _same_bits(x, y) -> bool:
     return x.shape == y.shape and x.dtype == y.dtype and bool(
         cp.array_equal(x.view(cp.uint32) if x.dtype == cp.float32 else x,
@@ -174,7 +192,13 @@ def test_modes_against_float64(op, n, d, reduction):
         bound = X3_FACTOR * e32 + P.truncation_bound(max(n, d)) * k
         assert e3 <= bound, (f"{case} 3xtf32: {name} rel err {e3:.3e} > {bound:.3e} "
                              f"(fp32's {e32:.3e}, κ {k:.3g}, tf32's {etf:.3e})")
-    # the default ("fp32" unless CUPYNCE_FLOAT32 says otherwise) is that mode's very call
+        ea = err["auto"][i]
+        assert ea <= e32, f"{case} auto: {name} rel err {ea:.3e} > fp32's {e32:.3e}"
+    # "auto" is "3xtf32" where the TF32x3 tiles apply, "fp32" elsewhere, bit for bit
+    same_as = "3xtf32" if op == "nt_xent" and _auto_tiles(n, d) else "fp32"
+    for name, x, y in zip(names, got["auto"], got[same_as]):
+        assert _same_bits(x, y), f"{case}: precision='auto' is not {same_as!r} for {name}"
+    # the default ("auto" unless CUPYNCE_FLOAT32 says otherwise) is that mode's very call
     dmode = cupynce.get_float32_precision()
     for name, x, y in zip(names, got[dmode], [default[0]] + default[1]):
         assert _same_bits(x, y), f"{case}: precision={dmode!r} changed {name}'s bits"
@@ -285,3 +309,28 @@ def test_torch_follows_its_tf32_flag():
             matmul.fp32_precision = saved
         else:
             matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("n,d", AUTO_SHAPES)
+def test_auto_nt_xent_as_accurate_as_fp32(n, d, reduction):
+    """NT-Xent at and above "auto"'s TF32x3 threshold: "auto" is "3xtf32"'s call there (on
+    Hopper; "fp32"'s elsewhere), and its per-row losses and dz are no less accurate against
+    float64 than "fp32"'s; the mean loss within SCALAR_SLACK (module doc)."""
+    rng = np.random.default_rng(zlib.crc32(f"auto{n}{d}{reduction}".encode()))
+    xs = _inputs("nt_xent", n, d, rng)
+    g = rng.standard_normal(n) if reduction == "none" else 0.7
+    ref = run_reference("nt_xent", xs, reduction, g)
+    ref = [ref[0]] + ref[1]
+    got = {m: run_cupynce("nt_xent", xs, reduction, g, precision=m) for m in
+           ("auto", "fp32", "3xtf32")}
+    got = {m: [v[0]] + v[1] for m, v in got.items()}
+    same_as = "3xtf32" if _auto_tiles(n, d) else "fp32"
+    for name, x, y in zip(["loss", "dz"], got["auto"], got[same_as]):
+        assert _same_bits(x, y), f"N={n} D={d}: precision='auto' is not {same_as!r} for {name}"
+    case = f"nt_xent N={n} D={d} {reduction}"
+    for i, name in enumerate(["loss", "dz"]):
+        ea, e32 = rel(got["auto"][i], ref[i]), rel(got["fp32"][i], ref[i])
+        slack = SCALAR_SLACK if name == "loss" and reduction == "mean" else 0.0
+        assert ea <= e32 + slack, (f"{case} auto: {name} rel err {ea:.3e} > fp32's "
+                                   f"{e32:.3e} + {slack:.1e}")

@@ -256,7 +256,7 @@ def test_mm_against_float64_and_fp32(tf32, m, k, c, data):
     ref = a.astype(np.float64) @ b.astype(np.float64).T
     ad, bd = cp.asarray(a), cp.asarray(b)
     out = cp.empty((m, c), np.float32)
-    tiles_tf32.mm(tiles_tf32.split(ad), tiles_tf32.split(bd), out, alpha=0.5)
+    tiles_tf32.mm(tiles_tf32.padded(ad), tiles_tf32.split(bd), out, alpha=0.5)
     got = 2.0 * cp.asnumpy(out)
     fp32 = cp.empty((m, c), np.float32)
     with blas.float32_precision("fp32"):
@@ -266,23 +266,26 @@ def test_mm_against_float64_and_fp32(tf32, m, k, c, data):
     assert e_k <= MM_FACTOR[data] * e_f, msg
     assert e_k <= MM_TOL, msg
     again = cp.empty((m, c), np.float32)
-    tiles_tf32.mm(tiles_tf32.split(ad), tiles_tf32.split(bd), again, alpha=0.5)
+    tiles_tf32.mm(tiles_tf32.padded(ad), tiles_tf32.split(bd), again, alpha=0.5)
     assert np.array_equal(cp.asnumpy(again).view(np.uint32), cp.asnumpy(out).view(np.uint32))
 
 
 @gpu
-@pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("n,d", [(1030, 72), (512, 130), (2048, 512)])
-def test_nt_xent_against_float64_and_fp32(tf32, n, d, symmetric):
+@pytest.mark.parametrize("symmetric,blocks", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("n,d", [(1030, 72), (512, 130), (2048, 512), (258, 33)])
+def test_nt_xent_against_float64_and_fp32(tf32, n, d, symmetric, blocks):
     """NT-Xent on the TF32x3 tiles (lse2 or lse, h, mm) against float64: lse, loss and dz no
     less accurate than cupynce's float32 cuBLAS path (the issue's bar), with a floor of 2e-7
-    for the statistics (the shared epilogue's float32 arithmetic, module doc)."""
+    for the statistics (the shared epilogue's float32 arithmetic, module doc).  ``blocks``:
+    H in row blocks of 256 (square tiles, a product per block), the workspace a caller's
+    ``workspace_bytes`` bounds."""
     t = 0.07
     z = _nt_xent_inputs(n, d, seed=n + d)
     ref_lse, ref_loss, ref_dz = _nt_xent_oracle(z, 1 / t)
     f_lse, f_loss, f_dz = _nt_xent_fp32(z, t)
+    ws = 4 * (-(-n // 4) * 4) * 256 if blocks else None
     lse, loss, dz = tiles_tf32.nt_xent(cp.asarray(z), 1 / t, (None, 0, 1.0 / n),
-                                       symmetric=symmetric)
+                                       symmetric=symmetric, workspace_bytes=ws)
     got = [cp.asnumpy(x) for x in (lse, loss, dz)]
     errs = [(_rel(g, r), _rel(f, r)) for g, f, r in zip(got, (f_lse, f_loss, f_dz),
                                                           (ref_lse, ref_loss, ref_dz))]
@@ -335,12 +338,48 @@ def test_arguments_checked_before_the_device(monkeypatch):
         tiles_tf32.tile_lse_tf32x3(q, q, 1.0)
 
 
-def test_not_wired_into_the_ops():
-    """The prototype is reached only through its module: no op or engine module imports it."""
-    import re
-    from pathlib import Path
+@gpu
+@pytest.mark.parametrize("mode", ["auto", "3xtf32", "fp32", "tf32"])
+def test_ops_route_float32_nt_xent_here(tf32, mode, monkeypatch):
+    """The ops' float32 NT-Xent (forward, fused and recompute backward) runs these tiles under
+    "3xtf32" and, from AUTO_MIN_ROWS x AUTO_MIN_DIM on, "auto"; cuBLAS under "fp32" and
+    "tf32"; CUPYNCE_TILES=0 (USE_TILES False) turns them off as it does the 16-bit tiles;
+    other ops never come here."""
+    import cupynce
+    from cupynce._engine import tiles
 
-    pkg = Path(tiles_tf32.__file__).resolve().parent.parent
-    imp = re.compile(r"^\s*(from|import)\s.*\btiles_tf32\b", re.M)
-    users = [p for p in pkg.rglob("*.py") if imp.search(p.read_text())]
-    assert not users, users
+    calls = []
+    real = tiles_tf32.rows
+    monkeypatch.setattr(tiles_tf32, "rows", lambda *a, **k: calls.append(k) or real(*a, **k))
+    big = (tiles_tf32.AUTO_MIN_ROWS, tiles_tf32.AUTO_MIN_DIM)
+    small = [(big[0] - 2, big[1]), (big[0], big[1] - 1), (260, 64)]
+    for n, d in [big] + small:
+        z = cp.asarray(_nt_xent_inputs(n, d, seed=3))
+        _, ctx = cupynce.nt_xent_forward(z, 0.1, precision=mode)
+        cupynce.nt_xent_backward(ctx)
+        _, ctx = cupynce.nt_xent_forward(z, 0.1, reduction="none", precision=mode)
+        cupynce.nt_xent_backward(ctx, cp.ones((n,), np.float32))
+        on = mode == "3xtf32" or (mode == "auto" and (n, d) == big)
+        assert len(calls) == (3 if on else 0), (n, d, calls)
+        if on:
+            assert [c["lse_in"] is None for c in calls] == [True, True, False]
+        del calls[:]
+    z = cp.asarray(_nt_xent_inputs(*big, seed=3))
+    cupynce.info_nce(z[:big[0] // 2], z[big[0] // 2:], 0.1, precision=mode)
+    cupynce.nt_xent(z.astype(cp.float64), 0.1, precision=mode)
+    monkeypatch.setattr(tiles, "USE_TILES", False)
+    cupynce.nt_xent(z, 0.1, precision=mode)
+    assert calls == []
+
+
+@gpu
+def test_lse_pairs_from_natural_lse(tf32):
+    """ml_from_lse: M + log2 S equals lse log2(e) to ~48 bits (what the recompute backward's
+    H reads), M the float32 rounding of it."""
+    lse = cp.asarray(np.random.default_rng(0).uniform(-40, 60, 1000).astype(np.float32))
+    ml = cp.asnumpy(tiles_tf32.ml_from_lse(lse)).astype(np.float64)
+    want = cp.asnumpy(lse).astype(np.float64) / math.log(2.0)
+    # (the pair holds ~48 bits: lo's own float32 rounding, 2^-24 |lo| <= 2^-49 |want|, and
+    # the float64 products' roundings)
+    assert np.all(np.abs(ml[:, 0] + ml[:, 1] - want) <= 2.0 ** -46 * np.abs(want))
+    assert np.array_equal(ml[:, 0], want.astype(np.float32).astype(np.float64))

@@ -118,7 +118,8 @@ def test_bad_precision_raises_before_any_engine_call(which, bad, spy):
     with pytest.raises(ValueError) as err:
         call(bad)
     msg = str(err.value)
-    assert msg.startswith(f"{op}: precision must be one of 'fp32', 'tf32', '3xtf32'"), msg
+    assert msg.startswith(f"{op}: precision must be one of 'fp32', 'tf32', '3xtf32', "
+                          f"'auto'"), msg
     assert msg.endswith(f"got {bad!r}") and "None (the global default" in msg, msg
     assert spy == [], "an engine primitive ran before the precision was checked"
 
@@ -127,7 +128,7 @@ def test_bad_precision_raises_before_any_engine_call(which, bad, spy):
 @pytest.mark.parametrize("mode", [None, *MODES])
 def test_every_entry_point_accepts_the_modes(which, mode, spy):
     _entry_points()[which][1](mode)
-    assert spy and {p for _, p in spy} == {mode or "fp32"}, spy
+    assert spy and {p for _, p in spy} == {mode or "auto"}, spy
 
 
 def test_numpy_results_do_not_depend_on_the_precision():
@@ -152,7 +153,7 @@ def test_numpy_str_is_taken_as_str():
 
 # ---- the global default -------------------------------------------------------------------
 def test_global_setter_and_getter(default, spy):
-    assert cupynce.get_float32_precision() == "fp32"  # (CI sets no CUPYNCE_FLOAT32)
+    assert cupynce.get_float32_precision() == "auto"  # (CI sets no CUPYNCE_FLOAT32)
     for mode in MODES:
         cupynce.set_float32_precision(mode)
         assert cupynce.get_float32_precision() == mode == blas.FLOAT32_PRECISION
@@ -164,9 +165,9 @@ def test_global_setter_and_getter(default, spy):
         assert ctx.precision == "fp32" and spy[-1] == ("rows", "fp32")
     for bad in [None, "TF32", 1]:
         with pytest.raises(ValueError, match=r"set_float32_precision: precision must be one "
-                                             r"of 'fp32', 'tf32', '3xtf32', got "):
+                                             r"of 'fp32', 'tf32', '3xtf32', 'auto', got "):
             cupynce.set_float32_precision(bad)
-    assert cupynce.get_float32_precision() == "3xtf32"  # unchanged by the refused calls
+    assert cupynce.get_float32_precision() == MODES[-1]  # unchanged by the refused calls
     assert "set_float32_precision" in cupynce.__all__ and "get_float32_precision" in \
         cupynce.__all__
 
@@ -192,7 +193,7 @@ def test_backward_runs_in_the_forwards_precision(op, mode, reduction, spy, defau
     loss, ctx = _forward(op, xs, reduction=reduction, precision=mode)
     assert ctx.precision == mode
     assert spy and all(p == mode for _, p in spy), spy  # the forward's products
-    assert blas.float32_precision_now() == "fp32"  # the scope closed with the forward
+    assert blas.float32_precision_now() == "auto"  # the scope closed with the forward
     n_forward = len(spy)
     # the backward, called under another scope and another default, runs in the forward's
     cupynce.set_float32_precision("3xtf32" if mode != "3xtf32" else "tf32")
@@ -251,7 +252,7 @@ def test_backward_restores_the_scope_on_an_error(spy):
                                      precision="3xtf32")
     with pytest.raises(ValueError, match="grad_loss"):
         cupynce.nt_xent_backward(ctx, np.ones(5))
-    assert blas.float32_precision_now() == "fp32"
+    assert blas.float32_precision_now() == "auto"
 
 
 def test_splade_forward_runs_in_its_precision(spy):

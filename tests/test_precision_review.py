@@ -162,7 +162,7 @@ def test_torch_error_says_what_none_means():
     from cupynce.torch import _registry as R
 
     with pytest.raises(ValueError, match=r"^x: precision must be one of 'fp32', 'tf32', "
-                                         r"'3xtf32' or None \(torch's TF32 setting"):
+                                         r"'3xtf32', 'auto' or None \(torch's TF32 setting"):
         R.precision_of("x", "high")
     with pytest.raises(ValueError, match=r"or None \(the global default"):
         _checks.check_precision("x", "high")

@@ -106,14 +106,14 @@ def test_none_rule(torch_tf32, spy, default):
         torch_tf32(True)
         assert R.precision_of("x", mode) == mode
     with pytest.raises(ValueError, match=r"x: precision must be one of 'fp32', 'tf32', "
-                                         r"'3xtf32' or None .*, got 'high'"):
+                                         r"'3xtf32', 'auto' or None .*, got 'high'"):
         R.precision_of("x", "high")
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_functions_follow_the_rule_at_each_call(op, torch_tf32, spy):
     """precision=None: torch's TF32 flag, read at the call (forward and backward op)."""
-    for tf32, want in ((True, "tf32"), (False, "fp32"), (True, "tf32")):
+    for tf32, want in ((True, "tf32"), (False, "auto"), (True, "tf32")):
         torch_tf32(tf32)
         loss, xs = _call(op)
         torch_tf32(not tf32)  # (the backward keeps the forward's, whatever torch says now)
@@ -165,7 +165,7 @@ def test_compiled_step_follows_the_flag(torch_tf32, spy):
 
     fn = torch.compile(step, backend="aot_eager", fullgraph=True)
     z = _t(6, 4)
-    for tf32, want in ((False, "fp32"), (True, "tf32"), (False, "fp32")):
+    for tf32, want in ((False, "auto"), (True, "tf32"), (False, "auto")):
         torch_tf32(tf32)
         del spy[:]
         fn(z).backward()
@@ -226,7 +226,7 @@ def test_modules_pass_their_precision(torch_tf32, spy):
     del spy[:]
     with torch.no_grad():
         ct.InfoNCEFunction.apply(z, 0.5, False)
-    assert _modes(spy) == {"fp32"}
+    assert _modes(spy) == {"auto"}
 
 
 def test_splade_pooling_passes_its_precision(torch_tf32, spy):

@@ -12,14 +12,16 @@ blocks.py      the cuBLAS row-block path: score blocks through cuBLAS + the row 
                kernels of ``contrastive.cu``
 tiles.py       the tensor-core tile path (``tiles.cu``): planning, the launch struct, the
                symmetric NT-Xent schedules
+tiles_tf32.py  float32 NT-Xent on Hopper's tensor cores: the TF32x3 tiles
+               (``tiles_ws_tf32.cu``) under the float32 precisions "auto" and "3xtf32"
 tma.py         TMA tensor maps (Hopper) through the CUDA driver
 splade.py      SPLADE's forward (fused max on the tiles or the TMA kernel; cuBLAS tiles +
                max kernel) and its sparse backward
 =============  ==========================================================================
 
 :func:`rows`, :func:`clip`, :func:`cross` and :func:`siglip` pick the path: the tiles where
-they take the operands (16-bit, aligned, see ``tiles.tiles_ok``), the row-block path
-otherwise.  Ops
+they take the operands (16-bit, aligned, see ``tiles.tiles_ok``; float32 NT-Xent on Hopper:
+``tiles_tf32.applies``), the row-block path otherwise.  Ops
 describe their problem to them (scale, diagonal exclusion, where each row's positive is,
 whether the keys are the queries); nothing here knows which op is calling.
 
@@ -27,7 +29,7 @@ Layering: ``cupynce.ops`` → ``cupynce._engine`` → ``kernels_src``; nothing h
 """
 from __future__ import annotations
 
-from . import blocks, tiles
+from . import blocks, tiles, tiles_tf32
 
 
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
@@ -49,6 +51,11 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
               self_pair=self_pair, scale_log=scale_log)
     if neg_p is None and tiles.tiles_ok(q, k, neg_s):
         return tiles.rows(q, k, neg_s, scale, **kw)
+    if neg_p is None and tiles_tf32.applies(q, k, neg_s, exclude_diag=exclude_diag,
+                                            pos_shift=pos_shift, pos_mod=pos_mod,
+                                            self_pair=self_pair, scale_log=scale_log):
+        return tiles_tf32.rows(q, scale, pos_shift=pos_shift, lse_in=lse_in, weights=weights,
+                               want_grad=want_grad, workspace_bytes=workspace_bytes, op=op)
     return blocks.rows(q, k, neg_s, neg_p, scale, **kw)
 
 

@@ -9,7 +9,7 @@ inputs     cuBLAS compute type          output
 =========  ===========================  ============================
 float16    CUBLAS_COMPUTE_32F           float32 (or float16)
 bfloat16   CUBLAS_COMPUTE_32F           float32 (or bfloat16)
-float32    CUBLAS_COMPUTE_32F (no TF32) float32   (precision "fp32", the default)
+float32    CUBLAS_COMPUTE_32F (no TF32) float32   (precision "fp32", and "auto")
 float32    CUBLAS_COMPUTE_32F_FAST_TF32 float32   (precision "tf32")
 float32    3 x FAST_TF32 on hi/lo split float32   (precision "3xtf32")
 float64    CUBLAS_COMPUTE_64F           float64
@@ -17,7 +17,7 @@ float64    CUBLAS_COMPUTE_64F           float64
 
 Launches go to the current CuPy stream (CuPy's binding sets it on the handle).
 
-float32 precision: ``FLOAT32_PRECISION`` (env ``CUPYNCE_FLOAT32``, default "fp32"; set by
+float32 precision: ``FLOAT32_PRECISION`` (env ``CUPYNCE_FLOAT32``, default "auto"; set by
 ``cupynce.set_float32_precision``), overridden in a thread by ``with float32_precision(p):``,
 which every public entry point opens around its engine work with its ``precision=`` argument
 (``_checks.check_precision``); ``float32_precision_now()`` is the one in effect, part of
@@ -28,7 +28,10 @@ which every public entry point opens around its engine work with its ``precision
 hi·hi + hi·lo + lo·hi (lo·lo, ~2^-22 relative, dropped), as CUTLASS's 3xTF32 does.  On an
 H100 its products came out 3-13x less accurate than true fp32 (8.8e-7 against 2.7e-7 relative
 for Z·Zᵀ at k = 256: Hopper's tensor cores accumulate with truncation toward zero,
-``benchmarks/bench_f32_products.py``), so "fp32" stays the default.  An infinite entry
+``benchmarks/bench_f32_products.py``), so it is never a default.  "auto" (the default) is
+"fp32" for every product here; what makes it a mode of its own is above this module: the
+ops' float32 NT-Xent takes the promoted TF32x3 tiles under it (``tiles_tf32``: as accurate as
+fp32 or more, measured), as under "3xtf32".  An infinite entry
 splits as hi = inf, lo = 0, so its cross term with a TF32-exact entry (lo = 0) is inf·0 = NaN
 where fp32 gives ±inf.
 
@@ -66,8 +69,8 @@ SMALL_BLOCK_BYTES = 128 << 20
 SMALL_GEMM_MACS = 1 << 20
 SMALL_GEMM_MAX_K = 1024
 
-#: The float32 product modes (see the module doc).
-FLOAT32_PRECISIONS = ("fp32", "tf32", "3xtf32")
+#: The float32 product modes (see the module doc; "auto" runs "fp32" products here).
+FLOAT32_PRECISIONS = ("fp32", "tf32", "3xtf32", "auto")
 #: cublasComputeType_t's CUBLAS_COMPUTE_32F_FAST_TF32 (cublas_api.h; CUBLAS_COMPUTE_32F = 68).
 COMPUTE_32F_FAST_TF32 = 77
 
@@ -80,10 +83,11 @@ def _check_precision(value, what: str) -> str:
 
 
 def _env_precision() -> str:
-    return _check_precision(os.environ.get("CUPYNCE_FLOAT32", "fp32"), "CUPYNCE_FLOAT32")
+    return _check_precision(os.environ.get("CUPYNCE_FLOAT32", "auto"), "CUPYNCE_FLOAT32")
 
 
-#: float32 products: "fp32" | "tf32" | "3xtf32" (env ``CUPYNCE_FLOAT32``, default "fp32").
+#: float32 products: "fp32" | "tf32" | "3xtf32" | "auto" (env ``CUPYNCE_FLOAT32``, default
+#: "auto").
 FLOAT32_PRECISION = _env_precision()
 
 

@@ -34,10 +34,12 @@ from . import blas, blocks, kernels, tiles, tma
 from .kernels import BLOCK
 
 FILE = "tiles_ws_tf32.cu"
-#: K elements per ring stage (WS_TF32_KSTEP: one 128-byte swizzled row of float32) and the
-#: stage: four 128 x 32 float32 boxes, A_hi | A_lo | B_hi | B_lo
+#: K elements per ring stage (WS_TF32_KSTEP: one 128-byte swizzled row of float32), one
+#: 128 x 32 float32 box, and the stage: four boxes, A_hi | A_lo | B_hi | B_lo (``mm``: the
+#: TMA loads A into A_hi's box and the consumer splits it into both)
 KSTEP = 32
-STAGE_BYTES = 4 * tiles.TILE * KSTEP * 4
+BOX_BYTES = tiles.TILE * KSTEP * 4
+STAGE_BYTES = 4 * BOX_BYTES
 #: fewest ring stages worth launching (the H100's 227 KiB per block hold 3)
 MIN_STAGES = 2
 
@@ -60,19 +62,26 @@ def ring(static_smem: int, smem_max: int) -> Optional[Tuple[int, int]]:
     return (st, 1024 + st * STAGE_BYTES) if st >= MIN_STAGES else None
 
 
-def split(x, name: str = "x"):
-    """``(hi, lo)`` of the float32 matrix ``x`` (:func:`blas.split_tf32`), contiguous, with the
-    columns zero-padded to a multiple of 4 (the tensor maps want 16-byte rows; zeros add
-    nothing to the products)."""
+def padded(x):
+    """The float32 matrix ``x`` contiguous with its columns zero-padded to a multiple of 4 (the
+    tensor maps want 16-byte rows; zeros add nothing to the products): ``x`` itself when it
+    already is."""
     import cupy as cp
 
     rows, d = x.shape
     dp = -(-d // 4) * 4
-    if dp != d:
-        xp = cp.zeros((rows, dp), np.float32)
-        xp[:, :d] = x
-        x = xp
-    return blas.split_tf32(x, name)
+    if dp == d:
+        return cp.ascontiguousarray(x)
+    xp = cp.zeros((rows, dp), np.float32)
+    xp[:, :d] = x
+    return xp
+
+
+def split(x, name: str = "x"):
+    """``(hi, lo)`` of the float32 matrix ``x`` (:func:`blas.split_tf32`) as :func:`padded`
+    lays it out."""
+    rows, d = x.shape
+    return blas.split_tf32(x if d % 4 == 0 else padded(x), name)
 
 
 def _kernel(mode: str = "lse"):
@@ -85,7 +94,8 @@ def _kernel(mode: str = "lse"):
 
 def _launch(mode: str, parts, grid, raw: bytes) -> None:
     """Launch ``cpn_wstile_<mode>_tf32x3`` over the split operands ``parts`` = (A_hi, A_lo,
-    B_hi, B_lo) with the packed :data:`tiles.TILE_ARGS_FORMAT` arguments ``raw``."""
+    B_hi, B_lo) (``mm``: A_lo unread, A itself in A_hi's place) with the packed
+    :data:`tiles.TILE_ARGS_FORMAT` arguments ``raw``."""
     kern, info = _kernel(mode)
     rg = ring(*info)
     if rg is None:
@@ -229,16 +239,16 @@ def _finish(part, splits: int, n: int, pos2, colp=None, half: int = 0):
 
 def _args(a_hi, b_hi, *, rows: int, n1: int, d: int, scale: float, scale_log=None,
           part=(0, 0, 0), pos_out=0, colp=(0, 0), lse_row=None, lse_col=None,
-          weights=(None, 0, 0.0), g=None, g_lo=None, exclude_diag: bool = False,
+          weights=(None, 0, 0.0), g=None, exclude_diag: bool = False, row0: int = 0,
           pos_shift: int = 0, pos_mod: int = 1, tri: bool = False) -> bytes:
     """The packed TileArgs<float> of a TF32x3 launch (B1 only: B2 is B1's map)."""
     ld, ptr = blas.leading_dim, tiles.ptr
     w_arr, w_stride, w_mul = weights
     return tiles._pack_tile_args(
         a_hi.data.ptr, b_hi.data.ptr, b_hi.data.ptr, ptr(scale_log), part[0], part[1], pos_out,
-        colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), ptr(g_lo),
+        colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), 0,
         ld(a_hi), ld(b_hi), ld(b_hi), part[2], w_stride, 0 if g is None else ld(g),
-        rows, 0, n1, 0, d, int(exclude_diag), pos_shift, pos_mod, int(tri), scale, w_mul)
+        rows, row0, n1, 0, d, int(exclude_diag), pos_shift, pos_mod, int(tri), scale, w_mul)
 
 
 def lse_symmetric(z, parts, scale: float, pos_shift: int):
@@ -270,64 +280,151 @@ def lse_symmetric(z, parts, scale: float, pos_shift: int):
     return _finish(part, splits, n, pos2, colp, half)
 
 
-def h_block(parts, ml, scale: float, pos_shift: int, weights, *, tri: bool = True):
-    """NT-Xent's gradient block H = scale (W P + (W P)ᵀ - pairs) of the split rows ``parts``
-    (n, dp) as its own TF32 split: ``(H_hi, H_lo)``, (n, n) float32 views of (n, ldg) buffers
-    (ldg = n rounded up to 4).  ``ml``: the rows' (M, log2 S) from the statistics' finish
-    (:func:`_finish`).  ``tri``: each pair of tiles once, the mirror written too."""
+def h_block(parts, ml, scale: float, pos_shift: int, weights, *, tri: bool = True,
+            row0: int = 0, rows: Optional[int] = None, out=None):
+    """NT-Xent's gradient block H = scale (W P + (W P)ᵀ - pairs), float32, of the rows
+    ``row0 .. row0 + rows`` (default: all) of the split rows ``parts`` (n, dp) against all n:
+    a (rows, n) view of a (rows, ldg) buffer (ldg = n rounded up to 4: 16-byte rows for the
+    product's tensor map), or of ``out`` when given.  ``ml``: the rows' (M, log2 S) pairs
+    (:func:`_finish`, :func:`ml_from_lse`).  ``tri`` (all rows only): each pair of tiles once,
+    the mirror written too."""
     import cupy as cp
 
     z_hi, z_lo = parts
     n, dp = z_hi.shape
+    rows = n - row0 if rows is None else rows
+    if tri and (row0 or rows != n):
+        raise ValueError("h_block: tri needs the whole block (row0 = 0, rows = n)")
     ldg = -(-n // 4) * 4
-    f32 = np.dtype(np.float32)
-    h_hi = cp.empty((n, ldg), f32)[:, :n]
-    h_lo = cp.empty((n, ldg), f32)[:, :n]
-    ct = -(-n // tiles.TILE)
-    splits = tiles.grid_splits(ct, ct // 2 + 1 if tri else ct)
-    raw = _args(z_hi, z_hi, rows=n, n1=n, d=dp, scale=scale, lse_row=ml, lse_col=ml,
-                weights=weights, g=h_hi, g_lo=h_lo, exclude_diag=True, pos_shift=pos_shift,
+    h = (cp.empty((rows, ldg), np.float32) if out is None else out)[:rows, :n]
+    ct, rt = -(-n // tiles.TILE), -(-rows // tiles.TILE)
+    splits = tiles.grid_splits(rt, ct // 2 + 1 if tri else ct)
+    a_hi, a_lo = z_hi[row0:row0 + rows], z_lo[row0:row0 + rows]
+    raw = _args(a_hi, z_hi, rows=rows, n1=n, d=dp, scale=scale, lse_row=ml, lse_col=ml,
+                weights=weights, g=h, exclude_diag=True, row0=row0, pos_shift=pos_shift,
                 pos_mod=n, tri=tri)
-    _launch("h", (z_hi, z_lo, z_hi, z_lo), (ct, splits), raw)
-    return h_hi, h_lo
+    _launch("h", (a_hi, a_lo, z_hi, z_lo), (rt, splits), raw)
+    return h
 
 
-def mm(a_parts, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None):
-    """``out = alpha · A Bᵀ`` on the TF32x3 tiles (three TF32 products per 32-wide K step,
-    promoted to an fp32 register sum): ``a_parts`` = (A_hi, A_lo) (m, k), ``bt_parts`` =
-    (B_hi, B_lo) (c, k) -- both K-major, as TF32 wgmma wants --, ``out`` (m, c) float32 with
-    a leading dimension of even length.  Returns ``out``."""
-    a_hi, a_lo = a_parts
+def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None):
+    """``out = alpha · A Bᵀ`` on the TF32x3 tiles (A split in shared memory, three TF32
+    products per 32-wide K step, promoted to an fp32 register sum): ``a`` (m, k) float32 with
+    16-byte rows (unit column stride, leading dimension a multiple of 4, as
+    :func:`h_block` writes it), ``bt_parts`` = (B_hi, B_lo) (c, k) (:func:`split`) -- both
+    K-major, as TF32 wgmma wants --, ``out`` (m, c) float32 with an even leading
+    dimension.  Returns ``out``."""
     b_hi, b_lo = bt_parts
-    m, k = a_hi.shape
+    m, k = a.shape
     c = b_hi.shape[0]
+    if a.dtype != np.float32 or a.strides[1] != 4 or blas.leading_dim(a) % 4 \
+            or a.data.ptr % 16:
+        raise ValueError(f"tiles_tf32.mm: a must be float32 with 16-byte rows, got {a.dtype} "
+                         f"strides {a.strides}")
+    if blas.leading_dim(out) % 2 or out.strides[1] != 4:
+        raise ValueError(f"tiles_tf32.mm: out needs an even leading dimension, got strides "
+                         f"{out.strides}")
     rt, ct = -(-m // tiles.TILE), -(-c // tiles.TILE)
     if splits is None:
         splits = tiles.grid_splits(rt, ct)
-    raw = _args(a_hi, b_hi, rows=m, n1=c, d=k, scale=alpha, g=out)
-    _launch("mm", (a_hi, a_lo, b_hi, b_lo), (rt, splits), raw)
+    raw = _args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=out)
+    _launch("mm", (a, a, b_hi, b_lo), (rt, splits), raw)
     return out
 
 
-def nt_xent(z, scale: float, weights, *, want_grad: bool = True, symmetric: bool = True):
-    """NT-Xent's (lse, loss, dz) of the float32 rows ``z`` (2B, d) on the TF32x3 tiles: the
-    statistics (symmetric ``lse2`` or square ``lse`` pass), then H (``h``, mirrored tiles) and
-    dz = H z (``mm``, against zᵀ split).  ``weights`` as :func:`tiles.rows` takes them; dz is
-    the gradient w.r.t. ``z`` itself (before any normalisation's finish)."""
+def ml_from_lse(lse):
+    """The (M, log2 S) pairs :func:`h_block` reads, from natural row log-sum-exps alone (the
+    recompute backward): lse log2(e) in float64 split into its float32 rounding and the
+    remainder, so that the pair's sum is the base-2 lse to float64 accuracy."""
     import cupy as cp
 
-    n, d = z.shape
-    half = n // 2
-    parts = split(z, "z")
-    if symmetric:
-        lse, loss, ml = lse_symmetric(z, parts, scale, half)
+    l2 = lse.astype(np.float64) * (1.0 / math.log(2.0))
+    m = l2.astype(np.float32)
+    return cp.stack((m, (l2 - m).astype(np.float32)), axis=1)
+
+
+#: "auto" takes the tiles only from these sizes on: rows n = 2B and columns d where they were
+#: measured at least as accurate as the fp32 path, loss (per row) and gradient (H100,
+#: 2026-11-26, unit rows, t = 0.1, two seeds a shape, docs/notes.md).  Below, the TF32x3
+#: operands' 22 bits (hi and the TF32 part of lo) cost more than fp32's accumulation loses:
+#: per-row losses 6e-8 against fp32's 5e-8 at d <= 32 for every n up to 4096, dz up to
+#: 1.25x fp32's at n <= 1536 (mean reduction); from n = 2048, d >= 64 every case measured
+#: was at or below fp32's (n = 2048, d = 64: dz 2.21e-7 against 2.27e-7, the thinnest margin),
+#: so the threshold takes one more doubling of n.  "3xtf32" takes the tiles at every size.
+AUTO_MIN_ROWS = 4096
+AUTO_MIN_DIM = 64
+
+
+def applies(q, k, neg_s, *, exclude_diag: bool, pos_shift: int, pos_mod: int, self_pair: bool,
+            scale_log) -> bool:
+    """Whether :func:`rows` takes this row-softmax problem: NT-Xent's symmetric one (the keys
+    are the queries, the diagonal excluded, i <-> i + n/2, no shared negatives or learnable
+    scale) on float32 rows, the float32 precision in effect "3xtf32", or "auto" from
+    ``AUTO_MIN_ROWS`` x ``AUTO_MIN_DIM`` on, a Hopper GPU with tensor maps, and the tiles not
+    switched off (``tiles.USE_TILES`` False, ``CUPYNCE_TILES=0``: the cuBLAS row blocks, as
+    for 16-bit inputs)."""
+    n, d = q.shape
+    if not (tiles.USE_TILES is not False and q.dtype == np.float32 and self_pair
+            and neg_s is None and exclude_diag and scale_log is None and pos_mod == n
+            and 2 * pos_shift == n and n >= 2):
+        return False
+    mode = blas.float32_precision_now()
+    if mode == "auto":
+        return n >= AUTO_MIN_ROWS and d >= AUTO_MIN_DIM and available()
+    return mode == "3xtf32" and available()
+
+
+def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
+         workspace_bytes, op: str, symmetric: bool = True):
+    """NT-Xent's row statistics and gradient accumulator of the float32 rows ``q`` (n, d) on
+    the TF32x3 tiles: what :func:`tiles.rows` returns, ``lse, loss, (dq, dq, None, None)``
+    (dq = dk: the keys are the queries; loss None with ``lse_in``).
+
+    The statistics: the symmetric ``lse2`` pass (each pair of score tiles once; ``symmetric``
+    False: the square ``lse`` pass, for tests), finished into each row's (M, log2 S) pair, or
+    those pairs from ``lse_in`` (:func:`ml_from_lse`).  The gradient: H (``h``) in row blocks
+    of float32 (4 · ldg bytes a row, ``blas.plan_rows`` under ``workspace_bytes``), mirrored
+    tiles when the whole H is one block, then dq[block] = H[block] q (``mm``, against qᵀ
+    split).  Scratch besides H: q and qᵀ split (4 n d floats)."""
+    import cupy as cp
+
+    n, d = q.shape
+    f32 = np.dtype(np.float32)
+    parts = split(q, "q")
+    loss = None
+    if lse_in is not None:
+        lse, ml = lse_in, ml_from_lse(lse_in)
+    elif symmetric:
+        lse, loss, ml = lse_symmetric(q, parts, scale, pos_shift)
     else:
         lse, loss, _, ml = _lse_square(parts + parts, scale, exclude_diag=True,
-                                       pos_shift=half, pos_mod=n)
+                                       pos_shift=pos_shift, pos_mod=n)
     if not want_grad:
-        return lse, loss, None
-    h = h_block(parts, ml, scale, half, weights, tri=symmetric)
-    zt = split(cp.ascontiguousarray(z.T), "z")  # (d, n): K-major for the product
-    dz = cp.empty((n, d), np.float32)
-    mm(h, zt, dz)
+        return lse, loss, (None, None, None, None)
+    ldg = -(-n // 4) * 4
+    rb = blas.plan_rows(op, n, 4 * ldg, workspace_bytes, align=tiles.TILE)
+    qt = split(cp.ascontiguousarray(q.T), "q")  # (d, n): K-major for the product
+    de = d + d % 2  # (the product's paired stores want an even leading dimension)
+    dq = cp.empty((n, de), f32)
+    h_buf = cp.empty((rb, ldg), f32)
+    tri = symmetric and rb >= n
+    for r0 in range(0, n, rb):
+        r1 = min(n, r0 + rb)
+        h = h_block(parts, ml, scale, pos_shift, weights, tri=tri, row0=r0, rows=r1 - r0,
+                    out=h_buf)
+        mm(h, qt, dq[r0:r1])
+    if de != d:
+        dq = cp.ascontiguousarray(dq[:, :d])
+    return lse, loss, (dq, dq, None, None)
+
+
+def nt_xent(z, scale: float, weights, *, want_grad: bool = True, symmetric: bool = True,
+            workspace_bytes=None):
+    """NT-Xent's (lse, loss, dz) of the float32 rows ``z`` (2B, d) on the TF32x3 tiles
+    (:func:`rows`; ``weights`` as :func:`tiles.rows` takes them); dz is the gradient w.r.t.
+    ``z`` itself (before any normalisation's finish)."""
+    lse, loss, (dz, *_) = rows(z, scale, pos_shift=z.shape[0] // 2, lse_in=None,
+                               weights=weights, want_grad=want_grad,
+                               workspace_bytes=workspace_bytes, op="nt_xent",
+                               symmetric=symmetric)
     return lse, loss, dz

@@ -39,8 +39,8 @@ class Context:
     #: float64 inputs); ``(argmax,)`` for splade_pool.  With the inputs they are all
     #: ``*_backward_from_stats`` needs.
     stats: Tuple[Any, ...] = ()
-    #: The float32 precision the forward ran its products in ("fp32" | "tf32" | "3xtf32",
-    #: resolved from its ``precision=``); ``*_backward`` runs in the same (None: no scope).
+    #: The float32 precision the forward ran its products in ("fp32" | "tf32" | "3xtf32" |
+    #: "auto", resolved from its ``precision=``); ``*_backward`` runs in the same (None: no scope).
     precision: Optional[str] = None
 
 
@@ -50,15 +50,23 @@ def set_float32_precision(precision: str) -> None:
 
     Parameters
     ----------
-    precision : "fp32" | "tf32" | "3xtf32"
-        "fp32" (the default; env ``CUPYNCE_FLOAT32`` sets the initial value): true fp32 cuBLAS
-        products (``CUBLAS_COMPUTE_32F``).  "tf32": the tensor cores on TF32-rounded operands
-        (10 mantissa bits, ~1e-3 relative error per product, several times faster).
-        "3xtf32": each operand split into its TF32 rounding and the remainder, three TF32
-        products: ~100x more accurate than "tf32" per product but not fp32-accurate on Hopper
-        (measured on an H100: products 3-13x fp32's error, NT-Xent / CLIP gradients 11-27x;
-        ~1.35x fp32's speed; the splits take 2x the split operands' size in scratch, the
-        score block's included, which the row-block planning counts in the workspace).
+    precision : "fp32" | "tf32" | "3xtf32" | "auto"
+        "auto" (the default; env ``CUPYNCE_FLOAT32`` sets the initial value): float32
+        accuracy on the fastest path cupynce has for the call -- NT-Xent on one Hopper GPU
+        (compute capability 9.0) with 2B >= 4096 rows of D >= 64 runs the TF32x3 tiles
+        (each operand split x = hi + lo, three TF32 products per 32 of K promoted to an fp32
+        register sum, an fp32-accurate epilogue; per-row losses and gradients measured at
+        or below the "fp32" path's errors from those sizes on, not below them:
+        ``_engine.tiles_tf32.AUTO_MIN_ROWS``), everything else true fp32 cuBLAS.  "fp32": true fp32
+        cuBLAS products (``CUBLAS_COMPUTE_32F``) everywhere, the path before "auto" existed.
+        "tf32": the tensor cores on TF32-rounded operands (10 mantissa bits, ~1e-3 relative
+        error per product, several times faster).  "3xtf32": the TF32x3 tiles where "auto"
+        takes them, elsewhere cuBLAS's 3xTF32 (three TF32 products of the split operands in
+        one long accumulation): ~100x more accurate than "tf32" per product but not
+        fp32-accurate on Hopper (measured on an H100: products 3-13x fp32's error, NT-Xent /
+        CLIP gradients 11-27x; ~1.35x fp32's speed; the splits take 2x the split operands'
+        size in scratch, the score block's included, which the row-block planning counts in
+        the workspace).
 
     Notes
     -----
