@@ -1,7 +1,9 @@
 """NT-Xent in float32 on the TF32x3 tiles (issue 24, ``tiles_tf32.nt_xent``: the lse2 / lse
-pass, the float32 H block, dz = H z on the promoted TF32x3 product tiles, A split in shared
-memory) against the op under each float32 ``precision`` ("auto" = these tiles through the op;
-"fp32" / "tf32" through the cuBLAS row blocks) and PyTorch eager:
+pass keeping the scores, H from them elementwise -- or the h pass, recomputing them --, dz =
+H z on the promoted TF32x3 product tiles, A split in shared memory) against the op under
+each float32 ``precision`` ("auto" = these tiles through the op, mean loss and the
+recompute backward of reduction="none"; "fp32" / "tf32" through the cuBLAS row blocks) and
+PyTorch eager:
 time of forward + backward and the errors of lse and dz against a float64 reference.
 
     python benchmarks/bench_tf32_nt_xent.py [--n 8192,16384] [--d 512] [--repeat 10]
@@ -87,8 +89,11 @@ def main(argv=None):
                 return tiles_tf32.nt_xent(z, 1 / T, w, symmetric=sym)
             return f
 
-        def core_call(prec):
+        def core_call(prec, fused=True):
             def f():
+                if fused:  # the mean loss: the gradient in the forward's pass
+                    loss, ctx = cupynce.nt_xent_forward(z, T, precision=prec)
+                    return ctx.stats[0], loss, cupynce.nt_xent_backward(ctx)
                 loss, ctx = cupynce.nt_xent_forward(z, T, reduction="none", requires_grad=True,
                                                     precision=prec)
                 dz = cupynce.nt_xent_backward(ctx, cp.full((n,), 1.0 / n, cp.float32))
@@ -97,8 +102,10 @@ def main(argv=None):
 
         cases = [("tf32x3 tiles, symmetric", tiles_call(True)),
                  ("tf32x3 tiles, square lse", tiles_call(False))]
-        cases += [("op, precision auto (tiles)", core_call("auto"))]
-        cases += [(f"op, cuBLAS {pr}", core_call(pr)) for pr in ("fp32", "tf32")]
+        cases += [("op, precision auto (tiles), mean", core_call("auto")),
+                  ("op, precision auto (tiles), none + recompute backward",
+                   core_call("auto", False))]
+        cases += [(f"op, cuBLAS {pr}, mean", core_call(pr)) for pr in ("fp32", "tf32")]
         for name, f in cases:
             lse, _, dz = f()
             e_l, e_d = _rel(cp, lse, ref_lse), _rel(cp, dz, ref_dz)
@@ -120,8 +127,12 @@ def main(argv=None):
                                             tiles_tf32.split(cp.ascontiguousarray(z.T)))),
                   ("lse2 (symmetric) + finish", lambda: tiles_tf32.lse_symmetric(z, parts, 1 / T,
                                                                                 n // 2)),
-                  ("h (mirrored, float32)", lambda: tiles_tf32.h_block(parts, ml, 1 / T,
-                                                                      n // 2, w, out=hb)),
+                  ("lse2 keeping the scores + finish",
+                   lambda: tiles_tf32.lse_symmetric(z, parts, 1 / T, n // 2, s_out=hb[:, :n])),
+                  ("H from the kept scores (elementwise)",
+                   lambda: tiles_tf32.h_from_s(hb[:, :n], ml, 1 / T, n // 2, w)),
+                  ("h pass (mirrored tiles, recompute backward)",
+                   lambda: tiles_tf32.h_block(parts, ml, 1 / T, n // 2, w, out=hb)),
                   ("mm dz = H z", lambda: tiles_tf32.mm(h, zt, dz))]
         tflop = 2 * n * n * args.d / 1e12
         print(f"\nN={n} D={args.d} float32, t = {T}, forward + backward "

@@ -13,7 +13,8 @@ kernel; "siglip1": bf16 and one block only, few enough launches for racecheck) o
 rank blocks, ``engine.cross``, on emulated ranks) or "ws" (one small call of each
 warp-specialised stage: lse with shared negatives whose columns start mid-tile, lse2 / clip,
 NT-Xent's symmetric lse2 and mirrored h, info_nce's g, SigLIP; ring of A + B stages and A
-resident; a few launches each, for racecheck).  racecheck exits with code 9 and no
+resident; a few launches each, for racecheck) or "tf32" (float32 NT-Xent on the TF32x3
+tiles: every kernel of tiles_ws_tf32.cu, both column-tile parities).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
 """
@@ -88,5 +89,19 @@ if part in ("all", "global"):
     g = rng.standard_normal(8 * 136)
     LB.nt_xent_ranks(cp, Z.astype(bf), 4, 0.2, "none", g, to=cp.asarray)
     LB.nt_xent_ranks(cp, Z.astype(np.float32), 4, 0.2, "mean", 0.7, to=cp.asarray)
+    l = cp.zeros(())
+if part == "tf32":
+    # float32 NT-Xent on the TF32x3 tiles (tiles_ws_tf32.cu, Hopper): the fused step (lse2
+    # keeping the scores, H from them, the product splitting A), the recompute backward (the h
+    # pass), row blocks, the square lse pass; odd (9) and even (8) column-tile counts
+    for n, d in ((1030, 72), (1024, 64)):
+        z = cp.asarray(rng.standard_normal((n, d)).astype(np.float32))
+        l, c = cupynce.nt_xent_forward(z, 0.1, precision="3xtf32"); cupynce.nt_xent_backward(c)
+        l, c = cupynce.nt_xent_forward(z, 0.1, reduction="none", precision="3xtf32")
+        cupynce.nt_xent_backward(c, cp.ones((n,), np.float32))
+        l, c = cupynce.nt_xent_forward(z, 0.1, precision="3xtf32", workspace_bytes=4 * n * 256)
+        cupynce.nt_xent_backward(c)
+    from cupynce._engine import tiles_tf32
+    tiles_tf32.nt_xent(z, 10.0, (None, 0, 1e-3), symmetric=False)
     l = cp.zeros(())
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(cp.asarray(l).sum()))

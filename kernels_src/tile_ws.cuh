@@ -144,27 +144,33 @@ template <typename T> struct WsOps16 {
     }
 };
 
-// MODE_MM's epilogue: the 128 x 128 product tile times alpha (p.scale_mul) into the float32
-// rows of p.g (leading dimension p.ldg), rows < p.rows and columns < nlim; a quad's float2
-// stores cover 32 contiguous bytes (whole sectors).
-template <typename L, typename T>
-__device__ __forceinline__ void ws_mm_store(const TileArgs<T>& p, const float (&acc)[2][16][4],
-                                            int m0, int n0, int nlim, int warp, int lane) {
-    const float alpha = p.scale_mul;
+// The 128 x 128 product tile times alpha into the float32 rows of g (leading dimension ldg),
+// rows < rows and columns < nlim (MODE_MM's epilogue, alpha = p.scale_mul; the float32 LSE2
+// pass's raw scores, alpha = 1); a quad's float2 stores cover 32 contiguous bytes (whole
+// sectors).  mirror: also the transposed tile, g[col][row] (NT-Xent's symmetric schedule:
+// 8 lanes' rows make a 32-byte run of a mirrored row).
+template <typename L>
+__device__ __forceinline__ void ws_tile_store(float* g, i64 ldg, int rows, float alpha,
+                                              const float (&acc)[2][16][4], int m0, int n0,
+                                              int nlim, bool mirror, int warp, int lane) {
     const int gq = lane >> 2, cq = lane & 3;
 #pragma unroll
     for (int i = 0; i < L::I; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int lr = m0 + L::row_base(warp) + i * L::IS + h * 8 + gq;
-            if (lr >= p.rows) continue;
-            float* const o = (float*)p.g + (i64)lr * p.ldg;
+            if (lr >= rows) continue;
+            float* const o = g + (i64)lr * ldg;
 #pragma unroll
             for (int j = 0; j < L::J; ++j) {
                 const int col = n0 + j * 8 + 2 * cq;
                 const float v0 = alpha * acc[i][j][h * 2], v1 = alpha * acc[i][j][h * 2 + 1];
                 if (col + 1 < nlim) *(float2*)(o + col) = make_float2(v0, v1);
                 else if (col < nlim) o[col] = v0;
+                if (mirror) {
+                    if (col < nlim) g[(i64)col * ldg + lr] = v0;
+                    if (col + 1 < nlim) g[(i64)(col + 1) * ldg + lr] = v1;
+                }
             }
         }
 }
@@ -279,9 +285,15 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
             if (PP && t + 1 < my_tiles) ws_bar_arrive(3 + (c ^ 1));  // the other's turn
         });
         if (MODE == MODE_MM) {  // a product tile (tiles_ws_tf32.cu): g = alpha acc
-            ws_mm_store<L>(p, acc, m0, n0, nlim, warp, lane);
+            ws_tile_store<L>((float*)p.g, p.ldg, p.rows, p.scale_mul, acc, m0, n0, nlim, false,
+                             warp, lane);
             continue;
         }
+        // float32 LSE2 with g (tiles_ws_tf32.cu, whole matrix: row0 = 0): the raw scores
+        // too, each tile and its mirror, for the gradient pass that follows
+        if (MODE == MODE_LSE2 && sizeof(T) == 4 && p.g)
+            ws_tile_store<L>((float*)p.g, p.ldg, p.rows, 1.f, acc, m0, n0, nlim,
+                             TRI && n0 != m0, warp, lane);
         if (NCV) {  // the tile's column values, read by its epilogue
             float v[4];
             colv_values<MODE, sizeof(T) == 4>(v, raw, p.w_mul, ep.sl2);

@@ -251,13 +251,14 @@ def _args(a_hi, b_hi, *, rows: int, n1: int, d: int, scale: float, scale_log=Non
         rows, row0, n1, 0, d, int(exclude_diag), pos_shift, pos_mod, int(tri), scale, w_mul)
 
 
-def lse_symmetric(z, parts, scale: float, pos_shift: int):
+def lse_symmetric(z, parts, scale: float, pos_shift: int, s_out=None):
     """NT-Xent's row statistics on the TF32x3 tiles with each pair of score tiles computed once
     (the ``lse2`` pass + ``cpn_tf32x3_finish_tri``: :func:`tiles.tile_lse_symmetric`'s
     schedule).  ``z`` (n, d) float32 rows, ``parts`` = its :func:`split`, ``pos_shift`` = n / 2.
     The column shifts are the positive dots z_i · z_{i + n/2} in float32 (``paired_dots``; a
-    shift only: the positives' logits for the losses are the tiles').  Returns (lse, loss, ml)
-    as :func:`_finish`."""
+    shift only: the positives' logits for the losses are the tiles').  ``s_out``: an (n, n)
+    float32 view with 16-byte rows that also receives the raw scores z_i · z_j, every tile
+    and its mirror (for :func:`h_from_s`).  Returns (lse, loss, ml) as :func:`_finish`."""
     import cupy as cp
 
     z_hi, z_lo = parts
@@ -274,8 +275,8 @@ def lse_symmetric(z, parts, scale: float, pos_shift: int):
     pos2 = cp.full((n,), np.nan, f32)  # written for the rows whose tile held the positive
     raw = _args(z_hi, z_hi, rows=n, n1=n, d=dp, scale=scale,
                 part=(part.data.ptr, part[1].data.ptr, n), colp=(colp.data.ptr, colp[1].data.ptr),
-                pos_out=pos2.data.ptr, lse_col=dots, exclude_diag=True, pos_shift=half,
-                pos_mod=n, tri=True)
+                pos_out=pos2.data.ptr, lse_col=dots, g=s_out, exclude_diag=True,
+                pos_shift=half, pos_mod=n, tri=True)
     _launch("lse2", (z_hi, z_lo, z_hi, z_lo), (ct, splits), raw)
     return _finish(part, splits, n, pos2, colp, half)
 
@@ -305,6 +306,21 @@ def h_block(parts, ml, scale: float, pos_shift: int, weights, *, tri: bool = Tru
                 pos_mod=n, tri=tri)
     _launch("h", (a_hi, a_lo, z_hi, z_lo), (rt, splits), raw)
     return h
+
+
+def h_from_s(s_block, ml, scale: float, pos_shift: int, weights):
+    """NT-Xent's gradient block H from the raw scores the symmetric forward stored
+    (:func:`lse_symmetric` with ``s_out``), in place: ``cpn_tf32x3_h_from_s``, every element
+    in the H tiles' accurate float32 form.  ``s_block`` (n, n) view with 16-byte rows;
+    ``ml``, ``weights`` as :func:`h_block`.  Returns ``s_block``, now H."""
+    n = s_block.shape[0]
+    w_arr, w_stride, w_mul = weights
+    kern = kernels.get_function(FILE, "cpn_tf32x3_h_from_s")
+    kern((-(-n // (4 * BLOCK)), n), (BLOCK,),
+         (s_block, np.int64(blas.leading_dim(s_block)), np.int32(n), np.int32(pos_shift), ml,
+          w_arr if w_arr is not None else np.uint64(0), np.int64(w_stride), np.float32(w_mul),
+          np.float32(scale)))
+    return s_block
 
 
 def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None):
@@ -391,24 +407,30 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
     n, d = q.shape
     f32 = np.dtype(np.float32)
     parts = split(q, "q")
+    ldg = -(-n // 4) * 4
+    rb = blas.plan_rows(op, n, 4 * ldg, workspace_bytes, align=tiles.TILE) if want_grad else 0
+    # the fused step with the whole H in the workspace: the forward keeps the scores in H's
+    # buffer and H is computed from them elementwise (no second pass over the products)
+    keep_s = want_grad and lse_in is None and symmetric and rb >= n
+    h_buf = cp.empty((rb, ldg), f32) if want_grad else None
     loss = None
     if lse_in is not None:
         lse, ml = lse_in, ml_from_lse(lse_in)
     elif symmetric:
-        lse, loss, ml = lse_symmetric(q, parts, scale, pos_shift)
+        lse, loss, ml = lse_symmetric(q, parts, scale, pos_shift,
+                                      s_out=h_buf[:, :n] if keep_s else None)
     else:
         lse, loss, _, ml = _lse_square(parts + parts, scale, exclude_diag=True,
                                        pos_shift=pos_shift, pos_mod=n)
     if not want_grad:
         return lse, loss, (None, None, None, None)
-    ldg = -(-n // 4) * 4
-    rb = blas.plan_rows(op, n, 4 * ldg, workspace_bytes, align=tiles.TILE)
     qt = split(cp.ascontiguousarray(q.T), "q")  # (d, n): K-major for the product
     de = d + d % 2  # (the product's paired stores want an even leading dimension)
     dq = cp.empty((n, de), f32)
-    h_buf = cp.empty((rb, ldg), f32)
+    if keep_s:
+        mm(h_from_s(h_buf[:, :n], ml, scale, pos_shift, weights), qt, dq)
     tri = symmetric and rb >= n
-    for r0 in range(0, n, rb):
+    for r0 in range(0, 0 if keep_s else n, rb):
         r1 = min(n, r0 + rb)
         h = h_block(parts, ml, scale, pos_shift, weights, tri=tri, row0=r0, rows=r1 - r0,
                     out=h_buf)
