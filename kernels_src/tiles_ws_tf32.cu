@@ -1,23 +1,24 @@
-// cupynce fused score tiles of float32 operands on Hopper's tensor cores (issue 24, prototype):
+// cupynce fused score tiles of float32 operands on Hopper's tensor cores (issue 24):
 // tile_ws.cuh's warp-specialised walk (TMA producer warpgroup, two consumer warpgroups that
 // ping-pong whole 128 x 128 tiles, tile_epilogue.cuh's epilogues) over split operands
 // x = hi + lo (hi = x rounded to TF32, lo = x - hi exactly: blas.split_tf32), three TF32
 // products S = lo_a hi_b + hi_a lo_b + hi_a hi_b (lo lo, ~2^-22 relative, dropped), with the
 // accumulator promoted every 32 of K so that the scores are as accurate as fp32's or better.
 // Modes LSE, LSE2 (NT-Xent's symmetric forward), H (NT-Xent's gradient block) and MM (a
-// product); not yet wired into any op (tiles_tf32.py launches them).  Built for sm_90a only
-// (__trap() elsewhere).
+// product); tiles_tf32.py launches them for float32 NT-Xent (precisions "auto" / "3xtf32").
+// Built for sm_90a only (__trap() elsewhere).
 //
 //   cpn_wstile_<mode>_tf32x3(ahi, alo, bhi, blo, p, ring): tensor maps of A_hi, A_lo (rows x d)
 //   and B_hi, B_lo (n1 x d), float32, 128 x 32 boxes, 128-byte swizzle (tma.matrix_map);
 //   p the TileArgs<float> of tiles.cu with n2 = 0 (no B2); ring = stages (no A-resident
 //   ring).  Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory 1 KiB +
 //   stages x 64 KiB.  LSE / LSE2 write cpn_wstile_<mode>_bf16's outputs (row (m, s) partials
-//   per split, column partials, positive logits), combined by tiles.cu's finishing kernels;
-//   H writes the float32 block split, H = hi + lo (split_tf32), hi into p.g and lo into
-//   p.dsp_part (same ldg; no SOUT staging: direct float2 stores, the mirror of a `tri` tile
-//   element by element); MM writes p.g = alpha A B^T (alpha = p.scale_mul; A = the H block,
-//   B = the keys transposed, d = the block's columns).
+//   per split, column partials, positive logits), combined by the finishing kernels below;
+//   LSE2 with p.g also stores the raw scores, each tile and its mirror (ws_tile_store), for
+//   cpn_tf32x3_h_from_s; H writes the float32 block into p.g (direct float2 stores, the
+//   mirror of a `tri` tile element by element); MM writes p.g = alpha A B^T (alpha =
+//   p.scale_mul; A = the float32 H block, its map in ahi's place and split by the consumers,
+//   alo unread; B = the keys transposed, split; d = the block's columns).
 //
 // Why the promotion: Hopper's tensor cores add each MMA step's products to the accumulator
 // truncating toward zero, ~0.5 ulp of the partial sum lost per k8 step, always the same way,

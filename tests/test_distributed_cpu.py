@@ -331,7 +331,7 @@ def check_precision_reaches_every_product(rank, P):
     _numpy.rows = rows
     try:
         for precision, tf32, want in (("3xtf32", True, "3xtf32"), (None, True, "tf32"),
-                                      (None, False, "fp32")):
+                                      (None, False, "auto")):
             torch.backends.cuda.matmul.allow_tf32 = tf32
             z = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
             loss = ct.nt_xent(z, 0.5, reduction="none", precision=precision,

@@ -1,5 +1,5 @@
 """The TF32x3 score tiles (``kernels_src/tiles_ws_tf32.cu``, ``tiles_tf32.tile_lse_tf32x3``,
-issue 24 prototype) on Hopper: float32 inputs, row log-sum-exps and losses against a float64
+issue 24) on Hopper: float32 inputs, row log-sum-exps and losses against a float64
 NumPy oracle and against the float32 cuBLAS products.
 
 What is measured where (relative, ‖x − ref‖ / ‖ref‖ over the rows), with bounds sized by a

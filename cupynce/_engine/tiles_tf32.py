@@ -1,5 +1,6 @@
-"""Float32 score tiles on Hopper's tensor cores (``kernels_src/tiles_ws_tf32.cu``, issue 24):
-not yet wired into any op (the float32 ops keep cuBLAS, ``blas.float32_precision``).
+"""Float32 NT-Xent on Hopper's tensor cores (``kernels_src/tiles_ws_tf32.cu``, issue 24): the
+engine of the float32 precisions "auto" (from ``AUTO_MIN_ROWS`` x ``AUTO_MIN_DIM``) and
+"3xtf32" for NT-Xent (:func:`applies`, :func:`rows`, routed from ``_engine.rows``).
 
 Each float32 operand is split x = hi + lo (:func:`blas.split_tf32`: hi = x rounded to TF32,
 lo = x - hi exactly) and the warp-specialised tile walk of ``tile_ws.cuh`` computes
@@ -8,20 +9,25 @@ an fp32 register sum with round-to-nearest adds: Hopper's tensor cores truncate 
 accumulate, which makes cuBLAS's 3xTF32 (one long accumulation) 3-13x less accurate than
 fp32; the promoted chunks are not (docs/notes.md, issue 24).
 
-What runs: :func:`tile_lse_tf32x3` / :func:`lse_split` (the square LSE pass), and NT-Xent's
-whole float32 step, :func:`nt_xent` -- :func:`lse_symmetric` (each pair of score tiles once),
-:func:`h_block` (H = G + Gᵀ written as its own split H_hi + H_lo) and :func:`mm` (dz = H z on
-the same promoted product tiles, against zᵀ split).  Accuracy choices, float32 only (the
-16-bit kernels' code is unchanged, their outputs bit for bit): logits in base 2 through
-s·log2(e) held in two floats; the rows' partials kept in base 2 and merged by
+NT-Xent's float32 step (:func:`rows`): the statistics (:func:`lse_symmetric`, each pair of
+score tiles once; finished into each row's (M, log2 S) pair), then the gradient block
+H = G + Gᵀ in float32 -- from the raw scores the statistics pass kept in H's buffer
+(:func:`h_from_s`, elementwise) when the whole H fits the workspace and the gradient is
+computed in the same call, else recomputed by the ``h`` pass (:func:`h_block`, in row
+blocks) -- and dz = H z on the same promoted product tiles (:func:`mm`, A split by its
+consumers in shared memory, against zᵀ split).  Accuracy choices, float32 only (the 16-bit
+kernels' code is unchanged, their outputs bit for bit): logits in base 2 through s·log2(e)
+held in two floats; the rows' partials kept in base 2 and merged by
 ``cpn_tf32x3_finish[_tri]`` into each row's (M, log2 S) pair, which H reads so that
 t - lse = (t - M) - log2 S and P - 1 at the positive comes from expm1 (the float32 gradient
 is a difference of nearly equal terms: that, not the products, sets its error); the losses
 from the tiles' own base-2 positive logits.  Measured (H100, N = 16384, D = 512, t = 0.07):
-dz 7.2e-6 and lse 1.4e-7 relative against float64, cuBLAS fp32's path 1.7e-5 / 3.0e-7.
+dz 7.2e-6 and lse 1.4e-7 relative against float64, cuBLAS fp32's path 1.7e-5 / 3.0e-7; at
+small shapes the split operands' 22 bits cost more than fp32's accumulation loses, hence
+``AUTO_MIN_ROWS``.
 
-Limits: B1 only (no shared negatives, no per-query ones), no A-resident ring, sm_90a only; the
-symmetric H needs the whole (n, n) split block (8 n² bytes: 2 GiB at n = 16384, no row blocks).
+Limits: NT-Xent's symmetric problem only (no shared or per-query negatives, no learnable
+scale), one GPU (the ``group=`` blocks stay on cuBLAS), sm_90a only.
 """
 from __future__ import annotations
 
@@ -131,7 +137,7 @@ def tile_lse_tf32x3(q, k, scale: float, *, neg_s=None, exclude_diag: bool = Fals
     k : cupy.ndarray, (m, d) float32; ``q`` itself (the same view) is split once
     scale : float
     neg_s : None
-        InfoNCE's extra negatives: not supported by the prototype (``NotImplementedError``).
+        InfoNCE's extra negatives: not supported (B1 only) (``NotImplementedError``).
     exclude_diag, pos_shift, pos_mod, scale_log :
         As :func:`tiles.tile_lse`.
     splits : int, optional
@@ -155,7 +161,7 @@ def tile_lse_tf32x3(q, k, scale: float, *, neg_s=None, exclude_diag: bool = Fals
     """
     if neg_s is not None:
         raise NotImplementedError("tile_lse_tf32x3: no second column matrix (neg_s) in the "
-                                  "prototype (tiles_ws_tf32.cu reads B1 only)")
+                                  "TF32x3 tiles (tiles_ws_tf32.cu reads B1 only)")
     _check(q, "q")
     _check(k, "k")
     n, d = q.shape
