@@ -27,7 +27,8 @@ small shapes the split operands' 22 bits cost more than fp32's accumulation lose
 ``AUTO_MIN_ROWS``.
 
 Limits: NT-Xent's symmetric problem only (no shared or per-query negatives, no learnable
-scale), one GPU (the ``group=`` blocks stay on cuBLAS), sm_90a only.
+scale: a ``group=`` NT-Xent's own diagonal block qualifies, its cross-rank blocks stay on
+cuBLAS, ``_engine.cross``), sm_90a only.
 """
 from __future__ import annotations
 
