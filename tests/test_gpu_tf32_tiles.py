@@ -383,3 +383,34 @@ def test_lse_pairs_from_natural_lse(tf32):
     # the float64 products' roundings)
     assert np.all(np.abs(ml[:, 0] + ml[:, 1] - want) <= 2.0 ** -46 * np.abs(want))
     assert np.array_equal(ml[:, 0], want.astype(np.float32).astype(np.float64))
+
+
+def test_applies_thresholds(monkeypatch):
+    """Which problems the engine routes to the tiles (no GPU needed: the device check is
+    stubbed): NT-Xent's symmetric float32 problem only; "auto" from AUTO_MIN_ROWS x
+    AUTO_MIN_DIM, "3xtf32" at every size, "fp32" / "tf32" never; USE_TILES False never."""
+    from cupynce._engine import blas, tiles
+
+    monkeypatch.setattr(tiles_tf32, "available", lambda: True)
+    n0, d0 = tiles_tf32.AUTO_MIN_ROWS, tiles_tf32.AUTO_MIN_DIM
+
+    def ok(n, d, mode, dtype=np.float32, neg_s=None, **kw):
+        q = np.empty((n, d), dtype)
+        args = dict(exclude_diag=True, pos_shift=n // 2, pos_mod=n, self_pair=True,
+                    scale_log=None)
+        args.update(kw)
+        with blas.float32_precision(mode):
+            return tiles_tf32.applies(q, q, neg_s, **args)
+
+    assert ok(n0, d0, "auto") and ok(2 * n0, 4 * d0, "auto")
+    assert not ok(n0 - 2, d0, "auto") and not ok(n0, d0 - 1, "auto")
+    assert ok(6, 3, "3xtf32") and ok(n0, d0, "3xtf32")
+    assert not ok(n0, d0, "fp32") and not ok(n0, d0, "tf32")
+    assert not ok(n0, d0, "auto", dtype=np.float64)
+    assert not ok(n0, d0, "3xtf32", exclude_diag=False)
+    assert not ok(n0, d0, "3xtf32", self_pair=False)
+    assert not ok(n0, d0, "3xtf32", pos_shift=0)
+    assert not ok(n0, d0, "3xtf32", scale_log=np.zeros(1, np.float32))
+    assert not ok(n0, d0, "3xtf32", neg_s=np.empty((8, d0), np.float32))
+    monkeypatch.setattr(tiles, "USE_TILES", False)
+    assert not ok(n0, d0, "auto") and not ok(6, 3, "3xtf32")
