@@ -333,6 +333,9 @@ def test_arguments_checked_before_the_device(monkeypatch):
         tiles_tf32.tile_lse_tf32x3(q.astype(np.float16), q, 1.0)
     with pytest.raises(ValueError, match="same d"):
         tiles_tf32.tile_lse_tf32x3(q, np.zeros((10, 4), np.float32), 1.0)
+    with pytest.raises(ValueError, match="do not fit together"):
+        tiles_tf32.mm(np.zeros((10, 8), np.float32), (q[:, :4], q[:, :4]),
+                      np.zeros((10, 10), np.float32))
     monkeypatch.setattr(tiles_tf32, "available", lambda: False)
     with pytest.raises(tiles_tf32.TF32TilesUnavailable, match="compute-capability 9.0"):
         tiles_tf32.tile_lse_tf32x3(q, q, 1.0)
@@ -370,6 +373,32 @@ def test_ops_route_float32_nt_xent_here(tf32, mode, monkeypatch):
     monkeypatch.setattr(tiles, "USE_TILES", False)
     cupynce.nt_xent(z, 0.1, precision=mode)
     assert calls == []
+
+
+@gpu
+def test_h_from_s_row_loop_and_fallback(tf32, monkeypatch):
+    """cpn_tf32x3_h_from_s with fewer grid rows than H's (each block looping over rows) gives
+    the same bits; a launch the tiles refuse falls back to the row blocks (fp32's bits under
+    "auto")."""
+    import cupynce
+
+    n, d = tiles_tf32.AUTO_MIN_ROWS, tiles_tf32.AUTO_MIN_DIM
+    z = cp.asarray(_nt_xent_inputs(n, d, seed=5))
+
+    def step(**kw):
+        loss, ctx = cupynce.nt_xent_forward(z, 0.1, **kw)
+        return [cp.asnumpy(x) for x in (loss, cupynce.nt_xent_backward(ctx))]
+
+    want = step()
+    monkeypatch.setattr(tiles_tf32, "H_FROM_S_GRID_Y", 7)
+    for x, y in zip(step(), want):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+    def refuse(*a, **k):
+        raise tiles_tf32.TF32TilesUnavailable("refused")
+    monkeypatch.setattr(tiles_tf32, "_launch", refuse)
+    for x, y in zip(step(), step(precision="fp32")):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
 
 
 @gpu

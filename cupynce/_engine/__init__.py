@@ -54,8 +54,13 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     if neg_p is None and tiles_tf32.applies(q, k, neg_s, exclude_diag=exclude_diag,
                                             pos_shift=pos_shift, pos_mod=pos_mod,
                                             self_pair=self_pair, scale_log=scale_log):
-        return tiles_tf32.rows(q, scale, pos_shift=pos_shift, lse_in=lse_in, weights=weights,
-                               want_grad=want_grad, workspace_bytes=workspace_bytes, op=op)
+        try:
+            return tiles_tf32.rows(q, scale, pos_shift=pos_shift, lse_in=lse_in,
+                                   weights=weights, want_grad=want_grad,
+                                   workspace_bytes=workspace_bytes, op=op)
+        except tiles_tf32.TF32TilesUnavailable:
+            pass  # (a tensor map or the shared memory refused at launch: the row blocks,
+            # fp32-accurate under "auto", cuBLAS 3xTF32 under "3xtf32", as elsewhere)
     return blocks.rows(q, k, neg_s, neg_p, scale, **kw)
 
 

@@ -315,6 +315,11 @@ def h_block(parts, ml, scale: float, pos_shift: int, weights, *, tri: bool = Tru
     return h
 
 
+#: rows of ``cpn_tf32x3_h_from_s``'s grid (CUDA caps y at 65535; each block then loops over
+#: rows y, y + this, ...; a test lowers it to cover the loop)
+H_FROM_S_GRID_Y = 65535
+
+
 def h_from_s(s_block, ml, scale: float, pos_shift: int, weights):
     """NT-Xent's gradient block H from the raw scores the symmetric forward stored
     (:func:`lse_symmetric` with ``s_out``), in place: ``cpn_tf32x3_h_from_s``, every element
@@ -323,7 +328,7 @@ def h_from_s(s_block, ml, scale: float, pos_shift: int, weights):
     n = s_block.shape[0]
     w_arr, w_stride, w_mul = weights
     kern = kernels.get_function(FILE, "cpn_tf32x3_h_from_s")
-    kern((-(-n // (4 * BLOCK)), n), (BLOCK,),
+    kern((-(-n // (4 * BLOCK)), min(n, H_FROM_S_GRID_Y)), (BLOCK,),
          (s_block, np.int64(blas.leading_dim(s_block)), np.int32(n), np.int32(pos_shift), ml,
           w_arr if w_arr is not None else np.uint64(0), np.int64(w_stride), np.float32(w_mul),
           np.float32(scale)))
@@ -340,6 +345,9 @@ def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None):
     b_hi, b_lo = bt_parts
     m, k = a.shape
     c = b_hi.shape[0]
+    if k > b_hi.shape[1] or out.shape[0] < m or out.shape[1] < c:
+        raise ValueError(f"tiles_tf32.mm: a {a.shape}, b {b_hi.shape} (K at least a's) and out "
+                         f"{out.shape} (at least ({m}, {c})) do not fit together")
     if a.dtype != np.float32 or a.strides[1] != 4 or blas.leading_dim(a) % 4 \
             or a.data.ptr % 16:
         raise ValueError(f"tiles_tf32.mm: a must be float32 with 16-byte rows, got {a.dtype} "
