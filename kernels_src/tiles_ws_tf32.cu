@@ -239,39 +239,41 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tf32x3_finish_tri(
 // (s log2(e) in two floats, as epi_ctx), P - 1 at the positive j = (i + half) mod n through
 // expm1, 0 on the diagonal: the float32 H tile epilogue's accurate form for every element
 // (the tiles take a one-exp2 form on most tiles; this pass is memory-bound, two exp2 cost
-// nothing).  w_i = w_mul w[i w_stride] (w_mul alone without w).  Four columns a thread.
+// nothing).  w_i = w_mul w[i w_stride] (w_mul alone without w).  Four columns a thread; rows
+// blockIdx.y, + gridDim.y, ... (the grid's y is capped at 65535).
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tf32x3_h_from_s(
     float* g, i64 ldg, int n, int half, const float2* __restrict__ ml,
     const float* __restrict__ w, i64 w_stride, float w_mul, float scale) {
-    const int i = blockIdx.y;
     const int j0 = 4 * (blockIdx.x * CPN_BLOCK + threadIdx.x);
     if (j0 >= n) return;
     const double s2 = (double)scale * 1.4426950408889634;
     const float sl2 = (float)s2, sl2lo = (float)(s2 - (double)sl2);
-    const float2 mi = ml[i];
-    const float wi = w_mul * (w ? w[(i64)i * w_stride] : 1.f);
-    const int pos = (int)(((i64)i + half) % n);
-    float* const row = g + (i64)i * ldg;
-    float4 a = *(const float4*)(row + j0);
-    float* const av = &a.x;
+    for (int i = blockIdx.y; i < n; i += gridDim.y) {
+        const float2 mi = ml[i];
+        const float wi = w_mul * (w ? w[(i64)i * w_stride] : 1.f);
+        const int pos = (int)(((i64)i + half) % n);
+        float* const row = g + (i64)i * ldg;
+        float4 a = *(const float4*)(row + j0);
+        float* const av = &a.x;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int j = j0 + e;
-        if (j >= n) break;
-        const float2 mj = ml[j];
-        const float wj = w_mul * (w ? w[(i64)j * w_stride] : 1.f);
-        const float t = fmaf(av[e], sl2, av[e] * sl2lo);
-        const float di = (t - mi.x) - mi.y, dc = (t - mj.x) - mj.y;
-        float p;
-        if (j == pos)
-            p = wi * expm1f(di * CPN_LN2) + wj * expm1f(dc * CPN_LN2);
-        else
-            p = wi * exp2f(di) + wj * exp2f(dc);
-        av[e] = j == i ? 0.f : scale * p;
-    }
-    if (j0 + 3 < n) {
-        *(float4*)(row + j0) = a;
-    } else {
-        for (int e = 0; j0 + e < n; ++e) row[j0 + e] = av[e];
+        for (int e = 0; e < 4; ++e) {
+            const int j = j0 + e;
+            if (j >= n) break;
+            const float2 mj = ml[j];
+            const float wj = w_mul * (w ? w[(i64)j * w_stride] : 1.f);
+            const float t = fmaf(av[e], sl2, av[e] * sl2lo);
+            const float di = (t - mi.x) - mi.y, dc = (t - mj.x) - mj.y;
+            float p;
+            if (j == pos)
+                p = wi * expm1f(di * CPN_LN2) + wj * expm1f(dc * CPN_LN2);
+            else
+                p = wi * exp2f(di) + wj * exp2f(dc);
+            av[e] = j == i ? 0.f : scale * p;
+        }
+        if (j0 + 3 < n) {
+            *(float4*)(row + j0) = a;
+        } else {
+            for (int e = 0; j0 + e < n; ++e) row[j0 + e] = av[e];
+        }
     }
 }

@@ -12,7 +12,7 @@ caller's tensor exactly as in open_clip).
 Extra keyword-only arguments: ``normalize`` (L2-normalise the features inside the op; open_clip
 expects them normalised by the model), ``workspace_bytes`` (the op's scratch cap), ``group``
 (the process group; the default group when ``world_size > 1``), ``precision`` (float32
-products on CUDA: "fp32" | "tf32" | "3xtf32"; None follows torch's TF32 setting, as
+products on CUDA: "auto" | "fp32" | "tf32" | "3xtf32"; None follows torch's TF32 setting, as
 open_clip's own matmuls do, then ``cupynce.get_float32_precision()``).
 """
 from typing import Any, Dict, Optional, Union

@@ -105,7 +105,7 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
         every rank;
         the gradients from ``*_backward`` are P times those of the global loss with respect
         to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
-    precision : "fp32" | "tf32" | "3xtf32", optional
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional
         float32 products on the GPU; as for :func:`cupynce.nt_xent_forward`.
 
     Notes

@@ -87,7 +87,7 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
         rank's keys and shared negatives are candidates of every query;
         the gradients from ``*_backward`` are P times those of the global loss with respect
         to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
-    precision : "fp32" | "tf32" | "3xtf32", optional
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional
         float32 products on the GPU; as for :func:`cupynce.nt_xent_forward`.
 
     Returns

@@ -68,7 +68,7 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
         them] (equal counts); the global batch is [every rank's view 1; every rank's view 2];
         the gradients from ``*_backward`` are P times those of the global loss with respect
         to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
-    precision : "fp32" | "tf32" | "3xtf32", optional
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional
         How float32 products run on the GPU (see :func:`cupynce.set_float32_precision`);
         None (default): the global default, ``cupynce.get_float32_precision()``.  Kept in the
         context: the backward runs in the same.  Ignored (validated) for float16 / bfloat16 /

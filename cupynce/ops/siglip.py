@@ -128,7 +128,7 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
         of its rows; the gradients from ``*_backward`` follow the data-parallel convention (P
         times the global loss's with respect to the local rows); the scale's and bias's are
         the global ones on every rank.
-    precision : "fp32" | "tf32" | "3xtf32", optional
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional
         float32 products on the GPU; as for :func:`cupynce.nt_xent_forward`.
 
     Notes

@@ -238,7 +238,7 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
         docstring) holds no logits and ignores it.
     requires_grad : bool
         Keep what :func:`splade_pool_backward` needs (x, weight, out, the arg-max).
-    precision : "fp32" | "tf32" | "3xtf32", optional
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional
         How the float32 logit products run on the GPU (the cuBLAS-tile forward; see
         :func:`cupynce.set_float32_precision`); None: the global default.  In TF32 a logit
         near a tie may pick another position l*.  Ignored (validated) for other dtypes and on

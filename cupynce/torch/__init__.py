@@ -75,7 +75,7 @@ the ``.to``).  Registered as the ops' AutocastCPU / AutocastCUDA kernels, which 
 
 float32 precision
 -----------------
-Every function and module takes ``precision="fp32" | "tf32" | "3xtf32"`` (float32 CUDA
+Every function and module takes ``precision="auto" | "fp32" | "tf32" | "3xtf32"`` (float32 CUDA
 products; see :func:`cupynce.set_float32_precision`).  ``precision=None`` (the default) is
 "tf32" when torch runs its own float32 CUDA matmuls in TF32 --
 ``torch.backends.cuda.matmul.fp32_precision == "tf32"`` on torch >= 2.9, which

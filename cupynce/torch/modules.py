@@ -92,7 +92,7 @@ class InfoNCELoss(nn.Module):
     normalize : bool, default False (keyword-only)
     group : torch.distributed process group, optional (keyword-only) — the loss of the group's
         global batch (see :func:`nt_xent`)
-    precision : "fp32" | "tf32" | "3xtf32", optional (keyword-only) — float32 products on
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional (keyword-only) — float32 products on
         CUDA; None (default) follows torch's TF32 setting at each call, then
         ``cupynce.get_float32_precision()`` (see :func:`nt_xent`)
     """
@@ -353,7 +353,7 @@ class SpladePooling(nn.Module):
     weight : nn.Parameter (V, D), optional — share it instead of owning a weight
     dtype, device : the owned parameters' dtype and device (as ``nn.Linear``'s); with ``weight``
         given, they default to the weight's and must agree with it.
-    precision : "fp32" | "tf32" | "3xtf32", optional — float32 logit products on CUDA, as for
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional — float32 logit products on CUDA, as for
         :func:`splade_pool` (None: torch's TF32 setting, then the global default)
     """
 

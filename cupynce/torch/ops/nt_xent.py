@@ -123,7 +123,7 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
         image's other view, every other row of every rank a negative.  Every rank returns the
         global loss (its own rows of it for "none"); the gradient follows DDP's convention
         (``cupynce.torch.distributed``).  None (default): this process alone.
-    precision : "fp32" | "tf32" | "3xtf32", optional
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional
         How float32 products run on CUDA (see :func:`cupynce.set_float32_precision`; the
         backward runs in the same).  None (default), evaluated at each call on the host:
         "tf32" when torch runs its own float32 CUDA matmuls in TF32 --

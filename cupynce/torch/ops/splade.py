@@ -128,7 +128,7 @@ def splade_pool(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     activation : "log1p_relu" (default, SPLADE's log(1 + ReLU)) | "relu"
     workspace_bytes : int, optional
         Cap on the logit-tile workspace (CUDA); the core's default when None.
-    precision : "fp32" | "tf32" | "3xtf32", optional
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional
         How float32 logit products run on CUDA; None follows torch's TF32 setting, then
         ``cupynce.get_float32_precision()`` (see :func:`nt_xent`).  The backward runs no
         products.
