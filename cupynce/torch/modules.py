@@ -353,8 +353,8 @@ class SpladePooling(nn.Module):
     weight : nn.Parameter (V, D), optional — share it instead of owning a weight
     dtype, device : the owned parameters' dtype and device (as ``nn.Linear``'s); with ``weight``
         given, they default to the weight's and must agree with it.
-    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional — float32 logit products on CUDA, as for
-        :func:`splade_pool` (None: torch's TF32 setting, then the global default)
+    precision : "auto" | "fp32" | "tf32" | "3xtf32", optional — float32 logit products on
+        CUDA, as for :func:`splade_pool` (None: torch's TF32 setting, then the global default)
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, *, activation: str = "log1p_relu",
