@@ -390,7 +390,11 @@ def test_h_from_s_row_loop_and_fallback(tf32, monkeypatch):
         loss, ctx = cupynce.nt_xent_forward(z, 0.1, **kw)
         return [cp.asnumpy(x) for x in (loss, cupynce.nt_xent_backward(ctx))]
 
+    # (a CUDA-graph plan of this problem cached by an earlier test would replay its own
+    # kernels: every step below must run or capture them afresh)
+    _graphs.clear()
     want = step()
+    _graphs.clear()
     monkeypatch.setattr(tiles_tf32, "H_FROM_S_GRID_Y", 7)
     for x, y in zip(step(), want):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
@@ -398,7 +402,7 @@ def test_h_from_s_row_loop_and_fallback(tf32, monkeypatch):
     def refuse(*a, **k):
         raise tiles_tf32.TF32TilesUnavailable("refused")
     monkeypatch.setattr(tiles_tf32, "_launch", refuse)
-    _graphs.clear()  # (a cached CUDA-graph plan of this problem holds the tiles' buffers)
+    _graphs.clear()
     for x, y in zip(step(), step(precision="fp32")):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
 
