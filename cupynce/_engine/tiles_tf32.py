@@ -413,10 +413,12 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
 
     The statistics: the symmetric ``lse2`` pass (each pair of score tiles once; ``symmetric``
     False: the square ``lse`` pass, for tests), finished into each row's (M, log2 S) pair, or
-    those pairs from ``lse_in`` (:func:`ml_from_lse`).  The gradient: H (``h``) in row blocks
-    of float32 (4 · ldg bytes a row, ``blas.plan_rows`` under ``workspace_bytes``), mirrored
-    tiles when the whole H is one block, then dq[block] = H[block] q (``mm``, against qᵀ
-    split).  Scratch besides H: q and qᵀ split (4 n d floats)."""
+    those pairs from ``lse_in`` (:func:`ml_from_lse`).  The gradient: H in float32 (4 · ldg
+    bytes a row, ``blas.plan_rows`` under ``workspace_bytes``) -- when the whole H is one
+    block and the statistics run in this call, from the raw scores the ``lse2`` pass kept in
+    its buffer (:func:`h_from_s`), else by the ``h`` pass in row blocks (mirrored tiles when
+    one block holds all of H) --, then dq[block] = H[block] q (``mm``, against qᵀ split).
+    Scratch besides H: q and qᵀ split (4 n d floats)."""
     import cupy as cp
 
     n, d = q.shape
@@ -444,12 +446,13 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
     dq = cp.empty((n, de), f32)
     if keep_s:
         mm(h_from_s(h_buf[:, :n], ml, scale, pos_shift, weights), qt, dq)
-    tri = symmetric and rb >= n
-    for r0 in range(0, 0 if keep_s else n, rb):
-        r1 = min(n, r0 + rb)
-        h = h_block(parts, ml, scale, pos_shift, weights, tri=tri, row0=r0, rows=r1 - r0,
-                    out=h_buf)
-        mm(h, qt, dq[r0:r1])
+    else:
+        tri = symmetric and rb >= n
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            h = h_block(parts, ml, scale, pos_shift, weights, tri=tri, row0=r0, rows=r1 - r0,
+                        out=h_buf)
+            mm(h, qt, dq[r0:r1])
     if de != d:
         dq = cp.ascontiguousarray(dq[:, :d])
     return lse, loss, (dq, dq, None, None)
