@@ -14,7 +14,9 @@ rank blocks, ``engine.cross``, on emulated ranks) or "ws" (one small call of eac
 warp-specialised stage: lse with shared negatives whose columns start mid-tile, lse2 / clip,
 NT-Xent's symmetric lse2 and mirrored h, info_nce's g, SigLIP; ring of A + B stages and A
 resident; a few launches each, for racecheck) or "tf32" (float32 NT-Xent on the TF32x3
-tiles: every kernel of tiles_ws_tf32.cu, both column-tile parities).  racecheck exits with code 9 and no
+tiles: every kernel of tiles_ws_tf32.cu, both column-tile parities) or "tf32products" (CLIP,
+SigLIP and InfoNCE's float32 products on those tiles: the accumulating product and the
+in-place transpose).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
 """
@@ -104,4 +106,20 @@ if part == "tf32":
     from cupynce._engine import tiles_tf32
     tiles_tf32.nt_xent(z, 10.0, (None, 0, 1e-3), symmetric=False)
     l = cp.zeros(())
+if part == "tf32products":
+    # CLIP / SigLIP / InfoNCE's float32 products on the TF32x3 tiles (products_tf32): A Bᵀ,
+    # G B, the in-place square transposes and Gᵀ A accumulating; one block (a 1100 square)
+    # and row blocks of 1088 (two squares and a strip of 24 columns, dB accumulated)
+    from cupynce._engine import products_tf32
+    ran = []
+    real = products_tf32.transpose_square
+    products_tf32.transpose_square = lambda v: ran.append(v.shape[0]) or real(v)
+    for n, ws in ((1100, None), (2200, 1100 * 2200 * 4)):
+        x = cp.asarray(rng.standard_normal((n, 72)).astype(np.float32))
+        y = cp.asarray(rng.standard_normal((n, 72)).astype(np.float32))
+        kw = dict(precision="3xtf32", workspace_bytes=ws)
+        l, c = cupynce.clip_loss_forward(x, y, 2.0, **kw); cupynce.clip_loss_backward(c)
+        l, c = cupynce.siglip_loss_forward(x, y, 2.3, -10.0, **kw); cupynce.siglip_loss_backward(c)
+        l, c = cupynce.info_nce_forward(x, y, 0.1, **kw); cupynce.info_nce_backward(c)
+    assert 1100 in ran and 1088 in ran, ran
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(cp.asarray(l).sum()))

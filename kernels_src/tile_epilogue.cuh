@@ -85,6 +85,19 @@ __host__ __device__ __forceinline__ int tri_count(int i, int ct) {
 // pointers, then 64-bit integers, then 32-bit fields -- no padding inside; Python packs it
 // with struct format "<14Q6q9i2f4x" (_engine/tiles.py TILE_ARGS_*; a GPU test compares the
 // offsets through cpn_tile_args_layout).
+// The TF32x3 tiles' products (tiles_ws_tf32.cu) come out low by this fraction on average:
+// each wgmma k8 step truncates its sum toward zero, and a promoted 32-wide chunk (12 steps,
+// the last 4 at the chunk's magnitude) keeps the loss, the same sign in every chunk, so it
+// does not average out over K.  Measured on an H100 (scratch of 2026-11-26, docs/notes.md:
+// mean signed error of mm against float64 over its outputs, relative to their mean size):
+// -0.91e-7 for zero-mean unit rows at D = 64 ... 512, -0.84e-7 for a softmax-like block
+// times unit columns (K = 4096), -1.38e-7 for all-positive unit rows; cuBLAS fp32's is
+// below 3e-9.  The products are scaled by 1 + this (folded into s log2(e) in double by the
+// softmax epilogues and by cpn_tf32x3_h_from_s, one more FMA in MODE_MM's stores), which
+// leaves ~0 for zero-mean data, +0.8e-8 and -4.6e-8 for the other two.  Without it a sum of
+// many scores in one direction -- a scale gradient -- inherits the bias.
+#define CPN_TF32X3_TRUNC 0.92e-7
+
 template <typename T> struct TileArgs {
     const T* A; const T* B1; const T* B2; const float* scale_log;
     float* part_m; float* part_s; float* pos_out; float* colp_m; float* colp_s;
@@ -123,7 +136,8 @@ __device__ __forceinline__ EpiCtx<T> epi_ctx(
         // float32 (the TF32x3 tiles): s log2(e) as sl2 + sl2lo, t = acc sl2 + acc sl2lo (log2e
         // in float32 alone is 1.3e-8 off and the product rounds: a bias of every logit alike,
         // -4.7e-8 at s = 1 / 0.07, which the float32 gradient's cancellation magnifies)
-        const double s2 = (double)ep.scale * 1.4426950408889634;
+        // (times 1 + CPN_TF32X3_TRUNC: the mean truncation loss of the promoted products)
+        const double s2 = (double)ep.scale * 1.4426950408889634 * (1.0 + CPN_TF32X3_TRUNC);
         ep.sl2 = (float)s2;
         ep.sl2lo = (float)(s2 - (double)ep.sl2);
     }

@@ -147,13 +147,21 @@ template <typename T> struct WsOps16 {
 // The 128 x 128 product tile times alpha into the float32 rows of g (leading dimension ldg),
 // rows < rows and columns < nlim (MODE_MM's epilogue, alpha = p.scale_mul; the float32 LSE2
 // pass's raw scores, alpha = 1); a quad's float2 stores cover 32 contiguous bytes (whole
-// sectors).  mirror: also the transposed tile, g[col][row] (NT-Xent's symmetric schedule:
-// 8 lanes' rows make a 32-byte run of a mirrored row).
+// sectors).  comp: the products scaled by 1 + comp (MODE_MM: CPN_TF32X3_TRUNC,
+// tile_epilogue.cuh's compensation of the tiles' mean truncation loss), alpha acc +
+// (alpha comp) acc in one FMA; the LSE2 pass's raw scores are stored as they are (comp 0:
+// cpn_tf32x3_h_from_s then scales them as the epilogue did, the same bits).  accumulate: g = that
+// + g (MODE_MM with p.tri set: a product summed over row blocks, each element read and
+// written by one thread).  mirror: also the transposed
+// tile, g[col][row] (NT-Xent's symmetric schedule: 8 lanes' rows make a 32-byte run of a
+// mirrored row).
 template <typename L>
 __device__ __forceinline__ void ws_tile_store(float* g, i64 ldg, int rows, float alpha,
                                               const float (&acc)[2][16][4], int m0, int n0,
-                                              int nlim, bool mirror, int warp, int lane) {
+                                              int nlim, bool mirror, int warp, int lane,
+                                              float comp, bool accumulate = false) {
     const int gq = lane >> 2, cq = lane & 3;
+    const float ac = alpha * comp;
 #pragma unroll
     for (int i = 0; i < L::I; ++i)
 #pragma unroll
@@ -164,9 +172,21 @@ __device__ __forceinline__ void ws_tile_store(float* g, i64 ldg, int rows, float
 #pragma unroll
             for (int j = 0; j < L::J; ++j) {
                 const int col = n0 + j * 8 + 2 * cq;
-                const float v0 = alpha * acc[i][j][h * 2], v1 = alpha * acc[i][j][h * 2 + 1];
-                if (col + 1 < nlim) *(float2*)(o + col) = make_float2(v0, v1);
-                else if (col < nlim) o[col] = v0;
+                float v0 = alpha * acc[i][j][h * 2], v1 = alpha * acc[i][j][h * 2 + 1];
+                if (comp != 0.f) {  // (not fmaf(x, 0, y) for comp = 0: inf * 0)
+                    v0 = fmaf(acc[i][j][h * 2], ac, v0);
+                    v1 = fmaf(acc[i][j][h * 2 + 1], ac, v1);
+                }
+                if (col + 1 < nlim) {
+                    if (accumulate) {
+                        const float2 o2 = *(const float2*)(o + col);
+                        v0 += o2.x;
+                        v1 += o2.y;
+                    }
+                    *(float2*)(o + col) = make_float2(v0, v1);
+                } else if (col < nlim) {
+                    o[col] = accumulate ? v0 + o[col] : v0;
+                }
                 if (mirror) {
                     if (col < nlim) g[(i64)col * ldg + lr] = v0;
                     if (col + 1 < nlim) g[(i64)(col + 1) * ldg + lr] = v1;
@@ -284,16 +304,16 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
         ops.mma_tile(acc, rg, KT, s, fph, [&] {
             if (PP && t + 1 < my_tiles) ws_bar_arrive(3 + (c ^ 1));  // the other's turn
         });
-        if (MODE == MODE_MM) {  // a product tile (tiles_ws_tf32.cu): g = alpha acc
+        if (MODE == MODE_MM) {  // a product tile (tiles_ws_tf32.cu): g = alpha acc (+ g)
             ws_tile_store<L>((float*)p.g, p.ldg, p.rows, p.scale_mul, acc, m0, n0, nlim, false,
-                             warp, lane);
+                             warp, lane, (float)CPN_TF32X3_TRUNC, p.tri != 0);
             continue;
         }
         // float32 LSE2 with g (tiles_ws_tf32.cu, whole matrix: row0 = 0): the raw scores
         // too, each tile and its mirror, for the gradient pass that follows
         if (MODE == MODE_LSE2 && sizeof(T) == 4 && p.g)
             ws_tile_store<L>((float*)p.g, p.ldg, p.rows, 1.f, acc, m0, n0, nlim,
-                             TRI && n0 != m0, warp, lane);
+                             TRI && n0 != m0, warp, lane, 0.f);
         if (NCV) {  // the tile's column values, read by its epilogue
             float v[4];
             colv_values<MODE, sizeof(T) == 4>(v, raw, p.w_mul, ep.sl2);

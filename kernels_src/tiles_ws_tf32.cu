@@ -246,7 +246,8 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tf32x3_h_from_s(
     const float* __restrict__ w, i64 w_stride, float w_mul, float scale) {
     const int j0 = 4 * (blockIdx.x * CPN_BLOCK + threadIdx.x);
     if (j0 >= n) return;
-    const double s2 = (double)scale * 1.4426950408889634;
+    // (as epi_ctx: the LSE2 epilogue's very t, compensation included, from its raw scores)
+    const double s2 = (double)scale * 1.4426950408889634 * (1.0 + CPN_TF32X3_TRUNC);
     const float sl2 = (float)s2, sl2lo = (float)(s2 - (double)sl2);
     for (int i = blockIdx.y; i < n; i += gridDim.y) {
         const float2 mi = ml[i];
@@ -275,5 +276,36 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tf32x3_h_from_s(
         } else {
             for (int e = 0; j0 + e < n; ++e) row[j0 + e] = av[e];
         }
+    }
+}
+
+// ---- an in-place transpose, for the products of a stored gradient block -------------------
+// TF32 wgmma reads both operands K-major, so the column-side product of a row block,
+// dB = Gᵀ A, needs Gᵀ stored by rows.  tiles_tf32.Products transposes G's square n x n
+// sub-blocks in place (a leading dimension ld >= n) once the row-side product G B has read
+// them.  One CTA a pair of 32 x 32 tiles (i, j), i >= j (p = i (i + 1) / 2 + j): both read
+// through padded shared memory, each written back at the other's place (a diagonal tile
+// once).  Memory-bound; no arithmetic, so the values move bit for bit.
+extern "C" __global__ void __launch_bounds__(256) cpn_tf32x3_transpose_sq(float* a, i64 ld,
+                                                                         int n) {
+    __shared__ float t0[32][33], t1[32][33];
+    const long long p = blockIdx.x;
+    long long bi = (long long)((sqrt(8.0 * (double)p + 1.0) - 1.0) * 0.5);
+    while (bi * (bi + 1) / 2 > p) --bi;
+    while ((bi + 1) * (bi + 2) / 2 <= p) ++bi;
+    const long long bj = p - bi * (bi + 1) / 2;
+    const int r0 = (int)bi * 32, c0 = (int)bj * 32;
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    const bool diag = bi == bj;
+#pragma unroll
+    for (int y = ty; y < 32; y += 8) {
+        if (r0 + y < n && c0 + tx < n) t0[y][tx] = a[(i64)(r0 + y) * ld + c0 + tx];
+        if (!diag && c0 + y < n && r0 + tx < n) t1[y][tx] = a[(i64)(c0 + y) * ld + r0 + tx];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int y = ty; y < 32; y += 8) {
+        if (r0 + y < n && c0 + tx < n) a[(i64)(r0 + y) * ld + c0 + tx] = diag ? t0[tx][y] : t1[tx][y];
+        if (!diag && c0 + y < n && r0 + tx < n) a[(i64)(c0 + y) * ld + r0 + tx] = t0[tx][y];
     }
 }

@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import blas, kernels
+from . import blas, kernels, products_tf32
 from .arrays import FILE, buffers, fixed_sum, pair_weights, ptr
 from .kernels import BLOCK, acc_dtype
 
 
-def _row_bytes(t, a, cols: int, want_grad: bool) -> int:
+def _row_bytes(t, a, cols: int, want_grad: bool, gemm) -> int:
     """Workspace bytes a row block takes per row: its ``cols`` scores in the accumulator dtype
     ``a``; with the gradient, a separate copy of the gradient block in the input dtype ``t``
-    for half inputs and, for float32 in "3xtf32", the split the gradient products make of it
-    (``blas.split_row_bytes``)."""
+    for half inputs and, for float32 in "3xtf32" on cuBLAS, the split the gradient products
+    make of it (``products_tf32.split_row_bytes``: none when ``gemm``, the block's products,
+    is the TF32x3 tiles')."""
     row = cols * a.itemsize
     if want_grad:
-        row += (cols * t.itemsize if t != a else 0) + blas.split_row_bytes(t, cols)
+        row += (cols * t.itemsize if t != a else 0) + products_tf32.split_row_bytes(gemm, t, cols)
     return row
 
 
@@ -50,7 +51,10 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     mp = 0 if neg_p is None else neg_p.shape[1]
     ncols = nk + ms
     split_g = want_grad and t != a  # half inputs: the gradient block is stored in T separately
-    rb = blas.plan_rows(op, n, _row_bytes(t, a, ncols, want_grad), workspace_bytes)
+    # float32 products on the TF32x3 tiles where the precision takes them (not NT-Xent's
+    # self-pair fallback: its column-side product comes first and would spend G)
+    gemm = products_tf32.gemm_for(q, k) if not self_pair else products_tf32.cublas_gemm
+    rb = blas.plan_rows(op, n, _row_bytes(t, a, ncols, want_grad, gemm), workspace_bytes)
     # the call's scratch (score / gradient blocks, paired-negative dots) and what it returns
     # come from two allocations: an output the caller keeps (a per-row loss, the saved
     # gradient accumulators) never holds the score block alive.  The gradient accumulators
@@ -81,9 +85,9 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         nrows = r1 - r0
         s_blk = s_buf[:nrows]
         qb = q[r0:r1]
-        blas.gemm(qb, k, s_blk[:, :nk], trans_b=True)
+        gemm(qb, k, s_blk[:, :nk], trans_b=True)
         if ms:
-            blas.gemm(qb, neg_s, s_blk[:, nk:], trans_b=True)
+            gemm(qb, neg_s, s_blk[:, nk:], trans_b=True)
         g_blk = g_buf[:nrows] if want_grad else None
         kernels.launch(FILE, "row_softmax", t, (nrows,), (
             s_blk, np.int64(ncols), np.int32(ncols),
@@ -96,14 +100,14 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         if want_grad:
             acc = 1.0 if r0 else 0.0
             if self_pair:  # dk is dq: its every row is first written by the Gᵀ Q product
-                blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
-                blas.gemm(g_blk[:, :nk], k, dq[r0:r1], beta=1.0)
-            else:
-                blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
-                blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
+                gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
+                gemm(g_blk[:, :nk], k, dq[r0:r1], beta=1.0)
+            else:  # (each column-side product is its columns' last read of G: a_scratch)
+                gemm(g_blk[:, :nk], k, dq[r0:r1])
+                gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc, a_scratch=True)
             if ms:
-                blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
-                blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
+                gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
+                gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc, a_scratch=True)
     if want_grad and mp:
         dnp = cp.empty((n, mp, d), a)
         kernels.launch(FILE, "paired_grad", t, (n,),
@@ -128,7 +132,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     n, d = an.shape
     nc = bn.shape[0]
     split_g = want_grad and t != a
-    rb = blas.plan_rows("clip_loss", n, _row_bytes(t, a, nc, want_grad), workspace_bytes)
+    gemm = products_tf32.gemm_for(an, bn)
+    rb = blas.plan_rows("clip_loss", n, _row_bytes(t, a, nc, want_grad, gemm), workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     chunk = 64
     nch = (rb + chunk - 1) // chunk
@@ -158,7 +163,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             r1 = min(n, r0 + rb)
             nrows = r1 - r0
             s_blk = s_buf[:nrows]
-            blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
+            gemm(an[r0:r1], bn, s_blk, trans_b=True)
             kernels.launch(FILE, "row_softmax", t, (nrows,), (
                 s_blk, np.int64(nc), np.int32(nc), 0, np.int64(0), np.int32(0),
                 np.int32(row0 + r0), np.int32(0), np.int32(0), np.int32(nc), ls, a.type(1.0),
@@ -182,14 +187,14 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             nrows = r1 - r0
             s_blk = s_buf[:nrows]
             if not (reuse and want_loss):
-                blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
+                gemm(an[r0:r1], bn, s_blk, trans_b=True)
             g_blk = g_buf[:nrows]
             kernels.launch(FILE, "clip_grad", t, (nrows,), (
                 s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
                 lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride), a.type(w_mul),
                 g_blk, np.int64(nc), dsp.data.ptr - shift))
-            blas.gemm(g_blk, bn, da[r0:r1])
-            blas.gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
+            gemm(g_blk, bn, da[r0:r1])
+            gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0, a_scratch=True)
         grads = (da, db, dsp)
     if col_state:
         return lse_r, col_m, row_loss, grads
@@ -214,7 +219,8 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     n, d = an.shape
     nc = bn.shape[0]
     split_g = want_grad and t != a
-    rb = blas.plan_rows("siglip_loss", n, _row_bytes(t, a, nc, want_grad), workspace_bytes)
+    gemm = products_tf32.gemm_for(an, bn)
+    rb = blas.plan_rows("siglip_loss", n, _row_bytes(t, a, nc, want_grad, gemm), workspace_bytes)
     s_buf, g_buf = buffers((((rb, nc), a), ((rb, nc), t) if split_g else None))
     row_loss, da, db, parts = buffers((
         ((n,), a) if want_loss else None, ((n, d), a) if want_grad else None,
@@ -225,7 +231,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         s_blk = s_buf[:r1 - r0]
-        blas.gemm(an[r0:r1], bn, s_blk, trans_b=True)
+        gemm(an[r0:r1], bn, s_blk, trans_b=True)
         g_blk = g_buf[:r1 - r0] if want_grad else None
         kernels.launch(FILE, "siglip_rows", t, (r1 - r0,), (
             s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, lb,
@@ -234,9 +240,9 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
             ptr(parts) - row0 * a.itemsize if parts is not None else 0,
             0 if parts is None else parts.data.ptr + (n - row0) * a.itemsize))
         if want_grad:  # (the block holds s G / w_mul; the first block's products write db)
-            blas.gemm(g_blk, bn, da[r0:r1], alpha=w_mul)
-            blas.gemm(g_blk, an[r0:r1], db, trans_a=True, alpha=w_mul,
-                      beta=1.0 if r0 else 0.0)
+            gemm(g_blk, bn, da[r0:r1], alpha=w_mul)
+            gemm(g_blk, an[r0:r1], db, trans_a=True, alpha=w_mul, beta=1.0 if r0 else 0.0,
+                 a_scratch=True)
     grads = None
     if want_grad:
         grads = (da, db, fixed_sum(parts[0], 1), fixed_sum(parts[1], 1))
@@ -296,7 +302,8 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     n, d = q.shape
     m = k.shape[0]
     split_g = want_grad and t != a
-    rb = blas.plan_rows("nt_xent", n, _row_bytes(t, a, m, want_grad), workspace_bytes)
+    gemm = products_tf32.gemm_for(q, k)
+    rb = blas.plan_rows("nt_xent", n, _row_bytes(t, a, m, want_grad, gemm), workspace_bytes)
     chunk = 64
     nch = (rb + chunk - 1) // chunk
     s_buf, g_buf, part_m, part_s = buffers((
@@ -313,7 +320,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
             s_blk = s_buf[:r1 - r0]
-            blas.gemm(q[r0:r1], k, s_blk, trans_b=True)
+            gemm(q[r0:r1], k, s_blk, trans_b=True)
             kernels.launch(FILE, "row_softmax", t, (r1 - r0,), (
                 s_blk, np.int64(m), np.int32(m), 0, np.int64(0), np.int32(0),
                 np.int32(m + r0), np.int32(0), np.int32(0), np.int32(FAR_MOD), 0, a.type(scale),
@@ -332,14 +339,14 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
             s_blk = s_buf[:r1 - r0]
-            blas.gemm(q[r0:r1], k, s_blk, trans_b=True)
+            gemm(q[r0:r1], k, s_blk, trans_b=True)
             g_blk = g_buf[:r1 - r0]
             # clip_grad halves w_i p_i(j) + w_j p_j(i): the weights go in doubled
             kernels.launch(FILE, "clip_grad", t, (r1 - r0,), (
                 s_blk, np.int64(m), np.int32(m), np.int32(m + r0), 0, a.type(scale),
                 lse_row, lse_c, ptr(w_arr), np.int64(1), a.type(2 * w_mul), g_blk,
                 np.int64(m), 0))
-            blas.gemm(g_blk, k, dq[r0:r1])
-            blas.gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0)
+            gemm(g_blk, k, dq[r0:r1])
+            gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0, a_scratch=True)
     return lse_q, state, ((dq, dk) if want_grad else None)
 

@@ -58,8 +58,12 @@ class TF32TilesUnavailable(RuntimeError):
 
 def available() -> bool:
     """Whether :func:`tile_lse_tf32x3` can run on the current device: compute capability 9.0
-    (the kernel is built for sm_90a) and a driver that encodes tensor maps."""
-    return kernels.arch_specific_build(FILE) and tma.available()
+    (the kernel is built for sm_90a) and a driver that encodes tensor maps; False without a
+    CUDA device or driver (the cuBLAS paths that run instead raise their own error)."""
+    try:
+        return kernels.arch_specific_build(FILE) and tma.available()
+    except RuntimeError:  # (CuPy's CUDARuntimeError: no device / driver)
+        return False
 
 
 def ring(static_smem: int, smem_max: int) -> Optional[Tuple[int, int]]:
@@ -335,13 +339,15 @@ def h_from_s(s_block, ml, scale: float, pos_shift: int, weights):
     return s_block
 
 
-def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None):
-    """``out = alpha · A Bᵀ`` on the TF32x3 tiles (A split in shared memory, three TF32
+def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
+       accumulate: bool = False):
+    """``out = alpha · A Bᵀ`` (``accumulate``: ``+ out``) on the TF32x3 tiles (A split in shared memory, three TF32
     products per 32-wide K step, promoted to an fp32 register sum): ``a`` (m, k) float32 with
     16-byte rows (unit column stride, leading dimension a multiple of 4, as
     :func:`h_block` writes it), ``bt_parts`` = (B_hi, B_lo) (c, k) (:func:`split`) -- both
     K-major, as TF32 wgmma wants --, ``out`` (m, c) float32 with an even leading
-    dimension.  Returns ``out``."""
+    dimension; ``accumulate``: each element read, added to (round to nearest) and stored by
+    one thread (a product summed over row blocks in a fixed order).  Returns ``out``."""
     b_hi, b_lo = bt_parts
     m, k = a.shape
     c = b_hi.shape[0]
@@ -358,7 +364,8 @@ def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None):
     rt, ct = -(-m // tiles.TILE), -(-c // tiles.TILE)
     if splits is None:
         splits = tiles.grid_splits(rt, ct)
-    raw = _args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=out)
+    # (MODE_MM reads TileArgs' tri as its accumulate flag)
+    raw = _args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=out, tri=accumulate)
     _launch("mm", (a, a, b_hi, b_lo), (rt, splits), raw)
     return out
 

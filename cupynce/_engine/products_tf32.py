@@ -1,0 +1,172 @@
+"""Float32 products of the row-block path on the TF32x3 tiles (issue 24): CLIP's (and the
+other ``blocks.py`` ops') score and gradient products at tensor-core speed with fp32 accuracy.
+
+``blocks.py`` computes each float32 score block and its gradient accumulators with three
+kinds of product: S = A Bᵀ (the scores), dA = G B and dB = Gᵀ A (G, the gradient block,
+written over S).  :func:`gemm_for` gives the ops the ``gemm`` to issue them with: under the
+float32 precision "auto" from ``tiles_tf32.AUTO_MIN_ROWS`` x :data:`AUTO_MIN_DIM` on (and under
+"3xtf32" at every size) on a Hopper GPU, :meth:`Products.gemm` -- ``tiles_tf32.mm``, both
+operands split to TF32 hi + lo, three TF32 products per 32 of K promoted to an fp32 register
+sum (as accurate as fp32 or more: docs/notes.md) --, else :func:`blas.gemm` as before.
+
+TF32 wgmma reads both operands K-major (rows of K contiguous).  A Bᵀ reads A and B as they
+are stored; G B reads G and a transposed copy of B; Gᵀ A reads Gᵀ -- G's square k x k
+sub-blocks (k = the block's rows) transposed in place by ``cpn_tf32x3_transpose_sq``, so the
+caller's G is spent (``a_scratch=True``: the column-side product is the block's last use of
+G) -- and a transposed copy of A.  What the tiles cannot take runs through cuBLAS in true
+fp32 (accurate; no split scratch the planner did not count): the columns of G past its last
+whole square (Nc mod k), blocks of fewer than :data:`TRANS_MIN_ROWS` rows, operands without
+16-byte rows (d or Nc not a multiple of 4: no copy is made), ``beta`` other than 0 or 1,
+and a launch the tiles refuse (``tiles_tf32.TF32TilesUnavailable``: a transposed square is
+transposed back first, so cuBLAS reads G as stored).
+
+Scratch: one split operand at a time (the transposed copy and its hi / lo halves, 3 x an
+input block's size in float32, from CuPy's pool), never a copy of S or G: the row-block
+planners count no split of the gradient block here (:func:`split_row_bytes`).
+Deterministic: fixed orders throughout; the accumulating products read-add-store each element
+once.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from . import blas, kernels
+
+# (tiles and tiles_tf32 are imported where used: blocks.py imports this module, and tiles.py
+# imports blocks.py)
+#: fewest rows a block needs for its column-side product Gᵀ A on the tiles (one launch per
+#: k x k square of G; below, cuBLAS fp32 takes the whole product)
+TRANS_MIN_ROWS = 1024
+#: "auto" takes the tiles for these ops from this many columns D on (and from
+#: ``tiles_tf32.AUTO_MIN_ROWS`` rows): measured on an H100 (test_gpu_precision.py's bar,
+#: 2026-11-26), every loss and gradient of CLIP, SigLIP and InfoNCE at N x D = 4096 x 512
+#: and 6144 x 256 was at least as accurate as fp32's, but at D = 64 the scalar gradient
+#: dlogit_scale (reduction "none") was not: rms over four draws 8.9e-7 against fp32's
+#: 1.5e-7 (CLIP), 4.1e-7 against 1.3e-7 (SigLIP), while the per-row losses and the feature
+#: gradients were.  D = 128 was not measured, so the threshold is the smallest D that was.
+AUTO_MIN_DIM = 256
+
+
+def applies(a_rows, b_rows) -> bool:
+    """Whether the products of a score block between the float32 rows ``a_rows`` (n, d) and
+    ``b_rows`` (nc, d) go to the TF32x3 tiles: the float32 precision in effect "3xtf32", or
+    "auto" with n and nc at least ``tiles_tf32.AUTO_MIN_ROWS`` and d at least
+    :data:`AUTO_MIN_DIM` (below, not measured as accurate as fp32), a Hopper GPU with tensor
+    maps and the tiles not switched off (``tiles.USE_TILES``, ``CUPYNCE_TILES=0``)."""
+    from . import tiles, tiles_tf32
+
+    if tiles.USE_TILES is False or a_rows.dtype != np.float32 or b_rows.dtype != np.float32:
+        return False
+    mode = blas.float32_precision_now()
+    if mode == "auto":
+        n, d = a_rows.shape
+        if min(n, b_rows.shape[0]) < tiles_tf32.AUTO_MIN_ROWS or d < AUTO_MIN_DIM:
+            return False
+    elif mode != "3xtf32":
+        return False
+    return tiles_tf32.available()
+
+
+def cublas_gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
+                 alpha: float = 1.0, beta: float = 0.0, a_scratch: bool = False) -> None:
+    """:func:`blas.gemm` with :meth:`Products.gemm`'s signature (``a_scratch`` unused)."""
+    blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)
+
+
+def gemm_for(a_rows, b_rows) -> Callable:
+    """The ``gemm`` of a row-block op over ``a_rows`` x ``b_rows``: :meth:`Products.gemm`
+    where :func:`applies`, else :func:`blas.gemm` (both take ``a_scratch``)."""
+    return Products().gemm if applies(a_rows, b_rows) else cublas_gemm
+
+
+def uses_tiles(gemm: Callable) -> bool:
+    """Whether ``gemm`` (from :func:`gemm_for`) is the tiles' (no split of the gradient block
+    to plan for)."""
+    return getattr(gemm, "__self__", None).__class__ is Products
+
+
+def split_row_bytes(gemm: Callable, dtype, cols: int) -> int:
+    """:func:`blas.split_row_bytes` for a block whose products ``gemm`` issues: 0 on the tiles
+    (they split in shared memory), else the cuBLAS "3xtf32" split of the gradient block."""
+    return 0 if uses_tiles(gemm) else blas.split_row_bytes(dtype, cols)
+
+
+def _rows16(x) -> bool:
+    """float32 with 16-byte rows (unit column stride, leading dimension a multiple of 4,
+    16-byte aligned): what a tensor map of the tiles reads."""
+    return (x.dtype == np.float32 and x.ndim == 2 and x.strides[1] == 4
+            and blas.leading_dim(x) % 4 == 0 and x.data.ptr % 16 == 0)
+
+
+def _out_ok(out) -> bool:
+    """The product tile's stores: float32, unit column stride, an even leading dimension."""
+    return (out.dtype == np.float32 and out.strides[1] == 4 and blas.leading_dim(out) % 2 == 0
+            and out.data.ptr % 8 == 0)
+
+
+def _split_t(x):
+    """``tiles_tf32.split`` of xᵀ (a contiguous transposed copy first: the split reads rows)."""
+    from . import tiles_tf32
+
+    import cupy as cp
+
+    return tiles_tf32.split(cp.ascontiguousarray(x.T), "x")
+
+
+def transpose_square(v) -> None:
+    """Transpose the square float32 view ``v`` (k, k) (leading dimension >= k) in place."""
+    from . import tiles_tf32
+
+    k = v.shape[0]
+    if v.shape != (k, k) or v.dtype != np.float32 or v.strides[1] != 4:
+        raise ValueError(f"transpose_square: a square float32 view with unit column stride "
+                         f"expected, got {v.dtype} {v.shape} strides {v.strides}")
+    t = -(-k // 32)
+    kern = kernels.get_function(tiles_tf32.FILE, "cpn_tf32x3_transpose_sq")
+    kern((t * (t + 1) // 2,), (256,), (v, np.int64(blas.leading_dim(v)), np.int32(k)))
+
+
+class Products:
+    """The TF32x3 products of one row-block op (see the module doc); :meth:`gemm` has
+    :func:`blas.gemm`'s signature plus ``a_scratch``."""
+
+    def gemm(self, a, b, out, *, trans_a: bool = False, trans_b: bool = False,
+             alpha: float = 1.0, beta: float = 0.0, a_scratch: bool = False) -> None:
+        """``out = alpha · op(a) op(b) + beta · out``.  ``trans_a`` (the column-side product
+        Gᵀ A) with ``a_scratch``: ``a``'s square sub-blocks are transposed in place (its
+        values are spent).  Products the tiles cannot take go to cuBLAS in true fp32."""
+        from . import tiles_tf32
+
+        m, n = out.shape
+        if m == 0 or n == 0:
+            return
+        ok = (beta in (0.0, 1.0) and not (trans_a and trans_b) and _out_ok(out)
+              and a.dtype == np.float32 and b.dtype == np.float32)
+        if ok and not trans_a and _rows16(a):
+            parts = tiles_tf32.split(b, "b") if trans_b else _split_t(b)
+            try:
+                tiles_tf32.mm(a, parts, out, alpha, accumulate=beta == 1.0)
+                return
+            except tiles_tf32.TF32TilesUnavailable:
+                pass  # (a launch the tiles refused: cuBLAS fp32, below)
+        if ok and trans_a and a_scratch and _rows16(a):
+            k = a.shape[0]  # a (k, m): the block's rows x its columns
+            if k >= TRANS_MIN_ROWS and k % 4 == 0 and k <= m:
+                parts = _split_t(b)  # (n, k)
+                j = 0
+                while j + k <= m:
+                    v = a[:, j:j + k]
+                    transpose_square(v)  # now row x of v is column j + x of a
+                    try:
+                        tiles_tf32.mm(v, parts, out[j:j + k], alpha, accumulate=beta == 1.0)
+                    except tiles_tf32.TF32TilesUnavailable:
+                        transpose_square(v)  # (G's values back: cuBLAS takes it from here)
+                        break
+                    j += k
+                if j == m:
+                    return
+                a, out = a[:, j:], out[j:]  # the columns past the last square: cuBLAS
+        with blas.float32_precision("fp32"):
+            blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)

@@ -1,0 +1,279 @@
+"""The float32 products of the row-block path on the TF32x3 tiles (``products_tf32``, issue 24):
+CLIP's, SigLIP's and InfoNCE's score and gradient products on Hopper under the float32
+precisions "auto" (from ``tiles_tf32.AUTO_MIN_ROWS`` x ``products_tf32.AUTO_MIN_DIM``) and
+"3xtf32".
+
+* The in-place square transpose moves values bit for bit and leaves the rest of the buffer
+  alone; the accumulating product is the plain product added in float32 (the same bits).
+* :meth:`Products.gemm` is, bit for bit, ``tiles_tf32.mm`` on the operands it builds (A Bᵀ,
+  G B, Gᵀ A from G's transposed squares) and cuBLAS fp32 on what the tiles do not take (the
+  columns past the last square, ``a_scratch`` not given, ``beta`` not 0 / 1, G without
+  16-byte rows, a refused launch -- after which G holds its own values again).  Against
+  float64 these products are held to ``MM_TOL`` (test_gpu_tf32_tiles.py's bound of the
+  promoted products).
+* The ops route there under "auto" / "3xtf32" only; a CLIP in row blocks (squares, a strip
+  and accumulation over blocks) stays within the float32 tolerances of
+  test_gpu_contrastive.py.  The accuracy bar against "fp32" is test_gpu_precision.py's
+  (``test_auto_row_block_ops_as_accurate_as_fp32``).
+
+CPU tests at the end (the routing rule, with the device check stubbed).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from cupynce._engine import blas, products_tf32, tiles, tiles_tf32  # noqa: E402
+
+gpu = pytest.mark.gpu
+MM_TOL = 3e-7  # test_gpu_tf32_tiles.py: the promoted products against float64
+FP32_TOL = (1e-5, 1e-4)  # loss, gradients: test_gpu_contrastive.py's float32
+LS = math.log(1 / 0.07)  # CLIP's logit_scale
+
+
+@pytest.fixture
+def tf32():
+    if not tiles_tf32.available():
+        pytest.skip("the TF32 tiles need a compute-capability 9.0 GPU and TMA")
+
+
+def _rel(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    num = np.linalg.norm((x - ref).ravel())
+    return math.inf if not np.isfinite(num) else float(num / np.linalg.norm(ref.ravel()))
+
+
+def _bits(x):
+    return cp.asnumpy(x).view(np.uint32)
+
+
+def _fp32(a, b, out, **kw):
+    with blas.float32_precision("fp32"):
+        blas.gemm(a, b, out, **kw)
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("k,pad", [(1, 3), (31, 1), (33, 0), (100, 4), (1030, 6)])
+def test_transpose_square_in_place(tf32, k, pad):
+    rng = np.random.default_rng(k)
+    buf = cp.asarray(rng.standard_normal((k + 2, k + pad)).astype(np.float32))
+    before = cp.asnumpy(buf)
+    products_tf32.transpose_square(buf[1:k + 1, :k])
+    after = cp.asnumpy(buf)
+    assert np.array_equal(after[1:k + 1, :k].view(np.uint32),
+                          before[1:k + 1, :k].T.copy().view(np.uint32))
+    rest = np.ones(after.shape, bool)
+    rest[1:k + 1, :k] = False
+    assert np.array_equal(after[rest].view(np.uint32), before[rest].view(np.uint32))
+    with pytest.raises(ValueError, match="square float32 view"):
+        products_tf32.transpose_square(buf[:k, :k - 1] if k > 1 else buf[:2, :1])
+
+
+@gpu
+def test_mm_accumulate_adds_in_float32(tf32):
+    rng = np.random.default_rng(7)
+    a = cp.asarray(rng.standard_normal((300, 520)).astype(np.float32))
+    b = cp.asarray(rng.standard_normal((200, 520)).astype(np.float32))
+    base = cp.asarray(rng.standard_normal((300, 200)).astype(np.float32))
+    plain = tiles_tf32.mm(a, tiles_tf32.split(b), cp.empty((300, 200), np.float32), alpha=0.5)
+    acc = base.copy()
+    tiles_tf32.mm(a, tiles_tf32.split(b), acc, alpha=0.5, accumulate=True)
+    assert np.array_equal(_bits(acc), _bits(plain + base))
+
+
+def _operands(n, nc, d, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, d)).astype(np.float32)
+    b = rng.standard_normal((nc, d)).astype(np.float32)
+    g = (rng.standard_normal((n, nc)) / nc).astype(np.float32)
+    return a, b, g
+
+
+@gpu
+@pytest.mark.parametrize("n,nc,d", [(1024, 1024, 64), (1100, 2 * 1100 + 300, 72)])
+def test_products_are_the_tiles_and_cublas_fp32(tf32, n, nc, d):
+    """Each product bit for bit as the tiles' mm on the operands it builds, and cuBLAS fp32 on
+    the strip past the last square; all within MM_TOL of float64."""
+    a, b, g = _operands(n, nc, d)
+    ad, bd, gd = cp.asarray(a), cp.asarray(b), cp.asarray(g)
+    pr = products_tf32.Products()
+    # S = A Bᵀ
+    s = cp.empty((n, nc), np.float32)
+    pr.gemm(ad, bd, s, trans_b=True)
+    want = tiles_tf32.mm(ad, tiles_tf32.split(bd), cp.empty((n, nc), np.float32))
+    assert np.array_equal(_bits(s), _bits(want))
+    assert _rel(cp.asnumpy(s), a.astype(np.float64) @ b.astype(np.float64).T) <= MM_TOL
+    # dA = G B (alpha as SigLIP passes w_mul)
+    da = cp.empty((n, d), np.float32)
+    pr.gemm(gd, bd, da, alpha=0.25)
+    want = tiles_tf32.mm(gd, tiles_tf32.split(cp.ascontiguousarray(bd.T)),
+                         cp.empty((n, d), np.float32), alpha=0.25)
+    assert np.array_equal(_bits(da), _bits(want))
+    assert _rel(4 * cp.asnumpy(da), g.astype(np.float64) @ b.astype(np.float64)) <= MM_TOL
+    # dB += Gᵀ A: G's squares transposed in place, the strip through cuBLAS fp32
+    base = cp.asarray(np.random.default_rng(1).standard_normal((nc, d)).astype(np.float32))
+    db = base.copy()
+    g_spent = gd.copy()
+    pr.gemm(g_spent, ad, db, trans_a=True, beta=1.0, a_scratch=True)
+    at = tiles_tf32.split(cp.ascontiguousarray(ad.T))
+    j = 0
+    while j + n <= nc:
+        blk = base[j:j + n].copy()
+        tiles_tf32.mm(cp.ascontiguousarray(gd[:, j:j + n].T), at, blk, accumulate=True)
+        assert np.array_equal(_bits(db[j:j + n]), _bits(blk)), f"square at column {j}"
+        j += n
+    if j < nc:
+        strip = _fp32(gd[:, j:], ad, base[j:].copy(), trans_a=True, beta=1.0)
+        assert np.array_equal(_bits(db[j:]), _bits(strip))
+    want = g.astype(np.float64).T @ a.astype(np.float64)
+    assert _rel(cp.asnumpy(db - base), want) <= 10 * MM_TOL  # (db - base: one more rounding)
+
+
+@gpu
+def test_products_fall_back_to_cublas_fp32(tf32, monkeypatch):
+    """Without a_scratch, with beta not 0 / 1, with G's rows not 16-byte multiples and after a
+    refused launch: cuBLAS fp32's bits, and G as it was."""
+    n, nc, d = 1024, 2048, 64
+    a, b, g = _operands(n, nc, d, seed=2)
+    ad, bd, gd = cp.asarray(a), cp.asarray(b), cp.asarray(g)
+    pr = products_tf32.Products()
+    want = _fp32(gd, ad, cp.zeros((nc, d), np.float32), trans_a=True)
+    got = cp.zeros((nc, d), np.float32)
+    g2 = gd.copy()
+    pr.gemm(g2, ad, got, trans_a=True)  # no a_scratch
+    assert np.array_equal(_bits(got), _bits(want)) and np.array_equal(_bits(g2), _bits(gd))
+    base = cp.ones((nc, d), np.float32)
+    got = base.copy()
+    pr.gemm(gd.copy(), ad, got, trans_a=True, beta=0.5, a_scratch=True)
+    assert np.array_equal(_bits(got), _bits(_fp32(gd, ad, base.copy(), trans_a=True, beta=0.5)))
+    odd = cp.ascontiguousarray(gd[:, :nc - 2])  # rows of 2046 floats: no tensor map
+    got = cp.empty((n, d), np.float32)
+    pr.gemm(odd, bd[:nc - 2], got)
+    assert np.array_equal(_bits(got), _bits(_fp32(odd, bd[:nc - 2], cp.empty((n, d), np.float32))))
+
+    def refuse(*args, **kw):
+        raise tiles_tf32.TF32TilesUnavailable("refused")
+    monkeypatch.setattr(tiles_tf32, "_launch", refuse)
+    g2 = gd.copy()
+    got = cp.zeros((nc, d), np.float32)
+    pr.gemm(g2, ad, got, trans_a=True, a_scratch=True)
+    assert np.array_equal(_bits(got), _bits(want)) and np.array_equal(_bits(g2), _bits(gd))
+    got = cp.empty((n, nc), np.float32)
+    pr.gemm(ad, bd, got, trans_b=True)
+    assert np.array_equal(_bits(got), _bits(_fp32(ad, bd, cp.empty((n, nc), np.float32),
+                                                  trans_b=True)))
+
+
+def _clip_inputs(n, d, seed):
+    rng = np.random.default_rng(seed)
+    return [cp.asarray(rng.standard_normal((n, d)).astype(np.float32)) for _ in range(2)]
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["auto", "3xtf32", "fp32", "tf32"])
+def test_ops_route_here(tf32, mode, monkeypatch):
+    """CLIP, SigLIP and InfoNCE (forward and backward) issue their float32 products on the
+    tiles under "3xtf32" and, from AUTO_MIN_ROWS x products_tf32.AUTO_MIN_DIM on, "auto"; never
+    under
+    "fp32" / "tf32", for 16-bit inputs or with CUPYNCE_TILES=0."""
+    import cupynce
+    from cupynce.ops import _graphs
+
+    calls = []
+    real = tiles_tf32.mm
+    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    big = (tiles_tf32.AUTO_MIN_ROWS, products_tf32.AUTO_MIN_DIM)
+    for n, d in [big, (big[0] - 4, big[1]), (big[0], big[1] - 4)]:
+        x, y = _clip_inputs(n, d, seed=n + d)
+        on = mode == "3xtf32" or (mode == "auto" and (n, d) == big)
+        for op in ("clip", "siglip", "info_nce"):
+            _graphs.clear()
+            if op == "clip":
+                loss, ctx = cupynce.clip_loss_forward(x, y, LS, precision=mode)
+                cupynce.clip_loss_backward(ctx)
+            elif op == "siglip":
+                loss, ctx = cupynce.siglip_loss_forward(x, y, math.log(10.0), -10.0,
+                                                        precision=mode)
+                cupynce.siglip_loss_backward(ctx)
+            else:
+                loss, ctx = cupynce.info_nce_forward(x, y, 0.1, precision=mode)
+                cupynce.info_nce_backward(ctx)
+            assert bool(calls) == on, (op, n, d, mode, len(calls))
+            del calls[:]
+    x, y = _clip_inputs(*big, seed=1)
+    _graphs.clear()
+    cupynce.clip_loss(x.astype(cp.float16), y.astype(cp.float16), LS, precision=mode)
+    monkeypatch.setattr(tiles, "USE_TILES", False)
+    _graphs.clear()
+    cupynce.clip_loss(x, y, LS, precision=mode)
+    assert calls == []
+
+
+@gpu
+def test_clip_row_blocks_and_determinism(tf32):
+    """A CLIP whose score matrix comes in row blocks (a small workspace_bytes: squares, a
+    strip past them, dB accumulated over the blocks) within the float32 tolerances of the
+    oracle and close to the one-block call; the same bits twice."""
+    import cupynce
+    from cupynce import reference as R
+    from cupynce.ops import _graphs
+
+    n, d = 5000, 64  # blocks of 1920 rows: 2 squares and a strip of 1160 columns each
+    x, y = _clip_inputs(n, d, seed=11)
+    ref_loss, ref_grads = R.clip_loss(cp.asnumpy(x), cp.asnumpy(y), math.log(1 / 0.07),
+                                      normalize=True)
+    ls = cp.asarray(np.float32(math.log(1 / 0.07)))
+
+    def run(**kw):
+        _graphs.clear()
+        loss, ctx = cupynce.clip_loss_forward(x, y, ls, normalize=True, **kw)
+        return [loss] + list(cupynce.clip_loss_backward(ctx))
+    whole = run()
+    blocks = run(workspace_bytes=1920 * n * 4)
+    again = run(workspace_bytes=1920 * n * 4)
+    for name, w, b_, c, r in zip(["loss", "da", "db", "dscale"], whole, blocks, again,
+                                 [ref_loss] + list(ref_grads)):
+        assert np.array_equal(_bits(b_), _bits(c)), f"{name} not deterministic"
+        tol = FP32_TOL[0] if name == "loss" else FP32_TOL[1]
+        if name == "dscale":  # (a cancelling sum: as test_gpu_precision, scaled by its κ)
+            continue
+        assert _rel(cp.asnumpy(b_), r) <= tol, name
+        assert _rel(cp.asnumpy(b_), cp.asnumpy(w).astype(np.float64)) <= tol, name
+
+
+# ---- CPU ---------------------------------------------------------------------------------
+
+def test_applies_thresholds(monkeypatch):
+    """The routing rule (device check stubbed): float32 under "3xtf32" at every size, under
+    "auto" from AUTO_MIN_ROWS rows on both sides and products_tf32.AUTO_MIN_DIM columns; never
+    "fp32" / "tf32", other dtypes, or USE_TILES False; the planner counts no gradient-block split on
+    the tiles."""
+    monkeypatch.setattr(tiles_tf32, "available", lambda: True)
+    n0, d0 = tiles_tf32.AUTO_MIN_ROWS, products_tf32.AUTO_MIN_DIM
+
+    def ok(n, nc, d, mode, dtype=np.float32):
+        with blas.float32_precision(mode):
+            return products_tf32.applies(np.empty((n, d), dtype), np.empty((nc, d), dtype))
+
+    assert ok(n0, n0, d0, "auto") and ok(2 * n0, 3 * n0, 8 * d0, "auto")
+    assert not ok(n0 - 1, n0, d0, "auto") and not ok(n0, n0 - 1, d0, "auto")
+    assert not ok(n0, n0, d0 - 1, "auto")
+    assert ok(5, 7, 3, "3xtf32")
+    assert not ok(n0, n0, d0, "fp32") and not ok(n0, n0, d0, "tf32")
+    assert not ok(n0, n0, d0, "auto", np.float64) and not ok(n0, n0, d0, "3xtf32", np.float16)
+    with blas.float32_precision("3xtf32"):
+        g = products_tf32.gemm_for(np.empty((8, 4), np.float32), np.empty((8, 4), np.float32))
+        assert products_tf32.uses_tiles(g)
+        assert products_tf32.split_row_bytes(g, np.float32, 100) == 0
+        assert products_tf32.split_row_bytes(products_tf32.cublas_gemm, np.float32, 100) == 800
+    monkeypatch.setattr(tiles, "USE_TILES", False)
+    assert not ok(n0, n0, d0, "auto") and not ok(5, 7, 3, "3xtf32")
+    monkeypatch.setattr(tiles_tf32, "available", lambda: False)
+    monkeypatch.setattr(tiles, "USE_TILES", None)
+    assert not ok(5, 7, 3, "3xtf32")
+    assert not products_tf32.uses_tiles(products_tf32.cublas_gemm)
