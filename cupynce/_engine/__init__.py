@@ -14,6 +14,8 @@ tiles.py       the tensor-core tile path (``tiles.cu``): planning, the launch st
                symmetric NT-Xent schedules
 tiles_tf32.py  float32 NT-Xent on Hopper's tensor cores: the TF32x3 tiles
                (``tiles_ws_tf32.cu``) under the float32 precisions "auto" and "3xtf32"
+products_tf32  the row-block path's float32 products (CLIP, SigLIP, InfoNCE, a global
+               NT-Xent's rank blocks) on those tiles: ``gemm_for`` picks them or cuBLAS
 tma.py         TMA tensor maps (Hopper) through the CUDA driver
 splade.py      SPLADE's forward (fused max on the tiles or the TMA kernel; cuBLAS tiles +
                max kernel) and its sparse backward
