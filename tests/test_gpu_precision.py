@@ -342,13 +342,14 @@ def test_auto_nt_xent_as_accurate_as_fp32(n, d, reduction):
                                    f"{e32:.3e} + {slack:.1e}")
 
 
-def _auto_products(n: int, d: int) -> bool:
+def _auto_products(op: str, n: int, d: int) -> bool:
     """Whether "auto" runs the products of an (n, d) x (n, d) row-block op (CLIP, SigLIP,
     InfoNCE) on the TF32x3 tiles (``products_tf32.applies``)."""
     from cupynce._engine import products_tf32, tiles_tf32
 
-    return (n >= tiles_tf32.AUTO_MIN_ROWS and d >= products_tf32.AUTO_MIN_DIM
-            and tiles_tf32.available())
+    min_dim = (products_tf32.AUTO_MIN_DIM if op == "info_nce"
+               else products_tf32.AUTO_MIN_DIM_SCALE)
+    return n >= tiles_tf32.AUTO_MIN_ROWS and d >= min_dim and tiles_tf32.available()
 
 
 #: draws of the single numbers (a mean loss, a scalar gradient) compared in rms below
@@ -385,7 +386,7 @@ def test_auto_row_block_ops_as_accurate_as_fp32(op, n, d, reduction):
         case = f"{op} N={n} D={d} {reduction}"
         if draw == 0:
             kappa = [1.0] + _conditions(op, xs, reduction, g, ref_grads)
-            same_as = "3xtf32" if _auto_products(n, d) else "fp32"
+            same_as = "3xtf32" if _auto_products(op, n, d) else "fp32"
             for name, x, y in zip(names, got["auto"], got[same_as]):
                 assert _same_bits(x, y), f"{case}: precision='auto' is not {same_as!r} for {name}"
             for i, name in enumerate(names):

@@ -1,7 +1,7 @@
 """The float32 products of the row-block path on the TF32x3 tiles (``products_tf32``, issue 24):
 CLIP's, SigLIP's and InfoNCE's score and gradient products on Hopper under the float32
-precisions "auto" (from ``tiles_tf32.AUTO_MIN_ROWS`` x ``products_tf32.AUTO_MIN_DIM``) and
-"3xtf32".
+precisions "auto" (from ``tiles_tf32.AUTO_MIN_ROWS`` x ``products_tf32.AUTO_MIN_DIM``, or
+``AUTO_MIN_DIM_SCALE`` for CLIP and SigLIP) and "3xtf32".
 
 * The in-place square transpose moves values bit for bit and leaves the rest of the buffer
   alone; the accumulating product is the plain product added in float32 (the same bits).
@@ -178,20 +178,21 @@ def _clip_inputs(n, d, seed):
 @pytest.mark.parametrize("mode", ["auto", "3xtf32", "fp32", "tf32"])
 def test_ops_route_here(tf32, mode, monkeypatch):
     """CLIP, SigLIP and InfoNCE (forward and backward) issue their float32 products on the
-    tiles under "3xtf32" and, from AUTO_MIN_ROWS x products_tf32.AUTO_MIN_DIM on, "auto"; never
-    under
-    "fp32" / "tf32", for 16-bit inputs or with CUPYNCE_TILES=0."""
+    tiles under "3xtf32" and, from AUTO_MIN_ROWS x AUTO_MIN_DIM (InfoNCE) or
+    AUTO_MIN_DIM_SCALE (CLIP, SigLIP) on, "auto"; never under "fp32" / "tf32", for 16-bit
+    inputs or with CUPYNCE_TILES=0."""
     import cupynce
     from cupynce.ops import _graphs
 
     calls = []
     real = tiles_tf32.mm
     monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    big = (tiles_tf32.AUTO_MIN_ROWS, products_tf32.AUTO_MIN_DIM)
-    for n, d in [big, (big[0] - 4, big[1]), (big[0], big[1] - 4)]:
-        x, y = _clip_inputs(n, d, seed=n + d)
-        on = mode == "3xtf32" or (mode == "auto" and (n, d) == big)
-        for op in ("clip", "siglip", "info_nce"):
+    n0 = tiles_tf32.AUTO_MIN_ROWS
+    for op in ("clip", "siglip", "info_nce"):
+        d0 = products_tf32.AUTO_MIN_DIM if op == "info_nce" else products_tf32.AUTO_MIN_DIM_SCALE
+        for n, d in [(n0, d0), (n0 - 4, d0), (n0, d0 - 4)]:
+            x, y = _clip_inputs(n, d, seed=n + d)
+            on = mode == "3xtf32" or (mode == "auto" and (n, d) == (n0, d0))
             _graphs.clear()
             if op == "clip":
                 loss, ctx = cupynce.clip_loss_forward(x, y, LS, precision=mode)
@@ -205,6 +206,7 @@ def test_ops_route_here(tf32, mode, monkeypatch):
                 cupynce.info_nce_backward(ctx)
             assert bool(calls) == on, (op, n, d, mode, len(calls))
             del calls[:]
+    big = (n0, products_tf32.AUTO_MIN_DIM_SCALE)
     x, y = _clip_inputs(*big, seed=1)
     _graphs.clear()
     cupynce.clip_loss(x.astype(cp.float16), y.astype(cp.float16), LS, precision=mode)
@@ -250,17 +252,23 @@ def test_clip_row_blocks_and_determinism(tf32):
 
 def test_applies_thresholds(monkeypatch):
     """The routing rule (device check stubbed): float32 under "3xtf32" at every size, under
-    "auto" from AUTO_MIN_ROWS rows on both sides and products_tf32.AUTO_MIN_DIM columns; never
+    "auto" from AUTO_MIN_ROWS rows on both sides and products_tf32.AUTO_MIN_DIM columns
+    (AUTO_MIN_DIM_SCALE with a scale gradient: CLIP, SigLIP); never
     "fp32" / "tf32", other dtypes, or USE_TILES False; the planner counts no gradient-block split on
     the tiles."""
     monkeypatch.setattr(tiles_tf32, "available", lambda: True)
     n0, d0 = tiles_tf32.AUTO_MIN_ROWS, products_tf32.AUTO_MIN_DIM
+    ds = products_tf32.AUTO_MIN_DIM_SCALE
 
-    def ok(n, nc, d, mode, dtype=np.float32):
+    def ok(n, nc, d, mode, dtype=np.float32, scale_grad=False):
         with blas.float32_precision(mode):
-            return products_tf32.applies(np.empty((n, d), dtype), np.empty((nc, d), dtype))
+            return products_tf32.applies(np.empty((n, d), dtype), np.empty((nc, d), dtype),
+                                         scale_grad)
 
     assert ok(n0, n0, d0, "auto") and ok(2 * n0, 3 * n0, 8 * d0, "auto")
+    assert ok(n0, n0, ds, "auto", scale_grad=True) and not ok(n0, n0, ds - 4, "auto",
+                                                              scale_grad=True)
+    assert ok(5, 7, 3, "3xtf32", scale_grad=True)
     assert not ok(n0 - 1, n0, d0, "auto") and not ok(n0, n0 - 1, d0, "auto")
     assert not ok(n0, n0, d0 - 1, "auto")
     assert ok(5, 7, 3, "3xtf32")

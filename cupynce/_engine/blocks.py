@@ -53,7 +53,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     split_g = want_grad and t != a  # half inputs: the gradient block is stored in T separately
     # float32 products on the TF32x3 tiles where the precision takes them (not NT-Xent's
     # self-pair fallback: its column-side product comes first and would spend G)
-    gemm = products_tf32.gemm_for(q, k) if not self_pair else products_tf32.cublas_gemm
+    gemm = (products_tf32.gemm_for(q, k, scale_grad=scale_log is not None) if not self_pair
+            else products_tf32.cublas_gemm)
     rb = blas.plan_rows(op, n, _row_bytes(t, a, ncols, want_grad, gemm), workspace_bytes)
     # the call's scratch (score / gradient blocks, paired-negative dots) and what it returns
     # come from two allocations: an output the caller keeps (a per-row loss, the saved
@@ -132,7 +133,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     n, d = an.shape
     nc = bn.shape[0]
     split_g = want_grad and t != a
-    gemm = products_tf32.gemm_for(an, bn)
+    gemm = products_tf32.gemm_for(an, bn, scale_grad=True)
     rb = blas.plan_rows("clip_loss", n, _row_bytes(t, a, nc, want_grad, gemm), workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     chunk = 64
@@ -219,7 +220,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     n, d = an.shape
     nc = bn.shape[0]
     split_g = want_grad and t != a
-    gemm = products_tf32.gemm_for(an, bn)
+    gemm = products_tf32.gemm_for(an, bn, scale_grad=True)
     rb = blas.plan_rows("siglip_loss", n, _row_bytes(t, a, nc, want_grad, gemm), workspace_bytes)
     s_buf, g_buf = buffers((((rb, nc), a), ((rb, nc), t) if split_g else None))
     row_loss, da, db, parts = buffers((

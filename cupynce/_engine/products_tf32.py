@@ -4,7 +4,8 @@ other ``blocks.py`` ops') score and gradient products at tensor-core speed with 
 ``blocks.py`` computes each float32 score block and its gradient accumulators with three
 kinds of product: S = A Bᵀ (the scores), dA = G B and dB = Gᵀ A (G, the gradient block,
 written over S).  :func:`gemm_for` gives the ops the ``gemm`` to issue them with: under the
-float32 precision "auto" from ``tiles_tf32.AUTO_MIN_ROWS`` x :data:`AUTO_MIN_DIM` on (and under
+float32 precision "auto" from ``tiles_tf32.AUTO_MIN_ROWS`` rows and :data:`AUTO_MIN_DIM` columns
+(:data:`AUTO_MIN_DIM_SCALE` for CLIP and SigLIP, whose scale gradient sets it) on (and under
 "3xtf32" at every size) on a Hopper GPU, :meth:`Products.gemm` -- ``tiles_tf32.mm``, both
 operands split to TF32 hi + lo, three TF32 products per 32 of K promoted to an fp32 register
 sum (as accurate as fp32 or more: docs/notes.md) --, else :func:`blas.gemm` as before.
@@ -39,22 +40,28 @@ from . import blas, kernels
 #: fewest rows a block needs for its column-side product Gᵀ A on the tiles (one launch per
 #: k x k square of G; below, cuBLAS fp32 takes the whole product)
 TRANS_MIN_ROWS = 1024
-#: "auto" takes the tiles for these ops from this many columns D on (and from
-#: ``tiles_tf32.AUTO_MIN_ROWS`` rows): measured on an H100 (test_gpu_precision.py's bar,
-#: 2026-11-26), every loss and gradient of CLIP, SigLIP and InfoNCE at N x D = 4096 x 512
-#: and 6144 x 256 was at least as accurate as fp32's, but at D = 64 the scalar gradient
-#: dlogit_scale (reduction "none") was not: rms over four draws 8.9e-7 against fp32's
-#: 1.5e-7 (CLIP), 4.1e-7 against 1.3e-7 (SigLIP), while the per-row losses and the feature
-#: gradients were.  D = 128 was not measured, so the threshold is the smallest D that was.
-AUTO_MIN_DIM = 256
+#: "auto" takes the tiles from this many columns D on (and ``tiles_tf32.AUTO_MIN_ROWS`` rows)
+#: for the ops with a learnable scale (CLIP, SigLIP; :data:`AUTO_MIN_DIM` for the others).
+#: Measured on an H100 (test_gpu_precision.py's bar, 2026-11-26): every loss and gradient of
+#: CLIP, SigLIP and InfoNCE at N x D = 4096 x 512 and 6144 x 256 at least as accurate as
+#: fp32's; at D = 64 and 128 the scalar gradient dlogit_scale (reduction "none") was not --
+#: rms over four draws, CLIP 8.9e-7 against fp32's 1.5e-7 (4096 x 64) and 1.5e-6 against
+#: 2.9e-7 (8192 x 128), SigLIP 4.1e-7 against 1.3e-7 (4096 x 64; it passed at 128) -- while
+#: the per-row losses and feature gradients were, InfoNCE's everywhere measured
+#: (4096 x 64 / 128 / 512, 8192 x 128, 6144 x 256).
+AUTO_MIN_DIM_SCALE = 256
+#: "auto"'s D threshold for the ops without a scale gradient (InfoNCE, a global NT-Xent's
+#: rank blocks): NT-Xent's (``tiles_tf32.AUTO_MIN_DIM``)
+AUTO_MIN_DIM = 64
 
 
-def applies(a_rows, b_rows) -> bool:
+def applies(a_rows, b_rows, scale_grad: bool = False) -> bool:
     """Whether the products of a score block between the float32 rows ``a_rows`` (n, d) and
     ``b_rows`` (nc, d) go to the TF32x3 tiles: the float32 precision in effect "3xtf32", or
     "auto" with n and nc at least ``tiles_tf32.AUTO_MIN_ROWS`` and d at least
-    :data:`AUTO_MIN_DIM` (below, not measured as accurate as fp32), a Hopper GPU with tensor
-    maps and the tiles not switched off (``tiles.USE_TILES``, ``CUPYNCE_TILES=0``)."""
+    :data:`AUTO_MIN_DIM` (:data:`AUTO_MIN_DIM_SCALE` for an op with a scale gradient,
+    ``scale_grad``; below, not measured as accurate as fp32), a Hopper GPU with tensor maps
+    and the tiles not switched off (``tiles.USE_TILES``, ``CUPYNCE_TILES=0``)."""
     from . import tiles, tiles_tf32
 
     if tiles.USE_TILES is False or a_rows.dtype != np.float32 or b_rows.dtype != np.float32:
@@ -62,7 +69,8 @@ def applies(a_rows, b_rows) -> bool:
     mode = blas.float32_precision_now()
     if mode == "auto":
         n, d = a_rows.shape
-        if min(n, b_rows.shape[0]) < tiles_tf32.AUTO_MIN_ROWS or d < AUTO_MIN_DIM:
+        min_dim = AUTO_MIN_DIM_SCALE if scale_grad else AUTO_MIN_DIM
+        if min(n, b_rows.shape[0]) < tiles_tf32.AUTO_MIN_ROWS or d < min_dim:
             return False
     elif mode != "3xtf32":
         return False
@@ -75,10 +83,10 @@ def cublas_gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)
 
 
-def gemm_for(a_rows, b_rows) -> Callable:
+def gemm_for(a_rows, b_rows, scale_grad: bool = False) -> Callable:
     """The ``gemm`` of a row-block op over ``a_rows`` x ``b_rows``: :meth:`Products.gemm`
     where :func:`applies`, else :func:`blas.gemm` (both take ``a_scratch``)."""
-    return Products().gemm if applies(a_rows, b_rows) else cublas_gemm
+    return Products().gemm if applies(a_rows, b_rows, scale_grad) else cublas_gemm
 
 
 def uses_tiles(gemm: Callable) -> bool:

@@ -341,8 +341,9 @@ def h_from_s(s_block, ml, scale: float, pos_shift: int, weights):
 
 def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
        accumulate: bool = False):
-    """``out = alpha · A Bᵀ`` (``accumulate``: ``+ out``) on the TF32x3 tiles (A split in shared memory, three TF32
-    products per 32-wide K step, promoted to an fp32 register sum): ``a`` (m, k) float32 with
+    """``out = alpha · A Bᵀ`` (``accumulate``: ``+ out``) on the TF32x3 tiles (A split in
+    shared memory, three TF32 products per 32-wide K step, promoted to an fp32 register sum,
+    scaled by 1 + CPN_TF32X3_TRUNC: the mean truncation loss): ``a`` (m, k) float32 with
     16-byte rows (unit column stride, leading dimension a multiple of 4, as
     :func:`h_block` writes it), ``bt_parts`` = (B_hi, B_lo) (c, k) (:func:`split`) -- both
     K-major, as TF32 wgmma wants --, ``out`` (m, c) float32 with an even leading
