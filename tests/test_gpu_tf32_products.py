@@ -28,23 +28,12 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from cupynce._engine import blas, products_tf32, tiles, tiles_tf32  # noqa: E402
+# (tests/ is on sys.path under pytest: the tiles' fixture and error measure)
+from test_gpu_tf32_tiles import MM_TOL, _rel, tf32  # noqa: E402,F401
 
 gpu = pytest.mark.gpu
-MM_TOL = 3e-7  # test_gpu_tf32_tiles.py: the promoted products against float64
 FP32_TOL = (1e-5, 1e-4)  # loss, gradients: test_gpu_contrastive.py's float32
 LS = math.log(1 / 0.07)  # CLIP's logit_scale
-
-
-@pytest.fixture
-def tf32():
-    if not tiles_tf32.available():
-        pytest.skip("the TF32 tiles need a compute-capability 9.0 GPU and TMA")
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    num = np.linalg.norm((x - ref).ravel())
-    return math.inf if not np.isfinite(num) else float(num / np.linalg.norm(ref.ravel()))
 
 
 def _bits(x):
