@@ -68,7 +68,7 @@ TF32_TOL = 2e-2
 X3_FACTOR = 2.0
 SCALAR_SLACK = 2 * 2.0 ** -24
 #: NT-Xent shapes at and above "auto"'s TF32x3 threshold (tiles_tf32.AUTO_MIN_ROWS x _DIM)
-AUTO_SHAPES = [(4096, 64), (4096, 512), (6144, 256)]
+AUTO_SHAPES = [(4096, 64), (4096, 256), (4096, 512), (6144, 256)]
 SHAPES = [(64, 32), (64, 256), (300, 32), (300, 256), (1000, 32), (1000, 256)]
 OPS = ["nt_xent", "info_nce", "clip_loss", "siglip_loss"]
 NAMES = {"nt_xent": ["dz"], "info_nce": ["dquery", "dkey"],

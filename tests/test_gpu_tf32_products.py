@@ -119,8 +119,11 @@ def test_products_are_the_tiles_and_cublas_fp32(tf32, n, nc, d):
     if j < nc:
         strip = _fp32(gd[:, j:], ad, base[j:].copy(), trans_a=True, beta=1.0)
         assert np.array_equal(_bits(db[j:]), _bits(strip))
+    # against float64: the product's error (MM_TOL of its size) plus the rounding of the sum
     want = g.astype(np.float64).T @ a.astype(np.float64)
-    assert _rel(cp.asnumpy(db - base), want) <= 10 * MM_TOL  # (db - base: one more rounding)
+    ref = cp.asnumpy(base).astype(np.float64) + want
+    bound = MM_TOL * np.linalg.norm(want) / np.linalg.norm(ref) + 2.0 ** -24
+    assert _rel(cp.asnumpy(db), ref) <= bound
 
 
 @gpu
@@ -144,6 +147,29 @@ def test_products_fall_back_to_cublas_fp32(tf32, monkeypatch):
     got = cp.empty((n, d), np.float32)
     pr.gemm(odd, bd[:nc - 2], got)
     assert np.array_equal(_bits(got), _bits(_fp32(odd, bd[:nc - 2], cp.empty((n, d), np.float32))))
+
+    # refused at the second square: the first stays the tiles' (its G columns spent), the
+    # rest is cuBLAS fp32 on G's own values (the refused square transposed back)
+    launches = []
+    real_launch = tiles_tf32._launch
+
+    def second_refused(*args, **kw):
+        launches.append(1)
+        if len(launches) == 2:
+            raise tiles_tf32.TF32TilesUnavailable("refused")
+        return real_launch(*args, **kw)
+    monkeypatch.setattr(tiles_tf32, "_launch", second_refused)
+    n2 = 2 * n
+    g2 = gd[:, :n2].copy()
+    got = cp.zeros((n2, d), np.float32)
+    pr.gemm(g2, ad, got, trans_a=True, a_scratch=True)
+    at = tiles_tf32.split(cp.ascontiguousarray(ad.T))
+    first = tiles_tf32.mm(cp.ascontiguousarray(gd[:, :n].T), at, cp.zeros((n, d), np.float32),
+                          accumulate=True)
+    assert np.array_equal(_bits(got[:n]), _bits(first))
+    assert np.array_equal(_bits(got[n:]), _bits(_fp32(gd[:, n:n2], ad, cp.zeros((n, d), np.float32),
+                                                      trans_a=True)))
+    assert np.array_equal(_bits(g2[:, n:]), _bits(gd[:, n:n2]))
 
     def refuse(*args, **kw):
         raise tiles_tf32.TF32TilesUnavailable("refused")
@@ -206,15 +232,21 @@ def test_ops_route_here(tf32, mode, monkeypatch):
 
 
 @gpu
-def test_clip_row_blocks_and_determinism(tf32):
-    """A CLIP whose score matrix comes in row blocks (a small workspace_bytes: squares, a
-    strip past them, dB accumulated over the blocks) within the float32 tolerances of the
-    oracle and close to the one-block call; the same bits twice."""
+def test_clip_row_blocks_and_determinism(tf32, monkeypatch):
+    """A CLIP whose score matrix comes in row blocks on the tiles ("3xtf32"; a small
+    workspace_bytes: blocks of 1920 rows with two squares and a strip of 960 columns each, dB
+    accumulated over the blocks, a last block of 960 rows whose Gᵀ A is cuBLAS's) within the
+    float32 tolerances of the oracle and of the one-block call; the same bits twice."""
     import cupynce
     from cupynce import reference as R
     from cupynce.ops import _graphs
 
-    n, d = 5000, 64  # blocks of 1920 rows: 2 squares and a strip of 1160 columns each
+    squares, mms = [], []
+    real_t, real_mm = products_tf32.transpose_square, tiles_tf32.mm
+    monkeypatch.setattr(products_tf32, "transpose_square",
+                        lambda v: squares.append(v.shape[0]) or real_t(v))
+    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: mms.append(1) or real_mm(*a, **k))
+    n, d = 4800, 64
     x, y = _clip_inputs(n, d, seed=11)
     ref_loss, ref_grads = R.clip_loss(cp.asnumpy(x), cp.asnumpy(y), math.log(1 / 0.07),
                                       normalize=True)
@@ -222,10 +254,14 @@ def test_clip_row_blocks_and_determinism(tf32):
 
     def run(**kw):
         _graphs.clear()
-        loss, ctx = cupynce.clip_loss_forward(x, y, ls, normalize=True, **kw)
+        loss, ctx = cupynce.clip_loss_forward(x, y, ls, normalize=True, precision="3xtf32",
+                                              **kw)
         return [loss] + list(cupynce.clip_loss_backward(ctx))
     whole = run()
+    assert squares == [n] and mms, (squares, len(mms))
+    del squares[:], mms[:]
     blocks = run(workspace_bytes=1920 * n * 4)
+    assert squares == [1920] * 4, squares  # (2 blocks x 2 squares; the 960-row block: none)
     again = run(workspace_bytes=1920 * n * 4)
     for name, w, b_, c, r in zip(["loss", "da", "db", "dscale"], whole, blocks, again,
                                  [ref_loss] + list(ref_grads)):
@@ -235,6 +271,48 @@ def test_clip_row_blocks_and_determinism(tf32):
             continue
         assert _rel(cp.asnumpy(b_), r) <= tol, name
         assert _rel(cp.asnumpy(b_), cp.asnumpy(w).astype(np.float64)) <= tol, name
+
+
+@gpu
+def test_info_nce_shared_negatives_on_the_tiles(tf32, monkeypatch):
+    """InfoNCE with shared negatives (G's columns [keys | negatives]: two products a side, the
+    keys' squares transposed while the negatives' columns are still to be read) on the tiles,
+    in row blocks, within the float32 tolerances of the oracle."""
+    import cupynce
+    from cupynce import reference as R
+    from cupynce.ops import _graphs
+
+    mms = []
+    real_mm = tiles_tf32.mm
+    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: mms.append(1) or real_mm(*a, **k))
+    rng = np.random.default_rng(21)
+    n, m, d = 4100, 1500, 128
+    q, k, neg = (rng.standard_normal(s).astype(np.float32) for s in ((n, d), (n, d), (m, d)))
+    ref_loss, ref_grads = R.info_nce(q, k, 0.1, negatives=neg, normalize=True)
+    _graphs.clear()
+    loss, ctx = cupynce.info_nce_forward(cp.asarray(q), cp.asarray(k), 0.1,
+                                         negatives=cp.asarray(neg), normalize=True,
+                                         workspace_bytes=1088 * (n + m) * 4)
+    grads = cupynce.info_nce_backward(ctx)
+    assert len(mms) >= 4 * 4, len(mms)  # (4 blocks, 4 products each at least on the tiles)
+    assert _rel(cp.asnumpy(loss), ref_loss) <= FP32_TOL[0]
+    for name, g_, r in zip(("dq", "dk", "dneg"), grads, ref_grads):
+        assert _rel(cp.asnumpy(g_), r) <= FP32_TOL[1], name
+
+
+@gpu
+def test_tiny_products_keep_small_gemm(tf32, monkeypatch):
+    """Products within blas.SMALL_GEMM_MACS take blas.gemm's fp32 small_gemm route under
+    "3xtf32" too (as the README says of every mode), not the tiles."""
+    mms = []
+    real_mm = tiles_tf32.mm
+    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: mms.append(1) or real_mm(*a, **k))
+    a = cp.asarray(np.random.default_rng(3).standard_normal((64, 32)).astype(np.float32))
+    out = cp.empty((64, 64), np.float32)
+    products_tf32.Products().gemm(a, a, out, trans_b=True)
+    assert mms == []
+    assert np.array_equal(_bits(out), _bits(_fp32(a, a, cp.empty((64, 64), np.float32),
+                                                  trans_b=True)))
 
 
 # ---- CPU ---------------------------------------------------------------------------------

@@ -78,7 +78,13 @@ def _planners(dt, want_grad):
 
 @pytest.mark.parametrize("which", ["rows", "clip", "siglip", "cross"])
 @pytest.mark.parametrize("want_grad", [True, False])
-def test_planners_count_the_split_block(monkeypatch, which, want_grad):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_planners_count_the_split_block(monkeypatch, which, want_grad, tiles):
+    """cuBLAS's "3xtf32" splits the gradient block: the planners count it; the TF32x3 tiles
+    (``products_tf32``, stubbed as available) split no gradient block: nothing counted."""
+    from cupynce._engine import tiles_tf32
+
+    monkeypatch.setattr(tiles_tf32, "available", lambda: tiles)
     for dt in (np.float32, np.float64, np.float16):
         calls, nc = _planners(dt, want_grad)
         got = {}
@@ -86,12 +92,10 @@ def test_planners_count_the_split_block(monkeypatch, which, want_grad):
             with blas.float32_precision(mode):
                 got[mode] = _planned_bytes(monkeypatch, calls[which])
         assert got["fp32"] == got["tf32"]
-        # (no split of the gradient block where its products run on the TF32x3 tiles: a
-        # Hopper GPU, products_tf32)
         with blas.float32_precision("3xtf32"):
             q = np.zeros((8, 4), dt)
-            tiled = products_tf32.applies(q, q)
-        extra = 2 * nc * 4 if dt == np.float32 and want_grad and not tiled else 0
+            assert products_tf32.applies(q, q) == (tiles and dt == np.float32)
+        extra = 2 * nc * 4 if dt == np.float32 and want_grad and not tiles else 0
         assert got["3xtf32"] == got["fp32"] + extra, (dt, got)
 
 

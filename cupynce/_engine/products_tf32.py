@@ -16,14 +16,20 @@ sub-blocks (k = the block's rows) transposed in place by ``cpn_tf32x3_transpose_
 caller's G is spent (``a_scratch=True``: the column-side product is the block's last use of
 G) -- and a transposed copy of A.  What the tiles cannot take runs through cuBLAS in true
 fp32 (accurate; no split scratch the planner did not count): the columns of G past its last
-whole square (Nc mod k), blocks of fewer than :data:`TRANS_MIN_ROWS` rows, operands without
-16-byte rows (d or Nc not a multiple of 4: no copy is made), ``beta`` other than 0 or 1,
-and a launch the tiles refuse (``tiles_tf32.TF32TilesUnavailable``: a transposed square is
-transposed back first, so cuBLAS reads G as stored).
+whole square (Nc mod k), a block of fewer than :data:`TRANS_MIN_ROWS` rows or fewer columns
+than rows (its whole Gᵀ A), a product without ``a_scratch``, operands or outputs without
+16-byte rows (D or the block's width not a multiple of 4: no copy is made), ``beta`` other
+than 0 or 1, and a launch the tiles refuse (``tiles_tf32.TF32TilesUnavailable``: a
+transposed square is transposed back first, so cuBLAS reads G as stored).  Products small
+enough for ``blas.gemm``'s ``small_gemm`` route (``SMALL_GEMM_MACS``) take it, in fp32, as in
+every mode.
 
-Scratch: one split operand at a time (the transposed copy and its hi / lo halves, 3 x an
-input block's size in float32, from CuPy's pool), never a copy of S or G: the row-block
-planners count no split of the gradient block here (:func:`split_row_bytes`).
+Scratch, from CuPy's pool and outside ``workspace_bytes`` (which bounds the N x N-sized
+blocks; NT-Xent's tiles likewise split z outside it): the operand each product splits, one
+at a time -- B (Nc x D: its hi / lo halves, 2 x its size) for A Bᵀ, a transposed copy of B and
+its halves (3 x) for G B, of the block's A rows (3 x rows x D) for Gᵀ A; no copy or split of
+S or G (the row-block planners count none: :func:`split_row_bytes`).  B is split again for
+every row block and pass (no cache: a cached split would hold 2-4 x B between passes).
 Deterministic: fixed orders throughout; the accumulating products read-add-store each element
 once.
 """
@@ -150,7 +156,9 @@ class Products:
         m, n = out.shape
         if m == 0 or n == 0:
             return
-        ok = (beta in (0.0, 1.0) and not (trans_a and trans_b) and _out_ok(out)
+        k_dim = a.shape[0] if trans_a else a.shape[1]
+        small = m * n * k_dim <= blas.SMALL_GEMM_MACS and k_dim <= blas.SMALL_GEMM_MAX_K
+        ok = (not small and beta in (0.0, 1.0) and not (trans_a and trans_b) and _out_ok(out)
               and a.dtype == np.float32 and b.dtype == np.float32)
         if ok and not trans_a and _rows16(a):
             parts = tiles_tf32.split(b, "b") if trans_b else _split_t(b)
