@@ -88,7 +88,7 @@ __host__ __device__ __forceinline__ int tri_count(int i, int ct) {
 // The TF32x3 tiles' products (tiles_ws_tf32.cu) come out low by this fraction on average:
 // each wgmma k8 step truncates its sum toward zero, and a promoted 32-wide chunk (12 steps,
 // the last 4 at the chunk's magnitude) keeps the loss, the same sign in every chunk, so it
-// does not average out over K.  Measured on an H100 (scratch of 2026-11-26, docs/notes.md:
+// does not average out over K.  Measured on an H100 (benchmarks/tf32x3_bias.py, 2026-11-26:
 // mean signed error of mm against float64 over its outputs, relative to their mean size):
 // -0.91e-7 for zero-mean unit rows at D = 64 ... 512, -0.84e-7 for a softmax-like block
 // times unit columns (K = 4096), -1.38e-7 for all-positive unit rows; cuBLAS fp32's is

@@ -342,6 +342,12 @@ def split_tf32(x, name: str = "x"):
     return hi, lo
 
 
+def small_product(m: int, n: int, k: int) -> bool:
+    """Whether an (m, k) x (k, n) product takes :func:`gemm`'s ``small_gemm`` route (fp32 in
+    every float32 mode): at most ``SMALL_GEMM_MACS`` multiply-adds, k <= ``SMALL_GEMM_MAX_K``."""
+    return m * n * k <= SMALL_GEMM_MACS and k <= SMALL_GEMM_MAX_K
+
+
 def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
          alpha: float = 1.0, beta: float = 0.0) -> None:
     """``out[m, n] = alpha * op(a) @ op(b) + beta * out`` (row-major), in place.
@@ -365,7 +371,7 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
         return
     if a.dtype != b.dtype:
         raise ValueError(f"gemm: a and b must share a dtype, got {a.dtype} and {b.dtype}")
-    if m * n * k <= SMALL_GEMM_MACS and k <= SMALL_GEMM_MAX_K and a.dtype in SUPPORTED_DTYPES:
+    if small_product(m, n, k) and a.dtype in SUPPORTED_DTYPES:
         acc = acc_dtype(a.dtype)
         if out.dtype == acc:
             kernels.launch("blas.cu", "small_gemm", a.dtype, (-(-m * n // BLOCK),), (

@@ -100,7 +100,7 @@ def gemm_for(a_rows, b_rows, scale_grad: bool = False) -> Callable:
 def uses_tiles(gemm: Callable) -> bool:
     """Whether ``gemm`` (from :func:`gemm_for`) is the tiles' (no split of the gradient block
     to plan for)."""
-    return getattr(gemm, "__self__", None).__class__ is Products
+    return isinstance(getattr(gemm, "__self__", None), Products)
 
 
 def split_row_bytes(gemm: Callable, dtype, cols: int) -> int:
@@ -120,15 +120,6 @@ def _out_ok(out) -> bool:
     """The product tile's stores: float32, unit column stride, an even leading dimension."""
     return (out.dtype == np.float32 and out.strides[1] == 4 and blas.leading_dim(out) % 2 == 0
             and out.data.ptr % 8 == 0)
-
-
-def _split_t(x):
-    """``tiles_tf32.split`` of xᵀ (a contiguous transposed copy first: the split reads rows)."""
-    from . import tiles_tf32
-
-    import cupy as cp
-
-    return tiles_tf32.split(cp.ascontiguousarray(x.T), "x")
 
 
 def transpose_square(v) -> None:
@@ -158,12 +149,11 @@ class Products:
         m, n = out.shape
         if m == 0 or n == 0:
             return
-        k_dim = a.shape[0] if trans_a else a.shape[1]
-        small = m * n * k_dim <= blas.SMALL_GEMM_MACS and k_dim <= blas.SMALL_GEMM_MAX_K
+        small = blas.small_product(m, n, a.shape[0] if trans_a else a.shape[1])
         ok = (not small and beta in (0.0, 1.0) and not (trans_a and trans_b) and _out_ok(out)
               and a.dtype == np.float32 and b.dtype == np.float32)
         if ok and not trans_a and _rows16(a):
-            parts = tiles_tf32.split(b, "b") if trans_b else _split_t(b)
+            parts = tiles_tf32.split(b, "b") if trans_b else tiles_tf32.split_t(b, "b")
             try:
                 tiles_tf32.mm(a, parts, out, alpha, accumulate=beta == 1.0)
                 return
@@ -172,7 +162,7 @@ class Products:
         if ok and trans_a and a_scratch and _rows16(a):
             k = a.shape[0]  # a (k, m): the block's rows x its columns
             if k >= TRANS_MIN_ROWS and k % 4 == 0 and k <= m:
-                parts = _split_t(b)  # (n, k)
+                parts = tiles_tf32.split_t(b, "b")  # (n, k)
                 j = 0
                 while j + k <= m:
                     v = a[:, j:j + k]

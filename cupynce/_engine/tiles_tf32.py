@@ -95,6 +95,14 @@ def split(x, name: str = "x"):
     return blas.split_tf32(x if d % 4 == 0 else padded(x), name)
 
 
+def split_t(x, name: str = "x"):
+    """:func:`split` of xᵀ (a contiguous transposed copy first: the split reads rows): the
+    K-major B operand of a product against x's columns."""
+    import cupy as cp
+
+    return split(cp.ascontiguousarray(x.T), name)
+
+
 def _kernel(mode: str = "lse"):
     """The kernel of ``mode`` (lse, lse2, h, mm) on the current device and (its static shared
     memory, the opt-in maximum), opted in as the 16-bit warp-specialised kernels are
@@ -449,7 +457,7 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
                                        pos_shift=pos_shift, pos_mod=n)
     if not want_grad:
         return lse, loss, (None, None, None, None)
-    qt = split(cp.ascontiguousarray(q.T), "q")  # (d, n): K-major for the product
+    qt = split_t(q, "q")  # (d, n): K-major for the product
     de = d + d % 2  # (the product's paired stores want an even leading dimension)
     dq = cp.empty((n, de), f32)
     if keep_s:
