@@ -71,6 +71,7 @@ struct WsRing {
     unsigned fullc, empty0, abase, rbase, SB;
     int ST;
     bool AR, leader;
+    int stride;  // ring stages between this consumer's K steps (2: MODE_MM interleaved)
 };
 
 // The 16-bit operands: a stage holds the A and B boxes of one K step of TBK = 64 (or, A
@@ -195,7 +196,7 @@ __device__ __forceinline__ void ws_tile_store(float* g, i64 ldg, int rows, float
         }
 }
 
-// One CTA.  ring: ST (stages, <= WS_MAX_STAGES) | AR << 8; the dynamic shared memory is
+// One CTA.  ring: ST (stages, <= WS_MAX_STAGES) | AR << 8 | IL << 9 (MODE_MM); the dynamic shared memory is
 // 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x stage + SOUT ? 32 KiB : 0, the SOUT staging
 // last (SIGLIP without g, the loss alone, never touches it: not reserved); a stage is
 // Ops::stage_bytes(AR) (16-bit: AR ? 16 : 32 KiB; the TMA fills Ops::tx_bytes(AR) of it),
@@ -232,6 +233,10 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
     const int KT = (p.d + Ops::KSTEP - 1) / Ops::KSTEP;
     const int ST = ring & 0xff;
     const bool AR = Ops::AR_OK && ((ring >> 8) & 1);
+    // IL (MODE_MM, ring bit 9): the two consumers' tiles t, t + 1 interleaved in the ring a
+    // K step each, both on the tensor cores at once (no ping-pong), so that one consumer's
+    // waits for its chunk accumulator (tiles_ws_tf32.cu) hide under the other's MMAs
+    const bool IL = MODE == MODE_MM && ((ring >> 9) & 1);
     const unsigned SB = Ops::stage_bytes(AR);  // a ring stage
     const unsigned abase = (sw_smem(ws_smem) + 1023u) & ~1023u;  // swizzle atoms: 1 KiB
     const unsigned rbase = AR ? abase + KT * WS_A_BYTES : abase;  // the ring
@@ -257,17 +262,37 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
             }
             int s = 0;
             unsigned ph = 0;  // parity of the current use of stage s
-            for (int t = 0; t < my_tiles; ++t) {
+            // stage s for K step kt of tile t (its consumer's full barrier)
+            auto fill = [&](int t, int kt) {
                 const int ct = tile_ct(t);
                 const typename Ops::BSrc tb = ops.b_src(ct < CT1);
                 const int brow = ct < CT1 ? ct * TBN : (ct - CT1) * TBN;
                 const unsigned fullc = full0 + 8 * ((t & 1) * WS_MAX_STAGES);
-                for (int kt = 0; kt < KT; ++kt) {
-                    mbar_wait(empty0 + 8 * s, ph ^ 1);  // use u - 1 released (u = 0: passes)
-                    const unsigned a = rbase + s * SB;
-                    mbar_expect_tx(fullc + 8 * s, Ops::tx_bytes(AR));
-                    ops.load_stage(a, AR, kt, m0, tb, brow, fullc + 8 * s);
-                    if (++s == ST) { s = 0; ph ^= 1; }
+                mbar_wait(empty0 + 8 * s, ph ^ 1);  // use u - 1 released (u = 0: passes)
+                const unsigned a = rbase + s * SB;
+                mbar_expect_tx(fullc + 8 * s, Ops::tx_bytes(AR));
+                ops.load_stage(a, AR, kt, m0, tb, brow, fullc + 8 * s);
+                if (++s == ST) { s = 0; ph ^= 1; }
+            };
+            if (IL) {  // tiles t, t + 1 (both consumers) a K step each in turn
+                for (int t = 0; t < my_tiles; t += 2)
+                    for (int kt = 0; kt < KT; ++kt) {
+                        fill(t, kt);
+                        if (t + 1 < my_tiles) fill(t + 1, kt);
+                    }
+            } else {
+                for (int t = 0; t < my_tiles; ++t) {
+                    const int ct = tile_ct(t);
+                    const typename Ops::BSrc tb = ops.b_src(ct < CT1);
+                    const int brow = ct < CT1 ? ct * TBN : (ct - CT1) * TBN;
+                    const unsigned fullc = full0 + 8 * ((t & 1) * WS_MAX_STAGES);
+                    for (int kt = 0; kt < KT; ++kt) {
+                        mbar_wait(empty0 + 8 * s, ph ^ 1);  // use u - 1 released (u = 0: passes)
+                        const unsigned a = rbase + s * SB;
+                        mbar_expect_tx(fullc + 8 * s, Ops::tx_bytes(AR));
+                        ops.load_stage(a, AR, kt, m0, tb, brow, fullc + 8 * s);
+                        if (++s == ST) { s = 0; ph ^= 1; }
+                    }
                 }
             }
         }
@@ -287,11 +312,13 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
     rg.empty0 = empty0; rg.abase = abase; rg.rbase = rbase; rg.SB = SB; rg.ST = ST;
     rg.AR = AR;
     rg.leader = lt == 0;  // one release per warpgroup
+    rg.stride = 1;
     float acc[I][J][4];
     unsigned fph = 0;  // bit s: parity of this consumer's next use of stage s
     int s = 0;
     if (AR && c < my_tiles) mbar_wait(abar, 0);  // A resident (completes once)
-    if (PP && c == 1 && my_tiles > 0) ws_bar_arrive(3);  // consumer 0 goes first
+    const bool pp = PP && !IL;
+    if (pp && c == 1 && my_tiles > 0) ws_bar_arrive(3);  // consumer 0 goes first
     for (int t = c, k = 0; t < my_tiles; t += 2, ++k) {
         const int ct = tile_ct(t);
         const int n0 = tile_n0(ct), nlim = ct < CT1 ? n1 : ncols;
@@ -300,9 +327,15 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
             raw = colv_load<sizeof(T) == 4 && MODE == MODE_H>(n0 + lt, nlim, p.lse_col, p.w_ptr,
                                                               p.w_stride);
         s = (t * KT) % ST;  // this tile's first stage (iteration t KT of the ring)
-        if (PP) ws_bar_sync(3 + c);  // my turn on the tensor cores
+        if (IL && (c == 1 || t + 1 < my_tiles)) {  // a pair: K steps alternate in the ring
+            s = ((t - c) * KT + c) % ST;
+            rg.stride = 2;
+        } else if (IL) {
+            rg.stride = 1;  // (a last tile alone)
+        }
+        if (pp) ws_bar_sync(3 + c);  // my turn on the tensor cores
         ops.mma_tile(acc, rg, KT, s, fph, [&] {
-            if (PP && t + 1 < my_tiles) ws_bar_arrive(3 + (c ^ 1));  // the other's turn
+            if (pp && t + 1 < my_tiles) ws_bar_arrive(3 + (c ^ 1));  // the other's turn
         });
         if (MODE == MODE_MM) {  // a product tile (tiles_ws_tf32.cu): g = alpha acc (+ g)
             ws_tile_store<L>((float*)p.g, p.ldg, p.rows, p.scale_mul, acc, m0, n0, nlim, false,

@@ -95,15 +95,21 @@ template <bool SPLIT_A> struct WsOpsTf32x3 {
     // wgmma m64n128k8 into the chunk accumulator ch (scale-d = 0 on the first), commit, wait,
     // then acc[h] += ch.  One chunk of 64 registers: the main accumulator takes 128 of the
     // consumer's 240, so the two halves' chunks (128 more) would not fit; the tensor cores
-    // idle while a consumer waits for its chunk and adds it (the other consumer is in its
-    // epilogue then, or waiting for the ring).  SPLIT_A: the next stage is waited for and
-    // split while the first half's MMAs run (the tile's first stage before them).  The stage
-    // is released once its second half has been read.
+    // idle while a consumer waits for its chunk and adds it unless the other consumer's MMAs
+    // run then -- MODE_MM's interleaved ring (r.stride = 2: this consumer's K steps are every
+    // other stage), not the ping-pong modes, whose other consumer is in its epilogue.
+    // SPLIT_A: alone (stride 1) the next stage is waited for and split while the first
+    // half's MMAs run (the tile's first stage before them); interleaved, each stage is split
+    // when it is reached (the next one is the other consumer's to wait for: waiting on it
+    // here would stall these MMAs' completion behind that consumer's release and a refill),
+    // while the other consumer's MMAs run.  The stage is released once its second half has
+    // been read.
     template <typename Issued>
     __device__ __forceinline__ void mma_tile(float (&acc)[2][16][4], const WsRing& r, int KT,
                                              int& s, unsigned& fph, Issued issued) const {
         float ch[64];
         const int c = (int)(threadIdx.x >> 7), lt = (int)(threadIdx.x & 127);
+        const bool ahead = SPLIT_A && r.stride == 1;  // split the next stage under the MMAs
         auto wait_full = [&](int st) {
             mbar_wait(r.fullc + 8 * st, (fph >> st) & 1u);
             fph ^= 1u << st;
@@ -114,12 +120,13 @@ template <bool SPLIT_A> struct WsOpsTf32x3 {
             for (int j = 0; j < 16; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-        if (SPLIT_A) {
+        if (ahead) {
             wait_full(s);
             split_a(r.rbase + s * r.SB, c, lt);
         }
         for (int kt = 0; kt < KT; ++kt) {
-            if (!SPLIT_A) wait_full(s);
+            if (!ahead) wait_full(s);
+            if (SPLIT_A && !ahead) split_a(r.rbase + s * r.SB, c, lt);
             const unsigned a = r.rbase + s * r.SB;
             const unsigned long long dbh = wg_desc(a + 2 * WS_TF32_BOX),
                                      dbl = wg_desc(a + 3 * WS_TF32_BOX);
@@ -139,7 +146,7 @@ template <bool SPLIT_A> struct WsOpsTf32x3 {
                 for (int kk = 0; kk < 4; ++kk) WgmmaTf32::run(ch, dah + 2 * kk, dbh + 2 * kk, 1);
                 wg_commit();
                 if (h == 1 && kt == KT - 1) issued();
-                if (SPLIT_A && h == 0 && kt + 1 < KT) {  // (stage s + 1: not read by these)
+                if (ahead && h == 0 && kt + 1 < KT) {  // (stage s + 1: not read by these)
                     const int s1 = s + 1 == r.ST ? 0 : s + 1;
                     wait_full(s1);
                     split_a(r.rbase + s1 * r.SB, c, lt);
@@ -152,7 +159,8 @@ template <bool SPLIT_A> struct WsOpsTf32x3 {
 #pragma unroll
                 for (int q = 0; q < 64; ++q) d[q] += ch[q];  // round to nearest
             }
-            if (++s == r.ST) s = 0;
+            s += r.stride;
+            if (s >= r.ST) s -= r.ST;
         }
     }
 };

@@ -49,6 +49,12 @@ BOX_BYTES = tiles.TILE * KSTEP * 4
 STAGE_BYTES = 4 * BOX_BYTES
 #: fewest ring stages worth launching (the H100's 227 KiB per block hold 3)
 MIN_STAGES = 2
+#: ``mm``'s two consumer warpgroups on the tensor cores at once, their tiles' K steps
+#: interleaved in the ring (the kernel's ring bit 9), instead of the ping-pong of whole tiles
+#: the fused passes use: a consumer's wait for its promoted chunk then hides under the other's
+#: MMAs.  The same arithmetic in the same order either way (the same bits); False for the
+#: benchmark's before / after (bench_tf32_mm.py)
+MM_INTERLEAVE = True
 
 
 class TF32TilesUnavailable(RuntimeError):
@@ -111,10 +117,11 @@ def _kernel(mode: str = "lse"):
     return kern, tiles.ws_smem(kern)
 
 
-def _launch(mode: str, parts, grid, raw: bytes) -> None:
+def _launch(mode: str, parts, grid, raw: bytes, ring_flags: int = 0) -> None:
     """Launch ``cpn_wstile_<mode>_tf32x3`` over the split operands ``parts`` = (A_hi, A_lo,
     B_hi, B_lo) (``mm``: A_lo unread, A itself in A_hi's place) with the packed
-    :data:`tiles.TILE_ARGS_FORMAT` arguments ``raw``."""
+    :data:`tiles.TILE_ARGS_FORMAT` arguments ``raw``; ``ring_flags`` or-ed into the ring
+    argument (``1 << 9``: ``mm``'s interleaved consumers)."""
     kern, info = _kernel(mode)
     rg = ring(*info)
     if rg is None:
@@ -124,7 +131,8 @@ def _launch(mode: str, parts, grid, raw: bytes) -> None:
     if any(mp is None for mp in maps):
         raise TF32TilesUnavailable(f"cpn_wstile_{mode}_tf32x3: the driver refused a tensor map")
     args = np.frombuffer(raw, tiles.TILE_ARGS_DTYPE)
-    kern(tuple(grid), (tiles.WS_THREADS,), (*maps, args, np.int32(rg[0])), shared_mem=rg[1])
+    kern(tuple(grid), (tiles.WS_THREADS,), (*maps, args, np.int32(rg[0] | ring_flags)),
+         shared_mem=rg[1])
 
 
 def _check(x, name: str):
@@ -375,7 +383,7 @@ def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
         splits = tiles.grid_splits(rt, ct)
     # (MODE_MM reads TileArgs' tri as its accumulate flag)
     raw = _args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=out, tri=accumulate)
-    _launch("mm", (a, a, b_hi, b_lo), (rt, splits), raw)
+    _launch("mm", (a, a, b_hi, b_lo), (rt, splits), raw, (1 << 9) if MM_INTERLEAVE else 0)
     return out
 
 

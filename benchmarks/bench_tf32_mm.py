@@ -1,0 +1,89 @@
+"""The TF32x3 product kernel (``tiles_tf32.mm``, issue 24) on CLIP's three float32 products,
+against cuBLAS fp32 and TF32 on the same shapes: time, TFLOP/s, error against float64.
+
+    python benchmarks/bench_tf32_mm.py [--n 16384] [--d 512] [--repeat 10]
+
+CLIP's N x N block issues S = A Bᵀ (M = N, cols = N, K = D), dA = G B and dB = Gᵀ A (M = N,
+cols = D, K = N; ``Products.gemm`` reads Gᵀ from G's transposed squares: here a G already
+stored that way, the product alone).  Per shape:
+
+* ``tiles mm``: ``tiles_tf32.mm`` on operands split beforehand (A split in the kernel's shared
+  memory, B as ``tiles_tf32.split`` / ``split_t`` gives it), with the consumers interleaved
+  (``MM_INTERLEAVE``, the default) and ping-ponging whole tiles (the fused passes' schedule,
+  the default before 2026-11-27) -- the same arithmetic in the same order: the script checks
+  the two outputs are identical bit for bit;
+* ``cuBLAS fp32`` (true fp32, ``blas.gemm``'s float32 path) and ``cuBLAS tf32`` (one TF32
+  product: the tensor cores' rate, a third of the work the tiles issue).
+
+TFLOP/s count 2 M cols K (the product's useful work; the tiles issue three TF32 products).
+Errors: relative Frobenius norm against float64 products computed on the GPU.  Medians of
+CUDA-event times (``cupynce.report.harness.time_cuda``), one run, one GPU.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from cupynce._engine import blas, tiles_tf32
+from cupynce.report.harness import device_header, device_info, time_cuda
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", default="16384", help="comma-separated N")
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=10)
+    args = ap.parse_args()
+    import cupy as cp
+
+    print(device_header(device_info()))
+    if not tiles_tf32.available():
+        raise SystemExit("the TF32x3 tiles need a compute-capability 9.0 GPU (Hopper) and TMA")
+    d = args.d
+    print("| product | M x cols x K | case | median ms | TFLOP/s | rel. error |")
+    print("|---|---|---|--:|--:|--:|")
+    for n in (int(x) for x in args.n.split(",")):
+        rng = cp.random.default_rng(0)
+        a = rng.standard_normal((n, d), dtype=cp.float32) / np.float32(np.sqrt(d))
+        b = rng.standard_normal((n, d), dtype=cp.float32) / np.float32(np.sqrt(d))
+        g = rng.standard_normal((n, n), dtype=cp.float32) / np.float32(n)
+        # (name, tiles' A, its B parts, cuBLAS operands (x, y, trans_b), out shape)
+        shapes = [("S = A Bᵀ", a, tiles_tf32.split(b), (a, b, True), (n, n)),
+                  ("dA = G B", g, tiles_tf32.split_t(b), (g, b, False), (n, d))]
+        for name, ta, parts, (x, y, tb), oshape in shapes:
+            m, cols = oshape
+            k = x.shape[1]
+            flop = 2.0 * m * cols * k
+            ref = x.astype(cp.float64) @ (y.T if tb else y).astype(cp.float64)
+            out = cp.empty(oshape, cp.float32)
+
+            def err(o):
+                return float(cp.linalg.norm(o.astype(cp.float64) - ref) / cp.linalg.norm(ref))
+
+            def row(case, fn, o):
+                t = time_cuda(fn, warmup=3, repeat=args.repeat)["median_ms"]
+                print(f"| {name} | {m} x {cols} x {k} | {case} | {t:.3f} | "
+                      f"{flop / t / 1e9:.1f} | {err(o):.2e} |", flush=True)
+
+            outs = {}
+            for il in (True, False):
+                tiles_tf32.MM_INTERLEAVE = il
+                o = cp.empty(oshape, cp.float32)
+                row(f"tiles mm, {'interleaved' if il else 'ping-pong'}",
+                    lambda o=o: tiles_tf32.mm(ta, parts, o), o)
+                outs[il] = o
+            tiles_tf32.MM_INTERLEAVE = True
+            same = bool(cp.array_equal(outs[True], outs[False]))
+            print(f"| {name} | | interleaved == ping-pong bit for bit | {same} | | |")
+            for prec in ("fp32", "tf32"):
+                def prod(p=prec):
+                    with blas.float32_precision(p):
+                        blas.gemm(x, y, out, trans_b=tb)
+                prod()
+                row(f"cuBLAS {prec}", prod, out)
+            del ref
+
+
+if __name__ == "__main__":
+    main()
