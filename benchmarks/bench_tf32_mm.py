@@ -4,8 +4,8 @@ against cuBLAS fp32 and TF32 on the same shapes: time, TFLOP/s, error against fl
     python benchmarks/bench_tf32_mm.py [--n 16384] [--d 512] [--repeat 10]
 
 CLIP's N x N block issues S = A Bᵀ (M = N, cols = N, K = D), dA = G B and dB = Gᵀ A (M = N,
-cols = D, K = N; ``Products.gemm`` reads Gᵀ from G's transposed squares: here a G already
-stored that way, the product alone).  Per shape:
+cols = D, K = N; the ``mmt`` kernel reads G as stored and transposes its boxes in shared
+memory).  Per shape:
 
 * ``tiles mm``: ``tiles_tf32.mm`` on operands split beforehand (A split in the kernel's shared
   memory, B as ``tiles_tf32.split`` / ``split_t`` gives it), with the consumers interleaved
@@ -48,14 +48,16 @@ def main() -> None:
         a = rng.standard_normal((n, d), dtype=cp.float32) / np.float32(np.sqrt(d))
         b = rng.standard_normal((n, d), dtype=cp.float32) / np.float32(np.sqrt(d))
         g = rng.standard_normal((n, n), dtype=cp.float32) / np.float32(n)
-        # (name, tiles' A, its B parts, cuBLAS operands (x, y, trans_b), out shape)
-        shapes = [("S = A Bᵀ", a, tiles_tf32.split(b), (a, b, True), (n, n)),
-                  ("dA = G B", g, tiles_tf32.split_t(b), (g, b, False), (n, d))]
-        for name, ta, parts, (x, y, tb), oshape in shapes:
+        # (name, tiles' A, its B parts, trans_a, cuBLAS operands (x, y, trans_a, trans_b),
+        # out shape)
+        shapes = [("S = A Bᵀ", a, tiles_tf32.split(b), False, (a, b, False, True), (n, n)),
+                  ("dA = G B", g, tiles_tf32.split_t(b), False, (g, b, False, False), (n, d)),
+                  ("dB = Gᵀ A", g, tiles_tf32.split_t(a), True, (g, a, True, False), (n, d))]
+        for name, ta, parts, tr, (x, y, xa, tb), oshape in shapes:
             m, cols = oshape
-            k = x.shape[1]
+            k = x.shape[0] if xa else x.shape[1]
             flop = 2.0 * m * cols * k
-            ref = x.astype(cp.float64) @ (y.T if tb else y).astype(cp.float64)
+            ref = (x.T if xa else x).astype(cp.float64) @ (y.T if tb else y).astype(cp.float64)
             out = cp.empty(oshape, cp.float32)
 
             def err(o):
@@ -70,8 +72,8 @@ def main() -> None:
             for il in (True, False):
                 tiles_tf32.MM_INTERLEAVE = il
                 o = cp.empty(oshape, cp.float32)
-                row(f"tiles mm, {'interleaved' if il else 'ping-pong'}",
-                    lambda o=o: tiles_tf32.mm(ta, parts, o), o)
+                row(f"tiles mm{'t' if tr else ''}, {'interleaved' if il else 'ping-pong'}",
+                    lambda o=o: tiles_tf32.mm(ta, parts, o, trans_a=tr), o)
                 outs[il] = o
             tiles_tf32.MM_INTERLEAVE = True
             same = bool(cp.array_equal(outs[True], outs[False]))
@@ -79,7 +81,7 @@ def main() -> None:
             for prec in ("fp32", "tf32"):
                 def prod(p=prec):
                     with blas.float32_precision(p):
-                        blas.gemm(x, y, out, trans_b=tb)
+                        blas.gemm(x, y, out, trans_a=xa, trans_b=tb)
                 prod()
                 row(f"cuBLAS {prec}", prod, out)
             del ref

@@ -108,18 +108,20 @@ if part == "tf32":
     l = cp.zeros(())
 if part == "tf32products":
     # CLIP / SigLIP / InfoNCE's float32 products on the TF32x3 tiles (products_tf32): A Bᵀ,
-    # G B, the in-place square transposes and Gᵀ A accumulating; one block (a 1100 square)
-    # and row blocks of 1088 (two squares and a strip of 24 columns, dB accumulated)
-    from cupynce._engine import products_tf32
+    # G B and Gᵀ A (the mmt kernel: G read in 32 x 32 boxes and transposed by the consumers)
+    # accumulating; one block (1100 rows: partial tiles and boxes) and row blocks of 1088
+    # (dB accumulated over the blocks, a last block of 24 rows), a lone tile per CTA (the
+    # interleaved ring's odd tail) and an even pair (D = 72: 1 column tile; 264: 3)
+    from cupynce._engine import tiles_tf32
     ran = []
-    real = products_tf32.transpose_square
-    products_tf32.transpose_square = lambda v: ran.append(v.shape[0]) or real(v)
-    for n, ws in ((1100, None), (2200, 1100 * 2200 * 4)):
-        x = cp.asarray(rng.standard_normal((n, 72)).astype(np.float32))
-        y = cp.asarray(rng.standard_normal((n, 72)).astype(np.float32))
+    real = tiles_tf32.mm
+    tiles_tf32.mm = lambda *a, **k: ran.append(bool(k.get("trans_a"))) or real(*a, **k)
+    for n, d, ws in ((1100, 72, None), (2200, 72, 1100 * 2200 * 4), (1100, 264, None)):
+        x = cp.asarray(rng.standard_normal((n, d)).astype(np.float32))
+        y = cp.asarray(rng.standard_normal((n, d)).astype(np.float32))
         kw = dict(precision="3xtf32", workspace_bytes=ws)
         l, c = cupynce.clip_loss_forward(x, y, 2.0, **kw); cupynce.clip_loss_backward(c)
         l, c = cupynce.siglip_loss_forward(x, y, 2.3, -10.0, **kw); cupynce.siglip_loss_backward(c)
         l, c = cupynce.info_nce_forward(x, y, 0.1, **kw); cupynce.info_nce_backward(c)
-    assert 1100 in ran and 1088 in ran, ran
+    assert True in ran and False in ran, ran
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(cp.asarray(l).sum()))

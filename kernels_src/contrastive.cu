@@ -66,23 +66,72 @@ __device__ __forceinline__ void row_softmax_body(
     }
 }
 
-// Column statistics, stage 1: partial online log-sum-exp of `chunk` consecutive rows for
-// each column j of a score block (R x n, leading dim ld). Grid: (ceil(n / blockDim), chunks).
-template <typename A>
-__device__ __forceinline__ void col_partial_body(
-    const A* __restrict__ s, i64 ld, int rows, int n, int chunk,
-    const A* __restrict__ scale_log, A scale_mul,
-    A* __restrict__ part_m, A* __restrict__ part_s)
+// Row and column statistics of a score block in one read (CLIP's, and a global NT-Xent's
+// cross-rank blocks'): row_softmax's lse / loss of each row (no diagonal excluded, no second
+// segment, no gradient) and column partials (online LSEs over chunks of R rows, col_combine's input), for rows R b ..
+// R b + R - 1 of block b and every column.  Thread t takes the columns t, t + B, ... (B =
+// CPN_BLOCK): each column's online LSE over the R rows (its partial, part_m / part_s[b n + j]) and each row's over the thread's columns (row_softmax's order); each
+// row's thread partials then merge as block_lse merges them -- the lanes by the same xor
+// tree, the 8 warps in the tree block_lse's second shuffle makes on lane 0 --, so lse and loss
+// are row_softmax's bits.  R = 32 (16 for double: the row states live in registers).  Grid:
+// ceil(rows / R).
+template <typename A, int R>
+__device__ __forceinline__ void row_col_stats_body(
+    const A* __restrict__ s, i64 ld, int rows, int n, int row0, int pos_shift, int pos_mod,
+    const A* __restrict__ scale_log, A scale_mul, A* __restrict__ lse_out,
+    A* __restrict__ loss_out, A* __restrict__ part_m, A* __restrict__ part_s)
 {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= n) return;
+    enum { NW = CPN_BLOCK / 32 };
+    static_assert(NW == 8, "the warps' merge tree below is block_lse's for 8 warps");
+    __shared__ A sm[R][NW], ss[R][NW];
+    const int b = blockIdx.x, r0 = b * R, nr = min(R, rows - r0);
     const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
-    const int r0 = blockIdx.y * chunk;
-    const int r1 = min(rows, r0 + chunk);
-    Lse<A> st; st.init();
-    for (int r = r0; r < r1; ++r) st.add(scale * s[(i64)r * ld + j]);
-    part_m[(i64)blockIdx.y * n + j] = st.m;
-    part_s[(i64)blockIdx.y * n + j] = st.s;
+    const A* const base = s + (i64)r0 * ld;
+    Lse<A> rs[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) rs[r].init();
+    for (int j = threadIdx.x; j < n; j += CPN_BLOCK) {
+        Lse<A> cs; cs.init();
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (r < nr) {
+                const A x = scale * base[(i64)r * ld + j];
+                cs.add(x);
+                rs[r].add(x);
+            }
+        }
+        part_m[(i64)b * n + j] = cs.m;
+        part_s[(i64)b * n + j] = cs.s;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const A om = __shfl_xor_sync(0xffffffffu, rs[r].m, o);
+            const A os = __shfl_xor_sync(0xffffffffu, rs[r].s, o);
+            rs[r].merge(om, os);
+        }
+        if (lane == 0) { sm[r][warp] = rs[r].m; ss[r][warp] = rs[r].s; }
+    }
+    __syncthreads();
+    if (threadIdx.x >= nr) return;
+    const int r = threadIdx.x;
+    // lane 0 of block_lse's xor tree over 8 warp values w0..w7:
+    // ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7)), "+" the (ordered) merge
+    Lse<A> w[NW];
+#pragma unroll
+    for (int k = 0; k < NW; ++k) { w[k].m = sm[r][k]; w[k].s = ss[r][k]; }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k].merge(w[k + 4].m, w[k + 4].s);
+    w[0].merge(w[2].m, w[2].s);
+    w[1].merge(w[3].m, w[3].s);
+    w[0].merge(w[1].m, w[1].s);
+    const A lse = w[0].value();
+    const int i = row0 + r0 + r;
+    lse_out[i] = lse;
+    if (loss_out)
+        loss_out[i] = lse - scale * base[(i64)r * ld + (int)(((i64)i + pos_shift) % pos_mod)];
 }
 
 // Column statistics, stage 2: fold the partials of one row block into the running
@@ -435,10 +484,11 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_scale_cast_##SUF(   
     scale_cast_body<T, A>(acc, n, g, out); }
 
 #define CPN_DEFINE_ACC(SUF, A)                                                             \
-extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_partial_##SUF(             \
-    const A* s, i64 ld, int rows, int n, int chunk, const A* scale_log, A scale_mul,       \
-    A* part_m, A* part_s) {                                                                \
-    col_partial_body<A>(s, ld, rows, n, chunk, scale_log, scale_mul, part_m, part_s); }    \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_row_col_stats_##SUF(           \
+    const A* s, i64 ld, int rows, int n, int row0, int pos_shift, int pos_mod,             \
+    const A* scale_log, A scale_mul, A* lse_out, A* loss_out, A* part_m, A* part_s) {      \
+    row_col_stats_body<A, sizeof(A) == 8 ? 16 : 32>(s, ld, rows, n, row0, pos_shift,       \
+        pos_mod, scale_log, scale_mul, lse_out, loss_out, part_m, part_s); }               \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_combine_##SUF(             \
     const A* part_m, const A* part_s, int chunks, int n, A* col_m, A* col_s,               \
     int mode, const A* lse_row, const A* row_loss, A* lse_col, A* pair_loss) {             \

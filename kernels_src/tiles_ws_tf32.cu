@@ -5,8 +5,9 @@
 // products S = lo_a hi_b + hi_a lo_b + hi_a hi_b (lo lo, ~2^-22 relative, dropped), with the
 // accumulator promoted every 32 of K so that the scores are as accurate as fp32's or better.
 // Modes LSE, LSE2 (NT-Xent's symmetric forward), H (NT-Xent's gradient block) and MM (a
-// product); tiles_tf32.py launches them for float32 NT-Xent (precisions "auto" / "3xtf32").
-// Built for sm_90a only (__trap() elsewhere).
+// product; mmt: of a transposed A); tiles_tf32.py launches them for float32 NT-Xent and
+// products_tf32.py for the other ops' products (precisions "auto" / "3xtf32").  Built for
+// sm_90a only (__trap() elsewhere).
 //
 //   cpn_wstile_<mode>_tf32x3(ahi, alo, bhi, blo, p, ring): tensor maps of A_hi, A_lo (rows x d)
 //   and B_hi, B_lo (n1 x d), float32, 128 x 32 boxes, 128-byte swizzle (tma.matrix_map);
@@ -18,7 +19,9 @@
 //   cpn_tf32x3_h_from_s; H writes the float32 block into p.g (direct float2 stores, the
 //   mirror of a `tri` tile element by element); MM writes p.g = alpha A B^T (alpha =
 //   p.scale_mul; A = the float32 H block, its map in ahi's place and split by the consumers,
-//   alo unread; B = the keys transposed, split; d = the block's columns).
+//   alo unread; B = the keys transposed, split; d = the block's columns; ring | 1 << 9: the
+//   consumers interleaved, tile_ws.cuh); mmt writes p.g = alpha Aᵀ B^T from the map of the
+//   stored A (K x M) with 32 x 32 boxes, transposed by the consumers (split_a_t).
 //
 // Why the promotion: Hopper's tensor cores add each MMA step's products to the accumulator
 // truncating toward zero, ~0.5 ulp of the partial sum lost per k8 step, always the same way,
@@ -34,6 +37,7 @@
 
 #define WS_TF32_KSTEP 32                 // a 128-byte swizzle row: 32 float32 of K
 #define WS_TF32_BOX (TBM * WS_TF32_KSTEP * 4)  // 16 KiB: one 128 x 32 float32 box
+#define WS_TF32_TBOX (32 * 32 * 4)              // 4 KiB: a 32 x 32 box (TRANS_A's)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // tile_epilogue<float, MODE_LSE, ...> compiles the 16-bit gradient-block branches (G, H, CLIP,
@@ -50,9 +54,12 @@ template <> struct Pack2<float> {
 // one 32-wide K step, A_hi | A_lo | B_hi | B_lo (64 KiB).  SPLIT_A (MM, whose A is the float32
 // block H wrote once): the TMA loads A into A_hi's box and the consumer splits it there, hi
 // in place and lo into A_lo's box (the boxes' swizzle is position-wise, so the split is
-// too), one stage ahead of its MMAs: A crosses DRAM once, not as hi + lo.  B1 only, no
-// A-resident ring.
-template <bool SPLIT_A> struct WsOpsTf32x3 {
+// too), one stage ahead of its MMAs: A crosses DRAM once, not as hi + lo.  TRANS_A (MM of
+// Aᵀ: the map is of the stored (K x M) matrix, 32 x 32 boxes): the TMA loads the stage's
+// four 32(K) x 32(M) boxes of the stored matrix into A_hi's box, and the consumer reads
+// them into registers, transposes and splits them into the K-major boxes (split_a_t).  B1
+// only, no A-resident ring.
+template <bool SPLIT_A, bool TRANS_A = false> struct WsOpsTf32x3 {
     enum { KSTEP = WS_TF32_KSTEP, AR_OK = 0 };
     typedef int BSrc;  // (B1 always)
     const TmaMap *ahi, *alo, *bhi, *blo;
@@ -65,7 +72,12 @@ template <bool SPLIT_A> struct WsOpsTf32x3 {
     __device__ __forceinline__ void load_stage(unsigned a, bool, int kt, int m0, BSrc, int brow,
                                                unsigned bar) const {
         const int k = kt * KSTEP;
-        tma_load(a, ahi, k, m0, bar);
+        if (TRANS_A) {  // rows k.. of the stored matrix, its columns m0 + 32 b ..
+#pragma unroll
+            for (int b = 0; b < 4; ++b) tma_load(a + b * WS_TF32_TBOX, ahi, m0 + 32 * b, k, bar);
+        } else {
+            tma_load(a, ahi, k, m0, bar);
+        }
         if (!SPLIT_A) tma_load(a + WS_TF32_BOX, alo, k, m0, bar);
         tma_load(a + 2 * WS_TF32_BOX, bhi, k, brow, bar);
         tma_load(a + 3 * WS_TF32_BOX, blo, k, brow, bar);
@@ -91,6 +103,56 @@ template <bool SPLIT_A> struct WsOpsTf32x3 {
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         wg_bar(c);
     }
+    // TRANS_A: the stage at `a` holds, in A_hi's box, four 128-byte-swizzled 32 x 32 boxes
+    // of the stored matrix (box b: its rows = K 0..31, its columns = M 32 b ..; row k's
+    // 16-byte chunk q at position q ^ (k & 7)); written back transposed and split into the
+    // K-major layout of split_a (row m's chunk q = K 4q .. 4q + 3 at position q ^ (m & 7)).
+    // Thread (warp w, lane l) takes K quad kq = l & 7 and the M quads mq = 4 (2 w + p) +
+    // (l >> 3), p = 0, 1: 4 x 4 values each, read as 4 rows of K, written as 4 rows of M --
+    // both sides' 32 lanes then touch 8 distinct chunk positions, 4 lanes each (4 wavefronts
+    // a 512-byte access: conflict-free).  Every thread reads before any writes (the
+    // warpgroup barrier: hi overwrites the raw boxes).  The same hi / lo as split_a of the
+    // transposed matrix, bit for bit.
+    static __device__ __forceinline__ void split_a_t(unsigned a, int c, int lt) {
+        const int l = lt & 31, w = lt >> 5, kq = l & 7, g = l >> 3;
+        float v[2][4][4];  // [p][K offset r][M offset e]
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const int mq = 4 * (2 * w + p) + g;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int k = 4 * kq + r;
+                const unsigned o = a + (unsigned)((mq >> 3) * WS_TF32_TBOX + k * 128 +
+                                                  (((mq & 7) ^ (k & 7)) << 4));
+                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=f"(v[p][r][0]), "=f"(v[p][r][1]), "=f"(v[p][r][2]),
+                               "=f"(v[p][r][3]) : "r"(o) : "memory");
+            }
+        }
+        wg_bar(c);
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const int mq = 4 * (2 * w + p) + g;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = 4 * mq + e;
+                const unsigned o = a + (unsigned)(m * 128 + ((kq ^ (m & 7)) << 4));
+                float h[4], lo[4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) split_tf32(v[p][r][e], h[r], lo[r]);
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                             :: "r"(o), "f"(h[0]), "f"(h[1]), "f"(h[2]), "f"(h[3]) : "memory");
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                             :: "r"(o + WS_TF32_BOX), "f"(lo[0]), "f"(lo[1]), "f"(lo[2]),
+                                "f"(lo[3]) : "memory");
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        wg_bar(c);
+    }
+    static __device__ __forceinline__ void split_stage(unsigned a, int c, int lt) {
+        if (TRANS_A) split_a_t(a, c, lt); else split_a(a, c, lt);
+    }
     // The tile (see tile_ws.cuh's WsOps16::mma_tile): per stage and per 64-row half h, 12
     // wgmma m64n128k8 into the chunk accumulator ch (scale-d = 0 on the first), commit, wait,
     // then acc[h] += ch.  One chunk of 64 registers: the main accumulator takes 128 of the
@@ -109,7 +171,9 @@ template <bool SPLIT_A> struct WsOpsTf32x3 {
                                              int& s, unsigned& fph, Issued issued) const {
         float ch[64];
         const int c = (int)(threadIdx.x >> 7), lt = (int)(threadIdx.x & 127);
-        const bool ahead = SPLIT_A && r.stride == 1;  // split the next stage under the MMAs
+        // split the next stage under the MMAs (not TRANS_A: its 32 values a thread would
+        // not fit beside the chunk, which those MMAs are writing)
+        const bool ahead = SPLIT_A && !TRANS_A && r.stride == 1;
         auto wait_full = [&](int st) {
             mbar_wait(r.fullc + 8 * st, (fph >> st) & 1u);
             fph ^= 1u << st;
@@ -126,7 +190,7 @@ template <bool SPLIT_A> struct WsOpsTf32x3 {
         }
         for (int kt = 0; kt < KT; ++kt) {
             if (!ahead) wait_full(s);
-            if (SPLIT_A && !ahead) split_a(r.rbase + s * r.SB, c, lt);
+            if (SPLIT_A && !ahead) split_stage(r.rbase + s * r.SB, c, lt);
             const unsigned a = r.rbase + s * r.SB;
             const unsigned long long dbh = wg_desc(a + 2 * WS_TF32_BOX),
                                      dbl = wg_desc(a + 3 * WS_TF32_BOX);
@@ -165,17 +229,19 @@ template <bool SPLIT_A> struct WsOpsTf32x3 {
     }
 };
 
-template <int MODE>
+template <int MODE, bool TRANS_A = false>
 __device__ __forceinline__ void tile_ws_tf32x3(const TmaMap& ahi, const TmaMap& alo,
                                                const TmaMap& bhi, const TmaMap& blo,
                                                const TileArgs<float>& p, int ring) {
-    WsOpsTf32x3<MODE == MODE_MM> ops;
+    WsOpsTf32x3<MODE == MODE_MM, TRANS_A> ops;
     ops.ahi = &ahi; ops.alo = &alo; ops.bhi = &bhi; ops.blo = &blo;
     tile_ws_walk<float, MODE, true>(ops, p, ring);
 }
 #define CPN_WS_TF32_BODY(MODE) tile_ws_tf32x3<MODE>(ahi, alo, bhi, blo, p, ring)
+#define CPN_WS_TF32_BODY_T tile_ws_tf32x3<MODE_MM, true>(ahi, alo, bhi, blo, p, ring)
 #else
 #define CPN_WS_TF32_BODY(MODE) __trap()  // not an sm_90a build: Python never launches these
+#define CPN_WS_TF32_BODY_T __trap()
 #endif
 
 #define CPN_WS_TF32_ARGS                                                                   \
@@ -190,7 +256,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_lse2_##SU
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_h_##SUF(            \
     CPN_WS_TF32_ARGS) { CPN_WS_TF32_BODY(MODE_H); }                                        \
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_mm_##SUF(           \
-    CPN_WS_TF32_ARGS) { CPN_WS_TF32_BODY(MODE_MM); }
+    CPN_WS_TF32_ARGS) { CPN_WS_TF32_BODY(MODE_MM); }                                       \
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_mmt_##SUF(          \
+    CPN_WS_TF32_ARGS) { CPN_WS_TF32_BODY_T; }
 
 CPN_DEFINE_WS_TF32(tf32x3)
 
@@ -284,36 +352,5 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tf32x3_h_from_s(
         } else {
             for (int e = 0; j0 + e < n; ++e) row[j0 + e] = av[e];
         }
-    }
-}
-
-// ---- an in-place transpose, for the products of a stored gradient block -------------------
-// TF32 wgmma reads both operands K-major, so the column-side product of a row block,
-// dB = Gᵀ A, needs Gᵀ stored by rows.  tiles_tf32.Products transposes G's square n x n
-// sub-blocks in place (a leading dimension ld >= n) once the row-side product G B has read
-// them.  One CTA a pair of 32 x 32 tiles (i, j), i >= j (p = i (i + 1) / 2 + j): both read
-// through padded shared memory, each written back at the other's place (a diagonal tile
-// once).  Memory-bound; no arithmetic, so the values move bit for bit.
-extern "C" __global__ void __launch_bounds__(256) cpn_tf32x3_transpose_sq(float* a, i64 ld,
-                                                                         int n) {
-    __shared__ float t0[32][33], t1[32][33];
-    const long long p = blockIdx.x;
-    long long bi = (long long)((sqrt(8.0 * (double)p + 1.0) - 1.0) * 0.5);
-    while (bi * (bi + 1) / 2 > p) --bi;
-    while ((bi + 1) * (bi + 2) / 2 <= p) ++bi;
-    const long long bj = p - bi * (bi + 1) / 2;
-    const int r0 = (int)bi * 32, c0 = (int)bj * 32;
-    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-    const bool diag = bi == bj;
-#pragma unroll
-    for (int y = ty; y < 32; y += 8) {
-        if (r0 + y < n && c0 + tx < n) t0[y][tx] = a[(i64)(r0 + y) * ld + c0 + tx];
-        if (!diag && c0 + y < n && r0 + tx < n) t1[y][tx] = a[(i64)(c0 + y) * ld + r0 + tx];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int y = ty; y < 32; y += 8) {
-        if (r0 + y < n && c0 + tx < n) a[(i64)(r0 + y) * ld + c0 + tx] = diag ? t0[tx][y] : t1[tx][y];
-        if (!diag && c0 + y < n && r0 + tx < n) a[(i64)(c0 + y) * ld + r0 + tx] = t0[tx][y];
     }
 }

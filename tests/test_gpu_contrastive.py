@@ -855,3 +855,58 @@ def test_device_array_temperature_is_refused():
     with pytest.raises(TypeError, match=r"nt_xent: temperature must be a real number on the "
                                         r"host, got a GPU cupy\.ndarray"):
         cupynce.nt_xent(z, cp.asarray(0.5))
+
+
+@pytest.mark.parametrize("a_dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("rows,nc", [(1, 1), (33, 257), (100, 1000), (17, 5)])
+def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc):
+    """blocks.row_col_stats (CLIP's and the cross blocks' statistics in one read): each row's
+    lse and loss the bits of the row_softmax kernel (a device logit scale), and with an exact
+    scale the rows' lse and the column partials -- each chunk's exact maximum, the sum of
+    exp(L - max) -- against float64 to the accumulator's rounding, on a strided block with a
+    -inf and a large logit."""
+    from cupynce._engine import blocks
+    from cupynce._engine.arrays import FILE
+    from cupynce._engine.kernels import launch
+
+    a = np.dtype(a_dtype)
+    rng = np.random.default_rng(rows * 1000 + nc)
+    host = rng.standard_normal((rows, nc + 3))
+    host[0, 0] = -np.inf
+    host[-1, -4] = 30.0
+    buf = cp.asarray(host.astype(a))
+    s = buf[:, :nc]
+    ls = cp.asarray(np.array([np.log(7.0)], a))
+    shift, mod = 2, nc
+    lse, loss = cp.full((rows,), np.nan, a), cp.full((rows,), np.nan, a)
+    lse2, loss2 = cp.full((rows,), np.nan, a), cp.full((rows,), np.nan, a)
+    ch = blocks.stats_rows(a)
+    chunks = -(-rows // ch)
+    pm, ps = cp.empty((chunks, nc), a), cp.empty((chunks, nc), a)
+    row0 = 5  # (global rows 5..: the pointers shifted back, as blocks.clip passes them)
+    off = row0 * a.itemsize
+    got = blocks.row_col_stats(s, a, row0, shift, mod, ls, a.type(1.0), lse.data.ptr - off,
+                               loss.data.ptr - off, pm, ps)
+    assert got == chunks
+    launch(FILE, "row_softmax", a, (rows,), (
+        s, np.int64(nc + 3), np.int32(nc), 0, np.int64(0), np.int32(0), np.int32(row0),
+        np.int32(0), np.int32(shift), np.int32(mod), ls, a.type(1.0), 0, lse2.data.ptr - off,
+        loss2.data.ptr - off, 0, np.int64(0), 0, np.int64(0), 0, np.int64(0), a.type(0)))
+    assert np.array_equal(cp.asnumpy(lse).view(f"u{a.itemsize}"),
+                          cp.asnumpy(lse2).view(f"u{a.itemsize}"))
+    assert np.array_equal(cp.asnumpy(loss).view(f"u{a.itemsize}"),
+                          cp.asnumpy(loss2).view(f"u{a.itemsize}"))
+    # the column partials, with the scale 7 exact (no exp on the device): logits rounded once
+    blocks.row_col_stats(s, a, row0, shift, mod, 0, a.type(7.0), lse.data.ptr - off, 0, pm, ps)
+    logits = 7.0 * host[:, :nc].astype(a).astype(np.float64)
+    tol = 1e-5 if a == np.float32 else 1e-13
+    fin = np.where(np.isfinite(logits), logits, -np.inf)
+    mx = fin.max(axis=1, keepdims=True)
+    want_lse = (mx + np.log(np.exp(fin - mx).sum(axis=1, keepdims=True)))[:, 0]
+    np.testing.assert_allclose(cp.asnumpy(lse).astype(np.float64), want_lse, rtol=tol)
+    for c in range(chunks):
+        blk = logits[c * ch:(c + 1) * ch]
+        mx = blk.max(axis=0)
+        np.testing.assert_array_equal(cp.asnumpy(pm[c]), mx.astype(a))
+        want = np.exp(blk - mx).sum(axis=0)
+        np.testing.assert_allclose(cp.asnumpy(ps[c]).astype(np.float64), want, rtol=tol)

@@ -3,16 +3,16 @@ CLIP's, SigLIP's and InfoNCE's score and gradient products on Hopper under the f
 precisions "auto" (from ``tiles_tf32.AUTO_MIN_ROWS`` x ``products_tf32.AUTO_MIN_DIM``, or
 ``AUTO_MIN_DIM_SCALE`` for CLIP and SigLIP) and "3xtf32".
 
-* The in-place square transpose moves values bit for bit and leaves the rest of the buffer
-  alone; the accumulating product is the plain product added in float32 (the same bits).
+* ``mm`` of a transposed A (the ``mmt`` kernel, G read as stored) is, bit for bit, ``mm``
+  of a transposed copy (the same hi / lo in the same products), whatever the shapes' tails;
+  the accumulating product is the plain product added in float32 (the same bits).
 * :meth:`Products.gemm` is, bit for bit, ``tiles_tf32.mm`` on the operands it builds (A Bᵀ,
-  G B, Gᵀ A from G's transposed squares) and cuBLAS fp32 on what the tiles do not take (the
-  columns past the last square, ``a_scratch`` not given, ``beta`` not 0 / 1, G without
-  16-byte rows, a refused launch -- after which G holds its own values again).  Against
+  G B, Gᵀ A reading G as stored, which it leaves unchanged) and cuBLAS fp32 on what the tiles
+  do not take (``beta`` not 0 / 1, G without 16-byte rows, a refused launch).  Against
   float64 these products are held to ``MM_TOL`` (test_gpu_tf32_tiles.py's bound of the
   promoted products).
-* The ops route there under "auto" / "3xtf32" only; a CLIP in row blocks (squares, a strip
-  and accumulation over blocks) stays within the float32 tolerances of
+* The ops route there under "auto" / "3xtf32" only; a CLIP in row blocks (dB accumulated
+  over blocks) stays within the float32 tolerances of
   test_gpu_contrastive.py.  The accuracy bar against "fp32" is test_gpu_precision.py's
   (``test_auto_row_block_ops_as_accurate_as_fp32``).
 
@@ -47,20 +47,33 @@ def _fp32(a, b, out, **kw):
 
 
 @gpu
-@pytest.mark.parametrize("k,pad", [(1, 3), (31, 1), (33, 0), (100, 4), (1030, 6)])
-def test_transpose_square_in_place(tf32, k, pad):
-    rng = np.random.default_rng(k)
-    buf = cp.asarray(rng.standard_normal((k + 2, k + pad)).astype(np.float32))
-    before = cp.asnumpy(buf)
-    products_tf32.transpose_square(buf[1:k + 1, :k])
-    after = cp.asnumpy(buf)
-    assert np.array_equal(after[1:k + 1, :k].view(np.uint32),
-                          before[1:k + 1, :k].T.copy().view(np.uint32))
-    rest = np.ones(after.shape, bool)
-    rest[1:k + 1, :k] = False
-    assert np.array_equal(after[rest].view(np.uint32), before[rest].view(np.uint32))
-    with pytest.raises(ValueError, match="square float32 view"):
-        products_tf32.transpose_square(buf[:k, :k - 1] if k > 1 else buf[:2, :1])
+@pytest.mark.parametrize("k,m,ld", [(32, 128, 128), (100, 36, 40), (1030, 300, 304),
+                                    (4100, 1024, 1024), (7, 4, 4)])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mm_trans_a_is_mm_of_the_transposed_copy(tf32, k, m, ld, interleave, monkeypatch):
+    """``mm(trans_a=True)`` on a stored (k, m) view (leading dimension ld: a wider buffer)
+    gives the bits of ``mm`` on its contiguous transposed copy, plain and accumulating, with
+    the consumers interleaved or ping-ponging; the view's buffer is left as it was."""
+    monkeypatch.setattr(tiles_tf32, "MM_INTERLEAVE", interleave)
+    rng = np.random.default_rng(k + m)
+    buf = cp.asarray(rng.standard_normal((k, ld)).astype(np.float32))
+    before = _bits(buf)
+    a = buf[:, :m]
+    c = 200
+    b = cp.asarray(rng.standard_normal((c, k)).astype(np.float32))
+    parts = tiles_tf32.split(b)
+    at = tiles_tf32.padded(cp.ascontiguousarray(a.T))  # (K padded with zeros: 16-byte rows)
+    got = tiles_tf32.mm(a, parts, cp.empty((m, c), np.float32), alpha=0.75, trans_a=True)
+    want = tiles_tf32.mm(at, parts, cp.empty((m, c), np.float32), alpha=0.75)
+    assert np.array_equal(_bits(got), _bits(want))
+    base = cp.asarray(rng.standard_normal((m, c)).astype(np.float32))
+    acc = base.copy()
+    tiles_tf32.mm(a, parts, acc, trans_a=True, accumulate=True)
+    plain = tiles_tf32.mm(at, parts, cp.empty((m, c), np.float32))
+    assert np.array_equal(_bits(acc), _bits(plain + base))
+    assert np.array_equal(_bits(buf), before)
+    ref = cp.asnumpy(a).astype(np.float64).T @ cp.asnumpy(b).astype(np.float64).T
+    assert _rel(cp.asnumpy(plain), ref) <= MM_TOL
 
 
 @gpu
@@ -86,8 +99,8 @@ def _operands(n, nc, d, seed=0):
 @gpu
 @pytest.mark.parametrize("n,nc,d", [(1024, 1024, 64), (1100, 2 * 1100 + 300, 72)])
 def test_products_are_the_tiles_and_cublas_fp32(tf32, n, nc, d):
-    """Each product bit for bit as the tiles' mm on the operands it builds, and cuBLAS fp32 on
-    the strip past the last square; all within MM_TOL of float64."""
+    """Each product bit for bit as the tiles' mm on the operands it builds (Gᵀ A: as mm of
+    G's transposed copy); all within MM_TOL of float64."""
     a, b, g = _operands(n, nc, d)
     ad, bd, gd = cp.asarray(a), cp.asarray(b), cp.asarray(g)
     pr = products_tf32.Products()
@@ -104,21 +117,16 @@ def test_products_are_the_tiles_and_cublas_fp32(tf32, n, nc, d):
                          cp.empty((n, d), np.float32), alpha=0.25)
     assert np.array_equal(_bits(da), _bits(want))
     assert _rel(4 * cp.asnumpy(da), g.astype(np.float64) @ b.astype(np.float64)) <= MM_TOL
-    # dB += Gᵀ A: G's squares transposed in place, the strip through cuBLAS fp32
+    # dB += Gᵀ A: G read as stored (mmt), left unchanged
     base = cp.asarray(np.random.default_rng(1).standard_normal((nc, d)).astype(np.float32))
     db = base.copy()
-    g_spent = gd.copy()
-    pr.gemm(g_spent, ad, db, trans_a=True, beta=1.0, a_scratch=True)
+    g_before = _bits(gd)
+    pr.gemm(gd, ad, db, trans_a=True, beta=1.0)
+    assert np.array_equal(_bits(gd), g_before)
     at = tiles_tf32.split(cp.ascontiguousarray(ad.T))
-    j = 0
-    while j + n <= nc:
-        blk = base[j:j + n].copy()
-        tiles_tf32.mm(cp.ascontiguousarray(gd[:, j:j + n].T), at, blk, accumulate=True)
-        assert np.array_equal(_bits(db[j:j + n]), _bits(blk)), f"square at column {j}"
-        j += n
-    if j < nc:
-        strip = _fp32(gd[:, j:], ad, base[j:].copy(), trans_a=True, beta=1.0)
-        assert np.array_equal(_bits(db[j:]), _bits(strip))
+    want = tiles_tf32.mm(tiles_tf32.padded(cp.ascontiguousarray(gd.T)), at, base.copy(),
+                         accumulate=True)
+    assert np.array_equal(_bits(db), _bits(want))
     # against float64: the product's error (MM_TOL of its size) plus the rounding of the sum
     want = g.astype(np.float64).T @ a.astype(np.float64)
     ref = cp.asnumpy(base).astype(np.float64) + want
@@ -128,55 +136,32 @@ def test_products_are_the_tiles_and_cublas_fp32(tf32, n, nc, d):
 
 @gpu
 def test_products_fall_back_to_cublas_fp32(tf32, monkeypatch):
-    """Without a_scratch, with beta not 0 / 1, with G's rows not 16-byte multiples and after a
-    refused launch: cuBLAS fp32's bits, and G as it was."""
+    """With beta not 0 / 1, with G's rows not 16-byte multiples and after a refused launch:
+    cuBLAS fp32's bits, and G as it was."""
     n, nc, d = 1024, 2048, 64
     a, b, g = _operands(n, nc, d, seed=2)
     ad, bd, gd = cp.asarray(a), cp.asarray(b), cp.asarray(g)
     pr = products_tf32.Products()
     want = _fp32(gd, ad, cp.zeros((nc, d), np.float32), trans_a=True)
-    got = cp.zeros((nc, d), np.float32)
-    g2 = gd.copy()
-    pr.gemm(g2, ad, got, trans_a=True)  # no a_scratch
-    assert np.array_equal(_bits(got), _bits(want)) and np.array_equal(_bits(g2), _bits(gd))
     base = cp.ones((nc, d), np.float32)
     got = base.copy()
-    pr.gemm(gd.copy(), ad, got, trans_a=True, beta=0.5, a_scratch=True)
+    pr.gemm(gd, ad, got, trans_a=True, beta=0.5)
     assert np.array_equal(_bits(got), _bits(_fp32(gd, ad, base.copy(), trans_a=True, beta=0.5)))
     odd = cp.ascontiguousarray(gd[:, :nc - 2])  # rows of 2046 floats: no tensor map
     got = cp.empty((n, d), np.float32)
     pr.gemm(odd, bd[:nc - 2], got)
     assert np.array_equal(_bits(got), _bits(_fp32(odd, bd[:nc - 2], cp.empty((n, d), np.float32))))
-
-    # refused at the second square: the first stays the tiles' (its G columns spent), the
-    # rest is cuBLAS fp32 on G's own values (the refused square transposed back)
-    launches = []
-    real_launch = tiles_tf32._launch
-
-    def second_refused(*args, **kw):
-        launches.append(1)
-        if len(launches) == 2:
-            raise tiles_tf32.TF32TilesUnavailable("refused")
-        return real_launch(*args, **kw)
-    monkeypatch.setattr(tiles_tf32, "_launch", second_refused)
-    n2 = 2 * n
-    g2 = gd[:, :n2].copy()
-    got = cp.zeros((n2, d), np.float32)
-    pr.gemm(g2, ad, got, trans_a=True, a_scratch=True)
-    at = tiles_tf32.split(cp.ascontiguousarray(ad.T))
-    first = tiles_tf32.mm(cp.ascontiguousarray(gd[:, :n].T), at, cp.zeros((n, d), np.float32),
-                          accumulate=True)
-    assert np.array_equal(_bits(got[:n]), _bits(first))
-    assert np.array_equal(_bits(got[n:]), _bits(_fp32(gd[:, n:n2], ad, cp.zeros((n, d), np.float32),
-                                                      trans_a=True)))
-    assert np.array_equal(_bits(g2[:, n:]), _bits(gd[:, n:n2]))
+    got = cp.empty((nc - 2, d), np.float32)
+    pr.gemm(odd, ad, got, trans_a=True)
+    assert np.array_equal(_bits(got), _bits(_fp32(odd, ad, cp.empty((nc - 2, d), np.float32),
+                                                  trans_a=True)))
 
     def refuse(*args, **kw):
         raise tiles_tf32.TF32TilesUnavailable("refused")
     monkeypatch.setattr(tiles_tf32, "_launch", refuse)
     g2 = gd.copy()
     got = cp.zeros((nc, d), np.float32)
-    pr.gemm(g2, ad, got, trans_a=True, a_scratch=True)
+    pr.gemm(g2, ad, got, trans_a=True)
     assert np.array_equal(_bits(got), _bits(want)) and np.array_equal(_bits(g2), _bits(gd))
     got = cp.empty((n, nc), np.float32)
     pr.gemm(ad, bd, got, trans_b=True)
@@ -234,18 +219,17 @@ def test_ops_route_here(tf32, mode, monkeypatch):
 @gpu
 def test_clip_row_blocks_and_determinism(tf32, monkeypatch):
     """A CLIP whose score matrix comes in row blocks on the tiles ("3xtf32"; a small
-    workspace_bytes: blocks of 1920 rows with two squares and a strip of 960 columns each, dB
-    accumulated over the blocks, a last block of 960 rows whose Gᵀ A is cuBLAS's) within the
-    float32 tolerances of the oracle and of the one-block call; the same bits twice."""
+    workspace_bytes: blocks of 1920, 1920 and 960 rows, each block's Gᵀ A on the tiles
+    reading G as stored, dB accumulated over the blocks) within the float32 tolerances of the
+    oracle and of the one-block call; the same bits twice."""
     import cupynce
     from cupynce import reference as R
     from cupynce.ops import _graphs
 
-    squares, mms = [], []
-    real_t, real_mm = products_tf32.transpose_square, tiles_tf32.mm
-    monkeypatch.setattr(products_tf32, "transpose_square",
-                        lambda v: squares.append(v.shape[0]) or real_t(v))
-    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: mms.append(1) or real_mm(*a, **k))
+    mms = []
+    real_mm = tiles_tf32.mm
+    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: mms.append(
+        (a[0].shape, bool(k.get("trans_a")))) or real_mm(*a, **k))
     n, d = 4800, 64
     x, y = _clip_inputs(n, d, seed=11)
     ref_loss, ref_grads = R.clip_loss(cp.asnumpy(x), cp.asnumpy(y), math.log(1 / 0.07),
@@ -258,10 +242,10 @@ def test_clip_row_blocks_and_determinism(tf32, monkeypatch):
                                               **kw)
         return [loss] + list(cupynce.clip_loss_backward(ctx))
     whole = run()
-    assert squares == [n] and mms, (squares, len(mms))
-    del squares[:], mms[:]
+    assert [s_ for s_, t in mms if t] == [(n, n)], mms
+    del mms[:]
     blocks = run(workspace_bytes=1920 * n * 4)
-    assert squares == [1920] * 4, squares  # (2 blocks x 2 squares; the 960-row block: none)
+    assert [s_ for s_, t in mms if t] == [(1920, n), (1920, n), (960, n)], mms
     again = run(workspace_bytes=1920 * n * 4)
     for name, w, b_, c, r in zip(["loss", "da", "db", "dscale"], whole, blocks, again,
                                  [ref_loss] + list(ref_grads)):
@@ -275,9 +259,9 @@ def test_clip_row_blocks_and_determinism(tf32, monkeypatch):
 
 @gpu
 def test_info_nce_shared_negatives_on_the_tiles(tf32, monkeypatch):
-    """InfoNCE with shared negatives (G's columns [keys | negatives]: two products a side, the
-    keys' squares transposed while the negatives' columns are still to be read) on the tiles,
-    in row blocks, within the float32 tolerances of the oracle."""
+    """InfoNCE with shared negatives (G's columns [keys | negatives]: two products a side,
+    each Gᵀ product reading its columns of G as stored) on the tiles, in row blocks, within
+    the float32 tolerances of the oracle."""
     import cupynce
     from cupynce import reference as R
     from cupynce.ops import _graphs

@@ -52,7 +52,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     ncols = nk + ms
     split_g = want_grad and t != a  # half inputs: the gradient block is stored in T separately
     # float32 products on the TF32x3 tiles where the precision takes them (not NT-Xent's
-    # self-pair fallback: its column-side product comes first and would spend G)
+    # self-pair fallback -- a learnable scale or extra negatives: its accuracy on them was
+    # never measured; the symmetric problem goes to tiles_tf32.rows)
     gemm = (products_tf32.gemm_for(q, k, scale_grad=scale_log is not None) if not self_pair
             else products_tf32.cublas_gemm)
     rb = blas.plan_rows(op, n, _row_bytes(t, a, ncols, want_grad, gemm), workspace_bytes)
@@ -103,12 +104,12 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             if self_pair:  # dk is dq: its every row is first written by the Gᵀ Q product
                 gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
                 gemm(g_blk[:, :nk], k, dq[r0:r1], beta=1.0)
-            else:  # (each column-side product is its columns' last read of G: a_scratch)
+            else:
                 gemm(g_blk[:, :nk], k, dq[r0:r1])
-                gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc, a_scratch=True)
+                gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
             if ms:
                 gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
-                gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc, a_scratch=True)
+                gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
     if want_grad and mp:
         dnp = cp.empty((n, mp, d), a)
         kernels.launch(FILE, "paired_grad", t, (n,),
@@ -136,11 +137,11 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     gemm = products_tf32.gemm_for(an, bn, scale_grad=True)
     rb = blas.plan_rows("clip_loss", n, _row_bytes(t, a, nc, want_grad, gemm), workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
-    chunk = 64
-    nch = (rb + chunk - 1) // chunk
     # scratch and outputs from two allocations (see rows).  part_m / part_s: column
     # partials of a row block; col_m: the running column state between row blocks (the first
     # block starts it: no fill); da, db: written by the first row block's products (beta = 0)
+    chunk = stats_rows(a)
+    nch = (rb + chunk - 1) // chunk
     keep_state = want_loss and (rb < n or col_state)
     s_buf, g_buf, row_loss, part_m, part_s, col_m = buffers((
         ((rb, nc), a), ((rb, nc), t) if split_g else None,
@@ -159,21 +160,14 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     shift = row0 * a.itemsize
     if want_loss:
         lse_r, lse_c = lse_r2, lse_c2
-        cgrid = ((nc + BLOCK - 1) // BLOCK,)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
             nrows = r1 - r0
             s_blk = s_buf[:nrows]
             gemm(an[r0:r1], bn, s_blk, trans_b=True)
-            kernels.launch(FILE, "row_softmax", t, (nrows,), (
-                s_blk, np.int64(nc), np.int32(nc), 0, np.int64(0), np.int32(0),
-                np.int32(row0 + r0), np.int32(0), np.int32(0), np.int32(nc), ls, a.type(1.0),
-                0, lse_r.data.ptr - shift, row_loss.data.ptr - shift, 0, np.int64(0), 0,
-                np.int64(0), 0, np.int64(0), a.type(0)))
-            nch_b = (nrows + chunk - 1) // chunk
-            kernels.launch(FILE, "col_partial", t, (cgrid[0], nch_b), (
-                s_blk, np.int64(nc), np.int32(nrows), np.int32(nc), np.int32(chunk), ls,
-                a.type(1.0), part_m, part_s))
+            nch_b = row_col_stats(s_blk, t, row0 + r0, 0, nc, ls, a.type(1.0),
+                                  lse_r.data.ptr - shift, row_loss.data.ptr - shift, part_m,
+                                  part_s)
             final = r1 == n and not col_state
             mode = (2 if r0 == 0 else 0) | (1 if final else 0)  # fresh | finalize
             kernels.launch(FILE, "col_combine", t, (-(-nc // 32),), (
@@ -195,7 +189,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride), a.type(w_mul),
                 g_blk, np.int64(nc), dsp.data.ptr - shift))
             gemm(g_blk, bn, da[r0:r1])
-            gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0, a_scratch=True)
+            gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (da, db, dsp)
     if col_state:
         return lse_r, col_m, row_loss, grads
@@ -242,8 +236,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
             0 if parts is None else parts.data.ptr + (n - row0) * a.itemsize))
         if want_grad:  # (the block holds s G / w_mul; the first block's products write db)
             gemm(g_blk, bn, da[r0:r1], alpha=w_mul)
-            gemm(g_blk, an[r0:r1], db, trans_a=True, alpha=w_mul, beta=1.0 if r0 else 0.0,
-                 a_scratch=True)
+            gemm(g_blk, an[r0:r1], db, trans_a=True, alpha=w_mul, beta=1.0 if r0 else 0.0)
     grads = None
     if want_grad:
         grads = (da, db, fixed_sum(parts[0], 1), fixed_sum(parts[1], 1))
@@ -281,6 +274,30 @@ def pair_dots(an, bn):
     return out
 
 
+def stats_rows(a) -> int:
+    """Rows of a score block per ``row_col_stats`` CTA (its column partials' chunk): 32, 16
+    for a float64 accumulator."""
+    return 16 if np.dtype(a).itemsize == 8 else 32
+
+
+def row_col_stats(s_blk, t, row0: int, pos_shift: int, pos_mod: int, scale_log, scale_mul,
+                  lse_ptr: int, loss_ptr: int, part_m, part_s) -> int:
+    """``cpn_row_col_stats`` over the score block ``s_blk`` (rows, nc) of the accumulator
+    dtype (``t`` the inputs' dtype, which names the kernel): each row's log-sum-exp of
+    scale · S into ``lse_ptr`` (and its loss, lse - L at column (i + pos_shift) mod
+    pos_mod, into ``loss_ptr`` unless 0), both indexed by the global row i = ``row0`` + r
+    (the pointers already shifted), and the column partials of every :func:`stats_rows`
+    rows into ``part_m`` / ``part_s`` (chunks, nc) -- one read of the block.  Returns the
+    number of chunks (``col_combine``'s)."""
+    rows, nc = s_blk.shape
+    chunks = -(-rows // stats_rows(s_blk.dtype))
+    kernels.launch(FILE, "row_col_stats", t, (chunks,), (
+        s_blk, np.int64(blas.leading_dim(s_blk)), np.int32(rows), np.int32(nc),
+        np.int32(row0), np.int32(pos_shift), np.int32(pos_mod), scale_log, scale_mul,
+        lse_ptr, loss_ptr, part_m, part_s))
+    return chunks
+
+
 #: rows numbered past the columns: a block with no diagonal and no positive (see :func:`cross`)
 FAR_MOD = 2 ** 31 - 1
 
@@ -305,8 +322,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     split_g = want_grad and t != a
     gemm = products_tf32.gemm_for(q, k)
     rb = blas.plan_rows("nt_xent", n, _row_bytes(t, a, m, want_grad, gemm), workspace_bytes)
-    chunk = 64
-    nch = (rb + chunk - 1) // chunk
+    nch = -(-rb // stats_rows(a))
     s_buf, g_buf, part_m, part_s = buffers((
         ((rb, m), a), ((rb, m), t) if split_g else None,
         ((nch, m), a) if want_stats else None, ((nch, m), a) if want_stats else None))
@@ -322,15 +338,8 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             r1 = min(n, r0 + rb)
             s_blk = s_buf[:r1 - r0]
             gemm(q[r0:r1], k, s_blk, trans_b=True)
-            kernels.launch(FILE, "row_softmax", t, (r1 - r0,), (
-                s_blk, np.int64(m), np.int32(m), 0, np.int64(0), np.int32(0),
-                np.int32(m + r0), np.int32(0), np.int32(0), np.int32(FAR_MOD), 0, a.type(scale),
-                0, lse_q.data.ptr - shift, 0, 0, np.int64(0), 0, np.int64(0), 0, np.int64(0),
-                a.type(0)))
-            nch_b = (r1 - r0 + chunk - 1) // chunk
-            kernels.launch(FILE, "col_partial", t, ((m + BLOCK - 1) // BLOCK, nch_b), (
-                s_blk, np.int64(m), np.int32(r1 - r0), np.int32(m), np.int32(chunk), 0,
-                a.type(scale), part_m, part_s))
+            nch_b = row_col_stats(s_blk, t, m + r0, 0, FAR_MOD, 0, a.type(scale),
+                                  lse_q.data.ptr - shift, 0, part_m, part_s)
             kernels.launch(FILE, "col_combine", t, (-(-m // 32),), (
                 part_m, part_s, np.int32(nch_b), np.int32(m), state, state[1],
                 np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
@@ -348,6 +357,6 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
                 lse_row, lse_c, ptr(w_arr), np.int64(1), a.type(2 * w_mul), g_blk,
                 np.int64(m), 0))
             gemm(g_blk, k, dq[r0:r1])
-            gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0, a_scratch=True)
+            gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0)
     return lse_q, state, ((dq, dk) if want_grad else None)
 

@@ -11,18 +11,14 @@ operands split to TF32 hi + lo, three TF32 products per 32 of K promoted to an f
 sum (as accurate as fp32 or more: docs/notes.md) --, else :func:`blas.gemm` as before.
 
 TF32 wgmma reads both operands K-major (rows of K contiguous).  A Bᵀ reads A and B as they
-are stored; G B reads G and a transposed copy of B; Gᵀ A reads Gᵀ -- G's square k x k
-sub-blocks (k = the block's rows) transposed in place by ``cpn_tf32x3_transpose_sq``, so the
-caller's G is spent (``a_scratch=True``: the column-side product is the block's last use of
-G) -- and a transposed copy of A.  What the tiles cannot take runs through cuBLAS in true
-fp32 (accurate; no split scratch the planner did not count): the columns of G past its last
-whole square (Nc mod k), a block of fewer than :data:`TRANS_MIN_ROWS` rows or fewer columns
-than rows (its whole Gᵀ A), a product without ``a_scratch``, operands or outputs without
-16-byte rows (D or the block's width not a multiple of 4: no copy is made), ``beta`` other
-than 0 or 1, and a launch the tiles refuse (``tiles_tf32.TF32TilesUnavailable``: a
-transposed square is transposed back first, so cuBLAS reads G as stored).  Products small
-enough for ``blas.gemm``'s ``small_gemm`` route (``SMALL_GEMM_MACS``) take it, in fp32, as in
-every mode.
+are stored; G B reads G and a transposed copy of B; Gᵀ A reads G as stored through the
+``mmt`` kernel (32 x 32 boxes of G transposed by its consumers in shared memory: G is not
+copied or changed) and a transposed copy of A.  What the tiles cannot take runs through
+cuBLAS in true fp32 (accurate; no split scratch the planner did not count): operands or
+outputs without 16-byte rows (D or the block's width not a multiple of 4: no copy is made),
+``beta`` other than 0 or 1, and a launch the tiles refuse
+(``tiles_tf32.TF32TilesUnavailable``).  Products small enough for ``blas.gemm``'s
+``small_gemm`` route (``SMALL_GEMM_MACS``) take it, in fp32, as in every mode.
 
 Scratch, from CuPy's pool and outside ``workspace_bytes`` (which bounds the N x N-sized
 blocks; NT-Xent's tiles likewise split z outside it): the operand each product splits, one
@@ -39,13 +35,10 @@ from typing import Callable
 
 import numpy as np
 
-from . import blas, kernels
+from . import blas
 
 # (tiles and tiles_tf32 are imported where used: blocks.py imports this module, and tiles.py
 # imports blocks.py)
-#: fewest rows a block needs for its column-side product Gᵀ A on the tiles (one launch per
-#: k x k square of G; below, cuBLAS fp32 takes the whole product)
-TRANS_MIN_ROWS = 1024
 #: "auto" takes the tiles from this many columns D on (and ``tiles_tf32.AUTO_MIN_ROWS`` rows)
 #: for the ops with a learnable scale (CLIP, SigLIP; :data:`AUTO_MIN_DIM` for the others).
 #: Measured on an H100 (test_gpu_precision.py's bar, 2026-11-26): the per-row losses and
@@ -86,14 +79,14 @@ def applies(a_rows, b_rows, scale_grad: bool = False) -> bool:
 
 
 def cublas_gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
-                 alpha: float = 1.0, beta: float = 0.0, a_scratch: bool = False) -> None:
-    """:func:`blas.gemm` with :meth:`Products.gemm`'s signature (``a_scratch`` unused)."""
+                alpha: float = 1.0, beta: float = 0.0) -> None:
+    """:func:`blas.gemm` (looked up at the call: tests replace it)."""
     blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)
 
 
 def gemm_for(a_rows, b_rows, scale_grad: bool = False) -> Callable:
     """The ``gemm`` of a row-block op over ``a_rows`` x ``b_rows``: :meth:`Products.gemm`
-    where :func:`applies`, else :func:`blas.gemm` (both take ``a_scratch``)."""
+    where :func:`applies`, else :func:`cublas_gemm` (the same signature)."""
     return Products().gemm if applies(a_rows, b_rows, scale_grad) else cublas_gemm
 
 
@@ -122,28 +115,14 @@ def _out_ok(out) -> bool:
             and out.data.ptr % 8 == 0)
 
 
-def transpose_square(v) -> None:
-    """Transpose the square float32 view ``v`` (k, k) (leading dimension >= k) in place."""
-    from . import tiles_tf32
-
-    k = v.shape[0]
-    if v.shape != (k, k) or v.dtype != np.float32 or v.strides[1] != 4:
-        raise ValueError(f"transpose_square: a square float32 view with unit column stride "
-                         f"expected, got {v.dtype} {v.shape} strides {v.strides}")
-    t = -(-k // 32)
-    kern = kernels.get_function(tiles_tf32.FILE, "cpn_tf32x3_transpose_sq")
-    kern((t * (t + 1) // 2,), (256,), (v, np.int64(blas.leading_dim(v)), np.int32(k)))
-
-
 class Products:
     """The TF32x3 products of one row-block op (see the module doc); :meth:`gemm` has
-    :func:`blas.gemm`'s signature plus ``a_scratch``."""
+    :func:`blas.gemm`'s signature."""
 
     def gemm(self, a, b, out, *, trans_a: bool = False, trans_b: bool = False,
-             alpha: float = 1.0, beta: float = 0.0, a_scratch: bool = False) -> None:
-        """``out = alpha · op(a) op(b) + beta · out``.  ``trans_a`` (the column-side product
-        Gᵀ A) with ``a_scratch``: ``a``'s square sub-blocks are transposed in place (its
-        values are spent).  Products the tiles cannot take go to cuBLAS in true fp32."""
+             alpha: float = 1.0, beta: float = 0.0) -> None:
+        """``out = alpha · op(a) op(b) + beta · out`` (``beta`` 1: each element accumulated
+        once, in a fixed order).  Products the tiles cannot take go to cuBLAS in true fp32."""
         from . import tiles_tf32
 
         m, n = out.shape
@@ -152,29 +131,12 @@ class Products:
         small = blas.small_product(m, n, a.shape[0] if trans_a else a.shape[1])
         ok = (not small and beta in (0.0, 1.0) and not (trans_a and trans_b) and _out_ok(out)
               and a.dtype == np.float32 and b.dtype == np.float32)
-        if ok and not trans_a and _rows16(a):
+        if ok and _rows16(a):
             parts = tiles_tf32.split(b, "b") if trans_b else tiles_tf32.split_t(b, "b")
             try:
-                tiles_tf32.mm(a, parts, out, alpha, accumulate=beta == 1.0)
+                tiles_tf32.mm(a, parts, out, alpha, accumulate=beta == 1.0, trans_a=trans_a)
                 return
             except tiles_tf32.TF32TilesUnavailable:
                 pass  # (a launch the tiles refused: cuBLAS fp32, below)
-        if ok and trans_a and a_scratch and _rows16(a):
-            k = a.shape[0]  # a (k, m): the block's rows x its columns
-            if k >= TRANS_MIN_ROWS and k % 4 == 0 and k <= m:
-                parts = tiles_tf32.split_t(b, "b")  # (n, k)
-                j = 0
-                while j + k <= m:
-                    v = a[:, j:j + k]
-                    transpose_square(v)  # now row x of v is column j + x of a
-                    try:
-                        tiles_tf32.mm(v, parts, out[j:j + k], alpha, accumulate=beta == 1.0)
-                    except tiles_tf32.TF32TilesUnavailable:
-                        transpose_square(v)  # (G's values back: cuBLAS takes it from here)
-                        break
-                    j += k
-                if j == m:
-                    return
-                a, out = a[:, j:], out[j:]  # the columns past the last square: cuBLAS
         with blas.float32_precision("fp32"):
             blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)

@@ -262,7 +262,8 @@ def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
     return (st, 1024 + st * 32768 + sout) if st >= 2 else None
 
 
-#: 128-row tensor maps by (pointer, rows, columns, leading dimension, dtype), boxes of one
+#: tensor maps by (pointer, rows, columns, leading dimension, dtype, box rows: 128, or 32 for
+#: the transposed product of tiles_tf32), boxes of one
 #: 128-byte row (64 16-bit values, or 32 float32 for tiles_tf32): encoding one is a driver call
 #: and two NumPy allocations, the same map for the same matrix; None where the driver refused
 #: it (the same answer for the same key: not asked again on every call)
@@ -270,13 +271,13 @@ _MAPS: Dict[tuple, Optional[np.ndarray]] = {}
 _MAPS_MAX = 512
 
 
-def _tile_map(x) -> Optional[np.ndarray]:
-    key = (x.data.ptr, x.shape[0], x.shape[1], blas.leading_dim(x), x.dtype.name)
+def _tile_map(x, box_rows: int = TILE) -> Optional[np.ndarray]:
+    key = (x.data.ptr, x.shape[0], x.shape[1], blas.leading_dim(x), x.dtype.name, box_rows)
     try:  # (not `key in _MAPS` then a read: another thread may clear it in between)
         return _MAPS[key]
     except KeyError:
         pass
-    m = tma.matrix_map(x, TILE, 128 // x.dtype.itemsize)
+    m = tma.matrix_map(x, box_rows, 128 // x.dtype.itemsize)
     if len(_MAPS) >= _MAPS_MAX:
         _MAPS.clear()
     _MAPS[key] = m

@@ -110,7 +110,7 @@ def split_t(x, name: str = "x"):
 
 
 def _kernel(mode: str = "lse"):
-    """The kernel of ``mode`` (lse, lse2, h, mm) on the current device and (its static shared
+    """The kernel of ``mode`` (lse, lse2, h, mm, mmt) on the current device and (its static shared
     memory, the opt-in maximum), opted in as the 16-bit warp-specialised kernels are
     (:func:`tiles.ws_smem`)."""
     kern = kernels.get_function(FILE, f"cpn_wstile_{mode}_tf32x3")
@@ -119,7 +119,8 @@ def _kernel(mode: str = "lse"):
 
 def _launch(mode: str, parts, grid, raw: bytes, ring_flags: int = 0) -> None:
     """Launch ``cpn_wstile_<mode>_tf32x3`` over the split operands ``parts`` = (A_hi, A_lo,
-    B_hi, B_lo) (``mm``: A_lo unread, A itself in A_hi's place) with the packed
+    B_hi, B_lo) (``mm``: A_lo unread, A itself in A_hi's place; ``mmt``: the stored (K x M)
+    matrix of A there, mapped in 32 x 32 boxes) with the packed
     :data:`tiles.TILE_ARGS_FORMAT` arguments ``raw``; ``ring_flags`` or-ed into the ring
     argument (``1 << 9``: ``mm``'s interleaved consumers)."""
     kern, info = _kernel(mode)
@@ -127,7 +128,8 @@ def _launch(mode: str, parts, grid, raw: bytes, ring_flags: int = 0) -> None:
     if rg is None:
         raise TF32TilesUnavailable(f"cpn_wstile_{mode}_tf32x3: {info[1]} bytes of shared "
                                    f"memory per block hold fewer than {MIN_STAGES} ring stages")
-    maps = [tiles._tile_map(x) for x in parts]
+    maps = [tiles._tile_map(x, 32 if mode == "mmt" and i == 0 else tiles.TILE)
+            for i, x in enumerate(parts)]
     if any(mp is None for mp in maps):
         raise TF32TilesUnavailable(f"cpn_wstile_{mode}_tf32x3: the driver refused a tensor map")
     args = np.frombuffer(raw, tiles.TILE_ARGS_DTYPE)
@@ -356,21 +358,27 @@ def h_from_s(s_block, ml, scale: float, pos_shift: int, weights):
 
 
 def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
-       accumulate: bool = False):
-    """``out = alpha · A Bᵀ`` (``accumulate``: ``+ out``) on the TF32x3 tiles (A split in
+       accumulate: bool = False, trans_a: bool = False):
+    """``out = alpha · op(A) Bᵀ`` (``accumulate``: ``+ out``) on the TF32x3 tiles (A split in
     shared memory, three TF32 products per 32-wide K step, promoted to an fp32 register sum,
-    scaled by 1 + CPN_TF32X3_TRUNC: the mean truncation loss): ``a`` (m, k) float32 with
-    16-byte rows (unit column stride, leading dimension a multiple of 4, as
-    :func:`h_block` writes it), ``bt_parts`` = (B_hi, B_lo) (c, k) (:func:`split`) -- both
-    K-major, as TF32 wgmma wants --, ``out`` (m, c) float32 with an even leading
-    dimension; ``accumulate``: each element read, added to (round to nearest) and stored by
-    one thread (a product summed over row blocks in a fixed order).  Returns ``out``."""
+    scaled by 1 + CPN_TF32X3_TRUNC: the mean truncation loss).
+
+    ``a`` float32 with 16-byte rows (unit column stride, leading dimension a multiple of 4,
+    16-byte aligned, as :func:`h_block` writes it): (m, k), op(A) = A; ``trans_a``: (k, m)
+    as stored, op(A) = Aᵀ (the ``mmt`` kernel reads it in 32 x 32 boxes and its consumers
+    transpose them in shared memory: no transposed copy; the same hi / lo, the same
+    products in the same order, so the same bits as ``mm`` of a transposed copy).
+    ``bt_parts`` = (B_hi, B_lo) (c, k) (:func:`split`) -- both K-major, as TF32 wgmma wants
+    --, ``out`` (m, c) float32 with an even leading dimension; ``accumulate``: each element
+    read, added to (round to nearest) and stored by one thread (a product summed over row
+    blocks in a fixed order).  Returns ``out``."""
     b_hi, b_lo = bt_parts
-    m, k = a.shape
+    k, m = a.shape if trans_a else a.shape[::-1]
     c = b_hi.shape[0]
     if k > b_hi.shape[1] or out.shape[0] < m or out.shape[1] < c:
-        raise ValueError(f"tiles_tf32.mm: a {a.shape}, b {b_hi.shape} (K at least a's) and out "
-                         f"{out.shape} (at least ({m}, {c})) do not fit together")
+        raise ValueError(f"tiles_tf32.mm: a {a.shape}{' (transposed)' if trans_a else ''}, b "
+                         f"{b_hi.shape} (K at least a's) and out {out.shape} (at least "
+                         f"({m}, {c})) do not fit together")
     if a.dtype != np.float32 or a.strides[1] != 4 or blas.leading_dim(a) % 4 \
             or a.data.ptr % 16:
         raise ValueError(f"tiles_tf32.mm: a must be float32 with 16-byte rows, got {a.dtype} "
@@ -383,7 +391,8 @@ def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
         splits = tiles.grid_splits(rt, ct)
     # (MODE_MM reads TileArgs' tri as its accumulate flag)
     raw = _args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=out, tri=accumulate)
-    _launch("mm", (a, a, b_hi, b_lo), (rt, splits), raw, (1 << 9) if MM_INTERLEAVE else 0)
+    _launch("mmt" if trans_a else "mm", (a, a, b_hi, b_lo), (rt, splits), raw,
+            (1 << 9) if MM_INTERLEAVE else 0)
     return out
 
 
