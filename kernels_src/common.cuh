@@ -183,6 +183,19 @@ template <typename A> struct Lse {
             m = x; s = x;  // NaN
         }
     }
+    // add's arithmetic without its branches, for loops that keep many states: d = x - m,
+    // e = exp(-|d|) (exp(m - x) for a new maximum, exp(x - m) else: add's very argument),
+    // s = up ? s e + 1 : s + e, m = up ? x : m with up = !(d <= 0) (a NaN d: a NaN x, or
+    // +inf after +inf, takes that branch and leaves s NaN, m = x as add does: merge's
+    // "empty" test (m = -inf) must never see a NaN sum); -inf adds nothing.  Bit for bit
+    // add's (m, s) where every x is finite or -inf (add's s e + 1 contracts to the same FMA).
+    __device__ __forceinline__ void add_nb(A x) {
+        const A d = x - m;
+        const A e = cpn_exp(-fabs(d));
+        const bool up = !(d <= A(0));
+        const A s_up = fma(s, e, A(1)), s_dn = s + e;
+        if (x != -cpn_inf<A>()) { s = up ? s_up : s_dn; m = up ? x : m; }
+    }
     __device__ __forceinline__ void merge(A om, A os) {
         if (om != om || m != m) { m = cpn_nan<A>(); s = m; return; }
         if (om == -cpn_inf<A>()) return;

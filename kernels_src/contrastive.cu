@@ -68,70 +68,116 @@ __device__ __forceinline__ void row_softmax_body(
 
 // Row and column statistics of a score block in one read (CLIP's, and a global NT-Xent's
 // cross-rank blocks'): row_softmax's lse / loss of each row (no diagonal excluded, no second
-// segment, no gradient) and column partials (online LSEs over chunks of R rows, col_combine's input), for rows R b ..
-// R b + R - 1 of block b and every column.  Thread t takes the columns t, t + B, ... (B =
-// CPN_BLOCK): each column's online LSE over the R rows (its partial, part_m / part_s[b n + j]) and each row's over the thread's columns (row_softmax's order); each
-// row's thread partials then merge as block_lse merges them -- the lanes by the same xor
-// tree, the 8 warps in the tree block_lse's second shuffle makes on lane 0 --, so lse and loss
-// are row_softmax's bits.  R = 32 (16 for double: the row states live in registers).  Grid:
+// segment, no gradient) and the column partials col_combine folds (online LSEs over chunks
+// of R = 32 rows), for rows R b .. R b + R - 1 of block b and every column.  Warp w owns the
+// block's rows 4 w .. 4 w + 3; the columns go in tiles of TW = 2048 / sizeof(A) (16 KiB of
+// each kind of partial in shared memory), lane l reading V consecutive columns (one 16-byte load where
+// the rows allow it, V = 16 / sizeof(A); else V = 1) at l V + 32 V g, g = 0, 1, ...: per
+// column one online LSE over the warp's 4 rows (into shared memory), then thread t merges
+// the 8 warps' partials of the tile's columns t, t + CPN_BLOCK, ... in a fixed tree
+// ((0 1) (2 3)) ((4 5) (6 7)) into part_m / part_s[b n + j]; each row's online LSE is kept
+// per lane (its columns, in order) and merged over the lanes by the xor tree of block_lse.
+// Adds are Lse::add_nb (add's bits without its branches).  Every order is fixed:
+// deterministic (for a given V: the row partition across lanes follows it).  Grid:
 // ceil(rows / R).
-template <typename A, int R>
+template <typename A> struct __align__(16) Vec16 { A x[16 / sizeof(A)]; };
+template <typename A, int V>
+__device__ __forceinline__ void row_col_stats_run(
+    const A* __restrict__ s, i64 ld, int rows, int n, int row0, int pos_shift, int pos_mod,
+    A scale, A* __restrict__ lse_out, A* __restrict__ loss_out, A* __restrict__ part_m,
+    A* __restrict__ part_s, A (*cm)[2048 / sizeof(A)], A (*cv)[2048 / sizeof(A)])
+{
+    enum { NW = CPN_BLOCK / 32, RW = 4, R = NW * RW, TW = 2048 / sizeof(A), G = TW / (32 * V) };
+    static_assert(NW == 8, "the warps' merge tree below is written for 8 warps");
+    const int b = blockIdx.x, r0 = b * R, nr = min(R, rows - r0);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = threadIdx.x;
+    const A* const base = s + (i64)(r0 + warp * RW) * ld;
+    const int my_rows = max(0, min(RW, nr - warp * RW));
+    Lse<A> rs[RW];
+#pragma unroll
+    for (int q = 0; q < RW; ++q) rs[q].init();
+    for (int j0 = 0; j0 < n; j0 += TW) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const int jl = 32 * V * g + V * lane, j = j0 + jl;
+            Lse<A> cc[V];
+#pragma unroll
+            for (int e = 0; e < V; ++e) cc[e].init();
+#pragma unroll
+            for (int q = 0; q < RW; ++q) {
+                if (q < my_rows) {
+                    A x[V];
+                    if (V > 1 && j + V <= n) {
+                        const Vec16<A> v = *reinterpret_cast<const Vec16<A>*>(base + (i64)q * ld + j);
+#pragma unroll
+                        for (int e = 0; e < V; ++e) x[e] = v.x[e];
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < V; ++e)
+                            x[e] = j + e < n ? base[(i64)q * ld + j + e] : -cpn_inf<A>();
+                    }
+#pragma unroll
+                    for (int e = 0; e < V; ++e) {
+                        const A y = scale * x[e];
+                        cc[e].add_nb(y);
+                        rs[q].add_nb(y);
+                    }
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < V; ++e) { cm[warp][jl + e] = cc[e].m; cv[warp][jl + e] = cc[e].s; }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k0 = 0; k0 < TW; k0 += CPN_BLOCK) {
+            const int c = k0 + t;
+            if (j0 + c < n) {
+                Lse<A> u[NW];
+#pragma unroll
+                for (int k = 0; k < NW; ++k) { u[k].m = cm[k][c]; u[k].s = cv[k][c]; }
+#pragma unroll
+                for (int k = 0; k < NW; k += 2) u[k].merge(u[k + 1].m, u[k + 1].s);
+                u[0].merge(u[2].m, u[2].s);
+                u[4].merge(u[6].m, u[6].s);
+                u[0].merge(u[4].m, u[4].s);
+                part_m[(i64)b * n + j0 + c] = u[0].m;
+                part_s[(i64)b * n + j0 + c] = u[0].s;
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int q = 0; q < RW; ++q) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const A om = __shfl_xor_sync(0xffffffffu, rs[q].m, o);
+            const A os = __shfl_xor_sync(0xffffffffu, rs[q].s, o);
+            rs[q].merge(om, os);
+        }
+        if (lane == 0 && q < my_rows) {
+            const A lse = rs[q].value();
+            const int i = row0 + r0 + warp * RW + q;
+            lse_out[i] = lse;
+            if (loss_out)
+                loss_out[i] = lse - scale * base[(i64)q * ld + (int)(((i64)i + pos_shift) % pos_mod)];
+        }
+    }
+}
+template <typename A>
 __device__ __forceinline__ void row_col_stats_body(
     const A* __restrict__ s, i64 ld, int rows, int n, int row0, int pos_shift, int pos_mod,
     const A* __restrict__ scale_log, A scale_mul, A* __restrict__ lse_out,
     A* __restrict__ loss_out, A* __restrict__ part_m, A* __restrict__ part_s)
 {
-    enum { NW = CPN_BLOCK / 32 };
-    static_assert(NW == 8, "the warps' merge tree below is block_lse's for 8 warps");
-    __shared__ A sm[R][NW], ss[R][NW];
-    const int b = blockIdx.x, r0 = b * R, nr = min(R, rows - r0);
+    __shared__ A cm[CPN_BLOCK / 32][2048 / sizeof(A)], cv[CPN_BLOCK / 32][2048 / sizeof(A)];
     const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
-    const A* const base = s + (i64)r0 * ld;
-    Lse<A> rs[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) rs[r].init();
-    for (int j = threadIdx.x; j < n; j += CPN_BLOCK) {
-        Lse<A> cs; cs.init();
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            if (r < nr) {
-                const A x = scale * base[(i64)r * ld + j];
-                cs.add(x);
-                rs[r].add(x);
-            }
-        }
-        part_m[(i64)b * n + j] = cs.m;
-        part_s[(i64)b * n + j] = cs.s;
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const A om = __shfl_xor_sync(0xffffffffu, rs[r].m, o);
-            const A os = __shfl_xor_sync(0xffffffffu, rs[r].s, o);
-            rs[r].merge(om, os);
-        }
-        if (lane == 0) { sm[r][warp] = rs[r].m; ss[r][warp] = rs[r].s; }
-    }
-    __syncthreads();
-    if (threadIdx.x >= nr) return;
-    const int r = threadIdx.x;
-    // lane 0 of block_lse's xor tree over 8 warp values w0..w7:
-    // ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7)), "+" the (ordered) merge
-    Lse<A> w[NW];
-#pragma unroll
-    for (int k = 0; k < NW; ++k) { w[k].m = sm[r][k]; w[k].s = ss[r][k]; }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k].merge(w[k + 4].m, w[k + 4].s);
-    w[0].merge(w[2].m, w[2].s);
-    w[1].merge(w[3].m, w[3].s);
-    w[0].merge(w[1].m, w[1].s);
-    const A lse = w[0].value();
-    const int i = row0 + r0 + r;
-    lse_out[i] = lse;
-    if (loss_out)
-        loss_out[i] = lse - scale * base[(i64)r * ld + (int)(((i64)i + pos_shift) % pos_mod)];
+    enum { V = 16 / sizeof(A) };
+    if (((unsigned long long)s % 16 == 0) && ld % V == 0)  // (uniform: every row 16-byte aligned)
+        row_col_stats_run<A, V>(s, ld, rows, n, row0, pos_shift, pos_mod, scale, lse_out,
+                                loss_out, part_m, part_s, cm, cv);
+    else
+        row_col_stats_run<A, 1>(s, ld, rows, n, row0, pos_shift, pos_mod, scale, lse_out,
+                                loss_out, part_m, part_s, cm, cv);
 }
 
 // Column statistics, stage 2: fold the partials of one row block into the running
@@ -487,8 +533,8 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_scale_cast_##SUF(   
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_row_col_stats_##SUF(           \
     const A* s, i64 ld, int rows, int n, int row0, int pos_shift, int pos_mod,             \
     const A* scale_log, A scale_mul, A* lse_out, A* loss_out, A* part_m, A* part_s) {      \
-    row_col_stats_body<A, sizeof(A) == 8 ? 16 : 32>(s, ld, rows, n, row0, pos_shift,       \
-        pos_mod, scale_log, scale_mul, lse_out, loss_out, part_m, part_s); }               \
+    row_col_stats_body<A>(s, ld, rows, n, row0, pos_shift, pos_mod, scale_log, scale_mul,  \
+        lse_out, loss_out, part_m, part_s); }                                              \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_combine_##SUF(             \
     const A* part_m, const A* part_s, int chunks, int n, A* col_m, A* col_s,               \
     int mode, const A* lse_row, const A* row_loss, A* lse_col, A* pair_loss) {             \
