@@ -63,3 +63,33 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_split_tf32_f32(
     const i64 r = idx / cols;
     split_tf32(x[r * ldx + (idx - r * cols)], hi[idx], lo[idx]);
 }
+
+// The split of xᵀ: hi, lo contiguous (cols, rows_out) with hi[c][r] + lo[c][r] = x[r][c] for
+// r < rows and 0 for rows <= r < rows_out (a K-major operand padded to 16-byte rows:
+// tiles_tf32.split_t) -- one read of x, no transposed copy.  32 x 32 tiles through padded
+// shared memory (reads along x's rows, writes along hi's); grid (ceil(rows_out / 32),
+// ceil(cols / 32)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) cpn_split_tf32_t_f32(
+    const float* __restrict__ x, i64 ldx, float* __restrict__ hi, float* __restrict__ lo,
+    int rows, int rows_out, int cols)
+{
+    __shared__ float t[32][33];
+    const int r0 = blockIdx.x * 32, c0 = blockIdx.y * 32;
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+#pragma unroll
+    for (int y = ty; y < 32; y += 8) {
+        const int r = r0 + y, c = c0 + tx;
+        t[y][tx] = (r < rows && c < cols) ? x[(i64)r * ldx + c] : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int y = ty; y < 32; y += 8) {
+        const int c = c0 + y, r = r0 + tx;
+        if (c < cols && r < rows_out) {
+            float h, l;
+            split_tf32(t[tx][y], h, l);
+            hi[(i64)c * rows_out + r] = h;
+            lo[(i64)c * rows_out + r] = l;
+        }
+    }
+}

@@ -7,6 +7,9 @@
 // so results are bitwise reproducible.
 #include "common.cuh"
 
+// 16 bytes of A (4 float or 2 double): one vector load / store
+template <typename A> struct __align__(16) Vec16 { A x[16 / sizeof(A)]; };
+
 // Row pass: one block per row r (global row i = row0 + r) of a score block.
 //   logits  = scale * S, scale = scale_mul * (scale_log ? exp(*scale_log) : 1)
 //   columns = segment 1 (n1 columns of s1, leading dim ld1; column i excluded when
@@ -80,7 +83,6 @@ __device__ __forceinline__ void row_softmax_body(
 // Adds are Lse::add_nb (add's bits without its branches).  Every order is fixed:
 // deterministic (for a given V: the row partition across lanes follows it).  Grid:
 // ceil(rows / R).
-template <typename A> struct __align__(16) Vec16 { A x[16 / sizeof(A)]; };
 template <typename A, int V>
 __device__ __forceinline__ void row_col_stats_run(
     const A* __restrict__ s, i64 ld, int rows, int n, int row0, int pos_shift, int pos_mod,
@@ -270,6 +272,7 @@ __device__ __forceinline__ void clip_grad_body(
     T* __restrict__ g, i64 ldg, A* __restrict__ dscale_part)
 {
     __shared__ A sh[64];
+    enum { V = 16 / sizeof(A) };
     const int r = blockIdx.x;
     const int i = row0 + r;
     const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
@@ -278,15 +281,32 @@ __device__ __forceinline__ void clip_grad_body(
     const A lr = lse_row[i];
     const A wi = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1));
     A acc = A(0);
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    auto grad = [&](int j, A sj, A lc) {
         const A wj = w_mul * (w_ptr ? w_ptr[(i64)j * w_stride] : A(1));
-        const A L = scale * row[j];
-        A G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lse_col[j]);
+        const A L = scale * sj;
+        A G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lc);
         if (j == i) G -= wi + wj;
         G *= A(0.5);
         acc += G * L;
-        grow[j] = Conv<T>::store(scale * G);
+        return scale * G;
+    };
+    int j1 = 0;  // (the columns from j1 on: one at a time)
+    // 16-byte loads and stores where every row, lse_col and g (of A itself) allow them
+    // (uniform over the grid); thread t takes the vectors t, t + B, ... in order
+    if (sizeof(T) == sizeof(A) && (unsigned long long)s % 16 == 0 && ld % V == 0 &&
+        (unsigned long long)g % 16 == 0 && ldg % V == 0 && (unsigned long long)lse_col % 16 == 0) {
+        j1 = n / V * V;
+        for (int j = V * threadIdx.x; j < j1; j += V * blockDim.x) {
+            const Vec16<A> sv = *reinterpret_cast<const Vec16<A>*>(row + j);
+            const Vec16<A> lv = *reinterpret_cast<const Vec16<A>*>(lse_col + j);
+            Vec16<A> o;
+#pragma unroll
+            for (int e = 0; e < V; ++e) o.x[e] = grad(j + e, sv.x[e], lv.x[e]);
+            *reinterpret_cast<Vec16<A>*>(grow + j) = o;
+        }
     }
+    for (int j = j1 + threadIdx.x; j < n; j += blockDim.x)
+        grow[j] = Conv<T>::store(grad(j, row[j], lse_col[j]));
     if (dscale_part) {  // (uniform over the block: every thread reaches block_sum)
         acc = block_sum(acc, sh);
         if (threadIdx.x == 0) dscale_part[i] = acc;

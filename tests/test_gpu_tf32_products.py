@@ -77,6 +77,22 @@ def test_mm_trans_a_is_mm_of_the_transposed_copy(tf32, k, m, ld, interleave, mon
 
 
 @gpu
+@pytest.mark.parametrize("rows,d,ld", [(1, 1, 1), (37, 70, 72), (1030, 64, 64), (64, 33, 40)])
+def test_split_t_is_the_split_of_the_transposed_copy(tf32, rows, d, ld):
+    """split_t (one kernel, no transposed copy) gives split(xᵀ)'s bits, padding included, on
+    a row-strided view and on a transposed (column-strided) one."""
+    rng = np.random.default_rng(rows + d)
+    buf = cp.asarray(rng.standard_normal((rows, ld)).astype(np.float32))
+    x = buf[:, :d]
+    for v in (x, cp.ascontiguousarray(x.T).T):
+        got = tiles_tf32.split_t(v)
+        want = tiles_tf32.split(cp.ascontiguousarray(x.T))
+        for g_, w_ in zip(got, want):
+            assert g_.shape == w_.shape
+            assert np.array_equal(_bits(g_), _bits(w_))
+
+
+@gpu
 def test_mm_accumulate_adds_in_float32(tf32):
     rng = np.random.default_rng(7)
     a = cp.asarray(rng.standard_normal((300, 520)).astype(np.float32))

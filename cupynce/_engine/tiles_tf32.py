@@ -102,11 +102,22 @@ def split(x, name: str = "x"):
 
 
 def split_t(x, name: str = "x"):
-    """:func:`split` of xᵀ (a contiguous transposed copy first: the split reads rows): the
-    K-major B operand of a product against x's columns."""
+    """:func:`split` of xᵀ, as :func:`padded` lays it out (``cpn_split_tf32_t_f32``: x read
+    once, no transposed copy): the K-major B operand of a product against x's columns.
+    ``x`` (rows, d) float32 with unit column stride."""
     import cupy as cp
 
-    return split(cp.ascontiguousarray(x.T), name)
+    if x.ndim == 2 and x.shape[1] > 1 and x.strides[1] != 4:
+        x = cp.ascontiguousarray(x)  # (the kernel reads rows with unit column stride)
+    rows, d = x.shape
+    rp = -(-rows // 4) * 4
+    hi, lo = cp.empty((d, rp), np.float32), cp.empty((d, rp), np.float32)
+    if hi.size:
+        kern = kernels.get_function("blas.cu", "cpn_split_tf32_t_f32")
+        kern((-(-rp // 32), -(-d // 32)), (256,), (x, np.int64(blas.leading_dim(x, name)), hi,
+                                                    lo, np.int32(rows), np.int32(rp),
+                                                    np.int32(d)))
+    return hi, lo
 
 
 def _kernel(mode: str = "lse"):
