@@ -107,44 +107,53 @@ template <bool SPLIT_A, bool TRANS_A = false> struct WsOpsTf32x3 {
     // of the stored matrix (box b: its rows = K 0..31, its columns = M 32 b ..; row k's
     // 16-byte chunk q at position q ^ (k & 7)); written back transposed and split into the
     // K-major layout of split_a (row m's chunk q = K 4q .. 4q + 3 at position q ^ (m & 7)).
-    // Thread (warp w, lane l) takes K quad kq = l & 7 and the M quads mq = 4 (2 w + p) +
-    // (l >> 3), p = 0, 1: 4 x 4 values each, read as 4 rows of K, written as 4 rows of M --
-    // both sides' 32 lanes then touch 8 distinct chunk positions, 4 lanes each (4 wavefronts
-    // a 512-byte access: conflict-free).  Every thread reads before any writes (the
-    // warpgroup barrier: hi overwrites the raw boxes).  The same hi / lo as split_a of the
-    // transposed matrix, bit for bit.
+    // 16-byte accesses are served a quarter warp (8 lanes) at a time: conflict-free when a
+    // quarter's 8 lanes touch 8 distinct chunk positions.  Thread (warp w, lane l = 8 h + i)
+    // takes the M quad mq = 8 w + i and the K quads kq = 2 h + p, p = 0, 1: 4 x 4 values
+    // each.  Reads (row k = 4 kq + r, chunk mq & 7 = i): position i ^ (k & 7), distinct over
+    // i.  Writes (row m of M, chunk kq): a quarter's rows 4 mq + e would give only 2
+    // positions, so lane i writes its row 4 mq + ((e + i / 2) & 3) at step e (its values
+    // rotated by i / 2 in registers first): position kq ^ (4 (i & 1) + that), distinct over
+    // i.  Every thread reads before any writes (the warpgroup barrier: hi overwrites the raw
+    // boxes).  The same hi / lo as split_a of the transposed matrix, bit for bit.
     static __device__ __forceinline__ void split_a_t(unsigned a, int c, int lt) {
-        const int l = lt & 31, w = lt >> 5, kq = l & 7, g = l >> 3;
-        float v[2][4][4];  // [p][K offset r][M offset e]
+        const int l = lt & 31, w = lt >> 5, h = l >> 3, i = l & 7, mq = 8 * w + i;
+        const int rot = (i >> 1) & 3;
+        float v[2][4][4];  // [p][K offset r][M offset e, rotated by rot]
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
-            const int mq = 4 * (2 * w + p) + g;
+            const int kq = 2 * h + p;
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int k = 4 * kq + r;
-                const unsigned o = a + (unsigned)((mq >> 3) * WS_TF32_TBOX + k * 128 +
-                                                  (((mq & 7) ^ (k & 7)) << 4));
+                const unsigned o = a + (unsigned)(w * WS_TF32_TBOX + k * 128 + ((i ^ (k & 7)) << 4));
+                float x[4];
                 asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=f"(v[p][r][0]), "=f"(v[p][r][1]), "=f"(v[p][r][2]),
-                               "=f"(v[p][r][3]) : "r"(o) : "memory");
+                             : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(o) : "memory");
+                // v[e] = x[(e + rot) & 3]: rotate by 1 if rot & 1, then by 2 if rot & 2
+                float y[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) y[e] = (rot & 1) ? x[(e + 1) & 3] : x[e];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) v[p][r][e] = (rot & 2) ? y[(e + 2) & 3] : y[e];
             }
         }
         wg_bar(c);
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
-            const int mq = 4 * (2 * w + p) + g;
+            const int kq = 2 * h + p;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int m = 4 * mq + e;
+                const int m = 4 * mq + ((e + rot) & 3);
                 const unsigned o = a + (unsigned)(m * 128 + ((kq ^ (m & 7)) << 4));
-                float h[4], lo[4];
+                float hv[4], lv[4];
 #pragma unroll
-                for (int r = 0; r < 4; ++r) split_tf32(v[p][r][e], h[r], lo[r]);
+                for (int r = 0; r < 4; ++r) split_tf32(v[p][r][e], hv[r], lv[r]);
                 asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
-                             :: "r"(o), "f"(h[0]), "f"(h[1]), "f"(h[2]), "f"(h[3]) : "memory");
+                             :: "r"(o), "f"(hv[0]), "f"(hv[1]), "f"(hv[2]), "f"(hv[3]) : "memory");
                 asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
-                             :: "r"(o + WS_TF32_BOX), "f"(lo[0]), "f"(lo[1]), "f"(lo[2]),
-                                "f"(lo[3]) : "memory");
+                             :: "r"(o + WS_TF32_BOX), "f"(lv[0]), "f"(lv[1]), "f"(lv[2]),
+                                "f"(lv[3]) : "memory");
             }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
