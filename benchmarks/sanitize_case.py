@@ -15,8 +15,9 @@ warp-specialised stage: lse with shared negatives whose columns start mid-tile, 
 NT-Xent's symmetric lse2 and mirrored h, info_nce's g, SigLIP; ring of A + B stages and A
 resident; a few launches each, for racecheck) or "tf32" (float32 NT-Xent on the TF32x3
 tiles: every kernel of tiles_ws_tf32.cu, both column-tile parities) or "tf32products" (CLIP,
-SigLIP and InfoNCE's float32 products on those tiles: the accumulating product and the
-in-place transpose).  racecheck exits with code 9 and no
+SigLIP and InfoNCE's float32 products on those tiles: the interleaved consumers, the
+transposed product mmt, the accumulating product, split_t; and CLIP's row_col_stats /
+clip_grad in float32 and float64, 16-byte and scalar paths).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
 """
@@ -124,4 +125,10 @@ if part == "tf32products":
         l, c = cupynce.siglip_loss_forward(x, y, 2.3, -10.0, **kw); cupynce.siglip_loss_backward(c)
         l, c = cupynce.info_nce_forward(x, y, 0.1, **kw); cupynce.info_nce_backward(c)
     assert True in ran and False in ran, ran
+    # CLIP's statistics and gradient kernels off the tiles: float64 and float32, rows of a
+    # multiple of 16 bytes (the 16-byte path) and not (1101 columns: one at a time)
+    for n, dt in ((1100, np.float64), (1101, np.float64), (1101, np.float32)):
+        x = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
+        y = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
+        l, c = cupynce.clip_loss_forward(x, y, 2.0, precision="fp32"); cupynce.clip_loss_backward(c)
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(cp.asarray(l).sum()))
