@@ -93,6 +93,28 @@ def test_split_t_is_the_split_of_the_transposed_copy(tf32, rows, d, ld):
 
 
 @gpu
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_interleaved_consumers_repeat_the_ping_pong_bits(tf32, trans_a, monkeypatch):
+    """The interleaved ring (both consumers on the tensor cores, ring slots passing from one
+    consumer to the other through the producer's barriers) against the ping-pong schedule, on
+    a short K (2 ring steps a tile) and many tiles a CTA -- the most slot hand-overs -- 20
+    times: the same bits every time (a consumer reading a slot before the other is done
+    with it would show as a changed value)."""
+    rng = np.random.default_rng(5)
+    k, m, c = 64, 1024, 4096
+    a = cp.asarray(rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32))
+    parts = tiles_tf32.split(cp.asarray(rng.standard_normal((c, k)).astype(np.float32)))
+    monkeypatch.setattr(tiles_tf32, "MM_INTERLEAVE", False)
+    want = _bits(tiles_tf32.mm(a, parts, cp.empty((m, c), np.float32), trans_a=trans_a))
+    monkeypatch.setattr(tiles_tf32, "MM_INTERLEAVE", True)
+    out = cp.empty((m, c), np.float32)
+    for _ in range(20):
+        out.fill(np.nan)
+        tiles_tf32.mm(a, parts, out, trans_a=trans_a, splits=1)
+        assert np.array_equal(_bits(out), want)
+
+
+@gpu
 def test_mm_accumulate_adds_in_float32(tf32):
     rng = np.random.default_rng(7)
     a = cp.asarray(rng.standard_normal((300, 520)).astype(np.float32))
