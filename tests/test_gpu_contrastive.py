@@ -881,7 +881,7 @@ def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc)
     shift, mod = 2, nc
     lse, loss = cp.full((rows,), np.nan, a), cp.full((rows,), np.nan, a)
     lse2, loss2 = cp.full((rows,), np.nan, a), cp.full((rows,), np.nan, a)
-    ch = blocks.stats_rows(a)
+    ch = blocks.STATS_ROWS
     chunks = -(-rows // ch)
     pm, ps = cp.empty((chunks, nc), a), cp.empty((chunks, nc), a)
     row0 = 5  # (global rows 5..: the pointers shifted back, as blocks.clip passes them)

@@ -140,8 +140,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     # scratch and outputs from two allocations (see rows).  part_m / part_s: column
     # partials of a row block; col_m: the running column state between row blocks (the first
     # block starts it: no fill); da, db: written by the first row block's products (beta = 0)
-    chunk = stats_rows(a)
-    nch = (rb + chunk - 1) // chunk
+    nch = -(-rb // STATS_ROWS)
     keep_state = want_loss and (rb < n or col_state)
     s_buf, g_buf, row_loss, part_m, part_s, col_m = buffers((
         ((rb, nc), a), ((rb, nc), t) if split_g else None,
@@ -274,10 +273,9 @@ def pair_dots(an, bn):
     return out
 
 
-def stats_rows(a) -> int:
-    """Rows of a score block per ``row_col_stats`` CTA (its column partials' chunk): 32 (8
-    warps of 4 rows), whatever the accumulator ``a``."""
-    return 32
+#: rows of a score block per ``row_col_stats`` CTA, 8 warps of 4 (the kernel's R): the rows
+#: each column partial covers, ``col_combine``'s chunk
+STATS_ROWS = 32
 
 
 def row_col_stats(s_blk, t, row0: int, pos_shift: int, pos_mod: int, scale_log, scale_mul,
@@ -286,11 +284,11 @@ def row_col_stats(s_blk, t, row0: int, pos_shift: int, pos_mod: int, scale_log, 
     dtype (``t`` the inputs' dtype, which names the kernel): each row's log-sum-exp of
     scale · S into ``lse_ptr`` (and its loss, lse - L at column (i + pos_shift) mod
     pos_mod, into ``loss_ptr`` unless 0), both indexed by the global row i = ``row0`` + r
-    (the pointers already shifted), and the column partials of every :func:`stats_rows`
+    (the pointers already shifted), and the column partials of every :data:`STATS_ROWS`
     rows into ``part_m`` / ``part_s`` (chunks, nc) -- one read of the block.  Returns the
     number of chunks (``col_combine``'s)."""
     rows, nc = s_blk.shape
-    chunks = -(-rows // stats_rows(s_blk.dtype))
+    chunks = -(-rows // STATS_ROWS)
     kernels.launch(FILE, "row_col_stats", t, (chunks,), (
         s_blk, np.int64(blas.leading_dim(s_blk)), np.int32(rows), np.int32(nc),
         np.int32(row0), np.int32(pos_shift), np.int32(pos_mod), scale_log, scale_mul,
@@ -322,7 +320,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     split_g = want_grad and t != a
     gemm = products_tf32.gemm_for(q, k)
     rb = blas.plan_rows("nt_xent", n, _row_bytes(t, a, m, want_grad, gemm), workspace_bytes)
-    nch = -(-rb // stats_rows(a))
+    nch = -(-rb // STATS_ROWS)
     s_buf, g_buf, part_m, part_s = buffers((
         ((rb, m), a), ((rb, m), t) if split_g else None,
         ((nch, m), a) if want_stats else None, ((nch, m), a) if want_stats else None))

@@ -12,20 +12,20 @@ sum (as accurate as fp32 or more: docs/notes.md) --, else :func:`blas.gemm` as b
 
 TF32 wgmma reads both operands K-major (rows of K contiguous).  A Bᵀ reads A and B as they
 are stored; G B reads G and Bᵀ split (``tiles_tf32.split_t``: one kernel, no copy); Gᵀ A
-reads G as stored through the ``mmt`` kernel (32 x 32 boxes of G transposed by its consumers in shared memory: G is not
-copied or changed) and Aᵀ split likewise.  What the tiles cannot take runs through
-cuBLAS in true fp32 (accurate; no split scratch the planner did not count): operands or
-outputs without 16-byte rows (D or the block's width not a multiple of 4: no copy is made),
+reads G as stored through the ``mmt`` kernel (32 x 32 boxes of G transposed by its
+consumers in shared memory: G is not copied or changed) and Aᵀ split likewise.  What the
+tiles cannot take runs through cuBLAS in true fp32 (accurate; no split scratch the planner
+did not count): operands or outputs without 16-byte rows (D or the block's width not a multiple of 4: no copy is made),
 ``beta`` other than 0 or 1, and a launch the tiles refuse
 (``tiles_tf32.TF32TilesUnavailable``).  Products small enough for ``blas.gemm``'s
 ``small_gemm`` route (``SMALL_GEMM_MACS``) take it, in fp32, as in every mode.
 
 Scratch, from CuPy's pool and outside ``workspace_bytes`` (which bounds the N x N-sized
 blocks; NT-Xent's tiles likewise split z outside it): the operand each product splits, one
-at a time -- B (Nc x D: its hi / lo halves, 2 x its size) for A Bᵀ, Bᵀ's halves (2 x) for G B, of
-the block's A rows (2 x rows x D) for Gᵀ A; no copy or split of
-S or G (the row-block planners count none: :func:`split_row_bytes`).  B is split again for
-every row block and pass (no cache: a cached split would hold 2-4 x B between passes).
+at a time -- B (Nc x D: its hi / lo halves, 2 x its size) for A Bᵀ, Bᵀ's halves (2 x) for
+G B, of the block's A rows (2 x rows x D) for Gᵀ A; no copy or split of S or G (the
+row-block planners count none: :func:`split_row_bytes`).  B is split again for every row
+block and pass (no cache: a cached split would hold 2-4 x B between passes).
 Deterministic: fixed orders throughout; the accumulating products read-add-store each element
 once.
 """
