@@ -15,8 +15,8 @@ are stored; G B reads G and Bᵀ split (``tiles_tf32.split_t``: one kernel, no c
 reads G as stored through the ``mmt`` kernel (32 x 32 boxes of G transposed by its
 consumers in shared memory: G is not copied or changed) and Aᵀ split likewise.  What the
 tiles cannot take runs through cuBLAS in true fp32 (accurate; no split scratch the planner
-did not count): operands or outputs without 16-byte rows (D or the block's width not a multiple of 4: no copy is made),
-``beta`` other than 0 or 1, and a launch the tiles refuse
+did not count): operands or outputs without 16-byte rows (D or the block's width not a
+multiple of 4: no copy is made), ``beta`` other than 0 or 1, and a launch the tiles refuse
 (``tiles_tf32.TF32TilesUnavailable``).  Products small enough for ``blas.gemm``'s
 ``small_gemm`` route (``SMALL_GEMM_MACS``) take it, in fp32, as in every mode.
 
