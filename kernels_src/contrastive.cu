@@ -108,21 +108,20 @@ __device__ __forceinline__ void row_col_stats_run(
 #pragma unroll
             for (int q = 0; q < RW; ++q) {
                 if (q < my_rows) {
-                    A x[V];
+                    A y[V];  // scaled; a column past n is -inf after the scaling (scale may be 0)
                     if (V > 1 && j + V <= n) {
                         const Vec16<A> v = *reinterpret_cast<const Vec16<A>*>(base + (i64)q * ld + j);
 #pragma unroll
-                        for (int e = 0; e < V; ++e) x[e] = v.x[e];
+                        for (int e = 0; e < V; ++e) y[e] = scale * v.x[e];
                     } else {
 #pragma unroll
                         for (int e = 0; e < V; ++e)
-                            x[e] = j + e < n ? base[(i64)q * ld + j + e] : -cpn_inf<A>();
+                            y[e] = j + e < n ? scale * base[(i64)q * ld + j + e] : -cpn_inf<A>();
                     }
 #pragma unroll
                     for (int e = 0; e < V; ++e) {
-                        const A y = scale * x[e];
-                        cc[e].add_nb(y);
-                        rs[q].add_nb(y);
+                        cc[e].add_nb(y[e]);
+                        rs[q].add_nb(y[e]);
                     }
                 }
             }

@@ -919,3 +919,13 @@ def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc)
         assert np.isnan(cp.asnumpy(lse)[1]) and np.isfinite(cp.asnumpy(lse)[2:]).all()
         col = cp.asnumpy(pm[0, 2]).astype(np.float64) + np.log(cp.asnumpy(ps[0, 2]))
         assert np.isnan(col)
+    # a zero logit scale (exp(ls) underflows): every logit 0, the columns past n (the tile's
+    # tail) still out of the sums -- each row's lse log n, each chunk's partial (0, its rows)
+    buf[...] = cp.asarray(rng.standard_normal(buf.shape).astype(a))
+    blocks.row_col_stats(s, a, row0, shift, mod, 0, a.type(0.0), lse.data.ptr - off,
+                         loss.data.ptr - off, pm, ps)
+    np.testing.assert_allclose(cp.asnumpy(lse).astype(np.float64), np.log(nc), rtol=tol)
+    np.testing.assert_array_equal(cp.asnumpy(loss), cp.asnumpy(lse))
+    np.testing.assert_array_equal(cp.asnumpy(pm), 0)
+    counts = [min(ch, rows - c * ch) for c in range(chunks)]
+    np.testing.assert_array_equal(cp.asnumpy(ps), np.repeat(counts, nc).reshape(chunks, nc))

@@ -348,6 +348,46 @@ def h_block(parts, ml, scale: float, pos_shift: int, weights, *, tri: bool = Tru
     return h
 
 
+def h_pair(parts, ml, scale: float, pos_shift: int, weights, rows: Tuple[int, int],
+           cols: Tuple[int, int], out):
+    """NT-Xent's gradient block H[r0:r1, c0:c1] (:func:`h_block`'s H, every index global) as
+    an (r1 - r0, c1 - c0) view of ``out``: the ``h`` pass over the split rows r0 .. r1 against
+    the rows c0 .. c1, the rows' block of a :func:`rows` pair schedule.  The kernel indexes
+    columns from 0: it runs in a frame shifted by c0 -- its rows r - c0 (negative above the
+    diagonal block), the (M, log2 S) pairs and the weights read from index c0 on (one pointer
+    serves the rows and the columns), the positive (i + pos_shift) mod n shifted alike (pos_shift
+    + n keeps the kernel's remainder non-negative) -- so the diagonal test (col == row) and the
+    positives' fall where they do globally.  A diagonal block (r0 = c0, r1 = c1) computes each
+    pair of its tiles once and writes the mirror (H = Hᵀ)."""
+    z_hi, z_lo = parts
+    n, dp = z_hi.shape
+    (r0, r1), (c0, c1) = rows, cols
+    nr, nc = r1 - r0, c1 - c0
+    tri = (r0, r1) == (c0, c1)
+    h = out[:nr, :nc]
+    rt, ct = -(-nr // tiles.TILE), -(-nc // tiles.TILE)
+    splits = tiles.grid_splits(rt, ct // 2 + 1 if tri else ct)
+    w_arr, w_stride, w_mul = weights
+    shifted = ml.data.ptr + c0 * ml.strides[0]
+    raw = _args(z_hi[r0:r1], z_hi[c0:c1], rows=nr, n1=nc, d=dp, scale=scale, lse_row=shifted,
+                lse_col=shifted, weights=(tiles._shifted(w_arr, w_stride, c0), w_stride, w_mul),
+                g=h, exclude_diag=True, row0=r0 - c0, pos_shift=pos_shift + n, pos_mod=n,
+                tri=tri)
+    _launch("h", (z_hi[r0:r1], z_lo[r0:r1], z_hi[c0:c1], z_lo[c0:c1]), (rt, splits), raw)
+    return h
+
+
+def pair_rows(n: int, cap: int) -> int:
+    """Rows of the square blocks of the pair schedule (:func:`rows`): the fewest blocks whose
+    float32 (R, R) fits ``cap`` bytes, R balanced over them and a multiple of the tile (0: not
+    even one 128 x 128 tile fits)."""
+    r_max = (math.isqrt(cap // 4) // tiles.TILE) * tiles.TILE
+    if r_max == 0:
+        return 0
+    per_block = -(-n // -(-n // r_max))
+    return min(r_max, -(-per_block // tiles.TILE) * tiles.TILE)
+
+
 #: rows of ``cpn_tf32x3_h_from_s``'s grid (CUDA caps y at 65535; each block then loops over
 #: rows y, y + this, ...; a test lowers it to cover the loop)
 H_FROM_S_GRID_Y = 65535
@@ -462,6 +502,12 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
     block and the statistics run in this call, from the raw scores the ``lse2`` pass kept in
     its buffer (:func:`h_from_s`), else by the ``h`` pass in row blocks (mirrored tiles when
     one block holds all of H) --, then dq[block] = H[block] q (``mm``, against qᵀ split).
+    Above the workspace (the symmetric statistics), H goes in square blocks H[I, J], J >= I,
+    of R rows (:func:`pair_rows`; R x R float32 in the workspace): each computed once
+    (:func:`h_pair`, a diagonal block's pairs of tiles once) and used twice, as H is symmetric:
+    dq[I] += H[I, J] q[J] (``mm``) and dq[J] += H[I, J]ᵀ q[I] (``mmt``, for J > I), each
+    dq block first written, then accumulated in the fixed order of the loop: half the
+    recomputed scores of row blocks of H, the same product work.
     Scratch besides H: q and qᵀ split (4 n d floats)."""
     import cupy as cp
 
@@ -473,7 +519,9 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
     # the fused step with the whole H in the workspace: the forward keeps the scores in H's
     # buffer and H is computed from them elementwise (no second pass over the products)
     keep_s = want_grad and lse_in is None and symmetric and rb >= n
-    h_buf = cp.empty((rb, ldg), f32) if want_grad else None
+    pr = pair_rows(n, blas.workspace_cap(workspace_bytes)) if want_grad and symmetric \
+        and rb < n else 0
+    h_buf = (cp.empty((pr, pr), f32) if pr else cp.empty((rb, ldg), f32)) if want_grad else None
     loss = None
     if lse_in is not None:
         lse, ml = lse_in, ml_from_lse(lse_in)
@@ -490,6 +538,20 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
     dq = cp.empty((n, de), f32)
     if keep_s:
         mm(h_from_s(h_buf[:, :n], ml, scale, pos_shift, weights), qt, dq)
+    elif pr:
+        edges = list(range(0, n, pr)) + [n]
+        spans = list(zip(edges[:-1], edges[1:]))
+        written = [False] * len(spans)
+        for bi, (r0, r1) in enumerate(spans):
+            for bj in range(bi, len(spans)):
+                c0, c1 = spans[bj]
+                h = h_pair(parts, ml, scale, pos_shift, weights, (r0, r1), (c0, c1), h_buf)
+                mm(h, (qt[0][:, c0:c1], qt[1][:, c0:c1]), dq[r0:r1], accumulate=written[bi])
+                written[bi] = True
+                if bj != bi:
+                    mm(h, (qt[0][:, r0:r1], qt[1][:, r0:r1]), dq[c0:c1], accumulate=written[bj],
+                       trans_a=True)
+                    written[bj] = True
     else:
         tri = symmetric and rb >= n
         for r0 in range(0, n, rb):
