@@ -14,7 +14,8 @@ rank blocks, ``engine.cross``, on emulated ranks) or "ws" (one small call of eac
 warp-specialised stage: lse with shared negatives whose columns start mid-tile, lse2 / clip,
 NT-Xent's symmetric lse2 and mirrored h, info_nce's g, SigLIP; ring of A + B stages and A
 resident; a few launches each, for racecheck) or "tf32" (float32 NT-Xent on the TF32x3
-tiles: every kernel of tiles_ws_tf32.cu, both column-tile parities) or "tf32products" (CLIP,
+tiles: every kernel of tiles_ws_tf32.cu, both column-tile parities, row blocks and the pair
+schedule of H) or "tf32products" (CLIP,
 SigLIP and InfoNCE's float32 products on those tiles: the interleaved consumers, the
 transposed product mmt, the accumulating product, split_t; and CLIP's row_col_stats /
 clip_grad in float32 and float64, 16-byte and scalar paths).  racecheck exits with code 9 and no
@@ -104,8 +105,13 @@ if part == "tf32":
         cupynce.nt_xent_backward(c, cp.ones((n,), np.float32))
         l, c = cupynce.nt_xent_forward(z, 0.1, precision="3xtf32", workspace_bytes=4 * n * 256)
         cupynce.nt_xent_backward(c)
+        # the pair schedule (square blocks of 384 rows, shifted frames) with per-row weights
+        l, c = cupynce.nt_xent_forward(z, 0.1, reduction="none", precision="3xtf32",
+                                       workspace_bytes=4 * 384 * 384)
+        cupynce.nt_xent_backward(c, cp.ones((n,), np.float32))
     from cupynce._engine import tiles_tf32
     tiles_tf32.nt_xent(z, 10.0, (None, 0, 1e-3), symmetric=False)
+    tiles_tf32.nt_xent(z, 10.0, (None, 0, 1e-3), symmetric=False, workspace_bytes=4 * 1024 * 256)
     l = cp.zeros(())
 if part == "tf32products":
     # CLIP / SigLIP / InfoNCE's float32 products on the TF32x3 tiles (products_tf32): A Bᵀ,
@@ -127,7 +133,7 @@ if part == "tf32products":
     assert True in ran and False in ran, ran
     # CLIP's statistics and gradient kernels off the tiles: float64 and float32, rows of a
     # multiple of 16 bytes (the 16-byte path) and not (1101 columns: one at a time)
-    for n, dt in ((1100, np.float64), (1101, np.float64), (1101, np.float32)):
+    for n, dt in ((1100, np.float64), (1101, np.float64), (1100, np.float32), (1101, np.float32)):
         x = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
         y = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
         l, c = cupynce.clip_loss_forward(x, y, 2.0, precision="fp32"); cupynce.clip_loss_backward(c)

@@ -59,17 +59,18 @@ def test_mm_trans_a_is_mm_of_the_transposed_copy(tf32, k, m, ld, interleave, mon
     buf = cp.asarray(rng.standard_normal((k, ld)).astype(np.float32))
     before = _bits(buf)
     a = buf[:, :m]
-    c = 200
+    c = 330  # (3 column tiles, one CTA a row of them: an interleaved pair, then a lone tile)
     b = cp.asarray(rng.standard_normal((c, k)).astype(np.float32))
     parts = tiles_tf32.split(b)
     at = tiles_tf32.padded(cp.ascontiguousarray(a.T))  # (K padded with zeros: 16-byte rows)
-    got = tiles_tf32.mm(a, parts, cp.empty((m, c), np.float32), alpha=0.75, trans_a=True)
-    want = tiles_tf32.mm(at, parts, cp.empty((m, c), np.float32), alpha=0.75)
+    got = tiles_tf32.mm(a, parts, cp.empty((m, c), np.float32), alpha=0.75, trans_a=True,
+                        splits=1)
+    want = tiles_tf32.mm(at, parts, cp.empty((m, c), np.float32), alpha=0.75, splits=1)
     assert np.array_equal(_bits(got), _bits(want))
     base = cp.asarray(rng.standard_normal((m, c)).astype(np.float32))
     acc = base.copy()
-    tiles_tf32.mm(a, parts, acc, trans_a=True, accumulate=True)
-    plain = tiles_tf32.mm(at, parts, cp.empty((m, c), np.float32))
+    tiles_tf32.mm(a, parts, acc, trans_a=True, accumulate=True, splits=1)
+    plain = tiles_tf32.mm(at, parts, cp.empty((m, c), np.float32), splits=1)
     assert np.array_equal(_bits(acc), _bits(plain + base))
     assert np.array_equal(_bits(buf), before)
     ref = cp.asnumpy(a).astype(np.float64).T @ cp.asnumpy(b).astype(np.float64).T
@@ -93,15 +94,17 @@ def test_split_t_is_the_split_of_the_transposed_copy(tf32, rows, d, ld):
 
 
 @gpu
+@pytest.mark.parametrize("c", [4096, 3900])
 @pytest.mark.parametrize("trans_a", [False, True])
-def test_interleaved_consumers_repeat_the_ping_pong_bits(tf32, trans_a, monkeypatch):
+def test_interleaved_consumers_repeat_the_ping_pong_bits(tf32, trans_a, c, monkeypatch):
     """The interleaved ring (both consumers on the tensor cores, ring slots passing from one
     consumer to the other through the producer's barriers) against the ping-pong schedule, on
     a short K (2 ring steps a tile) and many tiles a CTA -- the most slot hand-overs -- 20
     times: the same bits every time (a consumer reading a slot before the other is done
-    with it would show as a changed value)."""
+    with it would show as a changed value).  c = 3900: 31 column tiles, the last partial,
+    so a lone tile (ring stride 1) follows 15 pairs."""
     rng = np.random.default_rng(5)
-    k, m, c = 64, 1024, 4096
+    k, m = 64, 1024
     a = cp.asarray(rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32))
     parts = tiles_tf32.split(cp.asarray(rng.standard_normal((c, k)).astype(np.float32)))
     monkeypatch.setattr(tiles_tf32, "MM_INTERLEAVE", False)
