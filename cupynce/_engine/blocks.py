@@ -147,6 +147,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         ((n,), a) if want_loss else None,
         ((nch, nc), a) if want_loss else None, ((nch, nc), a) if want_loss else None,
         ((2, nc), a) if keep_state else None))
+    if want_loss and n:  # the first block's scores first: the host work below overlaps them
+        gemm(an[:min(n, rb)], bn, s_buf[:min(n, rb)], trans_b=True)
     vec = ((n,), a)
     lse_r2, lse_c2, pair_loss, da, db, dsp = buffers((
         vec if want_loss else None,
@@ -163,7 +165,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             r1 = min(n, r0 + rb)
             nrows = r1 - r0
             s_blk = s_buf[:nrows]
-            gemm(an[r0:r1], bn, s_blk, trans_b=True)
+            if r0:
+                gemm(an[r0:r1], bn, s_blk, trans_b=True)
             nch_b = row_col_stats(s_blk, t, row0 + r0, 0, nc, ls, a.type(1.0),
                                   lse_r.data.ptr - shift, row_loss.data.ptr - shift, part_m,
                                   part_s)

@@ -272,7 +272,8 @@ _MAPS_MAX = 512
 
 
 def _tile_map(x, box_rows: int = TILE) -> Optional[np.ndarray]:
-    key = (x.data.ptr, x.shape[0], x.shape[1], blas.leading_dim(x), x.dtype.name, box_rows)
+    # (the dtype itself in the key: its .name is computed in Python, µs a call)
+    key = (x.data.ptr, x.shape[0], x.shape[1], blas.leading_dim(x), x.dtype, box_rows)
     try:  # (not `key in _MAPS` then a read: another thread may clear it in between)
         return _MAPS[key]
     except KeyError:
