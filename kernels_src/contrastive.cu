@@ -80,29 +80,10 @@ __device__ __forceinline__ void row_softmax_body(
 // the 8 warps' partials of the tile's columns t, t + CPN_BLOCK, ... in a fixed tree
 // ((0 1) (2 3)) ((4 5) (6 7)) into part_m / part_s[b n + j]; each row's online LSE is kept
 // per lane (its columns, in order) and merged over the lanes by the xor tree of block_lse.
-// The pass is bound by its instructions, not by its read, so neither state adds one score at
-// a time: a column's partial over the warp's 4 rows is their maximum and the sum of the 4
-// exponentials against it; a row's state takes the maximum of its V new scores, rescales
-// its sum once and adds their V exponentials -- all exponentials by the SFU (cpn_exp_sfu),
-// a NaN sum marking the state NaN (merge's and value's test).  Every order is fixed:
+// Adds are Lse::add_sfu (add_nb's with the SFU's exponential: the pass is bound by its
+// two exponentials a score, not by its read).  Every order is fixed:
 // deterministic (for a given V: the row partition across lanes follows it).  Grid:
 // ceil(rows / R).
-// sum_k exp(f(k) - m), k = 0 .. K - 1, by the SFU (cpn_exp_sfu) in a fixed pairwise order,
-// m the terms' maximum (fmax: NaN terms skipped) or above; m = -inf (every term -inf) sums 0.
-// A NaN term, or +inf (inf - inf), makes the sum NaN: the caller's NaN marker.
-template <typename A, int K, typename F>
-__device__ __forceinline__ A sfu_sum(F f, A m) {
-    const A mz = m == -cpn_inf<A>() ? A(0) : m;
-    A t[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) t[k] = cpn_exp_sfu(f(k) - mz);
-#pragma unroll
-    for (int w = 1; w < K; w *= 2)
-#pragma unroll
-        for (int k = 0; k + w < K; k += 2 * w) t[k] += t[k + w];
-    return t[0];
-}
-
 template <typename A, int V>
 __device__ __forceinline__ void row_col_stats_run(
     const A* __restrict__ s, i64 ld, int rows, int n, int row0, int pos_shift, int pos_mod,
@@ -122,46 +103,31 @@ __device__ __forceinline__ void row_col_stats_run(
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             const int jl = 32 * V * g + V * lane, j = j0 + jl;
-            // the logits of the warp's rows at the lane's V columns, scaled (rows past the
-            // block, and columns past n after the scaling -- the scale may be 0 -- are -inf)
-            A y[RW][V];
+            Lse<A> cc[V];
 #pragma unroll
-            for (int q = 0; q < RW; ++q) {
-                if (q < my_rows && V > 1 && j + V <= n) {
-                    const Vec16<A> v = *reinterpret_cast<const Vec16<A>*>(base + (i64)q * ld + j);
-#pragma unroll
-                    for (int e = 0; e < V; ++e) y[q][e] = scale * v.x[e];
-                } else {
-#pragma unroll
-                    for (int e = 0; e < V; ++e)
-                        y[q][e] = q < my_rows && j + e < n ? scale * base[(i64)q * ld + j + e]
-                                                           : -cpn_inf<A>();
-                }
-            }
-            // each column's partial over the warp's rows: its maximum, then the exponentials
-            // against it
-#pragma unroll
-            for (int e = 0; e < V; ++e) {
-                A m = y[0][e];
-#pragma unroll
-                for (int q = 1; q < RW; ++q) m = fmax(m, y[q][e]);
-                const A sm = sfu_sum<A, RW>([&](int q) { return y[q][e]; }, m);
-                cm[warp][jl + e] = sm == sm ? m : sm;
-                cv[warp][jl + e] = sm;
-            }
-            // each row's running state: the new maximum first, the old sum rescaled once
+            for (int e = 0; e < V; ++e) cc[e].init();
 #pragma unroll
             for (int q = 0; q < RW; ++q) {
                 if (q < my_rows) {
-                    A m = rs[q].m;
+                    A y[V];  // scaled; a column past n is -inf after the scaling (scale may be 0)
+                    if (V > 1 && j + V <= n) {
+                        const Vec16<A> v = *reinterpret_cast<const Vec16<A>*>(base + (i64)q * ld + j);
 #pragma unroll
-                    for (int e = 0; e < V; ++e) m = fmax(m, y[q][e]);
-                    const A mz = m == -cpn_inf<A>() ? A(0) : m;
-                    const A sm = sfu_sum<A, V>([&](int e) { return y[q][e]; }, m);
-                    rs[q].s = fma(rs[q].s, cpn_exp_sfu(rs[q].m - mz), sm);
-                    rs[q].m = rs[q].s == rs[q].s ? m : rs[q].s;
+                        for (int e = 0; e < V; ++e) y[e] = scale * v.x[e];
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < V; ++e)
+                            y[e] = j + e < n ? scale * base[(i64)q * ld + j + e] : -cpn_inf<A>();
+                    }
+#pragma unroll
+                    for (int e = 0; e < V; ++e) {
+                        cc[e].add_sfu(y[e]);
+                        rs[q].add_sfu(y[e]);
+                    }
                 }
             }
+#pragma unroll
+            for (int e = 0; e < V; ++e) { cm[warp][jl + e] = cc[e].m; cv[warp][jl + e] = cc[e].s; }
         }
         __syncthreads();
 #pragma unroll
