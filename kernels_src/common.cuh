@@ -152,12 +152,6 @@ __device__ __forceinline__ float cpn_ex2_approx(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-// e^x for x <= 0 by the SFU: 2^(x log2 e) (float: the product's rounding, |x| 6e-8 relative,
-// plus ex2.approx's ~2^-22; a result below 2^-126 flushed to 0), exp itself for double.  For
-// sums of exp(-|d|) terms, whose error is then at most ~1.5e-8 + 2^-22 of the largest (d e^-d
-// <= 1/e): Lse::add_sfu
-__device__ __forceinline__ float cpn_exp_sfu(float x) { return cpn_ex2_approx(x * 1.4426950408889634f); }
-__device__ __forceinline__ double cpn_exp_sfu(double x) { return exp(x); }
 __device__ __forceinline__ float cpn_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double cpn_sqrt(double x) { return sqrt(x); }
 __device__ __forceinline__ float cpn_abs(float x) { return fabsf(x); }
@@ -189,17 +183,15 @@ template <typename A> struct Lse {
             m = x; s = x;  // NaN
         }
     }
-    // add's arithmetic without its branches, for loops that keep many states (row_col_stats),
-    // with exp from the SFU (cpn_exp_sfu: float's two instructions instead of expf's ~10; such
-    // a loop is bound by its exponentials): d = x - m, e = exp(-|d|) (exp(m - x) for a new
-    // maximum, exp(x - m) else: add's very argument), s = up ? s e + 1 : s + e, m = up ? x : m
-    // with up = !(d <= 0) (a NaN d: a NaN x, or +inf after +inf, takes that branch and leaves
-    // s NaN, m = x as add does: merge's "empty" test (m = -inf) must never see a NaN sum);
-    // -inf adds nothing.  The same m as add, s within the SFU's error (double: add's bits
-    // where every x is finite or -inf).
-    __device__ __forceinline__ void add_sfu(A x) {
+    // add's arithmetic without its branches, for loops that keep many states: d = x - m,
+    // e = exp(-|d|) (exp(m - x) for a new maximum, exp(x - m) else: add's very argument),
+    // s = up ? s e + 1 : s + e, m = up ? x : m with up = !(d <= 0) (a NaN d: a NaN x, or
+    // +inf after +inf, takes that branch and leaves s NaN, m = x as add does: merge's
+    // "empty" test (m = -inf) must never see a NaN sum); -inf adds nothing.  Bit for bit
+    // add's (m, s) where every x is finite or -inf (add's s e + 1 contracts to the same FMA).
+    __device__ __forceinline__ void add_nb(A x) {
         const A d = x - m;
-        const A e = cpn_exp_sfu(-fabs(d));
+        const A e = cpn_exp(-fabs(d));
         const bool up = !(d <= A(0));
         const A s_up = fma(s, e, A(1)), s_dn = s + e;
         if (x != -cpn_inf<A>()) { s = up ? s_up : s_dn; m = up ? x : m; }

@@ -80,8 +80,7 @@ __device__ __forceinline__ void row_softmax_body(
 // the 8 warps' partials of the tile's columns t, t + CPN_BLOCK, ... in a fixed tree
 // ((0 1) (2 3)) ((4 5) (6 7)) into part_m / part_s[b n + j]; each row's online LSE is kept
 // per lane (its columns, in order) and merged over the lanes by the xor tree of block_lse.
-// Adds are Lse::add_sfu (add_nb's with the SFU's exponential: the pass is bound by its
-// two exponentials a score, not by its read).  Every order is fixed:
+// Adds are Lse::add_nb (add's bits without its branches).  Every order is fixed:
 // deterministic (for a given V: the row partition across lanes follows it).  Grid:
 // ceil(rows / R).
 template <typename A, int V>
@@ -121,8 +120,8 @@ __device__ __forceinline__ void row_col_stats_run(
                     }
 #pragma unroll
                     for (int e = 0; e < V; ++e) {
-                        cc[e].add_sfu(y[e]);
-                        rs[q].add_sfu(y[e]);
+                        cc[e].add_nb(y[e]);
+                        rs[q].add_nb(y[e]);
                     }
                 }
             }
