@@ -83,6 +83,9 @@ __device__ __forceinline__ void row_softmax_body(
 // Adds are Lse::add_nb (add's bits without its branches).  Every order is fixed:
 // deterministic (for a given V: the row partition across lanes follows it).  Grid:
 // ceil(rows / R).
+// row_col_stats' registers: at most 64 for float (4 blocks an SM: a 16384-row block's 512
+// CTAs in one wave), double's 2 blocks (it needs ~100)
+#define RCS_MIN_BLOCKS(A) (sizeof(A) == 8 ? 2 : 4)
 template <typename A, int V>
 __device__ __forceinline__ void row_col_stats_run(
     const A* __restrict__ s, i64 ld, int rows, int n, int row0, int pos_shift, int pos_mod,
@@ -95,6 +98,9 @@ __device__ __forceinline__ void row_col_stats_run(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = threadIdx.x;
     const A* const base = s + (i64)(r0 + warp * RW) * ld;
     const int my_rows = max(0, min(RW, nr - warp * RW));
+    // (a warp with no rows loads the block's first one: see the loads below)
+    const A* const wbase = my_rows ? base : s + (i64)r0 * ld;
+    const int qmax = max(my_rows - 1, 0);
     Lse<A> rs[RW];
 #pragma unroll
     for (int q = 0; q < RW; ++q) rs[q].init();
@@ -102,27 +108,33 @@ __device__ __forceinline__ void row_col_stats_run(
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             const int jl = 32 * V * g + V * lane, j = j0 + jl;
+            // the RW rows' loads first, unconditional (in flight together: 678 -> 625 us for
+            // a 16384^2 block on an H100), then the adds; a row past my_rows reads a row that
+            // is there (wbase's row qmax) as -inf, which adds nothing: the sums of skipping it
+            A y[RW][V];  // scaled; a column past n is -inf after the scaling (scale may be 0)
+#pragma unroll
+            for (int q = 0; q < RW; ++q) {
+                const bool live = q < my_rows;
+                const A* const row = wbase + (i64)min(q, qmax) * ld;
+                if (V > 1 && j + V <= n) {
+                    const Vec16<A> v = *reinterpret_cast<const Vec16<A>*>(row + j);
+#pragma unroll
+                    for (int e = 0; e < V; ++e) y[q][e] = live ? scale * v.x[e] : -cpn_inf<A>();
+                } else {
+#pragma unroll
+                    for (int e = 0; e < V; ++e)
+                        y[q][e] = live && j + e < n ? scale * row[j + e] : -cpn_inf<A>();
+                }
+            }
             Lse<A> cc[V];
 #pragma unroll
             for (int e = 0; e < V; ++e) cc[e].init();
 #pragma unroll
             for (int q = 0; q < RW; ++q) {
-                if (q < my_rows) {
-                    A y[V];  // scaled; a column past n is -inf after the scaling (scale may be 0)
-                    if (V > 1 && j + V <= n) {
-                        const Vec16<A> v = *reinterpret_cast<const Vec16<A>*>(base + (i64)q * ld + j);
 #pragma unroll
-                        for (int e = 0; e < V; ++e) y[e] = scale * v.x[e];
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < V; ++e)
-                            y[e] = j + e < n ? scale * base[(i64)q * ld + j + e] : -cpn_inf<A>();
-                    }
-#pragma unroll
-                    for (int e = 0; e < V; ++e) {
-                        cc[e].add_nb(y[e]);
-                        rs[q].add_nb(y[e]);
-                    }
+                for (int e = 0; e < V; ++e) {
+                    cc[e].add_nb(y[q][e]);
+                    rs[q].add_nb(y[q][e]);
                 }
             }
 #pragma unroll
@@ -549,7 +561,7 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_scale_cast_##SUF(   
     scale_cast_body<T, A>(acc, n, g, out); }
 
 #define CPN_DEFINE_ACC(SUF, A)                                                             \
-extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_row_col_stats_##SUF(           \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK, RCS_MIN_BLOCKS(A)) cpn_row_col_stats_##SUF( \
     const A* s, i64 ld, int rows, int n, int row0, int pos_shift, int pos_mod,             \
     const A* scale_log, A scale_mul, A* lse_out, A* loss_out, A* part_m, A* part_s) {      \
     row_col_stats_body<A>(s, ld, rows, n, row0, pos_shift, pos_mod, scale_log, scale_mul,  \

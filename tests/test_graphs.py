@@ -236,6 +236,33 @@ def test_failed_capture_falls_back(monkeypatch):
     assert info["plans"] == 0 and "capture failed" in next(iter(info["refused"].values()))
 
 
+def test_estimated_large_problem_runs_uncaptured(monkeypatch):
+    """``est_bytes`` past MAX_PLAN_BYTES: every call runs ``compute``, nothing is counted,
+    captured or refused (no key built); CLIP's float32 calls pass their score block."""
+    x = cp.arange(8, dtype=cp.float32)
+    ran = []
+
+    def compute(x):
+        ran.append(1)
+        return (x * 2,)
+
+    for _ in range(CALLS + 1):
+        (y,) = _graphs.run(("test",), (x,), compute, est_bytes=_graphs.MAX_PLAN_BYTES + 1)
+        cp.testing.assert_array_equal(y, x * 2)
+    info = _graphs.info()
+    assert len(ran) == CALLS + 1
+    assert info["plans"] == 0 and info["counting"] == 0 and not info["refused"]
+    rng = np.random.default_rng(0)
+    a, b = (cp.asarray(rng.standard_normal((64, 32)).astype(np.float32)) for _ in range(2))
+    ls = cp.asarray(np.float32(2.0))
+    want = plain(lambda: step("clip_loss", (a, b, ls), {}))
+    monkeypatch.setattr(_graphs, "MAX_PLAN_BYTES", 64 * 64 * 4 - 1)  # the 64 x 64 scores'
+    for _ in range(CALLS):
+        assert step("clip_loss", (a, b, ls), {}) == want
+    info = _graphs.info()
+    assert info["plans"] == 0 and info["counting"] == 0 and not info["refused"]
+
+
 def test_torch_bridge_replays_bit_identically():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

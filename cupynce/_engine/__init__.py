@@ -70,7 +70,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
          workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
     """CLIP's row and column statistics (``want_loss``) and gradient accumulators.
 
-    ``ls`` is logit_scale as a (1,) device array of the accumulator dtype.  Returns
+    ``ls`` is logit_scale as a (1,) device array of the accumulator dtype (or a function
+    returning it: see :func:`blocks.clip`).  Returns
     ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``.  A rank's block of a distributed
     CLIP: an holds the rows ``row0 ..`` of the image side, bn every column, ``col_shift`` the
     raw positive dots of every column (the tile path's column shift), and ``col_state``
@@ -82,7 +83,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
               want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0,
               col_shift=col_shift, col_state=col_state)
     if tiles.tiles_ok(an, bn):
-        return tiles.clip(an, bn, ls, **kw)
+        return tiles.clip(an, bn, ls() if callable(ls) else ls, **kw)
     return blocks.clip(an, bn, ls, **kw)
 
 

@@ -121,7 +121,9 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
          workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
     """Row/column statistics (when ``want_loss``) and the gradient accumulators.
 
-    ``ls`` is logit_scale as a (1,) device array of the accumulator dtype.  an (n, D) are the
+    ``ls`` is logit_scale as a (1,) device array of the accumulator dtype, or a function
+    returning it, called once the first score product is issued (its guard kernel's host
+    time then runs under that product instead of before it).  an (n, D) are the
     rows ``row0 .. row0 + n - 1`` of the image side, bn (Nc, D) every column; row i's
     positive is column row0 + i (square problems: row0 = 0, Nc = n).
     Returns ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``; with ``col_state``
@@ -148,7 +150,12 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         ((nch, nc), a) if want_loss else None, ((nch, nc), a) if want_loss else None,
         ((2, nc), a) if keep_state else None))
     if want_loss and n:  # the first block's scores first: the host work below overlaps them
-        gemm(an[:min(n, rb)], bn, s_buf[:min(n, rb)], trans_b=True)
+        if rb == n:  # (no views: each costs host time before the first product)
+            gemm(an, bn, s_buf, trans_b=True)
+        else:
+            gemm(an[:rb], bn, s_buf[:rb], trans_b=True)
+    if callable(ls):
+        ls = ls()
     vec = ((n,), a)
     lse_r2, lse_c2, pair_loss, da, db, dsp = buffers((
         vec if want_loss else None,

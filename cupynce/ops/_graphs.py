@@ -27,8 +27,9 @@ plain call would take the same path); otherwise, and when graphs are off
 Memory: a plan holds its static inputs, outputs and the workspace of the captured call for
 as long as it is cached.  A plan above ``MAX_PLAN_BYTES`` is dropped after its capture (the
 problem then runs uncaptured: calls that large are bound by their kernels, not the host);
-the cache holds at most ``CACHE_BYTES`` and ``MAX_PLANS`` plans, least recently used out
-first; :func:`clear` empties it.  Under ``cupynce.torch`` the memory comes from torch's
+an op may say so beforehand (``run``'s ``est_bytes``: CLIP's float32 score block), and its
+calls then skip the key.  The cache holds at most ``CACHE_BYTES`` and ``MAX_PLANS`` plans,
+least recently used out first; :func:`clear` empties it.  Under ``cupynce.torch`` the memory comes from torch's
 caching allocator (it shows in ``torch.cuda.memory_allocated``).
 
 Threads: the cache is guarded by a lock, and a plan's copy-in / launch / copy-out is one
@@ -182,21 +183,24 @@ def _eligible(inputs: Sequence[Any]) -> bool:
     return True
 
 
-def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, ...]]
-        ) -> Tuple[Any, ...]:
+def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, ...]], *,
+        est_bytes: int = 0) -> Tuple[Any, ...]:
     """``compute(*inputs)`` — a tuple of CuPy arrays (or None) — through a cached CUDA graph
     where the problem has been seen before (see the module notes).
 
     ``op_key``: everything besides the inputs' layout that decides what ``compute`` launches
     (the op, its flags and Python scalars).  ``compute`` must launch work only on CuPy's
     current stream, never synchronise, never read device memory on the host, and return
-    arrays it allocated (not views of its inputs).
+    arrays it allocated (not views of its inputs).  ``est_bytes``: the op's estimate of what
+    a plan of this problem would hold (its kept score block); above ``MAX_PLAN_BYTES`` the
+    call runs uncaptured at once, without building its key (tens of µs of host time before
+    its first kernel), as its capture would be refused.
     """
     events = getattr(_tls, "events", None)
     if events is not None:
         slot = len(events)
         events.append(None)  # (replaced by the replay's record below, if one is made)
-    if not ENABLED or not _eligible(inputs):
+    if est_bytes > MAX_PLAN_BYTES or not ENABLED or not _eligible(inputs):
         return compute(*inputs)
     import cupy as cp
 

@@ -73,6 +73,17 @@ def _logit_scale_array(xp, ls, acc):
                                   _checks.LOG_SCALE_LIMIT)
 
 
+def _score_block_bytes(a, acc, workspace_bytes) -> int:
+    """The score block a GPU call keeps on the row-block path (float32 / float64 inputs;
+    0 for 16-bit inputs, whose tiles keep none), at most the workspace cap without its
+    free-memory bound (no driver query): ``_graphs.run``'s ``est_bytes``."""
+    if a.dtype != acc:
+        return 0
+    n = a.shape[0]
+    cap = blas.DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    return min(n * n * acc.itemsize, cap)
+
+
 def _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision):
     op = "clip_loss"
     xp = _checks.check_pairs(op, a, b)
@@ -133,10 +144,13 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     fused = requires_grad and reduction != "none"
     host_ls = isinstance(ls, float)
 
-    def compute(a, b, ls_in=ls):
+    def compute(a, b, ls_in=ls, *, defer: bool = False):
         an, na = prep(path, a, normalize)
         bn, nb = prep(path, b, normalize)
-        ls_dev = _logit_scale_array(xp, ls_in, acc)
+        # defer: the GPU engine makes the device scale once its first product is issued
+        # (nothing keeps it here)
+        ls_dev = ((lambda: _logit_scale_array(xp, ls_in, acc)) if defer
+                  else _logit_scale_array(xp, ls_in, acc))
         lse_r, lse_c, pair_loss, grads = engine(
             an, bn, ls_dev, lse_r=None, lse_c=None,
             weights=weights(xp, None, reduction, n, acc), want_loss=True, want_grad=fused,
@@ -152,7 +166,9 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
         if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
             outs = _graphs.run(
                 ("clip_loss", ls if host_ls else None, reduction, normalize, workspace_bytes,
-                 fused), (a, b) if host_ls else (a, b, ls), lambda *xs: compute(*xs)[0])
+                 fused), (a, b) if host_ls else (a, b, ls),
+                lambda *xs: compute(*xs, defer=True)[0],
+                est_bytes=_score_block_bytes(a, acc, workspace_bytes))
         else:
             outs, kept = compute(a, b)
     loss, lse_r, lse_c, da, db, dscale, na, nb = outs
