@@ -29,8 +29,8 @@ as long as it is cached.  A plan above ``MAX_PLAN_BYTES`` is dropped after its c
 problem then runs uncaptured: calls that large are bound by their kernels, not the host);
 an op may say so beforehand (``run``'s ``est_bytes``: CLIP's float32 score block), and its
 calls then skip the key.  The cache holds at most ``CACHE_BYTES`` and ``MAX_PLANS`` plans,
-least recently used out first; :func:`clear` empties it.  Under ``cupynce.torch`` the memory comes from torch's
-caching allocator (it shows in ``torch.cuda.memory_allocated``).
+least recently used out first; :func:`clear` empties it.  Under ``cupynce.torch`` the memory
+comes from torch's caching allocator (it shows in ``torch.cuda.memory_allocated``).
 
 Threads: the cache is guarded by a lock, and a plan's copy-in / launch / copy-out is one
 critical section, so two threads sharing a stream cannot interleave their inputs.
