@@ -1,0 +1,48 @@
+"""CPU tests of ``cupynce.ops._graphs``' early exit for problems too large to capture (the
+captures and replays themselves run on GPUs: ``tests/test_graphs.py``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupynce._engine import blas
+from cupynce.ops import _graphs
+from cupynce.ops import clip as clip_op
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch):
+    monkeypatch.setattr(_graphs, "ENABLED", True)
+    _graphs.clear()
+    yield
+    _graphs.clear()
+
+
+def test_est_bytes_past_the_limit_runs_compute_without_a_key():
+    """No stream, device or key is touched (NumPy inputs would fail there): ``compute`` runs,
+    a trace records the call as uncaptured, nothing is counted."""
+    x = np.arange(4.0)
+    for _ in range(_graphs.CAPTURE_AFTER + 2):
+        with _graphs.trace() as events:
+            (y,) = _graphs.run(("test",), (x,), lambda x: (x + 1,),
+                               est_bytes=_graphs.MAX_PLAN_BYTES + 1)
+        np.testing.assert_array_equal(y, x + 1)
+        assert events == [None]
+    info = _graphs.info()
+    assert info["plans"] == 0 and info["counting"] == 0 and not info["refused"]
+
+
+@pytest.mark.parametrize("dtype, n, ws, want", [
+    (np.float32, 16384, None, blas.DEFAULT_WORKSPACE_BYTES),  # capped: 1 GiB of 1 GiB
+    (np.float32, 8192, None, 8192 * 8192 * 4),
+    (np.float32, 16384, 64 << 20, 64 << 20),  # the caller's workspace
+    (np.float64, 100, None, 100 * 100 * 8),
+    (np.float16, 16384, None, 0),  # 16-bit: the tiles keep no score block
+])
+def test_clip_score_block_estimate(dtype, n, ws, want):
+    a = np.zeros((n, 1), dtype)
+    acc = np.dtype(np.float64 if dtype == np.float64 else np.float32)
+    assert clip_op._score_block_bytes(a, acc, ws) == want
+    # a float32 CLIP at N = 16384 skips the key; at 8192 (256 MiB) it is captured as before
+    assert (want > _graphs.MAX_PLAN_BYTES) == (n == 16384 and dtype != np.float16
+                                               and ws is None)
