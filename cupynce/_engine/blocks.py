@@ -150,10 +150,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         ((nch, nc), a) if want_loss else None, ((nch, nc), a) if want_loss else None,
         ((2, nc), a) if keep_state else None))
     if want_loss and n:  # the first block's scores first: the host work below overlaps them
-        if rb == n:  # (no views: each costs host time before the first product)
-            gemm(an, bn, s_buf, trans_b=True)
-        else:
-            gemm(an[:rb], bn, s_buf[:rb], trans_b=True)
+        # (s_buf holds rb rows; a view of an only when it has more: views cost host time)
+        gemm(an if rb == n else an[:rb], bn, s_buf, trans_b=True)
     if callable(ls):
         ls = ls()
     vec = ((n,), a)
