@@ -9,10 +9,10 @@
 // products_tf32.py for the other ops' products (precisions "auto" / "3xtf32").  Built for
 // sm_90a only (__trap() elsewhere).
 //
-//   cpn_wstile_<mode>_tf32x3(ahi, alo, bhi, blo, p, ring): tensor maps of A_hi, A_lo (rows x d)
-//   and B_hi, B_lo (n1 x d), float32, 128 x 32 boxes, 128-byte swizzle (tma.matrix_map);
-//   p the TileArgs<float> of tiles.cu with n2 = 0 (no B2); ring = stages (no A-resident
-//   ring).  Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory 1 KiB +
+//   cpn_wstile_<mode>_tf32x3(L), L = WsTf32Launch {ahi, alo, bhi, blo, p, ring} (below):
+//   tensor maps of A_hi, A_lo (rows x d) and B_hi, B_lo (n1 x d), float32, 128 x 32 boxes,
+//   128-byte swizzle (tma.matrix_map); p the TileArgs<float> of tiles.cu with n2 = 0 (no
+//   B2); ring = stages (no A-resident ring).  Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory 1 KiB +
 //   stages x 64 KiB.  LSE / LSE2 write cpn_wstile_<mode>_bf16's outputs (row (m, s) partials
 //   per split, column partials, positive logits), combined by the finishing kernels below;
 //   LSE2 with p.g also stores the raw scores, each tile and its mirror (ws_tile_store), for
@@ -246,17 +246,25 @@ __device__ __forceinline__ void tile_ws_tf32x3(const TmaMap& ahi, const TmaMap& 
     ops.ahi = &ahi; ops.alo = &alo; ops.bhi = &bhi; ops.blo = &blo;
     tile_ws_walk<float, MODE, true>(ops, p, ring);
 }
-#define CPN_WS_TF32_BODY(MODE) tile_ws_tf32x3<MODE>(ahi, alo, bhi, blo, p, ring)
-#define CPN_WS_TF32_BODY_T tile_ws_tf32x3<MODE_MM, true>(ahi, alo, bhi, blo, p, ring)
+#define CPN_WS_TF32_BODY(MODE) tile_ws_tf32x3<MODE>(L.ahi, L.alo, L.bhi, L.blo, L.p, L.ring)
+#define CPN_WS_TF32_BODY_T tile_ws_tf32x3<MODE_MM, true>(L.ahi, L.alo, L.bhi, L.blo, L.p, L.ring)
 #else
 #define CPN_WS_TF32_BODY(MODE) __trap()  // not an sm_90a build: Python never launches these
 #define CPN_WS_TF32_BODY_T __trap()
 #endif
 
-#define CPN_WS_TF32_ARGS                                                                   \
-    const __grid_constant__ TmaMap ahi, const __grid_constant__ TmaMap alo,                \
-    const __grid_constant__ TmaMap bhi, const __grid_constant__ TmaMap blo,                \
-    const TileArgs<float> p, int ring
+// The kernels' one parameter: the four maps, the TileArgs and the ring (tiles_tf32._launch
+// packs it: one 768-byte argument costs the host ~13 µs a launch, the six it replaces ~38,
+// H100 host, 2026-11-27).  The layout is fixed here and in tiles_tf32.LAUNCH_*.
+struct WsTf32Launch {
+    TmaMap ahi, alo, bhi, blo;
+    TileArgs<float> p;
+    int ring;
+};
+// (members in order, no gaps: p at 4 x 128 = 512, ring at 512 + 208 = 720, padded to 768)
+static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<float>) == 208 &&
+              sizeof(WsTf32Launch) == 768, "WsTf32Launch's layout is tiles_tf32.py's");
+#define CPN_WS_TF32_ARGS const __grid_constant__ WsTf32Launch L
 #define CPN_DEFINE_WS_TF32(SUF)                                                            \
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_lse_##SUF(          \
     CPN_WS_TF32_ARGS) { CPN_WS_TF32_BODY(MODE_LSE); }                                      \

@@ -33,6 +33,7 @@ cuBLAS, ``_engine.cross``), sm_90a only.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional, Tuple
 
 import numpy as np
@@ -55,6 +56,15 @@ MIN_STAGES = 2
 #: MMAs.  The same arithmetic in the same order either way (the same bits); False for the
 #: benchmark's before / after (bench_tf32_mm.py)
 MM_INTERLEAVE = True
+
+
+#: the kernels' one parameter, ``WsTf32Launch`` (tiles_ws_tf32.cu): four 128-byte tensor maps,
+#: the packed TileArgs<float> at byte 512, the ring (int32) after it; 768 bytes (64-aligned)
+LAUNCH_ARGS_AT = 512
+LAUNCH_BYTES = 768
+LAUNCH_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", LAUNCH_BYTES)]})
+_RING = struct.Struct("<i")
+_LAUNCH_PAD = LAUNCH_BYTES - LAUNCH_ARGS_AT - tiles.TILE_ARGS_DTYPE.itemsize - _RING.size
 
 
 class TF32TilesUnavailable(RuntimeError):
@@ -143,8 +153,11 @@ def _launch(mode: str, parts, grid, raw: bytes, ring_flags: int = 0) -> None:
             for i, x in enumerate(parts)]
     if any(mp is None for mp in maps):
         raise TF32TilesUnavailable(f"cpn_wstile_{mode}_tf32x3: the driver refused a tensor map")
-    args = np.frombuffer(raw, tiles.TILE_ARGS_DTYPE)
-    kern(tuple(grid), (tiles.WS_THREADS,), (*maps, args, np.int32(rg[0] | ring_flags)),
+    # one WsTf32Launch argument: maps at 0, 128, 256, 384, TileArgs at LAUNCH_ARGS_AT, ring
+    # after it, padded to LAUNCH_BYTES (the kernel's static_assert holds the same layout)
+    blob = b"".join([mp.tobytes() for mp in maps] + [
+        raw, _RING.pack(rg[0] | ring_flags), bytes(_LAUNCH_PAD)])
+    kern(tuple(grid), (tiles.WS_THREADS,), (np.frombuffer(blob, LAUNCH_DTYPE),),
          shared_mem=rg[1])
 
 
