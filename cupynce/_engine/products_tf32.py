@@ -25,7 +25,10 @@ blocks; NT-Xent's tiles likewise split z outside it): the operand each product s
 at a time -- B (Nc x D: its hi / lo halves, 2 x its size) for A Bᵀ, Bᵀ's halves (2 x) for
 G B, of the block's A rows (2 x rows x D) for Gᵀ A; no copy or split of S or G (the
 row-block planners count none: :func:`split_row_bytes`).  B is split again for every row
-block and pass (no cache: a cached split would hold 2-4 x B between passes).
+block and pass (no cache: a cached split would hold 2-4 x B between passes).  Where one
+block holds the whole problem, CLIP and SigLIP split both gradient operands (Bᵀ and Aᵀ) on a
+side stream during the score product (:meth:`Products.prefetch`): both splits are then held
+at once, from the score product to the gradient products (4 x D x (N + Nc) bytes).
 Deterministic: fixed orders throughout; the accumulating products read-add-store each element
 once.
 """
