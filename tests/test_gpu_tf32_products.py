@@ -258,50 +258,6 @@ def test_ops_route_here(tf32, mode, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("op", ["clip", "siglip"])
-def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
-    """CLIP and SigLIP in one block split the gradient products' B operands (bn, an) on the
-    side stream while S's product runs (``Products.prefetch``): two splits issued on a stream
-    other than the current one, none on it, and the same bits as without the prefetch (the
-    same kernels on the same operands); no mark (so no prefetch) under a stream capture."""
-    import cupynce
-    from cupynce.ops import _graphs
-
-    streams = []
-    real = tiles_tf32.split_t
-    monkeypatch.setattr(tiles_tf32, "split_t", lambda *a, **k: streams.append(
-        cp.cuda.get_current_stream().ptr) or real(*a, **k))
-    x, y = _clip_inputs(1000, 96, seed=3)
-
-    def run():
-        _graphs.clear()
-        if op == "clip":
-            loss, ctx = cupynce.clip_loss_forward(x, y, LS, precision="3xtf32")
-            return [loss] + list(cupynce.clip_loss_backward(ctx))
-        loss, ctx = cupynce.siglip_loss_forward(x, y, math.log(10.0), -10.0,
-                                                precision="3xtf32")
-        return [loss] + list(cupynce.siglip_loss_backward(ctx))
-    main = cp.cuda.get_current_stream().ptr
-    got = run()
-    assert len(streams) == 2 and all(s_ != main for s_ in streams), (streams, main)
-    monkeypatch.setattr(products_tf32.Products, "mark", staticmethod(lambda: None))
-    del streams[:]
-    want = run()
-    assert streams == [main, main]
-    for g_, w_ in zip(got, want):
-        assert np.array_equal(_bits(g_), _bits(w_))
-    monkeypatch.undo()
-    st = cp.cuda.Stream(non_blocking=True)
-    with st:
-        st.begin_capture()
-        try:
-            marked = products_tf32.Products.mark()
-        finally:
-            st.end_capture()
-    assert marked is None
-
-
-@gpu
 def test_clip_row_blocks_and_determinism(tf32, monkeypatch):
     """A CLIP whose score matrix comes in row blocks on the tiles ("3xtf32"; a small
     workspace_bytes: blocks of 1920, 1920 and 960 rows, each block's Gᵀ A on the tiles

@@ -149,14 +149,9 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         ((n,), a) if want_loss else None,
         ((nch, nc), a) if want_loss else None, ((nch, nc), a) if want_loss else None,
         ((2, nc), a) if keep_state else None))
-    # the gradient products' splits run beside S's product (one block: S kept)
-    pre = (gemm.__self__.mark() if want_grad and want_loss and reuse and n
-           and products_tf32.uses_tiles(gemm) else None)
     if want_loss and n:  # the first block's scores first: the host work below overlaps them
         # (s_buf holds rb rows; a view of an only when it has more: views cost host time)
         gemm(an if rb == n else an[:rb], bn, s_buf, trans_b=True)
-    if pre is not None:
-        gemm.__self__.prefetch(pre, bn, an)
     if callable(ls):
         ls = ls()
     vec = ((n,), a)
@@ -238,11 +233,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         s_blk = s_buf[:r1 - r0]
-        pre = (gemm.__self__.mark() if want_grad and rb >= n
-               and products_tf32.uses_tiles(gemm) else None)
         gemm(an[r0:r1], bn, s_blk, trans_b=True)
-        if pre is not None:  # the gradient products' splits, beside S's product
-            gemm.__self__.prefetch(pre, bn, an)
         g_blk = g_buf[:r1 - r0] if want_grad else None
         kernels.launch(FILE, "siglip_rows", t, (r1 - r0,), (
             s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, lb,

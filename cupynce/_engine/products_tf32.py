@@ -25,10 +25,7 @@ blocks; NT-Xent's tiles likewise split z outside it): the operand each product s
 at a time -- B (Nc x D: its hi / lo halves, 2 x its size) for A Bᵀ, Bᵀ's halves (2 x) for
 G B, of the block's A rows (2 x rows x D) for Gᵀ A; no copy or split of S or G (the
 row-block planners count none: :func:`split_row_bytes`).  B is split again for every row
-block and pass (no cache: a cached split would hold 2-4 x B between passes).  Where one
-block holds the whole problem, CLIP and SigLIP split both gradient operands (Bᵀ and Aᵀ) on a
-side stream during the score product (:meth:`Products.prefetch`): both splits are then held
-at once, from the score product to the gradient products (4 x D x (N + Nc) bytes).
+block and pass (no cache: a cached split would hold 2-4 x B between passes).
 Deterministic: fixed orders throughout; the accumulating products read-add-store each element
 once.
 """
@@ -118,87 +115,9 @@ def _out_ok(out) -> bool:
             and out.data.ptr % 8 == 0)
 
 
-_side_streams: dict = {}
-
-
-def _side_stream(device: int):
-    """This process's non-blocking side stream on ``device`` (made once): where
-    :meth:`Products.prefetch` splits operands while the current stream's product runs."""
-    import cupy as cp
-
-    st = _side_streams.get(device)
-    if st is None:
-        st = _side_streams.setdefault(device, cp.cuda.Stream(non_blocking=True))
-    return st
-
-
-def _key(x) -> tuple:
-    return (x.data.ptr, x.shape, x.strides)
-
-
 class Products:
     """The TF32x3 products of one row-block op (see the module doc); :meth:`gemm` has
     :func:`blas.gemm`'s signature."""
-
-    def __init__(self):
-        self._ready: dict = {}  # _key(b) -> (split_t(b), event): see prefetch
-
-    @staticmethod
-    def mark():
-        """An event on the current stream now, for :meth:`prefetch`'s ``after`` (record it
-        before the product the splits should run beside); None while the stream is being
-        captured (no prefetch there: the splits stay on the current stream)."""
-        import cupy as cp
-
-        cur = cp.cuda.get_current_stream()
-        try:
-            if cur.is_capturing():
-                return None
-        except Exception:  # noqa: BLE001 - (the legacy stream while another captures)
-            return None
-        return cur.record()
-
-    def prefetch(self, after, *bs) -> None:
-        """Split each of ``bs`` for a later ``gemm(g, b, ...)`` (``split_t``: the B operand of
-        G B, or of Gᵀ A) on a side stream, instead of on the current stream just before that
-        product.  ``after``: an event of :meth:`mark` recorded on the current stream before
-        the product the splits should run beside (what wrote ``bs`` is before it); None: do
-        nothing.  Issued after that product, the splits run on the SMs its grid leaves free
-        (one CTA per 128 rows: 4 of the H100's 132 at N = 16384), ~90 µs off a CLIP call at
-        16384; the product that takes a split waits for it.  Their memory is held from here to
-        that product (2 x each operand's size).  Nothing is done for operands the tiles will
-        not take."""
-        import cupy as cp
-
-        from . import tiles_tf32
-
-        if after is None:
-            return
-        todo = [b for b in bs if b.dtype == np.float32 and b.ndim == 2 and b.size
-                and _key(b) not in self._ready]
-        if not todo:
-            return
-        side = _side_stream(cp.cuda.runtime.getDevice())
-        side.wait_event(after)
-        with side:
-            parts = [tiles_tf32.split_t(b, "b") for b in todo]
-            done = side.record()
-        for b, p in zip(todo, parts):
-            self._ready[_key(b)] = (p, done)
-
-    def _split_t(self, b):
-        """``tiles_tf32.split_t(b)``: :meth:`prefetch`'s (the current stream made to wait for
-        it) where there is one."""
-        import cupy as cp
-
-        from . import tiles_tf32
-
-        got = self._ready.pop(_key(b), None)
-        if got is None:
-            return tiles_tf32.split_t(b, "b")
-        parts, done = got
-        cp.cuda.get_current_stream().wait_event(done)
-        return parts
 
     def gemm(self, a, b, out, *, trans_a: bool = False, trans_b: bool = False,
              alpha: float = 1.0, beta: float = 0.0) -> None:
@@ -213,7 +132,7 @@ class Products:
         ok = (not small and beta in (0.0, 1.0) and not (trans_a and trans_b) and _out_ok(out)
               and a.dtype == np.float32 and b.dtype == np.float32)
         if ok and _rows16(a):
-            parts = tiles_tf32.split(b, "b") if trans_b else self._split_t(b)
+            parts = tiles_tf32.split(b, "b") if trans_b else tiles_tf32.split_t(b, "b")
             try:
                 tiles_tf32.mm(a, parts, out, alpha, accumulate=beta == 1.0, trans_a=trans_a)
                 return
