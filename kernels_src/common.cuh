@@ -167,6 +167,9 @@ template <typename A> __device__ __forceinline__ A cpn_nan();
 template <> __device__ __forceinline__ float cpn_nan<float>() { return __int_as_float(0x7fffffff); }
 template <> __device__ __forceinline__ double cpn_nan<double>() { return __longlong_as_double(0x7fffffffffffffffLL); }
 
+// max that keeps a NaN once seen (fmax would drop it)
+template <typename A> __device__ __forceinline__ A nanmax(A a, A b) { return (b > a || b != b) ? b : a; }
+
 // ---- online log-sum-exp state (m = running max, s = sum exp(x - m)) ----------------
 // NaN-propagating: once a NaN is seen the state stays NaN, so a NaN input can never
 // produce a finite-looking loss (fmax would silently drop it).

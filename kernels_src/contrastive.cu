@@ -80,7 +80,9 @@ __device__ __forceinline__ void row_softmax_body(
 // the 8 warps' partials of the tile's columns t, t + CPN_BLOCK, ... in a fixed tree
 // ((0 1) (2 3)) ((4 5) (6 7)) into part_m / part_s[b n + j]; each row's online LSE is kept
 // per lane (its columns, in order) and merged over the lanes by the xor tree of block_lse.
-// Adds are Lse::add_nb (add's bits without its branches).  Every order is fixed:
+// Each 4 x V block of a lane is added max-first: per column (over its 4 rows) and per row
+// (its state and V new values) the maximum, one rescale, then the exponentials (NaN kept as
+// Lse's: nanmax, then NaN sums).  Every order is fixed:
 // deterministic (for a given V: the row partition across lanes follows it).  Grid:
 // ceil(rows / R).
 // row_col_stats' registers: at most 64 for float (4 blocks an SM: a 16384-row block's 512
@@ -134,7 +136,7 @@ __device__ __forceinline__ void row_col_stats_run(
             for (int e = 0; e < V; ++e) {
                 A mc = y[0][e];
 #pragma unroll
-                for (int q = 1; q < RW; ++q) mc = (y[q][e] > mc || y[q][e] != y[q][e]) ? y[q][e] : mc;
+                for (int q = 1; q < RW; ++q) mc = nanmax(mc, y[q][e]);
                 A sc = A(0);
                 if (mc != -cpn_inf<A>()) {
 #pragma unroll
@@ -146,7 +148,7 @@ __device__ __forceinline__ void row_col_stats_run(
             for (int q = 0; q < RW; ++q) {
                 A mr = rs[q].m;
 #pragma unroll
-                for (int e = 0; e < V; ++e) mr = (y[q][e] > mr || y[q][e] != y[q][e]) ? y[q][e] : mr;
+                for (int e = 0; e < V; ++e) mr = nanmax(mr, y[q][e]);
                 if (mr != -cpn_inf<A>()) {
                     A sr = rs[q].s * cpn_exp(rs[q].m - mr);
 #pragma unroll

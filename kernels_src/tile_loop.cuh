@@ -79,9 +79,6 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// max that keeps a NaN once seen (fmaxf would drop it)
-__device__ __forceinline__ float nanmax(float a, float b) { return (b > a || b != b) ? b : a; }
-
 // (m, l) with l = sum 2^(x - m): fold in another such pair (NaN-propagating)
 __device__ __forceinline__ void lse2_merge(float& m, float& l, float om, float ol) {
     const float ninf = -cpn_inf<float>();

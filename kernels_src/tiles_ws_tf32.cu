@@ -12,8 +12,8 @@
 //   cpn_wstile_<mode>_tf32x3(L), L = WsTf32Launch {ahi, alo, bhi, blo, p, ring} (below):
 //   tensor maps of A_hi, A_lo (rows x d) and B_hi, B_lo (n1 x d), float32, 128 x 32 boxes,
 //   128-byte swizzle (tma.matrix_map); p the TileArgs<float> of tiles.cu with n2 = 0 (no
-//   B2); ring = stages (no A-resident ring).  Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory 1 KiB +
-//   stages x 64 KiB.  LSE / LSE2 write cpn_wstile_<mode>_bf16's outputs (row (m, s) partials
+//   B2); ring = stages (no A-resident ring).  Grid (ceil(rows / 128), splits), 384 threads,
+//   dynamic shared memory 1 KiB + stages x 64 KiB.  LSE / LSE2 write cpn_wstile_<mode>_bf16's outputs (row (m, s) partials
 //   per split, column partials, positive logits), combined by the finishing kernels below;
 //   LSE2 with p.g also stores the raw scores, each tile and its mirror (ws_tile_store), for
 //   cpn_tf32x3_h_from_s; H writes the float32 block into p.g (direct float2 stores, the
