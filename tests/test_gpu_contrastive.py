@@ -857,15 +857,82 @@ def test_device_array_temperature_is_refused():
         cupynce.nt_xent(z, cp.asarray(0.5))
 
 
+def _check_col_partials(pm, ps, logits, ch, tol):
+    """row_col_stats' column partials against float64: chunk c's (m, s) stands for
+    m + log s = log sum_rows exp(L), with m between the column's maximum and 64 above it (the
+    kernel's shared reference, :func:`row_col_stats`); -inf columns as (-inf, 0)."""
+    eps = float(np.finfo(pm.dtype).eps)
+    pm, ps = cp.asnumpy(pm).astype(np.float64), cp.asnumpy(ps).astype(np.float64)
+    for c in range(pm.shape[0]):
+        blk = logits[c * ch:(c + 1) * ch]
+        mx = blk.max(axis=0)
+        live = np.isfinite(mx)
+        assert (pm[c][~live] == -np.inf).all() and (ps[c][~live] == 0).all()
+        slack = 4 * eps * (1 + np.abs(mx[live]))  # (the kernel scales in the accumulator dtype)
+        assert (pm[c][live] >= mx[live] - slack).all() and (
+            pm[c][live] <= mx[live] + 64 + slack).all(), (
+            f"chunk {c}: a reference below the column maximum or past it + 64")
+        want = mx[live] + np.log(np.exp(blk[:, live] - mx[live]).sum(axis=0))
+        got = pm[c][live] + np.log(ps[c][live])
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 8)
+
+
+@pytest.mark.parametrize("a_dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_row_col_stats_shared_and_exact_column_blocks(a_dtype):
+    """row_col_stats adds a lane's 4 x 4 block with one exponential a score where the block's
+    column maxima lie within 64 of each other, and each column's own exponentials elsewhere:
+    both kinds side by side (columns < 300 narrow logits, the rest spread over ~±120), a NaN
+    in each kind, against float64 -- the rows' lse (NaN only for the NaN's rows) and every
+    column partial (NaN only for the NaN's column, in its chunk)."""
+    from cupynce._engine import blocks
+
+    a = np.dtype(a_dtype)
+    rows, nc = 70, 600
+    rng = np.random.default_rng(7)
+    host = rng.standard_normal((rows, nc))
+    host[:, 300:] *= 40.0
+    host = host.astype(a).astype(np.float64)
+    nan_at = [(3, 10), (40, 401)]
+    for r, c in nan_at:
+        host[r, c] = np.nan
+    s = cp.asarray(host.astype(a))
+    lse = cp.full((rows,), -1.0, a)
+    ch = blocks.STATS_ROWS
+    chunks = -(-rows // ch)
+    pm, ps = cp.empty((chunks, nc), a), cp.empty((chunks, nc), a)
+    blocks.row_col_stats(s, a, 0, 0, nc, 0, a.type(1.0), lse.data.ptr, 0, pm, ps)
+    tol = 1e-5 if a == np.float32 else 1e-13
+    bad_rows = [r for r, _ in nan_at]
+    got = cp.asnumpy(lse).astype(np.float64)
+    assert np.isnan(got[bad_rows]).all()
+    ok = np.setdiff1d(np.arange(rows), bad_rows)
+    mx = host[ok].max(axis=1, keepdims=True)
+    want = (mx + np.log(np.exp(host[ok] - mx).sum(axis=1, keepdims=True)))[:, 0]
+    np.testing.assert_allclose(got[ok], want, rtol=tol)
+    pmh, psh = cp.asnumpy(pm).astype(np.float64), cp.asnumpy(ps).astype(np.float64)
+    val = pmh + np.log(psh)
+    for r, c in nan_at:
+        assert np.isnan(val[r // ch, c]), f"the NaN at {(r, c)} vanished from its column"
+        val[r // ch, c] = 0.0
+        host[r, c] = -np.inf
+    for c in range(chunks):  # (the NaNs' columns checked above, the rest here)
+        blk = host[c * ch:(c + 1) * ch]
+        m = blk.max(axis=0)
+        w = m + np.log(np.exp(blk - m).sum(axis=0))
+        keep = np.ones(nc, bool)
+        keep[[cc for r, cc in nan_at if r // ch == c]] = False
+        np.testing.assert_allclose(val[c][keep], w[keep], rtol=tol, atol=tol * 8)
+
 @pytest.mark.parametrize("a_dtype", [np.float32, np.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("rows,nc", [(1, 1), (33, 257), (100, 1000), (17, 5), (70, 600)])
 def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc):
     """blocks.row_col_stats (CLIP's and the cross blocks' statistics in one read): each row's
     lse and loss those of the row_softmax kernel to a few roundings (a device logit scale; the
     terms merge in another order), and with an exact
-    scale the rows' lse and the column partials -- each chunk's exact maximum, the sum of
-    exp(L - max) -- against float64 to the accumulator's rounding, on a strided block with a
-    -inf and a large logit."""
+    scale the rows' lse and the column partials -- each chunk's (m, s) with m + log s the
+    column's log-sum-exp over the chunk, m at most 64 above its maximum -- against float64 to
+    the accumulator's rounding, on a strided block with a -inf and a large logit (both take
+    the kernel's exact per-column fallback, the other blocks its shared-exponential path)."""
     from cupynce._engine import blocks
     from cupynce._engine.arrays import FILE
     from cupynce._engine.kernels import launch
@@ -906,12 +973,7 @@ def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc)
     mx = fin.max(axis=1, keepdims=True)
     want_lse = (mx + np.log(np.exp(fin - mx).sum(axis=1, keepdims=True)))[:, 0]
     np.testing.assert_allclose(cp.asnumpy(lse).astype(np.float64), want_lse, rtol=tol)
-    for c in range(chunks):
-        blk = logits[c * ch:(c + 1) * ch]
-        mx = blk.max(axis=0)
-        np.testing.assert_array_equal(cp.asnumpy(pm[c]), mx.astype(a))
-        want = np.exp(blk - mx).sum(axis=0)
-        np.testing.assert_allclose(cp.asnumpy(ps[c]).astype(np.float64), want, rtol=tol)
+    _check_col_partials(pm, ps, logits, ch, tol)
     if rows > 1 and nc > 2:  # a NaN score: its row's lse and its column's partial are NaN
         buf[1, 2] = np.nan
         blocks.row_col_stats(s, a, row0, shift, mod, 0, a.type(7.0), lse.data.ptr - off, 0,

@@ -257,6 +257,132 @@ def test_ops_route_here(tf32, mode, monkeypatch):
     assert calls == []
 
 
+_NAP = r"""extern "C" __global__ void nap(long long cycles) {
+    const long long t0 = clock64(); while (clock64() - t0 < cycles) {} }"""
+
+
+def _fused(op, x, y, **kw):
+    """A fused forward + backward of ``op`` on the tiles ("3xtf32"): [loss, gradients...]."""
+    import cupynce
+
+    if op == "clip":
+        loss, ctx = cupynce.clip_loss_forward(x, y, LS, precision="3xtf32", **kw)
+        return [loss] + list(cupynce.clip_loss_backward(ctx))
+    loss, ctx = cupynce.siglip_loss_forward(x, y, math.log(10.0), -10.0, precision="3xtf32",
+                                            **kw)
+    return [loss] + list(cupynce.siglip_loss_backward(ctx))
+
+
+@gpu
+@pytest.mark.parametrize("op", ["clip", "siglip"])
+def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
+    """CLIP and SigLIP in one block split the gradient products' B operands (b, then a) on a
+    side stream beside S's product: the halves allocated on the current stream (before the
+    side stream is told to start), the two splits issued on another stream, none on the
+    current one; each split made slow (a ~10 ms nap queued before it on the side stream) so
+    that a product not waiting for it would read unwritten halves -- the same bits as
+    without the side stream.  The CLIP gradient-only call (reduction "none": the backward
+    recomputes S) prefetches too; a non-fused call's forward (no gradient) does not."""
+    from cupynce.ops import _graphs
+
+    nap = cp.RawKernel(_NAP, "nap")
+    launches = []
+    real = tiles_tf32.split_t
+
+    def spy(x, name="x", out=None):
+        cur = cp.cuda.get_current_stream().ptr
+        launches.append((cur, out is not None))
+        if out is not None:
+            nap((1,), (1,), (np.int64(20_000_000),))  # (on the side stream)
+        return real(x, name, out)
+    monkeypatch.setattr(tiles_tf32, "split_t", spy)
+    real_mark = products_tf32.Products.mark
+    mark_streams = []
+
+    def mark(self, *bs):
+        pre = real_mark(self, *bs)
+        if pre is not None:
+            mark_streams.append(cp.cuda.get_current_stream().ptr)
+        return pre
+    monkeypatch.setattr(products_tf32.Products, "mark", mark)
+    x, y = _clip_inputs(1000, 96, seed=3)
+    main = cp.cuda.get_current_stream().ptr
+    _graphs.clear()
+    got = _fused(op, x, y)
+    assert mark_streams == [main]
+    assert len(launches) == 2 and all(s_ != main and pre for s_, pre in launches), (launches,
+                                                                                   main)
+    monkeypatch.setattr(products_tf32.Products, "mark", lambda self, *bs: None)
+    del launches[:]
+    _graphs.clear()
+    want = _fused(op, x, y)
+    assert launches == [(main, False), (main, False)]
+    for g_, w_ in zip(got, want):
+        assert np.array_equal(_bits(g_), _bits(w_))
+    if op == "clip":  # the gradient-only pass: S recomputed in the backward
+        import cupynce
+
+        monkeypatch.setattr(products_tf32.Products, "mark", mark)
+        del launches[:]
+        _graphs.clear()
+        loss, ctx = cupynce.clip_loss_forward(x, y, LS, precision="3xtf32", reduction="none")
+        assert launches == []  # (the forward: no gradient, no split)
+        g_side = cupynce.clip_loss_backward(ctx, cp.ones(loss.shape, cp.float32))
+        assert len(launches) == 2 and all(s_ != main for s_, _ in launches)
+        monkeypatch.setattr(products_tf32.Products, "mark", lambda self, *bs: None)
+        _graphs.clear()
+        loss, ctx = cupynce.clip_loss_forward(x, y, LS, precision="3xtf32", reduction="none")
+        g_main = cupynce.clip_loss_backward(ctx, cp.ones(loss.shape, cp.float32))
+        for g_, w_ in zip(g_side, g_main):
+            assert np.array_equal(_bits(g_), _bits(w_))
+
+
+@gpu
+def test_side_splits_stay_off_under_capture_and_in_graph_probes(tf32):
+    """:meth:`Products.mark` gives None while the current stream is being captured and
+    inside :func:`products_tf32.same_stream` (a graph probe / capture), and makes its halves
+    otherwise; one operand given twice is split once; settle() leaves nothing behind."""
+    x = cp.ones((64, 32), cp.float32)
+    prods = products_tf32.Products()
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        st.begin_capture()
+        try:
+            marked = prods.mark(x)
+        finally:
+            st.end_capture()
+    assert marked is None
+    with products_tf32.same_stream():
+        assert prods.mark(x) is None
+    pre = prods.mark(x, x)
+    assert pre is not None and len(pre[0]) == 1
+    assert pre[0][0][1][0].shape == tiles_tf32.split_t_shape(x)
+    prods.prefetch(pre)
+    hi, lo = prods._split_t(x)
+    want = tiles_tf32.split_t(x)
+    assert np.array_equal(_bits(hi), _bits(want[0])) and np.array_equal(_bits(lo), _bits(want[1]))
+    prods.settle()
+    assert prods._ready == {}
+
+
+@gpu
+@pytest.mark.parametrize("op", ["clip", "siglip"])
+def test_side_splits_keep_the_graph_capture(tf32, op):
+    """A fused float32 CLIP / SigLIP on the tiles small enough for a CUDA graph (one block,
+    side splits when uncaptured) is still captured on its CAPTURE_AFTER + 1-th call (the probe
+    and the capture allocate alike: no side splits in either), and the replay gives the
+    uncaptured call's bits."""
+    from cupynce.ops import _graphs
+
+    x, y = _clip_inputs(1000, 96, seed=5)
+    _graphs.clear()
+    outs = [_fused(op, x, y) for _ in range(_graphs.CAPTURE_AFTER + 2)]
+    assert _graphs._plans and not _graphs._refused, dict(_graphs._refused)
+    for later in outs[1:]:
+        for g_, w_ in zip(later, outs[0]):
+            assert np.array_equal(_bits(g_), _bits(w_))
+
+
 @gpu
 def test_clip_row_blocks_and_determinism(tf32, monkeypatch):
     """A CLIP whose score matrix comes in row blocks on the tiles ("3xtf32"; a small
@@ -341,6 +467,18 @@ def test_tiny_products_keep_small_gemm(tf32, monkeypatch):
 
 
 # ---- CPU ---------------------------------------------------------------------------------
+
+def test_side_splits_only_where_the_gradient_products_take_the_tiles(monkeypatch):
+    """Side-stream splits only for a call that wants the gradient, in one row block, with its
+    products on the tiles (device check stubbed)."""
+    monkeypatch.setattr(tiles_tf32, "available", lambda: True)
+    with blas.float32_precision("3xtf32"):
+        g = products_tf32.gemm_for(np.empty((8, 4), np.float32), np.empty((8, 4), np.float32))
+    assert products_tf32.side_splits(True, True, g)
+    assert not products_tf32.side_splits(False, True, g)
+    assert not products_tf32.side_splits(True, False, g)
+    assert not products_tf32.side_splits(True, True, products_tf32.cublas_gemm)
+
 
 def test_applies_thresholds(monkeypatch):
     """The routing rule (device check stubbed): float32 under "3xtf32" at every size, under

@@ -149,9 +149,14 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         ((n,), a) if want_loss else None,
         ((nch, nc), a) if want_loss else None, ((nch, nc), a) if want_loss else None,
         ((2, nc), a) if keep_state else None))
+    # the gradient products' operands split on a side stream beside S's product (one block)
+    prods = gemm.__self__ if products_tf32.side_splits(want_grad, reuse, gemm) else None
     if want_loss and n:  # the first block's scores first: the host work below overlaps them
         # (s_buf holds rb rows; a view of an only when it has more: views cost host time)
+        pre = prods.mark(bn, an) if prods is not None else None
         gemm(an if rb == n else an[:rb], bn, s_buf, trans_b=True)
+        if pre is not None:
+            prods.prefetch(pre)
     if callable(ls):
         ls = ls()
     vec = ((n,), a)
@@ -189,7 +194,10 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             nrows = r1 - r0
             s_blk = s_buf[:nrows]
             if not (reuse and want_loss):
+                pre = prods.mark(bn, an) if prods is not None else None
                 gemm(an[r0:r1], bn, s_blk, trans_b=True)
+                if pre is not None:
+                    prods.prefetch(pre)
             g_blk = g_buf[:nrows]
             kernels.launch(FILE, "clip_grad", t, (nrows,), (
                 s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
@@ -198,6 +206,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             gemm(g_blk, bn, da[r0:r1])
             gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (da, db, dsp)
+    if prods is not None:
+        prods.settle()
     if col_state:
         return lse_r, col_m, row_loss, grads
     return lse_r, lse_c, pair_loss, grads
@@ -230,10 +240,15 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     if not split_g:
         g_buf = s_buf if want_grad else None
     w_arr, w_stride, w_mul = weights
+    # the gradient products' operands split on a side stream beside S's product (one block)
+    prods = gemm.__self__ if products_tf32.side_splits(want_grad, rb >= n, gemm) else None
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         s_blk = s_buf[:r1 - r0]
+        pre = prods.mark(bn, an) if prods is not None else None
         gemm(an[r0:r1], bn, s_blk, trans_b=True)
+        if pre is not None:
+            prods.prefetch(pre)
         g_blk = g_buf[:r1 - r0] if want_grad else None
         kernels.launch(FILE, "siglip_rows", t, (r1 - r0,), (
             s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, lb,
@@ -244,6 +259,8 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
         if want_grad:  # (the block holds s G / w_mul; the first block's products write db)
             gemm(g_blk, bn, da[r0:r1], alpha=w_mul)
             gemm(g_blk, an[r0:r1], db, trans_a=True, alpha=w_mul, beta=1.0 if r0 else 0.0)
+    if prods is not None:
+        prods.settle()
     grads = None
     if want_grad:
         grads = (da, db, fixed_sum(parts[0], 1), fixed_sum(parts[1], 1))
@@ -293,8 +310,9 @@ def row_col_stats(s_blk, t, row0: int, pos_shift: int, pos_mod: int, scale_log, 
     scale · S into ``lse_ptr`` (and its loss, lse - L at column (i + pos_shift) mod
     pos_mod, into ``loss_ptr`` unless 0), both indexed by the global row i = ``row0`` + r
     (the pointers already shifted), and the column partials of every :data:`STATS_ROWS`
-    rows into ``part_m`` / ``part_s`` (chunks, nc) -- one read of the block.  Returns the
-    number of chunks (``col_combine``'s)."""
+    rows into ``part_m`` / ``part_s`` (chunks, nc) -- one read of the block: pairs (m, s)
+    standing for m + log s (m is not always the column's maximum: up to 64 above it, the
+    kernel's shared reference).  Returns the number of chunks (``col_combine``'s)."""
     rows, nc = s_blk.shape
     chunks = -(-rows // STATS_ROWS)
     kernels.launch(FILE, "row_col_stats", t, (chunks,), (

@@ -25,13 +25,25 @@ blocks; NT-Xent's tiles likewise split z outside it): the operand each product s
 at a time -- B (Nc x D: its hi / lo halves, 2 x its size) for A Bᵀ, Bᵀ's halves (2 x) for
 G B, of the block's A rows (2 x rows x D) for Gᵀ A; no copy or split of S or G (the
 row-block planners count none: :func:`split_row_bytes`).  B is split again for every row
-block and pass (no cache: a cached split would hold 2-4 x B between passes).
+block and pass (no cache: a cached split would hold 2-4 x B between passes).  Where one
+block holds the whole problem, CLIP and SigLIP split both gradient operands (Bᵀ and Aᵀ) on a
+side stream while the score product runs (:meth:`Products.mark` / :meth:`Products.prefetch`,
+on the SMs S's grid leaves free): both splits are then held at once, from before the score
+product to the gradient products (4 x D x (N + Nc) bytes more at the peak: 64 MiB at
+N = Nc = 16384, D = 512).  Their memory is allocated on the current stream before an event
+the side stream waits for, and the current stream waits for the splits before the product
+that reads them (or, unread, before they are freed: :meth:`Products.settle`): stream-ordered
+for CuPy's pool and for torch's caching allocator alike (``cupynce.torch`` allocates through
+it on torch's stream).  Not under a stream capture, nor in a CUDA-graph probe of
+``ops._graphs`` (:func:`same_stream`: the probe and the capture must allocate alike).
 Deterministic: fixed orders throughout; the accumulating products read-add-store each element
 once.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import threading
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -115,9 +127,149 @@ def _out_ok(out) -> bool:
             and out.data.ptr % 8 == 0)
 
 
+_tls = threading.local()
+
+
+@contextlib.contextmanager
+def same_stream() -> Iterator[None]:
+    """No side-stream splits in this thread while inside (:meth:`Products.mark` gives None):
+    ``ops._graphs`` probes and captures a plan in it, which must allocate the same buffers in
+    the same order (a capture never takes them)."""
+    before = getattr(_tls, "same", False)
+    _tls.same = True
+    try:
+        yield
+    finally:
+        _tls.same = before
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device: int):
+    """This process's non-blocking side stream on ``device`` (made once)."""
+    import cupy as cp
+
+    st = _side_streams.get(device)
+    if st is None:
+        st = _side_streams.setdefault(device, cp.cuda.Stream(non_blocking=True))
+    return st
+
+
+def _key(x) -> tuple:
+    return (x.data.ptr, x.shape, x.strides)
+
+
+#: Split the gradient products' operands on a side stream beside the score product where
+#: :func:`side_splits` allows (False: on the current stream before each product, as before)
+SIDE_SPLITS = True
+
+
+def side_splits(want_grad: bool, one_block: bool, gemm: Callable) -> bool:
+    """Whether a CLIP / SigLIP call splits its gradient products' operands beside the score
+    product: :data:`SIDE_SPLITS`, it wants the gradient, one row block holds the whole problem
+    (the splits serve its one pair of gradient products) and the products are the tiles'."""
+    return SIDE_SPLITS and want_grad and one_block and uses_tiles(gemm)
+
+
 class Products:
     """The TF32x3 products of one row-block op (see the module doc); :meth:`gemm` has
     :func:`blas.gemm`'s signature."""
+
+    def __init__(self):
+        # _key(b) -> [the split_t halves of b, the side stream's event after them, whether
+        # the allocating stream waits for it already]; the allocating stream
+        self._ready: dict = {}
+        self._stream = None
+
+    def mark(self, *bs):
+        """Before the score product: the halves of ``split_t(b)`` for each of ``bs`` (the B
+        operands of G B and Gᵀ A: B and A), allocated on the current stream, and an event
+        recorded on it after them -- for :meth:`prefetch`, called once that product is
+        issued.  None (nothing done) inside :func:`same_stream`, while the current stream is
+        being captured, or where no operand qualifies (float32, 2-D, unit column stride,
+        not empty); an operand given twice (B is A) is split once."""
+        import cupy as cp
+
+        from . import tiles_tf32
+
+        if getattr(_tls, "same", False):
+            return None
+        cur = cp.cuda.get_current_stream()
+        try:
+            if cur.is_capturing():
+                return None
+        except Exception:  # noqa: BLE001 - (the legacy stream while another captures)
+            return None
+        todo, seen = [], set()
+        for b in bs:
+            k = _key(b)
+            if (b.dtype == np.float32 and b.ndim == 2 and b.size and b.strides[1] == 4
+                    and k not in seen and k not in self._ready):
+                seen.add(k)
+                shape = tiles_tf32.split_t_shape(b)
+                todo.append((b, (cp.empty(shape, np.float32), cp.empty(shape, np.float32))))
+        if not todo:
+            return None
+        self._stream = cur
+        return todo, cur.record()
+
+    def prefetch(self, pre) -> None:
+        """Split the operands of :meth:`mark`'s ``pre`` into its halves on the side stream,
+        after its event (so beside the product issued since); the product that takes a
+        split first makes the current stream wait for it (:meth:`_split_t`).  None: nothing
+        to do."""
+        import cupy as cp
+
+        from . import tiles_tf32
+
+        if pre is None:
+            return
+        todo, after = pre
+        side = _side_stream(cp.cuda.runtime.getDevice())
+        side.wait_event(after)
+        with side:
+            for b, out in todo:
+                tiles_tf32.split_t(b, "b", out=out)
+            done = side.record()
+        for b, out in todo:
+            self._ready[_key(b)] = [out, done, False]
+
+    def _split_t(self, b):
+        """``tiles_tf32.split_t(b)``: :meth:`prefetch`'s where there is one (the current
+        stream made to wait for it, once)."""
+        import cupy as cp
+
+        from . import tiles_tf32
+
+        got = self._ready.get(_key(b))
+        if got is None:
+            return tiles_tf32.split_t(b, "b")
+        if not got[2]:
+            cp.cuda.get_current_stream().wait_event(got[1])
+            got[2] = True
+        return got[0]
+
+    def settle(self) -> None:
+        """Drop the prefetched splits, the allocating stream first made to wait for any not
+        yet waited for (their memory then goes back to the pool in that stream's order, after
+        the side stream's writes).  Called at the end of the op; :meth:`__del__` too, for an
+        op left by an exception."""
+        ready, self._ready = self._ready, {}
+        st = self._stream
+        for _out, done, waited in ready.values():
+            if not waited and st is not None:
+                try:
+                    st.wait_event(done)
+                except Exception:  # noqa: BLE001 - (a stream being captured: nothing added)
+                    pass
+
+    def __del__(self):
+        try:
+            if self._ready:
+                self.settle()
+        except Exception:  # noqa: BLE001 - (interpreter shutdown)
+            pass
 
     def gemm(self, a, b, out, *, trans_a: bool = False, trans_b: bool = False,
              alpha: float = 1.0, beta: float = 0.0) -> None:
@@ -132,7 +284,7 @@ class Products:
         ok = (not small and beta in (0.0, 1.0) and not (trans_a and trans_b) and _out_ok(out)
               and a.dtype == np.float32 and b.dtype == np.float32)
         if ok and _rows16(a):
-            parts = tiles_tf32.split(b, "b") if trans_b else tiles_tf32.split_t(b, "b")
+            parts = tiles_tf32.split(b, "b") if trans_b else self._split_t(b)
             try:
                 tiles_tf32.mm(a, parts, out, alpha, accumulate=beta == 1.0, trans_a=trans_a)
                 return

@@ -111,17 +111,27 @@ def split(x, name: str = "x"):
     return blas.split_tf32(x if d % 4 == 0 else padded(x), name)
 
 
-def split_t(x, name: str = "x"):
+def split_t_shape(x) -> tuple:
+    """The shape of each half :func:`split_t` gives for ``x`` (rows, d): (d, rows rounded up
+    to a multiple of 4)."""
+    rows, d = x.shape
+    return d, -(-rows // 4) * 4
+
+
+def split_t(x, name: str = "x", out=None):
     """:func:`split` of xᵀ, as :func:`padded` lays it out (``cpn_split_tf32_t_f32``: x read
     once, no transposed copy): the K-major B operand of a product against x's columns.
-    ``x`` (rows, d) float32 with unit column stride."""
+    ``x`` (rows, d) float32 with unit column stride (else copied first).  ``out``: the two
+    halves to write, contiguous float32 of :func:`split_t_shape` (``Products.prefetch``
+    allocates them on one stream and splits on another); else allocated here."""
     import cupy as cp
 
     if x.ndim == 2 and x.shape[1] > 1 and x.strides[1] != 4:
         x = cp.ascontiguousarray(x)  # (the kernel reads rows with unit column stride)
     rows, d = x.shape
-    rp = -(-rows // 4) * 4
-    hi, lo = cp.empty((d, rp), np.float32), cp.empty((d, rp), np.float32)
+    rp = split_t_shape(x)[1]
+    hi, lo = out if out is not None else (cp.empty((d, rp), np.float32),
+                                          cp.empty((d, rp), np.float32))
     if hi.size:
         kern = kernels.get_function("blas.cu", "cpn_split_tf32_t_f32")
         kern((-(-rp // 32), -(-d // 32)), (256,), (x, np.int64(blas.leading_dim(x, name)), hi,

@@ -248,7 +248,7 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
     global _held
     import cupy as cp
 
-    from .._engine import blas
+    from .._engine import blas, products_tf32
 
     base = cp.cuda.get_allocator()
     keep = []
@@ -272,7 +272,8 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
         sp = cp.cuda.get_current_stream().ptr
         for st, x in zip(statics, inputs):  # (the probe computes on this call's values)
             cp.cuda.runtime.memcpyAsync(st.data.ptr, x.data.ptr, x.nbytes, _D2D, sp)
-        with cp.cuda.using_allocator(recording):
+        # (no side-stream splits in the probe or the capture: both allocate alike)
+        with cp.cuda.using_allocator(recording), products_tf32.same_stream():
             # (on the caller's stream: loads the kernels, picks the paths, gives the layout)
             probe = tuple(compute(*statics))
         if any(o is not None and not o.flags.c_contiguous for o in probe):
@@ -284,7 +285,7 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
             if small:
                 off += (o.nbytes + 255) & ~255
         pack = base(off) if off else None
-        with cap, cp.cuda.using_allocator(replaying):
+        with cap, cp.cuda.using_allocator(replaying), products_tf32.same_stream():
             blas.bind_stream()  # (cuBLAS's stream cannot be set once the capture runs)
             cap.begin_capture()
             try:
