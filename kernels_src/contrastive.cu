@@ -82,17 +82,16 @@ __device__ __forceinline__ void row_softmax_body(
 // per lane (its columns, in order) and merged over the lanes by the xor tree of block_lse.
 // Each 4 x V block of a lane is added with one exponential a score, f = exp(y - b_q) (b_q
 // row q's maximum in the block), which serves both sides: row q's state takes sum_e f times
-// one factor; the block's column partials are taken against the block's maximum M,
-// (M, sum_q f exp(b_q - M)) -- four more exponentials a block, not one a score (24 a 4 x 4
-// block instead of 36: 608 -> 558 us for a 16384^2 float32 block on an H200, the errors
-// against float64 unchanged) -- where the block's column maxima lie within 64 of each other
-// (no term that matters can underflow: e^-64 is a normal float); elsewhere (a wider block, a
-// -inf or NaN column) each column its own exponentials against its maximum.  So a column
-// partial's m is not always its maximum (it is at most 64 above it); m + log s is what it
-// stands for.  NaN: the maxima ignore it, its exponential carries it into the sums, and a
-// row whose block sum is NaN takes m = NaN (merge's empty test must not drop it).  Every order
-// is fixed: deterministic (for a given V: the row partition across lanes follows it).
-// Grid: ceil(rows / R).
+// one factor; column e's partial is (c_e, exp(M - c_e) sum_q f exp(b_q - M)), c_e its maximum
+// in the block, M the block's -- eight more exponentials a block, not one a score (28 a 4 x 4
+// block instead of 36) -- where the block's column maxima lie within 64 of each other (no
+// term that matters can underflow: e^-64 is a normal float, and a flushed term is below
+// e^-23 of its column's sum); elsewhere (a wider block, a -inf or NaN) each column its own
+// exponentials.  Every partial keeps its column's exact maximum as m (s >= 1: the merges and
+// m + log s round as before).  NaN: the maxima ignore it, its exponential carries it into
+// the sums, and a row or column whose block sum is NaN takes m = NaN (merge's empty test
+// must not drop it).  Every order is fixed: deterministic (for a given V: the row partition
+// across lanes follows it).  Grid: ceil(rows / R).
 // row_col_stats' registers: at most 64 for float (4 blocks an SM: a 16384-row block's 512
 // CTAs in one wave), double's 2 blocks (it needs ~100)
 // row_col_stats' loads of one lane's RW x V block (rows of wbase, columns j..): scaled; a
@@ -147,11 +146,11 @@ __device__ __forceinline__ void row_col_stats_run(
             rcs_load<A, RW, V>(y, wbase, ld, my_rows, qmax, j, n, scale);
             // one exponential per score: f = exp(y - b_q), b_q row q's maximum in this
             // block, serves both sides.  Row q's state takes sum_e f times one factor
-            // exp(-|b_q - m|) (add_nb's, with the block's sum in place of 1).  Column e's
-            // partial is taken against the block's maximum M: sum_q f_qe exp(b_q - M) (four
-            // exponentials a block, not one a score), exact to ~2^-23 where M - c_e <= 64
-            // (c_e the column's maximum: no term that matters underflows, e^-64 is normal);
-            // elsewhere (and for NaN / -inf) each column's own exponentials, as before.
+            // exp(-|b_q - m|) (add_nb's, with the block's sum in place of 1).  Column e's sum
+            // is sum_q f_qe exp(b_q - M) exp(M - c_e) (M the block's maximum, c_e the
+            // column's) where M - c_e <= 64 for every column (no term that matters
+            // underflows, e^-64 is normal); elsewhere (and for NaN / -inf) each column's own
+            // exponentials, as before.
             // (plain maxima, NaN ignored: a NaN reaches the sums through its exponential,
             // and a row or column whose sum is NaN takes m = NaN below)
             A b[RW], c[V];
@@ -189,13 +188,13 @@ __device__ __forceinline__ void row_col_stats_run(
 #pragma unroll
                 for (int e = 1; e < V; ++e) sf += f[e];
                 const A bq = sf != sf ? sf : b[q];  // (a NaN score: the row's m NaN too)
-                if (bq != -cpn_inf<A>()) {
-                    const A m = rs[q].m, dd = bq - m;
-                    const A x = cpn_exp(-fabs(dd));
-                    const bool up = !(dd <= A(0));
-                    rs[q].s = up ? fma(rs[q].s, x, sf) : fma(sf, x, rs[q].s);
-                    rs[q].m = nanmax(m, bq);
-                }
+                const A m = rs[q].m, dd = bq - m;
+                const A x = cpn_exp(-fabs(dd));
+                const bool up = !(dd <= A(0));
+                const A s_new = up ? fma(rs[q].s, x, sf) : fma(sf, x, rs[q].s);
+                const bool add = bq != -cpn_inf<A>();  // (selects, not a branch)
+                rs[q].s = add ? s_new : rs[q].s;
+                rs[q].m = add ? nanmax(m, bq) : m;
             }
             if (!fast) {  // (rare: the block is loaded again, y need not stay live)
                 A z[RW][V];
@@ -205,11 +204,16 @@ __device__ __forceinline__ void row_col_stats_run(
                     const A cs = c[e] == -cpn_inf<A>() ? A(0) : c[e];
 #pragma unroll
                     for (int q = 0; q < RW; ++q) sc[e] += cpn_exp(z[q][e] - cs);
-                    if (sc[e] != sc[e]) c[e] = sc[e];  // (a NaN score: the column's m NaN)
                 }
+            } else {  // each column against its own maximum (s >= 1: see above)
+#pragma unroll
+                for (int e = 0; e < V; ++e) sc[e] *= cpn_exp(mx - c[e]);
             }
 #pragma unroll
-            for (int e = 0; e < V; ++e) { cm[warp][jl + e] = fast ? mx : c[e]; cv[warp][jl + e] = sc[e]; }
+            for (int e = 0; e < V; ++e) {
+                const A m = sc[e] != sc[e] ? sc[e] : c[e];  // (a NaN score: the column's m NaN)
+                cm[warp][jl + e] = m; cv[warp][jl + e] = sc[e];
+            }
         }
         __syncthreads();
 #pragma unroll

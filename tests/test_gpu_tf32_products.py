@@ -279,9 +279,9 @@ def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
     """CLIP and SigLIP in one block split the gradient products' B operands (b, then a) on a
     side stream beside S's product: the halves allocated on the current stream (before the
     side stream is told to start), the two splits issued on another stream, none on the
-    current one; each split made slow (a ~10 ms nap queued before it on the side stream) so
-    that a product not waiting for it would read unwritten halves -- the same bits as
-    without the side stream.  The CLIP gradient-only call (reduction "none": the backward
+    current one; the halves filled with NaN and each split made slow (a ~10 ms nap queued
+    before it on the side stream) so that a product not waiting for it would read NaN --
+    the same bits as without the side stream.  The CLIP gradient-only call (reduction "none": the backward
     recomputes S) prefetches too; a non-fused call's forward (no gradient) does not."""
     from cupynce.ops import _graphs
 
@@ -299,10 +299,17 @@ def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
     real_mark = products_tf32.Products.mark
     mark_streams = []
 
-    def mark(self, *bs):
+    def mark(self, *bs):  # (the halves NaN first: a product that reads them unsplit fails)
         pre = real_mark(self, *bs)
         if pre is not None:
-            mark_streams.append(cp.cuda.get_current_stream().ptr)
+            cur = cp.cuda.get_current_stream()
+            mark_streams.append(cur.ptr)
+            for _b, out in pre[0]:
+                for h in out:
+                    h.fill(np.nan)
+            after = cp.cuda.Event(disable_timing=True)
+            after.record(cur)
+            pre = (pre[0], after)
         return pre
     monkeypatch.setattr(products_tf32.Products, "mark", mark)
     x, y = _clip_inputs(1000, 96, seed=3)
@@ -336,6 +343,69 @@ def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
         for g_, w_ in zip(g_side, g_main):
             assert np.array_equal(_bits(g_), _bits(w_))
 
+
+@gpu
+@pytest.mark.parametrize("op", ["clip", "siglip"])
+def test_side_splits_under_torch_allocator(tf32, op, monkeypatch):
+    """Through ``cupynce.torch`` (CuPy allocating from torch's caching allocator on torch's
+    current stream, here a non-default one): the side-stream splits run (NaN-filled halves,
+    a nap before each split) and the loss and gradients are bit for bit those without them,
+    over several calls that hand the same cached blocks around (graphs off: each call
+    uncaptured)."""
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+    from cupynce.ops import _graphs
+
+    monkeypatch.setattr(_graphs, "ENABLED", False)  # (every call uncaptured: splits on the side)
+    nap = cp.RawKernel(_NAP, "nap")
+    real = tiles_tf32.split_t
+    sides = []
+
+    def spy(x, name="x", out=None):
+        if out is not None:
+            sides.append(1)
+            nap((1,), (1,), (np.int64(20_000_000),))
+        return real(x, name, out)
+    monkeypatch.setattr(tiles_tf32, "split_t", spy)
+    real_mark = products_tf32.Products.mark
+
+    def mark(self, *bs):
+        pre = real_mark(self, *bs)
+        if pre is not None:
+            for _b, out in pre[0]:
+                for h in out:
+                    h.fill(np.nan)
+            after = cp.cuda.Event(disable_timing=True)
+            after.record(cp.cuda.get_current_stream())
+            pre = (pre[0], after)
+        return pre
+    monkeypatch.setattr(products_tf32.Products, "mark", mark)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1000, 96, generator=g).cuda()
+    y = torch.randn(1000, 96, generator=g).cuda()
+
+    def run():
+        outs = []
+        for _ in range(3):
+            a = x.clone().requires_grad_(True)
+            b = y.clone().requires_grad_(True)
+            if op == "clip":
+                loss = ct.clip_loss(a, b, LS, precision="3xtf32")
+            else:
+                loss = ct.siglip_loss(a, b, math.log(10.0), -10.0, precision="3xtf32")
+            loss.backward()
+            outs.append([t.detach().cpu().numpy().view(np.uint32) for t in (loss, a.grad, b.grad)])
+        return outs
+    st = torch.cuda.Stream()
+    with torch.cuda.stream(st):
+        got = run()
+        assert len(sides) == 6, sides
+        monkeypatch.setattr(products_tf32, "SIDE_SPLITS", False)
+        want = run()
+    torch.cuda.synchronize()
+    for g_, w_ in zip(got, want):
+        for a_, b_ in zip(g_, w_):
+            assert np.array_equal(a_, b_)
 
 @gpu
 def test_side_splits_stay_off_under_capture_and_in_graph_probes(tf32):

@@ -177,8 +177,9 @@ class Products:
     :func:`blas.gemm`'s signature."""
 
     def __init__(self):
-        # _key(b) -> [the split_t halves of b, the side stream's event after them, whether
-        # the allocating stream waits for it already]; the allocating stream
+        # _key(b) -> (the split_t halves of b, [the side stream's event after them, whether
+        # the allocating stream waits for it already]: one list for the splits of one
+        # prefetch); the allocating stream
         self._ready: dict = {}
         self._stream = None
 
@@ -212,7 +213,9 @@ class Products:
         if not todo:
             return None
         self._stream = cur
-        return todo, cur.record()
+        after = cp.cuda.Event(disable_timing=True)
+        after.record(cur)
+        return todo, after
 
     def prefetch(self, pre) -> None:
         """Split the operands of :meth:`mark`'s ``pre`` into its halves on the side stream,
@@ -228,12 +231,19 @@ class Products:
         todo, after = pre
         side = _side_stream(cp.cuda.runtime.getDevice())
         side.wait_event(after)
-        with side:
-            for b, out in todo:
-                tiles_tf32.split_t(b, "b", out=out)
-            done = side.record()
-        for b, out in todo:
-            self._ready[_key(b)] = [out, done, False]
+        state = [None, False]
+        try:
+            with side:
+                for b, out in todo:
+                    # (registered before its launch: a launch that raises leaves the splits
+                    # already queued to settle(), which waits for them before their memory
+                    # goes back)
+                    self._ready[_key(b)] = (out, state)
+                    tiles_tf32.split_t(b, "b", out=out)
+        finally:
+            done = cp.cuda.Event(disable_timing=True)
+            done.record(side)
+            state[0] = done
 
     def _split_t(self, b):
         """``tiles_tf32.split_t(b)``: :meth:`prefetch`'s where there is one (the current
@@ -245,10 +255,11 @@ class Products:
         got = self._ready.get(_key(b))
         if got is None:
             return tiles_tf32.split_t(b, "b")
-        if not got[2]:
-            cp.cuda.get_current_stream().wait_event(got[1])
-            got[2] = True
-        return got[0]
+        out, state = got
+        if not state[1]:
+            cp.cuda.get_current_stream().wait_event(state[0])
+            state[1] = True
+        return out
 
     def settle(self) -> None:
         """Drop the prefetched splits, the allocating stream first made to wait for any not
@@ -257,10 +268,10 @@ class Products:
         op left by an exception."""
         ready, self._ready = self._ready, {}
         st = self._stream
-        for _out, done, waited in ready.values():
-            if not waited and st is not None:
+        for state in {id(v[1]): v[1] for v in ready.values()}.values():
+            if not state[1] and st is not None and state[0] is not None:
                 try:
-                    st.wait_event(done)
+                    st.wait_event(state[0])
                 except Exception:  # noqa: BLE001 - (a stream being captured: nothing added)
                     pass
 

@@ -127,6 +127,9 @@ def split_t(x, name: str = "x", out=None):
     import cupy as cp
 
     if x.ndim == 2 and x.shape[1] > 1 and x.strides[1] != 4:
+        if out is not None:  # (a split on a side stream must allocate nothing there)
+            raise ValueError(f"split_t: {name} with out= needs unit column stride, got "
+                             f"strides {x.strides}")
         x = cp.ascontiguousarray(x)  # (the kernel reads rows with unit column stride)
     rows, d = x.shape
     rp = split_t_shape(x)[1]
