@@ -184,7 +184,9 @@ def _loader(filename: str):
 
 
 #: (file, stage, dtype, device id) -> loaded function: a launch costs a dict lookup, not a
-#: module lookup (``cuModuleGetFunction``) and a new Function object per call.
+#: module lookup (``cuModuleGetFunction``) and a new Function object per call.  Threads that
+#: miss together keep the first one stored (``setdefault``): one object per key, never one
+#: that is opted in, dropped and its ``id`` handed to another (tiles.py's records key on it).
 _FUNCTIONS: Dict[tuple, object] = {}
 
 
@@ -195,8 +197,8 @@ def get_kernel(filename: str, stage: str, dtype):
     key = (filename, stage, dtype, runtime.getDevice())
     fn = _FUNCTIONS.get(key)
     if fn is None:
-        fn = _debug(_loader(filename)().get_function(f"cpn_{stage}_{dtype_suffix(dtype)}"))
-        _FUNCTIONS[key] = fn
+        fn = _FUNCTIONS.setdefault(key, _debug(
+            _loader(filename)().get_function(f"cpn_{stage}_{dtype_suffix(dtype)}")))
     return fn
 
 
@@ -208,7 +210,7 @@ def get_function(filename: str, name: str):
     key = (filename, name, runtime.getDevice())
     fn = _FUNCTIONS.get(key)
     if fn is None:
-        fn = _FUNCTIONS[key] = _debug(_loader(filename)().get_function(name))
+        fn = _FUNCTIONS.setdefault(key, _debug(_loader(filename)().get_function(name)))
     return fn
 
 

@@ -285,15 +285,18 @@ def _tile_map(x, box_rows: int = TILE) -> Optional[np.ndarray]:
     return m
 
 
-#: per warp-specialised kernel: (its static shared memory, the device's opt-in maximum)
-_WS_SMEM: Dict[int, Tuple[int, int]] = {}
+#: per warp-specialised kernel, by its id: (its static shared memory, the device's opt-in
+#: maximum, the kernel itself -- held, so that its id names no other object while recorded:
+#: a new kernel given a dropped one's id would be launched without the opt-in,
+#: CUDA_ERROR_INVALID_VALUE)
+_WS_SMEM: Dict[int, Tuple[int, int, object]] = {}
 
 
 def ws_smem(kern) -> Tuple[int, int]:
     """(static shared memory, the device's opt-in maximum per block) of the warp-specialised
     kernel ``kern``, opted in to all the dynamic shared memory that leaves (once)."""
     info = _WS_SMEM.get(id(kern))
-    if info is None:
+    if info is None or info[2] is not kern:
         import cupy as cp
 
         smem_max = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
@@ -302,8 +305,8 @@ def ws_smem(kern) -> Tuple[int, int]:
             kern.max_dynamic_shared_size_bytes = smem_max - static
         # recorded only once set: a thread that finds the record launches with the opt-in
         # applied (two threads racing here at worst both set it)
-        info = _WS_SMEM[id(kern)] = (static, smem_max)
-    return info
+        info = _WS_SMEM[id(kern)] = (static, smem_max, kern)
+    return info[0], info[1]
 
 
 def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True) -> bool:
@@ -330,8 +333,9 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True)
     return True
 
 
-#: kernels already opted in to their dynamic shared memory (the attribute query costs host time)
-_SMEM_OPTED: set = set()
+#: kernels already opted in to their dynamic shared memory (the attribute query costs host
+#: time), by id, each held (see _WS_SMEM)
+_SMEM_OPTED: Dict[int, object] = {}
 
 
 def tile_launch(filename: str, stage: str, t, grid, args) -> None:
@@ -340,10 +344,10 @@ def tile_launch(filename: str, stage: str, t, grid, args) -> None:
     wg = wgmma()
     kern = kernels.get_kernel(filename, f"{'wgtile' if wg else 'tile'}_{stage}", t)
     smem = WG_SMEM if wg else TILE_SMEM
-    if id(kern) not in _SMEM_OPTED:  # opt in above 48 KiB, once per kernel
+    if _SMEM_OPTED.get(id(kern)) is not kern:  # opt in above 48 KiB, once per kernel
         if kern.max_dynamic_shared_size_bytes < smem:
             kern.max_dynamic_shared_size_bytes = smem
-        _SMEM_OPTED.add(id(kern))
+        _SMEM_OPTED[id(kern)] = kern
     kern(tuple(grid), (TILE_THREADS,), args, shared_mem=smem)
 
 
