@@ -377,6 +377,10 @@ def _line(name: str, r: Dict[str, Any]) -> str:
          f"{fmt_ms(r['p80_ms'])}, min {fmt_ms(r['min_ms'])}, wall {fmt_ms(r['wall_median_ms'])})")
     if "peak_extra_bytes" in r:
         s += f"  peak +{fmt_mib(r['peak_extra_bytes'])} MiB"
+    if r.get("sm_mhz"):  # (the SM clock over the repeats, first to last: a power cap shows)
+        mhz = r["sm_mhz"]
+        s += f"  SM {mhz[0]}-{mhz[-1]} MHz" + (f" ({', '.join(r['throttle'])})"
+                                              if r.get("throttle") else "")
     if "products" in r:
         tflops = r["flop"] / (r["median_ms"] * 1e-3) / 1e12
         r["tflops"] = tflops

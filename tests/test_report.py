@@ -405,3 +405,33 @@ def test_tables_show_the_spread_and_the_noise():
     assert "1.00 (0.900–1.20)" in t1 and "≈1.10×" in t1
     assert "2.00×" in t2 and "≈" not in t2
     assert runner.within_noise(noisy[0], noisy[1]) and not runner.within_noise(*clear)
+
+
+def test_time_cuda_reads_the_sm_clock_outside_the_span(monkeypatch):
+    """time_cuda with NVML (faked here, as CuPy's events: no GPU): one SM clock reading per
+    repeat after its synchronisation, their median and the throttle reasons seen, by name;
+    without NVML no clock keys at all."""
+    cupy = pytest.importorskip("cupy")
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+    order = []
+    monkeypatch.setattr(cupy.cuda, "Event", Event)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: None)
+    monkeypatch.setattr(cupy.cuda, "get_elapsed_time", lambda a, b: 2.0)
+    monkeypatch.setattr(H, "_synchronize", lambda: order.append("sync"))
+    readings = iter([(1980, 0), (1830, 0x4), (1755, 0x4 | 0x20)])
+
+    def clock():
+        order.append("clock")
+        return next(readings)
+    monkeypatch.setattr(H, "_clock_reader", lambda: clock)
+    res = H.time_cuda(lambda: order.append("call"), warmup=0, repeat=3)
+    assert res["sm_mhz"] == [1980, 1830, 1755] and res["sm_mhz_median"] == 1830
+    assert res["throttle"] == ["power cap", "SW thermal"] and res["median_ms"] == 2.0
+    # each reading after the call's closing synchronisation, never inside the span
+    assert order[-4:] == ["sync", "call", "sync", "clock"]
+    monkeypatch.setattr(H, "_clock_reader", lambda: None)
+    assert "sm_mhz" not in H.time_cuda(lambda: None, warmup=0, repeat=2)

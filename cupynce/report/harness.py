@@ -19,6 +19,15 @@ Timing (:func:`time_cuda`)
     two device synchronisations (``wall_*_ms``, always correct but including launch overhead
     of the first call) is reported next to the event times as a cross-check.
 
+Clocks (:func:`time_cuda`)
+    Where NVML is importable (``pynvml``, from the ``nvidia-ml-py`` package; optional), each
+    repeat also reads the GPU's SM clock and its clock-throttle reasons after the device
+    synchronisation, outside the timed span: ``sm_mhz`` (per repeat), ``sm_mhz_median`` and
+    ``throttle`` (the reasons seen during the repeats, by NVML's names: "power cap", ...).  A
+    long tensor-core run can lower the clock under the board's power limit as it goes (a
+    run's later calls slower than its first), which timings of different implementations
+    must be read against.
+
 Memory (:func:`peak_extra_bytes`, :func:`measure_peak`)
     Peak device memory *above the baseline* while ``fn`` runs, counted the same way for every
     implementation and both allocators at once:
@@ -113,8 +122,9 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10) -> Di
 
     Returns ``median_ms, p20_ms, p80_ms, min_ms`` (event times), ``wall_median_ms,
     wall_min_ms`` (host time between device synchronisations), ``times_ms`` (every repeat),
-    ``warmup`` and ``repeat``.  ``fn``'s return value is dropped after each call, outside the
-    timed span.
+    ``warmup`` and ``repeat``; with NVML, ``sm_mhz``, ``sm_mhz_median`` and ``throttle`` (see
+    the module notes).  ``fn``'s return value is dropped after each call, outside the timed
+    span.
     """
     import cupy
 
@@ -124,9 +134,12 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10) -> Di
         out = fn()
         del out
     _synchronize()
+    clock = _clock_reader()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     ev_ms: List[float] = []
     wall_ms: List[float] = []
+    mhz: List[int] = []
+    reasons = 0
     for _ in range(repeat):
         _synchronize()
         stream = cupy.cuda.get_current_stream()
@@ -139,7 +152,49 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10) -> Di
         del out
         ev_ms.append(float(cupy.cuda.get_elapsed_time(start, end)))
         wall_ms.append((t1 - t0) * 1e3)
-    return _timing(ev_ms, wall_ms, warmup, repeat)
+        if clock is not None:
+            m, why = clock()
+            mhz.append(m)
+            reasons |= why
+    res = _timing(ev_ms, wall_ms, warmup, repeat)
+    if mhz:
+        res.update(sm_mhz=mhz, sm_mhz_median=_percentile(sorted(mhz), 50),
+                   throttle=throttle_names(reasons))
+    return res
+
+
+#: NVML's clock-throttle reason bits (nvml.h ``nvmlClocksThrottleReason*``) by name; idle and
+#: the applications-clocks setting are not throttling a run
+_THROTTLE = (("power cap", 0x4), ("HW slowdown", 0x8), ("sync boost", 0x10),
+             ("SW thermal", 0x20), ("HW thermal", 0x40), ("HW power brake", 0x80),
+             ("display clocks", 0x100))
+
+
+def throttle_names(bits: int) -> List[str]:
+    """The names of NVML's throttle reasons set in ``bits`` (see :data:`_THROTTLE`)."""
+    return [name for name, bit in _THROTTLE if bits & bit]
+
+
+def _clock_reader() -> Optional[Callable[[], Tuple[int, int]]]:
+    """``() -> (SM clock in MHz, throttle-reason bits)`` of the current CuPy device through
+    NVML (matched by PCI bus id: NVML's numbering need not be CUDA's), or None where
+    ``pynvml`` is missing or NVML fails (the clocks are then simply not reported)."""
+    try:
+        import cupy
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(cupy.cuda.Device().pci_bus_id)
+        sm = pynvml.NVML_CLOCK_SM
+        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+
+        def read() -> Tuple[int, int]:
+            return int(pynvml.nvmlDeviceGetClockInfo(handle, sm)), int(reasons(handle))
+        read()
+        return read
+    except Exception:  # noqa: BLE001 - optional: no pynvml, no NVML, a virtual device
+        return None
 
 
 def _timing(times_ms: List[float], wall_ms: List[float], warmup: int,
