@@ -92,8 +92,6 @@ __device__ __forceinline__ void row_softmax_body(
 // the sums, and a row or column whose block sum is NaN takes m = NaN (merge's empty test
 // must not drop it).  Every order is fixed: deterministic (for a given V: the row partition
 // across lanes follows it).  Grid: ceil(rows / R).
-// row_col_stats' registers: at most 64 for float (4 blocks an SM: a 16384-row block's 512
-// CTAs in one wave), double's 2 blocks (it needs ~100)
 // row_col_stats' loads of one lane's RW x V block (rows of wbase, columns j..): scaled; a
 // row past my_rows (read as row qmax, which is there: the loads stay unconditional) and a
 // column past n are -inf, which adds nothing
@@ -116,6 +114,8 @@ __device__ __forceinline__ void rcs_load(A (&y)[RW][V], const A* wbase, i64 ld, 
         }
     }
 }
+// row_col_stats' registers: at most 64 for float (4 blocks an SM: a 16384-row block's 512
+// CTAs in one wave), double's 2 blocks (it needs ~100)
 #define RCS_MIN_BLOCKS(A) (sizeof(A) == 8 ? 2 : 4)
 template <typename A, int V>
 __device__ __forceinline__ void row_col_stats_run(
@@ -144,15 +144,8 @@ __device__ __forceinline__ void row_col_stats_run(
             // is there (wbase's row qmax) as -inf, which adds nothing: the sums of skipping it
             A y[RW][V];
             rcs_load<A, RW, V>(y, wbase, ld, my_rows, qmax, j, n, scale);
-            // one exponential per score: f = exp(y - b_q), b_q row q's maximum in this
-            // block, serves both sides.  Row q's state takes sum_e f times one factor
-            // exp(-|b_q - m|) (add_nb's, with the block's sum in place of 1).  Column e's sum
-            // is sum_q f_qe exp(b_q - M) exp(M - c_e) (M the block's maximum, c_e the
-            // column's) where M - c_e <= 64 for every column (no term that matters
-            // underflows, e^-64 is normal); elsewhere (and for NaN / -inf) each column's own
-            // exponentials, as before.
-            // (plain maxima, NaN ignored: a NaN reaches the sums through its exponential,
-            // and a row or column whose sum is NaN takes m = NaN below)
+            // one exponential per score (see above): b_q / c_e the rows' / columns' maxima
+            // in the block (fmax: a NaN reaches the sums through its exponential instead)
             A b[RW], c[V];
 #pragma unroll
             for (int q = 0; q < RW; ++q) {

@@ -117,6 +117,16 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     return lse, loss, (dq, dk, dns, dnp)
 
 
+def _scores(gemm, prods, a_rows, an, bn, out) -> None:
+    """The score block ``out = a_rows bnᵀ``; with ``prods`` (the tiles' products of a call in
+    one block), the gradient products' operands bn and an split on its side stream beside
+    it (:meth:`products_tf32.Products.mark` / ``prefetch``)."""
+    pre = prods.mark(bn, an) if prods is not None else None
+    gemm(a_rows, bn, out, trans_b=True)
+    if pre is not None:
+        prods.prefetch(pre)
+
+
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
          workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
     """Row/column statistics (when ``want_loss``) and the gradient accumulators.
@@ -153,10 +163,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     prods = gemm.__self__ if products_tf32.side_splits(want_grad, reuse, gemm) else None
     if want_loss and n:  # the first block's scores first: the host work below overlaps them
         # (s_buf holds rb rows; a view of an only when it has more: views cost host time)
-        pre = prods.mark(bn, an) if prods is not None else None
-        gemm(an if rb == n else an[:rb], bn, s_buf, trans_b=True)
-        if pre is not None:
-            prods.prefetch(pre)
+        _scores(gemm, prods, an if rb == n else an[:rb], an, bn, s_buf)
     if callable(ls):
         ls = ls()
     vec = ((n,), a)
@@ -194,10 +201,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             nrows = r1 - r0
             s_blk = s_buf[:nrows]
             if not (reuse and want_loss):
-                pre = prods.mark(bn, an) if prods is not None else None
-                gemm(an[r0:r1], bn, s_blk, trans_b=True)
-                if pre is not None:
-                    prods.prefetch(pre)
+                _scores(gemm, prods, an[r0:r1], an, bn, s_blk)
             g_blk = g_buf[:nrows]
             kernels.launch(FILE, "clip_grad", t, (nrows,), (
                 s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
@@ -245,10 +249,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         s_blk = s_buf[:r1 - r0]
-        pre = prods.mark(bn, an) if prods is not None else None
-        gemm(an[r0:r1], bn, s_blk, trans_b=True)
-        if pre is not None:
-            prods.prefetch(pre)
+        _scores(gemm, prods, an[r0:r1], an, bn, s_blk)
         g_blk = g_buf[:r1 - r0] if want_grad else None
         kernels.launch(FILE, "siglip_rows", t, (r1 - r0,), (
             s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, lb,
@@ -310,9 +311,9 @@ def row_col_stats(s_blk, t, row0: int, pos_shift: int, pos_mod: int, scale_log, 
     scale · S into ``lse_ptr`` (and its loss, lse - L at column (i + pos_shift) mod
     pos_mod, into ``loss_ptr`` unless 0), both indexed by the global row i = ``row0`` + r
     (the pointers already shifted), and the column partials of every :data:`STATS_ROWS`
-    rows into ``part_m`` / ``part_s`` (chunks, nc) -- one read of the block: pairs (m, s)
-    standing for m + log s (m is not always the column's maximum: up to 64 above it, the
-    kernel's shared reference).  Returns the number of chunks (``col_combine``'s)."""
+    rows into ``part_m`` / ``part_s`` (chunks, nc: each column's maximum over the chunk's
+    rows and the sum of exp(L - max)) -- one read of the block.  Returns the number of chunks
+    (``col_combine``'s)."""
     rows, nc = s_blk.shape
     chunks = -(-rows // STATS_ROWS)
     kernels.launch(FILE, "row_col_stats", t, (chunks,), (

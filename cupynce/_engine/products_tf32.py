@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import numpy as np
 

@@ -131,10 +131,10 @@ def split_t(x, name: str = "x", out=None):
             raise ValueError(f"split_t: {name} with out= needs unit column stride, got "
                              f"strides {x.strides}")
         x = cp.ascontiguousarray(x)  # (the kernel reads rows with unit column stride)
-    rows, d = x.shape
-    rp = split_t_shape(x)[1]
-    hi, lo = out if out is not None else (cp.empty((d, rp), np.float32),
-                                          cp.empty((d, rp), np.float32))
+    rows, _ = x.shape
+    d, rp = shape = split_t_shape(x)
+    hi, lo = out if out is not None else (cp.empty(shape, np.float32),
+                                          cp.empty(shape, np.float32))
     if hi.size:
         kern = kernels.get_function("blas.cu", "cpn_split_tf32_t_f32")
         kern((-(-rp // 32), -(-d // 32)), (256,), (x, np.int64(blas.leading_dim(x, name)), hi,
