@@ -1,7 +1,7 @@
 """The TF32x3 product kernel (``tiles_tf32.mm``, issue 24) on CLIP's three float32 products,
 against cuBLAS fp32 and TF32 on the same shapes: time, TFLOP/s, error against float64.
 
-    python benchmarks/bench_tf32_mm.py [--n 16384] [--d 512] [--repeat 10]
+    python benchmarks/bench_tf32_mm.py [--n 16384] [--d 512] [--repeat 10] [--no-f16x3]
 
 CLIP's N x N block issues S = A Bᵀ (M = N, cols = N, K = D), dA = G B and dB = Gᵀ A (M = N,
 cols = D, K = N; the ``mmt`` kernel reads G as stored and transposes its boxes in shared
@@ -12,6 +12,10 @@ memory).  Per shape:
   (``MM_INTERLEAVE``, the default) and ping-ponging whole tiles (the fused passes' schedule,
   the default before 2026-11-27) -- the same arithmetic in the same order: the script checks
   the two outputs are identical bit for bit;
+* ``f16x3 mm`` (``tiles_f16x3.mm``, the float16 prototype: operands split beforehand into
+  scaled float16 halves -- A and B per row for S, G as a whole with B / A per column for the
+  gradient products --, interleaved and ping-pong) and the splits' own time (``f16x3
+  splits``: the split of G is what a fused gradient pass would write instead of G);
 * ``cuBLAS fp32`` (true fp32, ``blas.gemm``'s float32 path) and ``cuBLAS tf32`` (one TF32
   product: the tensor cores' rate, a third of the work the tiles issue).
 
@@ -25,7 +29,9 @@ import argparse
 
 import numpy as np
 
-from cupynce._engine import blas, tiles_tf32
+import math
+
+from cupynce._engine import blas, tiles_f16x3, tiles_tf32
 from cupynce.report.harness import device_header, device_info, time_cuda
 
 
@@ -34,6 +40,7 @@ def main() -> None:
     ap.add_argument("--n", default="16384", help="comma-separated N")
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--no-f16x3", action="store_true", help="skip the F16x3 rows")
     args = ap.parse_args()
     import cupy as cp
 
@@ -78,6 +85,38 @@ def main() -> None:
             tiles_tf32.MM_INTERLEAVE = True
             same = bool(cp.array_equal(outs[True], outs[False]))
             print(f"| {name} | | interleaved == ping-pong bit for bit | {same} | | |")
+            if not args.no_f16x3:
+                # G's scale from its largest |g| (a fused gradient pass knows a bound instead)
+                e = 14 - math.frexp(float(cp.abs(g).max()))[1] + 1
+                if name.startswith("S"):
+                    def split(a=a, b=b):
+                        (ah, al, ia), (bh, bl, ib) = (tiles_f16x3.split_rows(a),
+                                                      tiles_f16x3.split_rows(b))
+                        return (ah, al), (bh, bl), dict(rowf=ia, colf=ib, alpha=1.0)
+                else:
+                    def split(y=b if "dA" in name else a):
+                        bh, bl, ib = tiles_f16x3.split_cols_t(y)
+                        return (tiles_f16x3.split_scaled(g, e), (bh, bl),
+                                dict(colf=ib, alpha=2.0 ** -e))
+                fa, fb, kw = split()
+                for il in (True, False):
+                    tiles_tf32.MM_INTERLEAVE = il
+                    o = cp.empty(oshape, cp.float32)
+                    row(f"f16x3 mm{'t' if tr else ''}, {'interleaved' if il else 'ping-pong'}",
+                        lambda o=o: tiles_f16x3.mm(fa, fb, o, trans_a=tr, k=k, **kw), o)
+                tiles_tf32.MM_INTERLEAVE = True
+                if not name.startswith("S") and n % 64 == 0:  # G's halves in its own buffer
+                    gil = tiles_f16x3.split_scaled_il(g.copy(), e)
+                    o = cp.empty(oshape, cp.float32)
+                    row(f"f16x3 mm{'t' if tr else ''}, G interleaved in place",
+                        lambda o=o: tiles_f16x3.mm(gil, fb, o, trans_a=tr, k=k, **kw), o)
+                    t = time_cuda(lambda: tiles_f16x3.split_scaled_il(gil.buf, e, "g"),
+                                  warmup=1, repeat=args.repeat)["median_ms"]
+                    print(f"| {name} | | f16x3 split of G in place (timing only) | {t:.3f} | | |")
+                    del gil
+                t = time_cuda(split, warmup=2, repeat=args.repeat)["median_ms"]
+                print(f"| {name} | | f16x3 splits | {t:.3f} | | |", flush=True)
+                del fa, fb, kw
             for prec in ("fp32", "tf32"):
                 def prod(p=prec):
                     with blas.float32_precision(p):

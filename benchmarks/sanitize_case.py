@@ -18,7 +18,8 @@ tiles: every kernel of tiles_ws_tf32.cu, both column-tile parities, row blocks a
 schedule of H) or "tf32products" (CLIP,
 SigLIP and InfoNCE's float32 products on those tiles: the interleaved consumers, the
 transposed product mmt, the accumulating product, split_t; and CLIP's row_col_stats /
-clip_grad in float32 and float64, 16-byte and scalar paths).  racecheck exits with code 9 and no
+clip_grad in float32 and float64, 16-byte and scalar paths) or "f16x3" (the F16x3 prototype's
+splits and products, tiles_ws_f16x3.cu).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
 """
@@ -137,4 +138,29 @@ if part == "tf32products":
         x = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
         y = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
         l, c = cupynce.clip_loss_forward(x, y, 2.0, precision="fp32"); cupynce.clip_loss_backward(c)
+if part == "f16x3":
+    # the F16x3 prototype (tiles_ws_f16x3.cu): every split, mm / mmt on separate and
+    # interleaved halves, accumulating; partial tiles, boxes and K steps (1100 x 264 x 260),
+    # a lone tile per CTA and an even pair
+    from cupynce._engine import tiles_f16x3 as F
+    for m, k, c in ((1100, 264, 260), (300, 72, 130)):
+        x = cp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+        y = cp.asarray(rng.standard_normal((c, k)).astype(np.float32))
+        (ah, al, ia), (bh, bl, ib) = F.split_rows(x), F.split_rows(y)
+        o = cp.empty((m, c), np.float32)
+        F.mm((ah, al), (bh, bl), o, rowf=ia, colf=ib, k=k)
+        g = cp.asarray(rng.standard_normal((k, m)).astype(np.float32)) / k
+        yt = cp.asarray(rng.standard_normal((k, c)).astype(np.float32))
+        th, tl, it = F.split_cols_t(yt)
+        F.mm(F.split_scaled(g, 14), (th, tl), o, alpha=2.0 ** -14, colf=it, trans_a=True, k=k)
+        F.mm(F.split_scaled(g, 14), (th, tl), o, alpha=2.0 ** -14, colf=it, trans_a=True, k=k,
+             accumulate=True)
+        buf = cp.zeros((k, -(-m // 64) * 64), np.float32)
+        buf[:, :m] = g
+        il = F.split_scaled_il(buf[:, :m], 14)
+        F.mm(il, (th, tl), o, alpha=2.0 ** -14, colf=it, trans_a=True, k=k)
+        gt = cp.zeros((m, -(-k // 64) * 64), np.float32)
+        gt[:, :k] = g.T
+        F.mm(F.split_scaled_il(gt[:, :k], 14), (th, tl), o, alpha=2.0 ** -14, colf=it, k=k)
+    l = o
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(cp.asarray(l).sum()))

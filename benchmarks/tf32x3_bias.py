@@ -1,6 +1,7 @@
 """Mean signed and norm-wise error of the TF32x3 tiles' product (``tiles_tf32.mm``, with its
-truncation compensation ``CPN_TF32X3_TRUNC``) and of cuBLAS fp32 against float64, on a Hopper
-GPU (issue 24; docs/results.md, "the truncation compensation"):
+truncation compensation ``CPN_TF32X3_TRUNC``), of the F16x3 prototype's (``tiles_f16x3.mm``,
+with ``CPN_F16X3_TRUNC``) and of cuBLAS fp32 against float64, on a Hopper GPU (issue 24;
+docs/results.md, "the truncation compensation"):
 
     python benchmarks/tf32x3_bias.py
 
@@ -12,7 +13,7 @@ relative to their mean |ref|; "rms": ‖x - ref‖ / ‖ref‖.
 import numpy as np
 import cupy as cp
 
-from cupynce._engine import blas, tiles_tf32
+from cupynce._engine import blas, tiles_f16x3, tiles_tf32
 
 
 def case(rng, kind, d, n=2048):
@@ -43,6 +44,15 @@ def main():
         ref = a.astype(np.float64) @ b.astype(np.float64).T
         ad, bd = cp.asarray(a), cp.asarray(b)
         tiles = tiles_tf32.mm(ad, tiles_tf32.split(bd), cp.empty(ref.shape, np.float32))
+        ah, al, ia = tiles_f16x3.split_rows(ad)
+        bh, bl, ib = tiles_f16x3.split_rows(bd)
+        trunc = tiles_f16x3.TRUNC
+        tiles_f16x3.TRUNC = 0.0  # (uncompensated: the loss itself)
+        f16_raw = tiles_f16x3.mm((ah, al), (bh, bl), cp.empty(ref.shape, np.float32),
+                                 rowf=ia, colf=ib)
+        tiles_f16x3.TRUNC = trunc
+        f16 = tiles_f16x3.mm((ah, al), (bh, bl), cp.empty(ref.shape, np.float32), rowf=ia,
+                             colf=ib)
         fp32 = cp.empty(ref.shape, np.float32)
         with blas.float32_precision("fp32"):
             blas.gemm(ad, bd, fp32, trans_b=True)
@@ -51,8 +61,8 @@ def main():
             e = cp.asnumpy(x).astype(np.float64) - ref
             return (f"bias {np.mean(e * np.sign(ref)) / np.mean(np.abs(ref)):+.2e} "
                     f"rms {np.linalg.norm(e) / np.linalg.norm(ref):.2e}")
-        print(f"{kind:12s} d={d:3d} K={a.shape[1]:4d}: tiles {err(tiles)} | cuBLAS fp32 "
-              f"{err(fp32)}", flush=True)
+        print(f"{kind:12s} d={d:3d} K={a.shape[1]:4d}: tiles {err(tiles)} | f16x3 {err(f16)} "
+              f"(uncompensated {err(f16_raw)}) | cuBLAS fp32 {err(fp32)}", flush=True)
 
 
 if __name__ == "__main__":

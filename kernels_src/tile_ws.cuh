@@ -143,6 +143,10 @@ template <typename T> struct WsOps16 {
         }
         ws_arrive_if(r.empty0 + 8 * prev, r.leader);
     }
+    // (MODE_MM: the 16-bit kernels have none; for the walk to compile; defined below)
+    template <typename L, typename P>
+    __device__ __forceinline__ void mm_store(const P& p, const float (&acc)[2][16][4], int m0,
+                                             int n0, int nlim, int warp, int lane) const;
 };
 
 // The 128 x 128 product tile times alpha into the float32 rows of g (leading dimension ldg),
@@ -194,6 +198,23 @@ __device__ __forceinline__ void ws_tile_store(float* g, i64 ldg, int rows, float
                 }
             }
         }
+}
+
+// MODE_MM's store of the TF32x3 tiles (tiles_ws_tf32.cu): g = alpha acc (+ g), the mean
+// truncation loss compensated (CPN_TF32X3_TRUNC); WsOps16 and WsOpsTf32x3's mm_store.
+template <typename L, typename P>
+__device__ __forceinline__ void ws_mm_store(const P& p, const float (&acc)[2][16][4], int m0,
+                                            int n0, int nlim, int warp, int lane) {
+    ws_tile_store<L>((float*)p.g, p.ldg, p.rows, p.scale_mul, acc, m0, n0, nlim, false, warp,
+                     lane, (float)CPN_TF32X3_TRUNC, p.tri != 0);
+}
+
+template <typename T>
+template <typename L, typename P>
+__device__ __forceinline__ void WsOps16<T>::mm_store(const P& p, const float (&acc)[2][16][4],
+                                                     int m0, int n0, int nlim, int warp,
+                                                     int lane) const {
+    ws_mm_store<L>(p, acc, m0, n0, nlim, warp, lane);
 }
 
 // One CTA.  ring: ST (stages, <= WS_MAX_STAGES) | AR << 8 | IL << 9 (MODE_MM); the dynamic shared memory is
@@ -337,9 +358,8 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
         ops.mma_tile(acc, rg, KT, s, fph, [&] {
             if (pp && t + 1 < my_tiles) ws_bar_arrive(3 + (c ^ 1));  // the other's turn
         });
-        if (MODE == MODE_MM) {  // a product tile (tiles_ws_tf32.cu): g = alpha acc (+ g)
-            ws_tile_store<L>((float*)p.g, p.ldg, p.rows, p.scale_mul, acc, m0, n0, nlim, false,
-                             warp, lane, (float)CPN_TF32X3_TRUNC, p.tri != 0);
+        if (MODE == MODE_MM) {  // a product tile: the policy's store (ws_mm_store below)
+            ops.template mm_store<L>(p, acc, m0, n0, nlim, warp, lane);
             continue;
         }
         // float32 LSE2 with g (tiles_ws_tf32.cu, whole matrix: row0 = 0): the raw scores

@@ -236,6 +236,11 @@ template <bool SPLIT_A, bool TRANS_A = false> struct WsOpsTf32x3 {
             if (s >= r.ST) s -= r.ST;
         }
     }
+    template <typename L>
+    __device__ __forceinline__ void mm_store(const TileArgs<float>& p, const float (&acc)[2][16][4],
+                                             int m0, int n0, int nlim, int warp, int lane) const {
+        ws_mm_store<L>(p, acc, m0, n0, nlim, warp, lane);
+    }
 };
 
 template <int MODE, bool TRANS_A = false>

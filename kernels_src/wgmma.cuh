@@ -44,6 +44,15 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TmaMap* map, int c0
                  :: "r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar)
                  : "memory");
 }
+// box of a 3-D tensor map at coordinates (c0, c1, c2) (tiles_ws_f16x3.cu's interleaved
+// halves: c0 = 0, c1 = the 64-column group, c2 = the row)
+__device__ __forceinline__ void tma_load3(unsigned dst, const TmaMap* map, int c0, int c1, int c2,
+                                          unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 :: "r"(dst), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+                 : "memory");
+}
 // the same box into dst of every CTA of the cluster in `ctas` (a bit per rank), each
 // signalling its own barrier at offset bar
 __device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaMap* map, int c0,

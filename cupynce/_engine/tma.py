@@ -85,3 +85,26 @@ def matrix_map(a, box_rows: int, box_cols: int) -> Optional[np.ndarray]:
     res = fn(out.ctypes.data, code, 2, ctypes.c_void_p(a.data.ptr), dims,
              strides, box, elem, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
     return out if res == 0 else None
+
+
+def interleaved_map(buf, half: int, rows: int, cols: int, box_rows: int) -> Optional[np.ndarray]:
+    """A 3-D 128-byte-swizzled map over the float16 halves that
+    ``tiles_f16x3.split_scaled_il`` interleaves into the float32 matrix ``buf`` (rows, ld):
+    per row, each 64-column group's 256 bytes hold 64 hi then 64 lo float16.  ``half`` 0:
+    the hi, 1: the lo.  Dimensions (64, ceil(cols / 64), rows), boxes (64, 1, box_rows): a
+    box lands in shared memory as :func:`matrix_map`'s (box_rows x 64) float16 box does.
+    None where the driver refuses the map."""
+    fn = _encode_fn()
+    if fn is None:
+        return None
+    ld = leading_dim(buf)
+    raw = np.zeros(TENSOR_MAP_DTYPE.itemsize + 64, np.uint8)
+    off = -raw.ctypes.data % 64
+    out = raw[off:off + TENSOR_MAP_DTYPE.itemsize].view(TENSOR_MAP_DTYPE)
+    dims = (ctypes.c_uint64 * 3)(64, -(-cols // 64), rows)
+    strides = (ctypes.c_uint64 * 2)(256, ld * 4)
+    box = (ctypes.c_uint32 * 3)(64, 1, box_rows)
+    elem = (ctypes.c_uint32 * 3)(1, 1, 1)
+    res = fn(out.ctypes.data, _DATA_TYPE["float16"], 3, ctypes.c_void_p(buf.data.ptr + 128 * half),
+             dims, strides, box, elem, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    return out if res == 0 else None
