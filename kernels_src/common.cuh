@@ -87,6 +87,38 @@ __device__ __forceinline__ void split_tf32(float x, float& hi, float& lo)
     lo = d;
 }
 
+// ---- F16x3 operand split (tiles_ws_f16x3.cu, contrastive.cu's clip_grad_f16x3) ----------
+// x 2^e = hi + lo in float16 with e a power of two per row / column / matrix (the largest
+// |x| into [2^14, 2^15)); see tiles_ws_f16x3.cu.
+// (exponents in [-113, 126]: 2^e and 2^-e normal; a finite largest |x| never needs e < -113;
+// rows whose largest is below 2^-112 are scaled by 2^126 only, less than [2^14, 2^15))
+#define F16X3_EXP_MIN (-113)
+#define F16X3_EXP_MAX 126
+// e for a row whose largest |x| has the bit pattern `mbits` (sign cleared): its largest into
+// [2^14, 2^15); 0 for inf / NaN; the clamp as above.  A zero or subnormal largest counts as
+// 2^-126 (clamped).
+__device__ __forceinline__ int f16x3_exp(unsigned mbits) {
+    if (mbits >= 0x7f800000u) return 0;
+    int ex = (int)(mbits >> 23) - 127;  // floor(log2(max)) for a normal max
+    if ((mbits >> 23) == 0u) ex = -126;
+    int e = 14 - ex;
+    return e < F16X3_EXP_MIN ? F16X3_EXP_MIN : (e > F16X3_EXP_MAX ? F16X3_EXP_MAX : e);
+}
+__device__ __forceinline__ float f16x3_pow2(int e) { return __uint_as_float((unsigned)(e + 127) << 23); }
+
+// x 2^e = hi + lo (float16 bit patterns).  Inline PTX without .ftz: CuPy builds with
+// -ftz=true, which would flush a subnormal x or lo.
+__device__ __forceinline__ void f16x3_split(float x, float s, unsigned short& hi,
+                                            unsigned short& lo) {
+    float xs, hf, d;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(xs) : "f"(x), "f"(s));
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hi) : "f"(xs));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hf) : "h"(hi));
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(xs), "f"(hf));
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(lo) : "f"(d));
+    if (!(hf - hf == 0.f)) lo = 0;  // (hi inf / NaN: lo would be NaN)
+}
+
 // Two fp32 values rounded to T (round to nearest even, as Conv<T>::store) in one register:
 // `round(lo, hi)`, the rounded values back as fp32 (`lo`, `hi`), a NaN-propagating packed max
 // and whether either half is NaN.  NEG_INF2: -inf in both halves.  sm_80+ instructions: only

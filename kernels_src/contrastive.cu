@@ -669,3 +669,67 @@ CPN_DEFINE_ACC(f16, float)
 CPN_DEFINE_ACC(bf16, float)
 CPN_DEFINE_ACC(f32, float)
 CPN_DEFINE_ACC(f64, double)
+
+// ---- CLIP's gradient block as F16x3 halves (float32; tiles_f16x3, issue 24) ----------------
+// clip_grad_body's G for one row r (global i), written in place over the row of s (leading
+// dimension ld, a multiple of 64) as tiles_ws_f16x3.cu's interleaved halves of G 2^e: per
+// 64-column group, its 64 hi then its 64 lo float16 in the group's 256 bytes (columns n .. of
+// the last group zero).  No scale in G (|G_ij| <= max |w|, so e -- *e_ptr, else e_host --
+// fits G 2^e below 2^15): the products take scale 2^-e from *ufac (written by block 0, thread
+// 0).  dscale_part[i] = sum_j G_ij L_ij as clip_grad.  A group is one half-warp's 16 float4
+// (all read before any is written, __syncwarp: in place); 256 threads.
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_f16x3(
+    float* s, i64 ld, int n, int row0, const float* __restrict__ scale_log, float scale_mul,
+    const float* __restrict__ lse_row, const float* __restrict__ lse_col,
+    const float* __restrict__ w_ptr, i64 w_stride, float w_mul, const int* __restrict__ e_ptr,
+    int e_host, float* ufac, float* dscale_part)
+{
+    __shared__ float sh[64];
+    const int r = blockIdx.x, i = row0 + r;
+    const float scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
+    const int e = e_ptr ? *e_ptr : e_host;
+    const float s2 = f16x3_pow2(e);
+    if (ufac && r == 0 && threadIdx.x == 0) ufac[0] = scale * f16x3_pow2(-e);
+    float* const row = s + (i64)r * ld;
+    const float lr = lse_row[i];
+    const float wi = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : 1.f);
+    const int hw = threadIdx.x >> 4, l = threadIdx.x & 15;
+    const int groups = (n + 63) / 64;
+    float acc = 0.f;
+    for (int q0 = 0; q0 < groups; q0 += CPN_BLOCK / 16) {  // (uniform: every lane syncs)
+        const int q = q0 + hw, c = 64 * q + 4 * l;
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        if (q < groups && c + 3 < n) {
+            const float4 x = *(const float4*)(row + c);
+            v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+        } else if (q < groups) {
+            for (int k = 0; k < 4 && c + k < n; ++k) v[k] = row[c + k];
+        }
+        __syncwarp();
+        if (q >= groups) continue;
+        unsigned short h[4], lo[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            h[k] = lo[k] = 0;
+            const int j = c + k;
+            if (j < n) {
+                const float wj = w_mul * (w_ptr ? w_ptr[(i64)j * w_stride] : 1.f);
+                const float L = scale * v[k];
+                // (clip_grad_body's G, the same operations)
+                float G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lse_col[j]);
+                if (j == i) G -= wi + wj;
+                G *= 0.5f;
+                acc += G * L;
+                f16x3_split(G, s2, h[k], lo[k]);
+            }
+        }
+        unsigned short* const gb = (unsigned short*)(row + 64 * q);
+        *(uint2*)(gb + 4 * l) = make_uint2(h[0] | ((unsigned)h[1] << 16), h[2] | ((unsigned)h[3] << 16));
+        *(uint2*)(gb + 64 + 4 * l) =
+            make_uint2(lo[0] | ((unsigned)lo[1] << 16), lo[2] | ((unsigned)lo[3] << 16));
+    }
+    if (dscale_part) {
+        acc = block_sum(acc, sh);
+        if (threadIdx.x == 0) dscale_part[i] = acc;
+    }
+}

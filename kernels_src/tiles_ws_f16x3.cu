@@ -12,10 +12,11 @@
 // truncate each MMA step's sum: docs/notes.md, issue 24).
 //
 // Why a scale: float16 has 5 exponent bits.  With the row's largest |x| at 2^14..2^15, hi
-// never overflows, lo is a normal float16 for every |x| >= 2^-18 of the row's largest (the
-// rest keep an absolute error <= 2^-40 of it, below float32's own rounding of the dot
-// product); exponents are clamped to [-100, 100] (rows whose largest |x| is outside
-// [2^-86, 2^114] are scaled less and lose range, never overflow silently: inf stays inf).
+// never overflows; hi + lo is within 2^-22 |x| of x 2^e wherever |x 2^e| >= 2^-3 (|x| >=
+// 2^-17 of the row's largest), and smaller elements keep an absolute error <= 2^-25 in the
+// scaled units (<= 2^-39 of the row's largest), below float32's own rounding of the dot
+// product.  Exponents are clamped to [-113, 126] (common.cuh: 2^+-e stay normal; only rows
+// whose largest |x| is below 2^-112 are scaled less, and lose relative accuracy).
 // A row holding inf or NaN is not scaled (e = 0): its products stay non-finite, NaN where
 // fp32 might give inf (0 inf in a cross term: a zero lo times an inf hi), as in the TF32x3
 // tiles -- the ops' contract is a NaN loss for any non-finite input.
@@ -24,45 +25,22 @@
 //                            (cpn_f16x3_split_rows / _split_t / _split_scaled), 128 x 64
 //                            float16 boxes;
 //   cpn_wstile_mmt_f16x3(L): out = alpha Aᵀ Bᵀ with A stored (K x m): its split halves read
-//                            MN-major (64 x 64 boxes, wgmma's transposed A), no copy.
-//   L = WsF16Launch {ahi, alo, bhi, blo, p, ring, comp, rowf, colf}: p the TileArgs<float> of
+//                            MN-major (64 x 64 boxes, wgmma's transposed A), no copy;
+//   cpn_wstile_mmil_f16x3 / _mmtil_f16x3: the same with A's halves interleaved in place in
+//                            its float32 buffer (cpn_f16x3_split_scaled_il,
+//                            cpn_clip_grad_f16x3), read through 3-D maps.
+//   L = WsF16Launch {ahi, alo, bhi, blo, p, ring, comp, rowf, colf, ufac}: p the TileArgs<float> of
 //   tiles.cu (rows, n1 = c, d = K, g = out, ldg, scale_mul = alpha, tri = accumulate); rowf
-//   (m) and colf (c) the operands' inverse scales (null: 1).  Grid (ceil(m / 128), splits),
+//   (m) and colf (c) the operands' inverse scales (null: 1), ufac a device factor (null: 1;
+//   CLIP's exp(logit_scale) 2^-e, written by cpn_clip_grad_f16x3).  Grid (ceil(m / 128), splits),
 //   384 threads, dynamic shared memory 1 KiB + stages x 64 KiB.  Built for sm_90a only.
 // cpn-dtypes: f16x3
 #include "tile_ws.cuh"
 
 #define WS_F16_KSTEP 64                       // a 128-byte swizzled row: 64 float16 of K
 #define WS_F16_BOX (TBM * WS_F16_KSTEP * 2)   // 16 KiB: one 128 x 64 float16 box
-#define F16X3_EXP_MIN (-100)
-#define F16X3_EXP_MAX 100
 
-// ---- the split (any arch) ------------------------------------------------------------------
-// e for a row whose largest |x| has the bit pattern `mbits` (sign cleared): its largest into
-// [2^14, 2^15); 0 for inf / NaN; the clamp as above.  A zero or subnormal largest counts as
-// 2^-126 (clamped).
-__device__ __forceinline__ int f16x3_exp(unsigned mbits) {
-    if (mbits >= 0x7f800000u) return 0;
-    int ex = (int)(mbits >> 23) - 127;  // floor(log2(max)) for a normal max
-    if ((mbits >> 23) == 0u) ex = -126;
-    int e = 14 - ex;
-    return e < F16X3_EXP_MIN ? F16X3_EXP_MIN : (e > F16X3_EXP_MAX ? F16X3_EXP_MAX : e);
-}
-__device__ __forceinline__ float f16x3_pow2(int e) { return __uint_as_float((unsigned)(e + 127) << 23); }
-
-// x 2^e = hi + lo (float16 bit patterns).  Inline PTX without .ftz: CuPy builds with
-// -ftz=true, which would flush a subnormal x or lo.
-__device__ __forceinline__ void f16x3_split(float x, float s, unsigned short& hi,
-                                            unsigned short& lo) {
-    float xs, hf, d;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(xs) : "f"(x), "f"(s));
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hi) : "f"(xs));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(hf) : "h"(hi));
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(xs), "f"(hf));
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(lo) : "f"(d));
-    if (!(hf - hf == 0.f)) lo = 0;  // (hi inf / NaN: lo would be NaN)
-}
-
+// ---- the split (any arch; f16x3_exp / f16x3_split: common.cuh) ----------------------------
 // the largest |x| of a warp's values, as a bit pattern (NaN's above inf's), over the warp
 __device__ __forceinline__ unsigned f16x3_warp_max(unsigned m) {
 #pragma unroll
@@ -155,21 +133,38 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_f16x3_split_scaled(
     lo[idx] = l;
 }
 
+// e_out[0] = the exponent that puts max_i |w_mul w[i stride]| into [2^14, 2^15) (f16x3_exp):
+// the scale of a gradient block bounded by its largest weight (CLIP: |G_ij| <= max |w|).
+// One block of 256 threads.
+extern "C" __global__ void __launch_bounds__(256) cpn_f16x3_bound_exp(
+    const float* __restrict__ w, i64 n, i64 stride, float w_mul, int* e_out) {
+    __shared__ unsigned sm[8];
+    unsigned m = 0;
+    for (i64 k = threadIdx.x; k < n; k += 256)
+        m = max(m, __float_as_uint(w_mul * w[k * stride]) & 0x7fffffffu);
+    m = f16x3_warp_max(m);
+    if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < 8; ++k) m = max(m, sm[k]);
+        e_out[0] = f16x3_exp(max(m, sm[0]));
+    }
+}
+
 // The same split in place, interleaved: x (rows x ld float32, ld a multiple of 64) becomes,
 // per row and 64-column group, the group's 64 hi then its 64 lo (float16) in the group's 256
 // bytes (columns cols .. of the last group zero): the layout WsOpsF16x3<.., IL> reads.  A
 // group is one half-warp's 16 float4 (read, then written after __syncwarp: in place);
-// grid (ceil(groups / 16), rows), 256 threads.
-extern "C" __global__ void __launch_bounds__(256) cpn_f16x3_split_scaled_il(
-    float* __restrict__ x, i64 ldx, int cols, int e) {
-    const int q = blockIdx.x * 16 + (threadIdx.x >> 4), l = threadIdx.x & 15;
-    const int groups = (cols + 63) / 64;
-    float* g = x + (i64)blockIdx.y * ldx + (i64)q * 64;
+// grid (ceil(groups / 16), min(rows, 65535)), rows blockIdx.y, + gridDim.y, ...; 256 threads.
+// one 64-column group q of a row (its half-warp's lane l): see cpn_f16x3_split_scaled_il
+__device__ __forceinline__ void f16x3_split_il_group(float* row, int q, int l, int groups,
+                                                     int cols, int e) {
+    float* g = row + (i64)q * 64;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     const int c = q * 64 + 4 * l;
     if (q < groups && c < cols) v = *(const float4*)(g + 4 * l);
     __syncwarp();
-    if (q >= groups) return;
+    if (q >= groups) return;  // (after the __syncwarp: every lane reaches it)
     const float s = f16x3_pow2(e);
     const float in[4] = {v.x, v.y, v.z, v.w};
     unsigned short h[4], lo[4];
@@ -184,6 +179,13 @@ extern "C" __global__ void __launch_bounds__(256) cpn_f16x3_split_scaled_il(
         make_uint2(lo[0] | ((unsigned)lo[1] << 16), lo[2] | ((unsigned)lo[3] << 16));
 }
 
+extern "C" __global__ void __launch_bounds__(256) cpn_f16x3_split_scaled_il(
+    float* __restrict__ x, i64 ldx, int rows, int cols, int e) {
+    const int q = blockIdx.x * 16 + (threadIdx.x >> 4), l = threadIdx.x & 15;
+    const int groups = (cols + 63) / 64;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y)
+        f16x3_split_il_group(x + (i64)r * ldx, q, l, groups, cols, e);
+}
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // (tile_epilogue<float, MODE_MM, ...> compiles the 16-bit gradient-block branches it never
 // takes, as in tiles_ws_tf32.cu)
@@ -193,6 +195,17 @@ template <> struct Pack2<float> {
         return 0u;
     }
 };
+
+// the exponent of a power of two (rowf / colf: 2^-e, normal)
+__device__ __forceinline__ int f16x3_pow2_exp(float p) {
+    return (int)((__float_as_uint(p) >> 23) & 0xffu) - 127;
+}
+// x 2^n for |n| <= 252 (two normal powers of two: the intermediate lies between x and the
+// result, so it neither overflows nor flushes unless the result does)
+__device__ __forceinline__ float f16x3_ldexp(float x, int n) {
+    const int h = n / 2;
+    return (x * f16x3_pow2(h)) * f16x3_pow2(n - h);
+}
 
 // wgmma with A read MN-major (transposed; float16 allows it, TF32 does not)
 struct WgmmaF16TA {
@@ -206,26 +219,21 @@ struct WgmmaF16TA {
 // 128-byte row, one row per k, 8-k groups 1024 B apart (SBO); LBO, the next 64 of MN, is
 // unused by m64 (one atom) and set to the box's 8 KiB.
 __device__ __forceinline__ unsigned long long wg_desc_mn(unsigned saddr) {
-#ifdef CPN_F16X3_MN_SWAP
-    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (64ull << 16) | (512ull << 32) |
-           (1ull << 62);
-#else
     return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (512ull << 16) | (64ull << 32) |
            (1ull << 62);
-#endif
 }
 
 // The split float16 operands (tile_ws.cuh's operand policy): a stage holds the four boxes of
 // one 64-wide K step, A_hi | A_lo | B_hi | B_lo (64 KiB).  TRANS_A: A's boxes are two 64 (K)
 // x 64 (M) boxes of the stored (K x M) matrix each (rows 0-63 of the tile, then 64-127).
-// IL: A's halves interleaved in a float32 buffer (cpn_f16x3_split_scaled_il: per row, each
+// ILA: A's halves interleaved in a float32 buffer (cpn_f16x3_split_scaled_il: per row, each
 // 64-column group's 256 bytes hold its 64 hi, then its 64 lo), read through 3-D maps (64,
 // groups, rows) whose (64, 1, rows) boxes land as the 2-D boxes do.
-template <bool TRANS_A, bool IL = false> struct WsOpsF16x3 {
+template <bool TRANS_A, bool ILA = false> struct WsOpsF16x3 {
     enum { KSTEP = WS_F16_KSTEP, AR_OK = 0 };
     typedef int BSrc;  // (B1 always)
     const TmaMap *ahi, *alo, *bhi, *blo;
-    const float *rowf, *colf;
+    const float *rowf, *colf, *ufac;
     float comp;
     static __device__ __forceinline__ unsigned stage_bytes(bool) { return 4 * WS_F16_BOX; }
     static __device__ __forceinline__ unsigned tx_bytes(bool) { return 4 * WS_F16_BOX; }
@@ -234,13 +242,13 @@ template <bool TRANS_A, bool IL = false> struct WsOpsF16x3 {
     __device__ __forceinline__ void load_stage(unsigned a, bool, int kt, int m0, BSrc, int brow,
                                                unsigned bar) const {
         const int k = kt * KSTEP;
-        if (TRANS_A && IL) {
+        if (TRANS_A && ILA) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 tma_load3(a + h * (WS_F16_BOX / 2), ahi, 0, m0 / 64 + h, k, bar);
                 tma_load3(a + WS_F16_BOX + h * (WS_F16_BOX / 2), alo, 0, m0 / 64 + h, k, bar);
             }
-        } else if (IL) {
+        } else if (ILA) {
             tma_load3(a, ahi, 0, kt, m0, bar);
             tma_load3(a + WS_F16_BOX, alo, 0, kt, m0, bar);
         } else if (TRANS_A) {
@@ -314,39 +322,41 @@ template <bool TRANS_A, bool IL = false> struct WsOpsF16x3 {
             if (s >= r.ST) s -= r.ST;
         }
     }
-    // MODE_MM's store: out = alpha (acc' rowf[i]) colf[j] (+ out), acc' = acc + comp acc
-    // (one FMA; not for comp = 0: inf * 0): the scales exactly (powers of two, one at a time
-    // so that their product cannot overflow), alpha rounded once.
+    // MODE_MM's store: out = alpha (acc' rowf[i] colf[j]) (+ out), acc' = acc + comp acc (one
+    // FMA; not for comp = 0: inf * 0), alpha = p.scale_mul (times *ufac where given, rounded
+    // once): the two scales exactly, as one power of two applied in two halves
+    // (f16x3_ldexp: no intermediate overflow or flush).
     template <typename L>
     __device__ __forceinline__ void mm_store(const TileArgs<float>& p, const float (&acc)[2][16][4],
                                              int m0, int n0, int nlim, int warp, int lane) const {
         const int gq = lane >> 2, cq = lane & 3;
         const bool accumulate = p.tri != 0;
+        const float alpha = ufac ? p.scale_mul * *ufac : p.scale_mul;
 #pragma unroll
         for (int i = 0; i < L::I; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int lr = m0 + L::row_base(warp) + i * L::IS + h * 8 + gq;
                 if (lr >= p.rows) continue;
-                const float rf = rowf ? rowf[lr] : 1.f;
+                const int er = rowf ? f16x3_pow2_exp(rowf[lr]) : 0;
                 float* const o = p.g + (i64)lr * p.ldg;
 #pragma unroll
                 for (int j = 0; j < L::J; ++j) {
                     const int col = n0 + j * 8 + 2 * cq;
                     if (col >= nlim) continue;
                     const bool two = col + 1 < nlim;
-                    float c0 = 1.f, c1 = 1.f;
+                    int n0e = er, n1e = er;  // the exponents of rowf[i] colf[j]
                     if (colf) {
-                        c0 = colf[col];
-                        if (two) c1 = colf[col + 1];
+                        n0e += f16x3_pow2_exp(colf[col]);
+                        if (two) n1e += f16x3_pow2_exp(colf[col + 1]);
                     }
                     float a0 = acc[i][j][h * 2], a1 = acc[i][j][h * 2 + 1];
                     if (comp != 0.f) {
                         a0 = fmaf(a0, comp, a0);
                         a1 = fmaf(a1, comp, a1);
                     }
-                    float v0 = p.scale_mul * ((a0 * rf) * c0);
-                    float v1 = p.scale_mul * ((a1 * rf) * c1);
+                    float v0 = alpha * f16x3_ldexp(a0, n0e);
+                    float v1 = alpha * f16x3_ldexp(a1, n1e);
                     if (two) {
                         if (accumulate) {
                             const float2 o2 = *(const float2*)(o + col);
@@ -362,20 +372,21 @@ template <bool TRANS_A, bool IL = false> struct WsOpsF16x3 {
     }
 };
 
-template <bool TRANS_A, bool IL>
+template <bool TRANS_A, bool ILA>
 __device__ __forceinline__ void tile_ws_f16x3(const TmaMap& ahi, const TmaMap& alo,
                                               const TmaMap& bhi, const TmaMap& blo,
                                               const TileArgs<float>& p, int ring,
-                                              const float* rowf, const float* colf, float comp) {
-    WsOpsF16x3<TRANS_A, IL> ops;
+                                              const float* rowf, const float* colf, float comp,
+                                              const float* ufac) {
+    WsOpsF16x3<TRANS_A, ILA> ops;
     ops.ahi = &ahi; ops.alo = &alo; ops.bhi = &bhi; ops.blo = &blo;
-    ops.rowf = rowf; ops.colf = colf; ops.comp = comp;
+    ops.rowf = rowf; ops.colf = colf; ops.comp = comp; ops.ufac = ufac;
     tile_ws_walk<float, MODE_MM, true>(ops, p, ring);
 }
-#define CPN_WS_F16_BODY(TA, IL) tile_ws_f16x3<TA, IL>(L.ahi, L.alo, L.bhi, L.blo, L.p, L.ring, \
-                                                      L.rowf, L.colf, L.comp)
+#define CPN_WS_F16_BODY(TA, ILA) tile_ws_f16x3<TA, ILA>(L.ahi, L.alo, L.bhi, L.blo, L.p, L.ring, \
+                                                      L.rowf, L.colf, L.comp, L.ufac)
 #else
-#define CPN_WS_F16_BODY(TA, IL) __trap()  // not an sm_90a build: Python never launches these
+#define CPN_WS_F16_BODY(TA, ILA) __trap()  // not an sm_90a build: Python never launches these
 #endif
 
 // The kernels' one parameter (tiles_f16x3._launch packs it): the four maps, the TileArgs, the
@@ -387,8 +398,11 @@ struct WsF16Launch {
     float comp;  // the products scaled by 1 + comp: the mean truncation loss (tiles_f16x3.TRUNC)
     const float* rowf;
     const float* colf;
+    const float* ufac;  // one more factor of every product (a device scalar; null: 1)
 };
-// (p at 512, ring at 720, rowf at 728, colf at 736, padded to 768)
+// (p at 512, ring at 720, comp at 724, rowf at 728, colf at 736, ufac at 744, padded to 768)
+// (NVRTC has no offsetof here: the members are laid out in order without gaps, 8-byte
+// pointers after the two 4-byte fields)
 static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<float>) == 208 &&
               sizeof(WsF16Launch) == 768, "WsF16Launch's layout is tiles_f16x3.py's");
 

@@ -242,6 +242,61 @@ def test_split_scaled_il_layout(dev):
         F.split_scaled_il(cp.zeros((4, 100), np.float32), 0)
 
 
+@gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("ws", [None, 1920 * 4100 * 4])
+def test_clip_on_f16x3(f16x3, monkeypatch, reduction, ws):
+    """CLIP under "auto" (products_tf32.USE_F16X3): every product on the F16x3 tiles (the
+    gradient block as G's halves written in place by cpn_clip_grad_f16x3: G Bᵀ and Gᵀ A
+    read it interleaved), one block and row blocks (1920, 1920, 260 rows), reduction "none"
+    (per-pair weights on the device: G's exponent from tiles_f16x3.bound_exp); loss and
+    gradients within fp32's errors against float64 (x 1.25, + 2^-24 for the one-number
+    loss), deterministic."""
+    import cupynce
+    from cupynce import reference as R
+    from cupynce._engine import products_tf32
+    from cupynce.ops import _graphs
+
+    if not products_tf32.f16_applies():
+        pytest.skip("F16x3 switched off (CUPYNCE_F16X3=0)")
+    seen = []
+    real = F.mm
+    monkeypatch.setattr(F, "mm", lambda *a, **k: seen.append(
+        (isinstance(a[0], F.Interleaved), bool(k.get("trans_a")))) or real(*a, **k))
+    rng = np.random.default_rng(7)
+    n, d = 4100, 512
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    y = (x + 0.6 * rng.standard_normal((n, d))).astype(np.float32)
+    ls = math.log(1 / 0.07)
+    up = rng.random(n).astype(np.float32) + 0.5 if reduction == "none" else None
+    ref_loss, ref_grads = R.clip_loss(x, y, ls, normalize=True, reduction=reduction,
+                                      grad_loss=up)
+
+    def run(precision):
+        _graphs.clear()
+        loss, ctx = cupynce.clip_loss_forward(cp.asarray(x), cp.asarray(y),
+                                              cp.asarray(np.float32(ls)), normalize=True,
+                                              reduction=reduction, workspace_bytes=ws,
+                                              precision=precision)
+        grads = (cupynce.clip_loss_backward(ctx) if up is None
+                 else cupynce.clip_loss_backward(ctx, cp.asarray(up)))
+        return [cp.asnumpy(v) for v in (loss, *grads)]
+
+    got = run("auto")
+    assert (False, False) in seen and (True, False) in seen and (True, True) in seen, seen
+    again = run("auto")
+    del seen[:]
+    fp32 = run("fp32")
+    assert not seen
+    for name, g_, a_, f_, r in zip(("loss", "da", "db", "dscale"), got, again, fp32,
+                                   [ref_loss, *ref_grads]):
+        assert np.array_equal(np.asarray(g_).view(np.uint32), np.asarray(a_).view(np.uint32)), name
+        if name == "dscale":  # (a cancelling sum: test_gpu_precision holds it to fp32's)
+            continue
+        e_k, e_f = _rel(g_, r), _rel(f_, r)
+        assert e_k <= 1.25 * e_f + 2.0 ** -24, f"{name}: f16x3 {e_k:.3g} fp32 {e_f:.3g}"
+
+
 def test_mm_checks_its_operands(monkeypatch):
     class Fake:
         def __init__(self, shape, dtype, strides=None):

@@ -17,7 +17,9 @@ Relative errors ‖x − ref‖ / ‖ref‖ (inputs rounded to float32 first; th
            whose error is one draw of its last roundings, within ``SCALAR_SLACK`` (two
            float32 ulps, 2 × 2⁻²⁴ relative) of "fp32"'s.  CLIP, SigLIP and InfoNCE
            from the same sizes run their products on the tiles
-           (``products_tf32``), ``test_auto_row_block_ops_as_accurate_as_fp32``
+           (``products_tf32``: on Hopper the F16x3 tiles, ``tiles_f16x3``, for CLIP's
+           products and the others' score products; the TF32x3 tiles for SigLIP's and
+           InfoNCE's gradient products), ``test_auto_row_block_ops_as_accurate_as_fp32``
            holds them to the same bar (their scalar gradients and mean loss, single
            numbers whose error is a draw with a wide spread, as the rms over
            ``SCALAR_DRAWS`` draws, within ``SCALAR_SLACK`` · κ)
@@ -55,7 +57,7 @@ import pytest
 
 import cupynce
 from cupynce import reference as R
-from cupynce._engine import blas
+from cupynce._engine import blas, products_tf32
 import test_float32_precision as P  # (tests/ is on sys.path under pytest)
 
 pytestmark = pytest.mark.gpu
@@ -361,7 +363,9 @@ SCALAR_DRAWS = 4
 @pytest.mark.parametrize("op", ["clip_loss", "siglip_loss", "info_nce"])
 def test_auto_row_block_ops_as_accurate_as_fp32(op, n, d, reduction):
     """CLIP, SigLIP and InfoNCE at and above "auto"'s threshold: "auto" is "3xtf32"'s call
-    there (their products on the TF32x3 tiles, ``products_tf32``; "fp32"'s off Hopper), and
+    there (their products on the TF32x3 tiles, ``products_tf32``; "fp32"'s off Hopper; on
+    Hopper with ``products_tf32.f16_applies()`` the F16x3 tiles instead, whose bits are
+    neither), and
     its per-row losses and feature gradients are no less accurate against float64 than
     "fp32"'s.  The single numbers -- the mean loss, the scalar gradients -- are one draw
     each of their last roundings, amplified by the sums' cancellation more than κ sees:
@@ -386,9 +390,15 @@ def test_auto_row_block_ops_as_accurate_as_fp32(op, n, d, reduction):
         case = f"{op} N={n} D={d} {reduction}"
         if draw == 0:
             kappa = [1.0] + _conditions(op, xs, reduction, g, ref_grads)
-            same_as = "3xtf32" if _auto_products(op, n, d) else "fp32"
-            for name, x, y in zip(names, got["auto"], got[same_as]):
-                assert _same_bits(x, y), f"{case}: precision='auto' is not {same_as!r} for {name}"
+            if _auto_products(op, n, d) and products_tf32.f16_applies():
+                # "auto" on Hopper: the F16x3 tiles (test_gpu_f16x3.py), neither "3xtf32"'s
+                # bits nor "fp32"'s: the mode took effect
+                assert not all(_same_bits(x, y) for x, y in zip(got["auto"], got["fp32"])), case
+            else:
+                same_as = "3xtf32" if _auto_products(op, n, d) else "fp32"
+                for name, x, y in zip(names, got["auto"], got[same_as]):
+                    assert _same_bits(x, y), (f"{case}: precision='auto' is not {same_as!r} "
+                                              f"for {name}")
             for i, name in enumerate(names):
                 if single[i]:
                     continue

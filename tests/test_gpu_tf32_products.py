@@ -219,15 +219,20 @@ def _clip_inputs(n, d, seed):
 @pytest.mark.parametrize("mode", ["auto", "3xtf32", "fp32", "tf32"])
 def test_ops_route_here(tf32, mode, monkeypatch):
     """CLIP, SigLIP and InfoNCE (forward and backward) issue their float32 products on the
-    tiles under "3xtf32" and, from AUTO_MIN_ROWS x AUTO_MIN_DIM (InfoNCE) or
+    tiles (TF32x3 under "3xtf32"; "auto" on Hopper: F16x3 where products_tf32.f16_applies)
+    under "3xtf32" and, from AUTO_MIN_ROWS x AUTO_MIN_DIM (InfoNCE) or
     AUTO_MIN_DIM_SCALE (CLIP, SigLIP) on, "auto"; never under "fp32" / "tf32", for 16-bit
     inputs or with CUPYNCE_TILES=0."""
     import cupynce
     from cupynce.ops import _graphs
 
+    from cupynce._engine import tiles_f16x3
+
     calls = []
     real = tiles_tf32.mm
     monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real16 = tiles_f16x3.mm  # ("auto" on Hopper: the F16x3 tiles, test_gpu_f16x3.py)
+    monkeypatch.setattr(tiles_f16x3, "mm", lambda *a, **k: calls.append(2) or real16(*a, **k))
     n0 = tiles_tf32.AUTO_MIN_ROWS
     for op in ("clip", "siglip", "info_nce"):
         d0 = products_tf32.AUTO_MIN_DIM if op == "info_nce" else products_tf32.AUTO_MIN_DIM_SCALE
@@ -246,6 +251,10 @@ def test_ops_route_here(tf32, mode, monkeypatch):
                 loss, ctx = cupynce.info_nce_forward(x, y, 0.1, precision=mode)
                 cupynce.info_nce_backward(ctx)
             assert bool(calls) == on, (op, n, d, mode, len(calls))
+            if on and mode == "3xtf32":
+                assert 2 not in calls, (op, calls)
+            if on and mode == "auto" and products_tf32.f16_applies():
+                assert 2 in calls, (op, calls)
             del calls[:]
     big = (n0, products_tf32.AUTO_MIN_DIM_SCALE)
     x, y = _clip_inputs(*big, seed=1)

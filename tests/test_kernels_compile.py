@@ -89,9 +89,10 @@ def _missing_symbols(filename, cubin):
 
 
 #: kernels written without the ``cpn_<stage>_##SUF`` macros (one dtype), by file
-_SINGLE = {"blas.cu": ("cpn_split_tf32_f32",),
+_SINGLE = {"blas.cu": ("cpn_split_tf32_f32",), "contrastive.cu": ("cpn_clip_grad_f16x3",),
            "tiles_ws_f16x3.cu": ("cpn_f16x3_split_rows", "cpn_f16x3_colmax", "cpn_f16x3_split_t",
-                                 "cpn_f16x3_split_scaled", "cpn_f16x3_split_scaled_il")}
+                                 "cpn_f16x3_split_scaled", "cpn_f16x3_split_scaled_il",
+                                 "cpn_f16x3_bound_exp")}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -147,7 +147,11 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     nc = bn.shape[0]
     split_g = want_grad and t != a
     gemm = products_tf32.gemm_for(an, bn, scale_grad=True)
-    rb = blas.plan_rows("clip_loss", n, _row_bytes(t, a, nc, want_grad, gemm), workspace_bytes)
+    # F16x3 products: the gradient pass writes G's float16 halves over the scores (rows of a
+    # multiple of 64 columns: cpn_clip_grad_f16x3)
+    f16 = want_grad and products_tf32.uses_f16(gemm)
+    ldn = -(-nc // 64) * 64 if f16 else nc
+    rb = blas.plan_rows("clip_loss", n, _row_bytes(t, a, ldn, want_grad, gemm), workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     # scratch and outputs from two allocations (see rows).  part_m / part_s: column
     # partials of a row block; col_m: the running column state between row blocks (the first
@@ -155,10 +159,14 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     nch = -(-rb // STATS_ROWS)
     keep_state = want_loss and (rb < n or col_state)
     s_buf, g_buf, row_loss, part_m, part_s, col_m = buffers((
-        ((rb, nc), a), ((rb, nc), t) if split_g else None,
+        ((rb, ldn), a), ((rb, nc), t) if split_g else None,
         ((n,), a) if want_loss else None,
         ((nch, nc), a) if want_loss else None, ((nch, nc), a) if want_loss else None,
         ((2, nc), a) if keep_state else None))
+    if f16:
+        gemm.__self__.grad_f16 = True
+    if ldn != nc:
+        s_buf = s_buf[:, :nc]
     # the gradient products' operands split on a side stream beside S's product (one block)
     prods = gemm.__self__ if products_tf32.side_splits(want_grad, reuse, gemm) else None
     if want_loss and n:  # the first block's scores first: the host work below overlaps them
@@ -196,6 +204,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     grads = None
     if want_grad:
         w_arr, w_stride, w_mul = weights
+        if f16:
+            g16 = _f16_grad_args(weights, max(nc, row0 + n))
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
             nrows = r1 - r0
@@ -203,10 +213,19 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             if not (reuse and want_loss):
                 _scores(gemm, prods, an[r0:r1], an, bn, s_blk)
             g_blk = g_buf[:nrows]
-            kernels.launch(FILE, "clip_grad", t, (nrows,), (
-                s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
-                lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride), a.type(w_mul),
-                g_blk, np.int64(nc), dsp.data.ptr - shift))
+            if f16:  # G's halves over the scores (no scale in them: the products take it)
+                e_ptr, e_host, ufac = g16
+                kernels.get_function(FILE, "cpn_clip_grad_f16x3")((nrows,), (BLOCK,), (
+                    s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), ls,
+                    np.float32(1.0), lse_r.data.ptr - shift, lse_c, ptr(w_arr),
+                    np.int64(w_stride), np.float32(w_mul), e_ptr, np.int32(e_host), ufac,
+                    dsp.data.ptr - shift))
+                gemm.__self__.set_grad_block(g_blk, ufac)
+            else:
+                kernels.launch(FILE, "clip_grad", t, (nrows,), (
+                    s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
+                    lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride),
+                    a.type(w_mul), g_blk, np.int64(nc), dsp.data.ptr - shift))
             gemm(g_blk, bn, da[r0:r1])
             gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (da, db, dsp)
@@ -215,6 +234,22 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     if col_state:
         return lse_r, col_m, row_loss, grads
     return lse_r, lse_c, pair_loss, grads
+
+
+def _f16_grad_args(weights, length: int):
+    """(e_ptr, e_host, ufac) of ``cpn_clip_grad_f16x3``: the exponent of G's scale (|G_ij| <=
+    max |w|: the host's from w_mul alone, else a device one from the weights' first
+    ``length`` entries, ``tiles_f16x3.bound_exp``) and a device float for the products'
+    factor exp(logit_scale) 2^-e."""
+    from . import tiles_f16x3
+
+    w_arr, w_stride, w_mul = weights
+    ufac, e_dev = buffers((((1,), np.dtype(np.float32)),
+                           ((1,), np.dtype(np.int32)) if w_arr is not None else None))
+    if w_arr is None:
+        return 0, tiles_f16x3.exp_for(float(np.float32(w_mul))), ufac
+    tiles_f16x3.bound_exp(w_arr, length, w_stride, w_mul, e_dev)
+    return e_dev, 0, ufac
 
 
 def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes,

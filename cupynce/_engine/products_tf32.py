@@ -42,6 +42,7 @@ once.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Callable, Iterator
 
@@ -96,10 +97,35 @@ def cublas_gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)
 
 
+#: "auto" runs the products on the F16x3 tiles (``tiles_f16x3``: float16 halves, twice the
+#: TF32x3 tiles' tensor-core rate) where they can run; False (or env ``CUPYNCE_F16X3=0``):
+#: the TF32x3 tiles, as "3xtf32" always does
+USE_F16X3 = os.environ.get("CUPYNCE_F16X3", "1") != "0"
+
+
+def f16_applies() -> bool:
+    """Whether "auto"'s products take the F16x3 tiles (:data:`USE_F16X3`, the float32
+    precision in effect "auto", the tiles available)."""
+    from . import tiles_f16x3
+
+    return (USE_F16X3 and blas.float32_precision_now() == "auto"
+            and tiles_f16x3.available())
+
+
 def gemm_for(a_rows, b_rows, scale_grad: bool = False) -> Callable:
     """The ``gemm`` of a row-block op over ``a_rows`` x ``b_rows``: :meth:`Products.gemm`
-    where :func:`applies`, else :func:`cublas_gemm` (the same signature)."""
-    return Products().gemm if applies(a_rows, b_rows, scale_grad) else cublas_gemm
+    where :func:`applies` (on the F16x3 tiles where :func:`f16_applies`), else
+    :func:`cublas_gemm` (the same signature)."""
+    if not applies(a_rows, b_rows, scale_grad):
+        return cublas_gemm
+    return Products(f16=f16_applies()).gemm
+
+
+def uses_f16(gemm: Callable) -> bool:
+    """Whether ``gemm`` (from :func:`gemm_for`) issues its products on the F16x3 tiles (the
+    gradient block may then be written as their halves: :meth:`Products.set_grad_block`)."""
+    owner = getattr(gemm, "__self__", None)
+    return isinstance(owner, Products) and owner.f16
 
 
 def uses_tiles(gemm: Callable) -> bool:
@@ -176,12 +202,25 @@ class Products:
     """The TF32x3 products of one row-block op (see the module doc); :meth:`gemm` has
     :func:`blas.gemm`'s signature."""
 
-    def __init__(self):
+    def __init__(self, f16: bool = False):
         # _key(b) -> (the split_t halves of b, [the side stream's event after them, whether
         # the allocating stream waits for it already]: one list for the splits of one
         # prefetch); the allocating stream
         self._ready: dict = {}
         self._stream = None
+        #: the score products on the F16x3 tiles (``tiles_f16x3``) instead of the TF32x3 ones
+        self.f16 = f16
+        #: the gradient products too (the op writes G as F16x3 halves: CLIP; set by it): the
+        #: splits of their B operands are then F16x3's
+        self.grad_f16 = False
+        # _key(G) -> the device factor of a gradient block written as F16x3 halves
+        self._grad: dict = {}
+
+    def set_grad_block(self, g, ufac) -> None:
+        """``g`` (rows, cols) float32 now holds a gradient block's F16x3 halves interleaved in
+        place (``cpn_clip_grad_f16x3``), every product of it times the device scalar
+        ``ufac``: :meth:`gemm` reads it so (it is no longer float32 values)."""
+        self._grad[_key(g)] = ufac
 
     def mark(self, *bs):
         """Before the score product: the halves of ``split_t(b)`` for each of ``bs`` (the B
@@ -208,8 +247,15 @@ class Products:
             if (b.dtype == np.float32 and b.ndim == 2 and b.size and b.strides[1] == 4
                     and k not in seen and k not in self._ready):
                 seen.add(k)
-                shape = tiles_tf32.split_t_shape(b)
-                todo.append((b, (cp.empty(shape, np.float32), cp.empty(shape, np.float32))))
+                if self.grad_f16:
+                    d, rows = b.shape[1], -(-b.shape[0] // 8) * 8
+                    todo.append((b, (cp.empty((d, rows), np.float16),
+                                     cp.empty((d, rows), np.float16),
+                                     cp.empty(d, np.float32), cp.empty(d, np.uint32))))
+                else:
+                    shape = tiles_tf32.split_t_shape(b)
+                    todo.append((b, (cp.empty(shape, np.float32),
+                                     cp.empty(shape, np.float32))))
         if not todo:
             return None
         self._stream = cur
@@ -224,7 +270,7 @@ class Products:
         to do."""
         import cupy as cp
 
-        from . import tiles_tf32
+        from . import tiles_f16x3, tiles_tf32
 
         if pre is None:
             return
@@ -239,7 +285,10 @@ class Products:
                     # already queued to settle(), which waits for them before their memory
                     # goes back)
                     self._ready[_key(b)] = (out, state)
-                    tiles_tf32.split_t(b, "b", out=out)
+                    if self.grad_f16:
+                        tiles_f16x3.split_cols_t(b, "b", out=out)
+                    else:
+                        tiles_tf32.split_t(b, "b", out=out)
         finally:
             done = cp.cuda.Event(disable_timing=True)
             done.record(side)
@@ -254,12 +303,16 @@ class Products:
 
         got = self._ready.get(_key(b))
         if got is None:
+            if self.grad_f16:
+                from . import tiles_f16x3
+
+                return tiles_f16x3.split_cols_t(b, "b")
             return tiles_tf32.split_t(b, "b")
         out, state = got
         if not state[1]:
             cp.cuda.get_current_stream().wait_event(state[0])
             state[1] = True
-        return out
+        return out[:3] if self.grad_f16 else out
 
     def settle(self) -> None:
         """Drop the prefetched splits, the allocating stream first made to wait for any not
@@ -291,7 +344,21 @@ class Products:
         m, n = out.shape
         if m == 0 or n == 0:
             return
+        if self._grad:
+            ufac = self._grad.get(_key(a))
+            if ufac is not None:  # (F16x3 halves: only those tiles can read it)
+                self._grad_product(a, b, out, ufac, trans_a, trans_b, alpha, beta)
+                return
         small = blas.small_product(m, n, a.shape[0] if trans_a else a.shape[1])
+        if (self.f16 and not small and trans_b and not trans_a and beta in (0.0, 1.0)
+                and a.dtype == np.float32 and b.dtype == np.float32 and _out_ok(out)):
+            from . import tiles_f16x3
+
+            (ah, al, ia), (bh, bl, ib) = (tiles_f16x3.split_rows(a, "a"),
+                                          tiles_f16x3.split_rows(b, "b"))
+            tiles_f16x3.mm((ah, al), (bh, bl), out, alpha, rowf=ia, colf=ib,
+                           accumulate=beta == 1.0, k=a.shape[1])
+            return
         ok = (not small and beta in (0.0, 1.0) and not (trans_a and trans_b) and _out_ok(out)
               and a.dtype == np.float32 and b.dtype == np.float32)
         if ok and _rows16(a):
@@ -303,3 +370,19 @@ class Products:
                 pass  # (a launch the tiles refused: cuBLAS fp32, below)
         with blas.float32_precision("fp32"):
             blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)
+
+    def _grad_product(self, g, b, out, ufac, trans_a: bool, trans_b: bool, alpha: float,
+                      beta: float) -> None:
+        """G B (``trans_a``: Gᵀ B) of a gradient block ``g`` written as F16x3 halves
+        (:meth:`set_grad_block`): B split per column (``tiles_f16x3.split_cols_t``, or the
+        side stream's), the halves read in place."""
+        from . import tiles_f16x3
+
+        if trans_b or beta not in (0.0, 1.0):
+            raise ValueError(f"Products: a gradient block in F16x3 halves takes G B or Gᵀ B "
+                             f"with beta 0 or 1, not trans_b={trans_b}, beta={beta}")
+        rows, cols = g.shape
+        bh, bl, inv = self._split_t(b)
+        tiles_f16x3.mm(tiles_f16x3.Interleaved(g, rows, cols), (bh, bl), out, alpha,
+                       colf=inv, ufac=ufac, trans_a=trans_a, accumulate=beta == 1.0,
+                       k=rows if trans_a else cols)

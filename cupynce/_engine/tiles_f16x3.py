@@ -20,6 +20,7 @@ read MN-major by the tensor cores; no copy).
 """
 from __future__ import annotations
 
+import math
 import struct
 from typing import NamedTuple, Optional, Tuple
 
@@ -34,11 +35,11 @@ FILE = "tiles_ws_f16x3.cu"
 KSTEP = 64
 
 #: the kernels' one parameter, ``WsF16Launch``: four tensor maps, TileArgs<float> at 512,
-#: ring at 720, comp at 724, rowf at 728, colf at 736; 768 bytes
+#: ring at 720, comp at 724, rowf at 728, colf at 736, ufac at 744; 768 bytes
 LAUNCH_ARGS_AT = 512
 LAUNCH_BYTES = 768
 LAUNCH_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", LAUNCH_BYTES)]})
-_TAIL = struct.Struct("<ifQQ")
+_TAIL = struct.Struct("<ifQQQ")
 #: the products are scaled by 1 + TRUNC in the store (the launch's ``comp``): the mean loss of
 #: the tensor cores' truncating adds, as ``CPN_TF32X3_TRUNC`` for the TF32x3 tiles.  Measured
 #: uncompensated on an H100 (benchmarks/tf32x3_bias.py, 2026-11-27: mean of (x - ref)
@@ -47,6 +48,17 @@ _TAIL = struct.Struct("<ifQQ")
 #: unit columns (K = 4096), -2.0e-7 all-positive unit rows (D = 128)
 TRUNC = 0.86e-7
 _LAUNCH_PAD = LAUNCH_BYTES - LAUNCH_ARGS_AT - tiles.TILE_ARGS_DTYPE.itemsize - _TAIL.size
+
+
+#: the exponents the splits use (common.cuh F16X3_EXP_MIN / MAX: 2^e and 2^-e normal)
+EXP_MIN, EXP_MAX = -113, 126
+
+
+def _check_exp(exp, name: str) -> int:
+    if not isinstance(exp, (int, np.integer)) or not EXP_MIN <= exp <= EXP_MAX:
+        raise ValueError(f"tiles_f16x3: {name} must be an integer in [{EXP_MIN}, {EXP_MAX}], "
+                         f"got {exp!r}")
+    return int(exp)
 
 
 def _pad8(n: int) -> int:
@@ -82,19 +94,34 @@ def split_rows(x, name: str = "x"):
     return hi, lo, inv
 
 
-def split_cols_t(x, name: str = "x"):
+def split_cols_t(x, name: str = "x", out=None):
     """(hi, lo, inv) of xᵀ for ``x`` (rows, d) float32, each row c of xᵀ (a column of x)
-    scaled by its own 2^e_c: hi, lo float16 (d, rows rounded up to 8), inv = 2^-e_c (d)."""
+    scaled by its own 2^e_c: hi, lo float16 (d, rows rounded up to 8), inv = 2^-e_c (d).
+    ``out``: (hi, lo, inv, cmax) to write (cmax: uint32 (d,) scratch, zeroed here), nothing
+    allocated (``products_tf32.Products.prefetch`` splits on a side stream); ``x`` then
+    needs unit column stride."""
     import cupy as cp
 
+    if out is not None and x.ndim == 2 and x.shape[1] > 1 and x.strides[1] != 4:
+        raise ValueError(f"split_cols_t: {name} with out= needs unit column stride, got "
+                         f"strides {x.strides}")
     x = _rows4(x, name)
     rows, d = x.shape
     rp = _pad8(rows)
-    hi = cp.empty((d, rp), np.float16)
-    lo = cp.empty((d, rp), np.float16)
-    inv = cp.empty(d, np.float32)
+    if out is None:
+        hi = cp.empty((d, rp), np.float16)
+        lo = cp.empty((d, rp), np.float16)
+        inv = cp.empty(d, np.float32)
+        cmax = None
+    else:
+        hi, lo, inv, cmax = out
+    if d and not rp:
+        inv.fill(1)
     if d and rp:
-        cmax = cp.zeros(d, np.uint32)
+        if cmax is None:
+            cmax = cp.zeros(d, np.uint32)
+        else:
+            cmax.fill(0)
         ld = np.int64(blas.leading_dim(x, name))
         kernels.get_function(FILE, "cpn_f16x3_colmax")(
             (max(1, -(-rows // 256)), -(-d // 32)), (256,), (x, ld, np.int32(rows), np.int32(d),
@@ -111,6 +138,7 @@ def split_scaled(x, exp: int, name: str = "x"):
     2^15 (beyond, hi overflows to inf)."""
     import cupy as cp
 
+    exp = _check_exp(exp, "exp")
     x = _rows4(x, name)
     rows, cols = x.shape
     cp8 = _pad8(cols)
@@ -137,17 +165,50 @@ def split_scaled_il(x, exp: int, name: str = "x") -> Interleaved:
     dimension a multiple of 64 and at least cols rounded up to 64, becomes per row and
     64-column group that group's 64 hi then 64 lo float16 (no memory beyond x's own: what a
     gradient pass writing G could write instead).  ``x`` is overwritten."""
+    exp = _check_exp(exp, "exp")
+    check_interleaved(x, name)
     rows, cols = x.shape
-    ld = blas.leading_dim(x, name)
-    if x.dtype != np.float32 or x.strides[1] != 4 or ld % 64 or ld < -(-cols // 64) * 64:
-        raise ValueError(f"split_scaled_il: {name} must be float32 with unit column stride and "
-                         f"a leading dimension a multiple of 64 covering its columns, got "
-                         f"{x.dtype} {x.shape} strides {x.strides}")
     groups = -(-cols // 64)
     if rows and groups:
         kernels.get_function(FILE, "cpn_f16x3_split_scaled_il")(
-            (-(-groups // 16), rows), (256,), (x, np.int64(ld), np.int32(cols), np.int32(exp)))
+            (-(-groups // 16), min(rows, 65535)), (256,),
+            (x, np.int64(blas.leading_dim(x, name)), np.int32(rows), np.int32(cols),
+             np.int32(exp)))
     return Interleaved(x, rows, cols)
+
+
+def check_interleaved(x, name: str = "x") -> None:
+    """``ValueError`` unless ``x`` can hold its own interleaved halves: 2-D float32, unit
+    column stride, 16-byte aligned, a leading dimension a multiple of 64 covering its
+    columns rounded up to 64."""
+    ok = getattr(x, "ndim", None) == 2 and x.dtype == np.float32
+    if ok:
+        ld = blas.leading_dim(x, name)
+        ok = (x.strides[1] == 4 and x.data.ptr % 16 == 0 and ld % 64 == 0
+              and ld >= -(-x.shape[1] // 64) * 64)
+    if not ok:
+        raise ValueError(f"tiles_f16x3: {name} must be float32 with unit column stride, 16-byte "
+                         f"aligned, and a leading dimension a multiple of 64 covering its "
+                         f"columns, got {getattr(x, 'dtype', type(x))} "
+                         f"{getattr(x, 'shape', None)} strides {getattr(x, 'strides', None)}")
+
+
+def exp_for(bound: float) -> int:
+    """The exponent e that puts ``bound`` (a largest |x|) into [2^14, 2^15): the kernels'
+    ``f16x3_exp`` on the host (0 for inf / NaN, clamped to [EXP_MIN, EXP_MAX])."""
+    if not math.isfinite(bound):
+        return 0
+    b = abs(bound)
+    ex = math.frexp(b)[1] - 1 if b >= 2.0 ** -126 else -126  # floor(log2(b))
+    return max(EXP_MIN, min(EXP_MAX, 14 - ex))
+
+
+def bound_exp(w, n: int, stride: int, w_mul: float, out):
+    """``out[0]`` (int32, device) = :func:`exp_for` of max_i |w_mul w[i stride]| (float32
+    weights on the device: no host read)."""
+    kernels.get_function(FILE, "cpn_f16x3_bound_exp")(
+        (1,), (256,), (w, np.int64(n), np.int64(stride), np.float32(w_mul), out))
+    return out
 
 
 def available() -> bool:
@@ -155,19 +216,25 @@ def available() -> bool:
     return tiles_tf32.available()
 
 
-def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None,
+def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None, ufac=None,
        trans_a: bool = False, accumulate: bool = False, k: Optional[int] = None,
        splits: Optional[int] = None):
-    """``out = alpha · (op(A) Bᵀ · rowf[i]) · colf[j]`` (``accumulate``: ``+ out``).
+    """``out = alpha' · (op(A) Bᵀ · rowf[i]) · colf[j]`` (``accumulate``: ``+ out``), alpha'
+    = alpha (times the device scalar ``ufac[0]`` where given: float32, rounded once).
 
     ``a_parts`` = (A_hi, A_lo): (m, K) K-major, or with ``trans_a`` the halves of the stored
     (K, m) matrix; or an :class:`Interleaved` (either way round); ``b_parts`` = (B_hi, B_lo) (c, K), float16 with 16-byte rows; ``rowf``
     (m,) / ``colf`` (c,) float32 inverse scales or None (1); ``k``: the K to sum over (default
-    B's width; beyond the arrays the TMA reads zeros); ``out`` (m, c) float32 with an even
+    B's width; at most A's and B's; the halves' columns past it -- a box reaches to the next
+    multiple of 64 -- must be zero, as the splits' pads are); ``out`` (m, c) float32 with an even
     leading dimension: m and c are its shape (the halves may be wider, padded).  Returns
     ``out``."""
     il = isinstance(a_parts, Interleaved)
     if il:
+        check_interleaved(a_parts.buf, "A")
+        if (a_parts.rows, a_parts.cols) != tuple(a_parts.buf.shape):
+            raise ValueError(f"tiles_f16x3.mm: an Interleaved A of {a_parts.rows} x "
+                             f"{a_parts.cols} over a buffer of shape {a_parts.buf.shape}")
         a_hi = a_lo = None
         a_shape = (a_parts.rows, a_parts.cols)
     else:
@@ -187,9 +254,31 @@ def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None,
         raise ValueError(f"tiles_f16x3.mm: out {out.shape} has more rows than op(A) "
                          f"{a_shape}{' (transposed)' if trans_a else ''} or more columns "
                          f"than B {b_hi.shape} has rows")
-    if out.dtype != np.float32 or out.strides[1] != 4 or blas.leading_dim(out) % 2:
-        raise ValueError(f"tiles_f16x3.mm: out must be float32 with an even leading "
-                         f"dimension, got {out.dtype} strides {out.strides}")
+    if out.dtype != np.float32 or out.strides[1] != 4 or blas.leading_dim(out) % 2 \
+            or out.data.ptr % 8:
+        raise ValueError(f"tiles_f16x3.mm: out must be float32, 8-byte aligned, with an even "
+                         f"leading dimension, got {out.dtype} strides {out.strides}")
+    if not il and (a_hi.shape != a_lo.shape or a_hi.strides != a_lo.strides):
+        raise ValueError(f"tiles_f16x3.mm: A's halves differ: {a_hi.shape} {a_hi.strides} "
+                         f"and {a_lo.shape} {a_lo.strides}")
+    if b_hi.shape != b_lo.shape or b_hi.strides != b_lo.strides:
+        raise ValueError(f"tiles_f16x3.mm: B's halves differ: {b_hi.shape} {b_hi.strides} "
+                         f"and {b_lo.shape} {b_lo.strides}")
+    a_k = a_shape[0] if trans_a else a_shape[1]
+    if not 0 <= kk <= min(a_k, b_hi.shape[1]):
+        raise ValueError(f"tiles_f16x3.mm: k = {kk} must lie in [0, {min(a_k, b_hi.shape[1])}]"
+                         f" (A's and B's K)")
+    for nm, f, size in (("rowf", rowf, m), ("colf", colf, c), ("ufac", ufac, 1)):
+        if f is not None and (f.dtype != np.float32 or f.ndim != 1 or f.size < size
+                              or (f.size > 1 and f.strides[0] != 4)):
+            raise ValueError(f"tiles_f16x3.mm: {nm} must be contiguous float32 of at least "
+                             f"{size}, got {f.dtype} {f.shape}")
+    if m == 0 or c == 0:
+        return out
+    if kk == 0:  # (the kernel needs a K step: an empty product is 0)
+        if not accumulate:
+            out.fill(0)
+        return out
     rt, ct = -(-m // tiles.TILE), -(-c // tiles.TILE)
     if splits is None:
         splits = tiles.grid_splits(rt, ct)
@@ -213,7 +302,7 @@ def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None,
                                               f"a tensor map")
     blob = b"".join([mp.tobytes() for mp in maps] + [
         raw, _TAIL.pack(rg[0] | ((1 << 9) if tiles_tf32.MM_INTERLEAVE else 0), TRUNC,
-                        tiles.ptr(rowf), tiles.ptr(colf)), bytes(_LAUNCH_PAD)])
+                        tiles.ptr(rowf), tiles.ptr(colf), tiles.ptr(ufac)), bytes(_LAUNCH_PAD)])
     kern((rt, splits), (tiles.WS_THREADS,), (np.frombuffer(blob, LAUNCH_DTYPE),),
          shared_mem=rg[1])
     return out
