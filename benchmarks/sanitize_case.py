@@ -18,8 +18,9 @@ tiles: every kernel of tiles_ws_tf32.cu, both column-tile parities, row blocks a
 schedule of H) or "tf32products" (CLIP,
 SigLIP and InfoNCE's float32 products on those tiles: the interleaved consumers, the
 transposed product mmt, the accumulating product, split_t; and CLIP's row_col_stats /
-clip_grad in float32 and float64, 16-byte and scalar paths) or "f16x3" (the F16x3 prototype's
-splits and products, tiles_ws_f16x3.cu).  racecheck exits with code 9 and no
+clip_grad in float32 and float64, 16-byte and scalar paths) or "f16x3" (the F16x3 tiles'
+splits and products, tiles_ws_f16x3.cu, then CLIP under "auto" on them; "f16x3clip": that
+CLIP alone).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
 """
@@ -163,4 +164,14 @@ if part == "f16x3":
         gt[:, :k] = g.T
         F.mm(F.split_scaled_il(gt[:, :k], 14), (th, tl), o, alpha=2.0 ** -14, colf=it, k=k)
     l = o
+if part in ("f16x3", "f16x3clip"):
+    # CLIP under "auto" on the F16x3 tiles: the gradient pass writing G's halves in place
+    # (cpn_clip_grad_f16x3, 4100 columns: a partial last group), one block and row blocks,
+    # per-pair weights (reduction "none": G's exponent from the device)
+    for ws, red in ((None, "mean"), (1920 * 4100 * 4, "none")):
+        x = cp.asarray(rng.standard_normal((4100, 512)).astype(np.float32))
+        y = cp.asarray(rng.standard_normal((4100, 512)).astype(np.float32))
+        l, c = cupynce.clip_loss_forward(x, y, 2.0, reduction=red, workspace_bytes=ws,
+                                         precision="auto")
+        cupynce.clip_loss_backward(c, cp.ones(4100, np.float32) if red == "none" else 1.0)
 cp.cuda.runtime.deviceSynchronize(); print("ok", float(cp.asarray(l).sum()))
