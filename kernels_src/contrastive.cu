@@ -674,8 +674,9 @@ CPN_DEFINE_ACC(f64, double)
 // clip_grad_body's G for one row r (global i), written in place over the row of s (leading
 // dimension ld, a multiple of 64) as tiles_ws_f16x3.cu's interleaved halves of G 2^e: per
 // 64-column group, its 64 hi then its 64 lo float16 in the group's 256 bytes (columns n .. of
-// the last group zero).  No scale in G (|G_ij| <= max |w|, so e -- *e_ptr, else e_host --
-// fits G 2^e below 2^15): the products take scale 2^-e from *ufac (written by block 0, thread
+// the last group zero).  No scale in G (|G_ij| <= max |w|, whose exponent is *e_ptr, else
+// e_host; e = that - 1 puts G 2^e below 2^14, a 2x margin against float16's 65504 for an lse
+// given from elsewhere): the products take scale 2^-e from *ufac (written by block 0, thread
 // 0).  dscale_part[i] = sum_j G_ij L_ij as clip_grad.  A group is one half-warp's 16 float4
 // (all read before any is written, __syncwarp: in place); 256 threads.
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_f16x3(
@@ -687,7 +688,7 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_f16x3(
     __shared__ float sh[64];
     const int r = blockIdx.x, i = row0 + r;
     const float scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
-    const int e = e_ptr ? *e_ptr : e_host;
+    const int e = (e_ptr ? *e_ptr : e_host) - 1;  // (|G| 2^e below 2^14: a 2x margin)
     const float s2 = f16x3_pow2(e);
     if (ufac && r == 0 && threadIdx.x == 0) ufac[0] = scale * f16x3_pow2(-e);
     float* const row = s + (i64)r * ld;

@@ -245,13 +245,15 @@ def test_split_scaled_il_layout(dev):
 @gpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("ws", [None, 1920 * 4100 * 4])
-def test_clip_on_f16x3(f16x3, monkeypatch, reduction, ws):
+@pytest.mark.parametrize("n,d", [(4100, 512), (4099, 512), (4100, 514)])
+def test_clip_on_f16x3(f16x3, monkeypatch, reduction, ws, n, d):
     """CLIP under "auto" (products_tf32.USE_F16X3): every product on the F16x3 tiles (the
     gradient block as G's halves written in place by cpn_clip_grad_f16x3: G Bᵀ and Gᵀ A
-    read it interleaved), one block and row blocks (1920, 1920, 260 rows), reduction "none"
-    (per-pair weights on the device: G's exponent from tiles_f16x3.bound_exp); loss and
-    gradients within fp32's errors against float64 (x 1.25, + 2^-24 for the one-number
-    loss), deterministic."""
+    read it interleaved), one block and row blocks (1892, 1892, 316 rows: score rows padded
+    to 4160 columns), reduction "none" (per-pair weights on the device: G's exponent from
+    tiles_f16x3.bound_exp; the statistics pass and the backward's recompute the same score
+    product, odd N included); loss and gradients within fp32's errors against float64
+    (x 1.25, + 2^-24 for the one-number loss), deterministic."""
     import cupynce
     from cupynce import reference as R
     from cupynce._engine import products_tf32
@@ -264,7 +266,6 @@ def test_clip_on_f16x3(f16x3, monkeypatch, reduction, ws):
     monkeypatch.setattr(F, "mm", lambda *a, **k: seen.append(
         (isinstance(a[0], F.Interleaved), bool(k.get("trans_a")))) or real(*a, **k))
     rng = np.random.default_rng(7)
-    n, d = 4100, 512
     x = rng.standard_normal((n, d)).astype(np.float32)
     y = (x + 0.6 * rng.standard_normal((n, d))).astype(np.float32)
     ls = math.log(1 / 0.07)
@@ -295,6 +296,41 @@ def test_clip_on_f16x3(f16x3, monkeypatch, reduction, ws):
             continue
         e_k, e_f = _rel(g_, r), _rel(f_, r)
         assert e_k <= 1.25 * e_f + 2.0 ** -24, f"{name}: f16x3 {e_k:.3g} fp32 {e_f:.3g}"
+
+
+@gpu
+def test_clip_odd_d_keeps_float32_g(f16x3, monkeypatch):
+    """D odd: the gradient products' outputs (rows of D floats) cannot take the F16x3
+    stores, so G stays float32 (clip_grad) and its products go where the float32 path sends
+    them (cuBLAS fp32: the TF32x3 tiles want D a multiple of 4); the score product is
+    F16x3's in both passes; no error, fp32's accuracy."""
+    import cupynce
+    from cupynce import reference as R
+    from cupynce._engine import products_tf32, tiles_tf32
+    from cupynce.ops import _graphs
+
+    if not products_tf32.f16_applies():
+        pytest.skip("F16x3 switched off (CUPYNCE_F16X3=0)")
+    seen = []
+    real, real32 = F.mm, tiles_tf32.mm
+    monkeypatch.setattr(F, "mm", lambda *a, **k: seen.append(16) or real(*a, **k))
+    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: seen.append(32) or real32(*a, **k))
+    rng = np.random.default_rng(8)
+    n, d = 4100, 513
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    y = (x + 0.6 * rng.standard_normal((n, d))).astype(np.float32)
+    ref_loss, ref_grads = R.clip_loss(x, y, 2.0, normalize=True)
+    out = {}
+    for p in ("auto", "fp32"):
+        _graphs.clear()
+        loss, ctx = cupynce.clip_loss_forward(cp.asarray(x), cp.asarray(y), 2.0,
+                                              normalize=True, precision=p)
+        out[p] = [cp.asnumpy(v) for v in (loss, *cupynce.clip_loss_backward(ctx))]
+    assert 16 in seen and 32 not in seen, seen
+    for name, a_, f_, r in zip(("loss", "da", "db"), out["auto"], out["fp32"],
+                               [ref_loss, *ref_grads]):
+        e_k, e_f = _rel(a_, r), _rel(f_, r)
+        assert e_k <= 1.25 * e_f + 2.0 ** -24, f"{name}: auto {e_k:.3g} fp32 {e_f:.3g}"
 
 
 def test_mm_checks_its_operands(monkeypatch):

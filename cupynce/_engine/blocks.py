@@ -147,10 +147,13 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     nc = bn.shape[0]
     split_g = want_grad and t != a
     gemm = products_tf32.gemm_for(an, bn, scale_grad=True)
-    # F16x3 products: the gradient pass writes G's float16 halves over the scores (rows of a
-    # multiple of 64 columns: cpn_clip_grad_f16x3)
-    f16 = want_grad and products_tf32.uses_f16(gemm)
-    ldn = -(-nc // 64) * 64 if f16 else nc
+    # F16x3 products: score rows of a multiple of 64 columns in every pass (the statistics
+    # pass and a recompute must run the same score product), over which the gradient pass
+    # writes G's float16 halves (cpn_clip_grad_f16x3) where the gradient products' outputs
+    # (rows of D) take the F16x3 stores (D even; else G stays float32 on the TF32x3 tiles)
+    f16_s = products_tf32.uses_f16(gemm)
+    f16 = f16_s and want_grad and d % 2 == 0
+    ldn = -(-nc // 64) * 64 if f16_s else nc
     rb = blas.plan_rows("clip_loss", n, _row_bytes(t, a, ldn, want_grad, gemm), workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     # scratch and outputs from two allocations (see rows).  part_m / part_s: column
@@ -223,9 +226,10 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 gemm.__self__.set_grad_block(g_blk, ufac)
             else:
                 kernels.launch(FILE, "clip_grad", t, (nrows,), (
-                    s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
+                    s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
                     lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride),
-                    a.type(w_mul), g_blk, np.int64(nc), dsp.data.ptr - shift))
+                    a.type(w_mul), g_blk, np.int64(nc if split_g else ldn),
+                    dsp.data.ptr - shift))
             gemm(g_blk, bn, da[r0:r1])
             gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (da, db, dsp)
@@ -237,10 +241,11 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
 
 
 def _f16_grad_args(weights, length: int):
-    """(e_ptr, e_host, ufac) of ``cpn_clip_grad_f16x3``: the exponent of G's scale (|G_ij| <=
+    """(e_ptr, e_host, ufac) of ``cpn_clip_grad_f16x3``: the exponent of G's bound (|G_ij| <=
     max |w|: the host's from w_mul alone, else a device one from the weights' first
-    ``length`` entries, ``tiles_f16x3.bound_exp``) and a device float for the products'
-    factor exp(logit_scale) 2^-e."""
+    ``length`` entries, ``tiles_f16x3.bound_exp``; the kernel takes one less, a 2x margin)
+    and a device float for the products' factor exp(logit_scale) 2^-e.  One scale for all of
+    G: rows whose weight is far below the largest keep fewer bits (README, "F16x3")."""
     from . import tiles_f16x3
 
     w_arr, w_stride, w_mul = weights

@@ -152,9 +152,10 @@ def live(key: tuple, plan: "_Plan") -> bool:
 def _switches() -> tuple:
     """The engine's module-level switches that change which kernels a call runs (the
     float32 precision: this thread's, see ``blas.float32_precision``)."""
-    from .._engine import arrays, blas, tiles
+    from .._engine import arrays, blas, products_tf32, tiles, tiles_f16x3
 
     return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.USE_WSTILE, tiles.WS_STAGES,
+            products_tf32.USE_F16X3, products_tf32.SIDE_SPLITS, tiles_f16x3.TRUNC,
             tiles.WS_AR_MIN_STAGES, tiles.WS_MAX_STAGES,
             tiles.SYMMETRIC_LSE, tiles.SYMMETRIC_LSE_MIN_ND, tiles.SYMMETRIC_H,
             tiles.TILE_WORKSPACE_BYTES,
