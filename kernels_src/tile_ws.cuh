@@ -149,6 +149,20 @@ template <typename T> struct WsOps16 {
                                              int n0, int nlim, int warp, int lane) const;
 };
 
+// The promoted chunk of the split-operand policies (WsOpsTf32x3, WsOpsF16x3), once its MMAs
+// for half h of the tile on ring stage s are committed: wait for them, release the stage
+// after its second half, and add the chunk to the fp32 sum acc[h] (round to nearest).
+__device__ __forceinline__ void ws_promote(float (&acc)[2][16][4], float (&ch)[64],
+                                           const WsRing& r, int s, int h) {
+    wg_wait0();
+#pragma unroll
+    for (int q = 0; q < 64; ++q) fence_operand(ch[q]);
+    if (h == 1) ws_arrive_if(r.empty0 + 8 * s, r.leader);  // the stage is read
+    float* d = &acc[h][0][0];
+#pragma unroll
+    for (int q = 0; q < 64; ++q) d[q] += ch[q];  // round to nearest
+}
+
 // The 128 x 128 product tile times alpha into the float32 rows of g (leading dimension ldg),
 // rows < rows and columns < nlim (MODE_MM's epilogue, alpha = p.scale_mul; the float32 LSE2
 // pass's raw scores, alpha = 1); a quad's float2 stores cover 32 contiguous bytes (whole

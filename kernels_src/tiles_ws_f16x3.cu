@@ -310,13 +310,7 @@ template <bool TRANS_A, bool ILA = false> struct WsOpsF16x3 {
                 }
                 wg_commit();
                 if (h == 1 && kt == KT - 1) issued();
-                wg_wait0();
-#pragma unroll
-                for (int q = 0; q < 64; ++q) fence_operand(ch[q]);
-                if (h == 1) ws_arrive_if(r.empty0 + 8 * s, r.leader);  // the stage is read
-                float* d = &acc[h][0][0];
-#pragma unroll
-                for (int q = 0; q < 64; ++q) d[q] += ch[q];  // round to nearest
+                ws_promote(acc, ch, r, s, h);
             }
             s += r.stride;
             if (s >= r.ST) s -= r.ST;
