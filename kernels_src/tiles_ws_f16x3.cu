@@ -1,11 +1,12 @@
-// cupynce float32 products on Hopper's float16 tensor cores (issue 24, a prototype beside the
-// TF32x3 tiles of tiles_ws_tf32.cu): each float32 operand row is scaled by a power of two
+// cupynce float32 products on Hopper's float16 tensor cores (issue 24; beside the TF32x3
+// tiles of tiles_ws_tf32.cu, taken by "auto" for CLIP's products and the other row-block
+// ops' score products: products_tf32.py): each float32 operand row is scaled by a power of two
 // 2^e (its largest |x| into [2^14, 2^15)) and split into two float16 values,
 //     x 2^e = hi + lo,   hi = fp16_rn(x 2^e),   lo = fp16_rn(x 2^e - hi)
 // (x 2^e - hi is exact in float32; hi + lo keeps ~22 bits of x, as the TF32 split does), and a
 // product takes three float16 MMAs, lo_a hi_b + hi_a lo_b + hi_a hi_b (lo lo, ~2^-22
 // relative, dropped), at twice TF32's tensor-core rate.  The scales come out exactly in the
-// product's store (powers of two): out = alpha (acc rowf[i]) colf[j] (+ out).  The
+// product's store (powers of two): out = alpha acc rowf[i] colf[j] (+ out).  The
 // accumulator is promoted every 64 of K, as the TF32x3 tiles do every 32: each ring stage's
 // chunk goes into a zeroed register block on the tensor cores (small terms first) and is
 // added to the fp32 main accumulator with round-to-nearest FADDs (Hopper's tensor cores

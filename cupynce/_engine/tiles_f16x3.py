@@ -1,11 +1,12 @@
-"""Float32 products on the float16 tensor cores, "F16x3" (issue 24; a prototype, not yet
-taken by any op): ``kernels_src/tiles_ws_f16x3.cu``.
+"""Float32 products on the float16 tensor cores, "F16x3" (issue 24):
+``kernels_src/tiles_ws_f16x3.cu``.  ``products_tf32.Products`` issues them for CLIP's
+products and the other row-block ops' score products under "auto" on Hopper.
 
 Each float32 operand row is scaled by a power of two 2^e (its largest |x| into
 [2^14, 2^15)) and split into float16 halves, x 2^e = hi + lo (~22 bits of x, as the TF32x3
 split keeps); a product is lo_a·hi_b + hi_a·lo_b + hi_a·hi_b on the float16 tensor cores --
 twice TF32's rate -- promoted to an fp32 register sum every 64 of K, and the scales come out
-exactly in the store: ``out = alpha · (acc · rowf[i]) · colf[j]``.
+exactly in the store: ``out = alpha · acc · rowf[i] · colf[j]``.
 
 Operands, all K-major float16 halves plus the inverse scales of their rows:
 
@@ -13,7 +14,8 @@ Operands, all K-major float16 halves plus the inverse scales of their rows:
 * :func:`split_cols_t` -- xᵀ scaled per column of x (the B operand of G B: K = x's rows);
 * :func:`split_scaled` -- one scale 2^e for the whole matrix (a gradient block G with a
   known bound: G's rows are K for G B's and its columns are M for Gᵀ A's, so neither may
-  carry a scale of its own).
+  carry a scale of its own); :func:`split_scaled_il` the same in place, interleaved (what
+  ``cpn_clip_grad_f16x3`` writes).
 
 :func:`mm` multiplies them (``trans_a``: A given as the halves of the stored (K x M) matrix,
 read MN-major by the tensor cores; no copy).
@@ -34,12 +36,10 @@ FILE = "tiles_ws_f16x3.cu"
 #: TF32x3 tiles' 64 KiB (``tiles_tf32.ring`` sizes both)
 KSTEP = 64
 
-#: the kernels' one parameter, ``WsF16Launch``: four tensor maps, TileArgs<float> at 512,
-#: ring at 720, comp at 724, rowf at 728, colf at 736, ufac at 744; 768 bytes
-LAUNCH_ARGS_AT = 512
-LAUNCH_BYTES = 768
-LAUNCH_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", LAUNCH_BYTES)]})
-_TAIL = struct.Struct("<ifQQQ")
+#: the fields of the kernels' one parameter, ``WsF16Launch``, after the ring
+#: (``tiles_tf32.launch_packed`` packs the rest: maps, TileArgs at 512, ring at 720): comp at
+#: 724, rowf at 728, colf at 736, ufac at 744; 768 bytes in all
+_TAIL = struct.Struct("<fQQQ")
 #: the products are scaled by 1 + TRUNC in the store (the launch's ``comp``): the mean loss of
 #: the tensor cores' truncating adds, as ``CPN_TF32X3_TRUNC`` for the TF32x3 tiles.  Measured
 #: uncompensated on an H100 (benchmarks/tf32x3_bias.py, 2026-11-27: mean of (x - ref)
@@ -47,7 +47,6 @@ _TAIL = struct.Struct("<ifQQQ")
 #: rows (D = 64 / 512), -9.0e-8 pairs (D = 256), -8.0e-8 / -8.1e-8 a softmax-like block times
 #: unit columns (K = 4096), -2.0e-7 all-positive unit rows (D = 128)
 TRUNC = 0.86e-7
-_LAUNCH_PAD = LAUNCH_BYTES - LAUNCH_ARGS_AT - tiles.TILE_ARGS_DTYPE.itemsize - _TAIL.size
 
 
 #: the exponents the splits use (common.cuh F16X3_EXP_MIN / MAX: 2^e and 2^-e normal)
@@ -219,11 +218,13 @@ def available() -> bool:
 def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None, ufac=None,
        trans_a: bool = False, accumulate: bool = False, k: Optional[int] = None,
        splits: Optional[int] = None):
-    """``out = alpha' · (op(A) Bᵀ · rowf[i]) · colf[j]`` (``accumulate``: ``+ out``), alpha'
-    = alpha (times the device scalar ``ufac[0]`` where given: float32, rounded once).
+    """``out = alpha' · op(A) Bᵀ · rowf[i] · colf[j]`` (``accumulate``: ``+ out``), alpha'
+    = alpha (times the device scalar ``ufac[0]`` where given: float32, rounded once), the
+    product also scaled by 1 + :data:`TRUNC`.
 
     ``a_parts`` = (A_hi, A_lo): (m, K) K-major, or with ``trans_a`` the halves of the stored
-    (K, m) matrix; or an :class:`Interleaved` (either way round); ``b_parts`` = (B_hi, B_lo) (c, K), float16 with 16-byte rows; ``rowf``
+    (K, m) matrix; or an :class:`Interleaved` (either way round); ``b_parts`` = (B_hi, B_lo)
+    (c, K), float16 with 16-byte rows; ``rowf``
     (m,) / ``colf`` (c,) float32 inverse scales or None (1); ``k``: the K to sum over (default
     B's width; at most A's and B's; the halves' columns past it -- a box reaches to the next
     multiple of 64 -- must be zero, as the splits' pads are); ``out`` (m, c) float32 with an even
@@ -285,11 +286,7 @@ def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None, ufac=
     raw = tiles_tf32._args(b_hi, b_hi, rows=m, n1=c, d=kk, scale=alpha, g=out,
                            tri=accumulate)
     mode = ("mmt" if trans_a else "mm") + ("il" if il else "")
-    kern = kernels.get_function(FILE, f"cpn_wstile_{mode}_f16x3")
-    rg = tiles_tf32.ring(*tiles.ws_smem(kern))
-    if rg is None:
-        raise tiles_tf32.TF32TilesUnavailable(f"cpn_wstile_{mode}_f16x3: too little shared "
-                                              f"memory for {tiles_tf32.MIN_STAGES} stages")
+    name = f"cpn_wstile_{mode}_f16x3"
     box = 64 if trans_a else tiles.TILE
     if il:
         maps = [tma.interleaved_map(a_parts.buf, h, a_parts.rows, a_parts.cols, box)
@@ -297,12 +294,8 @@ def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None, ufac=
     else:
         maps = [tiles._tile_map(x, box) for x in (a_hi, a_lo)]
     maps += [tiles._tile_map(x, tiles.TILE) for x in (b_hi, b_lo)]
-    if any(mp is None for mp in maps):
-        raise tiles_tf32.TF32TilesUnavailable(f"cpn_wstile_{mode}_f16x3: the driver refused "
-                                              f"a tensor map")
-    blob = b"".join([mp.tobytes() for mp in maps] + [
-        raw, _TAIL.pack(rg[0] | ((1 << 9) if tiles_tf32.MM_INTERLEAVE else 0), TRUNC,
-                        tiles.ptr(rowf), tiles.ptr(colf), tiles.ptr(ufac)), bytes(_LAUNCH_PAD)])
-    kern((rt, splits), (tiles.WS_THREADS,), (np.frombuffer(blob, LAUNCH_DTYPE),),
-         shared_mem=rg[1])
+    tiles_tf32.launch_packed(
+        kernels.get_function(FILE, name), name, maps, (rt, splits), raw,
+        (1 << 9) if tiles_tf32.MM_INTERLEAVE else 0,
+        _TAIL.pack(TRUNC, tiles.ptr(rowf), tiles.ptr(colf), tiles.ptr(ufac)))
     return out

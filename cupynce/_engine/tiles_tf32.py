@@ -64,7 +64,6 @@ LAUNCH_ARGS_AT = 512
 LAUNCH_BYTES = 768
 LAUNCH_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", LAUNCH_BYTES)]})
 _RING = struct.Struct("<i")
-_LAUNCH_PAD = LAUNCH_BYTES - LAUNCH_ARGS_AT - tiles.TILE_ARGS_DTYPE.itemsize - _RING.size
 
 
 class TF32TilesUnavailable(RuntimeError):
@@ -157,19 +156,29 @@ def _launch(mode: str, parts, grid, raw: bytes, ring_flags: int = 0) -> None:
     matrix of A there, mapped in 32 x 32 boxes) with the packed
     :data:`tiles.TILE_ARGS_FORMAT` arguments ``raw``; ``ring_flags`` or-ed into the ring
     argument (``1 << 9``: ``mm``'s interleaved consumers)."""
-    kern, info = _kernel(mode)
-    rg = ring(*info)
-    if rg is None:
-        raise TF32TilesUnavailable(f"cpn_wstile_{mode}_tf32x3: {info[1]} bytes of shared "
-                                   f"memory per block hold fewer than {MIN_STAGES} ring stages")
+    kern, _ = _kernel(mode)
     maps = [tiles._tile_map(x, 32 if mode == "mmt" and i == 0 else tiles.TILE)
             for i, x in enumerate(parts)]
+    launch_packed(kern, f"cpn_wstile_{mode}_tf32x3", maps, grid, raw, ring_flags)
+
+
+def launch_packed(kern, name: str, maps, grid, raw: bytes, ring_flags: int = 0,
+                  tail: bytes = b"") -> None:
+    """Launch the split-operand tile kernel ``kern`` (``name`` for the errors) with its one
+    768-byte argument: the four tensor ``maps`` at 0, 128, 256, 384, the packed TileArgs
+    ``raw`` at :data:`LAUNCH_ARGS_AT`, the ring (stages | ``ring_flags``, int32) after it,
+    then ``tail`` (the F16x3 kernels' fields), zero-padded to :data:`LAUNCH_BYTES` -- the
+    layout the kernels' static_asserts hold (``WsTf32Launch``, ``WsF16Launch``).  Both
+    kernels' stages are :data:`STAGE_BYTES`."""
+    info = tiles.ws_smem(kern)
+    rg = ring(*info)
+    if rg is None:
+        raise TF32TilesUnavailable(f"{name}: {info[1]} bytes of shared memory per block hold "
+                                   f"fewer than {MIN_STAGES} ring stages")
     if any(mp is None for mp in maps):
-        raise TF32TilesUnavailable(f"cpn_wstile_{mode}_tf32x3: the driver refused a tensor map")
-    # one WsTf32Launch argument: maps at 0, 128, 256, 384, TileArgs at LAUNCH_ARGS_AT, ring
-    # after it, padded to LAUNCH_BYTES (the kernel's static_assert holds the same layout)
-    blob = b"".join([mp.tobytes() for mp in maps] + [
-        raw, _RING.pack(rg[0] | ring_flags), bytes(_LAUNCH_PAD)])
+        raise TF32TilesUnavailable(f"{name}: the driver refused a tensor map")
+    blob = b"".join([mp.tobytes() for mp in maps] + [raw, _RING.pack(rg[0] | ring_flags), tail])
+    blob += bytes(LAUNCH_BYTES - len(blob))
     kern(tuple(grid), (tiles.WS_THREADS,), (np.frombuffer(blob, LAUNCH_DTYPE),),
          shared_mem=rg[1])
 
