@@ -15,6 +15,10 @@
 // first holder's quad leaders for every valid row, v = the partner's values (0 when
 // ROW_WARPS == 1).  Called by every thread that holds rows (it holds L::pair_sync);
 // slot[k][row] is 128 floats each.
+// The warp-specialised kernels' gradient-block staging (tile_epilogue's SOUT), bytes a consumer
+// warp: a 16 x 32 block of 16-bit values (G, CLIP, SigLIP; H stages 64 x 128 a warpgroup)
+#define WS_SOUT_WARP 1024
+
 template <typename L, int I, typename Put, typename Finish>
 __device__ __forceinline__ void row_pairs(float* const (&slot)[3], int warp, int cq, int gq,
                                           const bool (&rv)[I][2], Put put, Finish finish) {
@@ -236,7 +240,8 @@ __device__ __forceinline__ void colv_values(float (&v)[4], const ColRaw& r, floa
 // The epilogue of one 128 x 128 tile (columns n0 .. n0 + 127, those at or past nlim absent) for
 // every MODE but SPMAX: acc in L's fragment layout, rs the thread's rows, cv the tile's column
 // values (colv_values, in shared memory: cv[k][column]), red the LSE2 column-partial scratch
-// ([2][NCG][TBN] floats), sout the SOUT staging tile of the thread's warpgroup (16 KiB), lt the
+// ([2][NCG][TBN] floats), sout the SOUT staging tile of the thread's warpgroup (16 KiB; the
+// warp-specialised kernel's: WS_SOUT_WARP bytes a warp), lt the
 // thread's index among those sharing the tile.  Holds L::tile_sync barriers (LSE2, SOUT).
 template <typename T, int MODE, typename L>
 __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I>& rs,
@@ -687,14 +692,49 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                     }
                 }
         }
-        if (SOUT && (MODE != MODE_SIGLIP || g)) {  // (g: uniform over the CTA)
+        if (SOUT && L::WS && MODE != MODE_H && (MODE != MODE_SIGLIP || g)) {  // (g: CTA-uniform)
+            // Warp-specialised G, CLIP, SigLIP: each warp stages its own 16 x 32 blocks
+            // (WS_SOUT_WARP = 1 KiB a warp, __syncwarp only: no warpgroup barrier, and 4 KiB
+            // a consumer instead of 16, which leaves the ring room for A resident at
+            // D = 512, tile_ws.cuh): stmatrix into 64-byte rows (16-byte chunk c of row r at
+            // c ^ ((r >> 1) & 3): conflict-free), then 16-byte stores, 64 bytes of each of 16
+            // rows; chunks past the last row or column are skipped.  (H keeps the
+            // warpgroup's 64-row staging below: its mirror, stored from one warp's 16 rows,
+            // would come in 32-byte runs -- measured slower on an H100, 2026-11-27.)
+            char* const wbuf = sout + (warp & 3) * WS_SOUT_WARP;
+            const unsigned sbuf = smem_u32(wbuf);
+#pragma unroll
+            for (int i = 0; i < I; ++i) {
+                const int r0 = m0 + L::row_base(warp) + i * L::IS;  // the warp's first row
+#pragma unroll
+                for (int q = 0; q < J / 4; ++q) {  // columns 32 q .. 32 q + 31
+#pragma unroll
+                    for (int jj = 0; jj < 2; ++jj) {
+                        const int jp = 2 * q + jj;
+                        const int r = ((lane >> 3) & 1) * 8 + (lane & 7);
+                        const int c = 2 * jj + (lane >> 4);
+                        stmatrix_x4<false>(sbuf + r * 64 + ((c ^ ((r >> 1) & 3)) << 4),
+                                           pk[i][0][2 * jp], pk[i][1][2 * jp],
+                                           pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
+                    }
+                    __syncwarp();
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const int idx = u * 32 + lane, r = idx >> 2, c = idx & 3;
+                        const uint4 v = *(const uint4*)(wbuf + r * 64 + ((c ^ ((r >> 1) & 3)) << 4));
+                        const int lr = r0 + r, col = n0 + 32 * q + c * 8;
+                        if (lr < rows && col < nlim) *(uint4*)(g + (i64)lr * ldg + col) = v;
+                    }
+                    __syncwarp();  // (read before the next stmatrix overwrites it)
+                }
+            }
+        } else if (SOUT && (MODE != MODE_SIGLIP || g)) {  // (g: uniform over the CTA)
             // A warpgroup's 64 x 128 block: stmatrix into a row-major staging tile
             // (256-byte rows, 16-byte chunk c of row r at c ^ (r & 7): conflict-free), then
             // each thread stores 16-byte chunks -- whole 128-byte lines instead of 8 rows x
             // 16 bytes per warp store.  Chunks past the last row or column are skipped; a
             // chunk that starts inside a row stays inside its 16-byte-padded leading dim
-            // (or, B2's columns starting at nlim, inside the row: n1 % 8 == 0 there).  The
-            // warp-specialised consumer owns the whole tile: two blocks (I = 2) in turn.
+            // (or, B2's columns starting at nlim, inside the row: n1 % 8 == 0 there).
             const int wg = warp >> 2, wl = warp & 3, tw = lt & 127;
             const unsigned sbuf = smem_u32(sout);
 #pragma unroll

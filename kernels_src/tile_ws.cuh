@@ -24,7 +24,8 @@
 //     the last B1 tile's columns past n1 (zero fill) carry the numbers of B2's first columns,
 //     so none of them may count -- not even as a positive (pos_out).
 //   * per consumer: its colv (column values of its tile, filled after the MMAs from loads
-//     issued before them), LSE2 column scratch and SOUT staging tile (16 KiB); epilogue
+//     issued before them), LSE2 column scratch and SOUT staging (H: 16 KiB, else 1 KiB a
+//     warp); epilogue
 //     barriers are the consumer's named barrier 1 + c, the final row merge is barrier 5.
 //
 // Operands: the walk is templated on an operand policy (Ops) that says what a ring stage holds,
@@ -44,7 +45,8 @@
 #define WS_MAX_STAGES 8
 #define WS_A_BYTES (TBM * TBK * 2)      // 16 KiB: one A box
 #define WS_B_BYTES (TBN * TBK * 2)      // 16 KiB: one B box
-#define WS_SOUT_BYTES (64 * TBN * 2)    // 16 KiB staging per consumer (SOUT modes)
+// staging per consumer (SOUT modes): a warpgroup's 64 x 128 block for H, 1 KiB a warp else
+#define WS_SOUT_BYTES(MODE) ((MODE) == MODE_H ? 64 * TBN * 2 : 4 * WS_SOUT_WARP)
 #define WS_PROD_REGS 24
 #define WS_CONS_REGS 240
 #define WS_STR2(x) #x
@@ -232,7 +234,7 @@ __device__ __forceinline__ void WsOps16<T>::mm_store(const P& p, const float (&a
 }
 
 // One CTA.  ring: ST (stages, <= WS_MAX_STAGES) | AR << 8 | IL << 9 (MODE_MM); the dynamic shared memory is
-// 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x stage + SOUT ? 32 KiB : 0, the SOUT staging
+// 1 KiB (alignment) + AR ? KT x 16 KiB : 0 + ST x stage + SOUT ? 2 WS_SOUT_BYTES : 0, the staging
 // last (SIGLIP without g, the loss alone, never touches it: not reserved); a stage is
 // Ops::stage_bytes(AR) (16-bit: AR ? 16 : 32 KiB; the TMA fills Ops::tx_bytes(AR) of it),
 // KT = ceil(d / Ops::KSTEP).
@@ -341,7 +343,7 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
         p.scale_mul, p.scale_log, p.lse_col, p.w_mul, p.tri);
     RowState<I> rs;
     rows_init<T, MODE, L>(rs, ep, p.lse_row, p.w_ptr, p.w_stride, p.pos_shift, p.pos_mod, warp, gq);
-    char* const sout = (char*)ws_smem + (rbase + ST * SB - sw_smem(ws_smem)) + c * WS_SOUT_BYTES;
+    char* const sout = (char*)ws_smem + (rbase + ST * SB - sw_smem(ws_smem)) + c * WS_SOUT_BYTES(MODE);
     WsRing rg;
     rg.fullc = full0 + 8 * (c * WS_MAX_STAGES);
     rg.empty0 = empty0; rg.abase = abase; rg.rbase = rbase; rg.SB = SB; rg.ST = ST;

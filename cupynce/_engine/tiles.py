@@ -50,17 +50,28 @@ USE_WGMMA = True
 USE_WSTILE = os.environ.get("CUPYNCE_WSTILE", "1") != "0"
 WS_FILE = "tiles_ws.cu"
 #: the tile stages ``tiles_ws.cu`` has (SPLADE's max keeps its own kernels); those writing the
-#: 16-bit gradient block stage it through 2 x 16 KiB of shared memory (SigLIP's loss alone
-#: writes none: no staging, see ws_ring)
+#: 16-bit gradient block stage it through ``WS_SOUT_BYTES`` of shared memory per consumer
+#: warpgroup (SigLIP's loss alone writes none: no staging, see ws_ring)
 WS_STAGES = frozenset({"lse", "lse2", "g", "h", "clip", "siglip"})
 _WS_SOUT = frozenset({"g", "h", "clip", "siglip"})
 WS_THREADS = 384
 WS_MAX_STAGES = 8  # (WS_MAX_STAGES in tile_ws.cuh)
+#: staging of the gradient block per consumer warpgroup (WS_SOUT_BYTES in tile_ws.cuh): 1 KiB
+#: a warp, so that g, clip and siglip keep A resident at D = 512 (H100, bf16, N = 16384, GPU
+#: time, 2026-11-27, against 16 KiB a warpgroup: clip 588 -> 553 µs, siglip 717 -> 675,
+#: lse2-free g unchanged); h stages 64 x 128 a warpgroup (``WS_SOUT_BYTES_H``): its mirror
+#: from one warp's 16 rows comes in 32-byte runs, 347 -> 373 µs with A resident
+WS_SOUT_BYTES = 4 * 1024
+WS_SOUT_BYTES_H = 16 * 1024
 #: The ring of the warp-specialised kernels: A resident (the CTA's 128 rows x D loaded once, a
 #: ring of 16 KiB B boxes) where that leaves at least this many stages, else 32 KiB (A + B)
 #: stages, as many as fit (at most WS_MAX_STAGES).  On an H100 (prototype, LSE, D = 512) A
-#: resident with 6 stages: 0.347 ms at N = 16384 against 0.391 for 6 A + B stages.
-WS_AR_MIN_STAGES = 6
+#: resident with 6 stages: 0.347 ms at N = 16384 against 0.391 for 6 A + B stages.  H100,
+#: bf16, N = 16384, D = 512, GPU time of back-to-back calls (2026-11-27): A resident with 5
+#: stages against 6 A + B stages, NT-Xent's symmetric lse2 352 -> 314 µs (an A + B stage is
+#: 64 FLOP / byte of L2 reads, A resident 128); with 4, siglip 740 -> 716, g unchanged; with
+#: 3, h / clip slower (366 -> 427 µs, 610 -> 609): hence 4.
+WS_AR_MIN_STAGES = 4
 #: NT-Xent's forward on the tiles computes each pair of score tiles once (S = Z Zᵀ is
 #: symmetric: row and column partials of half the tiles, see ``tile_lse_symmetric``) when
 #: N · D >= ``SYMMETRIC_LSE_MIN_ND`` and its column partials, 8 · N · ceil(N / 128) bytes, fit
@@ -253,7 +264,9 @@ def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
     one mode whose staging depends on g, as in tile_epilogue.cuh) drops it, so the 32 KiB go
     to the ring: A resident where it then fits."""
     kt = -(-d // 64)
-    sout = 2 * 16384 if stage in _WS_SOUT and (block or stage != "siglip") else 0
+    sout = 0
+    if stage in _WS_SOUT and (block or stage != "siglip"):
+        sout = 2 * (WS_SOUT_BYTES_H if stage == "h" else WS_SOUT_BYTES)
     budget = smem_max - static_smem - 1024 - sout  # (1 KiB: aligning the swizzled boxes)
     ar = min(WS_MAX_STAGES, budget // 16384 - kt)
     if ar >= WS_AR_MIN_STAGES:
