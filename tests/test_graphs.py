@@ -205,10 +205,11 @@ def test_layouts_the_plan_cannot_take_run_uncaptured():
 
 def test_large_plans_refused_and_cache_bounded(monkeypatch):
     monkeypatch.setattr(_graphs, "MAX_PLAN_BYTES", 1 << 10)
-    args, kw = inputs("nt_xent", 256, 64, BF16)
-    want = plain(lambda: step("nt_xent", args, kw))
+    # (InfoNCE passes no est_bytes: its capture is made, then dropped)
+    args, kw = inputs("info_nce", 256, 64, BF16)
+    want = plain(lambda: step("info_nce", args, kw))
     for _ in range(CALLS):
-        assert step("nt_xent", args, kw) == want
+        assert step("info_nce", args, kw) == want
     info = _graphs.info()
     assert info["plans"] == 0 and "MAX_PLAN_BYTES" in next(iter(info["refused"].values()))
     monkeypatch.setattr(_graphs, "MAX_PLAN_BYTES", 1 << 30)
@@ -238,7 +239,8 @@ def test_failed_capture_falls_back(monkeypatch):
 
 def test_estimated_large_problem_runs_uncaptured(monkeypatch):
     """``est_bytes`` past MAX_PLAN_BYTES: every call runs ``compute``, nothing is counted,
-    captured or refused (no key built); CLIP's float32 calls pass their score block."""
+    captured or refused (no key built); CLIP's float32 calls pass their score block, NT-Xent's
+    fused calls their gradient block."""
     x = cp.arange(8, dtype=cp.float32)
     ran = []
 
@@ -261,6 +263,20 @@ def test_estimated_large_problem_runs_uncaptured(monkeypatch):
         assert step("clip_loss", (a, b, ls), {}) == want
     info = _graphs.info()
     assert info["plans"] == 0 and info["counting"] == 0 and not info["refused"]
+    # NT-Xent's fused calls pass their gradient block + accumulator (16-bit: 256² · 2 +
+    # 256 · 64 · 4 bytes here); one byte more of room and the call is captured
+    args, kw = inputs("nt_xent", 256, 64, BF16)
+    want = plain(lambda: step("nt_xent", args, kw))
+    est = 256 * 256 * 2 + 256 * 64 * 4
+    monkeypatch.setattr(_graphs, "MAX_PLAN_BYTES", est - 1)
+    for _ in range(CALLS):
+        assert step("nt_xent", args, kw) == want
+    info = _graphs.info()
+    assert info["plans"] == 0 and info["counting"] == 0 and not info["refused"]
+    monkeypatch.setattr(_graphs, "MAX_PLAN_BYTES", 1 << 30)
+    for _ in range(CALLS):
+        assert step("nt_xent", args, kw) == want
+    assert _graphs.info()["plans"] == 1
 
 
 def test_torch_bridge_replays_bit_identically():

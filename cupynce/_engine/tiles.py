@@ -261,8 +261,8 @@ def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
     ring of tile_ws.cuh (stages | A resident << 8) under ``WS_AR_MIN_STAGES``; None where not
     even 2 stages fit.  The stages of ``_WS_SOUT`` stage the gradient block after the ring
     (the kernel places nothing else there); ``block`` False (SigLIP's loss alone: no g, the
-    one mode whose staging depends on g, as in tile_epilogue.cuh) drops it, so the 32 KiB go
-    to the ring: A resident where it then fits."""
+    one mode whose staging depends on g, as in tile_epilogue.cuh) drops it, so those bytes go
+    to the ring."""
     kt = -(-d // 64)
     sout = 0
     if stage in _WS_SOUT and (block or stage != "siglip"):
@@ -410,11 +410,13 @@ def tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
     half = pos_shift  # NT-Xent: positive of row i is i + half (mod 2 half)
     cnt = ct // 2 + 1  # tiles of the busiest row tile
     splits = grid_splits(ct, cnt)
-    part = cp.empty((2, splits, n), f32)
-    colp = cp.empty((2, ct, n), f32)
-    # the lse2 pass reads the column shift from lse_col: the positive dot of every column,
-    # dots[i] = dots[i + half] = z_i . z_{i + half}
-    dots = cp.empty((n,), f32)
+    # one scratch allocation (host time before the first kernel): dots (n) | part (2, splits,
+    # n) | colp (2, ct, n).  The lse2 pass reads the column shift from lse_col: the positive
+    # dot of every column, dots[i] = dots[i + half] = z_i . z_{i + half}
+    scratch = cp.empty((n * (1 + 2 * splits + 2 * ct),), f32)
+    dots = scratch[:n]
+    part = scratch[n:n * (1 + 2 * splits)].reshape(2, splits, n)
+    colp = scratch[n * (1 + 2 * splits):].reshape(2, ct, n)
     second = z[half:]
     if blas.leading_dim(second) != d:
         second = cp.ascontiguousarray(second)

@@ -27,7 +27,8 @@ plain call would take the same path); otherwise, and when graphs are off
 Memory: a plan holds its static inputs, outputs and the workspace of the captured call for
 as long as it is cached.  A plan above ``MAX_PLAN_BYTES`` is dropped after its capture (the
 problem then runs uncaptured: calls that large are bound by their kernels, not the host);
-an op may say so beforehand (``run``'s ``est_bytes``: CLIP's float32 score block), and its
+an op may say so beforehand (``run``'s ``est_bytes``: CLIP's float32 score block,
+NT-Xent's gradient block), and its
 calls then skip the key.  The cache holds at most ``CACHE_BYTES`` and ``MAX_PLANS`` plans,
 least recently used out first; :func:`clear` empties it.  Under ``cupynce.torch`` the memory
 comes from torch's caching allocator (it shows in ``torch.cuda.memory_allocated``).

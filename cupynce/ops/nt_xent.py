@@ -43,6 +43,19 @@ def _check(z, temperature, reduction, workspace_bytes, normalize, precision):
     return xp, t, _checks.check_precision(op, precision)
 
 
+def _kept_bytes(z, workspace_bytes) -> int:
+    """What a fused GPU call keeps beside its O(N·D) outputs, at most: the N × N gradient
+    block (16-bit H on the tiles, the float32 / float64 score block on the row blocks), capped
+    by the workspace without its free-memory bound (no driver query), plus the float32
+    gradient accumulator: ``_graphs.run``'s ``est_bytes``, so that a problem whose plan would
+    be refused (NT-Xent 16384 in 16 bits: a 512 MiB H) starts its first kernel without
+    building a graph key first."""
+    n, d = z.shape
+    item = z.dtype.itemsize if z.dtype.itemsize == 2 else acc_dtype(z.dtype).itemsize
+    cap = blas.DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    return min(n * n * item, cap) + n * d * acc_dtype(z.dtype).itemsize
+
+
 def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
                     normalize: bool = False, workspace_bytes: Optional[int] = None,
                     requires_grad: bool = True, group=None,
@@ -114,7 +127,8 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
         if path.gpu and (fused or not requires_grad):  # nothing kept that aliases z
             loss, lse, dz, norm = _graphs.run(
                 ("nt_xent", t, reduction, normalize, workspace_bytes, fused), (z,),
-                lambda z: compute(z)[:4])
+                lambda z: compute(z)[:4],
+                est_bytes=_kept_bytes(z, workspace_bytes) if fused else 0)
         else:
             loss, lse, dz, norm, zn = compute(z)
     ctx = Context("nt_xent", reduction, n, xp, stats=(lse,) if requires_grad else (),
