@@ -240,10 +240,11 @@ __device__ __forceinline__ void colv_values(float (&v)[4], const ColRaw& r, floa
 // The epilogue of one 128 x 128 tile (columns n0 .. n0 + 127, those at or past nlim absent) for
 // every MODE but SPMAX: acc in L's fragment layout, rs the thread's rows, cv the tile's column
 // values (colv_values, in shared memory: cv[k][column]), red the LSE2 column-partial scratch
-// ([2][NCG][TBN] floats), sout the SOUT staging tile of the thread's warpgroup (16 KiB; the
-// warp-specialised kernel's: WS_SOUT_WARP bytes a warp), lt the
-// thread's index among those sharing the tile.  Holds L::tile_sync barriers (LSE2, SOUT).
-template <typename T, int MODE, typename L>
+// ([2][NCG][TBN] floats), sout the SOUT staging tile of the thread's warpgroup (64 x SW 16-bit
+// values, 16 KiB for SW = 128; the warp-specialised kernels' G, CLIP and SigLIP: WS_SOUT_WARP
+// bytes a warp), lt the thread's index among those sharing the tile.  Holds L::tile_sync
+// barriers (LSE2, SOUT).
+template <typename T, int MODE, typename L, int SW = TBN>
 __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I>& rs,
                                               float (&acc)[L::I][L::J][4], int n0, int nlim,
                                               const float (*cv)[TBN], float (*red)[L::NCG][TBN],
@@ -729,55 +730,65 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                 }
             }
         } else if (SOUT && (MODE != MODE_SIGLIP || g)) {  // (g: uniform over the CTA)
-            // A warpgroup's 64 x 128 block: stmatrix into a row-major staging tile
-            // (256-byte rows, 16-byte chunk c of row r at c ^ (r & 7): conflict-free), then
-            // each thread stores 16-byte chunks -- whole 128-byte lines instead of 8 rows x
-            // 16 bytes per warp store.  Chunks past the last row or column are skipped; a
-            // chunk that starts inside a row stays inside its 16-byte-padded leading dim
+            // A warpgroup's 64 x 128 block, SW columns at a time (SW = 128 but in the
+            // warp-specialised H variants of tiles_ws_h.cu): stmatrix into a row-major
+            // staging tile (2 SW-byte rows, 16-byte chunk c of row r at c ^ (r & 7), or
+            // c ^ ((r >> 1) & 3) for 64-byte rows: conflict-free), then each thread stores
+            // 16-byte chunks -- whole 128-byte lines (64-byte runs for SW = 32) instead of 8
+            // rows x 16 bytes per warp store.  Chunks past the last row or column are skipped;
+            // a chunk that starts inside a row stays inside its 16-byte-padded leading dim
             // (or, B2's columns starting at nlim, inside the row: n1 % 8 == 0 there).
+            enum { SWC = SW / 8 };  // 16-byte chunks of a staged row
             const int wg = warp >> 2, wl = warp & 3, tw = lt & 127;
             const unsigned sbuf = smem_u32(sout);
+            auto swz = [](int c, int r) { return SWC == 4 ? c ^ ((r >> 1) & 3) : c ^ (r & 7); };
 #pragma unroll
             for (int i = 0; i < I; ++i) {
                 const int hr = L::half_row(warp, i);  // the block's first row in the tile
-                // (WS: no CTA barrier in the K loop; the last block's stores read the tile)
-                if (L::WS) wg_bar(wg);
 #pragma unroll
-                for (int jp = 0; jp < J / 2; ++jp) {
-                    const int r = wl * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-                    const int c = 2 * jp + (lane >> 4);
-                    stmatrix_x4<false>(sbuf + r * 256 + ((c ^ (r & 7)) << 4), pk[i][0][2 * jp],
-                                       pk[i][1][2 * jp], pk[i][0][2 * jp + 1],
-                                       pk[i][1][2 * jp + 1]);
-                }
-                wg_bar(wg);
+                for (int cb = 0; cb < TBN / SW; ++cb) {  // columns cb SW .. cb SW + SW - 1
+                    // (WS: no CTA barrier in the K loop; the last block's stores read the
+                    // tile; the previous column block's likewise)
+                    if (L::WS || cb > 0) wg_bar(wg);
 #pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int idx = u * 128 + tw, r = idx >> 4, c = idx & 15;
-                    const uint4 v = *(const uint4*)(sout + r * 256 + ((c ^ (r & 7)) << 4));
-                    const int lr = m0 + hr + r, col = n0 + c * 8;
-                    if (lr < rows && col < nlim) *(uint4*)(g + (i64)lr * ldg + col) = v;
-                }
-                // H with `tri`: the mirror H_JI = H_IJ^T of an off-diagonal tile, transposed
-                // by stmatrix.trans into a 128 x 64 staging tile (128-byte rows)
-                if (MODE == MODE_H && TRI && n0 != m0) {
-                    wg_bar(wg);  // the stores above have read the staging tile
-#pragma unroll
-                    for (int jp = 0; jp < J / 2; ++jp) {
-                        const int mtx = lane >> 3;
-                        const int r = (2 * jp + (mtx >> 1)) * 8 + (lane & 7);
-                        const int c = wl * 2 + (mtx & 1);
-                        stmatrix_x4<true>(sbuf + r * 128 + ((c ^ (r & 7)) << 4),
-                                          pk[i][0][2 * jp], pk[i][1][2 * jp],
-                                          pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
+                    for (int jq = 0; jq < SW / 16; ++jq) {
+                        const int jp = cb * (SW / 16) + jq;
+                        const int r = wl * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+                        const int c = 2 * jq + (lane >> 4);
+                        stmatrix_x4<false>(sbuf + r * (2 * SW) + (swz(c, r) << 4),
+                                           pk[i][0][2 * jp], pk[i][1][2 * jp],
+                                           pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
                     }
                     wg_bar(wg);
 #pragma unroll
-                    for (int u = 0; u < 8; ++u) {
-                        const int idx = u * 128 + tw, r = idx >> 3, c = idx & 7;
-                        const uint4 v = *(const uint4*)(sout + r * 128 + ((c ^ (r & 7)) << 4));
-                        const int grow = n0 + r, col = m0 + hr + c * 8;
-                        if (grow < nlim && col < rows) *(uint4*)(g + (i64)grow * ldg + col) = v;
+                    for (int u = 0; u < SW / 16; ++u) {
+                        const int idx = u * 128 + tw, r = idx / SWC, c = idx % SWC;
+                        const uint4 v = *(const uint4*)(sout + r * (2 * SW) + (swz(c, r) << 4));
+                        const int lr = m0 + hr + r, col = n0 + cb * SW + c * 8;
+                        if (lr < rows && col < nlim) *(uint4*)(g + (i64)lr * ldg + col) = v;
+                    }
+                    // H with `tri`: the mirror H_JI = H_IJ^T of an off-diagonal tile,
+                    // transposed by stmatrix.trans into an SW x 64 staging tile (128-byte
+                    // rows: the mirrored rows' runs are whole lines)
+                    if (MODE == MODE_H && TRI && n0 != m0) {
+                        wg_bar(wg);  // the stores above have read the staging tile
+#pragma unroll
+                        for (int jq = 0; jq < SW / 16; ++jq) {
+                            const int jp = cb * (SW / 16) + jq, mtx = lane >> 3;
+                            const int r = (2 * jq + (mtx >> 1)) * 8 + (lane & 7);
+                            const int c = wl * 2 + (mtx & 1);
+                            stmatrix_x4<true>(sbuf + r * 128 + ((c ^ (r & 7)) << 4),
+                                              pk[i][0][2 * jp], pk[i][1][2 * jp],
+                                              pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
+                        }
+                        wg_bar(wg);
+#pragma unroll
+                        for (int u = 0; u < SW / 16; ++u) {
+                            const int idx = u * 128 + tw, r = idx >> 3, c = idx & 7;
+                            const uint4 v = *(const uint4*)(sout + r * 128 + ((c ^ (r & 7)) << 4));
+                            const int grow = n0 + cb * SW + r, col = m0 + hr + c * 8;
+                            if (grow < nlim && col < rows) *(uint4*)(g + (i64)grow * ldg + col) = v;
+                        }
                     }
                 }
             }

@@ -521,6 +521,26 @@ def test_ring_layouts_same_bits(stage, d, ws, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n,d", [(130, 8), (300, 40), (1024, 512), (1030, 136)])
+@pytest.mark.parametrize("stage", ["h", "h_tri"])
+@pytest.mark.parametrize("hsw", [64, 32])
+def test_h_staging_variants_same_bits(hsw, stage, n, d, dtype, ws, monkeypatch):
+    """tiles_ws_h.cu's H kernels (the warpgroup's block staged 64 or 32 columns at a time,
+    A resident where that leaves room) write the same bits as tiles_ws.cu's, the mirrored
+    tiles and the edges (rows / columns past the end, the diagonal tile) included."""
+    ref = _stage_outputs(stage, dtype, n, d, 7)
+    monkeypatch.setattr(tiles, "WS_H_STAGING", hsw)
+    for ar_min in (4, 99):  # A resident where it fits, and the A + B ring
+        monkeypatch.setattr(tiles, "WS_AR_MIN_STAGES", ar_min)
+        ws.clear()
+        got = _stage_outputs(stage, dtype, n, d, 7)
+        _ran(ws, "h")
+        for key in ref:
+            assert ref[key].tobytes() == got[key].tobytes(), (hsw, stage, n, d, key, ar_min)
+
+
+@gpu
 def test_lse_device_scale_log(ws, monkeypatch):
     """tile_lse with a device log scale (InfoNCE's learnable temperature on the global path)
     against float64 and the old loop."""
@@ -593,6 +613,25 @@ def test_ws_ring_plan(stage, static, d, want):
     got = tiles.ws_ring(stage, d, static, SMEM_MAX)
     assert got == want
     assert static + got[1] <= SMEM_MAX
+
+
+@pytest.mark.parametrize("hsw,want", [
+    (128, (5, 1024 + 5 * 32768 + 32768)),
+    (64, (4 | 256, 1024 + 12 * 16384 + 16384)),
+    (32, (5 | 256, 1024 + 13 * 16384 + 8192)),
+])
+def test_ws_ring_h_staging(monkeypatch, hsw, want):
+    """H's staging, 64 x WS_H_STAGING 16-bit values a consumer, leaves the ring room for A
+    resident at D = 512 when narrower than the tile."""
+    monkeypatch.setattr(tiles, "WS_H_STAGING", hsw)
+    got = tiles.ws_ring("h", 512, 7168, SMEM_MAX)
+    assert got == want and 7168 + got[1] <= SMEM_MAX
+
+
+def test_ws_h_staging_checked(monkeypatch):
+    monkeypatch.setattr(tiles, "WS_H_STAGING", 48)
+    with pytest.raises(ValueError, match="CUPYNCE_WS_H_STAGING.*got 48"):
+        tiles.ws_ring("h", 512, 7168, SMEM_MAX)
 
 
 def test_ws_ring_none_when_nothing_fits():
@@ -680,7 +719,8 @@ def test_ws_switches_key_cuda_graphs(monkeypatch):
 
     base = _graphs._switches()
     for name, value in (("USE_WSTILE", not tiles.USE_WSTILE), ("WS_MAX_STAGES", 3),
-                        ("WS_AR_MIN_STAGES", 99), ("WS_STAGES", frozenset({"lse"}))):
+                        ("WS_AR_MIN_STAGES", 99), ("WS_STAGES", frozenset({"lse"})),
+                        ("WS_H_STAGING", 64)):
         with monkeypatch.context() as m:
             m.setattr(tiles, name, value)
             assert _graphs._switches() != base, name

@@ -58,11 +58,17 @@ WS_THREADS = 384
 WS_MAX_STAGES = 8  # (WS_MAX_STAGES in tile_ws.cuh)
 #: staging of the gradient block per consumer warpgroup (WS_SOUT_BYTES in tile_ws.cuh): 1 KiB
 #: a warp, so that g, clip and siglip keep A resident at D = 512 (H100, bf16, N = 16384, GPU
-#: time, 2026-11-27, against 16 KiB a warpgroup: clip 588 -> 553 µs, siglip 717 -> 675,
-#: lse2-free g unchanged); h stages 64 x 128 a warpgroup (``WS_SOUT_BYTES_H``): its mirror
-#: from one warp's 16 rows comes in 32-byte runs, 347 -> 373 µs with A resident
+#: time, 2026-11-27, against 16 KiB a warpgroup: clip 586 -> 547 µs, siglip 714 -> 678,
+#: g unchanged); h stages a warpgroup's 64 rows, ``WS_H_STAGING`` columns at a time (its
+#: mirror staged per warp, 16 rows, came in 32-byte runs: 347 -> 368-378 µs)
 WS_SOUT_BYTES = 4 * 1024
-WS_SOUT_BYTES_H = 16 * 1024
+#: NT-Xent's h pass: columns of the warpgroup's 64-row block staged at a time, 64 · this · 2
+#: bytes a consumer: 128 (``tiles_ws.cu``'s kernel, the default: A + B ring at D = 512), or
+#: 64 / 32 (``tiles_ws_h.cu``'s variants: room for A resident with 4 / 5 B stages, more
+#: warpgroup barriers; not yet measured).  Env ``CUPYNCE_WS_H_STAGING``.
+WS_H_STAGING = int(os.environ.get("CUPYNCE_WS_H_STAGING", "128"))
+WS_H_FILE = "tiles_ws_h.cu"
+_WS_H_STAGINGS = (128, 64, 32)
 #: The ring of the warp-specialised kernels: A resident (the CTA's 128 rows x D loaded once, a
 #: ring of 16 KiB B boxes) where that leaves at least this many stages, else 32 KiB (A + B)
 #: stages, as many as fit (at most WS_MAX_STAGES).  On an H100 (prototype, LSE, D = 512) A
@@ -254,6 +260,14 @@ def wstile() -> bool:
     return USE_WSTILE and wgmma() and tma.available()
 
 
+def _h_staging() -> int:
+    """``WS_H_STAGING``, checked."""
+    if WS_H_STAGING not in _WS_H_STAGINGS:
+        raise ValueError(f"tiles.WS_H_STAGING (env CUPYNCE_WS_H_STAGING) must be one of "
+                         f"{_WS_H_STAGINGS}, got {WS_H_STAGING!r}")
+    return WS_H_STAGING
+
+
 def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
             block: bool = True) -> Optional[Tuple[int, int]]:
     """(ring argument, dynamic shared memory) of ``cpn_wstile_<stage>`` for D = ``d``, with
@@ -266,7 +280,7 @@ def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
     kt = -(-d // 64)
     sout = 0
     if stage in _WS_SOUT and (block or stage != "siglip"):
-        sout = 2 * (WS_SOUT_BYTES_H if stage == "h" else WS_SOUT_BYTES)
+        sout = 2 * (64 * 2 * _h_staging() if stage == "h" else WS_SOUT_BYTES)
     budget = smem_max - static_smem - 1024 - sout  # (1 KiB: aligning the swizzled boxes)
     ar = min(WS_MAX_STAGES, budget // 16384 - kt)
     if ar >= WS_AR_MIN_STAGES:
@@ -337,7 +351,10 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True)
     tb2 = _tile_map(b2) if n2 else tb1
     if ta is None or tb1 is None or tb2 is None:
         return False
-    kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
+    if stage == "h" and _h_staging() != TILE:
+        kern = kernels.get_kernel(WS_H_FILE, f"wstile_h{WS_H_STAGING}", t)
+    else:
+        kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
     ring = ws_ring(stage, a.shape[1], *ws_smem(kern), block=block)
     if ring is None:
         return False
