@@ -435,3 +435,25 @@ def test_time_cuda_reads_the_sm_clock_outside_the_span(monkeypatch):
     assert order[-4:] == ["sync", "call", "sync", "clock"]
     monkeypatch.setattr(H, "_clock_reader", lambda: None)
     assert "sm_mhz" not in H.time_cuda(lambda: None, warmup=0, repeat=2)
+
+
+def test_time_cuda_burst_times_back_to_back_calls_per_call(monkeypatch):
+    """burst = k: k calls between one pair of events, no synchronisation among them, and the
+    span divided by k; burst < 1 is refused before anything runs."""
+    cupy = pytest.importorskip("cupy")
+
+    class Event:
+        def record(self, stream=None):
+            order.append("event")
+
+    order = []
+    monkeypatch.setattr(cupy.cuda, "Event", Event)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: None)
+    monkeypatch.setattr(cupy.cuda, "get_elapsed_time", lambda a, b: 6.0)
+    monkeypatch.setattr(H, "_synchronize", lambda: order.append("sync"))
+    monkeypatch.setattr(H, "_clock_reader", lambda: None)
+    res = H.time_cuda(lambda: order.append("call"), warmup=0, repeat=2, burst=3)
+    assert res["median_ms"] == 2.0 and res["times_ms"] == [2.0, 2.0]
+    assert order[-6:] == ["event", "call", "call", "call", "event", "sync"]
+    with pytest.raises(ValueError, match="burst must be >= 1, got 0"):
+        H.time_cuda(lambda: order.append("call"), warmup=0, repeat=2, burst=0)
