@@ -8,6 +8,7 @@ import pytest
 from cupynce._engine import blas
 from cupynce.ops import _graphs
 from cupynce.ops import clip as clip_op
+from cupynce.ops import nt_xent as nt_xent_op
 
 
 @pytest.fixture(autouse=True)
@@ -46,3 +47,36 @@ def test_clip_score_block_estimate(dtype, n, ws, want):
     # a float32 CLIP at N = 16384 skips the key; at 8192 (256 MiB) it is captured as before
     assert (want > _graphs.MAX_PLAN_BYTES) == (n == 16384 and dtype != np.float16
                                                and ws is None)
+
+
+@pytest.mark.parametrize("dtype, n, d, ws, want", [
+    # 16-bit: the whole H (N x N, z's dtype) + the float32 accumulator; 16384 skips the key
+    ("bfloat16", 16384, 512, None, 16384 * 16384 * 2 + 16384 * 512 * 4),
+    (np.float16, 8192, 512, None, 8192 * 8192 * 2 + 8192 * 512 * 4),
+    (np.float16, 16384, 512, 64 << 20, (64 << 20) + 16384 * 512 * 4),  # capped
+    (np.float32, 16384, 128, None, blas.DEFAULT_WORKSPACE_BYTES + 16384 * 128 * 4),
+    (np.float64, 100, 8, None, 100 * 100 * 8 + 100 * 8 * 8),
+])
+def test_nt_xent_kept_bytes(dtype, n, d, ws, want):
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dtype = ml_dtypes.bfloat16
+    z = np.zeros((n, d), dtype)
+    assert nt_xent_op._kept_bytes(z, ws) == want
+    # a 16-bit NT-Xent at N = 16384 (a 512 MiB H) skips the key; 8192 is captured as before
+    assert (want > _graphs.MAX_PLAN_BYTES) == (n == 16384 and ws is None)
+
+
+def test_thread_tokens_are_never_reused():
+    """The per-thread default stream's plans are keyed by a token per thread that no later
+    thread gets, even once the first has exited (``threading.get_ident`` may be reused)."""
+    import threading
+
+    mine = _graphs._thread_token()
+    assert _graphs._thread_token() == mine
+    seen = []
+    for _ in range(4):  # one after the other: each exits before the next starts
+        t = threading.Thread(target=lambda: seen.append(_graphs._thread_token()))
+        t.start()
+        t.join()
+    assert len(set(seen + [mine])) == 5

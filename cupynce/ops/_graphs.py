@@ -40,6 +40,7 @@ buffers are those a plain run of the same call allocated just before (kept by th
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import OrderedDict
@@ -123,6 +124,19 @@ class _Plan:
 #: per thread: while ``events`` is a list, :func:`run` appends ``(key, plan, inputs, outputs)``
 #: for each replay (``cupynce.torch``'s fast path learns from them, :func:`trace`)
 _tls = threading.local()
+_thread_tokens = itertools.count()
+
+
+def _thread_token() -> int:
+    """This thread's number, never given to another thread of the process: the plans of the
+    per-thread default stream are keyed by it.  (``threading.get_ident`` values are reused
+    once a thread has exited: a new thread would replay a dead one's plan, whose static
+    buffers that thread's stream may still be using -- and two threads in turn shared one plan,
+    the flaky test_per_thread_default_streams_have_their_own_plans.)"""
+    tok = getattr(_tls, "token", None)
+    if tok is None:
+        tok = _tls.token = next(_thread_tokens)  # (atomic under the GIL)
+    return tok
 
 
 class trace:
@@ -211,7 +225,7 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
         return compute(*inputs)
     sp = stream.ptr
     # (the per-thread default stream has one handle value for a different stream per thread)
-    skey = (sp, threading.get_ident()) if sp == _PER_THREAD else sp
+    skey = (sp, _thread_token()) if sp == _PER_THREAD else sp
     key = (op_key, tuple((x.shape, x.dtype.char) for x in inputs), cp.cuda.runtime.getDevice(),
            skey, _switches())
     plan = _plans.get(key)

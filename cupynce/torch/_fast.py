@@ -24,7 +24,6 @@ outputs are views of the core's and they run nothing after it).
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -55,7 +54,7 @@ class _Entry:
 
 
 def _key(fwd: Callable, args: Sequence[Any], index: int, stream: int) -> tuple:
-    return (fwd, index, stream, threading.get_ident(), _graphs._switches(),
+    return (fwd, index, stream, _graphs._thread_token(), _graphs._switches(),
             tuple((a.shape, a.dtype, a.stride(), a.requires_grad) if isinstance(a, Tensor)
                   else a for a in args))
 
