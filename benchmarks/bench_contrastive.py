@@ -17,7 +17,7 @@ both learnable); eager is open_clip's ``SigLipLoss`` formula
 ``-logsigmoid((2 I - 1) * (logit_scale.exp() * a @ b.T + logit_bias)).sum() / N``, and the
 cuBLAS products are 3 (S, G B, Gᵀ A per row block).  InfoNCE (``--ops info_nce``, not in
 the default set): query and key the two views, in-batch negatives, temperature 0.1; cuBLAS
-products 3 (S, G K, Gᵀ Q).
+products 3 (S, G K, Gᵀ Q; 4 on the tiles, see ``cublas_products``).
 Every implementation computes the mean loss *and* the gradients of all inputs:
 
 ``cupynce``
@@ -49,15 +49,19 @@ Every implementation computes the mean loss *and* the gradients of all inputs:
     failure or OOM is recorded, not fatal.
 ``cublas_products``
     The cuBLAS products cupynce issues, alone, with ``cupynce._engine.blas.gemm`` on preallocated
-    buffers and the same row blocks (``_blas.plan_rows``): NT-Xent 3 products of N x N x D
-    (S = Z Zᵀ into float32, G Z, Gᵀ Z; G in the input dtype, float32 accumulation); CLIP 4
-    (S in the loss pass, S again in the gradient pass, G B, Gᵀ A), or 3 when the whole
-    N x N float32 block fits in the workspace.  The ratio cupynce / cuBLAS shows what the
-    fused softmax kernels and Python add on top of the unavoidable products.  Where cupynce
-    runs its tensor-core tiles (16-bit inputs on Hopper, the default there) the same count of
-    N x N x D products is done (two by the tile kernels, the rest, one or two, by cuBLAS),
-    and CLIP always counts 4 (the tiles never keep the scores): the ratio then compares the
-    fused kernels with cuBLAS doing the same arithmetic.
+    buffers and the same row blocks (``_blas.plan_rows``), in N x N x D products (#prod):
+    on the row blocks (float32, or no tiles) NT-Xent and InfoNCE 3 (S = Q Kᵀ into float32,
+    G K, Gᵀ Q; G in the input dtype, float32 accumulation), CLIP 4 (S in the loss pass, S
+    again in the gradient pass, G B, Gᵀ A) or 3 when the whole N x N float32 block fits in
+    the workspace, SigLIP 3 (one pass).  On the tensor-core tiles (16-bit inputs on Hopper,
+    the default there) the tile passes count as the S products they compute, taken from
+    the passes one cupynce call launches (``_tile_passes``): the tiles keep no scores, so
+    CLIP and InfoNCE count 4 (statistics pass, gradient pass, two gradient products);
+    NT-Xent counts its statistics and gradient passes as half a product each where they are
+    symmetric / mirrored (half the tiles) plus its one gradient product H Z (H = G + Gᵀ):
+    2 at N = 16384, D = 512, 2.5 at 8192 (the statistics pass square there); SigLIP 3.  The
+    ratio cupynce / cuBLAS then compares the fused kernels with cuBLAS doing the same
+    arithmetic.  (Until 2026-11-27 NT-Xent and InfoNCE counted 3 on the tiles too.)
 
 Timing and memory come from ``benchmarks/harness.py`` (CUDA events on the current stream
 after a device synchronisation; median and p20/p80 of ``repeat`` runs after ``warmup``; peak
@@ -216,6 +220,28 @@ def cupynce_step(op: str, inputs: Tuple[Any, ...],
     return step
 
 
+def _tile_passes(op: str, inputs: Tuple[Any, ...]) -> List[Tuple[str, bool, int]]:
+    """The tile launches (stage, tri, rows) one plain cupynce forward + backward makes on
+    ``inputs`` (CUDA graphs off, so that the passes are launched, not replayed); empty off
+    the tiles."""
+    from cupynce._engine import tiles as C
+    from cupynce.ops import _graphs
+
+    seen: List[Tuple[str, bool, int]] = []
+    real, graphs = C.tile, _graphs.ENABLED
+
+    def spy(stage, t, grid, a, *args, **kw):  # (tiles.tile's signature)
+        seen.append((stage, bool(kw.get("tri", False)), int(a.shape[0])))
+        return real(stage, t, grid, a, *args, **kw)
+
+    C.tile, _graphs.ENABLED = spy, False
+    try:
+        cupynce_step(op, inputs)()
+    finally:
+        C.tile, _graphs.ENABLED = real, graphs
+    return seen
+
+
 def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[], None], Dict[str, Any]]:
     """The products cupynce issues for (op, inputs), on the same row blocks; and their plan."""
     import cupy as cp
@@ -236,6 +262,7 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
     g_buf = s_buf.astype(t) if split_g else s_buf
     blocks = [(r0, min(n, r0 + rb)) for r0 in range(0, n, rb)]
     gemm = _blas.gemm
+    passes = _tile_passes(op, inputs) if op in ("nt_xent", "info_nce") else []
     if op == "siglip_loss":  # one pass: S, then G B and Gᵀ A per row block
         a, b = inputs[0], inputs[1]
         da = cp.empty((n, d), acc)
@@ -248,6 +275,29 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
                 gemm(a[r0:r1], b, s_buf[:rows], trans_b=True)            # S = A_r Bᵀ
                 gemm(g_buf[:rows], b, da[r0:r1])                         # G B
                 gemm(g_buf[:rows], a[r0:r1], db, trans_a=True, beta=1.0)  # Gᵀ A_r
+    elif op in ("nt_xent", "info_nce") and passes:
+        # the tile path: a statistics pass, then a gradient pass that computes S again (the
+        # tiles keep no scores); NT-Xent's symmetric passes each cover half the tiles
+        # ("lse2" / "h" with tri) and its gradient is one product, H Z (H = G + Gᵀ)
+        q, k = (x, x) if op == "nt_xent" else inputs
+        dq = cp.zeros((n, d), acc)
+        dk = cp.zeros((n, d), acc)
+        s_blocks = []  # (each launch's rows x all columns, half the tiles when tri)
+        for stage, tri, rows in passes:
+            if stage in ("lse", "lse2", "g", "h"):
+                last = rows // 2 if tri else rows
+                s_blocks += [(r0, min(last, r0 + rb)) for r0 in range(0, last, rb)]
+        count = sum(r1 - r0 for r0, r1 in s_blocks) / n + (1 if op == "nt_xent" else 2)
+        count = int(count) if count == int(count) else round(count, 2)
+
+        def step() -> None:
+            for r0, r1 in s_blocks:                                       # the S passes
+                gemm(q[r0:r1], k, s_buf[:r1 - r0], trans_b=True)
+            for r0, r1 in blocks:
+                rows = r1 - r0
+                gemm(g_buf[:rows], k, dq[r0:r1])                         # G K (NT-Xent: H Z)
+                if op == "info_nce":
+                    gemm(g_buf[:rows], q[r0:r1], dk, trans_a=True, beta=1.0)  # Gᵀ Q_r
     elif op in ("nt_xent", "info_nce"):  # S = Q_r Kᵀ, G K, Gᵀ Q_r (NT-Xent: Q = K = Z)
         q, k = (x, x) if op == "nt_xent" else inputs
         dq = cp.zeros((n, d), acc)
