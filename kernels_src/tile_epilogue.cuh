@@ -738,6 +738,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
             // rows x 16 bytes per warp store.  Chunks past the last row or column are skipped;
             // a chunk that starts inside a row stays inside its 16-byte-padded leading dim
             // (or, B2's columns starting at nlim, inside the row: n1 % 8 == 0 there).
+            static_assert(SW == 128 || SW == 64 || SW == 32, "staging width: 128, 64 or 32");
             enum { SWC = SW / 8 };  // 16-byte chunks of a staged row
             const int wg = warp >> 2, wl = warp & 3, tw = lt & 127;
             const unsigned sbuf = smem_u32(sout);

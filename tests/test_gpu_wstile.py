@@ -634,6 +634,17 @@ def test_ws_h_staging_checked(monkeypatch):
         tiles.ws_ring("h", 512, 7168, SMEM_MAX)
 
 
+def test_ws_h_staging_env(monkeypatch):
+    """CUPYNCE_WS_H_STAGING is read at import: a value outside 128 / 64 / 32 raises there,
+    naming the variable and the value, before any kernel runs."""
+    monkeypatch.setenv("CUPYNCE_WS_H_STAGING", "64")
+    assert tiles._env_h_staging() == 64
+    for bad in ("48", "abc", ""):
+        monkeypatch.setenv("CUPYNCE_WS_H_STAGING", bad)
+        with pytest.raises(ValueError, match=f"CUPYNCE_WS_H_STAGING must be one of .*got {bad!r}"):
+            tiles._env_h_staging()
+
+
 def test_ws_ring_none_when_nothing_fits():
     assert tiles.ws_ring("g", 64, 200000, SMEM_MAX) is None
 

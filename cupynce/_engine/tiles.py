@@ -66,9 +66,19 @@ WS_SOUT_BYTES = 4 * 1024
 #: bytes a consumer: 128 (``tiles_ws.cu``'s kernel, the default: A + B ring at D = 512), or
 #: 64 / 32 (``tiles_ws_h.cu``'s variants: room for A resident with 4 / 5 B stages, more
 #: warpgroup barriers; not yet measured).  Env ``CUPYNCE_WS_H_STAGING``.
-WS_H_STAGING = int(os.environ.get("CUPYNCE_WS_H_STAGING", "128"))
-WS_H_FILE = "tiles_ws_h.cu"
 _WS_H_STAGINGS = (128, 64, 32)
+
+
+def _env_h_staging() -> int:
+    raw = os.environ.get("CUPYNCE_WS_H_STAGING", "128")
+    if raw.strip() not in {str(v) for v in _WS_H_STAGINGS}:
+        raise ValueError(f"env CUPYNCE_WS_H_STAGING must be one of {_WS_H_STAGINGS}, "
+                         f"got {raw!r}")
+    return int(raw)
+
+
+WS_H_STAGING = _env_h_staging()
+WS_H_FILE = "tiles_ws_h.cu"
 #: The ring of the warp-specialised kernels: A resident (the CTA's 128 rows x D loaded once, a
 #: ring of 16 KiB B boxes) where that leaves at least this many stages, else 32 KiB (A + B)
 #: stages, as many as fit (at most WS_MAX_STAGES).  On an H100 (prototype, LSE, D = 512) A
@@ -269,18 +279,20 @@ def _h_staging() -> int:
 
 
 def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
-            block: bool = True) -> Optional[Tuple[int, int]]:
+            block: bool = True, h_staging: Optional[int] = None) -> Optional[Tuple[int, int]]:
     """(ring argument, dynamic shared memory) of ``cpn_wstile_<stage>`` for D = ``d``, with
     ``static_smem`` bytes of static shared memory and ``smem_max`` per block (opt-in): the
     ring of tile_ws.cuh (stages | A resident << 8) under ``WS_AR_MIN_STAGES``; None where not
     even 2 stages fit.  The stages of ``_WS_SOUT`` stage the gradient block after the ring
     (the kernel places nothing else there); ``block`` False (SigLIP's loss alone: no g, the
     one mode whose staging depends on g, as in tile_epilogue.cuh) drops it, so those bytes go
-    to the ring."""
+    to the ring.  ``h_staging``: the H kernel's staging width (default ``WS_H_STAGING``; the
+    launch passes the value it chose the kernel by)."""
     kt = -(-d // 64)
     sout = 0
     if stage in _WS_SOUT and (block or stage != "siglip"):
-        sout = 2 * (64 * 2 * _h_staging() if stage == "h" else WS_SOUT_BYTES)
+        hs = _h_staging() if h_staging is None else h_staging
+        sout = 2 * (64 * 2 * hs if stage == "h" else WS_SOUT_BYTES)
     budget = smem_max - static_smem - 1024 - sout  # (1 KiB: aligning the swizzled boxes)
     ar = min(WS_MAX_STAGES, budget // 16384 - kt)
     if ar >= WS_AR_MIN_STAGES:
@@ -351,11 +363,12 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True)
     tb2 = _tile_map(b2) if n2 else tb1
     if ta is None or tb1 is None or tb2 is None:
         return False
-    if stage == "h" and _h_staging() != TILE:
-        kern = kernels.get_kernel(WS_H_FILE, f"wstile_h{WS_H_STAGING}", t)
+    hs = _h_staging()  # (read once: the kernel and its shared memory must agree)
+    if stage == "h" and hs != TILE:
+        kern = kernels.get_kernel(WS_H_FILE, f"wstile_h{hs}", t)
     else:
         kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
-    ring = ws_ring(stage, a.shape[1], *ws_smem(kern), block=block)
+    ring = ws_ring(stage, a.shape[1], *ws_smem(kern), block=block, h_staging=hs)
     if ring is None:
         return False
     kern(tuple(grid), (WS_THREADS,), (ta, tb1, tb2, args, np.int32(ring[0])),

@@ -127,7 +127,9 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10,
     the module notes).  ``fn``'s return value is dropped after each call, outside the timed
     span.  ``burst`` > 1: each timed span holds that many calls back to back and the times are
     per call -- the GPU's time with the host's hidden behind the queue (a kernel's own time,
-    not an isolated call's); the return values are dropped inside the span then.
+    not an isolated call's; the first call's host time before its first kernel stays in the
+    span, spread over the burst); the return values are dropped inside the span then, and
+    the result records ``burst``.
     """
     import cupy
 
@@ -165,6 +167,8 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10,
             mhz.append(m)
             reasons |= why
     res = _timing(ev_ms, wall_ms, warmup, repeat)
+    if burst > 1:
+        res["burst"] = burst
     if mhz:
         res.update(sm_mhz=mhz, sm_mhz_median=_percentile(sorted(mhz), 50),
                    throttle=throttle_names(reasons))
