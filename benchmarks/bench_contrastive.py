@@ -247,6 +247,23 @@ def _tile_passes(op: str, inputs: Tuple[Any, ...]) -> List[Tuple[str, bool, int]
     return seen
 
 
+def tile_products(op: str, passes: Sequence[Tuple[str, bool, int]], n: int,
+                  rb: int) -> Tuple[List[Tuple[int, int]], float]:
+    """NT-Xent's / InfoNCE's tile path as cuBLAS products: the row blocks (of at most ``rb``
+    rows) of the S = Q Kᵀ products standing for its score passes ``passes`` (see
+    :func:`_tile_passes`: each launch's rows × all N columns, half of them where ``tri``), and
+    the count of N × N × D products with its gradient products (NT-Xent: H Z; InfoNCE: G K,
+    Gᵀ Q).  A mirrored pass does CT (CT + 1) / 2 of CT² tiles, 0.504 at N = 16384: counted as
+    half, ~0.4 % low."""
+    s_blocks: List[Tuple[int, int]] = []
+    for stage, tri, rows in passes:
+        if stage in ("lse", "lse2", "g", "h"):
+            last = rows // 2 if tri else rows
+            s_blocks += [(r0, min(last, r0 + rb)) for r0 in range(0, last, rb)]
+    count = sum(r1 - r0 for r0, r1 in s_blocks) / n + (1 if op == "nt_xent" else 2)
+    return s_blocks, (int(count) if count == int(count) else round(count, 2))
+
+
 def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[], None], Dict[str, Any]]:
     """The products cupynce issues for (op, inputs), on the same row blocks; and their plan."""
     import cupy as cp
@@ -289,15 +306,7 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
         q, k = (x, x) if op == "nt_xent" else inputs
         dq = cp.zeros((n, d), acc)
         dk = cp.zeros((n, d), acc) if op == "info_nce" else None
-        # each launch's rows x all columns; half the tiles when tri (exactly CT (CT + 1) / 2
-        # of CT² tiles, 0.504 at N = 16384: the count is ~0.4 % low per mirrored pass)
-        s_blocks = []
-        for stage, tri, rows in passes:
-            if stage in ("lse", "lse2", "g", "h"):
-                last = rows // 2 if tri else rows
-                s_blocks += [(r0, min(last, r0 + rb)) for r0 in range(0, last, rb)]
-        count = sum(r1 - r0 for r0, r1 in s_blocks) / n + (1 if op == "nt_xent" else 2)
-        count = int(count) if count == int(count) else round(count, 2)
+        s_blocks, count = tile_products(op, passes, n, rb)
 
         def step() -> None:
             for r0, r1 in s_blocks:                                       # the S passes
