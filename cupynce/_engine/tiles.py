@@ -86,7 +86,8 @@ WS_H_FILE = "tiles_ws_h.cu"
 #: bf16, N = 16384, D = 512, GPU time of back-to-back calls (2026-11-27): A resident with 5
 #: stages against 6 A + B stages, NT-Xent's symmetric lse2 352 -> 314 µs (an A + B stage is
 #: 64 FLOP / byte of L2 reads, A resident 128); with 4, siglip 740 -> 716, g unchanged; with
-#: 3, h / clip slower (366 -> 427 µs, 610 -> 609): hence 4.
+#: 3, h slower (366 -> 427 µs), clip unchanged (then with 16 KiB staging): hence 4.  Measured
+#: at D = 512 only (at D = 640 lse now takes A resident with 4 stages instead of 7 A + B).
 WS_AR_MIN_STAGES = 4
 #: NT-Xent's forward on the tiles computes each pair of score tiles once (S = Z Zᵀ is
 #: symmetric: row and column partials of half the tiles, see ``tile_lse_symmetric``) when
