@@ -2,20 +2,13 @@
 need a GPU; the arithmetic of what its cuBLAS baseline issues does not)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_contrastive.py"
+from bench_scripts import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_contrastive", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("bench_contrastive")
 
 
 @pytest.mark.parametrize("op,passes,n,rb,want", [

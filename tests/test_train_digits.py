@@ -12,27 +12,22 @@ differ only by the losses' rounding.  Tolerance, per step, relative:
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
-from pathlib import Path
 
 import pytest
+from bench_scripts import load
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "train_digits.py"
 TOL = {"float32": 1e-5, "float64": 1e-12}
 STEPS = 20
 
 
 @pytest.fixture(scope="module")
 def td():
-    spec = importlib.util.spec_from_file_location("train_digits", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("train_digits")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
