@@ -13,8 +13,8 @@
 #                                         # N = 8192, 16384, 65536; CLIP 131072       [~6 min]
 #
 # Several stages: `bash benchmarks/run_tiles.sh tests passes`.  Logs and JSON go to $OUT
-# (default ./tiles-out); CUPYNCE_WS_H_STAGING is left to the caller for everything but the
-# sanitizers (which run each staging).
+# (default ./tiles-out); CUPYNCE_WS_H_STAGING / CUPYNCE_WS_H_TMA are left to the caller for
+# everything but the sanitizers (which run each H kernel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,10 +30,11 @@ for stage in "${@:-tests}"; do
     timeout 300 python -m pytest -q -rs -p no:cacheprovider -n 4 tests/test_gpu_wstile.py \
       >"$OUT/test_gpu_wstile.log" 2>&1
     stamp test_gpu_wstile $?; tail -2 "$OUT/test_gpu_wstile.log"
-    for hs in 128 64 32; do
+    for hs in 128 64 32 64t; do  # (64t: 64 with TMA stores)
+      tma=0; [ "${hs%t}" != "$hs" ] && tma=1
       for tool in memcheck racecheck synccheck; do
-        CUPYNCE_WS_H_STAGING=$hs timeout 120 compute-sanitizer --tool $tool \
-          python benchmarks/sanitize_case.py ws ws >"$OUT/san_${tool}_h$hs.log" 2>&1
+        CUPYNCE_WS_H_STAGING=${hs%t} CUPYNCE_WS_H_TMA=$tma timeout 120 compute-sanitizer \
+          --tool $tool python benchmarks/sanitize_case.py ws ws >"$OUT/san_${tool}_h$hs.log" 2>&1
         stamp "$tool h$hs" $?; tail -1 "$OUT/san_${tool}_h$hs.log"
       done
     done

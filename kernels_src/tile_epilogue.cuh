@@ -244,11 +244,12 @@ __device__ __forceinline__ void colv_values(float (&v)[4], const ColRaw& r, floa
 // values, 16 KiB for SW = 128; the warp-specialised kernels' G, CLIP and SigLIP: WS_SOUT_WARP
 // bytes a warp), lt the thread's index among those sharing the tile.  Holds L::tile_sync
 // barriers (LSE2, SOUT).
-template <typename T, int MODE, typename L, int SW = TBN>
+template <typename T, int MODE, typename L, int SW = TBN, bool GTMA = false>
 __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I>& rs,
                                               float (&acc)[L::I][L::J][4], int n0, int nlim,
                                               const float (*cv)[TBN], float (*red)[L::NCG][TBN],
-                                              char* sout, int warp, int lane, int lt) {
+                                              char* sout, int warp, int lane, int lt,
+                                              const TmaMap* tg = nullptr) {
     enum { I = L::I, J = L::J, NCG = L::NCG,
            SOUT = L::WGMMA && sizeof(T) == 2
                   && (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP
@@ -739,6 +740,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
             // a chunk that starts inside a row stays inside its 16-byte-padded leading dim
             // (or, B2's columns starting at nlim, inside the row: n1 % 8 == 0 there).
             static_assert(SW == 128 || SW == 64 || SW == 32, "staging width: 128, 64 or 32");
+            static_assert(!GTMA || SW == 64, "TMA stores: 64 x 64 boxes");
             enum { SWC = SW / 8 };  // 16-byte chunks of a staged row
             const int wg = warp >> 2, wl = warp & 3, tw = lt & 127;
             const unsigned sbuf = smem_u32(sout);
@@ -749,8 +751,12 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
 #pragma unroll
                 for (int cb = 0; cb < TBN / SW; ++cb) {  // columns cb SW .. cb SW + SW - 1
                     // (WS: no CTA barrier in the K loop; the last block's stores read the
-                    // tile; the previous column block's likewise)
-                    if (L::WS || cb > 0) wg_bar(wg);
+                    // tile; the previous column block's likewise -- GTMA: the TMA store's
+                    // reads, which its issuing thread waits for)
+                    if (L::WS || cb > 0) {
+                        if (GTMA && tw == 0) bulk_wait_read0();
+                        wg_bar(wg);
+                    }
 #pragma unroll
                     for (int jq = 0; jq < SW / 16; ++jq) {
                         const int jp = cb * (SW / 16) + jq;
@@ -760,18 +766,29 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                                            pk[i][0][2 * jp], pk[i][1][2 * jp],
                                            pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
                     }
-                    wg_bar(wg);
+                    if (GTMA) {  // one thread stores the 64 x 64 box (SW = 64: TMA's
+                        // 128-byte-swizzle layout); the map's extent clips it
+                        fence_proxy_async();
+                        wg_bar(wg);
+                        if (tw == 0) {
+                            tma_store(tg, n0 + cb * SW, m0 + hr, sbuf);
+                            bulk_commit();
+                        }
+                    } else {
+                        wg_bar(wg);
 #pragma unroll
-                    for (int u = 0; u < SW / 16; ++u) {
-                        const int idx = u * 128 + tw, r = idx / SWC, c = idx % SWC;
-                        const uint4 v = *(const uint4*)(sout + r * (2 * SW) + (swz(c, r) << 4));
-                        const int lr = m0 + hr + r, col = n0 + cb * SW + c * 8;
-                        if (lr < rows && col < nlim) *(uint4*)(g + (i64)lr * ldg + col) = v;
+                        for (int u = 0; u < SW / 16; ++u) {
+                            const int idx = u * 128 + tw, r = idx / SWC, c = idx % SWC;
+                            const uint4 v = *(const uint4*)(sout + r * (2 * SW) + (swz(c, r) << 4));
+                            const int lr = m0 + hr + r, col = n0 + cb * SW + c * 8;
+                            if (lr < rows && col < nlim) *(uint4*)(g + (i64)lr * ldg + col) = v;
+                        }
                     }
                     // H with `tri`: the mirror H_JI = H_IJ^T of an off-diagonal tile,
                     // transposed by stmatrix.trans into an SW x 64 staging tile (128-byte
                     // rows: the mirrored rows' runs are whole lines)
                     if (MODE == MODE_H && TRI && n0 != m0) {
+                        if (GTMA && tw == 0) bulk_wait_read0();
                         wg_bar(wg);  // the stores above have read the staging tile
 #pragma unroll
                         for (int jq = 0; jq < SW / 16; ++jq) {
@@ -782,13 +799,22 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                                               pk[i][0][2 * jp], pk[i][1][2 * jp],
                                               pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
                         }
-                        wg_bar(wg);
+                        if (GTMA) {  // the mirrored box: rows n0 + cb SW.., columns m0 + hr..
+                            fence_proxy_async();
+                            wg_bar(wg);
+                            if (tw == 0) {
+                                tma_store(tg, m0 + hr, n0 + cb * SW, sbuf);
+                                bulk_commit();
+                            }
+                        } else {
+                            wg_bar(wg);
 #pragma unroll
-                        for (int u = 0; u < SW / 16; ++u) {
-                            const int idx = u * 128 + tw, r = idx >> 3, c = idx & 7;
-                            const uint4 v = *(const uint4*)(sout + r * 128 + ((c ^ (r & 7)) << 4));
-                            const int grow = n0 + cb * SW + r, col = m0 + hr + c * 8;
-                            if (grow < nlim && col < rows) *(uint4*)(g + (i64)grow * ldg + col) = v;
+                            for (int u = 0; u < SW / 16; ++u) {
+                                const int idx = u * 128 + tw, r = idx >> 3, c = idx & 7;
+                                const uint4 v = *(const uint4*)(sout + r * 128 + ((c ^ (r & 7)) << 4));
+                                const int grow = n0 + cb * SW + r, col = m0 + hr + c * 8;
+                                if (grow < nlim && col < rows) *(uint4*)(g + (i64)grow * ldg + col) = v;
+                            }
                         }
                     }
                 }

@@ -239,8 +239,9 @@ __device__ __forceinline__ void WsOps16<T>::mm_store(const P& p, const float (&a
 // last (SIGLIP without g, the loss alone, never touches it: not reserved); a stage is
 // Ops::stage_bytes(AR) (16-bit: AR ? 16 : 32 KiB; the TMA fills Ops::tx_bytes(AR) of it),
 // KT = ceil(d / Ops::KSTEP).
-template <typename T, int MODE, bool PP, typename Ops, int HSW = TBN>
-__device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& p, int ring) {
+template <typename T, int MODE, bool PP, typename Ops, int HSW = TBN, bool GTMA = false>
+__device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& p, int ring,
+                                             const TmaMap* tg = nullptr) {
     typedef WsLayout L;
     enum { I = L::I, J = L::J, NCG = L::NCG,
            NCV = MODE == MODE_LSE2 ? 1 : (MODE == MODE_H || MODE == MODE_CLIP)
@@ -391,25 +392,32 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
             for (int q = 0; q < NCV; ++q) colv[c][k & 1][q][lt] = v[q];
             wg_bar(c);  // (the other parity's readers passed this barrier a tile ago)
         }
-        tile_epilogue<T, MODE, L, MODE == MODE_H ? HSW : TBN>(ep, rs, acc, n0, nlim, colv[c][k & 1],
-                                  red[MODE == MODE_LSE2 ? c : 0], sout, warp, lane, lt);
+        tile_epilogue<T, MODE, L, MODE == MODE_H ? HSW : TBN, MODE == MODE_H && GTMA>(
+            ep, rs, acc, n0, nlim, colv[c][k & 1], red[MODE == MODE_LSE2 ? c : 0], sout, warp,
+            lane, lt, tg);
     }
+    // (GTMA: the H blocks' TMA stores complete before the CTA's shared memory goes)
+    if (MODE == MODE_H && GTMA && lt == 0) bulk_wait0();
     if (MODE == MODE_LSE || MODE == MODE_LSE2 || MODE == MODE_CLIP || MODE == MODE_SIGLIP) {
         float* const slots[3] = {slot[0], slot[1], slot[2]};
         rows_finish<T, MODE, L>(ep, rs, slots, warp, lane);
     }
 }
 // the 16-bit kernels (tiles_ws.cu, tiles_ws_h.cu): maps of A, B1 and B2
-template <typename T, int MODE, bool PP, int HSW = TBN>
+// (tg: tiles_ws_h.cu's TMA-store H kernel's map of the gradient block, 64 x 64 boxes)
+template <typename T, int MODE, bool PP, int HSW = TBN, bool GTMA = false>
 __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, const TmaMap& tb2,
-                                        const TileArgs<T>& p, int ring) {
+                                        const TileArgs<T>& p, int ring,
+                                        const TmaMap* tg = nullptr) {
     WsOps16<T> ops;
     ops.ta = &ta; ops.tb1 = &tb1; ops.tb2 = &tb2;
-    tile_ws_walk<T, MODE, PP, WsOps16<T>, HSW>(ops, p, ring);
+    tile_ws_walk<T, MODE, PP, WsOps16<T>, HSW, GTMA>(ops, p, ring, tg);
 }
 #define CPN_WS_BODY(T, MODE) tile_ws<T, MODE, true>(ta, tb1, tb2, p, ring)
 #define CPN_WS_BODY_H(T, HSW) tile_ws<T, MODE_H, true, HSW>(ta, tb1, tb2, p, ring)
+#define CPN_WS_BODY_HT(T) tile_ws<T, MODE_H, true, 64, true>(ta, tb1, tb2, p, ring, &tg)
 #else
 #define CPN_WS_BODY(T, MODE) __trap()  // not an sm_90a build: Python never launches these
 #define CPN_WS_BODY_H(T, HSW) __trap()
+#define CPN_WS_BODY_HT(T) __trap()
 #endif

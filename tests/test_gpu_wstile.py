@@ -524,20 +524,34 @@ def test_ring_layouts_same_bits(stage, d, ws, monkeypatch):
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("n,d", [(130, 8), (300, 40), (1024, 512), (1030, 136)])
 @pytest.mark.parametrize("stage", ["h", "h_tri"])
-@pytest.mark.parametrize("hsw", [64, 32])
-def test_h_staging_variants_same_bits(hsw, stage, n, d, dtype, ws, monkeypatch):
+@pytest.mark.parametrize("hsw,tma", [(64, False), (32, False), (64, True)],
+                         ids=["h64", "h32", "h64t"])
+def test_h_staging_variants_same_bits(hsw, tma, stage, n, d, dtype, ws, monkeypatch):
     """tiles_ws_h.cu's H kernels (the warpgroup's block staged 64 or 32 columns at a time,
-    A resident where that leaves room) write the same bits as tiles_ws.cu's, the mirrored
-    tiles and the edges (rows / columns past the end, the diagonal tile) included."""
+    A resident where that leaves room; h64t: stored by TMA) write the same bits as
+    tiles_ws.cu's, the mirrored tiles and the edges (rows / columns past the end, the
+    diagonal tile) included."""
     ref = _stage_outputs(stage, dtype, n, d, 7)
     monkeypatch.setattr(tiles, "WS_H_STAGING", hsw)
+    monkeypatch.setattr(tiles, "WS_H_TMA", tma)
+    names = []
+    real = tiles.kernels.get_kernel
+
+    def spy(filename, name, t):
+        names.append(name)
+        return real(filename, name, t)
+
+    monkeypatch.setattr(tiles.kernels, "get_kernel", spy)
     for ar_min in (4, 99):  # A resident where it fits, and the A + B ring
         monkeypatch.setattr(tiles, "WS_AR_MIN_STAGES", ar_min)
         ws.clear()
+        names.clear()
         got = _stage_outputs(stage, dtype, n, d, 7)
         _ran(ws, "h")
+        assert f"wstile_h{hsw}{'t' if tma else ''}" in names, names
         for key in ref:
-            assert ref[key].tobytes() == got[key].tobytes(), (hsw, stage, n, d, key, ar_min)
+            assert ref[key].tobytes() == got[key].tobytes(), (hsw, tma, stage, n, d, key,
+                                                              ar_min)
 
 
 @gpu
@@ -645,6 +659,51 @@ def test_ws_h_staging_env(monkeypatch):
             tiles._env_h_staging()
 
 
+@pytest.mark.parametrize("hsw,tma,n2,want", [
+    (64, True, 0, ("tiles_ws_h.cu", "wstile_h64t", 4)),
+    (64, True, 130, ("tiles_ws_h.cu", "wstile_h64", 3)),   # a second column matrix: stores
+    (64, False, 0, ("tiles_ws_h.cu", "wstile_h64", 3)),
+    (32, True, 0, ("tiles_ws_h.cu", "wstile_h32", 3)),     # TMA stores need 64 x 64 boxes
+    (128, True, 0, ("tiles_ws.cu", "wstile_h", 3)),
+])
+def test_ws_launch_picks_the_h_kernel(monkeypatch, hsw, tma, n2, want):
+    """ws_launch's H kernel by WS_H_STAGING / WS_H_TMA (no GPU: fakes), the tensor maps it
+    passes, and a ring sized for that kernel's staging."""
+    import cupy
+
+    got = []
+
+    class Kern:
+        attributes = {"shared_size_bytes": 7168}
+        max_dynamic_shared_size_bytes = SMEM_MAX - 7168
+
+        def __call__(self, grid, block, args, shared_mem):
+            got.append((len(args) - 2, int(args[-1]), shared_mem))
+
+    class Device:
+        attributes = {"MaxSharedMemoryPerBlockOptin": SMEM_MAX}
+
+    files = []
+
+    def get_kernel(f, st, t):
+        files.append((f, st))
+        return Kern()
+
+    monkeypatch.setattr(tiles, "WS_H_STAGING", hsw)
+    monkeypatch.setattr(tiles, "WS_H_TMA", tma)
+    monkeypatch.setattr(tiles, "_WS_SMEM", {})
+    monkeypatch.setattr(tiles, "_tile_map", lambda x, box_rows=128: np.zeros(1, tiles.tma.TENSOR_MAP_DTYPE))
+    monkeypatch.setattr(tiles.kernels, "get_kernel", get_kernel)
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    a = _FakeMatrix(1024, 512)
+    assert tiles.ws_launch("h", BF16, (8, 4), a, a, _FakeMatrix(n2 or 1, 512), n2, None,
+                           g=_FakeMatrix(1024, 1024))
+    assert files == [want[:2]]
+    nmaps, ring, smem = got[0]
+    assert nmaps == want[2]
+    assert (ring, smem) == tiles.ws_ring("h", 512, 7168, SMEM_MAX, h_staging=hsw)
+
+
 def test_ws_ring_none_when_nothing_fits():
     assert tiles.ws_ring("g", 64, 200000, SMEM_MAX) is None
 
@@ -731,7 +790,7 @@ def test_ws_switches_key_cuda_graphs(monkeypatch):
     base = _graphs._switches()
     for name, value in (("USE_WSTILE", not tiles.USE_WSTILE), ("WS_MAX_STAGES", 3),
                         ("WS_AR_MIN_STAGES", 99), ("WS_STAGES", frozenset({"lse"})),
-                        ("WS_H_STAGING", 64)):
+                        ("WS_H_STAGING", 64), ("WS_H_TMA", not tiles.WS_H_TMA)):
         with monkeypatch.context() as m:
             m.setattr(tiles, name, value)
             assert _graphs._switches() != base, name

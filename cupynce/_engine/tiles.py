@@ -79,6 +79,11 @@ def _env_h_staging() -> int:
 
 WS_H_STAGING = _env_h_staging()
 WS_H_FILE = "tiles_ws_h.cu"
+#: With ``WS_H_STAGING`` 64: the h pass's staged blocks leave by TMA stores
+#: (``cpn_wstile_h64t``: one thread a block, no global stores by the consumers; not yet
+#: measured).  Env ``CUPYNCE_WS_H_TMA=1``.  Taken where the gradient block's tensor map
+#: encodes and the pass has no second column matrix, else the 64 kernel's stores.
+WS_H_TMA = os.environ.get("CUPYNCE_WS_H_TMA", "0") == "1"
 #: The ring of the warp-specialised kernels: A resident (the CTA's 128 rows x D loaded once, a
 #: ring of 16 KiB B boxes) where that leaves at least this many stages, else 32 KiB (A + B)
 #: stages, as many as fit (at most WS_MAX_STAGES).  On an H100 (prototype, LSE, D = 512) A
@@ -260,7 +265,7 @@ def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale
         scale, w_mul)
     args = np.frombuffer(raw, TILE_ARGS_DTYPE)
     if stage in WS_STAGES and wstile() and ws_launch(stage, t, grid, a, b1, b2, n2, args,
-                                                     block=g is not None):
+                                                     block=g is not None, g=g):
         return
     tile_launch(FILE, stage, t, grid, (args,))
 
@@ -349,7 +354,8 @@ def ws_smem(kern) -> Tuple[int, int]:
     return info[0], info[1]
 
 
-def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True) -> bool:
+def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True,
+              g=None) -> bool:
     """Launch ``cpn_wstile_<stage>`` of ``tiles_ws.cu`` with the packed TileArgs ``args``
     (``block``: they give a gradient block, see ws_ring); False (nothing launched) where it
     does not apply: B2's columns after n1 % 8 != 0 for a stage writing the gradient block (its
@@ -365,15 +371,20 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True)
     if ta is None or tb1 is None or tb2 is None:
         return False
     hs = _h_staging()  # (read once: the kernel and its shared memory must agree)
+    maps = (ta, tb1, tb2)
     if stage == "h" and hs != TILE:
-        kern = kernels.get_kernel(WS_H_FILE, f"wstile_h{hs}", t)
+        tg = _tile_map(g, 64) if WS_H_TMA and hs == 64 and not n2 and g is not None else None
+        if tg is not None:  # (the gradient block's map: 64 x 64 boxes)
+            kern = kernels.get_kernel(WS_H_FILE, "wstile_h64t", t)
+            maps = (ta, tb1, tb2, tg)
+        else:
+            kern = kernels.get_kernel(WS_H_FILE, f"wstile_h{hs}", t)
     else:
         kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
     ring = ws_ring(stage, a.shape[1], *ws_smem(kern), block=block, h_staging=hs)
     if ring is None:
         return False
-    kern(tuple(grid), (WS_THREADS,), (ta, tb1, tb2, args, np.int32(ring[0])),
-         shared_mem=ring[1])
+    kern(tuple(grid), (WS_THREADS,), (*maps, args, np.int32(ring[0])), shared_mem=ring[1])
     return True
 
 
