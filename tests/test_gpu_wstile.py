@@ -531,6 +531,8 @@ def test_h_staging_variants_same_bits(hsw, tma, stage, n, d, dtype, ws, monkeypa
     A resident where that leaves room; h64t: stored by TMA) write the same bits as
     tiles_ws.cu's, the mirrored tiles and the edges (rows / columns past the end, the
     diagonal tile) included."""
+    monkeypatch.setattr(tiles, "WS_H_STAGING", 128)  # (the reference: tiles_ws.cu's kernel,
+    monkeypatch.setattr(tiles, "WS_H_TMA", False)    # whatever the environment selects)
     ref = _stage_outputs(stage, dtype, n, d, 7)
     monkeypatch.setattr(tiles, "WS_H_STAGING", hsw)
     monkeypatch.setattr(tiles, "WS_H_TMA", tma)
@@ -648,6 +650,19 @@ def test_ws_h_staging_checked(monkeypatch):
         tiles.ws_ring("h", 512, 7168, SMEM_MAX)
 
 
+def test_ws_h_tma_env(monkeypatch):
+    """CUPYNCE_WS_H_TMA: 0 or 1, and 1 only with the 64-column staging (its boxes)."""
+    monkeypatch.setenv("CUPYNCE_WS_H_TMA", "1")
+    monkeypatch.setattr(tiles, "WS_H_STAGING", 64)
+    assert tiles._env_h_tma() is True
+    monkeypatch.setattr(tiles, "WS_H_STAGING", 128)
+    with pytest.raises(ValueError, match="CUPYNCE_WS_H_TMA=1 needs CUPYNCE_WS_H_STAGING=64"):
+        tiles._env_h_tma()
+    monkeypatch.setenv("CUPYNCE_WS_H_TMA", "yes")
+    with pytest.raises(ValueError, match="CUPYNCE_WS_H_TMA must be 0 or 1, got 'yes'"):
+        tiles._env_h_tma()
+
+
 def test_ws_h_staging_env(monkeypatch):
     """CUPYNCE_WS_H_STAGING is read at import: a value outside 128 / 64 / 32 raises there,
     naming the variable and the value, before any kernel runs."""
@@ -659,19 +674,26 @@ def test_ws_h_staging_env(monkeypatch):
             tiles._env_h_staging()
 
 
-@pytest.mark.parametrize("hsw,tma,n2,want", [
-    (64, True, 0, ("tiles_ws_h.cu", "wstile_h64t", 4)),
-    (64, True, 130, ("tiles_ws_h.cu", "wstile_h64", 3)),   # a second column matrix: stores
-    (64, False, 0, ("tiles_ws_h.cu", "wstile_h64", 3)),
-    (32, True, 0, ("tiles_ws_h.cu", "wstile_h32", 3)),     # TMA stores need 64 x 64 boxes
-    (128, True, 0, ("tiles_ws.cu", "wstile_h", 3)),
+@pytest.mark.parametrize("hsw,tma,n2,refuse,want", [
+    (64, True, 0, False, ("tiles_ws_h.cu", "wstile_h64t", 4)),
+    (64, True, 0, True, ("tiles_ws_h.cu", "wstile_h64", 3)),   # g's map refused: stores
+    (64, True, 130, False, ("tiles_ws_h.cu", "wstile_h64", 3)),  # a second column matrix
+    (64, False, 0, False, ("tiles_ws_h.cu", "wstile_h64", 3)),
+    (32, True, 0, False, ("tiles_ws_h.cu", "wstile_h32", 3)),  # TMA stores: 64 x 64 boxes
+    (128, True, 0, False, ("tiles_ws.cu", "wstile_h", 3)),
 ])
-def test_ws_launch_picks_the_h_kernel(monkeypatch, hsw, tma, n2, want):
+def test_ws_launch_picks_the_h_kernel(monkeypatch, hsw, tma, n2, refuse, want):
     """ws_launch's H kernel by WS_H_STAGING / WS_H_TMA (no GPU: fakes), the tensor maps it
-    passes, and a ring sized for that kernel's staging."""
+    passes (the gradient block's with 64-row boxes), and a ring sized for that kernel's
+    staging."""
     import cupy
 
-    got = []
+    got, mapped = [], []
+    g = _FakeMatrix(1024, 1024, ptr=1 << 24)
+
+    def tile_map(x, box_rows=128):
+        mapped.append((x, box_rows))
+        return None if refuse and x is g else np.zeros(1, tiles.tma.TENSOR_MAP_DTYPE)
 
     class Kern:
         attributes = {"shared_size_bytes": 7168}
@@ -692,13 +714,13 @@ def test_ws_launch_picks_the_h_kernel(monkeypatch, hsw, tma, n2, want):
     monkeypatch.setattr(tiles, "WS_H_STAGING", hsw)
     monkeypatch.setattr(tiles, "WS_H_TMA", tma)
     monkeypatch.setattr(tiles, "_WS_SMEM", {})
-    monkeypatch.setattr(tiles, "_tile_map", lambda x, box_rows=128: np.zeros(1, tiles.tma.TENSOR_MAP_DTYPE))
+    monkeypatch.setattr(tiles, "_tile_map", tile_map)
     monkeypatch.setattr(tiles.kernels, "get_kernel", get_kernel)
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     a = _FakeMatrix(1024, 512)
-    assert tiles.ws_launch("h", BF16, (8, 4), a, a, _FakeMatrix(n2 or 1, 512), n2, None,
-                           g=_FakeMatrix(1024, 1024))
+    assert tiles.ws_launch("h", BF16, (8, 4), a, a, _FakeMatrix(n2 or 1, 512), n2, None, g=g)
     assert files == [want[:2]]
+    assert ((g, 64) in mapped) == (hsw == 64 and tma and not n2)
     nmaps, ring, smem = got[0]
     assert nmaps == want[2]
     assert (ring, smem) == tiles.ws_ring("h", 512, 7168, SMEM_MAX, h_staging=hsw)

@@ -83,7 +83,17 @@ WS_H_FILE = "tiles_ws_h.cu"
 #: (``cpn_wstile_h64t``: one thread a block, no global stores by the consumers; not yet
 #: measured).  Env ``CUPYNCE_WS_H_TMA=1``.  Taken where the gradient block's tensor map
 #: encodes and the pass has no second column matrix, else the 64 kernel's stores.
-WS_H_TMA = os.environ.get("CUPYNCE_WS_H_TMA", "0") == "1"
+def _env_h_tma() -> bool:
+    raw = os.environ.get("CUPYNCE_WS_H_TMA", "0").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"env CUPYNCE_WS_H_TMA must be 0 or 1, got {raw!r}")
+    if raw == "1" and WS_H_STAGING != 64:
+        raise ValueError(f"env CUPYNCE_WS_H_TMA=1 needs CUPYNCE_WS_H_STAGING=64 (its 64 x 64 "
+                         f"boxes), got {WS_H_STAGING}")
+    return raw == "1"
+
+
+WS_H_TMA = _env_h_tma()
 #: The ring of the warp-specialised kernels: A resident (the CTA's 128 rows x D loaded once, a
 #: ring of 16 KiB B boxes) where that leaves at least this many stages, else 32 KiB (A + B)
 #: stages, as many as fit (at most WS_MAX_STAGES).  On an H100 (prototype, LSE, D = 512) A
@@ -360,7 +370,10 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True,
     (``block``: they give a gradient block, see ws_ring); False (nothing launched) where it
     does not apply: B2's columns after n1 % 8 != 0 for a stage writing the gradient block (its
     16-byte stores would straddle n1), row coordinates past 2^31 - 128, a tensor map the
-    driver refuses, or no ring that fits."""
+    driver refuses, or no ring that fits.  h with ``WS_H_STAGING`` below 128 runs
+    ``tiles_ws_h.cu``'s ``cpn_wstile_h<staging>``, or with ``WS_H_TMA`` ``cpn_wstile_h64t``
+    with a map of ``g`` (the gradient block; only without B2: the map clips at its last
+    column, not at n1), falling back to h64 where the driver refuses that map."""
     n1 = b1.shape[0]
     if n2 and stage in _WS_SOUT and block and n1 % 8:
         return False
