@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/run_tiles.sh tests    # test_gpu_wstile (-n 4) + compute-sanitizer memcheck /
 #                                         # racecheck / synccheck on every H staging  [~2 min]
+#   bash benchmarks/run_tiles.sh variants # NT-Xent's GPU tests (emulated ranks: row blocks,
+#                                         # cross blocks) on each H kernel variant      [~3 min]
 #   bash benchmarks/run_tiles.sh passes   # bench_tiles: each pass's GPU time, the H stagings,
 #                                         # bf16 and fp16                              [~1 min]
 #   bash benchmarks/run_tiles.sh ratios   # bench_contrastive, cupynce against its cuBLAS
@@ -39,6 +41,15 @@ for stage in "${@:-tests}"; do
       done
     done
     ;;
+  variants)
+    for hs in 64 32 64t; do
+      tma=0; [ "${hs%t}" != "$hs" ] && tma=1
+      CUPYNCE_WS_H_STAGING=${hs%t} CUPYNCE_WS_H_TMA=$tma timeout 300 python -m pytest -q \
+        -p no:cacheprovider -n 4 tests/test_gpu_contrastive.py tests/test_global_emulated.py \
+        -k nt_xent >"$OUT/variants_h$hs.log" 2>&1
+      stamp "nt_xent tests h$hs" $?; tail -1 "$OUT/variants_h$hs.log"
+    done
+    ;;
   passes)
     for dt in bfloat16 float16; do
       timeout 150 python benchmarks/bench_tiles.py --loops wstile --dtype $dt \
@@ -63,6 +74,6 @@ for stage in "${@:-tests}"; do
     stamp "CLIP 131072" $?; grep "^|  *[0-9]" "$OUT/bench_131072.log"
     ;;
   *)
-    echo "unknown stage $stage (tests, passes, ratios, table)"; exit 2 ;;
+    echo "unknown stage $stage (tests, variants, passes, ratios, table)"; exit 2 ;;
   esac
 done
