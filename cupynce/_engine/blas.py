@@ -446,6 +446,12 @@ def workspace_cap(workspace_bytes: Optional[int]) -> int:
     return min(DEFAULT_WORKSPACE_BYTES, int(FREE_MEMORY_FRACTION * free_device_bytes()))
 
 
+def workspace_bound(workspace_bytes: Optional[int]) -> int:
+    """The workspace cap without its free-memory bound (no driver query): the caller's, else
+    ``DEFAULT_WORKSPACE_BYTES`` -- an upper bound of :func:`workspace_cap` for estimates."""
+    return DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+
+
 def fits(nbytes: int, workspace_bytes: Optional[int]) -> bool:
     """Whether a buffer of ``nbytes`` fits the workspace (see :func:`plan_rows`)."""
     if workspace_bytes is None and nbytes <= SMALL_BLOCK_BYTES:

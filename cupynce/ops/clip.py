@@ -80,8 +80,7 @@ def _score_block_bytes(a, acc, workspace_bytes) -> int:
     if a.dtype != acc:
         return 0
     n = a.shape[0]
-    cap = blas.DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
-    return min(n * n * acc.itemsize, cap)
+    return min(n * n * acc.itemsize, blas.workspace_bound(workspace_bytes))
 
 
 def _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision):

@@ -52,8 +52,7 @@ def _kept_bytes(z, workspace_bytes) -> int:
     building a graph key first."""
     n, d = z.shape
     item = z.dtype.itemsize if z.dtype.itemsize == 2 else acc_dtype(z.dtype).itemsize
-    cap = blas.DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
-    return min(n * n * item, cap) + n * d * acc_dtype(z.dtype).itemsize
+    return min(n * n * item, blas.workspace_bound(workspace_bytes)) + n * d * acc_dtype(z.dtype).itemsize
 
 
 def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
