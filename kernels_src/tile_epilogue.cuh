@@ -7,6 +7,7 @@
 #pragma once
 #include "splade_common.cuh"
 #include "tile_loop.cuh"
+#include "tile_stage.cuh"
 
 // Per-row results: where a row is held twice (ROW_WARPS == 2: with mma.sync a row's columns
 // are split over two warps, in the warp-specialised kernel its tiles over two consumer
@@ -15,10 +16,6 @@
 // first holder's quad leaders for every valid row, v = the partner's values (0 when
 // ROW_WARPS == 1).  Called by every thread that holds rows (it holds L::pair_sync);
 // slot[k][row] is 128 floats each.
-// The warp-specialised kernels' gradient-block staging (tile_epilogue's SOUT), bytes a consumer
-// warp: a 16 x 32 block of 16-bit values (G, CLIP, SigLIP; H stages 64 x 128 a warpgroup)
-#define WS_SOUT_WARP 1024
-
 template <typename L, int I, typename Put, typename Finish>
 __device__ __forceinline__ void row_pairs(float* const (&slot)[3], int warp, int cq, int gq,
                                           const bool (&rv)[I][2], Put put, Finish finish) {
@@ -694,131 +691,13 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                     }
                 }
         }
-        if (SOUT && L::WS && MODE != MODE_H && (MODE != MODE_SIGLIP || g)) {  // (g: CTA-uniform)
-            // Warp-specialised G, CLIP, SigLIP: each warp stages its own 16 x 32 blocks
-            // (WS_SOUT_WARP = 1 KiB a warp, __syncwarp only: no warpgroup barrier, and 4 KiB
-            // a consumer instead of 16, which leaves the ring room for A resident at
-            // D = 512, tile_ws.cuh): stmatrix into 64-byte rows (16-byte chunk c of row r at
-            // c ^ ((r >> 1) & 3): conflict-free), then 16-byte stores, 64 bytes of each of 16
-            // rows; chunks past the last row or column are skipped.  (H keeps the
-            // warpgroup's 64-row staging below: its mirror, stored from one warp's 16 rows,
-            // would come in 32-byte runs -- measured slower on an H100, 2026-11-27.)
-            char* const wbuf = sout + (warp & 3) * WS_SOUT_WARP;
-            const unsigned sbuf = smem_u32(wbuf);
-#pragma unroll
-            for (int i = 0; i < I; ++i) {
-                const int r0 = m0 + L::row_base(warp) + i * L::IS;  // the warp's first row
-#pragma unroll
-                for (int q = 0; q < J / 4; ++q) {  // columns 32 q .. 32 q + 31
-#pragma unroll
-                    for (int jj = 0; jj < 2; ++jj) {
-                        const int jp = 2 * q + jj;
-                        const int r = ((lane >> 3) & 1) * 8 + (lane & 7);
-                        const int c = 2 * jj + (lane >> 4);
-                        stmatrix_x4<false>(sbuf + r * 64 + ((c ^ ((r >> 1) & 3)) << 4),
-                                           pk[i][0][2 * jp], pk[i][1][2 * jp],
-                                           pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
-                    }
-                    __syncwarp();
-#pragma unroll
-                    for (int u = 0; u < 2; ++u) {
-                        const int idx = u * 32 + lane, r = idx >> 2, c = idx & 3;
-                        const uint4 v = *(const uint4*)(wbuf + r * 64 + ((c ^ ((r >> 1) & 3)) << 4));
-                        const int lr = r0 + r, col = n0 + 32 * q + c * 8;
-                        if (lr < rows && col < nlim) *(uint4*)(g + (i64)lr * ldg + col) = v;
-                    }
-                    __syncwarp();  // (read before the next stmatrix overwrites it)
-                }
-            }
-        } else if (SOUT && (MODE != MODE_SIGLIP || g)) {  // (g: uniform over the CTA)
-            // A warpgroup's 64 x 128 block, SW columns at a time (SW = 128 but in the
-            // warp-specialised H variants of tiles_ws_h.cu): stmatrix into a row-major
-            // staging tile (2 SW-byte rows, 16-byte chunk c of row r at c ^ (r & 7), or
-            // c ^ ((r >> 1) & 3) for 64-byte rows: conflict-free), then each thread stores
-            // 16-byte chunks -- whole 128-byte lines (64-byte runs for SW = 32) instead of 8
-            // rows x 16 bytes per warp store.  Chunks past the last row or column are skipped;
-            // a chunk that starts inside a row stays inside its 16-byte-padded leading dim
-            // (or, B2's columns starting at nlim, inside the row: n1 % 8 == 0 there).
-            static_assert(SW == 128 || SW == 64 || SW == 32, "staging width: 128, 64 or 32");
-            static_assert(!GTMA || SW == 64, "TMA stores: 64 x 64 boxes");
-            enum { SWC = SW / 8 };  // 16-byte chunks of a staged row
-            const int wg = warp >> 2, wl = warp & 3, tw = lt & 127;
-            const unsigned sbuf = smem_u32(sout);
-            auto swz = [](int c, int r) { return SWC == 4 ? c ^ ((r >> 1) & 3) : c ^ (r & 7); };
-#pragma unroll
-            for (int i = 0; i < I; ++i) {
-                const int hr = L::half_row(warp, i);  // the block's first row in the tile
-#pragma unroll
-                for (int cb = 0; cb < TBN / SW; ++cb) {  // columns cb SW .. cb SW + SW - 1
-                    // (WS: no CTA barrier in the K loop; the last block's stores read the
-                    // tile; the previous column block's likewise -- GTMA: the TMA store's
-                    // reads, which its issuing thread waits for)
-                    if (L::WS || cb > 0) {
-                        if (GTMA && tw == 0) bulk_wait_read0();
-                        wg_bar(wg);
-                    }
-#pragma unroll
-                    for (int jq = 0; jq < SW / 16; ++jq) {
-                        const int jp = cb * (SW / 16) + jq;
-                        const int r = wl * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-                        const int c = 2 * jq + (lane >> 4);
-                        stmatrix_x4<false>(sbuf + r * (2 * SW) + (swz(c, r) << 4),
-                                           pk[i][0][2 * jp], pk[i][1][2 * jp],
-                                           pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
-                    }
-                    if (GTMA) {  // one thread stores the 64 x 64 box (SW = 64: TMA's
-                        // 128-byte-swizzle layout); the map's extent clips it
-                        fence_proxy_async();
-                        wg_bar(wg);
-                        if (tw == 0) {
-                            tma_store(tg, n0 + cb * SW, m0 + hr, sbuf);
-                            bulk_commit();
-                        }
-                    } else {
-                        wg_bar(wg);
-#pragma unroll
-                        for (int u = 0; u < SW / 16; ++u) {
-                            const int idx = u * 128 + tw, r = idx / SWC, c = idx % SWC;
-                            const uint4 v = *(const uint4*)(sout + r * (2 * SW) + (swz(c, r) << 4));
-                            const int lr = m0 + hr + r, col = n0 + cb * SW + c * 8;
-                            if (lr < rows && col < nlim) *(uint4*)(g + (i64)lr * ldg + col) = v;
-                        }
-                    }
-                    // H with `tri`: the mirror H_JI = H_IJ^T of an off-diagonal tile,
-                    // transposed by stmatrix.trans into an SW x 64 staging tile (128-byte
-                    // rows: the mirrored rows' runs are whole lines)
-                    if (MODE == MODE_H && TRI && n0 != m0) {
-                        if (GTMA && tw == 0) bulk_wait_read0();
-                        wg_bar(wg);  // the stores above have read the staging tile
-#pragma unroll
-                        for (int jq = 0; jq < SW / 16; ++jq) {
-                            const int jp = cb * (SW / 16) + jq, mtx = lane >> 3;
-                            const int r = (2 * jq + (mtx >> 1)) * 8 + (lane & 7);
-                            const int c = wl * 2 + (mtx & 1);
-                            stmatrix_x4<true>(sbuf + r * 128 + ((c ^ (r & 7)) << 4),
-                                              pk[i][0][2 * jp], pk[i][1][2 * jp],
-                                              pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
-                        }
-                        if (GTMA) {  // the mirrored box: rows n0 + cb SW.., columns m0 + hr..
-                            fence_proxy_async();
-                            wg_bar(wg);
-                            if (tw == 0) {
-                                tma_store(tg, m0 + hr, n0 + cb * SW, sbuf);
-                                bulk_commit();
-                            }
-                        } else {
-                            wg_bar(wg);
-#pragma unroll
-                            for (int u = 0; u < SW / 16; ++u) {
-                                const int idx = u * 128 + tw, r = idx >> 3, c = idx & 7;
-                                const uint4 v = *(const uint4*)(sout + r * 128 + ((c ^ (r & 7)) << 4));
-                                const int grow = n0 + cb * SW + r, col = m0 + hr + c * 8;
-                                if (grow < nlim && col < rows) *(uint4*)(g + (i64)grow * ldg + col) = v;
-                            }
-                        }
-                    }
-                }
-            }
+        if (SOUT && (MODE != MODE_SIGLIP || g)) {  // (g: uniform over the CTA; tile_stage.cuh)
+            if (L::WS && MODE != MODE_H)
+                stage_warp<L>(pk, g, ldg, rows, nlim, m0, n0, sout, warp, lane);
+            else
+                stage_warpgroup<L, SW, GTMA>(pk, g, ldg, rows, nlim, m0, n0,
+                                             MODE == MODE_H && TRI && n0 != m0, sout, warp,
+                                             lane, lt, tg);
         }
     }
 }
