@@ -63,8 +63,9 @@ __device__ __forceinline__ void stage_warp(const unsigned (&pk)[I][2][J], T* g, 
 // staged 64 x 64 blocks -- the staging layout is TMA's 128-byte swizzle -- leave by TMA
 // stores through tg, issued by one thread after every writer's proxy fence and the
 // warpgroup barrier; the staging is rewritten once they have read it (their issuer waits),
-// and the map's extent clips them.  Barriers: L::tile_sync-free on the warp-specialised
-// loop (WS: wg_bar before the first block, the last tile's stores may still read it).
+// and the map's extent clips them.  On the warp-specialised loop a barrier frees the staging
+// before the first block too (the previous tile's stores may still read it); the cp.async
+// loops' tile barriers do that for them.
 template <typename L, int SW, bool GTMA, typename T, int I, int J>
 __device__ __forceinline__ void stage_warpgroup(const unsigned (&pk)[I][2][J], T* g, i64 ldg,
                                                 int rows, int nlim, int m0, int n0,
