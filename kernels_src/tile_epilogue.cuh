@@ -560,10 +560,36 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
             for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int j = 0; j < J; ++j) pk[i][h][j] = 0u;
+        // SIGLIP's exact path for one score (C: a special tile): L = s a + beta, z = +1 on the
+        // positive (col == grow) and -1 elsewhere: softplus(-zL) and sigmoid(-zL) from one
+        // e = exp(-|zL|), as siglip_rows (contrastive.cu); adds to the row's sums, returns
+        // the gradient block's value
+        auto siglip_exact = [&](int i, int h, float raw, int col, bool C) -> float {
+            const bool posi = C && col == gi[i][h];
+            const float lg = scale * raw + sbias;
+            const float zl = posi ? lg : -lg;
+            const float ez = cpn_exp(-fabsf(zl));
+            float x = 0.f;
+            if (sg_loss && (!C || col < nlim))
+                rl[i][h] += (zl < 0.f ? -zl : 0.f) + cpn_log1p(ez);
+            if (sg_grad && (!C || col < nlim)) {
+                // -z sigmoid(-zl); (1 + ez in [1, 2]: the fast division is within 2 ulp, far
+                // below the block's rounding); the row's factors w_mul v_i (s) at the end
+                const float sg = __fdividef(zl > 0.f ? ez : 1.f, 1.f + ez);
+                const float sz = posi ? -sg : sg;
+                rx[i][h] = fmaf(sz, raw, rx[i][h]);
+                rm[i][h] += sz;
+                x = fi[i][h] * sz;
+            }
+            return x;
+        };
+        // SROLL: SigLIP's exact path is the rolled loop after this one (SR column groups a turn)
+        enum { SROLL = MODE == MODE_SIGLIP && L::WS && SOUT && sizeof(T) == 2, SR = 1 };
 #pragma unroll
         for (int variant = 0; variant < 3; ++variant) {  // C and F are constants in each copy
             const bool C = variant == 0, F = variant == 2;
             if (MODE == MODE_G && F) continue;
+            if (SROLL && !F) continue;  // (the rolled loop below)
             if (C != special || F != fast) continue;
 #pragma unroll
             for (int i = 0; i < I; ++i)
@@ -599,27 +625,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                                     x = fi[i][h] * se;
                                 }
                             } else if (MODE == MODE_SIGLIP) {
-                                // L = s a + beta, z = +1 on the positive (col == grow)
-                                // and -1 elsewhere: softplus(-zL) and sigmoid(-zL) from
-                                // one e = exp(-|zL|), as siglip_rows (contrastive.cu)
-                                const float raw = acc[i][j][h * 2 + e];
-                                const bool posi = C && col == grow;
-                                const float lg = scale * raw + sbias;
-                                const float zl = posi ? lg : -lg;
-                                const float ez = cpn_exp(-fabsf(zl));
-                                x = 0.f;
-                                if (sg_loss && (!C || col < nlim))
-                                    rl[i][h] += (zl < 0.f ? -zl : 0.f) + cpn_log1p(ez);
-                                if (sg_grad && (!C || col < nlim)) {
-                                    // -z sigmoid(-zl); (1 + ez in [1, 2]: the fast
-                                    // division is within 2 ulp, far below the block's
-                                    // rounding); the row's factors w_mul v_i (s) at the end
-                                    const float sg = __fdividef(zl > 0.f ? ez : 1.f, 1.f + ez);
-                                    const float sz = posi ? -sg : sg;
-                                    rx[i][h] = fmaf(sz, raw, rx[i][h]);
-                                    rm[i][h] += sz;
-                                    x = fi[i][h] * sz;
-                                }
+                                x = siglip_exact(i, h, acc[i][j][h * 2 + e], col, C);
                             } else if (F) {  // H or CLIP, unchecked tile
                                 const float G = exp2f(t) * (fi[i][h] + fc[j * 8 + e]);
                                 if (MODE == MODE_CLIP) rx[i][h] += G * t;
@@ -690,6 +696,52 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                         }
                     }
                 }
+        }
+        // SIGLIP's exact path in the warp-specialised 16-bit kernels (SROLL): a loop over the
+        // column groups, SR of them a turn, instead of all J unrolled.  Unrolled (twice: the
+        // special tiles' copy and the others'), its ~60-instruction body made the kernel 22k
+        // instructions, and instruction fetch stalled the fast path as well (H100, ncu at
+        // N = 8192: no_instruction 0.99 cycles a issued instruction; 0.30 with this path
+        // compiled out, 25 % faster).  Rolled: 5k instructions, the siglip pass at N = 16384
+        // 670 -> 620 us (SR = 2: 624, SR = 4: 668, 104 bytes of spills).  Each turn reads
+        // groups 0..SR-1 of acc, then moves acc and pk down SR groups and puts its packed
+        // values at the top: after J / SR turns pk is in place (acc is spent: the next tile's
+        // first wgmma overwrites it).  Each row's sums keep the column order, so the bits are
+        // the unrolled copy's (docs/notes.md, thirteenth session).
+        static_assert(J % SR == 0, "the rolled SigLIP path takes SR column groups a turn");
+        if (SROLL && !fast) {
+#pragma unroll 1
+            for (int j0 = 0; j0 < J; j0 += SR) {
+                unsigned nx[I][2][SR];
+#pragma unroll
+                for (int i = 0; i < I; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int jj = 0; jj < SR; ++jj) {
+                            float val[2] = {0.f, 0.f};
+                            if (rv[i][h]) {
+#pragma unroll
+                                for (int e = 0; e < 2; ++e)
+                                    val[e] = siglip_exact(i, h, acc[i][jj][h * 2 + e],
+                                                          n0 + cbase + (j0 + jj) * 8 + 2 * cq + e,
+                                                          special);
+                            }
+                            nx[i][h][jj] = Pack2<T>::round(val[0], val[1]);
+                        }
+#pragma unroll
+                for (int i = 0; i < I; ++i) {
+#pragma unroll
+                    for (int j = 0; j + SR < J; ++j)
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) acc[i][j][q] = acc[i][j + SR][q];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int j = 0; j < J; ++j)
+                            pk[i][h][j] = j + SR < J ? pk[i][h][j + SR] : nx[i][h][j + SR - J];
+                }
+            }
         }
         if (SOUT && (MODE != MODE_SIGLIP || g)) {  // (g: uniform over the CTA; tile_stage.cuh)
             if (L::WS && MODE != MODE_H)
