@@ -240,7 +240,8 @@ __device__ __forceinline__ void colv_values(float (&v)[4], const ColRaw& r, floa
 // ([2][NCG][TBN] floats), sout the SOUT staging tile of the thread's warpgroup (64 x SW 16-bit
 // values, 16 KiB for SW = 128; the warp-specialised kernels' G, CLIP and SigLIP: WS_SOUT_WARP
 // bytes a warp), lt the thread's index among those sharing the tile.  Holds L::tile_sync
-// barriers (LSE2, SOUT).
+// barriers (LSE2, SOUT).  acc is spent afterwards: SigLIP's rolled exact path (SROLL below)
+// moves its groups.
 template <typename T, int MODE, typename L, int SW = TBN, bool GTMA = false>
 __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I>& rs,
                                               float (&acc)[L::I][L::J][4], int n0, int nlim,
@@ -702,8 +703,9 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
         // special tiles' copy and the others'), its ~60-instruction body made the kernel 22k
         // instructions, and instruction fetch stalled the fast path as well (H100, ncu at
         // N = 8192: no_instruction 0.99 cycles a issued instruction; 0.30 with this path
-        // compiled out, 25 % faster).  Rolled: 5k instructions, the siglip pass at N = 16384
-        // 670 -> 620 us (SR = 2: 624, SR = 4: 668, 104 bytes of spills).  Each turn reads
+        // compiled out, 25 % less time).  Rolled: 5k instructions (8 bytes of spills, outside
+        // the tile loop), the siglip pass at N = 16384 670 -> 620 us (SR = 2: 624 us, 48
+        // bytes of spills; SR = 4: 668 us, 104 bytes).  Each turn reads
         // groups 0..SR-1 of acc, then moves acc and pk down SR groups and puts its packed
         // values at the top: after J / SR turns pk is in place (acc is spent: the next tile's
         // first wgmma overwrites it).  Each row's sums keep the column order, so the bits are
