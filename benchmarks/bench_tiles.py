@@ -2,16 +2,14 @@
 product of the same shape: where the fused path stands relative to the library GEMM.
 
     python benchmarks/bench_tiles.py --n 16384 --d 512 [--loops wstile,wgmma,mma.sync]
-        [--burst 10] [--h-stagings 128,64,32]
+        [--burst 10]
 
 Main loops: "wstile" (Hopper's warp-specialised kernels, tiles_ws.cu, for the stages they
 have), "wgmma" (the cp.async wgmma loop), "mma.sync"; by default those built here.  Each
 time is the median over 10 repeats of ``--burst`` calls back to back between two events,
 per call: the kernels' own time, the host's hidden behind the queue (``--burst 1``: an
 isolated call, the host's time before its kernels included; ±8 % between runs on one H100
-at N = 16384).  On the "wstile" loop NT-Xent's mirrored H pass also runs with each of
-``--h-stagings`` (``tiles.WS_H_STAGING``: columns of its gradient block staged at a time;
-"64t": 64 with TMA stores, ``tiles.WS_H_TMA``).
+at N = 16384).
 TFLOP/s counts the square's 2 N² D for every case: the symmetric / mirrored passes do half
 of it (their rate is the square-equivalent one).
 """
@@ -34,9 +32,6 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--loops", default=None, help="comma-separated: wstile, wgmma, mma.sync")
     ap.add_argument("--burst", type=int, default=10, help="calls back to back per timed span")
-    ap.add_argument("--h-stagings", default="128,64,32,64t",
-                    help="tiles.WS_H_STAGING values for the mirrored H pass (wstile loop); "
-                         "64t: 64 with TMA stores (tiles.WS_H_TMA)")
     args = ap.parse_args()
     import cupy as cp
     import ml_dtypes
@@ -60,15 +55,6 @@ def main() -> None:
     colp = cp.empty((2, rt, n), cp.float32)
     dpart = cp.empty((sp, n), cp.float32)
     dots = (q.astype(cp.float32) * k.astype(cp.float32)).sum(1)  # lse2's column shifts
-    def h_tri(staging: str):
-        old = C.WS_H_STAGING, C.WS_H_TMA
-        C.WS_H_STAGING, C.WS_H_TMA = int(staging.rstrip("t")), staging.endswith("t")
-        try:
-            C.tile("h", dt, (rt, C.grid_splits(rt, rt // 2 + 1)), q, 0, q, None, scale=10.0,
-                   pos_mod=n, lse_row=lse, lse_col=lse, weights=w, g=g, tri=True)
-        finally:
-            C.WS_H_STAGING, C.WS_H_TMA = old
-
     cases = {
         "cuBLAS S = Q K^T (fp32 out)": lambda: _blas.gemm(q, k, s, trans_b=True),
         "cuBLAS G K (16-bit G)": lambda: _blas.gemm(g, k, s[:, :d]),
@@ -80,8 +66,9 @@ def main() -> None:
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
         "tile_h": lambda: C.tile("h", dt, (rt, sp), q, 0, q, None, scale=10.0, pos_mod=n,
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
-        "tile_h tri (mirrored, half the tiles)": lambda: h_tri(
-            f"{C.WS_H_STAGING}{'t' if C.WS_H_TMA else ''}"),
+        "tile_h tri (mirrored, half the tiles)": lambda: C.tile(
+            "h", dt, (rt, C.grid_splits(rt, rt // 2 + 1)), q, 0, q, None, scale=10.0,
+            pos_mod=n, lse_row=lse, lse_col=lse, weights=w, g=g, tri=True),
         "tile_lse2 (CLIP rows + columns)": lambda: C.tile(
             "lse2", dt, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=n,
             part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos.data.ptr,
@@ -94,10 +81,6 @@ def main() -> None:
             part=(part.data.ptr, part[1].data.ptr, n), lse_col=lb, weights=w, g=g,
             dsp=dpart.data.ptr),
     }
-    default_h = f"{C.WS_H_STAGING}{'t' if C.WS_H_TMA else ''}"
-    for hs in (x.strip() for x in args.h_stagings.split(",") if x.strip()):
-        if hs != default_h:
-            cases[f"tile_h tri, H staged {hs} columns"] = lambda hs=hs: h_tri(hs)
     print(device_header(device_info()))
     print(f"N={n} D={d} {args.dtype}; splits={sp}; {args.burst} calls a timed span")
     hopper = kernels.arch_specific_build(C.FILE)

@@ -4,19 +4,16 @@
 # in brackets; a fresh machine first spends ~80 s compiling the NVRTC modules):
 #
 #   bash benchmarks/run_tiles.sh tests    # test_gpu_wstile (-n 4) + compute-sanitizer memcheck /
-#                                         # racecheck / synccheck on every H staging  [~2 min]
-#   bash benchmarks/run_tiles.sh variants # NT-Xent's GPU tests (emulated ranks: row blocks,
-#                                         # cross blocks) on each H kernel variant      [~3 min]
-#   bash benchmarks/run_tiles.sh passes   # bench_tiles: each pass's GPU time, the H stagings,
-#                                         # bf16 and fp16                              [~1 min]
+#                                         # racecheck / synccheck on its stages       [~3 min]
+#   bash benchmarks/run_tiles.sh passes   # bench_tiles: each pass's GPU time, bf16 and fp16
+#                                         #                                            [~1 min]
 #   bash benchmarks/run_tiles.sh ratios   # bench_contrastive, cupynce against its cuBLAS
 #                                         # products, bf16 and fp16, N = 8192, 16384  [~1 min]
 #   bash benchmarks/run_tiles.sh table    # the README's same-run table: every column, bf16,
 #                                         # N = 8192, 16384, 65536; CLIP 131072       [~6 min]
 #
 # Several stages: `bash benchmarks/run_tiles.sh tests passes`.  Logs and JSON go to $OUT
-# (default ./tiles-out); CUPYNCE_WS_H_STAGING / CUPYNCE_WS_H_TMA are left to the caller for
-# everything but the sanitizers (which run each H kernel).
+# (default ./tiles-out).  On the device tool, where at most 8 files come back, tar $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -32,22 +29,10 @@ for stage in "${@:-tests}"; do
     timeout 300 python -m pytest -q -rs -p no:cacheprovider -n 4 tests/test_gpu_wstile.py \
       >"$OUT/test_gpu_wstile.log" 2>&1
     stamp test_gpu_wstile $?; tail -2 "$OUT/test_gpu_wstile.log"
-    for hs in 128 64 32 64t; do  # (64t: 64 with TMA stores)
-      tma=0; [ "${hs%t}" != "$hs" ] && tma=1
-      for tool in memcheck racecheck synccheck; do
-        CUPYNCE_WS_H_STAGING=${hs%t} CUPYNCE_WS_H_TMA=$tma timeout 120 compute-sanitizer \
-          --tool $tool python benchmarks/sanitize_case.py ws ws >"$OUT/san_${tool}_h$hs.log" 2>&1
-        stamp "$tool h$hs" $?; tail -1 "$OUT/san_${tool}_h$hs.log"
-      done
-    done
-    ;;
-  variants)
-    for hs in 64 32 64t; do
-      tma=0; [ "${hs%t}" != "$hs" ] && tma=1
-      CUPYNCE_WS_H_STAGING=${hs%t} CUPYNCE_WS_H_TMA=$tma timeout 300 python -m pytest -q \
-        -p no:cacheprovider -n 4 tests/test_gpu_contrastive.py tests/test_global_emulated.py \
-        -k nt_xent >"$OUT/variants_h$hs.log" 2>&1
-      stamp "nt_xent tests h$hs" $?; tail -1 "$OUT/variants_h$hs.log"
+    for tool in memcheck racecheck synccheck; do
+      timeout 120 compute-sanitizer --tool $tool python benchmarks/sanitize_case.py ws ws \
+        >"$OUT/san_$tool.log" 2>&1
+      stamp "$tool" $?; tail -1 "$OUT/san_$tool.log"
     done
     ;;
   passes)
@@ -74,6 +59,6 @@ for stage in "${@:-tests}"; do
     stamp "CLIP 131072" $?; grep "^|  *[0-9]" "$OUT/bench_131072.log"
     ;;
   *)
-    echo "unknown stage $stage (tests, variants, passes, ratios, table)"; exit 2 ;;
+    echo "unknown stage $stage (tests, passes, ratios, table)"; exit 2 ;;
   esac
 done

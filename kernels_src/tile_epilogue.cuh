@@ -237,17 +237,16 @@ __device__ __forceinline__ void colv_values(float (&v)[4], const ColRaw& r, floa
 // The epilogue of one 128 x 128 tile (columns n0 .. n0 + 127, those at or past nlim absent) for
 // every MODE but SPMAX: acc in L's fragment layout, rs the thread's rows, cv the tile's column
 // values (colv_values, in shared memory: cv[k][column]), red the LSE2 column-partial scratch
-// ([2][NCG][TBN] floats), sout the SOUT staging tile of the thread's warpgroup (64 x SW 16-bit
-// values, 16 KiB for SW = 128; the warp-specialised kernels' G, CLIP and SigLIP: WS_SOUT_WARP
+// ([2][NCG][TBN] floats), sout the SOUT staging tile of the thread's warpgroup (64 x 128
+// 16-bit values, 16 KiB; the warp-specialised kernels' G, CLIP and SigLIP: WS_SOUT_WARP
 // bytes a warp), lt the thread's index among those sharing the tile.  Holds L::tile_sync
 // barriers (LSE2, SOUT).  acc is spent afterwards: SigLIP's rolled exact path (SROLL below)
 // moves its groups.
-template <typename T, int MODE, typename L, int SW = TBN, bool GTMA = false>
+template <typename T, int MODE, typename L>
 __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I>& rs,
                                               float (&acc)[L::I][L::J][4], int n0, int nlim,
                                               const float (*cv)[TBN], float (*red)[L::NCG][TBN],
-                                              char* sout, int warp, int lane, int lt,
-                                              const TmaMap* tg = nullptr) {
+                                              char* sout, int warp, int lane, int lt) {
     enum { I = L::I, J = L::J, NCG = L::NCG,
            SOUT = L::WGMMA && sizeof(T) == 2
                   && (MODE == MODE_G || MODE == MODE_H || MODE == MODE_CLIP
@@ -749,9 +748,8 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
             if (L::WS && MODE != MODE_H)
                 stage_warp<L>(pk, g, ldg, rows, nlim, m0, n0, sout, warp, lane);
             else
-                stage_warpgroup<L, SW, GTMA>(pk, g, ldg, rows, nlim, m0, n0,
-                                             MODE == MODE_H && TRI && n0 != m0, sout, warp,
-                                             lane, lt, tg);
+                stage_warpgroup<L>(pk, g, ldg, rows, nlim, m0, n0,
+                                   MODE == MODE_H && TRI && n0 != m0, sout, warp, lane, lt);
         }
     }
 }

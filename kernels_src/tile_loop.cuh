@@ -104,24 +104,6 @@ __device__ __forceinline__ void wg_wait1() { CPN_SM90A_ASM("wgmma.wait_group.syn
 __device__ __forceinline__ void fence_proxy_async() {
     CPN_SM90A_ASM("fence.proxy.async.shared::cta;\n");
 }
-// TMA stores (the warp-specialised H pass's gradient block, tiles_ws_h.cu): the box of `map`
-// at (c0 = column, c1 = row) from shared memory at src, asynchronously in this thread's bulk
-// group; boxes past the map's extent are clipped.  Before: every writer of src fenced
-// (fence_proxy_async) and a barrier.  bulk_wait_read0: this thread's stores have read their
-// shared memory (it may be rewritten); bulk_wait0: they have completed.
-__device__ __forceinline__ void tma_store(const TmaMap* map, int c0, int c1, unsigned src) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
-                 :: "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(src) : "memory");
-#else
-    __trap();
-#endif
-}
-__device__ __forceinline__ void bulk_commit() { CPN_SM90A_ASM("cp.async.bulk.commit_group;\n"); }
-__device__ __forceinline__ void bulk_wait_read0() {
-    CPN_SM90A_ASM("cp.async.bulk.wait_group.read 0;\n");
-}
-__device__ __forceinline__ void bulk_wait0() { CPN_SM90A_ASM("cp.async.bulk.wait_group 0;\n"); }
 // Four 8 x 8 16-bit matrices from the mma fragment layout into shared memory (sm_90): lane l
 // gives the address of row (l & 7) of matrix (l >> 3); TRANS stores each matrix transposed.
 template <bool TRANS>

@@ -10,7 +10,7 @@
 #include "tile_loop.cuh"
 
 // The warp-specialised kernels' gradient-block staging (G, CLIP, SigLIP), bytes a consumer
-// warp: a 16 x 32 block of 16-bit values (H stages 64 x SW a warpgroup: tile_ws.cuh)
+// warp: a 16 x 32 block of 16-bit values (H stages 64 x 128 a warpgroup: tile_ws.cuh)
 #define WS_SOUT_WARP 1024
 
 // Per warp (the warp-specialised G, CLIP, SigLIP): each warp stages its own 16 x 32 blocks
@@ -53,94 +53,60 @@ __device__ __forceinline__ void stage_warp(const unsigned (&pk)[I][2][J], T* g, 
     }
 }
 
-// Per warpgroup: its 64 x 128 block, SW columns at a time (SW = 128 but in the
-// warp-specialised H variants of tiles_ws_h.cu), through the staging tile at sout: stmatrix
-// into 2 SW-byte rows (16-byte chunk c of row r at c ^ (r & 7), or c ^ ((r >> 1) & 3) for
-// 64-byte rows: conflict-free), then each thread stores 16-byte chunks (whole 128-byte lines;
-// 64-byte runs for SW = 32).  mirror (H with `tri`, off the diagonal): also the block's
-// transpose H_JI = H_IJ^T, by stmatrix.trans into an SW x 64 staging tile of 128-byte rows
-// (the mirrored rows' runs are whole lines).  GTMA (SW = 64, tiles_ws_h.cu's h64t): the
-// staged 64 x 64 blocks -- the staging layout is TMA's 128-byte swizzle -- leave by TMA
-// stores through tg, issued by one thread after every writer's proxy fence and the
-// warpgroup barrier; the staging is rewritten once they have read it (their issuer waits),
-// and the map's extent clips them.  On the warp-specialised loop a barrier frees the staging
-// before the first block too (the previous tile's stores may still read it); the cp.async
-// loops' tile barriers do that for them.
-template <typename L, int SW, bool GTMA, typename T, int I, int J>
+// Per warpgroup: its 64 x 128 block through the staging tile at sout: stmatrix into 256-byte
+// rows (16-byte chunk c of row r at c ^ (r & 7): conflict-free), then each thread stores
+// 16-byte chunks (whole 128-byte lines).  mirror (H with `tri`, off the diagonal): also the
+// block's transpose H_JI = H_IJ^T, by stmatrix.trans into a 128 x 64 staging tile of 128-byte
+// rows (the mirrored rows' runs are whole lines).  On the warp-specialised loop a barrier
+// frees the staging before the block too (the previous tile's stores may still read it);
+// the cp.async loops' tile barriers do that for them.  (Staging 64 or 32 columns at a time,
+// which leaves the ring room for A resident, and TMA stores of 64 x 64 staged blocks were
+// measured on an H100, 2026-11-27: within 3 % of this, dropped; docs/notes.md.)
+template <typename L, typename T, int I, int J>
 __device__ __forceinline__ void stage_warpgroup(const unsigned (&pk)[I][2][J], T* g, i64 ldg,
                                                 int rows, int nlim, int m0, int n0,
                                                 bool mirror, char* sout, int warp, int lane,
-                                                int lt, const TmaMap* tg) {
-    static_assert(SW == 128 || SW == 64 || SW == 32, "staging width: 128, 64 or 32");
-    static_assert(!GTMA || SW == 64, "TMA stores: 64 x 64 boxes");
-    enum { SWC = SW / 8 };  // 16-byte chunks of a staged row
+                                                int lt) {
     const int wg = warp >> 2, wl = warp & 3, tw = lt & 127;
     const unsigned sbuf = smem_u32(sout);
-    auto swz = [](int c, int r) { return SWC == 4 ? c ^ ((r >> 1) & 3) : c ^ (r & 7); };
-    // the staging may be rewritten: the previous stores have read it
-    auto staging_free = [&] {
-        if (GTMA && tw == 0) bulk_wait_read0();
-        wg_bar(wg);
-    };
-    // GTMA: the staged box out to (column c0, row c1)
-    auto tma_out = [&](int c0, int c1) {
-        fence_proxy_async();
-        wg_bar(wg);
-        if (tw == 0) {
-            tma_store(tg, c0, c1, sbuf);
-            bulk_commit();
-        }
-    };
 #pragma unroll
     for (int i = 0; i < I; ++i) {
         const int hr = L::half_row(warp, i);  // the block's first row in the tile
+        if (L::WS) wg_bar(wg);  // (the staging may still be read by the previous stores)
 #pragma unroll
-        for (int cb = 0; cb < TBN / SW; ++cb) {  // columns cb SW .. cb SW + SW - 1
-            if (L::WS || cb > 0) staging_free();
+        for (int jq = 0; jq < TBN / 16; ++jq) {
+            const int r = wl * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+            const int c = 2 * jq + (lane >> 4);
+            stmatrix_x4<false>(sbuf + r * (2 * TBN) + ((c ^ (r & 7)) << 4),
+                               pk[i][0][2 * jq], pk[i][1][2 * jq],
+                               pk[i][0][2 * jq + 1], pk[i][1][2 * jq + 1]);
+        }
+        wg_bar(wg);
 #pragma unroll
-            for (int jq = 0; jq < SW / 16; ++jq) {
-                const int jp = cb * (SW / 16) + jq;
-                const int r = wl * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-                const int c = 2 * jq + (lane >> 4);
-                stmatrix_x4<false>(sbuf + r * (2 * SW) + (swz(c, r) << 4),
-                                   pk[i][0][2 * jp], pk[i][1][2 * jp],
-                                   pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
+        for (int u = 0; u < TBN / 16; ++u) {
+            const int idx = u * 128 + tw, r = idx / (TBN / 8), c = idx % (TBN / 8);
+            const uint4 v = *(const uint4*)(sout + r * (2 * TBN) + ((c ^ (r & 7)) << 4));
+            const int lr = m0 + hr + r, col = n0 + c * 8;
+            if (lr < rows && col < nlim) *(uint4*)(g + (i64)lr * ldg + col) = v;
+        }
+        if (mirror) {
+            wg_bar(wg);  // (the stores above have read the staging tile)
+#pragma unroll
+            for (int jq = 0; jq < TBN / 16; ++jq) {
+                const int mtx = lane >> 3;
+                const int r = (2 * jq + (mtx >> 1)) * 8 + (lane & 7);
+                const int c = wl * 2 + (mtx & 1);
+                stmatrix_x4<true>(sbuf + r * 128 + ((c ^ (r & 7)) << 4),
+                                  pk[i][0][2 * jq], pk[i][1][2 * jq],
+                                  pk[i][0][2 * jq + 1], pk[i][1][2 * jq + 1]);
             }
-            if (GTMA) {
-                tma_out(n0 + cb * SW, m0 + hr);
-            } else {
-                wg_bar(wg);
+            wg_bar(wg);
 #pragma unroll
-                for (int u = 0; u < SW / 16; ++u) {
-                    const int idx = u * 128 + tw, r = idx / SWC, c = idx % SWC;
-                    const uint4 v = *(const uint4*)(sout + r * (2 * SW) + (swz(c, r) << 4));
-                    const int lr = m0 + hr + r, col = n0 + cb * SW + c * 8;
-                    if (lr < rows && col < nlim) *(uint4*)(g + (i64)lr * ldg + col) = v;
-                }
-            }
-            if (mirror) {
-                staging_free();  // (the stores above have read the staging tile)
-#pragma unroll
-                for (int jq = 0; jq < SW / 16; ++jq) {
-                    const int jp = cb * (SW / 16) + jq, mtx = lane >> 3;
-                    const int r = (2 * jq + (mtx >> 1)) * 8 + (lane & 7);
-                    const int c = wl * 2 + (mtx & 1);
-                    stmatrix_x4<true>(sbuf + r * 128 + ((c ^ (r & 7)) << 4),
-                                      pk[i][0][2 * jp], pk[i][1][2 * jp],
-                                      pk[i][0][2 * jp + 1], pk[i][1][2 * jp + 1]);
-                }
-                if (GTMA) {  // the mirrored box: rows n0 + cb SW.., columns m0 + hr..
-                    tma_out(m0 + hr, n0 + cb * SW);
-                } else {
-                    wg_bar(wg);
-#pragma unroll
-                    for (int u = 0; u < SW / 16; ++u) {
-                        const int idx = u * 128 + tw, r = idx >> 3, c = idx & 7;
-                        const uint4 v = *(const uint4*)(sout + r * 128 + ((c ^ (r & 7)) << 4));
-                        const int grow = n0 + cb * SW + r, col = m0 + hr + c * 8;
-                        if (grow < nlim && col < rows) *(uint4*)(g + (i64)grow * ldg + col) = v;
-                    }
-                }
+            for (int u = 0; u < TBN / 16; ++u) {
+                const int idx = u * 128 + tw, r = idx >> 3, c = idx & 7;
+                const uint4 v = *(const uint4*)(sout + r * 128 + ((c ^ (r & 7)) << 4));
+                const int grow = n0 + r, col = m0 + hr + c * 8;
+                if (grow < nlim && col < rows) *(uint4*)(g + (i64)grow * ldg + col) = v;
             }
         }
     }

@@ -45,9 +45,8 @@
 #define WS_MAX_STAGES 8
 #define WS_A_BYTES (TBM * TBK * 2)      // 16 KiB: one A box
 #define WS_B_BYTES (TBN * TBK * 2)      // 16 KiB: one B box
-// staging per consumer (SOUT modes): a warpgroup's 64 x HSW block for H (HSW = 128 but in
-// tiles_ws_h.cu's variants), 1 KiB a warp else
-#define WS_SOUT_BYTES(MODE, HSW) ((MODE) == MODE_H ? 64 * (HSW) * 2 : 4 * WS_SOUT_WARP)
+// staging per consumer (SOUT modes): a warpgroup's 64 x 128 block for H, 1 KiB a warp else
+#define WS_SOUT_BYTES(MODE) ((MODE) == MODE_H ? 64 * TBN * 2 : 4 * WS_SOUT_WARP)
 #define WS_PROD_REGS 24
 #define WS_CONS_REGS 240
 #define WS_STR2(x) #x
@@ -239,9 +238,8 @@ __device__ __forceinline__ void WsOps16<T>::mm_store(const P& p, const float (&a
 // last (SIGLIP without g, the loss alone, never touches it: not reserved); a stage is
 // Ops::stage_bytes(AR) (16-bit: AR ? 16 : 32 KiB; the TMA fills Ops::tx_bytes(AR) of it),
 // KT = ceil(d / Ops::KSTEP).
-template <typename T, int MODE, bool PP, typename Ops, int HSW = TBN, bool GTMA = false>
-__device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& p, int ring,
-                                             const TmaMap* tg = nullptr) {
+template <typename T, int MODE, bool PP, typename Ops>
+__device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& p, int ring) {
     typedef WsLayout L;
     enum { I = L::I, J = L::J, NCG = L::NCG,
            NCV = MODE == MODE_LSE2 ? 1 : (MODE == MODE_H || MODE == MODE_CLIP)
@@ -345,7 +343,7 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
         p.scale_mul, p.scale_log, p.lse_col, p.w_mul, p.tri);
     RowState<I> rs;
     rows_init<T, MODE, L>(rs, ep, p.lse_row, p.w_ptr, p.w_stride, p.pos_shift, p.pos_mod, warp, gq);
-    char* const sout = (char*)ws_smem + (rbase + ST * SB - sw_smem(ws_smem)) + c * WS_SOUT_BYTES(MODE, HSW);
+    char* const sout = (char*)ws_smem + (rbase + ST * SB - sw_smem(ws_smem)) + c * WS_SOUT_BYTES(MODE);
     WsRing rg;
     rg.fullc = full0 + 8 * (c * WS_MAX_STAGES);
     rg.empty0 = empty0; rg.abase = abase; rg.rbase = rbase; rg.SB = SB; rg.ST = ST;
@@ -392,32 +390,23 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
             for (int q = 0; q < NCV; ++q) colv[c][k & 1][q][lt] = v[q];
             wg_bar(c);  // (the other parity's readers passed this barrier a tile ago)
         }
-        tile_epilogue<T, MODE, L, MODE == MODE_H ? HSW : TBN, MODE == MODE_H && GTMA>(
-            ep, rs, acc, n0, nlim, colv[c][k & 1], red[MODE == MODE_LSE2 ? c : 0], sout, warp,
-            lane, lt, tg);
+        tile_epilogue<T, MODE, L>(ep, rs, acc, n0, nlim, colv[c][k & 1],
+                                  red[MODE == MODE_LSE2 ? c : 0], sout, warp, lane, lt);
     }
-    // (GTMA: the H blocks' TMA stores complete before the CTA's shared memory goes)
-    if (MODE == MODE_H && GTMA && lt == 0) bulk_wait0();
     if (MODE == MODE_LSE || MODE == MODE_LSE2 || MODE == MODE_CLIP || MODE == MODE_SIGLIP) {
         float* const slots[3] = {slot[0], slot[1], slot[2]};
         rows_finish<T, MODE, L>(ep, rs, slots, warp, lane);
     }
 }
-// the 16-bit kernels (tiles_ws.cu, tiles_ws_h.cu): maps of A, B1 and B2
-// (tg: tiles_ws_h.cu's TMA-store H kernel's map of the gradient block, 64 x 64 boxes)
-template <typename T, int MODE, bool PP, int HSW = TBN, bool GTMA = false>
+// the 16-bit kernels (tiles_ws.cu): maps of A, B1 and B2
+template <typename T, int MODE, bool PP>
 __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, const TmaMap& tb2,
-                                        const TileArgs<T>& p, int ring,
-                                        const TmaMap* tg = nullptr) {
+                                        const TileArgs<T>& p, int ring) {
     WsOps16<T> ops;
     ops.ta = &ta; ops.tb1 = &tb1; ops.tb2 = &tb2;
-    tile_ws_walk<T, MODE, PP, WsOps16<T>, HSW, GTMA>(ops, p, ring, tg);
+    tile_ws_walk<T, MODE, PP, WsOps16<T>>(ops, p, ring);
 }
 #define CPN_WS_BODY(T, MODE) tile_ws<T, MODE, true>(ta, tb1, tb2, p, ring)
-#define CPN_WS_BODY_H(T, HSW) tile_ws<T, MODE_H, true, HSW>(ta, tb1, tb2, p, ring)
-#define CPN_WS_BODY_HT(T) tile_ws<T, MODE_H, true, 64, true>(ta, tb1, tb2, p, ring, &tg)
 #else
 #define CPN_WS_BODY(T, MODE) __trap()  // not an sm_90a build: Python never launches these
-#define CPN_WS_BODY_H(T, HSW) __trap()
-#define CPN_WS_BODY_HT(T) __trap()
 #endif

@@ -521,42 +521,6 @@ def test_ring_layouts_same_bits(stage, d, ws, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("n,d", [(130, 8), (300, 40), (1024, 512), (1030, 136)])
-@pytest.mark.parametrize("stage", ["h", "h_tri"])
-@pytest.mark.parametrize("hsw,tma", [(64, False), (32, False), (64, True)],
-                         ids=["h64", "h32", "h64t"])
-def test_h_staging_variants_same_bits(hsw, tma, stage, n, d, dtype, ws, monkeypatch):
-    """tiles_ws_h.cu's H kernels (the warpgroup's block staged 64 or 32 columns at a time,
-    A resident where that leaves room; h64t: stored by TMA) write the same bits as
-    tiles_ws.cu's, the mirrored tiles and the edges (rows / columns past the end, the
-    diagonal tile) included."""
-    monkeypatch.setattr(tiles, "WS_H_STAGING", 128)  # (the reference: tiles_ws.cu's kernel,
-    monkeypatch.setattr(tiles, "WS_H_TMA", False)    # whatever the environment selects)
-    ref = _stage_outputs(stage, dtype, n, d, 7)
-    monkeypatch.setattr(tiles, "WS_H_STAGING", hsw)
-    monkeypatch.setattr(tiles, "WS_H_TMA", tma)
-    names = []
-    real = tiles.kernels.get_kernel
-
-    def spy(filename, name, t):
-        names.append(name)
-        return real(filename, name, t)
-
-    monkeypatch.setattr(tiles.kernels, "get_kernel", spy)
-    for ar_min in (4, 99):  # A resident where it fits, and the A + B ring
-        monkeypatch.setattr(tiles, "WS_AR_MIN_STAGES", ar_min)
-        ws.clear()
-        names.clear()
-        got = _stage_outputs(stage, dtype, n, d, 7)
-        _ran(ws, "h")
-        assert f"wstile_h{hsw}{'t' if tma else ''}" in names, names
-        for key in ref:
-            assert ref[key].tobytes() == got[key].tobytes(), (hsw, tma, stage, n, d, key,
-                                                              ar_min)
-
-
-@gpu
 def test_lse_device_scale_log(ws, monkeypatch):
     """tile_lse with a device log scale (InfoNCE's learnable temperature on the global path)
     against float64 and the old loop."""
@@ -629,101 +593,6 @@ def test_ws_ring_plan(stage, static, d, want):
     got = tiles.ws_ring(stage, d, static, SMEM_MAX)
     assert got == want
     assert static + got[1] <= SMEM_MAX
-
-
-@pytest.mark.parametrize("hsw,want", [
-    (128, (5, 1024 + 5 * 32768 + 32768)),
-    (64, (4 | 256, 1024 + 12 * 16384 + 16384)),
-    (32, (5 | 256, 1024 + 13 * 16384 + 8192)),
-])
-def test_ws_ring_h_staging(monkeypatch, hsw, want):
-    """H's staging, 64 x WS_H_STAGING 16-bit values a consumer, leaves the ring room for A
-    resident at D = 512 when narrower than the tile."""
-    monkeypatch.setattr(tiles, "WS_H_STAGING", hsw)
-    got = tiles.ws_ring("h", 512, 7168, SMEM_MAX)
-    assert got == want and 7168 + got[1] <= SMEM_MAX
-
-
-def test_ws_h_staging_checked(monkeypatch):
-    monkeypatch.setattr(tiles, "WS_H_STAGING", 48)
-    with pytest.raises(ValueError, match="CUPYNCE_WS_H_STAGING.*got 48"):
-        tiles.ws_ring("h", 512, 7168, SMEM_MAX)
-
-
-def test_ws_h_tma_env(monkeypatch):
-    """CUPYNCE_WS_H_TMA: 0 or 1, and 1 only with the 64-column staging (its boxes)."""
-    monkeypatch.setenv("CUPYNCE_WS_H_TMA", "1")
-    monkeypatch.setattr(tiles, "WS_H_STAGING", 64)
-    assert tiles._env_h_tma() is True
-    monkeypatch.setattr(tiles, "WS_H_STAGING", 128)
-    with pytest.raises(ValueError, match="CUPYNCE_WS_H_TMA=1 needs CUPYNCE_WS_H_STAGING=64"):
-        tiles._env_h_tma()
-    monkeypatch.setenv("CUPYNCE_WS_H_TMA", "yes")
-    with pytest.raises(ValueError, match="CUPYNCE_WS_H_TMA must be 0 or 1, got 'yes'"):
-        tiles._env_h_tma()
-
-
-def test_ws_h_staging_env(monkeypatch):
-    """CUPYNCE_WS_H_STAGING is read at import: a value outside 128 / 64 / 32 raises there,
-    naming the variable and the value, before any kernel runs."""
-    monkeypatch.setenv("CUPYNCE_WS_H_STAGING", "64")
-    assert tiles._env_h_staging() == 64
-    for bad in ("48", "abc", ""):
-        monkeypatch.setenv("CUPYNCE_WS_H_STAGING", bad)
-        with pytest.raises(ValueError, match=f"CUPYNCE_WS_H_STAGING must be one of .*got {bad!r}"):
-            tiles._env_h_staging()
-
-
-@pytest.mark.parametrize("hsw,tma,n2,refuse,want", [
-    (64, True, 0, False, ("tiles_ws_h.cu", "wstile_h64t", 4)),
-    (64, True, 0, True, ("tiles_ws_h.cu", "wstile_h64", 3)),   # g's map refused: stores
-    (64, True, 130, False, ("tiles_ws_h.cu", "wstile_h64", 3)),  # a second column matrix
-    (64, False, 0, False, ("tiles_ws_h.cu", "wstile_h64", 3)),
-    (32, True, 0, False, ("tiles_ws_h.cu", "wstile_h32", 3)),  # TMA stores: 64 x 64 boxes
-    (128, True, 0, False, ("tiles_ws.cu", "wstile_h", 3)),
-])
-def test_ws_launch_picks_the_h_kernel(monkeypatch, hsw, tma, n2, refuse, want):
-    """ws_launch's H kernel by WS_H_STAGING / WS_H_TMA (no GPU: fakes), the tensor maps it
-    passes (the gradient block's with 64-row boxes), and a ring sized for that kernel's
-    staging."""
-    import cupy
-
-    got, mapped = [], []
-    g = _FakeMatrix(1024, 1024, ptr=1 << 24)
-
-    def tile_map(x, box_rows=128):
-        mapped.append((x, box_rows))
-        return None if refuse and x is g else np.zeros(1, tiles.tma.TENSOR_MAP_DTYPE)
-
-    class Kern:
-        attributes = {"shared_size_bytes": 7168}
-        max_dynamic_shared_size_bytes = SMEM_MAX - 7168
-
-        def __call__(self, grid, block, args, shared_mem):
-            got.append((len(args) - 2, int(args[-1]), shared_mem))
-
-    class Device:
-        attributes = {"MaxSharedMemoryPerBlockOptin": SMEM_MAX}
-
-    files = []
-
-    def get_kernel(f, st, t):
-        files.append((f, st))
-        return Kern()
-
-    monkeypatch.setattr(tiles, "WS_H_STAGING", hsw)
-    monkeypatch.setattr(tiles, "WS_H_TMA", tma)
-    monkeypatch.setattr(tiles, "_WS_SMEM", {})
-    monkeypatch.setattr(tiles, "_tile_map", tile_map)
-    monkeypatch.setattr(tiles.kernels, "get_kernel", get_kernel)
-    monkeypatch.setattr(cupy.cuda, "Device", Device)
-    a = _FakeMatrix(1024, 512)
-    assert tiles.ws_launch("h", BF16, (8, 4), a, a, _FakeMatrix(n2 or 1, 512), n2, None, g=g)
-    assert files == [want[:2]]
-    assert ((g, 64) in mapped) == (hsw == 64 and tma and not n2)
-    nmaps, ring, smem = got[0]
-    assert nmaps == want[2]
-    assert (ring, smem) == tiles.ws_ring("h", 512, 7168, SMEM_MAX, h_staging=hsw)
 
 
 def test_ws_ring_none_when_nothing_fits():
@@ -811,8 +680,7 @@ def test_ws_switches_key_cuda_graphs(monkeypatch):
 
     base = _graphs._switches()
     for name, value in (("USE_WSTILE", not tiles.USE_WSTILE), ("WS_MAX_STAGES", 3),
-                        ("WS_AR_MIN_STAGES", 99), ("WS_STAGES", frozenset({"lse"})),
-                        ("WS_H_STAGING", 64), ("WS_H_TMA", not tiles.WS_H_TMA)):
+                        ("WS_AR_MIN_STAGES", 99), ("WS_STAGES", frozenset({"lse"}))):
         with monkeypatch.context() as m:
             m.setattr(tiles, name, value)
             assert _graphs._switches() != base, name

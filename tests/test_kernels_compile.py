@@ -146,14 +146,6 @@ def test_python_launches_only_existing_wstile_stages():
     assert {f"wstile_{s}" for s in tiles.WS_STAGES} <= set(_stages(tiles.WS_FILE))
 
 
-def test_python_launches_only_existing_ws_h_kernels():
-    """tiles.ws_launch's H variants (cpn_wstile_h<staging>, h64t) exist in tiles.WS_H_FILE."""
-    from cupynce._engine import tiles
-
-    names = {f"wstile_h{s}" for s in tiles._WS_H_STAGINGS if s != tiles.TILE} | {"wstile_h64t"}
-    assert names <= set(_stages(tiles.WS_H_FILE)), names - set(_stages(tiles.WS_H_FILE))
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("filename", _cu_files())
 def test_nvcc_compiles(filename, tmp_path):

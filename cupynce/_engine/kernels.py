@@ -115,8 +115,8 @@ def compile_source(filename: str, arch: str, options: Sequence[str] = NVRTC_OPTI
 #: Sources with Hopper-only code (wgmma, in functions their Python callers launch only
 #: there): on a compute-capability 9.0 device they are built for ``sm_90a`` (CuPy would build
 #: plain ``sm_90``, where those instructions do not exist); elsewhere they build as usual.
-ARCH_SPECIFIC = frozenset({"tiles.cu", "tiles_ws.cu", "tiles_ws_h.cu", "tiles_ws_tf32.cu",
-                           "tiles_ws_f16x3.cu", "splade_tiles.cu", "splade_wgmma.cu"})
+ARCH_SPECIFIC = frozenset({"tiles.cu", "tiles_ws.cu", "tiles_ws_tf32.cu", "tiles_ws_f16x3.cu",
+                           "splade_tiles.cu", "splade_wgmma.cu"})
 
 
 #: NVRTC options of the sm_90a build: CuPy adds ``-ftz=true`` to every RawModule build, so the

@@ -59,41 +59,12 @@ WS_MAX_STAGES = 8  # (WS_MAX_STAGES in tile_ws.cuh)
 #: staging of the gradient block per consumer warpgroup (WS_SOUT_BYTES in tile_ws.cuh): 1 KiB
 #: a warp, so that g, clip and siglip keep A resident at D = 512 (H100, bf16, N = 16384, GPU
 #: time, 2026-11-27, against 16 KiB a warpgroup: clip 586 -> 547 µs, siglip 714 -> 678,
-#: g unchanged); h stages a warpgroup's 64 rows, ``WS_H_STAGING`` columns at a time (its
-#: mirror staged per warp, 16 rows, came in 32-byte runs: 347 -> 368-378 µs)
+#: g unchanged); h stages 64 x 128 a warpgroup (``WS_SOUT_BYTES_H``): its mirror staged per
+#: warp, 16 rows, came in 32-byte runs (347 -> 368-378 µs), and staging 64 or 32 columns at a
+#: time (room for A resident) or TMA stores of 64 x 64 blocks measured within 3 % of this
+#: (h tri 0.386-0.403 ms, 2026-11-27): dropped
 WS_SOUT_BYTES = 4 * 1024
-#: NT-Xent's h pass: columns of the warpgroup's 64-row block staged at a time, 64 · this · 2
-#: bytes a consumer: 128 (``tiles_ws.cu``'s kernel, the default: A + B ring at D = 512), or
-#: 64 / 32 (``tiles_ws_h.cu``'s variants: room for A resident with 4 / 5 B stages, more
-#: warpgroup barriers; not yet measured).  Env ``CUPYNCE_WS_H_STAGING``.
-_WS_H_STAGINGS = (128, 64, 32)
-
-
-def _env_h_staging() -> int:
-    raw = os.environ.get("CUPYNCE_WS_H_STAGING", "128")
-    if raw.strip() not in {str(v) for v in _WS_H_STAGINGS}:
-        raise ValueError(f"env CUPYNCE_WS_H_STAGING must be one of {_WS_H_STAGINGS}, "
-                         f"got {raw!r}")
-    return int(raw)
-
-
-WS_H_STAGING = _env_h_staging()
-WS_H_FILE = "tiles_ws_h.cu"
-#: With ``WS_H_STAGING`` 64: the h pass's staged blocks leave by TMA stores
-#: (``cpn_wstile_h64t``: one thread a block, no global stores by the consumers; not yet
-#: measured).  Env ``CUPYNCE_WS_H_TMA=1``.  Taken where the gradient block's tensor map
-#: encodes and the pass has no second column matrix, else the 64 kernel's stores.
-def _env_h_tma() -> bool:
-    raw = os.environ.get("CUPYNCE_WS_H_TMA", "0").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"env CUPYNCE_WS_H_TMA must be 0 or 1, got {raw!r}")
-    if raw == "1" and WS_H_STAGING != 64:
-        raise ValueError(f"env CUPYNCE_WS_H_TMA=1 needs CUPYNCE_WS_H_STAGING=64 (its 64 x 64 "
-                         f"boxes), got {WS_H_STAGING}")
-    return raw == "1"
-
-
-WS_H_TMA = _env_h_tma()
+WS_SOUT_BYTES_H = 16 * 1024
 #: The ring of the warp-specialised kernels: A resident (the CTA's 128 rows x D loaded once, a
 #: ring of 16 KiB B boxes) where that leaves at least this many stages, else 32 KiB (A + B)
 #: stages, as many as fit (at most WS_MAX_STAGES).  On an H100 (prototype, LSE, D = 512) A
@@ -275,7 +246,7 @@ def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale
         scale, w_mul)
     args = np.frombuffer(raw, TILE_ARGS_DTYPE)
     if stage in WS_STAGES and wstile() and ws_launch(stage, t, grid, a, b1, b2, n2, args,
-                                                     block=g is not None, g=g):
+                                                     block=g is not None):
         return
     tile_launch(FILE, stage, t, grid, (args,))
 
@@ -286,29 +257,19 @@ def wstile() -> bool:
     return USE_WSTILE and wgmma() and tma.available()
 
 
-def _h_staging() -> int:
-    """``WS_H_STAGING``, checked."""
-    if WS_H_STAGING not in _WS_H_STAGINGS:
-        raise ValueError(f"tiles.WS_H_STAGING (env CUPYNCE_WS_H_STAGING) must be one of "
-                         f"{_WS_H_STAGINGS}, got {WS_H_STAGING!r}")
-    return WS_H_STAGING
-
-
 def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
-            block: bool = True, h_staging: Optional[int] = None) -> Optional[Tuple[int, int]]:
+            block: bool = True) -> Optional[Tuple[int, int]]:
     """(ring argument, dynamic shared memory) of ``cpn_wstile_<stage>`` for D = ``d``, with
     ``static_smem`` bytes of static shared memory and ``smem_max`` per block (opt-in): the
     ring of tile_ws.cuh (stages | A resident << 8) under ``WS_AR_MIN_STAGES``; None where not
     even 2 stages fit.  The stages of ``_WS_SOUT`` stage the gradient block after the ring
     (the kernel places nothing else there); ``block`` False (SigLIP's loss alone: no g, the
     one mode whose staging depends on g, as in tile_epilogue.cuh) drops it, so those bytes go
-    to the ring.  ``h_staging``: the H kernel's staging width (default ``WS_H_STAGING``; the
-    launch passes the value it chose the kernel by)."""
+    to the ring."""
     kt = -(-d // 64)
     sout = 0
     if stage in _WS_SOUT and (block or stage != "siglip"):
-        hs = _h_staging() if h_staging is None else h_staging
-        sout = 2 * (64 * 2 * hs if stage == "h" else WS_SOUT_BYTES)
+        sout = 2 * (WS_SOUT_BYTES_H if stage == "h" else WS_SOUT_BYTES)
     budget = smem_max - static_smem - 1024 - sout  # (1 KiB: aligning the swizzled boxes)
     ar = min(WS_MAX_STAGES, budget // 16384 - kt)
     if ar >= WS_AR_MIN_STAGES:
@@ -364,16 +325,12 @@ def ws_smem(kern) -> Tuple[int, int]:
     return info[0], info[1]
 
 
-def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True,
-              g=None) -> bool:
+def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True) -> bool:
     """Launch ``cpn_wstile_<stage>`` of ``tiles_ws.cu`` with the packed TileArgs ``args``
     (``block``: they give a gradient block, see ws_ring); False (nothing launched) where it
     does not apply: B2's columns after n1 % 8 != 0 for a stage writing the gradient block (its
     16-byte stores would straddle n1), row coordinates past 2^31 - 128, a tensor map the
-    driver refuses, or no ring that fits.  h with ``WS_H_STAGING`` below 128 runs
-    ``tiles_ws_h.cu``'s ``cpn_wstile_h<staging>``, or with ``WS_H_TMA`` ``cpn_wstile_h64t``
-    with a map of ``g`` (the gradient block; only without B2: the map clips at its last
-    column, not at n1), falling back to h64 where the driver refuses that map."""
+    driver refuses, or no ring that fits."""
     n1 = b1.shape[0]
     if n2 and stage in _WS_SOUT and block and n1 % 8:
         return False
@@ -383,21 +340,12 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True,
     tb2 = _tile_map(b2) if n2 else tb1
     if ta is None or tb1 is None or tb2 is None:
         return False
-    hs = _h_staging()  # (read once: the kernel and its shared memory must agree)
-    maps = (ta, tb1, tb2)
-    if stage == "h" and hs != TILE:
-        tg = _tile_map(g, 64) if WS_H_TMA and hs == 64 and not n2 and g is not None else None
-        if tg is not None:  # (the gradient block's map: 64 x 64 boxes)
-            kern = kernels.get_kernel(WS_H_FILE, "wstile_h64t", t)
-            maps = (ta, tb1, tb2, tg)
-        else:
-            kern = kernels.get_kernel(WS_H_FILE, f"wstile_h{hs}", t)
-    else:
-        kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
-    ring = ws_ring(stage, a.shape[1], *ws_smem(kern), block=block, h_staging=hs)
+    kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
+    ring = ws_ring(stage, a.shape[1], *ws_smem(kern), block=block)
     if ring is None:
         return False
-    kern(tuple(grid), (WS_THREADS,), (*maps, args, np.int32(ring[0])), shared_mem=ring[1])
+    kern(tuple(grid), (WS_THREADS,), (ta, tb1, tb2, args, np.int32(ring[0])),
+         shared_mem=ring[1])
     return True
 
 

@@ -171,7 +171,7 @@ def _switches() -> tuple:
 
     return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.USE_WSTILE, tiles.WS_STAGES,
             products_tf32.USE_F16X3, products_tf32.SIDE_SPLITS, tiles_f16x3.TRUNC,
-            tiles.WS_AR_MIN_STAGES, tiles.WS_MAX_STAGES, tiles.WS_H_STAGING, tiles.WS_H_TMA,
+            tiles.WS_AR_MIN_STAGES, tiles.WS_MAX_STAGES,
             tiles.SYMMETRIC_LSE, tiles.SYMMETRIC_LSE_MIN_ND, tiles.SYMMETRIC_H,
             tiles.TILE_WORKSPACE_BYTES,
             blas.SMALL_GEMM_MACS, blas.SMALL_GEMM_MAX_K,
