@@ -93,8 +93,6 @@ def main() -> None:
         for name, fn in cases.items():
             if name.startswith("cuBLAS") and loop != loops[0]:
                 continue
-            if "H staged" in name and loop != "wstile":
-                continue
             t = time_cuda(fn, warmup=3, repeat=10, burst=args.burst)["median_ms"]
             label = name if name.startswith("cuBLAS") else f"{name} [{loop}]"
             print(f"  {label:40s} {t:8.3f} ms  {flop / t / 1e9:7.1f} TFLOP/s", flush=True)

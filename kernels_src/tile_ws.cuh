@@ -404,7 +404,7 @@ __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, con
                                         const TileArgs<T>& p, int ring) {
     WsOps16<T> ops;
     ops.ta = &ta; ops.tb1 = &tb1; ops.tb2 = &tb2;
-    tile_ws_walk<T, MODE, PP, WsOps16<T>>(ops, p, ring);
+    tile_ws_walk<T, MODE, PP>(ops, p, ring);
 }
 #define CPN_WS_BODY(T, MODE) tile_ws<T, MODE, true>(ta, tb1, tb2, p, ring)
 #else
