@@ -91,22 +91,29 @@ class _Plan:
         current allocator (the small ones as views of one copied-out pack)."""
         import cupy as cp
 
-        packed = cp.cuda.alloc(self.pack_bytes) if self.pack is not None else None
-        res = [None if o is None else cp.ndarray(o.shape, o.dtype, memptr=packed + off)
-               if off is not None else cp.empty(o.shape, o.dtype)
-               for o, off in zip(self.outs, self.layout)]
-        large = [(k, r.data.ptr) for k, (r, off) in enumerate(zip(res, self.layout))
-                 if r is not None and off is None]
-        self.replay_raw([x.data.ptr for x in inputs],
-                        packed.ptr if packed is not None else 0, large, stream)
+        res: list = []
+
+        def outputs():  # (after the launch: the GPU starts before these allocations)
+            packed = cp.cuda.alloc(self.pack_bytes) if self.pack is not None else None
+            res.extend(None if o is None else cp.ndarray(o.shape, o.dtype, memptr=packed + off)
+                       if off is not None else cp.empty(o.shape, o.dtype)
+                       for o, off in zip(self.outs, self.layout))
+            large = [(k, r.data.ptr) for k, (r, off) in enumerate(zip(res, self.layout))
+                     if r is not None and off is None]
+            return (packed.ptr if packed is not None else 0), large
+
+        self.replay_raw([x.data.ptr for x in inputs], outputs, stream)
         return tuple(res)
 
-    def replay_raw(self, in_ptrs: Sequence[int], pack_ptr: int,
-                   out_ptrs: Sequence[Tuple[int, int]], stream) -> None:
+    def replay_raw(self, in_ptrs: Sequence[int],
+                   outputs: Callable[[], Tuple[int, Sequence[Tuple[int, int]]]],
+                   stream) -> None:
         """:meth:`replay` on raw device pointers, for a caller that allocates the outputs
         itself (``cupynce.torch``'s fast path): ``in_ptrs`` the inputs (same layout as the
-        statics), ``pack_ptr`` where the pack goes (``pack_bytes``; ignored without one),
-        ``out_ptrs`` ``(output index, destination)`` of the large outputs wanted."""
+        statics); ``outputs()``, called once the graph is launched (its allocations' host
+        time then runs beside the GPU's work instead of before it), gives ``(pack_ptr,
+        out_ptrs)``: where the pack goes (``pack_bytes``; ignored without one) and the
+        ``(output index, destination)`` of the large outputs wanted."""
         from cupy.cuda import runtime
 
         sp = stream.ptr
@@ -114,6 +121,7 @@ class _Plan:
             for st, p in zip(self.statics, in_ptrs):
                 runtime.memcpyAsync(st.data.ptr, p, st.nbytes, _D2D, sp)
             self.graph.launch(stream)
+            pack_ptr, out_ptrs = outputs()
             if self.pack is not None:
                 runtime.memcpyAsync(pack_ptr, self.pack.ptr, self.pack_bytes, _D2D, sp)
             for k, p in out_ptrs:

@@ -102,12 +102,18 @@ def _replay(entry: _Entry, plan, args: Sequence[Any], device: torch.device
         if p % 16:  # (the plain path would not replay a misaligned input either)
             return None
         ins.append(p)
-    pack = (torch.empty(entry.pack_bytes, dtype=torch.uint8, device=device)
-            if entry.pack_bytes else None)
-    large = {k: torch.empty(shape, dtype=dtype, device=device)
-             for k, shape, dtype in entry.large}
-    plan.replay_raw(ins, pack.data_ptr() if pack is not None else 0,
-                    [(k, t.data_ptr()) for k, t in large.items()], entry.stream)
+    pack, large = None, {}
+
+    def outputs():  # (after the graph's launch: see replay_raw)
+        nonlocal pack
+        pack = (torch.empty(entry.pack_bytes, dtype=torch.uint8, device=device)
+                if entry.pack_bytes else None)
+        large.update((k, torch.empty(shape, dtype=dtype, device=device))
+                     for k, shape, dtype in entry.large)
+        return (pack.data_ptr() if pack is not None else 0,
+                [(k, t.data_ptr()) for k, t in large.items()])
+
+    plan.replay_raw(ins, outputs, entry.stream)
     typed: Dict[torch.dtype, Tensor] = {}
     out = []
     for spec in entry.outs:
