@@ -52,6 +52,17 @@
 #define WS_STR2(x) #x
 #define WS_STR(x) WS_STR2(x)
 
+// the 16-bit kernels' one parameter (tiles.launch_blob packs it; the layout of tiles_ws_tf32.cu's
+// WsTf32Launch, so one packing serves both): maps of A, B1 and B2 (B1's when there is none), a
+// fourth map slot unused, the TileArgs at byte 512, the ring after it.  (CuPy's launch of one
+// such 768-byte argument took ~13 us of host time, of six separate ones ~38: H100 host,
+// 2026-11-27, the TF32 kernels.)
+template <typename T> struct WsLaunch {
+    TmaMap a, b1, b2, unused;
+    TileArgs<T> p;
+    int ring;
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void ws_arrive_if(unsigned bar, bool pred) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
@@ -406,7 +417,7 @@ __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, con
     ops.ta = &ta; ops.tb1 = &tb1; ops.tb2 = &tb2;
     tile_ws_walk<T, MODE, PP>(ops, p, ring);
 }
-#define CPN_WS_BODY(T, MODE) tile_ws<T, MODE, true>(ta, tb1, tb2, p, ring)
+#define CPN_WS_BODY(T, MODE) tile_ws<T, MODE, true>(L.a, L.b1, L.b2, L.p, L.ring)
 #else
 #define CPN_WS_BODY(T, MODE) __trap()  // not an sm_90a build: Python never launches these
 #endif

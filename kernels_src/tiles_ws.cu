@@ -5,16 +5,19 @@
 // and tiles.cu's finishing kernels combine them.  Built for sm_90a only (__trap() elsewhere;
 // Python launches them where tiles.cu's wgmma loop runs, tiles.USE_WSTILE).
 //
-//   cpn_wstile_<mode>_<dtype>(ta, tb1, tb2, p, ring): tensor maps of A (rows x d), B1 (n1 x d)
-//   and B2 (n2 x d; B1's map when there is none), 128 x 64 boxes, 128-byte swizzle
-//   (cupynce/_engine/tma.py); p the TileArgs of tiles.cu; ring = stages | A-resident << 8.
+//   cpn_wstile_<mode>_<dtype>(L): L = WsLaunch<T> (tile_ws.cuh) {a, b1, b2, unused, p, ring}:
+//   tensor maps of A (rows x d), B1 (n1 x d) and B2 (n2 x d; B1's map when there is none),
+//   128 x 64 boxes, 128-byte swizzle (cupynce/_engine/tma.py); p the TileArgs of tiles.cu;
+//   ring = stages | A-resident << 8.
 //   Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory as tile_ws.cuh says.
 // cpn-dtypes: f16 bf16
 #include "tile_ws.cuh"
 
-#define CPN_WS_ARGS(T)                                                                     \
-    const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tb1,                 \
-    const __grid_constant__ TmaMap tb2, const TileArgs<T> p, int ring
+// (NVRTC has no offsetof: the members are laid out in order without gaps)
+static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<f16_t>) == 208 &&
+              sizeof(TileArgs<bf16_t>) == 208 && sizeof(WsLaunch<f16_t>) == 768 &&
+              sizeof(WsLaunch<bf16_t>) == 768, "WsLaunch's layout is tiles.launch_blob's");
+#define CPN_WS_ARGS(T) const __grid_constant__ WsLaunch<T> L
 #define CPN_DEFINE_WS(SUF, T)                                                              \
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_lse_##SUF(          \
     CPN_WS_ARGS(T)) { CPN_WS_BODY(T, MODE_LSE); }                                          \

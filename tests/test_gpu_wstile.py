@@ -655,7 +655,9 @@ def test_ws_launch_opts_in_before_recording(monkeypatch):
 
         def __call__(self, grid, block, args, shared_mem):
             assert shared_mem <= self._smem
-            launches.append((args[-1], shared_mem))
+            (blob,) = args  # (WsLaunch: the ring after the TileArgs)
+            at = tiles.LAUNCH_ARGS_AT + tiles.TILE_ARGS_DTYPE.itemsize
+            launches.append((int(np.frombuffer(blob.tobytes(), "<i4", 1, at)[0]), shared_mem))
 
     class Device:
         attributes = {"MaxSharedMemoryPerBlockOptin": SMEM_MAX}
@@ -666,11 +668,31 @@ def test_ws_launch_opts_in_before_recording(monkeypatch):
     monkeypatch.setattr(tiles.kernels, "get_kernel", lambda f, st, t: kern)
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     a = _FakeMatrix(1030, 512)
-    assert tiles.ws_launch("siglip", BF16, (9, 2), a, a, a, 0, None, block=False)
+    raw = bytes(tiles.TILE_ARGS_DTYPE.itemsize)
+    assert tiles.ws_launch("siglip", BF16, (9, 2), a, a, a, 0, raw, block=False)
     assert id(kern) in tiles._WS_SMEM and kern._smem == SMEM_MAX - 2048
-    assert tiles.ws_launch("siglip", BF16, (9, 2), a, a, a, 0, None)
-    assert [(int(r), m) for r, m in launches] == [(6 | 256, 1024 + 14 * 16384),
-                                                  (5 | 256, 1024 + 13 * 16384 + 8192)]
+    assert tiles.ws_launch("siglip", BF16, (9, 2), a, a, a, 0, raw)
+    assert launches == [(6 | 256, 1024 + 14 * 16384), (5 | 256, 1024 + 13 * 16384 + 8192)]
+
+
+def test_launch_blob_layout():
+    """The warp-specialised kernels' one argument: maps at 0, 128, 256, 384, the TileArgs at
+    LAUNCH_ARGS_AT, the ring after them, the tail, zeros to LAUNCH_BYTES (the layout the
+    kernels' static_asserts hold: WsLaunch, WsTf32Launch, WsF16Launch)."""
+    maps = [np.frombuffer(bytes([k + 1]) * 128, tiles.tma.TENSOR_MAP_DTYPE) for k in range(4)]
+    raw = bytes(range(tiles.TILE_ARGS_DTYPE.itemsize))
+    b = tiles.launch_blob(maps, raw, 0x1234 | 256, b"\x07\x08").tobytes()
+    assert len(b) == tiles.LAUNCH_BYTES == 768 and tiles.LAUNCH_ARGS_AT == 512
+    assert all(b[128 * k:128 * (k + 1)] == bytes([k + 1]) * 128 for k in range(4))
+    at = tiles.LAUNCH_ARGS_AT
+    assert b[at:at + len(raw)] == raw
+    assert int.from_bytes(b[at + len(raw):at + len(raw) + 4], "little") == 0x1234 | 256
+    assert b[at + len(raw) + 4:at + len(raw) + 6] == b"\x07\x08"
+    assert b[at + len(raw) + 6:] == bytes(768 - at - len(raw) - 6)
+    with pytest.raises(ValueError, match="launch_blob: 4 maps"):
+        tiles.launch_blob(maps[:3], raw, 0)
+    with pytest.raises(ValueError, match="launch_blob: 4 maps"):
+        tiles.launch_blob(maps, raw + b"x", 0)
 
 
 def test_ws_switches_key_cuda_graphs(monkeypatch):

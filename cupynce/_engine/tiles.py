@@ -183,6 +183,28 @@ TILE_ARGS_FIELDS = (
     "scale_mul", "w_mul")
 TILE_ARGS_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", struct.calcsize(TILE_ARGS_FORMAT))]})
 _pack_tile_args = struct.Struct(TILE_ARGS_FORMAT).pack
+#: the warp-specialised kernels' one parameter (``WsLaunch`` of tile_ws.cuh; the TF32 / F16x3
+#: kernels' ``WsTf32Launch`` / ``WsF16Launch`` begin alike): four 128-byte tensor maps, the
+#: packed TileArgs at byte ``LAUNCH_ARGS_AT``, the ring (int32) after it, then the F16x3
+#: kernels' fields; ``LAUNCH_BYTES`` in all (64-aligned).  One struct instead of five or six
+#: arguments: CuPy's launch of six such arguments took ~38 µs of host time, of one 768-byte
+#: struct ~13 (H100 host, 2026-11-27).
+LAUNCH_ARGS_AT = 512
+LAUNCH_BYTES = 768
+LAUNCH_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", LAUNCH_BYTES)]})
+_RING = struct.Struct("<i")
+
+
+def launch_blob(maps, raw: bytes, ring: int, tail: bytes = b"") -> np.ndarray:
+    """The one kernel argument of the warp-specialised tiles: the four tensor ``maps`` (NumPy
+    128-byte records) at 0, 128, 256, 384, the packed TileArgs ``raw`` at ``LAUNCH_ARGS_AT``,
+    the int32 ``ring`` after it, then ``tail``, zero-padded to ``LAUNCH_BYTES``."""
+    blob = b"".join([mp.tobytes() for mp in maps] + [raw, _RING.pack(ring), tail])
+    if len(maps) != 4 or len(raw) != TILE_ARGS_DTYPE.itemsize or len(blob) > LAUNCH_BYTES:
+        raise ValueError(f"launch_blob: 4 maps and {TILE_ARGS_DTYPE.itemsize} bytes of "
+                         f"TileArgs fitting {LAUNCH_BYTES} bytes, got {len(maps)} maps, "
+                         f"{len(raw)} bytes, {len(blob)} in all")
+    return np.frombuffer(blob + bytes(LAUNCH_BYTES - len(blob)), LAUNCH_DTYPE)
 
 
 def _plan(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[int]) -> int:
@@ -244,11 +266,10 @@ def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale
         ld(a), ld(b1), ld(b2), part[2], w_stride, 0 if g is None else ld(g),
         rows, row0, b1.shape[0], n2, d, int(exclude_diag), pos_shift, pos_mod, int(tri),
         scale, w_mul)
-    args = np.frombuffer(raw, TILE_ARGS_DTYPE)
-    if stage in WS_STAGES and wstile() and ws_launch(stage, t, grid, a, b1, b2, n2, args,
+    if stage in WS_STAGES and wstile() and ws_launch(stage, t, grid, a, b1, b2, n2, raw,
                                                      block=g is not None):
         return
-    tile_launch(FILE, stage, t, grid, (args,))
+    tile_launch(FILE, stage, t, grid, (np.frombuffer(raw, TILE_ARGS_DTYPE),))
 
 
 def wstile() -> bool:
@@ -325,8 +346,8 @@ def ws_smem(kern) -> Tuple[int, int]:
     return info[0], info[1]
 
 
-def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True) -> bool:
-    """Launch ``cpn_wstile_<stage>`` of ``tiles_ws.cu`` with the packed TileArgs ``args``
+def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, raw: bytes, block: bool = True) -> bool:
+    """Launch ``cpn_wstile_<stage>`` of ``tiles_ws.cu`` with the packed TileArgs ``raw``
     (``block``: they give a gradient block, see ws_ring); False (nothing launched) where it
     does not apply: B2's columns after n1 % 8 != 0 for a stage writing the gradient block (its
     16-byte stores would straddle n1), row coordinates past 2^31 - 128, a tensor map the
@@ -344,7 +365,7 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, args, block: bool = True)
     ring = ws_ring(stage, a.shape[1], *ws_smem(kern), block=block)
     if ring is None:
         return False
-    kern(tuple(grid), (WS_THREADS,), (ta, tb1, tb2, args, np.int32(ring[0])),
+    kern(tuple(grid), (WS_THREADS,), (launch_blob((ta, tb1, tb2, tb2), raw, ring[0]),),
          shared_mem=ring[1])
     return True
 

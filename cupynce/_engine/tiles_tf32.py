@@ -33,7 +33,6 @@ cuBLAS, ``_engine.cross``), sm_90a only.
 from __future__ import annotations
 
 import math
-import struct
 from typing import Optional, Tuple
 
 import numpy as np
@@ -58,12 +57,10 @@ MIN_STAGES = 2
 MM_INTERLEAVE = True
 
 
-#: the kernels' one parameter, ``WsTf32Launch`` (tiles_ws_tf32.cu): four 128-byte tensor maps,
-#: the packed TileArgs<float> at byte 512, the ring (int32) after it; 768 bytes (64-aligned)
-LAUNCH_ARGS_AT = 512
-LAUNCH_BYTES = 768
-LAUNCH_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", LAUNCH_BYTES)]})
-_RING = struct.Struct("<i")
+#: the kernels' one parameter, ``WsTf32Launch`` (tiles_ws_tf32.cu): ``tiles.launch_blob``'s
+#: layout (four 128-byte tensor maps, the packed TileArgs<float> at byte 512, the ring after
+#: it; 768 bytes)
+LAUNCH_ARGS_AT, LAUNCH_BYTES = tiles.LAUNCH_ARGS_AT, tiles.LAUNCH_BYTES
 
 
 class TF32TilesUnavailable(RuntimeError):
@@ -177,10 +174,8 @@ def launch_packed(kern, name: str, maps, grid, raw: bytes, ring_flags: int = 0,
                                    f"fewer than {MIN_STAGES} ring stages")
     if any(mp is None for mp in maps):
         raise TF32TilesUnavailable(f"{name}: the driver refused a tensor map")
-    blob = b"".join([mp.tobytes() for mp in maps] + [raw, _RING.pack(rg[0] | ring_flags), tail])
-    blob += bytes(LAUNCH_BYTES - len(blob))
-    kern(tuple(grid), (tiles.WS_THREADS,), (np.frombuffer(blob, LAUNCH_DTYPE),),
-         shared_mem=rg[1])
+    kern(tuple(grid), (tiles.WS_THREADS,),
+         (tiles.launch_blob(maps, raw, rg[0] | ring_flags, tail),), shared_mem=rg[1])
 
 
 def _check(x, name: str):
