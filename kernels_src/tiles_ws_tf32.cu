@@ -254,7 +254,7 @@ __device__ __forceinline__ void tile_ws_tf32x3(const TmaMap& ahi, const TmaMap& 
 
 // The kernels' one parameter: the four maps, the TileArgs and the ring (tiles_tf32._launch
 // packs it: one 768-byte argument costs the host ~13 µs a launch, the six it replaces ~38,
-// H100 host, 2026-11-27).  The layout is fixed here and in tiles_tf32.LAUNCH_*.
+// H100 host, 2026-11-27).  The layout is fixed here and in tiles.launch_blob / LAUNCH_*.
 struct WsTf32Launch {
     TmaMap ahi, alo, bhi, blo;
     TileArgs<float> p;
@@ -262,7 +262,7 @@ struct WsTf32Launch {
 };
 // (members in order, no gaps: p at 4 x 128 = 512, ring at 512 + 208 = 720, padded to 768)
 static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<float>) == 208 &&
-              sizeof(WsTf32Launch) == 768, "WsTf32Launch's layout is tiles_tf32.py's");
+              sizeof(WsTf32Launch) == 768, "WsTf32Launch's layout is tiles.launch_blob's");
 #define CPN_WS_TF32_ARGS const __grid_constant__ WsTf32Launch L
 #define CPN_DEFINE_WS_TF32(SUF)                                                            \
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_lse_##SUF(          \

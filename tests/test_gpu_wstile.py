@@ -682,7 +682,9 @@ def test_launch_blob_layout():
     maps = [np.frombuffer(bytes([k + 1]) * 128, tiles.tma.TENSOR_MAP_DTYPE) for k in range(4)]
     raw = bytes(range(tiles.TILE_ARGS_DTYPE.itemsize))
     b = tiles.launch_blob(maps, raw, 0x1234 | 256, b"\x07\x08").tobytes()
+    # (the C side's numbers: TileArgs 208 bytes, the ring at 720, F16x3's comp at 724)
     assert len(b) == tiles.LAUNCH_BYTES == 768 and tiles.LAUNCH_ARGS_AT == 512
+    assert len(raw) == 208 and tiles._RING.size == 4
     assert all(b[128 * k:128 * (k + 1)] == bytes([k + 1]) * 128 for k in range(4))
     at = tiles.LAUNCH_ARGS_AT
     assert b[at:at + len(raw)] == raw
@@ -693,6 +695,12 @@ def test_launch_blob_layout():
         tiles.launch_blob(maps[:3], raw, 0)
     with pytest.raises(ValueError, match="launch_blob: 4 maps"):
         tiles.launch_blob(maps, raw + b"x", 0)
+    with pytest.raises(ValueError, match="launch_blob: 4 maps"):  # (a tail past 768 bytes)
+        tiles.launch_blob(maps, raw, 0, bytes(768 - 720 - 4 + 1))
+    from cupynce._engine import tiles_f16x3
+    tail = tiles_f16x3._TAIL.pack(1.5, 1, 2, 3)  # comp, rowf, colf, ufac at 724, 728, 736, 744
+    b = tiles.launch_blob(maps, raw, 7, tail).tobytes()
+    assert int.from_bytes(b[720:724], "little") == 7 and b[724:752] == tail
 
 
 def test_ws_switches_key_cuda_graphs(monkeypatch):
