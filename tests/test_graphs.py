@@ -157,6 +157,95 @@ def test_inputs_read_afresh_and_outputs_kept(op):
         assert [bits(loss)] + [bits(s) for s in stats] == w[:1 + len(stats)]
 
 
+def _plan():
+    (plan,) = _graphs._plans.values()
+    return plan
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_variants_read_the_inputs_in_place(op):
+    """The same input pointers on a plan's second replay get a variant that reads them in
+    place: same bits, new values written into the same memory are read, other pointers
+    still copy in."""
+    args, kw = inputs(op, 256, 64, BF16)
+    want = plain(lambda: step(op, args, kw))
+    for i in range(CALLS + 2):
+        assert step(op, args, kw) == want, f"call {i + 1}"
+    assert len(_plan().variants) == 1
+    # new values in the same memory: the variant reads them
+    fresh, _ = inputs(op, 256, 64, BF16, seed=5)
+    for x, y in zip(args[:2], fresh[:2]):
+        x[...] = y
+    want = plain(lambda: step(op, args, kw))
+    assert step(op, args, kw) == want
+    # other pointers (a copy): copied in, a variant only on their second replay
+    other = tuple(x.copy() for x in args[:2]) + tuple(args[2:])
+    assert step(op, other, kw) == want
+    assert len(_plan().variants) == 1
+    assert step(op, other, kw) == want
+    assert len(_plan().variants) == 2 and _graphs.info()["plans"] == 1
+
+
+def test_variants_bounded_and_switchable(monkeypatch):
+    monkeypatch.setattr(_graphs, "MAX_VARIANTS", 2)
+    sets = [inputs("nt_xent", 256, 64, BF16, seed=s) for s in range(4)]
+    want = [plain(lambda a=a, k=k: step("nt_xent", a, k)) for a, k in sets]
+    for _ in range(CALLS):
+        for (a, k), w in zip(sets, want):
+            assert step("nt_xent", a, k) == w
+    assert len(_plan().variants) == 2
+    monkeypatch.setattr(_graphs, "VARIANTS", False)
+    _graphs.clear()
+    for _ in range(CALLS + 2):
+        assert step("nt_xent", *sets[0]) == want[0]
+    assert len(_plan().variants) == 0
+
+
+def test_misaligned_pointers_get_no_variant():
+    """A 16-byte aligned input that is not 256-byte aligned (a row offset) is copied in."""
+    base = inputs("nt_xent", 257, 64, BF16)[0][0]
+    z = base[1:]  # 128 bytes past the allocation's start: 16-byte aligned
+    assert z.data.ptr % 16 == 0 and z.data.ptr % 256
+    z = cp.ndarray(z.shape, z.dtype, z.data)  # (C-contiguous view)
+    want = plain(lambda: step("nt_xent", (z,), {}))
+    for _ in range(CALLS + 2):
+        assert step("nt_xent", (z,), {}) == want
+    assert len(_plan().variants) == 0
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float32)], ids=str)
+def test_gradient_products_left_out_of_the_graph(op, dtype):
+    """On the 16-bit tiles the accumulators' products run after the graph, into the
+    caller's arrays (no copy out); the float32 row blocks copy theirs out."""
+    from cupynce._engine import tiles
+
+    args, kw = inputs(op, 256, 64, dtype)
+    want = plain(lambda: step(op, args, kw))
+    for _ in range(CALLS):
+        assert step(op, args, kw) == want
+    plan = _plan()
+    on_tiles = dtype != np.float32 and tiles.tiles_ok(args[0])
+    written = {k for ks, _, _ in plan.tails for k in ks}
+    if on_tiles:
+        assert written and None not in written
+        assert all(plan.layout[k] is None for k in written)  # (never in the pack)
+    else:
+        assert not plan.tails
+
+
+def test_deferred_products_run_plainly_outside_graphs():
+    from cupynce._engine import tail
+
+    out = []
+    tail.products((1, 2), lambda a, b: out.append((a, b)))
+    with tail.collecting(None) as rec:
+        tail.products((3,), lambda a: out.append(a))
+    with tail.collecting(lambda o, f: f(*o)) as rec2:
+        tail.products((4,), lambda a: out.append(a))
+    assert out == [(1, 2), 4] and len(rec) == 1 and len(rec2) == 1
+
+
 def test_streams_have_their_own_plans():
     args, kw = inputs("clip_loss", 256, 64, BF16)
     want = plain(lambda: step("clip_loss", args, kw))

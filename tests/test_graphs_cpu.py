@@ -44,13 +44,14 @@ def test_clip_score_block_estimate(dtype, n, ws, want):
     a = np.zeros((n, 1), dtype)
     acc = np.dtype(np.float64 if dtype == np.float64 else np.float32)
     assert clip_op._score_block_bytes(a, acc, ws) == want
-    # a float32 CLIP at N = 16384 skips the key; at 8192 (256 MiB) it is captured as before
+    # a float32 CLIP at N = 16384 (1 GiB) skips the key; at 8192 (256 MiB) it is captured
     assert (want > _graphs.MAX_PLAN_BYTES) == (n == 16384 and dtype != np.float16
                                                and ws is None)
 
 
 @pytest.mark.parametrize("dtype, n, d, ws, want", [
-    # 16-bit: the whole H (N x N, z's dtype) + the float32 accumulator; 16384 skips the key
+    # 16-bit: the whole H (N x N, z's dtype) + the float32 accumulator: 16384 is captured
+    # (544 MiB), a float32 one at 16384 (1 GiB + the accumulator) skips the key
     ("bfloat16", 16384, 512, None, 16384 * 16384 * 2 + 16384 * 512 * 4),
     (np.float16, 8192, 512, None, 8192 * 8192 * 2 + 8192 * 512 * 4),
     (np.float16, 16384, 512, 64 << 20, (64 << 20) + 16384 * 512 * 4),  # capped
@@ -63,8 +64,7 @@ def test_nt_xent_kept_bytes(dtype, n, d, ws, want):
         dtype = ml_dtypes.bfloat16
     z = np.zeros((n, d), dtype)
     assert nt_xent_op._kept_bytes(z, ws) == want
-    # a 16-bit NT-Xent at N = 16384 (a 512 MiB H) skips the key; 8192 is captured as before
-    assert (want > _graphs.MAX_PLAN_BYTES) == (n == 16384 and ws is None)
+    assert (want > _graphs.MAX_PLAN_BYTES) == (dtype == np.float32)
 
 
 def test_thread_tokens_are_never_reused():

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from . import blas, kernels, tma
+from . import blas, kernels, tail, tma
 from .arrays import FILE as ROWS_FILE, buffers, fixed_sum, pair_weights, ptr
 from .blocks import FAR_MOD
 from .kernels import BLOCK
@@ -510,13 +510,24 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
              scale=scale, scale_log=scale_log, exclude_diag=exclude_diag,
              pos_shift=pos_shift, pos_mod=pos_mod, lse_row=lse, lse_col=lse, weights=weights,
              g=g_blk, tri=tri)
-        acc = 1.0 if r0 else 0.0
-        blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
-        if not self_pair:
-            blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
-        if ms:
-            blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
-            blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
+
+        def products(*o, r0=r0, r1=r1, qb=qb, g_blk=g_blk):
+            it = iter(o)
+            dq = next(it)
+            dk = dq if self_pair else next(it)
+            dns = next(it) if ms else None
+            acc = 1.0 if r0 else 0.0
+            blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
+            if not self_pair:
+                blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
+            if ms:
+                blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
+                blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
+        outs = (dq,) + (() if self_pair else (dk,)) + ((dns,) if ms else ())
+        if rb >= n:  # one block: the call's last work (a graph may leave it out, tail.py)
+            tail.products(outs, products)
+        else:
+            products(*outs)
     return lse, loss, (dq, dk, dns, None)
 
 
@@ -610,8 +621,15 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                      weights=(_shifted(w_arr, w_stride, c0), w_stride, w_mul),
                      g=g_blk, dsp=dpart[k].data.ptr, part=(0, 0, r1 - r0))
                 k += sp
-                blas.gemm(g_blk, bn[c0:c1], da[r0:r1], beta=1.0 if c0 else 0.0)
-                blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True, beta=1.0 if r0 else 0.0)
+
+                def products(da, db, r0=r0, r1=r1, c0=c0, c1=c1, g_blk=g_blk):
+                    blas.gemm(g_blk, bn[c0:c1], da[r0:r1], beta=1.0 if c0 else 0.0)
+                    blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True,
+                              beta=1.0 if r0 else 0.0)
+                if rb >= n and cb >= nc:  # one block: may be left out of a graph (tail.py)
+                    tail.products((da, db), products)
+                else:
+                    products(da, db)
             kernels.launch(FILE, "tile_sum", t, (-(-(r1 - r0) // BLOCK),),
                    (dpart, np.int64(r1 - r0), np.int32(k), np.int32(r1 - r0), dsp[r0:r1]))
         grads = (da, db, dsp)
@@ -663,9 +681,16 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
                  g=g_blk, dsp=ptr(dscale_p))
             k += sp
             if want_grad:  # (the block holds s G' = s G / w_mul; first blocks write da, db)
-                blas.gemm(g_blk, bn[c0:c1], da[r0:r1], alpha=w_mul, beta=1.0 if c0 else 0.0)
-                blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True, alpha=w_mul,
-                          beta=1.0 if r0 else 0.0)
+
+                def products(da, db, r0=r0, r1=r1, c0=c0, c1=c1, g_blk=g_blk):
+                    blas.gemm(g_blk, bn[c0:c1], da[r0:r1], alpha=w_mul,
+                              beta=1.0 if c0 else 0.0)
+                    blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True, alpha=w_mul,
+                              beta=1.0 if r0 else 0.0)
+                if rb >= n and cb >= nc:  # one block: may be left out of a graph (tail.py)
+                    tail.products((da, db), products)
+                else:
+                    products(da, db)
         sums = [(part[0], row_loss[r0:r1])] if want_loss else []
         if want_grad:
             sums += [(part[-2], parts[1, r0:r1]), (part[-1], parts[0, r0:r1])]

@@ -6,17 +6,24 @@ GPU work of ``compute(*inputs)`` into a CUDA graph the third time (``CAPTURE_AFT
 sees the same problem, and from then on replays it:
 
 1. copy each input into the plan's static input buffer (``cudaMemcpyAsync``, device to
-   device, on the caller's stream);
+   device, on the caller's stream) -- or, where the same input pointers come again (a
+   training step's tensors from torch's caching allocator, a benchmark's), replay a
+   *variant*: the same capture made on the caller's memory, which reads the inputs in place
+   (captured on a pointer set's second replay, ``MAX_VARIANTS`` a plan; pointers 256-byte
+   aligned like the statics; ``CUPYNCE_GRAPH_VARIANTS=0`` turns them off);
 2. launch the graph on the caller's stream (one launch for every kernel and cuBLAS call);
 3. copy the outputs out of the plan's static buffers into fresh memory from the current
    allocator (torch's under ``cupynce.torch``), so that what the caller gets is its own:
    a later call of the same problem never overwrites it.  The graph itself gathers the
    small outputs (loss, statistics, scalars: ``PACK_BYTES``) into one block, copied out
-   in one piece; the large ones (gradient accumulators) are copied one by one.
+   in one piece; the large ones are copied one by one -- except the gradient accumulators
+   that the tile paths write with their last products (``_engine/tail.py``): those products
+   are left out of the graph and issued after its launch, on the same stream, straight into
+   the caller's fresh arrays (no copy; their host time runs while the GPU runs the graph).
 
-The graph runs the very kernels, launch configurations and buffers layout of the plain
-call, on copies of the same bits: the results are bit-identical (``tests/test_graphs.py``),
-and as deterministic.  What keys a problem (``key``): the op's own arguments (flags, Python
+The graph (and its deferred products) runs the very kernels, launch configurations and
+buffers layout of the plain call, on the same bits: the results are bit-identical
+(``tests/test_graphs.py``), and as deterministic.  What keys a problem (``key``): the op's own arguments (flags, Python
 scalars, which are baked into the graph), every input's shape, dtype and strides, the
 device, the caller's stream (a plan is used by one stream, so replays are ordered by it),
 and the engine's switches (``tiles.USE_TILES`` and friends).  A problem is replayed only
@@ -52,12 +59,23 @@ ENABLED: bool = os.environ.get("CUPYNCE_GRAPHS", "1") != "0"
 #: capture, and the first calls load the kernels and pick the paths outside any capture).
 CAPTURE_AFTER = 2
 #: A captured plan holding more device memory than this is dropped (its calls run uncaptured).
-MAX_PLAN_BYTES = 512 << 20
-#: The cache's bounds: bytes held by all plans, and plans.
-CACHE_BYTES = 1 << 30
+#: 768 MiB takes in NT-Xent at N = 16384 in 16 bits (its 512 MiB H + 32 MiB accumulator +
+#: the 16 MiB input): ~0.1 ms of host time before its first kernel, measured -0.06 to -0.2 ms
+#: a call on an H100; a float32 score block capped at 1 GiB stays out.
+MAX_PLAN_BYTES = 768 << 20
+#: The cache's bounds: bytes held by all plans (two of the largest), and plans.
+CACHE_BYTES = 2 << 30
 MAX_PLANS = 64
 #: Problem keys seen this many times without a plan stop being counted (bounded memory).
 MAX_SEEN = 4096
+#: ``CUPYNCE_GRAPH_VARIANTS=0`` turns variants off: every replay copies its inputs in.
+VARIANTS: bool = os.environ.get("CUPYNCE_GRAPH_VARIANTS", "1") != "0"
+#: A plan captures a variant reading the inputs in place on the ``VARIANT_AFTER + 1``-th
+#: replay with the same input pointers; it keeps at most ``MAX_VARIANTS`` (least recently
+#: used out first) and counts at most ``MAX_VARIANT_SEEN`` pointer sets.
+VARIANT_AFTER = 1
+MAX_VARIANTS = 4
+MAX_VARIANT_SEEN = 64
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
@@ -77,18 +95,25 @@ PACK_BYTES = 1 << 20
 
 class _Plan:
     __slots__ = ("graph", "statics", "outs", "pack", "pack_bytes", "layout", "keep", "nbytes",
-                 "lock", "__weakref__")
+                 "lock", "tails", "compute", "device", "variants", "seen", "__weakref__")
 
-    def __init__(self, graph, statics, outs, pack, pack_bytes, layout, keep, nbytes):
+    def __init__(self, graph, statics, outs, pack, pack_bytes, layout, keep, nbytes, tails,
+                 compute, device):
         self.graph, self.statics, self.outs, self.keep = graph, statics, outs, keep
         self.pack, self.pack_bytes = pack, pack_bytes
         self.layout = layout  # layout[i]: the output's offset in the pack, or None
         self.nbytes = nbytes
         self.lock = threading.Lock()
+        self.tails = tails  # the products left out of the graph (see _tails)
+        self.compute, self.device = compute, device  # (for the variants' captures)
+        # input pointers -> (graph, tails) of a capture reading them in place (no copy in)
+        self.variants: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self.seen: Dict[tuple, int] = {}
 
     def replay(self, inputs: Sequence[Any], stream) -> Tuple[Any, ...]:
-        """Copy ``inputs`` in, launch, and return the outputs in fresh memory from the
-        current allocator (the small ones as views of one copied-out pack)."""
+        """Copy ``inputs`` in (or read them in place: a variant), launch, and return the
+        outputs in fresh memory from the current allocator (the small ones as views of one
+        copied-out pack)."""
         import cupy as cp
 
         res: list = []
@@ -117,16 +142,84 @@ class _Plan:
         from cupy.cuda import runtime
 
         sp = stream.ptr
+        ptrs = tuple(in_ptrs)
         with self.lock:
-            for st, p in zip(self.statics, in_ptrs):
-                runtime.memcpyAsync(st.data.ptr, p, st.nbytes, _D2D, sp)
-            self.graph.launch(stream)
+            found = self.variants.get(ptrs) if VARIANTS else None
+            if found is None:
+                found = self._variant(ptrs)
+            if found is not None:
+                self.variants.move_to_end(ptrs)
+                graph, tails = found
+            else:
+                for st, p in zip(self.statics, ptrs):
+                    runtime.memcpyAsync(st.data.ptr, p, st.nbytes, _D2D, sp)
+                graph, tails = self.graph, self.tails
+            graph.launch(stream)
             pack_ptr, out_ptrs = outputs()
             if self.pack is not None:
                 runtime.memcpyAsync(pack_ptr, self.pack.ptr, self.pack_bytes, _D2D, sp)
+            written = set()
+            if tails:
+                dest = dict(out_ptrs)
+                with stream:  # (the products go on CuPy's current stream)
+                    for ks, fn, arrays in tails:
+                        fn(*(a if k is None or k not in dest else
+                             _wrap(dest[k], self.outs[k], self.device)
+                             for k, a in zip(ks, arrays)))
+                        written.update(ks)
             for k, p in out_ptrs:
-                o = self.outs[k]
-                runtime.memcpyAsync(p, o.data.ptr, o.nbytes, _D2D, sp)
+                if k not in written:
+                    o = self.outs[k]
+                    runtime.memcpyAsync(p, o.data.ptr, o.nbytes, _D2D, sp)
+
+    def _variant(self, ptrs: tuple) -> Optional[tuple]:
+        """A variant for these input pointers, captured on their second replay (None: not
+        yet, not aligned as the statics are, or the capture failed)."""
+        if not VARIANTS or any(p % 256 for p in ptrs):
+            return None
+        seen = self.seen.get(ptrs, 0) + 1
+        if seen <= VARIANT_AFTER:
+            if len(self.seen) >= MAX_VARIANT_SEEN:
+                self.seen.clear()
+            self.seen[ptrs] = seen
+            return None
+        self.seen.pop(ptrs, None)
+        inputs = [_wrap(p, st, self.device) for p, st in zip(ptrs, self.statics)]
+        try:
+            graph, outs, tails = _capture_graph(inputs, self.compute, self.keep, self.pack,
+                                                self.layout)
+        except Exception:  # noqa: BLE001 - no variant: this pointer set copies in, as before
+            self.seen[ptrs] = float("-inf")  # (never tried again while counted)
+            return None
+        if any((a is None) != (b is None) or (a is not None and a.data.ptr != b.data.ptr)
+               for a, b in zip(outs, self.outs)):
+            return None  # (cannot happen: same allocations in the same order)
+        self.variants[ptrs] = (graph, _tails(tails, self.outs))
+        while len(self.variants) > MAX_VARIANTS:
+            self.variants.popitem(last=False)
+        return self.variants[ptrs]
+
+
+def _wrap(ptr: int, like, device: int):
+    """A CuPy array of ``like``'s shape and dtype (C order) on the memory at ``ptr``."""
+    import cupy as cp
+
+    mem = cp.cuda.UnownedMemory(ptr, like.nbytes, None, device)
+    return cp.ndarray(like.shape, like.dtype, cp.cuda.MemoryPointer(mem, 0))
+
+
+def _tails(recorded, outs) -> tuple:
+    """The capture's deferred products as ``(output index or None per array, fn, arrays)``:
+    an array that is an output is written straight into the caller's (when asked for), the
+    others (and outputs not asked for) into the plan's own."""
+    found = []
+    for arrays, fn in recorded:
+        ks = tuple(next((k for k, o in enumerate(outs) if o is not None
+                         and o.data.ptr == a.data.ptr and o.nbytes == a.nbytes
+                         and o.shape == a.shape and o.dtype == a.dtype), None)
+                   for a in arrays)
+        found.append((ks, fn, arrays))
+    return tuple(found)
 
 
 #: per thread: while ``events`` is a list, :func:`run` appends ``(key, plan, inputs, outputs)``
@@ -272,7 +365,7 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
     global _held
     import cupy as cp
 
-    from .._engine import blas, products_tf32
+    from .._engine import products_tf32, tail
 
     base = cp.cuda.get_allocator()
     keep = []
@@ -282,7 +375,59 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
         keep.append((size, mem))
         return mem
 
+    def run_plainly(outs, fn):  # (the probe's deferred products, outside the recording)
+        with cp.cuda.using_allocator(base):
+            fn(*outs)
+
     statics = [cp.empty(x.shape, x.dtype) for x in inputs]
+    try:
+        sp = cp.cuda.get_current_stream().ptr
+        for st, x in zip(statics, inputs):  # (the probe computes on this call's values)
+            cp.cuda.runtime.memcpyAsync(st.data.ptr, x.data.ptr, x.nbytes, _D2D, sp)
+        # (no side-stream splits in the probe or the capture: both allocate alike)
+        with cp.cuda.using_allocator(recording), products_tf32.same_stream(), \
+                tail.collecting(run_plainly) as deferred:
+            # (on the caller's stream: loads the kernels, picks the paths, gives the layout)
+            probe = tuple(compute(*statics))
+        if any(o is not None and not o.flags.c_contiguous for o in probe):
+            raise ValueError("an output is not C-contiguous (copied out as raw bytes)")
+        # what the deferred products write is never packed: they write the caller's arrays
+        late = {a.data.ptr for arrays, _ in deferred for a in arrays}
+        layout, off = [], 0
+        for o in probe:
+            small = o is not None and o.nbytes <= PACK_BYTES and o.data.ptr not in late
+            layout.append(off if small else None)
+            if small:
+                off += (o.nbytes + 255) & ~255
+        del probe, deferred
+        pack = base(off) if off else None
+        graph, outs, recorded = _capture_graph(statics, compute, keep, pack, layout)
+    except Exception as exc:  # noqa: BLE001 - a capture that fails falls back, remembered
+        if not _out_of_memory(exc):  # (out of memory may pass: counted again from zero)
+            _refuse(key, f"capture failed: {type(exc).__name__}: {exc}"[:300])
+        return None
+    nbytes = sum(size for size, _ in keep) + sum(x.nbytes for x in statics) + off
+    if nbytes > MAX_PLAN_BYTES:
+        _refuse(key, f"plan of {nbytes} bytes > MAX_PLAN_BYTES")
+        return None
+    plan = _Plan(graph, statics, outs, pack, off, layout, keep, nbytes,
+                 _tails(recorded, outs), compute, cp.cuda.runtime.getDevice())
+    _plans[key] = plan
+    _held += nbytes
+    while _plans and (_held > CACHE_BYTES or len(_plans) > MAX_PLANS):
+        _k, old = _plans.popitem(last=False)
+        _held -= old.nbytes
+    return plan if key in _plans else None
+
+
+def _capture_graph(inputs, compute, keep, pack, layout):
+    """``compute(*inputs)`` captured on a private stream, handed the buffers ``keep``
+    (``(size, memory)`` in allocation order), the small outputs gathered into ``pack`` at
+    ``layout``; returns ``(graph, outputs, deferred products)``."""
+    import cupy as cp
+
+    from .._engine import blas, products_tf32, tail
+
     order = iter(keep)
 
     def replaying(size: int):
@@ -293,50 +438,21 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
 
     cap = cp.cuda.Stream(non_blocking=True)
     try:
-        sp = cp.cuda.get_current_stream().ptr
-        for st, x in zip(statics, inputs):  # (the probe computes on this call's values)
-            cp.cuda.runtime.memcpyAsync(st.data.ptr, x.data.ptr, x.nbytes, _D2D, sp)
-        # (no side-stream splits in the probe or the capture: both allocate alike)
-        with cp.cuda.using_allocator(recording), products_tf32.same_stream():
-            # (on the caller's stream: loads the kernels, picks the paths, gives the layout)
-            probe = tuple(compute(*statics))
-        if any(o is not None and not o.flags.c_contiguous for o in probe):
-            raise ValueError("an output is not C-contiguous (copied out as raw bytes)")
-        layout, off = [], 0
-        for o in probe:
-            small = o is not None and o.nbytes <= PACK_BYTES
-            layout.append(off if small else None)
-            if small:
-                off += (o.nbytes + 255) & ~255
-        pack = base(off) if off else None
-        with cap, cp.cuda.using_allocator(replaying), products_tf32.same_stream():
+        with cap, cp.cuda.using_allocator(replaying), products_tf32.same_stream(), \
+                tail.collecting(None) as recorded:
             blas.bind_stream()  # (cuBLAS's stream cannot be set once the capture runs)
             cap.begin_capture()
             try:
-                outs = tuple(compute(*statics))
+                outs = tuple(compute(*inputs))
                 for o, at in zip(outs, layout):  # gather the small outputs into the pack
                     if at is not None and o.nbytes:
                         cp.cuda.runtime.memcpyAsync(pack.ptr + at, o.data.ptr, o.nbytes, _D2D,
                                                     cap.ptr)
             finally:
                 graph = cap.end_capture()
-    except Exception as exc:  # noqa: BLE001 - a capture that fails falls back, remembered
-        if not _out_of_memory(exc):  # (out of memory may pass: counted again from zero)
-            _refuse(key, f"capture failed: {type(exc).__name__}: {exc}"[:300])
-        return None
     finally:
         blas.unbind_stream()  # (the capture stream is gone: never skip the next setStream)
-    nbytes = sum(size for size, _ in keep) + sum(x.nbytes for x in statics) + off
-    if nbytes > MAX_PLAN_BYTES:
-        _refuse(key, f"plan of {nbytes} bytes > MAX_PLAN_BYTES")
-        return None
-    plan = _Plan(graph, statics, outs, pack, off, layout, [m for _, m in keep], nbytes)
-    _plans[key] = plan
-    _held += nbytes
-    while _plans and (_held > CACHE_BYTES or len(_plans) > MAX_PLANS):
-        _k, old = _plans.popitem(last=False)
-        _held -= old.nbytes
-    return plan if key in _plans else None
+    return graph, outs, recorded
 
 
 def _refuse(key: tuple, why: str) -> None:

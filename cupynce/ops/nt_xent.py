@@ -48,8 +48,8 @@ def _kept_bytes(z, workspace_bytes) -> int:
     block (16-bit H on the tiles, the float32 / float64 score block on the row blocks), capped
     by the workspace without its free-memory bound (no driver query), plus the float32
     gradient accumulator: ``_graphs.run``'s ``est_bytes``, so that a problem whose plan would
-    be refused (NT-Xent 16384 in 16 bits: a 512 MiB H) starts its first kernel without
-    building a graph key first."""
+    be refused (a float32 one at N = 16384: a 1 GiB score block) starts its first kernel
+    without building a graph key first."""
     n, d = z.shape
     item = z.dtype.itemsize if z.dtype.itemsize == 2 else acc_dtype(z.dtype).itemsize
     return min(n * n * item, blas.workspace_bound(workspace_bytes)) + n * d * acc_dtype(z.dtype).itemsize
