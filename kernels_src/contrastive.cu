@@ -734,3 +734,25 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_f16x3(
         if (threadIdx.x == 0) dscale_part[i] = acc;
     }
 }
+
+// ops/_graphs.py's pack: a graph gathers a call's small outputs into one block, copied out in
+// one piece.  Range k (blockIdx.y) copies tab[3k + 2] bytes from address tab[3k] to
+// dst + tab[3k + 1]; 16-byte words where both ends are 16-byte aligned, else bytes.  One
+// launch where a memcpy node per output cost ~1.2 us of GPU time each (H100).
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_gather_bytes(
+    const long long* __restrict__ tab, char* __restrict__ dst)
+{
+    const int k = blockIdx.y;
+    const char* const src = (const char*)tab[3 * k];
+    char* const out = dst + tab[3 * k + 1];
+    const long long nb = tab[3 * k + 2];
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long t0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long done = 0;
+    if ((((unsigned long long)src | (unsigned long long)out) & 15) == 0) {
+        const long long nw = nb >> 4;
+        for (long long w = t0; w < nw; w += stride) ((uint4*)out)[w] = ((const uint4*)src)[w];
+        done = nw << 4;
+    }
+    for (long long b = done + t0; b < nb; b += stride) out[b] = src[b];
+}

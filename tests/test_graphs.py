@@ -201,6 +201,19 @@ def test_variants_bounded_and_switchable(monkeypatch):
     assert len(_plan().variants) == 0
 
 
+def test_variants_stop_where_pointer_sets_churn(monkeypatch):
+    """More recurring pointer sets than MAX_VARIANTS: after 2 x MAX_VARIANTS evictions the
+    plan makes no new variants (each capture costs a call's host time), results unchanged."""
+    monkeypatch.setattr(_graphs, "MAX_VARIANTS", 1)
+    sets = [inputs("nt_xent", 256, 64, BF16, seed=s) for s in range(3)]
+    want = [plain(lambda a=a, k=k: step("nt_xent", a, k)) for a, k in sets]
+    for _ in range(12):
+        for (a, k), w in zip(sets, want):
+            assert step("nt_xent", a, k) == w
+    plan = _plan()
+    assert plan.evicted == 2 * _graphs.MAX_VARIANTS + 1 and len(plan.variants) == 1
+
+
 def test_misaligned_pointers_get_no_variant():
     """A 16-byte aligned input that is not 256-byte aligned (a row offset) is copied in."""
     base = inputs("nt_xent", 257, 64, BF16)[0][0]
@@ -232,18 +245,6 @@ def test_gradient_products_left_out_of_the_graph(op, dtype):
         assert all(plan.layout[k] is None for k in written)  # (never in the pack)
     else:
         assert not plan.tails
-
-
-def test_deferred_products_run_plainly_outside_graphs():
-    from cupynce._engine import tail
-
-    out = []
-    tail.products((1, 2), lambda a, b: out.append((a, b)))
-    with tail.collecting(None) as rec:
-        tail.products((3,), lambda a: out.append(a))
-    with tail.collecting(lambda o, f: f(*o)) as rec2:
-        tail.products((4,), lambda a: out.append(a))
-    assert out == [(1, 2), 4] and len(rec) == 1 and len(rec2) == 1
 
 
 def test_streams_have_their_own_plans():

@@ -80,3 +80,15 @@ def test_thread_tokens_are_never_reused():
         t.start()
         t.join()
     assert len(set(seen + [mine])) == 5
+
+
+def test_deferred_products_run_plainly_outside_graphs():
+    from cupynce._engine import tail
+
+    out = []
+    tail.products((1, 2), lambda a, b: out.append((a, b)))
+    with tail.collecting(None) as rec:
+        tail.products((3,), lambda a: out.append(a))
+    with tail.collecting(lambda o, f: f(*o)) as rec2:
+        tail.products((4,), lambda a: out.append(a))
+    assert out == [(1, 2), 4] and len(rec) == 1 and len(rec2) == 1

@@ -190,3 +190,17 @@ def test_calls_without_gradient_replay_from_tensors(op, reduction):
         assert run() == want, f"call {i + 1}"
     info = _fast.info()
     assert info["learnt"] == 1 and info["hits"] >= CALLS - _graphs.CAPTURE_AFTER - 1, info
+
+
+def test_variants_keep_the_calls_float32_precision():
+    """A variant captured on a fast replay (outside the op's precision scope) runs in the
+    plan's float32 precision: a TF32 call's products stay TF32."""
+    xs = leaves("clip_loss", 512, 128, torch.float32)
+    fn = lambda a, b, s: ct.clip_loss(a, b, s, precision="tf32")  # noqa: E731
+    want = plain(lambda: step(fn, xs))
+    fp32 = plain(lambda: step(lambda a, b, s: ct.clip_loss(a, b, s, precision="fp32"), xs))
+    assert fp32 != want  # (else this test could not tell the precisions apart)
+    for i in range(CALLS + 2):
+        assert step(fn, xs) == want, f"call {i + 1}"
+    (plan,) = _graphs._plans.values()
+    assert plan.variants and _fast.info()["hits"] > 0

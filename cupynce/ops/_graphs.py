@@ -53,6 +53,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+import numpy as np
+
 #: ``CUPYNCE_GRAPHS=0`` turns graphs off (every call runs its kernels one by one).
 ENABLED: bool = os.environ.get("CUPYNCE_GRAPHS", "1") != "0"
 #: A problem is captured on its ``CAPTURE_AFTER + 1``-th call (one-off shapes never pay for a
@@ -95,10 +97,11 @@ PACK_BYTES = 1 << 20
 
 class _Plan:
     __slots__ = ("graph", "statics", "outs", "pack", "pack_bytes", "layout", "keep", "nbytes",
-                 "lock", "tails", "compute", "device", "variants", "seen", "__weakref__")
+                 "lock", "tails", "compute", "device", "variants", "seen", "table",
+                 "precision", "evicted", "__weakref__")
 
     def __init__(self, graph, statics, outs, pack, pack_bytes, layout, keep, nbytes, tails,
-                 compute, device):
+                 compute, device, table, precision):
         self.graph, self.statics, self.outs, self.keep = graph, statics, outs, keep
         self.pack, self.pack_bytes = pack, pack_bytes
         self.layout = layout  # layout[i]: the output's offset in the pack, or None
@@ -106,6 +109,12 @@ class _Plan:
         self.lock = threading.Lock()
         self.tails = tails  # the products left out of the graph (see _tails)
         self.compute, self.device = compute, device  # (for the variants' captures)
+        self.table = table  # the pack's gather table (device), or None
+        # the float32 precision of the capture (a key switch): the variants' captures and the
+        # deferred products run in it (cupynce.torch's fast path replays outside the op's
+        # precision scope)
+        self.precision = precision
+        self.evicted = 0  # variants evicted: past MAX_VARIANTS * 2, no new ones (no churn)
         # input pointers -> (graph, tails) of a capture reading them in place (no copy in)
         self.variants: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.seen: Dict[tuple, int] = {}
@@ -160,8 +169,11 @@ class _Plan:
                 runtime.memcpyAsync(pack_ptr, self.pack.ptr, self.pack_bytes, _D2D, sp)
             written = set()
             if tails:
+                from .._engine import blas
+
                 dest = dict(out_ptrs)
-                with stream:  # (the products go on CuPy's current stream)
+                # (the products go on CuPy's current stream, in the capture's precision)
+                with stream, blas.float32_precision(self.precision):
                     for ks, fn, arrays in tails:
                         fn(*(a if k is None or k not in dest else
                              _wrap(dest[k], self.outs[k], self.device)
@@ -175,7 +187,7 @@ class _Plan:
     def _variant(self, ptrs: tuple) -> Optional[tuple]:
         """A variant for these input pointers, captured on their second replay (None: not
         yet, not aligned as the statics are, or the capture failed)."""
-        if not VARIANTS or any(p % 256 for p in ptrs):
+        if not VARIANTS or self.evicted > 2 * MAX_VARIANTS or any(p % 256 for p in ptrs):
             return None
         seen = self.seen.get(ptrs, 0) + 1
         if seen <= VARIANT_AFTER:
@@ -184,19 +196,23 @@ class _Plan:
             self.seen[ptrs] = seen
             return None
         self.seen.pop(ptrs, None)
+        from .._engine import blas
+
         inputs = [_wrap(p, st, self.device) for p, st in zip(ptrs, self.statics)]
         try:
-            graph, outs, tails = _capture_graph(inputs, self.compute, self.keep, self.pack,
-                                                self.layout)
+            with blas.float32_precision(self.precision):
+                graph, outs, tails = _capture_graph(inputs, self.compute, self.keep, self.pack,
+                                                    self.layout, self.table, fill=False)
+            if any((a is None) != (b is None) or (a is not None and a.data.ptr != b.data.ptr)
+                   for a, b in zip(outs, self.outs)):
+                raise RuntimeError("the variant's outputs are not the plan's")
         except Exception:  # noqa: BLE001 - no variant: this pointer set copies in, as before
             self.seen[ptrs] = float("-inf")  # (never tried again while counted)
             return None
-        if any((a is None) != (b is None) or (a is not None and a.data.ptr != b.data.ptr)
-               for a, b in zip(outs, self.outs)):
-            return None  # (cannot happen: same allocations in the same order)
         self.variants[ptrs] = (graph, _tails(tails, self.outs))
         while len(self.variants) > MAX_VARIANTS:
             self.variants.popitem(last=False)
+            self.evicted += 1
         return self.variants[ptrs]
 
 
@@ -210,15 +226,18 @@ def _wrap(ptr: int, like, device: int):
 
 def _tails(recorded, outs) -> tuple:
     """The capture's deferred products as ``(output index or None per array, fn, arrays)``:
-    an array that is an output is written straight into the caller's (when asked for), the
-    others (and outputs not asked for) into the plan's own."""
+    an array that is exactly one output is written straight into the caller's (when asked
+    for); the others (not an output, or several: copied out from the plan's own afterwards,
+    as are outputs not asked for) into the plan's own."""
     found = []
     for arrays, fn in recorded:
-        ks = tuple(next((k for k, o in enumerate(outs) if o is not None
-                         and o.data.ptr == a.data.ptr and o.nbytes == a.nbytes
-                         and o.shape == a.shape and o.dtype == a.dtype), None)
-                   for a in arrays)
-        found.append((ks, fn, arrays))
+        ks = []
+        for a in arrays:
+            hits = [k for k, o in enumerate(outs) if o is not None
+                    and o.data.ptr == a.data.ptr and o.nbytes == a.nbytes
+                    and o.shape == a.shape and o.dtype == a.dtype]
+            ks.append(hits[0] if len(hits) == 1 else None)
+        found.append((tuple(ks), fn, arrays))
     return tuple(found)
 
 
@@ -365,7 +384,7 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
     global _held
     import cupy as cp
 
-    from .._engine import products_tf32, tail
+    from .._engine import blas, products_tf32, tail
 
     base = cp.cuda.get_allocator()
     keep = []
@@ -401,7 +420,9 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
                 off += (o.nbytes + 255) & ~255
         del probe, deferred
         pack = base(off) if off else None
-        graph, outs, recorded = _capture_graph(statics, compute, keep, pack, layout)
+        nsmall = sum(at is not None for at in layout)
+        table = cp.empty((3 * nsmall,), np.int64) if nsmall else None  # (base allocator)
+        graph, outs, recorded = _capture_graph(statics, compute, keep, pack, layout, table)
     except Exception as exc:  # noqa: BLE001 - a capture that fails falls back, remembered
         if not _out_of_memory(exc):  # (out of memory may pass: counted again from zero)
             _refuse(key, f"capture failed: {type(exc).__name__}: {exc}"[:300])
@@ -411,7 +432,8 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
         _refuse(key, f"plan of {nbytes} bytes > MAX_PLAN_BYTES")
         return None
     plan = _Plan(graph, statics, outs, pack, off, layout, keep, nbytes,
-                 _tails(recorded, outs), compute, cp.cuda.runtime.getDevice())
+                 _tails(recorded, outs), compute, cp.cuda.runtime.getDevice(), table,
+                 blas.float32_precision_now())
     _plans[key] = plan
     _held += nbytes
     while _plans and (_held > CACHE_BYTES or len(_plans) > MAX_PLANS):
@@ -420,15 +442,21 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
     return plan if key in _plans else None
 
 
-def _capture_graph(inputs, compute, keep, pack, layout):
+def _capture_graph(inputs, compute, keep, pack, layout, table, fill: bool = True):
     """``compute(*inputs)`` captured on a private stream, handed the buffers ``keep``
     (``(size, memory)`` in allocation order), the small outputs gathered into ``pack`` at
-    ``layout``; returns ``(graph, outputs, deferred products)``."""
+    ``layout`` by one ``gather_bytes`` launch reading the device ``table`` (written here
+    after the capture when ``fill``: a variant's outputs are the plan's, its table the same);
+    returns ``(graph, outputs, deferred products)``."""
     import cupy as cp
 
-    from .._engine import blas, products_tf32, tail
+    from .._engine import blas, kernels, products_tf32, tail
+    from .._engine.arrays import FILE
 
     order = iter(keep)
+    gather = (kernels.get_function(FILE, "cpn_gather_bytes")  # (loaded before the capture)
+              if any(at is not None for at in layout) else None)
+    small: list = []
 
     def replaying(size: int):
         want, mem = next(order, (None, None))
@@ -444,14 +472,19 @@ def _capture_graph(inputs, compute, keep, pack, layout):
             cap.begin_capture()
             try:
                 outs = tuple(compute(*inputs))
-                for o, at in zip(outs, layout):  # gather the small outputs into the pack
-                    if at is not None and o.nbytes:
-                        cp.cuda.runtime.memcpyAsync(pack.ptr + at, o.data.ptr, o.nbytes, _D2D,
-                                                    cap.ptr)
+                # the small outputs into the pack: one launch, the table filled below
+                small = [(o.data.ptr, at, o.nbytes) for o, at in zip(outs, layout)
+                         if at is not None]
+                if small:
+                    most = max(nb for _, _, nb in small)
+                    grid = (min(64, max(1, -(-most // (16 * kernels.BLOCK)))), len(small))
+                    gather(grid, (kernels.BLOCK,), (table, np.uint64(pack.ptr)))
             finally:
                 graph = cap.end_capture()
     finally:
         blas.unbind_stream()  # (the capture stream is gone: never skip the next setStream)
+    if small and fill:
+        table.set(np.array(small, np.int64).reshape(-1))
     return graph, outs, recorded
 
 

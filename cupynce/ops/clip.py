@@ -143,7 +143,9 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     fused = requires_grad and reduction != "none"
     host_ls = isinstance(ls, float)
 
-    def compute(a, b, ls_in=ls, *, defer: bool = False):
+    host_value = ls if host_ls else None  # (a graph plan keeps compute: no device array)
+
+    def compute(a, b, ls_in=host_value, *, defer: bool = False):
         an, na = prep(path, a, normalize)
         bn, nb = prep(path, b, normalize)
         # defer: the GPU engine makes the device scale once its first product is issued
@@ -169,7 +171,7 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
                 lambda *xs: compute(*xs, defer=True)[0],
                 est_bytes=_score_block_bytes(a, acc, workspace_bytes))
         else:
-            outs, kept = compute(a, b)
+            outs, kept = compute(a, b, ls)
     loss, lse_r, lse_c, da, db, dscale, na, nb = outs
     ctx = Context("clip_loss", reduction, n, xp,
                   stats=(lse_r, lse_c) if requires_grad else (), precision=p)
