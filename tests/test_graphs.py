@@ -214,6 +214,20 @@ def test_variants_stop_where_pointer_sets_churn(monkeypatch):
     assert plan.evicted == 2 * _graphs.MAX_VARIANTS + 1 and len(plan.variants) == 1
 
 
+def test_tiny_deferred_products_run_their_python(monkeypatch):
+    """A product the recording cannot hold (here every product is "tiny": the small-product
+    kernel) runs its Python at each replay: same bits."""
+    from cupynce._engine import blas
+
+    monkeypatch.setattr(blas, "SMALL_GEMM_MACS", 1 << 40)
+    args, kw = inputs("clip_loss", 256, 64, BF16)
+    want = plain(lambda: step("clip_loss", args, kw))
+    for _ in range(CALLS + 1):
+        assert step("clip_loss", args, kw) == want
+    plan = _plan()
+    assert plan.tails and all(calls is None for _, _, _, calls in plan.tails)
+
+
 def test_misaligned_pointers_get_no_variant():
     """A 16-byte aligned input that is not 256-byte aligned (a row offset) is copied in."""
     base = inputs("nt_xent", 257, 64, BF16)[0][0]
@@ -239,10 +253,12 @@ def test_gradient_products_left_out_of_the_graph(op, dtype):
         assert step(op, args, kw) == want
     plan = _plan()
     on_tiles = dtype != np.float32 and tiles.tiles_ok(args[0])
-    written = {k for ks, _, _ in plan.tails for k in ks}
+    written = {k for ks, _, _, _ in plan.tails for k in ks}
     if on_tiles:
         assert written and None not in written
         assert all(plan.layout[k] is None for k in written)  # (never in the pack)
+        # recorded once: a replay issues the cuBLAS calls, not the products' Python
+        assert all(calls for _, _, _, calls in plan.tails)
     else:
         assert not plan.tails
 

@@ -148,10 +148,43 @@ class _Local(threading.local):
     every call reads it for its graph keys and scope)."""
 
     precision: Optional[str] = None
+    recording: Optional[list] = None  # (see recording)
 
 
 _LOCAL = _Local()
 _LIB = None
+
+
+class NotRecordable(RuntimeError):
+    """A product :class:`recording` cannot hold as one ``cublasGemmEx`` call."""
+
+
+class recording:
+    """``with blas.recording() as calls:`` -- the cuBLAS products :func:`gemm` would issue in
+    this thread meanwhile, recorded instead of issued, as ``(args, keep)``: the
+    ``cublasGemmEx`` arguments (C's pointer at :data:`GEMM_C_AT`) and the host scalars they
+    point to.  ``ops._graphs`` records a deferred product once and replays it with
+    :func:`issue` (one library call, no Python planning).  A product that is not one such
+    call (a tiny one: the small-product kernel; "3xtf32": a split and three calls; no ctypes
+    binding) raises :class:`NotRecordable`."""
+
+    def __enter__(self) -> list:
+        self.before = _LOCAL.recording
+        _LOCAL.recording = []
+        return _LOCAL.recording
+
+    def __exit__(self, *exc) -> None:
+        _LOCAL.recording = self.before
+
+
+#: where C's device pointer is in a recorded call's arguments
+GEMM_C_AT = 14
+
+
+def issue(handle: int, args: tuple, c_ptr: int) -> None:
+    """A recorded ``cublasGemmEx`` call (see :class:`recording`) on ``handle`` with C at
+    ``c_ptr``."""
+    cublas_gemm(handle, *args[1:GEMM_C_AT], c_ptr, *args[GEMM_C_AT + 1:])
 
 
 def _libcublas():
@@ -374,6 +407,8 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     if small_product(m, n, k) and a.dtype in SUPPORTED_DTYPES:
         acc = acc_dtype(a.dtype)
         if out.dtype == acc:
+            if _LOCAL.recording is not None:
+                raise NotRecordable("a tiny product runs the small-product kernel")
             kernels.launch("blas.cu", "small_gemm", a.dtype, (-(-m * n // BLOCK),), (
                 a, np.int64(leading_dim(a, "a")), np.int32(trans_a),
                 b, np.int64(leading_dim(b, "b")), np.int32(trans_b),
@@ -385,6 +420,8 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     if a.dtype == np.float32 and out.dtype == np.float32:
         mode = float32_precision_now()
         if mode == "3xtf32":
+            if _LOCAL.recording is not None:
+                raise NotRecordable("a 3xTF32 product is a split and three calls")
             _gemm_3xtf32(a, b, out, trans_a, trans_b, alpha, beta)
             return
         if mode == "tf32":
@@ -421,12 +458,18 @@ def _cublas_gemm(a, b, out, trans_a: bool, trans_b: bool, alpha: float, beta: fl
     # Row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T: swap the operands.
     op_a = cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N
     op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
-    call(
-        handle, op_b, op_a, n, m, k,
-        al.ctypes.data, b.data.ptr, _cuda_type(b.dtype), leading_dim(b, "b"),
-        a.data.ptr, _cuda_type(a.dtype), leading_dim(a, "a"),
-        be.ctypes.data, out.data.ptr, _cuda_type(out.dtype), leading_dim(out, "out"),
-        compute, cublas.CUBLAS_GEMM_DEFAULT)
+    args = (handle, op_b, op_a, n, m, k,
+            al.ctypes.data, b.data.ptr, _cuda_type(b.dtype), leading_dim(b, "b"),
+            a.data.ptr, _cuda_type(a.dtype), leading_dim(a, "a"),
+            be.ctypes.data, out.data.ptr, _cuda_type(out.dtype), leading_dim(out, "out"),
+            compute, cublas.CUBLAS_GEMM_DEFAULT)
+    rec = _LOCAL.recording
+    if rec is not None:
+        if call is not cublas_gemm:
+            raise NotRecordable("cuBLAS is not reachable through ctypes")
+        rec.append((args, (al, be)))
+        return
+    call(*args)
 
 
 def free_device_bytes() -> int:

@@ -172,13 +172,22 @@ class _Plan:
                 from .._engine import blas
 
                 dest = dict(out_ptrs)
-                # (the products go on CuPy's current stream, in the capture's precision)
-                with stream, blas.float32_precision(self.precision):
-                    for ks, fn, arrays in tails:
-                        fn(*(a if k is None or k not in dest else
-                             _wrap(dest[k], self.outs[k], self.device)
-                             for k, a in zip(ks, arrays)))
-                        written.update(ks)
+                handle = None
+                for ks, fn, arrays, calls in tails:
+                    if calls is None:  # (the products' Python, on CuPy's current stream, in
+                        with stream, blas.float32_precision(self.precision):  # the precision
+                            fn(*(a if k is None or k not in dest else  # of the capture)
+                                 _wrap(dest[k], self.outs[k], self.device)
+                                 for k, a in zip(ks, arrays)))
+                    else:  # the recorded cuBLAS calls, C at the caller's array
+                        if handle is None:
+                            with stream:  # (this thread's handle, bound to the stream)
+                                handle = blas._handle()
+                        for args, j, off, _keep in calls:
+                            k = ks[j]
+                            base = dest[k] if k is not None and k in dest else arrays[j].data.ptr
+                            blas.issue(handle, args, base + off)
+                    written.update(ks)
             for k, p in out_ptrs:
                 if k not in written:
                     o = self.outs[k]
@@ -225,10 +234,16 @@ def _wrap(ptr: int, like, device: int):
 
 
 def _tails(recorded, outs) -> tuple:
-    """The capture's deferred products as ``(output index or None per array, fn, arrays)``:
-    an array that is exactly one output is written straight into the caller's (when asked
-    for); the others (not an output, or several: copied out from the plan's own afterwards,
-    as are outputs not asked for) into the plan's own."""
+    """The capture's deferred products as ``(output index or None per array, fn, arrays,
+    calls)``: an array that is exactly one output is written straight into the caller's (when
+    asked for); the others (not an output, or several: copied out from the plan's own
+    afterwards, as are outputs not asked for) into the plan's own.  ``calls``: ``fn``'s cuBLAS
+    calls recorded once (``blas.recording``) as ``(args, array index, byte offset of C,
+    host scalars)``, which
+    a replay issues without ``fn``'s Python (~15 µs of host time a product, where the host is
+    the bound at N = 8192); None where they cannot be (``fn`` then runs at each replay)."""
+    from .._engine import blas
+
     found = []
     for arrays, fn in recorded:
         ks = []
@@ -237,7 +252,19 @@ def _tails(recorded, outs) -> tuple:
                     and o.data.ptr == a.data.ptr and o.nbytes == a.nbytes
                     and o.shape == a.shape and o.dtype == a.dtype]
             ks.append(hits[0] if len(hits) == 1 else None)
-        found.append((tuple(ks), fn, arrays))
+        calls = []
+        try:
+            with blas.recording() as rec:
+                fn(*arrays)
+            for args, keep in rec:
+                c = args[blas.GEMM_C_AT]
+                j = next(j for j, a in enumerate(arrays)
+                         if a.data.ptr <= c < a.data.ptr + max(a.nbytes, 1))
+                # (keep: the host scalars alpha / beta point to, kept alive with the call)
+                calls.append((args, j, c - arrays[j].data.ptr, keep))
+        except (blas.NotRecordable, StopIteration):
+            calls = None
+        found.append((tuple(ks), fn, arrays, None if calls is None else tuple(calls)))
     return tuple(found)
 
 
