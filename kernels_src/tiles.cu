@@ -109,37 +109,6 @@ __device__ __forceinline__ void tile_sum_body(
     out[r] = a;
 }
 
-// tile_sum for up to three quantities of one row block (block q: part + q q_ld), and each
-// one's total over the rows in sum_rows' order (thread t adds rows t, t + CPN_BLOCK, ... in
-// turn, then the same fixed tree, then / divisor): the bits of tile_sum followed by sum_rows,
-// in one launch (SigLIP's loss rows, dbias and dscale).  Block 0 writes its rows to rows0
-// (null: not wanted); tot[q] null: no total for block q.
-__device__ __forceinline__ void tile_sum_total_body(
-    const float* __restrict__ part, i64 q_ld, i64 part_ld, int splits, int rows,
-    float* __restrict__ rows0, float* tot0, float* tot1, float* tot2, float divisor)
-{
-    __shared__ float sh[CPN_BLOCK];
-    const int q = blockIdx.x;
-    const float* const p = part + q * q_ld;
-    float* const rows_out = q == 0 ? rows0 : nullptr;
-    float* const tot = q == 0 ? tot0 : q == 1 ? tot1 : tot2;
-    float s = 0.f;
-    for (int r = threadIdx.x; r < rows; r += CPN_BLOCK) {
-        float a = 0.f;
-        for (int k = 0; k < splits; ++k) a += p[(i64)k * part_ld + r];
-        if (rows_out) rows_out[r] = a;
-        s += a;
-    }
-    if (!tot) return;  // (the same for the whole block)
-    sh[threadIdx.x] = s;
-    __syncthreads();
-    for (int w = CPN_BLOCK / 2; w > 0; w >>= 1) {
-        if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) tot[0] = sh[0] / divisor;
-}
-
 // The launch struct TileArgs is in tile_epilogue.cuh (tiles_ws.cu's kernels take it too).
 #define CPN_TILE_ARGS(T) const TileArgs<T> p
 #define CPN_TILE_PASS                                                                      \
@@ -206,12 +175,7 @@ extern "C" __global__ void cpn_tile_smem_##SUF(int* out) {                      
 extern "C" __global__ void cpn_tile_args_layout_##SUF(int* out) { tile_args_layout<T>(out); } \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_sum_##SUF(                \
     const float* part, i64 part_ld, int splits, int rows, float* out) {                    \
-    tile_sum_body(part, part_ld, splits, rows, out); }                                     \
-extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_sum_total_##SUF(          \
-    const float* part, i64 q_ld, i64 part_ld, int splits, int rows, float* rows0,          \
-    float* tot0, float* tot1, float* tot2, float divisor) {                                \
-    tile_sum_total_body(part, q_ld, part_ld, splits, rows, rows0, tot0, tot1, tot2,        \
-                        divisor); }
+    tile_sum_body(part, part_ld, splits, rows, out); }
 
 
 CPN_DEFINE_TILES(f16, f16_t)

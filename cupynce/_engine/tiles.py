@@ -691,17 +691,6 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
                     tail.products((da, db), products)
                 else:
                     products(da, db)
-        if want_grad and rb >= n:
-            # one block: the loss rows and the dbias / dscale totals in one launch (the bits
-            # of tile_sum + fixed_sum, tiles.cu tile_sum_total)
-            tot = cp.empty((2,), f32)
-            # rows0, tot0, tot1, tot2: blocks loss?, dbias, dscale (part's order)
-            ptrs = ((row_loss, 0, tot[1:], tot[:1]) if want_loss else
-                    (0, tot[1:], tot[:1], 0))
-            kernels.launch(FILE, "tile_sum_total", t, (part.shape[0],), (
-                part, np.int64(part[0].size), np.int64(m), np.int32(k), np.int32(m), *ptrs,
-                np.float32(1.0)))
-            return row_loss, (da, db, tot[0], tot[1])
         sums = [(part[0], row_loss[r0:r1])] if want_loss else []
         if want_grad:
             sums += [(part[-2], parts[1, r0:r1]), (part[-1], parts[0, r0:r1])]
