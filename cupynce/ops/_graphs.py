@@ -23,10 +23,10 @@ sees the same problem, and from then on replays it:
 
 The graph (and its deferred products) runs the very kernels, launch configurations and
 buffers layout of the plain call, on the same bits: the results are bit-identical
-(``tests/test_graphs.py``), and as deterministic.  What keys a problem (``key``): the op's own arguments (flags, Python
-scalars, which are baked into the graph), every input's shape, dtype and strides, the
-device, the caller's stream (a plan is used by one stream, so replays are ordered by it),
-and the engine's switches (``tiles.USE_TILES`` and friends).  A problem is replayed only
+(``tests/test_graphs.py``), and as deterministic.  What keys a problem (``key``): the op's
+own arguments (flags, Python scalars, which are baked into the graph), every input's shape,
+dtype and strides, the device, the caller's stream (a plan is used by one stream, so
+replays are ordered by it), and the engine's switches (``tiles.USE_TILES`` and friends).  A problem is replayed only
 where every input is C-contiguous and 16-byte aligned (the tile path's condition, so the
 plain call would take the same path); otherwise, and when graphs are off
 (``CUPYNCE_GRAPHS=0``, :data:`ENABLED`), ``compute`` just runs.
@@ -239,9 +239,9 @@ def _tails(recorded, outs) -> tuple:
     asked for); the others (not an output, or several: copied out from the plan's own
     afterwards, as are outputs not asked for) into the plan's own.  ``calls``: ``fn``'s cuBLAS
     calls recorded once (``blas.recording``) as ``(args, array index, byte offset of C,
-    host scalars)``, which
-    a replay issues without ``fn``'s Python (~15 µs of host time a product, where the host is
-    the bound at N = 8192); None where they cannot be (``fn`` then runs at each replay)."""
+    host scalars)``, which a replay issues without ``fn``'s Python (~15 µs of host time a
+    product, where the host is the bound at N = 8192); None where they cannot be (``fn``
+    then runs at each replay)."""
     from .._engine import blas
 
     found = []
