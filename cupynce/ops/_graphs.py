@@ -23,12 +23,12 @@ sees the same problem, and from then on replays it:
 
 The graph (and its deferred products) runs the very kernels, launch configurations and
 buffers layout of the plain call, on the same bits: the results are bit-identical
-(``tests/test_graphs.py``), and as deterministic.  What keys a problem (``key``): the op's
+(``tests/test_graphs.py``), and as deterministic. What keys a problem (``key``): the op's
 own arguments (flags, Python scalars, which are baked into the graph), every input's shape,
-dtype and strides, the device, the caller's stream (a plan is used by one stream, so
-replays are ordered by it), and the engine's switches (``tiles.USE_TILES`` and friends).  A problem is replayed only
-where every input is C-contiguous and 16-byte aligned (the tile path's condition, so the
-plain call would take the same path); otherwise, and when graphs are off
+dtype and strides, the device, the caller's stream (a plan is used by one stream, so replays
+are ordered by it), and the engine's switches (``tiles.USE_TILES`` and friends). A problem
+is replayed only where every input is C-contiguous and 16-byte aligned (the tile path's
+condition, so the plain call would take the same path); otherwise, and when graphs are off
 (``CUPYNCE_GRAPHS=0``, :data:`ENABLED`), ``compute`` just runs.
 
 Memory: a plan holds its static inputs, outputs and the workspace of the captured call for
