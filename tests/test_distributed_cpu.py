@@ -388,7 +388,15 @@ def run_ranks(world, names, timeout=240, backend="gloo", device="cpu", module=""
         for p in alive:
             p.kill()
         assert not alive, f"{len(alive)} rank(s) still running after {timeout} s (a hang)"
-        results = dict(queue.get() for _ in range(world))
+        # (every rank has exited: what they reported is in the pipe; one that died without
+        # reporting -- a crash in gloo's threads -- must fail the test, not block get())
+        results = {}
+        while len(results) < world and not queue.empty():
+            r, tb = queue.get()
+            results[r] = tb
+        missing = sorted(set(range(world)) - set(results))
+        assert not missing, (f"rank(s) {missing} exited without reporting (exit codes "
+                             f"{[procs[r].exitcode for r in missing]})")
     failures = {r: tb for r, tb in results.items() if tb}
     assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
 
