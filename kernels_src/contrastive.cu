@@ -463,11 +463,16 @@ __device__ __forceinline__ void siglip_rows_body(
     }
 }
 
-// Per-query ("paired") negatives: E[i, m] = q_i . neg[i, m]; one warp per (i, m).
+// Per-query ("paired") negatives: E[i, m] = q_i . neg[i, m]; one warp per (i, m).  Also the
+// tile paths' positive dots (m = 1).  e2 (null: none) gets a second copy (NT-Xent's dots of
+// both views, dots[i] = dots[i + half]: no copy node after).  16-bit rows with d % 8 == 0 on
+// 16-byte boundaries are read 16 bytes a lane (lane l: elements 8 l .. 8 l + 7, then + 256):
+// the 2-byte loads left the warp latency-bound (11 us for 16 MiB at N = 16384, H100, where
+// the bytes take ~5).  A fixed order either way: deterministic.
 template <typename T, typename A>
 __device__ __forceinline__ void paired_dots_body(
     const T* __restrict__ q, i64 ldq, const T* __restrict__ neg, int n, int m, int d,
-    A* __restrict__ e)
+    A* __restrict__ e, A* __restrict__ e2)
 {
     const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
@@ -476,10 +481,26 @@ __device__ __forceinline__ void paired_dots_body(
     const T* qi = q + i * ldq;
     const T* nk = neg + w * d;
     A acc = A(0);
-    for (int k = lane; k < d; k += 32) acc += Conv<T>::load(qi[k]) * Conv<T>::load(nk[k]);
+    if (sizeof(T) == 2 && (d & 7) == 0
+        && ((reinterpret_cast<unsigned long long>(qi) | reinterpret_cast<unsigned long long>(nk))
+            & 15) == 0) {
+        for (int k = lane * 8; k < d; k += 256) {
+            const uint4 x = *reinterpret_cast<const uint4*>(qi + k);
+            const uint4 y = *reinterpret_cast<const uint4*>(nk + k);
+            const T* xs = reinterpret_cast<const T*>(&x);
+            const T* ys = reinterpret_cast<const T*>(&y);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) acc += Conv<T>::load(xs[u]) * Conv<T>::load(ys[u]);
+        }
+    } else {
+        for (int k = lane; k < d; k += 32) acc += Conv<T>::load(qi[k]) * Conv<T>::load(nk[k]);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) e[w] = acc;
+    if (lane == 0) {
+        e[w] = acc;
+        if (e2) e2[w] = acc;
+    }
 }
 
 // Gradient of the paired negatives; block per query i, threads over d:
@@ -628,8 +649,8 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_siglip_rows_##SUF(  
     siglip_rows_body<T, A>(s, ld, n, row0, scale_log, bias, loss_out, g, ldg, w_ptr,       \
         w_stride, w_mul, dscale_part, dbias_part); }                                       \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_paired_dots_##SUF(             \
-    const T* q, i64 ldq, const T* neg, int n, int m, int d, A* e) {                        \
-    paired_dots_body<T, A>(q, ldq, neg, n, m, d, e); }                                     \
+    const T* q, i64 ldq, const T* neg, int n, int m, int d, A* e, A* e2) {                 \
+    paired_dots_body<T, A>(q, ldq, neg, n, m, d, e, e2); }                                 \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_paired_grad_##SUF(             \
     const T* q, i64 ldq, const T* neg, const A* g2, int m, int d, A* dq_acc, A* dneg) {    \
     paired_grad_body<T, A>(q, ldq, neg, g2, m, d, dq_acc, dneg); }                         \

@@ -79,7 +79,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     if mp:
         nwarps = n * mp
         kernels.launch(FILE, "paired_dots", t, ((nwarps * 32 + BLOCK - 1) // BLOCK,),
-               (q, np.int64(blas.leading_dim(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e))
+               (q, np.int64(blas.leading_dim(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e,
+                0))
     w_arr, w_stride, w_mul = weights
 
     for r0 in range(0, n, rb):
@@ -335,7 +336,7 @@ def pair_dots(an, bn):
     out = cp.empty((n,), acc_dtype(t))
     kernels.launch(FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
                    (an, np.int64(blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
-                    np.int32(d), out))
+                    np.int32(d), out, 0))
     return out
 
 

@@ -446,10 +446,7 @@ def tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
         second = cp.ascontiguousarray(second)
     kernels.launch(ROWS_FILE, "paired_dots", t, (-(-half * 32 // BLOCK),),
            (z, np.int64(blas.leading_dim(z)), second, np.int32(half), np.int32(1),
-            np.int32(d), dots))
-    cp.cuda.runtime.memcpyAsync(dots.data.ptr + 4 * half, dots.data.ptr, 4 * half,
-                                cp.cuda.runtime.memcpyDeviceToDevice,
-                                cp.cuda.get_current_stream().ptr)
+            np.int32(d), dots, dots[half:]))  # (both halves: dots[i] = dots[i + half])
     tile("lse2", t, (ct, splits), z, 0, z, None, scale=scale, exclude_diag=True,
           pos_shift=pos_shift, pos_mod=n, part=(part.data.ptr, part[1].data.ptr, n),
           colp=(colp.data.ptr, colp[1].data.ptr), lse_col=dots, tri=True)
@@ -566,7 +563,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             b_rows = bn if blas.leading_dim(bn) == d else cp.ascontiguousarray(bn)
             kernels.launch(ROWS_FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
                    (an, np.int64(blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
-                    np.int32(d), dots))
+                    np.int32(d), dots, 0))
         else:
             dots = col_shift
         for r0 in range(0, n, rg):
