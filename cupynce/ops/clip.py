@@ -206,7 +206,8 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
         gs = path.grad_scale(g, acc)
         da, db = finish_all(path, s["x"], s["norms"], s["acc"], gs)
         # (a copy when returned as saved: the caller may change the array it gets)
-        dscale = s["dscale"].copy() if gs is None else s["dscale"] * gs.reshape(())
+        dscale = (path.owned_copy(s["dscale"], s["dscale"].dtype) if gs is None
+                  else s["dscale"] * gs.reshape(()))
     else:
         engine = _engine.clip if path.gpu else numpy_clip
         an, bn = s["xn"]

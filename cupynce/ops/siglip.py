@@ -212,7 +212,7 @@ def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
             want_loss=False, want_grad=True, workspace_bytes=s["ws"])
         da, db = finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
         scalars = (dscale, dbias)
-    dls, dlb = (xp.asarray(v).astype(dt, copy=True).reshape(shape)
+    dls, dlb = (path.owned_copy(xp.asarray(v), dt).reshape(shape)
                 for v, dt, shape in zip(scalars, s["dtypes"], s["shapes"]))
     return da, db, dls, dlb
 
