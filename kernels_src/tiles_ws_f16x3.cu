@@ -384,8 +384,8 @@ __device__ __forceinline__ void tile_ws_f16x3(const TmaMap& ahi, const TmaMap& a
 #define CPN_WS_F16_BODY(TA, ILA) __trap()  // not an sm_90a build: Python never launches these
 #endif
 
-// The kernels' one parameter (tiles.launch_blob packs it, the tail from tiles_f16x3): the four maps, the TileArgs, the
-// ring and the two scale vectors.
+// The kernels' one parameter (tiles.launch_blob packs it, the tail from tiles_f16x3): the
+// four maps, the TileArgs, the ring and the two scale vectors.
 struct WsF16Launch {
     TmaMap ahi, alo, bhi, blo;
     TileArgs<float> p;

@@ -92,3 +92,6 @@ def test_deferred_products_run_plainly_outside_graphs():
     with tail.collecting(lambda o, f: f(*o)) as rec2:
         tail.products((4,), lambda a: out.append(a))
     assert out == [(1, 2), 4] and len(rec) == 1 and len(rec2) == 1
+    with tail.collecting(None) as rec3:  # (not the call's last work: run now, not recorded)
+        tail.products((5,), lambda a: out.append(a), last=False)
+    assert out == [(1, 2), 4, 5] and not rec3

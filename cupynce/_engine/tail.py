@@ -27,11 +27,12 @@ _tls = threading.local()
 Deferred = Tuple[Tuple[Any, ...], Callable[..., None]]
 
 
-def products(outs: Sequence[Any], fn: Callable[..., None]) -> None:
-    """``fn(*outs)`` now, or as :func:`collecting` says (recorded, run its way or not)."""
+def products(outs: Sequence[Any], fn: Callable[..., None], last: bool = True) -> None:
+    """``fn(*outs)`` now, or as :func:`collecting` says (recorded, run its way or not).
+    ``last`` False (not the call's last work, e.g. one of several row blocks): now, always."""
     rec: Optional[tuple] = getattr(_tls, "rec", None)
     outs = tuple(outs)
-    if rec is None:
+    if rec is None or not last:
         fn(*outs)
         return
     rec[0].append((outs, fn))

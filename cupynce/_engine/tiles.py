@@ -521,10 +521,8 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
                 blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
                 blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
         outs = (dq,) + (() if self_pair else (dk,)) + ((dns,) if ms else ())
-        if rb >= n:  # one block: the call's last work (a graph may leave it out, tail.py)
-            tail.products(outs, products)
-        else:
-            products(*outs)
+        # (one block: the call's last work, which a graph may leave out, tail.py)
+        tail.products(outs, products, last=rb >= n)
     return lse, loss, (dq, dk, dns, None)
 
 
@@ -623,10 +621,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                     blas.gemm(g_blk, bn[c0:c1], da[r0:r1], beta=1.0 if c0 else 0.0)
                     blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True,
                               beta=1.0 if r0 else 0.0)
-                if rb >= n and cb >= nc:  # one block: may be left out of a graph (tail.py)
-                    tail.products((da, db), products)
-                else:
-                    products(da, db)
+                # (one block: the call's last work, which a graph may leave out, tail.py)
+                tail.products((da, db), products, last=rb >= n and cb >= nc)
             kernels.launch(FILE, "tile_sum", t, (-(-(r1 - r0) // BLOCK),),
                    (dpart, np.int64(r1 - r0), np.int32(k), np.int32(r1 - r0), dsp[r0:r1]))
         grads = (da, db, dsp)
@@ -684,10 +680,8 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
                               beta=1.0 if c0 else 0.0)
                     blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True, alpha=w_mul,
                               beta=1.0 if r0 else 0.0)
-                if rb >= n and cb >= nc:  # one block: may be left out of a graph (tail.py)
-                    tail.products((da, db), products)
-                else:
-                    products(da, db)
+                # (one block: the call's last work, which a graph may leave out, tail.py)
+                tail.products((da, db), products, last=rb >= n and cb >= nc)
         sums = [(part[0], row_loss[r0:r1])] if want_loss else []
         if want_grad:
             sums += [(part[-2], parts[1, r0:r1]), (part[-1], parts[0, r0:r1])]
