@@ -322,7 +322,8 @@ __device__ __forceinline__ void col_combine_body(
 
 // The reduced loss: out[0] = (sum of x[0..n)) / divisor in one block, in a fixed order
 // (thread t adds x[t], x[t + B], ... in turn, then a fixed tree over the threads): the same
-// bits on every run, and one small launch where CuPy's mean / sum take several.
+// bits on every run, and one small launch where CuPy's mean / sum take several.  Block b of
+// the launch sums row b of a (gridDim.x, n) array into out[b] (one launch for several sums).
 template <typename A>
 __device__ __forceinline__ void sum_rows_body(const A* __restrict__ x, i64 n, A divisor,
                                               A* __restrict__ out)
@@ -677,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_combine_##SUF(  
         row_loss, lse_col, pair_loss); }                                                   \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_sum_rows_##SUF(                \
     const A* x, i64 n, A divisor, A* out) {                                                \
-    sum_rows_body<A>(x, n, divisor, out); }                                                \
+    sum_rows_body<A>(x + (i64)blockIdx.x * n, n, divisor, out + blockIdx.x); }                                                \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_guard_log_scale_##SUF(         \
     const A* x, i64 n, A limit, A* y) {                                                    \
     guard_log_scale_body<A>(x, n, limit, y); }

@@ -98,7 +98,9 @@ __device__ __forceinline__ void tile_finish_tri_body(
     loss[r] = v - scale * dots[r % half];
 }
 
-// dscale row sums from the split partials (in split order)
+// Row sums of the split partials (in split order): SigLIP's loss, dbias and dscale rows.
+// blockIdx.y picks one of up to three (partials, out) pairs, the partials part_stride apart
+// (one launch for the three).
 __device__ __forceinline__ void tile_sum_body(
     const float* __restrict__ part, i64 part_ld, int splits, int rows, float* __restrict__ out)
 {
@@ -174,8 +176,11 @@ extern "C" __global__ void cpn_tile_smem_##SUF(int* out) {                      
     out[0] = TSMEM_BYTES; out[1] = WSMEM_BYTES; }                                          \
 extern "C" __global__ void cpn_tile_args_layout_##SUF(int* out) { tile_args_layout<T>(out); } \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_sum_##SUF(                \
-    const float* part, i64 part_ld, int splits, int rows, float* out) {                    \
-    tile_sum_body(part, part_ld, splits, rows, out); }
+    const float* part, i64 part_ld, int splits, int rows, i64 part_stride, float* out0,    \
+    float* out1, float* out2) {                                                            \
+    const int y = blockIdx.y;                                                              \
+    tile_sum_body(part + y * part_stride, part_ld, splits, rows,                           \
+                  y == 0 ? out0 : (y == 1 ? out1 : out2)); }
 
 
 CPN_DEFINE_TILES(f16, f16_t)

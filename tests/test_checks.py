@@ -78,7 +78,8 @@ def no_work_again(monkeypatch):
 
     for mod, names in ((_numpy, ("rows", "normalize", "finish", "grad_scale")),
                        (clip_op, ("numpy_clip",)), (_engine, ("rows", "clip")),
-                       (arrays, ("normalize", "finish", "grad_scale", "scalar", "fixed_sum")),
+                       (arrays, ("normalize", "finish", "grad_scale", "scalar", "fixed_sum",
+                                  "fixed_sums")),
                        (kernels, ("launch", "get_kernel")), (blas, ("gemm", "plan_rows"))):
         for name in names:
             monkeypatch.setattr(mod, name, boom)

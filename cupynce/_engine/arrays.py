@@ -37,10 +37,11 @@ def ptr(x) -> int:
 
 def rowmajor(xp, x):
     """A view the kernels and cuBLAS can read (unit column stride), copying only if needed."""
-    item = x.dtype.itemsize
-    if x.ndim == 2 and (x.shape[1] <= 1 or x.strides[1] == item) and x.strides[0] % item == 0 \
-            and x.strides[0] >= x.shape[1] * item:
-        return x
+    if x.ndim == 2:
+        item = x.dtype.itemsize
+        (_, cols), (s0, s1) = x.shape, x.strides  # (each attribute read builds a tuple)
+        if (cols <= 1 or s1 == item) and s0 % item == 0 and s0 >= cols * item:
+            return x
     return xp.ascontiguousarray(x)
 
 
@@ -83,6 +84,18 @@ def fixed_sum(x, divisor: int):
     out = cp.empty((), x.dtype)
     kernels.launch(FILE, "sum_rows", x.dtype, (1,),
                    (x, np.int64(x.size), x.dtype.type(divisor), out))
+    return out
+
+
+def fixed_sums(x, divisor: int):
+    """:func:`fixed_sum` of each row of the C-contiguous 2-D ``x`` in one launch: an array of
+    ``x.shape[0]`` sums, each with the bits :func:`fixed_sum` gives that row."""
+    import cupy as cp
+
+    rows, n = x.shape
+    out = cp.empty((rows,), x.dtype)
+    kernels.launch(FILE, "sum_rows", x.dtype, (rows,),
+                   (x, np.int64(n), x.dtype.type(divisor), out))
     return out
 
 

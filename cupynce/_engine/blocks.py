@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import blas, kernels, products_tf32
-from .arrays import FILE, buffers, fixed_sum, pair_weights, ptr
+from .arrays import FILE, buffers, fixed_sums, pair_weights, ptr
 from .kernels import BLOCK, acc_dtype
 
 
@@ -305,7 +305,8 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
         prods.settle()
     grads = None
     if want_grad:
-        grads = (da, db, fixed_sum(parts[0], 1), fixed_sum(parts[1], 1))
+        sums = fixed_sums(parts, 1)  # (dscale, dbias: one launch)
+        grads = (da, db, sums[0], sums[1])
     return row_loss, grads
 
 

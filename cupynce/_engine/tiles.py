@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from . import blas, kernels, tail, tma
-from .arrays import FILE as ROWS_FILE, buffers, fixed_sum, pair_weights, ptr
+from .arrays import FILE as ROWS_FILE, buffers, fixed_sums, pair_weights, ptr
 from .blocks import FAR_MOD
 from .kernels import BLOCK
 
@@ -623,8 +623,10 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                               beta=1.0 if r0 else 0.0)
                 # (one block: the call's last work, which a graph may leave out, tail.py)
                 tail.products((da, db), products, last=rb >= n and cb >= nc)
-            kernels.launch(FILE, "tile_sum", t, (-(-(r1 - r0) // BLOCK),),
-                   (dpart, np.int64(r1 - r0), np.int32(k), np.int32(r1 - r0), dsp[r0:r1]))
+            out = dsp[r0:r1]
+            kernels.launch(FILE, "tile_sum", t, (-(-(r1 - r0) // BLOCK), 1),
+                           (dpart, np.int64(r1 - r0), np.int32(k), np.int32(r1 - r0),
+                            np.int64(0), out, out, out))
         grads = (da, db, dsp)
     if col_state:
         return lse_r, state, pair_loss, grads
@@ -682,15 +684,16 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
                               beta=1.0 if r0 else 0.0)
                 # (one block: the call's last work, which a graph may leave out, tail.py)
                 tail.products((da, db), products, last=rb >= n and cb >= nc)
-        sums = [(part[0], row_loss[r0:r1])] if want_loss else []
-        if want_grad:
-            sums += [(part[-2], parts[1, r0:r1]), (part[-1], parts[0, r0:r1])]
-        for p, out in sums:
-            kernels.launch(FILE, "tile_sum", t, (-(-m // BLOCK),),
-                           (p, np.int64(m), np.int32(k), np.int32(m), out))
+        # part's rows in order (loss, dbias, dscale) summed in one launch, one grid row each
+        outs = ([row_loss[r0:r1]] if want_loss else []) + (
+            [parts[1, r0:r1], parts[0, r0:r1]] if want_grad else [])
+        outs += outs[-1:] * (3 - len(outs))
+        kernels.launch(FILE, "tile_sum", t, (-(-m // BLOCK), part.shape[0]),
+                       (part, np.int64(m), np.int32(k), np.int32(m), np.int64(k * m), *outs))
     grads = None
-    if want_grad:  # parts: dscale, dbias rows (blocks.siglip's layout)
-        grads = (da, db, fixed_sum(parts[0], 1), fixed_sum(parts[1], 1))
+    if want_grad:  # parts: dscale, dbias rows (blocks.siglip's layout), summed in one launch
+        sums = fixed_sums(parts, 1)
+        grads = (da, db, sums[0], sums[1])
     return row_loss, grads
 
 

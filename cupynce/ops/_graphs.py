@@ -82,7 +82,10 @@ MAX_VARIANT_SEEN = 64
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
 _lock = threading.RLock()
-_plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
+#: the plans by key; least recently used (lowest ``_Plan.used``) out first.  (A tick per use
+#: instead of an OrderedDict's move_to_end: one hash of the key a replay, not two.)
+_plans: Dict[tuple, "_Plan"] = {}
+_ticks = itertools.count()
 _seen: Dict[tuple, int] = {}
 #: keys whose capture failed or whose plan was too large: never captured again
 _refused: Dict[tuple, str] = {}
@@ -98,7 +101,7 @@ PACK_BYTES = 1 << 20
 class _Plan:
     __slots__ = ("graph", "statics", "outs", "pack", "pack_bytes", "layout", "keep", "nbytes",
                  "lock", "tails", "compute", "device", "variants", "seen", "table",
-                 "precision", "evicted", "__weakref__")
+                 "precision", "evicted", "used", "__weakref__")
 
     def __init__(self, graph, statics, outs, pack, pack_bytes, layout, keep, nbytes, tails,
                  compute, device, table, precision):
@@ -115,15 +118,17 @@ class _Plan:
         # precision scope)
         self.precision = precision
         self.evicted = 0  # variants evicted: past MAX_VARIANTS * 2, no new ones (no churn)
+        self.used = next(_ticks)  # (the cache's LRU order)
         # input pointers -> (graph, tails) of a capture reading them in place (no copy in)
         self.variants: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.seen: Dict[tuple, int] = {}
 
-    def replay(self, inputs: Sequence[Any], stream) -> Tuple[Any, ...]:
+    def replay(self, inputs: Sequence[Any], stream,
+               ptrs: Optional[Sequence[int]] = None) -> Tuple[Any, ...]:
         """Copy ``inputs`` in (or read them in place: a variant), launch, and return the
         outputs in fresh memory from the current allocator (the small ones as views of one
-        copied-out pack)."""
-        import cupy as cp
+        copied-out pack).  ``ptrs``: the inputs' device pointers, where known."""
+        cp = _CP[0] if _CP else _cupy()
 
         res: list = []
 
@@ -136,7 +141,8 @@ class _Plan:
                      if r is not None and off is None]
             return (packed.ptr if packed is not None else 0), large
 
-        self.replay_raw([x.data.ptr for x in inputs], outputs, stream)
+        self.replay_raw([x.data.ptr for x in inputs] if ptrs is None else ptrs, outputs,
+                        stream)
         return tuple(res)
 
     def replay_raw(self, in_ptrs: Sequence[int],
@@ -148,8 +154,7 @@ class _Plan:
         time then runs beside the GPU's work instead of before it), gives ``(pack_ptr,
         out_ptrs)``: where the pack goes (``pack_bytes``; ignored without one) and the
         ``(output index, destination)`` of the large outputs wanted."""
-        from cupy.cuda import runtime
-
+        runtime = (_CP[0] if _CP else _cupy()).cuda.runtime
         sp = stream.ptr
         ptrs = tuple(in_ptrs)
         with self.lock:
@@ -270,7 +275,14 @@ def _tails(recorded, outs) -> tuple:
 
 #: per thread: while ``events`` is a list, :func:`run` appends ``(key, plan, inputs, outputs)``
 #: for each replay (``cupynce.torch``'s fast path learns from them, :func:`trace`)
-_tls = threading.local()
+class _Local(threading.local):
+    #: class-level defaults: a thread that never set them reads these without the
+    #: AttributeError that ``getattr(local, name, None)`` raises and catches (~1 µs a call)
+    events: Optional[list] = None
+    token: Optional[int] = None
+
+
+_tls = _Local()
 _thread_tokens = itertools.count()
 
 
@@ -280,7 +292,7 @@ def _thread_token() -> int:
     once a thread has exited: a new thread would replay a dead one's plan, whose static
     buffers that thread's stream may still be using -- and two threads in turn shared one plan,
     the flaky test_per_thread_default_streams_have_their_own_plans.)"""
-    tok = getattr(_tls, "token", None)
+    tok = _tls.token
     if tok is None:
         tok = _tls.token = next(_thread_tokens)  # (atomic under the GIL)
     return tok
@@ -292,7 +304,7 @@ class trace:
     that ran its kernels one by one."""
 
     def __enter__(self) -> list:
-        self.before = getattr(_tls, "events", None)
+        self.before = _tls.events
         _tls.events = []
         return _tls.events
 
@@ -304,18 +316,24 @@ def live(key: tuple, plan: "_Plan") -> bool:
     """Whether ``plan`` is still the cached plan of ``key`` (marked as just used if so)."""
     if _plans.get(key) is not plan:
         return False
-    try:
-        _plans.move_to_end(key)
-    except KeyError:  # evicted by another thread meanwhile
-        return False
+    plan.used = next(_ticks)
     return True
+
+
+#: the engine modules whose switches key a plan (imported on first use: _engine imports
+#: CuPy lazily, and this module is imported by CPU-only code too)
+_MODULES: list = []
 
 
 def _switches() -> tuple:
     """The engine's module-level switches that change which kernels a call runs (the
-    float32 precision: this thread's, see ``blas.float32_precision``)."""
-    from .._engine import arrays, blas, products_tf32, tiles, tiles_f16x3
+    float32 precision: this thread's, see ``blas.float32_precision``).  Read on every call
+    (tests and users set them), from module references bound once: ~20 attribute reads."""
+    if not _MODULES:
+        from .._engine import arrays, blas, products_tf32, tiles, tiles_f16x3
 
+        _MODULES[:] = (arrays, blas, products_tf32, tiles, tiles_f16x3)
+    arrays, blas, products_tf32, tiles, tiles_f16x3 = _MODULES
     return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.USE_WSTILE, tiles.WS_STAGES,
             products_tf32.USE_F16X3, products_tf32.SIDE_SPLITS, tiles_f16x3.TRUNC,
             tiles.WS_AR_MIN_STAGES, tiles.WS_MAX_STAGES,
@@ -339,6 +357,16 @@ def _capturing(stream) -> bool:
         return True
 
 
+_CP: list = []  # [cupy] once imported (run() is on every call's path)
+
+
+def _cupy():
+    import cupy
+
+    _CP[:] = [cupy]
+    return cupy
+
+
 def _eligible(inputs: Sequence[Any]) -> bool:
     for x in inputs:
         if not x.flags.c_contiguous or x.data.ptr % 16:
@@ -359,24 +387,33 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
     call runs uncaptured at once, without building its key (tens of µs of host time before
     its first kernel), as its capture would be refused.
     """
-    events = getattr(_tls, "events", None)
+    events = _tls.events
     if events is not None:
         slot = len(events)
         events.append(None)  # (replaced by the replay's record below, if one is made)
-    if est_bytes > MAX_PLAN_BYTES or not ENABLED or not _eligible(inputs):
+    if est_bytes > MAX_PLAN_BYTES or not ENABLED:
         return compute(*inputs)
-    import cupy as cp
-
+    cp = _CP[0] if _CP else _cupy()
+    ptrs = []
+    for x in inputs:
+        p = x.data.ptr
+        if p % 16:  # (the tile paths' condition: the plain call would take another path)
+            return compute(*inputs)
+        ptrs.append(p)
     stream = cp.cuda.get_current_stream()
     if _capturing(stream):  # the caller's own graph: its kernels go in there, plainly
         return compute(*inputs)
     sp = stream.ptr
     # (the per-thread default stream has one handle value for a different stream per thread)
     skey = (sp, _thread_token()) if sp == _PER_THREAD else sp
-    key = (op_key, tuple((x.shape, x.dtype.char) for x in inputs), cp.cuda.runtime.getDevice(),
-           skey, _switches())
+    # (strides in the key: an input laid out as a captured one -- C-contiguous -- is too; the
+    # contiguity itself, ~0.5 µs an input, is checked only where no plan is found)
+    key = (op_key, tuple((x.shape, x.dtype.char, x.strides) for x in inputs),
+           cp.cuda.runtime.getDevice(), skey, _switches())
     plan = _plans.get(key)
     if plan is None:
+        if not _eligible(inputs):
+            return compute(*inputs)
         with _lock:
             plan = _plans.get(key)
             if plan is None:
@@ -393,8 +430,8 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
                 if plan is None:
                     return compute(*inputs)
     else:  # (least recently used goes first; evicted by another thread meanwhile: this
-        live(key, plan)  # replay still holds it)
-    res = plan.replay(inputs, stream)
+        plan.used = next(_ticks)  # replay still holds it)
+    res = plan.replay(inputs, stream, ptrs)
     if events is not None:
         events[slot] = (key, plan, tuple(inputs), res)
     return res
@@ -464,8 +501,7 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
     _plans[key] = plan
     _held += nbytes
     while _plans and (_held > CACHE_BYTES or len(_plans) > MAX_PLANS):
-        _k, old = _plans.popitem(last=False)
-        _held -= old.nbytes
+        _held -= _plans.pop(min(_plans, key=lambda k: _plans[k].used)).nbytes
     return plan if key in _plans else None
 
 

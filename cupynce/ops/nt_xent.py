@@ -51,8 +51,9 @@ def _kept_bytes(z, workspace_bytes) -> int:
     be refused (a float32 one at N = 16384: a 1 GiB score block) starts its first kernel
     without building a graph key first."""
     n, d = z.shape
-    item = z.dtype.itemsize if z.dtype.itemsize == 2 else acc_dtype(z.dtype).itemsize
-    return min(n * n * item, blas.workspace_bound(workspace_bytes)) + n * d * acc_dtype(z.dtype).itemsize
+    acc = acc_dtype(z.dtype).itemsize
+    item = z.dtype.itemsize if z.dtype.itemsize == 2 else acc
+    return min(n * n * item, blas.workspace_bound(workspace_bytes)) + n * d * acc
 
 
 def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
