@@ -326,6 +326,16 @@ def check_workspace(op: str, workspace_bytes: Optional[int]) -> Optional[int]:
     return int(workspace_bytes)
 
 
+def check_flags(op: str, reduction: Any, workspace_bytes: Any, normalize: Any,
+                precision: Any) -> str:
+    """The flags every InfoNCE-family entry point takes (reduction, workspace_bytes,
+    normalize, precision); returns the resolved precision (:func:`check_precision`)."""
+    check_reduction(op, reduction)
+    check_workspace(op, workspace_bytes)
+    check_bool(op, "normalize", normalize)
+    return check_precision(op, precision)
+
+
 def check_grad_loss(op: str, grad_loss: Any, reduction: str, n: int, xp: ModuleType) -> Any:
     """``grad_loss`` for a backward: a real scalar (mean/sum) or an (n,) array ("none").
 

@@ -375,7 +375,7 @@ def _eligible(inputs: Sequence[Any]) -> bool:
 
 
 def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, ...]], *,
-        est_bytes: int = 0) -> Tuple[Any, ...]:
+        est_bytes: int = 0, layout: Optional[tuple] = None) -> Tuple[Any, ...]:
     """``compute(*inputs)`` — a tuple of CuPy arrays (or None) — through a cached CUDA graph
     where the problem has been seen before (see the module notes).
 
@@ -385,7 +385,9 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
     arrays it allocated (not views of its inputs).  ``est_bytes``: the op's estimate of what
     a plan of this problem would hold (its kept score block); above ``MAX_PLAN_BYTES`` the
     call runs uncaptured at once, without building its key (tens of µs of host time before
-    its first kernel), as its capture would be refused.
+    its first kernel), as its capture would be refused.  ``layout``: the inputs' shapes,
+    dtypes and strides as the caller already read them (``_memo.signature`` of the call's
+    arguments, which covers every input), used in the key instead of reading them again.
     """
     events = _tls.events
     if events is not None:
@@ -408,8 +410,9 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
     skey = (sp, _thread_token()) if sp == _PER_THREAD else sp
     # (strides in the key: an input laid out as a captured one -- C-contiguous -- is too; the
     # contiguity itself, ~0.5 µs an input, is checked only where no plan is found)
-    key = (op_key, tuple((x.shape, x.dtype.char, x.strides) for x in inputs),
-           cp.cuda.runtime.getDevice(), skey, _switches())
+    if layout is None:
+        layout = tuple((x.shape, x.dtype.char, x.strides) for x in inputs)
+    key = (op_key, layout, cp.cuda.runtime.getDevice(), skey, _switches())
     plan = _plans.get(key)
     if plan is None:
         if not _eligible(inputs):
