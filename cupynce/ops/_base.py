@@ -18,7 +18,7 @@ import numpy as np
 from .. import _checks, _engine
 from .._engine import arrays, blas
 from .._engine.kernels import acc_dtype
-from . import _numpy
+from . import _memo, _numpy
 
 
 @dataclass
@@ -149,6 +149,20 @@ def contig_inputs(xp, *xs):
     return [None if x is None
             else (arrays.rowmajor(xp, x) if x.ndim == 2 else xp.ascontiguousarray(x))
             for x in xs]
+
+
+def contig_remembered(xp, sig: Optional[tuple], hit: bool, *xs):
+    """:func:`contig_inputs` for a forward whose argument signature is ``sig`` (``_memo``):
+    a remembered one (``hit``) was laid out as given; otherwise the signature is remembered
+    where no input was copied.  Returns ``(inputs, sig)``, sig None where an input was copied
+    (it describes the inputs as given, not the copies, so it cannot stand for their layout)."""
+    if hit:
+        return list(xs), sig
+    laid = contig_inputs(xp, *xs)
+    if all(a is b for a, b in zip(laid, xs)):
+        _memo.remember(sig)
+        return laid, sig
+    return laid, None
 
 
 def prep(path: Path, x, normalize: bool):

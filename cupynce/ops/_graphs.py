@@ -55,6 +55,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._checks import _CUPY as _CP, _cupy  # (the cupy module, looked up once)
+
 #: ``CUPYNCE_GRAPHS=0`` turns graphs off (every call runs its kernels one by one).
 ENABLED: bool = os.environ.get("CUPYNCE_GRAPHS", "1") != "0"
 #: A problem is captured on its ``CAPTURE_AFTER + 1``-th call (one-off shapes never pay for a
@@ -355,16 +357,6 @@ def _capturing(stream) -> bool:
         return bool(stream.is_capturing())
     except Exception:  # noqa: BLE001 - e.g. the legacy stream while another captures
         return True
-
-
-_CP: list = []  # [cupy] once imported (run() is on every call's path)
-
-
-def _cupy():
-    import cupy
-
-    _CP[:] = [cupy]
-    return cupy
 
 
 def _eligible(inputs: Sequence[Any]) -> bool:

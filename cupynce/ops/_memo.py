@@ -22,27 +22,17 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from .._checks import _CUPY, _cupy as cupy  # (the ``cupy`` module or None, looked up once)
+
 #: signatures remembered (then all dropped: bounded, like the graph cache)
 MAX_KNOWN = 1024
 _known: Dict[tuple, bool] = {}
-_CP: list = []
-
-
-def cupy():
-    """The ``cupy`` module (None without CuPy), looked up once."""
-    if not _CP:
-        try:
-            import cupy as cp
-        except ImportError:  # pragma: no cover - exercised only without CuPy
-            cp = None
-        _CP.append(cp)
-    return _CP[0]
 
 
 def signature(op: str, *args: Any) -> Optional[tuple]:
     """``(op, per argument: (shape, dtype, strides, device) of a cupy.ndarray | a float's
     value | None)``, or None where an argument is anything else."""
-    cp = _CP[0] if _CP else cupy()
+    cp = _CUPY[0] if _CUPY else cupy()
     if cp is None:
         return None
     sig = [op]

@@ -19,8 +19,8 @@ from .. import _checks, _engine
 from .._engine import arrays, blas
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo, _numpy
-from ._base import (Context, Path, check_stats, contig_inputs, finish_all, in_ctx_precision,
-                    prep, reduce, require, weights)
+from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
+                    in_ctx_precision, prep, reduce, require, weights)
 
 __all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
            "clip_loss_backward_from_stats"]
@@ -143,13 +143,7 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     path = Path(xp)
     n = a.shape[0]
     acc = acc_dtype(a.dtype)
-    if not hit:
-        given = (a, b)
-        a, b = contig_inputs(xp, *given)
-        if a is given[0] and b is given[1]:
-            _memo.remember(sig)
-        else:
-            sig = None  # (it describes a, b as given, not their copies)
+    (a, b), sig = contig_remembered(xp, sig, hit, a, b)
     engine = _engine.clip if path.gpu else numpy_clip
     fused = requires_grad and reduction != "none"
     host_ls = isinstance(ls, float)

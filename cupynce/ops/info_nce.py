@@ -16,8 +16,8 @@ from .. import _checks
 from .._engine import blas
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo
-from ._base import (Context, Path, check_stats, contig_inputs, finish_all, in_ctx_precision,
-                    prep, reduce, require, weights)
+from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
+                    in_ctx_precision, prep, reduce, require, weights)
 
 __all__ = ["info_nce", "info_nce_forward", "info_nce_backward",
            "info_nce_backward_from_stats"]
@@ -115,13 +115,7 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     _checks.check_bool("info_nce", "requires_grad", requires_grad)
     path = Path(xp)
     n = query.shape[0]
-    if not hit:
-        given = (query, key, negatives)
-        query, key, negatives = contig_inputs(xp, *given)
-        if all(x is g for x, g in zip((query, key, negatives), given)):
-            _memo.remember(sig)
-        else:
-            sig = None  # (it describes the arrays as given, not their copies)
+    (query, key, negatives), sig = contig_remembered(xp, sig, hit, query, key, negatives)
     fused = requires_grad and reduction != "none"
 
     def compute(query, key, negatives=None):

@@ -22,8 +22,8 @@ from .. import _checks
 from .._engine import blas
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo
-from ._base import (Context, Path, check_stats, contig_inputs, in_ctx_precision, prep, reduce,
-                    require, weights)
+from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
+                    in_ctx_precision, prep, reduce, require, weights)
 
 __all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward",
            "nt_xent_backward_from_stats"]
@@ -115,12 +115,7 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
     _checks.check_bool("nt_xent", "requires_grad", requires_grad)
     path = Path(xp)
     n = z.shape[0]
-    if not hit:
-        z, given = contig_inputs(xp, z)[0], z
-        if z is given:
-            _memo.remember(sig)
-        else:
-            sig = None  # (it describes z as given, not its copy)
+    (z,), sig = contig_remembered(xp, sig, hit, z)
     fused = requires_grad and reduction != "none"
 
     def compute(z):

@@ -20,8 +20,8 @@ from .. import _checks, _engine
 from .._engine import arrays, blas
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo
-from ._base import (Context, Path, contig_inputs, finish_all, in_ctx_precision, prep, reduce,
-                    require, weights)
+from ._base import (Context, Path, contig_inputs, contig_remembered, finish_all,
+                    in_ctx_precision, prep, reduce, require, weights)
 
 __all__ = ["siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
            "siglip_loss_backward_from_inputs"]
@@ -158,13 +158,7 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     path = Path(xp)
     n = a.shape[0]
     acc = acc_dtype(a.dtype)
-    if not hit:
-        given = (a, b)
-        a, b = contig_inputs(xp, *given)
-        if a is given[0] and b is given[1]:
-            _memo.remember(sig)
-        else:
-            sig = None  # (it describes a, b as given, not their copies)
+    (a, b), sig = contig_remembered(xp, sig, hit, a, b)
     fused = requires_grad and reduction != "none"
     ls_host, lb_host = isinstance(ls, float), isinstance(lb, float)
     on_host = (ls if ls_host else None, lb if lb_host else None)
