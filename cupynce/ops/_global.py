@@ -499,7 +499,9 @@ def backward(ctx: Context, grad_loss: Any = 1.0):
         if op in ("clip_loss", "siglip_loss"):  # (the global values: no factor P)
             gd = path.grad_scale(g, a)
             scalars = (s["dscale"],) if op == "clip_loss" else s["dscalars"]
-            scalars = [x.copy() if gd is None else x * gd.reshape(()) for x in scalars]
+            # (owned: the caller may change what it gets; SigLIP's are copied below anyway)
+            scalars = [x * gd.reshape(()) if gd is not None else x if op == "siglip_loss"
+                       else path.owned_copy(x, x.dtype) for x in scalars]
             dscale = scalars[0]
     else:  # reduction "none": recompute with the upstream gradient as the row weights
         accs = {"nt_xent": _nt_xent_acc, "info_nce": _info_nce_acc, "clip_loss": _clip_acc,
@@ -516,7 +518,7 @@ def backward(ctx: Context, grad_loss: Any = 1.0):
     if op == "info_nce":
         return tuple(grads)
     if op == "siglip_loss":
-        dls, dlb = (xp.asarray(v).astype(dt, copy=True).reshape(shape)
+        dls, dlb = (path.owned_copy(xp.asarray(v), dt).reshape(shape)
                     for v, dt, shape in zip(scalars, s["dtypes"], s["shapes"]))
         return grads[0], grads[1], dls, dlb
     dscale = xp.asarray(dscale).astype(s["ls_dtype"], copy=False).reshape(s["ls_shape"])

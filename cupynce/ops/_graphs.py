@@ -56,6 +56,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .._checks import _CUPY as _CP, _cupy  # (the cupy module, looked up once)
+from .._engine import arrays as _arrays, blas as _blas, products_tf32 as _products_tf32
+from .._engine import tiles as _tiles, tiles_f16x3 as _tiles_f16x3
 
 #: ``CUPYNCE_GRAPHS=0`` turns graphs off (every call runs its kernels one by one).
 ENABLED: bool = os.environ.get("CUPYNCE_GRAPHS", "1") != "0"
@@ -322,28 +324,18 @@ def live(key: tuple, plan: "_Plan") -> bool:
     return True
 
 
-#: the engine modules whose switches key a plan (imported on first use: _engine imports
-#: CuPy lazily, and this module is imported by CPU-only code too)
-_MODULES: list = []
-
-
 def _switches() -> tuple:
     """The engine's module-level switches that change which kernels a call runs (the
     float32 precision: this thread's, see ``blas.float32_precision``).  Read on every call
-    (tests and users set them), from module references bound once: ~20 attribute reads."""
-    if not _MODULES:
-        from .._engine import arrays, blas, products_tf32, tiles, tiles_f16x3
-
-        _MODULES[:] = (arrays, blas, products_tf32, tiles, tiles_f16x3)
-    arrays, blas, products_tf32, tiles, tiles_f16x3 = _MODULES
-    return (tiles.USE_TILES, tiles.USE_WGMMA, tiles.USE_WSTILE, tiles.WS_STAGES,
-            products_tf32.USE_F16X3, products_tf32.SIDE_SPLITS, tiles_f16x3.TRUNC,
-            tiles.WS_AR_MIN_STAGES, tiles.WS_MAX_STAGES,
-            tiles.SYMMETRIC_LSE, tiles.SYMMETRIC_LSE_MIN_ND, tiles.SYMMETRIC_H,
-            tiles.TILE_WORKSPACE_BYTES,
-            blas.SMALL_GEMM_MACS, blas.SMALL_GEMM_MAX_K,
-            blas.DEFAULT_WORKSPACE_BYTES, blas.FREE_MEMORY_FRACTION, blas.SMALL_BLOCK_BYTES,
-            blas.float32_precision_now(), arrays.ARENA_BYTES)
+    (tests and users set them), from the modules bound at import: ~20 attribute reads."""
+    return (_tiles.USE_TILES, _tiles.USE_WGMMA, _tiles.USE_WSTILE, _tiles.WS_STAGES,
+            _products_tf32.USE_F16X3, _products_tf32.SIDE_SPLITS, _tiles_f16x3.TRUNC,
+            _tiles.WS_AR_MIN_STAGES, _tiles.WS_MAX_STAGES,
+            _tiles.SYMMETRIC_LSE, _tiles.SYMMETRIC_LSE_MIN_ND, _tiles.SYMMETRIC_H,
+            _tiles.TILE_WORKSPACE_BYTES,
+            _blas.SMALL_GEMM_MACS, _blas.SMALL_GEMM_MAX_K,
+            _blas.DEFAULT_WORKSPACE_BYTES, _blas.FREE_MEMORY_FRACTION, _blas.SMALL_BLOCK_BYTES,
+            _blas.float32_precision_now(), _arrays.ARENA_BYTES)
 
 
 _PER_THREAD = 2  # cudaStreamPerThread
@@ -359,11 +351,9 @@ def _capturing(stream) -> bool:
         return True
 
 
-def _eligible(inputs: Sequence[Any]) -> bool:
-    for x in inputs:
-        if not x.flags.c_contiguous or x.data.ptr % 16:
-            return False
-    return True
+def _contiguous(inputs: Sequence[Any]) -> bool:
+    """Every input C-contiguous (their alignment :func:`run` checks on every call)."""
+    return all(x.flags.c_contiguous for x in inputs)
 
 
 def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, ...]], *,
@@ -407,7 +397,7 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
     key = (op_key, layout, cp.cuda.runtime.getDevice(), skey, _switches())
     plan = _plans.get(key)
     if plan is None:
-        if not _eligible(inputs):
+        if not _contiguous(inputs):
             return compute(*inputs)
         with _lock:
             plan = _plans.get(key)
