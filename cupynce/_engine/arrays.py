@@ -71,17 +71,18 @@ def buffers(specs):
     return out
 
 
-def fixed_sum(x, divisor: int):
+def fixed_sum(x, divisor: int, out=None):
     """``sum(x) / divisor`` as a 0-d array of x's (float32/64) dtype, in a fixed order.
 
     One single-block kernel (``sum_rows``) instead of CuPy's reduction, whose host time is
-    several launches'.
+    several launches'.  ``out``: a 0-d array of that dtype to write (None: a new one).
     """
     import cupy as cp
 
     if not x.flags.c_contiguous:
         x = cp.ascontiguousarray(x)
-    out = cp.empty((), x.dtype)
+    if out is None:
+        out = cp.empty((), x.dtype)
     kernels.launch(FILE, "sum_rows", x.dtype, (1,),
                    (x, np.int64(x.size), x.dtype.type(divisor), out))
     return out

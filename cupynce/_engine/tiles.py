@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from . import blas, kernels, tail, tma
+from . import blas, kernels, side, tail, tma
 from .arrays import FILE as ROWS_FILE, buffers, fixed_sums, pair_weights, ptr
 from .blocks import FAR_MOD
 from .kernels import BLOCK
@@ -489,6 +489,7 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
     lse, loss = stats
     if not want_grad:
         return lse, loss, (None, None, None, None)
+    side.fork_point()  # (the statistics are final: what needs only them may run beside)
     ldg = -(-ncols // 8) * 8  # 16-byte rows for the kernel's paired stores and cuBLAS
     rb = blas.plan_rows(op, n, ldg * t.itemsize, workspace_bytes, align=TILE)
     g_buf = cp.empty((rb, ldg), t)

@@ -117,17 +117,26 @@ class Path:
                            else lambda x, dtype: np.asarray(x).astype(dtype, copy=True))
 
 
-def reduce(xp, per_row, reduction: str):
+def reduce(xp, per_row, reduction: str, out=None):
     """The reduced loss: a 0-d array (mean/sum) or the per-row array (none).
 
     On the GPU one single-block kernel (``sum_rows``: a fixed-order sum, then / n for the
-    mean) instead of CuPy's reduction, whose host time is several launches'.
+    mean) instead of CuPy's reduction, whose host time is several launches'.  ``out``: the
+    0-d result array (:func:`reduce_out`; None: a new one).
     """
     if reduction == "none":
         return per_row
     if xp is np:
         return np.asarray(per_row.mean() if reduction == "mean" else per_row.sum())
-    return arrays.fixed_sum(per_row, per_row.size if reduction == "mean" else 1)
+    return arrays.fixed_sum(per_row, per_row.size if reduction == "mean" else 1, out)
+
+
+def reduce_out(xp, reduction: str, dtype):
+    """The GPU's 0-d array for :func:`reduce`'s result, allocated ahead (work beside a long
+    pass may not allocate: ``_engine/side.py``); None where nothing is allocated."""
+    if reduction == "none" or xp is np:
+        return None
+    return xp.empty((), dtype)
 
 
 def row_weight(reduction: str, n: int) -> float:

@@ -47,6 +47,7 @@ buffers are those a plain run of the same call allocated just before (kept by th
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -498,7 +499,7 @@ def _capture_graph(inputs, compute, keep, pack, layout, table, fill: bool = True
     returns ``(graph, outputs, deferred products)``."""
     import cupy as cp
 
-    from .._engine import blas, kernels, products_tf32, tail
+    from .._engine import blas, kernels, products_tf32, side, tail
     from .._engine.arrays import FILE
 
     order = iter(keep)
@@ -519,14 +520,21 @@ def _capture_graph(inputs, compute, keep, pack, layout, table, fill: bool = True
             blas.bind_stream()  # (cuBLAS's stream cannot be set once the capture runs)
             cap.begin_capture()
             try:
-                outs = tuple(compute(*inputs))
-                # the small outputs into the pack: one launch, the table filled below
-                small = [(o.data.ptr, at, o.nbytes) for o, at in zip(outs, layout)
-                         if at is not None]
-                if small:
-                    most = max(nb for _, _, nb in small)
-                    grid = (min(64, max(1, -(-most // (16 * kernels.BLOCK)))), len(small))
-                    gather(grid, (kernels.BLOCK,), (table, np.uint64(pack.ptr)))
+                with side.open_join():
+                    outs = tuple(compute(*inputs))
+                    # the small outputs into the pack: one launch, the table filled below;
+                    # on the op's side branch where it left one open (_engine/side.py: the
+                    # small outputs are final there, beside its long pass)
+                    small = [(o.data.ptr, at, o.nbytes) for o, at in zip(outs, layout)
+                             if at is not None]
+                    br = side.take_open()
+                    if small:
+                        most = max(nb for _, _, nb in small)
+                        grid = (min(64, max(1, -(-most // (16 * kernels.BLOCK)))), len(small))
+                        with br.beside() if br is not None else contextlib.nullcontext():
+                            gather(grid, (kernels.BLOCK,), (table, np.uint64(pack.ptr)))
+                    if br is not None:
+                        br.join()
             finally:
                 graph = cap.end_capture()
     finally:

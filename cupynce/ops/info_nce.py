@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from .. import _checks
-from .._engine import blas
+from .._engine import blas, side
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
-                    in_ctx_precision, prep, reduce, require, weights)
+                    in_ctx_precision, prep, reduce, reduce_out, require, weights)
 
 __all__ = ["info_nce", "info_nce_forward", "info_nce_backward",
            "info_nce_backward_from_stats"]
@@ -121,12 +121,18 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     def compute(query, key, negatives=None):
         _, norms, (qn, kn, neg_s, neg_p) = _prep_all(xp, path, query, key, negatives,
                                                      normalize)
-        lse, loss, grads = path.rows(
-            qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
-            lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(query.dtype)),
-            want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce")
+        # the reduced loss needs only the statistics: beside the gradient pass (_engine/side;
+        # its output allocated before the fork)
+        with side.branch() as br:
+            out = reduce_out(xp, reduction, acc_dtype(query.dtype))
+            lse, loss, grads = path.rows(
+                qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
+                lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(query.dtype)),
+                want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce")
+            with br.beside():
+                total = reduce(xp, loss, reduction, out)
         dq, dk, dns, dnp = grads
-        return ((reduce(xp, loss, reduction), lse, dq, dk, dns if dns is not None else dnp)
+        return ((total, lse, dq, dk, dns if dns is not None else dnp)
                 + tuple(norms)), (qn, kn, neg_s, neg_p)
 
     with blas.float32_precision(p):  # (the graph key carries it too)

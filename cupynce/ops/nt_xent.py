@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from .. import _checks
-from .._engine import blas
+from .._engine import blas, side
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
-                    in_ctx_precision, prep, reduce, require, weights)
+                    in_ctx_precision, prep, reduce, reduce_out, require, weights)
 
 __all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward",
            "nt_xent_backward_from_stats"]
@@ -120,11 +120,18 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
 
     def compute(z):
         zn, norm = prep(path, z, normalize)
-        lse, loss, (dz, *_rest) = path.rows(
-            zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
-            lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(z.dtype)),
-            want_grad=fused, workspace_bytes=workspace_bytes, op="nt_xent", self_pair=True)
-        return reduce(xp, loss, reduction), lse, dz, norm, zn
+        # the reduced loss needs only the statistics: beside the gradient pass (_engine/side;
+        # its output allocated before the fork)
+        with side.branch() as br:
+            out = reduce_out(xp, reduction, acc_dtype(z.dtype))
+            lse, loss, (dz, *_rest) = path.rows(
+                zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
+                lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(z.dtype)),
+                want_grad=fused, workspace_bytes=workspace_bytes, op="nt_xent",
+                self_pair=True)
+            with br.beside():
+                total = reduce(xp, loss, reduction, out)
+        return total, lse, dz, norm, zn
 
     with blas.float32_precision(p):  # (the graph key carries it too)
         if path.gpu and (fused or not requires_grad):  # nothing kept that aliases z
