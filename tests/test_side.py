@@ -186,3 +186,63 @@ def test_same_bits_with_and_without_the_branch(monkeypatch, op, reduction, n, d)
     for key, runs in results.items():
         for i, got in enumerate(runs):
             assert got == want, (key, i)
+
+
+@gpu
+@pytest.mark.parametrize("op", ["nt_xent", "info_nce"])
+@pytest.mark.parametrize("blocks", ["one", "several"])
+def test_replays_with_fresh_inputs(monkeypatch, op, blocks):
+    """New inputs every call (an early or stale read would show), replayed against plain
+    runs bit for bit: one row block (the loss sum and the gather beside the gradient pass)
+    and several (no fork: the first blocks' products run inside the graph, after the
+    statistics, and their small outputs are gathered on the current stream)."""
+    cp = _cp()
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import cupynce
+    from cupynce._engine import tiles
+    from cupynce.ops import _graphs
+
+    n, d = 1024, 64
+    ws = None if blocks == "one" else 256 << 10  # (2 KiB rows of G: 128-row blocks)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(11)
+    probe = cp.zeros((n, d), bf16)
+    if not tiles.tiles_ok(probe, probe):
+        pytest.skip("the tile kernels need sm_80+")
+    monkeypatch.setattr(side, "ENABLED", True)
+    forks = []
+    real = side.fork_point
+
+    def spy():
+        real()
+        br = getattr(side._tls, "branch", None)
+        forks.append(br is not None and br.fork is not None)
+
+    monkeypatch.setattr(side, "fork_point", spy)
+
+    def call(args):
+        g = cp.asarray(np.float32(0.75))
+        if op == "nt_xent":
+            loss, ctx = cupynce.nt_xent_forward(args[0], 0.2, workspace_bytes=ws)
+            grads = (cupynce.nt_xent_backward(ctx, g),)
+        else:
+            loss, ctx = cupynce.info_nce_forward(args[0], args[1], 0.1, workspace_bytes=ws)
+            grads = cupynce.info_nce_backward(ctx, g)
+        return [_bits(loss)] + [_bits(s) for s in ctx.stats] + [_bits(x) for x in grads]
+
+    _graphs.clear()
+    try:
+        for i in range(_graphs.CAPTURE_AFTER + 4):
+            args = [cp.asarray(rng.standard_normal((n, d)).astype(np.float32).astype(bf16))
+                    for _ in range(1 if op == "nt_xent" else 2)]
+            monkeypatch.setattr(_graphs, "ENABLED", False)
+            want = call(args)
+            monkeypatch.setattr(_graphs, "ENABLED", True)
+            assert call(args) == want, f"call {i + 1}"
+        assert _graphs.info()["plans"] == 1, _graphs.info()
+    finally:
+        _graphs.clear()
+    if blocks == "one":
+        assert forks and all(forks), forks
+    else:
+        assert forks == [], forks  # (tiles.rows forks only where one block holds G)

@@ -18,7 +18,8 @@ work on a side stream, on the SMs the long kernel leaves free:
 
 * **Where it forks**: :func:`fork_point` records an event on the current stream, once per
   branch, where the engine knows the statistics are final and a long pass follows
-  (``tiles.rows``).  No fork point (another path: the row blocks, the CPU): ``beside`` runs
+  (``tiles.rows``, where one row block holds the gradient pass: with several, the first
+  blocks' products write outputs inside the graph after that point).  No fork point (another path: the row blocks, the CPU): ``beside`` runs
   its work in place, on the current stream -- the same work, the same bits.
 * **Memory**: the work beside writes only memory allocated *before* the fork point (an
   allocation inside ``beside`` raises).  Memory allocated later on the forked stream may be
@@ -37,7 +38,7 @@ work on a side stream, on the SMs the long kernel leaves free:
 * The side stream is this thread's own, per device: a capture in one thread never sees
   another thread's work.  Same kernels on the same operands, in the same order within each
   stream: the same bits (``tests/test_side.py``).  :data:`ENABLED` False (or
-  ``CUPYNCE_SIDE=0``) runs every branch in place.
+  ``CUPYNCE_SIDE=0``) runs every branch in place; it is part of ``_graphs``' key.
 """
 from __future__ import annotations
 

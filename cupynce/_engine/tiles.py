@@ -489,9 +489,13 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
     lse, loss = stats
     if not want_grad:
         return lse, loss, (None, None, None, None)
-    side.fork_point()  # (the statistics are final: what needs only them may run beside)
     ldg = -(-ncols // 8) * 8  # 16-byte rows for the kernel's paired stores and cuBLAS
     rb = blas.plan_rows(op, n, ldg * t.itemsize, workspace_bytes, align=TILE)
+    if rb >= n:  # the statistics are final: what needs only them may run beside (side.py).
+        # (One block only: its products are the call's last work, which a graph defers, so
+        # no small output is written after this point; with several blocks the products of
+        # the first ones run inside the graph, and a gather beside would read them early.)
+        side.fork_point()
     g_buf = cp.empty((rb, ldg), t)
     dq = cp.empty((n, d), f32)
     dk = dq if self_pair else cp.empty((nk, d), f32)  # first row block: beta = 0

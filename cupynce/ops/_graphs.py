@@ -58,7 +58,7 @@ import numpy as np
 
 from .._checks import _CUPY as _CP, _cupy  # (the cupy module, looked up once)
 from .._engine import arrays as _arrays, blas as _blas, products_tf32 as _products_tf32
-from .._engine import tiles as _tiles, tiles_f16x3 as _tiles_f16x3
+from .._engine import side as _side, tiles as _tiles, tiles_f16x3 as _tiles_f16x3
 
 #: ``CUPYNCE_GRAPHS=0`` turns graphs off (every call runs its kernels one by one).
 ENABLED: bool = os.environ.get("CUPYNCE_GRAPHS", "1") != "0"
@@ -336,7 +336,7 @@ def _switches() -> tuple:
             _tiles.TILE_WORKSPACE_BYTES,
             _blas.SMALL_GEMM_MACS, _blas.SMALL_GEMM_MAX_K,
             _blas.DEFAULT_WORKSPACE_BYTES, _blas.FREE_MEMORY_FRACTION, _blas.SMALL_BLOCK_BYTES,
-            _blas.float32_precision_now(), _arrays.ARENA_BYTES)
+            _blas.float32_precision_now(), _arrays.ARENA_BYTES, _side.ENABLED)
 
 
 _PER_THREAD = 2  # cudaStreamPerThread
@@ -528,13 +528,16 @@ def _capture_graph(inputs, compute, keep, pack, layout, table, fill: bool = True
                     small = [(o.data.ptr, at, o.nbytes) for o, at in zip(outs, layout)
                              if at is not None]
                     br = side.take_open()
-                    if small:
-                        most = max(nb for _, _, nb in small)
-                        grid = (min(64, max(1, -(-most // (16 * kernels.BLOCK)))), len(small))
-                        with br.beside() if br is not None else contextlib.nullcontext():
-                            gather(grid, (kernels.BLOCK,), (table, np.uint64(pack.ptr)))
-                    if br is not None:
-                        br.join()
+                    try:
+                        if small:
+                            most = max(nb for _, _, nb in small)
+                            grid = (min(64, max(1, -(-most // (16 * kernels.BLOCK)))),
+                                    len(small))
+                            with br.beside() if br is not None else contextlib.nullcontext():
+                                gather(grid, (kernels.BLOCK,), (table, np.uint64(pack.ptr)))
+                    finally:  # (joined before the capture ends, even on an error)
+                        if br is not None:
+                            br.join()
             finally:
                 graph = cap.end_capture()
     finally:
