@@ -29,8 +29,20 @@ def test_without_a_fork_point_beside_runs_in_place():
     assert side.take_open() is None
 
 
-def test_fork_point_outside_a_branch_does_nothing():
-    side.fork_point()  # (no branch: returns before touching CUDA)
+def test_fork_point_touches_no_cuda_outside_a_branch_or_when_off(monkeypatch):
+    """No branch, or branches off: fork_point returns before importing CuPy (made to fail
+    here), and a branch then runs its work in place."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # (import cupy raises ImportError)
+    side.fork_point()
+    monkeypatch.setattr(side, "ENABLED", False)
+    ran = []
+    with side.branch() as br:
+        side.fork_point()
+        with br.beside():
+            ran.append(1)
+    assert br.fork is None and ran == [1]
     assert getattr(side._tls, "branch", None) is None
 
 
