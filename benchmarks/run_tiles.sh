@@ -3,8 +3,10 @@
 # as few device calls as they fit (each stage's rough time on an H100 with a warm kernel cache
 # in brackets; a fresh machine first spends ~80 s compiling the NVRTC modules):
 #
-#   bash benchmarks/run_tiles.sh tests    # test_gpu_wstile (-n 4) + compute-sanitizer memcheck /
-#                                         # racecheck / synccheck on its stages       [~3 min]
+#   bash benchmarks/run_tiles.sh tests    # test_gpu_wstile + test_side (-n 8: eight workers
+#                                         # found the side branch's race, which one never
+#                                         # showed) + compute-sanitizer memcheck / racecheck /
+#                                         # synccheck on its stages                    [~3 min]
 #   bash benchmarks/run_tiles.sh passes   # bench_tiles: each pass's GPU time, bf16 and fp16
 #                                         #                                            [~1 min]
 #   bash benchmarks/run_tiles.sh ratios   # bench_contrastive, cupynce against its cuBLAS
@@ -26,8 +28,8 @@ stamp() { echo "[$1: rc $2, $(( $(date +%s) - T0 )) s]"; }
 for stage in "${@:-tests}"; do
   case "$stage" in
   tests)
-    timeout 300 python -m pytest -q -rs -p no:cacheprovider -n 4 tests/test_gpu_wstile.py \
-      >"$OUT/test_gpu_wstile.log" 2>&1
+    timeout 300 python -m pytest -q -rs -p no:cacheprovider -n 8 tests/test_gpu_wstile.py \
+      tests/test_side.py >"$OUT/test_gpu_wstile.log" 2>&1
     stamp test_gpu_wstile $?; tail -2 "$OUT/test_gpu_wstile.log"
     for tool in memcheck racecheck synccheck; do
       timeout 120 compute-sanitizer --tool $tool python benchmarks/sanitize_case.py ws ws \
