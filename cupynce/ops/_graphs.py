@@ -499,7 +499,7 @@ def _capture_graph(inputs, compute, keep, pack, layout, table, fill: bool = True
     returns ``(graph, outputs, deferred products)``."""
     import cupy as cp
 
-    from .._engine import blas, kernels, products_tf32, side, tail
+    from .._engine import blas, kernels, products_tf32, tail
     from .._engine.arrays import FILE
 
     order = iter(keep)
@@ -520,14 +520,14 @@ def _capture_graph(inputs, compute, keep, pack, layout, table, fill: bool = True
             blas.bind_stream()  # (cuBLAS's stream cannot be set once the capture runs)
             cap.begin_capture()
             try:
-                with side.open_join():
+                with _side.open_join():
                     outs = tuple(compute(*inputs))
                     # the small outputs into the pack: one launch, the table filled below;
                     # on the op's side branch where it left one open (_engine/side.py: the
                     # small outputs are final there, beside its long pass)
                     small = [(o.data.ptr, at, o.nbytes) for o, at in zip(outs, layout)
                              if at is not None]
-                    br = side.take_open()
+                    br = _side.take_open()
                     try:
                         if small:
                             most = max(nb for _, _, nb in small)
