@@ -13,6 +13,8 @@
 #                                         # products, bf16 and fp16, N = 8192, 16384  [~1 min]
 #   bash benchmarks/run_tiles.sh table    # the README's same-run table: every column, bf16,
 #                                         # N = 8192, 16384, 65536; CLIP 131072       [~6 min]
+#                                         # (memeff's columns need memeff 0.3.1: a pure-Python
+#                                         # wheel; offline, `pip install --no-deps` a downloaded one)
 #
 # Several stages: `bash benchmarks/run_tiles.sh tests passes`.  Logs and JSON go to $OUT
 # (default ./tiles-out).  On the device tool, where at most 8 files come back, tar $OUT.
