@@ -19,15 +19,16 @@ work on a side stream, on the SMs the long kernel leaves free:
 * **Where it forks**: :func:`fork_point` records an event on the current stream, once per
   branch, where the engine knows the statistics are final and a long pass follows
   (``tiles.rows``, where one row block holds the gradient pass: with several, the first
-  blocks' products write outputs inside the graph after that point).  No fork point (another path: the row blocks, the CPU): ``beside`` runs
-  its work in place, on the current stream -- the same work, the same bits.
+  blocks' products write outputs inside the graph after that point).  No fork point
+  (another path: the row blocks, the CPU): ``beside`` runs its work in place, on the
+  current stream -- the same work, the same bits.
 * **Memory**: the work beside writes only memory allocated *before* the fork point (an
   allocation inside ``beside`` raises).  Memory allocated later on the forked stream may be
   a block that stream's pool took back from work issued after the fork point and still
   running -- ordered for that stream, not for the side stream, which waits only for the fork
   point (an InfoNCE test at N = 1 under eight test workers got a wrong loss and gradients
-  that way before this rule).  What it reads must stay alive until the join.  The side stream only runs kernels (no cuBLAS:
-  its handle is bound to the op's stream).
+  that way before this rule).  What it reads must stay alive until the join.  The side
+  stream only runs kernels (no cuBLAS: its handle is bound to the op's stream).
 * **The join**: at the end of the ``branch`` block the current stream waits for the side
   stream's last event, before the op returns or frees anything the branch reads.  While
   ``ops._graphs`` captures (:func:`open_join`), the branch is left open instead, and the

@@ -499,9 +499,10 @@ def backward(ctx: Context, grad_loss: Any = 1.0):
         if op in ("clip_loss", "siglip_loss"):  # (the global values: no factor P)
             gd = path.grad_scale(g, a)
             scalars = (s["dscale"],) if op == "clip_loss" else s["dscalars"]
-            # (owned: the caller may change what it gets; SigLIP's are copied below anyway)
-            scalars = [x * gd.reshape(()) if gd is not None else x if op == "siglip_loss"
-                       else path.owned_copy(x, x.dtype) for x in scalars]
+            if gd is not None:
+                scalars = [x * gd.reshape(()) for x in scalars]
+            elif op == "clip_loss":  # (owned: the caller may change what it gets; SigLIP's
+                scalars = [path.owned_copy(x, x.dtype) for x in scalars]  # are copied below)
             dscale = scalars[0]
     else:  # reduction "none": recompute with the upstream gradient as the row weights
         accs = {"nt_xent": _nt_xent_acc, "info_nce": _info_nce_acc, "clip_loss": _clip_acc,
