@@ -40,7 +40,7 @@ Every implementation computes the mean loss *and* the gradients of all inputs:
     measured "PyTorch eager" (its 64 GiB at CLIP N = 65536 is four float32 N x N matrices):
     the product stays in the 16-bit dtype, but autocast runs ``cross_entropy`` (log-softmax
     and its gradient) in float32.  Pure 16-bit eager above is the faster of the two
-    baselines; the README reports the speed-up against both.  Skipped when
+    baselines; docs/results.md reports the speed-up against both.  Skipped when
     ``16 x N^2`` bytes exceed the free device memory.
 ``compile``
     ``torch.compile(reference, dynamic=False)``, compiled once per case (after

@@ -6,7 +6,7 @@ accumulator every ``chunk`` K elements would get), and an Ozaki-style product of
 slices (exact partial products: ``slices_bf16``).  Then each mode's time for one
 16384 x 16384 x 512 product (median of CUDA-event spans, ``report.harness.time_cuda``).
 On Hopper the tensor cores round the accumulator toward zero at every MMA step: 3xtf32's
-error is hi·hi's, a bias, ~3-13x fp32's (docs/notes.md).
+error is hi·hi's, a bias, ~3-13x fp32's (docs/decisions.md).
 
     python benchmarks/bench_f32_products.py
 """

@@ -5,7 +5,7 @@ size tests/test_gpu_tf32_tiles.py's bounds before the kernel ran on a GPU.
 
 Model: x = hi + lo (hi = TF32 round-to-nearest-away, lo = x - hi read as its top 19 bits);
 each wgmma k8 step adds its 8 products (exact) to the accumulator rounding toward zero
-(Hopper's tensor cores, docs/notes.md issue 24); the kernel's chunk of 32 of K runs 4 steps of
+(Hopper's tensor cores, docs/decisions.md issue 24); the kernel's chunk of 32 of K runs 4 steps of
 lo·hi, 4 of hi·lo, 4 of hi·hi into a zeroed chunk, added to the fp32 sum rounding to nearest;
 cuBLAS's 3xTF32 is the same chain without the promotion; fp32 a sequential FMA chain.  The
 epilogue: t = acc · fp32(s log2 e), per 128-column tile a max and a float32 sum of exp2.

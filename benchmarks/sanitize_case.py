@@ -22,7 +22,7 @@ clip_grad in float32 and float64, 16-byte and scalar paths) or "f16x3" (the F16x
 splits and products, tiles_ws_f16x3.cu, then CLIP under "auto" on them; "f16x3clip": that
 CLIP alone).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
-is clean alone, docs/notes.md): run racecheck on "tiles", memcheck on everything.
+is clean alone, docs/decisions.md): run racecheck on "tiles", memcheck on everything.
 """
 import os, sys, numpy as np, cupy as cp, ml_dtypes, cupynce
 from cupynce._engine import tiles as C

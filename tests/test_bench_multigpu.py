@@ -1,7 +1,7 @@
 """benchmarks/bench_multigpu.py on the CPU: its cases run over gloo with 1 and 2 processes at
 tiny sizes (cupynce's global loss and open_clip's formula, every op), rank 0 collects one row
 per case, and ``--report`` merges the launches into the scaling table.  The GPU run itself
-(torchrun, NCCL) is in the README."""
+(torchrun, NCCL) is in docs/distributed.md."""
 from __future__ import annotations
 
 import json

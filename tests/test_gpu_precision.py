@@ -32,7 +32,7 @@ Relative errors ‖x − ref‖ / ‖ref‖ (inputs rounded to float32 first; th
            products' own errors.)  Hopper's tensor cores accumulate with truncation toward
            zero: measured on an H200, 3xtf32's gradients at N = 1000 came out 2.4e-6
            against fp32's 2.5e-7 (0.3 of the bias bound); its products alone 3-13×
-           fp32's error (docs/notes.md, issue 24)
+           fp32's error (docs/decisions.md, issue 24)
 =========  =========================================================================
 
 The scalar gradients (CLIP's dlogit_scale, SigLIP's dlogit_scale and dlogit_bias) are sums

@@ -533,7 +533,7 @@ def test_info_nce_shared_negatives_on_the_tiles(tf32, monkeypatch):
 @gpu
 def test_tiny_products_keep_small_gemm(tf32, monkeypatch):
     """Products within blas.SMALL_GEMM_MACS take blas.gemm's fp32 small_gemm route under
-    "3xtf32" too (as the README says of every mode), not the tiles."""
+    "3xtf32" too (as docs/api.md says of every mode), not the tiles."""
     mms = []
     real_mm = tiles_tf32.mm
     monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: mms.append(1) or real_mm(*a, **k))

@@ -13,7 +13,7 @@ nearest; fp32 as a sequential FMA chain), on unit rows with k_i = unit(q_i + 0.3
   cuBLAS's fp32 product (``blas.gemm``) times s rounded the same way: at most 2x its error
   at D = 32 (one chunk: 4 truncating hi·hi steps against 32 round-to-nearest FMAs, emulated
   1.3x; cuBLAS may sum more cleverly than one chain), 1.5x at D = 72 (emulated 0.9x), 1x at
-  D = 512 (emulated 0.4x; measured with cuBLAS chunks, docs/notes.md: 0.6x) and there at
+  D = 512 (emulated 0.4x; measured with cuBLAS chunks, docs/decisions.md: 0.6x) and there at
   most 1/4 of cuBLAS's 3xTF32 (one truncating chain, emulated 1/11);
 * the row lse and the loss against float64: ≤ 3e-7, not 2e-7.  The lse carries the shared
   epilogue's float32 arithmetic besides the products' error (s·log2(e) rounded once for every
