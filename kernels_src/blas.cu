@@ -93,3 +93,19 @@ extern "C" __global__ void __launch_bounds__(256) cpn_split_tf32_t_f32(
         }
     }
 }
+
+// ---- fills (a device scalar, a sentinel) -------------------------------------------------
+// x[i] = value for i < n: what cupy.full would do, but from this file's cubin, so a first
+// call compiles no CuPy kernel (issue 52: the release wheel's prebuilt kernels are all a first
+// call needs).  Grid ceil(n / CPN_BLOCK).
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_fill_f32(float* x, float value, i64 n)
+{
+    const i64 i = (i64)blockIdx.x * CPN_BLOCK + threadIdx.x;
+    if (i < n) x[i] = value;
+}
+
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_fill_f64(double* x, double value, i64 n)
+{
+    const i64 i = (i64)blockIdx.x * CPN_BLOCK + threadIdx.x;
+    if (i < n) x[i] = value;
+}

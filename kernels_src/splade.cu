@@ -346,6 +346,52 @@ __device__ __forceinline__ void splade_dx_body(
     }
 }
 
+// dx grouping, between the passes: per batch row b, the inclusive and exclusive prefix sums
+// of counts[b, :] (n = L * nseg ints in (l, s) order): excl is the place pass's offsets (and
+// excl2, when given, its global cursors: a copy it may overwrite), incl and excl bound each
+// (b, l)'s run in the dx pass.  Integer sums, exact in any order.  Grid (B), CPN_BLOCK threads:
+// the row in chunks of CPN_BLOCK, a warp-shuffle scan, the warps' totals scanned by warp 0.
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)
+cpn_splade_scan(const int* __restrict__ counts, int n, int* __restrict__ incl,
+                int* __restrict__ excl, int* __restrict__ excl2)
+{
+    constexpr int WARPS = CPN_BLOCK / 32;
+    __shared__ int wsum[WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const i64 row = (i64)blockIdx.x * n;
+    int carry = 0;
+    for (int base = 0; base < n; base += CPN_BLOCK) {
+        const int i = base + threadIdx.x;
+        const int c = i < n ? counts[row + i] : 0;
+        int x = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x += y;
+        }
+        if (lane == 31) wsum[warp] = x;
+        __syncthreads();
+        if (warp == 0) {
+            int w = lane < WARPS ? wsum[lane] : 0;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, w, o);
+                if (lane >= o) w += y;
+            }
+            if (lane < WARPS) wsum[lane] = w;  // inclusive totals of warps 0 .. lane
+        }
+        __syncthreads();
+        const int inc = carry + (warp ? wsum[warp - 1] : 0) + x;
+        if (i < n) {
+            incl[row + i] = inc;
+            excl[row + i] = inc - c;
+            if (excl2) excl2[row + i] = inc - c;
+        }
+        carry += wsum[WARPS - 1];
+        __syncthreads();  // every thread has read wsum before the next chunk rewrites it
+    }
+}
+
 // ---- extern "C" wrappers, one per (index type, dtype) ----------------------------------
 #define SPL_MAX_ARGS(T, I) const T* ws, i64 ldw, int L, int vt, int b0, int v0, int V,           \
     const unsigned char* mask, const T* bias, int act, T* out, I* arg, int lchunk,            \

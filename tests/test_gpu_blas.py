@@ -233,3 +233,21 @@ def test_small_products_stay_fp32(mode, monkeypatch):
     _, default = _f32_case(*case, "fp32")
     _, got = _f32_case(*case, mode)
     assert np.array_equal(got, default)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 257, 100_003])
+@pytest.mark.parametrize("value", [0.5, -3.25e-7, float("nan"), float("inf")])
+def test_fill_kernel(dtype, size, value):
+    """``arrays.fill`` (``cpn_fill_<dtype>``): every element written, nothing past the end."""
+    from cupynce._engine import arrays
+
+    buf = cp.full((size + 64,), 7.0, dtype)  # the tail past `size` must stay 7
+    out = arrays.fill(buf[:size], value)
+    assert out.data.ptr == buf.data.ptr
+    host = cp.asnumpy(buf)
+    np.testing.assert_array_equal(host[:size], np.full(size, value, dtype))
+    np.testing.assert_array_equal(host[size:], 7.0)
+    s = arrays.scalar(value, np.dtype(dtype))
+    assert s.shape == (1,) and s.dtype == dtype
+    np.testing.assert_array_equal(cp.asnumpy(s), np.full(1, value, dtype))

@@ -575,3 +575,30 @@ def test_from_stats_with_non_contiguous_out_and_argmax():
     got = cupynce.splade_pool_backward_from_stats(x, w, buf[:, :40], abuf[:, 40:], g, bias=b)
     for a, c in zip(want, got):
         assert bool((a == c).all())
+
+
+@pytest.mark.parametrize("b,n", [(1, 1), (3, 31), (2, 256), (5, 257), (4, 4099), (2, 40_000)])
+@pytest.mark.parametrize("cursors", [False, True])
+def test_scan_kernel(b, n, cursors):
+    """``cpn_splade_scan``: each row's inclusive and exclusive prefix sums of int32 counts
+    (and the cursors' copy of the exclusive ones), exact, nothing written past n."""
+    from cupynce._engine import kernels
+
+    rng = np.random.default_rng(b * 1000 + n)
+    counts = rng.integers(0, 300, size=(b, n)).astype(np.int32)
+    counts[0, : min(n, 7)] = 0
+    d_counts = cp.asarray(counts)
+    pad = 16
+    incl, excl, cur = (cp.full((b, n + pad), -5, np.int32) for _ in range(3))
+    kernels.get_function("splade.cu", "cpn_splade_scan")(
+        (b,), (kernels.BLOCK,), (d_counts, np.int32(n), incl, excl, cur if cursors else 0))
+    # (rows laid out with stride n: view the written region as (b, n))
+    flat = lambda a: cp.asnumpy(a).reshape(-1)[: b * n].reshape(b, n)  # noqa: E731
+    want = np.cumsum(counts, axis=1, dtype=np.int64)
+    np.testing.assert_array_equal(flat(incl), want)
+    np.testing.assert_array_equal(flat(excl), want - counts)
+    if cursors:
+        np.testing.assert_array_equal(flat(cur), want - counts)
+    else:
+        assert (cp.asnumpy(cur) == -5).all()
+    assert (cp.asnumpy(incl).reshape(-1)[b * n:] == -5).all()

@@ -92,3 +92,56 @@ def test_opt_in_records_hold_their_kernel(monkeypatch):
     tiles._SMEM_OPTED[id(other)] = object()  # stale
     tiles.tile_launch("tiles.cu", "lse", "float32", (1,), ())
     assert other.calls == [tiles.WG_SMEM] and tiles._SMEM_OPTED[id(other)] is other
+
+
+def _hold_lock(args):
+    """One process: take the build lock, note when it held it (for the overlap check)."""
+    import os as _os
+    import time as _time
+
+    cache, log = args
+    _os.environ["CUPY_CACHE_DIR"] = cache
+    from cupynce._engine import kernels as k
+
+    with k._build_lock("module_x"):
+        start = _time.monotonic()
+        _time.sleep(0.15)
+        end = _time.monotonic()
+    with open(log, "a") as f:
+        f.write(f"{start} {end}\n")
+
+
+def test_build_lock_serialises_processes(tmp_path):
+    """Processes starting together (DDP ranks sharing a cache folder) hold a module's build
+    lock one at a time, so the first compiles and the others load what it wrote."""
+    import multiprocessing as mp
+
+    log = tmp_path / "log"
+    with mp.get_context("spawn").Pool(4) as pool:
+        pool.map(_hold_lock, [(str(tmp_path / "cache"), str(log))] * 4)
+    spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+    assert len(spans) == 4
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end, spans
+
+
+def test_build_lock_without_a_writable_cache_folder(tmp_path, monkeypatch):
+    """An unwritable cache folder: no lock, and no error (each process compiles alone)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(blocker / "sub"))  # below a file: mkdir fails
+    with kernels._build_lock("module_x"):
+        pass
+
+
+def test_prebuilt_names_follow_the_source(monkeypatch):
+    """A prebuilt cubin is named by the hash of the source the loader would compile, its
+    options and its arch: an edited kernel (or header) never matches an old cubin."""
+    name = kernels.prebuilt_name("blas.cu", "sm_90")
+    assert name.startswith("blas_sm_90_") and name.endswith(".cubin")
+    assert kernels.module_key("blas.cu", "sm_80") != kernels.module_key("blas.cu", "sm_90")
+    edited = kernels.read_source("blas.cu") + "\n// an edit\n"
+    assert kernels.prebuilt_name("blas.cu", "sm_90", edited) != name
+    assert kernels.build_arch("tiles.cu", "90") == "sm_90a"
+    assert kernels.build_arch("contrastive.cu", "90") == "sm_90"
+    assert kernels.build_arch("tiles.cu", "80") == "sm_80"

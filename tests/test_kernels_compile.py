@@ -89,7 +89,8 @@ def _missing_symbols(filename, cubin):
 
 
 #: kernels written without the ``cpn_<stage>_##SUF`` macros (one dtype), by file
-_SINGLE = {"blas.cu": ("cpn_split_tf32_f32",), "contrastive.cu": ("cpn_clip_grad_f16x3",),
+_SINGLE = {"blas.cu": ("cpn_split_tf32_f32", "cpn_fill_f32", "cpn_fill_f64"),
+           "splade.cu": ("cpn_splade_scan",), "contrastive.cu": ("cpn_clip_grad_f16x3",),
            "tiles_ws_f16x3.cu": ("cpn_f16x3_split_rows", "cpn_f16x3_colmax", "cpn_f16x3_split_t",
                                  "cpn_f16x3_split_scaled", "cpn_f16x3_split_scaled_il",
                                  "cpn_f16x3_bound_exp")}
@@ -105,7 +106,7 @@ def test_single_dtype_kernels_are_exported(filename, name, arch):
 def test_arch_specific_file_builds_for_sm90a(filename):
     """Files with Hopper-only code also build for sm_90a (what the loader does on Hopper), and
     only that build holds the wgmma instructions (elsewhere those functions trap)."""
-    cubin = _kernels.compile_source(filename, "sm_90a", _kernels.SM90A_OPTIONS)
+    cubin = _kernels.compile_source(filename, "sm_90a", _kernels.BUILD_OPTIONS)
     assert cubin[:4] == b"\x7fELF"
     missing = _missing_symbols(filename, cubin)
     assert not missing, f"{filename} (sm_90a): symbols missing from the cubin: {missing}"

@@ -151,11 +151,22 @@ def owned_copy(x, dtype):
     return out
 
 
+def fill(x, value: float):
+    """Set every element of the contiguous float32 / float64 CuPy array ``x`` to ``value``
+    (``cpn_fill_<dtype>`` of blas.cu, one of the prebuilt cubins: ``x.fill`` would compile a
+    CuPy kernel at the first call on a fresh machine).  Returns ``x``."""
+    if x.size:
+        kern = kernels.get_function("blas.cu", f"cpn_fill_{kernels.dtype_suffix(x.dtype)}")
+        kern((-(-x.size // BLOCK),), (BLOCK,), (x, x.dtype.type(value), np.int64(x.size)))
+    return x
+
+
 def scalar(value, a):
-    """A (1,) device array holding a Python float (a fill kernel: no host-device copy)."""
+    """A (1,) device array of dtype ``a`` (float32 / float64) holding a Python float: a fill
+    kernel, no host-device copy."""
     import cupy as cp
 
-    return cp.full((1,), value, dtype=a)
+    return fill(cp.empty((1,), dtype=a), value)
 
 
 def guard_log_scale(ls, limit: float):

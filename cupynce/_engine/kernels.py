@@ -2,20 +2,30 @@
 
 Every CUDA C source lives in ``kernels_src/`` (shipped inside the wheel as
 ``cupynce/kernels_src``).  A source is read once, its local ``#include "x.cuh"`` lines are
-pasted in (so the headers count in CuPy's cache key), a generated preamble is prepended,
-and the result is compiled by NVRTC through :class:`cupy.RawModule`: memoized per device
-in memory and cached on disk by CuPy.  Kernels are plain ``extern "C"`` wrappers named
-``cpn_<stage>_<dtype>``; Python builds the name from the dtype.
+pasted in (so the headers count in every cache key), and a generated preamble is prepended.
+Kernels are plain ``extern "C"`` wrappers named ``cpn_<stage>_<dtype>``; Python builds the
+name from the dtype.
+
+A module (one ``.cu`` file) is loaded once per device, from the first of:
+
+1. the release wheel's prebuilt cubin for this GPU (``cupynce/_cubins``, written by
+   ``python -m cupynce._engine.build``), named by the hash of the pasted source, the build
+   options and the arch, so an edited kernel never loads an old binary;
+2. a run-time NVRTC build, cached on disk (CuPy's ``RawModule`` cache; our own file for the
+   ``sm_90a`` builds), under a per-module file lock so processes starting together compile
+   it once.
 
 Nothing here imports CuPy at module import time, so ``import cupynce`` works without it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -119,9 +129,45 @@ ARCH_SPECIFIC = frozenset({"tiles.cu", "tiles_ws.cu", "tiles_ws_tf32.cu", "tiles
                            "splade_tiles.cu", "splade_wgmma.cu"})
 
 
-#: NVRTC options of the sm_90a build: CuPy adds ``-ftz=true`` to every RawModule build, so the
-#: sm_90a cubin gets the same flag.
-SM90A_OPTIONS: Tuple[str, ...] = NVRTC_OPTIONS + ("-ftz=true",)
+#: The options of every cubin cupynce builds itself (prebuilt in a release wheel, or the
+#: sm_90a builds at run time): those CuPy's ``RawModule`` passes NVRTC for a cubin
+#: (``-ftz=true``, ``--device-as-default-execution-space``) on top of ``NVRTC_OPTIONS``, so a
+#: prebuilt cubin holds the code CuPy's run-time build would (same bits).
+BUILD_OPTIONS: Tuple[str, ...] = NVRTC_OPTIONS + ("-ftz=true", "--device-as-default-execution-space")
+
+#: The compute capabilities a release wheel ships cubins for (``python -m cupynce._engine.build``);
+#: the arch-specific sources are built for ``sm_90a`` on 9.0 (see :func:`build_arch`).  Other
+#: GPUs, and an install without these cubins, compile at first use (NVRTC, cached on disk).
+PREBUILT_CAPABILITIES: Tuple[str, ...] = ("80", "86", "89", "90")
+
+#: Where the prebuilt cubins lie in the package (``cupynce/_cubins``; only in wheels built by
+#: the release step; see docs/design.md, "Precompiled kernels").
+PREBUILT_DIR = Path(__file__).resolve().parent.parent / "_cubins"
+
+
+def module_files() -> Tuple[str, ...]:
+    """The kernel modules: every ``kernels_src/*.cu`` (the ``.cuh`` headers are pasted in)."""
+    return tuple(sorted(p.name for p in kernels_dir().glob("*.cu")))
+
+
+def build_arch(filename: str, capability: str) -> str:
+    """The NVRTC target of ``filename`` on a device of ``capability`` (``"90"`` -> ``sm_90``, or
+    ``sm_90a`` for the ARCH_SPECIFIC sources)."""
+    return f"sm_{capability}a" if filename in ARCH_SPECIFIC and capability == "90" else \
+        f"sm_{capability}"
+
+
+def module_key(filename: str, arch: str, source: Optional[str] = None) -> str:
+    """The hash that names ``filename``'s cubin for ``arch``: the pasted source (headers and
+    preamble included) and :data:`BUILD_OPTIONS`, so a changed kernel never matches an old
+    cubin."""
+    src = read_source(filename) if source is None else source
+    return hashlib.sha256("\0".join((src, *BUILD_OPTIONS, arch)).encode()).hexdigest()[:32]
+
+
+def prebuilt_name(filename: str, arch: str, source: Optional[str] = None) -> str:
+    """The file name of ``filename``'s prebuilt cubin for ``arch``: ``<stem>_<arch>_<key>.cubin``."""
+    return f"{Path(filename).stem}_{arch}_{module_key(filename, arch, source)}.cubin"
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,36 +189,91 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")))
 
 
-def _load_sm90a(filename: str):
-    """Compile ``filename`` for sm_90a with NVRTC (cached on disk by source hash) and load it."""
-    import hashlib
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """An exclusive lock on ``<cache dir>/cupynce_<name>.lock`` while a module is compiled.
 
+    Processes starting together on one host (DDP ranks sharing the cache folder) then compile
+    a module once: the first builds and writes the cache, the others wait and load what it
+    wrote.  Without ``fcntl`` (Windows) or a writable cache folder there is no lock: each
+    process compiles, and the atomic writes still never leave half a file.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    try:
+        folder = _cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / f"cupynce_{name}.lock", "a+b")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load_cubin(path: Path):
+    """``cupy.RawModule`` over the cubin at ``path``, loaded now; None if the driver refuses
+    it (a cubin from a newer NVRTC than the driver knows), so that the caller compiles."""
     import cupy
+
+    mod = cupy.RawModule(path=str(path))
+    try:
+        mod.compile()  # a module from a path is otherwise loaded at its first get_function
+    except cupy.cuda.driver.CUDADriverError:
+        return None
+    return mod
+
+
+def _prebuilt(filename: str, arch: str, source: str):
+    """The release wheel's cubin of ``filename`` for ``arch``, loaded; None where the wheel has
+    none (a source install, another GPU, a changed source) or ``CUPYNCE_PREBUILT=0``."""
+    if os.environ.get("CUPYNCE_PREBUILT", "1") == "0":
+        return None
+    path = PREBUILT_DIR / prebuilt_name(filename, arch, source)
+    return _load_cubin(path) if path.is_file() else None
+
+
+def _load_arch_specific(filename: str, arch: str, source: str):
+    """Compile ``filename`` for ``arch`` (``sm_90a``: CuPy would build plain ``sm_90``) with
+    NVRTC, cached on disk by the source hash and NVRTC's version, and load it."""
     from cupy.cuda import nvrtc
 
-    src = read_source(filename)
-    key = hashlib.sha256("\0".join((src, *SM90A_OPTIONS, "sm_90a", str(nvrtc.getVersion())))
-                         .encode()).hexdigest()
-    path = _cache_dir() / f"cupynce_{Path(filename).stem}_{key[:32]}.cubin"
+    version = ".".join(map(str, nvrtc.getVersion()))
+    path = _cache_dir() / f"cupynce_{prebuilt_name(filename, arch, source)[:-6]}_nvrtc{version}.cubin"
     if not path.is_file():
-        cubin = compile_source(filename, "sm_90a", SM90A_OPTIONS)
+        cubin = compile_source(filename, arch, BUILD_OPTIONS)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(cubin)
-        os.replace(tmp, path)  # atomic: concurrent processes never see half a file
-    return cupy.RawModule(path=str(path))
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    mod = _load_cubin(path)
+    if mod is None:  # pragma: no cover - a cubin from this NVRTC the driver refuses
+        raise KernelCompileError(f"kernels_src/{filename}: the driver cannot load the {arch} "
+                                 f"cubin NVRTC {version} built ({path})")
+    return mod
 
 
-@functools.lru_cache(maxsize=None)
-def _loader(filename: str):
+def _load_module(filename: str):
+    """``filename``'s module on the current device: the prebuilt cubin where the wheel has one
+    for this GPU, else compiled at first use (once per host: see :func:`_build_lock`)."""
     import cupy
 
-    @cupy.memoize(for_each_device=True)
-    def load():  # one compiled module per (file, device); CuPy also caches it on disk
-        if arch_specific_build(filename):
-            return _load_sm90a(filename)
-        src = read_source(filename)
-        try:
+    arch = build_arch(filename, _compute_capability()())
+    src = read_source(filename)
+    mod = _prebuilt(filename, arch, src)
+    if mod is not None:
+        return mod
+    with _build_lock(f"{Path(filename).stem}_{arch}"):
+        if arch.endswith("a"):
+            return _load_arch_specific(filename, arch, src)
+        try:  # CuPy's build: its own disk cache, and PTX for a GPU newer than NVRTC knows
             mod = cupy.RawModule(code=src, options=NVRTC_OPTIONS)
             mod.compile()
         except cupy.cuda.compiler.CompileException as exc:
@@ -180,7 +281,12 @@ def _loader(filename: str):
                 f"kernels_src/{filename} failed to compile:\n{exc.get_message()}") from exc
         return mod
 
-    return load
+
+@functools.lru_cache(maxsize=None)
+def _loader(filename: str):
+    import cupy
+
+    return cupy.memoize(for_each_device=True)(lambda: _load_module(filename))
 
 
 #: (file, stage, dtype, device id) -> loaded function: a launch costs a dict lookup, not a

@@ -134,7 +134,9 @@ def forward(x, weight, bias, mask, act: int, workspace_bytes):
     bias = None if bias is None else cp.ascontiguousarray(bias)
     m8 = None
     if mask is not None:
-        m8 = mask if mask.dtype == np.bool_ else (mask != 0)
+        # the kernels read bytes, nonzero = keep: bool and uint8 masks go as they are (no CuPy
+        # kernel to compile at a first call); other dtypes are compared with 0 first
+        m8 = mask if mask.dtype in (np.bool_, np.uint8) else (mask != 0)
         m8 = cp.ascontiguousarray(m8).view(np.uint8)
     idt = index_dtype(l)
     out = cp.empty((b, v), dt)
@@ -271,11 +273,16 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     kernels.get_kernel(FILE, f"splade_count_{tag}", dt)(
         (nseg, b), (BLOCK,), (out, g, arg) + scal + (np.int32(glob), counts),
         shared_mem=0 if glob else 4 * l)
-    incl = cp.cumsum(counts.reshape(b, l * nseg), axis=1, dtype=np.int32)
-    excl = incl - counts.reshape(b, l * nseg)
+    # the rows' prefix sums of the counts (our kernel, not cp.cumsum: nothing for CuPy to
+    # compile at a first call); long sequences also get the place pass's global cursors
+    incl, excl = (cp.empty((b, l * nseg), np.int32) for _ in range(2))
+    cursors = cp.empty((b, l * nseg), np.int32) if glob else None
+    kernels.get_function(FILE, "cpn_splade_scan")(
+        (b,), (BLOCK,), (counts, np.int32(l * nseg), incl, excl,
+                         cursors if cursors is not None else 0))
     lst = cp.empty((b, v), np.int32)
     kernels.get_kernel(FILE, f"splade_place_{tag}", dt)(
-        (nseg, b), (32,), (out, g, arg) + scal + (excl, excl.copy() if glob else 0, lst),
+        (nseg, b), (32,), (out, g, arg) + scal + (excl, cursors if glob else 0, lst),
         shared_mem=0 if glob else 4 * l)
     item = dt.itemsize
     dx = cp.empty((b, l, d), dt)

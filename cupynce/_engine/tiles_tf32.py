@@ -37,7 +37,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import blas, blocks, kernels, tiles, tma
+from . import arrays, blas, blocks, kernels, tiles, tma
 from .kernels import BLOCK
 
 FILE = "tiles_ws_tf32.cu"
@@ -341,8 +341,11 @@ def lse_symmetric(z, parts, scale: float, pos_shift: int, s_out=None):
     part = cp.empty((2, splits, n), f32)
     colp = cp.empty((2, ct, n), f32)
     pd = blocks.pair_dots(z[:half], z[half:])  # dots[i] = dots[i + half] = z_i . z_{i + half}
-    dots = cp.concatenate((pd, pd))
-    pos2 = cp.full((n,), np.nan, f32)  # written for the rows whose tile held the positive
+    dots = cp.empty((n,), f32)  # (two device copies, not cp.concatenate: no CuPy kernel)
+    dots[:half].data.copy_from_device_async(pd.data, pd.nbytes)
+    dots[half:].data.copy_from_device_async(pd.data, pd.nbytes)
+    # written for the rows whose tile held the positive; NaN marks the others
+    pos2 = arrays.fill(cp.empty((n,), f32), np.nan)
     raw = _args(z_hi, z_hi, rows=n, n1=n, d=dp, scale=scale,
                 part=(part.data.ptr, part[1].data.ptr, n), colp=(colp.data.ptr, colp[1].data.ptr),
                 pos_out=pos2.data.ptr, lse_col=dots, g=s_out, exclude_diag=True,

@@ -16,7 +16,11 @@ from .. import _registry as R
 
 def _mask_array(mask: Optional[Tensor]) -> Any:
     """The core's view of an attention mask: bool crosses as a uint8 view (same bytes, nonzero
-    = counts; DLPack's bool is not spoken by every CuPy release), other dtypes as they are."""
+    = counts; DLPack's bool is not spoken by every CuPy release); a CUDA mask of another dtype
+    (a tokenizer's int64) is compared with 0 by torch first (a precompiled kernel, where the
+    core's comparison would compile a CuPy one at the first call); CPU masks as they are."""
+    if mask is not None and mask.is_cuda and mask.dtype not in (torch.bool, torch.uint8):
+        mask = mask != 0
     if mask is not None and mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     return B.array_of(mask)
