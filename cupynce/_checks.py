@@ -6,6 +6,7 @@ dtypes and devices are inspected, never values of device arrays.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from types import ModuleType
@@ -32,6 +33,30 @@ def _cupy():
             cupy = None
         _CUPY.append(cupy)
     return _CUPY[0]
+
+
+#: how to install each optional dependency (setup.cfg's extras)
+_EXTRAS = {
+    "torch": 'pip install "cupynce[torch]"',
+    "cupy": 'pip install "cupynce[cuda12]" (CUDA 12) or "cupynce[cuda13]" (CUDA 13)',
+}
+
+
+def require_module(name: str, needed_by: str) -> ModuleType:
+    """``import name`` (``"torch"`` or ``"cupy"``) for ``needed_by`` (``cupynce.torch``, a
+    CUDA tensor's call, ...); if it is not installed, a ``ModuleNotFoundError`` that says which
+    extra installs it.  ``import cupynce`` itself needs neither.
+
+    Only the module's own absence is translated: an import error from inside an installed
+    torch / CuPy (a missing CUDA library, a broken build) is raised as it is.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        raise ModuleNotFoundError(f"{needed_by} needs {name}, which is not installed: "
+                                  f"{_EXTRAS[name]}", name=name) from exc
 
 
 def is_cupy_array(x: Any) -> bool:

@@ -22,6 +22,7 @@ float64 1e-12; float32 1e-5 (the NumPy path measures ~5e-7, see test_numpy_path.
 from __future__ import annotations
 
 import math
+import types
 import zlib
 
 import ml_dtypes
@@ -880,6 +881,51 @@ def test_temperature_as_a_0d_tensor():
         assert torch.equal(ct.NTXentLoss(t)(z), want)
     with pytest.raises(ValueError, match=r"temperature must be a scalar"):
         ct.nt_xent(z, torch.tensor([0.25, 0.5]))
+
+
+_NO_DEPS = """
+import sys
+sys.modules["torch"] = None  # (import torch now raises ModuleNotFoundError, name "torch")
+sys.modules["cupy"] = None
+import cupynce, numpy as np
+assert float(cupynce.nt_xent(np.ones((4, 3)), 0.5)) > 0
+for mod in ("cupynce.torch", "cupynce.integrations"):
+    try:
+        __import__(mod)
+    except ModuleNotFoundError as exc:
+        assert exc.name == "torch", exc.name
+        print(exc)
+"""
+
+
+def test_missing_torch_or_cupy_names_the_extra(monkeypatch):
+    """Without torch, ``import cupynce.torch`` (and the adapters) say which extra installs it;
+    ``import cupynce`` works with neither; a CUDA tensor's call without CuPy names the CUDA
+    extras (issue 52)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _NO_DEPS], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ['cupynce.torch needs torch, which is not installed: pip install '
+                   '"cupynce[torch]"',
+                   'cupynce.integrations needs torch, which is not installed: pip install '
+                   '"cupynce[torch]"']
+    from cupynce import _checks
+    from cupynce.torch import _bridge
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(ModuleNotFoundError, match=r'^cupynce\.torch on cuda:0 tensors needs '
+                                                  r'cupy, which is not installed: pip install '
+                                                  r'"cupynce\[cuda12\]" \(CUDA 12\) or '
+                                                  r'"cupynce\[cuda13\]"'):
+        with _bridge.device_scope(torch.device("cuda", 0)):
+            pass
+    # an installed CuPy's own import error (a missing piece inside it) is raised as it is
+    def broken(name):
+        raise ModuleNotFoundError("No module named 'cupy_backends.cuda'", name="cupy_backends.cuda")
+
+    monkeypatch.setattr(_checks, "importlib", types.SimpleNamespace(import_module=broken))
+    with pytest.raises(ModuleNotFoundError, match=r"^No module named 'cupy_backends\.cuda'$"):
+        _checks.require_module("cupy", "x")
 
 
 def test_modules_take_a_last_batch_of_one_row():
