@@ -199,6 +199,15 @@ def _described(value: Any) -> str:
     return _type_name(value) if shape is None else f"{_type_name(value)} of shape {tuple(shape)}"
 
 
+#: what a matrix in a scalar's place usually means: a tensor passed positionally, one too many
+_ARRAY_HINTS = {
+    ("nt_xent", "temperature"): " (nt_xent takes one z (2B, D), the two views stacked; for "
+                                "query/key pairs use info_nce(query, key))",
+    ("info_nce", "temperature"): " (negatives are keyword-only: info_nce(query, key, "
+                                 "temperature, negatives=...))",
+}
+
+
 def host_scalar(op: str, name: str, value: Any) -> Any:
     """A real scalar given as a Python / NumPy number or a 0-d host array, as a Python number.
 
@@ -220,8 +229,9 @@ def host_scalar(op: str, name: str, value: Any) -> Any:
     ndim = getattr(value, "ndim", None)
     if ndim is not None and not isinstance(value, np.generic):
         if ndim != 0:
+            hint = _ARRAY_HINTS.get((op, name), "") if ndim >= 2 else ""
             raise ValueError(f"{op}: {name} must be a scalar, got a {_type_name(value)} of "
-                             f"shape {tuple(value.shape)}")
+                             f"shape {tuple(value.shape)}{hint}")
         return value.item()
     return value
 

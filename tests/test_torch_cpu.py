@@ -707,7 +707,9 @@ def test_direct_path_only_in_plain_eager(monkeypatch):
 # ----------------------------------------------------------------------------------------
 def test_exports():
     assert ct.HAS_CUSTOM_OPS  # CI's torch is >= 2.4
-    assert ct.NTXentLoss is ct.InfoNCELoss and ct.SymmetricInfoNCE is ct.ClipLoss
+    # subclasses (not aliases), so that messages and repr name the class used
+    assert issubclass(ct.NTXentLoss, ct.InfoNCELoss) and issubclass(ct.SymmetricInfoNCE,
+                                                                     ct.ClipLoss)
     for name in ct.__all__:
         assert hasattr(ct, name), name
 
@@ -881,6 +883,35 @@ def test_temperature_as_a_0d_tensor():
         assert torch.equal(ct.NTXentLoss(t)(z), want)
     with pytest.raises(ValueError, match=r"temperature must be a scalar"):
         ct.nt_xent(z, torch.tensor([0.25, 0.5]))
+
+
+def test_module_messages_name_the_class_used():
+    """NTXentLoss / SymmetricInfoNCE say their own name (they used to report InfoNCELoss /
+    ClipLoss); two tensors to the NT-Xent module, or one to InfoNCE, say where to go."""
+    z = torch.randn(6, 3)
+    with pytest.raises(ValueError, match=r"^NTXentLoss: temperature must be finite and > 0"):
+        ct.NTXentLoss(0.0)
+    with pytest.raises(ValueError, match=r"^SymmetricInfoNCE: max_logit_scale must be > 1"):
+        ct.SymmetricInfoNCE(max_logit_scale=1.0)
+    assert repr(ct.NTXentLoss()).startswith("NTXentLoss(")
+    for cls in (ct.InfoNCELoss, ct.NTXentLoss):
+        with pytest.raises(TypeError, match=rf"^{cls.__name__}\.forward takes one tensor, "
+                                            r"features \(2B, D\).*got 2 tensors\. For "
+                                            r"query/key pairs use cupynce\.torch\.InfoNCE"):
+            cls(temperature=0.5)(z, z)
+    with pytest.raises(TypeError, match=r"^InfoNCE\.forward takes query and key.*got query "
+                                        r"alone.*cupynce\.torch\.NTXentLoss"):
+        ct.InfoNCE()(z)
+    # the functional forms: a matrix where the temperature goes
+    with pytest.raises(ValueError, match=r"nt_xent: temperature must be a scalar, got a "
+                                         r"torch\.Tensor of shape \(6, 3\) \(nt_xent takes one "
+                                         r"z \(2B, D\).*use info_nce\(query, key\)"):
+        ct.nt_xent(z, z)
+    with pytest.raises(ValueError, match=r"info_nce: temperature must be a scalar.*negatives "
+                                         r"are keyword-only"):
+        ct.info_nce(z, z, z)
+    # still one module: same state and same loss
+    torch.testing.assert_close(ct.NTXentLoss(0.3)(z), ct.InfoNCELoss(0.3)(z), rtol=0, atol=0)
 
 
 _NO_DEPS = """
