@@ -199,6 +199,14 @@ def _described(value: Any) -> str:
     return _type_name(value) if shape is None else f"{_type_name(value)} of shape {tuple(shape)}"
 
 
+#: what to do instead, per argument, when a tensor that requires grad is given
+_GRAD_HINTS = {
+    "temperature": "pass a float or a tensor without grad (.detach()); a learnable temperature "
+                   "is clip_loss's / siglip_loss's logit_scale (a tensor, log(1 / temperature): "
+                   "cupynce.torch.ClipLoss owns one)",
+}
+
+
 #: what a matrix in a scalar's place usually means: a tensor passed positionally, one too many
 _ARRAY_HINTS = {
     ("nt_xent", "temperature"): " (nt_xent takes one z (2B, D), the two views stacked; for "
@@ -208,16 +216,37 @@ _ARRAY_HINTS = {
 }
 
 
+def check_no_grad(op: str, name: str, value: Any) -> None:
+    """Refuse a tensor that requires grad where the op takes a constant (``temperature``, a
+    module's hyper-parameter): read as a number, its gradient would be dropped without a
+    word.
+
+    Only metadata is read (``requires_grad``, shape, device: no synchronisation); the value
+    is shown for a one-element CPU tensor.
+    """
+    if getattr(value, "requires_grad", False) is not True:
+        return
+    shape, device = tuple(value.shape), getattr(value, "device", None)
+    on_cpu = getattr(device, "type", None) == "cpu"
+    what = f"tensor({value.item():.8g}, requires_grad=True)" if on_cpu and value.numel() == 1 \
+        else f"a tensor of shape {shape} on {device} with requires_grad=True"
+    todo = _GRAD_HINTS.get(name, "pass a float or a tensor without grad (.detach())")
+    raise TypeError(f"{op}: {name} is {what}, but {name} is a constant here and no gradient "
+                    f"would reach it; {todo}")
+
+
 def host_scalar(op: str, name: str, value: Any) -> Any:
     """A real scalar given as a Python / NumPy number or a 0-d host array, as a Python number.
 
     0-d NumPy arrays and 0-d CPU torch tensors are accepted (``np.float32(0.1)``,
     ``np.asarray(0.1)``, ``torch.tensor(0.1)``); a GPU array is refused with a ``TypeError``:
-    reading it would synchronise with the GPU.  Anything else is returned unchanged for the
-    caller's own check.
+    reading it would synchronise with the GPU.  A tensor that requires grad is refused with a
+    ``TypeError`` (:func:`check_no_grad`): taken as a number, its gradient would be lost.
+    Anything else is returned unchanged for the caller's own check.
     """
     if isinstance(value, (float, int)):  # the common case first (and torch.compile traces it)
         return value
+    check_no_grad(op, name, value)  # (a tensor's value taken as a float: its gradient lost)
     if is_cupy_array(value) or (type(value).__module__.startswith("torch")
                                 and getattr(getattr(value, "device", None), "type", "cpu")
                                 != "cpu"):

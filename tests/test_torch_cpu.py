@@ -885,6 +885,55 @@ def test_temperature_as_a_0d_tensor():
         ct.nt_xent(z, torch.tensor([0.25, 0.5]))
 
 
+_GRAD_T = r"pass a float or a tensor without grad \(\.detach\(\)\); a learnable temperature"
+
+
+def test_temperature_that_requires_grad_is_refused():
+    """A tensor temperature that requires grad used to be read as a float: a loss with no
+    gradient to it (issue 52).  Refused everywhere a temperature is taken; the message names
+    the op, the argument, its value and what to do."""
+    z = torch.randn(6, 3, dtype=torch.float64)
+    t = torch.tensor(0.5, requires_grad=True)
+    msg = r"temperature is tensor\(0\.5, requires_grad=True\), but temperature is a constant"
+    for name, call in (("nt_xent", lambda: ct.nt_xent(z, t)),
+                       ("info_nce", lambda: ct.info_nce(z, z, t)),
+                       ("InfoNCEFunction", lambda: ct.InfoNCEFunction.apply(z, t)),
+                       ("InfoNCELoss", lambda: ct.InfoNCELoss(t)),
+                       ("NTXentLoss", lambda: ct.NTXentLoss(t)),
+                       ("InfoNCE", lambda: ct.InfoNCE(t)),
+                       ("nt_xent", lambda: cupynce.nt_xent(z.numpy(), t))):
+        with pytest.raises(TypeError, match=rf"^{name}: {msg}.*{_GRAD_T}.*logit_scale"):
+            call()
+    with pytest.raises(TypeError, match=r"ClipLoss: init_temperature is tensor\(0\.07"):
+        ct.ClipLoss(torch.tensor(0.07, requires_grad=True))
+    with pytest.raises(TypeError, match=r"SigLipLoss: init_logit_bias is tensor\(-10,"):
+        ct.SigLipLoss(init_logit_bias=torch.tensor(-10.0, requires_grad=True))
+    # without grad (or detached) it is a temperature like a float
+    want = ct.nt_xent(z, 0.5)
+    assert torch.equal(ct.nt_xent(z, t.detach()), want)
+    with torch.no_grad():  # (grad mode off: requires_grad is still set, still refused)
+        with pytest.raises(TypeError, match=r"nt_xent: temperature is tensor"):
+            ct.nt_xent(z, t)
+
+
+def test_learnable_scalars_keep_their_gradient():
+    """What *is* differentiable stays so: clip_loss's and siglip_loss's logit_scale /
+    logit_bias tensors, and the modules' parameters."""
+    g = _gen("learnable")
+    a, b = _randn(g, (5, 3)), _randn(g, (5, 3))
+    ls = torch.tensor(CLIP_LS, dtype=torch.float64, requires_grad=True)
+    lb = torch.tensor(-1.0, dtype=torch.float64, requires_grad=True)
+    (dls,) = torch.autograd.grad(ct.clip_loss(a, b, ls), (ls,))
+    want = oracle.clip_loss(a, b, ls)
+    (wls,) = torch.autograd.grad(want, (ls,))
+    torch.testing.assert_close(dls, wls, rtol=1e-12, atol=1e-14)
+    dls, dlb = torch.autograd.grad(ct.siglip_loss(a, b, ls, lb), (ls, lb))
+    assert dls.item() != 0.0 and dlb.item() != 0.0
+    for m in (ct.ClipLoss(), ct.SymmetricInfoNCE(), ct.SigLipLoss()):
+        m(a.float(), b.float()).backward()
+        assert all(p.grad is not None and p.grad.item() != 0.0 for p in m.parameters())
+
+
 def test_module_messages_name_the_class_used():
     """NTXentLoss / SymmetricInfoNCE say their own name (they used to report InfoNCELoss /
     ClipLoss); two tensors to the NT-Xent module, or one to InfoNCE, say where to go."""
