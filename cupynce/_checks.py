@@ -166,6 +166,21 @@ def check_pairs(op: str, a: Any, b: Any) -> ModuleType:
     return xp
 
 
+def check_mask(op: str, name: str, mask: Any, xp: ModuleType) -> None:
+    """A 0/1 mask: its values, when it is on the host (a NumPy array, a CPU tensor's view);
+    ``ValueError`` naming the first value that is neither 0 nor 1 (2, -1, 0.5, NaN), which
+    would otherwise count as "keep".  Bool masks need no scan.  A device mask is not read:
+    scanning it would synchronise with the GPU, so there any nonzero value counts as 1."""
+    if xp is not np or mask.dtype == np.bool_ or mask.size == 0:
+        return
+    bad = (mask != 0) & (mask != 1)  # (NaN included: it is neither)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{op}: {name} must hold only 0 and 1 (or be bool), got "
+                         f"{mask[at].item()!r} at {at} (dtype {mask.dtype}); cast it with "
+                         f"mask != 0 if nonzero means keep")
+
+
 def check_scalar_device(op: str, name: str, value: Any, a: Any, xp: ModuleType) -> None:
     """A device scalar input (``logit_scale``, ``logit_bias``) on ``a``'s GPU."""
     if xp is not np and not isinstance(value, float) and \

@@ -357,7 +357,7 @@ class SpladePooling(nn.Module):
 
     ``forward(hidden_states, attention_mask=None)``: hidden_states (B, L, D) — for a BERT MLM
     head, after the head's transform (dense, activation, LayerNorm), i.e. the decoder's input
-    — and attention_mask (B, L) (bool or 0/1; nonzero counts), giving (B, V) in
+    — and attention_mask (B, L) (bool or 0/1: see :func:`splade_pool`), giving (B, V) in
     hidden_states' dtype (the autocast dtype under ``torch.autocast``)::
 
         out[b, v] = act(max_{l : mask[b, l] ≠ 0} hidden_states[b, l] · weight[v] + bias[v])
