@@ -2,7 +2,9 @@
 
 Every check raises before any kernel runs, with a message that names the op, the argument,
 what it got and what was expected.  Nothing here synchronises with the GPU: only shapes,
-dtypes and devices are inspected, never values of device arrays.
+dtypes and devices are inspected, never values of device arrays.  Also here:
+:func:`require_module`, the optional dependencies (torch, CuPy) or an error naming the extra
+that installs them.
 """
 from __future__ import annotations
 
