@@ -2,10 +2,13 @@
 
 Every check raises before any kernel runs, with a message that names the op, the argument,
 what it got and what was expected.  Nothing here synchronises with the GPU: only shapes,
-dtypes and devices are inspected, never values of device arrays.
+dtypes and devices are inspected, never values of device arrays.  Also here:
+:func:`require_module`, the optional dependencies (torch, CuPy) or an error naming the extra
+that installs them.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from types import ModuleType
@@ -32,6 +35,30 @@ def _cupy():
             cupy = None
         _CUPY.append(cupy)
     return _CUPY[0]
+
+
+#: how to install each optional dependency (setup.cfg's extras)
+_EXTRAS = {
+    "torch": 'pip install "cupynce[torch]"',
+    "cupy": 'pip install "cupynce[cuda12]" (CUDA 12) or "cupynce[cuda13]" (CUDA 13)',
+}
+
+
+def require_module(name: str, needed_by: str) -> ModuleType:
+    """``import name`` (``"torch"`` or ``"cupy"``) for ``needed_by`` (``cupynce.torch``, a
+    CUDA tensor's call, ...); if it is not installed, a ``ModuleNotFoundError`` that says which
+    extra installs it.  ``import cupynce`` itself needs neither.
+
+    Only the module's own absence is translated: an import error from inside an installed
+    torch / CuPy (a missing CUDA library, a broken build) is raised as it is.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        raise ModuleNotFoundError(f"{needed_by} needs {name}, which is not installed: "
+                                  f"{_EXTRAS[name]}", name=name) from exc
 
 
 def is_cupy_array(x: Any) -> bool:
@@ -141,6 +168,21 @@ def check_pairs(op: str, a: Any, b: Any) -> ModuleType:
     return xp
 
 
+def check_mask(op: str, name: str, mask: Any, xp: ModuleType) -> None:
+    """A 0/1 mask: its values, when it is on the host (a NumPy array, a CPU tensor's view);
+    ``ValueError`` naming the first value that is neither 0 nor 1 (2, -1, 0.5, NaN), which
+    would otherwise count as "keep".  Bool masks need no scan.  A device mask is not read:
+    scanning it would synchronise with the GPU, so there any nonzero value counts as 1."""
+    if xp is not np or mask.dtype == np.bool_ or mask.size == 0:
+        return
+    bad = (mask != 0) & (mask != 1)  # (NaN included: it is neither)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{op}: {name} must hold only 0 and 1 (or be bool), got "
+                         f"{mask[at].item()!r} at {at} (dtype {mask.dtype}); cast it with "
+                         f"mask != 0 if nonzero means keep")
+
+
 def check_scalar_device(op: str, name: str, value: Any, a: Any, xp: ModuleType) -> None:
     """A device scalar input (``logit_scale``, ``logit_bias``) on ``a``'s GPU."""
     if xp is not np and not isinstance(value, float) and \
@@ -174,16 +216,54 @@ def _described(value: Any) -> str:
     return _type_name(value) if shape is None else f"{_type_name(value)} of shape {tuple(shape)}"
 
 
+#: what to do instead, per argument, when a tensor that requires grad is given
+_GRAD_HINTS = {
+    "temperature": "pass a float or a tensor without grad (.detach()); a learnable temperature "
+                   "is clip_loss's / siglip_loss's logit_scale (a tensor, log(1 / temperature): "
+                   "cupynce.torch.ClipLoss owns one)",
+}
+
+
+#: what a matrix in a scalar's place usually means: a tensor passed positionally, one too many
+_ARRAY_HINTS = {
+    ("nt_xent", "temperature"): " (nt_xent takes one z (2B, D), the two views stacked; for "
+                                "query/key pairs use info_nce(query, key))",
+    ("info_nce", "temperature"): " (negatives are keyword-only: info_nce(query, key, "
+                                 "temperature, negatives=...))",
+}
+
+
+def check_no_grad(op: str, name: str, value: Any) -> None:
+    """Refuse a tensor that requires grad where the op takes a constant (``temperature``, a
+    module's hyper-parameter): read as a number, its gradient would be dropped without a
+    word.
+
+    Only metadata is read (``requires_grad``, shape, device: no synchronisation); the value
+    is shown for a one-element CPU tensor.
+    """
+    if getattr(value, "requires_grad", False) is not True:
+        return
+    shape, device = tuple(value.shape), getattr(value, "device", None)
+    on_cpu = getattr(device, "type", None) == "cpu"
+    what = f"tensor({value.item():.8g}, requires_grad=True)" if on_cpu and value.numel() == 1 \
+        else f"a tensor of shape {shape} on {device} with requires_grad=True"
+    todo = _GRAD_HINTS.get(name, "pass a float or a tensor without grad (.detach())")
+    raise TypeError(f"{op}: {name} is {what}, but {name} is a constant here and no gradient "
+                    f"would reach it; {todo}")
+
+
 def host_scalar(op: str, name: str, value: Any) -> Any:
     """A real scalar given as a Python / NumPy number or a 0-d host array, as a Python number.
 
     0-d NumPy arrays and 0-d CPU torch tensors are accepted (``np.float32(0.1)``,
     ``np.asarray(0.1)``, ``torch.tensor(0.1)``); a GPU array is refused with a ``TypeError``:
-    reading it would synchronise with the GPU.  Anything else is returned unchanged for the
-    caller's own check.
+    reading it would synchronise with the GPU.  A tensor that requires grad is refused with a
+    ``TypeError`` (:func:`check_no_grad`): taken as a number, its gradient would be lost.
+    Anything else is returned unchanged for the caller's own check.
     """
     if isinstance(value, (float, int)):  # the common case first (and torch.compile traces it)
         return value
+    check_no_grad(op, name, value)  # (a tensor's value taken as a float: its gradient lost)
     if is_cupy_array(value) or (type(value).__module__.startswith("torch")
                                 and getattr(getattr(value, "device", None), "type", "cpu")
                                 != "cpu"):
@@ -195,8 +275,9 @@ def host_scalar(op: str, name: str, value: Any) -> Any:
     ndim = getattr(value, "ndim", None)
     if ndim is not None and not isinstance(value, np.generic):
         if ndim != 0:
+            hint = _ARRAY_HINTS.get((op, name), "") if ndim >= 2 else ""
             raise ValueError(f"{op}: {name} must be a scalar, got a {_type_name(value)} of "
-                             f"shape {tuple(value.shape)}")
+                             f"shape {tuple(value.shape)}{hint}")
         return value.item()
     return value
 

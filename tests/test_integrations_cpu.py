@@ -632,6 +632,27 @@ def test_lightly_negative_temperature_is_refused():
         c_lightly.NTXentLoss(temperature=-0.5)
 
 
+def test_constants_that_require_grad_are_refused():
+    """A fixed scale / temperature given as a tensor that requires grad would be read as a
+    number and its gradient lost (issue 52): refused, naming the class and the argument.
+    open_clip's logit_scale and logit_bias tensors stay differentiable."""
+    t = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(TypeError, match=r"^NTXentLoss: temperature is tensor\(0\.5, "
+                                        r"requires_grad=True\).*logit_scale"):
+        c_lightly.NTXentLoss(temperature=t)
+    for cls in (c_st.MultipleNegativesRankingLoss, c_st.MultipleNegativesSymmetricRankingLoss):
+        with pytest.raises(TypeError, match=rf"^{cls.__name__}: scale is tensor\(20, "
+                                            r"requires_grad=True\), but scale is a constant"):
+            cls(None, scale=torch.tensor(20.0, requires_grad=True))
+    a, b = (unit(torch.randn(6, 5, dtype=torch.float64)) for _ in range(2))
+    s = torch.tensor(10.0, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
+    ds, dbias = torch.autograd.grad(c_open_clip.SigLipLoss()(a, b, s, bias), (s, bias))
+    assert ds.item() != 0.0 and dbias.item() != 0.0
+    (ds,) = torch.autograd.grad(c_open_clip.ClipLoss()(a, b, s), (s,))
+    assert ds.item() != 0.0
+
+
 @need_st
 def test_st_arguments_as_the_library_takes_them():
     import numpy as np

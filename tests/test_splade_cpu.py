@@ -401,18 +401,29 @@ def test_argmax_dtype_boundary():
     assert int(ctx.stats[0][0, 0]) == 32768
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mask_nonzero_values_count(dtype):
-    """Any nonzero mask value counts (2, 0.5, -1), zero does not."""
-    inp = make_inputs((3, 5, 4, 11), dtype, None, True)
-    vals = np.array([[2.0, 0.0, 0.5, -1.0, 0.0], [0.0] * 5, [0.0, 0.0, 0.0, 0.0, 3.0]])
-    inp01 = dict(inp, mask=(vals != 0).astype(np.float32))
-    out0, am0, g0 = run_op(inp01, "log1p_relu")
-    out1, am1, g1 = run_op(dict(inp, mask=vals), "log1p_relu")
-    np.testing.assert_array_equal(host(am1), host(am0))
-    np.testing.assert_array_equal(f64(out1), f64(out0))
-    for a, c in zip(g1, g0):
+@pytest.mark.parametrize("mdtype", [np.float32, np.float64, np.float16, BF16, np.int64,
+                                    np.int8, np.uint8], ids=lambda d: np.dtype(d).name)
+def test_mask_values_other_than_0_1_are_refused(mdtype):
+    """A host mask holding anything but 0 and 1 (2, -1, 0.5, NaN) used to count as "keep"
+    where the docstring says 0/1 (issue 52): refused before any work, naming the argument,
+    the value and where it is.  0/1 of every real dtype and bool give the same result."""
+    inp = make_inputs((3, 5, 4, 11), F32, None, True)
+    keep = np.array([[1, 0, 1, 1, 0], [0] * 5, [0, 0, 0, 0, 1]])
+    want = run_op(dict(inp, mask=keep.astype(bool)), "log1p_relu")
+    got = run_op(dict(inp, mask=keep.astype(mdtype)), "log1p_relu")
+    for a, c in zip((want[0], want[1]) + tuple(want[2]), (got[0], got[1]) + tuple(got[2])):
         np.testing.assert_array_equal(f64(a), f64(c))
+    bad = [2, -1] + ([0.5, np.nan] if np.dtype(mdtype).kind in "fV" else [])
+    if np.dtype(mdtype).kind == "u":
+        bad = [2, 255]
+    for value in bad:
+        mask = keep.astype(mdtype)
+        mask[2, 3] = value
+        shown = re.escape(repr(mask[2, 3].item()))
+        for fn in (cupynce.splade_pool, cupynce.splade_pool_forward):
+            with pytest.raises(ValueError, match=rf"^splade_pool: mask must hold only 0 and 1 "
+                                                 rf"\(or be bool\), got {shown} at \(2, 3\)"):
+                fn(inp["x"], inp["weight"], inp["bias"], mask)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

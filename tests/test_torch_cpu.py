@@ -22,6 +22,7 @@ float64 1e-12; float32 1e-5 (the NumPy path measures ~5e-7, see test_numpy_path.
 from __future__ import annotations
 
 import math
+import types
 import zlib
 
 import ml_dtypes
@@ -706,7 +707,9 @@ def test_direct_path_only_in_plain_eager(monkeypatch):
 # ----------------------------------------------------------------------------------------
 def test_exports():
     assert ct.HAS_CUSTOM_OPS  # CI's torch is >= 2.4
-    assert ct.NTXentLoss is ct.InfoNCELoss and ct.SymmetricInfoNCE is ct.ClipLoss
+    # subclasses (not aliases), so that messages and repr name the class used
+    assert issubclass(ct.NTXentLoss, ct.InfoNCELoss) and issubclass(ct.SymmetricInfoNCE,
+                                                                     ct.ClipLoss)
     for name in ct.__all__:
         assert hasattr(ct, name), name
 
@@ -880,6 +883,129 @@ def test_temperature_as_a_0d_tensor():
         assert torch.equal(ct.NTXentLoss(t)(z), want)
     with pytest.raises(ValueError, match=r"temperature must be a scalar"):
         ct.nt_xent(z, torch.tensor([0.25, 0.5]))
+
+
+_GRAD_T = r"pass a float or a tensor without grad \(\.detach\(\)\); a learnable temperature"
+
+
+def test_temperature_that_requires_grad_is_refused():
+    """A tensor temperature that requires grad used to be read as a float: a loss with no
+    gradient to it (issue 52).  Refused everywhere a temperature is taken; the message names
+    the op, the argument, its value and what to do."""
+    z = torch.randn(6, 3, dtype=torch.float64)
+    t = torch.tensor(0.5, requires_grad=True)
+    msg = r"temperature is tensor\(0\.5, requires_grad=True\), but temperature is a constant"
+    for name, call in (("nt_xent", lambda: ct.nt_xent(z, t)),
+                       ("info_nce", lambda: ct.info_nce(z, z, t)),
+                       ("InfoNCEFunction", lambda: ct.InfoNCEFunction.apply(z, t)),
+                       ("InfoNCELoss", lambda: ct.InfoNCELoss(t)),
+                       ("NTXentLoss", lambda: ct.NTXentLoss(t)),
+                       ("InfoNCE", lambda: ct.InfoNCE(t)),
+                       ("nt_xent", lambda: cupynce.nt_xent(z.numpy(), t))):
+        with pytest.raises(TypeError, match=rf"^{name}: {msg}.*{_GRAD_T}.*logit_scale"):
+            call()
+    with pytest.raises(TypeError, match=r"ClipLoss: init_temperature is tensor\(0\.07"):
+        ct.ClipLoss(torch.tensor(0.07, requires_grad=True))
+    with pytest.raises(TypeError, match=r"SigLipLoss: init_logit_bias is tensor\(-10,"):
+        ct.SigLipLoss(init_logit_bias=torch.tensor(-10.0, requires_grad=True))
+    # without grad (or detached) it is a temperature like a float
+    want = ct.nt_xent(z, 0.5)
+    assert torch.equal(ct.nt_xent(z, t.detach()), want)
+    with torch.no_grad():  # (grad mode off: requires_grad is still set, still refused)
+        with pytest.raises(TypeError, match=r"nt_xent: temperature is tensor"):
+            ct.nt_xent(z, t)
+
+
+def test_learnable_scalars_keep_their_gradient():
+    """What *is* differentiable stays so: clip_loss's and siglip_loss's logit_scale /
+    logit_bias tensors, and the modules' parameters."""
+    g = _gen("learnable")
+    a, b = _randn(g, (5, 3)), _randn(g, (5, 3))
+    ls = torch.tensor(CLIP_LS, dtype=torch.float64, requires_grad=True)
+    lb = torch.tensor(-1.0, dtype=torch.float64, requires_grad=True)
+    (dls,) = torch.autograd.grad(ct.clip_loss(a, b, ls), (ls,))
+    want = oracle.clip_loss(a, b, ls)
+    (wls,) = torch.autograd.grad(want, (ls,))
+    torch.testing.assert_close(dls, wls, rtol=1e-12, atol=1e-14)
+    dls, dlb = torch.autograd.grad(ct.siglip_loss(a, b, ls, lb), (ls, lb))
+    assert dls.item() != 0.0 and dlb.item() != 0.0
+    for m in (ct.ClipLoss(), ct.SymmetricInfoNCE(), ct.SigLipLoss()):
+        m(a.float(), b.float()).backward()
+        assert all(p.grad is not None and p.grad.item() != 0.0 for p in m.parameters())
+
+
+def test_module_messages_name_the_class_used():
+    """NTXentLoss / SymmetricInfoNCE say their own name (they used to report InfoNCELoss /
+    ClipLoss); two tensors to the NT-Xent module, or one to InfoNCE, say where to go."""
+    z = torch.randn(6, 3)
+    with pytest.raises(ValueError, match=r"^NTXentLoss: temperature must be finite and > 0"):
+        ct.NTXentLoss(0.0)
+    with pytest.raises(ValueError, match=r"^SymmetricInfoNCE: max_logit_scale must be > 1"):
+        ct.SymmetricInfoNCE(max_logit_scale=1.0)
+    assert repr(ct.NTXentLoss()).startswith("NTXentLoss(")
+    for cls in (ct.InfoNCELoss, ct.NTXentLoss):
+        with pytest.raises(TypeError, match=rf"^{cls.__name__}\.forward takes one tensor, "
+                                            r"features \(2B, D\).*got 2 tensors\. For "
+                                            r"query/key pairs use cupynce\.torch\.InfoNCE"):
+            cls(temperature=0.5)(z, z)
+    with pytest.raises(TypeError, match=r"^InfoNCE\.forward takes query and key.*got query "
+                                        r"alone.*cupynce\.torch\.NTXentLoss"):
+        ct.InfoNCE()(z)
+    # the functional forms: a matrix where the temperature goes
+    with pytest.raises(ValueError, match=r"nt_xent: temperature must be a scalar, got a "
+                                         r"torch\.Tensor of shape \(6, 3\) \(nt_xent takes one "
+                                         r"z \(2B, D\).*use info_nce\(query, key\)"):
+        ct.nt_xent(z, z)
+    with pytest.raises(ValueError, match=r"info_nce: temperature must be a scalar.*negatives "
+                                         r"are keyword-only"):
+        ct.info_nce(z, z, z)
+    # still one module: same state and same loss
+    torch.testing.assert_close(ct.NTXentLoss(0.3)(z), ct.InfoNCELoss(0.3)(z), rtol=0, atol=0)
+
+
+_NO_DEPS = """
+import sys
+sys.modules["torch"] = None  # (import torch now raises ModuleNotFoundError, name "torch")
+sys.modules["cupy"] = None
+import cupynce, numpy as np
+assert float(cupynce.nt_xent(np.ones((4, 3)), 0.5)) > 0
+for mod in ("cupynce.torch", "cupynce.integrations"):
+    try:
+        __import__(mod)
+    except ModuleNotFoundError as exc:
+        assert exc.name == "torch", exc.name
+        print(exc)
+"""
+
+
+def test_missing_torch_or_cupy_names_the_extra(monkeypatch):
+    """Without torch, ``import cupynce.torch`` (and the adapters) say which extra installs it;
+    ``import cupynce`` works with neither; a CUDA tensor's call without CuPy names the CUDA
+    extras (issue 52)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _NO_DEPS], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ['cupynce.torch needs torch, which is not installed: pip install '
+                   '"cupynce[torch]"',
+                   'cupynce.integrations needs torch, which is not installed: pip install '
+                   '"cupynce[torch]"']
+    from cupynce import _checks
+    from cupynce.torch import _bridge
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(ModuleNotFoundError, match=r'^cupynce\.torch on cuda:0 tensors needs '
+                                                  r'cupy, which is not installed: pip install '
+                                                  r'"cupynce\[cuda12\]" \(CUDA 12\) or '
+                                                  r'"cupynce\[cuda13\]"'):
+        with _bridge.device_scope(torch.device("cuda", 0)):
+            pass
+    # an installed CuPy's own import error (a missing piece inside it) is raised as it is
+    def broken(name):
+        raise ModuleNotFoundError("No module named 'cupy_backends.cuda'", name="cupy_backends.cuda")
+
+    monkeypatch.setattr(_checks, "importlib", types.SimpleNamespace(import_module=broken))
+    with pytest.raises(ModuleNotFoundError, match=r"^No module named 'cupy_backends\.cuda'$"):
+        _checks.require_module("cupy", "x")
 
 
 def test_modules_take_a_last_batch_of_one_row():

@@ -205,7 +205,7 @@ def test_mask_dtypes_agree_and_mask_gets_no_gradient():
     x, w, b, keep = make_case((4, 9, 6, 17), mask="bool", key=("maskdt",))
     go = torch.randn(4, 17, generator=_gen("go-mask"), dtype=F64)
     want = None
-    for mk in (keep, keep.long(), keep.float(), keep.to(torch.uint8), keep.double() * 3.0):
+    for mk in (keep, keep.long(), keep.float(), keep.to(torch.uint8), keep.to(torch.int8)):
         got = _run(ct.splade_pool, _leaf(x), _leaf(w), _leaf(b), mk, go)
         if want is None:
             want = got
@@ -215,6 +215,22 @@ def test_mask_dtypes_agree_and_mask_gets_no_gradient():
     out = ct.splade_pool(_leaf(x), w, b, fmask)
     (dm,) = torch.autograd.grad(out, fmask, go, allow_unused=True)
     assert dm is None
+
+
+@pytest.mark.parametrize("value", [2.0, -1.0, 0.5, float("nan")])
+def test_cpu_mask_values_other_than_0_1_are_refused(value):
+    """A CPU mask is scanned on the host, as a NumPy one (issue 52): a value other than 0/1
+    raises ``ValueError`` naming the mask and the value, from the function and the module."""
+    x, w, b, keep = make_case((2, 4, 3, 5), mask="float", key=("mask01",))
+    mk = keep.clone()
+    mk[1, 2] = value
+    pattern = (rf"^splade_pool: mask must hold only 0 and 1 \(or be bool\), got {value!r} "
+               rf"at \(1, 2\)")
+    with pytest.raises(ValueError, match=pattern):
+        ct.splade_pool(_leaf(x), w, b, mk)
+    head = ct.SpladePooling(3, 5, dtype=F64)
+    with pytest.raises(ValueError, match=pattern):
+        head(x, mk)
 
 
 def test_expanded_grad_output():

@@ -26,6 +26,11 @@ over the ranks, not rank by rank (each adapter's docstring says where this appli
 import importlib
 from typing import Any
 
+from .. import _checks
+
+# (every adapter needs torch: without it, say which extra installs it)
+_checks.require_module("torch", "cupynce.integrations")
+
 __all__ = ["open_clip", "sentence_transformers", "lightly"]
 
 

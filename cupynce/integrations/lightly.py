@@ -4,6 +4,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from .. import _checks
 from .. import torch as C
 from ..torch import _registry
 from ._common import dist_group, rank_share
@@ -48,6 +49,7 @@ class NTXentLoss(nn.Module):
             raise NotImplementedError(
                 f"NTXentLoss: memory_bank_size={memory_bank_size!r}: a memory bank (MoCo) has "
                 "no cupynce equivalent yet; use memory_bank_size=0 (SimCLR), or lightly's class")
+        _checks.check_no_grad("NTXentLoss", "temperature", temperature)
         if abs(temperature) < 1e-8:
             raise ValueError(f"Illegal temperature: abs({temperature}) < 1e-8")
         if temperature < 0:

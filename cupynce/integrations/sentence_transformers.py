@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from .. import _checks
 from .. import torch as C
 from ..torch import _registry
 from ._common import dist_group, rank_share
@@ -81,6 +82,7 @@ class MultipleNegativesRankingLoss(nn.Module):
                  precision: Optional[str] = None):
         super().__init__()
         op = type(self).__name__
+        _checks.check_no_grad(op, "scale", scale)  # (kept as a float: a gradient would be lost)
         try:  # (a real, a NumPy scalar or a one-element tensor, as the library takes)
             value = float(scale)
         except (TypeError, ValueError):

@@ -81,6 +81,7 @@ def _check(x, weight, bias, mask, activation, workspace_bytes, op="splade_pool")
                              f"got {tuple(mask.shape)}")
         if mask.dtype.kind not in "biuf" and mask.dtype not in SUPPORTED_DTYPES:  # + bfloat16
             raise TypeError(f"{op}: mask must be bool or a real 0/1 array, got dtype {mask.dtype}")
+        _checks.check_mask(op, "mask", mask, xp)  # (values on the host only: no GPU sync)
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     workspace_bytes = _checks.check_workspace(op, workspace_bytes)
@@ -230,6 +231,9 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
         matrix ``w`` is passed as ``w.T`` (a view; it is read in place, never copied).
     bias : (V,) array or None
     mask : (B, L) bool or 0/1 array, or None (every position counts)
+        A NumPy mask holding another value (2, -1, 0.5, NaN) raises ``ValueError``.  A CuPy
+        mask is not scanned (that would synchronise with the GPU): there any nonzero value
+        counts as 1.
     activation : "relu" | "log1p_relu"
     workspace_bytes : int, optional
         Cap on the logit workspace of the cuBLAS-tile forward, default 64 MiB: the logits of

@@ -94,14 +94,18 @@ None in forward or backward: only shapes, dtypes and devices are read on the hos
 scalars (``logit_scale``, ``grad_output``) stay on the device.
 """
 
-from ._registry import HAS_CUSTOM_OPS, MIN_TORCH_CUSTOM_OPS
-from .modules import (ClipLoss, InfoNCE, InfoNCEFunction, InfoNCELoss, NTXentLoss,
-                      SigLipLoss, SpladePooling, SymmetricInfoNCE)
-from .ops.clip import clip_loss
-from .ops.info_nce import info_nce
-from .ops.nt_xent import nt_xent
-from .ops.siglip import siglip_loss
-from .ops.splade import flops_regularizer, splade_pool
+from .. import _checks
+
+_checks.require_module("torch", "cupynce.torch")  # (without torch: say which extra installs it)
+
+from ._registry import HAS_CUSTOM_OPS, MIN_TORCH_CUSTOM_OPS  # noqa: E402
+from .modules import (ClipLoss, InfoNCE, InfoNCEFunction, InfoNCELoss,  # noqa: E402
+                      NTXentLoss, SigLipLoss, SpladePooling, SymmetricInfoNCE)
+from .ops.clip import clip_loss  # noqa: E402
+from .ops.info_nce import info_nce  # noqa: E402
+from .ops.nt_xent import nt_xent  # noqa: E402
+from .ops.siglip import siglip_loss  # noqa: E402
+from .ops.splade import flops_regularizer, splade_pool  # noqa: E402
 
 __all__ = [
     "nt_xent", "info_nce", "clip_loss", "siglip_loss", "splade_pool", "flops_regularizer",

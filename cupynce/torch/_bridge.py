@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from .. import _checks
 from .._engine.kernels import BFLOAT16
 
 
@@ -171,7 +172,8 @@ def device_scope(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    import cupy
+    # (the first CuPy import of a CUDA call: without CuPy, say which extra installs it)
+    cupy = _checks.require_module("cupy", f"cupynce.torch on {device} tensors")
 
     index = device.index
     if index is None:  # "cuda" without an index: torch's current device

@@ -1,10 +1,10 @@
 """The ``nn.Module`` s (and CuBlaze's autograd Function) over the ops of ``cupynce.torch``.
 
-* :class:`InfoNCELoss` (= :class:`NTXentLoss`) and :class:`InfoNCEFunction`: CuBlaze's
-  NT-Xent interface;
+* :class:`InfoNCELoss` (and :class:`NTXentLoss`, the same) and :class:`InfoNCEFunction`:
+  CuBlaze's NT-Xent interface;
 * :class:`InfoNCE`: info-nce-pytorch's query/key interface;
-* :class:`ClipLoss` (= :class:`SymmetricInfoNCE`): CLIP's loss owning its learnable
-  temperature;
+* :class:`ClipLoss` (and :class:`SymmetricInfoNCE`, the same): CLIP's loss owning its
+  learnable temperature;
 * :class:`SpladePooling`: SPLADE's head, owning its weight or tied to an MLM decoder.
 """
 import math
@@ -109,7 +109,16 @@ class InfoNCELoss(nn.Module):
         self.group = group  # a torch.distributed group: the global batch's loss (nt_xent)
         self.precision = R.module_precision(name, precision)
 
-    def forward(self, features: Tensor) -> Tensor:
+    def forward(self, features: Tensor, *others: Tensor) -> Tensor:
+        """features (2B, D) → the loss (0-d, or (2B,) for "none").  One tensor only: a second
+        one (query/key pairs) raises ``TypeError`` pointing at :class:`InfoNCE`."""
+        if others:  # (the seeds' InfoNCELoss()(q, k): say what this class takes, and where to go)
+            name = type(self).__name__
+            raise TypeError(
+                f"{name}.forward takes one tensor, features (2B, D): the two views stacked "
+                f"(torch.cat([view1, view2])), rows i and (i + B) mod 2B a positive pair; got "
+                f"{1 + len(others)} tensors. For query/key pairs use cupynce.torch.InfoNCE "
+                f"(or cupynce.torch.info_nce(query, key)), or stack the two views")
         return nt_xent(features, self.temperature, reduction=self.reduction,
                        normalize=self.normalize, group=self.group, precision=self.precision)
 
@@ -119,8 +128,9 @@ class InfoNCELoss(nn.Module):
                 + _precision_repr(self.precision))
 
 
-#: SimCLR's name for :class:`InfoNCELoss`.
-NTXentLoss = InfoNCELoss
+class NTXentLoss(InfoNCELoss):
+    """SimCLR's name for :class:`InfoNCELoss` (the same module: arguments, state, results).
+    A subclass rather than an alias, so that its messages and ``repr`` name the class used."""
 
 
 class InfoNCE(nn.Module):
@@ -141,21 +151,31 @@ class InfoNCE(nn.Module):
                  negative_mode: str = "unpaired", *, normalize: bool = True,
                  group: Any = None, precision: Optional[str] = None) -> None:
         super().__init__()
-        self.temperature = _checks.check_temperature("InfoNCE", temperature)
-        self.reduction = _checks.check_reduction("InfoNCE", reduction)
+        name = type(self).__name__
+        self.temperature = _checks.check_temperature(name, temperature)
+        self.reduction = _checks.check_reduction(name, reduction)
         if negative_mode not in self._MODES:
-            raise ValueError(f"InfoNCE: negative_mode must be one of {tuple(self._MODES)}, "
+            raise ValueError(f"{name}: negative_mode must be one of {tuple(self._MODES)}, "
                              f"got {negative_mode!r}")
         self.negative_mode = negative_mode
-        self.normalize = R.check_bool("InfoNCE", "normalize", normalize)
+        self.normalize = R.check_bool(name, "normalize", normalize)
         self.group = group  # a torch.distributed group: the global batch's loss (info_nce)
-        self.precision = R.module_precision("InfoNCE", precision)
+        self.precision = R.module_precision(name, precision)
 
-    def forward(self, query: Tensor, key: Tensor, negatives: Optional[Tensor] = None) -> Tensor:
+    def forward(self, query: Tensor, key: Optional[Tensor] = None,
+                negatives: Optional[Tensor] = None) -> Tensor:
+        """query, key (N, D), negatives (M, D) / (N, M, D) or None → the loss.  ``key`` is
+        required: without it (one stacked (2B, D) tensor of two views) ``TypeError`` points
+        at :class:`NTXentLoss`."""
+        name = type(self).__name__
+        if key is None:
+            raise TypeError(f"{name}.forward takes query and key (N, D), paired by row; got "
+                            f"query alone. For one tensor of two stacked views (2B, D) use "
+                            f"cupynce.torch.NTXentLoss (or cupynce.torch.nt_xent(z))")
         if isinstance(negatives, Tensor):
             ndim, shape = self._MODES[self.negative_mode]
             if negatives.dim() != ndim:
-                raise ValueError(f"InfoNCE: negative_mode={self.negative_mode!r} expects "
+                raise ValueError(f"{name}: negative_mode={self.negative_mode!r} expects "
                                  f"negatives of shape {shape}, got {tuple(negatives.shape)}")
         return info_nce(query, key, self.temperature, negatives=negatives,
                         reduction=self.reduction, normalize=self.normalize, group=self.group,
@@ -247,8 +267,10 @@ class ClipLoss(nn.Module):
                 + _precision_repr(self.precision))
 
 
-#: The tutorial's name for :class:`ClipLoss`.
-SymmetricInfoNCE = ClipLoss
+class SymmetricInfoNCE(ClipLoss):
+    """The tutorial's name for :class:`ClipLoss` (the same module: arguments, state,
+    results).  A subclass rather than an alias, so that its messages and ``repr`` name the
+    class used."""
 
 
 class SigLipLoss(nn.Module):
@@ -335,7 +357,7 @@ class SpladePooling(nn.Module):
 
     ``forward(hidden_states, attention_mask=None)``: hidden_states (B, L, D) — for a BERT MLM
     head, after the head's transform (dense, activation, LayerNorm), i.e. the decoder's input
-    — and attention_mask (B, L) (bool or 0/1; nonzero counts), giving (B, V) in
+    — and attention_mask (B, L) (bool or 0/1: see :func:`splade_pool`), giving (B, V) in
     hidden_states' dtype (the autocast dtype under ``torch.autocast``)::
 
         out[b, v] = act(max_{l : mask[b, l] ≠ 0} hidden_states[b, l] · weight[v] + bias[v])

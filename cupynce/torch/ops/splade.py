@@ -127,8 +127,11 @@ def splade_pool(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         copied; the gradient reaches ``w`` through the view).
     bias : Tensor (V,), x's dtype, optional
     mask : Tensor (B, L), optional
-        Attention mask, bool or 0/1 of any real dtype (nonzero = the position counts); None:
-        every position counts.  Not differentiable.
+        Attention mask, bool or 0/1 of any real dtype; None: every position counts.  Not
+        differentiable (as ``masked_fill(mask == 0, -inf)``: a mask that requires grad gets
+        no gradient).  A CPU mask holding another value (2, -1, 0.5, NaN) raises
+        ``ValueError``; a CUDA mask is not scanned (that would synchronise with the GPU):
+        there any nonzero value counts as 1.
     activation : "log1p_relu" (default, SPLADE's log(1 + ReLU)) | "relu"
     workspace_bytes : int, optional
         Cap on the logit-tile workspace (CUDA); the core's default when None.
