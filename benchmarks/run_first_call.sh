@@ -22,7 +22,7 @@ if [ -z "${WHEEL:-}" ]; then
   python -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$work/tree"
   WHEEL=$(ls "$work"/dist/cupynce-*.whl)
 fi
-ls -l "$WHEEL"
+ls -l "$WHEEL"; cp "$WHEEL" "$out/"
 python -m pip install -q --no-deps --no-compile --target "$work/site" "$WHEEL"
 cd "$work"
 PYTHONPATH="$work/site" python "$root/benchmarks/first_call.py" --json "$out/first_call.json" "$@"
