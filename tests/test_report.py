@@ -258,7 +258,11 @@ def test_console_script_entry_point():
     scripts = cfg["options.entry_points"]["console_scripts"]
     assert "cupynce = cupynce.__main__:main" in scripts
     extras = cfg["options.extras_require"]
-    assert "matplotlib" in extras["report"] and "matplotlib" in extras["test"]
+    assert "matplotlib" in extras["report"] and "tqdm" in extras["report"]
+    # the run-time compiler's NVRTC is the GPU extras' (the main job installs no test extra)
+    assert "nvidia-cuda-nvrtc-cu12" in extras["cuda12"]
+    assert "nvidia-cuda-nvrtc" in extras["cuda13"]
+    assert "nvidia-cuda-nvrtc" not in extras["test"]
 
 
 # ---- the harness pieces the report added ------------------------------------------------

@@ -26,16 +26,17 @@ from typing import List, Optional, Sequence, Tuple
 from . import kernels
 
 
-def _compile_one(task: Tuple[str, str, str]) -> Tuple[str, float]:
-    """Compile one (file, arch) into ``out``; returns the cubin's name and the seconds taken."""
-    filename, arch, out = task
+def _compile_one(task: Tuple[str, str, str, str]) -> Tuple[str, float]:
+    """Compile one (file, arch) from its pasted source into the cubin at ``path``; returns
+    the cubin's name and the seconds taken."""
+    filename, arch, source, path = task
     start = time.perf_counter()
-    cubin = kernels.compile_source(filename, arch, kernels.BUILD_OPTIONS)
-    path = Path(out) / kernels.prebuilt_name(filename, arch)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    cubin = kernels.compile_source(filename, arch, kernels.BUILD_OPTIONS, source)
+    out = Path(path)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(cubin)
-    os.replace(tmp, path)
-    return path.name, time.perf_counter() - start
+    os.replace(tmp, out)  # atomic: never half a cubin under a valid name
+    return out.name, time.perf_counter() - start
 
 
 def build(out: Path = kernels.PREBUILT_DIR,
@@ -43,23 +44,27 @@ def build(out: Path = kernels.PREBUILT_DIR,
           jobs: Optional[int] = None, verbose: bool = False) -> List[Path]:
     """Compile every module for every capability into ``out``; returns the cubins' paths.
 
-    Cubins already in ``out`` under the same name (same source, options and arch) are kept,
-    and any other ``*.cubin`` there (an older source's) is removed, so that ``out`` holds
-    exactly one cubin per (module, arch).
+    Each source is read once, and its cubin is named by the hash of that text (a file edited
+    during the build can never leave a cubin under the wrong name).  Cubins already in
+    ``out`` under the same name (same source, options and arch) are kept, and any other
+    ``*.cubin`` there (an older source's) is removed, so that ``out`` holds exactly one cubin
+    per (module, arch).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     wanted = {}
     for filename in kernels.module_files():
+        source = kernels.read_source(filename)
         for cc in capabilities:
             arch = kernels.build_arch(filename, cc)
-            wanted[kernels.prebuilt_name(filename, arch)] = (filename, arch, str(out))
+            name = kernels.prebuilt_name(filename, arch, source)
+            wanted[name] = (filename, arch, source, str(out / name))
     for stale in out.glob("*.cubin"):
         if stale.name not in wanted:
             stale.unlink()
     todo = [task for name, task in wanted.items() if not (out / name).is_file()]
     # the largest modules first, so the pool's last minutes are not one long compile alone
-    todo.sort(key=lambda t: -len(kernels.read_source(t[0])))
+    todo.sort(key=lambda t: -len(t[2]))
     with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         for name, seconds in pool.map(_compile_one, todo):
             if verbose:

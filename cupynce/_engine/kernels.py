@@ -101,15 +101,18 @@ def read_source(filename: str) -> str:
     return preamble + expand(filename)
 
 
-def compile_source(filename: str, arch: str, options: Sequence[str] = NVRTC_OPTIONS) -> bytes:
+def compile_source(filename: str, arch: str, options: Sequence[str] = NVRTC_OPTIONS,
+                   source: Optional[str] = None) -> bytes:
     """Compile ``kernels_src/filename`` with NVRTC for ``arch`` (e.g. ``"sm_90"``), no GPU needed.
 
     Returns the cubin.  Used by the CPU tests so that a kernel that does not compile can never
-    land; raises :class:`KernelCompileError` with the compiler log.
+    land; raises :class:`KernelCompileError` with the compiler log.  ``source``: the pasted
+    source already read (so that a cubin and the name hashed from its source agree even if
+    the file changes meanwhile); else read now.
     """
     from cupy.cuda import nvrtc  # NVRTC needs no GPU, only libnvrtc
 
-    src = read_source(filename)
+    src = read_source(filename) if source is None else source
     prog = nvrtc.createProgram(src, filename, [], [])
     try:
         try:
@@ -248,7 +251,7 @@ def _load_arch_specific(filename: str, arch: str, source: str):
     version = ".".join(map(str, nvrtc.getVersion()))
     path = _cache_dir() / f"cupynce_{prebuilt_name(filename, arch, source)[:-6]}_nvrtc{version}.cubin"
     if not path.is_file():
-        cubin = compile_source(filename, arch, BUILD_OPTIONS)
+        cubin = compile_source(filename, arch, BUILD_OPTIONS, source)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(cubin)
