@@ -158,8 +158,8 @@ def _once(fn: Callable[[], Any], device: str) -> Dict[str, Any]:
 
     from cupynce.report.harness import is_oom, measure_peak
 
-    if device != "cuda":
-        return run_case(fn, warmup=0, repeat=1, catch_errors=True, device=device)
+    if device != "cuda":  # (no memory on the host: see run_rank)
+        return run_case(fn, warmup=0, repeat=1, memory=False, catch_errors=True, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     try:
         def timed():
@@ -210,8 +210,12 @@ def run_rank(ops: List[str], sizes: List[int], d: int = 512, repeat: int = 5,
                 else:
                     free_memory(full_gc=True)
                     fn = build()
+                    # on the CPU (the gloo test) no memory: tracemalloc sees none of torch's
+                    # tensors, and starting / stopping it beside gloo's threads can crash the
+                    # rank (harness._tracemalloc_toggle_unsafe)
                     res = _once(fn, device) if once else \
-                        run_case(fn, warmup=1, repeat=repeat, catch_errors=True, device=device)
+                        run_case(fn, warmup=1, repeat=repeat, memory=device == "cuda",
+                                 catch_errors=True, device=device)
                     del fn
                 res.pop("result", None)
                 every = [None] * P
@@ -228,7 +232,8 @@ def _merge(op: str, N: int, P: int, impl: str, every: List[Dict[str, Any]]) -> D
     if len(ok) == len(every):
         row["ms"] = max(r["median_ms"] for r in ok)  # the slowest rank sets the step
         row["ms_ranks"] = [r["median_ms"] for r in ok]
-        row["peak_bytes"] = max(r.get("peak_extra_bytes") or 0 for r in ok)
+        peaks = [r["peak_extra_bytes"] for r in ok if r.get("peak_extra_bytes") is not None]
+        row["peak_bytes"] = max(peaks) if peaks else None  # None: not measured (the CPU)
     else:
         bad = next(r for r in every if r.get("median_ms") is None)
         row["failed"] = bad.get("skipped") or ("OOM" if bad.get("oom") else

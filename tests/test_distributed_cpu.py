@@ -350,6 +350,9 @@ def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu", 
     """Rank ``rank``'s process: the check functions ``names`` of this module (or of the test
     module ``module``), each called as ``f(rank, world)``."""
     global DEVICE, DTYPES, BACKEND
+    import faulthandler
+
+    faulthandler.enable()  # a crash (SIGSEGV in a gloo thread) prints every thread's stack
     BACKEND = backend
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -396,7 +399,9 @@ def run_ranks(world, names, timeout=240, backend="gloo", device="cpu", module=""
             results[r] = tb
         missing = sorted(set(range(world)) - set(results))
         assert not missing, (f"rank(s) {missing} exited without reporting (exit codes "
-                             f"{[procs[r].exitcode for r in missing]})")
+                             f"{[procs[r].exitcode for r in missing]}; a negative code is the "
+                             f"signal, -11 a segfault: faulthandler's stacks are in the "
+                             f"captured stderr)")
     failures = {r: tb for r, tb in results.items() if tb}
     assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
 

@@ -350,17 +350,48 @@ def peak_extra_bytes(fn: Callable[[], Any]) -> int:
     return peaks["total"]
 
 
+def _tracemalloc_toggle_unsafe() -> Optional[str]:
+    """Why ``tracemalloc.start()`` / ``stop()`` must not run in this process, or None.
+
+    ``torch.distributed``'s worker threads (gloo's, NCCL's watchdog) take the GIL from C++
+    whenever they drop the last reference to a tensor (a ``from_numpy`` / DLPack tensor's
+    deleter, or a tensor's preserved Python object): a thread state is allocated through
+    ``PyMem_RawMalloc``, and with tracing on that goes through tracemalloc's raw-memory hook,
+    which waits for the GIL.  If ``tracemalloc.stop()`` runs meanwhile, the hook carries on
+    after it with the freed traceback buffer and the process dies with SIGSEGV (CPython
+    gh-128679: fixed in 3.13.2, present in 3.11; gh-143143 reports a segfault in the same
+    race test on a later version).  ``test_bench_multigpu`` lost a gloo rank (exit code -11)
+    to this under load.
+    """
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return ("torch.distributed is initialised: its threads may be entering the "
+                    "allocator, and stopping tracemalloc then can crash the interpreter")
+    except Exception:  # pragma: no cover - a broken torch install must not break timing
+        return None
+    return None
+
+
 def measure_peak_host(fn: Callable[[], Any]) -> Tuple[Dict[str, int], Any]:
     """Run ``fn()`` once; return ``({"host": b, "total": b}, fn's result)`` (``tracemalloc``).
 
     Bytes are the peak of host memory traced by ``tracemalloc`` (NumPy's array data and Python
     objects) above the amount traced when ``fn`` starts.
+
+    Refused (``RuntimeError``) in a process with an initialised ``torch.distributed`` process
+    group, unless tracing is already on: turning tracing on and off there can kill the process
+    (see :func:`_tracemalloc_toggle_unsafe`).
     """
     import tracemalloc
 
     gc.collect(1)
     started = not tracemalloc.is_tracing()
     if started:
+        why = _tracemalloc_toggle_unsafe()
+        if why:
+            raise RuntimeError(f"measure_peak_host: not in this process ({why}); pass "
+                               f"memory=False to run_case, or start tracemalloc first")
         tracemalloc.start()
     try:
         tracemalloc.reset_peak()
