@@ -186,7 +186,8 @@ def main() -> int:
                 rows.append(r)
                 cb = r["cupynce_builds"]
                 cp_ = r["cupy_builds"]
-                print(f"| {api} | {op} | {dtype} | {r['first_s']:.2f} | {r['second_s'] * 1e3:.1f} | "
+                print(f"| {api} | {op} | {dtype} | {r['first_s']:.2f} | "
+                      f"{r['second_s'] * 1e3:.1f} | "
                       f"{len(r['cubins_loaded'])} | {len(cb)} ({sum(e['s'] for e in cb):.1f}) | "
                       f"{len(cp_)} ({sum(e['s'] for e in cp_):.2f}): "
                       f"{', '.join(sorted(set(e['name'] for e in cp_)))[:120]} | "

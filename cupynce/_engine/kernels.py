@@ -136,7 +136,8 @@ ARCH_SPECIFIC = frozenset({"tiles.cu", "tiles_ws.cu", "tiles_ws_tf32.cu", "tiles
 #: sm_90a builds at run time): those CuPy's ``RawModule`` passes NVRTC for a cubin
 #: (``-ftz=true``, ``--device-as-default-execution-space``) on top of ``NVRTC_OPTIONS``, so a
 #: prebuilt cubin holds the code CuPy's run-time build would (same bits).
-BUILD_OPTIONS: Tuple[str, ...] = NVRTC_OPTIONS + ("-ftz=true", "--device-as-default-execution-space")
+BUILD_OPTIONS: Tuple[str, ...] = NVRTC_OPTIONS + ("-ftz=true",
+                                                  "--device-as-default-execution-space")
 
 #: The compute capabilities a release wheel ships cubins for (``python -m cupynce._engine.build``);
 #: the arch-specific sources are built for ``sm_90a`` on 9.0 (see :func:`build_arch`).  Other
@@ -169,7 +170,8 @@ def module_key(filename: str, arch: str, source: Optional[str] = None) -> str:
 
 
 def prebuilt_name(filename: str, arch: str, source: Optional[str] = None) -> str:
-    """The file name of ``filename``'s prebuilt cubin for ``arch``: ``<stem>_<arch>_<key>.cubin``."""
+    """The file name of ``filename``'s prebuilt cubin for ``arch``:
+    ``<stem>_<arch>_<key>.cubin``."""
     return f"{Path(filename).stem}_{arch}_{module_key(filename, arch, source)}.cubin"
 
 
@@ -249,7 +251,8 @@ def _load_arch_specific(filename: str, arch: str, source: str):
     from cupy.cuda import nvrtc
 
     version = ".".join(map(str, nvrtc.getVersion()))
-    path = _cache_dir() / f"cupynce_{prebuilt_name(filename, arch, source)[:-6]}_nvrtc{version}.cubin"
+    stem = prebuilt_name(filename, arch, source)[:-len(".cubin")]
+    path = _cache_dir() / f"cupynce_{stem}_nvrtc{version}.cubin"
     if not path.is_file():
         cubin = compile_source(filename, arch, BUILD_OPTIONS, source)
         path.parent.mkdir(parents=True, exist_ok=True)
