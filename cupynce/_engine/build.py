@@ -31,11 +31,8 @@ def _compile_one(task: Tuple[str, str, str, str]) -> Tuple[str, float]:
     the cubin's name and the seconds taken."""
     filename, arch, source, path = task
     start = time.perf_counter()
-    cubin = kernels.compile_source(filename, arch, kernels.BUILD_OPTIONS, source)
     out = Path(path)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(cubin)
-    os.replace(tmp, out)  # atomic: never half a cubin under a valid name
+    kernels.write_atomic(out, kernels.compile_source(filename, arch, kernels.BUILD_OPTIONS, source))
     return out.name, time.perf_counter() - start
 
 

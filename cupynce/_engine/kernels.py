@@ -223,6 +223,14 @@ def _build_lock(name: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: a reader (another
+    process loading the cache, the wheel build) never sees half a cubin under a valid name."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def _load_cubin(path: Path):
     """``cupy.RawModule`` over the cubin at ``path``, loaded now; None if the driver refuses
     it (a cubin from a newer NVRTC than the driver knows), so that the caller compiles."""
@@ -254,11 +262,8 @@ def _load_arch_specific(filename: str, arch: str, source: str):
     stem = prebuilt_name(filename, arch, source)[:-len(".cubin")]
     path = _cache_dir() / f"cupynce_{stem}_nvrtc{version}.cubin"
     if not path.is_file():
-        cubin = compile_source(filename, arch, BUILD_OPTIONS, source)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(cubin)
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
+        write_atomic(path, compile_source(filename, arch, BUILD_OPTIONS, source))
     mod = _load_cubin(path)
     if mod is None:  # pragma: no cover - a cubin from this NVRTC the driver refuses
         raise KernelCompileError(f"kernels_src/{filename}: the driver cannot load the {arch} "
