@@ -31,10 +31,18 @@ SWITCH_HOMES = {
     "USE_WGMMA": ("cupynce._engine.tiles", "cupynce.contrastive"),
     "SYMMETRIC_LSE_MIN_ND": ("cupynce._engine.tiles", "cupynce.contrastive"),
     "USE_WS": ("cupynce._engine.splade", "cupynce.splade"),
+    "USE_F16X3": ("cupynce._engine.products_tf32",),
 }
 
 
 def set_switch(name: str, value: Any) -> None:
+    try:  # the engine's one configuration (issue 53), where the tree has it
+        config = importlib.import_module("cupynce.config")
+    except ImportError:
+        config = None
+    if config is not None and hasattr(config, "set_switch"):
+        config.set_switch(name, value)
+        return
     for mod in SWITCH_HOMES[name]:
         try:
             m = importlib.import_module(mod)
@@ -90,36 +98,98 @@ def contrastive_cases(dtypes) -> List[Dict[str, Any]]:
                             cases.append(dict(base, op="info_nce", neg=neg))
                         for ls in ("float", "array"):
                             cases.append(dict(base, op="clip_loss", ls=ls))
+                            cases.append(dict(base, op="siglip_loss", ls=ls))
     return cases
 
 
-def run_case(c) -> List[str]:
+def float32_cases() -> List[Dict[str, Any]]:
+    """float32 at the sizes where the precision modes pick different products (the TF32x3 and
+    F16x3 tiles from 4096 rows; CLIP / SigLIP from D = 512)."""
+    cases = []
+    for prec, f16 in (("auto", True), ("auto", False), ("3xtf32", True), ("tf32", True),
+                      ("fp32", True)):
+        for op, n, d in (("nt_xent", 4104, 64), ("nt_xent", 4096, 136), ("info_nce", 4096, 128),
+                         ("clip_loss", 4100, 512), ("siglip_loss", 4096, 512),
+                         ("clip_loss", 600, 96)):
+            for ws in (None, 16 << 20):
+                cases.append(dict(op=op, dtype=np.dtype(np.float32), n=n, d=d, red="mean",
+                                  norm=False, ws=ws, neg=None, ls="array", prec=prec, f16=f16))
+    return cases
+
+
+def global_cases(dtypes) -> List[Dict[str, Any]]:
+    """The global losses on emulated ranks (one GPU, threads; tests/emulated_ranks.py)."""
+    cases = []
+    for dtype in dtypes:
+        for ranks in (2, 3):
+            for op in ("nt_xent", "info_nce", "clip_loss", "siglip_loss"):
+                for n, d in ((40, 32), (300, 64)):
+                    cases.append(dict(op=op, dtype=dtype, ranks=ranks, n=n, d=d, red="mean",
+                                      norm=True, ws=None, neg=None, ls="array"))
+    return cases
+
+
+def run_global(c) -> List[str]:
+    import cupy as cp
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
+    import emulated_ranks
+
+    def body(comm):
+        return run_case(c, group=comm, seed_shift=comm.rank)
+
+    outs = emulated_ranks.run(c["ranks"], body, device=cp.cuda.Device().id)
+    return [h for rank_out in outs for h in rank_out]
+
+
+def run_case(c, group=None, seed_shift: int = 0) -> List[str]:
     import cupy as cp
 
     import cupynce
 
     n, d, dt = c["n"], c["d"], c["dtype"]
     kw = dict(reduction=c["red"], normalize=c["norm"], workspace_bytes=c["ws"])
+    if group is not None:
+        kw["group"] = group
+    if "prec" in c:
+        set_switch("USE_F16X3", c["f16"])
+        kw["precision"] = c["prec"]
     g = 0.75 if c["red"] != "none" else cp.asarray(
         np.random.default_rng(1).standard_normal(n).astype(np.float32))
     if c["op"] == "nt_xent":
-        (z,) = _arrays(dt, [(n, d)], 11)
+        (z,) = _arrays(dt, [(n, d)], 11 + 100 * seed_shift)
         loss, ctx = cupynce.nt_xent_forward(z, 0.2, **kw)
         outs = [loss, *ctx.stats, cupynce.nt_xent_backward(ctx, g)]
-        outs.append(cupynce.nt_xent_backward_from_stats(z, ctx.stats[0], g, temperature=0.2, **kw))
+        if group is None:
+            outs.append(cupynce.nt_xent_backward_from_stats(z, ctx.stats[0], g, temperature=0.2,
+                                                            **kw))
     elif c["op"] == "info_nce":
         neg = {None: None, "shared": (37, d), "paired": (n, 5, d)}[c["neg"]]
-        q, k, ng = _arrays(dt, [(n, d), (n, d), neg], 12)
+        q, k, ng = _arrays(dt, [(n, d), (n, d), neg], 12 + 100 * seed_shift)
         loss, ctx = cupynce.info_nce_forward(q, k, 0.1, negatives=ng, **kw)
         outs = [loss, *ctx.stats, *cupynce.info_nce_backward(ctx, g)]
-        outs += list(cupynce.info_nce_backward_from_stats(q, k, ng, ctx.stats[0], g,
-                                                          temperature=0.1, **kw))
-    else:
-        a, b = _arrays(dt, [(n, d), (n, d)], 13)
+        if group is None:
+            outs += list(cupynce.info_nce_backward_from_stats(q, k, ng, ctx.stats[0], g,
+                                                              temperature=0.1, **kw))
+    elif c["op"] == "clip_loss":
+        a, b = _arrays(dt, [(n, d), (n, d)], 13 + 100 * seed_shift)
         ls = 2.3 if c["ls"] == "float" else cp.asarray(2.3, cp.float32)
         loss, ctx = cupynce.clip_loss_forward(a, b, ls, **kw)
         outs = [loss, *ctx.stats, *cupynce.clip_loss_backward(ctx, g)]
-        outs += list(cupynce.clip_loss_backward_from_stats(a, b, ls, *ctx.stats, g, **kw))
+        if group is None:
+            outs += list(cupynce.clip_loss_backward_from_stats(a, b, ls, *ctx.stats, g, **kw))
+    else:
+        a, b = _arrays(dt, [(n, d), (n, d)], 15 + 100 * seed_shift)
+        if c["ls"] == "float":
+            ls, lb = 2.3, -10.0
+        else:
+            ls, lb = cp.asarray(2.3, cp.float32), cp.asarray(-10.0, cp.float32)
+        loss, ctx = cupynce.siglip_loss_forward(a, b, ls, lb, **kw)
+        outs = [loss, *ctx.stats, *cupynce.siglip_loss_backward(ctx, g)]
+        if group is None:
+            outs += list(cupynce.siglip_loss_backward_from_inputs(a, b, ls, lb, g, **kw))
+    if "prec" in c:
+        set_switch("USE_F16X3", True)
     return [digest(o) for o in outs]
 
 
@@ -234,6 +304,10 @@ def fingerprint() -> Dict[str, Any]:
         set_switch("USE_WS", True)
     for k, v in defaults.items():
         set_switch(k, v)
+    for c in float32_cases():
+        out["cases"][f"float32 {key(c)}"] = run_case(c)
+    for c in global_cases([np.dtype(np.float32)] + half):
+        out["cases"][f"global {key(c)}"] = run_global(c)
     try:
         import torch
 
