@@ -11,8 +11,9 @@ and through ``cupynce.torch``, and writes the SHA-256 of each output's bytes to 
     python benchmarks/fingerprint.py --compare before.json after.json
 
 Only the public API and the path switches are used, so the same script runs on both trees; a
-switch is looked up wherever the tree keeps it (``cupynce._engine.tiles`` now,
-``cupynce.contrastive`` before the layout split).  Needs a GPU (CuPy); torch is optional.
+switch is set in ``cupynce.config`` where the tree has it (issue 53), else looked up wherever
+the tree keeps it (``cupynce._engine.tiles`` before, ``cupynce.contrastive`` before the layout
+split).  Needs a GPU (CuPy); torch is optional.
 """
 from __future__ import annotations
 
@@ -35,13 +36,19 @@ SWITCH_HOMES = {
 }
 
 
+#: the same switches as fields of ``cupynce.config`` (issue 53's one configuration)
+CONFIG_FIELDS = {"USE_TILES": "tiles", "USE_WGMMA": "wgmma",
+                 "SYMMETRIC_LSE_MIN_ND": "symmetric_lse_min_nd", "USE_WS": "splade_ws",
+                 "USE_F16X3": "f16x3"}
+
+
 def set_switch(name: str, value: Any) -> None:
-    try:  # the engine's one configuration (issue 53), where the tree has it
+    try:  # the engine's one configuration, where the tree has it
         config = importlib.import_module("cupynce.config")
     except ImportError:
         config = None
-    if config is not None and hasattr(config, "set_switch"):
-        config.set_switch(name, value)
+    if config is not None:
+        config.set(**{CONFIG_FIELDS[name]: value})
         return
     for mod in SWITCH_HOMES[name]:
         try:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._engine import blas
+from . import config
 from ._engine.kernels import SUPPORTED_DTYPES
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -300,13 +300,13 @@ def check_precision(op: str, precision: Any, *, allow_none: bool = True,
     "auto", or None for the global default (:func:`cupynce.get_float32_precision`, read now).
 
     Returns the resolved mode, which the entry point runs its engine work under
-    (``blas.float32_precision``) and keeps in its Context for the backward.  ``none_means``:
+    (``config.float32_precision``) and keeps in its Context for the backward.  ``none_means``:
     what None stands for, in the error message (``cupynce.torch``'s differs).
     """
     if precision is None and allow_none:
-        return blas.float32_precision_default()
-    if not isinstance(precision, str) or precision not in blas.FLOAT32_PRECISIONS:
-        modes = ", ".join(map(repr, blas.FLOAT32_PRECISIONS))
+        return config.get().float32_precision
+    if not isinstance(precision, str) or precision not in config.FLOAT32_PRECISIONS:
+        modes = ", ".join(map(repr, config.FLOAT32_PRECISIONS))
         default = f" or None ({none_means})" if allow_none else ""
         raise ValueError(f"{op}: precision must be one of {modes}{default}, "
                          f"got {precision!r}")

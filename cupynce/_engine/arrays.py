@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import blas, kernels
+from .. import config
+from . import compat, kernels
 from .kernels import BLOCK, acc_dtype
 
 #: ``F.normalize``'s epsilon: rows are divided by ``max(||x||, NORM_EPS)``.
 NORM_EPS = 1e-12
-#: The row kernels' source (the row-block path's kernels live there too, see blocks.py).
+#: The row kernels' source (the row-block path's kernels live there too, see losses/row_blocks.py).
 FILE = "contrastive.cu"
-#: Buffers totalling at most this many bytes come from one allocation (:func:`buffers`):
-#: under ``cupynce.torch`` every allocation goes through torch's caching allocator at 6-20 µs
-#: of host time each, more than a tiny op's kernels.  A view keeps its whole allocation
-#: alive, so the cuBLAS path carves its scratch and its outputs from two separate ones.
-ARENA_BYTES = 1 << 20
+# Buffers totalling at most ``config.arena_bytes`` come from one allocation (:func:`buffers`):
+# under ``cupynce.torch`` every allocation goes through torch's caching allocator at 6-20 µs
+# of host time each, more than a tiny op's kernels.  A view keeps its whole allocation
+# alive, so the cuBLAS path carves its scratch and its outputs from two separate ones.
 
 
 def ptr(x) -> int:
@@ -33,6 +33,17 @@ def ptr(x) -> int:
     if x is None or isinstance(x, int):
         return x or 0
     return x.data.ptr
+
+
+def leading_dim(x, name: str = "x") -> int:
+    """Leading dimension (elements) of a row-major matrix view with unit column stride (what
+    cuBLAS, the kernels and the tensor maps take as a row stride)."""
+    item = x.dtype.itemsize
+    if x.ndim == 2 and x.size == 0:  # CuPy gives empty arrays zero strides; nothing is read
+        return max(x.shape[1], 1)
+    if x.ndim != 2 or (x.shape[1] > 1 and x.strides[1] != item) or x.strides[0] % item:
+        raise ValueError(f"gemm: {name} must be a row-major matrix view, strides {x.strides}")
+    return max(x.strides[0] // item, x.shape[1], 1)
 
 
 def rowmajor(xp, x):
@@ -47,7 +58,7 @@ def rowmajor(xp, x):
 
 def buffers(specs):
     """``[cp.empty(shape, dtype) for shape, dtype in specs]`` (a None spec gives None), from
-    one allocation (256-byte aligned views) when they total at most ``ARENA_BYTES``.
+    one allocation (256-byte aligned views) when they total at most ``config.arena_bytes``.
     ``dtype`` must be a ``numpy.dtype`` (plain integer arithmetic: NumPy calls cost µs)."""
     import cupy as cp
 
@@ -61,7 +72,7 @@ def buffers(specs):
             nbytes = (nbytes + 255) & ~255
         sizes.append(nbytes)
         total += nbytes
-    if total > ARENA_BYTES:
+    if total > config.current().arena_bytes:
         return [None if sp is None else cp.empty(sp[0], sp[1]) for sp in specs]
     mem = cp.cuda.alloc(max(total, 256))
     out, off = [], 0
@@ -109,7 +120,7 @@ def normalize(x):
     xn = cp.empty((n, d), x.dtype)
     norm = cp.empty((n,), a)
     kernels.launch(FILE, "l2norm_fwd", x.dtype, (n,),
-                   (x, np.int64(blas.leading_dim(x)), np.int32(d), a.type(NORM_EPS), xn, norm))
+                   (x, np.int64(leading_dim(x)), np.int32(d), a.type(NORM_EPS), xn, norm))
     return xn, norm
 
 
@@ -123,7 +134,7 @@ def finish(x, norm, acc, g):
     if norm is not None:
         n, d = x.shape
         kernels.launch(FILE, "l2norm_bwd", x.dtype, (n,),
-                       (x, np.int64(blas.leading_dim(x)), np.int32(d), acc.dtype.type(NORM_EPS),
+                       (x, np.int64(leading_dim(x)), np.int32(d), acc.dtype.type(NORM_EPS),
                         norm, acc, ptr(g), out))
     else:
         per_thread = 4 if acc.dtype == np.float32 else 1  # (4-wide loads for fp32, aligned)
@@ -200,3 +211,6 @@ def pair_weights(weights, a):
     import cupy as cp
 
     return cp.concatenate([w_c, w_r]).astype(a, copy=False), float(mul)
+
+
+compat.legacy_switches(__name__, {"ARENA_BYTES": "arena_bytes"})

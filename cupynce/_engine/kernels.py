@@ -29,6 +29,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import config
+
 try:  # ml_dtypes gives NumPy (and CuPy) its bfloat16
     import ml_dtypes
 
@@ -246,8 +248,9 @@ def _load_cubin(path: Path):
 
 def _prebuilt(filename: str, arch: str, source: str):
     """The release wheel's cubin of ``filename`` for ``arch``, loaded; None where the wheel has
-    none (a source install, another GPU, a changed source) or ``CUPYNCE_PREBUILT=0``."""
-    if os.environ.get("CUPYNCE_PREBUILT", "1") == "0":
+    none (a source install, another GPU, a changed source) or ``config.prebuilt`` False
+    (``CUPYNCE_PREBUILT=0``)."""
+    if not config.current().prebuilt:
         return None
     path = PREBUILT_DIR / prebuilt_name(filename, arch, source)
     return _load_cubin(path) if path.is_file() else None
@@ -303,7 +306,7 @@ def _loader(filename: str):
 #: (file, stage, dtype, device id) -> loaded function: a launch costs a dict lookup, not a
 #: module lookup (``cuModuleGetFunction``) and a new Function object per call.  Threads that
 #: miss together keep the first one stored (``setdefault``): one object per key, never one
-#: that is opted in, dropped and its ``id`` handed to another (tiles.py's records key on it).
+#: that is opted in, dropped and its ``id`` handed to another (tiling.py's records key on it).
 _FUNCTIONS: Dict[tuple, object] = {}
 
 
@@ -332,8 +335,9 @@ def get_function(filename: str, name: str):
 
 
 def _debug(fn):
-    """``fn``, its registers and memory printed first under ``CUPYNCE_DEBUG_KERNELS``."""
-    if os.environ.get("CUPYNCE_DEBUG_KERNELS"):
+    """``fn``, its registers and memory printed first under ``config.debug_kernels``
+    (``CUPYNCE_DEBUG_KERNELS``)."""
+    if config.current().debug_kernels:
         attrs = fn.attributes
         print(f"cupynce: {fn.name}: {attrs['num_regs']} regs, "
               f"{attrs['shared_size_bytes']} B shared, {attrs['local_size_bytes']} B local")

@@ -38,18 +38,18 @@ work on a side stream, on the SMs the long kernel leaves free:
   graph's two paths run concurrently, every replay.
 * The side stream is this thread's own, per device: a capture in one thread never sees
   another thread's work.  Same kernels on the same operands, in the same order within each
-  stream: the same bits (``tests/test_side.py``).  :data:`ENABLED` False (or
-  ``CUPYNCE_SIDE=0``) runs every branch in place; it is part of ``_graphs``' key.
+  stream: the same bits (the side-stream tests).  ``config.side_streams`` False (or
+  ``CUPYNCE_SIDE=0``) runs every branch in place; it is part of ``_graphs``' key (the config).
 """
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-#: Run branches on a side stream (False: in place, on the current stream)
-ENABLED = os.environ.get("CUPYNCE_SIDE", "1") != "0"
+from .. import config
+from . import compat
+
 
 _tls = threading.local()
 
@@ -128,7 +128,7 @@ def fork_point() -> None:
     stream being captured forks only once they exist: a capture of the caller's may not
     allow their creation)."""
     br: Optional[Branch] = getattr(_tls, "branch", None)
-    if br is None or br.fork is not None or not ENABLED:
+    if br is None or br.fork is not None or not config.current().side_streams:
         return
     import cupy as cp
 
@@ -171,3 +171,6 @@ def take_open() -> Optional[Branch]:
     """The branch left open inside :func:`open_join` (None: none); the taker joins it."""
     br, _tls.opened = getattr(_tls, "opened", None), None
     return br
+
+
+compat.legacy_switches(__name__, {"ENABLED": "side_streams"})

@@ -7,7 +7,7 @@ where the tensor-core tiles run: by default on Hopper, see ``CUPYNCE_TILES``): t
 arg-max over L are taken in the epilogue of the product tiles, each logit rounded to the dtype
 first; no logits and no workspace at all.  On Hopper the product is the warp-specialised
 kernel of kernels_src/splade_wgmma.cu (TMA loads by a producer warp, 128 x 256 wgmma tiles;
-``USE_WS``); elsewhere, or where the driver cannot encode its tensor maps, the MODE_SPMAX
+``config.splade_ws``); elsewhere, or where the driver cannot encode its tensor maps, the MODE_SPMAX
 epilogue of the tile loop (kernels_src/splade_tiles.cu: 128 x 128 tiles, cp.async loads).
 Both give the same bits.
 
@@ -40,7 +40,10 @@ from typing import Tuple
 
 import numpy as np
 
-from . import blas, kernels, tiles, tma
+from .. import config
+from . import compat, kernels, tiling, tma
+from .arrays import leading_dim
+from .gemm import cublas
 from .kernels import BLOCK, acc_dtype
 
 #: Default cap on the cuBLAS-tile forward's logit workspace (bytes).
@@ -48,10 +51,9 @@ DEFAULT_WORKSPACE_BYTES = 64 << 20
 FILE = "splade.cu"
 #: SPLADE's fused max on the tile kernels (tiles.cu's main loops, MODE_SPMAX epilogue)
 TILES_FILE = "splade_tiles.cu"
-#: The fused forward on Hopper runs kernels_src/splade_wgmma.cu (warp-specialised, TMA, 128 x
-#: 256 tiles) where the tiles run with the wgmma loop and the driver encodes tensor maps;
-#: False: splade_tiles.cu's MODE_SPMAX kernel (tests cover both).
-USE_WS = True
+# ``config.splade_ws``: the fused forward on Hopper runs kernels_src/splade_wgmma.cu
+# (warp-specialised, TMA, 128 x 256 tiles) where the tiles run with the wgmma loop and the
+# driver encodes tensor maps; False: splade_tiles.cu's MODE_SPMAX kernel (tests cover both).
 _WS_FILE = "splade_wgmma.cu"
 _WS_BM, _WS_BN, _WS_BK = 128, 256, 64  # SW_BM, SW_BN, SW_BK
 _WS_THREADS = 288  # SW_THREADS: 2 consumer warpgroups + 1 producer warp
@@ -141,16 +143,16 @@ def forward(x, weight, bias, mask, act: int, workspace_bytes):
     idt = index_dtype(l)
     out = cp.empty((b, v), dt)
     arg = cp.empty((b, v), idt)
-    if trans_b and tiles.tiles_ok(xs, wm):
+    if trans_b and tiling.tiles_ok(xs, wm):
         # fused: the max over the sequence in the epilogue of the tensor-core product tiles;
         # no logits workspace at all
-        if USE_WS and tiles.wgmma() and _ws_forward(xs, wm, m8, bias, act, out, arg, l):
+        if config.current().splade_ws and tiling.wgmma() and _ws_forward(xs, wm, m8, bias, act, out, arg, l):
             return out, arg
-        vtiles = -(-v // tiles.TILE)  # splade_tiles.cu, MODE_SPMAX
-        per, group = _spmax_schedule(b, l, d, dt.itemsize, tiles.TILE)
+        vtiles = -(-v // tiling.TILE)  # splade_tiles.cu, MODE_SPMAX
+        per, group = _spmax_schedule(b, l, d, dt.itemsize, tiling.TILE)
         grid = (vtiles * -(-b // per),)
-        tiles.tile_launch(TILES_FILE, f"spmax_{index_tag(idt)}", dt, grid, (
-            wm, np.int64(blas.leading_dim(wm)), np.int32(v), xs, np.int64(d), np.int32(l),
+        tiling.tile_launch(TILES_FILE, f"spmax_{index_tag(idt)}", dt, grid, (
+            wm, np.int64(leading_dim(wm)), np.int32(v), xs, np.int64(d), np.int32(l),
             np.int32(d), m8 if m8 is not None else 0, bias if bias is not None else 0,
             np.int32(act), out, arg, np.int32(b), np.int32(per), np.int32(group)))
         return out, arg
@@ -174,10 +176,10 @@ def forward(x, weight, bias, mask, act: int, workspace_bytes):
             vtt = min(vt, v - v0)
             tile = ws[:nbt * l, :vtt]
             wt = wm[v0:v0 + vtt] if trans_b else wm[:, v0:v0 + vtt]
-            blas.gemm(rows, wt, tile, trans_b=trans_b)
+            cublas.gemm(rows, wt, tile, trans_b=trans_b)
             common = (np.int32(b0), np.int32(v0), np.int32(v))
             fn((-(-vtt // cols), nbt, nz), (32, _MAX_SLICES),
-               (tile, np.int64(blas.leading_dim(tile)), np.int32(l), np.int32(vtt)) + common
+               (tile, np.int64(leading_dim(tile)), np.int32(l), np.int32(vtt)) + common
                + (m8 if m8 is not None else 0, bias if bias is not None else 0, np.int32(act),
                   out, arg, np.int32(lchunk), np.int32(stage), pv, pa, pn),
                shared_mem=smem)
@@ -292,3 +294,6 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
          g, lst, excl, incl, np.int32(v), np.int32(l), np.int32(d), np.int32(nseg),
          np.int32(act), dx))
     return dx, dw, dbias
+
+
+compat.legacy_switches(__name__, {"USE_WS": "splade_ws"})

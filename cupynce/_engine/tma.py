@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from .blas import leading_dim
+from .arrays import leading_dim
 
 #: ``CUtensorMap`` as CuPy passes it: 16 opaque 64-bit words (cuda.h ``CU_TENSOR_MAP_NUM_QWORDS``)
 TENSOR_MAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])
@@ -89,7 +89,7 @@ def matrix_map(a, box_rows: int, box_cols: int) -> Optional[np.ndarray]:
 
 def interleaved_map(buf, half: int, rows: int, cols: int, box_rows: int) -> Optional[np.ndarray]:
     """A 3-D 128-byte-swizzled map over the float16 halves that
-    ``tiles_f16x3.split_scaled_il`` interleaves into the float32 matrix ``buf`` (rows, ld):
+    ``gemm.f16x3.split_scaled_il`` interleaves into the float32 matrix ``buf`` (rows, ld):
     per row, each 64-column group's 256 bytes hold 64 hi then 64 lo float16.  ``half`` 0:
     the hi, 1: the lo.  Dimensions (64, ceil(cols / 64), rows), boxes (64, 1, box_rows): a
     box lands in shared memory as :func:`matrix_map`'s (box_rows x 64) float16 box does.

@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 import numpy as np
 
 from .. import _checks, _engine
-from .._engine import arrays, blas
+from .. import config
+from .._engine import arrays
 from .._engine.kernels import acc_dtype
 from . import _memo, _numpy
 
@@ -57,7 +58,7 @@ def set_float32_precision(precision: str) -> None:
         (each operand split x = hi + lo, three TF32 products per 32 of K promoted to an fp32
         register sum, an fp32-accurate epilogue; per-row losses and gradients measured at
         or below the "fp32" path's errors from those sizes on, not below them:
-        ``_engine.tiles_tf32.AUTO_MIN_ROWS``), everything else true fp32 cuBLAS.  "fp32": true fp32
+        ``cupynce.config``'s ``tf32x3_min_rows``), everything else true fp32 cuBLAS.  "fp32": true fp32
         cuBLAS products (``CUBLAS_COMPUTE_32F``) everywhere, the path before "auto" existed.
         "tf32": the tensor cores on TF32-rounded operands (10 mantissa bits, ~1e-3 relative
         error per product, several times faster).  "3xtf32": the TF32x3 tiles where "auto"
@@ -75,13 +76,13 @@ def set_float32_precision(precision: str) -> None:
     path ignore it.  ``cupynce.torch`` with ``precision=None`` first follows torch's own TF32
     setting (see :func:`cupynce.torch.nt_xent`).
     """
-    blas.FLOAT32_PRECISION = _checks.check_precision("set_float32_precision", precision,
-                                                     allow_none=False)
+    config.set(float32_precision=_checks.check_precision("set_float32_precision", precision,
+                                                         allow_none=False))
 
 
 def get_float32_precision() -> str:
     """The global default of ``precision=None`` (see :func:`set_float32_precision`)."""
-    return blas.float32_precision_default()
+    return config.get().float32_precision
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -95,7 +96,7 @@ def in_ctx_precision(backward: F) -> F:
         p = getattr(ctx, "precision", None)
         if p is None:
             return backward(ctx, *args, **kwargs)
-        with blas.float32_precision(p):
+        with config.float32_precision(p):
             return backward(ctx, *args, **kwargs)
     return run  # type: ignore[return-value]
 

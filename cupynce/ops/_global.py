@@ -52,7 +52,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 
 from .. import _checks, _engine
-from .._engine import arrays, blas
+from .. import config
+from .._engine import arrays
 from .._engine.kernels import acc_dtype
 from . import _local, _numpy
 from . import clip as clip_op
@@ -209,7 +210,7 @@ def nt_xent_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normali
         nt_xent_op._check(z, temperature, reduction, workspace_bytes, normalize, precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [z], ["z"],
         [temperature, reduction, normalize, requires_grad, precision])
-    with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
+    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         engine = _engine_for(xp)
         rank, size = comm.rank, comm.size
@@ -277,7 +278,7 @@ def info_nce_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
         _checks.check_bool(op, "requires_grad", requires_grad))[0],
         [query, key, negatives], ["query", "key", "negatives"],
         [temperature, reduction, normalize, requires_grad, kind, precision])
-    with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
+    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         rank, size = comm.rank, comm.size
         n = query.shape[0]
@@ -340,7 +341,7 @@ def clip_loss_forward(comm: Comm, a, b, logit_scale, *, reduction="mean", normal
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
          precision])
-    with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
+    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         rank, size = comm.rank, comm.size
         n = a.shape[0]
@@ -417,7 +418,7 @@ def siglip_loss_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction=
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
          lb_array, reduction, normalize, requires_grad, precision])
-    with blas.float32_precision(p):  # every product of the rank's share (and graph keys)
+    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         size = comm.size
         n = a.shape[0]

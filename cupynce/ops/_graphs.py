@@ -26,10 +26,11 @@ buffers layout of the plain call, on the same bits: the results are bit-identica
 (``tests/test_graphs.py``), and as deterministic. What keys a problem (``key``): the op's
 own arguments (flags, Python scalars, which are baked into the graph), every input's shape,
 dtype and strides, the device, the caller's stream (a plan is used by one stream, so replays
-are ordered by it), and the engine's switches (``tiles.USE_TILES`` and friends). A problem
+are ordered by it), and the engine's configuration (``cupynce.config.current()``, the
+float32 precision scope included). A problem
 is replayed only where every input is C-contiguous and 16-byte aligned (the tile path's
 condition, so the plain call would take the same path); otherwise, and when graphs are off
-(``CUPYNCE_GRAPHS=0``, :data:`ENABLED`), ``compute`` just runs.
+(``CUPYNCE_GRAPHS=0``, ``config.graphs``), ``compute`` just runs.
 
 Memory: a plan holds its static inputs, outputs and the workspace of the captured call for
 as long as it is cached.  A plan above ``MAX_PLAN_BYTES`` is dropped after its capture (the
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -57,11 +57,13 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .._checks import _CUPY as _CP, _cupy  # (the cupy module, looked up once)
-from .._engine import arrays as _arrays, blas as _blas, products_tf32 as _products_tf32
-from .._engine import side as _side, tiles as _tiles, tiles_f16x3 as _tiles_f16x3
+from .. import config
+from .._engine import compat, kernels, side as _side, tail
+from .._engine.arrays import FILE
+from .._engine.gemm import cublas, same_stream
 
-#: ``CUPYNCE_GRAPHS=0`` turns graphs off (every call runs its kernels one by one).
-ENABLED: bool = os.environ.get("CUPYNCE_GRAPHS", "1") != "0"
+# ``config.graphs`` (``CUPYNCE_GRAPHS=0``: False) turns graphs off (every call runs its
+# kernels one by one).
 #: A problem is captured on its ``CAPTURE_AFTER + 1``-th call (one-off shapes never pay for a
 #: capture, and the first calls load the kernels and pick the paths outside any capture).
 CAPTURE_AFTER = 2
@@ -75,8 +77,8 @@ CACHE_BYTES = 2 << 30
 MAX_PLANS = 64
 #: Problem keys seen this many times without a plan stop being counted (bounded memory).
 MAX_SEEN = 4096
-#: ``CUPYNCE_GRAPH_VARIANTS=0`` turns variants off: every replay copies its inputs in.
-VARIANTS: bool = os.environ.get("CUPYNCE_GRAPH_VARIANTS", "1") != "0"
+# ``config.graph_variants`` (``CUPYNCE_GRAPH_VARIANTS=0``: False) turns variants off: every
+# replay copies its inputs in.
 #: A plan captures a variant reading the inputs in place on the ``VARIANT_AFTER + 1``-th
 #: replay with the same input pointers; it keeps at most ``MAX_VARIANTS`` (least recently
 #: used out first) and counts at most ``MAX_VARIANT_SEEN`` pointer sets.
@@ -163,7 +165,7 @@ class _Plan:
         sp = stream.ptr
         ptrs = tuple(in_ptrs)
         with self.lock:
-            found = self.variants.get(ptrs) if VARIANTS else None
+            found = self.variants.get(ptrs) if config.current().graph_variants else None
             if found is None:
                 found = self._variant(ptrs)
             if found is not None:
@@ -179,24 +181,22 @@ class _Plan:
                 runtime.memcpyAsync(pack_ptr, self.pack.ptr, self.pack_bytes, _D2D, sp)
             written = set()
             if tails:
-                from .._engine import blas
-
                 dest = dict(out_ptrs)
                 handle = None
                 for ks, fn, arrays, calls in tails:
                     if calls is None:  # (the products' Python, on CuPy's current stream, in
-                        with stream, blas.float32_precision(self.precision):  # the precision
+                        with stream, config.float32_precision(self.precision):  # the precision
                             fn(*(a if k is None or k not in dest else  # of the capture)
                                  _wrap(dest[k], self.outs[k], self.device)
                                  for k, a in zip(ks, arrays)))
                     else:  # the recorded cuBLAS calls, C at the caller's array
                         if handle is None:
                             with stream:  # (this thread's handle, bound to the stream)
-                                handle = blas._handle()
+                                handle = cublas.thread_handle()
                         for args, j, off, _keep in calls:
                             k = ks[j]
                             base = dest[k] if k is not None and k in dest else arrays[j].data.ptr
-                            blas.issue(handle, args, base + off)
+                            cublas.issue(handle, args, base + off)
                     written.update(ks)
             for k, p in out_ptrs:
                 if k not in written:
@@ -206,7 +206,7 @@ class _Plan:
     def _variant(self, ptrs: tuple) -> Optional[tuple]:
         """A variant for these input pointers, captured on their second replay (None: not
         yet, not aligned as the statics are, or the capture failed)."""
-        if not VARIANTS or self.evicted > 2 * MAX_VARIANTS or any(p % 256 for p in ptrs):
+        if not config.current().graph_variants or self.evicted > 2 * MAX_VARIANTS or any(p % 256 for p in ptrs):
             return None
         seen = self.seen.get(ptrs, 0) + 1
         if seen <= VARIANT_AFTER:
@@ -215,11 +215,9 @@ class _Plan:
             self.seen[ptrs] = seen
             return None
         self.seen.pop(ptrs, None)
-        from .._engine import blas
-
         inputs = [_wrap(p, st, self.device) for p, st in zip(ptrs, self.statics)]
         try:
-            with blas.float32_precision(self.precision):
+            with config.float32_precision(self.precision):
                 graph, outs, tails = _capture_graph(inputs, self.compute, self.keep, self.pack,
                                                     self.layout, self.table, fill=False)
             if any((a is None) != (b is None) or (a is not None and a.data.ptr != b.data.ptr)
@@ -248,12 +246,10 @@ def _tails(recorded, outs) -> tuple:
     calls)``: an array that is exactly one output is written straight into the caller's (when
     asked for); the others (not an output, or several: copied out from the plan's own
     afterwards, as are outputs not asked for) into the plan's own.  ``calls``: ``fn``'s cuBLAS
-    calls recorded once (``blas.recording``) as ``(args, array index, byte offset of C,
+    calls recorded once (``cublas.recording``) as ``(args, array index, byte offset of C,
     host scalars)``, which a replay issues without ``fn``'s Python (~15 µs of host time a
     product, where the host is the bound at N = 8192); None where they cannot be (``fn``
     then runs at each replay)."""
-    from .._engine import blas
-
     found = []
     for arrays, fn in recorded:
         ks = []
@@ -264,15 +260,15 @@ def _tails(recorded, outs) -> tuple:
             ks.append(hits[0] if len(hits) == 1 else None)
         calls = []
         try:
-            with blas.recording() as rec:
+            with cublas.recording() as rec:
                 fn(*arrays)
             for args, keep in rec:
-                c = args[blas.GEMM_C_AT]
+                c = args[cublas.GEMM_C_AT]
                 j = next(j for j, a in enumerate(arrays)
                          if a.data.ptr <= c < a.data.ptr + max(a.nbytes, 1))
                 # (keep: the host scalars alpha / beta point to, kept alive with the call)
                 calls.append((args, j, c - arrays[j].data.ptr, keep))
-        except (blas.NotRecordable, StopIteration):
+        except (cublas.NotRecordable, StopIteration):
             calls = None
         found.append((tuple(ks), fn, arrays, None if calls is None else tuple(calls)))
     return tuple(found)
@@ -325,18 +321,10 @@ def live(key: tuple, plan: "_Plan") -> bool:
     return True
 
 
-def _switches() -> tuple:
-    """The engine's module-level switches that change which kernels a call runs (the
-    float32 precision: this thread's, see ``blas.float32_precision``).  Read on every call
-    (tests and users set them), from the modules bound at import: ~20 attribute reads."""
-    return (_tiles.USE_TILES, _tiles.USE_WGMMA, _tiles.USE_WSTILE, _tiles.WS_STAGES,
-            _products_tf32.USE_F16X3, _products_tf32.SIDE_SPLITS, _tiles_f16x3.TRUNC,
-            _tiles.WS_AR_MIN_STAGES, _tiles.WS_MAX_STAGES,
-            _tiles.SYMMETRIC_LSE, _tiles.SYMMETRIC_LSE_MIN_ND, _tiles.SYMMETRIC_H,
-            _tiles.TILE_WORKSPACE_BYTES,
-            _blas.SMALL_GEMM_MACS, _blas.SMALL_GEMM_MAX_K,
-            _blas.DEFAULT_WORKSPACE_BYTES, _blas.FREE_MEMORY_FRACTION, _blas.SMALL_BLOCK_BYTES,
-            _blas.float32_precision_now(), _arrays.ARENA_BYTES, _side.ENABLED)
+def _switches() -> config.Config:
+    """What changes which kernels a call runs: this thread's configuration (the float32
+    precision scope's included), one object with its hash computed once."""
+    return config.current()
 
 
 _PER_THREAD = 2  # cudaStreamPerThread
@@ -376,7 +364,7 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
     if events is not None:
         slot = len(events)
         events.append(None)  # (replaced by the replay's record below, if one is made)
-    if est_bytes > MAX_PLAN_BYTES or not ENABLED:
+    if est_bytes > MAX_PLAN_BYTES or not config.current().graphs:
         return compute(*inputs)
     cp = _CP[0] if _CP else _cupy()
     ptrs = []
@@ -434,8 +422,6 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
     global _held
     import cupy as cp
 
-    from .._engine import blas, products_tf32, tail
-
     base = cp.cuda.get_allocator()
     keep = []
 
@@ -454,7 +440,7 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
         for st, x in zip(statics, inputs):  # (the probe computes on this call's values)
             cp.cuda.runtime.memcpyAsync(st.data.ptr, x.data.ptr, x.nbytes, _D2D, sp)
         # (no side-stream splits in the probe or the capture: both allocate alike)
-        with cp.cuda.using_allocator(recording), products_tf32.same_stream(), \
+        with cp.cuda.using_allocator(recording), same_stream(), \
                 tail.collecting(run_plainly) as deferred:
             # (on the caller's stream: loads the kernels, picks the paths, gives the layout)
             probe = tuple(compute(*statics))
@@ -483,7 +469,7 @@ def _capture(key: tuple, inputs: Sequence[Any], compute) -> Optional[_Plan]:
         return None
     plan = _Plan(graph, statics, outs, pack, off, layout, keep, nbytes,
                  _tails(recorded, outs), compute, cp.cuda.runtime.getDevice(), table,
-                 blas.float32_precision_now())
+                 config.current().float32_precision)
     _plans[key] = plan
     _held += nbytes
     while _plans and (_held > CACHE_BYTES or len(_plans) > MAX_PLANS):
@@ -499,9 +485,6 @@ def _capture_graph(inputs, compute, keep, pack, layout, table, fill: bool = True
     returns ``(graph, outputs, deferred products)``."""
     import cupy as cp
 
-    from .._engine import blas, kernels, products_tf32, tail
-    from .._engine.arrays import FILE
-
     order = iter(keep)
     gather = (kernels.get_function(FILE, "cpn_gather_bytes")  # (loaded before the capture)
               if any(at is not None for at in layout) else None)
@@ -515,9 +498,9 @@ def _capture_graph(inputs, compute, keep, pack, layout, table, fill: bool = True
 
     cap = cp.cuda.Stream(non_blocking=True)
     try:
-        with cap, cp.cuda.using_allocator(replaying), products_tf32.same_stream(), \
+        with cap, cp.cuda.using_allocator(replaying), same_stream(), \
                 tail.collecting(None) as recorded:
-            blas.bind_stream()  # (cuBLAS's stream cannot be set once the capture runs)
+            cublas.bind_stream()  # (cuBLAS's stream cannot be set once the capture runs)
             cap.begin_capture()
             try:
                 with _side.open_join():
@@ -541,7 +524,7 @@ def _capture_graph(inputs, compute, keep, pack, layout, table, fill: bool = True
             finally:
                 graph = cap.end_capture()
     finally:
-        blas.unbind_stream()  # (the capture stream is gone: never skip the next setStream)
+        cublas.unbind_stream()  # (the capture stream is gone: never skip the next setStream)
     if small and fill:
         table.set(np.array(small, np.int64).reshape(-1))
     return graph, outs, recorded
@@ -576,3 +559,6 @@ def info() -> Dict[str, Any]:
     with _lock:
         return dict(plans=len(_plans), bytes=_held, refused=dict(_refused),
                     counting=len(_seen))
+
+
+compat.legacy_switches(__name__, {"ENABLED": "graphs", "VARIANTS": "graph_variants"})

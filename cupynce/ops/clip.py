@@ -16,7 +16,8 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .. import _checks, _engine
-from .._engine import arrays, blas
+from .. import config
+from .._engine import arrays, workspace
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo, _numpy
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
@@ -80,7 +81,7 @@ def _score_block_bytes(a, acc, workspace_bytes) -> int:
     if a.dtype != acc:
         return 0
     n = a.shape[0]
-    return min(n * n * acc.itemsize, blas.workspace_bound(workspace_bytes))
+    return min(n * n * acc.itemsize, workspace.workspace_bound(workspace_bytes))
 
 
 def _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision):
@@ -168,7 +169,7 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
         return (reduce(xp, pair_loss, reduction), lse_r, lse_c, da, db, dscale, na,
                 nb), (an, bn, ls_dev)
 
-    with blas.float32_precision(p):  # (the graph key carries it too)
+    with config.float32_precision(p):  # (the graph key carries it too)
         if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
             outs = _graphs.run(
                 ("clip_loss", ls if host_ls else None, reduction, normalize, workspace_bytes,

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from .. import _checks
-from .._engine import blas, side
+from .. import config
+from .._engine import side
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
@@ -135,7 +136,7 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
         return ((total, lse, dq, dk, dns if dns is not None else dnp)
                 + tuple(norms)), (qn, kn, neg_s, neg_p)
 
-    with blas.float32_precision(p):  # (the graph key carries it too)
+    with config.float32_precision(p):  # (the graph key carries it too)
         if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
             inputs = (query, key) + (() if negatives is None else (negatives,))
             outs = _graphs.run(

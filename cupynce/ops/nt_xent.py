@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from .. import _checks
-from .._engine import blas, side
+from .. import config
+from .._engine import side, workspace
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
@@ -50,7 +51,7 @@ def _kept_bytes(z, workspace_bytes) -> int:
     n, d = z.shape
     acc = acc_dtype(z.dtype).itemsize
     item = z.dtype.itemsize if z.dtype.itemsize == 2 else acc
-    return min(n * n * item, blas.workspace_bound(workspace_bytes)) + n * d * acc
+    return min(n * n * item, workspace.workspace_bound(workspace_bytes)) + n * d * acc
 
 
 def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
@@ -133,7 +134,7 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
                 total = reduce(xp, loss, reduction, out)
         return total, lse, dz, norm, zn
 
-    with blas.float32_precision(p):  # (the graph key carries it too)
+    with config.float32_precision(p):  # (the graph key carries it too)
         if path.gpu and (fused or not requires_grad):  # nothing kept that aliases z
             loss, lse, dz, norm = _graphs.run(
                 ("nt_xent", t, reduction, normalize, workspace_bytes, fused), (z,),

@@ -17,7 +17,8 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .. import _checks, _engine
-from .._engine import arrays, blas
+from .. import config
+from .._engine import arrays
 from .._engine.kernels import acc_dtype
 from . import _graphs, _memo
 from ._base import (Context, Path, contig_inputs, contig_remembered, finish_all,
@@ -174,7 +175,7 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
         return (reduce(xp, row_loss, reduction),) + (grads or (None,) * 4) + (na, nb), (an, bn)
 
     device = (() if ls_host else (ls,)) + (() if lb_host else (lb,))
-    with blas.float32_precision(p):  # (the graph key carries it too)
+    with config.float32_precision(p):  # (the graph key carries it too)
         if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
             outs = _graphs.run((OP, on_host, reduction, normalize, workspace_bytes, fused),
                                (a, b) + device, lambda *xs: compute(*xs)[0], layout=sig)

@@ -26,7 +26,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .. import _checks
-from .._engine import blas
+from .. import config
 from .._engine import splade as _gpu
 from .._engine.kernels import SUPPORTED_DTYPES, acc_dtype
 from .._engine.splade import DEFAULT_WORKSPACE_BYTES, index_dtype
@@ -269,11 +269,11 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
     p = _checks.check_precision("splade_pool", precision)
     act = _act_code(activation)
     if xp is np:
-        with blas.float32_precision(p):  # (no effect on NumPy's products)
+        with config.float32_precision(p):  # (no effect on NumPy's products)
             out, arg = _np_forward(x, weight, bias, mask, act, workspace_bytes)
     else:
         # launches and cuBLAS on the arrays' GPU, whatever the current one is
-        with x.device, blas.float32_precision(p):
+        with x.device, config.float32_precision(p):
             out, arg = _gpu.forward(x, weight, bias, mask, act, workspace_bytes)
     ctx = Context("splade_pool", "none", x.shape[0], xp, stats=(arg,) if requires_grad else (),
                   precision=p)

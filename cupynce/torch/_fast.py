@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .. import config
 from ..ops import _graphs
 from . import _bridge as B
 
@@ -63,7 +64,7 @@ def call(fwd: Callable[..., Tuple[Any, ...]], args: Sequence[Any]) -> Tuple[Any,
     """``fwd(*args)`` — an op body whose GPU work is one ``_graphs.run`` — replayed from the
     tensors where a call with the same key was learnt (see the module notes)."""
     first = next((a for a in args if isinstance(a, Tensor)), None)
-    if (not _graphs.ENABLED or B._get_raw_stream is None or first is None or not first.is_cuda
+    if (not config.current().graphs or B._get_raw_stream is None or first is None or not first.is_cuda
             or torch.cuda.is_current_stream_capturing()):
         return fwd(*args)
     index = first.get_device()

@@ -1,61 +1,90 @@
-"""The tensor-core tile path (``kernels_src/tiles.cu``): planning and launches.
+"""The score tiles: the 16-bit loss path whose scores never reach memory
+(``kernels_src/tiles.cu``, ``tiles_ws.cu``): planning and launches.
 
 Float16 / bfloat16 operands whose D, leading dimensions and pointers are multiples of 8
-elements / 16 bytes (:func:`tiles_ok`) run fused score tiles: each 128 x 128 tile of S = A Bᵀ
+elements / 16 bytes (``tiling.tiles_ok``) run fused score tiles: each 128 x 128 tile of S = A Bᵀ
 is computed on the tensor cores and consumed in registers by an epilogue (row / column
 log-sum-exp partials, or the 16-bit gradient block), so the scores never reach memory.  Two
 main loops: wgmma (Hopper, tiles.cu built for sm_90a) and mma.sync (sm_80+).  The gradient
-products (G · K, Gᵀ · Q) stay cuBLAS calls.
+products (G · K, Gᵀ · Q) stay cuBLAS calls (``gemm.cublas``).
 
 * :func:`rows` — NT-Xent / InfoNCE without per-query negatives (NT-Xent's symmetric schedules
   computing each pair of tiles once);
 * :func:`clip` — CLIP's row and column statistics in one pass, then its gradient block;
-* :func:`tile`, :func:`tile_launch`, :func:`grid_splits` — the launch plumbing SPLADE's fused
-  forward shares (``splade_tiles.cu``).
+* :func:`siglip`, :func:`cross` — SigLIP's pairs; a global NT-Xent's off-diagonal block;
+* :func:`tile` — one launch of a stage (the shared plumbing is ``tiling``).
 
-On Hopper the modes of ``WS_STAGES`` run the warp-specialised kernels of ``tiles_ws.cu``
-(issue 23: a TMA producer warpgroup and two consumer warpgroups ping-ponging whole tiles, the
-same epilogues) where :func:`ws_launch` can encode the tensor maps; ``USE_WSTILE`` switches
-them off (the cp.async wgmma loop then runs, as before).
+On Hopper the stages of ``config.ws_stages`` run the warp-specialised kernels of
+``tiles_ws.cu`` (issue 23: a TMA producer warpgroup and two consumer warpgroups ping-ponging
+whole tiles, the same epilogues) where :func:`ws_launch` can encode the tensor maps;
+``config.ws_tiles`` switches them off (the cp.async wgmma loop then runs, as before).
+
+The switches (:mod:`cupynce.config`) and what they were measured at:
+
+* ``tiles`` (env ``CUPYNCE_TILES``): unset / ``auto`` uses the tiles where their wgmma main
+  loop is built (compute capability 9.0: Hopper, sm_90a), which is faster than cuBLAS + row
+  kernels there (docs/design.md); ``1`` also on other sm_80+ GPUs (mma.sync main loop,
+  slower than the cuBLAS path, kept for testing); ``0`` never.  The same switch selects
+  SPLADE's fused forward (``_engine/splade.py``) and the float32 TF32x3 / F16x3 tiles.
+* ``wgmma``: on Hopper, the wgmma main loop (False: the mma.sync one, so tests can cover both).
+* ``ws_tiles`` (env ``CUPYNCE_WSTILE=0``: off), ``ws_stages``: the stages the
+  warp-specialised kernels run (SPLADE's max keeps its own kernels).
+* ``ws_ar_min_stages``: the ring keeps A resident (the CTA's 128 rows x D loaded once, a ring
+  of 16 KiB B boxes) where that leaves at least this many stages, else 32 KiB (A + B) stages,
+  as many as fit (at most ``ws_max_stages``, the kernel's WS_MAX_STAGES).  On an H100
+  (prototype, LSE, D = 512) A resident with 6 stages: 0.347 ms at N = 16384 against 0.391 for
+  6 A + B stages.  H100, bf16, N = 16384, D = 512, GPU time of back-to-back calls
+  (2026-11-27): A resident with 5 stages against 6 A + B stages, NT-Xent's symmetric lse2
+  352 -> 314 µs (an A + B stage is 64 FLOP / byte of L2 reads, A resident 128); with 4,
+  siglip 740 -> 716, g unchanged; with 3, h slower (366 -> 427 µs), clip unchanged (then with
+  16 KiB staging): hence 4.  Measured at D = 512 only (at D = 640 lse now takes A resident
+  with 4 stages instead of 7 A + B).
+* ``symmetric_lse`` / ``symmetric_lse_min_nd``: NT-Xent's forward computes each pair of score
+  tiles once (S = Z Zᵀ is symmetric: row and column partials of half the tiles, see
+  :func:`tile_lse_symmetric`) when N · D >= the minimum and its column partials,
+  8 · N · ceil(N / 128) bytes, fit the workspace; its row + column epilogue costs more per
+  tile than the row-only one, so it pays where the products dominate.  Measured on an H100
+  (bf16, forward + backward, square -> symmetric): D = 512: N = 65536 34.3 -> 30.6 ms, 32768
+  8.54 -> 7.72, 16384 2.17 -> 2.09, 8192 0.65 -> 0.68; D = 256: 65536 22.0 -> 21.6, 32768
+  5.54 -> 5.53, 16384 1.48 -> 1.54, 8192 0.47 -> 0.54; hence N = 16384 at D = 512.
+* ``symmetric_h``: NT-Xent's gradient pass computes each pair of H = G + Gᵀ tiles once and
+  writes the tile and its mirror when the whole 16-bit H fits the workspace in one block
+  (N ≲ 23000 with the default 1 GiB).  H100, bf16, D = 512, forward + backward: N = 16384
+  2.17 -> 1.90 ms, 8192 0.65 -> 0.58; D = 256: 1.48 -> 1.46, 0.47 -> 0.46.
+* ``tile_workspace_bytes`` (env ``CUPYNCE_TILE_WORKSPACE_MIB``, default 256 MiB): CLIP's and
+  SigLIP's budget for each phase's scratch when the caller gives no ``workspace_bytes``: the
+  forward's column partials and the backward's 16-bit score-gradient blocks (rows × columns,
+  ``_plan_2d``).  The phases do not overlap (the forward's scratch goes back to the pool
+  first), so the peak is about this plus the float32 gradient accumulators: H100, bf16,
+  D = 512, CLIP N = 65536 514 MiB (1538 with the general 1 GiB cap and whole-row blocks),
+  131072 774 MiB (2565), at +2-3 % time (the accumulating products); SigLIP 514 / 779 MiB
+  (769 / 1026) at the same time.  No free-memory query (a driver call) is made for it.
+  NT-Xent and InfoNCE keep the general cap: their symmetric passes and single gradient
+  product are worth it (measured: a 256 MiB cap cost 5 % at N = 65536 and 17 % at 131072).
 """
 from __future__ import annotations
 
-import functools
-import os
-import struct
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
-from . import blas, kernels, side, tail, tma
-from .arrays import FILE as ROWS_FILE, buffers, fixed_sums, pair_weights, ptr
-from .blocks import FAR_MOD
-from .kernels import BLOCK
+from ... import config
+from .. import kernels, side, tail
+from ..arrays import FILE as ROWS_FILE, buffers, fixed_sums, leading_dim, pair_weights, ptr
+from ..gemm import cublas
+from ..kernels import BLOCK
+from ..tiling import (TILE, TILE_ARGS_DTYPE, WS_THREADS, grid_splits, launch_blob,
+                      pack_tile_args, shifted, tile_launch, tile_map, wgmma, ws_smem)
+from ..tma import available as tma_available
+from ..workspace import fits, plan_rows
+from .stats import FAR_MOD
 
 FILE = "tiles.cu"
 
-#: The tensor-core tile kernels of ``kernels_src/tiles.cu`` (scores never leave registers) for
-#: float16 / bfloat16 inputs whose D, leading dimensions and pointers are multiples of 8
-#: elements / 16 bytes.  ``CUPYNCE_TILES``: unset / ``auto`` uses them where their wgmma main
-#: loop is built (compute capability 9.0: Hopper, sm_90a), which is faster than cuBLAS + row
-#: kernels there (docs/notes.md); ``1`` also on other sm_80+ GPUs (mma.sync main loop,
-#: slower than the cuBLAS path, kept for testing); ``0`` never.  None / True / False here.
-#: The same switch selects SPLADE's fused forward (_engine/splade.py).
-USE_TILES: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("CUPYNCE_TILES", "auto"))
-#: On Hopper, run the wgmma main loop (False: the mma.sync one, so tests can cover both there).
-USE_WGMMA = True
-#: Where the wgmma loop runs, run the stages of ``WS_STAGES`` on the warp-specialised kernels
-#: of ``tiles_ws.cu`` instead (False: the cp.async wgmma loop, so tests and benchmarks can
-#: compare them).  ``CUPYNCE_WSTILE=0`` at import sets it False.
-USE_WSTILE = os.environ.get("CUPYNCE_WSTILE", "1") != "0"
 WS_FILE = "tiles_ws.cu"
-#: the tile stages ``tiles_ws.cu`` has (SPLADE's max keeps its own kernels); those writing the
-#: 16-bit gradient block stage it through ``WS_SOUT_BYTES`` of shared memory per consumer
-#: warpgroup (SigLIP's loss alone writes none: no staging, see ws_ring)
-WS_STAGES = frozenset({"lse", "lse2", "g", "h", "clip", "siglip"})
+#: the stages that stage the 16-bit gradient block through ``WS_SOUT_BYTES`` of shared memory
+#: per consumer warpgroup (SigLIP's loss alone writes none: no staging, see ws_ring)
 _WS_SOUT = frozenset({"g", "h", "clip", "siglip"})
-WS_THREADS = 384
-WS_MAX_STAGES = 8  # (WS_MAX_STAGES in tile_ws.cuh)
 #: staging of the gradient block per consumer warpgroup (WS_SOUT_BYTES in tile_ws.cuh): 1 KiB
 #: a warp, so that g, clip and siglip keep A resident at D = 512 (H100, bf16, N = 16384, GPU
 #: time, 2026-11-27, against 16 KiB a warpgroup: clip 586 -> 547 µs, siglip 714 -> 678,
@@ -65,165 +94,18 @@ WS_MAX_STAGES = 8  # (WS_MAX_STAGES in tile_ws.cuh)
 #: (h tri 0.386-0.403 ms, 2026-11-27): dropped
 WS_SOUT_BYTES = 4 * 1024
 WS_SOUT_BYTES_H = 16 * 1024
-#: The ring of the warp-specialised kernels: A resident (the CTA's 128 rows x D loaded once, a
-#: ring of 16 KiB B boxes) where that leaves at least this many stages, else 32 KiB (A + B)
-#: stages, as many as fit (at most WS_MAX_STAGES).  On an H100 (prototype, LSE, D = 512) A
-#: resident with 6 stages: 0.347 ms at N = 16384 against 0.391 for 6 A + B stages.  H100,
-#: bf16, N = 16384, D = 512, GPU time of back-to-back calls (2026-11-27): A resident with 5
-#: stages against 6 A + B stages, NT-Xent's symmetric lse2 352 -> 314 µs (an A + B stage is
-#: 64 FLOP / byte of L2 reads, A resident 128); with 4, siglip 740 -> 716, g unchanged; with
-#: 3, h slower (366 -> 427 µs), clip unchanged (then with 16 KiB staging): hence 4.  Measured
-#: at D = 512 only (at D = 640 lse now takes A resident with 4 stages instead of 7 A + B).
-WS_AR_MIN_STAGES = 4
-#: NT-Xent's forward on the tiles computes each pair of score tiles once (S = Z Zᵀ is
-#: symmetric: row and column partials of half the tiles, see ``tile_lse_symmetric``) when
-#: N · D >= ``SYMMETRIC_LSE_MIN_ND`` and its column partials, 8 · N · ceil(N / 128) bytes, fit
-#: the workspace; False: every tile.  Its row + column epilogue costs more per tile than the
-#: row-only one, so it pays where the products dominate.  Measured on an H100 (bf16,
-#: forward + backward, square -> symmetric): D = 512: N = 65536 34.3 -> 30.6 ms, 32768 8.54 ->
-#: 7.72, 16384 2.17 -> 2.09, 8192 0.65 -> 0.68; D = 256: 65536 22.0 -> 21.6, 32768 5.54 ->
-#: 5.53, 16384 1.48 -> 1.54, 8192 0.47 -> 0.54; hence the threshold (N = 16384 at D = 512).
-SYMMETRIC_LSE = True
-SYMMETRIC_LSE_MIN_ND = 16384 * 512
-#: NT-Xent's gradient pass on the tiles computes each pair of H = G + Gᵀ tiles once and
-#: writes the tile and its mirror (H is symmetric) when the whole 16-bit H fits the workspace
-#: in one block (N ≲ 23000 with the default 1 GiB); False: every tile.  H100, bf16, D = 512,
-#: forward + backward: N = 16384 2.17 -> 1.90 ms, 8192 0.65 -> 0.58; D = 256: 1.48 -> 1.46,
-#: 0.47 -> 0.46.
-SYMMETRIC_H = True
-#: CLIP's and SigLIP's default budget on the tiles, in bytes, for each phase's scratch when
-#: the caller gives no ``workspace_bytes``: the forward's column partials and the backward's
-#: 16-bit score-gradient blocks (rows × columns, ``_plan_2d``).  The phases do not overlap
-#: (the forward's scratch goes back to the pool first), so the peak is about this plus the
-#: float32 gradient accumulators: H100, bf16, D = 512, CLIP N = 65536 514 MiB (1538 with the
-#: general 1 GiB cap and whole-row blocks), 131072 774 MiB (2565), at +2-3 % time (the
-#: accumulating products); SigLIP 514 / 779 MiB (769 / 1026) at the same time.  No free-memory
-#: query (a driver call) is made for it.  ``CUPYNCE_TILE_WORKSPACE_MIB`` sets it.  NT-Xent and
-#: InfoNCE keep the general cap: their symmetric passes and single gradient product are worth
-#: it (measured: a 256 MiB cap cost 5 % at N = 65536 and 17 % at 131072).
-TILE_WORKSPACE_BYTES = int(os.environ.get("CUPYNCE_TILE_WORKSPACE_MIB", "256")) << 20
-TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
-TILE_THREADS = 256
-#: dynamic shared memory of a tile CTA (TSMEM_BYTES / WSMEM_BYTES in tiles.cu; a GPU test
-#: checks they agree through cpn_tile_smem): mma.sync, 3 stages x (TBM + TBN) x TLD x 2 bytes;
-#: wgmma, 6 stages x (TBM + TBN) x TBK x 2 bytes + 1 KiB to align the swizzled stages
-TILE_SMEM = 3 * (128 + 128) * 72 * 2
-WG_SMEM = 6 * (128 + 128) * 64 * 2 + 1024
-
-#: (compute capability, SM count) per device id
-SM_COUNT: Dict[int, Tuple[int, int]] = {}
-
-
-def device_caps() -> Tuple[int, int]:
-    """(compute capability as an int, SM count) of the current device, cached per device."""
-    import cupy as cp
-
-    dev = cp.cuda.Device()
-    if dev.id not in SM_COUNT:
-        SM_COUNT[dev.id] = (int(dev.compute_capability),
-                             int(dev.attributes["MultiProcessorCount"]))
-    return SM_COUNT[dev.id]
-
-
-def tiles_ok(*xs) -> bool:
-    """Whether the tile kernels take these (2-D, same 16-bit dtype) operands (see USE_TILES)."""
-    if USE_TILES is False or xs[0].dtype.itemsize != 2:
-        return False
-    for x in xs:
-        if x is None:
-            continue
-        if x.shape[1] % 8 or blas.leading_dim(x) % 8 or x.data.ptr % 16:
-            return False
-    if USE_TILES is None:
-        return wgmma()
-    return device_caps()[0] >= 80
-
-
-def wgmma() -> bool:
-    """Whether the tile kernels run the wgmma main loop (tiles.cu built for sm_90a here)."""
-    return USE_WGMMA and kernels.arch_specific_build(FILE)
-
-
-def grid_splits(row_tiles: int, col_tiles: int) -> int:
-    return grid_splits_for(row_tiles, col_tiles, device_caps()[1])
-
-
-@functools.lru_cache(maxsize=1024)
-def grid_splits_for(row_tiles: int, col_tiles: int, slots: int) -> int:
-    """Column splits of a tile grid: the fewest (longest CTAs, fewest partials) that fill the
-    GPU's CTA slots in waves >= 90 % full on average, else the best-filling count.
-
-    Slots: one CTA per SM for both main loops (wgmma: 193 KiB of shared memory; mma.sync:
-    116 KiB, two of which exceed an H100 SM's 228 KiB).  (N = 8192 on an H100: 64 row tiles
-    x 2 splits = 128 CTAs, one wave 97 % full, where the former "two CTAs per SM" rule gave
-    320 CTAs in 3 waves, the last 42 % full.)
-    """
-    rt = max(row_tiles, 1)
-    best, best_fill = 1, 0.0
-    for s in range(1, max(1, min(col_tiles, 4 * slots)) + 1):
-        ctas = rt * s
-        fill = ctas / (slots * -(-ctas // slots))
-        if fill >= 0.9:
-            return s
-        if fill > best_fill:
-            best, best_fill = s, fill
-    return best
-
-
-#: The contrastive tile kernels' arguments: one by-value struct (``TileArgs`` in tiles.cu),
-#: packed with ``struct`` -- one parameter for CuPy to marshal instead of 31 (~20 us less
-#: host time per launch).  14 pointers, 6 int64, 9 int32, 2 float32, padded to 8 bytes;
-#: ``TILE_ARGS_FIELDS`` is the declaration order (a GPU test checks the offsets).
-TILE_ARGS_FORMAT = "<14Q6q9i2f4x"
-TILE_ARGS_FIELDS = (
-    "A", "B1", "B2", "scale_log", "part_m", "part_s", "pos_out", "colp_m", "colp_s",
-    "lse_row", "lse_col", "w_ptr", "g", "dsp_part",
-    "lda", "ldb1", "ldb2", "part_ld", "w_stride", "ldg",
-    "rows", "row0", "n1", "n2", "d", "exclude_diag", "pos_shift", "pos_mod", "tri",
-    "scale_mul", "w_mul")
-TILE_ARGS_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", struct.calcsize(TILE_ARGS_FORMAT))]})
-_pack_tile_args = struct.Struct(TILE_ARGS_FORMAT).pack
-#: the warp-specialised kernels' one parameter (``WsLaunch`` of tile_ws.cuh; the TF32 / F16x3
-#: kernels' ``WsTf32Launch`` / ``WsF16Launch`` begin alike): four 128-byte tensor maps, the
-#: packed TileArgs at byte ``LAUNCH_ARGS_AT``, the ring (int32) after it, then the F16x3
-#: kernels' fields; ``LAUNCH_BYTES`` in all (64-aligned).  One struct instead of five or six
-#: arguments: CuPy's launch of six such arguments took ~38 µs of host time, of one 768-byte
-#: struct ~13 (H100 host, 2026-11-27).
-LAUNCH_ARGS_AT = 512
-LAUNCH_BYTES = 768
-LAUNCH_DTYPE = np.dtype({"names": ["raw"], "formats": [("u1", LAUNCH_BYTES)]})
-_RING = struct.Struct("<i")
-
-
-def launch_blob(maps, raw: bytes, ring: int, tail: bytes = b"") -> np.ndarray:
-    """The one kernel argument of the warp-specialised tiles: the four tensor ``maps`` (NumPy
-    128-byte records) at 0, 128, 256, 384, the packed TileArgs ``raw`` at ``LAUNCH_ARGS_AT``,
-    the int32 ``ring`` after it, then ``tail``, zero-padded to ``LAUNCH_BYTES``."""
-    blob = b"".join([mp.tobytes() for mp in maps] + [raw, _RING.pack(ring), tail])
-    if len(maps) != 4 or len(raw) != TILE_ARGS_DTYPE.itemsize or len(blob) > LAUNCH_BYTES:
-        raise ValueError(f"launch_blob: 4 maps and {TILE_ARGS_DTYPE.itemsize} bytes of "
-                         f"TileArgs fitting {LAUNCH_BYTES} bytes, got {len(maps)} maps, "
-                         f"{len(raw)} bytes, {len(blob)} in all")
-    return np.frombuffer(blob + bytes(LAUNCH_BYTES - len(blob)), LAUNCH_DTYPE)
-
 
 def _plan(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[int]) -> int:
-    """Rows of a tile-path block: ``blas.plan_rows`` under the caller's workspace, or under
-    ``TILE_WORKSPACE_BYTES`` when none is given."""
-    cap = TILE_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
-    return blas.plan_rows(op, rows, bytes_per_row, cap, align=TILE)
-
-
-def _shifted(w_arr, w_stride: int, c0: int) -> Optional[int]:
-    """The float32 per-index weights ``w_arr`` (stride ``w_stride``) from index ``c0`` on, as
-    a pointer (None when there are none): a column block's weights, its columns from 0."""
-    return None if w_arr is None else ptr(w_arr) + 4 * c0 * w_stride
+    """Rows of a tile-path block: ``plan_rows`` under the caller's workspace, or under
+    ``config.tile_workspace_bytes`` when none is given."""
+    cap = config.current().tile_workspace_bytes if workspace_bytes is None else workspace_bytes
+    return plan_rows(op, rows, bytes_per_row, cap, align=TILE)
 
 
 def _plan_2d(op: str, rows: int, cols: int, itemsize: int,
              workspace_bytes: Optional[int]) -> Tuple[int, int]:
     """(rows, columns) of the gradient blocks G[r0:r1, c0:c1] of CLIP / SigLIP under the
-    workspace (``TILE_WORKSPACE_BYTES`` when none is given).
+    workspace (``config.tile_workspace_bytes`` when none is given).
 
     Each block's products accumulate: dA's rows over the column blocks, dB's over the row
     blocks — every extra block re-reads and re-writes a float32 (·, D) slice, so the blocks
@@ -231,7 +113,7 @@ def _plan_2d(op: str, rows: int, cols: int, itemsize: int,
     (a divisor-like split of the columns, multiple of 128) that minimises the row blocks plus
     the column blocks.  At N = 65536, D = 512, bf16, 256 MiB: 8 × 4 blocks of 8192 × 16384
     rather than 32 row blocks of 2048 (≈ 2.7 GB of accumulator traffic instead of ≈ 8 GB)."""
-    cap = TILE_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    cap = config.current().tile_workspace_bytes if workspace_bytes is None else workspace_bytes
     ld = -(-cols // 8) * 8
     if rows * ld * itemsize <= cap:
         return rows, cols
@@ -259,30 +141,31 @@ def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale
     w_arr, w_stride, w_mul = weights
     n2 = 0 if b2 is None else b2.shape[0]
     b2 = b1 if b2 is None else b2
-    ld = blas.leading_dim
-    raw = _pack_tile_args(
+    ld = leading_dim
+    raw = pack_tile_args(
         a.data.ptr, b1.data.ptr, b2.data.ptr, ptr(scale_log), part[0], part[1], pos_out,
         colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), dsp,
         ld(a), ld(b1), ld(b2), part[2], w_stride, 0 if g is None else ld(g),
         rows, row0, b1.shape[0], n2, d, int(exclude_diag), pos_shift, pos_mod, int(tri),
         scale, w_mul)
-    if stage in WS_STAGES and wstile() and ws_launch(stage, t, grid, a, b1, b2, n2, raw,
-                                                     block=g is not None):
+    if stage in config.current().ws_stages and wstile() and ws_launch(
+            stage, t, grid, a, b1, b2, n2, raw, block=g is not None):
         return
     tile_launch(FILE, stage, t, grid, (np.frombuffer(raw, TILE_ARGS_DTYPE),))
 
 
 def wstile() -> bool:
-    """Whether the tile stages of ``WS_STAGES`` run on ``tiles_ws.cu`` (Hopper, the wgmma loop
-    in use, the driver encodes tensor maps) unless :func:`ws_launch` declines a call."""
-    return USE_WSTILE and wgmma() and tma.available()
+    """Whether the tile stages of ``config.ws_stages`` run on ``tiles_ws.cu`` (Hopper, the
+    wgmma loop in use, the driver encodes tensor maps) unless :func:`ws_launch` declines a
+    call."""
+    return config.current().ws_tiles and wgmma() and tma_available()
 
 
 def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
             block: bool = True) -> Optional[Tuple[int, int]]:
     """(ring argument, dynamic shared memory) of ``cpn_wstile_<stage>`` for D = ``d``, with
     ``static_smem`` bytes of static shared memory and ``smem_max`` per block (opt-in): the
-    ring of tile_ws.cuh (stages | A resident << 8) under ``WS_AR_MIN_STAGES``; None where not
+    ring of tile_ws.cuh (stages | A resident << 8) under ``config.ws_ar_min_stages``; None where not
     even 2 stages fit.  The stages of ``_WS_SOUT`` stage the gradient block after the ring
     (the kernel places nothing else there); ``block`` False (SigLIP's loss alone: no g, the
     one mode whose staging depends on g, as in tile_epilogue.cuh) drops it, so those bytes go
@@ -292,58 +175,12 @@ def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
     if stage in _WS_SOUT and (block or stage != "siglip"):
         sout = 2 * (WS_SOUT_BYTES_H if stage == "h" else WS_SOUT_BYTES)
     budget = smem_max - static_smem - 1024 - sout  # (1 KiB: aligning the swizzled boxes)
-    ar = min(WS_MAX_STAGES, budget // 16384 - kt)
-    if ar >= WS_AR_MIN_STAGES:
+    cfg = config.current()
+    ar = min(cfg.ws_max_stages, budget // 16384 - kt)
+    if ar >= cfg.ws_ar_min_stages:
         return ar | 256, 1024 + (kt + ar) * 16384 + sout
-    st = min(WS_MAX_STAGES, budget // 32768)
+    st = min(cfg.ws_max_stages, budget // 32768)
     return (st, 1024 + st * 32768 + sout) if st >= 2 else None
-
-
-#: tensor maps by (pointer, rows, columns, leading dimension, dtype, box rows: 128, or 32 for
-#: the transposed product of tiles_tf32), boxes of one
-#: 128-byte row (64 16-bit values, or 32 float32 for tiles_tf32): encoding one is a driver call
-#: and two NumPy allocations, the same map for the same matrix; None where the driver refused
-#: it (the same answer for the same key: not asked again on every call)
-_MAPS: Dict[tuple, Optional[np.ndarray]] = {}
-_MAPS_MAX = 512
-
-
-def _tile_map(x, box_rows: int = TILE) -> Optional[np.ndarray]:
-    # (the dtype itself in the key: its .name is computed in Python, µs a call)
-    key = (x.data.ptr, x.shape[0], x.shape[1], blas.leading_dim(x), x.dtype, box_rows)
-    try:  # (not `key in _MAPS` then a read: another thread may clear it in between)
-        return _MAPS[key]
-    except KeyError:
-        pass
-    m = tma.matrix_map(x, box_rows, 128 // x.dtype.itemsize)
-    if len(_MAPS) >= _MAPS_MAX:
-        _MAPS.clear()
-    _MAPS[key] = m
-    return m
-
-
-#: per warp-specialised kernel, by its id: (its static shared memory, the device's opt-in
-#: maximum, the kernel itself -- held, so that its id names no other object while recorded:
-#: a new kernel given a dropped one's id would be launched without the opt-in,
-#: CUDA_ERROR_INVALID_VALUE)
-_WS_SMEM: Dict[int, Tuple[int, int, object]] = {}
-
-
-def ws_smem(kern) -> Tuple[int, int]:
-    """(static shared memory, the device's opt-in maximum per block) of the warp-specialised
-    kernel ``kern``, opted in to all the dynamic shared memory that leaves (once)."""
-    info = _WS_SMEM.get(id(kern))
-    if info is None or info[2] is not kern:
-        import cupy as cp
-
-        smem_max = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-        static = int(kern.attributes["shared_size_bytes"])
-        if kern.max_dynamic_shared_size_bytes < smem_max - static:  # opt in, once
-            kern.max_dynamic_shared_size_bytes = smem_max - static
-        # recorded only once set: a thread that finds the record launches with the opt-in
-        # applied (two threads racing here at worst both set it)
-        info = _WS_SMEM[id(kern)] = (static, smem_max, kern)
-    return info[0], info[1]
 
 
 def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, raw: bytes, block: bool = True) -> bool:
@@ -357,8 +194,8 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, raw: bytes, block: bool =
         return False
     if max(a.shape[0], n1, n2) >= 2 ** 31 - TILE:
         return False
-    ta, tb1 = _tile_map(a), _tile_map(b1)
-    tb2 = _tile_map(b2) if n2 else tb1
+    ta, tb1 = tile_map(a), tile_map(b1)
+    tb2 = tile_map(b2) if n2 else tb1
     if ta is None or tb1 is None or tb2 is None:
         return False
     kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
@@ -368,24 +205,6 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, raw: bytes, block: bool =
     kern(tuple(grid), (WS_THREADS,), (launch_blob((ta, tb1, tb2, tb2), raw, ring[0]),),
          shared_mem=ring[1])
     return True
-
-
-#: kernels already opted in to their dynamic shared memory (the attribute query costs host
-#: time), by id, each held (see _WS_SMEM)
-_SMEM_OPTED: Dict[int, object] = {}
-
-
-def tile_launch(filename: str, stage: str, t, grid, args) -> None:
-    """Launch ``cpn_(wg)tile_<stage>`` of ``kernels_src/filename`` (``tiles.cu``, or SPLADE's
-    ``splade_tiles.cu``) with the main loop in use and its shared memory."""
-    wg = wgmma()
-    kern = kernels.get_kernel(filename, f"{'wgtile' if wg else 'tile'}_{stage}", t)
-    smem = WG_SMEM if wg else TILE_SMEM
-    if _SMEM_OPTED.get(id(kern)) is not kern:  # opt in above 48 KiB, once per kernel
-        if kern.max_dynamic_shared_size_bytes < smem:
-            kern.max_dynamic_shared_size_bytes = smem
-        _SMEM_OPTED[id(kern)] = kern
-    kern(tuple(grid), (TILE_THREADS,), args, shared_mem=smem)
 
 
 def tile_lse(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int, pos_mod: int,
@@ -429,7 +248,7 @@ def tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
     t, f32 = z.dtype, np.dtype(np.float32)
     n, d = z.shape
     ct = -(-n // TILE)
-    if not blas.fits(8 * n * ct, workspace_bytes):
+    if not fits(8 * n * ct, workspace_bytes):
         return None
     half = pos_shift  # NT-Xent: positive of row i is i + half (mod 2 half)
     cnt = ct // 2 + 1  # tiles of the busiest row tile
@@ -442,10 +261,10 @@ def tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
     part = scratch[n:n * (1 + 2 * splits)].reshape(2, splits, n)
     colp = scratch[n * (1 + 2 * splits):].reshape(2, ct, n)
     second = z[half:]
-    if blas.leading_dim(second) != d:
+    if leading_dim(second) != d:
         second = cp.ascontiguousarray(second)
     kernels.launch(ROWS_FILE, "paired_dots", t, (-(-half * 32 // BLOCK),),
-           (z, np.int64(blas.leading_dim(z)), second, np.int32(half), np.int32(1),
+           (z, np.int64(leading_dim(z)), second, np.int32(half), np.int32(1),
             np.int32(d), dots, dots[half:]))  # (both halves: dots[i] = dots[i + half])
     tile("lse2", t, (ct, splits), z, 0, z, None, scale=scale, exclude_diag=True,
           pos_shift=pos_shift, pos_mod=n, part=(part.data.ptr, part[1].data.ptr, n),
@@ -461,7 +280,7 @@ def tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
 def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool, scale_log=None):
-    """:func:`blocks.rows` on the tile kernels (no per-query negatives).
+    """:func:`row_blocks.rows` on the tile kernels (no per-query negatives).
 
     The gradient pass writes the 16-bit gradient block G (or, for NT-Xent, H = G + Gᵀ, which
     needs one product instead of two) straight from the tile registers, then cuBLAS
@@ -469,6 +288,7 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
     """
     import cupy as cp
 
+    cfg = config.current()
     t, f32 = q.dtype, np.dtype(np.float32)
     n, d = q.shape
     nk = k.shape[0]
@@ -481,7 +301,7 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
     stats = None
     if lse_in is not None:
         stats = lse_in, None
-    elif symmetric and SYMMETRIC_LSE and n * d >= SYMMETRIC_LSE_MIN_ND:
+    elif symmetric and cfg.symmetric_lse and n * d >= cfg.symmetric_lse_min_nd:
         stats = tile_lse_symmetric(q, scale, pos_shift, workspace_bytes)
     if stats is None:
         stats = tile_lse(q, k, neg_s, scale, exclude_diag=exclude_diag, pos_shift=pos_shift,
@@ -490,7 +310,7 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
     if not want_grad:
         return lse, loss, (None, None, None, None)
     ldg = -(-ncols // 8) * 8  # 16-byte rows for the kernel's paired stores and cuBLAS
-    rb = blas.plan_rows(op, n, ldg * t.itemsize, workspace_bytes, align=TILE)
+    rb = plan_rows(op, n, ldg * t.itemsize, workspace_bytes, align=TILE)
     if rb >= n:  # the statistics are final: what needs only them may run beside (side.py).
         # (One block only: its products are the call's last work, which a graph defers, so
         # no small output is written after this point; with several blocks the products of
@@ -501,7 +321,7 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
     dk = dq if self_pair else cp.empty((nk, d), f32)  # first row block: beta = 0
     dns = cp.empty((ms, d), f32) if ms else None
     ct = -(-ncols // TILE)
-    tri = symmetric and SYMMETRIC_H and rb >= n  # all of H in one block: tiles mirrored
+    tri = symmetric and cfg.symmetric_h and rb >= n  # all of H in one block: tiles mirrored
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         qb = q[r0:r1]
@@ -519,12 +339,12 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
             dk = dq if self_pair else next(it)
             dns = next(it) if ms else None
             acc = 1.0 if r0 else 0.0
-            blas.gemm(g_blk[:, :nk], k, dq[r0:r1])
+            cublas.gemm(g_blk[:, :nk], k, dq[r0:r1])
             if not self_pair:
-                blas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
+                cublas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
             if ms:
-                blas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
-                blas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
+                cublas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
+                cublas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
         outs = (dq,) + (() if self_pair else (dk,)) + ((dns,) if ms else ())
         # (one block: the call's last work, which a graph may leave out, tail.py)
         tail.products(outs, products, last=rb >= n)
@@ -533,7 +353,7 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
          workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
-    """:func:`blocks.clip` on the tile kernels: row and column statistics in one pass.
+    """:func:`row_blocks.clip` on the tile kernels: row and column statistics in one pass.
 
     ``col_shift`` (tiles only): the raw positive dots a_j·b_j of every column, which the
     column pass shifts its exponentials by (computed here when None: square problems).
@@ -563,9 +383,9 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         cgrid = (-(-n // BLOCK),)
         if col_shift is None:
             # a_j . b_j: the kernel shifts column j's exponentials by its positive logit
-            b_rows = bn if blas.leading_dim(bn) == d else cp.ascontiguousarray(bn)
+            b_rows = bn if leading_dim(bn) == d else cp.ascontiguousarray(bn)
             kernels.launch(ROWS_FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
-                   (an, np.int64(blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
+                   (an, np.int64(leading_dim(an)), b_rows, np.int32(n), np.int32(1),
                     np.int32(d), dots, 0))
         else:
             dots = col_shift
@@ -618,13 +438,13 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 tile("clip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
                      scale_log=ls, pos_mod=nc, lse_row=lse_r.data.ptr - 4 * (row0 - c0),
                      lse_col=lse_c.data.ptr + 4 * c0,
-                     weights=(_shifted(w_arr, w_stride, c0), w_stride, w_mul),
+                     weights=(shifted(w_arr, w_stride, c0), w_stride, w_mul),
                      g=g_blk, dsp=dpart[k].data.ptr, part=(0, 0, r1 - r0))
                 k += sp
 
                 def products(da, db, r0=r0, r1=r1, c0=c0, c1=c1, g_blk=g_blk):
-                    blas.gemm(g_blk, bn[c0:c1], da[r0:r1], beta=1.0 if c0 else 0.0)
-                    blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True,
+                    cublas.gemm(g_blk, bn[c0:c1], da[r0:r1], beta=1.0 if c0 else 0.0)
+                    cublas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True,
                               beta=1.0 if r0 else 0.0)
                 # (one block: the call's last work, which a graph may leave out, tail.py)
                 tail.products((da, db), products, last=rb >= n and cb >= nc)
@@ -640,12 +460,12 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
 
 def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes,
            row0: int = 0):
-    """:func:`blocks.siglip` on the tile kernels (``MODE_SIGLIP``): the score tiles never
+    """:func:`row_blocks.siglip` on the tile kernels (``MODE_SIGLIP``): the score tiles never
     reach memory.  Per row block one launch gives the rows' loss, dbias and dscale partials
     (per column split, summed in split order by ``tile_sum``) and, for the gradient, the
     block s G' in the input dtype, which the two gradient products read with alpha = w_mul.
     Without the gradient there is no block: one launch over every row.  Same returns as
-    :func:`blocks.siglip`."""
+    :func:`row_blocks.siglip`."""
     import cupy as cp
 
     t, f32 = an.dtype, np.dtype(np.float32)
@@ -677,15 +497,15 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
             # weights shifted by c0; lse_col holds the bias
             tile("siglip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
                  scale_log=ls, pos_mod=FAR_MOD, part=(ptr(loss_p), ptr(dbias_p), m),
-                 lse_col=lb, weights=(_shifted(w_arr, w_stride, c0), w_stride, w_mul),
+                 lse_col=lb, weights=(shifted(w_arr, w_stride, c0), w_stride, w_mul),
                  g=g_blk, dsp=ptr(dscale_p))
             k += sp
             if want_grad:  # (the block holds s G' = s G / w_mul; first blocks write da, db)
 
                 def products(da, db, r0=r0, r1=r1, c0=c0, c1=c1, g_blk=g_blk):
-                    blas.gemm(g_blk, bn[c0:c1], da[r0:r1], alpha=w_mul,
+                    cublas.gemm(g_blk, bn[c0:c1], da[r0:r1], alpha=w_mul,
                               beta=1.0 if c0 else 0.0)
-                    blas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True, alpha=w_mul,
+                    cublas.gemm(g_blk, an[r0:r1], db[c0:c1], trans_a=True, alpha=w_mul,
                               beta=1.0 if r0 else 0.0)
                 # (one block: the call's last work, which a graph may leave out, tail.py)
                 tail.products((da, db), products, last=rb >= n and cb >= nc)
@@ -696,7 +516,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
         kernels.launch(FILE, "tile_sum", t, (-(-m // BLOCK), part.shape[0]),
                        (part, np.int64(m), np.int32(k), np.int32(m), np.int64(k * m), *outs))
     grads = None
-    if want_grad:  # parts: dscale, dbias rows (blocks.siglip's layout), summed in one launch
+    if want_grad:  # parts: dscale, dbias rows (row_blocks.siglip's layout), summed in one launch
         sums = fixed_sums(parts, 1)
         grads = (da, db, sums[0], sums[1])
     return row_loss, grads
@@ -704,7 +524,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
 
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
           workspace_bytes, col_shift=None):
-    """:func:`blocks.cross` on the tile kernels: the ``lse2`` pass (row partials, and column
+    """:func:`row_blocks.cross` on the tile kernels: the ``lse2`` pass (row partials, and column
     partials shifted by ``col_shift``, the raw positive dots of k's rows) and the ``h``
     gradient block (H = w_i p_i(j) + w_j p_j(i)), with the rows numbered past the columns
     (``row0 = m``) so that no tile holds a diagonal or a positive."""
@@ -716,7 +536,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     ct = -(-m // TILE)
     lse_q = state = grads = None
     if want_stats:
-        rg = blas.plan_rows("nt_xent", n, -(-8 * m // TILE), workspace_bytes, align=TILE)
+        rg = plan_rows("nt_xent", n, -(-8 * m // TILE), workspace_bytes, align=TILE)
         cpt = -(-rg // TILE)
         splits = grid_splits(min(-(-n // TILE), cpt), ct)  # one group's rows fill the GPU
         # one fp32 scratch: row partials (2, splits, n) | column partials (2, cpt, m)
@@ -740,7 +560,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     if want_grad:
         w_arr, w_mul = pair_weights(weights, f32)
         ldg = -(-m // 8) * 8
-        rb = blas.plan_rows("nt_xent", n, ldg * t.itemsize, workspace_bytes, align=TILE)
+        rb = plan_rows("nt_xent", n, ldg * t.itemsize, workspace_bytes, align=TILE)
         g_buf = cp.empty((rb, ldg), t)
         dq = cp.empty((n, d), f32)
         dk = cp.empty((m, d), f32)  # the first row block's product writes it (beta = 0)
@@ -752,7 +572,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             tile("h", t, (rt, grid_splits(rt, ct)), q[r0:r1], m + r0, k, None, scale=scale,
                  pos_mod=FAR_MOD, lse_row=lse_row, lse_col=lse_c, weights=(w_arr, 1, w_mul),
                  g=g_blk)
-            blas.gemm(g_blk, k, dq[r0:r1])
-            blas.gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0)
+            cublas.gemm(g_blk, k, dq[r0:r1])
+            cublas.gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (dq, dk)
     return lse_q, state, grads

@@ -1,8 +1,9 @@
 """Float32 NT-Xent on Hopper's tensor cores (``kernels_src/tiles_ws_tf32.cu``, issue 24): the
-engine of the float32 precisions "auto" (from ``AUTO_MIN_ROWS`` x ``AUTO_MIN_DIM``) and
-"3xtf32" for NT-Xent (:func:`applies`, :func:`rows`, routed from ``_engine.rows``).
+loss path of the float32 precisions "auto" (from ``config.tf32x3_min_rows`` x
+``tf32x3_min_dim``) and "3xtf32" for NT-Xent (:func:`applies`, :func:`rows`, routed from
+``_engine.rows``); its products are ``gemm.tf32x3``'s.
 
-Each float32 operand is split x = hi + lo (:func:`blas.split_tf32`: hi = x rounded to TF32,
+Each float32 operand is split x = hi + lo (``gemm.cublas.split_tf32``: hi = x rounded to TF32,
 lo = x - hi exactly) and the warp-specialised tile walk of ``tile_ws.cuh`` computes
 S = lo_a·hi_b + hi_a·lo_b + hi_a·hi_b with TF32 wgmma, adding each 32-wide K step's chunk to
 an fp32 register sum with round-to-nearest adds: Hopper's tensor cores truncate when they
@@ -24,7 +25,7 @@ is a difference of nearly equal terms: that, not the products, sets its error); 
 from the tiles' own base-2 positive logits.  Measured (H100, N = 16384, D = 512, t = 0.07):
 dz 7.2e-6 and lse 1.4e-7 relative against float64, cuBLAS fp32's path 1.7e-5 / 3.0e-7; at
 small shapes the split operands' 22 bits cost more than fp32's accumulation loses, hence
-``AUTO_MIN_ROWS``.
+``config.tf32x3_min_rows``.
 
 Limits: NT-Xent's symmetric problem only (no shared or per-query negatives, no learnable
 scale: a ``group=`` NT-Xent's own diagonal block qualifies, its cross-rank blocks stay on
@@ -37,147 +38,16 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import arrays, blas, blocks, kernels, tiles, tma
-from .kernels import BLOCK
+from ... import config
+from .. import arrays, kernels, tiling
+from ..arrays import leading_dim
+from ..gemm import tf32x3
+from ..kernels import BLOCK
+from ..tiling import TILE, grid_splits
+from ..workspace import plan_rows, workspace_cap
+from .stats import pair_dots
 
 FILE = "tiles_ws_tf32.cu"
-#: K elements per ring stage (WS_TF32_KSTEP: one 128-byte swizzled row of float32), one
-#: 128 x 32 float32 box, and the stage: four boxes, A_hi | A_lo | B_hi | B_lo (``mm``: the
-#: TMA loads A into A_hi's box and the consumer splits it into both)
-KSTEP = 32
-BOX_BYTES = tiles.TILE * KSTEP * 4
-STAGE_BYTES = 4 * BOX_BYTES
-#: fewest ring stages worth launching (the H100's 227 KiB per block hold 3)
-MIN_STAGES = 2
-#: ``mm``'s two consumer warpgroups on the tensor cores at once, their tiles' K steps
-#: interleaved in the ring (the kernel's ring bit 9), instead of the ping-pong of whole tiles
-#: the fused passes use: a consumer's wait for its promoted chunk then hides under the other's
-#: MMAs.  The same arithmetic in the same order either way (the same bits); False for the
-#: benchmark's before / after (bench_tf32_mm.py)
-MM_INTERLEAVE = True
-
-
-#: the kernels' one parameter, ``WsTf32Launch`` (tiles_ws_tf32.cu): ``tiles.launch_blob``'s
-#: layout (four 128-byte tensor maps, the packed TileArgs<float> at byte 512, the ring after
-#: it; 768 bytes)
-LAUNCH_ARGS_AT, LAUNCH_BYTES = tiles.LAUNCH_ARGS_AT, tiles.LAUNCH_BYTES
-
-
-class TF32TilesUnavailable(RuntimeError):
-    """The TF32 tiles cannot run here (not a compute-capability 9.0 GPU, no tensor maps, or
-    too little shared memory for two ring stages)."""
-
-
-def available() -> bool:
-    """Whether :func:`tile_lse_tf32x3` can run on the current device: compute capability 9.0
-    (the kernel is built for sm_90a) and a driver that encodes tensor maps; False without a
-    CUDA device or driver (the cuBLAS paths that run instead raise their own error)."""
-    try:
-        return kernels.arch_specific_build(FILE) and tma.available()
-    except RuntimeError:  # (CuPy's CUDARuntimeError: no device / driver)
-        return False
-
-
-def ring(static_smem: int, smem_max: int) -> Optional[Tuple[int, int]]:
-    """(stages, dynamic shared memory) of the kernel with ``static_smem`` bytes of static
-    shared memory and ``smem_max`` per block (opt-in); None where 2 stages do not fit."""
-    st = min(tiles.WS_MAX_STAGES, (smem_max - static_smem - 1024) // STAGE_BYTES)
-    return (st, 1024 + st * STAGE_BYTES) if st >= MIN_STAGES else None
-
-
-def padded(x):
-    """The float32 matrix ``x`` contiguous with its columns zero-padded to a multiple of 4 (the
-    tensor maps want 16-byte rows; zeros add nothing to the products): ``x`` itself when it
-    already is."""
-    import cupy as cp
-
-    rows, d = x.shape
-    dp = -(-d // 4) * 4
-    if dp == d:
-        return cp.ascontiguousarray(x)
-    xp = cp.zeros((rows, dp), np.float32)
-    xp[:, :d] = x
-    return xp
-
-
-def split(x, name: str = "x"):
-    """``(hi, lo)`` of the float32 matrix ``x`` (:func:`blas.split_tf32`) as :func:`padded`
-    lays it out."""
-    rows, d = x.shape
-    return blas.split_tf32(x if d % 4 == 0 else padded(x), name)
-
-
-def split_t_shape(x) -> tuple:
-    """The shape of each half :func:`split_t` gives for ``x`` (rows, d): (d, rows rounded up
-    to a multiple of 4)."""
-    rows, d = x.shape
-    return d, -(-rows // 4) * 4
-
-
-def split_t(x, name: str = "x", out=None):
-    """:func:`split` of xᵀ, as :func:`padded` lays it out (``cpn_split_tf32_t_f32``: x read
-    once, no transposed copy): the K-major B operand of a product against x's columns.
-    ``x`` (rows, d) float32 with unit column stride (else copied first).  ``out``: the two
-    halves to write, contiguous float32 of :func:`split_t_shape` (``Products.prefetch``
-    allocates them on one stream and splits on another); else allocated here."""
-    import cupy as cp
-
-    if x.ndim == 2 and x.shape[1] > 1 and x.strides[1] != 4:
-        if out is not None:  # (a split on a side stream must allocate nothing there)
-            raise ValueError(f"split_t: {name} with out= needs unit column stride, got "
-                             f"strides {x.strides}")
-        x = cp.ascontiguousarray(x)  # (the kernel reads rows with unit column stride)
-    rows, _ = x.shape
-    d, rp = shape = split_t_shape(x)
-    hi, lo = out if out is not None else (cp.empty(shape, np.float32),
-                                          cp.empty(shape, np.float32))
-    if hi.size:
-        kern = kernels.get_function("blas.cu", "cpn_split_tf32_t_f32")
-        kern((-(-rp // 32), -(-d // 32)), (256,), (x, np.int64(blas.leading_dim(x, name)), hi,
-                                                    lo, np.int32(rows), np.int32(rp),
-                                                    np.int32(d)))
-    return hi, lo
-
-
-def _kernel(mode: str = "lse"):
-    """The kernel of ``mode`` (lse, lse2, h, mm, mmt) on the current device and (its static shared
-    memory, the opt-in maximum), opted in as the 16-bit warp-specialised kernels are
-    (:func:`tiles.ws_smem`)."""
-    kern = kernels.get_function(FILE, f"cpn_wstile_{mode}_tf32x3")
-    return kern, tiles.ws_smem(kern)
-
-
-def _launch(mode: str, parts, grid, raw: bytes, ring_flags: int = 0) -> None:
-    """Launch ``cpn_wstile_<mode>_tf32x3`` over the split operands ``parts`` = (A_hi, A_lo,
-    B_hi, B_lo) (``mm``: A_lo unread, A itself in A_hi's place; ``mmt``: the stored (K x M)
-    matrix of A there, mapped in 32 x 32 boxes) with the packed
-    :data:`tiles.TILE_ARGS_FORMAT` arguments ``raw``; ``ring_flags`` or-ed into the ring
-    argument (``1 << 9``: ``mm``'s interleaved consumers)."""
-    kern, _ = _kernel(mode)
-    maps = [tiles._tile_map(x, 32 if mode == "mmt" and i == 0 else tiles.TILE)
-            for i, x in enumerate(parts)]
-    launch_packed(kern, f"cpn_wstile_{mode}_tf32x3", maps, grid, raw, ring_flags)
-
-
-def launch_packed(kern, name: str, maps, grid, raw: bytes, ring_flags: int = 0,
-                  tail: bytes = b"") -> None:
-    """Launch the split-operand tile kernel ``kern`` (``name`` for the errors) with its one
-    768-byte argument: the four tensor ``maps`` at 0, 128, 256, 384, the packed TileArgs
-    ``raw`` at :data:`LAUNCH_ARGS_AT`, the ring (stages | ``ring_flags``, int32) after it,
-    then ``tail`` (the F16x3 kernels' fields), zero-padded to :data:`LAUNCH_BYTES` -- the
-    layout the kernels' static_asserts hold (``WsTf32Launch``, ``WsF16Launch``).  Both
-    kernels' stages are :data:`STAGE_BYTES`."""
-    info = tiles.ws_smem(kern)
-    rg = ring(*info)
-    if rg is None:
-        raise TF32TilesUnavailable(f"{name}: {info[1]} bytes of shared memory per block hold "
-                                   f"fewer than {MIN_STAGES} ring stages")
-    if any(mp is None for mp in maps):
-        raise TF32TilesUnavailable(f"{name}: the driver refused a tensor map")
-    kern(tuple(grid), (tiles.WS_THREADS,),
-         (tiles.launch_blob(maps, raw, rg[0] | ring_flags, tail),), shared_mem=rg[1])
-
-
 def _check(x, name: str):
     if getattr(x, "ndim", None) != 2 or x.dtype != np.float32:
         raise ValueError(f"tile_lse_tf32x3: {name} must be a 2-D float32 CuPy array, got "
@@ -189,7 +59,7 @@ def tile_lse_tf32x3(q, k, scale: float, *, neg_s=None, exclude_diag: bool = Fals
                     splits: Optional[int] = None, positives: bool = False):
     """Row log-sum-exps and losses of the float32 scores ``scale · q kᵀ`` on the TF32x3 tiles.
 
-    What :func:`tiles.tile_lse` computes for 16-bit inputs: ``lse_i = log sum_j exp(L_ij)``
+    What :func:`score_tiles.tile_lse` computes for 16-bit inputs: ``lse_i = log sum_j exp(L_ij)``
     over the columns j of ``k`` (``exclude_diag``: j = i left out), L = s q kᵀ with
     s = ``scale`` (times exp(``scale_log[0]``) when that device scalar is given), and
     ``loss_i = lse_i - L_{i, p(i)}``, p(i) = (i + ``pos_shift``) mod ``pos_mod`` (default
@@ -203,9 +73,9 @@ def tile_lse_tf32x3(q, k, scale: float, *, neg_s=None, exclude_diag: bool = Fals
     neg_s : None
         InfoNCE's extra negatives: not supported (B1 only) (``NotImplementedError``).
     exclude_diag, pos_shift, pos_mod, scale_log :
-        As :func:`tiles.tile_lse`.
+        As :func:`score_tiles.tile_lse`.
     splits : int, optional
-        Column splits of the grid (default :func:`tiles.grid_splits`; for tests).
+        Column splits of the grid (default :func:`tiling.grid_splits`; for tests).
     positives : bool
         Also return the positive logits ``L_{i, p(i)}`` the kernel wrote (its products in
         base 2, rounded once to float32, times ln 2 in float64: what the tests measure the
@@ -221,7 +91,8 @@ def tile_lse_tf32x3(q, k, scale: float, *, neg_s=None, exclude_diag: bool = Fals
     -----
     Scratch: the hi / lo copies of q and k (2 x their size in float32, 4 x when k is not q)
     and the (2, splits, n) partials.  Deterministic (fixed orders throughout).  Raises
-    :class:`TF32TilesUnavailable` off Hopper (compute capability 9.0) or without tensor maps.
+    :class:`gemm.tf32x3.TF32TilesUnavailable` off Hopper (compute capability 9.0) or without
+    tensor maps.
     """
     if neg_s is not None:
         raise NotImplementedError("tile_lse_tf32x3: no second column matrix (neg_s) in the "
@@ -234,15 +105,15 @@ def tile_lse_tf32x3(q, k, scale: float, *, neg_s=None, exclude_diag: bool = Fals
         raise ValueError(f"tile_lse_tf32x3: q is {q.shape} and k {k.shape}: the same d expected")
     if n == 0 or m == 0 or d == 0:
         raise ValueError(f"tile_lse_tf32x3: empty operands q {q.shape}, k {k.shape}")
-    if max(n, m) >= 2 ** 31 - tiles.TILE:
+    if max(n, m) >= 2 ** 31 - TILE:
         raise ValueError(f"tile_lse_tf32x3: {max(n, m)} rows: at most 2^31 - 129")
-    if not available():
-        raise TF32TilesUnavailable(
+    if not tf32x3.available():
+        raise tf32x3.TF32TilesUnavailable(
             "tile_lse_tf32x3 needs a compute-capability 9.0 GPU (Hopper: the kernel is built "
             "for sm_90a) and a CUDA driver that encodes tensor maps")
-    q_hi, q_lo = split(q, "q")
+    q_hi, q_lo = tf32x3.split(q, "q")
     same = (k.data.ptr == q.data.ptr and k.shape == q.shape and k.strides == q.strides)
-    k_hi, k_lo = (q_hi, q_lo) if same else split(k, "k")
+    k_hi, k_lo = (q_hi, q_lo) if same else tf32x3.split(k, "k")
     return lse_split((q_hi, q_lo, k_hi, k_lo), scale, exclude_diag=exclude_diag,
                      pos_shift=pos_shift, pos_mod=pos_mod, scale_log=scale_log, splits=splits,
                      positives=positives)
@@ -272,16 +143,16 @@ def _lse_square(parts, scale: float, *, exclude_diag: bool, pos_shift: int,
     n, dp = q_hi.shape
     m = k_hi.shape[0]
     pos_mod = m if pos_mod is None else pos_mod
-    rt, ct = -(-n // tiles.TILE), -(-m // tiles.TILE)
+    rt, ct = -(-n // TILE), -(-m // TILE)
     if splits is None:
-        splits = tiles.grid_splits(rt, ct)
+        splits = grid_splits(rt, ct)
     f32 = np.dtype(np.float32)
     part = cp.empty((2, splits, n), f32)
     pos2 = cp.empty((n,), f32)
-    raw = _args(q_hi, k_hi, rows=n, n1=m, d=dp, scale=scale, scale_log=scale_log,
-                part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos2.data.ptr,
-                exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod)
-    _launch("lse", parts, (rt, splits), raw)
+    raw = tf32x3.args(q_hi, k_hi, rows=n, n1=m, d=dp, scale=scale, scale_log=scale_log,
+                      part=(part.data.ptr, part[1].data.ptr, n), pos_out=pos2.data.ptr,
+                      exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod)
+    tf32x3.launch("lse", parts, (rt, splits), raw)
     lse, loss, ml = _finish(part, splits, n, pos2)
     return lse, loss, pos2, ml
 
@@ -307,23 +178,9 @@ def _finish(part, splits: int, n: int, pos2, colp=None, half: int = 0):
     return lse, loss, ml
 
 
-def _args(a_hi, b_hi, *, rows: int, n1: int, d: int, scale: float, scale_log=None,
-          part=(0, 0, 0), pos_out=0, colp=(0, 0), lse_row=None, lse_col=None,
-          weights=(None, 0, 0.0), g=None, exclude_diag: bool = False, row0: int = 0,
-          pos_shift: int = 0, pos_mod: int = 1, tri: bool = False) -> bytes:
-    """The packed TileArgs<float> of a TF32x3 launch (B1 only: B2 is B1's map)."""
-    ld, ptr = blas.leading_dim, tiles.ptr
-    w_arr, w_stride, w_mul = weights
-    return tiles._pack_tile_args(
-        a_hi.data.ptr, b_hi.data.ptr, b_hi.data.ptr, ptr(scale_log), part[0], part[1], pos_out,
-        colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), 0,
-        ld(a_hi), ld(b_hi), ld(b_hi), part[2], w_stride, 0 if g is None else ld(g),
-        rows, row0, n1, 0, d, int(exclude_diag), pos_shift, pos_mod, int(tri), scale, w_mul)
-
-
 def lse_symmetric(z, parts, scale: float, pos_shift: int, s_out=None):
     """NT-Xent's row statistics on the TF32x3 tiles with each pair of score tiles computed once
-    (the ``lse2`` pass + ``cpn_tf32x3_finish_tri``: :func:`tiles.tile_lse_symmetric`'s
+    (the ``lse2`` pass + ``cpn_tf32x3_finish_tri``: :func:`score_tiles.tile_lse_symmetric`'s
     schedule).  ``z`` (n, d) float32 rows, ``parts`` = its :func:`split`, ``pos_shift`` = n / 2.
     The column shifts are the positive dots z_i · z_{i + n/2} in float32 (``paired_dots``; a
     shift only: the positives' logits for the losses are the tiles').  ``s_out``: an (n, n)
@@ -336,21 +193,22 @@ def lse_symmetric(z, parts, scale: float, pos_shift: int, s_out=None):
     dp = z_hi.shape[1]
     f32 = np.dtype(np.float32)
     half = pos_shift
-    ct = -(-n // tiles.TILE)
-    splits = tiles.grid_splits(ct, ct // 2 + 1)
+    ct = -(-n // TILE)
+    splits = grid_splits(ct, ct // 2 + 1)
     part = cp.empty((2, splits, n), f32)
     colp = cp.empty((2, ct, n), f32)
-    pd = blocks.pair_dots(z[:half], z[half:])  # dots[i] = dots[i + half] = z_i . z_{i + half}
+    pd = pair_dots(z[:half], z[half:])  # dots[i] = dots[i + half] = z_i . z_{i + half}
     dots = cp.empty((n,), f32)  # (two device copies, not cp.concatenate: no CuPy kernel)
     dots[:half].data.copy_from_device_async(pd.data, pd.nbytes)
     dots[half:].data.copy_from_device_async(pd.data, pd.nbytes)
     # written for the rows whose tile held the positive; NaN marks the others
     pos2 = arrays.fill(cp.empty((n,), f32), np.nan)
-    raw = _args(z_hi, z_hi, rows=n, n1=n, d=dp, scale=scale,
-                part=(part.data.ptr, part[1].data.ptr, n), colp=(colp.data.ptr, colp[1].data.ptr),
-                pos_out=pos2.data.ptr, lse_col=dots, g=s_out, exclude_diag=True,
-                pos_shift=half, pos_mod=n, tri=True)
-    _launch("lse2", (z_hi, z_lo, z_hi, z_lo), (ct, splits), raw)
+    raw = tf32x3.args(z_hi, z_hi, rows=n, n1=n, d=dp, scale=scale,
+                      part=(part.data.ptr, part[1].data.ptr, n),
+                      colp=(colp.data.ptr, colp[1].data.ptr),
+                      pos_out=pos2.data.ptr, lse_col=dots, g=s_out, exclude_diag=True,
+                      pos_shift=half, pos_mod=n, tri=True)
+    tf32x3.launch("lse2", (z_hi, z_lo, z_hi, z_lo), (ct, splits), raw)
     return _finish(part, splits, n, pos2, colp, half)
 
 
@@ -371,13 +229,13 @@ def h_block(parts, ml, scale: float, pos_shift: int, weights, *, tri: bool = Tru
         raise ValueError("h_block: tri needs the whole block (row0 = 0, rows = n)")
     ldg = -(-n // 4) * 4
     h = (cp.empty((rows, ldg), np.float32) if out is None else out)[:rows, :n]
-    ct, rt = -(-n // tiles.TILE), -(-rows // tiles.TILE)
-    splits = tiles.grid_splits(rt, ct // 2 + 1 if tri else ct)
+    ct, rt = -(-n // TILE), -(-rows // TILE)
+    splits = grid_splits(rt, ct // 2 + 1 if tri else ct)
     a_hi, a_lo = z_hi[row0:row0 + rows], z_lo[row0:row0 + rows]
-    raw = _args(a_hi, z_hi, rows=rows, n1=n, d=dp, scale=scale, lse_row=ml, lse_col=ml,
-                weights=weights, g=h, exclude_diag=True, row0=row0, pos_shift=pos_shift,
-                pos_mod=n, tri=tri)
-    _launch("h", (a_hi, a_lo, z_hi, z_lo), (rt, splits), raw)
+    raw = tf32x3.args(a_hi, z_hi, rows=rows, n1=n, d=dp, scale=scale, lse_row=ml, lse_col=ml,
+                      weights=weights, g=h, exclude_diag=True, row0=row0, pos_shift=pos_shift,
+                      pos_mod=n, tri=tri)
+    tf32x3.launch("h", (a_hi, a_lo, z_hi, z_lo), (rt, splits), raw)
     return h
 
 
@@ -398,15 +256,16 @@ def h_pair(parts, ml, scale: float, pos_shift: int, weights, rows: Tuple[int, in
     nr, nc = r1 - r0, c1 - c0
     tri = (r0, r1) == (c0, c1)
     h = out[:nr, :nc]
-    rt, ct = -(-nr // tiles.TILE), -(-nc // tiles.TILE)
-    splits = tiles.grid_splits(rt, ct // 2 + 1 if tri else ct)
+    rt, ct = -(-nr // TILE), -(-nc // TILE)
+    splits = grid_splits(rt, ct // 2 + 1 if tri else ct)
     w_arr, w_stride, w_mul = weights
     shifted = ml.data.ptr + c0 * ml.strides[0]
-    raw = _args(z_hi[r0:r1], z_hi[c0:c1], rows=nr, n1=nc, d=dp, scale=scale, lse_row=shifted,
-                lse_col=shifted, weights=(tiles._shifted(w_arr, w_stride, c0), w_stride, w_mul),
-                g=h, exclude_diag=True, row0=r0 - c0, pos_shift=pos_shift + n, pos_mod=n,
-                tri=tri)
-    _launch("h", (z_hi[r0:r1], z_lo[r0:r1], z_hi[c0:c1], z_lo[c0:c1]), (rt, splits), raw)
+    raw = tf32x3.args(z_hi[r0:r1], z_hi[c0:c1], rows=nr, n1=nc, d=dp, scale=scale,
+                      lse_row=shifted, lse_col=shifted,
+                      weights=(tiling.shifted(w_arr, w_stride, c0), w_stride, w_mul),
+                      g=h, exclude_diag=True, row0=r0 - c0, pos_shift=pos_shift + n, pos_mod=n,
+                      tri=tri)
+    tf32x3.launch("h", (z_hi[r0:r1], z_lo[r0:r1], z_hi[c0:c1], z_lo[c0:c1]), (rt, splits), raw)
     return h
 
 
@@ -414,11 +273,11 @@ def pair_rows(n: int, cap: int) -> int:
     """Rows of the square blocks of the pair schedule (:func:`rows`): the fewest blocks whose
     float32 (R, R) fits ``cap`` bytes, R balanced over them and a multiple of the tile (0: not
     even one 128 x 128 tile fits)."""
-    r_max = (math.isqrt(cap // 4) // tiles.TILE) * tiles.TILE
+    r_max = (math.isqrt(cap // 4) // TILE) * TILE
     if r_max == 0:
         return 0
     per_block = -(-n // -(-n // r_max))
-    return min(r_max, -(-per_block // tiles.TILE) * tiles.TILE)
+    return min(r_max, -(-per_block // TILE) * TILE)
 
 
 #: rows of ``cpn_tf32x3_h_from_s``'s grid (CUDA caps y at 65535; each block then loops over
@@ -435,49 +294,10 @@ def h_from_s(s_block, ml, scale: float, pos_shift: int, weights):
     w_arr, w_stride, w_mul = weights
     kern = kernels.get_function(FILE, "cpn_tf32x3_h_from_s")
     kern((-(-n // (4 * BLOCK)), min(n, H_FROM_S_GRID_Y)), (BLOCK,),
-         (s_block, np.int64(blas.leading_dim(s_block)), np.int32(n), np.int32(pos_shift), ml,
+         (s_block, np.int64(leading_dim(s_block)), np.int32(n), np.int32(pos_shift), ml,
           w_arr if w_arr is not None else np.uint64(0), np.int64(w_stride), np.float32(w_mul),
           np.float32(scale)))
     return s_block
-
-
-def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
-       accumulate: bool = False, trans_a: bool = False):
-    """``out = alpha · op(A) Bᵀ`` (``accumulate``: ``+ out``) on the TF32x3 tiles (A split in
-    shared memory, three TF32 products per 32-wide K step, promoted to an fp32 register sum,
-    scaled by 1 + CPN_TF32X3_TRUNC: the mean truncation loss).
-
-    ``a`` float32 with 16-byte rows (unit column stride, leading dimension a multiple of 4,
-    16-byte aligned, as :func:`h_block` writes it): (m, k), op(A) = A; ``trans_a``: (k, m)
-    as stored, op(A) = Aᵀ (the ``mmt`` kernel reads it in 32 x 32 boxes and its consumers
-    transpose them in shared memory: no transposed copy; the same hi / lo, the same
-    products in the same order, so the same bits as ``mm`` of a transposed copy).
-    ``bt_parts`` = (B_hi, B_lo) (c, k) (:func:`split`) -- both K-major, as TF32 wgmma wants
-    --, ``out`` (m, c) float32 with an even leading dimension; ``accumulate``: each element
-    read, added to (round to nearest) and stored by one thread (a product summed over row
-    blocks in a fixed order).  Returns ``out``."""
-    b_hi, b_lo = bt_parts
-    k, m = a.shape if trans_a else a.shape[::-1]
-    c = b_hi.shape[0]
-    if k > b_hi.shape[1] or out.shape[0] < m or out.shape[1] < c:
-        raise ValueError(f"tiles_tf32.mm: a {a.shape}{' (transposed)' if trans_a else ''}, b "
-                         f"{b_hi.shape} (K at least a's) and out {out.shape} (at least "
-                         f"({m}, {c})) do not fit together")
-    if a.dtype != np.float32 or a.strides[1] != 4 or blas.leading_dim(a) % 4 \
-            or a.data.ptr % 16:
-        raise ValueError(f"tiles_tf32.mm: a must be float32 with 16-byte rows, got {a.dtype} "
-                         f"strides {a.strides}")
-    if blas.leading_dim(out) % 2 or out.strides[1] != 4:
-        raise ValueError(f"tiles_tf32.mm: out needs an even leading dimension, got strides "
-                         f"{out.strides}")
-    rt, ct = -(-m // tiles.TILE), -(-c // tiles.TILE)
-    if splits is None:
-        splits = tiles.grid_splits(rt, ct)
-    # (MODE_MM reads TileArgs' tri as its accumulate flag)
-    raw = _args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=out, tri=accumulate)
-    _launch("mmt" if trans_a else "mm", (a, a, b_hi, b_lo), (rt, splits), raw,
-            (1 << 9) if MM_INTERLEAVE else 0)
-    return out
 
 
 def ml_from_lse(lse):
@@ -491,16 +311,14 @@ def ml_from_lse(lse):
     return cp.stack((m, (l2 - m).astype(np.float32)), axis=1)
 
 
-#: "auto" takes the tiles only from these sizes on: rows n = 2B and columns d where they were
-#: measured at least as accurate as the fp32 path, loss (per row) and gradient (H100,
-#: 2026-11-26, unit rows, t = 0.1, two seeds a shape, docs/notes.md).  Below, the TF32x3
-#: operands' 22 bits (hi and the TF32 part of lo) cost more than fp32's accumulation loses:
-#: per-row losses 6e-8 against fp32's 5e-8 at d <= 32 for every n up to 4096, dz up to
-#: 1.25x fp32's at n <= 1536 (mean reduction); from n = 2048, d >= 64 every case measured
-#: was at or below fp32's (n = 2048, d = 64: dz 2.21e-7 against 2.27e-7, the thinnest margin),
-#: so the threshold takes one more doubling of n.  "3xtf32" takes the tiles at every size.
-AUTO_MIN_ROWS = 4096
-AUTO_MIN_DIM = 64
+# ``config.tf32x3_min_rows`` / ``tf32x3_min_dim``: "auto" takes the tiles only from these
+# sizes on: rows n = 2B and columns d where they were measured at least as accurate as the
+# fp32 path, loss (per row) and gradient (H100, 2026-11-26, unit rows, t = 0.1, two seeds a shape, docs/notes.md).  Below, the TF32x3
+# operands' 22 bits (hi and the TF32 part of lo) cost more than fp32's accumulation loses:
+# per-row losses 6e-8 against fp32's 5e-8 at d <= 32 for every n up to 4096, dz up to
+# 1.25x fp32's at n <= 1536 (mean reduction); from n = 2048, d >= 64 every case measured
+# was at or below fp32's (n = 2048, d = 64: dz 2.21e-7 against 2.27e-7, the thinnest margin),
+# so the threshold takes one more doubling of n.  "3xtf32" takes the tiles at every size.
 
 
 def applies(q, k, neg_s, *, exclude_diag: bool, pos_shift: int, pos_mod: int, self_pair: bool,
@@ -508,30 +326,31 @@ def applies(q, k, neg_s, *, exclude_diag: bool, pos_shift: int, pos_mod: int, se
     """Whether :func:`rows` takes this row-softmax problem: NT-Xent's symmetric one (the keys
     are the queries, the diagonal excluded, i <-> i + n/2, no shared negatives or learnable
     scale) on float32 rows, the float32 precision in effect "3xtf32", or "auto" from
-    ``AUTO_MIN_ROWS`` x ``AUTO_MIN_DIM`` on, a Hopper GPU with tensor maps, and the tiles not
-    switched off (``tiles.USE_TILES`` False, ``CUPYNCE_TILES=0``: the cuBLAS row blocks, as
+    ``config.tf32x3_min_rows`` x ``tf32x3_min_dim`` on, a Hopper GPU with tensor maps, and the
+    tiles not switched off (``config.tiles`` False, ``CUPYNCE_TILES=0``: the cuBLAS row blocks, as
     for 16-bit inputs)."""
     n, d = q.shape
-    if not (tiles.USE_TILES is not False and q.dtype == np.float32 and self_pair
+    cfg = config.current()
+    if not (cfg.tiles is not False and q.dtype == np.float32 and self_pair
             and neg_s is None and exclude_diag and scale_log is None and pos_mod == n
             and 2 * pos_shift == n and n >= 2):
         return False
-    mode = blas.float32_precision_now()
+    mode = cfg.float32_precision
     if mode == "auto":
-        return n >= AUTO_MIN_ROWS and d >= AUTO_MIN_DIM and available()
-    return mode == "3xtf32" and available()
+        return n >= cfg.tf32x3_min_rows and d >= cfg.tf32x3_min_dim and tf32x3.available()
+    return mode == "3xtf32" and tf32x3.available()
 
 
 def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
          workspace_bytes, op: str, symmetric: bool = True):
     """NT-Xent's row statistics and gradient accumulator of the float32 rows ``q`` (n, d) on
-    the TF32x3 tiles: what :func:`tiles.rows` returns, ``lse, loss, (dq, dq, None, None)``
+    the TF32x3 tiles: what :func:`score_tiles.rows` returns, ``lse, loss, (dq, dq, None, None)``
     (dq = dk: the keys are the queries; loss None with ``lse_in``).
 
     The statistics: the symmetric ``lse2`` pass (each pair of score tiles once; ``symmetric``
     False: the square ``lse`` pass, for tests), finished into each row's (M, log2 S) pair, or
     those pairs from ``lse_in`` (:func:`ml_from_lse`).  The gradient: H in float32 (4 · ldg
-    bytes a row, ``blas.plan_rows`` under ``workspace_bytes``) -- when the whole H is one
+    bytes a row, ``plan_rows`` under ``workspace_bytes``) -- when the whole H is one
     block and the statistics run in this call, from the raw scores the ``lse2`` pass kept in
     its buffer (:func:`h_from_s`), else by the ``h`` pass in row blocks (mirrored tiles when
     one block holds all of H) --, then dq[block] = H[block] q (``mm``, against qᵀ split).
@@ -546,13 +365,13 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
 
     n, d = q.shape
     f32 = np.dtype(np.float32)
-    parts = split(q, "q")
+    parts = tf32x3.split(q, "q")
     ldg = -(-n // 4) * 4
-    rb = blas.plan_rows(op, n, 4 * ldg, workspace_bytes, align=tiles.TILE) if want_grad else 0
+    rb = plan_rows(op, n, 4 * ldg, workspace_bytes, align=TILE) if want_grad else 0
     # the fused step with the whole H in the workspace: the forward keeps the scores in H's
     # buffer and H is computed from them elementwise (no second pass over the products)
     keep_s = want_grad and lse_in is None and symmetric and rb >= n
-    pr = pair_rows(n, blas.workspace_cap(workspace_bytes)) if want_grad and symmetric \
+    pr = pair_rows(n, workspace_cap(workspace_bytes)) if want_grad and symmetric \
         and rb < n else 0
     h_buf = (cp.empty((pr, pr), f32) if pr else cp.empty((rb, ldg), f32)) if want_grad else None
     loss = None
@@ -566,11 +385,11 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
                                        pos_shift=pos_shift, pos_mod=n)
     if not want_grad:
         return lse, loss, (None, None, None, None)
-    qt = split_t(q, "q")  # (d, n): K-major for the product
+    qt = tf32x3.split_t(q, "q")  # (d, n): K-major for the product
     de = d + d % 2  # (the product's paired stores want an even leading dimension)
     dq = cp.empty((n, de), f32)
     if keep_s:
-        mm(h_from_s(h_buf[:, :n], ml, scale, pos_shift, weights), qt, dq)
+        tf32x3.mm(h_from_s(h_buf[:, :n], ml, scale, pos_shift, weights), qt, dq)
     elif pr:
         edges = list(range(0, n, pr)) + [n]
         spans = list(zip(edges[:-1], edges[1:]))
@@ -579,11 +398,12 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
             for bj in range(bi, len(spans)):
                 c0, c1 = spans[bj]
                 h = h_pair(parts, ml, scale, pos_shift, weights, (r0, r1), (c0, c1), h_buf)
-                mm(h, (qt[0][:, c0:c1], qt[1][:, c0:c1]), dq[r0:r1], accumulate=written[bi])
+                tf32x3.mm(h, (qt[0][:, c0:c1], qt[1][:, c0:c1]), dq[r0:r1],
+                          accumulate=written[bi])
                 written[bi] = True
                 if bj != bi:
-                    mm(h, (qt[0][:, r0:r1], qt[1][:, r0:r1]), dq[c0:c1], accumulate=written[bj],
-                       trans_a=True)
+                    tf32x3.mm(h, (qt[0][:, r0:r1], qt[1][:, r0:r1]), dq[c0:c1],
+                              accumulate=written[bj], trans_a=True)
                     written[bj] = True
     else:
         tri = symmetric and rb >= n
@@ -591,7 +411,7 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
             r1 = min(n, r0 + rb)
             h = h_block(parts, ml, scale, pos_shift, weights, tri=tri, row0=r0, rows=r1 - r0,
                         out=h_buf)
-            mm(h, qt, dq[r0:r1])
+            tf32x3.mm(h, qt, dq[r0:r1])
     if de != d:
         dq = cp.ascontiguousarray(dq[:, :d])
     return lse, loss, (dq, dq, None, None)
@@ -600,7 +420,7 @@ def rows(q, scale: float, *, pos_shift: int, lse_in, weights, want_grad: bool,
 def nt_xent(z, scale: float, weights, *, want_grad: bool = True, symmetric: bool = True,
             workspace_bytes=None):
     """NT-Xent's (lse, loss, dz) of the float32 rows ``z`` (2B, d) on the TF32x3 tiles
-    (:func:`rows`; ``weights`` as :func:`tiles.rows` takes them); dz is the gradient w.r.t.
+    (:func:`rows`; ``weights`` as :func:`score_tiles.rows` takes them); dz is the gradient w.r.t.
     ``z`` itself (before any normalisation's finish)."""
     lse, loss, (dz, *_) = rows(z, scale, pos_shift=z.shape[0] // 2, lse_in=None,
                                weights=weights, want_grad=want_grad,

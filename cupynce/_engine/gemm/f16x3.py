@@ -1,5 +1,5 @@
-"""Float32 products on the float16 tensor cores, "F16x3" (issue 24):
-``kernels_src/tiles_ws_f16x3.cu``.  ``products_tf32.Products`` issues them for CLIP's
+"""The F16x3 backend: float32 products on the float16 tensor cores (issue 24,
+``kernels_src/tiles_ws_f16x3.cu``).  The chooser (:mod:`.plan`) issues them for CLIP's
 products and the other row-block ops' score products under "auto" on Hopper.
 
 Each float32 operand row is scaled by a power of two 2^e (its largest |x| into
@@ -28,25 +28,28 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import blas, kernels, tiles, tiles_tf32, tma
-from .kernels import BLOCK
+from ... import config
+from .. import kernels, tma
+from ..arrays import leading_dim, ptr
+from ..kernels import BLOCK
+from ..tiling import TILE, grid_splits, tile_map
+from . import tf32x3
 
 FILE = "tiles_ws_f16x3.cu"
 #: K per ring stage: one 128-byte swizzled row of float16; a stage is four 16 KiB boxes, the
-#: TF32x3 tiles' 64 KiB (``tiles_tf32.ring`` sizes both)
+#: TF32x3 tiles' 64 KiB (``tf32x3.ring`` sizes both)
 KSTEP = 64
 
 #: the fields of the kernels' one parameter, ``WsF16Launch``, after the ring
-#: (``tiles_tf32.launch_packed`` packs the rest: maps, TileArgs at 512, ring at 720): comp at
+#: (``tf32x3.launch_packed`` packs the rest: maps, TileArgs at 512, ring at 720): comp at
 #: 724, rowf at 728, colf at 736, ufac at 744; 768 bytes in all
 _TAIL = struct.Struct("<fQQQ")
-#: the products are scaled by 1 + TRUNC in the store (the launch's ``comp``): the mean loss of
-#: the tensor cores' truncating adds, as ``CPN_TF32X3_TRUNC`` for the TF32x3 tiles.  Measured
-#: uncompensated on an H100 (benchmarks/tf32x3_bias.py, 2026-11-27: mean of (x - ref)
-#: sign(ref) over the outputs relative to their mean |ref|): -8.7e-8 / -8.9e-8 zero-mean unit
-#: rows (D = 64 / 512), -9.0e-8 pairs (D = 256), -8.0e-8 / -8.1e-8 a softmax-like block times
-#: unit columns (K = 4096), -2.0e-7 all-positive unit rows (D = 128)
-TRUNC = 0.86e-7
+# the products are scaled by 1 + ``config.f16x3_trunc`` in the store (the launch's ``comp``): the mean loss of
+# the tensor cores' truncating adds, as ``CPN_TF32X3_TRUNC`` for the TF32x3 tiles.  Measured
+# uncompensated on an H100 (benchmarks/tf32x3_bias.py, 2026-11-27: mean of (x - ref)
+# sign(ref) over the outputs relative to their mean |ref|): -8.7e-8 / -8.9e-8 zero-mean unit
+# rows (D = 64 / 512), -9.0e-8 pairs (D = 256), -8.0e-8 / -8.1e-8 a softmax-like block times
+# unit columns (K = 4096), -2.0e-7 all-positive unit rows (D = 128)
 
 
 #: the exponents the splits use (common.cuh F16X3_EXP_MIN / MAX: 2^e and 2^-e normal)
@@ -55,7 +58,7 @@ EXP_MIN, EXP_MAX = -113, 126
 
 def _check_exp(exp, name: str) -> int:
     if not isinstance(exp, (int, np.integer)) or not EXP_MIN <= exp <= EXP_MAX:
-        raise ValueError(f"tiles_f16x3: {name} must be an integer in [{EXP_MIN}, {EXP_MAX}], "
+        raise ValueError(f"f16x3: {name} must be an integer in [{EXP_MIN}, {EXP_MAX}], "
                          f"got {exp!r}")
     return int(exp)
 
@@ -69,7 +72,7 @@ def _rows4(x, name: str):
     import cupy as cp
 
     if getattr(x, "ndim", None) != 2 or x.dtype != np.float32:
-        raise ValueError(f"tiles_f16x3: {name} must be a 2-D float32 CuPy array, got "
+        raise ValueError(f"f16x3: {name} must be a 2-D float32 CuPy array, got "
                          f"{getattr(x, 'dtype', type(x))} of shape {getattr(x, 'shape', None)}")
     return x if x.shape[1] <= 1 or x.strides[1] == 4 else cp.ascontiguousarray(x)
 
@@ -87,7 +90,7 @@ def split_rows(x, name: str = "x"):
     inv = cp.empty(rows, np.float32)
     if rows:
         kern = kernels.get_function(FILE, "cpn_f16x3_split_rows")
-        kern((-(-rows * 32 // BLOCK),), (BLOCK,), (x, np.int64(blas.leading_dim(x, name)),
+        kern((-(-rows * 32 // BLOCK),), (BLOCK,), (x, np.int64(leading_dim(x, name)),
                                                   np.int32(rows), np.int32(d), np.int32(dp),
                                                   hi, lo, inv))
     return hi, lo, inv
@@ -97,7 +100,7 @@ def split_cols_t(x, name: str = "x", out=None):
     """(hi, lo, inv) of xᵀ for ``x`` (rows, d) float32, each row c of xᵀ (a column of x)
     scaled by its own 2^e_c: hi, lo float16 (d, rows rounded up to 8), inv = 2^-e_c (d).
     ``out``: (hi, lo, inv, cmax) to write (cmax: uint32 (d,) scratch, zeroed here), nothing
-    allocated (``products_tf32.Products.prefetch`` splits on a side stream); ``x`` then
+    allocated (``plan.TilesPlan.prefetch`` splits on a side stream); ``x`` then
     needs unit column stride."""
     import cupy as cp
 
@@ -121,7 +124,7 @@ def split_cols_t(x, name: str = "x", out=None):
             cmax = cp.zeros(d, np.uint32)
         else:
             cmax.fill(0)
-        ld = np.int64(blas.leading_dim(x, name))
+        ld = np.int64(leading_dim(x, name))
         kernels.get_function(FILE, "cpn_f16x3_colmax")(
             (max(1, -(-rows // 256)), -(-d // 32)), (256,), (x, ld, np.int32(rows), np.int32(d),
                                                               cmax))
@@ -146,7 +149,7 @@ def split_scaled(x, exp: int, name: str = "x"):
     n = rows * cp8
     if n:
         kernels.get_function(FILE, "cpn_f16x3_split_scaled")(
-            (-(-n // BLOCK),), (BLOCK,), (x, np.int64(blas.leading_dim(x, name)), np.int64(rows),
+            (-(-n // BLOCK),), (BLOCK,), (x, np.int64(leading_dim(x, name)), np.int64(rows),
                                           np.int32(cols), np.int32(cp8), np.int32(exp), hi, lo))
     return hi, lo
 
@@ -171,7 +174,7 @@ def split_scaled_il(x, exp: int, name: str = "x") -> Interleaved:
     if rows and groups:
         kernels.get_function(FILE, "cpn_f16x3_split_scaled_il")(
             (-(-groups // 16), min(rows, 65535)), (256,),
-            (x, np.int64(blas.leading_dim(x, name)), np.int32(rows), np.int32(cols),
+            (x, np.int64(leading_dim(x, name)), np.int32(rows), np.int32(cols),
              np.int32(exp)))
     return Interleaved(x, rows, cols)
 
@@ -182,11 +185,11 @@ def check_interleaved(x, name: str = "x") -> None:
     columns rounded up to 64."""
     ok = getattr(x, "ndim", None) == 2 and x.dtype == np.float32
     if ok:
-        ld = blas.leading_dim(x, name)
+        ld = leading_dim(x, name)
         ok = (x.strides[1] == 4 and x.data.ptr % 16 == 0 and ld % 64 == 0
               and ld >= -(-x.shape[1] // 64) * 64)
     if not ok:
-        raise ValueError(f"tiles_f16x3: {name} must be float32 with unit column stride, 16-byte "
+        raise ValueError(f"f16x3: {name} must be float32 with unit column stride, 16-byte "
                          f"aligned, and a leading dimension a multiple of 64 covering its "
                          f"columns, got {getattr(x, 'dtype', type(x))} "
                          f"{getattr(x, 'shape', None)} strides {getattr(x, 'strides', None)}")
@@ -212,7 +215,7 @@ def bound_exp(w, n: int, stride: int, w_mul: float, out):
 
 def available() -> bool:
     """Whether the F16x3 tiles can run here (compute capability 9.0, tensor maps)."""
-    return tiles_tf32.available()
+    return tf32x3.available()
 
 
 def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None, ufac=None,
@@ -220,7 +223,7 @@ def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None, ufac=
        splits: Optional[int] = None):
     """``out = alpha' · op(A) Bᵀ · rowf[i] · colf[j]`` (``accumulate``: ``+ out``), alpha'
     = alpha (times the device scalar ``ufac[0]`` where given: float32, rounded once), the
-    product also scaled by 1 + :data:`TRUNC`.
+    product also scaled by 1 + ``config.f16x3_trunc``.
 
     ``a_parts`` = (A_hi, A_lo): (m, K) K-major, or with ``trans_a`` the halves of the stored
     (K, m) matrix; or an :class:`Interleaved` (either way round); ``b_parts`` = (B_hi, B_lo)
@@ -234,7 +237,7 @@ def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None, ufac=
     if il:
         check_interleaved(a_parts.buf, "A")
         if (a_parts.rows, a_parts.cols) != tuple(a_parts.buf.shape):
-            raise ValueError(f"tiles_f16x3.mm: an Interleaved A of {a_parts.rows} x "
+            raise ValueError(f"f16x3.mm: an Interleaved A of {a_parts.rows} x "
                              f"{a_parts.cols} over a buffer of shape {a_parts.buf.shape}")
         a_hi = a_lo = None
         a_shape = (a_parts.rows, a_parts.cols)
@@ -248,31 +251,31 @@ def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None, ufac=
         if x is None:
             continue
         if x.dtype != np.float16 or x.ndim != 2 or x.strides[1] != 2 \
-                or blas.leading_dim(x) % 8 or x.data.ptr % 16:
-            raise ValueError(f"tiles_f16x3.mm: {nm} must be float16 with 16-byte rows, got "
+                or leading_dim(x) % 8 or x.data.ptr % 16:
+            raise ValueError(f"f16x3.mm: {nm} must be float16 with 16-byte rows, got "
                              f"{x.dtype} strides {x.strides}")
     if (a_shape[1] if trans_a else a_shape[0]) < m or b_hi.shape[0] < c:
-        raise ValueError(f"tiles_f16x3.mm: out {out.shape} has more rows than op(A) "
+        raise ValueError(f"f16x3.mm: out {out.shape} has more rows than op(A) "
                          f"{a_shape}{' (transposed)' if trans_a else ''} or more columns "
                          f"than B {b_hi.shape} has rows")
-    if out.dtype != np.float32 or out.strides[1] != 4 or blas.leading_dim(out) % 2 \
+    if out.dtype != np.float32 or out.strides[1] != 4 or leading_dim(out) % 2 \
             or out.data.ptr % 8:
-        raise ValueError(f"tiles_f16x3.mm: out must be float32, 8-byte aligned, with an even "
+        raise ValueError(f"f16x3.mm: out must be float32, 8-byte aligned, with an even "
                          f"leading dimension, got {out.dtype} strides {out.strides}")
     if not il and (a_hi.shape != a_lo.shape or a_hi.strides != a_lo.strides):
-        raise ValueError(f"tiles_f16x3.mm: A's halves differ: {a_hi.shape} {a_hi.strides} "
+        raise ValueError(f"f16x3.mm: A's halves differ: {a_hi.shape} {a_hi.strides} "
                          f"and {a_lo.shape} {a_lo.strides}")
     if b_hi.shape != b_lo.shape or b_hi.strides != b_lo.strides:
-        raise ValueError(f"tiles_f16x3.mm: B's halves differ: {b_hi.shape} {b_hi.strides} "
+        raise ValueError(f"f16x3.mm: B's halves differ: {b_hi.shape} {b_hi.strides} "
                          f"and {b_lo.shape} {b_lo.strides}")
     a_k = a_shape[0] if trans_a else a_shape[1]
     if not 0 <= kk <= min(a_k, b_hi.shape[1]):
-        raise ValueError(f"tiles_f16x3.mm: k = {kk} must lie in [0, {min(a_k, b_hi.shape[1])}]"
+        raise ValueError(f"f16x3.mm: k = {kk} must lie in [0, {min(a_k, b_hi.shape[1])}]"
                          f" (A's and B's K)")
     for nm, f, size in (("rowf", rowf, m), ("colf", colf, c), ("ufac", ufac, 1)):
         if f is not None and (f.dtype != np.float32 or f.ndim != 1 or f.size < size
                               or (f.size > 1 and f.strides[0] != 4)):
-            raise ValueError(f"tiles_f16x3.mm: {nm} must be contiguous float32 of at least "
+            raise ValueError(f"f16x3.mm: {nm} must be contiguous float32 of at least "
                              f"{size}, got {f.dtype} {f.shape}")
     if m == 0 or c == 0:
         return out
@@ -280,22 +283,23 @@ def mm(a_parts, b_parts, out, alpha: float = 1.0, *, rowf=None, colf=None, ufac=
         if not accumulate:
             out.fill(0)
         return out
-    rt, ct = -(-m // tiles.TILE), -(-c // tiles.TILE)
+    rt, ct = -(-m // TILE), -(-c // TILE)
     if splits is None:
-        splits = tiles.grid_splits(rt, ct)
-    raw = tiles_tf32._args(b_hi, b_hi, rows=m, n1=c, d=kk, scale=alpha, g=out,
+        splits = grid_splits(rt, ct)
+    raw = tf32x3.args(b_hi, b_hi, rows=m, n1=c, d=kk, scale=alpha, g=out,
                            tri=accumulate)
     mode = ("mmt" if trans_a else "mm") + ("il" if il else "")
     name = f"cpn_wstile_{mode}_f16x3"
-    box = 64 if trans_a else tiles.TILE
+    box = 64 if trans_a else TILE
     if il:
         maps = [tma.interleaved_map(a_parts.buf, h, a_parts.rows, a_parts.cols, box)
                 for h in (0, 1)]
     else:
-        maps = [tiles._tile_map(x, box) for x in (a_hi, a_lo)]
-    maps += [tiles._tile_map(x, tiles.TILE) for x in (b_hi, b_lo)]
-    tiles_tf32.launch_packed(
+        maps = [tile_map(x, box) for x in (a_hi, a_lo)]
+    maps += [tile_map(x, TILE) for x in (b_hi, b_lo)]
+    cfg = config.current()
+    tf32x3.launch_packed(
         kernels.get_function(FILE, name), name, maps, (rt, splits), raw,
-        (1 << 9) if tiles_tf32.MM_INTERLEAVE else 0,
-        _TAIL.pack(TRUNC, tiles.ptr(rowf), tiles.ptr(colf), tiles.ptr(ufac)))
+        (1 << 9) if cfg.mm_interleave else 0,
+        _TAIL.pack(cfg.f16x3_trunc, ptr(rowf), ptr(colf), ptr(ufac)))
     return out

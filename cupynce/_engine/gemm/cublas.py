@@ -1,4 +1,4 @@
-"""cuBLAS products through CuPy's bindings, and workspace (row-block) planning.
+"""The cuBLAS backend: products through ``cublasGemmEx`` (and the small-product kernel).
 
 ``gemm`` computes ``out = alpha * op(a) @ op(b) + beta * out`` on row-major CuPy matrices
 that may be row-strided views (unit column stride, any row stride), with an output dtype
@@ -17,11 +17,10 @@ float64    CUBLAS_COMPUTE_64F           float64
 
 Launches go to the current CuPy stream (CuPy's binding sets it on the handle).
 
-float32 precision: ``FLOAT32_PRECISION`` (env ``CUPYNCE_FLOAT32``, default "auto"; set by
-``cupynce.set_float32_precision``), overridden in a thread by ``with float32_precision(p):``,
-which every public entry point opens around its engine work with its ``precision=`` argument
-(``_checks.check_precision``); ``float32_precision_now()`` is the one in effect, part of
-``ops._graphs``' graph keys.
+float32 precision: ``config.current().float32_precision`` (:mod:`cupynce.config`: env
+``CUPYNCE_FLOAT32``, default "auto"; ``cupynce.set_float32_precision``), overridden in a
+thread by ``with config.float32_precision(p):``, which every public entry point opens around
+its engine work with its ``precision=`` argument.
 "fp32" is the true-fp32 product; "tf32" rounds the operands to TF32 (10 mantissa bits,
 ~1e-3 relative error); "3xtf32" splits each operand x = hi + lo (hi = x rounded to TF32,
 ``kernels_src/blas.cu``'s ``cpn_split_tf32_f32``) and sums three TF32 tensor-core products,
@@ -30,12 +29,12 @@ H100 its products came out 3-13x less accurate than true fp32 (8.8e-7 against 2.
 for Z·Zᵀ at k = 256: Hopper's tensor cores accumulate with truncation toward zero,
 ``benchmarks/bench_f32_products.py``), so it is never a default.  "auto" (the default) is
 "fp32" for every product here; what makes it a mode of its own is above this module: the
-ops' float32 NT-Xent takes the promoted TF32x3 tiles under it (``tiles_tf32``: as accurate as
-fp32 or more, measured), as under "3xtf32".  An infinite entry
+chooser (:mod:`.plan`) takes the promoted TF32x3 / F16x3 tiles under it where they were
+measured as accurate as fp32 or more, as under "3xtf32".  An infinite entry
 splits as hi = inf, lo = 0, so its cross term with a TF32-exact entry (lo = 0) is inf·0 = NaN
 where fp32 gives ±inf.
 
-Tiny products (at most ``SMALL_GEMM_MACS`` multiply-adds, ``k <= SMALL_GEMM_MAX_K``, output
+Tiny products (at most ``config.small_gemm_macs`` multiply-adds, ``k <= small_gemm_max_k``, output
 in the accumulator dtype) skip cuBLAS: ``kernels_src/blas.cu``'s ``small_gemm`` (one thread
 per output element, k summed in order with fused multiply-adds in float32 / float64).  A
 cuBLAS call costs 25-60 µs of host time on the H100 host, several times such a product's own
@@ -48,47 +47,18 @@ and gradients of these losses.
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Optional
 
 import numpy as np
 
-from . import kernels
-from .kernels import BFLOAT16, BLOCK, SUPPORTED_DTYPES, acc_dtype
+from ... import config
+from .. import kernels
+from ..arrays import leading_dim
+from ..kernels import BFLOAT16, BLOCK, SUPPORTED_DTYPES, acc_dtype
 
-#: Default cap on the score-block workspace when the caller gives none (bytes).
-DEFAULT_WORKSPACE_BYTES = 1 << 30
-#: Never take more than this fraction of the free device memory by default.
-FREE_MEMORY_FRACTION = 0.5
-#: With the default workspace, a block of at most this many bytes is taken whole without
-#: querying the free memory (a 16-bit 8192 x 8192 block; the query is a driver call).
-SMALL_BLOCK_BYTES = 128 << 20
-#: Products of at most this many multiply-adds (and k <= SMALL_GEMM_MAX_K, so that one
-#: thread's sequential sum stays short) run ``small_gemm`` instead of cuBLAS.
-SMALL_GEMM_MACS = 1 << 20
-SMALL_GEMM_MAX_K = 1024
-
-#: The float32 product modes (see the module doc; "auto" runs "fp32" products here).
-FLOAT32_PRECISIONS = ("fp32", "tf32", "3xtf32", "auto")
 #: cublasComputeType_t's CUBLAS_COMPUTE_32F_FAST_TF32 (cublas_api.h; CUBLAS_COMPUTE_32F = 68).
 COMPUTE_32F_FAST_TF32 = 77
-
-
-def _check_precision(value, what: str) -> str:
-    if value not in FLOAT32_PRECISIONS:
-        raise ValueError(f"{what}={value!r} is not a float32 precision; expected one of "
-                         f"{', '.join(map(repr, FLOAT32_PRECISIONS))}")
-    return value
-
-
-def _env_precision() -> str:
-    return _check_precision(os.environ.get("CUPYNCE_FLOAT32", "auto"), "CUPYNCE_FLOAT32")
-
-
-#: float32 products: "fp32" | "tf32" | "3xtf32" | "auto" (env ``CUPYNCE_FLOAT32``, default
-#: "auto").
-FLOAT32_PRECISION = _env_precision()
 
 
 _CUDA_TYPES: dict = {}
@@ -116,16 +86,6 @@ def _cuda_type(dtype) -> int:
     return t
 
 
-def leading_dim(x, name: str = "x") -> int:
-    """Leading dimension (elements) of a row-major matrix view with unit column stride."""
-    item = x.dtype.itemsize
-    if x.ndim == 2 and x.size == 0:  # CuPy gives empty arrays zero strides; nothing is read
-        return max(x.shape[1], 1)
-    if x.ndim != 2 or (x.shape[1] > 1 and x.strides[1] != item) or x.strides[0] % item:
-        raise ValueError(f"gemm: {name} must be a row-major matrix view, strides {x.strides}")
-    return max(x.strides[0] // item, x.shape[1], 1)
-
-
 _SCALARS: dict = {}
 
 
@@ -142,12 +102,10 @@ def _scalar(value: float, wide: bool):
 
 
 class _Local(threading.local):
-    """This thread's cuBLAS handles and float32 precision scope.  ``precision`` defaults to
-    None as a class attribute, so reading it never misses (a ``getattr`` default on a
-    ``threading.local`` raises and catches AttributeError inside: ~0.35 us a read, and
-    every call reads it for its graph keys and scope)."""
+    """This thread's cuBLAS handles and :class:`recording`.  ``recording`` defaults to None
+    as a class attribute, so reading it never misses (a ``getattr`` default on a
+    ``threading.local`` raises and catches AttributeError inside: ~0.35 us a read)."""
 
-    precision: Optional[str] = None
     recording: Optional[list] = None  # (see recording)
 
 
@@ -262,7 +220,7 @@ def cublas_gemm(*args) -> None:
     _check(_libcublas().cublasGemmEx(*args), "cublasGemmEx")
 
 
-def _handle() -> int:
+def thread_handle() -> int:
     """This thread's cuBLAS handle on the current device, bound to CuPy's current stream.
 
     cupynce's own handles rather than CuPy's (``device.get_cublas_handle``), created with
@@ -300,7 +258,7 @@ def bind_stream() -> None:
     """Bind this thread's handle to CuPy's current stream now (before a stream capture
     begins); nothing without the ctypes binding (the capture then fails and is refused)."""
     if _ctypes_ok():
-        _handle()
+        thread_handle()
 
 
 def unbind_stream() -> None:
@@ -313,50 +271,13 @@ def unbind_stream() -> None:
         entry[1] = None
 
 
-def float32_precision_default() -> str:
-    """The global default, ``FLOAT32_PRECISION`` (validated: a module attribute anyone may
-    set)."""
-    return _check_precision(FLOAT32_PRECISION, "blas.FLOAT32_PRECISION")
-
-
-def float32_precision_now() -> str:
-    """The float32 precision in effect in this thread: the innermost
-    :func:`float32_precision` scope's, else ``FLOAT32_PRECISION``."""
-    p = _LOCAL.precision
-    return p if p is not None else float32_precision_default()
-
-
-class _Scope:
-    """:func:`float32_precision`'s context manager (a class, not a generator: every entry
-    point opens one per call, forward and backward)."""
-
-    __slots__ = ("p", "prev")
-
-    def __init__(self, p: str):
-        self.p, self.prev = p, None
-
-    def __enter__(self) -> None:
-        self.prev = _LOCAL.precision
-        _LOCAL.precision = self.p
-
-    def __exit__(self, *exc) -> bool:
-        _LOCAL.precision = self.prev
-        return False
-
-
-def float32_precision(precision: str) -> _Scope:
-    """``with float32_precision("3xtf32"):`` -- this thread's float32 products in that mode
-    (validated here, before the scope opens); the previous one comes back on exit."""
-    return _Scope(_check_precision(precision, "float32_precision: precision"))
-
-
 def split_row_bytes(dtype, cols: int) -> int:
     """Scratch bytes per row that a "3xtf32" product adds for a float32 operand of ``cols``
     columns per row (its hi and lo halves, :func:`split_tf32`), 0 in every other case: the
     row-block planners add it for the score / gradient block that the gradient products
     take as an operand, so that ``workspace_bytes`` (and the default's share of the free
     memory) bounds the block and its split together."""
-    if np.dtype(dtype) == np.float32 and float32_precision_now() == "3xtf32":
+    if np.dtype(dtype) == np.float32 and config.current().float32_precision == "3xtf32":
         return 2 * cols * 4
     return 0
 
@@ -377,8 +298,10 @@ def split_tf32(x, name: str = "x"):
 
 def small_product(m: int, n: int, k: int) -> bool:
     """Whether an (m, k) x (k, n) product takes :func:`gemm`'s ``small_gemm`` route (fp32 in
-    every float32 mode): at most ``SMALL_GEMM_MACS`` multiply-adds, k <= ``SMALL_GEMM_MAX_K``."""
-    return m * n * k <= SMALL_GEMM_MACS and k <= SMALL_GEMM_MAX_K
+    every float32 mode): at most ``config.small_gemm_macs`` multiply-adds, k <=
+    ``small_gemm_max_k``."""
+    cfg = config.current()
+    return m * n * k <= cfg.small_gemm_macs and k <= cfg.small_gemm_max_k
 
 
 def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
@@ -388,7 +311,7 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     ``op(a)`` is ``a`` (m, k) or, with ``trans_a``, ``a.T`` for ``a`` of shape (k, m);
     likewise ``b``.  ``a`` and ``b`` share a dtype; ``out`` may be wider (see module doc).
 
-    float32 ``a``, ``b`` and ``out`` follow :func:`float32_precision_now` (tiny products,
+    float32 ``a``, ``b`` and ``out`` follow the float32 precision in effect (tiny products,
     the ``small_gemm`` route, stay fp32 in every mode).  "3xtf32" splits ``a`` and ``b``
     (:func:`split_tf32`; 2 x their sizes in float32 from CuPy's pool for the call, one split
     when ``b`` is ``a``'s very view; the row-block planners count a score block's split in
@@ -418,7 +341,7 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
     wide = a.dtype == np.float64
     compute = cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F
     if a.dtype == np.float32 and out.dtype == np.float32:
-        mode = float32_precision_now()
+        mode = config.current().float32_precision
         if mode == "3xtf32":
             if _LOCAL.recording is not None:
                 raise NotRecordable("a 3xTF32 product is a split and three calls")
@@ -449,7 +372,7 @@ def _cublas_gemm(a, b, out, trans_a: bool, trans_b: bool, alpha: float, beta: fl
     al = _scalar(alpha, wide)
     be = _scalar(beta, wide)
     if _ctypes_ok():
-        handle, call = _handle(), cublas_gemm
+        handle, call = thread_handle(), cublas_gemm
     else:  # (CuPy's handle and wrapper: what cupynce used before it called cuBLAS itself)
         from cupy.cuda import device
 
@@ -470,54 +393,3 @@ def _cublas_gemm(a, b, out, trans_a: bool, trans_b: bool, alpha: float, beta: fl
         rec.append((args, (al, be)))
         return
     call(*args)
-
-
-def free_device_bytes() -> int:
-    """Free device memory plus what CuPy's pool holds unused (no stream synchronisation)."""
-    import cupy
-
-    free, _total = cupy.cuda.runtime.memGetInfo()
-    pool = cupy.get_default_memory_pool()
-    return int(free) + int(pool.free_bytes())
-
-
-def workspace_cap(workspace_bytes: Optional[int]) -> int:
-    """The workspace in bytes: the caller's cap, else ``min(DEFAULT_WORKSPACE_BYTES,
-    FREE_MEMORY_FRACTION * free memory)``."""
-    if workspace_bytes is not None:
-        return workspace_bytes
-    return min(DEFAULT_WORKSPACE_BYTES, int(FREE_MEMORY_FRACTION * free_device_bytes()))
-
-
-def workspace_bound(workspace_bytes: Optional[int]) -> int:
-    """The workspace cap without its free-memory bound (no driver query): the caller's, else
-    ``DEFAULT_WORKSPACE_BYTES`` -- an upper bound of :func:`workspace_cap` for estimates."""
-    return DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
-
-
-def fits(nbytes: int, workspace_bytes: Optional[int]) -> bool:
-    """Whether a buffer of ``nbytes`` fits the workspace (see :func:`plan_rows`)."""
-    if workspace_bytes is None and nbytes <= SMALL_BLOCK_BYTES:
-        return True
-    return nbytes <= workspace_cap(workspace_bytes)
-
-
-def plan_rows(op: str, rows: int, bytes_per_row: int, workspace_bytes: Optional[int],
-              *, align: int = 64) -> int:
-    """Rows per block so that ``rows_per_block * bytes_per_row <= workspace``.
-
-    ``workspace_bytes=None`` takes ``min(DEFAULT_WORKSPACE_BYTES, FREE_MEMORY_FRACTION *
-    free memory)``, except that a whole block of at most ``SMALL_BLOCK_BYTES`` is taken
-    without asking the driver for the free memory (the query costs more host time than a
-    small op's kernels).  Blocks are rounded down to a multiple of ``align`` rows when larger.
-    """
-    if workspace_bytes is None and rows * bytes_per_row <= SMALL_BLOCK_BYTES:
-        return rows
-    cap = workspace_cap(workspace_bytes)
-    r = cap // max(bytes_per_row, 1)
-    if r < 1:
-        raise ValueError(f"{op}: workspace_bytes={workspace_bytes} is smaller than one row of the "
-                         f"score block ({bytes_per_row} bytes); give at least that")
-    if r >= rows:
-        return rows
-    return (r // align) * align if r >= align else r

@@ -1,9 +1,11 @@
 """The cuBLAS row-block path: score blocks as cuBLAS products, fused row / column kernels
 (``kernels_src/contrastive.cu``) between them.
 
-Every float32 / float64 call, and 16-bit calls the tile kernels do not take (``tiles.tiles_ok``),
-runs here.  The score matrix is processed in row blocks that fit the workspace
-(``blas.plan_rows``); per-row statistics and gradient accumulators are float32 (float64).
+Every float32 / float64 call, and 16-bit calls the tile kernels do not take
+(``tiling.tiles_ok``), runs here.  The score matrix is processed in row blocks that fit the
+workspace (``workspace.plan_rows``); per-row statistics and gradient accumulators are float32
+(float64).  The products are issued by the plan the chooser gives each call
+(``gemm.plan``: cuBLAS, or the TF32x3 / F16x3 tiles for float32).
 
 * :func:`rows` — a row softmax over [keys | shared negatives | per-query negatives] (NT-Xent,
   InfoNCE);
@@ -14,20 +16,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import blas, kernels, products_tf32
-from .arrays import FILE, buffers, fixed_sums, pair_weights, ptr
-from .kernels import BLOCK, acc_dtype
+from .. import kernels
+from ..arrays import FILE, buffers, fixed_sums, leading_dim, pair_weights, ptr
+from ..gemm import CUBLAS, f16x3
+from ..gemm import plan as plan_products
+from ..kernels import BLOCK, acc_dtype
+from ..workspace import plan_rows
+from .stats import FAR_MOD, STATS_ROWS, row_col_stats
 
 
-def _row_bytes(t, a, cols: int, want_grad: bool, gemm) -> int:
+def _row_bytes(t, a, cols: int, want_grad: bool, plan) -> int:
     """Workspace bytes a row block takes per row: its ``cols`` scores in the accumulator dtype
     ``a``; with the gradient, a separate copy of the gradient block in the input dtype ``t``
     for half inputs and, for float32 in "3xtf32" on cuBLAS, the split the gradient products
-    make of it (``products_tf32.split_row_bytes``: none when ``gemm``, the block's products,
-    is the TF32x3 tiles')."""
+    make of it (``plan.split_row_bytes``: none when ``plan``, the block's products, is the
+    TF32x3 tiles')."""
     row = cols * a.itemsize
     if want_grad:
-        row += (cols * t.itemsize if t != a else 0) + products_tf32.split_row_bytes(gemm, t, cols)
+        row += (cols * t.itemsize if t != a else 0) + plan.split_row_bytes(t, cols)
     return row
 
 
@@ -53,10 +59,11 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     split_g = want_grad and t != a  # half inputs: the gradient block is stored in T separately
     # float32 products on the TF32x3 tiles where the precision takes them (not NT-Xent's
     # self-pair fallback -- a learnable scale or extra negatives: its accuracy on them was
-    # never measured; the symmetric problem goes to tiles_tf32.rows)
-    gemm = (products_tf32.gemm_for(q, k, scale_grad=scale_log is not None) if not self_pair
-            else products_tf32.cublas_gemm)
-    rb = blas.plan_rows(op, n, _row_bytes(t, a, ncols, want_grad, gemm), workspace_bytes)
+    # never measured; the symmetric problem goes to nt_xent_tf32.rows)
+    plan = (plan_products(q, k, scale_grad=scale_log is not None) if not self_pair
+            else CUBLAS)
+    gemm = plan.gemm
+    rb = plan_rows(op, n, _row_bytes(t, a, ncols, want_grad, plan), workspace_bytes)
     # the call's scratch (score / gradient blocks, paired-negative dots) and what it returns
     # come from two allocations: an output the caller keeps (a per-row loss, the saved
     # gradient accumulators) never holds the score block alive.  The gradient accumulators
@@ -79,7 +86,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     if mp:
         nwarps = n * mp
         kernels.launch(FILE, "paired_dots", t, ((nwarps * 32 + BLOCK - 1) // BLOCK,),
-               (q, np.int64(blas.leading_dim(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e,
+               (q, np.int64(leading_dim(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e,
                 0))
     w_arr, w_stride, w_mul = weights
 
@@ -114,14 +121,14 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     if want_grad and mp:
         dnp = cp.empty((n, mp, d), a)
         kernels.launch(FILE, "paired_grad", t, (n,),
-               (q, np.int64(blas.leading_dim(q)), neg_p, g2, np.int32(mp), np.int32(d), dq, dnp))
+               (q, np.int64(leading_dim(q)), neg_p, g2, np.int32(mp), np.int32(d), dq, dnp))
     return lse, loss, (dq, dk, dns, dnp)
 
 
 def _scores(gemm, prods, a_rows, an, bn, out) -> None:
     """The score block ``out = a_rows bnᵀ``; with ``prods`` (the tiles' products of a call in
     one block), the gradient products' operands bn and an split on its side stream beside
-    it (:meth:`products_tf32.Products.mark` / ``prefetch``)."""
+    it (:meth:`gemm.TilesPlan.mark` / ``prefetch``)."""
     pre = prods.mark(bn, an) if prods is not None else None
     gemm(a_rows, bn, out, trans_b=True)
     if pre is not None:
@@ -139,7 +146,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     positive is column row0 + i (square problems: row0 = 0, Nc = n).
     Returns ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``; with ``col_state``
     ``lse_r, state, row_loss, grads`` where state (2, Nc) is the columns' running (m, s) over
-    these rows (:func:`col_lse` merges the states of several row sets).  ``col_shift`` is the
+    these rows (:func:`stats.col_lse` merges the states of several row sets).  ``col_shift`` is the
     tile path's (unused here).
     """
     t = an.dtype
@@ -147,15 +154,16 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     n, d = an.shape
     nc = bn.shape[0]
     split_g = want_grad and t != a
-    gemm = products_tf32.gemm_for(an, bn, scale_grad=True)
+    plan = plan_products(an, bn, scale_grad=True)
+    gemm = plan.gemm
     # F16x3 products: score rows of a multiple of 64 columns in every pass (the statistics
     # pass and a recompute must run the same score product), over which the gradient pass
     # writes G's float16 halves (cpn_clip_grad_f16x3) where the gradient products' outputs
     # (rows of D) take the F16x3 stores (D even; else G stays float32 on the TF32x3 tiles)
-    f16_s = products_tf32.uses_f16(gemm)
+    f16_s = plan.f16
     f16 = f16_s and want_grad and d % 2 == 0
     ldn = -(-nc // 64) * 64 if f16_s else nc
-    rb = blas.plan_rows("clip_loss", n, _row_bytes(t, a, ldn, want_grad, gemm), workspace_bytes)
+    rb = plan_rows("clip_loss", n, _row_bytes(t, a, ldn, want_grad, plan), workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     # scratch and outputs from two allocations (see rows).  part_m / part_s: column
     # partials of a row block; col_m: the running column state between row blocks (the first
@@ -168,11 +176,11 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         ((nch, nc), a) if want_loss else None, ((nch, nc), a) if want_loss else None,
         ((2, nc), a) if keep_state else None))
     if f16:
-        gemm.__self__.grad_f16 = True
+        plan.grad_f16 = True
     if ldn != nc:
         s_buf = s_buf[:, :nc]
     # the gradient products' operands split on a side stream beside S's product (one block)
-    prods = gemm.__self__ if products_tf32.side_splits(want_grad, reuse, gemm) else None
+    prods = plan if plan.side_splits(want_grad, reuse) else None
     if want_loss and n:  # the first block's scores first: the host work below overlaps them
         # (s_buf holds rb rows; a view of an only when it has more: views cost host time)
         _scores(gemm, prods, an if rb == n else an[:rb], an, bn, s_buf)
@@ -224,7 +232,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                     np.float32(1.0), lse_r.data.ptr - shift, lse_c, ptr(w_arr),
                     np.int64(w_stride), np.float32(w_mul), e_ptr, np.int32(e_host), ufac,
                     dsp.data.ptr - shift))
-                gemm.__self__.set_grad_block(g_blk, ufac)
+                plan.set_grad_block(g_blk, ufac)
             else:
                 kernels.launch(FILE, "clip_grad", t, (nrows,), (
                     s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
@@ -244,17 +252,15 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
 def _f16_grad_args(weights, length: int):
     """(e_ptr, e_host, ufac) of ``cpn_clip_grad_f16x3``: the exponent of G's bound (|G_ij| <=
     max |w|: the host's from w_mul alone, else a device one from the weights' first
-    ``length`` entries, ``tiles_f16x3.bound_exp``; the kernel takes one less, a 2x margin)
+    ``length`` entries, ``f16x3.bound_exp``; the kernel takes one less, a 2x margin)
     and a device float for the products' factor exp(logit_scale) 2^-e.  One scale for all of
     G: rows whose weight is far below the largest keep fewer bits (README, "F16x3")."""
-    from . import tiles_f16x3
-
     w_arr, w_stride, w_mul = weights
     ufac, e_dev = buffers((((1,), np.dtype(np.float32)),
                            ((1,), np.dtype(np.int32)) if w_arr is not None else None))
     if w_arr is None:
-        return 0, tiles_f16x3.exp_for(float(np.float32(w_mul))), ufac
-    tiles_f16x3.bound_exp(w_arr, length, w_stride, w_mul, e_dev)
+        return 0, f16x3.exp_for(float(np.float32(w_mul))), ufac
+    f16x3.bound_exp(w_arr, length, w_stride, w_mul, e_dev)
     return e_dev, 0, ufac
 
 
@@ -276,8 +282,9 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     n, d = an.shape
     nc = bn.shape[0]
     split_g = want_grad and t != a
-    gemm = products_tf32.gemm_for(an, bn, scale_grad=True)
-    rb = blas.plan_rows("siglip_loss", n, _row_bytes(t, a, nc, want_grad, gemm), workspace_bytes)
+    plan = plan_products(an, bn, scale_grad=True)
+    gemm = plan.gemm
+    rb = plan_rows("siglip_loss", n, _row_bytes(t, a, nc, want_grad, plan), workspace_bytes)
     s_buf, g_buf = buffers((((rb, nc), a), ((rb, nc), t) if split_g else None))
     row_loss, da, db, parts = buffers((
         ((n,), a) if want_loss else None, ((n, d), a) if want_grad else None,
@@ -286,7 +293,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
         g_buf = s_buf if want_grad else None
     w_arr, w_stride, w_mul = weights
     # the gradient products' operands split on a side stream beside S's product (one block)
-    prods = gemm.__self__ if products_tf32.side_splits(want_grad, rb >= n, gemm) else None
+    prods = plan if plan.side_splits(want_grad, rb >= n) else None
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         s_blk = s_buf[:r1 - r0]
@@ -310,72 +317,13 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     return row_loss, grads
 
 
-def col_lse(states):
-    """The column log-sum-exps (Nc,) of P row sets' column states (P, 2, Nc) (``clip(...,
-    col_state=True)``), merged in set order by ``col_combine`` (fixed order: the same bits
-    wherever it runs on the same states)."""
-    import cupy as cp
-
-    p, _, nc = states.shape
-    m = cp.ascontiguousarray(states[:, 0])
-    s = cp.ascontiguousarray(states[:, 1])
-    out = cp.empty((nc,), states.dtype)
-    # (the float32 / float64 instance: its accumulator type is the states')
-    kernels.launch(FILE, "col_combine", states.dtype, (-(-nc // 32),),
-                   (m, s, np.int32(p), np.int32(nc), 0, 0, np.int32(3), 0, 0, out, 0))
-    return out
-
-
-def pair_dots(an, bn):
-    """The raw dots a_i · b_i (n,) in the accumulator dtype (the positive logits before the
-    scale: the tile path's column shift)."""
-    import cupy as cp
-
-    t = an.dtype
-    n, d = an.shape
-    b_rows = bn if blas.leading_dim(bn) == d else cp.ascontiguousarray(bn)
-    out = cp.empty((n,), acc_dtype(t))
-    kernels.launch(FILE, "paired_dots", t, (-(-n * 32 // BLOCK),),
-                   (an, np.int64(blas.leading_dim(an)), b_rows, np.int32(n), np.int32(1),
-                    np.int32(d), out, 0))
-    return out
-
-
-#: rows of a score block per ``row_col_stats`` CTA, 8 warps of 4 (the kernel's R): the rows
-#: each column partial covers, ``col_combine``'s chunk
-STATS_ROWS = 32
-
-
-def row_col_stats(s_blk, t, row0: int, pos_shift: int, pos_mod: int, scale_log, scale_mul,
-                  lse_ptr: int, loss_ptr: int, part_m, part_s) -> int:
-    """``cpn_row_col_stats`` over the score block ``s_blk`` (rows, nc) of the accumulator
-    dtype (``t`` the inputs' dtype, which names the kernel): each row's log-sum-exp of
-    scale · S into ``lse_ptr`` (and its loss, lse - L at column (i + pos_shift) mod
-    pos_mod, into ``loss_ptr`` unless 0), both indexed by the global row i = ``row0`` + r
-    (the pointers already shifted), and the column partials of every :data:`STATS_ROWS`
-    rows into ``part_m`` / ``part_s`` (chunks, nc: each column's maximum over the chunk's
-    rows and the sum of exp(L - max)) -- one read of the block.  Returns the number of chunks
-    (``col_combine``'s)."""
-    rows, nc = s_blk.shape
-    chunks = -(-rows // STATS_ROWS)
-    kernels.launch(FILE, "row_col_stats", t, (chunks,), (
-        s_blk, np.int64(blas.leading_dim(s_blk)), np.int32(rows), np.int32(nc),
-        np.int32(row0), np.int32(pos_shift), np.int32(pos_mod), scale_log, scale_mul,
-        lse_ptr, loss_ptr, part_m, part_s))
-    return chunks
-
-
-#: rows numbered past the columns: a block with no diagonal and no positive (see :func:`cross`)
-FAR_MOD = 2 ** 31 - 1
-
-
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
           workspace_bytes, col_shift=None):
     """The block of two disjoint row sets q (n, D), k (m, D) of one symmetric softmax (a
     global NT-Xent's off-diagonal rank block: S = scale · q kᵀ, no diagonal or positive in it).
 
     ``want_stats``: q's row log-sum-exps over these m columns (n,) and k's column (m, s)
-    state over these n rows (2, m) (:func:`col_lse` merges states).  ``want_grad``, given the
+    state over these n rows (2, m) (:func:`stats.col_lse` merges states).  ``want_grad``, given the
     full log-sum-exps ``lse_r`` (n,) and ``lse_c`` (m,): the accumulators (n, D), (m, D) of
     the weighted losses of both row sets, through H_ij = w_i p_i(j) + w_j p_j(i):
     ``dq = scale · H k``, ``dk = scale · Hᵀ q``.  ``weights``: ``(w_r, w_c, mul)``, per-row
@@ -387,8 +335,9 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     n, d = q.shape
     m = k.shape[0]
     split_g = want_grad and t != a
-    gemm = products_tf32.gemm_for(q, k)
-    rb = blas.plan_rows("nt_xent", n, _row_bytes(t, a, m, want_grad, gemm), workspace_bytes)
+    plan = plan_products(q, k)
+    gemm = plan.gemm
+    rb = plan_rows("nt_xent", n, _row_bytes(t, a, m, want_grad, plan), workspace_bytes)
     nch = -(-rb // STATS_ROWS)
     s_buf, g_buf, part_m, part_s = buffers((
         ((rb, m), a), ((rb, m), t) if split_g else None,
