@@ -1,4 +1,4 @@
-"""Device buffers and the small per-row kernels every op shares (``kernels_src/contrastive.cu``).
+"""Device buffers and the small per-row kernels every op shares (``kernels_src/losses/contrastive.cu``).
 
 * :func:`buffers` — several outputs / scratch arrays from one allocation (host time);
 * :func:`normalize` / :func:`finish` — the L2 row normalisation and the input-dtype gradient
@@ -21,7 +21,7 @@ from .kernels import BLOCK, acc_dtype
 #: ``F.normalize``'s epsilon: rows are divided by ``max(||x||, NORM_EPS)``.
 NORM_EPS = 1e-12
 #: The row kernels' source (the row-block path's kernels live there too, see losses/row_blocks.py).
-FILE = "contrastive.cu"
+FILE = "losses/contrastive.cu"
 # Buffers totalling at most ``config.arena_bytes`` come from one allocation (:func:`buffers`):
 # under ``cupynce.torch`` every allocation goes through torch's caching allocator at 6-20 µs
 # of host time each, more than a tiny op's kernels.  A view keeps its whole allocation
@@ -167,7 +167,7 @@ def fill(x, value: float):
     (``cpn_fill_<dtype>`` of blas.cu, one of the prebuilt cubins: ``x.fill`` would compile a
     CuPy kernel at the first call on a fresh machine).  Returns ``x``."""
     if x.size:
-        kern = kernels.get_function("blas.cu", f"cpn_fill_{kernels.dtype_suffix(x.dtype)}")
+        kern = kernels.get_function("products/blas.cu", f"cpn_fill_{kernels.dtype_suffix(x.dtype)}")
         kern((-(-x.size // BLOCK),), (BLOCK,), (x, x.dtype.type(value), np.int64(x.size)))
     return x
 

@@ -1,7 +1,7 @@
 """The release step: compile every kernel module to cubins for the wheel (no GPU needed).
 
 ``python -m cupynce._engine.build`` writes ``cupynce/_cubins/<stem>_<arch>_<key>.cubin`` for
-each ``kernels_src/*.cu`` and each compute capability of
+each ``kernels_src/<folder>/*.cu`` and each compute capability of
 :data:`~cupynce._engine.kernels.PREBUILT_CAPABILITIES` (sm_80, sm_86, sm_89, sm_90 / sm_90a),
 then ``pip wheel --no-deps .`` packs them (package data).  The loader
 (:mod:`cupynce._engine.kernels`) looks a cubin up by the same name, computed from the source

@@ -85,6 +85,13 @@ class _Switches(types.ModuleType):
             return
         super().__setattr__(name, value)
 
+    def __delattr__(self, name: str) -> None:
+        switches = type(self)._switches
+        if name in switches:  # (back to the environment's value: e.g. a monkeypatch's undo)
+            config.set(**{switches[name]: getattr(config.Config.from_env(), switches[name])})
+            return
+        super().__delattr__(name)
+
 
 def _switch_class(switches: Mapping[str, str], homes: Sequence[str] = ()) -> type:
     return type("_Switches", (_Switches,), {"_switches": dict(switches), "_homes": tuple(homes)})

@@ -87,7 +87,8 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
 def read_source(filename: str) -> str:
-    """The source of ``kernels_src/filename`` with local includes pasted in, and the preamble."""
+    """The source of ``kernels_src/filename`` with local includes pasted in, and the preamble.
+    Include paths, like ``filename``, are relative to ``kernels_src`` (``"include/common.cuh"``)."""
     folder = kernels_dir()
 
     pasted: set = set()  # each file once, as its #pragma once asks (one pasted text)
@@ -130,8 +131,9 @@ def compile_source(filename: str, arch: str, options: Sequence[str] = NVRTC_OPTI
 #: Sources with Hopper-only code (wgmma, in functions their Python callers launch only
 #: there): on a compute-capability 9.0 device they are built for ``sm_90a`` (CuPy would build
 #: plain ``sm_90``, where those instructions do not exist); elsewhere they build as usual.
-ARCH_SPECIFIC = frozenset({"tiles.cu", "tiles_ws.cu", "tiles_ws_tf32.cu", "tiles_ws_f16x3.cu",
-                           "splade_tiles.cu", "splade_wgmma.cu"})
+ARCH_SPECIFIC = frozenset({"losses/tiles.cu", "losses/tiles_ws.cu", "products/tiles_ws_tf32.cu",
+                           "products/tiles_ws_f16x3.cu", "splade/splade_tiles.cu",
+                           "splade/splade_wgmma.cu"})
 
 
 #: The options of every cubin cupynce builds itself (prebuilt in a release wheel, or the
@@ -152,8 +154,10 @@ PREBUILT_DIR = Path(__file__).resolve().parent.parent / "_cubins"
 
 
 def module_files() -> Tuple[str, ...]:
-    """The kernel modules: every ``kernels_src/*.cu`` (the ``.cuh`` headers are pasted in)."""
-    return tuple(sorted(p.name for p in kernels_dir().glob("*.cu")))
+    """The kernel modules: every ``kernels_src/<folder>/*.cu``, as paths relative to
+    ``kernels_src`` (the ``.cuh`` headers are pasted in)."""
+    root = kernels_dir()
+    return tuple(sorted(p.relative_to(root).as_posix() for p in root.rglob("*.cu")))
 
 
 def build_arch(filename: str, capability: str) -> str:

@@ -6,9 +6,9 @@ Forward, fused (float16/bfloat16 with D and W's row stride multiples of 8 and a 
 where the tensor-core tiles run: by default on Hopper, see ``CUPYNCE_TILES``): the max and
 arg-max over L are taken in the epilogue of the product tiles, each logit rounded to the dtype
 first; no logits and no workspace at all.  On Hopper the product is the warp-specialised
-kernel of kernels_src/splade_wgmma.cu (TMA loads by a producer warp, 128 x 256 wgmma tiles;
+kernel of kernels_src/splade/splade_wgmma.cu (TMA loads by a producer warp, 128 x 256 wgmma tiles;
 ``config.splade_ws``); elsewhere, or where the driver cannot encode its tensor maps, the MODE_SPMAX
-epilogue of the tile loop (kernels_src/splade_tiles.cu: 128 x 128 tiles, cp.async loads).
+epilogue of the tile loop (kernels_src/splade/splade_tiles.cu: 128 x 128 tiles, cp.async loads).
 Both give the same bits.
 
 Forward, cuBLAS tiles (everything else): the logits of a tile of batches × vocabulary are one
@@ -48,13 +48,13 @@ from .kernels import BLOCK, acc_dtype
 
 #: Default cap on the cuBLAS-tile forward's logit workspace (bytes).
 DEFAULT_WORKSPACE_BYTES = 64 << 20
-FILE = "splade.cu"
+FILE = "splade/splade.cu"
 #: SPLADE's fused max on the tile kernels (tiles.cu's main loops, MODE_SPMAX epilogue)
-TILES_FILE = "splade_tiles.cu"
-# ``config.splade_ws``: the fused forward on Hopper runs kernels_src/splade_wgmma.cu
+TILES_FILE = "splade/splade_tiles.cu"
+# ``config.splade_ws``: the fused forward on Hopper runs kernels_src/splade/splade_wgmma.cu
 # (warp-specialised, TMA, 128 x 256 tiles) where the tiles run with the wgmma loop and the
 # driver encodes tensor maps; False: splade_tiles.cu's MODE_SPMAX kernel (tests cover both).
-_WS_FILE = "splade_wgmma.cu"
+_WS_FILE = "splade/splade_wgmma.cu"
 _WS_BM, _WS_BN, _WS_BK = 128, 256, 64  # SW_BM, SW_BN, SW_BK
 _WS_THREADS = 288  # SW_THREADS: 2 consumer warpgroups + 1 producer warp
 _WS_CLUSTER = 2  # SW_CLUSTER: CTAs per cluster, sharing (multicasting) the x loads
@@ -205,7 +205,7 @@ def _ws_fits(rows: int) -> bool:
 
 
 def _ws_forward(xs, wm, m8, bias, act: int, out, arg, l: int) -> bool:
-    """The fused forward through kernels_src/splade_wgmma.cu; False (nothing launched) where
+    """The fused forward through kernels_src/splade/splade_wgmma.cu; False (nothing launched) where
     x has too many rows for it (:func:`_ws_fits`) or the driver does not encode the tensor
     maps."""
     if not _ws_fits(xs.shape[0]):

@@ -23,7 +23,7 @@ from . import kernels, tma
 from .arrays import leading_dim, ptr
 
 #: the 16-bit score tiles' source (``wgmma`` asks whether it is built for sm_90a here)
-TILES_FILE = "tiles.cu"
+TILES_FILE = "losses/tiles.cu"
 
 TILE = 128  # rows / columns of one score tile (TBM = TBN in tiles.cu)
 TILE_THREADS = 256

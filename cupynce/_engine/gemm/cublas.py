@@ -23,7 +23,7 @@ thread by ``with config.float32_precision(p):``, which every public entry point 
 its engine work with its ``precision=`` argument.
 "fp32" is the true-fp32 product; "tf32" rounds the operands to TF32 (10 mantissa bits,
 ~1e-3 relative error); "3xtf32" splits each operand x = hi + lo (hi = x rounded to TF32,
-``kernels_src/blas.cu``'s ``cpn_split_tf32_f32``) and sums three TF32 tensor-core products,
+``kernels_src/products/blas.cu``'s ``cpn_split_tf32_f32``) and sums three TF32 tensor-core products,
 hi·hi + hi·lo + lo·hi (lo·lo, ~2^-22 relative, dropped), as CUTLASS's 3xTF32 does.  On an
 H100 its products came out 3-13x less accurate than true fp32 (8.8e-7 against 2.7e-7 relative
 for Z·Zᵀ at k = 256: Hopper's tensor cores accumulate with truncation toward zero,
@@ -35,7 +35,7 @@ splits as hi = inf, lo = 0, so its cross term with a TF32-exact entry (lo = 0) i
 where fp32 gives ±inf.
 
 Tiny products (at most ``config.small_gemm_macs`` multiply-adds, ``k <= small_gemm_max_k``, output
-in the accumulator dtype) skip cuBLAS: ``kernels_src/blas.cu``'s ``small_gemm`` (one thread
+in the accumulator dtype) skip cuBLAS: ``kernels_src/products/blas.cu``'s ``small_gemm`` (one thread
 per output element, k summed in order with fused multiply-adds in float32 / float64).  A
 cuBLAS call costs 25-60 µs of host time on the H100 host, several times such a product's own
 GPU time; a launch costs ~10.  Same accumulation precision (fp32 / fp64, no TF32, whatever
@@ -291,7 +291,7 @@ def split_tf32(x, name: str = "x"):
     hi = cupy.empty((rows, cols), np.float32)
     lo = cupy.empty((rows, cols), np.float32)
     if hi.size:
-        kernels.launch("blas.cu", "split_tf32", np.float32, (-(-hi.size // BLOCK),), (
+        kernels.launch("products/blas.cu", "split_tf32", np.float32, (-(-hi.size // BLOCK),), (
             x, np.int64(leading_dim(x, name)), hi, lo, np.int64(rows), np.int32(cols)))
     return hi, lo
 
@@ -332,7 +332,7 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False,
         if out.dtype == acc:
             if _LOCAL.recording is not None:
                 raise NotRecordable("a tiny product runs the small-product kernel")
-            kernels.launch("blas.cu", "small_gemm", a.dtype, (-(-m * n // BLOCK),), (
+            kernels.launch("products/blas.cu", "small_gemm", a.dtype, (-(-m * n // BLOCK),), (
                 a, np.int64(leading_dim(a, "a")), np.int32(trans_a),
                 b, np.int64(leading_dim(b, "b")), np.int32(trans_b),
                 out, np.int64(leading_dim(out, "out")), np.int32(m), np.int32(n),

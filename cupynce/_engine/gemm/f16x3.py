@@ -1,5 +1,5 @@
 """The F16x3 backend: float32 products on the float16 tensor cores (issue 24,
-``kernels_src/tiles_ws_f16x3.cu``).  The chooser (:mod:`.plan`) issues them for CLIP's
+``kernels_src/products/tiles_ws_f16x3.cu``).  The chooser (:mod:`.plan`) issues them for CLIP's
 products and the other row-block ops' score products under "auto" on Hopper.
 
 Each float32 operand row is scaled by a power of two 2^e (its largest |x| into
@@ -35,7 +35,7 @@ from ..kernels import BLOCK
 from ..tiling import TILE, grid_splits, tile_map
 from . import tf32x3
 
-FILE = "tiles_ws_f16x3.cu"
+FILE = "products/tiles_ws_f16x3.cu"
 #: K per ring stage: one 128-byte swizzled row of float16; a stage is four 16 KiB boxes, the
 #: TF32x3 tiles' 64 KiB (``tf32x3.ring`` sizes both)
 KSTEP = 64

@@ -1,5 +1,5 @@
 """The TF32x3 backend: float32 products on Hopper's TF32 tensor cores with fp32 accuracy
-(``kernels_src/tiles_ws_tf32.cu``, issue 24).
+(``kernels_src/products/tiles_ws_tf32.cu``, issue 24).
 
 Each float32 operand is split x = hi + lo (:func:`split`: hi = x rounded to TF32, lo = x - hi
 exactly) and the warp-specialised tile walk of ``tile_ws.cuh`` computes
@@ -29,7 +29,7 @@ from ..tiling import (TILE, WS_THREADS, grid_splits, launch_blob, pack_tile_args
                       ws_smem)
 from . import cublas
 
-FILE = "tiles_ws_tf32.cu"
+FILE = "products/tiles_ws_tf32.cu"
 
 #: K elements per ring stage (WS_TF32_KSTEP: one 128-byte swizzled row of float32), one
 #: 128 x 32 float32 box, and the stage: four boxes, A_hi | A_lo | B_hi | B_lo (``mm``: the
@@ -120,7 +120,7 @@ def split_t(x, name: str = "x", out=None):
     hi, lo = out if out is not None else (cp.empty(shape, np.float32),
                                           cp.empty(shape, np.float32))
     if hi.size:
-        kern = kernels.get_function("blas.cu", "cpn_split_tf32_t_f32")
+        kern = kernels.get_function("products/blas.cu", "cpn_split_tf32_t_f32")
         kern((-(-rp // 32), -(-d // 32)), (256,), (x, np.int64(leading_dim(x, name)), hi,
                                                     lo, np.int32(rows), np.int32(rp),
                                                     np.int32(d)))

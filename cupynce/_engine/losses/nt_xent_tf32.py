@@ -1,4 +1,4 @@
-"""Float32 NT-Xent on Hopper's tensor cores (``kernels_src/tiles_ws_tf32.cu``, issue 24): the
+"""Float32 NT-Xent on Hopper's tensor cores (``kernels_src/products/tiles_ws_tf32.cu``, issue 24): the
 loss path of the float32 precisions "auto" (from ``config.tf32x3_min_rows`` x
 ``tf32x3_min_dim``) and "3xtf32" for NT-Xent (:func:`applies`, :func:`rows`, routed from
 ``_engine.rows``); its products are ``gemm.tf32x3``'s.
@@ -47,7 +47,7 @@ from ..tiling import TILE, grid_splits
 from ..workspace import plan_rows, workspace_cap
 from .stats import pair_dots
 
-FILE = "tiles_ws_tf32.cu"
+FILE = "products/tiles_ws_tf32.cu"
 def _check(x, name: str):
     if getattr(x, "ndim", None) != 2 or x.dtype != np.float32:
         raise ValueError(f"tile_lse_tf32x3: {name} must be a 2-D float32 CuPy array, got "

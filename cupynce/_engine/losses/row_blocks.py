@@ -1,5 +1,5 @@
 """The cuBLAS row-block path: score blocks as cuBLAS products, fused row / column kernels
-(``kernels_src/contrastive.cu``) between them.
+(``kernels_src/losses/contrastive.cu``) between them.
 
 Every float32 / float64 call, and 16-bit calls the tile kernels do not take
 (``tiling.tiles_ok``), runs here.  The score matrix is processed in row blocks that fit the

@@ -1,5 +1,5 @@
 """The score tiles: the 16-bit loss path whose scores never reach memory
-(``kernels_src/tiles.cu``, ``tiles_ws.cu``): planning and launches.
+(``kernels_src/losses/tiles.cu``, ``tiles_ws.cu``): planning and launches.
 
 Float16 / bfloat16 operands whose D, leading dimensions and pointers are multiples of 8
 elements / 16 bytes (``tiling.tiles_ok``) run fused score tiles: each 128 x 128 tile of S = A Bᵀ
@@ -79,9 +79,9 @@ from ..tma import available as tma_available
 from ..workspace import fits, plan_rows
 from .stats import FAR_MOD
 
-FILE = "tiles.cu"
+FILE = "losses/tiles.cu"
 
-WS_FILE = "tiles_ws.cu"
+WS_FILE = "losses/tiles_ws.cu"
 #: the stages that stage the 16-bit gradient block through ``WS_SOUT_BYTES`` of shared memory
 #: per consumer warpgroup (SigLIP's loss alone writes none: no staging, see ws_ring)
 _WS_SOUT = frozenset({"g", "h", "clip", "siglip"})

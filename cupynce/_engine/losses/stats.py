@@ -1,4 +1,4 @@
-"""The statistics kernels every softmax loss path shares (``kernels_src/contrastive.cu``):
+"""The statistics kernels every softmax loss path shares (``kernels_src/losses/contrastive.cu``):
 the fixed-order merge of column states, the positive dots, a score block's row and column
 statistics in one read.  The row blocks, the score tiles and the TF32x3 NT-Xent use them.
 """

@@ -36,7 +36,7 @@
 //   CLIP's exp(logit_scale) 2^-e, written by cpn_clip_grad_f16x3).  Grid (ceil(m / 128), splits),
 //   384 threads, dynamic shared memory 1 KiB + stages x 64 KiB.  Built for sm_90a only.
 // cpn-dtypes: f16x3
-#include "tile_ws.cuh"
+#include "include/tile_ws.cuh"
 
 #define WS_F16_KSTEP 64                       // a 128-byte swizzled row: 64 float16 of K
 #define WS_F16_BOX (TBM * WS_F16_KSTEP * 2)   // 16 KiB: one 128 x 64 float16 box

@@ -33,7 +33,7 @@
 // main accumulator with ordinary round-to-nearest FADDs (measured with cuBLAS chunks: ~1e-7
 // relative, fp32 ~2.7e-7, at k = 256).
 // cpn-dtypes: tf32x3
-#include "tile_ws.cuh"
+#include "include/tile_ws.cuh"
 
 #define WS_TF32_KSTEP 32                 // a 128-byte swizzle row: 32 float32 of K
 #define WS_TF32_BOX (TBM * WS_TF32_KSTEP * 4)  // 16 KiB: one 128 x 32 float32 box

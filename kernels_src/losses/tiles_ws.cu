@@ -11,7 +11,7 @@
 //   ring = stages | A-resident << 8.
 //   Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory as tile_ws.cuh says.
 // cpn-dtypes: f16 bf16
-#include "tile_ws.cuh"
+#include "include/tile_ws.cuh"
 
 // (NVRTC has no offsetof: the members are laid out in order without gaps)
 static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<f16_t>) == 208 &&

@@ -2,7 +2,7 @@
 // logit tiles) and the fused tile kernel of tiles.cu (MODE_SPMAX), so that both write
 // exactly the same output and arg-max for the same (max, arg, NaN) of an entry.
 #pragma once
-#include "common.cuh"
+#include "include/common.cuh"
 
 #define SPL_ACT_RELU 0
 #define SPL_ACT_LOG1P 1

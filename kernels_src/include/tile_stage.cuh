@@ -7,7 +7,7 @@
 // row stays inside its 16-byte-padded leading dim (or, B2's columns starting at nlim, inside
 // the row: n1 % 8 == 0 there).
 #pragma once
-#include "tile_loop.cuh"
+#include "include/tile_loop.cuh"
 
 // The warp-specialised kernels' gradient-block staging (G, CLIP, SigLIP), bytes a consumer
 // warp: a 16 x 32 block of 16-bit values (H stages 64 x 128 a warpgroup: tile_ws.cuh)

@@ -7,7 +7,7 @@
 //
 // Naming: extern "C" wrappers `cpn_small_gemm_<dtype>`, dtype in {f16, bf16, f32, f64}: the
 // inputs' type T; the output is the accumulator type A (float, or double for f64).
-#include "common.cuh"
+#include "include/common.cuh"
 
 // Row-major out[m, n] = alpha * sum_k op(a)[r, k] op(b)[k, c] + beta * out[r, c]
 //   op(a)[r, k] = ta ? a[k * lda + r] : a[r * lda + k]

@@ -5,9 +5,9 @@
 // code is the same text for every loop, so they give the same values up to the order of the
 // products' accumulation and of the row merges.
 #pragma once
-#include "splade_common.cuh"
-#include "tile_loop.cuh"
-#include "tile_stage.cuh"
+#include "splade/splade_common.cuh"
+#include "include/tile_loop.cuh"
+#include "include/tile_stage.cuh"
 
 // Per-row results: where a row is held twice (ROW_WARPS == 2: with mma.sync a row's columns
 // are split over two warps, in the warp-specialised kernel its tiles over two consumer

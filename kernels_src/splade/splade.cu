@@ -9,8 +9,8 @@
 // Every floating-point reduction is a sequential loop in a fixed order (by b for dW and dbias,
 // by v within each (b, l) for dx): no floating-point atomics, bitwise reproducible results.
 // The only atomics are integer counts (whose result does not depend on the order).
-#include "common.cuh"
-#include "splade_common.cuh"
+#include "include/common.cuh"
+#include "splade/splade_common.cuh"
 
 // accumulators per thread along D in the gradient kernels (a block covers SPL_DK * CPN_BLOCK)
 #define SPL_DK 4

@@ -6,7 +6,7 @@
 //
 //   cpn_tile_spmax_*    mma.sync main loop (sm_80+)
 //   cpn_wgtile_spmax_*  wgmma main loop (sm_90a builds only)
-#include "tile_body.cuh"
+#include "include/tile_body.cuh"
 
 // cpn-dtypes: f16 bf16
 // SPLADE's fused max: A = W (V, D), B1 = x (B, L, D) as B L rows, n1 = L, rows = V;

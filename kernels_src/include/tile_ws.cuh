@@ -39,7 +39,7 @@
 // tiles, tensor maps encodable, n1 % 8 == 0 for the SOUT modes when B2 is given (16-byte
 // chunks of g must not straddle n1), row coordinates + 128 < 2^31.
 #pragma once
-#include "tile_epilogue.cuh"
+#include "include/tile_epilogue.cuh"
 
 #define WS_THREADS 384
 #define WS_MAX_STAGES 8

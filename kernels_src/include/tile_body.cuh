@@ -4,7 +4,7 @@
 // and the schedule; tile_ws.cuh is Hopper's warp-specialised walk.)
 // Included by tiles.cu (the InfoNCE family) and splade_tiles.cu (SPLADE's max).
 #pragma once
-#include "tile_epilogue.cuh"
+#include "include/tile_epilogue.cuh"
 
 template <typename T, int MODE, bool WG, typename IX = int>
 __device__ __forceinline__ void tile_body(

@@ -43,7 +43,7 @@
 //
 // Partials are stored in natural-log units (m, s) with s = sum exp(x - m), the Lse<float>
 // convention of common.cuh, so col_combine in contrastive.cu can fold them.
-#include "tile_body.cuh"
+#include "include/tile_body.cuh"
 
 // Row statistics from the split partials (in split order):
 //   lse_i = log sum over splits, loss_i = lse_i - pos_i

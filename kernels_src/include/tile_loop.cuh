@@ -12,8 +12,8 @@
 // Also the tile geometry (TBM, TBN, TBK, stages, shared-memory sizes), the epilogue modes and
 // the PTX helpers (cp.async, ldmatrix, stmatrix, wgmma fences) the epilogues use.
 #pragma once
-#include "common.cuh"
-#include "wgmma.cuh"
+#include "include/common.cuh"
+#include "include/wgmma.cuh"
 
 #define TBM 128
 #define TBN 128

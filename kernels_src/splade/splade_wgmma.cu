@@ -38,9 +38,9 @@
 // 16-byte aligned pointers, compute capability 9.0 (the loader builds this file for sm_90a),
 // B L + 256 < 2^31 (x's TMA row coordinate is a 32-bit int; tiles.cu takes larger inputs).
 // cpn-dtypes: f16 bf16
-#include "common.cuh"
-#include "splade_common.cuh"
-#include "wgmma.cuh"
+#include "include/common.cuh"
+#include "splade/splade_common.cuh"
+#include "include/wgmma.cuh"
 
 #define SW_BM 128      // vocabulary rows per CTA (2 consumer warpgroups x 64)
 #define SW_BN 256      // positions per tile

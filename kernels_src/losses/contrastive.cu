@@ -5,7 +5,7 @@
 // A (float, or double for f64) is the type of the score matrix S and of every accumulator.
 // Every reduction is a fixed-order tree inside one block or a sequential loop: no atomics,
 // so results are bitwise reproducible.
-#include "common.cuh"
+#include "include/common.cuh"
 
 // 16 bytes of A (4 float or 2 double): one vector load / store
 template <typename A> struct __align__(16) Vec16 { A x[16 / sizeof(A)]; };
