@@ -61,7 +61,9 @@ import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
 from cupynce.ops import _graphs  # noqa: E402
 from cupynce.ops import clip, info_nce, nt_xent  # noqa: E402
-from cupynce.report import harness as _harness  # noqa: E402
+from cupynce.report.environment import device_header, device_info  # noqa: E402
+from cupynce.report.formatting import markdown_table  # noqa: E402
+from cupynce.report.torch_baseline import torch_reference, torch_step  # noqa: E402
 from cupynce.torch import _bridge as bridge  # noqa: E402
 
 OPS = ("nt_xent", "info_nce", "clip_loss", "siglip_loss")
@@ -104,7 +106,7 @@ def _torch_fn(op: str) -> Callable[..., Any]:
         def fn(q, k):
             return F.cross_entropy(q @ k.T / T, torch.arange(q.shape[0], device=q.device))
         return fn
-    return _harness.torch_reference(torch, op, T)
+    return torch_reference(torch, op, T)
 
 
 _COMPILED: Dict[tuple, Callable[..., Any]] = {}
@@ -150,7 +152,7 @@ def memeff_call(op: str, leaves: List[torch.Tensor]) -> Callable[[], Any]:
     a, b = leaves[:2]
     loss_fn = memeff.MemoryEfficientCLIPLoss(temperature=math.exp(-LOGIT_SCALE),
                                              normalized_inputs=True, stable=False)
-    return _harness.torch_step(torch, loss_fn, [a, b])
+    return torch_step(torch, loss_fn, [a, b])
 
 
 def _raiser(exc: Exception) -> Callable[[], Any]:
@@ -167,7 +169,7 @@ def make_call(path: str, op: str, leaves: List[torch.Tensor]) -> Callable[[], An
     fn = _bridge_fn(op) if path.startswith("cupynce") else _torch_fn(op)
     if path in ("cupynce.torch compiled", "torch.compile"):
         fn = _compiled(path, op, fn)
-    return _harness.torch_step(torch, fn, leaves)
+    return torch_step(torch, fn, leaves)
 
 
 class _Floor(torch.autograd.Function):
@@ -186,7 +188,7 @@ class _Floor(torch.autograd.Function):
 
 
 def floor_call(leaves: List[torch.Tensor]) -> Callable[[], Any]:
-    return _harness.torch_step(torch, lambda *xs: _Floor.apply(*xs), leaves)
+    return torch_step(torch, lambda *xs: _Floor.apply(*xs), leaves)
 
 
 def kernel_times(call: Callable[[], Any], runs: int = 5) -> List[tuple]:
@@ -299,12 +301,12 @@ def tables(res: Dict[str, Any], paths) -> str:
                         r = cell.get(p)
                         row.append(f"{r['overhead_us']:.0f}" if isinstance(r, dict) else "—")
                 rows.append(row)
-        out.append(f"**{op}**\n\n" + _harness.markdown_table(head, rows))
+        out.append(f"**{op}**\n\n" + markdown_table(head, rows))
     return "\n\n".join(out)
 
 
 def write(res: Dict[str, Any], args) -> str:
-    md = (f"{_harness.device_header(res['info'])}\n\nforward + backward, D = {args.d}; time: "
+    md = (f"{device_header(res['info'])}\n\nforward + backward, D = {args.d}; time: "
           f"median of {args.repeat} calls each from an idle GPU (CUDA events); kernels: GPU "
           f"time per call of bursts of {args.burst} calls queued behind a GPU spin (median of "
           f"{args.repeat}); the paths of a row timed interleaved; overhead = time − kernels; "
@@ -342,7 +344,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if hasattr(dynamo.config, "recompile_limit"):
         dynamo.config.recompile_limit = 1024
     torch.zeros(1, device="cuda")
-    info = _harness.device_info()
+    info = device_info()
     res = dict(d=args.d, info=info, results={}, args=dict(warmup=args.warmup, burst=args.burst,
                                                           repeat=args.repeat))
     for op in args.ops:

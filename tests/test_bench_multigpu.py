@@ -27,12 +27,12 @@ def check_bench_rank(rank, P):
     """One launch's cases on this rank; rank 0 writes the rows where the test said."""
     import os
 
-    from cupynce.report import harness as H
+    from cupynce.report.memory import measure_peak_host
 
     # tracemalloc started and stopped beside gloo's threads can segfault the rank (the -11 this
     # test once died of): the harness refuses, and the CPU cases measure no memory
     with pytest.raises(RuntimeError, match="torch.distributed is initialised"):
-        H.measure_peak_host(lambda: None)
+        measure_peak_host(lambda: None)
     b = _bench()
     rows = b.run_rank(list(b.OPS), [16], d=16, repeat=2, device="cpu", dtype_name="float32")
     once = b.run_rank(["clip_loss"], [8], d=16, once=True, peers=False, device="cpu",

@@ -136,7 +136,7 @@ def test_global_forward_reads_the_default_once(monkeypatch, spy, op):  # noqa: F
 # ---- the report keeps torch's fields ---------------------------------------------------------
 def test_report_keeps_torch_fields_under_new_api_tf32():
     torch = pytest.importorskip("torch")
-    from cupynce.report import harness as H
+    from cupynce.report.environment import device_info
 
     mm = torch.backends.cuda.matmul
     if getattr(mm, "fp32_precision", None) is None:
@@ -144,7 +144,7 @@ def test_report_keeps_torch_fields_under_new_api_tf32():
     saved = mm.fp32_precision
     try:
         mm.fp32_precision = "tf32"
-        info = H.device_info()
+        info = device_info()
     finally:
         mm.fp32_precision = saved
     assert info.get("torch_allow_tf32_matmul") is True, info

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import cupynce
-from cupynce.report import harness as H
+from cupynce.report import timing
+from cupynce.report.harness import run_case
+from cupynce.report.progress import Progress
 from cupynce.__main__ import main
 from cupynce.report.ops import DTYPES, REGISTRY, available_ops
 
@@ -267,15 +269,15 @@ def test_console_script_entry_point():
 
 # ---- the harness pieces the report added ------------------------------------------------
 def test_harness_host_timing_and_memory():
-    r = H.run_case(lambda: np.ones(1 << 20), device="cpu", warmup=1, repeat=3)
+    r = run_case(lambda: np.ones(1 << 20), device="cpu", warmup=1, repeat=3)
     assert r["repeat"] == 3 and len(r["times_ms"]) == 3 and r["median_ms"] > 0
     assert (1 << 23) <= r["peak_extra_bytes"] < (1 << 24)  # one 8 MiB array
-    r = H.run_case(lambda: np.ones(1 << 20), device="cpu", memory=False, repeat=2)
+    r = run_case(lambda: np.ones(1 << 20), device="cpu", memory=False, repeat=2)
     assert "peak_extra_bytes" not in r
-    failed = H.run_case(lambda: 1 / 0, device="cpu", catch_errors=True)
+    failed = run_case(lambda: 1 / 0, device="cpu", catch_errors=True)
     assert failed["stage"] == "first call" and "ZeroDivisionError" in failed["error"]
     with pytest.raises(ValueError, match="device must be"):
-        H.run_case(lambda: None, device="tpu")
+        run_case(lambda: None, device="tpu")
 
 
 def test_progress_bar_in_a_log():
@@ -283,7 +285,7 @@ def test_progress_bar_in_a_log():
     meter: bar, count, elapsed time), ending with the step's label."""
     pytest.importorskip("tqdm")
     buf = io.StringIO()
-    p = H.Progress(4, stream=buf)
+    p = Progress(4, stream=buf)
     p.show("starting")
     p.update("one")
     p.update("two", advance=3)
@@ -304,7 +306,7 @@ def test_progress_bar_on_a_terminal():
             return True
 
     buf = Tty()
-    p = H.Progress(3, stream=buf)
+    p = Progress(3, stream=buf)
     p.show("check a")
     p.update("check a")
     p.close()
@@ -425,20 +427,20 @@ def test_time_cuda_reads_the_sm_clock_outside_the_span(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Event", Event)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: None)
     monkeypatch.setattr(cupy.cuda, "get_elapsed_time", lambda a, b: 2.0)
-    monkeypatch.setattr(H, "_synchronize", lambda: order.append("sync"))
+    monkeypatch.setattr(timing, "_synchronize", lambda: order.append("sync"))
     readings = iter([(1980, 0), (1830, 0x4), (1755, 0x4 | 0x20)])
 
     def clock():
         order.append("clock")
         return next(readings)
-    monkeypatch.setattr(H, "_clock_reader", lambda: clock)
-    res = H.time_cuda(lambda: order.append("call"), warmup=0, repeat=3)
+    monkeypatch.setattr(timing, "_clock_reader", lambda: clock)
+    res = timing.time_cuda(lambda: order.append("call"), warmup=0, repeat=3)
     assert res["sm_mhz"] == [1980, 1830, 1755] and res["sm_mhz_median"] == 1830
     assert res["throttle"] == ["power cap", "SW thermal"] and res["median_ms"] == 2.0
     # each reading after the call's closing synchronisation, never inside the span
     assert order[-4:] == ["sync", "call", "sync", "clock"]
-    monkeypatch.setattr(H, "_clock_reader", lambda: None)
-    assert "sm_mhz" not in H.time_cuda(lambda: None, warmup=0, repeat=2)
+    monkeypatch.setattr(timing, "_clock_reader", lambda: None)
+    assert "sm_mhz" not in timing.time_cuda(lambda: None, warmup=0, repeat=2)
 
 
 def test_time_cuda_burst_times_back_to_back_calls_per_call(monkeypatch):
@@ -454,10 +456,10 @@ def test_time_cuda_burst_times_back_to_back_calls_per_call(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Event", Event)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: None)
     monkeypatch.setattr(cupy.cuda, "get_elapsed_time", lambda a, b: 6.0)
-    monkeypatch.setattr(H, "_synchronize", lambda: order.append("sync"))
-    monkeypatch.setattr(H, "_clock_reader", lambda: None)
-    res = H.time_cuda(lambda: order.append("call"), warmup=0, repeat=2, burst=3)
+    monkeypatch.setattr(timing, "_synchronize", lambda: order.append("sync"))
+    monkeypatch.setattr(timing, "_clock_reader", lambda: None)
+    res = timing.time_cuda(lambda: order.append("call"), warmup=0, repeat=2, burst=3)
     assert res["median_ms"] == 2.0 and res["times_ms"] == [2.0, 2.0]
     assert order[-6:] == ["event", "call", "call", "call", "event", "sync"]
     with pytest.raises(ValueError, match="burst must be >= 1, got 0"):
-        H.time_cuda(lambda: order.append("call"), warmup=0, repeat=2, burst=0)
+        timing.time_cuda(lambda: order.append("call"), warmup=0, repeat=2, burst=0)

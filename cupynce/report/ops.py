@@ -2,9 +2,9 @@
 
 An entry (:class:`OpSpec`) says, for one op, how to make inputs, how to run cupynce's forward
 and backward, the float64 oracle (:mod:`cupynce.reference`), the PyTorch formula users run
-today (:func:`cupynce.report.harness.torch_reference`), the installed peers, the shapes of the
-self-check and the sizes of the benchmark sweep.  :mod:`cupynce.report` only loops over
-:data:`REGISTRY`; adding an op is one subclass and one :func:`register` call.
+today (:func:`cupynce.report.torch_baseline.torch_reference`), the installed peers, the
+shapes of the self-check and the sizes of the benchmark sweep.  :mod:`cupynce.report` only
+loops over :data:`REGISTRY`; adding an op is one subclass and one :func:`register` call.
 
 Every runner returns ``(out, grads)``: the loss (or, for SPLADE, the (B, V) output) and the
 gradients of ``sum(grad * out)`` with respect to the inputs, in a fixed order
@@ -21,6 +21,7 @@ import numpy as np
 import cupynce
 from cupynce import reference as R
 from cupynce._engine.kernels import BFLOAT16
+from cupynce.report.torch_baseline import to_torch, torch_reference, torch_step
 
 #: (loss / output, gradient) relative tolerances ``‖x − ref‖ / ‖ref‖`` against the float64
 #: oracle, per dtype.  float32: the seeds' 1e-5 / 1e-4; half: what 16-bit gradient storage
@@ -142,8 +143,6 @@ class OpSpec:
 # the InfoNCE family
 # ------------------------------------------------------------------------------------------
 def _leaves(torch, inputs, dtype=None):
-    from cupynce.report.harness import to_torch
-
     out = []
     for x in inputs:
         t = to_torch(torch, x).clone()
@@ -209,8 +208,6 @@ class NTXent(_Contrastive):
         return loss, list(grads)
 
     def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
-        from cupynce.report.harness import torch_reference, torch_step
-
         fn = torch_reference(torch, "nt_xent", self.temperature)
         return torch_step(torch, torch.compile(fn, dynamic=False) if compile else fn,
                           _leaves(torch, inputs, dtype))
@@ -250,8 +247,6 @@ class InfoNCE(_Contrastive):
         return loss, [g for g in grads if g is not None]
 
     def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
-        from cupynce.report.harness import torch_reference, torch_step
-
         fn = torch_reference(torch, "info_nce", self.temperature)
         return torch_step(torch, torch.compile(fn, dynamic=False) if compile else fn,
                           _leaves(torch, inputs[:2], dtype))
@@ -290,8 +285,6 @@ class ClipLoss(_Contrastive):
         return loss, list(grads)
 
     def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
-        from cupynce.report.harness import torch_reference, torch_step
-
         fn = torch_reference(torch, "clip_loss")
         leaves = _leaves(torch, inputs[:2], dtype)
         ls = _leaves(torch, inputs[2:], torch.float64 if dtype == torch.float64 else None)
@@ -341,8 +334,6 @@ class SigLip(_Contrastive):
         return loss, list(grads)
 
     def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
-        from cupynce.report.harness import torch_reference, torch_step
-
         fn = torch_reference(torch, "siglip_loss")
         leaves = _leaves(torch, inputs[:2], dtype)
         scalars = _leaves(torch, inputs[2:], torch.float64 if dtype == torch.float64 else None)
@@ -469,8 +460,6 @@ class SpladePool(OpSpec):
         return out, list(grads)
 
     def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
-        from cupynce.report.harness import to_torch, torch_reference, torch_step
-
         fn = torch_reference(torch, "splade_pool")
         if shape["activation"] != "log1p_relu":
             raise ValueError(f"splade_pool: the PyTorch formula here is log1p_relu's, got "

@@ -31,9 +31,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import cupynce
-from cupynce.report import harness as H
 from cupynce._engine.kernels import BFLOAT16
+from cupynce.report.environment import _version, device_header, device_info
+from cupynce.report.formatting import _short, fmt_mib, fmt_ms, fmt_ratio, markdown_table
+from cupynce.report.harness import is_oom, run_case
+from cupynce.report.memory import free_memory
 from cupynce.report.ops import DTYPES, REGISTRY, TOLERANCES, OpSpec, np_dtype
+from cupynce.report.progress import Progress
+from cupynce.report.timing import _synchronize
+from cupynce.report.torch_baseline import load_torch
 
 SCHEMA = "cupynce-report/1"
 DEFAULT_OUT = "cupynce-report"
@@ -61,11 +67,11 @@ def gpu_available() -> bool:
 
 
 def machine_info(gpu: bool) -> Dict[str, Any]:
-    """:func:`cupynce.report.harness.device_info` plus the backend and matplotlib's version."""
-    info = H.device_info()
+    """:func:`cupynce.report.environment.device_info` plus the backend and matplotlib's version."""
+    info = device_info()
     info["cupynce"] = cupynce.__version__
     info["backend"] = "cupy" if gpu else "numpy"
-    info["matplotlib"] = H._version("matplotlib")
+    info["matplotlib"] = _version("matplotlib")
     if not gpu:
         info["gpu"] = None
     return info
@@ -160,7 +166,7 @@ def errors(got: Tuple[Any, Sequence[Any]], ref: Tuple[Any, Sequence[Any]],
 # self-check
 # ------------------------------------------------------------------------------------------
 def run_check(specs: Sequence[OpSpec], dtypes: Sequence[str], gpu: bool,
-              progress: Optional[H.Progress] = None) -> List[Dict[str, Any]]:
+              progress: Optional[Progress] = None) -> List[Dict[str, Any]]:
     """Every op x dtype x check shape against the float64 oracle; one record each."""
     xp = np
     if gpu:
@@ -192,7 +198,7 @@ def run_check(specs: Sequence[OpSpec], dtypes: Sequence[str], gpu: bool,
                         rec["error"] = ("loss error above tolerance" if not le <= lt else
                                         f"gradient error above tolerance: {', '.join(bad)}")
                 except Exception as exc:  # noqa: BLE001 - a crash is a failed check
-                    rec["error"] = H._short(exc)
+                    rec["error"] = _short(exc)
                     traceback.print_exc(limit=3)
                 rows.append(_clean(rec))
                 if progress is not None:
@@ -238,8 +244,8 @@ def _status(r: Dict[str, Any]) -> str:
 
 def _measure(impl: str, step_fn, *, gpu: bool, warmup: int, repeat: int,
              memory: bool = True) -> Tuple[Dict[str, Any], Any]:
-    r = H.run_case(step_fn, warmup=warmup, repeat=repeat, keep_result=True, catch_errors=True,
-                   device="cuda" if gpu else "cpu", memory=memory)
+    r = run_case(step_fn, warmup=warmup, repeat=repeat, keep_result=True, catch_errors=True,
+                 device="cuda" if gpu else "cpu", memory=memory)
     result = r.pop("result", None)
     rec = {"impl": impl, "status": _status(r), "median_ms": r.get("median_ms"),
            "p20_ms": r.get("p20_ms"), "p80_ms": r.get("p80_ms"), "min_ms": r.get("min_ms"),
@@ -263,15 +269,15 @@ def _reference(spec: OpSpec, inputs, shape, grad, torch, gpu: bool) -> Tuple[Any
     try:
         out, grads = spec.torch_step(torch, inputs, shape, grad, dtype=torch.float64)()
         if gpu:
-            H._synchronize()
+            _synchronize()
         return (out.detach(), [g.detach() for g in grads]), "torch-float64"
     except Exception as exc:  # noqa: BLE001 - OOM (or worse): no errors at this size
-        if not H.is_oom(exc):
+        if not is_oom(exc):
             traceback.print_exc(limit=3)
         return None, None
     finally:
         if gpu:
-            H.free_memory(full_gc=True)
+            free_memory(full_gc=True)
 
 
 def bench_plan(specs: Sequence[OpSpec], dtypes: Sequence[str], mode: str, gpu: bool,
@@ -309,7 +315,7 @@ def impls_for(spec: OpSpec, dname: str, torch, gpu: bool, torch_compile: bool = 
 
 def run_bench(specs: Sequence[OpSpec], dtypes: Sequence[str], mode: str, gpu: bool, torch,
               sizes: Optional[Sequence[int]] = None, dim: Optional[int] = None,
-              progress: Optional[H.Progress] = None, on_case=None,
+              progress: Optional[Progress] = None, on_case=None,
               torch_compile: bool = False) -> List[Dict[str, Any]]:
     """Forward + backward of every implementation over the sweep; one record per measurement."""
     xp = np
@@ -329,8 +335,8 @@ def run_bench(specs: Sequence[OpSpec], dtypes: Sequence[str], mode: str, gpu: bo
             grad = spec.grad(xp, shape, dtype, check=False)
         except Exception as exc:  # noqa: BLE001 - e.g. the inputs do not fit
             for impl in impls:
-                rec = dict(base, impl=impl, status="oom" if H.is_oom(exc) else "error",
-                           error=H._short(exc), stage="inputs")
+                rec = dict(base, impl=impl, status="oom" if is_oom(exc) else "error",
+                           error=_short(exc), stage="inputs")
                 case.append(rec)
             if progress is not None:
                 progress.update(label, advance=len(impls) + 1)
@@ -351,8 +357,8 @@ def run_bench(specs: Sequence[OpSpec], dtypes: Sequence[str], mode: str, gpu: bo
                 try:
                     step_fn = build(inputs, shape, grad)
                 except Exception as exc:  # noqa: BLE001
-                    rec = dict(base, impl=impl, status="oom" if H.is_oom(exc) else "error",
-                               error=H._short(exc), stage="setup")
+                    rec = dict(base, impl=impl, status="oom" if is_oom(exc) else "error",
+                               error=_short(exc), stage="setup")
                 if step_fn is not None:
                     memory = gpu or impl == "cupynce"  # tracemalloc does not see torch's CPU memory
                     m, result = _measure(impl, step_fn, gpu=gpu, warmup=warmup, repeat=repeat,
@@ -363,16 +369,16 @@ def run_bench(specs: Sequence[OpSpec], dtypes: Sequence[str], mode: str, gpu: bo
                             rec.update(errors(result, ref, spec.grad_names))
                             rec["error_reference"] = ref_name
                         except Exception as exc:  # noqa: BLE001
-                            rec["error_check"] = H._short(exc)
+                            rec["error_check"] = _short(exc)
                     del result, step_fn
                     if gpu:
-                        H.free_memory()
+                        free_memory()
             case.append(rec)
             if progress is not None:
                 progress.update(f"{label}: {IMPL_LABELS.get(impl, impl)}")
         del ref, inputs, grad
         if gpu:
-            H.free_memory(full_gc=True)
+            free_memory(full_gc=True)
         records.extend(_clean(r) for r in case)
         if on_case is not None:
             on_case(records)
@@ -427,8 +433,8 @@ def check_table(rows: Sequence[Dict[str, Any]]) -> str:
                      f"{r['loss_tol']:.0e}", _e(r.get("grad_err")) + (f" ({worst})" if worst
                                                                       else ""),
                      f"{r['grad_tol']:.0e}", "pass" if r["passed"] else "FAIL"])
-    return H.markdown_table(["op", "dtype", "shape", "loss err", "tol", "worst grad err",
-                             "tol", "result"], body, align="lllrrrrl")
+    return markdown_table(["op", "dtype", "shape", "loss err", "tol", "worst grad err",
+                           "tol", "result"], body, align="lllrrrrl")
 
 
 def _cell_ms(r: Optional[Dict[str, Any]]) -> str:
@@ -438,9 +444,9 @@ def _cell_ms(r: Optional[Dict[str, Any]]) -> str:
     bad = {"oom": "OOM", "error": "error", "skipped": "—"}.get(r["status"])
     if bad:
         return bad
-    cell = H.fmt_ms(r.get("median_ms"))
+    cell = fmt_ms(r.get("median_ms"))
     if r.get("p20_ms") is not None and r.get("p80_ms") is not None:
-        cell += f" ({H.fmt_ms(r['p20_ms'])}–{H.fmt_ms(r['p80_ms'])})"
+        cell += f" ({fmt_ms(r['p20_ms'])}–{fmt_ms(r['p80_ms'])})"
     return cell
 
 
@@ -455,14 +461,14 @@ def within_noise(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]]) -> bo
 
 def _speedup_cell(other: Optional[Dict[str, Any]], ours: Optional[Dict[str, Any]]) -> str:
     """other ÷ cupynce, marked ≈ when the two are within the noise."""
-    text = H.fmt_ratio(_ratio(other, ours, "median_ms"))
+    text = fmt_ratio(_ratio(other, ours, "median_ms"))
     return "≈" + text if text != "—" and within_noise(other, ours) else text
 
 
 def _cell_mib(r: Optional[Dict[str, Any]]) -> str:
     if r is None or r["status"] != "ok":
         return _cell_ms(r)
-    return H.fmt_mib(r.get("peak_bytes"))
+    return fmt_mib(r.get("peak_bytes"))
 
 
 def _ratio(num: Optional[Dict[str, Any]], den: Optional[Dict[str, Any]], key: str):
@@ -496,8 +502,8 @@ def bench_tables(records: Sequence[Dict[str, Any]]) -> List[Tuple[str, str]]:
                          lambda by, s, i=i: _speedup_cell(by.get(i), by.get("cupynce"))))
         for i in others:
             cols.append((f"memory saved vs {SHORT[i]}",
-                         lambda by, s, i=i: H.fmt_ratio(_ratio(by.get(i), by.get("cupynce"),
-                                                               "peak_bytes"))))
+                         lambda by, s, i=i: fmt_ratio(_ratio(by.get(i), by.get("cupynce"),
+                                                             "peak_bytes"))))
         for i in impls[:2]:
             cols.append((f"{SHORT[i]} loss err",
                          lambda by, s, i=i: _e((by.get(i) or {}).get("loss_err"))))
@@ -512,7 +518,7 @@ def bench_tables(records: Sequence[Dict[str, Any]]) -> List[Tuple[str, str]]:
         rows = [[row[j] for j in keep] for row in rows]
         fixed = ", ".join(p for p in recs[0]["shape_text"].split(", ")
                           if not p.startswith(size_name + "="))
-        table = H.markdown_table(headers, rows)
+        table = markdown_table(headers, rows)
         blind = sorted(r["size"] for r in recs if r["impl"] == "cupynce" and r["status"] == "ok"
                        and r.get("loss_err") is None)
         if blind:  # say why those rows have no error columns rather than drop them silently
@@ -541,7 +547,7 @@ def summary_md(doc: Dict[str, Any], plots: Sequence[str]) -> str:
     info = doc["device"]
     gpu = bool(info.get("gpu"))
     s = doc["settings"]
-    lines = ["# cupynce report", "", H.device_header(info), ""]
+    lines = ["# cupynce report", "", device_header(info), ""]
     lines.append("Backend: " + ("CuPy kernels on the GPU." if gpu else
                                 "**no CUDA GPU** (or no CuPy): the NumPy path, at small sizes."))
     lines.append(f"Command: `{doc['command']}` ({s['mode']}; {doc.get('elapsed_s', 0):.0f} s).")
@@ -648,7 +654,7 @@ def run(*, check: bool = True, bench: bool = True, mode: str = "quick",
     status = 0
     torch = None
     if bench:
-        torch = H.load_torch("cuda" if gpu else "cpu", quiet=True)
+        torch = load_torch("cuda" if gpu else "cpu", quiet=True)
         if torch is None:
             say("torch is not usable here: the benchmark measures cupynce only")
         if gpu and torch is not None:
@@ -658,7 +664,7 @@ def run(*, check: bool = True, bench: bool = True, mode: str = "quick",
     total = (sum(len(s.check_shapes(gpu)) for s in specs) * len(check_dtypes) if check else 0)
     if bench:
         total += bench_steps(specs, bench_dtypes, mode, gpu, sizes, dim, torch, torch_compile)
-    progress = H.Progress(total)
+    progress = Progress(total)
     try:
         if check:
             say(f"\nSelf-check ({'CuPy kernels' if gpu else 'NumPy path'}) against the float64 "
