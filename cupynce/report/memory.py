@@ -109,7 +109,7 @@ def free_memory(full_gc: bool = False) -> None:
 
 def free_device_bytes() -> int:
     """Device memory available to a new computation: free + CuPy's and torch's idle caches."""
-    from cupynce._engine.blas import free_device_bytes as cupy_free_bytes
+    from cupynce._engine.workspace import free_device_bytes as cupy_free_bytes
 
     free = cupy_free_bytes()
     torch = _torch_cuda()
