@@ -23,7 +23,7 @@ Every implementation computes the mean loss *and* the gradients of all inputs:
 ``cupynce``
     ``loss, ctx = op_forward(...); grads = op_backward(ctx, 1.0)`` on CuPy arrays.  float32
     cases run once per ``--precisions`` mode (``precision=`` of every ``*_forward``, from
-    ``cupynce._engine.blas.FLOAT32_PRECISIONS``: fp32, tf32, 3xtf32, auto; default auto
+    ``cupynce.config.FLOAT32_PRECISIONS``: fp32, tf32, 3xtf32, auto; default auto
     alone); the first listed is the ``cupynce`` column of the per-op tables, every one is
     recorded as ``cupynce_<p>`` and listed in the "float32 precisions" table.  Other dtypes
     run once, without a precision argument.
@@ -48,8 +48,9 @@ Every implementation computes the mean loss *and* the gradients of all inputs:
     ``compile_s``).  Skipped when ``2 x N^2 x itemsize`` exceeds free memory.  A compile
     failure or OOM is recorded, not fatal.
 ``cublas_products``
-    The cuBLAS products cupynce issues, alone, with ``cupynce._engine.blas.gemm`` on preallocated
-    buffers and the same row blocks (``_blas.plan_rows``), in N x N x D products (#prod):
+    The cuBLAS products cupynce issues, alone, with ``cupynce._engine.gemm.cublas.gemm`` on
+    preallocated buffers and the same row blocks (``_engine.workspace.plan_rows``), in
+    N x N x D products (#prod):
     on the row blocks (float32, or no tiles) NT-Xent and InfoNCE 3 (S = Q Kᵀ into float32,
     G K, Gᵀ Q; G in the input dtype, float32 accumulation), CLIP 4 (S in the loss pass, S
     again in the gradient pass, G B, Gᵀ A) or 3 when the whole N x N float32 block fits in
@@ -103,7 +104,7 @@ from cupynce.report.harness import (  # noqa: E402
     is_oom, load_torch, markdown_table, run_case, to_torch, torch_reference, torch_step,
 )
 
-from cupynce._engine.blas import FLOAT32_PRECISIONS  # noqa: E402
+from cupynce.config import FLOAT32_PRECISIONS  # noqa: E402
 
 OPS = ("nt_xent", "clip_loss", "siglip_loss")
 #: also measurable (--ops): InfoNCE with in-batch negatives, query / key = the two views
@@ -224,25 +225,27 @@ def _tile_passes(op: str, inputs: Tuple[Any, ...]) -> List[Tuple[str, bool, int]
     """The tile launches (stage, tri, rows) one plain cupynce forward + backward makes on
     ``inputs`` (CUDA graphs off, so that the passes are launched, not replayed); empty off
     the tiles."""
-    from cupynce._engine import tiles as C
-    from cupynce.ops import _graphs
+    from cupynce import config
+    # (score_tiles' passes call ``tile`` by its module-level name: the spy goes there)
+    from cupynce._engine.losses import score_tiles as C
 
     seen: List[Tuple[str, bool, int]] = []
-    real, graphs = C.tile, _graphs.ENABLED
+    real = C.tile
 
-    def spy(stage, t, grid, a, *args, **kw):  # (tiles.tile's signature)
+    def spy(stage, t, grid, a, *args, **kw):  # (score_tiles.tile's signature)
         seen.append((stage, bool(kw.get("tri", False)), int(a.shape[0])))
         return real(stage, t, grid, a, *args, **kw)
 
-    C.tile, _graphs.ENABLED = spy, False
+    C.tile = spy
     try:
-        cupynce_step(op, inputs)()
+        with config.override(graphs=False):
+            cupynce_step(op, inputs)()
     except Exception as exc:  # noqa: BLE001 - (cupynce's own run reports it): 3 products
         print(f"  (the tile passes could not be read: {type(exc).__name__}: {exc}"[:200] + ")",
               flush=True)
         return []
     finally:
-        C.tile, _graphs.ENABLED = real, graphs
+        C.tile = real
         free_memory(full_gc=False)
     return seen
 
@@ -267,9 +270,10 @@ def tile_products(op: str, passes: Sequence[Tuple[str, bool, int]], n: int,
 def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[], None], Dict[str, Any]]:
     """The products cupynce issues for (op, inputs), on the same row blocks; and their plan."""
     import cupy as cp
-    from cupynce._engine import blas as _blas
-    from cupynce._engine import tiles as C
+    from cupynce._engine import tiling
+    from cupynce._engine.gemm import cublas
     from cupynce._engine.kernels import acc_dtype
+    from cupynce._engine.workspace import plan_rows
 
     x = inputs[0]
     n, d = x.shape
@@ -280,13 +284,13 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
         else []
     split_g = t != acc  # half inputs: cupynce stores the gradient block separately, in T
     row_bytes = n * acc.itemsize + (n * t.itemsize if split_g else 0)
-    rb = _blas.plan_rows(op, n, row_bytes, None)
+    rb = plan_rows(op, n, row_bytes, None)
     rng = cp.random.default_rng(SEED + 1)
     s_buf = rng.standard_normal((rb, n), dtype=cp.float32).astype(acc, copy=False)
     s_buf *= acc.type(1.0 / n)  # softmax-like magnitudes (data barely matters to cuBLAS)
     g_buf = s_buf.astype(t) if split_g else s_buf
     blocks = [(r0, min(n, r0 + rb)) for r0 in range(0, n, rb)]
-    gemm = _blas.gemm
+    gemm = cublas.gemm
     if op == "siglip_loss":  # one pass: S, then G B and Gᵀ A per row block
         a, b = inputs[0], inputs[1]
         da = cp.empty((n, d), acc)
@@ -335,7 +339,7 @@ def cublas_products_step(op: str, inputs: Tuple[Any, ...]) -> Tuple[Callable[[],
         db = cp.zeros((n, d), acc)
         # the whole score matrix fits: the cuBLAS path's gradient pass reuses it (the tile
         # path never stores scores, so it always recomputes them: 4 products)
-        reuse = rb >= n and not C.tiles_ok(a, b)
+        reuse = rb >= n and not tiling.tiles_ok(a, b)
         count = 3 if reuse else 4
 
         def step() -> None:

@@ -13,7 +13,8 @@ error is hi·hi's, a bias, ~3-13x fp32's (docs/decisions.md).
 import cupy as cp
 import numpy as np
 
-from cupynce._engine import blas as B
+from cupynce import config
+from cupynce._engine.gemm import cublas as B
 from cupynce.report.harness import time_cuda
 
 FP32, TF32 = 68, B.COMPUTE_32F_FAST_TF32
@@ -83,7 +84,7 @@ def main() -> None:
             whi, _ = B.split_tf32(wd)
             href = cp.asnumpy(hi).astype(np.float64) @ cp.asnumpy(whi).astype(np.float64).T
             res = [rel(prod(zd, wd, FP32), ref), rel(prod(zd, wd, TF32), ref)]
-            with B.float32_precision("3xtf32"):
+            with config.float32_precision("3xtf32"):
                 o = cp.zeros((m, m), cp.float32)
                 B.gemm(zd, wd, o, trans_b=True)
             res += [rel(o, ref), rel(prod(hi, whi, TF32), href), rel(prod(hi, whi, FP32), href)]
@@ -97,8 +98,8 @@ def main() -> None:
             print(f"| k={k} {kind} | " + " | ".join(f"{e:.2e} ({b:+.1e})" for e, b in res) + " |")
     z = cp.asarray(np.random.default_rng(2).standard_normal((16384, 512)).astype(np.float32))
     out = cp.empty((16384, 16384), cp.float32)
-    for mode in B.FLOAT32_PRECISIONS:
-        with B.float32_precision(mode):
+    for mode in config.FLOAT32_PRECISIONS:
+        with config.float32_precision(mode):
             ms = time_cuda(lambda: B.gemm(z, z, out, trans_b=True))["median_ms"]
         print(f"{mode}: 16384 x 16384 x 512 in {ms:.3f} ms")
     sa = slices_bf16(z)

@@ -35,7 +35,7 @@ def main() -> None:
     import cupy as cp
 
     import cupynce
-    from cupynce._engine import blas
+    from cupynce import config
     from cupynce.report.harness import run_case
 
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
@@ -49,7 +49,7 @@ def main() -> None:
             g64 = _flat(cp, grads64)
             l64 = float(loss64)
             del wide, grads64
-            for mode in blas.FLOAT32_PRECISIONS:
+            for mode in config.FLOAT32_PRECISIONS:
                 step = B.cupynce_step(op, inputs)
 
                 def run(step=step, mode=mode):

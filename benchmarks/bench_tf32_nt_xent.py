@@ -1,9 +1,9 @@
-"""NT-Xent in float32 on the TF32x3 tiles (issue 24, ``tiles_tf32.nt_xent``: the lse2 / lse
-pass keeping the scores, H from them elementwise -- or the h pass, recomputing them --, dz =
-H z on the promoted TF32x3 product tiles, A split in shared memory) against the op under
-each float32 ``precision`` ("auto" = these tiles through the op, mean loss and the
-recompute backward of reduction="none"; "fp32" / "tf32" through the cuBLAS row blocks) and
-PyTorch eager:
+"""NT-Xent in float32 on the TF32x3 tiles (issue 24, ``_engine.losses.nt_xent_tf32.nt_xent``:
+the lse2 / lse pass keeping the scores, H from them elementwise -- or the h pass, recomputing
+them --, dz = H z on the promoted TF32x3 product tiles, ``_engine.gemm.tf32x3.mm``, A split in
+shared memory) against the op under each float32 ``precision`` ("auto" = these tiles through
+the op, mean loss and the recompute backward of reduction="none"; "fp32" / "tf32" through the
+cuBLAS row blocks) and PyTorch eager:
 time of forward + backward and the errors of lse and dz against a float64 reference.
 
     python benchmarks/bench_tf32_nt_xent.py [--n 8192,16384] [--d 512] [--repeat 10]
@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 
 import cupynce
-from cupynce._engine import tiles_tf32
+from cupynce._engine.gemm import tf32x3
+from cupynce._engine.losses import nt_xent_tf32
 from cupynce.report.harness import device_header, device_info, time_cuda
 
 T = 0.07
@@ -86,7 +87,7 @@ def main(argv=None):
 
         def tiles_call(sym):
             def f():
-                return tiles_tf32.nt_xent(z, 1 / T, w, symmetric=sym)
+                return nt_xent_tf32.nt_xent(z, 1 / T, w, symmetric=sym)
             return f
 
         def core_call(prec, fused=True):
@@ -117,23 +118,23 @@ def main(argv=None):
             peak = cp.get_default_memory_pool().total_bytes() - base
             rows.append((name, ms, e_l, e_d, peak / 2 ** 20))
         # the passes of the symmetric tiles
-        parts = tiles_tf32.split(z)
-        _, _, ml = tiles_tf32.lse_symmetric(z, parts, 1 / T, n // 2)
-        h = tiles_tf32.h_block(parts, ml, 1 / T, n // 2, w)
+        parts = tf32x3.split(z)
+        _, _, ml = nt_xent_tf32.lse_symmetric(z, parts, 1 / T, n // 2)
+        h = nt_xent_tf32.h_block(parts, ml, 1 / T, n // 2, w)
         hb = cp.empty((n, -(-n // 4) * 4), cp.float32)
-        zt = tiles_tf32.split(cp.ascontiguousarray(z.T))
+        zt = tf32x3.split(cp.ascontiguousarray(z.T))
         dz = cp.empty_like(z)
-        passes = [("split z and zᵀ", lambda: (tiles_tf32.split(z),
-                                            tiles_tf32.split(cp.ascontiguousarray(z.T)))),
-                  ("lse2 (symmetric) + finish", lambda: tiles_tf32.lse_symmetric(z, parts, 1 / T,
-                                                                                n // 2)),
+        passes = [("split z and zᵀ", lambda: (tf32x3.split(z),
+                                            tf32x3.split(cp.ascontiguousarray(z.T)))),
+                  ("lse2 (symmetric) + finish",
+                   lambda: nt_xent_tf32.lse_symmetric(z, parts, 1 / T, n // 2)),
                   ("lse2 keeping the scores + finish",
-                   lambda: tiles_tf32.lse_symmetric(z, parts, 1 / T, n // 2, s_out=hb[:, :n])),
+                   lambda: nt_xent_tf32.lse_symmetric(z, parts, 1 / T, n // 2, s_out=hb[:, :n])),
                   ("H from the kept scores (elementwise)",
-                   lambda: tiles_tf32.h_from_s(hb[:, :n], ml, 1 / T, n // 2, w)),
+                   lambda: nt_xent_tf32.h_from_s(hb[:, :n], ml, 1 / T, n // 2, w)),
                   ("h pass (mirrored tiles, recompute backward)",
-                   lambda: tiles_tf32.h_block(parts, ml, 1 / T, n // 2, w, out=hb)),
-                  ("mm dz = H z", lambda: tiles_tf32.mm(h, zt, dz))]
+                   lambda: nt_xent_tf32.h_block(parts, ml, 1 / T, n // 2, w, out=hb)),
+                  ("mm dz = H z", lambda: tf32x3.mm(h, zt, dz))]
         tflop = 2 * n * n * args.d / 1e12
         print(f"\nN={n} D={args.d} float32, t = {T}, forward + backward "
               f"(TFLOP/s of a pass = one N x N x D product's 2 N^2 D over its time)")

@@ -1,14 +1,15 @@
-"""The TF32x3 score tiles (issue 24 prototype, ``tiles_tf32.tile_lse_tf32x3``) against the
-float32 LSE through cuBLAS: time and accuracy of the row log-sum-exps of S = s Q Kᵀ.
+"""The TF32x3 score tiles (issue 24 prototype, ``_engine.losses.nt_xent_tf32.tile_lse_tf32x3``)
+against the float32 LSE through cuBLAS: time and accuracy of the row log-sum-exps of S = s Q Kᵀ.
 
     python benchmarks/bench_tf32_tiles.py [--n 8192,16384] [--d 512] [--repeat 10]
 
 Cases (float32 Q, K of unit rows, K_i = unit(Q_i + 0.3 noise), s = 1 / 0.07; Hopper only):
 
-* ``tf32x3 tiles``: split (``blas.split_tf32`` of Q and K) + the kernel + the finish;
+* ``tf32x3 tiles``: split (``gemm.cublas.split_tf32`` of Q and K) + the kernel + the finish;
   ``tf32x3 kernel``: the kernel and the finish on operands split beforehand;
-* ``cuBLAS fp32`` / ``cuBLAS 3xtf32``: the library's float32 path, ``blocks.rows`` (cuBLAS
-  score blocks, ``blas.gemm``, then the row-softmax kernel) under that float32 precision;
+* ``cuBLAS fp32`` / ``cuBLAS 3xtf32``: the library's float32 path, ``losses.row_blocks.rows``
+  (cuBLAS score blocks, ``gemm.cublas.gemm``, then the row-softmax kernel) under that float32
+  precision;
 * ``product only``: one cuBLAS N x N x D product into a float32 block (fp32, 3xtf32, tf32), and
   the bfloat16 tiles' ``tile_lse`` on the same rows rounded to bfloat16, for scale.
 
@@ -24,7 +25,9 @@ import argparse
 
 import numpy as np
 
-from cupynce._engine import blas, blocks, tiles, tiles_tf32
+from cupynce import config
+from cupynce._engine.gemm import cublas, tf32x3
+from cupynce._engine.losses import nt_xent_tf32, row_blocks, score_tiles
 from cupynce._engine.kernels import BFLOAT16
 from cupynce.report.harness import device_header, device_info, time_cuda
 
@@ -61,10 +64,10 @@ def _rel(cp, x, ref) -> float:
 
 def _cublas_lse(q, k, precision):
     n = q.shape[0]
-    with blas.float32_precision(precision):
-        return blocks.rows(q, k, None, None, SCALE, exclude_diag=False, pos_shift=0,
-                           pos_mod=n, lse_in=None, weights=(None, 0, 0.0), want_grad=False,
-                           workspace_bytes=None, op="bench_tf32_tiles")[0]
+    with config.float32_precision(precision):
+        return row_blocks.rows(q, k, None, None, SCALE, exclude_diag=False, pos_shift=0,
+                               pos_mod=n, lse_in=None, weights=(None, 0, 0.0), want_grad=False,
+                               workspace_bytes=None, op="bench_tf32_tiles")[0]
 
 
 def main() -> None:
@@ -76,13 +79,13 @@ def main() -> None:
     import cupy as cp
 
     print(device_header(device_info()))
-    if not tiles_tf32.available():
+    if not tf32x3.available():
         raise SystemExit("the TF32x3 tiles need a compute-capability 9.0 GPU (Hopper) and TMA")
     d = args.d
     for n in (int(x) for x in args.n.split(",")):
         q, k = _inputs(cp, n, d)
         ref_lse, ref_pos = _reference(cp, q, k)
-        parts = (*tiles_tf32.split(q), *tiles_tf32.split(k))
+        parts = (*tf32x3.split(q), *tf32x3.split(k))
         qb, kb = q.astype(BFLOAT16), k.astype(BFLOAT16)
         block = cp.empty((n, n), cp.float32)
         flop = 2.0 * n * n * d
@@ -98,24 +101,24 @@ def main() -> None:
             e_p = "" if pos is None else f"{_rel(cp, pos, ref_pos):.2e}"
             print(f"| {name} | {t:.3f} | {flop / t / 1e9:.1f} | {e_l} | {e_p} |", flush=True)
 
-        lse, _, pos = tiles_tf32.tile_lse_tf32x3(q, k, SCALE, positives=True)
+        lse, _, pos = nt_xent_tf32.tile_lse_tf32x3(q, k, SCALE, positives=True)
         row("tf32x3 tiles (split + kernel + finish)",
-            lambda: tiles_tf32.tile_lse_tf32x3(q, k, SCALE), lse, pos)
+            lambda: nt_xent_tf32.tile_lse_tf32x3(q, k, SCALE), lse, pos)
         row("tf32x3 kernel + finish (split beforehand)",
-            lambda: tiles_tf32.lse_split(parts, SCALE))
-        row("split of Q and K alone", lambda: (tiles_tf32.split(q), tiles_tf32.split(k)))
+            lambda: nt_xent_tf32.lse_split(parts, SCALE))
+        row("split of Q and K alone", lambda: (tf32x3.split(q), tf32x3.split(k)))
         for prec in ("fp32", "3xtf32"):
-            with blas.float32_precision(prec):
-                blas.gemm(q, k, block, trans_b=True)
+            with config.float32_precision(prec):
+                cublas.gemm(q, k, block, trans_b=True)
             pos = (block[rows, rows] * np.float32(SCALE)).astype(cp.float32)
             row(f"cuBLAS {prec} LSE (blocks.rows)", lambda p=prec: _cublas_lse(q, k, p),
                 _cublas_lse(q, k, prec), pos)
         for prec in ("fp32", "3xtf32", "tf32"):
             def prod(p=prec):
-                with blas.float32_precision(p):
-                    blas.gemm(q, k, block, trans_b=True)
+                with config.float32_precision(p):
+                    cublas.gemm(q, k, block, trans_b=True)
             row(f"product only: cuBLAS {prec} N x N x D", prod)
-        row("bf16 tile_lse (inputs rounded to bf16)", lambda: tiles.tile_lse(
+        row("bf16 tile_lse (inputs rounded to bf16)", lambda: score_tiles.tile_lse(
             qb, kb, None, SCALE, exclude_diag=False, pos_shift=0, pos_mod=n))
 
 

@@ -19,9 +19,12 @@ import argparse
 
 import numpy as np
 
-from cupynce._engine import blas as _blas
+from cupynce import config
 from cupynce._engine import kernels
-from cupynce._engine import tiles as C
+from cupynce._engine.gemm import cublas
+from cupynce._engine.losses import score_tiles as C
+from cupynce._engine.losses.stats import FAR_MOD
+from cupynce._engine.tiling import TILE, grid_splits
 from cupynce.report.harness import device_header, device_info, time_cuda
 
 
@@ -45,8 +48,8 @@ def main() -> None:
     g = cp.empty((n, n), dt)
     lse = C.tile_lse(q, k, None, 10.0, exclude_diag=False, pos_shift=0, pos_mod=n)[0]
     w = (None, 0, 1.0 / n)
-    rt = -(-n // C.TILE)
-    sp = C.grid_splits(rt, rt)
+    rt = -(-n // TILE)
+    sp = grid_splits(rt, rt)
     flop = 2.0 * n * n * d
     ls = cp.full((1,), np.log(10.0), cp.float32)
     lb = cp.full((1,), -10.0, cp.float32)
@@ -56,8 +59,8 @@ def main() -> None:
     dpart = cp.empty((sp, n), cp.float32)
     dots = (q.astype(cp.float32) * k.astype(cp.float32)).sum(1)  # lse2's column shifts
     cases = {
-        "cuBLAS S = Q K^T (fp32 out)": lambda: _blas.gemm(q, k, s, trans_b=True),
-        "cuBLAS G K (16-bit G)": lambda: _blas.gemm(g, k, s[:, :d]),
+        "cuBLAS S = Q K^T (fp32 out)": lambda: cublas.gemm(q, k, s, trans_b=True),
+        "cuBLAS G K (16-bit G)": lambda: cublas.gemm(g, k, s[:, :d]),
         "tile_lse (+finish)": lambda: C.tile_lse(q, k, None, 10.0, exclude_diag=False,
                                                   pos_shift=0, pos_mod=n),
         "tile_lse symmetric (NT-Xent, +dots, finish)": lambda: C.tile_lse_symmetric(
@@ -67,7 +70,7 @@ def main() -> None:
         "tile_h": lambda: C.tile("h", dt, (rt, sp), q, 0, q, None, scale=10.0, pos_mod=n,
                                   lse_row=lse, lse_col=lse, weights=w, g=g),
         "tile_h tri (mirrored, half the tiles)": lambda: C.tile(
-            "h", dt, (rt, C.grid_splits(rt, rt // 2 + 1)), q, 0, q, None, scale=10.0,
+            "h", dt, (rt, grid_splits(rt, rt // 2 + 1)), q, 0, q, None, scale=10.0,
             pos_mod=n, lse_row=lse, lse_col=lse, weights=w, g=g, tri=True),
         "tile_lse2 (CLIP rows + columns)": lambda: C.tile(
             "lse2", dt, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=n,
@@ -77,7 +80,7 @@ def main() -> None:
                                      pos_mod=n, lse_row=lse, lse_col=lse, weights=w, g=g,
                                      dsp=dpart.data.ptr, part=(0, 0, n)),
         "tile_siglip (loss, dbias, dscale, G)": lambda: C.tile(
-            "siglip", dt, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=C.FAR_MOD,
+            "siglip", dt, (rt, sp), q, 0, k, None, scale_log=ls, pos_mod=FAR_MOD,
             part=(part.data.ptr, part[1].data.ptr, n), lse_col=lb, weights=w, g=g,
             dsp=dpart.data.ptr),
     }
@@ -88,8 +91,7 @@ def main() -> None:
     if args.loops:
         loops = [x for x in args.loops.split(",") if x in loops]
     for loop in loops:
-        C.USE_WGMMA = loop != "mma.sync"
-        C.USE_WSTILE = loop == "wstile"
+        config.set(wgmma=loop != "mma.sync", ws_tiles=loop == "wstile")
         for name, fn in cases.items():
             if name.startswith("cuBLAS") and loop != loops[0]:
                 continue

@@ -1,7 +1,8 @@
-"""Mean signed and norm-wise error of the TF32x3 tiles' product (``tiles_tf32.mm``, with its
-truncation compensation ``CPN_TF32X3_TRUNC``), of the F16x3 prototype's (``tiles_f16x3.mm``,
-with ``CPN_F16X3_TRUNC``) and of cuBLAS fp32 against float64, on a Hopper GPU (issue 24;
-docs/results.md, "the truncation compensation"):
+"""Mean signed and norm-wise error of the TF32x3 tiles' product (``_engine.gemm.tf32x3.mm``,
+with its truncation compensation ``CPN_TF32X3_TRUNC``), of the F16x3 prototype's
+(``_engine.gemm.f16x3.mm``, with ``CPN_F16X3_TRUNC``, ``cupynce.config``'s ``f16x3_trunc``)
+and of cuBLAS fp32 against float64, on a Hopper GPU (issue 24; docs/results.md, "the
+truncation compensation"):
 
     python benchmarks/tf32x3_bias.py
 
@@ -13,7 +14,8 @@ relative to their mean |ref|; "rms": ‖x - ref‖ / ‖ref‖.
 import numpy as np
 import cupy as cp
 
-from cupynce._engine import blas, tiles_f16x3, tiles_tf32
+from cupynce import config
+from cupynce._engine.gemm import cublas, f16x3, tf32x3
 
 
 def case(rng, kind, d, n=2048):
@@ -43,19 +45,17 @@ def main():
         a, b = case(rng, kind, d)
         ref = a.astype(np.float64) @ b.astype(np.float64).T
         ad, bd = cp.asarray(a), cp.asarray(b)
-        tiles = tiles_tf32.mm(ad, tiles_tf32.split(bd), cp.empty(ref.shape, np.float32))
-        ah, al, ia = tiles_f16x3.split_rows(ad)
-        bh, bl, ib = tiles_f16x3.split_rows(bd)
-        trunc = tiles_f16x3.TRUNC
-        tiles_f16x3.TRUNC = 0.0  # (uncompensated: the loss itself)
-        f16_raw = tiles_f16x3.mm((ah, al), (bh, bl), cp.empty(ref.shape, np.float32),
-                                 rowf=ia, colf=ib)
-        tiles_f16x3.TRUNC = trunc
-        f16 = tiles_f16x3.mm((ah, al), (bh, bl), cp.empty(ref.shape, np.float32), rowf=ia,
-                             colf=ib)
+        tiles = tf32x3.mm(ad, tf32x3.split(bd), cp.empty(ref.shape, np.float32))
+        ah, al, ia = f16x3.split_rows(ad)
+        bh, bl, ib = f16x3.split_rows(bd)
+        with config.override(f16x3_trunc=0.0):  # (uncompensated: the loss itself)
+            f16_raw = f16x3.mm((ah, al), (bh, bl), cp.empty(ref.shape, np.float32),
+                               rowf=ia, colf=ib)
+        f16 = f16x3.mm((ah, al), (bh, bl), cp.empty(ref.shape, np.float32), rowf=ia,
+                       colf=ib)
         fp32 = cp.empty(ref.shape, np.float32)
-        with blas.float32_precision("fp32"):
-            blas.gemm(ad, bd, fp32, trans_b=True)
+        with config.float32_precision("fp32"):
+            cublas.gemm(ad, bd, fp32, trans_b=True)
 
         def err(x):
             e = cp.asnumpy(x).astype(np.float64) - ref
