@@ -70,11 +70,13 @@ class _Switches(types.ModuleType):
         if name in switches:
             _warn(self.__name__, name, f"read cupynce.config.get().{switches[name]}")
             return getattr(config.get(), switches[name])
-        for home in type(self)._homes:
-            mod = importlib.import_module(home)
-            if name in vars(mod):
-                _warn(self.__name__, name, f"use {home}.{name}")
-                return vars(mod)[name]
+        found = [(home, vars(importlib.import_module(home))[name]) for home in type(self)._homes
+                 if name in vars(importlib.import_module(home))]
+        if found:  # (the module that defines it, where one home only imports it)
+            home, obj = next(((h, o) for h, o in found if getattr(o, "__module__", None) == h),
+                             found[0])
+            _warn(self.__name__, name, f"use {home}.{name}")
+            return obj
         raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
 
     def __setattr__(self, name: str, value) -> None:
@@ -88,6 +90,7 @@ class _Switches(types.ModuleType):
     def __delattr__(self, name: str) -> None:
         switches = type(self)._switches
         if name in switches:  # (back to the environment's value: e.g. a monkeypatch's undo)
+            _warn(self.__name__, name, f"use cupynce.config.set({switches[name]}=...)")
             config.set(**{switches[name]: getattr(config.Config.from_env(), switches[name])})
             return
         super().__delattr__(name)
