@@ -21,7 +21,7 @@ from cupynce import _checks
 from cupynce._engine import blas, products_tf32
 from cupynce.ops import _global
 from emulated_ranks import run
-from test_precision_api import spy  # noqa: F401  (the fixture)
+from test_precision import spy  # noqa: F401  (the fixture)
 
 BFLOAT16 = blas.BFLOAT16
 

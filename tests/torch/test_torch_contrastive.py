@@ -41,7 +41,7 @@ from cupynce.torch.ops import clip as tclip  # noqa: E402
 from cupynce.torch.ops import info_nce as tinfo_nce  # noqa: E402
 from cupynce.torch.ops import nt_xent as tnt_xent  # noqa: E402
 
-import torch_oracle as oracle  # noqa: E402  (tests/ is on sys.path under pytest)
+import torch_oracle as oracle  # noqa: E402  (its folder is on sys.path: conftest)
 
 REDUCTIONS = ("mean", "sum", "none")
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}

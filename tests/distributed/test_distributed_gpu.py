@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import test_distributed_cpu as D  # noqa: E402  (tests/ is on sys.path under pytest)
+import test_torch_distributed as D  # noqa: E402  (its folder is on sys.path: conftest)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")]

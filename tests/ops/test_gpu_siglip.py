@@ -40,7 +40,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_siglip_cpu import _cond, _inputs, _rel, _weights  # noqa: E402
+from test_siglip import _cond, _inputs, _rel, _weights  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)

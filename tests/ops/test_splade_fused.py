@@ -10,7 +10,7 @@ import pytest
 
 import cupynce
 
-import test_splade_cpu as C  # noqa: E402  (tests/ is on sys.path under pytest)
+import test_splade as C  # noqa: E402  (its folder is on sys.path: conftest)
 
 pytestmark = pytest.mark.gpu
 

@@ -21,7 +21,7 @@ from cupynce.report import harness as H
 from cupynce.__main__ import main
 from cupynce.report.ops import DTYPES, REGISTRY, available_ops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNGS = ("execution_times.png", "speedup.png", "peak_memory.png", "loss_error.png",
         "gradient_error.png")
 OPS = [name for name, why in available_ops().items() if why is None]

@@ -19,7 +19,7 @@ import library_losses as LL  # noqa: E402
 from cupynce.integrations import lightly as c_lightly  # noqa: E402
 from cupynce.integrations import open_clip as c_oc  # noqa: E402
 from cupynce.integrations import sentence_transformers as c_st  # noqa: E402
-from test_integrations_cpu import (SENTS, _sparse_encoder, distributed_checks,  # noqa: E402
+from test_integrations import (SENTS, _sparse_encoder, distributed_checks,  # noqa: E402
                                    tiny_mlm)  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -123,7 +123,7 @@ def test_sentence_transformers_splade_pooling(tiny_mlm, dtype):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_integrations_over_nccl_one_rank_per_gpu():
     """The gloo comparisons of test_integrations_cpu.py with NCCL, one process per GPU."""
-    from test_distributed_cpu import run_ranks
+    from test_torch_distributed import run_ranks
 
     run_ranks(torch.cuda.device_count(), distributed_checks(), backend="nccl", device="cuda",
-              module="test_integrations_cpu")
+              module="test_integrations")

@@ -22,7 +22,7 @@ import torch._dynamo.testing  # noqa: E402  (CompileCounterWithBackend)
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
 from cupynce import reference as ref  # noqa: E402
-from test_torch_cpu import _registered  # noqa: E402  (the custom ops, not the direct path)
+from test_torch_contrastive import _registered  # noqa: E402  (the custom ops, not the direct path)
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -58,7 +58,7 @@ import pytest
 import cupynce
 from cupynce import reference as R
 from cupynce._engine import blas, products_tf32
-import test_float32_precision as P  # (tests/ is on sys.path under pytest)
+import test_float32_precision as P  # (its folder is on sys.path: conftest)
 
 pytestmark = pytest.mark.gpu
 

@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-import test_distributed_cpu as D  # noqa: E402  (tests/ is on sys.path under pytest)
+import test_torch_distributed as D  # noqa: E402  (its folder is on sys.path: conftest)
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 def _bench():
     sys.path.insert(0, str(BENCH))
     import bench_multigpu

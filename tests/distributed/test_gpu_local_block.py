@@ -16,7 +16,7 @@ import pytest
 import cupynce
 from cupynce import reference as ref
 
-import test_local_block as LB  # noqa: E402  (tests/ is on sys.path under pytest)
+import test_local_block as LB  # noqa: E402  (its folder is on sys.path: conftest)
 
 pytestmark = pytest.mark.gpu
 

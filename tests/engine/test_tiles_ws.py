@@ -120,7 +120,7 @@ def _compare(new, old, dtype, what):
 
 
 # ---- the public ops: oracle and old loop -------------------------------------------------
-import test_gpu_contrastive as TC  # noqa: E402
+import test_contrastive_kernels as TC  # noqa: E402
 
 OPS = [("nt_xent", None), ("info_nce", None), ("info_nce", "shared"), ("clip_loss", None)]
 STAGES = {"nt_xent": ("lse", "h"), "info_nce": ("lse", "g"), "clip_loss": ("lse2", "clip")}

@@ -19,7 +19,7 @@ import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
 from cupynce._engine import blas  # noqa: E402
 from cupynce.torch import _registry as R  # noqa: E402
-from test_precision_api import MODES, spy  # noqa: E402,F401  (the fixture)
+from test_precision import MODES, spy  # noqa: E402,F401  (the fixture)
 
 MATMUL = torch.backends.cuda.matmul
 

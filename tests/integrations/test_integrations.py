@@ -215,9 +215,9 @@ def test_st_options():
 # ---- across processes (gloo) --------------------------------------------------------------
 def _device():
     """Where the rank's tensors live: the launcher's device ("cuda" under NCCL)."""
-    import test_distributed_cpu
+    import test_torch_distributed
 
-    return test_distributed_cpu.DEVICE
+    return test_torch_distributed.DEVICE
 
 
 def _global(seed, n, d, world, dtype=torch.float64, cols=2, scale=1.0):
@@ -323,9 +323,9 @@ def distributed_checks():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_integrations_over_gloo(world):
-    from test_distributed_cpu import run_ranks
+    from test_torch_distributed import run_ranks
 
-    run_ranks(world, distributed_checks(), module="test_integrations_cpu")
+    run_ranks(world, distributed_checks(), module="test_integrations")
 
 
 # ---- two training steps with each library's trainer or loop -------------------------------

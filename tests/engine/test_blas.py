@@ -132,7 +132,7 @@ def test_large_or_long_products_use_cublas(monkeypatch):
 
 
 # ---- float32 precision modes (issue 24; blas.float32_precision) -----------------------------
-import test_float32_precision as P  # noqa: E402  (tests/ is on sys.path under pytest)
+import test_float32_precision as P  # noqa: E402  (its folder is on sys.path: conftest)
 
 _COMPUTE = {"fp32": 68, "tf32": _blas.COMPUTE_32F_FAST_TF32, "3xtf32": _blas.COMPUTE_32F_FAST_TF32}
 

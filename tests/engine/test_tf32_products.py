@@ -28,8 +28,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from cupynce._engine import blas, products_tf32, tiles, tiles_tf32  # noqa: E402
-# (tests/ is on sys.path under pytest: the tiles' fixture and error measure)
-from test_gpu_tf32_tiles import MM_TOL, _rel, tf32  # noqa: E402,F401
+# (its folder is on sys.path, conftest: the tiles' fixture and error measure)
+from test_tf32_tiles import MM_TOL, _rel, tf32  # noqa: E402,F401
 
 gpu = pytest.mark.gpu
 FP32_TOL = (1e-5, 1e-4)  # loss, gradients: test_gpu_contrastive.py's float32
