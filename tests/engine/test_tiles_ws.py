@@ -12,9 +12,7 @@ CPU tests at the end: the ring's shared-memory plan (no GPU needed).
 from __future__ import annotations
 
 import math
-import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +21,6 @@ import cupynce
 
 cp = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cupynce._engine import tiles  # noqa: E402
 
@@ -231,7 +228,7 @@ def test_mixed_fast_and_fallback_epilogues(op, neg, ws, monkeypatch):
 
 
 # ---- SigLIP ------------------------------------------------------------------------------
-import test_gpu_siglip as TS  # noqa: E402
+import test_siglip as TS  # noqa: E402
 
 
 @gpu
