@@ -1,4 +1,5 @@
-"""The global losses over torch.distributed on the CPU: gloo, 2, 3 and 4 processes (CI).
+"""The global losses over torch.distributed: on the CPU, gloo, 2, 3 and 4 processes (CI), and,
+marked ``gpu``, on GPUs.
 
 Each rank holds its slice of one seeded global batch; its loss must be the single-process op's
 on the concatenated batch (its own rows for "none"), and its gradient P times the single-
@@ -6,6 +7,13 @@ process gradient of its rows (DDP's convention: DDP averages over the ranks).  A
 step is compared parameter by parameter with one process on the whole batch.  Mismatched local
 sizes raise the same error on every rank, without a hang.  Float64 to 1e-12, float32 to the
 single-process tolerances.
+
+On GPUs the same checks run on CUDA tensors, float64 / float32 on the cuBLAS path and bfloat16
+on the tile kernels:
+
+* one GPU: gloo with 2 processes sharing the GPU (NCCL refuses two ranks on one device), and
+  NCCL with one process (its reduce-scatter path);
+* several GPUs: NCCL, one process per GPU, where ``torch.cuda.device_count() >= 2``.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ if not dist.is_available():  # pragma: no cover
 TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-4),
        torch.bfloat16: (1e-5, 1e-2), torch.float16: (1e-5, 2e-3)}  # 16-bit: against the
 #: single-process op on the same 16-bit inputs (the rank blocks sum in another order)
-#: where the checks put their tensors ("cpu"; "cuda" in test_distributed_gpu.py)
+#: where the checks put their tensors ("cpu"; "cuda" in the GPU tests at the end)
 DEVICE = "cpu"
 BACKEND = "gloo"
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -414,3 +422,32 @@ def test_global_losses_over_gloo(world):
         names += ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere",
                   "check_precision_reaches_every_product"]
     run_ranks(world, names)
+
+
+# ---- on GPUs -------------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")
+CHECKS = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
+          "check_ddp_step"]
+
+
+@gpu
+@cuda
+def test_gloo_two_ranks_on_one_gpu():
+    run_ranks(2, CHECKS + ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"],
+              backend="gloo", device="cuda")
+
+
+@gpu
+@cuda
+def test_nccl_one_rank():
+    run_ranks(1, CHECKS, backend="nccl", device="cuda")
+
+
+@gpu
+@cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_one_rank_per_gpu():
+    run_ranks(torch.cuda.device_count(),
+              CHECKS + ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"],
+              backend="nccl", device="cuda")
