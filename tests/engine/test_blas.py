@@ -1,5 +1,8 @@
-"""GPU tests of ``cupynce._engine.blas.gemm``: the small-product kernel (``kernels_src/blas.cu``) and
-the cuBLAS route, against a float64 NumPy product.
+"""cupynce's cuBLAS binding and products (``cupynce._engine.blas``).
+
+Without a GPU: the binding's fallback to CuPy's wrappers when cuBLAS cannot be reached through
+ctypes.  Marked ``gpu``: ``gemm``, the small-product kernel (``kernels_src/blas.cu``) and the
+cuBLAS route, against a float64 NumPy product, and its float32 precision modes.
 
 Tolerances (relative, ‖x − ref‖ / ‖ref‖, inputs already rounded to their dtype so that only
 the accumulation is measured): float64 1e-13, float32 and 16-bit inputs (fp32 accumulation)
@@ -12,12 +15,34 @@ import pytest
 
 from cupynce._engine import blas as _blas
 
-pytestmark = pytest.mark.gpu
-
-cp = pytest.importorskip("cupy")
+try:
+    import cupy as cp
+except ImportError:  # (the gpu tests are skipped without it: conftest)
+    cp = None
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16]
+
+
+# ---- without a GPU: the binding ------------------------------------------------------------
+def test_cublas_binding_falls_back_to_cupy(monkeypatch):
+    """Without a ctypes-reachable cuBLAS the products use CuPy's wrappers (one warning),
+    and binding a capture stream is a no-op (the capture is then refused, not broken)."""
+    from cupynce._engine import blas
+
+    def missing():
+        raise OSError("libcublas.so.99: cannot open shared object file")
+
+    monkeypatch.setattr(blas, "_LIB", None)
+    monkeypatch.setattr(blas, "_libcublas", missing)
+    with pytest.warns(RuntimeWarning, match="CuPy's cuBLAS wrappers"):
+        assert blas._ctypes_ok() is False
+    assert blas._ctypes_ok() is False  # decided once
+    blas.bind_stream()  # no handle, no error
+
+
+# ---- gemm on the GPU ----------------------------------------------------------------------
+gpu = pytest.mark.gpu
 
 
 def _tol(dtype) -> float:
@@ -47,6 +72,7 @@ def _no_cublas(monkeypatch):
     monkeypatch.setattr(_blas, "cublas_gemm", boom)
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False),
                                              (True, True)])
@@ -70,6 +96,7 @@ def test_small_gemm_matches_float64(dtype, trans_a, trans_b, beta, m, n, k, pad,
     assert np.array_equal(cp.asnumpy(full[:, n:]), start[:, n:])  # padding untouched
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_small_gemm_is_deterministic_and_agrees_with_cublas(dtype, monkeypatch):
     rng = np.random.default_rng(7)
@@ -93,6 +120,7 @@ def test_small_gemm_is_deterministic_and_agrees_with_cublas(dtype, monkeypatch):
     assert _rel(outs[0], ref) <= _tol(dtype)
 
 
+@gpu
 @pytest.mark.parametrize("beta", [0.0, 2.0])
 def test_small_gemm_empty_k(beta, monkeypatch):
     """k = 0: out = beta * out (0 for beta = 0, without reading out), as cuBLAS."""
@@ -107,12 +135,14 @@ def test_small_gemm_empty_k(beta, monkeypatch):
     np.testing.assert_array_equal(cp.asnumpy(out), beta * start)
 
 
+@gpu
 def test_gemm_rejects_mixed_dtypes():
     with pytest.raises(ValueError, match="gemm: a and b must share a dtype"):
         _blas.gemm(cp.ones((2, 2), cp.float32), cp.ones((2, 2), cp.float64),
                    cp.empty((2, 2), cp.float32))
 
 
+@gpu
 def test_large_or_long_products_use_cublas(monkeypatch):
     """Above the size or k limit, and for a 16-bit output, the product goes to cuBLAS."""
     calls = []
@@ -153,6 +183,7 @@ def _f32_case(seed, m, n, k, trans_a, trans_b, pad, beta, mode):
     return _rel(out, ref), cp.asnumpy(out)
 
 
+@gpu
 @pytest.mark.parametrize("mode", ["tf32", "3xtf32"])
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False),
                                              (True, True)])
@@ -175,6 +206,7 @@ def test_float32_modes_against_float64(mode, trans_a, trans_b, beta, m, n, k, pa
         assert e <= 1e-2, e
 
 
+@gpu
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "3xtf32"])
 def test_float32_modes_issue_their_compute_type(mode, monkeypatch):
     """fp32: the one call of before (compute 68), bit-identical to the default; tf32: the same
@@ -191,6 +223,7 @@ def test_float32_modes_issue_their_compute_type(mode, monkeypatch):
         assert np.array_equal(got, default)
 
 
+@gpu
 def test_split_kernel_matches_numpy_emulation():
     """cpn_split_tf32_f32 on a row-strided view, bit for bit against the NumPy rule (random bit
     patterns over every exponent, subnormals, the largest values, inf / NaN)."""
@@ -206,6 +239,7 @@ def test_split_kernel_matches_numpy_emulation():
     assert np.array_equal(cp.asnumpy(lo).view(np.uint32), ref_lo.view(np.uint32))
 
 
+@gpu
 def test_3xtf32_splits_a_shared_operand_once(monkeypatch):
     """S = Z Z^T (b is a's very view) splits Z once; the result within 2x fp32's error plus the
     truncation bias (Z Zᵀ's positive diagonal shows it most: 8.7e-7 against fp32's 2.7e-7)."""
@@ -225,6 +259,7 @@ def test_3xtf32_splits_a_shared_operand_once(monkeypatch):
     assert _rel(outs["3xtf32"], ref) <= 2 * _rel(outs["fp32"], ref) + P.truncation_bound(256)
 
 
+@gpu
 @pytest.mark.parametrize("mode", ["tf32", "3xtf32"])
 def test_small_products_stay_fp32(mode, monkeypatch):
     """The small_gemm route ignores the precision: the same bits in every mode."""
@@ -235,6 +270,7 @@ def test_small_products_stay_fp32(mode, monkeypatch):
     assert np.array_equal(got, default)
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("size", [0, 1, 255, 256, 257, 100_003])
 @pytest.mark.parametrize("value", [0.5, -3.25e-7, float("nan"), float("inf")])
