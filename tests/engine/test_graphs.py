@@ -1,10 +1,13 @@
-"""GPU tests of the CUDA-graph replay of small calls (``cupynce.ops._graphs``).
+"""The CUDA-graph replay of small calls (``cupynce.ops._graphs``).
 
-The contract: a replayed call gives the same bits as the same call run kernel by kernel
-(which the other GPU tests hold to the float64 oracle), for every op, dtype and flag; the
-inputs of each call are read afresh; what a call returns is its own (a later call never
-changes it); streams and threads keep their plans apart; problems the plan cannot take
-(non-contiguous or misaligned inputs, too large, a capture that fails) run uncaptured.
+Without a GPU: the early exit for problems too large to capture (no stream, device or key
+touched), the estimates of what a call keeps, the per-thread tokens, deferred products outside
+graphs.  Marked ``gpu``, the captures and replays; the contract: a replayed call gives the
+same bits as the same call run kernel by kernel (which the other GPU tests hold to the float64
+oracle), for every op, dtype and flag; the inputs of each call are read afresh; what a call
+returns is its own (a later call never changes it); streams and threads keep their plans
+apart; problems the plan cannot take (non-contiguous or misaligned inputs, too large, a
+capture that fails) run uncaptured.
 """
 from __future__ import annotations
 
@@ -14,11 +17,15 @@ import numpy as np
 import pytest
 
 import cupynce
+from cupynce._engine import blas
 from cupynce.ops import _graphs
+from cupynce.ops import clip as clip_op
+from cupynce.ops import nt_xent as nt_xent_op
 
-pytestmark = pytest.mark.gpu
-
-cp = pytest.importorskip("cupy")
+try:
+    import cupy as cp
+except ImportError:  # (the gpu tests are skipped without it: conftest)
+    cp = None
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CALLS = _graphs.CAPTURE_AFTER + 2  # plain calls, the capture, one more replay
@@ -30,6 +37,89 @@ def fresh_cache(monkeypatch):
     _graphs.clear()
     yield
     _graphs.clear()
+
+
+# ---- without a GPU ------------------------------------------------------------------------
+def test_est_bytes_past_the_limit_runs_compute_without_a_key():
+    """No stream, device or key is touched (NumPy inputs would fail there): ``compute`` runs,
+    a trace records the call as uncaptured, nothing is counted."""
+    x = np.arange(4.0)
+    for _ in range(_graphs.CAPTURE_AFTER + 2):
+        with _graphs.trace() as events:
+            (y,) = _graphs.run(("test",), (x,), lambda x: (x + 1,),
+                               est_bytes=_graphs.MAX_PLAN_BYTES + 1)
+        np.testing.assert_array_equal(y, x + 1)
+        assert events == [None]
+    info = _graphs.info()
+    assert info["plans"] == 0 and info["counting"] == 0 and not info["refused"]
+
+
+@pytest.mark.parametrize("dtype, n, ws, want", [
+    (np.float32, 16384, None, blas.DEFAULT_WORKSPACE_BYTES),  # capped: 1 GiB of 1 GiB
+    (np.float32, 8192, None, 8192 * 8192 * 4),
+    (np.float32, 16384, 64 << 20, 64 << 20),  # the caller's workspace
+    (np.float64, 100, None, 100 * 100 * 8),
+    (np.float16, 16384, None, 0),  # 16-bit: the tiles keep no score block
+])
+def test_clip_score_block_estimate(dtype, n, ws, want):
+    a = np.zeros((n, 1), dtype)
+    acc = np.dtype(np.float64 if dtype == np.float64 else np.float32)
+    assert clip_op._score_block_bytes(a, acc, ws) == want
+    # a float32 CLIP at N = 16384 (1 GiB) skips the key; at 8192 (256 MiB) it is captured
+    assert (want > _graphs.MAX_PLAN_BYTES) == (n == 16384 and dtype != np.float16
+                                               and ws is None)
+
+
+@pytest.mark.parametrize("dtype, n, d, ws, want", [
+    # 16-bit: the whole H (N x N, z's dtype) + the float32 accumulator: 16384 is captured
+    # (544 MiB), a float32 one at 16384 (1 GiB + the accumulator) skips the key
+    ("bfloat16", 16384, 512, None, 16384 * 16384 * 2 + 16384 * 512 * 4),
+    (np.float16, 8192, 512, None, 8192 * 8192 * 2 + 8192 * 512 * 4),
+    (np.float16, 16384, 512, 64 << 20, (64 << 20) + 16384 * 512 * 4),  # capped
+    (np.float32, 16384, 128, None, blas.DEFAULT_WORKSPACE_BYTES + 16384 * 128 * 4),
+    (np.float64, 100, 8, None, 100 * 100 * 8 + 100 * 8 * 8),
+])
+def test_nt_xent_kept_bytes(dtype, n, d, ws, want):
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dtype = ml_dtypes.bfloat16
+    z = np.zeros((n, d), dtype)
+    assert nt_xent_op._kept_bytes(z, ws) == want
+    assert (want > _graphs.MAX_PLAN_BYTES) == (dtype == np.float32)
+
+
+def test_thread_tokens_are_never_reused():
+    """The per-thread default stream's plans are keyed by a token per thread that no later
+    thread gets, even once the first has exited (``threading.get_ident`` may be reused)."""
+    import threading
+
+    mine = _graphs._thread_token()
+    assert _graphs._thread_token() == mine
+    seen = []
+    for _ in range(4):  # one after the other: each exits before the next starts
+        t = threading.Thread(target=lambda: seen.append(_graphs._thread_token()))
+        t.start()
+        t.join()
+    assert len(set(seen + [mine])) == 5
+
+
+def test_deferred_products_run_plainly_outside_graphs():
+    from cupynce._engine import tail
+
+    out = []
+    tail.products((1, 2), lambda a, b: out.append((a, b)))
+    with tail.collecting(None) as rec:
+        tail.products((3,), lambda a: out.append(a))
+    with tail.collecting(lambda o, f: f(*o)) as rec2:
+        tail.products((4,), lambda a: out.append(a))
+    assert out == [(1, 2), 4] and len(rec) == 1 and len(rec2) == 1
+    with tail.collecting(None) as rec3:  # (not the call's last work: run now, not recorded)
+        tail.products((5,), lambda a: out.append(a), last=False)
+    assert out == [(1, 2), 4, 5] and not rec3
+
+
+# ---- captures and replays (GPU) -----------------------------------------------------------
+gpu = pytest.mark.gpu
 
 
 def bits(x):
@@ -104,6 +194,7 @@ def plain(fn):
 OPS = ["nt_xent", "info_nce", "info_nce_neg", "clip_loss", "siglip_loss"]
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32),
                                    np.dtype(np.float64)], ids=str)
 @pytest.mark.parametrize("op", OPS)
@@ -116,6 +207,7 @@ def test_replay_is_bit_identical(op, dtype, normalize):
     assert _graphs.info()["plans"] == 1, _graphs.info()
 
 
+@gpu
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("reduction,requires_grad", [("sum", True), ("mean", False),
                                                      ("none", False)])
@@ -128,6 +220,7 @@ def test_replay_other_modes(op, reduction, requires_grad):
     assert _graphs.info()["plans"] == 1
 
 
+@gpu
 def test_host_logit_scale_is_part_of_the_key():
     """A Python-float logit_scale is baked into the graph: another value is another plan."""
     for seed in (0, 1):
@@ -139,6 +232,7 @@ def test_host_logit_scale_is_part_of_the_key():
     assert _graphs.info()["plans"] == 2
 
 
+@gpu
 @pytest.mark.parametrize("op", OPS)
 def test_inputs_read_afresh_and_outputs_kept(op):
     """Replays read each call's inputs (the graph copies them in), and the arrays a call
@@ -162,6 +256,7 @@ def _plan():
     return plan
 
 
+@gpu
 @pytest.mark.parametrize("op", OPS)
 def test_variants_read_the_inputs_in_place(op):
     """The same input pointers on a plan's second replay get a variant that reads them in
@@ -186,6 +281,7 @@ def test_variants_read_the_inputs_in_place(op):
     assert len(_plan().variants) == 2 and _graphs.info()["plans"] == 1
 
 
+@gpu
 def test_variants_bounded_and_switchable(monkeypatch):
     monkeypatch.setattr(_graphs, "MAX_VARIANTS", 2)
     sets = [inputs("nt_xent", 256, 64, BF16, seed=s) for s in range(4)]
@@ -201,6 +297,7 @@ def test_variants_bounded_and_switchable(monkeypatch):
     assert len(_plan().variants) == 0
 
 
+@gpu
 def test_variants_stop_where_pointer_sets_churn(monkeypatch):
     """More recurring pointer sets than MAX_VARIANTS: after 2 x MAX_VARIANTS evictions the
     plan makes no new variants (each capture costs a call's host time), results unchanged."""
@@ -214,6 +311,7 @@ def test_variants_stop_where_pointer_sets_churn(monkeypatch):
     assert plan.evicted == 2 * _graphs.MAX_VARIANTS + 1 and len(plan.variants) == 1
 
 
+@gpu
 def test_tiny_deferred_products_run_their_python(monkeypatch):
     """A product the recording cannot hold (here every product is "tiny": the small-product
     kernel) runs its Python at each replay: same bits."""
@@ -228,6 +326,7 @@ def test_tiny_deferred_products_run_their_python(monkeypatch):
     assert plan.tails and all(calls is None for _, _, _, calls in plan.tails)
 
 
+@gpu
 def test_misaligned_pointers_get_no_variant():
     """A 16-byte aligned input that is not 256-byte aligned (a row offset) is copied in."""
     base = inputs("nt_xent", 257, 64, BF16)[0][0]
@@ -240,6 +339,7 @@ def test_misaligned_pointers_get_no_variant():
     assert len(_plan().variants) == 0
 
 
+@gpu
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float32)], ids=str)
 def test_gradient_products_left_out_of_the_graph(op, dtype):
@@ -263,6 +363,7 @@ def test_gradient_products_left_out_of_the_graph(op, dtype):
         assert not plan.tails
 
 
+@gpu
 def test_streams_have_their_own_plans():
     args, kw = inputs("clip_loss", 256, 64, BF16)
     want = plain(lambda: step("clip_loss", args, kw))
@@ -275,6 +376,7 @@ def test_streams_have_their_own_plans():
     assert _graphs.info()["plans"] == 2
 
 
+@gpu
 def test_threads_sharing_a_stream():
     """Threads replaying one plan on one stream never mix their inputs."""
     batches = [inputs("info_nce", 256, 64, BF16, seed=s) for s in range(4)]
@@ -297,6 +399,7 @@ def test_threads_sharing_a_stream():
     assert _graphs.info()["plans"] == 1
 
 
+@gpu
 def test_layouts_the_plan_cannot_take_run_uncaptured():
     base = cp.asarray(np.random.default_rng(0).standard_normal(257 * 64).astype(BF16))
     views = {"misaligned": base[1:1 + 256 * 64].reshape(256, 64), "strided": cp.asarray(
@@ -309,6 +412,7 @@ def test_layouts_the_plan_cannot_take_run_uncaptured():
     assert _graphs.info()["plans"] <= 1
 
 
+@gpu
 def test_large_plans_refused_and_cache_bounded(monkeypatch):
     monkeypatch.setattr(_graphs, "MAX_PLAN_BYTES", 1 << 10)
     # (InfoNCE passes no est_bytes: its capture is made, then dropped)
@@ -328,6 +432,7 @@ def test_large_plans_refused_and_cache_bounded(monkeypatch):
     assert _graphs.info()["plans"] == 2
 
 
+@gpu
 def test_failed_capture_falls_back(monkeypatch):
     """A call that cannot be captured (here: one that reads a device value on the host) is
     remembered as refused and keeps running uncaptured, with the right result."""
@@ -343,6 +448,7 @@ def test_failed_capture_falls_back(monkeypatch):
     assert info["plans"] == 0 and "capture failed" in next(iter(info["refused"].values()))
 
 
+@gpu
 def test_estimated_large_problem_runs_uncaptured(monkeypatch):
     """``est_bytes`` past MAX_PLAN_BYTES: every call runs ``compute``, nothing is counted,
     captured or refused (no key built); CLIP's float32 calls pass their score block, NT-Xent's
@@ -385,6 +491,7 @@ def test_estimated_large_problem_runs_uncaptured(monkeypatch):
     assert _graphs.info()["plans"] == 1
 
 
+@gpu
 def test_torch_bridge_replays_bit_identically():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -412,6 +519,7 @@ def test_torch_bridge_replays_bit_identically():
     assert torch.cuda.memory_allocated() - before >= _graphs.info()["bytes"] > 0
 
 
+@gpu
 def test_calls_inside_a_callers_capture_run_plainly():
     """Inside the caller's own stream capture (torch.cuda.graph, a CuPy capture) nothing is
     captured or replayed by cupynce: the work goes into the caller's graph as plain kernels."""
@@ -430,6 +538,7 @@ def test_calls_inside_a_callers_capture_run_plainly():
         cp.testing.assert_array_equal(y, x * 2)
 
 
+@gpu
 def test_per_thread_default_streams_have_their_own_plans():
     """cudaStreamPerThread is one handle value for a different stream in each thread."""
     x = cp.arange(8, dtype=cp.float32)
@@ -451,6 +560,7 @@ def test_per_thread_default_streams_have_their_own_plans():
     assert _graphs.info()["plans"] == 2
 
 
+@gpu
 def test_out_of_memory_during_capture_is_not_remembered():
     """Running out of memory while capturing falls back without refusing the problem for
     good: it is counted again and captured later."""
