@@ -1,19 +1,24 @@
 """The float32 precision switch of ``_engine.blas`` (issue 24), without a GPU: a NumPy
 emulation of ``cpn_split_tf32_f32`` (the kernel's integer rule, bit for bit), the accuracy of an
-emulated 3xTF32 product against float32's, and the switch's validation and graph keys.
-The GPU side (``gemm`` in each mode) is in test_gpu_blas.py.
+emulated 3xTF32 product against float32's, the switch's validation and graph keys, and the
+thread-local scope's reads; "3xtf32" splits a float32 score block that the gradient products
+take as an operand (hi and lo: twice the block), so the row-block planners count it within
+``workspace_bytes``.  The GPU side (``gemm`` in each mode) is in engine/test_blas.py.
 """
 from __future__ import annotations
 
+import sys
 import threading
+import types
 
 import numpy as np
 import pytest
 
-from cupynce._engine import blas
+from cupynce._engine import blas, products_tf32
 
 F32 = np.float32
 U32 = np.uint32
+BFLOAT16 = blas.BFLOAT16
 
 
 def split_tf32(x) -> tuple:
@@ -181,3 +186,90 @@ def truncation_bound(k: int) -> float:
     0.5-0.55 of this for Z·Zᵀ at k = 256 / 512; the ops' gradients (k = N = 1000) 0.3 of it.
     """
     return (k / 8) * 2.0 ** -24
+
+
+def test_scope_reads_without_a_miss():
+    assert type(blas._LOCAL).precision is None  # (a class default: no AttributeError)
+    seen = []
+
+    def other():
+        seen.append(blas.float32_precision_now())
+    with blas.float32_precision("3xtf32"):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert blas.float32_precision_now() == "3xtf32"
+    assert seen == [blas.float32_precision_default()]  # (the scope is this thread's alone)
+
+
+# ---- 3xtf32's split within the workspace ---------------------------------------------------
+@pytest.mark.parametrize("mode", blas.FLOAT32_PRECISIONS)
+def test_split_row_bytes(mode):
+    with blas.float32_precision(mode):
+        want = 2 * 100 * 4 if mode == "3xtf32" else 0
+        assert blas.split_row_bytes(np.float32, 100) == want
+        for dt in (np.float16, np.float64, BFLOAT16):
+            assert blas.split_row_bytes(dt, 100) == 0
+
+
+class _Planned(Exception):
+    pass
+
+
+def _planned_bytes(monkeypatch, call):
+    """bytes_per_row that ``call`` hands to blas.plan_rows (stopped there: no GPU needed)."""
+    from cupynce._engine import blocks
+
+    seen = []
+
+    def plan_rows(op, rows, bytes_per_row, workspace_bytes, **kw):
+        seen.append(bytes_per_row)
+        raise _Planned
+
+    monkeypatch.setattr(blas, "plan_rows", plan_rows)
+    # (blocks.rows imports cupy before planning; a stand-in where CuPy is absent)
+    monkeypatch.setitem(sys.modules, "cupy", sys.modules.get("cupy")
+                        or types.ModuleType("cupy"))
+    with pytest.raises(_Planned):
+        call(blocks)
+    return seen[-1]
+
+
+def _planners(dt, want_grad):
+    n, nc, d = 8, 12, 4
+    q, k = np.zeros((n, d), dt), np.zeros((nc, d), dt)
+    w = (None, 0, 1.0)
+    return {
+        "rows": lambda b: b.rows(q, k, None, None, 1.0, exclude_diag=False, pos_shift=0,
+                                 pos_mod=nc, lse_in=None, weights=w, want_grad=want_grad,
+                                 workspace_bytes=None, op="info_nce"),
+        "clip": lambda b: b.clip(q, k, None, lse_r=None, lse_c=None, weights=w,
+                                 want_loss=True, want_grad=want_grad, workspace_bytes=None),
+        "siglip": lambda b: b.siglip(q, k, None, None, weights=w, want_loss=True,
+                                     want_grad=want_grad, workspace_bytes=None),
+        "cross": lambda b: b.cross(q, k, 1.0, lse_r=None, lse_c=None, weights=w,
+                                   want_stats=True, want_grad=want_grad, workspace_bytes=None),
+    }, nc
+
+
+@pytest.mark.parametrize("which", ["rows", "clip", "siglip", "cross"])
+@pytest.mark.parametrize("want_grad", [True, False])
+@pytest.mark.parametrize("tiles", [False, True])
+def test_planners_count_the_split_block(monkeypatch, which, want_grad, tiles):
+    """cuBLAS's "3xtf32" splits the gradient block: the planners count it; the TF32x3 tiles
+    (``products_tf32``, stubbed as available) split no gradient block: nothing counted."""
+    from cupynce._engine import tiles_tf32
+
+    monkeypatch.setattr(tiles_tf32, "available", lambda: tiles)
+    for dt in (np.float32, np.float64, np.float16):
+        calls, nc = _planners(dt, want_grad)
+        got = {}
+        for mode in blas.FLOAT32_PRECISIONS:
+            with blas.float32_precision(mode):
+                got[mode] = _planned_bytes(monkeypatch, calls[which])
+        assert got["fp32"] == got["tf32"]
+        with blas.float32_precision("3xtf32"):
+            q = np.zeros((8, 4), dt)
+            assert products_tf32.applies(q, q) == (tiles and dt == np.float32)
+        extra = 2 * nc * 4 if dt == np.float32 and want_grad and not tiles else 0
+        assert got["3xtf32"] == got["fp32"] + extra, (dt, got)

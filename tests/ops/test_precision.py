@@ -1,5 +1,6 @@
 """The public ``precision=`` argument (issue 24) on the CPU: validation, the global default,
-the Context's precision and the backward's scope, the global (emulated-rank) ops.
+the Context's precision and the backward's scope, the global (emulated-rank) ops (a global
+forward resolves ``precision=None`` once: the mode the ranks agree on is the mode the rank runs).
 
 The NumPy path ignores the precision in its arithmetic but runs under the same scope as the
 GPU path (one ``with blas.float32_precision(p)`` around either), so the scope itself is
@@ -9,6 +10,8 @@ and the losses are checked — to record ``blas.float32_precision_now()`` at eac
 GPU results per mode are in test_gpu_precision.py.
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -329,3 +332,36 @@ def test_global_settings_codes_are_distinct():
     assert len(set(codes)) == len(codes) and _global._setting("bogus") == -1
     assert _global._precision_setting(None) == blas.float32_precision_default()
     assert _global._precision_setting("TF32") == "TF32"  # (raised by the local checks)
+
+
+@pytest.mark.parametrize("op", ["nt_xent", "info_nce", "clip_loss", "siglip_loss"])
+def test_global_forward_reads_the_default_once(monkeypatch, spy, op):
+    """A second read of the global default (another thread's set_float32_precision in
+    between) must not make the rank run another mode than the one it exchanged."""
+    real = blas.float32_precision_default
+    local = threading.local()
+
+    def flipping():
+        local.n = getattr(local, "n", 0) + 1
+        real()
+        return "tf32" if local.n == 1 else "fp32"  # (the first read, then "changed")
+
+    monkeypatch.setattr(blas, "float32_precision_default", flipping)
+    z = np.random.default_rng(0).standard_normal((4, 3))
+
+    def rank(comm):
+        local.n = 0
+        if op == "nt_xent":
+            loss, ctx = cupynce.nt_xent_forward(z, 0.5, group=comm, reduction="none")
+        elif op == "info_nce":
+            loss, ctx = cupynce.info_nce_forward(z, z, 0.5, group=comm, reduction="none")
+        elif op == "clip_loss":
+            loss, ctx = cupynce.clip_loss_forward(z, z, 1.0, group=comm, reduction="none")
+        else:
+            loss, ctx = cupynce.siglip_loss_forward(z, z, 1.0, 0.0, group=comm,
+                                                    reduction="none")
+        return ctx.precision, local.n
+
+    out = run(2, rank)
+    assert out == [("tf32", 1)] * 2, out
+    assert spy and {p for _, p in spy} == {"tf32"}, spy

@@ -461,3 +461,20 @@ def test_time_cuda_burst_times_back_to_back_calls_per_call(monkeypatch):
     assert order[-6:] == ["event", "call", "call", "call", "event", "sync"]
     with pytest.raises(ValueError, match="burst must be >= 1, got 0"):
         H.time_cuda(lambda: order.append("call"), warmup=0, repeat=2, burst=0)
+
+
+def test_report_keeps_torch_fields_under_new_api_tf32():
+    torch = pytest.importorskip("torch")
+    from cupynce.report import harness as H
+
+    mm = torch.backends.cuda.matmul
+    if getattr(mm, "fp32_precision", None) is None:
+        pytest.skip("torch < 2.9: no fp32_precision API")
+    saved = mm.fp32_precision
+    try:
+        mm.fp32_precision = "tf32"
+        info = H.device_info()
+    finally:
+        mm.fp32_precision = saved
+    assert info.get("torch_allow_tf32_matmul") is True, info
+    assert "torch_cuda" in info and "torch_alloc_conf" in info, info

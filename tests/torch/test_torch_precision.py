@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
+from cupynce import _checks  # noqa: E402
 from cupynce._engine import blas  # noqa: E402
 from cupynce.torch import _registry as R  # noqa: E402
 from test_precision import MODES, spy  # noqa: E402,F401  (the fixture)
@@ -287,3 +288,31 @@ def test_numpy_and_float64_results_ignore_the_precision():
         if not ref:
             ref["v"] = got
         assert all(torch.equal(g, r) for g, r in zip(got, ref["v"])), mode
+
+
+def test_torch_error_says_what_none_means():
+    pytest.importorskip("torch")
+    from cupynce.torch import _registry as R
+
+    with pytest.raises(ValueError, match=r"^x: precision must be one of 'fp32', 'tf32', "
+                                         r"'3xtf32', 'auto' or None \(torch's TF32 setting"):
+        R.precision_of("x", "high")
+    with pytest.raises(ValueError, match=r"or None \(the global default"):
+        _checks.check_precision("x", "high")
+
+
+def test_torch_getter_matches_the_attribute():
+    torch = pytest.importorskip("torch")
+    from cupynce.torch import _registry as R
+
+    if R._MATMUL_FP32 is None:
+        pytest.skip("no fp32_precision getter in this torch")
+    mm = torch.backends.cuda.matmul
+    saved = mm.fp32_precision
+    try:
+        for v in ("tf32", "ieee"):
+            mm.fp32_precision = v
+            assert R._MATMUL_FP32() == mm.fp32_precision
+            assert R.torch_uses_tf32() is (v == "tf32")
+    finally:
+        mm.fp32_precision = saved
