@@ -2,8 +2,9 @@
 
 Independent of cupynce: ``F.normalize``, matmul, ``masked_fill`` and ``F.cross_entropy``,
 differentiated by torch's autograd.  Run in float64 they are the oracle of
-``tests/test_torch_cpu.py`` and ``tests/test_torch_gpu.py``; run in float16 / bfloat16 they
-give the same-dtype error that bounds cupynce's half-precision error on the GPU.
+``tests/torch/test_torch_contrastive.py`` and ``tests/torch/test_torch_cuda.py``; run in
+float16 / bfloat16 they give the same-dtype error that bounds cupynce's half-precision error on
+the GPU.
 """
 from __future__ import annotations
 

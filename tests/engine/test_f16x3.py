@@ -292,7 +292,7 @@ def test_clip_on_f16x3(f16x3, monkeypatch, reduction, ws, n, d):
     for name, g_, a_, f_, r in zip(("loss", "da", "db", "dscale"), got, again, fp32,
                                    [ref_loss, *ref_grads]):
         assert np.array_equal(np.asarray(g_).view(np.uint32), np.asarray(a_).view(np.uint32)), name
-        if name == "dscale":  # (a cancelling sum: test_gpu_precision holds it to fp32's)
+        if name == "dscale":  # (a cancelling sum: ops/test_precision_accuracy holds it to fp32's)
             continue
         e_k, e_f = _rel(g_, r), _rel(f_, r)
         assert e_k <= 1.25 * e_f + 2.0 ** -24, f"{name}: f16x3 {e_k:.3g} fp32 {e_f:.3g}"

@@ -9,12 +9,12 @@ precisions "auto" (from ``tiles_tf32.AUTO_MIN_ROWS`` x ``products_tf32.AUTO_MIN_
 * :meth:`Products.gemm` is, bit for bit, ``tiles_tf32.mm`` on the operands it builds (A Bᵀ,
   G B, Gᵀ A reading G as stored, which it leaves unchanged) and cuBLAS fp32 on what the tiles
   do not take (``beta`` not 0 / 1, G without 16-byte rows, a refused launch).  Against
-  float64 these products are held to ``MM_TOL`` (test_gpu_tf32_tiles.py's bound of the
+  float64 these products are held to ``MM_TOL`` (engine/test_tf32_tiles.py's bound of the
   promoted products).
 * The ops route there under "auto" / "3xtf32" only; a CLIP in row blocks (dB accumulated
   over blocks) stays within the float32 tolerances of
-  test_gpu_contrastive.py.  The accuracy bar against "fp32" is test_gpu_precision.py's
-  (``test_auto_row_block_ops_as_accurate_as_fp32``).
+  ops/test_contrastive_kernels.py.  The accuracy bar against "fp32" is
+  ops/test_precision_accuracy.py's (``test_auto_row_block_ops_as_accurate_as_fp32``).
 
 CPU tests at the end (the routing rule, with the device check stubbed).
 """
@@ -32,7 +32,7 @@ from cupynce._engine import blas, products_tf32, tiles, tiles_tf32  # noqa: E402
 from test_tf32_tiles import MM_TOL, _rel, tf32  # noqa: E402,F401
 
 gpu = pytest.mark.gpu
-FP32_TOL = (1e-5, 1e-4)  # loss, gradients: test_gpu_contrastive.py's float32
+FP32_TOL = (1e-5, 1e-4)  # loss, gradients: ops/test_contrastive_kernels.py's float32
 LS = math.log(1 / 0.07)  # CLIP's logit_scale
 
 
@@ -231,7 +231,7 @@ def test_ops_route_here(tf32, mode, monkeypatch):
     calls = []
     real = tiles_tf32.mm
     monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    real16 = tiles_f16x3.mm  # ("auto" on Hopper: the F16x3 tiles, test_gpu_f16x3.py)
+    real16 = tiles_f16x3.mm  # ("auto" on Hopper: the F16x3 tiles, engine/test_f16x3.py)
     monkeypatch.setattr(tiles_f16x3, "mm", lambda *a, **k: calls.append(2) or real16(*a, **k))
     n0 = tiles_tf32.AUTO_MIN_ROWS
     for op in ("clip", "siglip", "info_nce"):
@@ -497,7 +497,7 @@ def test_clip_row_blocks_and_determinism(tf32, monkeypatch):
                                  [ref_loss] + list(ref_grads)):
         assert np.array_equal(_bits(b_), _bits(c)), f"{name} not deterministic"
         tol = FP32_TOL[0] if name == "loss" else FP32_TOL[1]
-        if name == "dscale":  # (a cancelling sum: as test_gpu_precision, scaled by its κ)
+        if name == "dscale":  # (a cancelling sum: as test_precision_accuracy, scaled by its κ)
             continue
         assert _rel(cp.asnumpy(b_), r) <= tol, name
         assert _rel(cp.asnumpy(b_), cp.asnumpy(w).astype(np.float64)) <= tol, name

@@ -23,7 +23,7 @@ nearest; fp32 as a sequential FMA chain), on unit rows with k_i = unit(q_i + 0.3
   lse is no probe of the products: cuBLAS fp32 scores reduced in float64 on the host
   (emulated 0.8-2.9e-7) are only reported in the messages.
 
-Skips without CuPy / a GPU / compute capability 9.0 and tensor maps, as test_gpu_wstile.py.
+Skips without CuPy / a GPU / compute capability 9.0 and tensor maps, as engine/test_tiles_ws.py.
 CPU tests at the end (ring plan, argument checks, the off-Hopper error).
 """
 from __future__ import annotations

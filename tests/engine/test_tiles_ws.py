@@ -2,7 +2,7 @@
 the float64 oracle and against the cp.async wgmma loop they replace (``tiles.USE_WSTILE``).
 
 Every test that must run the new kernels checks that they ran (a spy on ``tiles.ws_launch``).
-Tolerances: against the oracle those of test_gpu_contrastive.py / test_gpu_siglip.py (their
+Tolerances: against the oracle those of ops/test_contrastive_kernels.py / ops/test_siglip.py (their
 ``check`` / ``_check_oracle``); new against old loop: the row / column statistics are float32
 sums of the same products in another order (1e-5 relative), the gradient blocks are rounded to
 16 bits by both (1e-2 bf16, 2e-3 f16, as test_tiles_agree_with_cublas_path); the ring layout
@@ -212,8 +212,8 @@ def test_info_nce_shared_negatives(n, m, ws, monkeypatch):
 @gpu
 @pytest.mark.parametrize("op,neg", OPS)
 def test_deterministic_and_nan(op, neg, ws):
-    """test_gpu_contrastive's determinism (3 runs, the same bits) and NaN checks on the new
-    kernels."""
+    """ops/test_contrastive_kernels.py's determinism (3 runs, the same bits) and NaN checks on
+    the new kernels."""
     TC.test_tiles_deterministic_and_nan(op, neg, "wgmma")
     _ran(ws, *_stages(op, neg, 1030))
 
@@ -221,8 +221,8 @@ def test_deterministic_and_nan(op, neg, ws):
 @gpu
 @pytest.mark.parametrize("op,neg", OPS)
 def test_mixed_fast_and_fallback_epilogues(op, neg, ws, monkeypatch):
-    """test_gpu_contrastive's mixed case (rows 0-99 x 30: the checked / two-exp2 / max-based
-    epilogues beside the fast ones in one launch) on the new kernels."""
+    """ops/test_contrastive_kernels.py's mixed case (rows 0-99 x 30: the checked / two-exp2 /
+    max-based epilogues beside the fast ones in one launch) on the new kernels."""
     TC.test_tiles_mixed_fast_and_fallback_epilogues(op, neg, BF16, "wgmma")
     _ran(ws, *_stages(op, neg, 1030))
 
@@ -543,7 +543,7 @@ def test_lse_device_scale_log(ws, monkeypatch):
     assert _rel(lse, old[0]) <= 1e-6 and _rel(loss, old[1]) <= 1e-5
 
 
-# ---- global (row0 != 0) paths: tests/test_global_emulated.py's checks on the new kernels --
+# ---- global (row0 != 0) paths: distributed/test_global_emulated.py's checks on the new kernels
 import test_global_emulated as TG  # noqa: E402
 
 

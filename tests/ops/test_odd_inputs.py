@@ -21,10 +21,10 @@ SPLADE masks that are not 0/1, bad flags.  The contract, per case, is one of:
   finite (a NaN result's gradients are the op's business: SPLADE lets the NaN reach them, as
   its docstring says, where the oracle's zero terms stop it), SPLADE's only for float32 /
   float64 inputs (in 16 bits the arg-max may legitimately move to a position that ties after
-  rounding; ``test_splade_cpu`` checks that case with its own criterion).
+  rounding; ``ops/test_splade.py`` checks that case with its own criterion).
 
 ``RTOL``: float64 1e-10, float32 1e-5 (the NumPy path measures ~5e-7 relative, see
-``test_numpy_path``), float16 5e-3 and bfloat16 3e-2 (``test_numpy_path``'s fallbacks: a few
+``ops/test_contrastive.py``), float16 5e-3 and bfloat16 3e-2 (its fallbacks: a few
 units of the dtype's rounding of the scores; the oracle sees the rounded inputs, not the
 rounded scores).
 

@@ -7,7 +7,7 @@ GPU path (one ``with blas.float32_precision(p)`` around either), so the scope it
 checked here: the NumPy engine primitives the ops call (``_numpy.rows``, ``clip.numpy_clip``,
 ``siglip.numpy_engine``, ``splade._np_forward``) are wrapped — the real primitive still runs
 and the losses are checked — to record ``blas.float32_precision_now()`` at each call.  The
-GPU results per mode are in test_gpu_precision.py.
+GPU results per mode are in ops/test_precision_accuracy.py.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ float32 CuPy arrays in each mode, loss and every gradient against the float64 or
 Relative errors ‖x − ref‖ / ‖ref‖ (inputs rounded to float32 first; the oracle on them):
 
 =========  =========================================================================
-"fp32"     the float32 tolerances of test_gpu_contrastive.py: loss 1e-5, gradients
+"fp32"     the float32 tolerances of ops/test_contrastive_kernels.py: loss 1e-5, gradients
            1e-4; and bit for bit the call without ``precision`` (the default)
 "tf32"     2e-2 (TF32 keeps 10 mantissa bits: ~2e-4 measured by a float64 emulation
            of the rounded operands at these shapes, up to 1e-3 for SigLIP's scale)
@@ -28,7 +28,7 @@ Relative errors ‖x − ref‖ / ‖ref‖ (inputs rounded to float32 first; th
            ``test_float32_precision.truncation_bound`` = (K / 8) 2⁻²⁴.  (No
            "better than tf32" here: a loss or a scalar gradient's error is mostly
            not the products', and small products stay fp32 in every mode; the
-           bits check below shows the mode took effect, test_gpu_blas.py the
+           bits check below shows the mode took effect, engine/test_blas.py the
            products' own errors.)  Hopper's tensor cores accumulate with truncation toward
            zero: measured on an H200, 3xtf32's gradients at N = 1000 came out 2.4e-6
            against fp32's 2.5e-7 (0.3 of the bias bound); its products alone 3-13×
@@ -39,7 +39,7 @@ The scalar gradients (CLIP's dlogit_scale, SigLIP's dlogit_scale and dlogit_bias
 whose terms cancel: every bound of theirs above (the 3xtf32 truncation term
 included) is multiplied by their condition κ ≥ 1, estimated as the float64 oracle's relative
 response to a one-ulp float32 perturbation of the inputs, divided by 2⁻²⁴ (as
-test_gpu_siglip.py scales its float32 bound by the sums' condition: a sum that cancels cannot
+ops/test_siglip.py scales its float32 bound by the sums' condition: a sum that cancels cannot
 be more exact, and a single number may come out of fp32 almost exact by chance).  Every
 message records fp32's error beside the mode's.
 
@@ -65,7 +65,7 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 MODES = blas.FLOAT32_PRECISIONS
-FP32_TOL = (1e-5, 1e-4)  # loss, gradients (test_gpu_contrastive.py's float32)
+FP32_TOL = (1e-5, 1e-4)  # loss, gradients (ops/test_contrastive_kernels.py's float32)
 TF32_TOL = 2e-2
 X3_FACTOR = 2.0
 SCALAR_SLACK = 2 * 2.0 ** -24
@@ -391,7 +391,7 @@ def test_auto_row_block_ops_as_accurate_as_fp32(op, n, d, reduction):
         if draw == 0:
             kappa = [1.0] + _conditions(op, xs, reduction, g, ref_grads)
             if _auto_products(op, n, d) and products_tf32.f16_applies():
-                # "auto" on Hopper: the F16x3 tiles (test_gpu_f16x3.py), neither "3xtf32"'s
+                # "auto" on Hopper: the F16x3 tiles (engine/test_f16x3.py), neither "3xtf32"'s
                 # bits nor "fp32"'s: the mode took effect
                 assert not all(_same_bits(x, y) for x, y in zip(got["auto"], got["fp32"])), case
             else:

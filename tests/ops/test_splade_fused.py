@@ -1,9 +1,9 @@
 """GPU tests specific to SPLADE's fused forward (the max over the sequence in the epilogue of
 the tensor-core product: kernels_src/splade_wgmma.cu on Hopper, splade_tiles.cu
-MODE_SPMAX elsewhere).  Every test of test_gpu_splade.py also runs on both (its ``forward_path``
-fixture); these check what those cannot: that the paths are really taken, that they agree
-bit for bit, and the sm_80 main loop that Hopper does not use by default.
-Oracle and tolerances: those of test_gpu_splade.py."""
+MODE_SPMAX elsewhere).  Every test of ops/test_splade_kernels.py also runs on both (its
+``forward_path`` fixture); these check what those cannot: that the paths are really taken,
+that they agree bit for bit, and the sm_80 main loop that Hopper does not use by default.
+Oracle and tolerances: those of ops/test_splade_kernels.py."""
 from __future__ import annotations
 
 import pytest

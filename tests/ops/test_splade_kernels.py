@@ -1,6 +1,6 @@
 """GPU tests of the SPLADE head (CuPy path): run with ``pytest -m gpu`` on a CUDA machine.
 
-Oracle, tolerances and the way errors are measured are those of ``tests/test_splade_cpu.py``
+Oracle, tolerances and the way errors are measured are those of ``tests/ops/test_splade.py``
 (imported from it: ``TOL``, ``make_inputs``, ``check_against_reference``): every comparison
 is element-wise against the magnitude of the terms that make the value, with
 
@@ -460,7 +460,7 @@ def test_weight_beyond_2_31_elements():
     slack_u = C.U[dtype] + d * C.U[F32]
     m_ref = z.max(axis=1) + bias64
     near = cp.abs(m_ref) <= 4 * slack_u * (s_abs.max(axis=1) + cp.abs(bias64))
-    go[C.host(near)] = 0  # ReLU kink within rounding: same active set (see test_splade_cpu)
+    go[C.host(near)] = 0  # ReLU kink within rounding: same active set (see ops/test_splade.py)
 
     xd, bd, gd = cp.asarray(x), cp.asarray(bias), cp.asarray(go)
     for act in ACTIVATIONS:

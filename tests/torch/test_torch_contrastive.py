@@ -17,7 +17,7 @@ What is checked, for every function (nt_xent, info_nce, clip_loss) and module:
 * the modules: defaults, attributes, the temperature property, clamping, state_dict.
 
 Tolerances (relative norm error against the float64 oracle on the same inputs):
-float64 1e-12; float32 1e-5 (the NumPy path measures ~5e-7, see test_numpy_path.py).
+float64 1e-12; float32 1e-5 (the NumPy path measures ~5e-7, see ops/test_contrastive.py).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Checked on the GPU:
   negatives none/shared/paired, logit_scale real / 0-d / (1,); odd shapes up to N ~ 1000;
 * float16 / bfloat16: error against the float64 oracle at most 2x the error of the same
   computation in PyTorch at that dtype, floor eps/8 (4 eps for the cancelling dlogit_scale),
-  as tests/test_gpu_contrastive.py;
+  as tests/ops/test_contrastive_kernels.py;
 * gradcheck (float64) for every function and tensor input; bit-exact against the functional
   API on the same CuPy arrays; zero copy (the core sees the tensor's pointer);
 * streams: the kernels run on torch's current stream (a non-default stream whose input is

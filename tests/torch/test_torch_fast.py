@@ -1,5 +1,5 @@
 """CPU tests of what ``cupynce.torch._fast`` learns from a traced call (the mapping rules; the
-replays themselves run on GPUs: ``tests/test_graphs_torch.py``)."""
+replays themselves run on GPUs: ``tests/torch/test_torch_graphs.py``)."""
 from __future__ import annotations
 
 import types

@@ -1,8 +1,8 @@
 """GPU tests of ``cupynce.torch``'s replays straight from tensors (``cupynce.torch._fast``).
 
-The contract is ``tests/test_graphs.py``'s, through the bridge: once a direct call is learnt,
-its forward + backward give the same bits as the same call with graphs off, for every op,
-dtype and flag; arguments are read afresh; what a call returns is its own; calls whose
+The contract is ``tests/engine/test_graphs.py``'s, through the bridge: once a direct call is
+learnt, its forward + backward give the same bits as the same call with graphs off, for every
+op, dtype and flag; arguments are read afresh; what a call returns is its own; calls whose
 arguments the entry cannot take (misaligned, sharing memory where the learnt call did not,
 on another stream) still give the plain bits.
 """

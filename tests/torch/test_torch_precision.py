@@ -3,7 +3,7 @@
 The rule for ``precision=None``: "tf32" when torch runs its own float32 CUDA matmuls in TF32
 (``torch.backends.cuda.matmul.fp32_precision == "tf32"`` on torch >= 2.9, which
 ``allow_tf32 = True`` sets; ``allow_tf32`` before), else ``cupynce.get_float32_precision()``;
-read on the host at each call.  As in test_precision_api.py, the NumPy engine primitives are
+read on the host at each call.  As in ops/test_precision.py, the NumPy engine primitives are
 wrapped (the real ones still run) to record the precision in effect where the products run:
 in the forward and in the backward op, through the direct path, the custom ops, the
 compiled graph, the modules and the integrations.
