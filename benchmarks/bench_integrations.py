@@ -10,7 +10,7 @@ backward (the learnable scale / bias included), CUDA-event medians, peak memory 
 inputs, and each one's relative error ||x − ref|| / ||ref|| of the loss and of the worst input
 gradient against the library's class run in float64 on the same (bf16-rounded) values (the check that the
 drop-in gives the library's numbers).  The library classes are loaded from their installed files
-(``tests/library_losses.py``) where their packages' imports need more than torch.
+(``tests/_support/library_losses.py``) where their packages' imports need more than torch.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "_support"))
 
 from cupynce.report.harness import (device_header, device_info, fmt_mib, fmt_ms,  # noqa: E402
                                     fmt_ratio, markdown_table, run_case)

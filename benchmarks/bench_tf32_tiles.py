@@ -16,7 +16,7 @@ Cases (float32 Q, K of unit rows, K_i = unit(Q_i + 0.3 noise), s = 1 / 0.07; Hop
 TFLOP/s count 2 N² D (one product's useful work; the tf32x3 kernel issues three TF32
 products, 6 N² D).  Errors (relative, over the rows) against a float64 reference computed on
 the GPU: the lse, and for the tiles the positive logits (their products, see
-tests/test_gpu_tf32_tiles.py; for cuBLAS the diagonal of its product block times s).
+tests/engine/test_tf32_tiles.py; for cuBLAS the diagonal of its product block times s).
 Medians of CUDA-event times (``cupynce.report.harness.time_cuda``), one run, one GPU.
 """
 from __future__ import annotations

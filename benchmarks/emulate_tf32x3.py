@@ -1,5 +1,5 @@
 """CPU emulation (NumPy, no GPU) of the TF32x3 tiles' products and LSE epilogue (issue 24), to
-size tests/test_gpu_tf32_tiles.py's bounds before the kernel ran on a GPU.
+size tests/engine/test_tf32_tiles.py's bounds before the kernel ran on a GPU.
 
     python benchmarks/emulate_tf32x3.py
 

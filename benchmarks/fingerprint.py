@@ -125,7 +125,8 @@ def float32_cases() -> List[Dict[str, Any]]:
 
 
 def global_cases(dtypes) -> List[Dict[str, Any]]:
-    """The global losses on emulated ranks (one GPU, threads; tests/emulated_ranks.py)."""
+    """The global losses on emulated ranks (one GPU, threads;
+    tests/_support/emulated_ranks.py)."""
     cases = []
     for dtype in dtypes:
         for ranks in (2, 3):
@@ -139,7 +140,8 @@ def global_cases(dtypes) -> List[Dict[str, Any]]:
 def run_global(c) -> List[str]:
     import cupy as cp
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"
+                           / "_support"))
     import emulated_ranks
 
     def body(comm):

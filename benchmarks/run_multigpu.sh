@@ -24,9 +24,10 @@ tests | all)
     [ "$P" -le "$G" ] || continue
     echo "=== $P GPUs: $(date -u +%FT%TZ)" | tee -a "$OUT/tests.log"
     CUDA_VISIBLE_DEVICES=$(devices "$P") timeout 420 python -m pytest -q -rs -p no:cacheprovider \
-      tests/test_distributed_gpu.py tests/test_nccl_cupy.py tests/test_integrations_gpu.py \
-      tests/test_torch_gpu.py tests/test_torch_splade.py tests/test_gpu_contrastive.py \
-      tests/test_gpu_splade.py \
+      tests/distributed/test_torch_distributed.py tests/distributed/test_nccl_cupy.py \
+      tests/integrations/test_integrations.py tests/torch/test_torch_cuda.py \
+      tests/torch/test_torch_splade.py tests/ops/test_contrastive_kernels.py \
+      tests/ops/test_splade_kernels.py \
       -k "nccl or second_gpu or two_gpus or gloo_two_ranks" 2>&1 | tee -a "$OUT/tests.log"
   done
   ;;&

@@ -30,9 +30,9 @@ stamp() { echo "[$1: rc $2, $(( $(date +%s) - T0 )) s]"; }
 for stage in "${@:-tests}"; do
   case "$stage" in
   tests)
-    timeout 300 python -m pytest -q -rs -p no:cacheprovider -n 8 tests/test_gpu_wstile.py \
-      tests/test_side.py >"$OUT/test_gpu_wstile.log" 2>&1
-    stamp test_gpu_wstile $?; tail -2 "$OUT/test_gpu_wstile.log"
+    timeout 300 python -m pytest -q -rs -p no:cacheprovider -n 8 tests/engine/test_tiles_ws.py \
+      tests/engine/test_side.py >"$OUT/test_tiles_ws.log" 2>&1
+    stamp test_tiles_ws $?; tail -2 "$OUT/test_tiles_ws.log"
     for tool in memcheck racecheck synccheck; do
       timeout 120 compute-sanitizer --tool $tool python benchmarks/sanitize_case.py ws ws \
         >"$OUT/san_$tool.log" 2>&1

@@ -23,7 +23,8 @@ Usage::
     python benchmarks/train_digits.py --device cuda --steps 300 --out benchmarks/results
 
 writes ``train_digits_<device>.json`` and ``.md`` (and ``.png`` of the loss curves when
-matplotlib is installed) into ``--out``.  ``tests/test_train_digits.py`` runs a few steps.
+matplotlib is installed) into ``--out``.  ``tests/report/test_train_digits.py`` runs a few
+steps.
 """
 from __future__ import annotations
 

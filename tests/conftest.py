@@ -1,7 +1,30 @@
-"""Shared test configuration: the ``gpu`` marker skips (visibly) without CuPy and a CUDA GPU."""
+"""Shared test configuration: what the tests import by name goes on ``sys.path``; the ``gpu``
+marker skips (visibly) without CuPy and a CUDA GPU."""
 import os
+import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
+
+# The tests are in folders by subject (tests/ops, tests/engine, tests/torch, ...).  pytest runs
+# in its "importlib" import mode (setup.cfg), which puts nothing on sys.path: its default
+# "prepend" mode would put tests/ there (for this file), where the folder tests/torch passes
+# for torch wherever torch is not installed (a namespace package: importorskip("torch") would
+# not skip).  What the tests import by name goes on sys.path here instead: tests/_support (the
+# helper modules) and each folder of test files, so that a test module imports another's
+# helpers -- and a process spawned by a test (the torch.distributed ranks) imports its module
+# -- by the file's name, from any folder.  With consider_namespace_packages (setup.cfg) pytest
+# imports a test file under that same name, not as a second copy; so a test file's name must
+# be unique across the folders (checked here).  The checkout's root is never added: the suite
+# tests the installed package.
+_TESTS = Path(__file__).resolve().parent
+_FILES = sorted(_TESTS.rglob("test_*.py"))
+_SAME = sorted(name for name, n in Counter(p.name for p in _FILES).items() if n > 1)
+if _SAME:
+    raise RuntimeError(f"test files share a name (each is imported by its name): {_SAME}")
+_FOLDERS = [_TESTS / "_support", *sorted({p.parent for p in _FILES})]
+sys.path[:0] = [str(f) for f in _FOLDERS if str(f) not in sys.path]
 
 
 def _gpu_available() -> bool:

@@ -1,0 +1,453 @@
+"""The global losses over torch.distributed: on the CPU, gloo, 2, 3 and 4 processes (CI), and,
+marked ``gpu``, on GPUs.
+
+Each rank holds its slice of one seeded global batch; its loss must be the single-process op's
+on the concatenated batch (its own rows for "none"), and its gradient P times the single-
+process gradient of its rows (DDP's convention: DDP averages over the ranks).  A DDP training
+step is compared parameter by parameter with one process on the whole batch.  Mismatched local
+sizes raise the same error on every rank, without a hang.  Float64 to 1e-12, float32 to the
+single-process tolerances.
+
+On GPUs the same checks run on CUDA tensors, float64 / float32 on the cuBLAS path and bfloat16
+on the tile kernels:
+
+* one GPU: gloo with 2 processes sharing the GPU (NCCL refuses two ranks on one device), and
+  NCCL with one process (its reduce-scatter path);
+* several GPUs: NCCL, one process per GPU, where ``torch.cuda.device_count() >= 2``.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import tempfile
+import traceback
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+if not dist.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-4),
+       torch.bfloat16: (1e-5, 1e-2), torch.float16: (1e-5, 2e-3)}  # 16-bit: against the
+#: single-process op on the same 16-bit inputs (the rank blocks sum in another order)
+#: where the checks put their tensors ("cpu"; "cuda" in the GPU tests at the end)
+DEVICE = "cpu"
+BACKEND = "gloo"
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---- the per-rank checks (run in the spawned processes) -----------------------------------
+def _close(got, want, tol, what):
+    got, want = got.detach().double(), want.detach().double()
+    den = want.norm().item() or 1.0
+    err = (got - want).norm().item() / den
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+class _no_sync:
+    """On NCCL: any host synchronisation inside the block raises (the backward has none)."""
+
+    def __enter__(self):
+        if BACKEND == "nccl":
+            torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        if BACKEND == "nccl":
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def _nt_xent_rows(rank, n, N):
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n), N + torch.arange(rank * n, (rank + 1) * n)])
+
+
+def check_nt_xent(rank, P):
+    import cupynce.torch as ct
+
+    n, d = (3, 5) if DEVICE == "cpu" else (40, 64)
+    N = n * P
+    for dtype in DTYPES:
+        for reduction in ("mean", "sum", "none"):
+            for normalize in (False, True):
+                gen = torch.Generator().manual_seed(11)
+                Z = (torch.randn(2 * N, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype)
+                gl = torch.randn(2 * N, generator=gen, dtype=torch.float64).to(DEVICE)
+                mine = _nt_xent_rows(rank, n, N).to(DEVICE)
+                z = Z[mine].clone().requires_grad_(True)
+                loss = ct.nt_xent(z, 0.3, reduction=reduction, normalize=normalize,
+                                  group=dist.group.WORLD)
+                zs = Z.clone().requires_grad_(True)
+                want = ct.nt_xent(zs, 0.3, reduction=reduction, normalize=normalize)
+                up = gl.to(want.dtype) if reduction == "none" else \
+                    torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
+                g_up = up[mine] if reduction == "none" else up
+                with _no_sync():
+                    loss.backward(g_up)
+                want.backward(up)
+                tl, tg = TOL[dtype]
+                case = f"nt_xent P={P} {dtype} {reduction} normalize={normalize}"
+                _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
+                _close(z.grad, P * zs.grad[mine], tg, case + " grad")
+
+
+def check_info_nce(rank, P):
+    import cupynce.torch as ct
+
+    n, d, m = (4, 6, 2) if DEVICE == "cpu" else (40, 64, 8)
+    N = n * P
+    mine = torch.arange(rank * n, (rank + 1) * n, device=DEVICE)
+    for dtype in DTYPES:
+        for neg in (None, "shared", "paired"):
+            for reduction in ("mean", "none"):
+                normalize = (reduction == "mean") == (neg != "paired")  # each kind both ways
+                gen = torch.Generator().manual_seed(23)
+                Q, K = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype) for _ in range(2))
+                S = (torch.randn(P * m, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype)
+                Np_ = (torch.randn(N, m, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype)
+                gl = torch.randn(N, generator=gen, dtype=torch.float64).to(DEVICE)
+                q, k = (x[mine].clone().requires_grad_(True) for x in (Q, K))
+                nloc = {None: None, "shared": S[rank * m:(rank + 1) * m],
+                        "paired": Np_[mine]}[neg]
+                nloc = None if nloc is None else nloc.clone().requires_grad_(True)
+                loss = ct.info_nce(q, k, 0.2, negatives=nloc, reduction=reduction,
+                                   normalize=normalize, group=dist.group.WORLD)
+                qs, ks = (x.clone().requires_grad_(True) for x in (Q, K))
+                nall = {None: None, "shared": S, "paired": Np_}[neg]
+                nall = None if nall is None else nall.clone().requires_grad_(True)
+                want = ct.info_nce(qs, ks, 0.2, negatives=nall, reduction=reduction,
+                                   normalize=normalize)
+                up = gl.to(want.dtype) if reduction == "none" else \
+                    torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
+                loss.backward(up[mine] if reduction == "none" else up)
+                want.backward(up)
+                tl, tg = TOL[dtype]
+                case = f"info_nce P={P} {dtype} {neg} {reduction}"
+                _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
+                _close(q.grad, P * qs.grad[mine], tg, case + " dq")
+                _close(k.grad, P * ks.grad[mine], tg, case + " dk")
+                if neg == "shared":
+                    _close(nloc.grad, P * nall.grad[rank * m:(rank + 1) * m], tg, case + " dneg")
+                elif neg == "paired":
+                    _close(nloc.grad, P * nall.grad[mine], tg, case + " dneg")
+
+
+def _check_paired(rank, P, op, scalars, seed):
+    """A paired loss (CLIP, SigLIP) with learnable scalars (``scalars``: their values, in
+    the call's order after a and b) over the group against one process on the whole batch."""
+    import cupynce.torch as ct
+
+    fn = getattr(ct, op)
+    names = ("dlogit_scale", "dlogit_bias")
+    n, d = (4, 6) if DEVICE == "cpu" else (40, 64)
+    N = n * P
+    mine = torch.arange(rank * n, (rank + 1) * n, device=DEVICE)
+    for dtype in DTYPES:
+        for reduction in ("mean", "sum", "none"):
+            for normalize in (False, True):
+                gen = torch.Generator().manual_seed(seed)
+                A, Bm = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(
+                    DEVICE, dtype) for _ in range(2))
+                gl = torch.randn(N, generator=gen, dtype=torch.float64).to(DEVICE)
+                sc = [torch.tensor(v, dtype=torch.float32, device=DEVICE, requires_grad=True)
+                      for v in scalars]
+                a, b = (x[mine].clone().requires_grad_(True) for x in (A, Bm))
+                loss = fn(a, b, *sc, reduction=reduction, normalize=normalize,
+                          group=dist.group.WORLD)
+                scs = [x.detach().clone().requires_grad_(True) for x in sc]
+                As, Bs = (x.clone().requires_grad_(True) for x in (A, Bm))
+                want = fn(As, Bs, *scs, reduction=reduction, normalize=normalize)
+                up = gl.to(want.dtype) if reduction == "none" else \
+                    torch.tensor(0.7, dtype=want.dtype, device=DEVICE)
+                with _no_sync():
+                    loss.backward(up[mine] if reduction == "none" else up)
+                want.backward(up)
+                tl, tg = TOL[dtype]
+                case = f"{op} P={P} {dtype} {reduction} normalize={normalize}"
+                _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
+                _close(a.grad, P * As.grad[mine], tg, case + " da")
+                _close(b.grad, P * Bs.grad[mine], tg, case + " db")
+                for name, x, y in zip(names, sc, scs):
+                    _close(x.grad, y.grad, max(tg, 1e-10) * 4, f"{case} {name}")
+
+
+def check_clip_loss(rank, P):
+    _check_paired(rank, P, "clip_loss", (2.3,), 31)
+
+
+def check_siglip_loss(rank, P):
+    _check_paired(rank, P, "siglip_loss", (2.3, -10.0), 37)
+
+
+def check_ddp_step(rank, P):
+    """A DDP step on P ranks equals one process's step on the concatenated batch."""
+    import cupynce.torch as ct
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n = 4
+    N = n * P
+    gen = torch.Generator().manual_seed(5)
+    x1, x2 = (torch.randn(N, 6, generator=gen, dtype=torch.float64).to(DEVICE)
+              for _ in range(2))
+    for op in ("nt_xent", "info_nce", "clip_loss"):
+        torch.manual_seed(0)
+        single = torch.nn.Linear(6, 5, dtype=torch.float64).to(DEVICE)
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(6, 5, dtype=torch.float64).to(DEVICE))
+        mine = slice(rank * n, (rank + 1) * n)
+        if op == "nt_xent":
+            loss = ct.nt_xent(torch.cat([model(x1[mine]), model(x2[mine])]), 0.3, normalize=True,
+                              group=dist.group.WORLD)
+            want = ct.nt_xent(torch.cat([single(x1), single(x2)]), 0.3, normalize=True)
+        elif op == "info_nce":
+            loss = ct.info_nce(model(x1[mine]), model(x2[mine]), 0.2, normalize=True,
+                               group=dist.group.WORLD)
+            want = ct.info_nce(single(x1), single(x2), 0.2, normalize=True)
+        else:  # CLIP with its learnable temperature, outside the DDP module
+            head = ct.ClipLoss(0.07, group=dist.group.WORLD).double().to(DEVICE)
+            head_s = ct.ClipLoss(0.07).double().to(DEVICE)
+            loss = head(model(x1[mine]), model(x2[mine]))
+            want = head_s(single(x1), single(x2))
+        loss.backward()
+        want.backward()
+        _close(loss, want, 1e-12, f"DDP {op} loss")
+        for (name, p), ps in zip(model.module.named_parameters(), single.parameters()):
+            _close(p.grad, ps.grad, 1e-12, f"DDP {op} P={P} {name}.grad")
+        if op == "clip_loss":  # every rank holds the global gradient: the replicas stay equal
+            _close(head.logit_scale.grad, head_s.logit_scale.grad, 1e-12,
+                   f"DDP clip P={P} logit_scale.grad")
+            # logit_scale learning: three SGD steps of model and temperature, the same
+            # parameters as one process's steps on the whole batch, on every rank
+            opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.5)
+            opt_s = torch.optim.SGD([*single.parameters(), *head_s.parameters()], lr=0.5)
+            for step in range(3):
+                opt.step()
+                opt_s.step()
+                head.clamp_()
+                head_s.clamp_()
+                opt.zero_grad()
+                opt_s.zero_grad()
+                head(model(x1[mine]), model(x2[mine])).backward()
+                head_s(single(x1), single(x2)).backward()
+            _close(head.logit_scale, head_s.logit_scale, 1e-12, f"DDP clip P={P} logit_scale")
+            assert abs(head.logit_scale.item() - math.log(1 / 0.07)) > 1e-3  # it learned
+            for (name, p), ps in zip(model.module.named_parameters(), single.parameters()):
+                _close(p, ps, 1e-12, f"DDP clip P={P} {name} after 3 steps")
+
+
+def check_mismatched_sizes_raise(rank, P):
+    """Unequal local batches: the same ValueError on every rank, before any kernel; no hang."""
+    import cupynce.torch as ct
+
+    z = torch.randn(2 * (3 + rank), 4, dtype=torch.float64, device=DEVICE)
+    try:
+        ct.nt_xent(z, 0.5, group=dist.group.WORLD)
+    except ValueError as exc:
+        assert "every rank of the group must pass the same local shapes" in str(exc), exc
+        assert "rank 0: z (6, 4)" in str(exc), exc
+    else:
+        raise AssertionError("unequal local sizes were accepted")
+
+
+def check_bad_inputs_raise_everywhere(rank, P):
+    """One rank's bad inputs, or ranks that disagree on a setting: the same error on every
+    rank (the others would otherwise wait in a collective); double backward is refused."""
+    import cupynce.torch as ct
+
+    q = torch.randn(4, 3, dtype=torch.float64, device=DEVICE)
+    key = q if rank == 0 else torch.randn(5, 3, dtype=torch.float64, device=DEVICE)
+    try:
+        ct.info_nce(q, key, group=dist.group.WORLD)
+    except ValueError as exc:  # the rank at fault names its problem, the others name it
+        want = "(4, 3) and (5, 3)" if rank else "invalid inputs on rank(s) [1"
+        assert want in str(exc), exc
+    else:
+        raise AssertionError("rank 1's mismatched key was accepted")
+    z = torch.randn(6, 3, dtype=torch.float64, device=DEVICE)
+    try:
+        ct.nt_xent(z, 0.5, reduction="mean" if rank == 0 else "none", group=dist.group.WORLD)
+    except ValueError as exc:
+        assert "must pass the same settings" in str(exc), exc
+    else:
+        raise AssertionError("ranks with different reductions were accepted")
+    # the torch-level checks too: a bad reduction, a non-tensor, a bad logit_scale on the
+    # last rank only
+    last = rank == P - 1
+    cases = [
+        ("reduction", lambda: ct.nt_xent(z, 0.5, reduction="avg" if last else "mean",
+                                         group=dist.group.WORLD), ValueError),
+        ("must be a torch.Tensor", lambda: ct.nt_xent(z.numpy() if last and DEVICE == "cpu"
+                                                      else z, 0.5, group=dist.group.WORLD),
+         TypeError if DEVICE == "cpu" else None),
+        ("logit_scale", lambda: ct.clip_loss(q, q, "2.0" if last else 2.0,
+                                             group=dist.group.WORLD), TypeError),
+        ("precision", lambda: ct.siglip_loss(q, q, 1.0, 0.0, precision="TF32" if last else None,
+                                             group=dist.group.WORLD), ValueError),
+    ]
+    for what, call, kind in cases:
+        if kind is None:
+            continue
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            if last:
+                assert isinstance(exc, kind) and what in str(exc), exc
+            else:
+                assert f"invalid inputs on rank(s) [{P - 1}]" in str(exc), exc
+        else:
+            raise AssertionError(f"rank {P - 1}'s bad {what} was accepted")
+    try:  # ranks that resolve to different float32 precisions
+        ct.info_nce(q, q, precision="3xtf32" if last else "fp32", group=dist.group.WORLD)
+    except ValueError as exc:
+        assert "must pass the same settings" in str(exc), exc
+    else:
+        raise AssertionError("ranks with different precisions were accepted")
+    with torch.no_grad():  # no gradient wanted: the forward alone, no gradient work
+        loss = ct.nt_xent(z, 0.5, group=dist.group.WORLD)
+    assert loss.requires_grad is False and torch.isfinite(loss)
+    zg = z.clone().requires_grad_(True)
+    loss = ct.nt_xent(zg, 0.5, group=dist.group.WORLD)
+    try:
+        torch.autograd.grad(loss, zg, create_graph=True)
+    except RuntimeError as exc:
+        assert "double backward" in str(exc), exc
+    else:
+        raise AssertionError("double backward was accepted")
+
+
+def check_precision_reaches_every_product(rank, P):
+    """``precision=`` of a global loss: the rank's products, forward and the "none" backward
+    (which recomputes), run in it (on the CPU: the NumPy engine's primitives are wrapped to
+    record the precision in effect; the real ones run)."""
+    if DEVICE != "cpu":
+        return
+    import cupynce.torch as ct
+    from cupynce._engine import blas
+    from cupynce.ops import _numpy
+
+    seen, real = [], _numpy.rows
+
+    def rows(*args, **kwargs):
+        seen.append(blas.float32_precision_now())
+        return real(*args, **kwargs)
+    _numpy.rows = rows
+    try:
+        for precision, tf32, want in (("3xtf32", True, "3xtf32"), (None, True, "tf32"),
+                                      (None, False, "auto")):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            z = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+            loss = ct.nt_xent(z, 0.5, reduction="none", precision=precision,
+                              group=dist.group.WORLD)
+            n_forward = len(seen)
+            torch.autograd.grad(loss.sum(), z)
+            assert n_forward and len(seen) > n_forward and set(seen) == {want}, (want, seen)
+            del seen[:]
+    finally:
+        _numpy.rows = real
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+# ---- the launcher -------------------------------------------------------------------------
+def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu", module=""):
+    """Rank ``rank``'s process: the check functions ``names`` of this module (or of the test
+    module ``module``), each called as ``f(rank, world)``."""
+    global DEVICE, DTYPES, BACKEND
+    import faulthandler
+
+    faulthandler.enable()  # a crash (SIGSEGV in a gloo thread) prints every thread's stack
+    BACKEND = backend
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    DEVICE = device
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        space = vars(importlib.import_module(module)) if module else globals()
+        for name in names:
+            space[name](rank, world)
+        queue.put((rank, None))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world, names, timeout=240, backend="gloo", device="cpu", module=""):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_worker, args=(r, world, init, names, queue, backend,
+                                                    device, module))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert not alive, f"{len(alive)} rank(s) still running after {timeout} s (a hang)"
+        # (every rank has exited: what they reported is in the pipe; one that died without
+        # reporting -- a crash in gloo's threads -- must fail the test, not block get())
+        results = {}
+        while len(results) < world and not queue.empty():
+            r, tb = queue.get()
+            results[r] = tb
+        missing = sorted(set(range(world)) - set(results))
+        assert not missing, (f"rank(s) {missing} exited without reporting (exit codes "
+                             f"{[procs[r].exitcode for r in missing]}; a negative code is the "
+                             f"signal, -11 a segfault: faulthandler's stacks are in the "
+                             f"captured stderr)")
+    failures = {r: tb for r, tb in results.items() if tb}
+    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_global_losses_over_gloo(world):
+    names = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
+             "check_ddp_step"]
+    if world > 1:
+        names += ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere",
+                  "check_precision_reaches_every_product"]
+    run_ranks(world, names)
+
+
+# ---- on GPUs -------------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")
+CHECKS = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
+          "check_ddp_step"]
+
+
+@gpu
+@cuda
+def test_gloo_two_ranks_on_one_gpu():
+    run_ranks(2, CHECKS + ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"],
+              backend="gloo", device="cuda")
+
+
+@gpu
+@cuda
+def test_nccl_one_rank():
+    run_ranks(1, CHECKS, backend="nccl", device="cuda")
+
+
+@gpu
+@cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_one_rank_per_gpu():
+    run_ranks(torch.cuda.device_count(),
+              CHECKS + ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"],
+              backend="nccl", device="cuda")
