@@ -54,3 +54,17 @@ def pytest_collection_modifyitems(config, items):
 # first on sys.path and import the checkout instead: PYTHONSAFEPATH (Python >= 3.11) stops
 # that.  A run on the checkout on purpose sets PYTHONPATH, which this leaves alone.
 os.environ.setdefault("PYTHONSAFEPATH", "1")
+
+
+@pytest.fixture
+def configure(monkeypatch):
+    """``configure(**changes)``: ``cupynce.config.set(**changes)`` for this test only (the
+    process-wide configuration comes back at teardown, whatever the test set meanwhile)."""
+    import cupynce.config as cfg
+
+    monkeypatch.setattr(cfg, "_global", cfg.get())
+
+    def apply(**changes):
+        return cfg.set(**changes)
+
+    return apply
