@@ -23,7 +23,7 @@ sees the same problem, and from then on replays it:
 
 The graph (and its deferred products) runs the very kernels, launch configurations and
 buffers layout of the plain call, on the same bits: the results are bit-identical
-(``tests/test_graphs.py``), and as deterministic. What keys a problem (``key``): the op's
+(``tests/engine/test_graphs.py``), and as deterministic. What keys a problem (``key``): the op's
 own arguments (flags, Python scalars, which are baked into the graph), every input's shape,
 dtype and strides, the device, the caller's stream (a plan is used by one stream, so replays
 are ordered by it), and the engine's configuration (``cupynce.config.current()``, the

@@ -12,7 +12,7 @@ where each graph input comes from (which argument, by its memory) and where each
 the body goes (which graph output, by its memory).  The next call with the same key copies
 the arguments into the plan's inputs by pointer, launches the graph, and copies the outputs
 into fresh ``torch.empty`` tensors: the same graph on the same bits, so the same results as
-the body (``tests/test_graphs.py`` holds them bitwise equal), with no CuPy array or DLPack
+the body (``tests/engine/test_graphs.py`` holds them bitwise equal), with no CuPy array or DLPack
 capsule made.
 
 What a learnt entry cannot see, the key or the checks keep out: a body that does GPU work

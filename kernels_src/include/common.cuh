@@ -70,7 +70,7 @@ template <> struct Conv<bf16_t> {
 // from zero, lo = x - hi.  The rounding is integer arithmetic on the bit pattern (add half of
 // the 13 dropped bits' range, clear them; the carry moves into the exponent as it should), not
 // PTX cvt.rna.tf32.f32: the same hi for every finite x whose rounding stays finite, on every
-// arch, with the dropped bits defined as zero, and it is the rule tests/test_float32_precision.py
+// arch, with the dropped bits defined as zero, and it is the rule tests/engine/test_float32_precision.py
 // emulates in NumPy.  Edges: a finite x that would round to infinity (|x| >= (2 - 2^-11) 2^127)
 // is truncated instead (hi + lo == x for every finite x; cvt.rna would give inf); inf / NaN
 // give hi = x, lo = 0.  lo = x - hi is exact (Sterbenz, or both subnormal); the subtraction is
