@@ -16,14 +16,18 @@ tensor cores through TF32x3 tiles, everything else true fp32), "fp32", "tf32" or
 call with
 ``precision=`` (every entry point; kept in the context for the backward), or for every call
 without one with :func:`set_float32_precision` (:func:`get_float32_precision`; env
-``CUPYNCE_FLOAT32``).  Other dtypes and the NumPy path ignore it.
+``CUPYNCE_FLOAT32``).  Other dtypes and the NumPy path ignore it.  Every engine switch (the
+tiles, the F16x3 products, side streams, CUDA graphs, ...) is a field of one immutable
+configuration, :mod:`cupynce.config` (``cupynce.config.set(f16x3=False)``; env ``CUPYNCE_*``).
 ``import cupynce`` needs neither CuPy, nor torch, nor a GPU.
 
-Layout (each layer imports only the ones below it): ``cupynce.ops`` (one module per op:
-checks, NumPy path) → ``cupynce._engine`` (the GPU engine: loader, cuBLAS, row blocks, tiles)
-→ ``kernels_src/`` (CUDA C); ``cupynce.torch`` (autograd, custom ops, modules) and
-``cupynce.report`` (``python -m cupynce``) sit on top.
+Layout (each layer imports only the ones below it; no import cycle): ``cupynce.ops`` (one
+module per op: checks, NumPy path, its schedule across ranks) → ``cupynce._engine`` (the GPU
+engine: ``losses/`` the loss paths, ``gemm/`` the products, the loader) → ``kernels_src/``
+(CUDA C); ``cupynce.torch`` (autograd, custom ops, modules) and ``cupynce.report``
+(``python -m cupynce``) sit on top; ``cupynce.config`` is read by all of them.
 """
+from . import config
 from ._version import __version__
 from ._engine.kernels import SUPPORTED_DTYPES, KernelCompileError
 from .ops._base import Context, get_float32_precision, set_float32_precision
