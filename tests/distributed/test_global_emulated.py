@@ -375,36 +375,37 @@ def test_clip_gpu_one_rank_same_bits_as_single_process():
 @pytest.mark.parametrize("P", [1, 2, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_tile_gradient_in_row_and_column_blocks(monkeypatch, op, P, dtype, reduction):
-    """The tile path's CLIP / SigLIP gradient in row × column blocks (``tiles._plan_2d``, issue
-    23's workspace), forced to 128 × 128 so that the shifted numbering of a block's rows
+def test_tile_gradient_in_row_and_column_blocks(monkeypatch, configure, op, P, dtype,
+                                                reduction):
+    """The tile path's CLIP / SigLIP gradient in row × column blocks (``score_tiles._plan_2d``,
+    issue 23's workspace), forced to 128 × 128 so that the shifted numbering of a block's rows
     (row0 + r0 − c0, negative right of the diagonal) and the shifted per-index arrays (row
     and column lse, the weights) meet every case: the diagonal inside, left and right of a
     block, a short last block, the ranks' global rows; against the float64 oracle."""
     cp = _gpu()
-    from cupynce._engine import tiles
-    from cupynce.ops import _graphs
+    from cupynce._engine.losses import score_tiles
 
-    monkeypatch.setattr(_graphs, "ENABLED", False)  # (a cached graph would replay old blocks)
+    configure(graphs=False)  # (a cached graph would replay old blocks)
     plans = []
 
     def plan(op_name, rows, cols, itemsize, ws):
         plans.append((rows, cols))
         return min(rows, 128), min(cols, 128)
 
-    monkeypatch.setattr(tiles, "_plan_2d", plan)
+    monkeypatch.setattr(score_tiles, "_plan_2d", plan)  # (score_tiles.clip / siglip call it)
     check = _check_clip if op == "clip" else _check_siglip
     check(cp, dtype, P, 136, 64, reduction, True, True, device=0, ws=None)
     assert plans and all(c == 136 * P for _, c in plans), plans
 
 
 def test_tile_gradient_block_plan_and_shifted_weights():
-    """CPU: ``tiles._plan_2d``'s blocks (whole rows when they fit; the docstring's N = 65536
-    case: 8 x 4 blocks of 8192 x 16384 at 256 MiB) and ``tiles._shifted``, the column
-    block's weight pointer that CLIP and SigLIP share."""
-    from cupynce._engine import tiles
+    """CPU: ``score_tiles._plan_2d``'s blocks (whole rows when they fit; the docstring's
+    N = 65536 case: 8 x 4 blocks of 8192 x 16384 at 256 MiB) and ``tiling.shifted``, the
+    column block's weight pointer that CLIP and SigLIP share."""
+    from cupynce._engine import tiling
+    from cupynce._engine.losses import score_tiles
 
-    assert tiles._plan_2d("clip_loss", 1000, 1000, 2, None) == (1000, 1000)
-    assert tiles._plan_2d("clip_loss", 65536, 65536, 2, 256 << 20) == (8192, 16384)
-    assert tiles._shifted(None, 1, 5) is None
-    assert tiles._shifted(4096, 3, 2) == 4096 + 4 * 3 * 2  # (float32 weights, stride 3)
+    assert score_tiles._plan_2d("clip_loss", 1000, 1000, 2, None) == (1000, 1000)
+    assert score_tiles._plan_2d("clip_loss", 65536, 65536, 2, 256 << 20) == (8192, 16384)
+    assert tiling.shifted(None, 1, 5) is None
+    assert tiling.shifted(4096, 3, 2) == 4096 + 4 * 3 * 2  # (float32 weights, stride 3)

@@ -215,10 +215,8 @@ HALF_TOL = {BF16: 1e-2, np.dtype(np.float16): 2e-3}
 
 
 @pytest.fixture(params=["cublas", "tiles"])
-def gpu_path(request, monkeypatch):
-    from cupynce._engine import tiles
-
-    monkeypatch.setattr(tiles, "USE_TILES", request.param == "tiles")
+def gpu_path(request, configure):
+    configure(tiles=request.param == "tiles")
     return request.param
 
 

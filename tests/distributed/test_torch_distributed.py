@@ -327,14 +327,14 @@ def check_precision_reaches_every_product(rank, P):
     record the precision in effect; the real ones run)."""
     if DEVICE != "cpu":
         return
+    import cupynce.config as cfg
     import cupynce.torch as ct
-    from cupynce._engine import blas
     from cupynce.ops import _numpy
 
     seen, real = [], _numpy.rows
 
     def rows(*args, **kwargs):
-        seen.append(blas.float32_precision_now())
+        seen.append(cfg.current().float32_precision)
         return real(*args, **kwargs)
     _numpy.rows = rows
     try:

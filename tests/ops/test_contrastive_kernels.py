@@ -381,31 +381,30 @@ def test_large_clip_memory_bounded():
     assert pool.total_bytes() - before <= ws + 64 * n * d * 4
 
 
-# ---- the tensor-core tile path (kernels_src/tiles.cu): 16-bit inputs, D % 8 == 0 ---------
+# ---- the tensor-core tile path (kernels_src/losses/tiles.cu): 16-bit inputs, D % 8 == 0 --
 HALF = [np.dtype(np.float16), BF16]
 TILE_CASES = [("nt_xent", None), ("info_nce", None), ("info_nce", "shared"), ("clip_loss", None)]
 
 
 @pytest.fixture(params=["wgmma", "mma_sync"])
-def tiles_on(request, monkeypatch):
+def tiles_on(request, configure):
     """Force the tile kernels on for one test, with each main loop (wgmma: Hopper only)."""
-    from cupynce._engine import tiles as C
     from cupynce._engine.kernels import arch_specific_build
+    from cupynce._engine.losses import score_tiles
 
-    if request.param == "wgmma" and not arch_specific_build(C.FILE):
+    if request.param == "wgmma" and not arch_specific_build(score_tiles.FILE):
         pytest.skip("the wgmma main loop needs a compute-capability 9.0 GPU")
-    monkeypatch.setattr(C, "USE_TILES", True)
-    monkeypatch.setattr(C, "USE_WGMMA", request.param == "wgmma")
+    configure(tiles=True, wgmma=request.param == "wgmma")
     return request.param
 
 
 def test_tile_path_is_taken_for_aligned_half_inputs(tiles_on):
-    from cupynce._engine import tiles as C
+    from cupynce._engine import tiling
 
     x = cp.zeros((64, 64), cp.float16)
-    assert C.tiles_ok(x, x), "aligned float16 must use the tile kernels"
-    assert not C.tiles_ok(cp.zeros((64, 33), cp.float16)), "D % 8 != 0 must fall back"
-    assert not C.tiles_ok(cp.zeros((64, 64), cp.float32)), "float32 uses cuBLAS"
+    assert tiling.tiles_ok(x, x), "aligned float16 must use the tile kernels"
+    assert not tiling.tiles_ok(cp.zeros((64, 33), cp.float16)), "D % 8 != 0 must fall back"
+    assert not tiling.tiles_ok(cp.zeros((64, 64), cp.float32)), "float32 uses cuBLAS"
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -422,17 +421,15 @@ def test_tiles_against_reference(op, neg, n, d, normalize, reduction, dtype, til
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("op,neg", TILE_CASES)
-def test_tiles_agree_with_cublas_path(op, neg, dtype, monkeypatch):
+def test_tiles_agree_with_cublas_path(op, neg, dtype, configure):
     """Same inputs through the tile kernels and through cuBLAS + row kernels."""
-    from cupynce._engine import tiles as C
-
-    monkeypatch.setattr(C, "USE_TILES", True)
+    configure(tiles=True)
     rng = np.random.default_rng(3)
     n = 520
     inputs = make_case(op, dtype, n, 64, rng, neg, m=70, scale=0.125)
     kw = dict(t=0.1, reduction="mean", normalize=True)
     tiles = run_cupynce(op, inputs, kw, 1.0, workspace_bytes=200 * 1024)
-    monkeypatch.setattr(C, "USE_TILES", False)
+    configure(tiles=False)
     plain = run_cupynce(op, inputs, kw, 1.0, workspace_bytes=200 * 1024)
     assert rel(tiles[0], cp.asnumpy(plain[0])) <= 1e-5  # fp32 statistics of the same products
     tol = 1e-2 if dtype == BF16 else 2e-3  # both round the gradient block to 16 bits
@@ -444,12 +441,10 @@ def test_tiles_agree_with_cublas_path(op, neg, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
 @pytest.mark.parametrize("op,neg", CASES)
 @pytest.mark.parametrize("tiles", [False, True])
-def test_backward_from_stats_gpu(op, neg, dtype, tiles, monkeypatch):
+def test_backward_from_stats_gpu(op, neg, dtype, tiles, configure):
     """The O(N)-state backward (used by cupynce.torch) equals the context backward, bitwise
     for the recompute path ("none") and to rounding for the fused mean path."""
-    from cupynce._engine import tiles as C
-
-    monkeypatch.setattr(C, "USE_TILES", tiles)
+    configure(tiles=tiles)
     rng = np.random.default_rng(17)
     n = 260
     inputs = make_case(op, dtype, n, 64, rng, neg)
@@ -486,13 +481,14 @@ def test_backward_from_stats_gpu(op, neg, dtype, tiles, monkeypatch):
 
 
 def test_tile_smem_constant_matches_kernel():
-    from cupynce._engine import tiles as C
+    from cupynce._engine import tiling
     from cupynce._engine.kernels import get_kernel
+    from cupynce._engine.losses import score_tiles
 
     out = cp.zeros((2,), cp.int32)
-    get_kernel(C.FILE, "tile_smem", cp.float16)((1,), (1,), (out,))
-    assert int(out[0]) == C.TILE_SMEM
-    assert int(out[1]) == C.WG_SMEM
+    get_kernel(score_tiles.FILE, "tile_smem", cp.float16)((1,), (1,), (out,))
+    assert int(out[0]) == tiling.TILE_SMEM
+    assert int(out[1]) == tiling.WG_SMEM
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -502,31 +498,33 @@ def test_tile_args_struct_layout_matches_kernel(dtype):
     import re
     import struct
 
-    from cupynce._engine import tiles as C
+    from cupynce._engine import tiling
     from cupynce._engine.kernels import get_kernel
+    from cupynce._engine.losses import score_tiles
 
-    fields = C.TILE_ARGS_FIELDS
+    fields = tiling.TILE_ARGS_FIELDS
     out = cp.full((len(fields) + 1,), -1, cp.int32)
-    get_kernel(C.FILE, "tile_args_layout", dtype)((1,), (1,), (out,))
+    get_kernel(score_tiles.FILE, "tile_args_layout", dtype)((1,), (1,), (out,))
     got = [int(v) for v in cp.asnumpy(out)]
-    fmt = C.TILE_ARGS_FORMAT  # "<14Q6q9i2f4x": the offsets the packer uses, field by field
+    fmt = tiling.TILE_ARGS_FORMAT  # "<14Q6q9i2f4x": the offsets the packer uses, field by field
     codes = "".join(c * int(n) for n, c in re.findall(r"(\d+)([Qqif])", fmt))
     assert len(codes) == len(fields)
     want = [struct.calcsize("<" + codes[:i]) for i in range(len(codes))]
     assert got[:-1] == want, dict(zip(fields, zip(got, want)))
-    assert got[-1] == struct.calcsize(fmt) == C.TILE_ARGS_DTYPE.itemsize
+    assert got[-1] == struct.calcsize(fmt) == tiling.TILE_ARGS_DTYPE.itemsize
 
 
-def test_tiles_default_follows_the_main_loop(monkeypatch):
+def test_tiles_default_follows_the_main_loop(configure):
     """CUPYNCE_TILES unset: tiles exactly where the wgmma loop is built (Hopper)."""
-    from cupynce._engine import tiles as C
+    from cupynce._engine import tiling
     from cupynce._engine.kernels import arch_specific_build
+    from cupynce._engine.losses import score_tiles
 
-    monkeypatch.setattr(C, "USE_TILES", None)
+    configure(tiles=None)
     x = cp.zeros((64, 64), cp.float16)
-    assert C.tiles_ok(x, x) == arch_specific_build(C.FILE)
-    monkeypatch.setattr(C, "USE_TILES", False)
-    assert not C.tiles_ok(x, x)
+    assert tiling.tiles_ok(x, x) == arch_specific_build(score_tiles.FILE)
+    configure(tiles=False)
+    assert not tiling.tiles_ok(x, x)
 
 
 @pytest.mark.parametrize("op,neg", TILE_CASES)
@@ -604,30 +602,29 @@ def test_tiles_tiny_upstream_gradient(op, neg, tiles_on):
 
 
 @pytest.mark.parametrize("n", [2, 128, 256, 384, 640, 770, 1030, 2048, 4100])
-def test_nt_xent_symmetric_forward(n, tiles_on, monkeypatch):
+def test_nt_xent_symmetric_forward(n, tiles_on, monkeypatch, configure):
     """NT-Xent's forward computes each pair of score tiles once (row and column partials of
-    the circular half schedule, ``_tile_lse_symmetric``).  Row-tile counts 1 to 33, odd and
-    even (the even case's tiles at distance CT / 2 belong to the lower tile), partial last
-    tiles and column splits: the statistics match the float64 reference and the square pass,
+    the circular half schedule, ``score_tiles.tile_lse_symmetric``).  Row-tile counts 1 to 33,
+    odd and even (the even case's tiles at distance CT / 2 belong to the lower tile), partial
+    last tiles and column splits: the statistics match the float64 reference and the square pass,
     the path is really taken, and a workspace too small for its column partials falls back to
     the square pass."""
-    from cupynce._engine import tiles as C
+    from cupynce._engine.losses import score_tiles
 
     rng = np.random.default_rng(zlib.crc32(f"sym{n}".encode()))
     inputs = make_case("nt_xent", BF16, n, 64, rng, scale=1 / 8)
     kw = dict(t=0.1, reduction="none", normalize=False)
     g = rng.standard_normal(n)
     taken = []
-    real = C.tile_lse_symmetric
+    real = score_tiles.tile_lse_symmetric
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(C, "tile_lse_symmetric", spy)
-    monkeypatch.setattr(C, "SYMMETRIC_LSE", True)
-    monkeypatch.setattr(C, "SYMMETRIC_LSE_MIN_ND", 0)  # (default: N D >= 16384 * 512)
+    monkeypatch.setattr(score_tiles, "tile_lse_symmetric", spy)  # (score_tiles.rows calls it)
+    configure(symmetric_lse=True, symmetric_lse_min_nd=0)  # (default: N D >= 16384 * 512)
     sym_loss, sym_grads = run_cupynce("nt_xent", inputs, kw, g)
     assert taken == [True], "the symmetric forward was not used"
     ref_loss, ref_grads = run_reference("nt_xent", inputs, kw, g)
@@ -635,11 +632,11 @@ def test_nt_xent_symmetric_forward(n, tiles_on, monkeypatch):
     assert rel(sym_grads[0], ref_grads[0]) <= 1e-2
     again = run_cupynce("nt_xent", inputs, kw, g)
     assert bool((again[0] == sym_loss).all()), "symmetric forward not deterministic"
-    monkeypatch.setattr(C, "SYMMETRIC_LSE", False)
+    configure(symmetric_lse=False)
     sq_loss, _ = run_cupynce("nt_xent", inputs, kw, g)
     assert rel(sym_loss, cp.asnumpy(sq_loss)) <= 2e-6, "symmetric and square passes disagree"
     # column partials need 8 n ceil(n / 128) bytes; below that the square pass runs
-    monkeypatch.setattr(C, "SYMMETRIC_LSE", True)
+    configure(symmetric_lse=True)
     taken.clear()
     if n >= 128:  # (one byte short still holds a row of the gradient pass's 16-bit block)
         small = 8 * n * -(-n // 128) - 1
@@ -649,40 +646,40 @@ def test_nt_xent_symmetric_forward(n, tiles_on, monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 256, 300, 1030, 2048, 4100])
-def test_nt_xent_symmetric_gradient(n, tiles_on, monkeypatch):
+def test_nt_xent_symmetric_gradient(n, tiles_on, monkeypatch, configure):
     """NT-Xent's gradient pass computes each pair of H = G + Gᵀ tiles once and writes the
     mirror too (whole H in one workspace block): the gradient matches the float64 reference
     and the square pass, run after run bit for bit, and a workspace that splits H into row
     blocks takes the square pass."""
-    from cupynce._engine import tiles as C
+    from cupynce._engine.losses import score_tiles
 
     rng = np.random.default_rng(zlib.crc32(f"symh{n}".encode()))
     inputs = make_case("nt_xent", BF16, n, 64, rng, scale=1 / 8)
     kw = dict(t=0.1, reduction="none", normalize=True)
     g = rng.standard_normal(n)
     flags = []
-    real = C.tile
+    real = score_tiles.tile
 
     def spy(stage, *args, **kwargs):
         if stage == "h":
             flags.append(kwargs.get("tri", False))
         return real(stage, *args, **kwargs)
 
-    monkeypatch.setattr(C, "tile", spy)
-    monkeypatch.setattr(C, "SYMMETRIC_H", True)
+    monkeypatch.setattr(score_tiles, "tile", spy)  # (score_tiles' passes call it)
+    configure(symmetric_h=True)
     loss, (dz,) = run_cupynce("nt_xent", inputs, kw, g)
     assert flags == [True], flags
     ref_loss, (ref_dz,) = run_reference("nt_xent", inputs, kw, g)
     assert rel(dz, ref_dz) <= 1e-2
     again = run_cupynce("nt_xent", inputs, kw, g)[1][0]
     assert bool((again.view(cp.uint16) == dz.view(cp.uint16)).all()), "not deterministic"
-    monkeypatch.setattr(C, "SYMMETRIC_H", False)
+    configure(symmetric_h=False)
     flags.clear()
     sq = run_cupynce("nt_xent", inputs, kw, g)[1][0]
     assert flags == [False]
     assert rel(dz, cp.asnumpy(sq)) <= 5e-3, "symmetric and square gradient passes disagree"
     if n >= 256:  # H in two or more row blocks: the square pass
-        monkeypatch.setattr(C, "SYMMETRIC_H", True)
+        configure(symmetric_h=True)
         flags.clear()
         ldg = -(-n // 8) * 8
         blocked = run_cupynce("nt_xent", inputs, kw, g, workspace_bytes=128 * ldg * 2)[1][0]
@@ -692,17 +689,18 @@ def test_nt_xent_symmetric_gradient(n, tiles_on, monkeypatch):
 
 @pytest.mark.parametrize("n", [300, 1030])
 @pytest.mark.parametrize("stage", ["g", "h", "h_tri", "clip"])
-def test_wgmma_gradient_tiles_staged_stores(stage, n, monkeypatch):
+def test_wgmma_gradient_tiles_staged_stores(stage, n, configure):
     """The wgmma loop writes its G / H / CLIP tiles through shared memory (stmatrix, then
     16-byte stores; with ``tri`` H's mirror through stmatrix.trans).  Every element of the
     block is written (NaN-filled before), partial tiles included (n = 300, 1030: last row /
     column tiles of 44 and 6; 300 is not a multiple of 8), the mirrored H is exactly symmetric,
     and the values agree with the mma.sync loop's direct stores to the 16-bit rounding (the
     two loops accumulate the products in different orders)."""
-    from cupynce._engine import tiles as C
+    from cupynce._engine import tiling
     from cupynce._engine.kernels import arch_specific_build
+    from cupynce._engine.losses import score_tiles
 
-    if not arch_specific_build(C.FILE):
+    if not arch_specific_build(score_tiles.FILE):
         pytest.skip("the wgmma main loop needs a compute-capability 9.0 GPU")
     rng = cp.random.default_rng(n)
     d, s = 64, 10.0
@@ -710,26 +708,26 @@ def test_wgmma_gradient_tiles_staged_stores(stage, n, monkeypatch):
     sym = stage.startswith("h")
     k = q if sym else (rng.standard_normal((n, d), dtype=cp.float32) / 8).astype(BF16)
     shift = n // 2 if sym else 0
-    lse = C.tile_lse(q, k, None, s, exclude_diag=sym, pos_shift=shift, pos_mod=n)[0]
-    rt = -(-n // C.TILE)
+    lse = score_tiles.tile_lse(q, k, None, s, exclude_diag=sym, pos_shift=shift, pos_mod=n)[0]
+    rt = -(-n // tiling.TILE)
     tri = stage == "h_tri"
     ldg = -(-n // 8) * 8
 
     def run(wgmma: bool):
-        monkeypatch.setattr(C, "USE_WGMMA", wgmma)
+        configure(wgmma=wgmma)
         g = cp.full((n, ldg), np.nan, cp.float32).astype(BF16)
         kw = dict(pos_shift=shift, pos_mod=n, lse_row=lse, lse_col=lse,
                   weights=(None, 0, 1.0 / n), g=g[:, :n])
         if stage == "clip":
-            sp = C.grid_splits(rt, rt)
+            sp = tiling.grid_splits(rt, rt)
             dsp = cp.empty((sp, n), cp.float32)
             ls = cp.full((1,), np.log(s), cp.float32)
-            C.tile("clip", BF16, (rt, sp), q, 0, k, None, scale_log=ls, dsp=dsp.data.ptr,
-                    part=(0, 0, n), **kw)
+            score_tiles.tile("clip", BF16, (rt, sp), q, 0, k, None, scale_log=ls,
+                             dsp=dsp.data.ptr, part=(0, 0, n), **kw)
         else:
-            sp = C.grid_splits(rt, rt // 2 + 1 if tri else rt)
-            C.tile("h" if sym else "g", BF16, (rt, sp), q, 0, k, None, scale=s,
-                    exclude_diag=sym, tri=tri, **kw)
+            sp = tiling.grid_splits(rt, rt // 2 + 1 if tri else rt)
+            score_tiles.tile("h" if sym else "g", BF16, (rt, sp), q, 0, k, None, scale=s,
+                             exclude_diag=sym, tri=tri, **kw)
         return cp.asnumpy(g[:, :n].astype(cp.float32))
 
     a, b = run(True), run(False)
@@ -762,11 +760,14 @@ def test_arrays_on_two_gpus_raise(case, monkeypatch):
 
     def boom(*args, **kwargs):
         raise AssertionError("a kernel ran before the device check")
-    from cupynce._engine import blas, kernels
+    from cupynce._engine import kernels
+    from cupynce._engine.gemm import cublas
+    from cupynce._engine.losses import stats
 
     monkeypatch.setattr(kernels, "launch", boom)  # every engine module launches through these
     monkeypatch.setattr(kernels, "get_kernel", boom)
-    monkeypatch.setattr(blas, "cublas_gemm", boom)
+    monkeypatch.setattr(stats, "launch", boom)  # (stats imports kernels.launch by name)
+    monkeypatch.setattr(cublas, "cublas_gemm", boom)
     with cp.cuda.Device(0):
         if case == "info_nce_key":
             with pytest.raises(ValueError, match=r"info_nce: all arrays must be on one GPU, got "
@@ -786,12 +787,10 @@ def test_arrays_on_two_gpus_raise(case, monkeypatch):
 
 # ---- what a new user hit: huge rows under normalize=True, one-row batches, device scalars ----
 @pytest.fixture(params=["cublas", "tiles"])
-def gpu_path(request, monkeypatch):
+def gpu_path(request, configure):
     """Each test twice: the cuBLAS row-block path and the tile kernels (16-bit inputs; the
     main loop the GPU builds by default, mma.sync elsewhere)."""
-    from cupynce._engine import tiles
-
-    monkeypatch.setattr(tiles, "USE_TILES", request.param == "tiles")
+    configure(tiles=request.param == "tiles")
     return request.param
 
 
@@ -880,7 +879,7 @@ def test_row_col_stats_shared_and_exact_column_blocks(a_dtype):
     both kinds side by side (columns < 300 narrow logits, the rest spread over ~±120), a NaN
     in each kind, against float64 -- the rows' lse (NaN only for the NaN's rows) and every
     column partial (NaN only for the NaN's column, in its chunk)."""
-    from cupynce._engine import blocks
+    from cupynce._engine.losses import stats
 
     a = np.dtype(a_dtype)
     rows, nc = 70, 600
@@ -893,10 +892,10 @@ def test_row_col_stats_shared_and_exact_column_blocks(a_dtype):
         host[r, c] = np.nan
     s = cp.asarray(host.astype(a))
     lse = cp.full((rows,), -1.0, a)
-    ch = blocks.STATS_ROWS
+    ch = stats.STATS_ROWS
     chunks = -(-rows // ch)
     pm, ps = cp.empty((chunks, nc), a), cp.empty((chunks, nc), a)
-    blocks.row_col_stats(s, a, 0, 0, nc, 0, a.type(1.0), lse.data.ptr, 0, pm, ps)
+    stats.row_col_stats(s, a, 0, 0, nc, 0, a.type(1.0), lse.data.ptr, 0, pm, ps)
     tol = 1e-5 if a == np.float32 else 1e-13
     bad_rows = [r for r, _ in nan_at]
     got = cp.asnumpy(lse).astype(np.float64)
@@ -922,16 +921,16 @@ def test_row_col_stats_shared_and_exact_column_blocks(a_dtype):
 @pytest.mark.parametrize("a_dtype", [np.float32, np.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("rows,nc", [(1, 1), (33, 257), (100, 1000), (17, 5), (70, 600)])
 def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc):
-    """blocks.row_col_stats (CLIP's and the cross blocks' statistics in one read): each row's
+    """stats.row_col_stats (CLIP's and the cross blocks' statistics in one read): each row's
     lse and loss those of the row_softmax kernel to a few roundings (a device logit scale; the
     terms merge in another order), and with an exact
     scale the rows' lse and the column partials -- each chunk's exact maximum, the sum of
     exp(L - max) -- against float64 to the accumulator's rounding, on a strided block with a
     -inf and a large logit (the large logit's block takes the kernel's per-column
     exponentials, the others its shared ones)."""
-    from cupynce._engine import blocks
     from cupynce._engine.arrays import FILE
     from cupynce._engine.kernels import launch
+    from cupynce._engine.losses import stats
 
     a = np.dtype(a_dtype)
     rng = np.random.default_rng(rows * 1000 + nc)
@@ -944,13 +943,13 @@ def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc)
     shift, mod = 2, nc
     lse, loss = cp.full((rows,), np.nan, a), cp.full((rows,), np.nan, a)
     lse2, loss2 = cp.full((rows,), np.nan, a), cp.full((rows,), np.nan, a)
-    ch = blocks.STATS_ROWS
+    ch = stats.STATS_ROWS
     chunks = -(-rows // ch)
     pm, ps = cp.empty((chunks, nc), a), cp.empty((chunks, nc), a)
-    row0 = 5  # (global rows 5..: the pointers shifted back, as blocks.clip passes them)
+    row0 = 5  # (global rows 5..: the pointers shifted back, as row_blocks.clip passes them)
     off = row0 * a.itemsize
-    got = blocks.row_col_stats(s, a, row0, shift, mod, ls, a.type(1.0), lse.data.ptr - off,
-                               loss.data.ptr - off, pm, ps)
+    got = stats.row_col_stats(s, a, row0, shift, mod, ls, a.type(1.0), lse.data.ptr - off,
+                              loss.data.ptr - off, pm, ps)
     assert got == chunks
     launch(FILE, "row_softmax", a, (rows,), (
         s, np.int64(nc + 3), np.int32(nc), 0, np.int64(0), np.int32(0), np.int32(row0),
@@ -962,7 +961,7 @@ def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc)
     np.testing.assert_allclose(cp.asnumpy(lse), cp.asnumpy(lse2), rtol=close, atol=big)
     np.testing.assert_allclose(cp.asnumpy(loss), cp.asnumpy(loss2), rtol=close, atol=big)
     # the column partials, with the scale 7 exact (no exp on the device): logits rounded once
-    blocks.row_col_stats(s, a, row0, shift, mod, 0, a.type(7.0), lse.data.ptr - off, 0, pm, ps)
+    stats.row_col_stats(s, a, row0, shift, mod, 0, a.type(7.0), lse.data.ptr - off, 0, pm, ps)
     logits = 7.0 * host[:, :nc].astype(a).astype(np.float64)
     tol = 1e-5 if a == np.float32 else 1e-13
     fin = np.where(np.isfinite(logits), logits, -np.inf)
@@ -972,16 +971,16 @@ def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc)
     _check_col_partials(pm, ps, logits, ch, tol)
     if rows > 1 and nc > 2:  # a NaN score: its row's lse and its column's partial are NaN
         buf[1, 2] = np.nan
-        blocks.row_col_stats(s, a, row0, shift, mod, 0, a.type(7.0), lse.data.ptr - off, 0,
-                             pm, ps)
+        stats.row_col_stats(s, a, row0, shift, mod, 0, a.type(7.0), lse.data.ptr - off, 0,
+                            pm, ps)
         assert np.isnan(cp.asnumpy(lse)[1]) and np.isfinite(cp.asnumpy(lse)[2:]).all()
         col = cp.asnumpy(pm[0, 2]).astype(np.float64) + np.log(cp.asnumpy(ps[0, 2]))
         assert np.isnan(col)
     # a zero logit scale (exp(ls) underflows): every logit 0, the columns past n (the tile's
     # tail) still out of the sums -- each row's lse log n, each chunk's partial (0, its rows)
     buf[...] = cp.asarray(rng.standard_normal(buf.shape).astype(a))
-    blocks.row_col_stats(s, a, row0, shift, mod, 0, a.type(0.0), lse.data.ptr - off,
-                         loss.data.ptr - off, pm, ps)
+    stats.row_col_stats(s, a, row0, shift, mod, 0, a.type(0.0), lse.data.ptr - off,
+                        loss.data.ptr - off, pm, ps)
     np.testing.assert_allclose(cp.asnumpy(lse).astype(np.float64), np.log(nc), rtol=tol)
     np.testing.assert_array_equal(cp.asnumpy(loss), cp.asnumpy(lse))
     np.testing.assert_array_equal(cp.asnumpy(pm), 0)

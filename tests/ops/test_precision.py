@@ -3,11 +3,12 @@ the Context's precision and the backward's scope, the global (emulated-rank) ops
 forward resolves ``precision=None`` once: the mode the ranks agree on is the mode the rank runs).
 
 The NumPy path ignores the precision in its arithmetic but runs under the same scope as the
-GPU path (one ``with blas.float32_precision(p)`` around either), so the scope itself is
-checked here: the NumPy engine primitives the ops call (``_numpy.rows``, ``clip.numpy_clip``,
-``siglip.numpy_engine``, ``splade._np_forward``) are wrapped — the real primitive still runs
-and the losses are checked — to record ``blas.float32_precision_now()`` at each call.  The
-GPU results per mode are in ops/test_precision_accuracy.py.
+GPU path (one ``with cupynce.config.float32_precision(p)`` around either), so the scope
+itself is checked here: the NumPy engine primitives the ops call (``_numpy.rows``,
+``clip.numpy_clip``, ``siglip.numpy_engine``, ``splade._np_forward``) are wrapped — the real
+primitive still runs and the losses are checked — to record
+``cupynce.config.current().float32_precision`` at each call.  The GPU results per mode are in
+ops/test_precision_accuracy.py.
 """
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import numpy as np
 import pytest
 
 import cupynce
-from cupynce._engine import blas
+import cupynce.config as cfg
 from cupynce.ops import _global, _numpy
 from cupynce.ops import clip as clip_op
 from cupynce.ops import siglip as siglip_op
 from cupynce.ops import splade as splade_op
 from emulated_ranks import run
 
-MODES = blas.FLOAT32_PRECISIONS
+MODES = cfg.FLOAT32_PRECISIONS
 BAD = ["TF32", "bf16x3", "", 3, True, ("fp32",)]
 
 
@@ -37,7 +38,7 @@ def spy(monkeypatch):
         real = getattr(owner, name)
 
         def spied(*args, **kwargs):
-            calls.append((name, blas.float32_precision_now()))
+            calls.append((name, cfg.current().float32_precision))
             return real(*args, **kwargs)
         monkeypatch.setattr(owner, name, spied)
 
@@ -50,9 +51,9 @@ def spy(monkeypatch):
 
 
 @pytest.fixture
-def default(monkeypatch):
+def default(configure):
     """The global default, restored after the test."""
-    monkeypatch.setattr(blas, "FLOAT32_PRECISION", blas.FLOAT32_PRECISION)
+    return configure
 
 
 def _rng(seed=0):
@@ -159,8 +160,8 @@ def test_global_setter_and_getter(default, spy):
     assert cupynce.get_float32_precision() == "auto"  # (CI sets no CUPYNCE_FLOAT32)
     for mode in MODES:
         cupynce.set_float32_precision(mode)
-        assert cupynce.get_float32_precision() == mode == blas.FLOAT32_PRECISION
-        assert blas.float32_precision_now() == mode
+        assert cupynce.get_float32_precision() == mode == cfg.get().float32_precision
+        assert cfg.current().float32_precision == mode
         _, ctx = cupynce.nt_xent_forward(_inputs("nt_xent")[0], reduction="none")
         assert ctx.precision == mode and spy[-1] == ("rows", mode)
         # an explicit argument wins over the default
@@ -196,14 +197,14 @@ def test_backward_runs_in_the_forwards_precision(op, mode, reduction, spy, defau
     loss, ctx = _forward(op, xs, reduction=reduction, precision=mode)
     assert ctx.precision == mode
     assert spy and all(p == mode for _, p in spy), spy  # the forward's products
-    assert blas.float32_precision_now() == "auto"  # the scope closed with the forward
+    assert cfg.current().float32_precision == "auto"  # the scope closed with the forward
     n_forward = len(spy)
     # the backward, called under another scope and another default, runs in the forward's
     cupynce.set_float32_precision("3xtf32" if mode != "3xtf32" else "tf32")
-    with blas.float32_precision("fp32" if mode != "fp32" else "tf32"):
+    with cfg.float32_precision("fp32" if mode != "fp32" else "tf32"):
         g = np.linspace(0.5, 1.5, 6) if reduction == "none" else 0.7
         BACKWARD[op](ctx, g)
-        outer = blas.float32_precision_now()
+        outer = cfg.current().float32_precision
     assert outer != mode  # (the outer scope came back after the backward)
     if reduction == "none":  # the backward recomputes: engine calls in the forward's mode
         assert len(spy) > n_forward and all(p == mode for _, p in spy[n_forward:]), spy
@@ -245,7 +246,7 @@ def test_context_default_and_backward_without_precision(spy):
     loss, ctx = cupynce.nt_xent_forward(_inputs("nt_xent")[0], reduction="none",
                                         precision="tf32")
     ctx.precision = None
-    with blas.float32_precision("3xtf32"):
+    with cfg.float32_precision("3xtf32"):
         cupynce.nt_xent_backward(ctx, np.ones(6))
     assert spy[-1] == ("rows", "3xtf32")
 
@@ -255,7 +256,7 @@ def test_backward_restores_the_scope_on_an_error(spy):
                                      precision="3xtf32")
     with pytest.raises(ValueError, match="grad_loss"):
         cupynce.nt_xent_backward(ctx, np.ones(5))
-    assert blas.float32_precision_now() == "auto"
+    assert cfg.current().float32_precision == "auto"
 
 
 def test_splade_forward_runs_in_its_precision(spy):
@@ -330,7 +331,7 @@ def test_global_ranks_must_agree_on_the_resolved_precision(default, spy):
 def test_global_settings_codes_are_distinct():
     codes = [_global._setting(v) for v in ("mean", "sum", "none", *MODES)]
     assert len(set(codes)) == len(codes) and _global._setting("bogus") == -1
-    assert _global._precision_setting(None) == blas.float32_precision_default()
+    assert _global._precision_setting(None) == cfg.get().float32_precision
     assert _global._precision_setting("TF32") == "TF32"  # (raised by the local checks)
 
 
@@ -338,15 +339,15 @@ def test_global_settings_codes_are_distinct():
 def test_global_forward_reads_the_default_once(monkeypatch, spy, op):
     """A second read of the global default (another thread's set_float32_precision in
     between) must not make the rank run another mode than the one it exchanged."""
-    real = blas.float32_precision_default
+    real = cfg.get  # (what reads the global default: _checks.check_precision's None)
     local = threading.local()
 
     def flipping():
         local.n = getattr(local, "n", 0) + 1
-        real()
-        return "tf32" if local.n == 1 else "fp32"  # (the first read, then "changed")
+        # (the first read, then "changed")
+        return real().replace(float32_precision="tf32" if local.n == 1 else "fp32")
 
-    monkeypatch.setattr(blas, "float32_precision_default", flipping)
+    monkeypatch.setattr(cfg, "get", flipping)
     z = np.random.default_rng(0).standard_normal((4, 3))
 
     def rank(comm):

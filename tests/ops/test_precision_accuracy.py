@@ -10,14 +10,14 @@ Relative errors ‖x − ref‖ / ‖ref‖ (inputs rounded to float32 first; th
 "tf32"     2e-2 (TF32 keeps 10 mantissa bits: ~2e-4 measured by a float64 emulation
            of the rounded operands at these shapes, up to 1e-3 for SigLIP's scale)
 "auto"     the default: "fp32"'s very call, bit for bit, at every shape here (below
-           ``tiles_tf32.AUTO_MIN_ROWS`` x ``AUTO_MIN_DIM``); NT-Xent from there on, on
+           config ``tf32x3_min_rows`` x ``tf32x3_min_dim``); NT-Xent from there on, on
            Hopper, is "3xtf32"'s call (the TF32x3 tiles), and
            ``test_auto_nt_xent_as_accurate_as_fp32`` holds it to the issue's bar: per-row
            losses and dz no less accurate than "fp32"'s; the mean loss, one float32 number
            whose error is one draw of its last roundings, within ``SCALAR_SLACK`` (two
            float32 ulps, 2 × 2⁻²⁴ relative) of "fp32"'s.  CLIP, SigLIP and InfoNCE
            from the same sizes run their products on the tiles
-           (``products_tf32``: on Hopper the F16x3 tiles, ``tiles_f16x3``, for CLIP's
+           (``gemm.plan``: on Hopper the F16x3 tiles, ``gemm.f16x3``, for CLIP's
            products and the others' score products; the TF32x3 tiles for SigLIP's and
            InfoNCE's gradient products), ``test_auto_row_block_ops_as_accurate_as_fp32``
            holds them to the same bar (their scalar gradients and mean loss, single
@@ -43,7 +43,7 @@ ops/test_siglip.py scales its float32 bound by the sums' condition: a sum that c
 be more exact, and a single number may come out of fp32 almost exact by chance).  Every
 message records fp32's error beside the mode's.
 
-Where the products go through cuBLAS (N²·D above ``blas.SMALL_GEMM_MACS``; smaller ones run
+Where the products go through cuBLAS (N²·D above config ``small_gemm_macs``; smaller ones run
 ``small_gemm`` in fp32 in every mode), "tf32" and "3xtf32" must also change the gradients'
 bits: a mode that silently did nothing would pass the bounds above.
 """
@@ -56,20 +56,22 @@ import numpy as np
 import pytest
 
 import cupynce
+import cupynce.config as cfg
 from cupynce import reference as R
-from cupynce._engine import blas, products_tf32
+from cupynce._engine.gemm import tf32x3
+from cupynce._engine.gemm.plan import f16_applies
 import test_float32_precision as P  # (its folder is on sys.path: conftest)
 
 pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-MODES = blas.FLOAT32_PRECISIONS
+MODES = cfg.FLOAT32_PRECISIONS
 FP32_TOL = (1e-5, 1e-4)  # loss, gradients (ops/test_contrastive_kernels.py's float32)
 TF32_TOL = 2e-2
 X3_FACTOR = 2.0
 SCALAR_SLACK = 2 * 2.0 ** -24
-#: NT-Xent shapes at and above "auto"'s TF32x3 threshold (tiles_tf32.AUTO_MIN_ROWS x _DIM)
+#: NT-Xent shapes at and above "auto"'s TF32x3 threshold (tf32x3_min_rows x tf32x3_min_dim)
 AUTO_SHAPES = [(4096, 64), (4096, 256), (4096, 512), (6144, 256)]
 SHAPES = [(64, 32), (64, 256), (300, 32), (300, 256), (1000, 32), (1000, 256)]
 OPS = ["nt_xent", "info_nce", "clip_loss", "siglip_loss"]
@@ -153,15 +155,15 @@ def _conditions(op, xs, reduction, g, ref_grads):
 
 def _cublas_route(n: int, d: int) -> bool:
     """Whether the N × N × D products go through cuBLAS (else ``small_gemm``: fp32 always)."""
-    return n * n * d > blas.SMALL_GEMM_MACS or d > blas.SMALL_GEMM_MAX_K
+    c = cfg.current()
+    return n * n * d > c.small_gemm_macs or d > c.small_gemm_max_k
 
 
 def _auto_tiles(n: int, d: int) -> bool:
-    """Whether "auto" runs NT-Xent (n, d) on the TF32x3 tiles (``tiles_tf32.applies``)."""
-    from cupynce._engine import tiles_tf32
-
-    return (n >= tiles_tf32.AUTO_MIN_ROWS and d >= tiles_tf32.AUTO_MIN_DIM
-            and tiles_tf32.available())
+    """Whether "auto" runs NT-Xent (n, d) on the TF32x3 tiles (``nt_xent_tf32.applies``)."""
+    c = cfg.current()
+    return (n >= c.tf32x3_min_rows and d >= c.tf32x3_min_dim
+            and tf32x3.available())
 
 
 def _same_bits(x, y) -> bool:
@@ -227,7 +229,7 @@ def test_backward_keeps_the_forwards_precision():
     before = cupynce.get_float32_precision()
     try:
         cupynce.set_float32_precision("3xtf32")
-        with blas.float32_precision("fp32"):
+        with cfg.float32_precision("fp32"):
             got = cupynce.nt_xent_backward(ctx, g)
     finally:
         cupynce.set_float32_precision(before)
@@ -346,12 +348,11 @@ def test_auto_nt_xent_as_accurate_as_fp32(n, d, reduction):
 
 def _auto_products(op: str, n: int, d: int) -> bool:
     """Whether "auto" runs the products of an (n, d) x (n, d) row-block op (CLIP, SigLIP,
-    InfoNCE) on the TF32x3 tiles (``products_tf32.applies``)."""
-    from cupynce._engine import products_tf32, tiles_tf32
-
-    min_dim = (products_tf32.AUTO_MIN_DIM if op == "info_nce"
-               else products_tf32.AUTO_MIN_DIM_SCALE)
-    return n >= tiles_tf32.AUTO_MIN_ROWS and d >= min_dim and tiles_tf32.available()
+    InfoNCE) on the TF32x3 tiles (``gemm.plan.applies``)."""
+    c = cfg.current()
+    min_dim = (c.tf32x3_min_dim if op == "info_nce"
+               else c.tf32x3_min_dim_scale)
+    return n >= c.tf32x3_min_rows and d >= min_dim and tf32x3.available()
 
 
 #: draws of the single numbers (a mean loss, a scalar gradient) compared in rms below
@@ -363,8 +364,8 @@ SCALAR_DRAWS = 4
 @pytest.mark.parametrize("op", ["clip_loss", "siglip_loss", "info_nce"])
 def test_auto_row_block_ops_as_accurate_as_fp32(op, n, d, reduction):
     """CLIP, SigLIP and InfoNCE at and above "auto"'s threshold: "auto" is "3xtf32"'s call
-    there (their products on the TF32x3 tiles, ``products_tf32``; "fp32"'s off Hopper; on
-    Hopper with ``products_tf32.f16_applies()`` the F16x3 tiles instead, whose bits are
+    there (their products on the TF32x3 tiles, ``gemm.plan``; "fp32"'s off Hopper; on
+    Hopper with ``gemm.plan.f16_applies()`` the F16x3 tiles instead, whose bits are
     neither), and
     its per-row losses and feature gradients are no less accurate against float64 than
     "fp32"'s.  The single numbers -- the mean loss, the scalar gradients -- are one draw
@@ -390,7 +391,7 @@ def test_auto_row_block_ops_as_accurate_as_fp32(op, n, d, reduction):
         case = f"{op} N={n} D={d} {reduction}"
         if draw == 0:
             kappa = [1.0] + _conditions(op, xs, reduction, g, ref_grads)
-            if _auto_products(op, n, d) and products_tf32.f16_applies():
+            if _auto_products(op, n, d) and f16_applies():
                 # "auto" on Hopper: the F16x3 tiles (engine/test_f16x3.py), neither "3xtf32"'s
                 # bits nor "fp32"'s: the mode took effect
                 assert not all(_same_bits(x, y) for x, y in zip(got["auto"], got["fp32"])), case

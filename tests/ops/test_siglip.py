@@ -1,5 +1,6 @@
 """SigLIP's sigmoid loss (``cupynce.siglip_loss*``): the NumPy path (NumPy arrays) and, marked
-``gpu``, the CuPy path (CuPy arrays: ``cupynce._engine.blocks.siglip`` and the tiles).
+``gpu``, the CuPy path (CuPy arrays: ``cupynce._engine.losses.row_blocks.siglip`` and the
+tiles).
 
 The NumPy path.  Against the float64 oracle (``cupynce.reference.siglip_loss``, itself checked
 against finite differences and open_clip's formula under torch autograd in
@@ -390,20 +391,21 @@ def _check_oracle(a, b, ls, lb, reduction, normalize, g, **kw):
 @pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("n, ws", [(4096, None), (700, 200 * 1024)])
-def test_tiles_both_loops(monkeypatch, wgmma, dtype, n, ws):
+def test_tiles_both_loops(monkeypatch, configure, wgmma, dtype, n, ws):
     """SigLIP on the tensor-core tiles (MODE_SIGLIP), with the wgmma (sm_90a) and the mma.sync
     main loop, one row block and several (a small workspace), against the oracle; and the
     tile path is the one taken."""
-    from cupynce._engine import tiles
+    from cupynce._engine import tiling
+    from cupynce._engine.losses import score_tiles
 
-    monkeypatch.setattr(tiles, "USE_TILES", True)  # (else mma.sync tiles only off Hopper)
-    monkeypatch.setattr(tiles, "USE_WGMMA", wgmma)
+    configure(tiles=True, wgmma=wgmma)  # (tiles: else mma.sync tiles only off Hopper)
     a, b = _inputs(n, 64, dtype)
-    if not tiles.tiles_ok(cp.asarray(a), cp.asarray(b)):
+    if not tiling.tiles_ok(cp.asarray(a), cp.asarray(b)):
         pytest.skip("tensor-core tiles need sm_80+")
     calls = []
-    real = tiles.siglip
-    monkeypatch.setattr(tiles, "siglip", lambda *x, **k: calls.append(1) or real(*x, **k))
+    real = score_tiles.siglip  # (cupynce._engine.siglip calls it through the module)
+    monkeypatch.setattr(score_tiles, "siglip",
+                        lambda *x, **k: calls.append(1) or real(*x, **k))
     g = np.random.default_rng(5).standard_normal(n).astype(np.float32)
     for reduction, grad in (("mean", 0.7), ("none", g)):
         _check_oracle(a, b, math.log(10.0), -10.0, reduction, False, grad, workspace_bytes=ws)
@@ -423,27 +425,27 @@ def test_tiles_both_loops(monkeypatch, wgmma, dtype, n, ws):
 
 @gpu
 @pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma"])
-def test_tiles_match_row_blocks(monkeypatch, wgmma):
+def test_tiles_match_row_blocks(configure, wgmma):
     """The tiles against the cuBLAS row blocks on one problem of every kind at once: a rank's
     rows (row0 > 0) against more columns than rows (not a multiple of the tile), per-row
     weights read at the global rows, w_mul != 1, several row blocks on both paths.  Within
     the rounding of the 16-bit gradient block (da, db) and of float32 sums (the rest)."""
-    from cupynce._engine import blocks, tiles
+    from cupynce._engine import tiling
+    from cupynce._engine.losses import row_blocks, score_tiles
 
-    monkeypatch.setattr(tiles, "USE_TILES", True)
-    monkeypatch.setattr(tiles, "USE_WGMMA", wgmma)
+    configure(tiles=True, wgmma=wgmma)
     rng = np.random.default_rng(11)
     n, nc, d, row0 = 300, 1000, 64, 200
     a64, b64 = rng.standard_normal((n, d)) / 8, rng.standard_normal((nc, d)) / 8
     an, bn = cp.asarray(a64.astype(BF16)), cp.asarray(b64.astype(BF16))
-    if not tiles.tiles_ok(an, bn):
+    if not tiling.tiles_ok(an, bn):
         pytest.skip("tensor-core tiles need sm_80+")
     w = rng.uniform(0.5, 1.5, row0 + n).astype(np.float32)
     ls, lb = cp.asarray([2.3], cp.float32), cp.asarray([-10.0], cp.float32)
     kw = dict(weights=(cp.asarray(w), 1, 0.25), want_loss=True, want_grad=True,
               workspace_bytes=300_000, row0=row0)
-    loss_t, grads_t = tiles.siglip(an, bn, ls, lb, **kw)
-    loss_b, grads_b = blocks.siglip(an, bn, ls, lb, **kw)
+    loss_t, grads_t = score_tiles.siglip(an, bn, ls, lb, **kw)
+    loss_b, grads_b = row_blocks.siglip(an, bn, ls, lb, **kw)
     assert _rel(cp.asnumpy(loss_t), cp.asnumpy(loss_b)) <= 1e-5
     for x, y in zip(grads_t[:2], grads_b[:2]):
         assert _rel(cp.asnumpy(x), cp.asnumpy(y)) <= 2.0 ** -8

@@ -1,5 +1,5 @@
 """GPU tests specific to SPLADE's fused forward (the max over the sequence in the epilogue of
-the tensor-core product: kernels_src/splade_wgmma.cu on Hopper, splade_tiles.cu
+the tensor-core product: kernels_src/splade/splade_wgmma.cu on Hopper, splade_tiles.cu
 MODE_SPMAX elsewhere).  Every test of ops/test_splade_kernels.py also runs on both (its
 ``forward_path`` fixture); these check what those cannot: that the paths are really taken,
 that they agree bit for bit, and the sm_80 main loop that Hopper does not use by default.
@@ -19,11 +19,11 @@ HALF = [pytest.param(C.F16, id="f16"), pytest.param(C.BF16, id="bf16")]
 
 
 @pytest.fixture
-def tiles(monkeypatch):
-    from cupynce._engine import tiles
+def tiles(configure):
+    from cupynce._engine import tiling
 
-    monkeypatch.setattr(tiles, "USE_TILES", True)
-    return tiles
+    configure(tiles=True)
+    return tiling
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -34,7 +34,7 @@ def test_fused_forward_issues_no_gemm(dtype, tiles, monkeypatch):
     def no_gemm(*a, **k):
         raise AssertionError("the fused forward must not call cuBLAS")
 
-    monkeypatch.setattr(splade.blas, "gemm", no_gemm)
+    monkeypatch.setattr(splade.cublas, "gemm", no_gemm)
     inp = C.make_inputs((2, 40, 16, 300), dtype, "bool", True, seed=5)
     out = cupynce.splade_pool(*(cp.asarray(inp[k]) for k in ("x", "weight", "bias", "mask")),
                               activation="relu")
@@ -43,9 +43,9 @@ def test_fused_forward_issues_no_gemm(dtype, tiles, monkeypatch):
 
 @pytest.mark.parametrize("mask", [None, "rand01"], ids=["nomask", "rand01"])
 @pytest.mark.parametrize("dtype", HALF)
-def test_fused_forward_with_the_mma_sync_loop(dtype, mask, tiles, monkeypatch):
+def test_fused_forward_with_the_mma_sync_loop(dtype, mask, tiles, configure):
     """The fused max on the sm_80 main loop (mma.sync), which Hopper otherwise skips."""
-    monkeypatch.setattr(tiles, "USE_WGMMA", False)
+    configure(wgmma=False)
     for shape, grid in (((3, 130, 24, 1001), False), ((4, 300, 8, 300), True)):
         inp = C.make_inputs(shape, dtype, mask, True, seed=9, grid=grid)
         for act in C.ACTIVATIONS:
@@ -55,24 +55,24 @@ def test_fused_forward_with_the_mma_sync_loop(dtype, mask, tiles, monkeypatch):
 
 
 def _on_hopper():
-    from cupynce._engine import tiles
+    from cupynce._engine import tiling
 
-    return tiles.wgmma()
+    return tiling.wgmma()
 
 
 @pytest.mark.parametrize("use_ws", [True, False], ids=["ws", "tiles"])
 @pytest.mark.parametrize("dtype", HALF)
-def test_fused_schedules_agree_bitwise(dtype, use_ws, tiles, monkeypatch):
+def test_fused_schedules_agree_bitwise(dtype, use_ws, tiles, monkeypatch, configure):
     """Batches per CTA and the grouped CTA order (a last group of fewer batch groups
     included) change only who computes an entry, not how: bitwise the same results."""
-    from cupynce._engine import splade
+    from cupynce._engine import splade, tiling
 
     if use_ws and not _on_hopper():
         pytest.skip("splade_wgmma.cu runs on Hopper only")
-    monkeypatch.setattr(splade, "USE_WS", use_ws)
+    configure(splade_ws=use_ws)
     inp = C.make_inputs((5, 140, 16, 700), dtype, "rand01", True, seed=21)
     results = {}
-    tile = splade._WS_BN if use_ws else tiles.TILE
+    tile = splade._WS_BN if use_ws else tiling.TILE
     spb = -(-140 // tile)  # product steps per batch (one K step)
     # (min steps, x bytes) -> (per, group): (1, 1), (1, 2) [groups 2+2+1], (2, 2), (5, 1)
     for steps, xbytes in ((1, 1), (1, 2 * 140 * 16 * 2), (2 * spb, 4 * 140 * 16 * 2),
@@ -92,12 +92,13 @@ def test_fused_schedules_agree_bitwise(dtype, use_ws, tiles, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_warp_specialised_kernel_is_taken_and_agrees_with_tiles(dtype, tiles, monkeypatch):
+def test_warp_specialised_kernel_is_taken_and_agrees_with_tiles(dtype, tiles, monkeypatch,
+                                                                configure):
     """On Hopper the default fused forward is splade_wgmma.cu (TMA, 128 x 256 tiles): it is
     really launched (tiles.cu's kernel is not), and it gives the bits of tiles.cu's
     MODE_SPMAX over shapes with partial vocabulary / position / K tiles, several position
     tiles per batch, masks, and positions of the next batch inside a tile."""
-    from cupynce._engine import splade
+    from cupynce._engine import tiling
 
     if not _on_hopper():
         pytest.skip("splade_wgmma.cu runs on Hopper only")
@@ -105,16 +106,16 @@ def test_warp_specialised_kernel_is_taken_and_agrees_with_tiles(dtype, tiles, mo
                         ((5, 33, 8, 130), "bool"), ((1, 1, 16, 7), None)):
         inp = C.make_inputs(shape, dtype, mask, True, seed=33)
         for act in C.ACTIVATIONS:
-            monkeypatch.setattr(splade, "USE_WS", True)
+            configure(splade_ws=True)
             calls = []
-            real = tiles.tile_launch
-            monkeypatch.setattr(tiles, "tile_launch", lambda *a: calls.append(a) or real(*a))
+            real = tiling.tile_launch  # (splade calls it through the module)
+            monkeypatch.setattr(tiling, "tile_launch", lambda *a: calls.append(a) or real(*a))
             ws = C.run_op(inp, act, to=cp.asarray)
             assert not calls, "splade_tiles.cu ran instead of splade_wgmma.cu"
-            monkeypatch.setattr(splade, "USE_WS", False)
+            configure(splade_ws=False)
             ref = C.run_op(inp, act, to=cp.asarray)
             assert len(calls) == 1
-            monkeypatch.setattr(tiles, "tile_launch", real)
+            monkeypatch.setattr(tiling, "tile_launch", real)
             assert bool((ws[0].view(cp.uint16) == ref[0].view(cp.uint16)).all()), (shape, act)
             assert bool((ws[1] == ref[1]).all()), (shape, act)
             C.check_against_reference(inp, act, *ws, case=f"ws {shape} {mask}")

@@ -42,16 +42,13 @@ TOL = C.TOL
 
 
 @pytest.fixture(autouse=True, params=["ws", "tiles", "cublas"])
-def forward_path(request, monkeypatch):
+def forward_path(request, configure):
     """Every test runs three times: with the fused forward (the max in the epilogue of the
     tensor-core product: 16-bit x and W with D, leading dimensions and pointers multiples of
     8 elements / 16 bytes) of splade_wgmma.cu ("ws": Hopper's default; elsewhere the same as
     "tiles") and of splade_tiles.cu MODE_SPMAX ("tiles"), and with the cuBLAS logit tiles + max
     kernel ("cublas").  Other cases take the cuBLAS path under all three."""
-    from cupynce._engine import splade, tiles
-
-    monkeypatch.setattr(tiles, "USE_TILES", request.param != "cublas")
-    monkeypatch.setattr(splade, "USE_WS", request.param == "ws")
+    configure(tiles=request.param != "cublas", splade_ws=request.param == "ws")
     return request.param
 
 
@@ -590,7 +587,7 @@ def test_scan_kernel(b, n, cursors):
     d_counts = cp.asarray(counts)
     pad = 16
     incl, excl, cur = (cp.full((b, n + pad), -5, np.int32) for _ in range(3))
-    kernels.get_function("splade.cu", "cpn_splade_scan")(
+    kernels.get_function("splade/splade.cu", "cpn_splade_scan")(
         (b,), (kernels.BLOCK,), (d_counts, np.int32(n), incl, excl, cur if cursors else 0))
     # (rows laid out with stride n: view the written region as (b, n))
     flat = lambda a: cp.asnumpy(a).reshape(-1)[: b * n].reshape(b, n)  # noqa: E731

@@ -29,9 +29,11 @@ def test_installed_copy_finds_and_compiles_kernels(installed):
         "import cupynce, cupynce._engine.kernels as k, pathlib;"
         "d = k.kernels_dir();"
         f"assert str(d).startswith({str(installed)!r}), d;"
-        "assert (d / 'contrastive.cu').is_file() and (d / 'common.cuh').is_file();"
-        # blas.cu: the smallest module that pastes a header (test_kernels_compile builds all)
-        "print(len(k.compile_source('blas.cu', 'sm_90')))"
+        "assert (d / 'losses' / 'contrastive.cu').is_file();"
+        "assert (d / 'include' / 'common.cuh').is_file();"
+        # products/blas.cu: the smallest module that pastes a header (test_kernels_compile
+        # builds all)
+        "print(len(k.compile_source('products/blas.cu', 'sm_90')))"
     )
     env = dict(os.environ, PYTHONPATH=str(installed))
     out = subprocess.run([sys.executable, "-c", code], cwd=installed, env=env,
@@ -74,7 +76,10 @@ def _source_modules():
 
 
 def _kernel_sources():
-    return sorted(p.name for p in (ROOT / "kernels_src").iterdir() if p.suffix in (".cu", ".cuh"))
+    """Every kernels_src/**/*.cu(h), as its path relative to kernels_src."""
+    src = ROOT / "kernels_src"
+    return sorted(p.relative_to(src).as_posix() for p in src.rglob("*")
+                  if p.suffix in (".cu", ".cuh"))
 
 
 def _build_wheel(dest, capabilities=()):
@@ -128,8 +133,8 @@ def test_wheel_holds_every_module_and_kernel_source(release_wheel):
 
 
 def test_wheel_holds_a_cubin_for_every_kernel_module(release_wheel):
-    """One sm_80 cubin per ``kernels_src/*.cu``, named as the loader looks it up (the hash of
-    the source it would compile), and an ELF image for a CUDA GPU."""
+    """One sm_80 cubin per ``kernels_src/**/*.cu``, named as the loader looks it up (the hash
+    of the source it would compile), and an ELF image for a CUDA GPU."""
     import zipfile
 
     from cupynce._engine import kernels
@@ -137,7 +142,8 @@ def test_wheel_holds_a_cubin_for_every_kernel_module(release_wheel):
     wheel = zipfile.ZipFile(release_wheel)
     cubins = {n.rsplit("/", 1)[1]: n for n in wheel.namelist() if n.endswith(".cubin")}
     assert all(n.startswith("cupynce/_cubins/") for n in cubins.values()), cubins
-    modules = [p.name for p in sorted((ROOT / "kernels_src").glob("*.cu"))]
+    src = ROOT / "kernels_src"
+    modules = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.cu"))
     assert len(cubins) == len(modules), sorted(cubins)
     for filename in modules:
         name = kernels.prebuilt_name(filename, kernels.build_arch(filename, _CPU_CAPABILITY))

@@ -27,8 +27,8 @@ CALLS = _graphs.CAPTURE_AFTER + 4  # plain calls, the capture (learnt), then rep
 
 
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    monkeypatch.setattr(_graphs, "ENABLED", True)
+def fresh(configure):
+    configure(graphs=True)
     _graphs.clear()
     _fast.clear()
     yield

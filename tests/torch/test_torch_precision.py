@@ -18,7 +18,6 @@ torch = pytest.importorskip("torch")
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
 from cupynce import _checks  # noqa: E402
-from cupynce._engine import blas  # noqa: E402
 from cupynce.torch import _registry as R  # noqa: E402
 from test_precision import MODES, spy  # noqa: E402,F401  (the fixture)
 
@@ -26,12 +25,11 @@ MATMUL = torch.backends.cuda.matmul
 
 
 @pytest.fixture
-def torch_tf32():
+def torch_tf32(configure):
     """Set torch's float32 matmul mode for the test (legacy ``allow_tf32`` or the new
-    ``fp32_precision``), restored after it; the global default restored too."""
+    ``fp32_precision``), restored after it; the global default restored too (``configure``)."""
     new_api = R._FP32_PRECISION_API
     saved = MATMUL.fp32_precision if new_api else MATMUL.allow_tf32
-    default = blas.FLOAT32_PRECISION
 
     def set_(on: bool, api: str = "legacy"):
         if api == "legacy":
@@ -43,7 +41,6 @@ def torch_tf32():
         MATMUL.fp32_precision = saved
     else:
         MATMUL.allow_tf32 = saved
-    blas.FLOAT32_PRECISION = default
 
 
 def _t(*shape, seed=0, grad=True):
