@@ -1,8 +1,8 @@
-"""cupynce's cuBLAS binding and products (``cupynce._engine.blas``).
+"""cupynce's cuBLAS binding and products (``cupynce._engine.gemm.cublas``).
 
 Without a GPU: the binding's fallback to CuPy's wrappers when cuBLAS cannot be reached through
-ctypes.  Marked ``gpu``: ``gemm``, the small-product kernel (``kernels_src/blas.cu``) and the
-cuBLAS route, against a float64 NumPy product, and its float32 precision modes.
+ctypes.  Marked ``gpu``: ``gemm``, the small-product kernel (``kernels_src/products/blas.cu``)
+and the cuBLAS route, against a float64 NumPy product, and its float32 precision modes.
 
 Tolerances (relative, ‖x − ref‖ / ‖ref‖, inputs already rounded to their dtype so that only
 the accumulation is measured): float64 1e-13, float32 and 16-bit inputs (fp32 accumulation)
@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupynce._engine import blas as _blas
+import cupynce.config as cfg
+from cupynce._engine.gemm import cublas
 
 try:
     import cupy as cp
@@ -28,17 +29,15 @@ DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16
 def test_cublas_binding_falls_back_to_cupy(monkeypatch):
     """Without a ctypes-reachable cuBLAS the products use CuPy's wrappers (one warning),
     and binding a capture stream is a no-op (the capture is then refused, not broken)."""
-    from cupynce._engine import blas
-
     def missing():
         raise OSError("libcublas.so.99: cannot open shared object file")
 
-    monkeypatch.setattr(blas, "_LIB", None)
-    monkeypatch.setattr(blas, "_libcublas", missing)
+    monkeypatch.setattr(cublas, "_LIB", None)
+    monkeypatch.setattr(cublas, "_libcublas", missing)
     with pytest.warns(RuntimeWarning, match="CuPy's cuBLAS wrappers"):
-        assert blas._ctypes_ok() is False
-    assert blas._ctypes_ok() is False  # decided once
-    blas.bind_stream()  # no handle, no error
+        assert cublas._ctypes_ok() is False
+    assert cublas._ctypes_ok() is False  # decided once
+    cublas.bind_stream()  # no handle, no error
 
 
 # ---- gemm on the GPU ----------------------------------------------------------------------
@@ -69,7 +68,7 @@ def _operands(rng, dtype, m, n, k, trans_a, trans_b, pad):
 def _no_cublas(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("cuBLAS was called for a small product")
-    monkeypatch.setattr(_blas, "cublas_gemm", boom)
+    monkeypatch.setattr(cublas, "cublas_gemm", boom)
 
 
 @gpu
@@ -80,7 +79,7 @@ def _no_cublas(monkeypatch):
 @pytest.mark.parametrize("m,n,k,pad", [(64, 64, 32, 0), (33, 7, 129, 3), (1, 300, 5, 1),
                                        (257, 2, 1024, 0)])
 def test_small_gemm_matches_float64(dtype, trans_a, trans_b, beta, m, n, k, pad, monkeypatch):
-    assert m * n * k <= _blas.SMALL_GEMM_MACS and k <= _blas.SMALL_GEMM_MAX_K
+    assert m * n * k <= cfg.current().small_gemm_macs and k <= cfg.current().small_gemm_max_k
     _no_cublas(monkeypatch)
     rng = np.random.default_rng(m * 1000 + n * 10 + k)
     a, b, a64, b64 = _operands(rng, dtype, m, n, k, trans_a, trans_b, pad)
@@ -90,7 +89,7 @@ def test_small_gemm_matches_float64(dtype, trans_a, trans_b, beta, m, n, k, pad,
     out = full[:, :n]  # a row-strided output view
     if beta == 0.0:
         out[...] = np.nan  # beta = 0 must not read the output
-    _blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=0.75, beta=beta)
+    cublas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=0.75, beta=beta)
     ref = 0.75 * (a64 @ b64) + (beta * start[:, :n].astype(np.float64) if beta else 0.0)
     assert _rel(out, ref) <= _tol(dtype)
     assert np.array_equal(cp.asnumpy(full[:, n:]), start[:, n:])  # padding untouched
@@ -98,22 +97,22 @@ def test_small_gemm_matches_float64(dtype, trans_a, trans_b, beta, m, n, k, pad,
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_small_gemm_is_deterministic_and_agrees_with_cublas(dtype, monkeypatch):
+def test_small_gemm_is_deterministic_and_agrees_with_cublas(dtype, monkeypatch, configure):
     rng = np.random.default_rng(7)
     a, b, a64, b64 = _operands(rng, dtype, 96, 80, 48, False, True, 0)
     acc = np.float64 if dtype == np.float64 else np.float32
     outs = []
     for _ in range(2):
         out = cp.empty((96, 80), acc)
-        _blas.gemm(a, b, out, trans_b=True)
+        cublas.gemm(a, b, out, trans_b=True)
         outs.append(cp.asnumpy(out))
     assert np.array_equal(outs[0], outs[1])
     calls = []
-    real = _blas.cublas_gemm
-    monkeypatch.setattr(_blas, "cublas_gemm", lambda *args: calls.append(1) or real(*args))
-    monkeypatch.setattr(_blas, "SMALL_GEMM_MACS", 0)  # the same product through cuBLAS
+    real = cublas.cublas_gemm
+    monkeypatch.setattr(cublas, "cublas_gemm", lambda *args: calls.append(1) or real(*args))
+    configure(small_gemm_macs=0)  # the same product through cuBLAS
     out = cp.empty((96, 80), acc)
-    _blas.gemm(a, b, out, trans_b=True)
+    cublas.gemm(a, b, out, trans_b=True)
     assert calls == [1]
     ref = a64 @ b64
     assert _rel(out, ref) <= _tol(dtype)
@@ -131,40 +130,41 @@ def test_small_gemm_empty_k(beta, monkeypatch):
     out = cp.asarray(start)
     if beta == 0.0:
         out[...] = np.nan
-    _blas.gemm(a, b, out, beta=beta)
+    cublas.gemm(a, b, out, beta=beta)
     np.testing.assert_array_equal(cp.asnumpy(out), beta * start)
 
 
 @gpu
 def test_gemm_rejects_mixed_dtypes():
     with pytest.raises(ValueError, match="gemm: a and b must share a dtype"):
-        _blas.gemm(cp.ones((2, 2), cp.float32), cp.ones((2, 2), cp.float64),
-                   cp.empty((2, 2), cp.float32))
+        cublas.gemm(cp.ones((2, 2), cp.float32), cp.ones((2, 2), cp.float64),
+                    cp.empty((2, 2), cp.float32))
 
 
 @gpu
 def test_large_or_long_products_use_cublas(monkeypatch):
     """Above the size or k limit, and for a 16-bit output, the product goes to cuBLAS."""
     calls = []
-    real = _blas.cublas_gemm
+    real = cublas.cublas_gemm
 
     def spy(*args, **kwargs):
         calls.append(args[3:6])
         return real(*args, **kwargs)
-    monkeypatch.setattr(_blas, "cublas_gemm", spy)
+    monkeypatch.setattr(cublas, "cublas_gemm", spy)
     f32 = cp.float32
-    long_k = _blas.SMALL_GEMM_MAX_K + 1
-    _blas.gemm(cp.ones((2, long_k), f32), cp.ones((long_k, 2), f32), cp.empty((2, 2), f32))
-    _blas.gemm(cp.ones((128, 128), f32), cp.ones((128, 128), f32), cp.empty((128, 128), f32))
+    long_k = cfg.current().small_gemm_max_k + 1
+    cublas.gemm(cp.ones((2, long_k), f32), cp.ones((long_k, 2), f32), cp.empty((2, 2), f32))
+    cublas.gemm(cp.ones((128, 128), f32), cp.ones((128, 128), f32), cp.empty((128, 128), f32))
     h = cp.ones((4, 4), cp.float16)
-    _blas.gemm(h, h, cp.empty((4, 4), cp.float16))
+    cublas.gemm(h, h, cp.empty((4, 4), cp.float16))
     assert len(calls) == 3
 
 
-# ---- float32 precision modes (issue 24; blas.float32_precision) -----------------------------
+# ---- float32 precision modes (issue 24; config.float32_precision) ---------------------------
 import test_float32_precision as P  # noqa: E402  (its folder is on sys.path: conftest)
 
-_COMPUTE = {"fp32": 68, "tf32": _blas.COMPUTE_32F_FAST_TF32, "3xtf32": _blas.COMPUTE_32F_FAST_TF32}
+_COMPUTE = {"fp32": 68, "tf32": cublas.COMPUTE_32F_FAST_TF32,
+            "3xtf32": cublas.COMPUTE_32F_FAST_TF32}
 
 
 def _f32_case(seed, m, n, k, trans_a, trans_b, pad, beta, mode):
@@ -176,8 +176,8 @@ def _f32_case(seed, m, n, k, trans_a, trans_b, pad, beta, mode):
     out = full[:, :n]
     if beta == 0.0:
         out[...] = np.nan  # beta = 0 must not read the output
-    with _blas.float32_precision(mode):
-        _blas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=0.75, beta=beta)
+    with cfg.float32_precision(mode):
+        cublas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=0.75, beta=beta)
     assert np.array_equal(cp.asnumpy(full[:, n:]), start[:, n:])  # padding untouched
     ref = 0.75 * (a64 @ b64) + (beta * start[:, :n].astype(np.float64) if beta else 0.0)
     return _rel(out, ref), cp.asnumpy(out)
@@ -190,10 +190,10 @@ def _f32_case(seed, m, n, k, trans_a, trans_b, pad, beta, mode):
 @pytest.mark.parametrize("beta", [0.0, 1.0, -0.5])
 @pytest.mark.parametrize("m,n,k,pad", [(256, 192, 64, 0), (130, 70, 1000, 3), (64, 300, 4096, 1),
                                        (33, 517, 257, 5)])
-def test_float32_modes_against_float64(mode, trans_a, trans_b, beta, m, n, k, pad, monkeypatch):
+def test_float32_modes_against_float64(mode, trans_a, trans_b, beta, m, n, k, pad, configure):
     """3xtf32 within 2x fp32's error plus the tensor cores' truncation bias (same inputs) and
     30x better than tf32; tf32 within 1e-2; fp32 as before."""
-    monkeypatch.setattr(_blas, "SMALL_GEMM_MACS", 0)  # every product through cuBLAS
+    configure(small_gemm_macs=0)  # every product through cuBLAS
     case = (m * 7 + n * 3 + k, m, n, k, trans_a, trans_b, pad, beta)
     e32, _ = _f32_case(*case, "fp32")
     e, _ = _f32_case(*case, mode)
@@ -212,10 +212,10 @@ def test_float32_modes_issue_their_compute_type(mode, monkeypatch):
     """fp32: the one call of before (compute 68), bit-identical to the default; tf32: the same
     call with FAST_TF32; 3xtf32: three FAST_TF32 calls."""
     calls = []
-    real = _blas.cublas_gemm
-    monkeypatch.setattr(_blas, "cublas_gemm", lambda *args: calls.append(args) or real(*args))
+    real = cublas.cublas_gemm
+    monkeypatch.setattr(cublas, "cublas_gemm", lambda *args: calls.append(args) or real(*args))
     case = (5, 200, 160, 320, False, True, 2, 0.5)
-    _, default = _f32_case(*case, _blas.float32_precision_now())
+    _, default = _f32_case(*case, cfg.current().float32_precision)
     calls.clear()
     _, got = _f32_case(*case, mode)
     assert [c[17] for c in calls] == [_COMPUTE[mode]] * (3 if mode == "3xtf32" else 1)
@@ -233,7 +233,7 @@ def test_split_kernel_matches_numpy_emulation():
     x = np.concatenate([specials, x])[:300 * 250].reshape(300, 250)
     full = cp.zeros((300, 257), cp.float32)
     full[:, :250] = cp.asarray(x)
-    hi, lo = _blas.split_tf32(full[:, :250])
+    hi, lo = cublas.split_tf32(full[:, :250])
     ref_hi, ref_lo = P.split_tf32(x)
     assert np.array_equal(cp.asnumpy(hi).view(np.uint32), ref_hi.view(np.uint32))
     assert np.array_equal(cp.asnumpy(lo).view(np.uint32), ref_lo.view(np.uint32))
@@ -244,16 +244,16 @@ def test_3xtf32_splits_a_shared_operand_once(monkeypatch):
     """S = Z Z^T (b is a's very view) splits Z once; the result within 2x fp32's error plus the
     truncation bias (Z Zᵀ's positive diagonal shows it most: 8.7e-7 against fp32's 2.7e-7)."""
     splits = []
-    real = _blas.split_tf32
-    monkeypatch.setattr(_blas, "split_tf32", lambda x, name="x": splits.append(name)
+    real = cublas.split_tf32
+    monkeypatch.setattr(cublas, "split_tf32", lambda x, name="x": splits.append(name)
                         or real(x, name))
     z = cp.asarray(np.random.default_rng(4).standard_normal((512, 256)).astype(np.float32))
     z64 = cp.asnumpy(z).astype(np.float64)
     outs = {}
     for mode in ("fp32", "3xtf32"):
         outs[mode] = cp.empty((512, 512), cp.float32)
-        with _blas.float32_precision(mode):
-            _blas.gemm(z, z, outs[mode], trans_b=True)
+        with cfg.float32_precision(mode):
+            cublas.gemm(z, z, outs[mode], trans_b=True)
     assert splits == ["a"]
     ref = z64 @ z64.T
     assert _rel(outs["3xtf32"], ref) <= 2 * _rel(outs["fp32"], ref) + P.truncation_bound(256)

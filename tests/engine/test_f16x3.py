@@ -1,5 +1,5 @@
-"""The F16x3 float32 products (``kernels_src/tiles_ws_f16x3.cu``, ``tiles_f16x3``, issue 24;
-a prototype no op takes yet) on Hopper, against a float64 oracle and cuBLAS fp32.
+"""The F16x3 float32 products (``kernels_src/products/tiles_ws_f16x3.cu``, ``gemm.f16x3``,
+issue 24; a prototype no op takes yet) on Hopper, against a float64 oracle and cuBLAS fp32.
 
 * The split (any GPU): hi + lo = x 2^e to ~2^-22 of the row's largest |x| (float16 halves,
   per-row / per-column / whole-matrix powers of two), the inverse scales exact, zero pads,
@@ -7,7 +7,7 @@ a prototype no op takes yet) on Hopper, against a float64 oracle and cuBLAS fp32
 * The products (compute capability 9.0 and tensor maps): ``mm`` and ``mmt`` against float64
   at most MM_TOL and at most MM_FACTOR x cuBLAS fp32's error (the bounds of the TF32x3 tiles'
   test_mm_against_float64_and_fp32, whose promotion this kernel shares: chunks of 64 of K
-  here, the mean truncation loss compensated, ``tiles_f16x3.TRUNC``; ONE_CHUNK_FACTOR for
+  here, the mean truncation loss compensated, ``config.f16x3_trunc``; ONE_CHUNK_FACTOR for
   K <= 64), ``mmt`` the same bits as ``mm`` of a transposed copy, the scales applied exactly
   (rows 1e-20 and 1e12 x the others), ``accumulate``, determinism.
 
@@ -22,7 +22,9 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from cupynce._engine import blas, tiles_f16x3 as F  # noqa: E402
+import cupynce.config as cfg  # noqa: E402
+from cupynce._engine.gemm import cublas, f16x3 as F  # noqa: E402
+from cupynce._engine.gemm.plan import f16_applies  # noqa: E402
 
 gpu = pytest.mark.gpu
 MM_TOL = 3e-7
@@ -133,8 +135,8 @@ def test_mm_against_float64_and_fp32(f16x3, m, k, c, data):
     F.mm((ah, al), (bh, bl), out, alpha=0.5, rowf=ia, colf=ib, k=k)
     got = 2.0 * cp.asnumpy(out)
     fp32 = cp.empty((m, c), np.float32)
-    with blas.float32_precision("fp32"):
-        blas.gemm(ad, bd, fp32, trans_b=True)
+    with cfg.float32_precision("fp32"):
+        cublas.gemm(ad, bd, fp32, trans_b=True)
     e_k, e_f = _rel(got, ref), _rel(cp.asnumpy(fp32), ref)
     msg = f"f16x3 mm {e_k:.3g} against cuBLAS fp32 {e_f:.3g}"
     factor = max(ONE_CHUNK_FACTOR, MM_FACTOR[data]) if k <= F.KSTEP else MM_FACTOR[data]
@@ -221,7 +223,7 @@ def test_nonfinite_stay_nonfinite(f16x3):
     keep = np.ones_like(out, bool)
     keep[5] = False
     keep[:, 6] = False
-    assert np.abs(out[keep] - 64).max() <= 64 * 2e-7  # (times 1 + TRUNC: 64.00001)
+    assert np.abs(out[keep] - 64).max() <= 64 * 2e-7  # (times 1 + f16x3_trunc: 64.00001)
 
 
 @gpu
@@ -247,19 +249,18 @@ def test_split_scaled_il_layout(dev):
 @pytest.mark.parametrize("ws", [None, 1920 * 4100 * 4])
 @pytest.mark.parametrize("n,d", [(4100, 512), (4099, 512), (4100, 514)])
 def test_clip_on_f16x3(f16x3, monkeypatch, reduction, ws, n, d):
-    """CLIP under "auto" (products_tf32.USE_F16X3): every product on the F16x3 tiles (the
+    """CLIP under "auto" (config.f16x3): every product on the F16x3 tiles (the
     gradient block as G's halves written in place by cpn_clip_grad_f16x3: G Bᵀ and Gᵀ A
     read it interleaved), one block and row blocks (1892, 1892, 316 rows: score rows padded
     to 4160 columns), reduction "none" (per-pair weights on the device: G's exponent from
-    tiles_f16x3.bound_exp; the statistics pass and the backward's recompute the same score
+    f16x3.bound_exp; the statistics pass and the backward's recompute the same score
     product, odd N included); loss and gradients within fp32's errors against float64
     (x 1.25, + 2^-24 for the one-number loss), deterministic."""
     import cupynce
     from cupynce import reference as R
-    from cupynce._engine import products_tf32
     from cupynce.ops import _graphs
 
-    if not products_tf32.f16_applies():
+    if not f16_applies():
         pytest.skip("F16x3 switched off (CUPYNCE_F16X3=0)")
     seen = []
     real = F.mm
@@ -306,15 +307,15 @@ def test_clip_odd_d_keeps_float32_g(f16x3, monkeypatch):
     F16x3's in both passes; no error, fp32's accuracy."""
     import cupynce
     from cupynce import reference as R
-    from cupynce._engine import products_tf32, tiles_tf32
+    from cupynce._engine.gemm import tf32x3
     from cupynce.ops import _graphs
 
-    if not products_tf32.f16_applies():
+    if not f16_applies():
         pytest.skip("F16x3 switched off (CUPYNCE_F16X3=0)")
     seen = []
-    real, real32 = F.mm, tiles_tf32.mm
+    real, real32 = F.mm, tf32x3.mm
     monkeypatch.setattr(F, "mm", lambda *a, **k: seen.append(16) or real(*a, **k))
-    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: seen.append(32) or real32(*a, **k))
+    monkeypatch.setattr(tf32x3, "mm", lambda *a, **k: seen.append(32) or real32(*a, **k))
     rng = np.random.default_rng(8)
     n, d = 4100, 513
     x = rng.standard_normal((n, d)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""The float32 precision switch of ``_engine.blas`` (issue 24), without a GPU: a NumPy
+"""The float32 precision switch (``cupynce.config``, issue 24), without a GPU: a NumPy
 emulation of ``cpn_split_tf32_f32`` (the kernel's integer rule, bit for bit), the accuracy of an
 emulated 3xTF32 product against float32's, the switch's validation and graph keys, and the
 thread-local scope's reads; "3xtf32" splits a float32 score block that the gradient products
@@ -14,17 +14,19 @@ import types
 import numpy as np
 import pytest
 
-from cupynce._engine import blas, products_tf32
+import cupynce.config as cfg
+from cupynce._engine.gemm import cublas
+from cupynce._engine.gemm.plan import applies
+from cupynce._engine.kernels import BFLOAT16
 
 F32 = np.float32
 U32 = np.uint32
-BFLOAT16 = blas.BFLOAT16
 
 
 def split_tf32(x) -> tuple:
-    """``kernels_src/blas.cu``'s split: hi = x rounded to TF32 to nearest, ties away from zero
-    (add 0x1000 to the bit pattern, clear the low 13 bits), truncated instead where that gives
-    infinity; inf / NaN: hi = x, lo = 0; lo = x - hi (exact)."""
+    """``kernels_src/products/blas.cu``'s split: hi = x rounded to TF32 to nearest, ties away
+    from zero (add 0x1000 to the bit pattern, clear the low 13 bits), truncated instead where
+    that gives infinity; inf / NaN: hi = x, lo = 0; lo = x - hi (exact)."""
     x = np.asarray(x, F32)
     u = x.view(U32)
     finite = (u & U32(0x7F800000)) != U32(0x7F800000)
@@ -128,52 +130,52 @@ def test_emulated_3xtf32_error_within_float32s(k):
 
 def test_env_variable_is_validated(monkeypatch):
     monkeypatch.setenv("CUPYNCE_FLOAT32", "tf32")
-    assert blas._env_precision() == "tf32"
+    assert cfg.Config.from_env().float32_precision == "tf32"
     monkeypatch.delenv("CUPYNCE_FLOAT32")
-    assert blas._env_precision() == "auto"
+    assert cfg.Config.from_env().float32_precision == "auto"
     monkeypatch.setenv("CUPYNCE_FLOAT32", "bf16x3")
     with pytest.raises(ValueError, match=r"CUPYNCE_FLOAT32='bf16x3' is not a float32 precision; "
                                          r"expected one of 'fp32', 'tf32', '3xtf32', 'auto'$"):
-        blas._env_precision()
+        cfg.Config.from_env()
 
 
 def test_default_is_auto():
-    assert blas.FLOAT32_PRECISION == "auto"  # (the test environment sets no CUPYNCE_FLOAT32)
-    assert blas.float32_precision_now() == "auto"
+    assert cfg.get().float32_precision == "auto"  # (the test environment sets no CUPYNCE_FLOAT32)
+    assert cfg.current().float32_precision == "auto"
 
 
-def test_context_manager_scopes_this_thread(monkeypatch):
+def test_context_manager_scopes_this_thread(configure):
     with pytest.raises(ValueError, match=r"float32_precision: precision='TF32' is not"):
-        blas.float32_precision("TF32")  # refused at the call, before any scope opens
+        cfg.float32_precision("TF32")  # refused at the call, before any scope opens
     seen = []
-    with blas.float32_precision("3xtf32"):
-        assert blas.float32_precision_now() == "3xtf32"
-        with blas.float32_precision("tf32"):
-            assert blas.float32_precision_now() == "tf32"
-            t = threading.Thread(target=lambda: seen.append(blas.float32_precision_now()))
+    with cfg.float32_precision("3xtf32"):
+        assert cfg.current().float32_precision == "3xtf32"
+        with cfg.float32_precision("tf32"):
+            assert cfg.current().float32_precision == "tf32"
+            t = threading.Thread(target=lambda: seen.append(cfg.current().float32_precision))
             t.start()
             t.join()
-        assert blas.float32_precision_now() == "3xtf32"
-    assert blas.float32_precision_now() == "auto" and seen == ["auto"]
+        assert cfg.current().float32_precision == "3xtf32"
+    assert cfg.current().float32_precision == "auto" and seen == ["auto"]
     with pytest.raises(RuntimeError):
-        with blas.float32_precision("tf32"):
+        with cfg.float32_precision("tf32"):
             raise RuntimeError
-    assert blas.float32_precision_now() == "auto"  # restored on an exception too
-    monkeypatch.setattr(blas, "FLOAT32_PRECISION", "tf32")
-    assert blas.float32_precision_now() == "tf32"
-    monkeypatch.setattr(blas, "FLOAT32_PRECISION", "fast")
-    with pytest.raises(ValueError, match=r"blas.FLOAT32_PRECISION='fast'"):
-        blas.float32_precision_now()
+    assert cfg.current().float32_precision == "auto"  # restored on an exception too
+    configure(float32_precision="tf32")
+    assert cfg.current().float32_precision == "tf32"
+    with pytest.raises(ValueError, match=r"Config.float32_precision='fast'"):
+        configure(float32_precision="fast")  # (refused when set: never read)
+    assert cfg.current().float32_precision == "tf32"
 
 
 def test_graph_key_includes_precision():
     from cupynce.ops import _graphs
 
     keys = {}
-    for p in blas.FLOAT32_PRECISIONS:
-        with blas.float32_precision(p):
+    for p in cfg.FLOAT32_PRECISIONS:
+        with cfg.float32_precision(p):
             keys[p] = _graphs._switches()
-            assert p in keys[p]
+            assert keys[p].float32_precision == p
     assert len(set(keys.values())) == 4
     assert _graphs._switches() == keys["auto"]
 
@@ -189,27 +191,27 @@ def truncation_bound(k: int) -> float:
 
 
 def test_scope_reads_without_a_miss():
-    assert type(blas._LOCAL).precision is None  # (a class default: no AttributeError)
+    assert type(cfg._local).precision is None  # (a class default: no AttributeError)
     seen = []
 
     def other():
-        seen.append(blas.float32_precision_now())
-    with blas.float32_precision("3xtf32"):
+        seen.append(cfg.current().float32_precision)
+    with cfg.float32_precision("3xtf32"):
         t = threading.Thread(target=other)
         t.start()
         t.join()
-        assert blas.float32_precision_now() == "3xtf32"
-    assert seen == [blas.float32_precision_default()]  # (the scope is this thread's alone)
+        assert cfg.current().float32_precision == "3xtf32"
+    assert seen == [cfg.get().float32_precision]  # (the scope is this thread's alone)
 
 
 # ---- 3xtf32's split within the workspace ---------------------------------------------------
-@pytest.mark.parametrize("mode", blas.FLOAT32_PRECISIONS)
+@pytest.mark.parametrize("mode", cfg.FLOAT32_PRECISIONS)
 def test_split_row_bytes(mode):
-    with blas.float32_precision(mode):
+    with cfg.float32_precision(mode):
         want = 2 * 100 * 4 if mode == "3xtf32" else 0
-        assert blas.split_row_bytes(np.float32, 100) == want
+        assert cublas.split_row_bytes(np.float32, 100) == want
         for dt in (np.float16, np.float64, BFLOAT16):
-            assert blas.split_row_bytes(dt, 100) == 0
+            assert cublas.split_row_bytes(dt, 100) == 0
 
 
 class _Planned(Exception):
@@ -217,8 +219,9 @@ class _Planned(Exception):
 
 
 def _planned_bytes(monkeypatch, call):
-    """bytes_per_row that ``call`` hands to blas.plan_rows (stopped there: no GPU needed)."""
-    from cupynce._engine import blocks
+    """bytes_per_row that ``call`` hands to workspace.plan_rows (stopped there: no GPU
+    needed)."""
+    from cupynce._engine.losses import row_blocks
 
     seen = []
 
@@ -226,12 +229,12 @@ def _planned_bytes(monkeypatch, call):
         seen.append(bytes_per_row)
         raise _Planned
 
-    monkeypatch.setattr(blas, "plan_rows", plan_rows)
-    # (blocks.rows imports cupy before planning; a stand-in where CuPy is absent)
+    monkeypatch.setattr(row_blocks, "plan_rows", plan_rows)  # (row_blocks imports it by name)
+    # (row_blocks.rows imports cupy before planning; a stand-in where CuPy is absent)
     monkeypatch.setitem(sys.modules, "cupy", sys.modules.get("cupy")
                         or types.ModuleType("cupy"))
     with pytest.raises(_Planned):
-        call(blocks)
+        call(row_blocks)
     return seen[-1]
 
 
@@ -257,19 +260,20 @@ def _planners(dt, want_grad):
 @pytest.mark.parametrize("tiles", [False, True])
 def test_planners_count_the_split_block(monkeypatch, which, want_grad, tiles):
     """cuBLAS's "3xtf32" splits the gradient block: the planners count it; the TF32x3 tiles
-    (``products_tf32``, stubbed as available) split no gradient block: nothing counted."""
-    from cupynce._engine import tiles_tf32
+    (``gemm.plan``'s ``TilesPlan``, stubbed as available) split no gradient block: nothing
+    counted."""
+    from cupynce._engine.gemm import tf32x3
 
-    monkeypatch.setattr(tiles_tf32, "available", lambda: tiles)
+    monkeypatch.setattr(tf32x3, "available", lambda: tiles)
     for dt in (np.float32, np.float64, np.float16):
         calls, nc = _planners(dt, want_grad)
         got = {}
-        for mode in blas.FLOAT32_PRECISIONS:
-            with blas.float32_precision(mode):
+        for mode in cfg.FLOAT32_PRECISIONS:
+            with cfg.float32_precision(mode):
                 got[mode] = _planned_bytes(monkeypatch, calls[which])
         assert got["fp32"] == got["tf32"]
-        with blas.float32_precision("3xtf32"):
+        with cfg.float32_precision("3xtf32"):
             q = np.zeros((8, 4), dt)
-            assert products_tf32.applies(q, q) == (tiles and dt == np.float32)
+            assert applies(q, q) == (tiles and dt == np.float32)
         extra = 2 * nc * 4 if dt == np.float32 and want_grad and not tiles else 0
         assert got["3xtf32"] == got["fp32"] + extra, (dt, got)

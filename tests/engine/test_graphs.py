@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cupynce
-from cupynce._engine import blas
+import cupynce.config as cfg
 from cupynce.ops import _graphs
 from cupynce.ops import clip as clip_op
 from cupynce.ops import nt_xent as nt_xent_op
@@ -32,8 +32,8 @@ CALLS = _graphs.CAPTURE_AFTER + 2  # plain calls, the capture, one more replay
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(monkeypatch):
-    monkeypatch.setattr(_graphs, "ENABLED", True)
+def fresh_cache(configure):
+    configure(graphs=True)
     _graphs.clear()
     yield
     _graphs.clear()
@@ -55,7 +55,7 @@ def test_est_bytes_past_the_limit_runs_compute_without_a_key():
 
 
 @pytest.mark.parametrize("dtype, n, ws, want", [
-    (np.float32, 16384, None, blas.DEFAULT_WORKSPACE_BYTES),  # capped: 1 GiB of 1 GiB
+    (np.float32, 16384, None, cfg.current().default_workspace_bytes),  # capped: 1 GiB of 1 GiB
     (np.float32, 8192, None, 8192 * 8192 * 4),
     (np.float32, 16384, 64 << 20, 64 << 20),  # the caller's workspace
     (np.float64, 100, None, 100 * 100 * 8),
@@ -76,7 +76,7 @@ def test_clip_score_block_estimate(dtype, n, ws, want):
     ("bfloat16", 16384, 512, None, 16384 * 16384 * 2 + 16384 * 512 * 4),
     (np.float16, 8192, 512, None, 8192 * 8192 * 2 + 8192 * 512 * 4),
     (np.float16, 16384, 512, 64 << 20, (64 << 20) + 16384 * 512 * 4),  # capped
-    (np.float32, 16384, 128, None, blas.DEFAULT_WORKSPACE_BYTES + 16384 * 128 * 4),
+    (np.float32, 16384, 128, None, cfg.current().default_workspace_bytes + 16384 * 128 * 4),
     (np.float64, 100, 8, None, 100 * 100 * 8 + 100 * 8 * 8),
 ])
 def test_nt_xent_kept_bytes(dtype, n, d, ws, want):
@@ -183,12 +183,8 @@ def _run_threads(targets) -> None:
 
 def plain(fn):
     """``fn()`` with graphs off."""
-    old = _graphs.ENABLED
-    _graphs.ENABLED = False
-    try:
+    with cfg.override(graphs=False):
         return fn()
-    finally:
-        _graphs.ENABLED = old
 
 
 OPS = ["nt_xent", "info_nce", "info_nce_neg", "clip_loss", "siglip_loss"]
@@ -282,7 +278,7 @@ def test_variants_read_the_inputs_in_place(op):
 
 
 @gpu
-def test_variants_bounded_and_switchable(monkeypatch):
+def test_variants_bounded_and_switchable(monkeypatch, configure):
     monkeypatch.setattr(_graphs, "MAX_VARIANTS", 2)
     sets = [inputs("nt_xent", 256, 64, BF16, seed=s) for s in range(4)]
     want = [plain(lambda a=a, k=k: step("nt_xent", a, k)) for a, k in sets]
@@ -290,7 +286,7 @@ def test_variants_bounded_and_switchable(monkeypatch):
         for (a, k), w in zip(sets, want):
             assert step("nt_xent", a, k) == w
     assert len(_plan().variants) == 2
-    monkeypatch.setattr(_graphs, "VARIANTS", False)
+    configure(graph_variants=False)
     _graphs.clear()
     for _ in range(CALLS + 2):
         assert step("nt_xent", *sets[0]) == want[0]
@@ -312,12 +308,10 @@ def test_variants_stop_where_pointer_sets_churn(monkeypatch):
 
 
 @gpu
-def test_tiny_deferred_products_run_their_python(monkeypatch):
+def test_tiny_deferred_products_run_their_python(configure):
     """A product the recording cannot hold (here every product is "tiny": the small-product
     kernel) runs its Python at each replay: same bits."""
-    from cupynce._engine import blas
-
-    monkeypatch.setattr(blas, "SMALL_GEMM_MACS", 1 << 40)
+    configure(small_gemm_macs=1 << 40)
     args, kw = inputs("clip_loss", 256, 64, BF16)
     want = plain(lambda: step("clip_loss", args, kw))
     for _ in range(CALLS + 1):
@@ -345,14 +339,14 @@ def test_misaligned_pointers_get_no_variant():
 def test_gradient_products_left_out_of_the_graph(op, dtype):
     """On the 16-bit tiles the accumulators' products run after the graph, into the
     caller's arrays (no copy out); the float32 row blocks copy theirs out."""
-    from cupynce._engine import tiles
+    from cupynce._engine import tiling
 
     args, kw = inputs(op, 256, 64, dtype)
     want = plain(lambda: step(op, args, kw))
     for _ in range(CALLS):
         assert step(op, args, kw) == want
     plan = _plan()
-    on_tiles = dtype != np.float32 and tiles.tiles_ok(args[0])
+    on_tiles = dtype != np.float32 and tiling.tiles_ok(args[0])
     written = {k for ks, _, _, _ in plan.tails for k in ks}
     if on_tiles:
         assert written and None not in written

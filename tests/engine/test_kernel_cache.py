@@ -2,7 +2,7 @@
 
 Emulated ranks (tests/emulated_ranks.py) and multi-threaded callers launch the same kernels
 from several threads.  ``kernels.get_kernel`` / ``get_function`` must hand every thread one
-Function object per key, and ``tiles``' shared-memory opt-in records (keyed by ``id``) must
+Function object per key, and ``tiling``'s shared-memory opt-in records (keyed by ``id``) must
 never take a new kernel for an opted-in one that was dropped and whose id was reused: such a
 kernel would be launched with more dynamic shared memory than it was opted in to
 (CUDA_ERROR_INVALID_VALUE).
@@ -16,7 +16,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupynce._engine import kernels, tiles  # noqa: E402
+from cupynce._engine import kernels, tiling  # noqa: E402
 
 
 class _Kern:
@@ -76,22 +76,22 @@ def test_opt_in_records_hold_their_kernel(monkeypatch):
         attributes = {"MaxSharedMemoryPerBlockOptin": smem_max}
 
     monkeypatch.setattr(cupy.cuda, "Device", Device)
-    monkeypatch.setattr(tiles, "_WS_SMEM", {})
+    monkeypatch.setattr(tiling, "_WS_SMEM", {})
     k = _Kern()
-    assert tiles.ws_smem(k) == (2048, smem_max)
-    assert tiles._WS_SMEM[id(k)][2] is k and k.max_dynamic_shared_size_bytes == smem_max - 2048
+    assert tiling.ws_smem(k) == (2048, smem_max)
+    assert tiling._WS_SMEM[id(k)][2] is k and k.max_dynamic_shared_size_bytes == smem_max - 2048
     fresh = _Kern()
-    tiles._WS_SMEM[id(fresh)] = (2048, smem_max, object())  # a stale record under its id
-    assert tiles.ws_smem(fresh) == (2048, smem_max)
+    tiling._WS_SMEM[id(fresh)] = (2048, smem_max, object())  # a stale record under its id
+    assert tiling.ws_smem(fresh) == (2048, smem_max)
     assert fresh.max_dynamic_shared_size_bytes == smem_max - 2048
 
-    monkeypatch.setattr(tiles, "_SMEM_OPTED", {})
-    monkeypatch.setattr(tiles, "wgmma", lambda: True)
+    monkeypatch.setattr(tiling, "_SMEM_OPTED", {})
+    monkeypatch.setattr(tiling, "wgmma", lambda: True)
     other = _Kern()
-    monkeypatch.setattr(tiles.kernels, "get_kernel", lambda f, st, t: other)
-    tiles._SMEM_OPTED[id(other)] = object()  # stale
-    tiles.tile_launch("tiles.cu", "lse", "float32", (1,), ())
-    assert other.calls == [tiles.WG_SMEM] and tiles._SMEM_OPTED[id(other)] is other
+    monkeypatch.setattr(tiling.kernels, "get_kernel", lambda f, st, t: other)
+    tiling._SMEM_OPTED[id(other)] = object()  # stale
+    tiling.tile_launch("losses/tiles.cu", "lse", "float32", (1,), ())
+    assert other.calls == [tiling.WG_SMEM] and tiling._SMEM_OPTED[id(other)] is other
 
 
 def _hold_lock(args):
@@ -137,11 +137,12 @@ def test_build_lock_without_a_writable_cache_folder(tmp_path, monkeypatch):
 def test_prebuilt_names_follow_the_source(monkeypatch):
     """A prebuilt cubin is named by the hash of the source the loader would compile, its
     options and its arch: an edited kernel (or header) never matches an old cubin."""
-    name = kernels.prebuilt_name("blas.cu", "sm_90")
+    name = kernels.prebuilt_name("products/blas.cu", "sm_90")
     assert name.startswith("blas_sm_90_") and name.endswith(".cubin")
-    assert kernels.module_key("blas.cu", "sm_80") != kernels.module_key("blas.cu", "sm_90")
-    edited = kernels.read_source("blas.cu") + "\n// an edit\n"
-    assert kernels.prebuilt_name("blas.cu", "sm_90", edited) != name
-    assert kernels.build_arch("tiles.cu", "90") == "sm_90a"
-    assert kernels.build_arch("contrastive.cu", "90") == "sm_90"
-    assert kernels.build_arch("tiles.cu", "80") == "sm_80"
+    assert (kernels.module_key("products/blas.cu", "sm_80")
+            != kernels.module_key("products/blas.cu", "sm_90"))
+    edited = kernels.read_source("products/blas.cu") + "\n// an edit\n"
+    assert kernels.prebuilt_name("products/blas.cu", "sm_90", edited) != name
+    assert kernels.build_arch("losses/tiles.cu", "90") == "sm_90a"
+    assert kernels.build_arch("losses/contrastive.cu", "90") == "sm_90"
+    assert kernels.build_arch("losses/tiles.cu", "80") == "sm_80"

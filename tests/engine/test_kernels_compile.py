@@ -25,7 +25,7 @@ _STAGE = re.compile(r"\bcpn_([A-Za-z0-9_]+?)_##SUF\b")
 
 
 def _cu_files():
-    return sorted(p.name for p in _kernels.kernels_dir().glob("*.cu"))
+    return list(_kernels.module_files())
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,9 +49,9 @@ def _suffixes(filename):
 def test_kernels_dir_layout():
     d = _kernels.kernels_dir()
     assert d.is_dir(), d
-    assert (d / "contrastive.cu").is_file()
-    assert (d / "common.cuh").is_file()
-    assert "contrastive.cu" in _cu_files()
+    assert (d / "losses/contrastive.cu").is_file()
+    assert (d / "include/common.cuh").is_file()
+    assert "losses/contrastive.cu" in _cu_files()
 
 
 def test_dtype_suffixes_cover_supported_dtypes():
@@ -66,7 +66,7 @@ def test_dtype_suffix_rejects_unsupported(dtype):
 
 
 def test_read_source_pastes_includes():
-    src = _kernels.read_source("contrastive.cu")
+    src = _kernels.read_source("losses/contrastive.cu")
     assert f"#define CPN_BLOCK {_kernels.BLOCK}" in src
     assert not re.search(r'#\s*include\s+"', src), "local includes must be pasted in"
     assert "struct __align__(2) bf16_t" in src  # from common.cuh
@@ -89,11 +89,12 @@ def _missing_symbols(filename, cubin):
 
 
 #: kernels written without the ``cpn_<stage>_##SUF`` macros (one dtype), by file
-_SINGLE = {"blas.cu": ("cpn_split_tf32_f32", "cpn_fill_f32", "cpn_fill_f64"),
-           "splade.cu": ("cpn_splade_scan",), "contrastive.cu": ("cpn_clip_grad_f16x3",),
-           "tiles_ws_f16x3.cu": ("cpn_f16x3_split_rows", "cpn_f16x3_colmax", "cpn_f16x3_split_t",
-                                 "cpn_f16x3_split_scaled", "cpn_f16x3_split_scaled_il",
-                                 "cpn_f16x3_bound_exp")}
+_SINGLE = {"products/blas.cu": ("cpn_split_tf32_f32", "cpn_fill_f32", "cpn_fill_f64"),
+           "splade/splade.cu": ("cpn_splade_scan",),
+           "losses/contrastive.cu": ("cpn_clip_grad_f16x3",),
+           "products/tiles_ws_f16x3.cu": ("cpn_f16x3_split_rows", "cpn_f16x3_colmax",
+                                          "cpn_f16x3_split_t", "cpn_f16x3_split_scaled",
+                                          "cpn_f16x3_split_scaled_il", "cpn_f16x3_bound_exp")}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -125,9 +126,11 @@ def test_arch_specific_file_builds_for_sm90a(filename):
 
 
 #: engine module -> {name of a file constant in launch(<const>, "<stage>", ...): file}
-_LAUNCHERS = {"arrays.py": {"FILE": "contrastive.cu"},
-              "blocks.py": {"FILE": "contrastive.cu"},
-              "tiles.py": {"FILE": "tiles.cu", "ROWS_FILE": "contrastive.cu"}}
+_LAUNCHERS = {"arrays.py": {"FILE": "losses/contrastive.cu"},
+              "losses/row_blocks.py": {"FILE": "losses/contrastive.cu"},
+              "losses/stats.py": {"FILE": "losses/contrastive.cu"},
+              "losses/score_tiles.py": {"FILE": "losses/tiles.cu",
+                                        "ROWS_FILE": "losses/contrastive.cu"}}
 
 
 @pytest.mark.parametrize("module,const,filename",
@@ -141,16 +144,19 @@ def test_python_launches_only_existing_stages(module, const, filename):
 
 
 def test_python_launches_only_existing_wstile_stages():
-    """tiles.ws_launch builds cpn_wstile_<stage> from tiles.WS_STAGES: each exists."""
-    from cupynce._engine import tiles
+    """score_tiles.ws_launch builds cpn_wstile_<stage> from config.ws_stages: each exists."""
+    import cupynce.config as cfg
+    from cupynce._engine.losses import score_tiles
 
-    assert {f"wstile_{s}" for s in tiles.WS_STAGES} <= set(_stages(tiles.WS_FILE))
+    assert ({f"wstile_{s}" for s in cfg.current().ws_stages}
+            <= set(_stages(score_tiles.WS_FILE)))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("filename", _cu_files())
 def test_nvcc_compiles(filename, tmp_path):
     src = tmp_path / filename
+    src.parent.mkdir(parents=True, exist_ok=True)
     src.write_text(_kernels.read_source(filename))
     obj = tmp_path / (filename + ".o")
     res = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++14", "-c", str(src), "-o", str(obj)],

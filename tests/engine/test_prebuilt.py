@@ -140,7 +140,7 @@ _ONCE = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("filename", ["blas.cu", "splade_wgmma.cu"])
+@pytest.mark.parametrize("filename", ["products/blas.cu", "splade/splade_wgmma.cu"])
 def test_processes_starting_together_compile_a_module_once(filename, tmp_path):
     """Four processes (DDP ranks sharing a cache folder) load one module at the same moment
     with no prebuilt cubin: one compiles it, the others load what it wrote."""

@@ -1,10 +1,10 @@
 """Tests of the side branch (``cupynce._engine.side``): work beside a long pass, joined.
 
 The contract: a branch changes where work runs, never what it computes -- the same bits with
-the side stream as without (``ENABLED`` False), plain and replayed from a CUDA graph; the
-forked stream waits for the branch before the op returns (what follows reads the branch's
-results); without a fork point (CPU, the row blocks, a capture before the side stream
-exists) the work runs in place.
+the side stream as without (``config.side_streams`` False), plain and replayed from a CUDA
+graph; the forked stream waits for the branch before the op returns (what follows reads the
+branch's results); without a fork point (CPU, the row blocks, a capture before the side
+stream exists) the work runs in place.
 """
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ def test_without_a_fork_point_beside_runs_in_place():
     assert side.take_open() is None
 
 
-def test_fork_point_touches_no_cuda_outside_a_branch_or_when_off(monkeypatch):
+def test_fork_point_touches_no_cuda_outside_a_branch_or_when_off(monkeypatch, configure):
     """No branch, or branches off: fork_point returns before importing CuPy (made to fail
     here), and a branch then runs its work in place."""
     import sys
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # (import cupy raises ImportError)
     side.fork_point()
-    monkeypatch.setattr(side, "ENABLED", False)
+    configure(side_streams=False)
     ran = []
     with side.branch() as br:
         side.fork_point()
@@ -78,10 +78,10 @@ extern "C" __global__ void copy1(const float* src, float* dst) { dst[0] = src[0]
 
 
 @gpu
-def test_the_forked_stream_waits_for_the_branch(monkeypatch):
+def test_the_forked_stream_waits_for_the_branch(configure):
     """A slow kernel beside; what the forked stream runs after the branch sees its write."""
     cp = _cp()
-    monkeypatch.setattr(side, "ENABLED", True)
+    configure(side_streams=True)
     mod = cp.RawModule(code=_SPIN)
     spin, copy1 = mod.get_function("spin_write"), mod.get_function("copy1")
     main = cp.cuda.Stream(non_blocking=True)
@@ -101,11 +101,11 @@ def test_the_forked_stream_waits_for_the_branch(monkeypatch):
 
 
 @gpu
-def test_beside_refuses_allocations(monkeypatch):
+def test_beside_refuses_allocations(configure):
     """Work beside writes memory allocated before the fork point: an allocation raises (the
     forked stream's pool may hand back memory its later work still uses)."""
     cp = _cp()
-    monkeypatch.setattr(side, "ENABLED", True)
+    configure(side_streams=True)
     main = cp.cuda.Stream(non_blocking=True)
     with main:
         with side.branch() as br:
@@ -171,26 +171,26 @@ def _outputs(op, args, reduction):
 @pytest.mark.parametrize("op", ["nt_xent", "info_nce"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("n,d", [(512, 64), (1030, 136)])
-def test_same_bits_with_and_without_the_branch(monkeypatch, op, reduction, n, d):
+def test_same_bits_with_and_without_the_branch(configure, op, reduction, n, d):
     """The tile path's reduced loss beside its gradient pass, plain and from graphs: the same
     bits as in place."""
     cp = _cp()
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    from cupynce._engine import tiles
+    from cupynce._engine import tiling
     from cupynce.ops import _graphs
 
     rng = np.random.default_rng(n)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     args = [cp.asarray(rng.standard_normal((n, d)).astype(np.float32).astype(bf16))
             for _ in range(1 if op == "nt_xent" else 2)]
-    if not tiles.tiles_ok(*args):
+    if not tiling.tiles_ok(*args):
         pytest.skip("the tile kernels need sm_80+")
     calls = _graphs.CAPTURE_AFTER + 2
     results = {}
     for enabled in (False, True):
-        monkeypatch.setattr(side, "ENABLED", enabled)
+        configure(side_streams=enabled)
         for graphs in (False, True):
-            monkeypatch.setattr(_graphs, "ENABLED", graphs)
+            configure(graphs=graphs)
             _graphs.clear()
             results[enabled, graphs] = [_outputs(op, args, reduction) for _ in range(calls)]
     _graphs.clear()
@@ -203,7 +203,7 @@ def test_same_bits_with_and_without_the_branch(monkeypatch, op, reduction, n, d)
 @gpu
 @pytest.mark.parametrize("op", ["nt_xent", "info_nce"])
 @pytest.mark.parametrize("blocks", ["one", "several"])
-def test_replays_with_fresh_inputs(monkeypatch, op, blocks):
+def test_replays_with_fresh_inputs(monkeypatch, configure, op, blocks):
     """New inputs every call (an early or stale read would show), replayed against plain
     runs bit for bit: one row block (the loss sum and the gather beside the gradient pass)
     and several (no fork: the first blocks' products run inside the graph, after the
@@ -211,7 +211,7 @@ def test_replays_with_fresh_inputs(monkeypatch, op, blocks):
     cp = _cp()
     ml_dtypes = pytest.importorskip("ml_dtypes")
     import cupynce
-    from cupynce._engine import tiles
+    from cupynce._engine import tiling
     from cupynce.ops import _graphs
 
     n, d = 1024, 64
@@ -219,9 +219,9 @@ def test_replays_with_fresh_inputs(monkeypatch, op, blocks):
     bf16 = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(11)
     probe = cp.zeros((n, d), bf16)
-    if not tiles.tiles_ok(probe, probe):
+    if not tiling.tiles_ok(probe, probe):
         pytest.skip("the tile kernels need sm_80+")
-    monkeypatch.setattr(side, "ENABLED", True)
+    configure(side_streams=True)
     forks = []
     real = side.fork_point
 
@@ -247,9 +247,9 @@ def test_replays_with_fresh_inputs(monkeypatch, op, blocks):
         for i in range(_graphs.CAPTURE_AFTER + 4):
             args = [cp.asarray(rng.standard_normal((n, d)).astype(np.float32).astype(bf16))
                     for _ in range(1 if op == "nt_xent" else 2)]
-            monkeypatch.setattr(_graphs, "ENABLED", False)
+            configure(graphs=False)
             want = call(args)
-            monkeypatch.setattr(_graphs, "ENABLED", True)
+            configure(graphs=True)
             assert call(args) == want, f"call {i + 1}"
         assert _graphs.info()["plans"] == 1, _graphs.info()
     finally:
@@ -257,4 +257,4 @@ def test_replays_with_fresh_inputs(monkeypatch, op, blocks):
     if blocks == "one":
         assert forks and all(forks), forks
     else:
-        assert forks == [], forks  # (tiles.rows forks only where one block holds G)
+        assert forks == [], forks  # (score_tiles.rows forks only where one block holds G)

@@ -1,12 +1,12 @@
-"""The float32 products of the row-block path on the TF32x3 tiles (``products_tf32``, issue 24):
+"""The float32 products of the row-block path on the TF32x3 tiles (``gemm.plan``, issue 24):
 CLIP's, SigLIP's and InfoNCE's score and gradient products on Hopper under the float32
-precisions "auto" (from ``tiles_tf32.AUTO_MIN_ROWS`` x ``products_tf32.AUTO_MIN_DIM``, or
-``AUTO_MIN_DIM_SCALE`` for CLIP and SigLIP) and "3xtf32".
+precisions "auto" (from ``config.tf32x3_min_rows`` x ``config.tf32x3_min_dim``, or
+``tf32x3_min_dim_scale`` for CLIP and SigLIP) and "3xtf32".
 
 * ``mm`` of a transposed A (the ``mmt`` kernel, G read as stored) is, bit for bit, ``mm``
   of a transposed copy (the same hi / lo in the same products), whatever the shapes' tails;
   the accumulating product is the plain product added in float32 (the same bits).
-* :meth:`Products.gemm` is, bit for bit, ``tiles_tf32.mm`` on the operands it builds (A Bᵀ,
+* :meth:`TilesPlan.gemm` is, bit for bit, ``tf32x3.mm`` on the operands it builds (A Bᵀ,
   G B, Gᵀ A reading G as stored, which it leaves unchanged) and cuBLAS fp32 on what the tiles
   do not take (``beta`` not 0 / 1, G without 16-byte rows, a refused launch).  Against
   float64 these products are held to ``MM_TOL`` (engine/test_tf32_tiles.py's bound of the
@@ -27,7 +27,10 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from cupynce._engine import blas, products_tf32, tiles, tiles_tf32  # noqa: E402
+import cupynce.config as cfg  # noqa: E402
+from cupynce._engine.gemm import (CUBLAS, TilesPlan, cublas, plan, same_stream,  # noqa: E402
+                                  tf32x3)
+from cupynce._engine.gemm.plan import applies, f16_applies  # noqa: E402
 # (its folder is on sys.path, conftest: the tiles' fixture and error measure)
 from test_tf32_tiles import MM_TOL, _rel, tf32  # noqa: E402,F401
 
@@ -41,8 +44,8 @@ def _bits(x):
 
 
 def _fp32(a, b, out, **kw):
-    with blas.float32_precision("fp32"):
-        blas.gemm(a, b, out, **kw)
+    with cfg.float32_precision("fp32"):
+        cublas.gemm(a, b, out, **kw)
     return out
 
 
@@ -50,27 +53,27 @@ def _fp32(a, b, out, **kw):
 @pytest.mark.parametrize("k,m,ld", [(32, 128, 128), (100, 36, 40), (1030, 300, 304),
                                     (4100, 1024, 1024), (7, 4, 4)])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_mm_trans_a_is_mm_of_the_transposed_copy(tf32, k, m, ld, interleave, monkeypatch):
+def test_mm_trans_a_is_mm_of_the_transposed_copy(tf32, k, m, ld, interleave, configure):
     """``mm(trans_a=True)`` on a stored (k, m) view (leading dimension ld: a wider buffer)
     gives the bits of ``mm`` on its contiguous transposed copy, plain and accumulating, with
     the consumers interleaved or ping-ponging; the view's buffer is left as it was."""
-    monkeypatch.setattr(tiles_tf32, "MM_INTERLEAVE", interleave)
+    configure(mm_interleave=interleave)
     rng = np.random.default_rng(k + m)
     buf = cp.asarray(rng.standard_normal((k, ld)).astype(np.float32))
     before = _bits(buf)
     a = buf[:, :m]
     c = 330  # (3 column tiles, one CTA a row of them: an interleaved pair, then a lone tile)
     b = cp.asarray(rng.standard_normal((c, k)).astype(np.float32))
-    parts = tiles_tf32.split(b)
-    at = tiles_tf32.padded(cp.ascontiguousarray(a.T))  # (K padded with zeros: 16-byte rows)
-    got = tiles_tf32.mm(a, parts, cp.empty((m, c), np.float32), alpha=0.75, trans_a=True,
-                        splits=1)
-    want = tiles_tf32.mm(at, parts, cp.empty((m, c), np.float32), alpha=0.75, splits=1)
+    parts = tf32x3.split(b)
+    at = tf32x3.padded(cp.ascontiguousarray(a.T))  # (K padded with zeros: 16-byte rows)
+    got = tf32x3.mm(a, parts, cp.empty((m, c), np.float32), alpha=0.75, trans_a=True,
+                    splits=1)
+    want = tf32x3.mm(at, parts, cp.empty((m, c), np.float32), alpha=0.75, splits=1)
     assert np.array_equal(_bits(got), _bits(want))
     base = cp.asarray(rng.standard_normal((m, c)).astype(np.float32))
     acc = base.copy()
-    tiles_tf32.mm(a, parts, acc, trans_a=True, accumulate=True, splits=1)
-    plain = tiles_tf32.mm(at, parts, cp.empty((m, c), np.float32), splits=1)
+    tf32x3.mm(a, parts, acc, trans_a=True, accumulate=True, splits=1)
+    plain = tf32x3.mm(at, parts, cp.empty((m, c), np.float32), splits=1)
     assert np.array_equal(_bits(acc), _bits(plain + base))
     assert np.array_equal(_bits(buf), before)
     ref = cp.asnumpy(a).astype(np.float64).T @ cp.asnumpy(b).astype(np.float64).T
@@ -86,8 +89,8 @@ def test_split_t_is_the_split_of_the_transposed_copy(tf32, rows, d, ld):
     buf = cp.asarray(rng.standard_normal((rows, ld)).astype(np.float32))
     x = buf[:, :d]
     for v in (x, cp.ascontiguousarray(x.T).T):
-        got = tiles_tf32.split_t(v)
-        want = tiles_tf32.split(cp.ascontiguousarray(x.T))
+        got = tf32x3.split_t(v)
+        want = tf32x3.split(cp.ascontiguousarray(x.T))
         for g_, w_ in zip(got, want):
             assert g_.shape == w_.shape
             assert np.array_equal(_bits(g_), _bits(w_))
@@ -96,7 +99,7 @@ def test_split_t_is_the_split_of_the_transposed_copy(tf32, rows, d, ld):
 @gpu
 @pytest.mark.parametrize("c", [4096, 3900])
 @pytest.mark.parametrize("trans_a", [False, True])
-def test_interleaved_consumers_repeat_the_ping_pong_bits(tf32, trans_a, c, monkeypatch):
+def test_interleaved_consumers_repeat_the_ping_pong_bits(tf32, trans_a, c, configure):
     """The interleaved ring (both consumers on the tensor cores, ring slots passing from one
     consumer to the other through the producer's barriers) against the ping-pong schedule, on
     a short K (2 ring steps a tile) and many tiles a CTA -- the most slot hand-overs -- 20
@@ -106,14 +109,14 @@ def test_interleaved_consumers_repeat_the_ping_pong_bits(tf32, trans_a, c, monke
     rng = np.random.default_rng(5)
     k, m = 64, 1024
     a = cp.asarray(rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32))
-    parts = tiles_tf32.split(cp.asarray(rng.standard_normal((c, k)).astype(np.float32)))
-    monkeypatch.setattr(tiles_tf32, "MM_INTERLEAVE", False)
-    want = _bits(tiles_tf32.mm(a, parts, cp.empty((m, c), np.float32), trans_a=trans_a))
-    monkeypatch.setattr(tiles_tf32, "MM_INTERLEAVE", True)
+    parts = tf32x3.split(cp.asarray(rng.standard_normal((c, k)).astype(np.float32)))
+    configure(mm_interleave=False)
+    want = _bits(tf32x3.mm(a, parts, cp.empty((m, c), np.float32), trans_a=trans_a))
+    configure(mm_interleave=True)
     out = cp.empty((m, c), np.float32)
     for _ in range(20):
         out.fill(np.nan)
-        tiles_tf32.mm(a, parts, out, trans_a=trans_a, splits=1)
+        tf32x3.mm(a, parts, out, trans_a=trans_a, splits=1)
         assert np.array_equal(_bits(out), want)
 
 
@@ -123,9 +126,9 @@ def test_mm_accumulate_adds_in_float32(tf32):
     a = cp.asarray(rng.standard_normal((300, 520)).astype(np.float32))
     b = cp.asarray(rng.standard_normal((200, 520)).astype(np.float32))
     base = cp.asarray(rng.standard_normal((300, 200)).astype(np.float32))
-    plain = tiles_tf32.mm(a, tiles_tf32.split(b), cp.empty((300, 200), np.float32), alpha=0.5)
+    plain = tf32x3.mm(a, tf32x3.split(b), cp.empty((300, 200), np.float32), alpha=0.5)
     acc = base.copy()
-    tiles_tf32.mm(a, tiles_tf32.split(b), acc, alpha=0.5, accumulate=True)
+    tf32x3.mm(a, tf32x3.split(b), acc, alpha=0.5, accumulate=True)
     assert np.array_equal(_bits(acc), _bits(plain + base))
 
 
@@ -144,18 +147,18 @@ def test_products_are_the_tiles_and_cublas_fp32(tf32, n, nc, d):
     G's transposed copy); all within MM_TOL of float64."""
     a, b, g = _operands(n, nc, d)
     ad, bd, gd = cp.asarray(a), cp.asarray(b), cp.asarray(g)
-    pr = products_tf32.Products()
+    pr = TilesPlan()
     # S = A Bᵀ
     s = cp.empty((n, nc), np.float32)
     pr.gemm(ad, bd, s, trans_b=True)
-    want = tiles_tf32.mm(ad, tiles_tf32.split(bd), cp.empty((n, nc), np.float32))
+    want = tf32x3.mm(ad, tf32x3.split(bd), cp.empty((n, nc), np.float32))
     assert np.array_equal(_bits(s), _bits(want))
     assert _rel(cp.asnumpy(s), a.astype(np.float64) @ b.astype(np.float64).T) <= MM_TOL
     # dA = G B (alpha as SigLIP passes w_mul)
     da = cp.empty((n, d), np.float32)
     pr.gemm(gd, bd, da, alpha=0.25)
-    want = tiles_tf32.mm(gd, tiles_tf32.split(cp.ascontiguousarray(bd.T)),
-                         cp.empty((n, d), np.float32), alpha=0.25)
+    want = tf32x3.mm(gd, tf32x3.split(cp.ascontiguousarray(bd.T)),
+                     cp.empty((n, d), np.float32), alpha=0.25)
     assert np.array_equal(_bits(da), _bits(want))
     assert _rel(4 * cp.asnumpy(da), g.astype(np.float64) @ b.astype(np.float64)) <= MM_TOL
     # dB += Gᵀ A: G read as stored (mmt), left unchanged
@@ -164,9 +167,9 @@ def test_products_are_the_tiles_and_cublas_fp32(tf32, n, nc, d):
     g_before = _bits(gd)
     pr.gemm(gd, ad, db, trans_a=True, beta=1.0)
     assert np.array_equal(_bits(gd), g_before)
-    at = tiles_tf32.split(cp.ascontiguousarray(ad.T))
-    want = tiles_tf32.mm(tiles_tf32.padded(cp.ascontiguousarray(gd.T)), at, base.copy(),
-                         accumulate=True)
+    at = tf32x3.split(cp.ascontiguousarray(ad.T))
+    want = tf32x3.mm(tf32x3.padded(cp.ascontiguousarray(gd.T)), at, base.copy(),
+                     accumulate=True)
     assert np.array_equal(_bits(db), _bits(want))
     # against float64: the product's error (MM_TOL of its size) plus the rounding of the sum
     want = g.astype(np.float64).T @ a.astype(np.float64)
@@ -182,7 +185,7 @@ def test_products_fall_back_to_cublas_fp32(tf32, monkeypatch):
     n, nc, d = 1024, 2048, 64
     a, b, g = _operands(n, nc, d, seed=2)
     ad, bd, gd = cp.asarray(a), cp.asarray(b), cp.asarray(g)
-    pr = products_tf32.Products()
+    pr = TilesPlan()
     want = _fp32(gd, ad, cp.zeros((nc, d), np.float32), trans_a=True)
     base = cp.ones((nc, d), np.float32)
     got = base.copy()
@@ -198,8 +201,8 @@ def test_products_fall_back_to_cublas_fp32(tf32, monkeypatch):
                                                   trans_a=True)))
 
     def refuse(*args, **kw):
-        raise tiles_tf32.TF32TilesUnavailable("refused")
-    monkeypatch.setattr(tiles_tf32, "_launch", refuse)
+        raise tf32x3.TF32TilesUnavailable("refused")
+    monkeypatch.setattr(tf32x3, "launch", refuse)
     g2 = gd.copy()
     got = cp.zeros((nc, d), np.float32)
     pr.gemm(g2, ad, got, trans_a=True)
@@ -217,25 +220,26 @@ def _clip_inputs(n, d, seed):
 
 @gpu
 @pytest.mark.parametrize("mode", ["auto", "3xtf32", "fp32", "tf32"])
-def test_ops_route_here(tf32, mode, monkeypatch):
+def test_ops_route_here(tf32, mode, monkeypatch, configure):
     """CLIP, SigLIP and InfoNCE (forward and backward) issue their float32 products on the
-    tiles (TF32x3 under "3xtf32"; "auto" on Hopper: F16x3 where products_tf32.f16_applies)
-    under "3xtf32" and, from AUTO_MIN_ROWS x AUTO_MIN_DIM (InfoNCE) or
-    AUTO_MIN_DIM_SCALE (CLIP, SigLIP) on, "auto"; never under "fp32" / "tf32", for 16-bit
+    tiles (TF32x3 under "3xtf32"; "auto" on Hopper: F16x3 where plan.f16_applies)
+    under "3xtf32" and, from tf32x3_min_rows x tf32x3_min_dim (InfoNCE) or
+    tf32x3_min_dim_scale (CLIP, SigLIP) on, "auto"; never under "fp32" / "tf32", for 16-bit
     inputs or with CUPYNCE_TILES=0."""
     import cupynce
     from cupynce.ops import _graphs
 
-    from cupynce._engine import tiles_f16x3
+    from cupynce._engine.gemm import f16x3
 
     calls = []
-    real = tiles_tf32.mm
-    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    real16 = tiles_f16x3.mm  # ("auto" on Hopper: the F16x3 tiles, engine/test_f16x3.py)
-    monkeypatch.setattr(tiles_f16x3, "mm", lambda *a, **k: calls.append(2) or real16(*a, **k))
-    n0 = tiles_tf32.AUTO_MIN_ROWS
+    real = tf32x3.mm
+    monkeypatch.setattr(tf32x3, "mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real16 = f16x3.mm  # ("auto" on Hopper: the F16x3 tiles, engine/test_f16x3.py)
+    monkeypatch.setattr(f16x3, "mm", lambda *a, **k: calls.append(2) or real16(*a, **k))
+    n0 = cfg.current().tf32x3_min_rows
     for op in ("clip", "siglip", "info_nce"):
-        d0 = products_tf32.AUTO_MIN_DIM if op == "info_nce" else products_tf32.AUTO_MIN_DIM_SCALE
+        d0 = (cfg.current().tf32x3_min_dim if op == "info_nce"
+              else cfg.current().tf32x3_min_dim_scale)
         for n, d in [(n0, d0), (n0 - 4, d0), (n0, d0 - 4)]:
             x, y = _clip_inputs(n, d, seed=n + d)
             on = mode == "3xtf32" or (mode == "auto" and (n, d) == (n0, d0))
@@ -253,14 +257,14 @@ def test_ops_route_here(tf32, mode, monkeypatch):
             assert bool(calls) == on, (op, n, d, mode, len(calls))
             if on and mode == "3xtf32":
                 assert 2 not in calls, (op, calls)
-            if on and mode == "auto" and products_tf32.f16_applies():
+            if on and mode == "auto" and f16_applies():
                 assert 2 in calls, (op, calls)
             del calls[:]
-    big = (n0, products_tf32.AUTO_MIN_DIM_SCALE)
+    big = (n0, cfg.current().tf32x3_min_dim_scale)
     x, y = _clip_inputs(*big, seed=1)
     _graphs.clear()
     cupynce.clip_loss(x.astype(cp.float16), y.astype(cp.float16), LS, precision=mode)
-    monkeypatch.setattr(tiles, "USE_TILES", False)
+    configure(tiles=False)
     _graphs.clear()
     cupynce.clip_loss(x, y, LS, precision=mode)
     assert calls == []
@@ -296,7 +300,7 @@ def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
 
     nap = cp.RawKernel(_NAP, "nap")
     launches = []
-    real = tiles_tf32.split_t
+    real = tf32x3.split_t
 
     def spy(x, name="x", out=None):
         cur = cp.cuda.get_current_stream().ptr
@@ -304,8 +308,8 @@ def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
         if out is not None:
             nap((1,), (1,), (np.int64(20_000_000),))  # (on the side stream)
         return real(x, name, out)
-    monkeypatch.setattr(tiles_tf32, "split_t", spy)
-    real_mark = products_tf32.Products.mark
+    monkeypatch.setattr(tf32x3, "split_t", spy)
+    real_mark = TilesPlan.mark
     mark_streams = []
 
     def mark(self, *bs):  # (the halves NaN first: a product that reads them unsplit fails)
@@ -320,7 +324,7 @@ def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
             after.record(cur)
             pre = (pre[0], after)
         return pre
-    monkeypatch.setattr(products_tf32.Products, "mark", mark)
+    monkeypatch.setattr(TilesPlan, "mark", mark)
     x, y = _clip_inputs(1000, 96, seed=3)
     main = cp.cuda.get_current_stream().ptr
     _graphs.clear()
@@ -328,7 +332,7 @@ def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
     assert mark_streams == [main]
     assert len(launches) == 2 and all(s_ != main and pre for s_, pre in launches), (launches,
                                                                                    main)
-    monkeypatch.setattr(products_tf32.Products, "mark", lambda self, *bs: None)
+    monkeypatch.setattr(TilesPlan, "mark", lambda self, *bs: None)
     del launches[:]
     _graphs.clear()
     want = _fused(op, x, y)
@@ -338,14 +342,14 @@ def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
     if op == "clip":  # the gradient-only pass: S recomputed in the backward
         import cupynce
 
-        monkeypatch.setattr(products_tf32.Products, "mark", mark)
+        monkeypatch.setattr(TilesPlan, "mark", mark)
         del launches[:]
         _graphs.clear()
         loss, ctx = cupynce.clip_loss_forward(x, y, LS, precision="3xtf32", reduction="none")
         assert launches == []  # (the forward: no gradient, no split)
         g_side = cupynce.clip_loss_backward(ctx, cp.ones(loss.shape, cp.float32))
         assert len(launches) == 2 and all(s_ != main for s_, _ in launches)
-        monkeypatch.setattr(products_tf32.Products, "mark", lambda self, *bs: None)
+        monkeypatch.setattr(TilesPlan, "mark", lambda self, *bs: None)
         _graphs.clear()
         loss, ctx = cupynce.clip_loss_forward(x, y, LS, precision="3xtf32", reduction="none")
         g_main = cupynce.clip_loss_backward(ctx, cp.ones(loss.shape, cp.float32))
@@ -355,7 +359,7 @@ def test_prefetched_splits_on_a_side_stream(tf32, op, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("op", ["clip", "siglip"])
-def test_side_splits_under_torch_allocator(tf32, op, monkeypatch):
+def test_side_splits_under_torch_allocator(tf32, op, monkeypatch, configure):
     """Through ``cupynce.torch`` (CuPy allocating from torch's caching allocator on torch's
     current stream, here a non-default one): the side-stream splits run (NaN-filled halves,
     a nap before each split) and the loss and gradients are bit for bit those without them,
@@ -363,11 +367,10 @@ def test_side_splits_under_torch_allocator(tf32, op, monkeypatch):
     uncaptured)."""
     torch = pytest.importorskip("torch")
     import cupynce.torch as ct
-    from cupynce.ops import _graphs
 
-    monkeypatch.setattr(_graphs, "ENABLED", False)  # (every call uncaptured: splits on the side)
+    configure(graphs=False)  # (every call uncaptured: splits on the side)
     nap = cp.RawKernel(_NAP, "nap")
-    real = tiles_tf32.split_t
+    real = tf32x3.split_t
     sides = []
 
     def spy(x, name="x", out=None):
@@ -375,8 +378,8 @@ def test_side_splits_under_torch_allocator(tf32, op, monkeypatch):
             sides.append(1)
             nap((1,), (1,), (np.int64(20_000_000),))
         return real(x, name, out)
-    monkeypatch.setattr(tiles_tf32, "split_t", spy)
-    real_mark = products_tf32.Products.mark
+    monkeypatch.setattr(tf32x3, "split_t", spy)
+    real_mark = TilesPlan.mark
 
     def mark(self, *bs):
         pre = real_mark(self, *bs)
@@ -388,7 +391,7 @@ def test_side_splits_under_torch_allocator(tf32, op, monkeypatch):
             after.record(cp.cuda.get_current_stream())
             pre = (pre[0], after)
         return pre
-    monkeypatch.setattr(products_tf32.Products, "mark", mark)
+    monkeypatch.setattr(TilesPlan, "mark", mark)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(1000, 96, generator=g).cuda()
     y = torch.randn(1000, 96, generator=g).cuda()
@@ -409,7 +412,7 @@ def test_side_splits_under_torch_allocator(tf32, op, monkeypatch):
     with torch.cuda.stream(st):
         got = run()
         assert len(sides) == 6, sides
-        monkeypatch.setattr(products_tf32, "SIDE_SPLITS", False)
+        configure(side_splits=False)
         want = run()
     torch.cuda.synchronize()
     for g_, w_ in zip(got, want):
@@ -418,11 +421,11 @@ def test_side_splits_under_torch_allocator(tf32, op, monkeypatch):
 
 @gpu
 def test_side_splits_stay_off_under_capture_and_in_graph_probes(tf32):
-    """:meth:`Products.mark` gives None while the current stream is being captured and
-    inside :func:`products_tf32.same_stream` (a graph probe / capture), and makes its halves
+    """:meth:`TilesPlan.mark` gives None while the current stream is being captured and
+    inside :func:`gemm.same_stream` (a graph probe / capture), and makes its halves
     otherwise; one operand given twice is split once; settle() leaves nothing behind."""
     x = cp.ones((64, 32), cp.float32)
-    prods = products_tf32.Products()
+    prods = TilesPlan()
     st = cp.cuda.Stream(non_blocking=True)
     with st:
         st.begin_capture()
@@ -431,14 +434,14 @@ def test_side_splits_stay_off_under_capture_and_in_graph_probes(tf32):
         finally:
             st.end_capture()
     assert marked is None
-    with products_tf32.same_stream():
+    with same_stream():
         assert prods.mark(x) is None
     pre = prods.mark(x, x)
     assert pre is not None and len(pre[0]) == 1
-    assert pre[0][0][1][0].shape == tiles_tf32.split_t_shape(x)
+    assert pre[0][0][1][0].shape == tf32x3.split_t_shape(x)
     prods.prefetch(pre)
     hi, lo = prods._split_t(x)
-    want = tiles_tf32.split_t(x)
+    want = tf32x3.split_t(x)
     assert np.array_equal(_bits(hi), _bits(want[0])) and np.array_equal(_bits(lo), _bits(want[1]))
     prods.settle()
     assert prods._ready == {}
@@ -473,8 +476,8 @@ def test_clip_row_blocks_and_determinism(tf32, monkeypatch):
     from cupynce.ops import _graphs
 
     mms = []
-    real_mm = tiles_tf32.mm
-    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: mms.append(
+    real_mm = tf32x3.mm
+    monkeypatch.setattr(tf32x3, "mm", lambda *a, **k: mms.append(
         (a[0].shape, bool(k.get("trans_a")))) or real_mm(*a, **k))
     n, d = 4800, 64
     x, y = _clip_inputs(n, d, seed=11)
@@ -513,8 +516,8 @@ def test_info_nce_shared_negatives_on_the_tiles(tf32, monkeypatch):
     from cupynce.ops import _graphs
 
     mms = []
-    real_mm = tiles_tf32.mm
-    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: mms.append(1) or real_mm(*a, **k))
+    real_mm = tf32x3.mm
+    monkeypatch.setattr(tf32x3, "mm", lambda *a, **k: mms.append(1) or real_mm(*a, **k))
     rng = np.random.default_rng(21)
     n, m, d = 4100, 1500, 128
     q, k, neg = (rng.standard_normal(s).astype(np.float32) for s in ((n, d), (n, d), (m, d)))
@@ -532,14 +535,14 @@ def test_info_nce_shared_negatives_on_the_tiles(tf32, monkeypatch):
 
 @gpu
 def test_tiny_products_keep_small_gemm(tf32, monkeypatch):
-    """Products within blas.SMALL_GEMM_MACS take blas.gemm's fp32 small_gemm route under
+    """Products within config.small_gemm_macs take cublas.gemm's fp32 small_gemm route under
     "3xtf32" too (as docs/api.md says of every mode), not the tiles."""
     mms = []
-    real_mm = tiles_tf32.mm
-    monkeypatch.setattr(tiles_tf32, "mm", lambda *a, **k: mms.append(1) or real_mm(*a, **k))
+    real_mm = tf32x3.mm
+    monkeypatch.setattr(tf32x3, "mm", lambda *a, **k: mms.append(1) or real_mm(*a, **k))
     a = cp.asarray(np.random.default_rng(3).standard_normal((64, 32)).astype(np.float32))
     out = cp.empty((64, 64), np.float32)
-    products_tf32.Products().gemm(a, a, out, trans_b=True)
+    TilesPlan().gemm(a, a, out, trans_b=True)
     assert mms == []
     assert np.array_equal(_bits(out), _bits(_fp32(a, a, cp.empty((64, 64), np.float32),
                                                   trans_b=True)))
@@ -550,29 +553,28 @@ def test_tiny_products_keep_small_gemm(tf32, monkeypatch):
 def test_side_splits_only_where_the_gradient_products_take_the_tiles(monkeypatch):
     """Side-stream splits only for a call that wants the gradient, in one row block, with its
     products on the tiles (device check stubbed)."""
-    monkeypatch.setattr(tiles_tf32, "available", lambda: True)
-    with blas.float32_precision("3xtf32"):
-        g = products_tf32.gemm_for(np.empty((8, 4), np.float32), np.empty((8, 4), np.float32))
-    assert products_tf32.side_splits(True, True, g)
-    assert not products_tf32.side_splits(False, True, g)
-    assert not products_tf32.side_splits(True, False, g)
-    assert not products_tf32.side_splits(True, True, products_tf32.cublas_gemm)
+    monkeypatch.setattr(tf32x3, "available", lambda: True)
+    with cfg.float32_precision("3xtf32"):
+        g = plan(np.empty((8, 4), np.float32), np.empty((8, 4), np.float32))
+    assert g.side_splits(True, True)
+    assert not g.side_splits(False, True)
+    assert not g.side_splits(True, False)
+    assert not CUBLAS.side_splits(True, True)
 
 
-def test_applies_thresholds(monkeypatch):
+def test_applies_thresholds(monkeypatch, configure):
     """The routing rule (device check stubbed): float32 under "3xtf32" at every size, under
-    "auto" from AUTO_MIN_ROWS rows on both sides and products_tf32.AUTO_MIN_DIM columns
-    (AUTO_MIN_DIM_SCALE with a scale gradient: CLIP, SigLIP); never
-    "fp32" / "tf32", other dtypes, or USE_TILES False; the planner counts no gradient-block split on
-    the tiles."""
-    monkeypatch.setattr(tiles_tf32, "available", lambda: True)
-    n0, d0 = tiles_tf32.AUTO_MIN_ROWS, products_tf32.AUTO_MIN_DIM
-    ds = products_tf32.AUTO_MIN_DIM_SCALE
+    "auto" from tf32x3_min_rows rows on both sides and config.tf32x3_min_dim columns
+    (tf32x3_min_dim_scale with a scale gradient: CLIP, SigLIP); never
+    "fp32" / "tf32", other dtypes, or config.tiles False; the planner counts no gradient-block
+    split on the tiles."""
+    monkeypatch.setattr(tf32x3, "available", lambda: True)
+    n0, d0 = cfg.current().tf32x3_min_rows, cfg.current().tf32x3_min_dim
+    ds = cfg.current().tf32x3_min_dim_scale
 
     def ok(n, nc, d, mode, dtype=np.float32, scale_grad=False):
-        with blas.float32_precision(mode):
-            return products_tf32.applies(np.empty((n, d), dtype), np.empty((nc, d), dtype),
-                                         scale_grad)
+        with cfg.float32_precision(mode):
+            return applies(np.empty((n, d), dtype), np.empty((nc, d), dtype), scale_grad)
 
     assert ok(n0, n0, d0, "auto") and ok(2 * n0, 3 * n0, 8 * d0, "auto")
     assert ok(n0, n0, ds, "auto", scale_grad=True) and not ok(n0, n0, ds - 4, "auto",
@@ -583,14 +585,14 @@ def test_applies_thresholds(monkeypatch):
     assert ok(5, 7, 3, "3xtf32")
     assert not ok(n0, n0, d0, "fp32") and not ok(n0, n0, d0, "tf32")
     assert not ok(n0, n0, d0, "auto", np.float64) and not ok(n0, n0, d0, "3xtf32", np.float16)
-    with blas.float32_precision("3xtf32"):
-        g = products_tf32.gemm_for(np.empty((8, 4), np.float32), np.empty((8, 4), np.float32))
-        assert products_tf32.uses_tiles(g)
-        assert products_tf32.split_row_bytes(g, np.float32, 100) == 0
-        assert products_tf32.split_row_bytes(products_tf32.cublas_gemm, np.float32, 100) == 800
-    monkeypatch.setattr(tiles, "USE_TILES", False)
+    with cfg.float32_precision("3xtf32"):
+        g = plan(np.empty((8, 4), np.float32), np.empty((8, 4), np.float32))
+        assert g.tiles
+        assert g.split_row_bytes(np.float32, 100) == 0
+        assert CUBLAS.split_row_bytes(np.float32, 100) == 800
+    configure(tiles=False)
     assert not ok(n0, n0, d0, "auto") and not ok(5, 7, 3, "3xtf32")
-    monkeypatch.setattr(tiles_tf32, "available", lambda: False)
-    monkeypatch.setattr(tiles, "USE_TILES", None)
+    monkeypatch.setattr(tf32x3, "available", lambda: False)
+    configure(tiles=None)
     assert not ok(5, 7, 3, "3xtf32")
-    assert not products_tf32.uses_tiles(products_tf32.cublas_gemm)
+    assert not CUBLAS.tiles

@@ -1,6 +1,6 @@
-"""The TF32x3 score tiles (``kernels_src/tiles_ws_tf32.cu``, ``tiles_tf32.tile_lse_tf32x3``,
-issue 24) on Hopper: float32 inputs, row log-sum-exps and losses against a float64
-NumPy oracle and against the float32 cuBLAS products.
+"""The TF32x3 score tiles (``kernels_src/products/tiles_ws_tf32.cu``,
+``losses.nt_xent_tf32.tile_lse_tf32x3``, issue 24) on Hopper: float32 inputs, row
+log-sum-exps and losses against a float64 NumPy oracle and against the float32 cuBLAS products.
 
 What is measured where (relative, ‖x − ref‖ / ‖ref‖ over the rows), with bounds sized by a
 CPU emulation of the kernel (``benchmarks/emulate_tf32x3.py``: each k8 MMA step adds to the
@@ -10,7 +10,7 @@ nearest; fp32 as a sequential FMA chain), on unit rows with k_i = unit(q_i + 0.3
 
 * the products, through the positive logits L_{i,p(i)} (the kernel writes its product times s,
   rounded once to float32): against float64 ≤ 2e-7 (emulated 1.1-1.3e-7), and against
-  cuBLAS's fp32 product (``blas.gemm``) times s rounded the same way: at most 2x its error
+  cuBLAS's fp32 product (``cublas.gemm``) times s rounded the same way: at most 2x its error
   at D = 32 (one chunk: 4 truncating hi·hi steps against 32 round-to-nearest FMAs, emulated
   1.3x; cuBLAS may sum more cleverly than one chain), 1.5x at D = 72 (emulated 0.9x), 1x at
   D = 512 (emulated 0.4x; measured with cuBLAS chunks, docs/decisions.md: 0.6x) and there at
@@ -35,7 +35,10 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from cupynce._engine import blas, tiles_tf32, tma  # noqa: E402
+import cupynce.config as cfg  # noqa: E402
+from cupynce._engine import tma  # noqa: E402
+from cupynce._engine.gemm import cublas, tf32x3  # noqa: E402
+from cupynce._engine.losses import nt_xent_tf32  # noqa: E402
 
 gpu = pytest.mark.gpu
 SCALE = 1 / 0.07
@@ -47,7 +50,7 @@ FP32_FACTOR = {32: 2.0, 72: 1.5, 512: 1.0}
 
 @pytest.fixture
 def tf32():
-    if not tiles_tf32.available():
+    if not tf32x3.available():
         pytest.skip("the TF32 tiles need a compute-capability 9.0 GPU and TMA")
 
 
@@ -96,15 +99,16 @@ def _cublas_logits(q, k, precision):
     """s q kᵀ from cuBLAS in ``precision`` ("fp32" / "3xtf32"), float32, to the host."""
     qd, kd = cp.asarray(q), cp.asarray(k)
     out = cp.empty((q.shape[0], k.shape[0]), np.float32)
-    assert out.size * q.shape[1] > blas.SMALL_GEMM_MACS, "would take the small-product kernel"
-    with blas.float32_precision(precision):
-        blas.gemm(qd, kd, out, trans_b=True)
+    assert out.size * q.shape[1] > cfg.current().small_gemm_macs, \
+        "would take the small-product kernel"
+    with cfg.float32_precision(precision):
+        cublas.gemm(qd, kd, out, trans_b=True)
     return cp.asnumpy(out)
 
 
 def _run(q, k, **kw):
-    lse, loss, pos = tiles_tf32.tile_lse_tf32x3(cp.asarray(q), cp.asarray(k), SCALE,
-                                                positives=True, **kw)
+    lse, loss, pos = nt_xent_tf32.tile_lse_tf32x3(cp.asarray(q), cp.asarray(k), SCALE,
+                                                  positives=True, **kw)
     return cp.asnumpy(lse), cp.asnumpy(loss), cp.asnumpy(pos)
 
 
@@ -161,9 +165,9 @@ def test_nt_xent_pairing_and_scale_log(tf32):
     q, _ = _inputs(n, n, d, seed=7)
     qd = cp.asarray(q)
     sl = cp.asarray(np.array([math.log(2 * SCALE)], np.float32))
-    lse, loss, pos = tiles_tf32.tile_lse_tf32x3(qd, qd, 0.5, exclude_diag=True,
-                                                pos_shift=n // 2, pos_mod=n, scale_log=sl,
-                                                positives=True)
+    lse, loss, pos = nt_xent_tf32.tile_lse_tf32x3(qd, qd, 0.5, exclude_diag=True,
+                                                  pos_shift=n // 2, pos_mod=n, scale_log=sl,
+                                                  positives=True)
     s = float(cp.asnumpy(cp.exp(sl) * np.float32(0.5))[0])
     ref_lse, ref_loss, ref_pos = _oracle(q, q, s, exclude_diag=True, pos_shift=n // 2,
                                          pos_mod=n)
@@ -259,17 +263,17 @@ def test_mm_against_float64_and_fp32(tf32, m, k, c, data):
     ref = a.astype(np.float64) @ b.astype(np.float64).T
     ad, bd = cp.asarray(a), cp.asarray(b)
     out = cp.empty((m, c), np.float32)
-    tiles_tf32.mm(tiles_tf32.padded(ad), tiles_tf32.split(bd), out, alpha=0.5)
+    tf32x3.mm(tf32x3.padded(ad), tf32x3.split(bd), out, alpha=0.5)
     got = 2.0 * cp.asnumpy(out)
     fp32 = cp.empty((m, c), np.float32)
-    with blas.float32_precision("fp32"):
-        blas.gemm(ad, bd, fp32, trans_b=True)
+    with cfg.float32_precision("fp32"):
+        cublas.gemm(ad, bd, fp32, trans_b=True)
     e_k, e_f = _rel(got, ref), _rel(cp.asnumpy(fp32), ref)
     msg = f"tf32x3 mm {e_k:.3g} against cuBLAS fp32 {e_f:.3g}"
     assert e_k <= MM_FACTOR[data] * e_f, msg
     assert e_k <= MM_TOL, msg
     again = cp.empty((m, c), np.float32)
-    tiles_tf32.mm(tiles_tf32.padded(ad), tiles_tf32.split(bd), again, alpha=0.5)
+    tf32x3.mm(tf32x3.padded(ad), tf32x3.split(bd), again, alpha=0.5)
     assert np.array_equal(cp.asnumpy(again).view(np.uint32), cp.asnumpy(out).view(np.uint32))
 
 
@@ -287,8 +291,8 @@ def test_nt_xent_against_float64_and_fp32(tf32, n, d, symmetric, blocks):
     ref_lse, ref_loss, ref_dz = _nt_xent_oracle(z, 1 / t)
     f_lse, f_loss, f_dz = _nt_xent_fp32(z, t)
     ws = 4 * (-(-n // 4) * 4) * 256 if blocks else None
-    lse, loss, dz = tiles_tf32.nt_xent(cp.asarray(z), 1 / t, (None, 0, 1.0 / n),
-                                       symmetric=symmetric, workspace_bytes=ws)
+    lse, loss, dz = nt_xent_tf32.nt_xent(cp.asarray(z), 1 / t, (None, 0, 1.0 / n),
+                                         symmetric=symmetric, workspace_bytes=ws)
     got = [cp.asnumpy(x) for x in (lse, loss, dz)]
     errs = [(_rel(g, r), _rel(f, r)) for g, f, r in zip(got, (f_lse, f_loss, f_dz),
                                                           (ref_lse, ref_loss, ref_dz))]
@@ -314,20 +318,20 @@ def test_nt_xent_pair_schedule(tf32, n, d, r, monkeypatch):
     z = _nt_xent_inputs(n, d, seed=n + 1)
     w = (rng.uniform(0.5, 2.0, n) / n).astype(np.float32)
     ws = 4 * r * r
-    assert tiles_tf32.pair_rows(n, ws) == r
+    assert nt_xent_tf32.pair_rows(n, ws) == r
     calls = []
-    real = tiles_tf32.h_pair
-    monkeypatch.setattr(tiles_tf32, "h_pair",
+    real = nt_xent_tf32.h_pair
+    monkeypatch.setattr(nt_xent_tf32, "h_pair",
                         lambda *a: calls.append(a[5:7]) or real(*a))
     zd, wd = cp.asarray(z), cp.asarray(w)
-    _, _, dz = tiles_tf32.nt_xent(zd, 1 / t, (wd, 1, 1.0), workspace_bytes=ws)
+    _, _, dz = nt_xent_tf32.nt_xent(zd, 1 / t, (wd, 1, 1.0), workspace_bytes=ws)
     nb = -(-n // r)
     assert len(calls) == nb * (nb + 1) // 2
     assert calls[0] == ((0, r), (0, r)) and calls[-1][1][1] == n
-    _, _, again = tiles_tf32.nt_xent(zd, 1 / t, (wd, 1, 1.0), workspace_bytes=ws)
+    _, _, again = nt_xent_tf32.nt_xent(zd, 1 / t, (wd, 1, 1.0), workspace_bytes=ws)
     assert np.array_equal(cp.asnumpy(again).view(np.uint32), cp.asnumpy(dz).view(np.uint32))
-    monkeypatch.setattr(tiles_tf32, "h_pair", real)
-    _, _, whole = tiles_tf32.nt_xent(zd, 1 / t, (wd, 1, 1.0))
+    monkeypatch.setattr(nt_xent_tf32, "h_pair", real)
+    _, _, whole = nt_xent_tf32.nt_xent(zd, 1 / t, (wd, 1, 1.0))
     ref = _nt_xent_oracle(z, 1 / t, w)[2]
     e_pair, e_whole = _rel(cp.asnumpy(dz), ref), _rel(cp.asnumpy(whole), ref)
     e_fp32 = _rel(_nt_xent_fp32(z, t, w)[2], ref)
@@ -338,8 +342,8 @@ def test_nt_xent_pair_schedule(tf32, n, d, r, monkeypatch):
 @gpu
 def test_nt_xent_passes_deterministic(tf32):
     z = cp.asarray(_nt_xent_inputs(1030, 72, seed=1))
-    a = tiles_tf32.nt_xent(z, 1 / 0.07, (None, 0, 1e-3))
-    b = tiles_tf32.nt_xent(z, 1 / 0.07, (None, 0, 1e-3))
+    a = nt_xent_tf32.nt_xent(z, 1 / 0.07, (None, 0, 1e-3))
+    b = nt_xent_tf32.nt_xent(z, 1 / 0.07, (None, 0, 1e-3))
     for x, y in zip(a, b):
         assert np.array_equal(cp.asnumpy(x).view(np.uint32), cp.asnumpy(y).view(np.uint32))
 
@@ -348,9 +352,9 @@ def test_nt_xent_passes_deterministic(tf32):
 
 def test_ring_plan():
     """Three 64 KiB stages in an H100's 227 KiB beside ~2 KiB of static memory; none below 2."""
-    assert tiles_tf32.STAGE_BYTES == 65536
-    assert tiles_tf32.ring(2048, 232448) == (3, 1024 + 3 * 65536)
-    assert tiles_tf32.ring(2048, 101376) is None  # (99 KiB: an sm_86-sized block)
+    assert tf32x3.STAGE_BYTES == 65536
+    assert tf32x3.ring(2048, 232448) == (3, 1024 + 3 * 65536)
+    assert tf32x3.ring(2048, 101376) is None  # (99 KiB: an sm_86-sized block)
 
 
 def test_matrix_map_checks_dtype_and_box():
@@ -366,33 +370,32 @@ def test_matrix_map_checks_dtype_and_box():
 def test_arguments_checked_before_the_device(monkeypatch):
     q = np.zeros((10, 8), np.float32)
     with pytest.raises(NotImplementedError, match="neg_s"):
-        tiles_tf32.tile_lse_tf32x3(q, q, 1.0, neg_s=q)
+        nt_xent_tf32.tile_lse_tf32x3(q, q, 1.0, neg_s=q)
     with pytest.raises(ValueError, match="float32"):
-        tiles_tf32.tile_lse_tf32x3(q.astype(np.float16), q, 1.0)
+        nt_xent_tf32.tile_lse_tf32x3(q.astype(np.float16), q, 1.0)
     with pytest.raises(ValueError, match="same d"):
-        tiles_tf32.tile_lse_tf32x3(q, np.zeros((10, 4), np.float32), 1.0)
+        nt_xent_tf32.tile_lse_tf32x3(q, np.zeros((10, 4), np.float32), 1.0)
     with pytest.raises(ValueError, match="do not fit together"):
-        tiles_tf32.mm(np.zeros((10, 8), np.float32), (q[:, :4], q[:, :4]),
-                      np.zeros((10, 10), np.float32))
-    monkeypatch.setattr(tiles_tf32, "available", lambda: False)
-    with pytest.raises(tiles_tf32.TF32TilesUnavailable, match="compute-capability 9.0"):
-        tiles_tf32.tile_lse_tf32x3(q, q, 1.0)
+        tf32x3.mm(np.zeros((10, 8), np.float32), (q[:, :4], q[:, :4]),
+                  np.zeros((10, 10), np.float32))
+    monkeypatch.setattr(tf32x3, "available", lambda: False)
+    with pytest.raises(tf32x3.TF32TilesUnavailable, match="compute-capability 9.0"):
+        nt_xent_tf32.tile_lse_tf32x3(q, q, 1.0)
 
 
 @gpu
 @pytest.mark.parametrize("mode", ["auto", "3xtf32", "fp32", "tf32"])
-def test_ops_route_float32_nt_xent_here(tf32, mode, monkeypatch):
+def test_ops_route_float32_nt_xent_here(tf32, mode, monkeypatch, configure):
     """The ops' float32 NT-Xent (forward, fused and recompute backward) runs these tiles under
-    "3xtf32" and, from AUTO_MIN_ROWS x AUTO_MIN_DIM on, "auto"; cuBLAS under "fp32" and
-    "tf32"; CUPYNCE_TILES=0 (USE_TILES False) turns them off as it does the 16-bit tiles;
+    "3xtf32" and, from tf32x3_min_rows x tf32x3_min_dim on, "auto"; cuBLAS under "fp32" and
+    "tf32"; CUPYNCE_TILES=0 (config.tiles False) turns them off as it does the 16-bit tiles;
     other ops never come here."""
     import cupynce
-    from cupynce._engine import tiles
 
     calls = []
-    real = tiles_tf32.rows
-    monkeypatch.setattr(tiles_tf32, "rows", lambda *a, **k: calls.append(k) or real(*a, **k))
-    big = (tiles_tf32.AUTO_MIN_ROWS, tiles_tf32.AUTO_MIN_DIM)
+    real = nt_xent_tf32.rows
+    monkeypatch.setattr(nt_xent_tf32, "rows", lambda *a, **k: calls.append(k) or real(*a, **k))
+    big = (cfg.current().tf32x3_min_rows, cfg.current().tf32x3_min_dim)
     small = [(big[0] - 2, big[1]), (big[0], big[1] - 1), (260, 64)]
     for n, d in [big] + small:
         z = cp.asarray(_nt_xent_inputs(n, d, seed=3))
@@ -408,7 +411,7 @@ def test_ops_route_float32_nt_xent_here(tf32, mode, monkeypatch):
     z = cp.asarray(_nt_xent_inputs(*big, seed=3))
     cupynce.info_nce(z[:big[0] // 2], z[big[0] // 2:], 0.1, precision=mode)
     cupynce.nt_xent(z.astype(cp.float64), 0.1, precision=mode)
-    monkeypatch.setattr(tiles, "USE_TILES", False)
+    configure(tiles=False)
     cupynce.nt_xent(z, 0.1, precision=mode)
     assert calls == []
 
@@ -421,7 +424,7 @@ def test_h_from_s_row_loop_and_fallback(tf32, monkeypatch):
     import cupynce
     from cupynce.ops import _graphs
 
-    n, d = tiles_tf32.AUTO_MIN_ROWS, tiles_tf32.AUTO_MIN_DIM
+    n, d = cfg.current().tf32x3_min_rows, cfg.current().tf32x3_min_dim
     z = cp.asarray(_nt_xent_inputs(n, d, seed=5))
 
     def step(**kw):
@@ -433,13 +436,13 @@ def test_h_from_s_row_loop_and_fallback(tf32, monkeypatch):
     _graphs.clear()
     want = step()
     _graphs.clear()
-    monkeypatch.setattr(tiles_tf32, "H_FROM_S_GRID_Y", 7)
+    monkeypatch.setattr(nt_xent_tf32, "H_FROM_S_GRID_Y", 7)
     for x, y in zip(step(), want):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
 
     def refuse(*a, **k):
-        raise tiles_tf32.TF32TilesUnavailable("refused")
-    monkeypatch.setattr(tiles_tf32, "_launch", refuse)
+        raise tf32x3.TF32TilesUnavailable("refused")
+    monkeypatch.setattr(tf32x3, "launch", refuse)
     _graphs.clear()
     for x, y in zip(step(), step(precision="fp32")):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
@@ -450,7 +453,7 @@ def test_lse_pairs_from_natural_lse(tf32):
     """ml_from_lse: M + log2 S equals lse log2(e) to ~48 bits (what the recompute backward's
     H reads), M the float32 rounding of it."""
     lse = cp.asarray(np.random.default_rng(0).uniform(-40, 60, 1000).astype(np.float32))
-    ml = cp.asnumpy(tiles_tf32.ml_from_lse(lse)).astype(np.float64)
+    ml = cp.asnumpy(nt_xent_tf32.ml_from_lse(lse)).astype(np.float64)
     want = cp.asnumpy(lse).astype(np.float64) / math.log(2.0)
     # (the pair holds ~48 bits: lo's own float32 rounding, 2^-24 |lo| <= 2^-49 |want|, and
     # the float64 products' roundings)
@@ -458,22 +461,20 @@ def test_lse_pairs_from_natural_lse(tf32):
     assert np.array_equal(ml[:, 0], want.astype(np.float32).astype(np.float64))
 
 
-def test_applies_thresholds(monkeypatch):
+def test_applies_thresholds(monkeypatch, configure):
     """Which problems the engine routes to the tiles (no GPU needed: the device check is
-    stubbed): NT-Xent's symmetric float32 problem only; "auto" from AUTO_MIN_ROWS x
-    AUTO_MIN_DIM, "3xtf32" at every size, "fp32" / "tf32" never; USE_TILES False never."""
-    from cupynce._engine import blas, tiles
-
-    monkeypatch.setattr(tiles_tf32, "available", lambda: True)
-    n0, d0 = tiles_tf32.AUTO_MIN_ROWS, tiles_tf32.AUTO_MIN_DIM
+    stubbed): NT-Xent's symmetric float32 problem only; "auto" from tf32x3_min_rows x
+    tf32x3_min_dim, "3xtf32" at every size, "fp32" / "tf32" never; config.tiles False never."""
+    monkeypatch.setattr(tf32x3, "available", lambda: True)
+    n0, d0 = cfg.current().tf32x3_min_rows, cfg.current().tf32x3_min_dim
 
     def ok(n, d, mode, dtype=np.float32, neg_s=None, **kw):
         q = np.empty((n, d), dtype)
         args = dict(exclude_diag=True, pos_shift=n // 2, pos_mod=n, self_pair=True,
                     scale_log=None)
         args.update(kw)
-        with blas.float32_precision(mode):
-            return tiles_tf32.applies(q, q, neg_s, **args)
+        with cfg.float32_precision(mode):
+            return nt_xent_tf32.applies(q, q, neg_s, **args)
 
     assert ok(n0, d0, "auto") and ok(2 * n0, 4 * d0, "auto")
     assert not ok(n0 - 2, d0, "auto") and not ok(n0, d0 - 1, "auto")
@@ -485,5 +486,5 @@ def test_applies_thresholds(monkeypatch):
     assert not ok(n0, d0, "3xtf32", pos_shift=0)
     assert not ok(n0, d0, "3xtf32", scale_log=np.zeros(1, np.float32))
     assert not ok(n0, d0, "3xtf32", neg_s=np.empty((8, d0), np.float32))
-    monkeypatch.setattr(tiles, "USE_TILES", False)
+    configure(tiles=False)
     assert not ok(n0, d0, "auto") and not ok(6, 3, "3xtf32")
