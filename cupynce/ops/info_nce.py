@@ -223,8 +223,8 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
     precision = _global.precision_setting(precision)
     kind = 0 if negatives is None else getattr(negatives, "ndim", 0) - 1
     xp, t, p = _global.agree(comm, op, lambda: (
-        _check(query, key, negatives, temperature, reduction, workspace_bytes,
-                           normalize, precision),
+        _check(query, key, negatives, temperature, reduction, workspace_bytes, normalize,
+               precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0],
         [query, key, negatives], ["query", "key", "negatives"],
         [temperature, reduction, normalize, requires_grad, kind, precision])

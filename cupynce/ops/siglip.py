@@ -266,7 +266,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction="mea
     ls_array, lb_array = hasattr(logit_scale, "shape"), hasattr(logit_bias, "shape")
     xp, (ls, ls_shape), (lb, lb_shape), p = _global.agree(comm, op, lambda: (
         _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize,
-                         precision),
+               precision),
         _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
          lb_array, reduction, normalize, requires_grad, precision])

@@ -428,6 +428,6 @@ class Loss(Op):
         return self.home.FWD(*args, fused)[0]
 
 
-_EVALUATE_DOC = """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
-requiring one): the core's forward keeps no context, so repeated GPU calls replay their
-graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
+_EVALUATE_DOC = """The loss alone, for calls no gradient will be asked of (grad mode off,
+or no input requiring one): the core's forward keeps no context, so repeated GPU calls replay
+their graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
