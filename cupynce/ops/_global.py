@@ -5,6 +5,15 @@ everywhere; the global batch is the concatenation in rank order), each rank comp
 rows' share with the single-process engine (``_local`` blocks, CLIP's rectangular block) and
 the collectives assemble the rest.  Never an n × N logits matrix; the bytes sent are O(N·D).
 
+This module is the protocol, the same for every op: agree on the checks and settings across
+the ranks (:func:`agree`), run the rank's share in the agreed float32 precision, assemble the
+loss (:func:`loss`), and in the backward scale or recompute the accumulators and finish the
+gradients (:func:`backward`).  It imports no op: each op module (``nt_xent``, ``info_nce``,
+``clip``, ``siglip``) holds its schedule -- its global forward (``_global_forward``: what is
+gathered, the rank's share, what is scattered), and the :class:`Schedule` of its backward
+(the "none" recompute, its scalar gradients, what its ``*_backward`` returns), which it hands
+here by tagging the forward's context with it (:func:`tag`).  The schedules:
+
 * **NT-Xent** (z = [view 1; view 2] of the rank's n images; the global batch is [every
   rank's view 1; every rank's view 2], lightly's ``gather_distributed`` semantics, exactly):
   z and its rows' positive dots are all-gathered.  S = Z Zᵀ is symmetric and every positive
@@ -16,6 +25,8 @@ the collectives assemble the rest.  Never an n × N logits matrix; the bytes sen
   row's lse (2n floats a rank) for the gradient pass over the same blocks.  About half the
   products of computing each rank's rows against every column.
 * **InfoNCE**: keys (and shared (M, D) negatives) all-gathered; per-query negatives stay.
+* **SigLIP**: only b is all-gathered; the rank's n × N block against every text, no softmax
+  so no statistics to exchange; the scale's and bias's gradients are all-reduced.
 * **CLIP, one block for both directions**: only b is all-gathered.  The rank computes the
   n × N block of its images against every text once: its rows' log-sum-exps (image → text,
   complete) and every column's partial (m, s) state over its n rows; the (2, N) states are
@@ -47,21 +58,15 @@ of the forward; the backward has none.  Deterministic for a fixed world size.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import _checks, _engine
-from .. import config
+from .. import _checks
 from .._engine import arrays
 from .._engine.kernels import acc_dtype
-from . import _local, _numpy
-from . import clip as clip_op
-from . import info_nce as info_nce_op
-from . import nt_xent as nt_xent_op
-from . import siglip as siglip_op
-from ._base import (Context, Path, contig_inputs, finish_all, in_ctx_precision, prep, require,
-                    row_weight, weights)
+from ._base import Context, Path, finish_all, in_ctx_precision, require
 from ._comm import Comm
 
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -81,7 +86,7 @@ def _setting(v: Any) -> float:
         return math.nan
 
 
-def _precision_setting(precision: Any) -> Any:
+def precision_setting(precision: Any) -> Any:
     """``precision=`` resolved (None → the global default) as the ranks compare it; a bad
     value as given (the local checks raise it, on every rank through the exchange).  Each
     forward resolves once and hands the result to both its local checks and the exchange, so
@@ -154,8 +159,8 @@ def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequenc
     return result
 
 
-# ---- shared pieces ------------------------------------------------------------------------
-def _others(xp, parts, rank: int):
+# ---- the pieces every schedule uses --------------------------------------------------------
+def others(xp, parts, rank: int):
     """The rows of every rank but this one, in rank order ((P, r, D) → ((P − 1) r, D)), or
     None for one rank."""
     if parts.shape[0] == 1:
@@ -163,7 +168,7 @@ def _others(xp, parts, rank: int):
     return xp.concatenate([parts[:rank], parts[rank + 1:]]).reshape(-1, parts.shape[-1])
 
 
-def _stack_own(xp, own, other, rank: int):
+def stack_own(xp, own, other, rank: int):
     """(P, rows, D): the other ranks' blocks of ``other`` (rank order, this rank left out)
     with ``own`` at this rank's place: what the reduce-scatter sends."""
     if other is None:
@@ -172,7 +177,7 @@ def _stack_own(xp, own, other, rank: int):
     return xp.concatenate([blocks[:rank], own[None], blocks[rank:]])
 
 
-def _loss(comm: Comm, xp, rows, reduction: str, count: int):
+def loss(comm: Comm, xp, rows, reduction: str, count: int):
     """The reduced loss of every rank's rows (``count`` in all): the sum or the mean as an
     all-reduced 0-d array (each rank adds its rows in a fixed order first); for "none" this
     rank's rows."""
@@ -184,6 +189,13 @@ def _loss(comm: Comm, xp, rows, reduction: str, count: int):
     return comm.all_reduce(local.reshape(1)).reshape(())
 
 
+def upstream(xp, g, n: int, acc):
+    """This rank's rows' upstream gradients as an (n,) array (a float broadcast)."""
+    if isinstance(g, float):
+        return xp.full((n,), g, acc)
+    return xp.ascontiguousarray(xp.broadcast_to(g.astype(acc, copy=False), (n,)))
+
+
 def _scale(path: Path, g, size: int, a):
     """``size · g`` as the finishing kernels take it (the data-parallel factor P)."""
     if isinstance(g, float):
@@ -191,293 +203,36 @@ def _scale(path: Path, g, size: int, a):
     return path.grad_scale(g, a) * a.type(size)
 
 
-def _tags(ctx: Context) -> Context:
-    ctx.saved["global"] = True
+def _no_scalars(saved) -> Tuple[Any, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What an op hands :func:`backward` (through :func:`tag`): the parts of its global
+    backward that depend on the op.
+
+    * ``recompute(ctx, g) -> (accumulators, scalar gradients)``: reduction "none"'s backward,
+      the upstream gradient ``g`` as the row weights; it holds collectives (every rank runs it).
+    * ``result(path, xp, saved, grads, scalars)``: what the op's ``*_backward`` returns, from
+      the inputs' finished gradients and the scalar gradients.
+    * ``scalars(saved)``: the fused forward's unit-upstream scalar gradients (global values,
+      scaled by the upstream gradient, no factor P); none by default.
+    * ``own_unscaled``: copy those scalar gradients when they are returned unscaled (the
+      caller may change the array it gets) -- for an op whose ``result`` does not copy them.
+    """
+
+    recompute: Callable[[Context, Any], Tuple[Sequence[Any], Sequence[Any]]]
+    result: Callable[..., Any]
+    scalars: Callable[[dict], Sequence[Any]] = _no_scalars
+    own_unscaled: bool = False
+
+
+def tag(ctx: Context, schedule: Schedule) -> Context:
+    """``ctx`` marked as a global forward's, with the op's backward ``schedule`` (its
+    ``*_backward`` routes it to :func:`backward`)."""
+    ctx.saved["global"] = schedule
     return ctx
-
-
-# ---- NT-Xent ------------------------------------------------------------------------------
-def nt_xent_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normalize=False,
-                    workspace_bytes=None, requires_grad=True, precision=None):
-    """:func:`cupynce.nt_xent_forward` over ``comm``'s global batch (see the module notes).
-
-    ``z`` (2n, D): this rank's [view 1 of its n images; view 2 of them].  Returns the global
-    loss (this rank's 2n rows of it for "none") and a context for :func:`backward`.
-    """
-    op = "nt_xent"
-    precision = _precision_setting(precision)
-    xp, t, p = agree(comm, op, lambda: (
-        nt_xent_op._check(z, temperature, reduction, workspace_bytes, normalize, precision),
-        _checks.check_bool(op, "requires_grad", requires_grad))[0], [z], ["z"],
-        [temperature, reduction, normalize, requires_grad, precision])
-    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
-        path = Path(xp)
-        engine = _engine_for(xp)
-        rank, size = comm.rank, comm.size
-        n2 = z.shape[0]
-        z = contig_inputs(xp, z)[0]
-        zn, norm = prep(path, z, normalize)
-        plan = _local.NtXentPlan(rank, size, n2)
-        parts = comm.all_gather(zn)
-        dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])  # the rows' raw positive dots
-        dots = comm.all_gather(xp.concatenate([dots, dots]))
-        scale = 1.0 / t
-        lse_d, loss_d, partial, state = _local.nt_xent_stats(path, engine, plan, zn, parts, dots,
-                                                             scale, workspace_bytes)
-        states = comm.all_gather(state) if plan.width else None
-        lse = _local.nt_xent_lse(plan, engine, lse_d, partial, states)
-        rows = loss_d + (lse - lse_d)
-        ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else (),
-                      precision=p)
-        if requires_grad:
-            lse_all = comm.all_gather(lse) if size > 1 else lse[None]
-            base = dict(x=(z,), norms=(norm,), size=size)
-            if reduction != "none":
-                w_mul = row_weight(reduction, n2 * size)
-                acc = _local.nt_xent_grads(path, engine, plan, zn, parts, scale, lse_all, None,
-                                           w_mul, workspace_bytes)
-                ctx.saved = dict(base, acc=(comm.reduce_scatter(acc),))
-            else:
-                ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
-                                 scale=scale, ws=workspace_bytes, comm=comm)
-        return _loss(comm, xp, rows, reduction, n2 * size), _tags(ctx)
-
-
-def _nt_xent_acc(ctx: Context, g):
-    s, xp = ctx.saved, ctx.xp
-    comm = s["comm"]
-    w_all = comm.all_gather(_upstream(xp, g, ctx.n, s["lse_all"].dtype))
-    engine = _engine_for(xp)
-    acc = _local.nt_xent_grads(Path(xp), engine, s["plan"], s["zn"], s["parts"], s["scale"],
-                               s["lse_all"], w_all, 1.0, s["ws"])
-    return (comm.reduce_scatter(acc),)
-
-
-def _upstream(xp, g, n: int, acc):
-    """This rank's rows' upstream gradients as an (n,) array (a float broadcast)."""
-    if isinstance(g, float):
-        return xp.full((n,), g, acc)
-    return xp.ascontiguousarray(xp.broadcast_to(g.astype(acc, copy=False), (n,)))
-
-
-# ---- InfoNCE ------------------------------------------------------------------------------
-def info_nce_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
-                     reduction="mean", normalize=False, workspace_bytes=None,
-                     requires_grad=True, precision=None):
-    """:func:`cupynce.info_nce_forward` over ``comm``'s global batch (see the module notes).
-
-    Every rank's keys and shared (M, D) negatives join every query's candidates; per-query
-    (n, M, D) negatives stay with their query.
-    """
-    op = "info_nce"
-    precision = _precision_setting(precision)
-    kind = 0 if negatives is None else getattr(negatives, "ndim", 0) - 1
-    xp, t, p = agree(comm, op, lambda: (
-        info_nce_op._check(query, key, negatives, temperature, reduction, workspace_bytes,
-                           normalize, precision),
-        _checks.check_bool(op, "requires_grad", requires_grad))[0],
-        [query, key, negatives], ["query", "key", "negatives"],
-        [temperature, reduction, normalize, requires_grad, kind, precision])
-    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
-        path = Path(xp)
-        rank, size = comm.rank, comm.size
-        n = query.shape[0]
-        (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = info_nce_op._prep_all(
-            xp, path, query, key, negatives, normalize)
-        others = _others(xp, comm.all_gather(kn), rank)
-        if neg_s is not None:  # every rank's shared negatives, in rank order, after the keys
-            every = comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
-            others = every if others is None else xp.concatenate([others, every])
-        a = acc_dtype(query.dtype)
-        fused = requires_grad and reduction != "none"
-        lse, rows, grads = _local.info_nce_block(
-            path, qn, kn, others, neg_p, 1.0 / t, lse_in=None,
-            weights=weights(xp, None, reduction, n * size, a), want_grad=fused,
-            workspace_bytes=workspace_bytes)
-        ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
-                      precision=p)
-        base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size)
-        if fused:
-            ctx.saved = dict(base, acc=_info_nce_scatter(comm, xp, grads, n, neg_s))
-        elif requires_grad:
-            ctx.saved = dict(base, xn=(qn, kn, others, neg_p), neg_s=neg_s, lse=lse, t=t,
-                             ws=workspace_bytes, comm=comm)
-        return _loss(comm, xp, rows, reduction, n * size), _tags(ctx)
-
-
-def _info_nce_scatter(comm: Comm, xp, grads, n: int, neg_s):
-    """The rank's (dq, dk, dneg) accumulators: the keys' and shared negatives' column-side
-    gradients summed at their owners."""
-    dq, dk, do, dnp = grads
-    n_keys = n * (comm.size - 1)
-    dk = comm.reduce_scatter(_stack_own(xp, dk, do[:n_keys] if n_keys else None, comm.rank))
-    if neg_s is not None:
-        return dq, dk, comm.reduce_scatter(do[n_keys:].reshape(comm.size, *neg_s.shape))
-    return dq, dk, dnp
-
-
-def _info_nce_acc(ctx: Context, g):
-    s, xp = ctx.saved, ctx.xp
-    qn, kn, others, neg_p = s["xn"]
-    w = weights(xp, g, "none", ctx.n, s["lse"].dtype)
-    _, _, grads = _local.info_nce_block(
-        Path(xp), qn, kn, others, neg_p, 1.0 / s["t"], lse_in=s["lse"], weights=w,
-        want_grad=True, workspace_bytes=s["ws"])
-    return _info_nce_scatter(s["comm"], xp, grads, ctx.n, s["neg_s"])
-
-
-# ---- CLIP ---------------------------------------------------------------------------------
-def clip_loss_forward(comm: Comm, a, b, logit_scale, *, reduction="mean", normalize=False,
-                      workspace_bytes=None, requires_grad=True, precision=None):
-    """:func:`cupynce.clip_loss_forward` over ``comm``'s global batch: one n × N block per rank
-    for both directions (see the module notes).  ``logit_scale``'s gradient from
-    :func:`backward` is the global one on every rank.
-    """
-    op = "clip_loss"
-    precision = _precision_setting(precision)
-    ls_array = hasattr(logit_scale, "shape")
-    xp, ls, ls_shape, p = agree(comm, op, lambda: (
-        clip_op._check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision),
-        _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
-        [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
-         precision])
-    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
-        path = Path(xp)
-        rank, size = comm.rank, comm.size
-        n = a.shape[0]
-        acc = acc_dtype(a.dtype)
-        a, b = contig_inputs(xp, a, b)
-        an, na = prep(path, a, normalize)
-        bn, nb = prep(path, b, normalize)
-        ls_dev = clip_op._logit_scale_array(xp, ls, acc)
-        engine = _engine_for(xp)
-        # the texts and the pairs' raw dots a_j·b_j of every rank (the tile path's column shift)
-        b_all = comm.all_gather(bn).reshape(n * size, -1)
-        dots = comm.all_gather(engine.pair_dots(an, bn)).reshape(-1)
-        lse_r, state, row_loss, _ = engine.clip(
-            an, b_all, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
-            want_grad=False, workspace_bytes=workspace_bytes, row0=rank * n, col_shift=dots,
-            col_state=True)
-        lse_c = engine.col_lse(comm.all_gather(state))  # every text's lse, the same on every rank
-        own = slice(rank * n, (rank + 1) * n)
-        pair = 0.5 * (row_loss + (lse_c[own] - (lse_r - row_loss)))
-        ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c[own]) if requires_grad else (),
-                      precision=p)
-        ls_dtype = acc if isinstance(ls, float) else ls.dtype
-        base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype, size=size)
-        fused = requires_grad and reduction != "none"
-        if fused:
-            w = weights(xp, None, reduction, n * size, acc)
-            da, db, dscale = _clip_grads(comm, engine, xp, an, b_all, ls_dev, rank * n, lse_r,
-                                         lse_c, w, workspace_bytes)
-            ctx.saved = dict(base, acc=(da, db), dscale=dscale)
-        elif requires_grad:
-            ctx.saved = dict(base, an=an, b_all=b_all, ls=ls_dev, lse=(lse_r, lse_c),
-                             ws=workspace_bytes, comm=comm)
-        return _loss(comm, xp, pair, reduction, n * size), _tags(ctx)
-
-
-def _clip_grads(comm: Comm, engine, xp, an, b_all, ls, row0: int, lse_r, lse_c, w, ws):
-    """(da, db, dlogit_scale) accumulators of the rank's block: the texts' gradients summed
-    at their owners, d loss / d logit_scale all-reduced (the global value)."""
-    _, _, _, (da, db_all, dsp) = engine.clip(
-        an, b_all, ls, lse_r=lse_r, lse_c=lse_c, weights=w, want_loss=False, want_grad=True,
-        workspace_bytes=ws, row0=row0)
-    db = comm.reduce_scatter(db_all.reshape(comm.size, *an.shape))
-    dscale = comm.all_reduce(dsp.sum().reshape(1) if xp is np else
-                             arrays.fixed_sum(dsp, 1).reshape(1)).reshape(())
-    return da, db, dscale
-
-
-def _clip_acc(ctx: Context, g):
-    s, xp = ctx.saved, ctx.xp
-    comm = s["comm"]
-    engine = _engine_for(xp)
-    # every pair's upstream gradient (its owner's), the weights of the block's columns
-    acc = s["lse"][0].dtype
-    g_all = comm.all_gather(_upstream(xp, g, ctx.n, acc)).reshape(-1)
-    w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
-    return _clip_grads(comm, engine, xp, s["an"], s["b_all"], s["ls"], comm.rank * ctx.n,
-                       *s["lse"], w, s["ws"])
-
-
-# ---- SigLIP -------------------------------------------------------------------------------
-def siglip_loss_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction="mean",
-                        normalize=False, workspace_bytes=None, requires_grad=True,
-                        precision=None):
-    """:func:`cupynce.siglip_loss_forward` over ``comm``'s global batch: the rank's n × N
-    block of its images against every text (b all-gathered), no softmax so no statistics to
-    exchange; the texts' gradients are reduce-scattered to their owners and the scale's and
-    bias's all-reduced (the global values on every rank)."""
-    op = "siglip_loss"
-    precision = _precision_setting(precision)
-    ls_array, lb_array = hasattr(logit_scale, "shape"), hasattr(logit_bias, "shape")
-    xp, (ls, ls_shape), (lb, lb_shape), p = agree(comm, op, lambda: (
-        siglip_op._check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize,
-                         precision),
-        _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
-        [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
-         lb_array, reduction, normalize, requires_grad, precision])
-    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
-        path = Path(xp)
-        size = comm.size
-        n = a.shape[0]
-        acc = acc_dtype(a.dtype)
-        a, b = contig_inputs(xp, a, b)
-        an, na = prep(path, a, normalize)
-        bn, nb = prep(path, b, normalize)
-        engine = siglip_op._engine_for(xp)
-        b_all = comm.all_gather(bn).reshape(n * size, -1)
-        fused = requires_grad and reduction != "none"
-        w = weights(xp, None, reduction, n * size, acc)
-        rows, grads = engine(an, b_all, ls, lb, weights=w, want_loss=True, want_grad=fused,
-                             workspace_bytes=workspace_bytes, row0=comm.rank * n)
-        ctx = Context(op, reduction, n, xp, precision=p)
-        base = dict(x=(a, b), norms=(na, nb), size=size, shapes=(ls_shape, lb_shape),
-                    dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
-        if fused:
-            da, db, dscale, dbias = _siglip_scatter(comm, xp, grads, an.shape)
-            ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
-        elif requires_grad:
-            ctx.saved = dict(base, an=an, b_all=b_all, scalars=(ls, lb), ws=workspace_bytes,
-                             comm=comm)
-        return _loss(comm, xp, rows, reduction, n * size), _tags(ctx)
-
-
-def _siglip_scatter(comm: Comm, xp, grads, shape):
-    """The rank's (da, db) accumulators (the texts' gradients summed at their owners) and
-    the all-reduced d loss / d logit_scale, d loss / d logit_bias."""
-    da, db_all, dscale, dbias = grads
-    db = comm.reduce_scatter(db_all.reshape(comm.size, *shape))
-    both = comm.all_reduce(xp.stack([xp.asarray(dscale).reshape(()),
-                                     xp.asarray(dbias).reshape(())]))
-    return da, db, both[0], both[1]
-
-
-def _siglip_acc(ctx: Context, g):
-    s, xp = ctx.saved, ctx.xp
-    comm = s["comm"]
-    acc = acc_dtype(s["x"][0].dtype)
-    g_all = comm.all_gather(_upstream(xp, g, ctx.n, acc)).reshape(-1)
-    w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
-    _, grads = siglip_op._engine_for(xp)(s["an"], s["b_all"], *s["scalars"], weights=w,
-                                     want_loss=False, want_grad=True, workspace_bytes=s["ws"],
-                                     row0=comm.rank * ctx.n)
-    return _siglip_scatter(comm, xp, grads, s["an"].shape)
-
-
-class _numpy_engine:
-    """The NumPy side of the engine calls above."""
-
-    clip = staticmethod(clip_op.numpy_clip)
-    cross = staticmethod(_numpy.cross)
-    col_lse = staticmethod(_numpy.col_lse)
-    pair_dots = staticmethod(_numpy.pair_dots)
-
-
-def _engine_for(xp):
-    """The engine of the GPU (``cupynce._engine``) or its NumPy side."""
-    return _numpy_engine if xp is np else _engine
 
 
 # ---- backward -----------------------------------------------------------------------------
@@ -486,43 +241,27 @@ def backward(ctx: Context, grad_loss: Any = 1.0):
     """The gradients of a global forward's loss (its op's ``*_backward`` routes here):
     P times the gradient of the global loss with respect to this rank's inputs (see the
     module notes), and for CLIP the global d loss / d logit_scale; in the forward's float32
-    precision (``ctx.precision``)."""
+    precision (``ctx.precision``).  The op's part comes from the :class:`Schedule` its
+    forward tagged the context with."""
     op = ctx.op
     require(ctx, op)
     xp, s = ctx.xp, ctx.saved
+    schedule = s["global"]
     path = Path(xp)
     g = _checks.check_grad_loss(f"{op}_backward", grad_loss, ctx.reduction, ctx.n, xp)
     a = acc_dtype(s["x"][0].dtype)
     size = s["size"]
-    dscale = None
     if "acc" in s:  # the unit-upstream accumulators of the forward (mean / sum): scale them
         accs, gs = s["acc"], _scale(path, g, size, a)
-        if op in ("clip_loss", "siglip_loss"):  # (the global values: no factor P)
+        scalars = schedule.scalars(s)
+        if scalars:  # (the global values: no factor P)
             gd = path.grad_scale(g, a)
-            scalars = (s["dscale"],) if op == "clip_loss" else s["dscalars"]
             if gd is not None:
                 scalars = [x * gd.reshape(()) for x in scalars]
-            elif op == "clip_loss":  # (owned: the caller may change what it gets; SigLIP's
-                scalars = [path.owned_copy(x, x.dtype) for x in scalars]  # are copied below)
-            dscale = scalars[0]
+            elif schedule.own_unscaled:  # (owned: the caller may change what it gets)
+                scalars = [path.owned_copy(x, x.dtype) for x in scalars]
     else:  # reduction "none": recompute with the upstream gradient as the row weights
-        accs = {"nt_xent": _nt_xent_acc, "info_nce": _info_nce_acc, "clip_loss": _clip_acc,
-                "siglip_loss": _siglip_acc}[op](ctx, g)
-        if op == "clip_loss":
-            *accs, dscale = accs
-        elif op == "siglip_loss":
-            *accs, dsc, dbi = accs
-            scalars = [dsc, dbi]
+        accs, scalars = schedule.recompute(ctx, g)
         gs = path.grad_scale(float(size), a)
     grads = finish_all(path, s["x"], s["norms"], accs, gs)
-    if op == "nt_xent":
-        return grads[0]
-    if op == "info_nce":
-        return tuple(grads)
-    if op == "siglip_loss":
-        dls, dlb = (path.owned_copy(xp.asarray(v), dt).reshape(shape)
-                    for v, dt, shape in zip(scalars, s["dtypes"], s["shapes"]))
-        return grads[0], grads[1], dls, dlb
-    dscale = xp.asarray(dscale).astype(s["ls_dtype"], copy=False).reshape(s["ls_shape"])
-    return grads[0], grads[1], dscale
-
+    return schedule.result(path, xp, s, grads, scalars)

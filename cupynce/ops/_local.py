@@ -9,8 +9,8 @@ With P ranks each holding n rows, the global batch is the concatenation in rank 
 * NT-Xent (:class:`NtXentPlan`, :func:`nt_xent_stats`, :func:`nt_xent_lse`,
   :func:`nt_xent_grads`): S = Z Zᵀ is symmetric, so each unordered pair of rank blocks is
   computed once, by one of its ranks, for both sides' statistics and gradients.
-* CLIP's block, one for both directions, is ``_global.clip_loss_forward`` on the engine's
-  rectangular ``clip``.
+* CLIP's block, one for both directions, is the global forward of ``clip`` (its schedule,
+  ``clip._global_forward``) on the engine's rectangular ``clip``.
 
 The column-side gradients belong to the ranks that own those rows: a collective sums them there
 (reduce-scatter), which is how the global gradient is assembled without any rank ever holding
@@ -24,7 +24,16 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from .. import _engine
+from . import _numpy
 from ._base import Path
+
+
+def engine_for(xp):
+    """The primitives the blocks run on (``cross``, ``col_lse``, ``pair_dots``): the GPU
+    engine (``cupynce._engine``) for CuPy arrays, their NumPy counterparts (``_numpy``) for
+    NumPy arrays."""
+    return _numpy if xp is np else _engine
 
 
 class NtXentPlan:

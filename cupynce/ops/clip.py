@@ -15,13 +15,13 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .. import _checks, _engine
-from .. import config
+from .. import _checks, _engine, config
 from .._engine import arrays, workspace
 from .._engine.kernels import acc_dtype
-from . import _graphs, _memo, _numpy
+from . import _comm, _global, _graphs, _local, _memo, _numpy
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
                     in_ctx_precision, prep, reduce, require, weights)
+from ._comm import Comm
 
 __all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
            "clip_loss_backward_from_stats"]
@@ -125,9 +125,7 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     The column direction reads the score blocks column-wise: no transposed copy.
     """
     if group is not None:
-        from . import _comm, _global
-
-        return _global.clip_loss_forward(
+        return _global_forward(
             _comm.wrap(group), a, b, logit_scale, reduction=reduction, normalize=normalize,
             workspace_bytes=workspace_bytes, requires_grad=requires_grad,
             precision=precision)
@@ -201,8 +199,6 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
     """
     require(ctx, "clip_loss")
     if "global" in ctx.saved:
-        from . import _global
-
         return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
@@ -258,3 +254,92 @@ def clip_loss(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = F
     return clip_loss_forward(a, b, logit_scale, reduction=reduction, normalize=normalize,
                              workspace_bytes=workspace_bytes, requires_grad=False,
                              group=group, precision=precision)[0]
+
+
+# ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
+def _global_forward(comm: Comm, a, b, logit_scale, *, reduction="mean", normalize=False,
+                    workspace_bytes=None, requires_grad=True, precision=None):
+    """:func:`clip_loss_forward` over ``comm``'s global batch: one n × N block per rank for
+    both directions (see :mod:`cupynce.ops._global`).  ``logit_scale``'s gradient from
+    :func:`cupynce.ops._global.backward` is the global one on every rank.
+    """
+    op = "clip_loss"
+    precision = _global.precision_setting(precision)
+    ls_array = hasattr(logit_scale, "shape")
+    xp, ls, ls_shape, p = _global.agree(comm, op, lambda: (
+        _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision),
+        _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
+        [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
+         precision])
+    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
+        path = Path(xp)
+        rank, size = comm.rank, comm.size
+        n = a.shape[0]
+        acc = acc_dtype(a.dtype)
+        a, b = contig_inputs(xp, a, b)
+        an, na = prep(path, a, normalize)
+        bn, nb = prep(path, b, normalize)
+        ls_dev = _logit_scale_array(xp, ls, acc)
+        engine = _local.engine_for(xp)
+        block = _engine.clip if path.gpu else numpy_clip
+        # the texts and the pairs' raw dots a_j·b_j of every rank (the tile path's column shift)
+        b_all = comm.all_gather(bn).reshape(n * size, -1)
+        dots = comm.all_gather(engine.pair_dots(an, bn)).reshape(-1)
+        lse_r, state, row_loss, _ = block(
+            an, b_all, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
+            want_grad=False, workspace_bytes=workspace_bytes, row0=rank * n, col_shift=dots,
+            col_state=True)
+        lse_c = engine.col_lse(comm.all_gather(state))  # every text's lse, the same on every rank
+        own = slice(rank * n, (rank + 1) * n)
+        pair = 0.5 * (row_loss + (lse_c[own] - (lse_r - row_loss)))
+        ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c[own]) if requires_grad else (),
+                      precision=p)
+        ls_dtype = acc if isinstance(ls, float) else ls.dtype
+        base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype, size=size)
+        fused = requires_grad and reduction != "none"
+        if fused:
+            w = weights(xp, None, reduction, n * size, acc)
+            da, db, dscale = _global_grads(comm, block, xp, an, b_all, ls_dev, rank * n, lse_r,
+                                           lse_c, w, workspace_bytes)
+            ctx.saved = dict(base, acc=(da, db), dscale=dscale)
+        elif requires_grad:
+            ctx.saved = dict(base, an=an, b_all=b_all, ls=ls_dev, lse=(lse_r, lse_c),
+                             ws=workspace_bytes, comm=comm)
+        return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
+
+
+def _global_grads(comm: Comm, block, xp, an, b_all, ls, row0: int, lse_r, lse_c, w, ws):
+    """(da, db, dlogit_scale) accumulators of the rank's block: the texts' gradients summed
+    at their owners, d loss / d logit_scale all-reduced (the global value)."""
+    _, _, _, (da, db_all, dsp) = block(
+        an, b_all, ls, lse_r=lse_r, lse_c=lse_c, weights=w, want_loss=False, want_grad=True,
+        workspace_bytes=ws, row0=row0)
+    db = comm.reduce_scatter(db_all.reshape(comm.size, *an.shape))
+    dscale = comm.all_reduce(dsp.sum().reshape(1) if xp is np else
+                             arrays.fixed_sum(dsp, 1).reshape(1)).reshape(())
+    return da, db, dscale
+
+
+def _global_acc(ctx: Context, g):
+    """The "none" backward's accumulators and d loss / d logit_scale."""
+    s, xp = ctx.saved, ctx.xp
+    comm = s["comm"]
+    block = _engine.clip if xp is not np else numpy_clip
+    # every pair's upstream gradient (its owner's), the weights of the block's columns
+    acc = s["lse"][0].dtype
+    g_all = comm.all_gather(_global.upstream(xp, g, ctx.n, acc)).reshape(-1)
+    w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
+    da, db, dscale = _global_grads(comm, block, xp, s["an"], s["b_all"], s["ls"],
+                                   comm.rank * ctx.n, *s["lse"], w, s["ws"])
+    return (da, db), (dscale,)
+
+
+def _global_result(path, xp, saved, grads, scalars):
+    """``(da, db, dlogit_scale)``, d loss / d logit_scale in logit_scale's shape and dtype."""
+    dscale = xp.asarray(scalars[0]).astype(saved["ls_dtype"], copy=False).reshape(
+        saved["ls_shape"])
+    return grads[0], grads[1], dscale
+
+
+_GLOBAL = _global.Schedule(recompute=_global_acc, result=_global_result,
+                          scalars=lambda saved: (saved["dscale"],), own_unscaled=True)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from .. import _checks
-from .. import config
+from .. import _checks, config
 from .._engine import side
 from .._engine.kernels import acc_dtype
-from . import _graphs, _memo
+from . import _comm, _global, _graphs, _local, _memo
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
                     in_ctx_precision, prep, reduce, reduce_out, require, weights)
+from ._comm import Comm
 
 __all__ = ["info_nce", "info_nce_forward", "info_nce_backward",
            "info_nce_backward_from_stats"]
@@ -99,9 +99,7 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     in-batch keys when explicit negatives are given; here they are always candidates.)
     """
     if group is not None:
-        from . import _comm, _global
-
-        return _global.info_nce_forward(
+        return _global_forward(
             _comm.wrap(group), query, key, temperature, negatives=negatives,
             reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
             requires_grad=requires_grad, precision=precision)
@@ -165,8 +163,6 @@ def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
     """
     require(ctx, "info_nce")
     if "global" in ctx.saved:
-        from . import _global
-
         return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
@@ -212,3 +208,75 @@ def info_nce(query, key, temperature: float = 0.1, *, negatives=None, reduction:
     return info_nce_forward(query, key, temperature, negatives=negatives, reduction=reduction,
                             normalize=normalize, workspace_bytes=workspace_bytes,
                             requires_grad=False, group=group, precision=precision)[0]
+
+
+# ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
+def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
+                    reduction="mean", normalize=False, workspace_bytes=None,
+                    requires_grad=True, precision=None):
+    """:func:`info_nce_forward` over ``comm``'s global batch (see :mod:`cupynce.ops._global`).
+
+    Every rank's keys and shared (M, D) negatives join every query's candidates; per-query
+    (n, M, D) negatives stay with their query.
+    """
+    op = "info_nce"
+    precision = _global.precision_setting(precision)
+    kind = 0 if negatives is None else getattr(negatives, "ndim", 0) - 1
+    xp, t, p = _global.agree(comm, op, lambda: (
+        _check(query, key, negatives, temperature, reduction, workspace_bytes, normalize,
+               precision),
+        _checks.check_bool(op, "requires_grad", requires_grad))[0],
+        [query, key, negatives], ["query", "key", "negatives"],
+        [temperature, reduction, normalize, requires_grad, kind, precision])
+    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
+        path = Path(xp)
+        rank, size = comm.rank, comm.size
+        n = query.shape[0]
+        (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
+            xp, path, query, key, negatives, normalize)
+        others = _global.others(xp, comm.all_gather(kn), rank)
+        if neg_s is not None:  # every rank's shared negatives, in rank order, after the keys
+            every = comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
+            others = every if others is None else xp.concatenate([others, every])
+        a = acc_dtype(query.dtype)
+        fused = requires_grad and reduction != "none"
+        lse, rows, grads = _local.info_nce_block(
+            path, qn, kn, others, neg_p, 1.0 / t, lse_in=None,
+            weights=weights(xp, None, reduction, n * size, a), want_grad=fused,
+            workspace_bytes=workspace_bytes)
+        ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
+                      precision=p)
+        base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size)
+        if fused:
+            ctx.saved = dict(base, acc=_global_scatter(comm, xp, grads, n, neg_s))
+        elif requires_grad:
+            ctx.saved = dict(base, xn=(qn, kn, others, neg_p), neg_s=neg_s, lse=lse, t=t,
+                             ws=workspace_bytes, comm=comm)
+        return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
+
+
+def _global_scatter(comm: Comm, xp, grads, n: int, neg_s):
+    """The rank's (dq, dk, dneg) accumulators: the keys' and shared negatives' column-side
+    gradients summed at their owners."""
+    dq, dk, do, dnp = grads
+    n_keys = n * (comm.size - 1)
+    dk = comm.reduce_scatter(_global.stack_own(xp, dk, do[:n_keys] if n_keys else None, comm.rank))
+    if neg_s is not None:
+        return dq, dk, comm.reduce_scatter(do[n_keys:].reshape(comm.size, *neg_s.shape))
+    return dq, dk, dnp
+
+
+def _global_acc(ctx: Context, g):
+    """The "none" backward's accumulators: the rank's rows weighted by their upstream
+    gradients."""
+    s, xp = ctx.saved, ctx.xp
+    qn, kn, others, neg_p = s["xn"]
+    w = weights(xp, g, "none", ctx.n, s["lse"].dtype)
+    _, _, grads = _local.info_nce_block(
+        Path(xp), qn, kn, others, neg_p, 1.0 / s["t"], lse_in=s["lse"], weights=w,
+        want_grad=True, workspace_bytes=s["ws"])
+    return _global_scatter(s["comm"], xp, grads, ctx.n, s["neg_s"]), ()
+
+
+_GLOBAL = _global.Schedule(recompute=_global_acc,
+                          result=lambda path, xp, saved, grads, scalars: tuple(grads))

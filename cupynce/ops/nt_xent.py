@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from .. import _checks
-from .. import config
+from .. import _checks, config
 from .._engine import side, workspace
 from .._engine.kernels import acc_dtype
-from . import _graphs, _memo
+from . import _comm, _global, _graphs, _local, _memo
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
-                    in_ctx_precision, prep, reduce, reduce_out, require, weights)
+                    in_ctx_precision, prep, reduce, reduce_out, require, row_weight, weights)
+from ._comm import Comm
 
 __all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward",
            "nt_xent_backward_from_stats"]
@@ -100,9 +100,7 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
     Equal to ``F.cross_entropy(masked_fill(z @ z.T, eye, -inf) / τ, labels)``.
     """
     if group is not None:
-        from . import _comm, _global
-
-        return _global.nt_xent_forward(
+        return _global_forward(
             _comm.wrap(group), z, temperature, reduction=reduction, normalize=normalize,
             workspace_bytes=workspace_bytes, requires_grad=requires_grad,
             precision=precision)
@@ -160,8 +158,6 @@ def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
     """
     require(ctx, "nt_xent")
     if "global" in ctx.saved:
-        from . import _global
-
         return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
@@ -204,3 +200,66 @@ def nt_xent(z, temperature: float = 0.5, *, reduction: str = "mean", normalize: 
     return nt_xent_forward(z, temperature, reduction=reduction, normalize=normalize,
                            workspace_bytes=workspace_bytes, requires_grad=False,
                            group=group, precision=precision)[0]
+
+
+# ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
+def _global_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normalize=False,
+                    workspace_bytes=None, requires_grad=True, precision=None):
+    """:func:`nt_xent_forward` over ``comm``'s global batch (see :mod:`cupynce.ops._global`).
+
+    ``z`` (2n, D): this rank's [view 1 of its n images; view 2 of them].  Returns the global
+    loss (this rank's 2n rows of it for "none") and a context for
+    :func:`cupynce.ops._global.backward`.
+    """
+    op = "nt_xent"
+    precision = _global.precision_setting(precision)
+    xp, t, p = _global.agree(comm, op, lambda: (
+        _check(z, temperature, reduction, workspace_bytes, normalize, precision),
+        _checks.check_bool(op, "requires_grad", requires_grad))[0], [z], ["z"],
+        [temperature, reduction, normalize, requires_grad, precision])
+    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
+        path = Path(xp)
+        engine = _local.engine_for(xp)
+        rank, size = comm.rank, comm.size
+        n2 = z.shape[0]
+        z = contig_inputs(xp, z)[0]
+        zn, norm = prep(path, z, normalize)
+        plan = _local.NtXentPlan(rank, size, n2)
+        parts = comm.all_gather(zn)
+        dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])  # the rows' raw positive dots
+        dots = comm.all_gather(xp.concatenate([dots, dots]))
+        scale = 1.0 / t
+        lse_d, loss_d, partial, state = _local.nt_xent_stats(path, engine, plan, zn, parts, dots,
+                                                             scale, workspace_bytes)
+        states = comm.all_gather(state) if plan.width else None
+        lse = _local.nt_xent_lse(plan, engine, lse_d, partial, states)
+        rows = loss_d + (lse - lse_d)
+        ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else (),
+                      precision=p)
+        if requires_grad:
+            lse_all = comm.all_gather(lse) if size > 1 else lse[None]
+            base = dict(x=(z,), norms=(norm,), size=size)
+            if reduction != "none":
+                w_mul = row_weight(reduction, n2 * size)
+                acc = _local.nt_xent_grads(path, engine, plan, zn, parts, scale, lse_all, None,
+                                           w_mul, workspace_bytes)
+                ctx.saved = dict(base, acc=(comm.reduce_scatter(acc),))
+            else:
+                ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
+                                 scale=scale, ws=workspace_bytes, comm=comm)
+        return _global.loss(comm, xp, rows, reduction, n2 * size), _global.tag(ctx, _GLOBAL)
+
+
+def _global_acc(ctx: Context, g):
+    """The "none" backward's accumulator: every rank's upstream gradients as the weights."""
+    s, xp = ctx.saved, ctx.xp
+    comm = s["comm"]
+    w_all = comm.all_gather(_global.upstream(xp, g, ctx.n, s["lse_all"].dtype))
+    engine = _local.engine_for(xp)
+    acc = _local.nt_xent_grads(Path(xp), engine, s["plan"], s["zn"], s["parts"], s["scale"],
+                               s["lse_all"], w_all, 1.0, s["ws"])
+    return (comm.reduce_scatter(acc),), ()
+
+
+_GLOBAL = _global.Schedule(recompute=_global_acc,
+                          result=lambda path, xp, saved, grads, scalars: grads[0])

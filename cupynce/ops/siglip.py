@@ -16,13 +16,13 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .. import _checks, _engine
-from .. import config
+from .. import _checks, _engine, config
 from .._engine import arrays
 from .._engine.kernels import acc_dtype
-from . import _graphs, _memo
+from . import _comm, _global, _graphs, _memo
 from ._base import (Context, Path, contig_inputs, contig_remembered, finish_all,
                     in_ctx_precision, prep, reduce, require, weights)
+from ._comm import Comm
 
 __all__ = ["siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
            "siglip_loss_backward_from_inputs"]
@@ -138,9 +138,7 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     softplus(−x): finite for any finite logit.
     """
     if group is not None:
-        from . import _comm, _global
-
-        return _global.siglip_loss_forward(
+        return _global_forward(
             _comm.wrap(group), a, b, logit_scale, logit_bias, reduction=reduction,
             normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad,
             precision=precision)
@@ -202,8 +200,6 @@ def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
     """
     require(ctx, OP)
     if "global" in ctx.saved:
-        from . import _global
-
         return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
@@ -255,3 +251,81 @@ def siglip_loss(a, b, logit_scale, logit_bias, *, reduction: str = "mean",
     return siglip_loss_forward(a, b, logit_scale, logit_bias, reduction=reduction,
                                normalize=normalize, workspace_bytes=workspace_bytes,
                                requires_grad=False, group=group, precision=precision)[0]
+
+
+# ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
+def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction="mean",
+                    normalize=False, workspace_bytes=None, requires_grad=True,
+                    precision=None):
+    """:func:`siglip_loss_forward` over ``comm``'s global batch: the rank's n × N
+    block of its images against every text (b all-gathered), no softmax so no statistics to
+    exchange; the texts' gradients are reduce-scattered to their owners and the scale's and
+    bias's all-reduced (the global values on every rank)."""
+    op = "siglip_loss"
+    precision = _global.precision_setting(precision)
+    ls_array, lb_array = hasattr(logit_scale, "shape"), hasattr(logit_bias, "shape")
+    xp, (ls, ls_shape), (lb, lb_shape), p = _global.agree(comm, op, lambda: (
+        _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize,
+               precision),
+        _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
+        [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
+         lb_array, reduction, normalize, requires_grad, precision])
+    with config.float32_precision(p):  # every product of the rank's share (and graph keys)
+        path = Path(xp)
+        size = comm.size
+        n = a.shape[0]
+        acc = acc_dtype(a.dtype)
+        a, b = contig_inputs(xp, a, b)
+        an, na = prep(path, a, normalize)
+        bn, nb = prep(path, b, normalize)
+        engine = _engine_for(xp)
+        b_all = comm.all_gather(bn).reshape(n * size, -1)
+        fused = requires_grad and reduction != "none"
+        w = weights(xp, None, reduction, n * size, acc)
+        rows, grads = engine(an, b_all, ls, lb, weights=w, want_loss=True, want_grad=fused,
+                             workspace_bytes=workspace_bytes, row0=comm.rank * n)
+        ctx = Context(op, reduction, n, xp, precision=p)
+        base = dict(x=(a, b), norms=(na, nb), size=size, shapes=(ls_shape, lb_shape),
+                    dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
+        if fused:
+            da, db, dscale, dbias = _global_scatter(comm, xp, grads, an.shape)
+            ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
+        elif requires_grad:
+            ctx.saved = dict(base, an=an, b_all=b_all, scalars=(ls, lb), ws=workspace_bytes,
+                             comm=comm)
+        return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
+
+
+def _global_scatter(comm: Comm, xp, grads, shape):
+    """The rank's (da, db) accumulators (the texts' gradients summed at their owners) and
+    the all-reduced d loss / d logit_scale, d loss / d logit_bias."""
+    da, db_all, dscale, dbias = grads
+    db = comm.reduce_scatter(db_all.reshape(comm.size, *shape))
+    both = comm.all_reduce(xp.stack([xp.asarray(dscale).reshape(()),
+                                     xp.asarray(dbias).reshape(())]))
+    return da, db, both[0], both[1]
+
+
+def _global_acc(ctx: Context, g):
+    """The "none" backward's accumulators and d loss / d logit_scale, d loss / d logit_bias."""
+    s, xp = ctx.saved, ctx.xp
+    comm = s["comm"]
+    acc = acc_dtype(s["x"][0].dtype)
+    g_all = comm.all_gather(_global.upstream(xp, g, ctx.n, acc)).reshape(-1)
+    w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
+    _, grads = _engine_for(xp)(s["an"], s["b_all"], *s["scalars"], weights=w,
+                               want_loss=False, want_grad=True, workspace_bytes=s["ws"],
+                               row0=comm.rank * ctx.n)
+    da, db, dscale, dbias = _global_scatter(comm, xp, grads, s["an"].shape)
+    return (da, db), (dscale, dbias)
+
+
+def _global_result(path, xp, saved, grads, scalars):
+    """``(da, db, dlogit_scale, dlogit_bias)``, the scalars' in their shapes and dtypes."""
+    dls, dlb = (path.owned_copy(xp.asarray(v), dt).reshape(shape)
+                for v, dt, shape in zip(scalars, saved["dtypes"], saved["shapes"]))
+    return grads[0], grads[1], dls, dlb
+
+
+_GLOBAL = _global.Schedule(recompute=_global_acc, result=_global_result,
+                          scalars=lambda saved: saved["dscalars"])

@@ -25,9 +25,10 @@ query/key interface), :class:`ClipLoss` (= :class:`SymmetricInfoNCE`, learnable 
 How it is wired
 ---------------
 Layout: ``_bridge.py`` (DLPack, streams, the torch allocator), ``_registry.py`` (custom-op
-registration, autocast, the direct eager path), ``ops/<op>.py`` (one module per op: the op
-bodies on tensors, their FakeTensor shapes, autograd, the registered ops and the public
-function), ``modules.py`` (the ``nn.Module`` s).
+registration, autocast, the direct eager path), ``_skeleton.py`` (an op's bodies on tensors,
+their FakeTensor shapes, autograd and the public function's dispatch, from its table entry),
+``ops/<op>.py`` (one module per op: its table entry and the public function),
+``modules.py`` (the ``nn.Module`` s).
 
 Each loss is torch custom ops (``torch.library.custom_op``, torch >= 2.4), connected by
 ``register_autograd``, with ``register_fake`` shapes so that a ``torch.compile`` d training

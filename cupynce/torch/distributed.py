@@ -42,6 +42,10 @@ from torch import Tensor
 
 from .. import _checks
 from ..ops import _global
+from ..ops import clip as clip_op
+from ..ops import info_nce as info_nce_op
+from ..ops import nt_xent as nt_xent_op
+from ..ops import siglip as siglip_op
 from ..ops._comm import Comm
 from . import _bridge as B
 from . import _registry as R
@@ -124,9 +128,9 @@ class TorchComm(Comm):
 
 
 class _GlobalLoss(torch.autograd.Function):
-    """One rank's share of a global loss: ``fwd(comm, *arrays, requires_grad=...)`` (a
-    :mod:`cupynce.ops._global` forward) on the tensors' memory; the backward is
-    :func:`cupynce.ops._global.backward`."""
+    """One rank's share of a global loss: ``fwd(comm, *arrays, requires_grad=...)`` (an op's
+    forward with ``group=comm``: its schedule on :mod:`cupynce.ops._global`) on the tensors'
+    memory; the backward is :func:`cupynce.ops._global.backward`."""
 
     @staticmethod
     def forward(ctx, fwd: Callable, comm: TorchComm, *tensors: Optional[Tensor]) -> Tensor:
@@ -182,9 +186,10 @@ def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_
         p[0] = R.precision_of(op, precision)
 
     def fwd(comm, z_, requires_grad):
-        return _global.nt_xent_forward(comm, z_, temperature, reduction=reduction,
-                                       normalize=normalize, workspace_bytes=workspace_bytes,
-                                       requires_grad=requires_grad, precision=p[0])
+        return nt_xent_op.nt_xent_forward(z_, temperature, reduction=reduction,
+                                          normalize=normalize, workspace_bytes=workspace_bytes,
+                                          requires_grad=requires_grad, group=comm,
+                                          precision=p[0])
     return _run(op, group, checks, fwd, [z])
 
 
@@ -202,10 +207,11 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
         p[0] = R.precision_of(op, precision)
 
     def fwd(comm, q, k, neg, requires_grad):
-        return _global.info_nce_forward(comm, q, k, temperature, negatives=neg,
-                                        reduction=reduction, normalize=normalize,
-                                        workspace_bytes=workspace_bytes,
-                                        requires_grad=requires_grad, precision=p[0])
+        return info_nce_op.info_nce_forward(q, k, temperature, negatives=neg,
+                                            reduction=reduction, normalize=normalize,
+                                            workspace_bytes=workspace_bytes,
+                                            requires_grad=requires_grad, group=comm,
+                                            precision=p[0])
     return _run(op, group, checks, fwd, [query, key, negatives])
 
 
@@ -224,10 +230,11 @@ def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
         p[0] = R.precision_of(op, precision)
 
     def fwd(comm, a_, b_, ls_arr, requires_grad):
-        return _global.clip_loss_forward(comm, a_, b_, ls[1] if ls_arr is None else ls_arr,
+        return clip_op.clip_loss_forward(a_, b_, ls[1] if ls_arr is None else ls_arr,
                                          reduction=reduction, normalize=normalize,
                                          workspace_bytes=workspace_bytes,
-                                         requires_grad=requires_grad, precision=p[0])
+                                         requires_grad=requires_grad, group=comm,
+                                         precision=p[0])
     tensors = [a, b, logit_scale if isinstance(logit_scale, Tensor) else None]
     return _run(op, group, checks, fwd, tensors)
 
@@ -251,9 +258,9 @@ def siglip_loss(a: Any, b: Any, logit_scale: Any, logit_bias: Any, reduction: An
         p[0] = R.precision_of(op, precision)
 
     def fwd(comm, a_, b_, ls_arr, lb_arr, requires_grad):
-        return _global.siglip_loss_forward(
-            comm, a_, b_, ls[1] if ls_arr is None else ls_arr,
-            lb[1] if lb_arr is None else lb_arr, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=requires_grad, precision=p[0])
+        return siglip_op.siglip_loss_forward(
+            a_, b_, ls[1] if ls_arr is None else ls_arr, lb[1] if lb_arr is None else lb_arr,
+            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
+            requires_grad=requires_grad, group=comm, precision=p[0])
     tensors = [a, b] + [v if isinstance(v, Tensor) else None for v in (logit_scale, logit_bias)]
     return _run(op, group, checks, fwd, tensors)

@@ -1,5 +1,6 @@
-"""The package layout: layers import only downwards, and the module paths before the split by op
-still work (with a DeprecationWarning) for one release."""
+"""The package layout: layers import only downwards, no module imports itself back through
+others (no import cycle), and the module paths before the split by op still work (with a
+DeprecationWarning) for one release."""
 from __future__ import annotations
 
 import ast
@@ -52,6 +53,112 @@ def test_layers_import_only_downwards(folder):
     assert not bad, bad
 
 
+def _modules():
+    """Every module of the package: dotted name -> (path, whether it is a package)."""
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if package else parts)] = (path, package)
+    return out
+
+
+def import_graph():
+    """cupynce's modules -> the cupynce modules each imports anywhere in its source (at the
+    top or inside a function), relative imports resolved.  ``from pkg import name`` imports
+    the submodule ``pkg.name`` where there is one, else ``pkg`` itself; the parent packages
+    that Python initialises on the way are not counted (every module would sit in a cycle
+    with its package's ``__init__``)."""
+    modules = _modules()
+    graph = {name: set() for name in modules}
+    for name, (path, package) in modules.items():
+        here = (name if package else name.rpartition(".")[0]).split(".")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                graph[name].update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1])
+                    src = f"{base}.{node.module}" if node.module else base
+                else:
+                    src = node.module or ""
+                for alias in node.names:
+                    target = f"{src}.{alias.name}"
+                    if target in modules:
+                        graph[name].add(target)
+                    elif src in modules:
+                        graph[name].add(src)
+    return graph
+
+
+def import_cycles(graph, scope: str):
+    """The import cycles among the modules in ``scope`` (a package and its submodules): one
+    cycle, as ``a -> b -> ... -> a``, through each strongly connected component of more than
+    one module (or a module that imports itself)."""
+    inside = {m for m in graph if m == scope or m.startswith(scope + ".")}
+    edges = {m: sorted(t for t in graph[m] if t in inside) for m in sorted(inside)}
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while not component or v not in component:
+                component.add(stack.pop())
+            on_stack.difference_update(component)
+            if len(component) > 1 or v in edges[v]:
+                components.append(component)
+
+    for m in edges:
+        if m not in index:
+            visit(m)
+    cycles = []
+    for component in components:
+        start = min(component)
+        paths = {start: [start]}  # breadth first: the shortest way back to start
+        queue = [start]
+        while queue:
+            v = queue.pop(0)
+            nxt = [w for w in edges[v] if w in component]
+            if start in nxt:
+                cycles.append(" -> ".join(paths[v] + [start]))
+                break
+            for w in nxt:
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    queue.append(w)
+    return sorted(cycles)
+
+
+@pytest.mark.parametrize("scope", [
+    "cupynce._engine", "cupynce._engine.gemm", "cupynce._engine.losses", "cupynce.ops",
+    "cupynce.torch", "cupynce.report", "cupynce.integrations",
+    pytest.param("cupynce", id="cupynce (the whole package)"),
+])
+def test_no_import_cycle(scope):
+    """No module of ``scope`` imports itself back through others, at the top of a module or
+    inside a function (a function-local import that only postpones a circle is still one)."""
+    cycles = import_cycles(import_graph(), scope)
+    assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+
+
+def test_import_cycles_are_found():
+    """The cycle finder on a small graph: two cycles, one self-import, one chain."""
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a", "p.d"}, "p.d": set(),
+             "p.e": {"p.e"}, "p.f": {"p.a"}, "q.a": {"q.b"}, "q.b": {"q.a"}}
+    assert import_cycles(graph, "p") == ["p.a -> p.b -> p.c -> p.a", "p.e -> p.e"]
+    assert import_cycles(graph, "q") == ["q.a -> q.b -> q.a"]
+    assert import_cycles(graph, "p.d") == []
+
+
 def test_import_cupynce_needs_neither_cupy_nor_torch():
     code = ("import sys, cupynce, cupynce.ops, cupynce._engine; "
             "assert 'cupy' not in sys.modules and 'torch' not in sys.modules, "
@@ -88,3 +195,13 @@ def test_old_module_paths_reexport_with_a_warning(old, names):
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+#: past this many lines a module is split (modules named by responsibility: docs/design.md)
+MAX_MODULE_LINES = 800
+
+
+def test_modules_stay_under_the_split_size():
+    long = {str(p.relative_to(PKG.parent)): n for p in sorted(PKG.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules past {MAX_MODULE_LINES} lines (split them): {long}"

@@ -1,104 +1,26 @@
-"""NT-Xent for PyTorch: the op bodies on tensors, their shapes for torch.compile, autograd,
-the registered custom ops and the public function.
+"""NT-Xent for PyTorch: the op's table entry (its bodies on tensors, their shapes for
+torch.compile, autograd and the registered custom ops follow from it: ``_skeleton``) and the
+public function.
 """
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 from torch import Tensor
 
 from ... import _checks
-from ...ops import _base
 from ...ops import nt_xent as core
 from .. import _bridge as B
 from .. import _registry as R
+from .. import _skeleton as S
 
-
-def fwd(z: Tensor, temperature: float, reduction: str, normalize: bool,
-        workspace_bytes: Optional[int], precision: Optional[str] = None,
-        fused: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, lse, dz_acc, norm): the loss (0-d, or (2B,) for "none"), the (2B,) row
-    log-sum-exps and, when ``fused``, the unit-upstream gradient accumulator (2B, D) and the
-    row norms (2B,) (normalize=True; else a placeholder)."""
-    with B.device_scope(z.device):
-        zx = B.array_of(z)
-        if fused:
-            loss, ctx = core.nt_xent_forward(
-                zx, temperature, reduction=reduction, normalize=normalize,
-                workspace_bytes=workspace_bytes, requires_grad=True, precision=precision)
-            s = ctx.saved
-            return (B.tensor_of(loss), R.fused_stat(ctx.stats[0]), B.tensor_of(s["dz"]),
-                    R.opt_tensor(s["norm"], z))
-        rows, ctx = core.nt_xent_forward(
-            zx, temperature, reduction="none", normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=True, precision=precision)
-        loss = _base.reduce(ctx.xp, rows, reduction)
-        return B.tensor_of(loss), B.tensor_of(ctx.stats[0]), R.empty(z), R.empty(z)
-
-
-def bwd(z: Tensor, lse: Tensor, grad_loss: Tensor, temperature: float, reduction: str,
-        normalize: bool, workspace_bytes: Optional[int],
-        precision: Optional[str] = None) -> Tensor:
-    """dz (2B, D) in z's dtype, for the upstream gradient ``grad_loss`` (0-d or (2B,))."""
-    with B.device_scope(z.device):
-        dz = core.nt_xent_backward_from_stats(
-            B.array_of(z), B.array_of(lse), B.array_of(grad_loss), temperature=temperature,
-            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
-            precision=precision)
-        return B.tensor_of(dz)
-
-
-def evaluate(z: Tensor, temperature: float, reduction: str, normalize: bool,
-             workspace_bytes: Optional[int], precision: Optional[str] = None
-             ) -> Tuple[Tensor]:
-    """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
-    requiring one): the core's forward keeps no context, so repeated GPU calls replay their
-    graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
-    with B.device_scope(z.device):
-        loss, _ = core.nt_xent_forward(B.array_of(z), temperature, reduction=reduction,
-                                       normalize=normalize, workspace_bytes=workspace_bytes,
-                                       requires_grad=False, precision=precision)
-        return (B.tensor_of(loss),)
-
-
-def fwd_fake(z, temperature, reduction, normalize, workspace_bytes, precision=None,
-             fused=False):
-    return (R.loss_like(z, reduction), R.stat_like(z), R.acc_like(z, fused, z),
-            R.norm_like(z, fused, normalize, z))
-
-
-def bwd_fake(z, lse, grad_loss, temperature, reduction, normalize, workspace_bytes,
-             precision=None):
-    return z.new_empty(z.shape)
-
-
-def setup_context(ctx, inputs, output) -> None:
-    z, temperature, reduction, normalize, workspace_bytes = inputs[:5]
-    ctx.fused = R.fused_flag(inputs, 6)
-    if ctx.fused:  # the gradient accumulator (and z and its norms to normalise through)
-        ctx.save_for_backward(z if normalize else None, output[2], output[3])
-        ctx.dtype = z.dtype
-    else:
-        ctx.save_for_backward(z, output[1])
-    # (precision: the backward op recomputes in the forward's)
-    ctx.args = (temperature, reduction, normalize, workspace_bytes, R.input_at(inputs, 5))
-    R.non_differentiable(ctx, *output[1:])
-
-
-def backward(ctx, grad_loss, *_grad_stats):
-    dz = None
-    if ctx.needs_input_grad[0]:
-        if ctx.fused:
-            z, acc, norm = ctx.saved_tensors
-            dz = R.scaled(z, norm, acc, grad_loss, ctx.dtype, ctx.args[2],
-                          getattr(ctx, "direct", False))
-        else:
-            z, lse = ctx.saved_tensors
-            dz = BWD(z, lse, grad_loss.contiguous(), *ctx.args)
-    return dz, None, None, None, None, None, None
-
-
-NTXentFunction, FWD, BWD = R.register(
-    "nt_xent", "NTXentFunction", fwd, fwd_fake, bwd, bwd_fake, setup_context, backward,
-    autocast=(0,), fast=True)
+#: the op: z's rows, the temperature, the (2B,) row log-sum-exps; the fused forward's
+#: gradient accumulator and norms are the core context's ``dz`` / ``norm``
+SPEC = S.Loss("nt_xent", "NTXentFunction", __name__, core, inputs=(S.Rows("z"),),
+              params=("temperature",), stats=("lse",),
+              unit_grads=lambda saved: ((saved["dz"],), (saved["norm"],), ()))
+fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
+fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
+                                               SPEC.setup_context, SPEC.backward)
+NTXentFunction, FWD, BWD = SPEC.Function, SPEC.FWD, SPEC.BWD
 
 
 def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
@@ -154,10 +76,4 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
     reduction, workspace_bytes = R.scalars("nt_xent", reduction, workspace_bytes)
     B.check_tensors("nt_xent", z=z)
     normalize = _checks.check_bool("nt_xent", "normalize", normalize)
-    args = (z, t, reduction, normalize, workspace_bytes, R.precision_of("nt_xent", precision),
-            R.fused(reduction, z))
-    if R.direct(z):
-        if not R.needs_grad(z):
-            return R.evaluate(evaluate, args[:-1])
-        return NTXentFunction.apply(*args)
-    return FWD(*args)[0]
+    return SPEC(z, t, reduction, normalize, workspace_bytes, R.precision_of("nt_xent", precision))

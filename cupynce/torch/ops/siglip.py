@@ -1,5 +1,5 @@
-"""SigLIP's sigmoid loss for PyTorch: op bodies, torch.compile shapes, autograd, custom ops,
-the public function.
+"""SigLIP's sigmoid loss for PyTorch: the op's table entry (op bodies, torch.compile shapes,
+autograd, custom ops: ``_skeleton``) and the public function.
 """
 import numbers
 from typing import Any, Optional, Tuple
@@ -12,125 +12,23 @@ from ... import _checks
 from ...ops import siglip as core
 from .. import _bridge as B
 from .. import _registry as R
+from .. import _skeleton as S
 
 OP = "siglip_loss"
 
-
-def fwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
-        logit_bias: Optional[Tensor], logit_bias_value: float, reduction: str,
-        normalize: bool, workspace_bytes: Optional[int], precision: Optional[str] = None,
-        fused: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(loss, da_acc, db_acc, norm_a, norm_b, dscale, dbias): when ``fused``, the
-    unit-upstream gradient accumulators, row norms (normalize=True) and the 0-d
-    d loss / d logit_scale and d loss / d logit_bias; placeholders otherwise.  A scalar given
-    as None is the real ``*_value`` (a Python float never becomes a device tensor)."""
-    with B.device_scope(a.device):
-        ls = B.scalar_of(logit_scale, logit_scale_value)
-        lb = B.scalar_of(logit_bias, logit_bias_value)
-        loss, ctx = core.siglip_loss_forward(
-            B.array_of(a), B.array_of(b), ls, lb, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=fused, precision=precision)
-        if not fused:
-            return (B.tensor_of(loss),) + tuple(R.empty(a) for _ in range(6))
-        s = ctx.saved
-        return ((B.tensor_of(loss),) + tuple(R.opt_tensor(x, a) for x in s["acc"])
-                + tuple(R.opt_tensor(x, a) for x in s["norms"])
-                + tuple(B.tensor_of(ctx.xp.asarray(x)) for x in s["dscalars"]))
-
-
-def bwd(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
-        logit_bias: Optional[Tensor], logit_bias_value: float, grad_loss: Tensor,
-        reduction: str, normalize: bool, workspace_bytes: Optional[int],
-        precision: Optional[str] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(da, db, dlogit_scale, dlogit_bias) recomputed from the inputs; the scalar gradients
-    have the tensor's shape and dtype (0-d float32 / float64 when a real was given)."""
-    with B.device_scope(a.device):
-        ls = B.scalar_of(logit_scale, logit_scale_value)
-        lb = B.scalar_of(logit_bias, logit_bias_value)
-        grads = core.siglip_loss_backward_from_inputs(
-            B.array_of(a), B.array_of(b), ls, lb, B.array_of(grad_loss), reduction=reduction,
-            normalize=normalize, workspace_bytes=workspace_bytes, precision=precision)
-        return tuple(B.tensor_of(x) for x in grads)
-
-
-def evaluate(a: Tensor, b: Tensor, logit_scale: Optional[Tensor], logit_scale_value: float,
-             logit_bias: Optional[Tensor], logit_bias_value: float, reduction: str,
-             normalize: bool, workspace_bytes: Optional[int],
-             precision: Optional[str] = None) -> Tuple[Tensor]:
-    """The loss alone, for calls no gradient will be asked of (grad mode off, or no input
-    requiring one): the core's forward keeps no context, so repeated GPU calls replay their
-    graph (and, learnt, straight from the tensors: ``R.evaluate``)."""
-    with B.device_scope(a.device):
-        ls = B.scalar_of(logit_scale, logit_scale_value)
-        lb = B.scalar_of(logit_bias, logit_bias_value)
-        loss, _ = core.siglip_loss_forward(
-            B.array_of(a), B.array_of(b), ls, lb, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=False, precision=precision)
-        return (B.tensor_of(loss),)
-
-
-def fwd_fake(a, b, logit_scale, logit_scale_value, logit_bias, logit_bias_value, reduction,
-             normalize, workspace_bytes, precision=None, fused=False):
-    scalars = tuple(a.new_empty((), dtype=R.acc_dtype(a.dtype)) if fused else R.empty(a)
-                    for _ in range(2))  # (two tensors: outputs never alias each other)
-    return ((R.loss_like(a, reduction),) + tuple(R.acc_like(x, fused, a) for x in (a, b))
-            + tuple(R.norm_like(x, fused, normalize, a) for x in (a, b)) + scalars)
-
-
-def bwd_fake(a, b, logit_scale, logit_scale_value, logit_bias, logit_bias_value, grad_loss,
-             reduction, normalize, workspace_bytes, precision=None):
-    def scalar_like(t):
-        return a.new_empty((), dtype=R.acc_dtype(a.dtype)) if t is None else \
-            t.new_empty(t.shape)
-    return (a.new_empty(a.shape), b.new_empty(b.shape), scalar_like(logit_scale),
-            scalar_like(logit_bias))
-
-
-def setup_context(ctx, inputs, output) -> None:
-    a, b, ls, ls_value, lb, lb_value, reduction, normalize, workspace_bytes = inputs[:9]
-    ctx.fused = R.fused_flag(inputs, 10)
-    ctx.has = (ls is not None, lb is not None)
-    ctx.meta = tuple(None if t is None else (t.dtype, t.shape) for t in (ls, lb))
-    if ctx.fused:  # accumulators, norms, the scalar gradients (+ inputs to normalise)
-        xs = (a, b) if normalize else (None, None)
-        ctx.save_for_backward(*xs, *output[1:7])
-        ctx.dtypes = (a.dtype, b.dtype)
-    else:
-        ctx.save_for_backward(a, b, ls, lb)
-    ctx.args = (ls_value, lb_value, reduction, normalize, workspace_bytes,
-                R.input_at(inputs, 9))
-    R.non_differentiable(ctx, *output[1:])
-
-
-def backward(ctx, grad_loss, *_grad_rest):
-    need = ctx.needs_input_grad
-    ls_value, lb_value, reduction, normalize, workspace_bytes, precision = ctx.args
-    da = db = dls = dlb = None
-    direct = getattr(ctx, "direct", False)
-    if ctx.fused:
-        R.refuse_double_backward()  # (also when only the scalars need a gradient)
-        xa, xb, acc_a, acc_b, norm_a, norm_b, dscale, dbias = ctx.saved_tensors
-        if need[0]:
-            da = R.scaled(xa, norm_a, acc_a, grad_loss, ctx.dtypes[0], normalize, direct)
-        if need[1]:
-            db = R.scaled(xb, norm_b, acc_b, grad_loss, ctx.dtypes[1], normalize, direct)
-        if need[2] and ctx.has[0]:  # the core's d(scalar) * g, cast to the tensor's dtype
-            dls = (dscale * grad_loss).to(ctx.meta[0][0]).reshape(ctx.meta[0][1])
-        if need[4] and ctx.has[1]:
-            dlb = (dbias * grad_loss).to(ctx.meta[1][0]).reshape(ctx.meta[1][1])
-    elif any(need[:5]):
-        R.refuse_double_backward()
-        a, b, ls, lb = ctx.saved_tensors
-        da, db, dls, dlb = BWD(a, b, ls, ls_value, lb, lb_value, grad_loss.contiguous(),
-                               reduction, normalize, workspace_bytes, precision)
-    return (da if need[0] else None, db if need[1] else None,
-            dls if need[2] and ctx.has[0] else None, None,
-            dlb if need[4] and ctx.has[1] else None, None, None, None, None, None, None)
-
-
-SigLipLossFunction, FWD, BWD = R.register(
-    "siglip_loss", "SigLipLossFunction", fwd, fwd_fake, bwd, bwd_fake, setup_context, backward,
-    autocast=(0, 1), fast=True)
+#: the op: a, b, logit_scale and logit_bias (tensors or reals); no row statistics (the
+#: backward recomputes from the inputs); the fused forward's scalar gradients are the core
+#: context's ``dscalars``
+SPEC = S.Loss(OP, "SigLipLossFunction", __name__, core,
+              inputs=(S.Rows("a"), S.Rows("b"), S.Scalar("logit_scale"),
+                      S.Scalar("logit_bias")),
+              stats=(), backward="siglip_loss_backward_from_inputs",
+              unit_grads=lambda saved: (saved["acc"], saved["norms"], saved["dscalars"]),
+              strict_double_backward=True)
+fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
+fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
+                                               SPEC.setup_context, SPEC.backward)
+SigLipLossFunction, FWD, BWD = SPEC.Function, SPEC.FWD, SPEC.BWD
 
 
 def _scalar(name: str, value: Any, a: Tensor) -> Tuple[Optional[Tensor], float]:
@@ -194,11 +92,5 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
         tensors["logit_bias"] = lb_tensor
     B.check_tensors(OP, **tensors)
     normalize = _checks.check_bool(OP, "normalize", normalize)
-    args = (a, b, ls_tensor, ls_value, lb_tensor, lb_value, reduction, normalize,
-            workspace_bytes, R.precision_of(OP, precision),
-            R.fused(reduction, a, b, ls_tensor, lb_tensor))
-    if R.direct(a, b, ls_tensor, lb_tensor):
-        if not R.needs_grad(a, b, ls_tensor, lb_tensor):
-            return R.evaluate(evaluate, args[:-1])
-        return SigLipLossFunction.apply(*args)
-    return FWD(*args)[0]
+    return SPEC(a, b, ls_tensor, ls_value, lb_tensor, lb_value, reduction, normalize,
+                workspace_bytes, R.precision_of(OP, precision))

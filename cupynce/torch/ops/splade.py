@@ -1,5 +1,6 @@
-"""SPLADE's head for PyTorch: op bodies, torch.compile shapes, autograd, custom ops, the public
-functions (splade_pool, flops_regularizer).
+"""SPLADE's head for PyTorch: op bodies, torch.compile shapes, autograd, the op's table entry
+(custom ops, the direct Function, the dispatch: ``_skeleton.Op``), the public functions
+(splade_pool, flops_regularizer).
 """
 from typing import Any, Optional, Tuple
 
@@ -12,6 +13,7 @@ from ..._engine.splade import index_dtype
 from ...ops import splade as core
 from .. import _bridge as B
 from .. import _registry as R
+from .. import _skeleton as S
 
 
 def _mask_array(mask: Optional[Tensor]) -> Any:
@@ -98,9 +100,11 @@ def backward(ctx, grad_out, *_grad_argmax):
             db if need[2] and has_bias else None) + nones
 
 
-SpladePoolFunction, FWD, BWD = R.register(
-    "splade_pool", "SpladePoolFunction", fwd, fwd_fake, bwd, bwd_fake, setup_context, backward,
-    autocast=(0, 1, 2))
+#: the op: its own bodies above; x, weight and bias cast under autocast, the mask a tensor
+#: argument too
+SPEC = S.Op("splade_pool", "SpladePoolFunction", __name__, fwd, fwd_fake, bwd, bwd_fake,
+            setup_context, backward, autocast=(0, 1, 2), direct=(0, 1, 2, 3))
+SpladePoolFunction, FWD, BWD = SPEC.Function, SPEC.FWD, SPEC.BWD
 
 
 def check_activation(op: str, activation: Any) -> str:
@@ -164,11 +168,8 @@ def splade_pool(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     # argmax is computed and kept only when autograd will need it (read from metadata only)
     requires_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
-    args = (x, weight, bias, mask, activation, workspace_bytes, requires_grad,
-            R.precision_of(op, precision))
-    if R.direct(x, weight, bias, mask):
-        return SpladePoolFunction.apply(*args)
-    return FWD(*args)[0]
+    return SPEC(x, weight, bias, mask, activation, workspace_bytes, requires_grad,
+                R.precision_of(op, precision))
 
 
 def flops_regularizer(out: Tensor) -> Tensor:
