@@ -120,7 +120,7 @@ if part == "tf32products":
     # accumulating; one block (1100 rows: partial tiles and boxes) and row blocks of 1088
     # (dB accumulated over the blocks, a last block of 24 rows), a lone tile per CTA (the
     # interleaved ring's odd tail) and an even pair (D = 72: 1 column tile; 264: 3)
-    # (gemm.plan's TilesPlan calls tf32x3.mm through the module: the spy goes there)
+    # (gemm.chooser's TilesPlan calls tf32x3.mm through the module: the spy goes there)
     from cupynce._engine.gemm import tf32x3
     ran = []
     real = tf32x3.mm

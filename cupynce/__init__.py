@@ -27,7 +27,7 @@ engine: ``losses/`` the loss paths, ``gemm/`` the products, the loader) → ``ke
 (CUDA C); ``cupynce.torch`` (autograd, custom ops, modules) and ``cupynce.report``
 (``python -m cupynce``) sit on top; ``cupynce.config`` is read by all of them.
 """
-from . import config
+from . import config  # noqa: F401 - (cupynce.config with the package)
 from ._version import __version__
 from ._engine.kernels import SUPPORTED_DTYPES, KernelCompileError
 from .ops._base import Context, get_float32_precision, set_float32_precision

@@ -39,7 +39,7 @@ DISSOLVED: Dict[str, Tuple[Mapping[str, str], Sequence[str]]] = {
     "cupynce._engine.products_tf32": (
         {"USE_F16X3": "f16x3", "SIDE_SPLITS": "side_splits",
          "AUTO_MIN_DIM_SCALE": "tf32x3_min_dim_scale", "AUTO_MIN_DIM": "tf32x3_min_dim"},
-        ("cupynce._engine.gemm.plan",)),
+        ("cupynce._engine.gemm.chooser",)),
     "cupynce._engine.tiles_tf32": (
         {"AUTO_MIN_ROWS": "tf32x3_min_rows", "AUTO_MIN_DIM": "tf32x3_min_dim",
          "MM_INTERLEAVE": "mm_interleave"},

@@ -154,7 +154,7 @@ def test_0_2_switch_attributes_reach_the_config_with_a_warning(monkeypatch, modu
     ("cupynce._engine.tiles_tf32", "mm", "cupynce._engine.gemm.tf32x3"),
     ("cupynce._engine.tiles_tf32", "h_block", "cupynce._engine.losses.nt_xent_tf32"),
     ("cupynce._engine.tiles_f16x3", "split_rows", "cupynce._engine.gemm.f16x3"),
-    ("cupynce._engine.products_tf32", "same_stream", "cupynce._engine.gemm.plan"),
+    ("cupynce._engine.products_tf32", "same_stream", "cupynce._engine.gemm.chooser"),
     ("cupynce._engine.blocks", "clip", "cupynce._engine.losses.row_blocks"),
     ("cupynce._engine.blocks", "col_lse", "cupynce._engine.losses.stats"),
 ])

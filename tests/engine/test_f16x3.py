@@ -24,7 +24,7 @@ cp = pytest.importorskip("cupy")
 
 import cupynce.config as cfg  # noqa: E402
 from cupynce._engine.gemm import cublas, f16x3 as F  # noqa: E402
-from cupynce._engine.gemm.plan import f16_applies  # noqa: E402
+from cupynce._engine.gemm.chooser import f16_applies  # noqa: E402
 
 gpu = pytest.mark.gpu
 MM_TOL = 3e-7

@@ -16,7 +16,7 @@ import pytest
 
 import cupynce.config as cfg
 from cupynce._engine.gemm import cublas
-from cupynce._engine.gemm.plan import applies
+from cupynce._engine.gemm.chooser import applies
 from cupynce._engine.kernels import BFLOAT16
 
 F32 = np.float32
@@ -260,7 +260,7 @@ def _planners(dt, want_grad):
 @pytest.mark.parametrize("tiles", [False, True])
 def test_planners_count_the_split_block(monkeypatch, which, want_grad, tiles):
     """cuBLAS's "3xtf32" splits the gradient block: the planners count it; the TF32x3 tiles
-    (``gemm.plan``'s ``TilesPlan``, stubbed as available) split no gradient block: nothing
+    (``gemm.chooser``'s ``TilesPlan``, stubbed as available) split no gradient block: nothing
     counted."""
     from cupynce._engine.gemm import tf32x3
 

@@ -30,7 +30,7 @@ cp = pytest.importorskip("cupy")
 import cupynce.config as cfg  # noqa: E402
 from cupynce._engine.gemm import (CUBLAS, TilesPlan, cublas, plan, same_stream,  # noqa: E402
                                   tf32x3)
-from cupynce._engine.gemm.plan import applies, f16_applies  # noqa: E402
+from cupynce._engine.gemm.chooser import applies, f16_applies  # noqa: E402
 # (its folder is on sys.path, conftest: the tiles' fixture and error measure)
 from test_tf32_tiles import MM_TOL, _rel, tf32  # noqa: E402,F401
 

@@ -59,7 +59,7 @@ import cupynce
 import cupynce.config as cfg
 from cupynce import reference as R
 from cupynce._engine.gemm import tf32x3
-from cupynce._engine.gemm.plan import f16_applies
+from cupynce._engine.gemm.chooser import f16_applies
 import test_float32_precision as P  # (its folder is on sys.path: conftest)
 
 pytestmark = pytest.mark.gpu
@@ -348,7 +348,7 @@ def test_auto_nt_xent_as_accurate_as_fp32(n, d, reduction):
 
 def _auto_products(op: str, n: int, d: int) -> bool:
     """Whether "auto" runs the products of an (n, d) x (n, d) row-block op (CLIP, SigLIP,
-    InfoNCE) on the TF32x3 tiles (``gemm.plan.applies``)."""
+    InfoNCE) on the TF32x3 tiles (``gemm.chooser.applies``)."""
     c = cfg.current()
     min_dim = (c.tf32x3_min_dim if op == "info_nce"
                else c.tf32x3_min_dim_scale)
@@ -365,7 +365,7 @@ SCALAR_DRAWS = 4
 def test_auto_row_block_ops_as_accurate_as_fp32(op, n, d, reduction):
     """CLIP, SigLIP and InfoNCE at and above "auto"'s threshold: "auto" is "3xtf32"'s call
     there (their products on the TF32x3 tiles, ``gemm.plan``; "fp32"'s off Hopper; on
-    Hopper with ``gemm.plan.f16_applies()`` the F16x3 tiles instead, whose bits are
+    Hopper with ``gemm.chooser.f16_applies()`` the F16x3 tiles instead, whose bits are
     neither), and
     its per-row losses and feature gradients are no less accurate against float64 than
     "fp32"'s.  The single numbers -- the mean loss, the scalar gradients -- are one draw

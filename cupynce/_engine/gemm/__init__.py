@@ -8,15 +8,15 @@ tf32x3.py     float32 products on Hopper's TF32 tensor cores with fp32 accuracy 
               hi + lo, three products per K step promoted to an fp32 register sum)
 f16x3.py      the same on the float16 tensor cores (twice TF32's rate; rows scaled by powers
               of two, split into float16 halves)
-plan.py       the chooser: :func:`plan` gives a row-block op the :class:`Plan` that issues its
+chooser.py    the chooser: :func:`plan` gives a row-block op the :class:`Plan` that issues its
               products (the tiles under "auto" / "3xtf32" where they apply, else cuBLAS)
 ============  ==============================================================================
 
 The loss paths (``_engine.losses``, ``_engine.splade``) call these; nothing here knows a loss.
-Imports run cublas <- tf32x3 <- f16x3 <- plan.
+Imports run cublas <- tf32x3 <- f16x3 <- chooser.
 """
 from __future__ import annotations
 
-from .plan import CUBLAS, Plan, TilesPlan, plan, same_stream
+from .chooser import CUBLAS, Plan, TilesPlan, plan, same_stream
 
 __all__ = ["CUBLAS", "Plan", "TilesPlan", "plan", "same_stream"]

@@ -100,7 +100,7 @@ def split_cols_t(x, name: str = "x", out=None):
     """(hi, lo, inv) of xᵀ for ``x`` (rows, d) float32, each row c of xᵀ (a column of x)
     scaled by its own 2^e_c: hi, lo float16 (d, rows rounded up to 8), inv = 2^-e_c (d).
     ``out``: (hi, lo, inv, cmax) to write (cmax: uint32 (d,) scratch, zeroed here), nothing
-    allocated (``plan.TilesPlan.prefetch`` splits on a side stream); ``x`` then
+    allocated (``chooser.TilesPlan.prefetch`` splits on a side stream); ``x`` then
     needs unit column stride."""
     import cupy as cp
 
