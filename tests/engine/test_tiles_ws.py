@@ -566,10 +566,11 @@ def test_global_ranks(op, P, ws):
 @gpu
 @pytest.mark.parametrize("op", ["clip", "siglip"])
 @pytest.mark.parametrize("P", [1, 4])
-def test_gradient_blocks_128(monkeypatch, op, P, ws):
+def test_gradient_blocks_128(monkeypatch, configure, op, P, ws):
     """test_global_emulated's forced 128 x 128 gradient blocks (rows from row0 + r0 - c0,
     negative right of the diagonal) on the new kernels."""
-    TG.test_tile_gradient_in_row_and_column_blocks(monkeypatch, op, P, "bfloat16", "none")
+    TG.test_tile_gradient_in_row_and_column_blocks(monkeypatch, configure, op, P, "bfloat16",
+                                                   "none")
     _ran(ws, op)
 
 
