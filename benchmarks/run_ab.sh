@@ -6,7 +6,7 @@
 #   BEFORE=path/to/old/tree bash benchmarks/run_ab.sh fingerprint bench
 #
 #   fingerprint  benchmarks/fingerprint.py on this tree, compared with BASELINE (a saved JSON,
-#                default: BEFORE's run, made here)                              [~3 min each]
+#                default: BEFORE's run, made here)       [~2-3 min each, NVRTC included]
 #   bench        bench_contrastive.py --impls cupynce on both trees, alternating
 #                before / after / before / after (the second pair shows the noise): NT-Xent,
 #                CLIP, SigLIP, InfoNCE; bf16 and float32; N = 1024, 4096, 16384; D = 512;
@@ -17,7 +17,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 AFTER=$PWD
-BEFORE=$(cd "${BEFORE:?set BEFORE to the old tree}" && pwd)
+BEFORE=${BEFORE:+$(cd "$BEFORE" && pwd)}
+if [ -z "$BEFORE" ] && { [ -z "${BASELINE:-}" ] || [[ " $* " == *" bench "* ]]; }; then
+  echo "set BEFORE to the old tree (BASELINE alone serves the fingerprint stage)"; exit 2
+fi
 OUT=$(mkdir -p "${OUT:-ab-out}" && cd "${OUT:-ab-out}" && pwd)
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$OUT/cupy_cache}
 nvidia-smi -L | tee "$OUT/device.txt"
