@@ -11,6 +11,9 @@
 #                before / after / before / after (the second pair shows the noise): NT-Xent,
 #                CLIP, SigLIP, InfoNCE; bf16 and float32; N = 1024, 4096, 16384; D = 512;
 #                then the median of each case per tree and after / before        [~4 min]
+#   torch        bench_torch_overhead.py (cupynce.torch, the CuPy core, the autograd floor;
+#                CLIP and NT-Xent, bf16, N = 256, 1024) on both trees, alternating: the host
+#                time a call costs                                              [~2 min]
 #
 # Logs and JSON go to $OUT (default ./ab-out); the CuPy kernel cache to $OUT/cupy_cache
 # (both trees compile the same pasted sources: they share it).
@@ -46,7 +49,7 @@ for stage in "$@"; do
     ;;
   bench)
     args=(--impls cupynce --ops nt_xent,clip_loss,siglip_loss,info_nce
-          --dtypes bfloat16,float32 --sizes 1024,4096,16384 --dims 512 --no-errors)
+          --dtypes bfloat16,float32 --sizes ${AB_SIZES:-1024,4096,16384} --dims 512 --no-errors)
     for round in 1 2; do
       for tree in before after; do
         dir=$BEFORE; [ $tree = after ] && dir=$AFTER
@@ -81,6 +84,17 @@ for k in keys:
 print(f"\nafter / before over {len(ratios)} cases: median {statistics.median(ratios):.3f}, "
       f"min {min(ratios):.3f}, max {max(ratios):.3f}")
 PY
+    ;;
+  torch)
+    for round in 1 2; do
+      for tree in before after; do
+        dir=$BEFORE; [ $tree = after ] && dir=$AFTER
+        in_tree "$dir" python benchmarks/bench_torch_overhead.py --ops clip_loss,nt_xent \
+          --dtypes bfloat16 --sizes 256,1024 --paths "cupynce.torch,CuPy core,autograd floor" \
+          --repeat 30 --out "$OUT" --name "torch_${tree}_$round" >"$OUT/torch_${tree}_$round.log" 2>&1
+        stamp "torch $tree $round" $?
+      done
+    done
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
   esac
