@@ -27,7 +27,8 @@ _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _CUPY: list = []  # [cupy or None] once looked up (the checks run on every call)
 
 
-def _cupy():
+def cupy_module():
+    """The ``cupy`` module, or None where CuPy is not installed (looked up once)."""
     if not _CUPY:
         try:
             import cupy
@@ -62,7 +63,7 @@ def require_module(name: str, needed_by: str) -> ModuleType:
 
 
 def is_cupy_array(x: Any) -> bool:
-    cp = _cupy()
+    cp = cupy_module()
     return cp is not None and isinstance(x, cp.ndarray)
 
 
@@ -72,7 +73,7 @@ def array_module(op: str, optional: Sequence[str] = (), **arrays: Any) -> Module
     All arrays must be NumPy arrays, or all CuPy arrays on one device.  Only the names in
     ``optional`` may be None.
     """
-    cp = _CUPY[0] if _CUPY else _cupy()
+    cp = cupy_module()
     if cp is not None:  # the common case first: CuPy arrays on one device (~0.3 µs)
         device = -1
         for x in arrays.values():
@@ -111,7 +112,7 @@ def array_module(op: str, optional: Sequence[str] = (), **arrays: Any) -> Module
         if len(set(devices.values())) > 1:
             desc = ", ".join(f"{n} on cuda:{d}" for n, d in devices.items())
             raise ValueError(f"{op}: all arrays must be on one GPU, got {desc}")
-        return _cupy()
+        return cupy_module()
     return np
 
 
@@ -150,7 +151,7 @@ def check_same_dtype(op: str, **arrays: Any) -> None:
 
 def check_pairs(op: str, a: Any, b: Any) -> ModuleType:
     """Paired (N, D) rows (CLIP, SigLIP): matrices of one shape and dtype; returns the module."""
-    cp = _CUPY[0] if _CUPY else _cupy()
+    cp = cupy_module()
     if cp is not None and type(a) is cp.ndarray and type(b) is cp.ndarray:  # the common case
         shape = a.shape  # (in one pass; anything else takes the checks below, which say why)
         if len(shape) == 2 and shape[0] >= 1 and shape[1] >= 1 and b.shape == shape \
@@ -363,7 +364,7 @@ def check_scalar_input(op: str, name: str, value: Any, xp: ModuleType,
         if host_check is not None:
             host_check(value)
         return value, ()
-    cp = _CUPY[0] if _CUPY else _cupy()
+    cp = cupy_module()
     if cp is not None and type(value) is cp.ndarray and xp is cp and value.ndim <= 1 \
             and value.size == 1 and value.dtype in _SUPPORTED:
         return value, value.shape

@@ -56,7 +56,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._checks import _CUPY as _CP, _cupy  # (the cupy module, looked up once)
+from .._checks import cupy_module  # (the cupy module, looked up once)
 from .. import config
 from .._engine import compat, kernels, side as _side, tail
 from .._engine.arrays import FILE
@@ -135,7 +135,7 @@ class _Plan:
         """Copy ``inputs`` in (or read them in place: a variant), launch, and return the
         outputs in fresh memory from the current allocator (the small ones as views of one
         copied-out pack).  ``ptrs``: the inputs' device pointers, where known."""
-        cp = _CP[0] if _CP else _cupy()
+        cp = cupy_module()
 
         res: list = []
 
@@ -161,7 +161,7 @@ class _Plan:
         time then runs beside the GPU's work instead of before it), gives ``(pack_ptr,
         out_ptrs)``: where the pack goes (``pack_bytes``; ignored without one) and the
         ``(output index, destination)`` of the large outputs wanted."""
-        runtime = (_CP[0] if _CP else _cupy()).cuda.runtime
+        runtime = (cupy_module()).cuda.runtime
         sp = stream.ptr
         ptrs = tuple(in_ptrs)
         with self.lock:
@@ -287,7 +287,7 @@ _tls = _Local()
 _thread_tokens = itertools.count()
 
 
-def _thread_token() -> int:
+def thread_token() -> int:
     """This thread's number, never given to another thread of the process: the plans of the
     per-thread default stream are keyed by it.  (``threading.get_ident`` values are reused
     once a thread has exited: a new thread would replay a dead one's plan, whose static
@@ -321,7 +321,7 @@ def live(key: tuple, plan: "_Plan") -> bool:
     return True
 
 
-def _switches() -> config.Config:
+def switches() -> config.Config:
     """What changes which kernels a call runs: this thread's configuration (the float32
     precision scope's included), one object with its hash computed once."""
     return config.current()
@@ -366,7 +366,7 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
         events.append(None)  # (replaced by the replay's record below, if one is made)
     if est_bytes > MAX_PLAN_BYTES or not config.current().graphs:
         return compute(*inputs)
-    cp = _CP[0] if _CP else _cupy()
+    cp = cupy_module()
     ptrs = []
     for x in inputs:
         p = x.data.ptr
@@ -378,12 +378,12 @@ def run(op_key: tuple, inputs: Sequence[Any], compute: Callable[..., Tuple[Any, 
         return compute(*inputs)
     sp = stream.ptr
     # (the per-thread default stream has one handle value for a different stream per thread)
-    skey = (sp, _thread_token()) if sp == _PER_THREAD else sp
+    skey = (sp, thread_token()) if sp == _PER_THREAD else sp
     # (strides in the key: an input laid out as a captured one -- C-contiguous -- is too; the
     # contiguity itself, ~0.5 µs an input, is checked only where no plan is found)
     if layout is None:
         layout = tuple((x.shape, x.dtype.char, x.strides) for x in inputs)
-    key = (op_key, layout, cp.cuda.runtime.getDevice(), skey, _switches())
+    key = (op_key, layout, cp.cuda.runtime.getDevice(), skey, switches())
     plan = _plans.get(key)
     if plan is None:
         if not _contiguous(inputs):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from .._checks import _CUPY, _cupy as cupy  # (the ``cupy`` module or None, looked up once)
+from .._checks import cupy_module  # (the ``cupy`` module or None, looked up once)
 
 #: signatures remembered (then all dropped: bounded, like the graph cache)
 MAX_KNOWN = 1024
@@ -32,7 +32,7 @@ _known: Dict[tuple, bool] = {}
 def signature(op: str, *args: Any) -> Optional[tuple]:
     """``(op, per argument: (shape, dtype, strides, device) of a cupy.ndarray | a float's
     value | None)``, or None where an argument is anything else."""
-    cp = _CUPY[0] if _CUPY else cupy()
+    cp = cupy_module()
     if cp is None:
         return None
     sig = [op]

@@ -55,7 +55,7 @@ class _Entry:
 
 
 def _key(fwd: Callable, args: Sequence[Any], index: int, stream: int) -> tuple:
-    return (fwd, index, stream, _graphs._thread_token(), _graphs._switches(),
+    return (fwd, index, stream, _graphs.thread_token(), _graphs.switches(),
             tuple((a.shape, a.dtype, a.stride(), a.requires_grad) if isinstance(a, Tensor)
                   else a for a in args))
 

@@ -174,10 +174,10 @@ def test_graph_key_includes_precision():
     keys = {}
     for p in cfg.FLOAT32_PRECISIONS:
         with cfg.float32_precision(p):
-            keys[p] = _graphs._switches()
+            keys[p] = _graphs.switches()
             assert keys[p].float32_precision == p
     assert len(set(keys.values())) == 4
-    assert _graphs._switches() == keys["auto"]
+    assert _graphs.switches() == keys["auto"]
 
 
 def truncation_bound(k: int) -> float:

@@ -93,11 +93,11 @@ def test_thread_tokens_are_never_reused():
     thread gets, even once the first has exited (``threading.get_ident`` may be reused)."""
     import threading
 
-    mine = _graphs._thread_token()
-    assert _graphs._thread_token() == mine
+    mine = _graphs.thread_token()
+    assert _graphs.thread_token() == mine
     seen = []
     for _ in range(4):  # one after the other: each exits before the next starts
-        t = threading.Thread(target=lambda: seen.append(_graphs._thread_token()))
+        t = threading.Thread(target=lambda: seen.append(_graphs.thread_token()))
         t.start()
         t.join()
     assert len(set(seen + [mine])) == 5

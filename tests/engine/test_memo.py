@@ -31,7 +31,7 @@ def test_signature_refuses_what_it_cannot_pin_down(value):
 
 
 def test_signature_of_floats_and_none():
-    if _memo.cupy() is None:
+    if _memo.cupy_module() is None:
         pytest.skip("needs CuPy")
     assert _memo.signature("op", 0.5, None) == ("op", 0.5, None)
     assert _memo.signature("op", 0.5) != _memo.signature("op", 0.25)

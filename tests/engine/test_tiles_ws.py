@@ -708,12 +708,12 @@ def test_launch_blob_layout():
 
 def test_ws_switches_key_cuda_graphs():
     """Every switch that changes what the warp-specialised kernels do is part of the
-    CUDA-graph key (_graphs._switches: the config)."""
+    CUDA-graph key (_graphs.switches: the config)."""
     from cupynce.ops import _graphs
 
-    base = _graphs._switches()
+    base = _graphs.switches()
     for name, value in (("ws_tiles", not cfg.current().ws_tiles), ("ws_max_stages", 3),
                         ("ws_ar_min_stages", 99), ("ws_stages", frozenset({"lse"}))):
         with cfg.override(**{name: value}):
-            assert _graphs._switches() != base, name
-    assert _graphs._switches() == base
+            assert _graphs.switches() != base, name
+    assert _graphs.switches() == base
