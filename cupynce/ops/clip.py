@@ -132,7 +132,7 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     sig = _memo.signature("clip_loss", a, b, logit_scale)
     hit = _memo.known(sig)
     if hit:  # the arrays and logit_scale passed these checks before, laid out (_memo)
-        xp, ls = _memo.cupy(), logit_scale
+        xp, ls = _checks.cupy_module(), logit_scale
         ls_shape = () if type(ls) is float else ls.shape
         p = _checks.check_flags("clip_loss", reduction, workspace_bytes, normalize, precision)
     else:

@@ -106,7 +106,7 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     sig = _memo.signature("info_nce", query, key, negatives, temperature)
     hit = _memo.known(sig)
     if hit:  # the arrays and temperature passed these checks before, laid out (_memo)
-        xp, t = _memo.cupy(), temperature
+        xp, t = _checks.cupy_module(), temperature
         p = _checks.check_flags("info_nce", reduction, workspace_bytes, normalize, precision)
     else:
         xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,

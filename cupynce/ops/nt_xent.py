@@ -107,7 +107,7 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
     sig = _memo.signature("nt_xent", z, temperature)
     hit = _memo.known(sig)
     if hit:  # z and temperature passed these checks before, z laid out as given (_memo)
-        xp, t = _memo.cupy(), temperature
+        xp, t = _checks.cupy_module(), temperature
         p = _checks.check_flags("nt_xent", reduction, workspace_bytes, normalize, precision)
     else:
         xp, t, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)

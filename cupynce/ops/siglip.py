@@ -145,7 +145,7 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     sig = _memo.signature(OP, a, b, logit_scale, logit_bias)
     hit = _memo.known(sig)
     if hit:  # the arrays and scalars passed these checks before, laid out (_memo)
-        xp, ls, lb = _memo.cupy(), logit_scale, logit_bias
+        xp, ls, lb = _checks.cupy_module(), logit_scale, logit_bias
         ls_shape = () if type(ls) is float else ls.shape
         lb_shape = () if type(lb) is float else lb.shape
         p = _checks.check_flags(OP, reduction, workspace_bytes, normalize, precision)
