@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import cupynce.torch as ct
 from cupynce.report.environment import device_info
-from cupynce.report.timing import time_cpu
+from cupynce.report.timing import _stats, time_cpu
 
 SIZES = (256, 1024, 4096)
 D = 256
@@ -102,12 +102,7 @@ def measure(ours: Callable, plain: Callable, repeat: int, blocks: int = 3) -> Di
     for _ in range(blocks):
         for name, fn in (("cupynce", ours), ("torch", plain)):
             times[name] += time_cpu(fn, warmup=1, repeat=per)["times_ms"]
-    out = {}
-    for name, t in times.items():
-        t = sorted(t)
-        out[name] = {"median_ms": t[len(t) // 2], "p20_ms": t[len(t) // 5],
-                     "p80_ms": t[(4 * len(t)) // 5], "times_ms": t}
-    return out
+    return {name: dict(_stats("", t), times_ms=t) for name, t in times.items()}
 
 
 def main(argv=None) -> int:

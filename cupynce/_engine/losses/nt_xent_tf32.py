@@ -47,7 +47,9 @@ from ..tiling import TILE, grid_splits
 from ..workspace import plan_rows, workspace_cap
 from .stats import pair_dots
 
-FILE = "products/tiles_ws_tf32.cu"
+FILE = tf32x3.FILE  # (the fused passes are kernels of the TF32x3 tiles' file)
+
+
 def _check(x, name: str):
     if getattr(x, "ndim", None) != 2 or x.dtype != np.float32:
         raise ValueError(f"tile_lse_tf32x3: {name} must be a 2-D float32 CuPy array, got "
