@@ -121,6 +121,9 @@ class Config:
     symmetric_lse_min_nd: int = 16384 * 512
     #: NT-Xent's gradient block computes each pair of tiles once when H fits one block
     symmetric_h: bool = True
+    #: a fused 16-bit CLIP call at D >= this runs the cuBLAS row blocks that keep the whole
+    #: score matrix where it fits the workspace (three products), not the tiles (four)
+    keep_scores_min_dim: int = 2048
 
     # -- SPLADE (``_engine.splade``) ---------------------------------------------------------
     #: the TMA / warp-specialised SPLADE forward on Hopper (False: the tile kernels)

@@ -24,6 +24,7 @@ attributes (``products_tf32.USE_F16X3``, ...) working with a DeprecationWarning.
 """
 from __future__ import annotations
 
+from .. import config
 from . import compat, tiling
 from .gemm import tf32x3
 from .losses import nt_xent_tf32, row_blocks, score_tiles, stats
@@ -77,9 +78,25 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_loss=want_loss,
               want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0,
               col_shift=col_shift, col_state=col_state)
-    if tiling.tiles_ok(an, bn):
+    if tiling.tiles_ok(an, bn) and not _clip_keeps_scores(an, bn, want_loss, want_grad,
+                                                          workspace_bytes, row0, col_state):
         return score_tiles.clip(an, bn, ls() if callable(ls) else ls, **kw)
     return row_blocks.clip(an, bn, ls, **kw)
+
+
+def _clip_keeps_scores(an, bn, want_loss: bool, want_grad: bool, workspace_bytes, row0: int,
+                       col_state: bool) -> bool:
+    """The chooser by cost for a fused CLIP call (loss and gradient in one): the cuBLAS row
+    blocks that keep the whole score matrix (three products) instead of the score tiles,
+    which recompute the scores in their gradient pass (four), where D >= the configured
+    ``keep_scores_min_dim`` (there the fourth product outweighs the tiles' fusion: H200, bf16,
+    ``benchmarks/bench_chooser.py``, docs/results.md) and the matrix fits ``workspace_bytes``
+    (4 N² bytes for 16-bit inputs: N <= 16384 under the default 1 GiB).  Not a distributed
+    rank's block (``row0``, ``col_state``), whose columns span every rank."""
+    if (not (want_loss and want_grad) or row0 or col_state
+            or an.shape[1] < config.current().keep_scores_min_dim):
+        return False
+    return row_blocks.clip_keeps_scores(an, bn, workspace_bytes)
 
 
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,

@@ -75,13 +75,18 @@ def _logit_scale_array(xp, ls, acc):
 
 
 def _score_block_bytes(a, acc, workspace_bytes) -> int:
-    """The score block a GPU call keeps on the row-block path (float32 / float64 inputs;
-    0 for 16-bit inputs, whose tiles keep none), at most the workspace cap without its
-    free-memory bound (no driver query): ``_graphs.run``'s ``est_bytes``."""
-    if a.dtype != acc:
+    """The score block a GPU call keeps on the row-block path (float32 / float64 inputs, and
+    16-bit inputs from ``config.keep_scores_min_dim`` columns, with their 16-bit gradient
+    block; 0 for other 16-bit inputs, whose tiles keep none), at most the workspace cap
+    without its free-memory bound (no driver query): ``_graphs.run``'s ``est_bytes``."""
+    n, d = a.shape
+    if a.dtype == acc:
+        row = n * acc.itemsize
+    elif d >= config.current().keep_scores_min_dim:
+        row = n * acc.itemsize  # (G is written over the scores)
+    else:
         return 0
-    n = a.shape[0]
-    return min(n * n * acc.itemsize, workspace.workspace_bound(workspace_bytes))
+    return min(n * row, workspace.workspace_bound(workspace_bytes))
 
 
 def _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision):

@@ -408,6 +408,52 @@ __device__ __forceinline__ void clip_grad_body(
     }
 }
 
+// clip_grad_body's G for 16-bit T written in place over the float32 row it is computed from:
+// G's row r starts where S's does (g == s as bytes, ldg == 2 ld in T), so that a kept score
+// matrix needs no second buffer for G (4 N^2 bytes, not 6: N = 16384 fits 1 GiB).  G_j's two
+// bytes overlap S_{j/2}, read in the same or an earlier round; every round reads its S
+// values into registers, then the block synchronises, then writes them: no thread's store
+// lands on a value another thread has still to read.  Hence neither pointer is __restrict__
+// (the barrier also keeps the compiler from moving a store above a load) and the loop runs
+// in uniform rounds of blockDim.x columns.  Same operations as
+// clip_grad_body, the same G and dscale_part bits.
+template <typename T, typename A>
+__device__ __forceinline__ void clip_grad_inplace_body(
+    A* s, i64 ld, int n, int row0, const A* __restrict__ scale_log, A scale_mul,
+    const A* __restrict__ lse_row, const A* __restrict__ lse_col,
+    const A* __restrict__ w_ptr, i64 w_stride, A w_mul, A* __restrict__ dscale_part)
+{
+    static_assert(sizeof(T) < sizeof(A), "in place: G narrower than S");
+    __shared__ A sh[64];
+    const int r = blockIdx.x;
+    const int i = row0 + r;
+    const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
+    const A* row = s + (i64)r * ld;
+    T* grow = reinterpret_cast<T*>(s + (i64)r * ld);
+    const A lr = lse_row[i];
+    const A wi = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1));
+    A acc = A(0);
+    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
+        const int j = j0 + threadIdx.x;
+        A out = A(0);
+        if (j < n) {
+            const A wj = w_mul * (w_ptr ? w_ptr[(i64)j * w_stride] : A(1));
+            const A L = scale * row[j];
+            A G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lse_col[j]);
+            if (j == i) G -= wi + wj;
+            G *= A(0.5);
+            acc += G * L;
+            out = scale * G;
+        }
+        __syncthreads();  // (every read of this round before any write of it)
+        if (j < n) grow[j] = Conv<T>::store(out);
+    }
+    if (dscale_part) {  // (uniform over the block: every thread reaches block_sum)
+        acc = block_sum(acc, sh);
+        if (threadIdx.x == 0) dscale_part[i] = acc;
+    }
+}
+
 // SigLIP row pass: one block per row r (global row i = row0 + r) of a raw score block S
 // (S_ij = a_i . b_j; n columns, leading dim ld).  With scale = exp(*scale_log), L_ij =
 // scale * S_ij + *bias and z_ij = +1 for j == i, -1 otherwise (no softmax: every pair alone):
@@ -687,6 +733,16 @@ CPN_DEFINE(f16, f16_t, float)
 CPN_DEFINE(bf16, bf16_t, float)
 CPN_DEFINE(f32, float, float)
 CPN_DEFINE(f64, double, double)
+
+// the in-place G (16-bit inputs only)
+#define CPN_DEFINE_INPLACE(SUF, T, A)                                                      \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_inplace_##SUF(       \
+    A* s, i64 ld, int n, int row0, const A* scale_log, A scale_mul, const A* lse_row,       \
+    const A* lse_col, const A* w_ptr, i64 w_stride, A w_mul, A* dscale_part) {             \
+    clip_grad_inplace_body<T, A>(s, ld, n, row0, scale_log, scale_mul, lse_row, lse_col,   \
+        w_ptr, w_stride, w_mul, dscale_part); }
+CPN_DEFINE_INPLACE(f16, f16_t, float)
+CPN_DEFINE_INPLACE(bf16, bf16_t, float)
 CPN_DEFINE_ACC(f16, float)
 CPN_DEFINE_ACC(bf16, float)
 CPN_DEFINE_ACC(f32, float)

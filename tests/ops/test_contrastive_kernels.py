@@ -438,6 +438,39 @@ def test_tiles_agree_with_cublas_path(op, neg, dtype, configure):
             assert rel(a, cp.asnumpy(b)) <= tol
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_clip_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
+    """The chooser by cost (``_engine.clip``): a fused 16-bit CLIP call from
+    ``keep_scores_min_dim`` columns runs the row blocks that keep the whole score matrix
+    where 4 N² bytes fit the workspace, the tiles otherwise (a smaller workspace, fewer
+    columns, an unfused call); every choice against the float64 oracle."""
+    from cupynce._engine.losses import row_blocks, score_tiles
+
+    taken = []
+    for mod in (row_blocks, score_tiles):
+        def spy(*a, _real=mod.clip, _name=mod.__name__.rsplit(".", 1)[1], **k):
+            taken.append(_name)
+            return _real(*a, **k)
+        monkeypatch.setattr(mod, "clip", spy)
+    n, d = 200, 64
+    rng = np.random.default_rng(zlib.crc32(f"keep{dtype}".encode()))
+    inputs = make_case("clip_loss", dtype, n, d, rng, scale=1 / np.sqrt(d))
+    mean = dict(t=0.1, reduction="mean", normalize=True)
+    fits, short = 4 * n * n, 4 * n * n - 1  # (float32 scores, G written over them)
+    for min_dim, ws, kw, want in [
+            (d, fits, mean, ["row_blocks"]),  # fused, fits: the scores kept
+            (d, None, mean, ["row_blocks"]),  # the default budget
+            (d, short, mean, ["score_tiles"]),  # one row short: the tiles
+            (d + 8, fits, mean, ["score_tiles"]),  # below the threshold
+            (d, fits, dict(mean, reduction="none"), ["score_tiles"] * 2)]:  # unfused: fwd, bwd
+        configure(keep_scores_min_dim=min_dim)
+        taken.clear()
+        check("clip_loss", dtype, inputs, kw, grad_for(kw["reduction"], n, rng),
+              workspace_bytes=ws)
+        # (the fused forward computes the gradient; its backward only scales it)
+        assert taken == want, (min_dim, ws, kw["reduction"], taken)
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
 @pytest.mark.parametrize("op,neg", CASES)
 @pytest.mark.parametrize("tiles", [False, True])

@@ -25,15 +25,17 @@ from ..workspace import plan_rows
 from .stats import FAR_MOD, STATS_ROWS, row_col_stats
 
 
-def _row_bytes(t, a, cols: int, want_grad: bool, plan) -> int:
+def _row_bytes(t, a, cols: int, want_grad: bool, plan, g_in_place: bool = False) -> int:
     """Workspace bytes a row block takes per row: its ``cols`` scores in the accumulator dtype
     ``a``; with the gradient, a separate copy of the gradient block in the input dtype ``t``
-    for half inputs and, for float32 in "3xtf32" on cuBLAS, the split the gradient products
-    make of it (``plan.split_row_bytes``: none when ``plan``, the block's products, is the
-    TF32x3 tiles')."""
+    for half inputs (none where ``g_in_place``: CLIP writes it over the scores) and, for
+    float32 in "3xtf32" on cuBLAS, the split the gradient products make of it
+    (``plan.split_row_bytes``: none when ``plan``, the block's products, is the TF32x3
+    tiles')."""
     row = cols * a.itemsize
     if want_grad:
-        row += (cols * t.itemsize if t != a else 0) + plan.split_row_bytes(t, cols)
+        row += ((cols * t.itemsize if t != a and not g_in_place else 0)
+                + plan.split_row_bytes(t, cols))
     return row
 
 
@@ -162,17 +164,15 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     # (rows of D) take the F16x3 stores (D even; else G stays float32 on the TF32x3 tiles)
     f16_s = plan.f16
     f16 = f16_s and want_grad and d % 2 == 0
-    ldn = -(-nc // 64) * 64 if f16_s else nc
-    rb = plan_rows("clip_loss", n, _row_bytes(t, a, ldn, want_grad, plan), workspace_bytes)
+    ldn, rb = _clip_blocks(an, bn, want_grad, workspace_bytes, plan)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     # scratch and outputs from two allocations (see rows).  part_m / part_s: column
     # partials of a row block; col_m: the running column state between row blocks (the first
     # block starts it: no fill); da, db: written by the first row block's products (beta = 0)
     nch = -(-rb // STATS_ROWS)
     keep_state = want_loss and (rb < n or col_state)
-    s_buf, g_buf, row_loss, part_m, part_s, col_m = buffers((
-        ((rb, ldn), a), ((rb, nc), t) if split_g else None,
-        ((n,), a) if want_loss else None,
+    s_buf, row_loss, part_m, part_s, col_m = buffers((
+        ((rb, ldn), a), ((n,), a) if want_loss else None,
         ((nch, nc), a) if want_loss else None, ((nch, nc), a) if want_loss else None,
         ((2, nc), a) if keep_state else None))
     if f16:
@@ -192,8 +192,9 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         vec if want_loss and not col_state else None, vec if want_loss and not col_state else None,
         ((n, d), a) if want_grad else None, ((nc, d), a) if want_grad else None,
         vec if want_grad else None))
-    if not split_g:
-        g_buf = s_buf
+    # 16-bit inputs: G's rows written in place over the score rows they come from (pitch
+    # 2 ldn in T, cpn_clip_grad_inplace); else G is S's own dtype, in place
+    g_buf = s_buf.view(t)[:, :nc] if split_g else s_buf
     # per-row arrays are indexed by the global row (row0 + r) in the kernels
     shift = row0 * a.itemsize
     if want_loss:
@@ -233,12 +234,16 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                     np.int64(w_stride), np.float32(w_mul), e_ptr, np.int32(e_host), ufac,
                     dsp.data.ptr - shift))
                 plan.set_grad_block(g_blk, ufac)
+            elif split_g:
+                kernels.launch(FILE, "clip_grad_inplace", t, (nrows,), (
+                    s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
+                    lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride),
+                    a.type(w_mul), dsp.data.ptr - shift))
             else:
                 kernels.launch(FILE, "clip_grad", t, (nrows,), (
                     s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
                     lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride),
-                    a.type(w_mul), g_blk, np.int64(nc if split_g else ldn),
-                    dsp.data.ptr - shift))
+                    a.type(w_mul), g_blk, np.int64(ldn), dsp.data.ptr - shift))
             gemm(g_blk, bn, da[r0:r1])
             gemm(g_blk, an[r0:r1], db, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (da, db, dsp)
@@ -247,6 +252,26 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     if col_state:
         return lse_r, col_m, row_loss, grads
     return lse_r, lse_c, pair_loss, grads
+
+
+def _clip_blocks(an, bn, want_grad: bool, workspace_bytes, plan) -> tuple:
+    """(ldn, rb): :func:`clip`'s score rows' leading dimension (a multiple of 64 columns for
+    the F16x3 products) and its rows per block under ``workspace_bytes``."""
+    t, nc = an.dtype, bn.shape[0]
+    ldn = -(-nc // 64) * 64 if plan.f16 else nc
+    return ldn, plan_rows("clip_loss", an.shape[0], _row_bytes(t, acc_dtype(t), ldn, want_grad,
+                                                             plan, g_in_place=True),
+                          workspace_bytes)
+
+
+def clip_keeps_scores(an, bn, workspace_bytes) -> bool:
+    """Whether :func:`clip`'s fused call (statistics and gradient) holds the whole score
+    matrix under ``workspace_bytes`` (float32 scores, the 16-bit gradient block written over
+    them: 4 N² bytes for 16-bit inputs), so that its gradient pass reuses the scores instead
+    of recomputing them: three products where the score tiles run four (the chooser's
+    question at large D, ``cupynce._engine.clip``)."""
+    plan = plan_products(an, bn, scale_grad=True)
+    return _clip_blocks(an, bn, True, workspace_bytes, plan)[1] >= an.shape[0]
 
 
 def _f16_grad_args(weights, length: int):
