@@ -124,6 +124,15 @@ def float32_cases() -> List[Dict[str, Any]]:
     return cases
 
 
+def chooser_cases(dtypes) -> List[Dict[str, Any]]:
+    """CLIP where the chooser by cost (issue 53, item 6) keeps the scores on the row blocks:
+    16-bit, D = 2048 (``config.keep_scores_min_dim``), fused (mean) and not (none), with the
+    default workspace (the scores fit) and a small one (they do not: the tiles)."""
+    return [dict(op="clip_loss", dtype=dtype, n=520, d=2048, red=red, norm=True, ws=ws,
+                 neg=None, ls="array")
+            for dtype in dtypes for red in ("mean", "none") for ws in (None, 256 * 1024)]
+
+
 def global_cases(dtypes) -> List[Dict[str, Any]]:
     """The global losses on emulated ranks (one GPU, threads;
     tests/_support/emulated_ranks.py)."""
@@ -315,6 +324,8 @@ def fingerprint() -> Dict[str, Any]:
         set_switch(k, v)
     for c in float32_cases():
         out["cases"][f"float32 {key(c)}"] = run_case(c)
+    for c in chooser_cases(half):
+        out["cases"][f"chooser {key(c)}"] = run_case(c)
     for c in global_cases([np.dtype(np.float32)] + half):
         out["cases"][f"global {key(c)}"] = run_global(c)
     try:
