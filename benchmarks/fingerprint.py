@@ -125,12 +125,13 @@ def float32_cases() -> List[Dict[str, Any]]:
 
 
 def chooser_cases(dtypes) -> List[Dict[str, Any]]:
-    """CLIP where the chooser by cost (issue 53, item 6) keeps the scores on the row blocks:
+    """CLIP and NT-Xent where the chooser by cost (issue 53, item 6) keeps the scores:
     16-bit, D = 2048 (``config.keep_scores_min_dim``), fused (mean) and not (none), with the
     default workspace (the scores fit) and a small one (they do not: the tiles)."""
-    return [dict(op="clip_loss", dtype=dtype, n=520, d=2048, red=red, norm=True, ws=ws,
-                 neg=None, ls="array")
-            for dtype in dtypes for red in ("mean", "none") for ws in (None, 256 * 1024)]
+    return [dict(op=op, dtype=dtype, n=520, d=2048, red=red, norm=True, ws=ws, neg=None,
+                 ls="array")
+            for op in ("clip_loss", "nt_xent") for dtype in dtypes for red in ("mean", "none")
+            for ws in (None, 256 * 1024)]
 
 
 def global_cases(dtypes) -> List[Dict[str, Any]]:

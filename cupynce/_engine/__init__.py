@@ -48,6 +48,14 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
               weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
               self_pair=self_pair, scale_log=scale_log)
     if neg_p is None and tiling.tiles_ok(q, k, neg_s):
+        if (want_grad and lse_in is None and self_pair and neg_s is None and exclude_diag
+                and pos_mod == q.shape[0] and 2 * pos_shift == pos_mod and scale_log is None
+                and q.shape[1] >= config.current().keep_scores_min_dim
+                and row_blocks.nt_xent_keeps_scores(q, workspace_bytes, op)):
+            # NT-Xent's fused call at large D: the kept scores' two products (the tiles' two
+            # product-equivalents run slower there; see _clip_keeps_scores)
+            return row_blocks.nt_xent_kept(q, scale, pos_shift=pos_shift, weights=weights,
+                                           op=op)
         return score_tiles.rows(q, k, neg_s, scale, **kw)
     if neg_p is None and nt_xent_tf32.applies(q, k, neg_s, exclude_diag=exclude_diag,
                                               pos_shift=pos_shift, pos_mod=pos_mod,

@@ -408,18 +408,26 @@ __device__ __forceinline__ void clip_grad_body(
     }
 }
 
-// clip_grad_body's G for 16-bit T written in place over the float32 row it is computed from:
+// The gradient block of a kept square score matrix, for 16-bit T, written in place over the
+// float32 row it is computed from (one block per row r, global row i = row0 + r):
+//   L = scale * S_ij,  G_ij = factor * (w_i e^(L - lse_row_i) + w_j e^(L - lse_col_j)
+//                                       - [j == pos_i] (w_i + w_j)),   g = scale * G,
+//   pos_i = (i + pos_shift) % pos_mod; column i gives 0 when exclude_diag.
+// CLIP (factor 1/2, pos_i = i, lse_col its column statistics): clip_grad_body's G, the same
+// operations and bits, with dscale_part[i] = sum_j G_ij L_ij.  NT-Xent (factor 1, the
+// diagonal excluded, lse_col = lse_row): H = G + G^T of its symmetric S, whose one product
+// H Z gives dZ (dscale_part null).
 // G's row r starts where S's does (g == s as bytes, ldg == 2 ld in T), so that a kept score
 // matrix needs no second buffer for G (4 N^2 bytes, not 6: N = 16384 fits 1 GiB).  G_j's two
 // bytes overlap S_{j/2}, read in the same or an earlier round; every round reads its S
 // values into registers, then the block synchronises, then writes them: no thread's store
 // lands on a value another thread has still to read.  Hence neither pointer is __restrict__
 // (the barrier also keeps the compiler from moving a store above a load) and the loop runs
-// in uniform rounds of blockDim.x columns.  Same operations as
-// clip_grad_body, the same G and dscale_part bits.
+// in uniform rounds of blockDim.x columns.
 template <typename T, typename A>
-__device__ __forceinline__ void clip_grad_inplace_body(
-    A* s, i64 ld, int n, int row0, const A* __restrict__ scale_log, A scale_mul,
+__device__ __forceinline__ void grad_inplace_body(
+    A* s, i64 ld, int n, int row0, int pos_shift, int pos_mod, int exclude_diag, A factor,
+    const A* __restrict__ scale_log, A scale_mul,
     const A* __restrict__ lse_row, const A* __restrict__ lse_col,
     const A* __restrict__ w_ptr, i64 w_stride, A w_mul, A* __restrict__ dscale_part)
 {
@@ -427,6 +435,8 @@ __device__ __forceinline__ void clip_grad_inplace_body(
     __shared__ A sh[64];
     const int r = blockIdx.x;
     const int i = row0 + r;
+    const int pos = (i + pos_shift) % pos_mod;
+    const int diag = exclude_diag ? i : -1;
     const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
     const A* row = s + (i64)r * ld;
     T* grow = reinterpret_cast<T*>(s + (i64)r * ld);
@@ -436,12 +446,12 @@ __device__ __forceinline__ void clip_grad_inplace_body(
     for (int j0 = 0; j0 < n; j0 += blockDim.x) {
         const int j = j0 + threadIdx.x;
         A out = A(0);
-        if (j < n) {
+        if (j < n && j != diag) {
             const A wj = w_mul * (w_ptr ? w_ptr[(i64)j * w_stride] : A(1));
             const A L = scale * row[j];
             A G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lse_col[j]);
-            if (j == i) G -= wi + wj;
-            G *= A(0.5);
+            if (j == pos) G -= wi + wj;
+            G *= factor;
             acc += G * L;
             out = scale * G;
         }
@@ -736,11 +746,12 @@ CPN_DEFINE(f64, double, double)
 
 // the in-place G (16-bit inputs only)
 #define CPN_DEFINE_INPLACE(SUF, T, A)                                                      \
-extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_inplace_##SUF(       \
-    A* s, i64 ld, int n, int row0, const A* scale_log, A scale_mul, const A* lse_row,       \
-    const A* lse_col, const A* w_ptr, i64 w_stride, A w_mul, A* dscale_part) {             \
-    clip_grad_inplace_body<T, A>(s, ld, n, row0, scale_log, scale_mul, lse_row, lse_col,   \
-        w_ptr, w_stride, w_mul, dscale_part); }
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_grad_inplace_##SUF(            \
+    A* s, i64 ld, int n, int row0, int pos_shift, int pos_mod, int exclude_diag, A factor,  \
+    const A* scale_log, A scale_mul, const A* lse_row, const A* lse_col, const A* w_ptr,    \
+    i64 w_stride, A w_mul, A* dscale_part) {                                               \
+    grad_inplace_body<T, A>(s, ld, n, row0, pos_shift, pos_mod, exclude_diag, factor,      \
+        scale_log, scale_mul, lse_row, lse_col, w_ptr, w_stride, w_mul, dscale_part); }
 CPN_DEFINE_INPLACE(f16, f16_t, float)
 CPN_DEFINE_INPLACE(bf16, bf16_t, float)
 CPN_DEFINE_ACC(f16, float)

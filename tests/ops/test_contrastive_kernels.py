@@ -471,6 +471,42 @@ def test_clip_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
         assert taken == want, (min_dim, ws, kw["reduction"], taken)
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_nt_xent_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
+    """The chooser for NT-Xent (``_engine.rows``): a fused 16-bit call from
+    ``keep_scores_min_dim`` columns runs ``row_blocks.nt_xent_kept`` (S kept, H = G + Gᵀ
+    written over it, one product) where 4 N² bytes fit the workspace, the tiles otherwise;
+    every choice against the float64 oracle, and the kept path deterministic."""
+    from cupynce._engine.losses import row_blocks, score_tiles
+
+    taken = []
+    for mod, name in ((row_blocks, "nt_xent_kept"), (score_tiles, "rows")):
+        def spy(*a, _real=getattr(mod, name), _name=name, **k):
+            taken.append(_name)
+            return _real(*a, **k)
+        monkeypatch.setattr(mod, name, spy)
+    n, d = 200, 64
+    rng = np.random.default_rng(zlib.crc32(f"keepnt{dtype}".encode()))
+    inputs = make_case("nt_xent", dtype, n, d, rng, scale=1 / np.sqrt(d))
+    fits, short = 4 * n * n, 4 * n * n - 1
+    for min_dim, ws, red, norm, want in [
+            (d, fits, "mean", True, ["nt_xent_kept"]),
+            (d, None, "sum", False, ["nt_xent_kept"]),
+            (d, short, "mean", True, ["rows"]),  # one row short: the tiles
+            (d + 8, fits, "mean", True, ["rows"]),  # below the threshold
+            (d, fits, "none", True, ["rows", "rows"])]:  # unfused: forward, backward
+        configure(keep_scores_min_dim=min_dim)
+        taken.clear()
+        kw = dict(t=0.1, reduction=red, normalize=norm)
+        check("nt_xent", dtype, inputs, kw, grad_for(red, n, rng), workspace_bytes=ws)
+        assert taken == want, (min_dim, ws, red, taken)
+    configure(keep_scores_min_dim=d)
+    kw = dict(t=0.1, reduction="mean", normalize=True)
+    first, again = (run_cupynce("nt_xent", inputs, kw, 1.0) for _ in range(2))
+    assert cp.asnumpy(first[0]).tobytes() == cp.asnumpy(again[0]).tobytes()
+    assert cp.asnumpy(first[1][0]).tobytes() == cp.asnumpy(again[1][0]).tobytes()
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
 @pytest.mark.parametrize("op,neg", CASES)
 @pytest.mark.parametrize("tiles", [False, True])

@@ -127,6 +127,40 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     return lse, loss, (dq, dk, dns, dnp)
 
 
+def nt_xent_keeps_scores(z, workspace_bytes, op: str) -> bool:
+    """Whether NT-Xent's whole float32 score matrix (4 N² bytes; H written over it) fits
+    ``workspace_bytes``: :func:`nt_xent_kept` runs then (the chooser,
+    ``cupynce._engine.rows``)."""
+    n = z.shape[0]
+    return plan_rows(op, n, n * acc_dtype(z.dtype).itemsize, workspace_bytes) >= n
+
+
+def nt_xent_kept(z, scale: float, *, pos_shift: int, weights, op: str):
+    """NT-Xent's fused call (statistics and gradient) on a kept score matrix, for 16-bit z
+    (N, D): S = Z Zᵀ in float32 (one cuBLAS product), the row log-sum-exps and losses
+    (``row_softmax`` without a gradient), H = G + Gᵀ written over S (``grad_inplace``: S is
+    symmetric, so H_ij needs only S_ij and both rows' statistics), and dZ = H Z (one product).
+    Two products where the row blocks run three and eager PyTorch three; the whole matrix
+    must fit the workspace (:func:`nt_xent_keeps_scores`).  Returns ``rows``' results."""
+    t = z.dtype
+    a = acc_dtype(t)
+    n = z.shape[0]
+    (s,) = buffers((((n, n), a),))  # (scratch apart from the outputs the caller keeps)
+    lse, loss, dz = buffers((((n,), a), ((n,), a), ((n, z.shape[1]), a)))
+    CUBLAS.gemm(z, z, s, trans_b=True)
+    w_arr, w_stride, w_mul = weights
+    kernels.launch(FILE, "row_softmax", t, (n,), (
+        s, np.int64(n), np.int32(n), 0, np.int64(0), np.int32(0), np.int32(0), np.int32(1),
+        np.int32(pos_shift), np.int32(n), 0, a.type(scale), 0, lse, loss, 0, np.int64(n), 0,
+        np.int64(0), ptr(w_arr), np.int64(w_stride), a.type(w_mul)))
+    kernels.launch(FILE, "grad_inplace", t, (n,), (
+        s, np.int64(n), np.int32(n), np.int32(0), np.int32(pos_shift), np.int32(n),
+        np.int32(1), a.type(1.0), 0, a.type(scale), lse, lse, ptr(w_arr), np.int64(w_stride),
+        a.type(w_mul), 0))
+    CUBLAS.gemm(s.view(t)[:, :n], z, dz)  # dZ = H Z
+    return lse, loss, (dz, dz, None, None)
+
+
 def _scores(gemm, prods, a_rows, an, bn, out) -> None:
     """The score block ``out = a_rows bnᵀ``; with ``prods`` (the tiles' products of a call in
     one block), the gradient products' operands bn and an split on its side stream beside
@@ -193,7 +227,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         ((n, d), a) if want_grad else None, ((nc, d), a) if want_grad else None,
         vec if want_grad else None))
     # 16-bit inputs: G's rows written in place over the score rows they come from (pitch
-    # 2 ldn in T, cpn_clip_grad_inplace); else G is S's own dtype, in place
+    # 2 ldn in T, cpn_grad_inplace); else G is S's own dtype, in place
     g_buf = s_buf.view(t)[:, :nc] if split_g else s_buf
     # per-row arrays are indexed by the global row (row0 + r) in the kernels
     shift = row0 * a.itemsize
@@ -235,8 +269,9 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                     dsp.data.ptr - shift))
                 plan.set_grad_block(g_blk, ufac)
             elif split_g:
-                kernels.launch(FILE, "clip_grad_inplace", t, (nrows,), (
-                    s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
+                kernels.launch(FILE, "grad_inplace", t, (nrows,), (
+                    s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), np.int32(0),
+                    np.int32(nc), np.int32(0), a.type(0.5), ls, a.type(1.0),
                     lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride),
                     a.type(w_mul), dsp.data.ptr - shift))
             else:
