@@ -124,6 +124,10 @@ class Config:
     #: a fused 16-bit CLIP call at D >= this runs the cuBLAS row blocks that keep the whole
     #: score matrix where it fits the workspace (three products), not the tiles (four)
     keep_scores_min_dim: int = 2048
+    #: a fused 16-bit NT-Xent call at D >= this and N · D >= the minimum keeps its scores
+    #: where they fit (two cuBLAS products), not the tiles (two slower product-equivalents)
+    nt_xent_keep_min_dim: int = 4096
+    nt_xent_keep_min_nd: int = 16384 * 4096
 
     # -- SPLADE (``_engine.splade``) ---------------------------------------------------------
     #: the TMA / warp-specialised SPLADE forward on Hopper (False: the tile kernels)

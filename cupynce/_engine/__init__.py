@@ -48,12 +48,9 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
               weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
               self_pair=self_pair, scale_log=scale_log)
     if neg_p is None and tiling.tiles_ok(q, k, neg_s):
-        if (want_grad and lse_in is None and self_pair and neg_s is None and exclude_diag
-                and pos_mod == q.shape[0] and 2 * pos_shift == pos_mod and scale_log is None
-                and q.shape[1] >= config.current().keep_scores_min_dim
-                and row_blocks.nt_xent_keeps_scores(q, workspace_bytes, op)):
-            # NT-Xent's fused call at large D: the kept scores' two products (the tiles' two
-            # product-equivalents run slower there; see _clip_keeps_scores)
+        if want_grad and lse_in is None and _nt_xent_keeps_scores(
+                q, neg_s, exclude_diag, pos_shift, pos_mod, self_pair, scale_log,
+                workspace_bytes, op):
             return row_blocks.nt_xent_kept(q, scale, pos_shift=pos_shift, weights=weights,
                                            op=op)
         return score_tiles.rows(q, k, neg_s, scale, **kw)
@@ -68,6 +65,24 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             pass  # (a tensor map or the shared memory refused at launch: the row blocks,
             # fp32-accurate under "auto", cuBLAS 3xTF32 under "3xtf32", as elsewhere)
     return row_blocks.rows(q, k, neg_s, neg_p, scale, **kw)
+
+
+def _nt_xent_keeps_scores(q, neg_s, exclude_diag: bool, pos_shift: int, pos_mod: int,
+                          self_pair: bool, scale_log, workspace_bytes, op: str) -> bool:
+    """The chooser by cost for NT-Xent's fused 16-bit call (its symmetric S = Z Zᵀ, no
+    learnable scale): the kept scores (``row_blocks.nt_xent_kept``: two cuBLAS products) in
+    place of the tiles (two product-equivalents of the tile kernels, which run below cuBLAS's
+    rate at large D) from ``config.nt_xent_keep_min_dim`` columns and ``nt_xent_keep_min_nd``
+    = N · D, where 4 N² bytes fit ``workspace_bytes``.  H200, bf16, N = 16384, D = 4096:
+    0.69× eager's time against the tiles' 0.93×; at N = 8192 or D = 2048 the tiles were as
+    fast or faster (their fused passes write no N × N float32 matrix), hence both bounds."""
+    n, d = q.shape
+    cfg = config.current()
+    if (not self_pair or neg_s is not None or not exclude_diag or pos_mod != n
+            or 2 * pos_shift != n or scale_log is not None
+            or d < cfg.nt_xent_keep_min_dim or n * d < cfg.nt_xent_keep_min_nd):
+        return False
+    return row_blocks.nt_xent_keeps_scores(q, workspace_bytes, op)
 
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,

@@ -44,15 +44,16 @@ def _check(z, temperature, reduction, workspace_bytes, normalize, precision):
 def _kept_bytes(z, workspace_bytes) -> int:
     """What a fused GPU call keeps beside its O(N·D) outputs, at most: the N × N gradient
     block (16-bit H on the tiles, the float32 / float64 score block on the row blocks and on
-    the kept scores of 16-bit inputs from ``config.keep_scores_min_dim`` columns), capped
+    the kept scores of 16-bit inputs from ``config.nt_xent_keep_min_dim`` columns), capped
     by the workspace without its free-memory bound (no driver query), plus the float32
     gradient accumulator: ``_graphs.run``'s ``est_bytes``, so that a problem whose plan would
     be refused (a float32 one at N = 16384: a 1 GiB score block) starts its first kernel
     without building a graph key first."""
     n, d = z.shape
     acc = acc_dtype(z.dtype).itemsize
-    item = (z.dtype.itemsize if z.dtype.itemsize == 2
-            and d < config.current().keep_scores_min_dim else acc)  # (16-bit: kept scores)
+    cfg = config.current()
+    kept = d >= cfg.nt_xent_keep_min_dim and n * d >= cfg.nt_xent_keep_min_nd
+    item = z.dtype.itemsize if z.dtype.itemsize == 2 and not kept else acc
     return min(n * n * item, workspace.workspace_bound(workspace_bytes)) + n * d * acc
 
 

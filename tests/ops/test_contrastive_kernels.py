@@ -474,7 +474,7 @@ def test_clip_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_nt_xent_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
     """The chooser for NT-Xent (``_engine.rows``): a fused 16-bit call from
-    ``keep_scores_min_dim`` columns runs ``row_blocks.nt_xent_kept`` (S kept, H = G + Gᵀ
+    ``nt_xent_keep_min_dim`` columns (and ``nt_xent_keep_min_nd``) runs ``row_blocks.nt_xent_kept`` (S kept, H = G + Gᵀ
     written over it, one product) where 4 N² bytes fit the workspace, the tiles otherwise;
     every choice against the float64 oracle, and the kept path deterministic."""
     from cupynce._engine.losses import row_blocks, score_tiles
@@ -495,12 +495,16 @@ def test_nt_xent_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch
             (d, short, "mean", True, ["rows"]),  # one row short: the tiles
             (d + 8, fits, "mean", True, ["rows"]),  # below the threshold
             (d, fits, "none", True, ["rows", "rows"])]:  # unfused: forward, backward
-        configure(keep_scores_min_dim=min_dim)
+        configure(nt_xent_keep_min_dim=min_dim, nt_xent_keep_min_nd=0)
         taken.clear()
         kw = dict(t=0.1, reduction=red, normalize=norm)
         check("nt_xent", dtype, inputs, kw, grad_for(red, n, rng), workspace_bytes=ws)
         assert taken == want, (min_dim, ws, red, taken)
-    configure(keep_scores_min_dim=d)
+    configure(nt_xent_keep_min_dim=d, nt_xent_keep_min_nd=n * d + 1)  # (N · D too small)
+    taken.clear()
+    check("nt_xent", dtype, inputs, dict(t=0.1, reduction="mean", normalize=True), 1.0)
+    assert taken == ["rows"], taken
+    configure(nt_xent_keep_min_nd=0)
     kw = dict(t=0.1, reduction="mean", normalize=True)
     first, again = (run_cupynce("nt_xent", inputs, kw, 1.0) for _ in range(2))
     assert cp.asnumpy(first[0]).tobytes() == cp.asnumpy(again[0]).tobytes()
