@@ -21,7 +21,7 @@ from ..arrays import FILE, buffers, fixed_sums, leading_dim, pair_weights, ptr
 from ..gemm import CUBLAS, f16x3
 from ..gemm import plan as plan_products
 from ..kernels import BLOCK, acc_dtype
-from ..workspace import plan_rows
+from ..workspace import fits, plan_rows
 from .stats import FAR_MOD, STATS_ROWS, row_col_stats
 
 
@@ -132,7 +132,7 @@ def nt_xent_keeps_scores(z, workspace_bytes, op: str) -> bool:
     ``workspace_bytes``: :func:`nt_xent_kept` runs then (the chooser,
     ``cupynce._engine.rows``)."""
     n = z.shape[0]
-    return plan_rows(op, n, n * acc_dtype(z.dtype).itemsize, workspace_bytes) >= n
+    return fits(n * n * acc_dtype(z.dtype).itemsize, workspace_bytes)  # (never raises)
 
 
 def nt_xent_kept(z, scale: float, *, pos_shift: int, weights, op: str):
@@ -198,7 +198,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     # (rows of D) take the F16x3 stores (D even; else G stays float32 on the TF32x3 tiles)
     f16_s = plan.f16
     f16 = f16_s and want_grad and d % 2 == 0
-    ldn, rb = _clip_blocks(an, bn, want_grad, workspace_bytes, plan)
+    ldn, row_bytes = _clip_row_bytes(an, bn, want_grad, plan)
+    rb = plan_rows("clip_loss", n, row_bytes, workspace_bytes)
     reuse = rb >= n  # the whole score matrix fits: the gradient pass reuses it
     # scratch and outputs from two allocations (see rows).  part_m / part_s: column
     # partials of a row block; col_m: the running column state between row blocks (the first
@@ -289,14 +290,12 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     return lse_r, lse_c, pair_loss, grads
 
 
-def _clip_blocks(an, bn, want_grad: bool, workspace_bytes, plan) -> tuple:
-    """(ldn, rb): :func:`clip`'s score rows' leading dimension (a multiple of 64 columns for
-    the F16x3 products) and its rows per block under ``workspace_bytes``."""
+def _clip_row_bytes(an, bn, want_grad: bool, plan) -> tuple:
+    """(ldn, row bytes): :func:`clip`'s score rows' leading dimension (a multiple of 64
+    columns for the F16x3 products) and the workspace bytes a row of its blocks takes."""
     t, nc = an.dtype, bn.shape[0]
     ldn = -(-nc // 64) * 64 if plan.f16 else nc
-    return ldn, plan_rows("clip_loss", an.shape[0], _row_bytes(t, acc_dtype(t), ldn, want_grad,
-                                                             plan, g_in_place=True),
-                          workspace_bytes)
+    return ldn, _row_bytes(t, acc_dtype(t), ldn, want_grad, plan, g_in_place=True)
 
 
 def clip_keeps_scores(an, bn, workspace_bytes) -> bool:
@@ -305,8 +304,8 @@ def clip_keeps_scores(an, bn, workspace_bytes) -> bool:
     them: 4 N² bytes for 16-bit inputs), so that its gradient pass reuses the scores instead
     of recomputing them: three products where the score tiles run four (the chooser's
     question at large D, ``cupynce._engine.clip``)."""
-    plan = plan_products(an, bn, scale_grad=True)
-    return _clip_blocks(an, bn, True, workspace_bytes, plan)[1] >= an.shape[0]
+    row = _clip_row_bytes(an, bn, True, plan_products(an, bn, scale_grad=True))[1]
+    return fits(an.shape[0] * row, workspace_bytes)  # (never raises: a row too large is no)
 
 
 def _f16_grad_args(weights, length: int):
