@@ -417,8 +417,10 @@ __device__ __forceinline__ void clip_grad_body(
 // operations and bits, with dscale_part[i] = sum_j G_ij L_ij.  NT-Xent (factor 1, the
 // diagonal excluded, lse_col = lse_row): H = G + G^T of its symmetric S, whose one product
 // H Z gives dZ (dscale_part null).
-// G's row r starts where S's does (g == s as bytes, ldg == 2 ld in T), so that a kept score
-// matrix needs no second buffer for G (4 N^2 bytes, not 6: N = 16384 fits 1 GiB).  G_j's two
+// G's row r starts where S's does (g == s as bytes, ldg == 2 ld in a 16-bit T), so that a kept
+// score matrix needs no second buffer for G (4 N^2 bytes, not 6: N = 16384 fits 1 GiB); for
+// T == A (float32, float64: defined for every dtype, used for 16-bit inputs) G_j is S_j's own
+// slot.  G_j's two
 // bytes overlap S_{j/2}, read in the same or an earlier round; every round reads its S
 // values into registers, then the block synchronises, then writes them: no thread's store
 // lands on a value another thread has still to read.  Hence neither pointer is __restrict__
@@ -431,7 +433,6 @@ __device__ __forceinline__ void grad_inplace_body(
     const A* __restrict__ lse_row, const A* __restrict__ lse_col,
     const A* __restrict__ w_ptr, i64 w_stride, A w_mul, A* __restrict__ dscale_part)
 {
-    static_assert(sizeof(T) < sizeof(A), "in place: G narrower than S");
     __shared__ A sh[64];
     const int r = blockIdx.x;
     const int i = row0 + r;
@@ -744,7 +745,7 @@ CPN_DEFINE(bf16, bf16_t, float)
 CPN_DEFINE(f32, float, float)
 CPN_DEFINE(f64, double, double)
 
-// the in-place G (16-bit inputs only)
+// the in-place G (used for 16-bit inputs)
 #define CPN_DEFINE_INPLACE(SUF, T, A)                                                      \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_grad_inplace_##SUF(            \
     A* s, i64 ld, int n, int row0, int pos_shift, int pos_mod, int exclude_diag, A factor,  \
@@ -754,6 +755,8 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_grad_inplace_##SUF( 
         scale_log, scale_mul, lse_row, lse_col, w_ptr, w_stride, w_mul, dscale_part); }
 CPN_DEFINE_INPLACE(f16, f16_t, float)
 CPN_DEFINE_INPLACE(bf16, bf16_t, float)
+CPN_DEFINE_INPLACE(f32, float, float)
+CPN_DEFINE_INPLACE(f64, double, double)
 CPN_DEFINE_ACC(f16, float)
 CPN_DEFINE_ACC(bf16, float)
 CPN_DEFINE_ACC(f32, float)
