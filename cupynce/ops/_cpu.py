@@ -10,7 +10,7 @@ ways on torch), so everything above the primitives sees NumPy arrays as before.
 The names the CPU path uses mean the same in NumPy and in torch (``exp``, ``log``, ``log1p``,
 ``abs``, ``where``, ``isfinite``, ``isnan``, ``amax`` / ``sum`` / ``argmax`` with ``axis=`` and
 ``keepdims=``, ``matmul`` with ``out=``, ``einsum``, ``concatenate``, ``arange``), or are
-defined by each namespace (the methods of :class:`Numpy`): the casts and constructors (dtypes
+defined by each namespace (the methods of :class:`Numpy`): the casts, copies and constructors (dtypes
 are NumPy dtypes in the shared code), ``errstate``, ``sigmoid``, ``softplus``, and the
 gather / scatter helpers.  A namespace for another library implements the same methods.
 
@@ -54,6 +54,11 @@ class Numpy:
     def astype(x, dtype):
         """``x`` in ``dtype`` (a NumPy dtype); ``x`` itself when it already is."""
         return x.astype(dtype, copy=False)
+
+    @staticmethod
+    def copy(x):
+        """A new array holding ``x``'s values."""
+        return x.copy()
 
     @staticmethod
     def empty(shape, dtype):

@@ -58,6 +58,10 @@ class Torch:
         return x.to(_dtype(dtype))
 
     @staticmethod
+    def copy(x):
+        return x.clone()
+
+    @staticmethod
     def empty(shape, dtype):
         return torch.empty(shape, dtype=_dtype(dtype))
 
