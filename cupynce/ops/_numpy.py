@@ -32,8 +32,9 @@ def exp_lse(xp, s, axis: int = 1):
         xp.exp(s, out=s)
         total = xp.sum(s, axis=axis, keepdims=True)  # in [1, n] for a finite max; 0 for -inf
         total = xp.where(total == float("inf"), float("nan"), total)  # (a +inf score: NaN)
-        lse = xp.log(total) + m
-        inv = 1 / total
+        inv = xp.reciprocal(total)
+        lse = xp.log(total, out=total)
+    lse += m
     return (lse[:, 0] if axis == 1 else lse[0]), inv
 
 
@@ -85,7 +86,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     if scale_log is not None:  # (on the host here: the value can be read)
         scale = scale * float(np.exp(np.asarray(scale_log, a).reshape(())))
     scale = float(scale)
-    qa, ka = (xp.astype(xp.asarray(x), a) for x in (q, k))
+    qa, ka = xp.astype(xp.asarray(q), a), xp.astype(xp.asarray(k), a)
     nsa = None if neg_s is None else xp.astype(xp.asarray(neg_s), a)
     npa = None if neg_p is None else xp.astype(xp.asarray(neg_p), a)
     n, d = qa.shape
@@ -93,8 +94,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     ncols = nk + (0 if nsa is None else nsa.shape[0])
     cap = workspace_bytes or NUMPY_WORKSPACE_BYTES
     rb = max(1, min(n, cap // max(1, ncols * a.itemsize)))
-    lse = xp.empty((n,), a) if lse_in is None else xp.astype(xp.asarray(lse_in), a)
-    loss = xp.empty((n,), a)
+    lse = None if lse_in is None else xp.astype(xp.asarray(lse_in), a)
     dq = dk = dns = dnp = None
     if want_grad:
         dq = xp.zeros((n, d), a) if self_pair and rb < n else xp.empty((n, d), a)
@@ -102,15 +102,21 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         dns = None if nsa is None else xp.zeros(nsa.shape, a)
         dnp = None if npa is None else xp.empty(npa.shape, a)
         w_arr, w_stride, w_mul = weights
-        w_arr = None if w_arr is None else xp.asarray(w_arr)
+        w_all = w_mul * scale  # the rows' gradient weights (times the scale)
+        if w_arr is not None:
+            w_all = xp.asarray(w_arr)[xp.arange(n) * w_stride] * w_all
     every = xp.arange(n)
+    pos_all = every if pos_shift == 0 and pos_mod == n else (every + pos_shift) % pos_mod
     block = xp.empty((rb, ncols), a) if nsa is None and npa is None else None
+    lse_parts, loss_parts = [], []
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
-        rows, at = every[r0:r1], every[:r1 - r0]
-        qb = qa[r0:r1]
+        one = r1 - r0 == n  # (one block: whole arrays, no slices)
+        at = every if one else every[:r1 - r0]
+        pos = pos_all if one else pos_all[r0:r1]
+        qb = qa if one else qa[r0:r1]
         if block is not None:  # (the common case: the one product straight into the block)
-            s = xp.matmul(qb, ka.T, out=block[:r1 - r0])
+            s = xp.matmul(qb, ka.T, out=block if one else block[:r1 - r0])
         else:
             parts = [qb @ ka.T] + ([] if nsa is None else [qb @ nsa.T])
             if npa is not None:
@@ -118,32 +124,31 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             s = xp.concatenate(parts, axis=1)
         s *= scale
         if exclude_diag:
-            s[at, rows] = -float("inf")
-        pos = (rows + pos_shift) % pos_mod
+            s[at, every[r0:r1]] = -float("inf")
         s_pos = s[at, pos]
         if lse_in is None:
-            lse[r0:r1], inv = exp_lse(xp, s)  # s: exp(s - m), the softmax times 1 / inv
+            lse_b, inv = exp_lse(xp, s)  # s: exp(s - m), the softmax times 1 / inv
+            lse_parts.append(lse_b)
         else:
-            inv = 1.0
-            s -= lse[r0:r1, None]
+            lse_b, inv = lse if one else lse[r0:r1], None
+            s -= lse_b[:, None]
             with xp.errstate(over="ignore", invalid="ignore"):
                 xp.exp(s, out=s)  # s: the softmax
         with xp.errstate(invalid="ignore"):
-            loss[r0:r1] = lse[r0:r1] - s_pos
+            loss_parts.append(lse_b - s_pos)
         if not want_grad:
             continue
         # the gradient block in place: g = w (softmax - onehot(pos)) scale
-        w = w_mul * scale
-        if w_arr is not None:
-            w = w * w_arr[rows * w_stride][:, None]
+        w = w_all if one or isinstance(w_all, float) else w_all[r0:r1]
+        w_rows = w if isinstance(w, float) else w[:, None]
         with xp.errstate(invalid="ignore"):
-            s *= w * inv
-        s[at, pos] -= w if w_arr is None else w[:, 0]
-        g = s[:, :nk]
+            s *= w_rows if inv is None else w_rows * inv
+        xp.add_at(s, (at, pos), -w)
+        g = s if s.shape[1] == nk else s[:, :nk]
         if self_pair and rb < n:  # (dk is dq: every block adds to every row)
             dq[r0:r1] += g @ ka
         else:
-            xp.matmul(g, ka, out=dq[r0:r1])
+            xp.matmul(g, ka, out=dq if one else dq[r0:r1])
         if r0 == 0 and not self_pair:  # (dk gathers every block's part)
             xp.matmul(g.T, qb, out=dk)
         else:
@@ -155,8 +160,11 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             gp = s[:, ncols:]
             dq[r0:r1] += xp.einsum("rm,rmd->rd", gp, npa[r0:r1])
             dnp[r0:r1] = gp[:, :, None] * qb[:, None, :]
+    if lse is None:
+        lse = lse_parts[0] if len(lse_parts) == 1 else xp.concatenate(lse_parts)
+    loss = loss_parts[0] if len(loss_parts) == 1 else xp.concatenate(loss_parts)
     host = xp.host
-    return host(lse), host(loss), (host(dq), host(dk) if not self_pair else host(dq),
+    return host(lse), host(loss), (host(dq), host(dq) if self_pair else host(dk),
                                     host(dns), host(dnp))
 
 

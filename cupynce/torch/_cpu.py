@@ -97,6 +97,8 @@ class Torch:
 
     @staticmethod
     def add_at(x, index, values) -> None:
+        if not torch.is_tensor(values):
+            values = torch.tensor(values, dtype=x.dtype)
         x.index_put_(index, values, accumulate=True)
 
     @staticmethod
