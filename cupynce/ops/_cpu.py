@@ -86,7 +86,8 @@ class Numpy:
     @staticmethod
     def softplus(x):
         """``log(1 + exp(x))`` elementwise, finite for every finite x (a new array)."""
-        return np.logaddexp(x, x.dtype.type(0))
+        with np.errstate(invalid="ignore"):  # (NaN in, NaN out)
+            return np.logaddexp(x, x.dtype.type(0))
 
     @staticmethod
     def take_along_axis(x, idx, axis: int):
