@@ -8,11 +8,12 @@ input in and :meth:`Numpy.host` takes a result back out as a NumPy array (zero c
 ways on torch), so everything above the primitives sees NumPy arrays as before.
 
 The names the CPU path uses mean the same in NumPy and in torch (``exp``, ``log``, ``log1p``,
-``abs``, ``where``, ``isfinite``, ``isnan``, ``amax`` / ``sum`` / ``argmax`` with ``axis=`` and
-``keepdims=``, ``matmul`` with ``out=``, ``einsum``, ``concatenate``, ``arange``), or are
-defined by each namespace (the methods of :class:`Numpy`): the casts, copies and constructors (dtypes
-are NumPy dtypes in the shared code), ``errstate``, ``sigmoid``, ``softplus``, and the
-gather / scatter helpers.  A namespace for another library implements the same methods.
+``reciprocal``, ``nan_to_num``, ``where``, ``isfinite``, ``isnan``, ``amax`` / ``sum`` /
+``argmax`` with ``axis=`` and ``keepdims=``, ``matmul`` with ``out=``, ``einsum``,
+``concatenate``, ``broadcast_to``, ``arange``), or are defined by each namespace (the methods
+of :class:`Numpy`): the casts, copies and constructors (dtypes are NumPy dtypes in the shared
+code), ``errstate``, ``sigmoid``, ``softplus``, and the gather / scatter helpers.  A namespace
+for another library implements the same methods.
 
 Why torch's functions for torch's tensors (measured on a 2-core machine, torch 2.13, 2
 threads, docs/design.md "The CPU path"): NumPy's ufuncs run on one thread and without SIMD
