@@ -141,6 +141,7 @@ def test_torch_namespace_matches_numpy_and_the_reference(op, workspace_bytes):
                                        atol=2e-6, err_msg=f"{ns.name} {op} gradient")
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (NumPy's BLAS)
 @pytest.mark.parametrize("op", OPS)
 def test_nonfinite_inputs_give_the_same_nan_pattern(op):
     """NaN and inf inputs: the per-row losses and the gradients are NaN at the same places on
