@@ -103,10 +103,6 @@ class Numpy:
         """``x[index] += values`` with repeated indices accumulated in order."""
         np.add.at(x, index, values)
 
-    @staticmethod
-    def is_contiguous(x) -> bool:
-        return x.flags.c_contiguous
-
 
 #: the NumPy namespace
 NUMPY = Numpy()

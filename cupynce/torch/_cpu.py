@@ -101,10 +101,6 @@ class Torch:
             values = torch.tensor(values, dtype=x.dtype)
         x.index_put_(index, values, accumulate=True)
 
-    @staticmethod
-    def is_contiguous(x) -> bool:
-        return x.is_contiguous()
-
 
 #: the torch namespace
 TORCH = Torch()
