@@ -21,6 +21,7 @@ environment variable            field                   effect
 ``CUPYNCE_GRAPH_VARIANTS=0``    ``graph_variants``      one graph per problem, no variants
 ``CUPYNCE_PREBUILT=0``          ``prebuilt``            ignore the wheel's cubins (JIT)
 ``CUPYNCE_DEBUG_KERNELS``       ``debug_kernels``       print each kernel's resources
+``CUPYNCE_CPU_TORCH=0``         ``cpu_torch``           torch CPU tensors on the NumPy path
 ==============================  ======================  =====================================
 
 In code::
@@ -147,6 +148,11 @@ class Config:
     #: print each kernel's registers and shared / local memory when it is loaded
     debug_kernels: bool = False
 
+    # -- the CPU path (``ops._cpu``) -----------------------------------------------------------
+    #: ``cupynce.torch`` on CPU tensors runs the CPU path's primitives on torch's functions
+    #: (torch's thread pool, ``torch.set_num_threads``); False: on NumPy's, as NumPy arrays do
+    cpu_torch: bool = True
+
     def __post_init__(self) -> None:
         check_precision(self.float32_precision, "Config.float32_precision")
         for f in dataclasses.fields(self):
@@ -190,7 +196,8 @@ class Config:
             graphs=on("CUPYNCE_GRAPHS"),
             graph_variants=on("CUPYNCE_GRAPH_VARIANTS"),
             prebuilt=env.get("CUPYNCE_PREBUILT", "1") != "0",
-            debug_kernels=bool(env.get("CUPYNCE_DEBUG_KERNELS")))
+            debug_kernels=bool(env.get("CUPYNCE_DEBUG_KERNELS")),
+            cpu_torch=on("CUPYNCE_CPU_TORCH"))
 
 
 _OPT_BOOL = object()

@@ -1,7 +1,9 @@
 """The NumPy path of the InfoNCE family: the GPU engine's primitives, vectorised per row block.
 
 Same algorithm and accumulation dtypes as ``cupynce._engine`` (float32 scores and
-accumulators, float64 for float64 inputs); results agree with the GPU to rounding.  CLIP's
+accumulators, float64 for float64 inputs); results agree with the GPU to rounding.  The score
+blocks of :func:`rows` run on ``_cpu.current()``: NumPy, or torch inside ``cupynce.torch``'s
+CPU calls (``_cpu``).  CLIP's
 NumPy path lives in ``clip.py`` (it keeps the N x N matrix: CPU memory, small N).
 """
 from __future__ import annotations
@@ -10,19 +12,36 @@ import numpy as np
 
 from .._engine.arrays import NORM_EPS
 from .._engine.kernels import acc_dtype
+from . import _cpu
 
 #: Workspace for the NumPy path's score blocks when the caller gives none (bytes).
 NUMPY_WORKSPACE_BYTES = 256 << 20
 
 
+def exp_lse(xp, s, axis: int = 1):
+    """In place: ``s <- exp(s - m)``, m the max along ``axis`` (rows: 1, columns: 0), on
+    namespace ``xp`` (``_cpu``).
+
+    Returns ``(lse, inv)``: the log-sum-exps along ``axis`` -- NaN for a row (column) holding
+    NaN or +inf, -inf for one of -inf only, as the CUDA kernels -- and ``inv``, ``1 / sum
+    exp(s - m)`` with the reduced axis kept (NaN for those rows), so that ``s * inv`` is the
+    softmax (no second exponential)."""
+    m = xp.nan_to_num(xp.amax(s, axis=axis, keepdims=True), nan=0.0, posinf=0.0, neginf=0.0)
+    s -= m
+    with xp.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        xp.exp(s, out=s)
+        total = xp.sum(s, axis=axis, keepdims=True)  # in [1, n] for a finite max; 0 for -inf
+        total = xp.where(total == float("inf"), float("nan"), total)  # (a +inf score: NaN)
+        inv = xp.reciprocal(total)
+        lse = xp.log(total, out=total)
+    lse += m
+    return (lse[:, 0] if axis == 1 else lse[0]), inv
+
+
 def row_lse(x):
-    """Row log-sum-exp; NaN for a row holding NaN or +inf (as the CUDA kernel)."""
-    m = np.max(x, axis=1, keepdims=True)
-    bad = ~np.isfinite(m) & (m > 0) | np.isnan(m)
-    m = np.where(np.isfinite(m), m, 0)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        out = (np.log(np.sum(np.exp(x - m), axis=1, keepdims=True)) + m)[:, 0]
-    return np.where(bad[:, 0], np.nan, out).astype(x.dtype, copy=False)
+    """Row log-sum-exp of a NumPy array; NaN for a row holding NaN or +inf (as the CUDA
+    kernel)."""
+    return exp_lse(_cpu.NUMPY, x.copy())[0]
 
 
 def col_state(x):
@@ -59,61 +78,94 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None):
     """``cupynce._engine.rows`` on the CPU: the same arguments and results, the score
-    matrix in row blocks of at most ``workspace_bytes`` (default ``NUMPY_WORKSPACE_BYTES``)."""
+    matrix in row blocks of at most ``workspace_bytes`` (default ``NUMPY_WORKSPACE_BYTES``),
+    one block buffer reused in place (scores, their exponentials, the gradient block), on the
+    namespace of ``_cpu.current()``."""
+    xp = _cpu.current()
     a = acc_dtype(q.dtype)
     if scale_log is not None:  # (on the host here: the value can be read)
         scale = scale * float(np.exp(np.asarray(scale_log, a).reshape(())))
-    qa, ka = q.astype(a), k.astype(a)
-    nsa = None if neg_s is None else neg_s.astype(a)
-    npa = None if neg_p is None else neg_p.astype(a)
-    n, d = q.shape
-    nk = k.shape[0]
+    scale = float(scale)
+    qa, ka = xp.astype(xp.asarray(q), a), xp.astype(xp.asarray(k), a)
+    nsa = None if neg_s is None else xp.astype(xp.asarray(neg_s), a)
+    npa = None if neg_p is None else xp.astype(xp.asarray(neg_p), a)
+    n, d = qa.shape
+    nk = ka.shape[0]
     ncols = nk + (0 if nsa is None else nsa.shape[0])
     cap = workspace_bytes or NUMPY_WORKSPACE_BYTES
     rb = max(1, min(n, cap // max(1, ncols * a.itemsize)))
-    lse = np.empty((n,), a) if lse_in is None else lse_in
-    loss = np.empty((n,), a)
+    lse = None if lse_in is None else xp.astype(xp.asarray(lse_in), a)
     dq = dk = dns = dnp = None
     if want_grad:
-        dq = np.zeros((n, d), a)
-        dk = dq if self_pair else np.zeros((nk, d), a)
-        dns = None if nsa is None else np.zeros_like(nsa)
-        dnp = None if npa is None else np.empty_like(npa)
-    w_arr, w_stride, w_mul = weights
+        dq = xp.zeros((n, d), a) if self_pair and rb < n else xp.empty((n, d), a)
+        dk = dq if self_pair else xp.empty((nk, d), a)
+        dns = None if nsa is None else xp.zeros(nsa.shape, a)
+        dnp = None if npa is None else xp.empty(npa.shape, a)
+        w_arr, w_stride, w_mul = weights
+        w_all = w_mul * scale  # the rows' gradient weights (times the scale)
+        if w_arr is not None:
+            w_all = xp.asarray(w_arr)[xp.arange(n) * w_stride] * w_all
+    every = xp.arange(n)
+    pos_all = every if pos_shift == 0 and pos_mod == n else (every + pos_shift) % pos_mod
+    block = xp.empty((rb, ncols), a) if nsa is None and npa is None else None
+    lse_parts, loss_parts = [], []
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
-        rows = np.arange(r0, r1)
-        qb = qa[r0:r1]
-        blocks = [qb @ ka.T]
-        if nsa is not None:
-            blocks.append(qb @ nsa.T)
-        if npa is not None:
-            blocks.append(np.einsum("rd,rmd->rm", qb, npa[r0:r1]))
-        s = np.concatenate(blocks, axis=1) * a.type(scale)
+        one = r1 - r0 == n  # (one block: whole arrays, no slices)
+        at = every if one else every[:r1 - r0]
+        pos = pos_all if one else pos_all[r0:r1]
+        qb = qa if one else qa[r0:r1]
+        if block is not None:  # (the common case: the one product straight into the block)
+            s = xp.matmul(qb, ka.T, out=block if one else block[:r1 - r0])
+        else:
+            parts = [qb @ ka.T] + ([] if nsa is None else [qb @ nsa.T])
+            if npa is not None:
+                parts.append(xp.einsum("rd,rmd->rm", qb, npa[r0:r1]))
+            s = xp.concatenate(parts, axis=1)
+        s *= scale
         if exclude_diag:
-            s[np.arange(r1 - r0), rows] = -np.inf
-        pos = (rows + pos_shift) % pos_mod
+            s[at, every[r0:r1]] = -float("inf")
+        s_pos = s[at, pos]
         if lse_in is None:
-            lse[r0:r1] = row_lse(s)
-        with np.errstate(invalid="ignore"):
-            loss[r0:r1] = lse[r0:r1] - s[np.arange(r1 - r0), pos]
+            lse_b, inv = exp_lse(xp, s)  # s: exp(s - m), the softmax times 1 / inv
+            lse_parts.append(lse_b)
+        else:
+            lse_b, inv = lse if one else lse[r0:r1], None
+            s -= lse_b[:, None]
+            with xp.errstate(over="ignore", invalid="ignore"):
+                xp.exp(s, out=s)  # s: the softmax
+        with xp.errstate(invalid="ignore"):
+            loss_parts.append(lse_b - s_pos)
         if not want_grad:
             continue
-        w = a.type(w_mul) * (w_arr[rows * w_stride] if w_arr is not None else a.type(1))
-        with np.errstate(invalid="ignore", over="ignore"):
-            p = np.exp(s - lse[r0:r1, None])
-        p[np.arange(r1 - r0), pos] -= 1
-        g = p * (np.asarray(w, a) * a.type(scale)).reshape(-1, 1)
-        dq[r0:r1] += g[:, :nk] @ ka
-        dk += g[:, :nk].T @ qb
+        # the gradient block in place: g = w (softmax - onehot(pos)) scale
+        w = w_all if one or isinstance(w_all, float) else w_all[r0:r1]
+        w_rows = w if isinstance(w, float) else w[:, None]
+        with xp.errstate(invalid="ignore"):
+            s *= w_rows if inv is None else w_rows * inv
+        xp.add_at(s, (at, pos), -w)
+        g = s if s.shape[1] == nk else s[:, :nk]
+        if self_pair and rb < n:  # (dk is dq: every block adds to every row)
+            dq[r0:r1] += g @ ka
+        else:
+            xp.matmul(g, ka, out=dq if one else dq[r0:r1])
+        if r0 == 0 and not self_pair:  # (dk gathers every block's part)
+            xp.matmul(g.T, qb, out=dk)
+        else:
+            dk += g.T @ qb
         if nsa is not None:
-            dq[r0:r1] += g[:, nk:ncols] @ nsa
-            dns += g[:, nk:ncols].T @ qb
+            dq[r0:r1] += s[:, nk:ncols] @ nsa
+            dns += s[:, nk:ncols].T @ qb
         if npa is not None:
-            gp = g[:, ncols:]
-            dq[r0:r1] += np.einsum("rm,rmd->rd", gp, npa[r0:r1])
+            gp = s[:, ncols:]
+            dq[r0:r1] += xp.einsum("rm,rmd->rd", gp, npa[r0:r1])
             dnp[r0:r1] = gp[:, :, None] * qb[:, None, :]
-    return lse, loss, (dq, dk, dns, dnp)
+    if lse is None:
+        lse = lse_parts[0] if len(lse_parts) == 1 else xp.concatenate(lse_parts)
+    loss = loss_parts[0] if len(loss_parts) == 1 else xp.concatenate(loss_parts)
+    host = xp.host
+    return host(lse), host(loss), (host(dq), host(dq) if self_pair else host(dk),
+                                    host(dns), host(dnp))
 
 
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,

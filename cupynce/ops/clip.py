@@ -18,7 +18,7 @@ import numpy as np
 from .. import _checks, _engine, config
 from .._engine import arrays, workspace
 from .._engine.kernels import acc_dtype
-from . import _comm, _global, _graphs, _local, _memo, _numpy
+from . import _comm, _cpu, _global, _graphs, _local, _memo, _numpy
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
                     in_ctx_precision, prep, reduce, require, weights)
 from ._comm import Comm
@@ -29,38 +29,61 @@ __all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
 
 def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
-    """``cupynce._engine.clip`` on the CPU (same arguments and results); keeps the n × Nc
-    logits (CPU memory, small sizes; ``workspace_bytes`` and ``col_shift`` are not used)."""
+    """``cupynce._engine.clip`` on the CPU (same arguments and results), on the namespace of
+    ``_cpu.current()``; keeps the n × Nc logits and, for the column direction, a second
+    n × Nc buffer (CPU memory, small sizes; ``workspace_bytes`` and ``col_shift`` are not
+    used).  Each direction's exponentials are taken once, in place: the softmax is
+    ``exp(L - m) / sum``; ``dsp_i = Σ_j G_ij L_ij`` is ``â_i · da_i``."""
+    xp = _cpu.current()
     a = acc_dtype(an.dtype)
-    aa, ba = an.astype(a), bn.astype(a)
+    aa, ba = (xp.astype(xp.asarray(x), a) for x in (an, bn))
     n, nc = aa.shape[0], ba.shape[0]
-    scale = np.exp(np.asarray(ls, a).reshape(()))
-    logits = scale * (aa @ ba.T)  # the NumPy path keeps n x Nc (CPU memory, small sizes)
-    pair_loss = None
-    idx = np.arange(n)
-    pos = row0 + idx  # row i's positive column
+    scale = float(np.exp(np.asarray(ls, a).reshape(())))
+    logits = xp.matmul(aa, ba.T)  # the NumPy path keeps n x Nc (CPU memory, small sizes)
+    logits *= scale
+    idx = xp.arange(n)
+    pos = idx + row0  # row i's positive column
+    l_pos = logits[idx, pos]
+    pair_loss = state = None
+    if col_state:  # (the rank's column states, before the logits turn into exponentials)
+        state = _numpy.col_state(xp.host(logits))
+    cols = None if col_state or not (want_loss or want_grad) else xp.copy(logits)
     if want_loss:
-        lse_r = _numpy.row_lse(logits)
-        row_loss = lse_r - logits[idx, pos]
+        lse_r, inv_r = _numpy.exp_lse(xp, logits, axis=1)  # logits: exp(L - m_row)
+        row_loss = lse_r - l_pos
         if col_state:
-            lse_c, pair_loss = _numpy.col_state(logits), row_loss
+            lse_c, pair_loss = state, row_loss
         else:
-            lse_c = _numpy.row_lse(logits.T)
-            pair_loss = 0.5 * (row_loss + (lse_c - logits[idx, pos]))
+            lse_c, inv_c = _numpy.exp_lse(xp, cols, axis=0)  # cols: exp(L - m_col)
+            pair_loss = 0.5 * (row_loss + (lse_c - l_pos))
+    elif want_grad:  # (the statistics given: the softmaxes straight)
+        lse_r, lse_c = xp.asarray(lse_r), xp.asarray(lse_c)
+        with xp.errstate(over="ignore", invalid="ignore"):
+            logits -= lse_r[:, None]
+            xp.exp(logits, out=logits)
+            cols -= lse_c[None, :]
+            xp.exp(cols, out=cols)
+        inv_r = inv_c = 1.0
     grads = None
     if want_grad:
         w_arr, w_stride, w_mul = weights
-        wc = a.type(w_mul) * (w_arr[np.arange(nc) * w_stride] if w_arr is not None
-                              else np.ones(nc, a))
+        wc = w_mul * (xp.asarray(w_arr)[xp.arange(nc) * w_stride] if w_arr is not None
+                      else xp.full((nc,), 1.0, a))
         w = wc[pos]
-        with np.errstate(over="ignore", invalid="ignore"):
-            g = 0.5 * (w[:, None] * np.exp(logits - lse_r[:, None])
-                       + wc[None, :] * np.exp(logits - lse_c[None, :]))
-        g[idx, pos] -= 0.5 * (w + w)
-        dsp = np.sum(g * logits, axis=1)
-        gs = g * scale
-        grads = (gs @ ba, gs.T @ aa, dsp)
-    return lse_r, lse_c, pair_loss, grads
+        # G = ½[w_i (softmax_row − δ) + w_j (softmax_col − δ)], in the logits' buffer
+        with xp.errstate(invalid="ignore"):
+            logits *= (0.5 * w)[:, None] * inv_r
+            cols *= (0.5 * wc)[None, :] * inv_c
+        logits += cols
+        logits[idx, pos] -= w
+        da = logits @ ba
+        da *= scale
+        db = logits.T @ aa
+        db *= scale
+        grads = (da, db, xp.einsum("ij,ij->i", aa, da))
+    host = xp.host
+    return (host(lse_r), state if col_state else host(lse_c), host(pair_loss),
+            grads and tuple(host(x) for x in grads))
 
 
 def _logit_scale_array(xp, ls, acc):

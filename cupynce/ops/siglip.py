@@ -19,7 +19,7 @@ import numpy as np
 from .. import _checks, _engine, config
 from .._engine import arrays
 from .._engine.kernels import acc_dtype
-from . import _comm, _global, _graphs, _memo
+from . import _comm, _cpu, _global, _graphs, _memo
 from ._base import (Context, Path, contig_inputs, contig_remembered, finish_all,
                     in_ctx_precision, prep, reduce, require, weights)
 from ._comm import Comm
@@ -30,44 +30,52 @@ __all__ = ["siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
 OP = "siglip_loss"
 
 
-def _row_weights(w, rows, a) -> np.ndarray:
-    """The row weights of ``weights(...)``'s ``(array_or_None, stride, multiplier)`` at the
-    (global) row indices ``rows``."""
-    w_arr, stride, mul = w
-    if w_arr is None:
-        return np.full(len(rows), mul, a)
-    return (w_arr[rows * stride] * mul).astype(a)
-
-
 def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
                  row0: int = 0):
     """The NumPy path: ``(row_loss, (da, db, dscale, dbias))`` in the accumulation dtype
-    (None where not asked for).  an holds the rows ``row0 ..`` of the image side, bn every
-    column (row r's positive is column row0 + r; the weights are read at the global rows).
-    Keeps the n × Nc logits (CPU memory, small sizes)."""
+    (None where not asked for), on the namespace of ``_cpu.current()``.  an holds the rows
+    ``row0 ..`` of the image side, bn every column (row r's positive is column row0 + r; the
+    weights are read at the global rows).  Keeps the n × Nc logits (CPU memory, small sizes)
+    and, for the loss, one more n × Nc buffer.
+
+    Off the diagonal ``z = −1``: the terms are softplus(L) and ``G = w σ(L)``, one pass each
+    over the logits; the n positives are set apart (``softplus(−L)``, ``G = −w σ(−L)``: exact
+    where σ(L) rounds to 1).  ``dt = Σ_ij G_ij (L_ij − β)`` is ``Σ_i â_i · da_i``."""
+    xp = _cpu.current()
     a = acc_dtype(an.dtype)
-    aa, ba = an.astype(a), bn.astype(a)
-    n, nc = aa.shape[0], ba.shape[0]
-    scale = np.exp(np.asarray(ls, a).reshape(()))
-    bias = np.asarray(lb, a).reshape(())
-    dots = aa @ ba.T
-    logits = scale * dots + bias
-    rows = np.arange(n)
-    z = np.full((n, nc), -1.0, a)
-    z[rows, row0 + rows] = 1.0
-    zl = z * logits
-    e = np.exp(-np.abs(zl))  # (one exponential for both: softplus(−x) and σ(−x), stably)
-    row_loss = None
+    aa, ba = (xp.astype(xp.asarray(x), a) for x in (an, bn))
+    n = aa.shape[0]
+    scale = float(np.exp(np.asarray(ls, a).reshape(())))
+    bias = float(np.asarray(lb, a).reshape(()))
+    logits = xp.matmul(aa, ba.T)
+    logits *= scale
+    logits += bias
+    idx = xp.arange(n)
+    pos = idx + row0
+    l_pos = logits[idx, pos]
+    row_loss = grads = None
     if want_loss:
-        row_loss = (np.maximum(-zl, a.type(0)) + np.log1p(e)).sum(axis=1)
-    grads = None
+        terms = xp.softplus(logits)
+        terms[idx, pos] = xp.softplus(-l_pos)
+        row_loss = xp.sum(terms, axis=1)
+        del terms
     if want_grad:
-        w = _row_weights(weights, row0 + rows, a)
-        with np.errstate(invalid="ignore"):  # (NaN scores give NaN gradients)
-            sig = np.where(zl > 0, e, a.type(1)) / (a.type(1) + e)  # σ(−z L)
-        g = -w[:, None] * z * sig
-        grads = (scale * (g @ ba), scale * (g.T @ aa), np.sum(g * (scale * dots)), np.sum(g))
-    return row_loss, grads
+        w_arr, stride, mul = weights
+        w = (xp.full((n,), float(mul), a) if w_arr is None
+             else xp.astype(xp.asarray(w_arr)[pos * stride] * mul, a))
+        with xp.errstate(invalid="ignore"):  # (NaN scores give NaN gradients)
+            g = xp.sigmoid(logits, out=logits)
+            g *= w[:, None]
+            g[idx, pos] = -w * xp.sigmoid(-l_pos)
+        da = g @ ba
+        da *= scale
+        db = g.T @ aa
+        db *= scale
+        dscale = xp.sum(xp.einsum("ij,ij->i", aa, da))
+        dbias = xp.sum(xp.sum(g, axis=1))  # (rows first: an order that no thread count changes)
+        grads = (da, db, dscale, dbias)
+    host = xp.host
+    return host(row_loss), grads and tuple(host(x) for x in grads)
 
 
 def _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize, precision):

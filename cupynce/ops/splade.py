@@ -30,6 +30,7 @@ from .. import config
 from .._engine import splade as _gpu
 from .._engine.kernels import SUPPORTED_DTYPES, acc_dtype
 from .._engine.splade import DEFAULT_WORKSPACE_BYTES, index_dtype
+from . import _cpu
 from ._base import Context, require
 
 __all__ = [
@@ -111,16 +112,16 @@ def _check_grad_out(op, xp, grad_out, shape, x):
 # ----------------------------------------------------------------------------------------
 # NumPy path (the same algorithm, vectorised, in vocabulary chunks)
 # ----------------------------------------------------------------------------------------
-def _np_act(m, act):
-    r = np.where(m > 0, m, 0).astype(m.dtype)
-    r = np.where(np.isnan(m), m, r)
-    return np.log1p(r) if act == 1 else r
+def _np_act(xp, m, act):
+    r = xp.where(m > 0, m, 0)
+    r = xp.where(xp.isnan(m), m, r)
+    return xp.log1p(r) if act == 1 else r
 
 
-def _np_gprime(out, g, act):
-    out = out.astype(g.dtype)
-    gp = np.where(out > 0, g * np.exp(-out) if act == 1 else g, 0).astype(g.dtype)
-    return np.where(np.isnan(out), out, gp)
+def _np_gprime(xp, out, g, act):
+    out = xp.astype(out, g.dtype)
+    gp = xp.where(out > 0, g * xp.exp(-out) if act == 1 else g, 0)
+    return xp.where(xp.isnan(out), out, gp)
 
 
 def _np_step(per_column: int, workspace_bytes) -> int:
@@ -130,43 +131,47 @@ def _np_step(per_column: int, workspace_bytes) -> int:
 
 
 def _np_forward(x, weight, bias, mask, act, workspace_bytes):
+    """The forward on the CPU, in vocabulary chunks, on the namespace of ``_cpu.current()``."""
+    xp = _cpu.current()
     b, l, d = x.shape
     v = weight.shape[0]
     dt = x.dtype
     a = acc_dtype(dt)
     half = dt.itemsize == 2
-    xa = x.astype(a, copy=False).reshape(b * l, d)
+    xa = xp.astype(xp.asarray(x), a).reshape(b * l, d)
+    wt = xp.asarray(weight)
     keep = None if mask is None else (np.asarray(mask) != 0)
-    drop = None if keep is None or keep.all() else ~keep  # masked positions, if any
+    drop = None if keep is None or keep.all() else xp.asarray(~keep)  # masked positions
     idt = index_dtype(l)
-    out = np.empty((b, v), dt)
-    arg = np.empty((b, v), idt)
+    out = xp.empty((b, v), dt)
+    arg = xp.empty((b, v), idt)
     step = _np_step(2 * b * l * a.itemsize, workspace_bytes)  # the logits (and a rounded copy)
-    empty = None if keep is None else ~keep.any(axis=1)[:, None]  # all-masked rows give 0
+    empty = None if keep is None else xp.asarray(~keep.any(axis=1)[:, None])  # all-masked: 0
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
         # (vc, B, L): the max over the sequence reduces the contiguous last axis
-        logits = weight[v0:v1].astype(a, copy=False) @ xa.T
+        logits = xp.astype(wt[v0:v1], a) @ xa.T
         if half:  # the GPU path stores the logits in the input dtype before the max
-            logits = logits.astype(dt).astype(a)
+            logits = xp.astype(xp.astype(logits, dt), a)
         logits = logits.reshape(v1 - v0, b, l)
         if drop is not None:
-            logits[:, drop] = -np.inf  # (in place: the chunk's own buffer)
-        idx = np.argmax(logits, axis=2)  # first occurrence: ties go to the lowest l; NaN wins
-        m = np.take_along_axis(logits, idx[:, :, None], axis=2)[:, :, 0].T
+            logits[:, drop] = -float("inf")  # (in place: the chunk's own buffer)
+        idx = xp.argmax(logits, axis=2)  # first occurrence: ties go to the lowest l; NaN wins
+        m = xp.take_along_axis(logits, idx[:, :, None], axis=2)[:, :, 0].T
         idx = idx.T
         if bias is not None:
-            m = m + bias[v0:v1].astype(a, copy=False)
-        val = _np_act(m, act)
+            m = m + xp.astype(xp.asarray(bias[v0:v1]), a)
+        val = _np_act(xp, m, act)
         if empty is not None:
-            val, idx = np.where(empty, 0, val), np.where(empty, 0, idx)
-        out[:, v0:v1] = val.astype(dt)
-        arg[:, v0:v1] = idx.astype(idt)
-    return out, arg
+            val, idx = xp.where(empty, 0, val), xp.where(empty, 0, idx)
+        out[:, v0:v1] = xp.astype(val, dt)
+        arg[:, v0:v1] = xp.astype(idx, idt)
+    return xp.host(out), xp.host(arg)
 
 
 def _np_backward(x, weight, out, arg, g, has_bias, act, workspace_bytes=None):
-    """The sparse backward on the CPU, in vocabulary chunks.
+    """The sparse backward on the CPU, in vocabulary chunks, on the namespace of
+    ``_cpu.current()``.
 
     Finite x and W (the usual case): each chunk's g' goes into a one-hot (B, L, vc) block
     G[b, l*(b, v), v] = g'[b, v], and two BLAS products give dx += G W_chunk and
@@ -175,42 +180,45 @@ def _np_backward(x, weight, out, arg, g, has_bias, act, workspace_bytes=None):
     multiply it into the result, so such chunks take the exact sparse form, which touches only
     the active entries.  Deterministic either way (fixed-order products, no atomics).
     """
+    xp = _cpu.current()
     b, l, d = x.shape
     v = weight.shape[0]
     dt = x.dtype
     a = acc_dtype(dt)
-    xa = x.astype(a, copy=False)
-    x_finite = bool(np.isfinite(xa).all())
-    gp = _np_gprime(out, g.astype(dt).astype(a), act)  # grad_out in out's dtype, as on the GPU
-    dxa = np.zeros((b, l, d), a)
-    dw = np.empty((v, d), dt)
-    bi = np.arange(b)[:, None]
+    xa = xp.astype(xp.asarray(x), a)
+    wt = xp.asarray(weight)
+    x_finite = bool(xp.isfinite(xa).all())
+    # grad_out in out's dtype, as on the GPU
+    gp = _np_gprime(xp, xp.asarray(out), xp.astype(xp.astype(xp.asarray(g), dt), a), act)
+    arg = xp.astype(xp.asarray(arg), np.int64)
+    dxa = xp.zeros((b, l, d), a)
+    dw = xp.empty((v, d), dt)
+    bi = xp.arange(b)[:, None]
     step = _np_step(max(b * l, 2 * b * d) * a.itemsize, workspace_bytes)
     x2, dx2 = xa.reshape(b * l, d), dxa.reshape(b * l, d)
     onehot = None  # the (B, L, vc) block, zeroed once and cleared entry by entry after use
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
-        idx = arg[:, v0:v1].astype(np.intp)
+        idx = arg[:, v0:v1]
         w = gp[:, v0:v1]
-        wc = weight[v0:v1].astype(a, copy=False)
-        if x_finite and np.isfinite(wc).all():
+        wc = xp.astype(wt[v0:v1], a)
+        if x_finite and bool(xp.isfinite(wc).all()):
             if onehot is None:
-                onehot = np.zeros((b, l, min(step, v)), a)
+                onehot = xp.zeros((b, l, min(step, v)), a)
             blk = onehot[:, :, :v1 - v0]
-            np.put_along_axis(blk, idx[:, None, :], w[:, None, :], axis=1)
-            flat = blk.reshape(b * l, v1 - v0) if blk.flags.c_contiguous else \
-                np.ascontiguousarray(blk).reshape(b * l, v1 - v0)
+            xp.put_along_axis(blk, idx[:, None, :], w[:, None, :], axis=1)
+            flat = blk.reshape(b * l, v1 - v0)  # (a copy where the last chunk is narrower)
             dx2 += flat @ wc  # one (B L x vc) (vc x D) product
-            dw[v0:v1] = (flat.T @ x2).astype(dt)
-            np.put_along_axis(blk, idx[:, None, :], 0, axis=1)
+            dw[v0:v1] = xp.astype(flat.T @ x2, dt)
+            xp.put_along_axis(blk, idx[:, None, :], 0.0, axis=1)
             continue
         on = (w != 0)[..., None]  # inactive entries contribute exactly nothing (not 0 * inf)
-        rows = np.where(on, xa[bi, idx], 0)  # (B, vc, D): the winning x row of every (b, v)
-        dw[v0:v1] = np.einsum("bv,bvd->vd", w, rows).astype(dt)
-        contrib = np.where(on, w[..., None] * wc[None], 0)
-        np.add.at(dxa, (np.broadcast_to(bi, idx.shape), idx), contrib)  # sequential: deterministic
-    dbias = gp.sum(axis=0).astype(dt) if has_bias else None
-    return dxa.astype(dt), dw, dbias
+        rows = xp.where(on, xa[bi, idx], 0)  # (B, vc, D): the winning x row of every (b, v)
+        dw[v0:v1] = xp.astype(xp.einsum("bv,bvd->vd", w, rows), dt)
+        contrib = xp.where(on, w[..., None] * wc[None], 0)
+        xp.add_at(dxa, (xp.broadcast_to(bi, idx.shape), idx), contrib)  # in order: deterministic
+    dbias = xp.astype(xp.sum(gp, axis=0), dt) if has_bias else None
+    return xp.host(xp.astype(dxa, dt)), xp.host(dw), xp.host(dbias)
 
 
 # ----------------------------------------------------------------------------------------

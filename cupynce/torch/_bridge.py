@@ -7,7 +7,8 @@
   (so the kernels are ordered with the caller's torch work, no synchronisation), and a CuPy
   allocator that takes its memory from torch's caching allocator (so outputs and workspaces
   show up in ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` and CuPy's pool never
-  holds memory torch could use).  For CPU tensors: nothing.
+  holds memory torch could use).  For CPU tensors: the core's CPU primitives on torch's
+  functions (``cupynce.ops._cpu``, ``_cpu.TORCH``), unless the config's ``cpu_torch`` is off.
 * :func:`array_of` / :func:`tensor_of` — zero-copy views both ways: ``Tensor.numpy`` /
   ``torch.from_numpy`` on the CPU, DLPack on CUDA.  bfloat16 crosses as an int16 view
   (neither NumPy nor every CuPy release speaks DLPack's bfloat16), then is viewed back as
@@ -28,8 +29,10 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from .. import _checks
+from .. import _checks, config
 from .._engine.kernels import BFLOAT16
+from ..ops import _cpu as _cpu_path
+from ._cpu import TORCH
 
 
 def check_tensors(op: str, optional: tuple = (), **tensors: Any) -> torch.device:
@@ -166,11 +169,16 @@ def _scope(index: int):
 def device_scope(device: torch.device) -> Iterator[None]:
     """Run the enclosed CuPy work on ``device``, torch's current stream and torch's memory.
 
-    A no-op for CPU tensors.  Nothing here synchronises: the stream is only wrapped, and the
+    For CPU tensors: the CPU path's primitives on torch's functions (``ops._cpu``; the config
+    switch ``cpu_torch``).  Nothing here synchronises: the stream is only wrapped, and the
     allocator hands out torch memory on that same stream.
     """
     if device.type != "cuda":
-        yield
+        if not config.current().cpu_torch:
+            yield
+            return
+        with _cpu_path.using(TORCH):
+            yield
         return
     # (the first CuPy import of a CUDA call: without CuPy, say which extra installs it)
     cupy = _checks.require_module("cupy", f"cupynce.torch on {device} tensors")

@@ -22,11 +22,12 @@ def test_defaults_and_environment():
         "CUPYNCE_FLOAT32": "3xtf32", "CUPYNCE_TILES": "0", "CUPYNCE_WSTILE": "0",
         "CUPYNCE_TILE_WORKSPACE_MIB": "64", "CUPYNCE_F16X3": "0", "CUPYNCE_SIDE": "0",
         "CUPYNCE_GRAPHS": "0", "CUPYNCE_GRAPH_VARIANTS": "0", "CUPYNCE_PREBUILT": "0",
-        "CUPYNCE_DEBUG_KERNELS": "1"})
+        "CUPYNCE_DEBUG_KERNELS": "1", "CUPYNCE_CPU_TORCH": "0"})
     assert got == cfg.Config(float32_precision="3xtf32", tiles=False, ws_tiles=False,
                              tile_workspace_bytes=64 << 20, f16x3=False, side_streams=False,
                              graphs=False, graph_variants=False, prebuilt=False,
-                             debug_kernels=True)
+                             debug_kernels=True, cpu_torch=False)
+    assert env.cpu_torch is True
     assert cfg.Config.from_env({"CUPYNCE_TILES": "1"}).tiles is True
     assert cfg.Config.from_env({"CUPYNCE_TILES": "auto"}).tiles is None
 

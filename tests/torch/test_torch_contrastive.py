@@ -34,9 +34,12 @@ import torch._dynamo.testing  # noqa: E402  (CompileCounterWithBackend)
 
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
+import cupynce.config as cfg  # noqa: E402
+from cupynce.ops import _cpu  # noqa: E402
 from cupynce.ops import clip as core_clip  # noqa: E402
 from cupynce.ops import nt_xent as core_nt_xent  # noqa: E402
 from cupynce.torch import _registry  # noqa: E402
+from cupynce.torch._cpu import TORCH  # noqa: E402
 from cupynce.torch.ops import clip as tclip  # noqa: E402
 from cupynce.torch.ops import info_nce as tinfo_nce  # noqa: E402
 from cupynce.torch.ops import nt_xent as tnt_xent  # noqa: E402
@@ -317,17 +320,26 @@ def _bits(t) -> np.ndarray:
     return t.detach().numpy()
 
 
+@pytest.mark.parametrize("cpu_torch", [True, False], ids=["on-torch", "on-numpy"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "registered"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64],
                          ids=["f16", "bf16", "f32", "f64"])
-def test_bridge_is_bit_exact(dtype, reduction, direct, monkeypatch):
+def test_bridge_is_bit_exact(dtype, reduction, direct, cpu_torch, monkeypatch):
     """The torch ops hand the core the tensors' bits and return the core's bits: for "mean"
     the core's fused forward and its backward (the gradient computed in the forward, scaled
     in the backward), for "none" the O(N)-state backward.  Both eager routes (the direct
-    Functions and the registered custom ops) give the same bits."""
+    Functions and the registered custom ops) give the same bits.  The core's CPU primitives
+    run on torch's functions in a torch call (config ``cpu_torch``), so the functional API is
+    called on the same namespace here (``ops._cpu.using``)."""
     if not direct:
         monkeypatch.setattr(_registry, "direct", lambda *tensors: False)
+    # (the scope for the functional calls; the torch ops open their own)
+    with cfg.override(cpu_torch=cpu_torch), _cpu.using(TORCH if cpu_torch else _cpu.NUMPY):
+        _bit_exact(dtype, reduction)
+
+
+def _bit_exact(dtype, reduction):
     rng = np.random.default_rng(7)
     n, d = 10, 6
     arr = {k: (rng.standard_normal(s) / 3).astype(dtype)

@@ -20,8 +20,11 @@ torch = pytest.importorskip("torch")
 import torch._dynamo.testing  # noqa: E402  (CompileCounterWithBackend)
 
 import cupynce  # noqa: E402
+import cupynce.config as cfg  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
 from cupynce import reference as ref  # noqa: E402
+from cupynce.ops import _cpu  # noqa: E402
+from cupynce.torch._cpu import TORCH  # noqa: E402
 from test_torch_contrastive import _registered  # noqa: E402  (the custom ops, not the direct path)
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -80,27 +83,31 @@ def test_gradcheck(path, normalize):
         lambda a, b, ls, lb: fn(a, b, ls, lb, normalize=normalize), (a, b, ls, lb))
 
 
+@pytest.mark.parametrize("cpu_torch", [True, False], ids=["on-torch", "on-numpy"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
                          ids=["f16", "bf16", "f32"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_same_bits_as_the_functional_api(path, dtype, reduction):
-    """The torch op runs the core: the same bits as cupynce.siglip_loss_* on the arrays."""
+def test_same_bits_as_the_functional_api(path, dtype, reduction, cpu_torch):
+    """The torch op runs the core: the same bits as cupynce.siglip_loss_* on the arrays, on
+    the namespace the torch op's CPU primitives run on (config ``cpu_torch``)."""
     n = 9
     a, b = _leaves(n, 6, dtype)
     ls = torch.tensor(2.3, requires_grad=True)
     lb = torch.tensor(-10.0, requires_grad=True)
     g = torch.rand(n) if reduction == "none" else torch.tensor(0.5)
-    loss = PATHS[path](a, b, ls, lb, reduction=reduction, normalize=True)
-    grads = torch.autograd.grad(loss, (a, b, ls, lb), g)
+    with cfg.override(cpu_torch=cpu_torch):
+        loss = PATHS[path](a, b, ls, lb, reduction=reduction, normalize=True)
+        grads = torch.autograd.grad(loss, (a, b, ls, lb), g)
 
     def arr(t):
         t = t.detach()
         return t.view(torch.int16).numpy().view(ml_bf16()) if t.dtype == torch.bfloat16 \
             else t.numpy()
-    wl, ctx = cupynce.siglip_loss_forward(arr(a), arr(b), arr(ls), arr(lb), reduction=reduction,
-                                          normalize=True)
-    want = cupynce.siglip_loss_backward(ctx, g.numpy())
+    with _cpu.using(TORCH if cpu_torch else _cpu.NUMPY):
+        wl, ctx = cupynce.siglip_loss_forward(arr(a), arr(b), arr(ls), arr(lb),
+                                              reduction=reduction, normalize=True)
+        want = cupynce.siglip_loss_backward(ctx, g.numpy())
     assert arr(loss).tobytes() == np.asarray(wl).tobytes()
     for x, y in zip(grads, want):
         assert arr(x).tobytes() == np.asarray(y).tobytes()

@@ -42,8 +42,10 @@ torch = pytest.importorskip("torch")
 import torch._dynamo.testing  # noqa: E402  (CompileCounterWithBackend)
 
 import cupynce  # noqa: E402
+import cupynce.config as cfg  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
-from cupynce.ops import splade  # noqa: E402
+from cupynce.ops import _cpu, splade  # noqa: E402
+from cupynce.torch._cpu import TORCH  # noqa: E402
 from cupynce.torch.ops import splade as tsplade  # noqa: E402
 
 import torch_oracle as oracle  # noqa: E402  (rel_err, loss_and_grads)
@@ -306,11 +308,18 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+@pytest.mark.parametrize("cpu_torch", [True, False], ids=["on-torch", "on-numpy"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64],
                          ids=["f16", "bf16", "f32", "f64"])
-def test_bridge_is_bit_exact(dtype, activation):
-    """The torch op hands the core the tensors' bits and returns the core's bits."""
+def test_bridge_is_bit_exact(dtype, activation, cpu_torch):
+    """The torch op hands the core the tensors' bits and returns the core's bits (the core
+    called on the namespace the torch op's CPU primitives run on: config ``cpu_torch``)."""
+    with cfg.override(cpu_torch=cpu_torch), _cpu.using(TORCH if cpu_torch else _cpu.NUMPY):
+        _splade_bit_exact(dtype, activation)
+
+
+def _splade_bit_exact(dtype, activation):
     rng = np.random.default_rng(11)
     bsz, seq, dim, voc = 4, 9, 8, 23
     x = rng.standard_normal((bsz, seq, dim)).astype(dtype)
