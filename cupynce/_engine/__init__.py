@@ -77,12 +77,17 @@ def _nt_xent_keeps_scores(q, neg_s, exclude_diag: bool, pos_shift: int, pos_mod:
     0.69× eager's time against the tiles' 0.93×; at N = 8192 or D = 2048 the tiles were as
     fast or faster (their fused passes write no N × N float32 matrix), hence both bounds."""
     n, d = q.shape
-    cfg = config.current()
-    if (not self_pair or neg_s is not None or not exclude_diag or pos_mod != n
-            or 2 * pos_shift != n or scale_log is not None
-            or d < cfg.nt_xent_keep_min_dim or n * d < cfg.nt_xent_keep_min_nd):
+    if not (nt_xent_wide(n, d) and score_tiles.self_symmetric(
+            n, neg_s, exclude_diag, pos_shift, pos_mod, self_pair, scale_log)):
         return False
     return row_blocks.nt_xent_keeps_scores(q, workspace_bytes, op)
+
+
+def nt_xent_wide(n: int, d: int) -> bool:
+    """NT-Xent's size bounds for the kept scores (``config.nt_xent_keep_min_dim``,
+    ``nt_xent_keep_min_nd``); also the graph estimate's (``ops.nt_xent._kept_bytes``)."""
+    cfg = config.current()
+    return d >= cfg.nt_xent_keep_min_dim and n * d >= cfg.nt_xent_keep_min_nd
 
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,

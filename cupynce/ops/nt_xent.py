@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from .. import _checks, config
+from .. import _checks, _engine, config
 from .._engine import side, workspace
 from .._engine.kernels import acc_dtype
 from . import _comm, _global, _graphs, _local, _memo
@@ -51,9 +51,7 @@ def _kept_bytes(z, workspace_bytes) -> int:
     without building a graph key first."""
     n, d = z.shape
     acc = acc_dtype(z.dtype).itemsize
-    cfg = config.current()
-    kept = d >= cfg.nt_xent_keep_min_dim and n * d >= cfg.nt_xent_keep_min_nd
-    item = z.dtype.itemsize if z.dtype.itemsize == 2 and not kept else acc
+    item = z.dtype.itemsize if z.dtype.itemsize == 2 and not _engine.nt_xent_wide(n, d) else acc
     return min(n * n * item, workspace.workspace_bound(workspace_bytes)) + n * d * acc
 
 

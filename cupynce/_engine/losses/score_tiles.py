@@ -277,6 +277,15 @@ def tile_lse_symmetric(z, scale: float, pos_shift: int, workspace_bytes):
     return lse, loss
 
 
+def self_symmetric(n: int, neg_s, exclude_diag: bool, pos_shift: int, pos_mod: int,
+                   self_pair: bool, scale_log) -> bool:
+    """NT-Xent's problem: S = Z Zᵀ over n rows, no extra negatives or learnable scale, and the
+    pairing i <-> i + n/2 its own inverse, so S and H = G + Gᵀ are symmetric (each pair of
+    tiles computed once: tiles.cu tri_count; H from S_ij alone: ``row_blocks.nt_xent_kept``)."""
+    return (self_pair and neg_s is None and exclude_diag and pos_mod == n
+            and 2 * pos_shift == n and scale_log is None)
+
+
 def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool, scale_log=None):
@@ -294,10 +303,8 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
     nk = k.shape[0]
     ms = 0 if neg_s is None else neg_s.shape[0]
     ncols = nk + ms
-    # NT-Xent: S = Z Zᵀ and the pairing i <-> i + n/2 is its own inverse, so S and H = G + Gᵀ
-    # are symmetric and each pair of tiles needs computing once (tiles.cu tri_count)
-    symmetric = (self_pair and neg_s is None and exclude_diag and pos_mod == n
-                 and 2 * pos_shift == n and scale_log is None)
+    symmetric = self_symmetric(n, neg_s, exclude_diag, pos_shift, pos_mod, self_pair,
+                               scale_log)
     stats = None
     if lse_in is not None:
         stats = lse_in, None
