@@ -45,7 +45,9 @@ from cupynce import config  # noqa: E402
 from cupynce.report.environment import device_header, device_info  # noqa: E402
 from cupynce.report.formatting import markdown_table  # noqa: E402
 from cupynce.report.timing import time_cuda  # noqa: E402
-from bench_torch_overhead import _bridge_fn, _inputs, _torch_fn, core_call  # noqa: E402
+from cupynce.report.torch_baseline import torch_step  # noqa: E402
+from bench_torch_overhead import (_bridge_fn, _inputs, _torch_fn, core_call,  # noqa: E402
+                                  floor_call)
 
 WIDE_OPS = ("clip_loss", "nt_xent")
 WIDE_N = (4096, 8192, 16384, 32768)
@@ -57,10 +59,6 @@ BIG_WS = 8 << 30  # "rows+ws": room for any score matrix of the grid
 
 def _csv(kind):
     return lambda s: [kind(v) for v in s.split(",") if v]
-
-
-def _grads(loss, leaves):
-    return torch.autograd.grad(loss, leaves)
 
 
 def _with_ws(op: str, ws: int) -> Callable[..., Any]:
@@ -86,10 +84,8 @@ def wide(args) -> List[Dict[str, Any]]:
                 if "products" in args.paths:
                     paths["products"] = (None, None)
                 for name, (fn, cfg) in paths.items():
-                    def step(fn=fn):
-                        return _grads(fn(*leaves), leaves)
-                    if name == "products":
-                        step = _products(leaves)
+                    step = (_products(leaves) if name == "products"
+                            else torch_step(torch, fn, leaves))
                     try:
                         with config.override(**(cfg or {})):
                             r = time_cuda(step, warmup=2, repeat=args.repeat)
@@ -119,18 +115,6 @@ def _products(leaves):
     return step
 
 
-def _autograd_floor(leaves):
-    class Empty(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *xs):
-            return xs[0].new_zeros(())
-
-        @staticmethod
-        def backward(ctx, g):
-            return tuple(torch.zeros_like(x) for x in leaves)
-    return lambda *xs: Empty.apply(*xs)
-
-
 def _host_clock(call: Callable[[], Any], calls: int, blocks: int, sync: bool) -> float:
     """Median over ``blocks`` of the per-call host time of ``calls // blocks`` calls."""
     per = max(1, calls // blocks)
@@ -153,11 +137,9 @@ def small(args) -> List[Dict[str, Any]]:
     for op in args.small_ops:
         for n in args.small_n:
             leaves = _inputs(op, n, 512, torch.bfloat16)
-            fns = {"cupynce": _bridge_fn(op), "eager": _torch_fn(op),
-                   "floor": _autograd_floor(leaves)}
-            calls = {k: (lambda f=f: _grads(f(*leaves), leaves)) for k, f in fns.items()}
-            core = core_call(op, leaves)
-            calls["core"] = core
+            calls = {"cupynce": torch_step(torch, _bridge_fn(op), leaves),
+                     "eager": torch_step(torch, _torch_fn(op), leaves),
+                     "floor": floor_call(leaves), "core": core_call(op, leaves)}
             for c in calls.values():  # warm: kernels loaded, graphs captured
                 for _ in range(5):
                     c()
@@ -194,7 +176,7 @@ def _loop_pass(fn, sizes, graphs: bool) -> List[float]:
             leaves = _inputs("clip_loss", n, 512, torch.bfloat16)  # (a fresh batch a step)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            _grads(fn(*leaves), leaves)
+            torch_step(torch, fn, leaves)()
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
@@ -251,7 +233,8 @@ def main(argv=None) -> None:
     p.add_argument("--wide-ops", type=_csv(str), default=list(WIDE_OPS))
     p.add_argument("--wide-n", type=_csv(int), default=list(WIDE_N))
     p.add_argument("--wide-d", type=_csv(int), default=list(WIDE_D))
-    p.add_argument("--paths", type=_csv(str), default=[], help="extra wide paths: rows,rows+ws,products")
+    p.add_argument("--paths", type=_csv(str), default=[],
+                   help="extra wide paths: rows, rows+ws, products")
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--small-ops", type=_csv(str), default=list(SMALL_OPS))
     p.add_argument("--small-n", type=_csv(int), default=list(SMALL_N))
