@@ -438,6 +438,18 @@ def test_tiles_agree_with_cublas_path(op, neg, dtype, configure):
             assert rel(a, cp.asnumpy(b)) <= tol
 
 
+def _spy_paths(monkeypatch, *targets) -> list:
+    """Wrap each ``(module, function, label)`` so that a call appends its label to the list
+    returned (which engine path a call took, in order)."""
+    taken = []
+    for mod, name, label in targets:
+        def spy(*a, _real=getattr(mod, name), _label=label, **k):
+            taken.append(_label)
+            return _real(*a, **k)
+        monkeypatch.setattr(mod, name, spy)
+    return taken
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_clip_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
     """The chooser by cost (``_engine.clip``): a fused 16-bit CLIP call from
@@ -446,12 +458,8 @@ def test_clip_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
     columns, an unfused call); every choice against the float64 oracle."""
     from cupynce._engine.losses import row_blocks, score_tiles
 
-    taken = []
-    for mod in (row_blocks, score_tiles):
-        def spy(*a, _real=mod.clip, _name=mod.__name__.rsplit(".", 1)[1], **k):
-            taken.append(_name)
-            return _real(*a, **k)
-        monkeypatch.setattr(mod, "clip", spy)
+    taken = _spy_paths(monkeypatch, (row_blocks, "clip", "row_blocks"),
+                       (score_tiles, "clip", "score_tiles"))
     n, d = 200, 64
     rng = np.random.default_rng(zlib.crc32(f"keep{dtype}".encode()))
     inputs = make_case("clip_loss", dtype, n, d, rng, scale=1 / np.sqrt(d))
@@ -479,12 +487,8 @@ def test_nt_xent_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch
     every choice against the float64 oracle, and the kept path deterministic."""
     from cupynce._engine.losses import row_blocks, score_tiles
 
-    taken = []
-    for mod, name in ((row_blocks, "nt_xent_kept"), (score_tiles, "rows")):
-        def spy(*a, _real=getattr(mod, name), _name=name, **k):
-            taken.append(_name)
-            return _real(*a, **k)
-        monkeypatch.setattr(mod, name, spy)
+    taken = _spy_paths(monkeypatch, (row_blocks, "nt_xent_kept", "nt_xent_kept"),
+                       (score_tiles, "rows", "rows"))
     n, d = 200, 64
     rng = np.random.default_rng(zlib.crc32(f"keepnt{dtype}".encode()))
     inputs = make_case("nt_xent", dtype, n, d, rng, scale=1 / np.sqrt(d))
