@@ -414,18 +414,81 @@ __device__ __forceinline__ void clip_grad_body(
 //                                       - [j == pos_i] (w_i + w_j)),   g = scale * G,
 //   pos_i = (i + pos_shift) % pos_mod; column i gives 0 when exclude_diag.
 // CLIP (factor 1/2, pos_i = i, lse_col its column statistics): clip_grad_body's G, the same
-// operations and bits, with dscale_part[i] = sum_j G_ij L_ij.  NT-Xent (factor 1, the
-// diagonal excluded, lse_col = lse_row): H = G + G^T of its symmetric S, whose one product
-// H Z gives dZ (dscale_part null).
+// operations per element, with dscale_part[i] = sum_j G_ij L_ij (summed per thread over its
+// vectors, then block_sum: a fixed order, its own).  NT-Xent (factor 1, the diagonal
+// excluded, lse_col = lse_row): H = G + G^T of its symmetric S, whose one product H Z gives
+// dZ (dscale_part null).
 // G's row r starts where S's does (g == s as bytes, ldg == 2 ld in a 16-bit T), so that a kept
 // score matrix needs no second buffer for G (4 N^2 bytes, not 6: N = 16384 fits 1 GiB); for
 // T == A (float32, float64: defined for every dtype, used for 16-bit inputs) G_j is S_j's own
-// slot.  G_j's two
-// bytes overlap S_{j/2}, read in the same or an earlier round; every round reads its S
-// values into registers, then the block synchronises, then writes them: no thread's store
-// lands on a value another thread has still to read.  Hence neither pointer is __restrict__
-// (the barrier also keeps the compiler from moving a store above a load) and the loop runs
-// in uniform rounds of blockDim.x columns.
+// slot.  G_j's bytes overlap S_{j/2} (or S_j), read in the same or an earlier round; every
+// round reads its S values into registers, then the block synchronises, then writes them: no
+// thread's store lands on a value another thread has still to read.  Hence neither pointer is
+// __restrict__ (the barrier also keeps the compiler from moving a store above a load) and the
+// loop runs in uniform rounds of V * blockDim.x columns: V = 16 / sizeof(A) columns a thread
+// (one 16-byte load of S and of lse_col, one store of V T's) where every row and lse_col are
+// 16-byte aligned (uniform over the grid), else V = 1 (the bandwidth: a 16384^2 block read
+// one float at a time between barriers is latency-bound).
+template <typename T, int V> struct alignas(V * sizeof(T)) VecOut { T x[V]; };  // V T's, one store
+
+template <typename T, typename A, int V>
+__device__ __forceinline__ A grad_inplace_run(
+    A* s, i64 ld, int n, int r, int i, int pos, int diag, A factor, A scale,
+    const A* __restrict__ lse_col, const A* __restrict__ w_ptr, i64 w_stride, A w_mul,
+    A lr, A wi)
+{
+    typedef VecOut<T, V> Out;
+    const A* row = s + (i64)r * ld;
+    T* grow = reinterpret_cast<T*>(s + (i64)r * ld);
+    A acc = A(0);
+    for (int j0 = 0; j0 < n; j0 += V * blockDim.x) {
+        const int j = j0 + V * threadIdx.x;
+        A sv[V], lv[V], out[V];
+        if (j + V <= n) {  // (a whole vector; a row's last, partial one element-wise below)
+            if (V > 1) {
+                const Vec16<A> a = *reinterpret_cast<const Vec16<A>*>(row + j);
+                const Vec16<A> b = *reinterpret_cast<const Vec16<A>*>(lse_col + j);
+#pragma unroll
+                for (int e = 0; e < V; ++e) { sv[e] = a.x[e]; lv[e] = b.x[e]; }
+            } else {
+                sv[0] = row[j]; lv[0] = lse_col[j];
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+                sv[e] = j + e < n ? row[j + e] : A(0);
+                lv[e] = j + e < n ? lse_col[j + e] : A(0);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            const int c = j + e;
+            out[e] = A(0);
+            if (c < n && c != diag) {
+                const A wj = w_mul * (w_ptr ? w_ptr[(i64)c * w_stride] : A(1));
+                const A L = scale * sv[e];
+                A G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lv[e]);
+                if (c == pos) G -= wi + wj;
+                G *= factor;
+                acc += G * L;
+                out[e] = scale * G;
+            }
+        }
+        __syncthreads();  // (every read of this round before any write of it)
+        if (j + V <= n) {
+            Out o;
+#pragma unroll
+            for (int e = 0; e < V; ++e) o.x[e] = Conv<T>::store(out[e]);
+            *reinterpret_cast<Out*>(grow + j) = o;
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                if (j + e < n) grow[j + e] = Conv<T>::store(out[e]);
+        }
+    }
+    return acc;
+}
+
 template <typename T, typename A>
 __device__ __forceinline__ void grad_inplace_body(
     A* s, i64 ld, int n, int row0, int pos_shift, int pos_mod, int exclude_diag, A factor,
@@ -434,31 +497,21 @@ __device__ __forceinline__ void grad_inplace_body(
     const A* __restrict__ w_ptr, i64 w_stride, A w_mul, A* __restrict__ dscale_part)
 {
     __shared__ A sh[64];
+    enum { V = 16 / sizeof(A) };
     const int r = blockIdx.x;
     const int i = row0 + r;
     const int pos = (i + pos_shift) % pos_mod;
     const int diag = exclude_diag ? i : -1;
     const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
-    const A* row = s + (i64)r * ld;
-    T* grow = reinterpret_cast<T*>(s + (i64)r * ld);
     const A lr = lse_row[i];
     const A wi = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1));
-    A acc = A(0);
-    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
-        const int j = j0 + threadIdx.x;
-        A out = A(0);
-        if (j < n && j != diag) {
-            const A wj = w_mul * (w_ptr ? w_ptr[(i64)j * w_stride] : A(1));
-            const A L = scale * row[j];
-            A G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lse_col[j]);
-            if (j == pos) G -= wi + wj;
-            G *= factor;
-            acc += G * L;
-            out = scale * G;
-        }
-        __syncthreads();  // (every read of this round before any write of it)
-        if (j < n) grow[j] = Conv<T>::store(out);
-    }
+    A acc;
+    if ((unsigned long long)s % 16 == 0 && ld % V == 0 && (unsigned long long)lse_col % 16 == 0)
+        acc = grad_inplace_run<T, A, V>(s, ld, n, r, i, pos, diag, factor, scale, lse_col,
+                                        w_ptr, w_stride, w_mul, lr, wi);
+    else
+        acc = grad_inplace_run<T, A, 1>(s, ld, n, r, i, pos, diag, factor, scale, lse_col,
+                                        w_ptr, w_stride, w_mul, lr, wi);
     if (dscale_part) {  // (uniform over the block: every thread reaches block_sum)
         acc = block_sum(acc, sh);
         if (threadIdx.x == 0) dscale_part[i] = acc;

@@ -451,7 +451,8 @@ def _spy_paths(monkeypatch, *targets) -> list:
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_clip_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
+@pytest.mark.parametrize("n", [200, 198])  # (16-byte rows: cpn_grad_inplace in vectors)
+def test_clip_keeps_scores_at_large_d(dtype, n, tiles_on, configure, monkeypatch):
     """The chooser by cost (``_engine.clip``): a fused 16-bit CLIP call from
     ``keep_scores_min_dim`` columns runs the row blocks that keep the whole score matrix
     where 4 N² bytes fit the workspace, the tiles otherwise (a smaller workspace, fewer
@@ -460,7 +461,7 @@ def test_clip_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
 
     taken = _spy_paths(monkeypatch, (row_blocks, "clip", "row_blocks"),
                        (score_tiles, "clip", "score_tiles"))
-    n, d = 200, 64
+    d = 64
     rng = np.random.default_rng(zlib.crc32(f"keep{dtype}".encode()))
     inputs = make_case("clip_loss", dtype, n, d, rng, scale=1 / np.sqrt(d))
     mean = dict(t=0.1, reduction="mean", normalize=True)
@@ -480,7 +481,8 @@ def test_clip_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_nt_xent_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch):
+@pytest.mark.parametrize("n", [200, 198])
+def test_nt_xent_keeps_scores_at_large_d(dtype, n, tiles_on, configure, monkeypatch):
     """The chooser for NT-Xent (``_engine.rows``): a fused 16-bit call from
     ``nt_xent_keep_min_dim`` columns (and ``nt_xent_keep_min_nd``) runs ``row_blocks.nt_xent_kept`` (S kept, H = G + Gᵀ
     written over it, one product) where 4 N² bytes fit the workspace, the tiles otherwise;
@@ -489,7 +491,7 @@ def test_nt_xent_keeps_scores_at_large_d(dtype, tiles_on, configure, monkeypatch
 
     taken = _spy_paths(monkeypatch, (row_blocks, "nt_xent_kept", "nt_xent_kept"),
                        (score_tiles, "rows", "rows"))
-    n, d = 200, 64
+    d = 64
     rng = np.random.default_rng(zlib.crc32(f"keepnt{dtype}".encode()))
     inputs = make_case("nt_xent", dtype, n, d, rng, scale=1 / np.sqrt(d))
     fits, short = 4 * n * n, 4 * n * n - 1
