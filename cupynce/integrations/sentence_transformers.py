@@ -6,9 +6,14 @@ library's arguments, usable as the ``loss`` of a ``SentenceTransformerTrainer``:
 (its ``embed_columns``; sentence-transformers is imported there, at the first call) and
 ``compute_loss_from_embeddings(embeddings, labels)`` takes the embeddings directly: column 0
 the anchors (n, D), column 1 their positives, further columns hard negatives.
+
+``CachedMultipleNegativesRankingLoss`` and ``CachedMultipleNegativesSymmetricRankingLoss``:
+the same losses with gradient caching (:class:`cupynce.torch.GradientCache`), for batches
+whose encoder activations do not fit.
 """
+import bisect
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -16,9 +21,11 @@ from torch import Tensor, nn
 from .. import _checks
 from .. import torch as C
 from ..torch import _registry
+from ..torch.grad_cache import GradientCache
 from ._common import dist_group, rank_share
 
 __all__ = ["MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss",
+           "CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss",
            "SpladePooling"]
 
 
@@ -193,6 +200,121 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
         super().__init__(model, scale, similarity_fct, gather_across_devices,
                          directions=("query_to_doc", "doc_to_query"),
                          partition_mode="per_direction", workspace_bytes=workspace_bytes,
+                         group=group, precision=precision)
+
+
+def _token_ranges(op: str, features: Dict[str, Any], budget: int) -> List[Tuple[int, int]]:
+    """Row ranges of at most ``budget`` non-padding tokens each (a longer row alone), packed
+    greedily in order from the attention mask: the library's ``mini_batch_num_tokens``."""
+    mask = features.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise ValueError(f"{op}: mini_batch_num_tokens needs the features' 2-D attention_mask "
+                         "(per-row token counts); use mini_batch_size instead")
+    ends = mask.sum(dim=1).cumsum(dim=0).tolist()  # (one host read per column and step)
+    out, begin = [], 0
+    while begin < len(ends):
+        before = ends[begin - 1] if begin else 0
+        end = max(bisect.bisect_right(ends, before + budget), begin + 1)
+        out.append((begin, end))
+        begin = end
+    return out
+
+
+class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
+    """:class:`MultipleNegativesRankingLoss` with gradient caching: the library's
+    ``CachedMultipleNegativesRankingLoss`` (its constructor and call), on
+    :class:`cupynce.torch.GradientCache`.
+
+    ``forward(sentence_features, labels)`` embeds every column in mini-batches without a graph
+    (the CPU / CUDA random states of each saved), runs the fused loss once over the whole
+    batch, and returns the loss; its ``backward()`` re-embeds each mini-batch with a graph —
+    under the saved random states (dropout replays its masks) and the autocast state of the
+    forward, also when a plain loop calls ``backward()`` outside ``torch.autocast`` — and
+    backpropagates the mini-batch's rows of the embeddings' gradient. Under DDP the gradients
+    are all-reduced once, at the last mini-batch.
+
+    Parameters: the library's — ``model``, ``scale``, ``similarity_fct`` (cos_sim / dot_score),
+    ``mini_batch_size`` (rows per mini-batch, default 32), ``mini_batch_num_tokens`` (instead:
+    mini-batches of at most this many non-padding tokens, packed in order; a longer row
+    alone), ``gather_across_devices``, ``directions`` / ``partition_mode`` (as
+    :class:`MultipleNegativesRankingLoss`), ``show_progress_bar``, ``hardness_mode`` /
+    ``hardness_strength`` (None / 0 only: ``NotImplementedError`` otherwise) — plus the
+    keyword-only ``workspace_bytes``, ``group``, ``precision``. A mini-batch of padded text
+    drops the positions that are padding in all its rows, as the library's does.
+    """
+
+    uses_gradient_cache = True  # (the library's flag: the backward re-embeds)
+
+    def __init__(self, model: Optional[nn.Module] = None, scale: float = 20.0,
+                 similarity_fct: Optional[Callable] = None, mini_batch_size: int = 32,
+                 mini_batch_num_tokens: Optional[int] = None,
+                 gather_across_devices: bool = False,
+                 directions: Sequence[str] = ("query_to_doc",), partition_mode: str = "joint",
+                 show_progress_bar: bool = False, hardness_mode: Optional[str] = None,
+                 hardness_strength: float = 0.0, *, workspace_bytes: Optional[int] = None,
+                 group: Optional[Any] = None, precision: Optional[str] = None):
+        super().__init__(model, scale, similarity_fct, gather_across_devices, directions,
+                         partition_mode, hardness_mode, hardness_strength,
+                         workspace_bytes=workspace_bytes, group=group, precision=precision)
+        op = type(self).__name__
+        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or \
+                mini_batch_size < 1:
+            raise ValueError(f"{op}: mini_batch_size must be an int >= 1, got "
+                             f"{mini_batch_size!r}")
+        if mini_batch_num_tokens is not None and (
+                isinstance(mini_batch_num_tokens, bool)
+                or not isinstance(mini_batch_num_tokens, int) or mini_batch_num_tokens < 1):
+            raise ValueError(f"{op}: mini_batch_num_tokens must be None or an int >= 1, got "
+                             f"{mini_batch_num_tokens!r}")
+        self.mini_batch_size, self.mini_batch_num_tokens = mini_batch_size, mini_batch_num_tokens
+        self.show_progress_bar = show_progress_bar
+
+    def forward(self, sentence_features: Iterable[Dict[str, Any]], labels: Any = None) -> Tensor:
+        op = type(self).__name__
+        if self.model is None:
+            raise ValueError(f"{op}: forward() embeds with the model; this loss has none "
+                             "(pass model=, or call compute_loss_from_embeddings)")
+        features = list(sentence_features)
+        for i, f in enumerate(features):
+            if not isinstance(f, dict):
+                raise TypeError(f"{op}: sentence_features[{i}] is a {type(f).__name__}; "
+                                "expected the tokenizer's dict of tensors")
+            if "cu_seq_lens_q" in f:
+                raise NotImplementedError(f"{op}: flattened (unpadded) batches are not "
+                                          "supported yet")
+        model = self.model
+        group = dist_group(self.group)[0] if self.gather_across_devices else None
+        inner = getattr(model, "_orig_mod", model)  # (a torch.compile'd DDP model)
+        ddp = [inner] if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else []
+        cache = GradientCache(lambda f: model(f)["sentence_embedding"],
+                              lambda *embs: self.compute_loss_from_embeddings(embs, labels),
+                              self.mini_batch_size, group=group, ddp=ddp,
+                              progress=self.show_progress_bar)
+        ranges = None if self.mini_batch_num_tokens is None else \
+            [_token_ranges(op, f, self.mini_batch_num_tokens) for f in features]
+        return cache(*features, ranges=ranges)
+
+    def get_config_dict(self) -> Dict[str, Any]:
+        return {**super().get_config_dict(), "mini_batch_size": self.mini_batch_size,
+                "mini_batch_num_tokens": self.mini_batch_num_tokens}
+
+
+class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRankingLoss):
+    """The symmetric form with gradient caching: the library's
+    ``CachedMultipleNegativesSymmetricRankingLoss`` (its arguments), which is
+    :class:`CachedMultipleNegativesRankingLoss` with the directions ("query_to_doc",
+    "doc_to_query") and one softmax per direction (:class:`MultipleNegativesSymmetricRankingLoss`:
+    CLIP's loss at a fixed scale without hard negatives)."""
+
+    def __init__(self, model: Optional[nn.Module] = None, scale: float = 20.0,
+                 similarity_fct: Optional[Callable] = None, mini_batch_size: int = 32,
+                 mini_batch_num_tokens: Optional[int] = None,
+                 gather_across_devices: bool = False, show_progress_bar: bool = False, *,
+                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
+                 precision: Optional[str] = None):
+        super().__init__(model, scale, similarity_fct, mini_batch_size, mini_batch_num_tokens,
+                         gather_across_devices, ("query_to_doc", "doc_to_query"),
+                         "per_direction", show_progress_bar, workspace_bytes=workspace_bytes,
                          group=group, precision=precision)
 
 

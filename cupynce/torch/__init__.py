@@ -17,6 +17,9 @@ autograd through every tensor input):
 * :func:`splade_pool` — SPLADE's max-pooled vocabulary representation, x (B, L, D), weight
   (V, D), bias (V,), mask (B, L) → (B, V); :func:`flops_regularizer` (plain torch ops)
 
+Gradient caching: :class:`GradientCache` — a loss over a big batch whose encoders run in
+chunks (GradCache), for batches whose activations do not fit (``grad_cache.py``).
+
 Modules: :class:`InfoNCELoss` (= :class:`NTXentLoss`, CuBlaze's interface),
 :class:`InfoNCEFunction` (its autograd Function), :class:`InfoNCE` (info-nce-pytorch's
 query/key interface), :class:`ClipLoss` (= :class:`SymmetricInfoNCE`, learnable temperature),
@@ -100,6 +103,7 @@ from .. import _checks
 _checks.require_module("torch", "cupynce.torch")  # (without torch: say which extra installs it)
 
 from ._registry import HAS_CUSTOM_OPS, MIN_TORCH_CUSTOM_OPS  # noqa: E402
+from .grad_cache import GradientCache  # noqa: E402
 from .modules import (ClipLoss, InfoNCE, InfoNCEFunction, InfoNCELoss,  # noqa: E402
                       NTXentLoss, SigLipLoss, SpladePooling, SymmetricInfoNCE)
 from .ops.clip import clip_loss  # noqa: E402
@@ -111,6 +115,6 @@ from .ops.splade import flops_regularizer, splade_pool  # noqa: E402
 __all__ = [
     "nt_xent", "info_nce", "clip_loss", "siglip_loss", "splade_pool", "flops_regularizer",
     "InfoNCELoss", "NTXentLoss", "InfoNCEFunction", "InfoNCE", "ClipLoss", "SymmetricInfoNCE",
-    "SigLipLoss",
+    "SigLipLoss", "GradientCache",
     "SpladePooling", "HAS_CUSTOM_OPS", "MIN_TORCH_CUSTOM_OPS",
 ]

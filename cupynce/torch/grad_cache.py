@@ -1,0 +1,378 @@
+"""Big contrastive batches on small memory: gradient caching (GradCache, Gao et al. 2021,
+"Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup", arXiv:2101.06983)
+around a fused loss.
+
+A contrastive batch of 65536 pairs runs out of memory in the encoder's activations, not in the
+loss. :class:`GradientCache` splits the encoder's work into chunks and keeps one chunk's
+activations alive at a time::
+
+    cache = cupynce.torch.GradientCache(model, lambda q, p: ct.info_nce(q, p, 0.05),
+                                        chunk_size=1024)
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = cache(queries, documents)      # (i) + (ii)
+    scaler.scale(loss).backward()             # (iii)
+    scaler.step(optimizer)
+
+(i) every column of the batch is embedded chunk by chunk without a graph (``torch.no_grad``),
+each chunk's CPU and CUDA random state saved; (ii) the loss runs once over the whole batch of
+embeddings — with cupynce's fused losses that one call also computes the embeddings' gradients
+(``reduction`` "mean" / "sum"), and what it keeps for the backward is O(N·D), never N × N;
+(iii) the loss's ``backward()`` re-embeds each chunk with a graph under the saved random state
+(dropout draws the same masks) and the autocast state of step (i), whoever calls it, and
+backpropagates the chunk's rows of the embeddings' gradient, times the upstream gradient
+(so ``GradScaler``'s scale and a division for accumulation reach every chunk). The returned
+loss is the step's loss, and every other tensor the loss function used (a learnable
+``logit_scale``) gets its gradient from the same backward.
+
+Memory: the encoder's activations of one chunk, the (N, D) embeddings of every column (twice
+during the backward: the embeddings and their gradient), and what the loss keeps. Time: one
+extra forward of the encoder over the batch (the price of caching), the loss once.
+
+Across processes: give the loss ``group=`` (``cupynce.torch.info_nce(..., group=g)``: every
+rank's rows against every rank's) and this helper the same ``group``. Under
+``DistributedDataParallel`` the parameter gradients are all-reduced once per step: every chunk
+but the last one backpropagated runs under the module's ``no_sync()`` (the DDP modules among
+the encoders are found; pass others with ``ddp=``), so after DDP's average they equal one
+process's gradients on the whole global batch (cupynce's global losses return P times a
+rank's share of the gradient for that average: ``cupynce.torch.distributed``). With
+``group``, every rank's batch sizes and chunking and then every rank's embedding shapes are
+compared in two small collectives before the encoders or the loss run collectives of their
+own, so that one rank's bad input raises on every rank instead of leaving the others waiting.
+
+The chunks: rows ``[k·chunk_size, (k+1)·chunk_size)`` of every column, or the caller's
+``ranges`` (sentence-transformers' token budgets). A dict column is sliced tensor by tensor
+along dim 0 (other values pass as they are); where it holds a 2-D ``attention_mask``, the
+trailing positions that are padding for the whole chunk are dropped from every tensor of that
+sequence width, as sentence-transformers does (a chunk of short texts is not embedded at the
+batch's width; reading that width is a host synchronisation, in the embedding step only).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+__all__ = ["GradientCache"]
+
+Column = Union[Tensor, Dict[str, Any]]
+Ranges = Sequence[Tuple[int, int]]
+
+
+class _RandomState:
+    """The CPU and CUDA generators' states when a chunk was first embedded (the devices of the
+    chunk's tensors and the current CUDA device): :meth:`replay` runs a block under them and
+    leaves the caller's generators as they were."""
+
+    def __init__(self, tensors: Sequence[Tensor]):
+        self.cpu = torch.get_rng_state()
+        extra = []
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            extra.append(torch.empty(0, device=torch.device("cuda", torch.cuda.current_device())))
+        self.devices, self.states = get_device_states(*tensors, *extra)
+
+    @contextlib.contextmanager
+    def replay(self):
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu)
+            set_device_states(self.devices, self.states)
+            yield
+
+
+def _autocast_state() -> List[Tuple[str, bool, torch.dtype]]:
+    """(device type, enabled, dtype) of autocast for CPU and CUDA, as the caller runs."""
+    out = []
+    for dev in ("cpu", "cuda"):
+        if hasattr(torch, "get_autocast_dtype"):  # (torch >= 2.4)
+            out.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+        elif dev == "cuda":
+            out.append((dev, torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()))
+        else:
+            out.append((dev, torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()))
+    return out
+
+
+@contextlib.contextmanager
+def _under(state: List[Tuple[str, bool, torch.dtype]]):
+    with contextlib.ExitStack() as stack:
+        for dev, enabled, dtype in state:
+            if dev == "cuda" and not torch.cuda.is_available():
+                continue
+            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+        yield
+
+
+def _rows(op: str, column: Column, index: int) -> int:
+    """The batch size of a column (a tensor's first dimension; a dict's tensors')."""
+    if isinstance(column, Tensor):
+        if column.dim() < 1:
+            raise ValueError(f"{op}: column {index} is a 0-d tensor; expected a batch along "
+                             "dim 0")
+        return column.shape[0]
+    if isinstance(column, dict):
+        sizes = {k: v.shape[0] for k, v in column.items()
+                 if isinstance(v, Tensor) and v.dim() > 0}
+        if not sizes:
+            raise TypeError(f"{op}: column {index} is a dict without tensors (keys "
+                            f"{sorted(map(str, column))}); expected tensors with the batch "
+                            "along dim 0")
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"{op}: column {index}'s tensors disagree on the batch size: "
+                             f"{sizes}")
+        return next(iter(sizes.values()))
+    raise TypeError(f"{op}: column {index} is a {type(column).__name__}; expected a tensor or "
+                    "a dict of tensors (the batch along dim 0)")
+
+
+def _slice(column: Column, begin: int, end: int) -> Column:
+    """Rows begin:end of a column; a dict's trailing all-padding positions dropped (see the
+    module docstring)."""
+    if isinstance(column, Tensor):
+        return column[begin:end]
+    mask = column.get("attention_mask")
+    width = keep = None
+    if isinstance(mask, Tensor) and mask.dim() == 2 and end > begin:
+        width = mask.shape[1]
+        used = mask[begin:end].bool().any(dim=0).nonzero()
+        keep = int(used.max()) + 1 if used.numel() else width
+    out = {}
+    for key, value in column.items():
+        if not isinstance(value, Tensor) or value.dim() == 0:
+            out[key] = value
+        elif keep is not None and keep < width and value.dim() >= 2 and value.shape[1] == width:
+            out[key] = value[begin:end, :keep]
+        else:
+            out[key] = value[begin:end]
+    return out
+
+
+def _tensors(chunk: Column) -> List[Tensor]:
+    return [chunk] if isinstance(chunk, Tensor) else \
+        [v for v in chunk.values() if isinstance(v, Tensor)]
+
+
+class _Step:
+    """One call's cache: the columns, their chunks' random states and the autocast state, for
+    the backward's re-embedding; shared by the columns' :class:`_Replay` nodes."""
+
+    def __init__(self, owner: "GradientCache", encoders, columns, ranges, states, autocast):
+        self.owner, self.encoders, self.columns, self.ranges = owner, encoders, columns, ranges
+        self.states, self.autocast = states, autocast
+        self.remaining = sum(len(r) for r in ranges)  # chunks still to backpropagate
+        self.shapes: List[List[torch.Size]] = [[] for _ in columns]
+
+    def backward(self, index: int, grad: Tensor) -> None:
+        """Re-embed column ``index`` chunk by chunk and backpropagate ``grad``'s rows."""
+        encoder = self.encoders[index]
+        ddp = self.owner.ddp_of(encoder)
+        with torch.enable_grad(), _under(self.autocast):
+            for k, (begin, end) in enumerate(self.ranges[index]):
+                self.remaining -= 1
+                sync = self.remaining == 0
+                with contextlib.ExitStack() as stack:
+                    if not sync:  # (the forward too: DDP prepares its reducer there)
+                        for module in ddp:
+                            stack.enter_context(module.no_sync())
+                    with self.states[index][k].replay():
+                        out = encoder(_slice(self.columns[index], begin, end))
+                    if not isinstance(out, Tensor) or out.shape != self.shapes[index][k]:
+                        raise RuntimeError(
+                            f"GradientCache: column {index}, chunk {k}: the re-embedding gave "
+                            f"{_describe(out)} where the first pass gave "
+                            f"{tuple(self.shapes[index][k])} (a non-deterministic encoder?)")
+                    if out.requires_grad:
+                        torch.autograd.backward(out, grad[begin:end].to(out.dtype))
+
+
+def _describe(out: Any) -> str:
+    return f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+
+
+class _Replay(torch.autograd.Function):
+    """Identity on a column's embeddings, whose backward runs the re-embedding (step iii)."""
+
+    @staticmethod
+    def forward(ctx, token: Tensor, emb: Tensor, step: _Step, index: int) -> Tensor:
+        ctx.step, ctx.index = step, index
+        return emb.view_as(emb)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError("GradientCache: double backward (create_graph=True) is not "
+                               "supported")
+        ctx.step.backward(ctx.index, grad)
+        return None, None, None, None
+
+
+class GradientCache:
+    """A loss over big batches whose encoders run in chunks (module docstring).
+
+    Parameters
+    ----------
+    encoders : nn.Module or callable, or a sequence of them
+        One encoder for every column, or one per column. Each takes a chunk of its column (a
+        tensor, or a dict of tensors) and returns a 2-D tensor (chunk rows, D).
+    loss_fn : callable
+        ``loss_fn(*embeddings) -> scalar tensor``, embeddings (N, D) per column in column order:
+        a cupynce loss (``lambda q, p: cupynce.torch.info_nce(q, p, 0.05)``), a module such as
+        :class:`cupynce.torch.ClipLoss`, or any callable. (A plain-PyTorch loss works but keeps
+        its own graph, N × N logits included, until the backward.)
+    chunk_size : int > 0
+        Rows per chunk of the encoders' passes.
+    group : torch.distributed process group, optional
+        The ranks the loss spans (the same ``group=`` as the loss's): their inputs are compared
+        before any collective runs (module docstring). None: no comparison.
+    ddp : sequence of DistributedDataParallel, optional
+        DDP modules the encoders run that are not themselves encoders (e.g. an encoder
+        ``lambda f: ddp_model(f)["sentence_embedding"]``): their gradients are all-reduced
+        once, at the last chunk. DDP modules given as encoders are found.
+    progress : bool
+        A tqdm bar over the first pass's chunks.
+
+    Calling ``cache(*columns, ranges=None)`` returns the loss; ``ranges`` (one list of
+    ``(begin, end)`` row ranges per column, covering it in order) replaces the chunks of
+    ``chunk_size`` rows. With grad mode off (evaluation) the columns are embedded in chunks
+    and the loss returned, nothing saved.
+    """
+
+    def __init__(self, encoders: Union[Callable, Sequence[Callable]], loss_fn: Callable,
+                 chunk_size: int, *, group: Optional[Any] = None,
+                 ddp: Sequence[DistributedDataParallel] = (), progress: bool = False):
+        op = "GradientCache"
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"{op}: chunk_size must be an int >= 1, got {chunk_size!r}")
+        many = isinstance(encoders, (list, tuple, nn.ModuleList))
+        for e in (encoders if many else [encoders]):
+            if not callable(e):
+                raise TypeError(f"{op}: an encoder must be an nn.Module or a callable, got "
+                                f"{type(e).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"{op}: loss_fn must be callable, got {type(loss_fn).__name__}")
+        for m in ddp:
+            if not isinstance(m, DistributedDataParallel):
+                raise TypeError(f"{op}: ddp= takes DistributedDataParallel modules, got "
+                                f"{type(m).__name__}")
+        self._encoders = list(encoders) if many else encoders
+        self.loss_fn, self.chunk_size, self.group = loss_fn, chunk_size, group
+        self.ddp, self.progress = tuple(ddp), progress
+
+    def ddp_of(self, encoder: Callable) -> List[DistributedDataParallel]:
+        """The DDP modules whose all-reduce an encoder's backward triggers."""
+        found = [encoder] if isinstance(encoder, DistributedDataParallel) else []
+        return found + [m for m in self.ddp if m is not encoder]
+
+    def _agree(self, local: Any) -> List[Any]:
+        """Every rank's ``local`` (a small all-gather over ``group``)."""
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, local, group=self.group)
+        return out
+
+    def _check(self, columns, ranges) -> List[List[Tuple[int, int]]]:
+        """The columns' chunk ranges; ``ValueError`` / ``TypeError`` naming what is wrong
+        (on every rank of ``group``)."""
+        op = "GradientCache"
+        error, spans = None, []
+        try:
+            if not columns:
+                raise ValueError(f"{op}: no columns given; expected at least one")
+            if isinstance(self._encoders, list) and len(self._encoders) != len(columns):
+                raise ValueError(f"{op}: {len(self._encoders)} encoders for {len(columns)} "
+                                 "columns; expected one encoder, or one per column")
+            sizes = [_rows(op, c, i) for i, c in enumerate(columns)]
+            if len(set(sizes)) > 1:
+                raise ValueError(f"{op}: the columns have different batch sizes {sizes}; "
+                                 "expected one size (row i of every column is one example)")
+            if ranges is None:
+                spans = [[(b, min(b + self.chunk_size, n)) for b in range(0, n, self.chunk_size)]
+                         for n in sizes]
+            else:
+                if len(ranges) != len(columns):
+                    raise ValueError(f"{op}: ranges has {len(ranges)} entries for "
+                                     f"{len(columns)} columns; expected one list per column")
+                spans = [[(int(b), int(e)) for b, e in r] for r in ranges]
+                for i, (r, n) in enumerate(zip(spans, sizes)):
+                    at = 0
+                    for b, e in r:
+                        if b != at or e <= b:
+                            raise ValueError(f"{op}: ranges[{i}] = {r!r} must cover rows "
+                                             f"0..{n} in order with non-empty ranges")
+                        at = e
+                    if at != n:
+                        raise ValueError(f"{op}: ranges[{i}] = {r!r} must cover rows 0..{n} "
+                                         "in order with non-empty ranges")
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if self.group is not None:
+            everyone = self._agree((None if error is None else repr(error),
+                                              [len(r) for r in spans]))
+            bad = [(rank, msg) for rank, (msg, _) in enumerate(everyone) if msg]
+            if error is None and bad:
+                raise ValueError(f"{op}: rank {bad[0][0]} failed its checks: {bad[0][1]}")
+            counts = {tuple(c) for _, c in everyone}
+            if error is None and len(counts) > 1:
+                raise ValueError(f"{op}: the ranks split their columns into different numbers "
+                                 f"of chunks {[c for _, c in everyone]}; expected the same "
+                                 "batch sizes and chunking on every rank")
+        if error is not None:
+            raise error
+        return spans
+
+    def __call__(self, *columns: Column, ranges: Optional[Sequence[Ranges]] = None) -> Tensor:
+        spans = self._check(columns, ranges)
+        encoders = self._encoders if isinstance(self._encoders, list) else \
+            [self._encoders] * len(columns)
+        training = torch.is_grad_enabled()
+        states: List[Tuple[int, _RandomState]] = []
+        error = None
+        chunks = [(i, k, b, e) for i, r in enumerate(spans) for k, (b, e) in enumerate(r)]
+        if self.progress:
+            from tqdm.auto import tqdm
+            chunks = tqdm(chunks, desc="GradientCache: embed")
+        parts: List[List[Tensor]] = [[] for _ in columns]
+        with torch.no_grad():
+            for i, k, b, e in chunks:
+                chunk = _slice(columns[i], b, e)
+                if training:
+                    states.append((i, _RandomState(_tensors(chunk))))
+                out = encoders[i](chunk)
+                if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != e - b:
+                    error = ValueError(
+                        f"GradientCache: encoder {i} returned {_describe(out)} for a chunk of "
+                        f"{e - b} rows of column {i}; expected a 2-D tensor ({e - b}, D)")
+                    break
+                parts[i].append(out)
+        if self.group is not None:  # (before the loss's own collectives)
+            shapes_here = None if error else [[tuple(p.shape) for p in col] for col in parts]
+            everyone = self._agree((None if error is None else repr(error),
+                                                  [s[0][1:] if s else None
+                                                   for s in (shapes_here or [])]))
+            bad = [(rank, msg) for rank, (msg, _) in enumerate(everyone) if msg]
+            if error is None and bad:
+                raise ValueError(f"GradientCache: rank {bad[0][0]} failed: {bad[0][1]}")
+        if error is not None:
+            raise error
+        for i, col in enumerate(parts):
+            widths = {tuple(p.shape[1:]) for p in col}
+            if len(widths) > 1:
+                raise ValueError(f"GradientCache: encoder {i} returned embeddings of different "
+                                 f"widths {sorted(widths)} across chunks")
+        whole = [torch.cat(col) if len(col) > 1 else col[0] for col in parts]
+        if not training:
+            return self.loss_fn(*whole)
+        step = _Step(self, encoders, columns, spans,
+                     [[s for j, s in states if j == i] for i in range(len(columns))],
+                     _autocast_state())
+        step.shapes = [[p.shape for p in col] for col in parts]
+        del parts
+        token = torch.empty(0, requires_grad=True)  # (puts the replay nodes in the graph)
+        tracked = [_Replay.apply(token, emb, step, i) for i, emb in enumerate(whole)]
+        loss = self.loss_fn(*tracked)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ValueError(f"GradientCache: loss_fn returned {_describe(loss)}; expected a "
+                             "scalar tensor (a reduction 'mean' or 'sum')")
+        return loss

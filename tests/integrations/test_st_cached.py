@@ -1,0 +1,218 @@
+"""cupynce.integrations.sentence_transformers' cached losses against the library's.
+
+A one-layer BERT SentenceTransformer (D = 16, mean pooling) built offline, float64, on the CPU:
+``CachedMultipleNegativesRankingLoss`` / ``CachedMultipleNegativesSymmetricRankingLoss``
+give the loss and parameter gradients of the library's cached class *and* of its uncached
+class to 1e-9 relative (dropout off); with dropout on, the library's cached class's (both
+chunk the same way and draw the same random stream); ``mini_batch_num_tokens`` packs as the
+library does; two ``SentenceTransformerTrainer`` steps give the library's losses and weights;
+unsupported options raise naming them. Marked ``gpu``: the same model on CUDA in float32 and
+under bf16 autocast, within 2x the library's own error against its float64 run.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ST = pytest.importorskip("sentence_transformers.sentence_transformer.losses",
+                         reason="sentence-transformers is not installed")
+
+from cupynce.integrations import sentence_transformers as c_st  # noqa: E402
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+WORDS = [f"w{i}" for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A one-layer BERT (D = 16) and its tokenizer, saved offline; dropout 0.1 in its config
+    (the tests switch it off where they want a deterministic model)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    d = tmp_path_factory.mktemp("bert")
+    (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                                           + WORDS))
+    BertTokenizerFast(vocab_file=str(d / "vocab.txt")).save_pretrained(str(d))
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=16, num_hidden_layers=1,
+                     num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
+                     hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    BertModel(cfg).save_pretrained(str(d))
+    return str(d)
+
+
+def _model(path, dropout: bool, device="cpu", dtype=torch.float64):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    t = Transformer(path)
+    m = SentenceTransformer(modules=[t, Pooling(16, "mean")], device=device).to(dtype)
+    m.train(dropout)
+    if not dropout:
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Dropout):
+                mod.p = 0.0
+    return m
+
+
+def _texts(n, seed, lo=1, hi=12):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, int(rng.integers(lo, hi)))) for _ in range(n)]
+
+
+def _features(model, cols, n=11):
+    return [dict(model.tokenize(_texts(n, seed=10 + c))) for c in range(cols)]
+
+
+def _step(model, loss, feats, seed=0):
+    """(loss value, parameter gradients) of one forward + backward from a fixed seed."""
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    out = loss([dict(f) for f in feats], None)
+    out.backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _same(a, b, what):
+    torch.testing.assert_close(a[0], b[0], **TOL, msg=lambda m: f"{what} loss: {m}")
+    assert len(a[1]) == len(b[1]) > 0
+    for i, (x, y) in enumerate(zip(a[1], b[1])):
+        torch.testing.assert_close(x, y, **TOL, msg=lambda m: f"{what} grad {i}: {m}")
+
+
+PAIRS = {
+    "MNRL": (ST.CachedMultipleNegativesRankingLoss, c_st.CachedMultipleNegativesRankingLoss,
+             ST.MultipleNegativesRankingLoss),
+    "MNSRL": (ST.CachedMultipleNegativesSymmetricRankingLoss,
+              c_st.CachedMultipleNegativesSymmetricRankingLoss,
+              ST.MultipleNegativesSymmetricRankingLoss),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The (Cached)?MultipleNegativesSymmetricRankingLoss")
+@pytest.mark.parametrize("name,cols", [("MNRL", 2), ("MNRL", 3), ("MNSRL", 2)])  # (the
+@pytest.mark.parametrize("sim", ["cos_sim", "dot_score"])  # library's MNSRL takes pairs only)
+@pytest.mark.parametrize("mbs", [3])
+def test_cached_equals_the_library_cached_and_uncached(tiny_bert, name, cols, sim, mbs):
+    from sentence_transformers import util
+
+    lib_cached, ours, lib_plain = PAIRS[name]
+    fn = getattr(util, sim)
+    model = _model(tiny_bert, dropout=False)
+    feats = _features(model, cols)
+    ref = _step(model, lib_plain(model, scale=7.0, similarity_fct=fn), feats)
+    lib = _step(model, lib_cached(model, scale=7.0, similarity_fct=fn, mini_batch_size=mbs), feats)
+    got = _step(model, ours(model, scale=7.0, similarity_fct=fn, mini_batch_size=mbs), feats)
+    _same(got, lib, f"{name} vs the library's cached")
+    _same(got, ref, f"{name} vs the library's uncached")
+
+
+@pytest.mark.parametrize("budget", [None, 25])
+def test_dropout_and_token_budgets_as_the_library(tiny_bert, budget):
+    """Dropout on: the re-embedding replays the first pass's masks, and both classes draw the
+    same stream over the same mini-batches (``mini_batch_num_tokens`` packed alike)."""
+    model = _model(tiny_bert, dropout=True)
+    feats = _features(model, 2, n=13)
+    kw = dict(scale=20.0, mini_batch_size=4, mini_batch_num_tokens=budget)
+    lib = _step(model, ST.CachedMultipleNegativesRankingLoss(model, **kw), feats, seed=3)
+    got = _step(model, c_st.CachedMultipleNegativesRankingLoss(model, **kw), feats, seed=3)
+    _same(got, lib, f"dropout, budget {budget}")
+    other = _step(model, c_st.CachedMultipleNegativesRankingLoss(model, **kw), feats, seed=4)
+    assert not torch.allclose(other[1][0], got[1][0])  # (the masks are in play)
+
+
+def test_evaluation_and_config(tiny_bert):
+    model = _model(tiny_bert, dropout=False)
+    feats = _features(model, 2)
+    loss = c_st.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4,
+                                                   mini_batch_num_tokens=30)
+    with torch.no_grad():
+        want = ST.MultipleNegativesRankingLoss(model)([dict(f) for f in feats], None)
+        got = loss([dict(f) for f in feats], None)
+    torch.testing.assert_close(got, want, **TOL)
+    cfg = loss.get_config_dict()
+    assert cfg["mini_batch_size"] == 4 and cfg["mini_batch_num_tokens"] == 30
+    assert loss.uses_gradient_cache
+
+
+def test_options_that_are_refused(tiny_bert):
+    model = _model(tiny_bert, dropout=False)
+    C = c_st.CachedMultipleNegativesRankingLoss
+    with pytest.raises(NotImplementedError, match="hardness_mode='hard_negatives'"):
+        C(model, hardness_mode="hard_negatives", hardness_strength=5.0)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"mini_batch_size must be an int >= 1, got {bad!r}"):
+            C(model, mini_batch_size=bad)
+    with pytest.raises(ValueError, match="mini_batch_num_tokens must be None or an int >= 1"):
+        C(model, mini_batch_num_tokens=0)
+    with pytest.raises(TypeError, match=r"sentence_features\[1\] is a list"):
+        C(model)([dict(model.tokenize(["w1"])), ["w1"]], None)
+    with pytest.raises(ValueError, match="mini_batch_num_tokens needs the features' 2-D "
+                                         "attention_mask"):
+        feats = dict(model.tokenize(["w1 w2", "w3"]))
+        del feats["attention_mask"]
+        C(model, mini_batch_num_tokens=4)([feats, dict(feats)], None)
+
+
+def test_trainer_two_steps(tiny_bert, tmp_path):
+    """SentenceTransformerTrainer, two SGD steps with dropout on, the library's cached class
+    and cupynce's: the same training losses and weights."""
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("accelerate")
+    from sentence_transformers import (SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+
+    rows = _texts(16, seed=1)
+    data = datasets.Dataset.from_dict({"anchor": rows, "positive": _texts(16, seed=2)})
+    out = []
+    for i, cls in enumerate((ST.CachedMultipleNegativesRankingLoss,
+                             c_st.CachedMultipleNegativesRankingLoss)):
+        m = _model(tiny_bert, dropout=True)
+        args = SentenceTransformerTrainingArguments(
+            output_dir=str(tmp_path / str(i)), max_steps=2, per_device_train_batch_size=8,
+            learning_rate=0.5, optim="sgd", report_to=[], save_strategy="no", seed=0,
+            use_cpu=True, disable_tqdm=True, dataloader_drop_last=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = SentenceTransformerTrainer(model=m, args=args, train_dataset=data,
+                                                 loss=cls(m, scale=10.0, mini_batch_size=3))
+            loss = trainer.train().training_loss
+        out.append((loss, [p.detach().clone() for p in m.parameters()]))
+    (l0, w0), (l1, w1) = out
+    assert l1 == pytest.approx(l0, rel=1e-9)
+    start = [p.detach() for p in _model(tiny_bert, dropout=True).parameters()]
+    assert max(float((a - b).abs().max()) for a, b in zip(w0, start)) > 1e-4  # it trained
+    for i, (a, b) in enumerate(zip(w1, w0)):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"weight {i}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16"])
+def test_on_cuda_within_twice_the_library_error(tiny_bert, autocast):
+    """CUDA, float32 weights (and bf16 autocast): the library's cached class and cupynce's
+    against the library's uncached loss in float64 on the same weights; cupynce's error at
+    most twice the library's (+1e-6), for the loss and the whole gradient."""
+    ref_model = _model(tiny_bert, dropout=False, device="cuda")
+    feats = [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in f.items()}
+             for f in _features(ref_model, 2, n=40)]
+    ref = _step(ref_model, ST.MultipleNegativesRankingLoss(ref_model, scale=20.0), feats)
+    model = _model(tiny_bert, dropout=False, device="cuda", dtype=torch.float32)
+    errs = []
+    for cls in (ST.CachedMultipleNegativesRankingLoss, c_st.CachedMultipleNegativesRankingLoss):
+        loss = cls(model, scale=20.0, mini_batch_size=16)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = loss([dict(f) for f in feats], None)
+        out.backward()
+        grads = torch.cat([p.grad.double().flatten() for p in model.parameters()
+                           if p.grad is not None])
+        want = torch.cat([g.flatten() for g in ref[1]])
+        errs.append((abs(float(out) - float(ref[0])) / abs(float(ref[0])),
+                     float((grads - want).norm() / want.norm())))
+    (lib_loss, lib_grad), (our_loss, our_grad) = errs
+    assert our_loss <= 2 * lib_loss + 1e-6, errs
+    assert our_grad <= 2 * lib_grad + 1e-6, errs
