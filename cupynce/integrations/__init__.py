@@ -4,7 +4,8 @@
   constructor arguments and call; ``logit_scale`` is the *exponentiated* scale, as open_clip
   passes it);
 * :mod:`cupynce.integrations.sentence_transformers` — ``MultipleNegativesRankingLoss``,
-  ``MultipleNegativesSymmetricRankingLoss`` (``SentenceTransformerTrainer`` losses);
+  ``MultipleNegativesSymmetricRankingLoss`` and their ``Cached`` forms (gradient caching),
+  ``SpladePooling`` (``SentenceTransformerTrainer`` / ``SparseEncoder`` modules);
 * :mod:`cupynce.integrations.lightly` — ``NTXentLoss``.
 
 Each module needs torch; none imports its library at import time (sentence-transformers is

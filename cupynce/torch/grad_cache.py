@@ -44,7 +44,8 @@ The chunks: rows ``[k·chunk_size, (k+1)·chunk_size)`` of every column, or the 
 along dim 0 (other values pass as they are); where it holds a 2-D ``attention_mask``, the
 trailing positions that are padding for the whole chunk are dropped from every tensor of that
 sequence width, as sentence-transformers does (a chunk of short texts is not embedded at the
-batch's width; reading that width is a host synchronisation, in the embedding step only).
+batch's width). Finding those widths reads the rows' last positions to the host once per
+column and call, before the first chunk; the backward reuses them and synchronises nothing.
 """
 from __future__ import annotations
 
@@ -128,17 +129,26 @@ def _rows(op: str, column: Column, index: int) -> int:
                     "a dict of tensors (the batch along dim 0)")
 
 
-def _slice(column: Column, begin: int, end: int) -> Column:
-    """Rows begin:end of a column; a dict's trailing all-padding positions dropped (see the
-    module docstring)."""
+def _widths(column: Column, spans: Ranges) -> Optional[List[int]]:
+    """For a dict column with a 2-D ``attention_mask``: every chunk's width, its last used
+    position + 1 (the full width where a chunk uses none); else None. One host read of the
+    rows' last positions per column and call, none per chunk: the replay reuses them."""
+    mask = column.get("attention_mask") if isinstance(column, dict) else None
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[1] == 0:
+        return None
+    width = mask.shape[1]
+    pos = torch.arange(1, width + 1, device=mask.device)
+    last = torch.where(mask != 0, pos, 0).amax(dim=1).tolist()  # (the one synchronisation)
+    return [max(last[b:e], default=0) or width for b, e in spans]
+
+
+def _slice(column: Column, begin: int, end: int, keep: Optional[int] = None) -> Column:
+    """Rows begin:end of a column; a dict's tensors of the mask's width cut to ``keep``
+    positions (see the module docstring)."""
     if isinstance(column, Tensor):
         return column[begin:end]
     mask = column.get("attention_mask")
-    width = keep = None
-    if isinstance(mask, Tensor) and mask.dim() == 2 and end > begin:
-        width = mask.shape[1]
-        used = mask[begin:end].bool().any(dim=0).nonzero()
-        keep = int(used.max()) + 1 if used.numel() else width
+    width = mask.shape[1] if isinstance(mask, Tensor) and mask.dim() == 2 else None
     out = {}
     for key, value in column.items():
         if not isinstance(value, Tensor) or value.dim() == 0:
@@ -159,8 +169,10 @@ class _Step:
     """One call's cache: the columns, their chunks' random states and the autocast state, for
     the backward's re-embedding; shared by the columns' :class:`_Replay` nodes."""
 
-    def __init__(self, owner: "GradientCache", encoders, columns, ranges, states, autocast):
+    def __init__(self, owner: "GradientCache", encoders, columns, ranges, widths, states,
+                 autocast):
         self.owner, self.encoders, self.columns, self.ranges = owner, encoders, columns, ranges
+        self.widths = widths
         self.states, self.autocast = states, autocast
         self.remaining = sum(len(r) for r in ranges)  # chunks still to backpropagate
         self.shapes: List[List[torch.Size]] = [[] for _ in columns]
@@ -177,8 +189,9 @@ class _Step:
                     if not sync:  # (the forward too: DDP prepares its reducer there)
                         for module in ddp:
                             stack.enter_context(module.no_sync())
+                    keep = self.widths[index][k] if self.widths[index] else None
                     with self.states[index][k].replay():
-                        out = encoder(_slice(self.columns[index], begin, end))
+                        out = encoder(_slice(self.columns[index], begin, end, keep))
                     if not isinstance(out, Tensor) or out.shape != self.shapes[index][k]:
                         raise RuntimeError(
                             f"GradientCache: column {index}, chunk {k}: the re-embedding gave "
@@ -334,9 +347,10 @@ class GradientCache:
             from tqdm.auto import tqdm
             chunks = tqdm(chunks, desc="GradientCache: embed")
         parts: List[List[Tensor]] = [[] for _ in columns]
+        widths = [_widths(c, r) for c, r in zip(columns, spans)]
         with torch.no_grad():
             for i, k, b, e in chunks:
-                chunk = _slice(columns[i], b, e)
+                chunk = _slice(columns[i], b, e, widths[i][k] if widths[i] else None)
                 if training:
                     states.append((i, _RandomState(_tensors(chunk))))
                 out = encoders[i](chunk)
@@ -357,14 +371,14 @@ class GradientCache:
         if error is not None:
             raise error
         for i, col in enumerate(parts):
-            widths = {tuple(p.shape[1:]) for p in col}
-            if len(widths) > 1:
+            dims = {tuple(p.shape[1:]) for p in col}
+            if len(dims) > 1:
                 raise ValueError(f"GradientCache: encoder {i} returned embeddings of different "
-                                 f"widths {sorted(widths)} across chunks")
+                                 f"widths {sorted(dims)} across chunks")
         whole = [torch.cat(col) if len(col) > 1 else col[0] for col in parts]
         if not training:
             return self.loss_fn(*whole)
-        step = _Step(self, encoders, columns, spans,
+        step = _Step(self, encoders, columns, spans, widths,
                      [[s for j, s in states if j == i] for i in range(len(columns))],
                      _autocast_state())
         step.shapes = [[p.shape for p in col] for col in parts]
