@@ -6,12 +6,14 @@ give the loss and parameter gradients of the library's cached class *and* of its
 class to 1e-9 relative (dropout off); with dropout on, the library's cached class's (both
 chunk the same way and draw the same random stream); ``mini_batch_num_tokens`` packs as the
 library does; two ``SentenceTransformerTrainer`` steps give the library's losses and weights;
-unsupported options raise naming them. Marked ``gpu``: the same model on CUDA in float32 and
+unsupported options raise naming them; over gloo (2 processes, DDP, ``gather_across_devices``)
+the parameter gradients are one process's on the whole batch. Marked ``gpu``: the same model on CUDA in float32 and
 under bf16 autocast, within 2x the library's own error against its float64 run.
 """
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -216,3 +218,68 @@ def test_on_cuda_within_twice_the_library_error(tiny_bert, autocast):
     (lib_loss, lib_grad), (our_loss, our_grad) = errs
     assert our_loss <= 2 * lib_loss + 1e-6, errs
     assert our_grad <= 2 * lib_grad + 1e-6, errs
+
+
+# ---- across processes: DDP with gather_across_devices (gloo) -------------------------------
+def _saved_bert(folder):
+    """The tiny BERT of ``tiny_bert`` (the same weights: seeded), saved in ``folder`` (a
+    spawned rank cannot use the fixture's)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    (Path(folder) / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]",
+                                                      "[MASK]"] + WORDS))
+    BertTokenizerFast(vocab_file=str(Path(folder) / "vocab.txt")).save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=16, num_hidden_layers=1,
+                     num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
+                     hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    BertModel(cfg).save_pretrained(folder)
+    return folder
+
+
+def check_st_cached_ddp(rank, world):
+    """Each rank's shard through DDP and the cached loss with ``gather_across_devices``: after
+    DDP's average the parameter gradients are one process's on the whole batch, and the mean
+    of the ranks' losses is its loss."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n = 4
+    # (transformers saves on rank 0 alone once torch.distributed is up: rank 0 saves, every
+    # rank loads from its folder)
+    name = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    if rank == 0:
+        _saved_bert(name[0])
+    dist.barrier()
+    single = _model(name[0], dropout=False)
+    model = _model(name[0], dropout=False)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(name[0], ignore_errors=True)
+    texts = [_texts(n * world, seed=20 + c) for c in range(2)]
+    whole = [dict(single.tokenize(t)) for t in texts]
+    want = _step(single, ST.MultipleNegativesRankingLoss(single, scale=20.0), whole)
+    mine = [dict(model.tokenize(t[rank * n:(rank + 1) * n])) for t in texts]
+    ddp = DDP(model, find_unused_parameters=True)  # (mean pooling leaves BERT's pooler unused)
+    loss = c_st.CachedMultipleNegativesRankingLoss(ddp, scale=20.0, mini_batch_size=3,
+                                                   gather_across_devices=True)
+    out = loss([dict(f) for f in mine], None)
+    out.backward()
+    total = out.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total / world, want[0], **TOL)
+    got = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(got) == len(want[1])
+    for i, (a, b) in enumerate(zip(got, want[1])):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"rank {rank} grad {i}: {m}")
+
+
+@pytest.mark.parametrize("world", [2])  # (3 ranks: the helper's own test, test_grad_cache)
+def test_cached_over_gloo(world):
+    from test_torch_distributed import run_ranks
+
+    run_ranks(world, ["check_st_cached_ddp"], module="test_st_cached")
