@@ -16,6 +16,17 @@ Loops:
   forward itself wrapped in autocast (accelerate's ``autocast`` around ``model.forward``,
   emulated here without the trainer's data pipeline), so every re-embedding is in bf16.
 
+The floor of any cached step, measured in the same loop (``--floor``): "floor" = the
+mini-batches' forward under ``no_grad`` (step i) plus plain gradient accumulation over the same
+mini-batches (a forward with a graph and a backward of a loss that couples nothing:
+``emb.float().square().mean()``, then the optimizer step) — the encoder's work of steps i and
+iii with nothing of the contrastive loss.
+
+``--trainer-real``: the same losses through a real ``SentenceTransformerTrainer`` (bf16,
+``per_device_train_batch_size`` = N, random texts of ``length`` words tokenised by the
+collator); step time between the ``on_step_begin`` and ``on_step_end`` callbacks
+(synchronised), so the collator's tokenisation is not in it. Needs ``datasets``.
+
 ``loss`` rows: the loss part alone on (N, 384) bf16 embeddings (forward and the embeddings'
 gradient): the library's cached ``calculate_loss(..., with_backward=True)`` (its chunked
 PyTorch loss) against cupynce's fused call.
@@ -85,7 +96,15 @@ def _autocast_forward(model):
 
 
 def _timed(step, steps: int):
+    """(median seconds of ``steps`` steps after a warm-up, their peak bytes); ``steps`` = 0:
+    the one step alone, warm-up included (the largest batches: one step is minutes)."""
     torch.cuda.synchronize()
+    if steps == 0:
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated()
     step()  # (warm-up: kernels, the allocator, cuBLAS handles)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -120,6 +139,86 @@ def step_case(model, loss_obj, feats, loop: str, steps: int) -> Dict[str, Any]:
         return {"step_s": None, "peak_gib": None, "note": "out of memory"}
     finally:
         torch.cuda.empty_cache()
+
+
+def floor_case(model, feats, loop: str, steps: int, mini: int) -> Dict[str, Any]:
+    """The encoder's work of a cached step without the loss (module docstring)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=loop == "plain")
+    n = feats[0]["input_ids"].shape[0]
+
+    def chunks():
+        for f in feats:
+            for b in range(0, n, mini):
+                yield {k: v[b:b + mini] if isinstance(v, torch.Tensor) else v
+                       for k, v in f.items()}
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad(), amp:
+            for c in chunks():
+                model(c)
+        for c in chunks():
+            with amp:
+                emb = model(c)["sentence_embedding"]
+            emb.float().square().mean().backward()
+        opt.step()
+
+    t, peak = _timed(step, steps)
+    torch.cuda.empty_cache()
+    return {"step_s": t, "peak_gib": peak / 2 ** 30}
+
+
+class _StepTimer:
+    """A trainer callback timing each step (synchronised at both ends)."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                torch.cuda.synchronize()
+                timer.t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                torch.cuda.synchronize()
+                timer.times.append(time.perf_counter() - timer.t0)
+
+        self.times: List[float] = []
+        self.callback = CB()
+
+
+def trainer_case(model, make_loss, n: int, length: int, steps: int, folder: str
+                 ) -> Dict[str, Any]:
+    """Steps of a real SentenceTransformerTrainer (module docstring)."""
+    import datasets
+    from sentence_transformers import (SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+
+    g = torch.Generator().manual_seed(n)
+    words = torch.randint(0, 100, (2, n * (steps + 1), length), generator=g).tolist()
+    cols = [[" ".join(f"w{w}" for w in row) for row in col] for col in words]
+    data = datasets.Dataset.from_dict({"anchor": cols[0], "positive": cols[1]})
+    args = SentenceTransformerTrainingArguments(
+        output_dir=folder, max_steps=steps + 1, per_device_train_batch_size=n, bf16=True,
+        learning_rate=1e-5, report_to=[], save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, dataloader_drop_last=True, seed=0)
+    timer = _StepTimer()
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
+                                         loss=make_loss(model), callbacks=[timer.callback])
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.train()
+    except Exception as exc:  # noqa: BLE001 - an OOM is a result
+        if not is_oom(exc):
+            raise
+        return {"step_s": None, "peak_gib": None, "note": "out of memory"}
+    finally:
+        torch.cuda.empty_cache()
+    return {"step_s": statistics.median(timer.times[1:]),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
 
 
 def loss_case(n: int, d: int, steps: int) -> List[Dict[str, Any]]:
@@ -166,6 +265,12 @@ def main(argv=None) -> None:
     p.add_argument("--mini-batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--loss-sizes", default="8192,65536")
+    p.add_argument("--floor", action="store_true", help="the encoder-only floor rows")
+    p.add_argument("--losses", default="uncached,library cached,cupynce cached",
+                   help="which losses to step (the largest batches: --losses 'cupynce cached'"
+                        " --steps 0)")
+    p.add_argument("--trainer-real", action="store_true",
+                   help="also through a real SentenceTransformerTrainer (needs datasets)")
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--name", default="bench_grad_cache")
     args = p.parse_args(argv)
@@ -178,7 +283,7 @@ def main(argv=None) -> None:
     def report():
         lines = [header, "", "## steps", ""]
         heads = ["shape", "loop", "n", "loss", "step_s", "peak_gib", "vs uncached",
-                 "vs library cached", "note"]
+                 "vs library cached", "vs floor", "note"]
         lines.append(markdown_table(heads, [[_fmt(r.get(h)) for h in heads] for r in rows]))
         if loss_rows:
             heads = ["loss", "n", "time_s", "peak_gib"]
@@ -203,12 +308,19 @@ def main(argv=None) -> None:
                                   model, mini_batch_size=args.mini_batch))]
                     if n <= args.uncached_max:
                         cases.insert(0, ("uncached", ST.MultipleNegativesRankingLoss(model)))
+                    cases = [c for c in cases if c[0] in args.losses.split(",")]
                     got = {}
+                    if args.floor:
+                        r = {"shape": shape, "loop": loop, "n": n, "loss": "floor",
+                             **floor_case(model, feats, loop, args.steps, args.mini_batch)}
+                        got["floor"] = r["step_s"]
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
                     for name, loss_obj in cases:
                         r = {"shape": shape, "loop": loop, "n": n, "loss": name,
                              **step_case(model, loss_obj, feats, loop, args.steps)}
                         got[name] = r["step_s"]
-                        for ref in ("uncached", "library cached"):
+                        for ref in ("uncached", "library cached", "floor"):
                             if name != ref and got.get(ref) and r["step_s"]:
                                 r[f"vs {ref}"] = r["step_s"] / got[ref]
                         rows.append(r)
@@ -217,9 +329,27 @@ def main(argv=None) -> None:
                     del feats
                 if loop == "trainer":
                     model.forward = model._plain_forward
+            if args.trainer_real:
+                for n in map(int, args.sizes.split(",")):
+                    makers = [("library cached", lambda m: ST.CachedMultipleNegativesRankingLoss(
+                                  m, mini_batch_size=args.mini_batch)),
+                              ("cupynce cached", lambda m: c_st.CachedMultipleNegativesRankingLoss(
+                                  m, mini_batch_size=args.mini_batch))]
+                    got = {}
+                    for name, make in makers:
+                        r = {"shape": shape, "loop": "SentenceTransformerTrainer", "n": n,
+                             "loss": name, **trainer_case(model, make, n, args.length,
+                                                          args.steps, f"{folder}/run")}
+                        got[name] = r["step_s"]
+                        if name != "library cached" and got.get("library cached") and \
+                                r["step_s"]:
+                            r["vs library cached"] = r["step_s"] / got["library cached"]
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
+                        report()
             del model
             torch.cuda.empty_cache()
-        for n in map(int, args.loss_sizes.split(",")):
+        for n in [int(x) for x in args.loss_sizes.split(",") if x]:
             loss_rows += loss_case(n, 384, args.steps)
             print(json.dumps(loss_rows[-2:]), flush=True)
             report()

@@ -4,8 +4,8 @@ On the CPU in float64 (CI): the cached loss and parameter gradients equal the un
 to 1e-12 relative (the chunks change only the order of the encoder's sums); with dropout on,
 they equal a chunk-by-chunk forward with a graph under the same random stream (the replay
 draws the first pass's masks) and the caller's generator ends where that forward leaves it;
-the backward re-embeds under the first pass's autocast state; bad input raises before any
-encoder runs; across 2 and 3 gloo processes under DDP, one process's uncached step on the
+the backward re-embeds under the first pass's autocast state; GradScaler and a
+``torch.compile`` d encoder give the same gradients; bad input raises before any encoder runs; across 2 and 3 gloo processes under DDP, one process's uncached step on the
 concatenated batch, with one all-reduce per step.  Marked ``gpu``: the same on CUDA in float64,
 and CUDA dropout replayed.
 """
@@ -173,6 +173,25 @@ def test_backward_outside_autocast_replays_under_it():
     loss.backward()
     assert seen == [(False, torch.bfloat16)] * 6 + [(True, torch.bfloat16)] * 6
     assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32
+
+
+def test_grad_scaler_and_a_compiled_encoder():
+    """``scaler.scale(loss).backward()`` then ``unscale_``: the uncached step's gradients; an
+    encoder under ``torch.compile`` (aot_eager: dynamo and AOT autograd, no C++ build) too."""
+    loss_fn = LOSSES["info_nce"]()[0]
+    xs = _batch()
+    enc = _encoder()
+    params = list(enc.parameters())
+    loss_fn(*[enc(x) for x in xs]).backward()
+    g_want = _grads(params)
+    opt = torch.optim.SGD(params, lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(GradientCache(enc, loss_fn, 9)(*xs)).backward()
+    scaler.unscale_(opt)
+    _close(_grads(params), g_want, "GradScaler")
+    compiled = torch.compile(enc, backend="aot_eager", dynamic=True)
+    GradientCache(compiled, loss_fn, 9)(*xs).backward()
+    _close(_grads(params), g_want, "torch.compile")
 
 
 def test_evaluation_runs_in_chunks_and_keeps_nothing():
