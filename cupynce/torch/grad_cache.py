@@ -245,7 +245,8 @@ class GradientCache:
         ``lambda f: ddp_model(f)["sentence_embedding"]``): their gradients are all-reduced
         once, at the last chunk. DDP modules given as encoders are found.
     progress : bool
-        A tqdm bar over the first pass's chunks.
+        A tqdm bar over the first pass's chunks (tqdm: the ``report`` extra, or
+        sentence-transformers' own dependency).
 
     Calling ``cache(*columns, ranges=None)`` returns the loss; ``ranges`` (one list of
     ``(begin, end)`` row ranges per column, covering it in order) replaces the chunks of
