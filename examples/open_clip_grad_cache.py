@@ -11,9 +11,10 @@ One difference: open_clip's loop gives ``logit_scale`` the gradient of every mic
 loss over the whole batch, ``accum_freq`` times the whole batch's gradient; the cache gives it
 once, as training without accumulation does.
 
-The step, for a model from ``open_clip.create_model_and_transforms`` (or one wrapped in
-``DistributedDataParallel``: the chunks run through its forward, so DDP all-reduces once, at
-the last chunk; ``logit_scale`` is read from the unwrapped model)::
+The step, for a model from ``open_clip.create_model_and_transforms`` (one process; under
+``DistributedDataParallel`` the chunks run through the DDP forward and all-reduce once, but
+``logit_scale``, which the loss reads from the unwrapped model outside that forward, is not
+covered yet: DDP would not average its gradient)::
 
     cache = clip_gradient_cache(model, micro_batch=256)
     for images, texts in loader:            # the whole batch (accum_freq x 256 rows)
@@ -62,7 +63,8 @@ def clip_gradient_cache(model: nn.Module, micro_batch: int, **loss_kw: Any
         d = features.shape[1] // 2
         return loss_fn(features[:, :d], features[:, d:], inner.logit_scale.exp())
 
-    return ct.GradientCache(encode, loss, micro_batch)
+    ddp = [model] if isinstance(model, nn.parallel.DistributedDataParallel) else []
+    return ct.GradientCache(encode, loss, micro_batch, ddp=ddp)
 
 
 class ToyCLIP(nn.Module):

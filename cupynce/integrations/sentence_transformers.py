@@ -240,7 +240,9 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     :class:`MultipleNegativesRankingLoss`), ``show_progress_bar``, ``hardness_mode`` /
     ``hardness_strength`` (None / 0 only: ``NotImplementedError`` otherwise) — plus the
     keyword-only ``workspace_bytes``, ``group``, ``precision``. A mini-batch of padded text
-    drops the positions that are padding in all its rows, as the library's does.
+    drops the positions that are padding in all its rows, as the library's does. Not supported
+    yet: ``MatryoshkaLoss`` around it, ``DistributedDataParallel(static_graph=True)`` and
+    frozen routes of a DDP model (each raises, naming itself).
     """
 
     uses_gradient_cache = True  # (the library's flag: the backward re-embeds)
@@ -274,6 +276,11 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         if self.model is None:
             raise ValueError(f"{op}: forward() embeds with the model; this loss has none "
                              "(pass model=, or call compute_loss_from_embeddings)")
+        if "calculate_loss" in vars(self):  # (MatryoshkaLoss wraps the library's protocol)
+            raise NotImplementedError(
+                f"{op} inside MatryoshkaLoss is not supported yet (it re-weights the cached "
+                "embeddings through the library's calculate_loss); use the library's cached "
+                "class there, or cupynce's uncached MultipleNegativesRankingLoss")
         features = list(sentence_features)
         for i, f in enumerate(features):
             if not isinstance(f, dict):
@@ -293,6 +300,17 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         ranges = None if self.mini_batch_num_tokens is None else \
             [_token_ranges(op, f, self.mini_batch_num_tokens) for f in features]
         return cache(*features, ranges=ranges)
+
+    def calculate_loss(self, reps: Sequence[Sequence[Tensor]], labels: Any = None, *,
+                       with_backward: bool = False) -> Tensor:
+        """The library's cached-loss protocol: the loss over the per-mini-batch embeddings
+        ``reps`` (one list per column); ``with_backward``: their gradients into ``.grad``,
+        the loss returned detached. (``forward`` does not go through it.)"""
+        loss = self.compute_loss_from_embeddings([torch.cat(list(r)) for r in reps], labels)
+        if with_backward:
+            loss.backward()
+            return loss.detach()
+        return loss
 
     def get_config_dict(self) -> Dict[str, Any]:
         return {**super().get_config_dict(), "mini_batch_size": self.mini_batch_size,

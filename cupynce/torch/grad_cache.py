@@ -34,10 +34,14 @@ rank's rows against every rank's) and this helper the same ``group``. Under
 but the last one backpropagated runs under the module's ``no_sync()`` (the DDP modules among
 the encoders are found; pass others with ``ddp=``), so after DDP's average they equal one
 process's gradients on the whole global batch (cupynce's global losses return P times a
-rank's share of the gradient for that average: ``cupynce.torch.distributed``). With
-``group``, every rank's batch sizes and chunking and then every rank's embedding shapes are
-compared in two small collectives before the encoders or the loss run collectives of their
-own, so that one rank's bad input raises on every rank instead of leaving the others waiting.
+rank's share of the gradient for that average: ``cupynce.torch.distributed``). Each DDP module
+synchronises at its own last chunk (two towers, two modules: each once). With ``group``, every
+rank's argument checks, then every rank's first pass (an encoder's error, an out-of-memory
+included), are agreed in two small collectives before the loss runs collectives of its own,
+so that one rank's bad input raises on every rank instead of leaving the others waiting (the
+ranks may chunk differently: token budgets). Not supported yet, and refused:
+``DistributedDataParallel(static_graph=True)``; a DDP module whose last chunk needs no
+gradient (a frozen route). Columns the loss does not use are refused at the call.
 
 The chunks: rows ``[k·chunk_size, (k+1)·chunk_size)`` of every column, or the caller's
 ``ranges`` (sentence-transformers' token budgets). A dict column is sliced tensor by tensor
@@ -50,6 +54,7 @@ column and call, before the first chunk; the backward reuses them and synchronis
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -167,28 +172,49 @@ def _tensors(chunk: Column) -> List[Tensor]:
 
 class _Step:
     """One call's cache: the columns, their chunks' random states and the autocast state, for
-    the backward's re-embedding; shared by the columns' :class:`_Replay` nodes."""
+    the backward's re-embedding; shared by the columns' :class:`_Replay` nodes.
+
+    DDP: every module's all-reduce belongs to its own last chunk. ``left[m]`` counts the chunks
+    still to backpropagate through module m in this backward pass (the columns arrive in
+    autograd's order); the chunk that takes it to 0 runs outside ``no_sync`` and restores the
+    count, so a second backward (``retain_graph=True``) synchronises again. Counters change
+    under a lock (autograd may run two devices' nodes on two threads)."""
 
     def __init__(self, owner: "GradientCache", encoders, columns, ranges, widths, states,
                  autocast):
         self.owner, self.encoders, self.columns, self.ranges = owner, encoders, columns, ranges
-        self.widths = widths
-        self.states, self.autocast = states, autocast
-        self.remaining = sum(len(r) for r in ranges)  # chunks still to backpropagate
+        self.widths, self.states, self.autocast = widths, states, autocast
         self.shapes: List[List[torch.Size]] = [[] for _ in columns]
+        self.ddp = [owner.ddp_of(e) for e in encoders]
+        self.total: Dict[int, int] = {}
+        for i, mods in enumerate(self.ddp):
+            for m in mods:
+                self.total[id(m)] = self.total.get(id(m), 0) + len(ranges[i])
+        self.left = dict(self.total)
+        self.lock = threading.Lock()
+
+    def _unsynced(self, index: int) -> List[DistributedDataParallel]:
+        """The modules of column ``index`` whose all-reduce is not this chunk's."""
+        out = []
+        with self.lock:
+            for m in self.ddp[index]:
+                self.left[id(m)] -= 1
+                if self.left[id(m)] == 0:
+                    self.left[id(m)] = self.total[id(m)]
+                else:
+                    out.append(m)
+        return out
 
     def backward(self, index: int, grad: Tensor) -> None:
         """Re-embed column ``index`` chunk by chunk and backpropagate ``grad``'s rows."""
         encoder = self.encoders[index]
-        ddp = self.owner.ddp_of(encoder)
         with torch.enable_grad(), _under(self.autocast):
             for k, (begin, end) in enumerate(self.ranges[index]):
-                self.remaining -= 1
-                sync = self.remaining == 0
+                quiet = self._unsynced(index)
+                syncs = [m for m in self.ddp[index] if m not in quiet]
                 with contextlib.ExitStack() as stack:
-                    if not sync:  # (the forward too: DDP prepares its reducer there)
-                        for module in ddp:
-                            stack.enter_context(module.no_sync())
+                    for module in quiet:  # (the forward too: DDP prepares its reducer there)
+                        stack.enter_context(module.no_sync())
                     keep = self.widths[index][k] if self.widths[index] else None
                     with self.states[index][k].replay():
                         out = encoder(_slice(self.columns[index], begin, end, keep))
@@ -199,6 +225,24 @@ class _Step:
                             f"{tuple(self.shapes[index][k])} (a non-deterministic encoder?)")
                     if out.requires_grad:
                         torch.autograd.backward(out, grad[begin:end].to(out.dtype))
+                    elif syncs:
+                        raise RuntimeError(
+                            f"GradientCache: column {index}, chunk {k} carries the "
+                            "DistributedDataParallel all-reduce but its embeddings need no "
+                            "gradient (a frozen route of the model?): not supported yet")
+
+
+def _unreached(loss: Tensor, tracked: Sequence[Tensor]) -> List[int]:
+    """The columns whose replay node the loss's graph does not reach."""
+    want = {t.grad_fn: i for i, t in enumerate(tracked)}
+    seen, todo = set(), [loss.grad_fn]
+    while todo and len(seen & want.keys()) < len(want):
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(f for f, _ in node.next_functions)
+    return sorted(i for node, i in want.items() if node not in seen)
 
 
 def _describe(out: Any) -> str:
@@ -298,6 +342,22 @@ class GradientCache:
                 raise ValueError(f"{op}: {len(self._encoders)} encoders for {len(columns)} "
                                  "columns; expected one encoder, or one per column")
             sizes = [_rows(op, c, i) for i, c in enumerate(columns)]
+            for i, c in enumerate(columns):
+                if any(t.requires_grad and t.grad_fn is not None for t in _tensors(c)):
+                    raise ValueError(
+                        f"{op}: column {i} carries a graph (it requires grad and is not a "
+                        "leaf); its chunks are re-embedded in the backward, which would run "
+                        "that graph once a chunk: pass it detached, or make the step that "
+                        "produced it part of the encoder")
+            for m in self.ddp + tuple(e for e in (self._encoders if isinstance(
+                    self._encoders, list) else [self._encoders])
+                    if isinstance(e, DistributedDataParallel)):
+                if getattr(m, "static_graph", False):
+                    raise NotImplementedError(
+                        f"{op}: DistributedDataParallel(static_graph=True) is not supported "
+                        "yet (the chunks run a different graph each); use static_graph=False")
+            if sizes and sizes[0] == 0:
+                raise ValueError(f"{op}: the batch is empty (0 rows); expected at least one")
             if len(set(sizes)) > 1:
                 raise ValueError(f"{op}: the columns have different batch sizes {sizes}; "
                                  "expected one size (row i of every column is one example)")
@@ -319,22 +379,21 @@ class GradientCache:
                     if at != n:
                         raise ValueError(f"{op}: ranges[{i}] = {r!r} must cover rows 0..{n} "
                                          "in order with non-empty ranges")
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, NotImplementedError) as exc:
             error = exc
+        self._raise_everywhere(error, "failed its checks")
+        return spans
+
+    def _raise_everywhere(self, error: Optional[BaseException], what: str) -> None:
+        """Raise ``error`` here and, with ``group``, every rank's first error on the others
+        (one small all-gather), so that no rank is left waiting in a later collective."""
         if self.group is not None:
-            everyone = self._agree((None if error is None else repr(error),
-                                              [len(r) for r in spans]))
-            bad = [(rank, msg) for rank, (msg, _) in enumerate(everyone) if msg]
+            everyone = self._agree(None if error is None else repr(error))
+            bad = [(rank, msg) for rank, msg in enumerate(everyone) if msg]
             if error is None and bad:
-                raise ValueError(f"{op}: rank {bad[0][0]} failed its checks: {bad[0][1]}")
-            counts = {tuple(c) for _, c in everyone}
-            if error is None and len(counts) > 1:
-                raise ValueError(f"{op}: the ranks split their columns into different numbers "
-                                 f"of chunks {[c for _, c in everyone]}; expected the same "
-                                 "batch sizes and chunking on every rank")
+                raise ValueError(f"GradientCache: rank {bad[0][0]} {what}: {bad[0][1]}")
         if error is not None:
             raise error
-        return spans
 
     def __call__(self, *columns: Column, ranges: Optional[Sequence[Ranges]] = None) -> Tensor:
         spans = self._check(columns, ranges)
@@ -349,33 +408,26 @@ class GradientCache:
             chunks = tqdm(chunks, desc="GradientCache: embed")
         parts: List[List[Tensor]] = [[] for _ in columns]
         widths = [_widths(c, r) for c, r in zip(columns, spans)]
-        with torch.no_grad():
-            for i, k, b, e in chunks:
-                chunk = _slice(columns[i], b, e, widths[i][k] if widths[i] else None)
-                if training:
-                    states.append((i, _RandomState(_tensors(chunk))))
-                out = encoders[i](chunk)
-                if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != e - b:
-                    error = ValueError(
-                        f"GradientCache: encoder {i} returned {_describe(out)} for a chunk of "
-                        f"{e - b} rows of column {i}; expected a 2-D tensor ({e - b}, D)")
-                    break
-                parts[i].append(out)
-        if self.group is not None:  # (before the loss's own collectives)
-            shapes_here = None if error else [[tuple(p.shape) for p in col] for col in parts]
-            everyone = self._agree((None if error is None else repr(error),
-                                                  [s[0][1:] if s else None
-                                                   for s in (shapes_here or [])]))
-            bad = [(rank, msg) for rank, (msg, _) in enumerate(everyone) if msg]
-            if error is None and bad:
-                raise ValueError(f"GradientCache: rank {bad[0][0]} failed: {bad[0][1]}")
-        if error is not None:
-            raise error
-        for i, col in enumerate(parts):
-            dims = {tuple(p.shape[1:]) for p in col}
-            if len(dims) > 1:
-                raise ValueError(f"GradientCache: encoder {i} returned embeddings of different "
-                                 f"widths {sorted(dims)} across chunks")
+        try:
+            with torch.no_grad():
+                for i, k, b, e in chunks:
+                    chunk = _slice(columns[i], b, e, widths[i][k] if widths[i] else None)
+                    if training:
+                        states.append((i, _RandomState(_tensors(chunk))))
+                    out = encoders[i](chunk)
+                    if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != e - b:
+                        raise ValueError(
+                            f"GradientCache: encoder {i} returned {_describe(out)} for a chunk "
+                            f"of {e - b} rows of column {i}; expected a 2-D tensor "
+                            f"({e - b}, D)")
+                    if parts[i] and out.shape[1:] != parts[i][0].shape[1:]:
+                        raise ValueError(
+                            f"GradientCache: encoder {i} returned embeddings of different "
+                            f"widths {parts[i][0].shape[1]} and {out.shape[1]} across chunks")
+                    parts[i].append(out)
+        except Exception as exc:  # noqa: BLE001 - (OOM too) raised here and on every rank
+            error = exc
+        self._raise_everywhere(error, "failed embedding its chunks")
         whole = [torch.cat(col) if len(col) > 1 else col[0] for col in parts]
         if not training:
             return self.loss_fn(*whole)
@@ -390,4 +442,9 @@ class GradientCache:
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise ValueError(f"GradientCache: loss_fn returned {_describe(loss)}; expected a "
                              "scalar tensor (a reduction 'mean' or 'sum')")
+        unused = _unreached(loss, tracked)
+        if unused:
+            raise ValueError(f"GradientCache: the loss does not use column(s) {unused}: their "
+                             "chunks would be embedded for nothing (and, under DDP, never "
+                             "synchronised); remove them")
         return loss

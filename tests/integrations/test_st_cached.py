@@ -136,6 +136,11 @@ def test_evaluation_and_config(tiny_bert):
         want = ST.MultipleNegativesRankingLoss(model)([dict(f) for f in feats], None)
         got = loss([dict(f) for f in feats], None)
     torch.testing.assert_close(got, want, **TOL)
+    reps = [[e.detach()[:5].requires_grad_(), e.detach()[5:].requires_grad_()]
+            for e in (model(dict(f))["sentence_embedding"] for f in feats)]
+    value = loss.calculate_loss(reps, None, with_backward=True)  # (the library's protocol)
+    torch.testing.assert_close(value, want, **TOL)
+    assert not value.requires_grad and all(r.grad is not None for col in reps for r in col)
     cfg = loss.get_config_dict()
     assert cfg["mini_batch_size"] == 4 and cfg["mini_batch_num_tokens"] == 30
     assert loss.uses_gradient_cache
@@ -153,6 +158,9 @@ def test_options_that_are_refused(tiny_bert):
         C(model, mini_batch_num_tokens=0)
     with pytest.raises(TypeError, match=r"sentence_features\[1\] is a list"):
         C(model)([dict(model.tokenize(["w1"])), ["w1"]], None)
+    with pytest.raises(NotImplementedError, match="inside MatryoshkaLoss is not supported"):
+        feats = dict(model.tokenize(["w1 w2", "w3"]))
+        ST.MatryoshkaLoss(model, C(model), [16, 8])([feats, dict(feats)], None)
     with pytest.raises(ValueError, match="mini_batch_num_tokens needs the features' 2-D "
                                          "attention_mask"):
         feats = dict(model.tokenize(["w1 w2", "w3"]))

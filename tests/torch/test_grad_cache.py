@@ -257,6 +257,21 @@ def test_bad_input_raises_before_any_encoder_runs():
         GradientCache(enc, lambda a, b: ct.info_nce(a, b, 0.1, reduction="none"), 4)(x, x)
 
 
+def test_unused_columns_graphs_and_empty_batches_are_refused():
+    enc = _encoder()
+    x, y = _batch()
+    with pytest.raises(ValueError, match=r"the loss does not use column\(s\) \[1\]"):
+        GradientCache(enc, lambda a, b: ct.info_nce(a, a, 0.1), 8)(x, y)
+    w = torch.ones(8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="column 1 carries a graph"):
+        GradientCache(enc, LOSSES["info_nce"]()[0], 8)(x, y * w)
+    with pytest.raises(ValueError, match=r"the batch is empty \(0 rows\)"):
+        GradientCache(enc, LOSSES["info_nce"]()[0], 8)(x[:0], y[:0])
+    sizes = iter([6, 6, 5])
+    with pytest.raises(ValueError, match="returned embeddings of different widths 6 and 5"):
+        GradientCache(lambda t: enc(t)[:, :next(sizes)], LOSSES["info_nce"]()[0], 16)(x, y)
+
+
 def test_a_non_deterministic_encoder_is_named_in_the_backward():
     sizes = iter([4, 4, 2, 4, 4, 2, 3])  # (the replay's first chunk comes back with 3 rows)
 
@@ -271,33 +286,46 @@ def test_a_non_deterministic_encoder_is_named_in_the_backward():
 
 
 # ---- across processes (gloo; DDP) -----------------------------------------------------------
+def _counting(model, world):
+    """DDP ``model`` with a comm hook that counts its all-reduces (of the mean, as DDP's)."""
+    import torch.distributed as dist
+
+    calls = []
+
+    def hook(state, bucket):
+        calls.append(1)
+        work = dist.all_reduce(bucket.buffer() / world, async_op=True)
+        return work.get_future().then(lambda f: f.value()[0])
+
+    model.register_comm_hook(None, hook)
+    return calls
+
+
 def check_grad_cache_ddp(rank, world):
     """Each rank's DDP step through the cache with the global loss equals one process's
-    uncached step on the concatenated batch; the gradients are all-reduced once per step."""
+    uncached step on the concatenated batch: one DDP encoder for both columns, two DDP towers
+    (CLIP's), ranks that chunk differently, and a second backward of a retained graph; every
+    module all-reduces once per backward."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    g = dist.group.WORLD
     n = 5
     xs = _batch(n=n * world, seed=3)
     mine = [x[rank * n:(rank + 1) * n] for x in xs]
     single = _encoder(7)
     model = DDP(_encoder(7))
-    syncs = []
-
-    def hook(state, bucket):
-        syncs.append(1)
-        work = dist.all_reduce(bucket.buffer() / world, async_op=True)
-        return work.get_future().then(lambda f: f.value()[0])
-
-    model.register_comm_hook(None, hook)
-    for name, local, glob in [
-            ("info_nce", lambda q, k: ct.info_nce(q, k, 0.2, normalize=True,
-                                                  group=dist.group.WORLD),
-             lambda q, k: ct.info_nce(q, k, 0.2, normalize=True)),
-            ("nt_xent", lambda a, b: ct.nt_xent(torch.cat([a, b]), 0.3, group=dist.group.WORLD),
-             lambda a, b: ct.nt_xent(torch.cat([a, b]), 0.3))]:
+    syncs = _counting(model, world)
+    uneven = [[(0, 1), (1, 5)], [(0, 3), (3, 5)]] if rank == 0 else None  # (token budgets)
+    for name, local, glob, ranges in [
+            ("info_nce", lambda q, k: ct.info_nce(q, k, 0.2, normalize=True, group=g),
+             lambda q, k: ct.info_nce(q, k, 0.2, normalize=True), None),
+            ("nt_xent", lambda a, b: ct.nt_xent(torch.cat([a, b]), 0.3, group=g),
+             lambda a, b: ct.nt_xent(torch.cat([a, b]), 0.3), None),
+            ("uneven chunks", lambda q, k: ct.info_nce(q, k, 0.2, group=g),
+             lambda q, k: ct.info_nce(q, k, 0.2), uneven)]:
         syncs.clear()
-        loss = GradientCache(model, local, 2, group=dist.group.WORLD)(*mine)
+        loss = GradientCache(model, local, 2, group=g)(*mine, ranges=ranges)
         loss.backward()
         assert len(syncs) == 1, (name, len(syncs))
         want = glob(*[single(x) for x in xs])
@@ -305,10 +333,37 @@ def check_grad_cache_ddp(rank, world):
         torch.testing.assert_close(loss.detach(), want.detach(), **F64)
         _close(_grads(list(model.module.parameters())), _grads(list(single.parameters())),
                f"{name} rank {rank}")
+    # a retained graph, backpropagated twice: two all-reduces, twice the gradient
+    syncs.clear()
+    loss = GradientCache(model, LOSSES["info_nce"]()[0], 2, group=g)(*mine)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert len(syncs) == 2, len(syncs)
+    once = [p.grad.clone() / 2 for p in model.module.parameters()]
+    _grads(list(model.module.parameters()))
+    GradientCache(model, LOSSES["info_nce"]()[0], 2, group=g)(*mine).backward()
+    _close(_grads(list(model.module.parameters())), once, "retain_graph")
+    # two towers, two DDP modules: each all-reduced once, at its own last chunk
+    a_single, b_single = _encoder(8), _encoder(9)
+    a_ddp, b_ddp = DDP(_encoder(8)), DDP(_encoder(9))
+    a_syncs, b_syncs = _counting(a_ddp, world), _counting(b_ddp, world)
+    head = ct.ClipLoss(0.07, group=g).double()
+    head_single = ct.ClipLoss(0.07).double()
+    loss = GradientCache([a_ddp, b_ddp], head, 2, group=g)(*mine)
+    loss.backward()
+    assert (len(a_syncs), len(b_syncs)) == (1, 1), (len(a_syncs), len(b_syncs))
+    head_single(a_single(xs[0]), b_single(xs[1])).backward()
+    _close(_grads(list(a_ddp.module.parameters()) + list(b_ddp.module.parameters())),
+           _grads(list(a_single.parameters()) + list(b_single.parameters())),
+           f"two towers rank {rank}")
+    with pytest.raises(NotImplementedError, match=r"static_graph=True\) is not supported"):
+        GradientCache(DDP(_encoder(7), static_graph=True), LOSSES["info_nce"]()[0], 2,
+                      group=g)(*mine)
 
 
 def check_grad_cache_bad_rank_raises_everywhere(rank, world):
-    """One rank's short column, or its wrong encoder output: every rank raises, none hangs."""
+    """One rank's short column, its wrong encoder output or its encoder's exception: every
+    rank raises, none hangs."""
     import torch.distributed as dist
 
     g = dist.group.WORLD
@@ -318,11 +373,17 @@ def check_grad_cache_bad_rank_raises_everywhere(rank, world):
     with pytest.raises(ValueError, match=f"rank {world - 1} failed its checks|different batch"):
         GradientCache(lambda t: t, loss_fn, 4, group=g)(*cols)
     enc = (lambda t: t[:, None]) if rank == 0 else (lambda t: t)
-    with pytest.raises(ValueError, match="rank 0 failed|encoder 0 returned"):
+    with pytest.raises(ValueError, match="rank 0 failed embedding its chunks|encoder 0 "
+                                         "returned"):
         GradientCache(enc, loss_fn, 4, group=g)(x, x)
-    short = x[:2] if rank == 1 else x  # (the same checks pass; the chunk counts differ)
-    with pytest.raises(ValueError, match="different numbers of chunks"):
-        GradientCache(lambda t: t, loss_fn, 4, group=g)(short, short)
+
+    def fails(t):
+        if rank == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return t
+
+    with pytest.raises((ValueError, RuntimeError), match="out of memory"):
+        GradientCache(fails, loss_fn, 4, group=g)(x, x)
 
 
 @pytest.mark.parametrize("world", [2, 3])
