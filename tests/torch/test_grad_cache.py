@@ -195,13 +195,24 @@ def test_grad_scaler_and_a_compiled_encoder():
 
 
 def test_evaluation_runs_in_chunks_and_keeps_nothing():
+    """Grad mode off: the columns embedded chunk by chunk (4 chunks of at most 10 rows each),
+    the loss of the whole batch, no graph and no random state kept."""
     enc = _encoder()
     xs = _batch()
     loss_fn = LOSSES["info_nce"]()[0]
+    rows = []
+
+    def counting(x):
+        rows.append(x.shape[0])
+        return enc(x)
+
     with torch.no_grad():
         want = loss_fn(*[enc(x) for x in xs])
-        got = GradientCache(enc, loss_fn, 10)(*xs)
-    assert not got.requires_grad
+        before = torch.get_rng_state()
+        got = GradientCache(counting, loss_fn, 10)(*xs)
+    assert rows == [10, 10, 10, 7] * 2
+    assert not got.requires_grad and got.grad_fn is None
+    assert torch.equal(torch.get_rng_state(), before)
     torch.testing.assert_close(got, want, **F64)
 
 
