@@ -117,6 +117,19 @@ def _timed(step, steps: int):
     return statistics.median(times), torch.cuda.max_memory_allocated()
 
 
+def _oom_is_a_result(run) -> Dict[str, Any]:
+    """``run()`` -> (seconds, peak bytes) as a row; out of memory is a row too."""
+    try:
+        t, peak = run()
+        return {"step_s": t, "peak_gib": peak / 2 ** 30}
+    except Exception as exc:  # noqa: BLE001 - an OOM is a result
+        if not is_oom(exc):
+            raise
+        return {"step_s": None, "peak_gib": None, "note": "out of memory"}
+    finally:
+        torch.cuda.empty_cache()
+
+
 def step_case(model, loss_obj, feats, loop: str, steps: int) -> Dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
@@ -130,15 +143,7 @@ def step_case(model, loss_obj, feats, loop: str, steps: int) -> Dict[str, Any]:
         loss.backward()
         opt.step()
 
-    try:
-        t, peak = _timed(step, steps)
-        return {"step_s": t, "peak_gib": peak / 2 ** 30}
-    except Exception as exc:  # noqa: BLE001 - an OOM is a result
-        if not is_oom(exc):
-            raise
-        return {"step_s": None, "peak_gib": None, "note": "out of memory"}
-    finally:
-        torch.cuda.empty_cache()
+    return _oom_is_a_result(lambda: _timed(step, steps))
 
 
 def floor_case(model, feats, loop: str, steps: int, mini: int) -> Dict[str, Any]:
@@ -208,17 +213,12 @@ def trainer_case(model, make_loss, n: int, length: int, steps: int, folder: str
     timer = _StepTimer()
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
                                          loss=make_loss(model), callbacks=[timer.callback])
-    torch.cuda.reset_peak_memory_stats()
-    try:
+    def train():
+        torch.cuda.reset_peak_memory_stats()
         trainer.train()
-    except Exception as exc:  # noqa: BLE001 - an OOM is a result
-        if not is_oom(exc):
-            raise
-        return {"step_s": None, "peak_gib": None, "note": "out of memory"}
-    finally:
-        torch.cuda.empty_cache()
-    return {"step_s": statistics.median(timer.times[1:]),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+        return statistics.median(timer.times[1:]), torch.cuda.max_memory_allocated()
+
+    return _oom_is_a_result(train)
 
 
 def loss_case(n: int, d: int, steps: int) -> List[Dict[str, Any]]:

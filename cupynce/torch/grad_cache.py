@@ -181,10 +181,10 @@ class _Step:
     under a lock (autograd may run two devices' nodes on two threads)."""
 
     def __init__(self, owner: "GradientCache", encoders, columns, ranges, widths, states,
-                 autocast):
+                 autocast, shapes):
         self.owner, self.encoders, self.columns, self.ranges = owner, encoders, columns, ranges
         self.widths, self.states, self.autocast = widths, states, autocast
-        self.shapes: List[List[torch.Size]] = [[] for _ in columns]
+        self.shapes: List[List[torch.Size]] = shapes  # (the first pass's, per chunk)
         self.ddp = [owner.ddp_of(e) for e in encoders]
         self.total: Dict[int, int] = {}
         for i, mods in enumerate(self.ddp):
@@ -400,7 +400,7 @@ class GradientCache:
         encoders = self._encoders if isinstance(self._encoders, list) else \
             [self._encoders] * len(columns)
         training = torch.is_grad_enabled()
-        states: List[Tuple[int, _RandomState]] = []
+        states: List[List[_RandomState]] = [[] for _ in columns]
         error = None
         chunks = [(i, k, b, e) for i, r in enumerate(spans) for k, (b, e) in enumerate(r)]
         if self.progress:
@@ -413,7 +413,7 @@ class GradientCache:
                 for i, k, b, e in chunks:
                     chunk = _slice(columns[i], b, e, widths[i][k] if widths[i] else None)
                     if training:
-                        states.append((i, _RandomState(_tensors(chunk))))
+                        states[i].append(_RandomState(_tensors(chunk)))
                     out = encoders[i](chunk)
                     if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != e - b:
                         raise ValueError(
@@ -431,10 +431,8 @@ class GradientCache:
         whole = [torch.cat(col) if len(col) > 1 else col[0] for col in parts]
         if not training:
             return self.loss_fn(*whole)
-        step = _Step(self, encoders, columns, spans, widths,
-                     [[s for j, s in states if j == i] for i in range(len(columns))],
-                     _autocast_state())
-        step.shapes = [[p.shape for p in col] for col in parts]
+        step = _Step(self, encoders, columns, spans, widths, states, _autocast_state(),
+                     [[p.shape for p in col] for col in parts])
         del parts
         token = torch.empty(0, requires_grad=True)  # (puts the replay nodes in the graph)
         tracked = [_Replay.apply(token, emb, step, i) for i, emb in enumerate(whole)]
