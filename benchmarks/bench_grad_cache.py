@@ -205,7 +205,10 @@ def trainer_case(model, make_loss, n: int, length: int, steps: int, folder: str
     g = torch.Generator().manual_seed(n)
     words = torch.randint(0, 100, (2, n * (steps + 1), length), generator=g).tolist()
     cols = [[" ".join(f"w{w}" for w in row) for row in col] for col in words]
-    data = datasets.Dataset.from_dict({"anchor": cols[0], "positive": cols[1]})
+    # a fixed fingerprint: datasets hashes a new Dataset's state with dill, which fails on
+    # some pyarrow / Python pairs (pyarrow 26, Python 3.12: "Can't pickle MonthDayNano")
+    data = datasets.Dataset(datasets.table.InMemoryTable.from_pydict(
+        {"anchor": cols[0], "positive": cols[1]}), fingerprint=f"bench-{n}")
     args = SentenceTransformerTrainingArguments(
         output_dir=folder, max_steps=steps + 1, per_device_train_batch_size=n, bf16=True,
         learning_rate=1e-5, report_to=[], save_strategy="no", logging_strategy="no",
@@ -271,6 +274,8 @@ def main(argv=None) -> None:
                         " --steps 0)")
     p.add_argument("--trainer-real", action="store_true",
                    help="also through a real SentenceTransformerTrainer (needs datasets)")
+    p.add_argument("--trainer-losses", default="library cached,cupynce cached",
+                   help="the cached losses --trainer-real runs")
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--name", default="bench_grad_cache")
     args = p.parse_args(argv)
@@ -335,6 +340,7 @@ def main(argv=None) -> None:
                                   m, mini_batch_size=args.mini_batch)),
                               ("cupynce cached", lambda m: c_st.CachedMultipleNegativesRankingLoss(
                                   m, mini_batch_size=args.mini_batch))]
+                    makers = [m for m in makers if m[0] in args.trainer_losses.split(",")]
                     got = {}
                     for name, make in makers:
                         r = {"shape": shape, "loop": "SentenceTransformerTrainer", "n": n,

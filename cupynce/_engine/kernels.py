@@ -105,13 +105,15 @@ def read_source(filename: str) -> str:
 
 
 def compile_source(filename: str, arch: str, options: Sequence[str] = NVRTC_OPTIONS,
-                   source: Optional[str] = None) -> bytes:
+                   source: Optional[str] = None, *, with_ptx: bool = False):
     """Compile ``kernels_src/filename`` with NVRTC for ``arch`` (e.g. ``"sm_90"``), no GPU needed.
 
-    Returns the cubin.  Used by the CPU tests so that a kernel that does not compile can never
-    land; raises :class:`KernelCompileError` with the compiler log.  ``source``: the pasted
-    source already read (so that a cubin and the name hashed from its source agree even if
-    the file changes meanwhile); else read now.
+    Returns the cubin (bytes), or ``(cubin, ptx)`` with ``with_ptx=True`` (NVRTC makes the PTX
+    on the way to the cubin, so it costs nothing more: the CPU tests check instructions in it).
+    Used by the CPU tests so that a kernel that does not compile can never land; raises
+    :class:`KernelCompileError` with the compiler log.  ``source``: the pasted source already
+    read (so that a cubin and the name hashed from its source agree even if the file changes
+    meanwhile); else read now.
     """
     from cupy.cuda import nvrtc  # NVRTC needs no GPU, only libnvrtc
 
@@ -123,7 +125,8 @@ def compile_source(filename: str, arch: str, options: Sequence[str] = NVRTC_OPTI
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(prog)
             raise KernelCompileError(f"kernels_src/{filename} failed to compile for {arch}:\n{log}") from exc
-        return nvrtc.getCUBIN(prog)
+        cubin = nvrtc.getCUBIN(prog)
+        return (cubin, nvrtc.getPTX(prog)) if with_ptx else cubin
     finally:
         nvrtc.destroyProgram(prog)
 

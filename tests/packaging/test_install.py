@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+# one worker for the whole module: `pip install .` builds in the checkout's build/ folder
+pytestmark = pytest.mark.xdist_group("install")
 ROOT = Path(__file__).resolve().parents[2]
 
 
