@@ -2,7 +2,8 @@
 call runs, in one immutable :class:`Config`.
 
 The engine reads :func:`current` (this thread's configuration: the process-wide one, or a
-:func:`float32_precision` scope's derivation of it); nothing else in cupynce holds a switch.
+:func:`scope`'s derivation of it, :func:`float32_precision` being one); nothing else in cupynce
+holds a switch.
 The CUDA-graph cache (``cupynce.ops._graphs``) keys its plans by the :class:`Config` object
 itself, so a new setting can never replay a plan captured under another.
 
@@ -32,6 +33,8 @@ In code::
         ...
     with cfg.float32_precision("3xtf32"):   # this thread only (what ``precision=`` opens)
         ...
+    with cfg.scope(graphs=False):           # this thread only, any fields
+        ...
 
 ``cupynce.set_float32_precision(p)`` is ``set(float32_precision=p)``.  The 0.2 module
 attributes that set these (``products_tf32.USE_F16X3``, ``tiles.USE_TILES``, ...) still
@@ -46,7 +49,7 @@ import os
 import threading
 from typing import Any, FrozenSet, Mapping, Optional
 
-__all__ = ["Config", "FLOAT32_PRECISIONS", "current", "get", "set", "override",
+__all__ = ["Config", "FLOAT32_PRECISIONS", "current", "get", "set", "override", "scope",
            "float32_precision", "scoped_precision", "check_precision"]
 
 #: The float32 product modes (``cupynce.set_float32_precision`` documents them).
@@ -210,10 +213,12 @@ _global: Config = Config.from_env()
 
 
 class _Local(threading.local):
-    """This thread's :func:`float32_precision` scope: the precision and the configuration
-    derived for it (None: the process-wide one).  Class attributes, so that a read never
-    misses (a ``getattr`` default on a ``threading.local`` raises and catches inside)."""
+    """This thread's :func:`scope`: its changes (a sorted tuple of (field, value) pairs), the
+    precision among them, and the configuration derived for them from the process-wide one
+    (None: outside a scope).  Class attributes, so that a read never misses (a ``getattr``
+    default on a ``threading.local`` raises and catches inside)."""
 
+    changes: Optional[tuple] = None
     precision: Optional[str] = None
     config: Optional[Config] = None
     base: Optional[Config] = None
@@ -221,7 +226,7 @@ class _Local(threading.local):
 
 _local = _Local()
 _lock = threading.Lock()
-#: (process-wide config, precision) -> the derived config (a scope opens on every call)
+#: (process-wide config, changes) -> the derived config (a scope opens on every call)
 _derived: dict = {}
 
 
@@ -231,25 +236,25 @@ def get() -> Config:
 
 
 def current() -> Config:
-    """The configuration in effect in this thread: the innermost :func:`float32_precision`
-    scope's derivation of the process-wide one, else the process-wide one."""
+    """The configuration in effect in this thread: the innermost :func:`scope`'s derivation
+    of the process-wide one, else the process-wide one."""
     loc = _local
-    p = loc.precision
-    if p is None:
+    ch = loc.changes
+    if ch is None:
         return _global
     c = loc.config
     if c is None or loc.base is not _global:  # (set() ran since the scope opened)
-        c = loc.config = _derive(_global, p)
+        c = loc.config = _derive(_global, ch)
         loc.base = _global
     return c
 
 
-def _derive(base: Config, precision: str) -> Config:
-    key = (base, precision)
+def _derive(base: Config, changes: tuple) -> Config:
+    key = (base, changes)
     c = _derived.get(key)
     if c is None:
-        c = base if base.float32_precision == precision else base.replace(
-            float32_precision=precision)
+        c = base if all(getattr(base, k) == v for k, v in changes) else \
+            base.replace(**dict(changes))
         if len(_derived) > 64:
             _derived.clear()
         _derived[key] = c
@@ -259,7 +264,7 @@ def _derive(base: Config, precision: str) -> Config:
 def set(**changes: Any) -> Config:  # noqa: A001 - (cfg.set reads as intended)
     """Replace the process-wide configuration by a copy with ``changes``; returns the new
     one.  Every thread sees it from its next call (a thread inside a
-    :func:`float32_precision` scope keeps that scope's precision)."""
+    :func:`scope` keeps the fields that scope changes)."""
     global _global
     with _lock:
         _global = _global.replace(**changes)
@@ -287,31 +292,45 @@ class override:
 
 
 class _Scope:
-    """:func:`float32_precision`'s context manager (a class, not a generator: every entry
-    point opens one per call, forward and backward)."""
+    """:func:`scope`'s context manager (a class, not a generator: every entry point opens a
+    precision scope per call, forward and backward)."""
 
-    __slots__ = ("p", "prev")
+    __slots__ = ("changes", "prev")
 
-    def __init__(self, p: str):
-        self.p, self.prev = p, None
+    def __init__(self, changes: tuple):
+        self.changes, self.prev = changes, None
 
     def __enter__(self) -> None:
         loc = _local
-        self.prev = (loc.precision, loc.config, loc.base)
-        if loc.precision != self.p:
-            loc.precision, loc.config, loc.base = self.p, None, None
+        self.prev = (loc.changes, loc.precision, loc.config, loc.base)
+        new = self.changes if loc.changes is None else \
+            tuple(sorted({**dict(loc.changes), **dict(self.changes)}.items()))
+        if new != loc.changes:
+            loc.changes, loc.config, loc.base = new, None, None
+            loc.precision = dict(new).get("float32_precision")
 
     def __exit__(self, *exc) -> bool:
-        _local.precision, _local.config, _local.base = self.prev
+        loc = _local
+        loc.changes, loc.precision, loc.config, loc.base = self.prev
         return False
+
+
+def scope(**changes: Any) -> _Scope:
+    """``with scope(graphs=False):`` -- this thread's configuration is the process-wide one
+    with ``changes`` for the block (validated here, before it opens), nested scopes merged,
+    the previous one back on exit.  A :func:`set` during the block still shows through the
+    fields the scope does not change."""
+    get().replace(**changes)  # (names and values checked now)
+    return _Scope(tuple(sorted(changes.items())))
 
 
 def float32_precision(precision: str) -> _Scope:
     """``with float32_precision("3xtf32"):`` -- this thread's float32 products in that mode
     (validated here, before the scope opens); the previous one comes back on exit."""
-    return _Scope(check_precision(precision, "float32_precision: precision"))
+    return _Scope((("float32_precision",
+                    check_precision(precision, "float32_precision: precision")),))
 
 
 def scoped_precision() -> Optional[str]:
-    """This thread's :func:`float32_precision` scope's precision, None outside one."""
+    """This thread's scoped float32 precision (:func:`float32_precision`), None outside one."""
     return _local.precision

@@ -17,6 +17,8 @@ activations alive at a time::
 each chunk's CPU and CUDA random state saved; (ii) the loss runs once over the whole batch of
 embeddings — with cupynce's fused losses that one call also computes the embeddings' gradients
 (``reduction`` "mean" / "sum"), and what it keeps for the backward is O(N·D), never N × N;
+it runs without CUDA-graph replay (``config.scope(graphs=False)``: once a step, a graph's
+memory pool would cost more than its replay saves);
 (iii) the loss's ``backward()`` re-embeds each chunk with a graph under the saved random state
 (dropout draws the same masks) and the autocast state of step (i), whoever calls it, and
 backpropagates the chunk's rows of the embeddings' gradient, times the upstream gradient
@@ -63,10 +65,19 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from .. import config
+
 __all__ = ["GradientCache"]
 
 Column = Union[Tensor, Dict[str, Any]]
 Ranges = Sequence[Tuple[int, int]]
+
+
+def _loss_scope():
+    """The scope the loss runs in: no CUDA-graph replay.  The loss runs once a step, over the
+    whole batch: a graph would save microseconds of a step of seconds, and its memory pool
+    would stay through the next step (0.39 GiB at N = 8192, D = 384: docs/results.md)."""
+    return config.scope(graphs=False)
 
 
 class _RandomState:
@@ -430,13 +441,15 @@ class GradientCache:
         self._raise_everywhere(error, "failed embedding its chunks")
         whole = [torch.cat(col) if len(col) > 1 else col[0] for col in parts]
         if not training:
-            return self.loss_fn(*whole)
+            with _loss_scope():
+                return self.loss_fn(*whole)
         step = _Step(self, encoders, columns, spans, widths, states, _autocast_state(),
                      [[p.shape for p in col] for col in parts])
         del parts
         token = torch.empty(0, requires_grad=True)  # (puts the replay nodes in the graph)
         tracked = [_Replay.apply(token, emb, step, i) for i, emb in enumerate(whole)]
-        loss = self.loss_fn(*tracked)
+        with _loss_scope():
+            loss = self.loss_fn(*tracked)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise ValueError(f"GradientCache: loss_fn returned {_describe(loss)}; expected a "
                              "scalar tensor (a reduction 'mean' or 'sum')")

@@ -111,6 +111,36 @@ def test_precision_scope_is_per_thread_and_derives_the_config(monkeypatch):
         cfg.float32_precision("x")
 
 
+def test_scope_changes_any_field_for_this_thread(monkeypatch):
+    """``scope(**changes)``: this thread only, nested scopes merged, restored on exit, a
+    ``set()`` inside shows through the fields it does not change; bad input raises before."""
+    monkeypatch.setattr(cfg, "_global", cfg.get())
+    seen = {}
+    with cfg.scope(graphs=False, side_streams=False):
+        inner = cfg.current()
+        assert (inner.graphs, inner.side_streams) == (False, False) and cfg.get().graphs
+        assert cfg.current() is inner and cfg.scoped_precision() is None
+        t = threading.Thread(target=lambda: seen.update(g=cfg.current().graphs))
+        t.start()
+        t.join()
+        with cfg.float32_precision("tf32"):  # (what every op opens: it keeps the scope's)
+            c = cfg.current()
+            assert (c.float32_precision, c.graphs, c.side_streams) == ("tf32", False, False)
+            assert cfg.scoped_precision() == "tf32"
+            with cfg.scope(graphs=True):
+                assert cfg.current().graphs and cfg.current().float32_precision == "tf32"
+            assert cfg.current() is c
+        assert cfg.current() is inner and cfg.scoped_precision() is None
+        cfg.set(f16x3=False)
+        assert (cfg.current().f16x3, cfg.current().graphs) == (False, False)
+    assert seen["g"] is True
+    assert cfg.current() is cfg.get() and cfg.current().graphs
+    with pytest.raises(TypeError, match=r"Config has no field 'graph'"):
+        cfg.scope(graph=False)
+    with pytest.raises(TypeError, match=r"Config.graphs=1: expected bool"):
+        cfg.scope(graphs=1)
+
+
 def _old_switches():
     for module, (switches, _homes) in compat.DISSOLVED.items():
         for name, field in switches.items():

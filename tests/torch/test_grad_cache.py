@@ -216,6 +216,28 @@ def test_evaluation_runs_in_chunks_and_keeps_nothing():
     torch.testing.assert_close(got, want, **F64)
 
 
+def test_the_loss_runs_without_cuda_graphs():
+    """The loss (once a step) runs in ``config.scope(graphs=False)``, in training and in
+    evaluation; the caller's configuration is untouched before and after."""
+    import cupynce.config as cfg
+
+    enc = _encoder()
+    loss_fn = LOSSES["info_nce"]()[0]
+    seen = []
+
+    def spying(*e):
+        seen.append(cfg.current().graphs)
+        return loss_fn(*e)
+
+    before = cfg.current()
+    with cfg.override(graphs=True):
+        GradientCache(enc, spying, 10)(*_batch()).backward()
+        with torch.no_grad():
+            GradientCache(enc, spying, 10)(*_batch())
+        assert cfg.current().graphs
+    assert seen == [False, False] and cfg.current() is before
+
+
 def test_double_backward_is_refused():
     enc = _encoder()
     loss = GradientCache(enc, LOSSES["info_nce"]()[0], 10)(*_batch())
