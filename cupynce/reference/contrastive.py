@@ -1,4 +1,4 @@
-"""The InfoNCE family in float64 (the oracle): NT-Xent, InfoNCE, CLIP and SigLIP."""
+"""The InfoNCE family in float64 (the oracle): NT-Xent, SupCon, InfoNCE, CLIP and SigLIP."""
 
 from __future__ import annotations
 
@@ -12,72 +12,216 @@ from ._common import (Loss, _check_reduction, _f64, _logsumexp, _reduce, _row_we
 
 
 # --------------------------------------------------------------------------
+# cross-entropy rows over candidate sets (labels=, label_smoothing=, SupCon)
+# --------------------------------------------------------------------------
+
+
+def _check_smoothing(label_smoothing: float) -> float:
+    e = float(label_smoothing)
+    if not 0.0 <= e < 1.0:  # (NaN fails too)
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    return e
+
+
+def _same_label(labels: Optional[ArrayLike], n: int) -> Optional[np.ndarray]:
+    """``labels_i == labels_j`` as an (n, n) bool matrix (None: no labels)."""
+    if labels is None:
+        return None
+    lab = np.asarray(labels)
+    if lab.shape != (n,) or lab.dtype.kind not in "iub":
+        raise ValueError(f"labels must be an integer array of shape ({n},), got "
+                         f"{lab.dtype} of shape {lab.shape}")
+    return lab[:, None] == lab[None, :]
+
+
+def _target(keep: np.ndarray, pos: np.ndarray, eps: float) -> np.ndarray:
+    """Each row's target distribution: ``1 - eps`` on its positive column ``pos[i]`` and
+    ``eps`` spread evenly over its candidates ``keep[i]`` (the positive among them), as
+    ``F.cross_entropy(label_smoothing=eps)`` spreads it over the classes."""
+    t = eps * keep / keep.sum(axis=1, keepdims=True)
+    t[np.arange(len(pos)), pos] += 1.0 - eps
+    return t
+
+
+def _ce_rows(logits: np.ndarray, keep: np.ndarray, target: np.ndarray,
+             w: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Cross entropy of each row over its candidates against a target distribution::
+
+        per_row_i = lse_{j : keep_ij} L_ij - sum_j T_ij L_ij
+        G_ij      = w_i (softmax_ij - T_ij)         (0 where not keep_ij)
+
+    (``T`` is 0 outside ``keep``.)  Returns ``(per_row, G)``."""
+    masked = np.where(keep, logits, -np.inf)
+    lse = _logsumexp(masked, axis=1)
+    per_row = lse - np.sum(np.where(keep, target * logits, 0.0), axis=1)
+    g = w[:, None] * (np.exp(masked - lse[:, None]) - target)
+    return per_row, g
+
+
+def _dtemperature(g: np.ndarray, logits: np.ndarray, keep: np.ndarray,
+                  temperature: ArrayLike) -> np.ndarray:
+    """dL/dt for logits ``L = S / t``: ``-sum_ij G_ij L_ij / t``, in the shape of ``t``."""
+    t = _f64(temperature)
+    return np.full(t.shape, -np.sum(g * np.where(keep, logits, 0.0)) / float(t.reshape(())))
+
+
+# --------------------------------------------------------------------------
 # NT-Xent (SimCLR)
 # --------------------------------------------------------------------------
 
 
 def nt_xent(
     z: ArrayLike,
-    temperature: float = 0.5,
+    temperature: ArrayLike = 0.5,
     *,
     reduction: str = "mean",
     normalize: bool = False,
+    label_smoothing: float = 0.0,
     grad_loss: Optional[ArrayLike] = None,
-) -> Tuple[Loss, Tuple[np.ndarray]]:
+    temperature_grad: bool = False,
+) -> Tuple[Loss, Tuple[np.ndarray, ...]]:
     """NT-Xent (normalised temperature-scaled cross entropy) loss of SimCLR.
 
     ``z`` stacks two views: rows ``i`` and ``i + B`` (mod ``2B``) are a
     positive pair.  With ``zn = l2_normalize(z)`` if ``normalize`` else ``z``::
 
         S_ij   = zn_i . zn_j / t            (S_ii excluded, i.e. -inf)
-        loss_i = lse_{j != i} S_ij - S_{i, pos(i)},   pos(i) = (i + B) mod 2B
+        loss_i = lse_{j != i} S_ij - sum_j T_ij S_ij
+
+    where ``T_i`` is the one-hot of ``pos(i) = (i + B) mod 2B`` smoothed by
+    ``eps = label_smoothing``: ``(1 - eps)`` on ``pos(i)`` plus ``eps / (2B - 1)`` on
+    every ``j != i`` (``F.cross_entropy``'s smoothing over the row's candidates).
 
     Gradient::
 
-        G_ij = w_i (softmax_ij - [j == pos(i)]),  G_ii = 0
+        G_ij = w_i (softmax_ij - T_ij),  G_ii = 0
         dzn  = (G + G^T) zn / t
         dz   = l2_normalize_backward(z, dzn)   if normalize else dzn
+        dt   = -sum_ij G_ij S_ij / t
 
     Parameters
     ----------
     z : array_like, shape (2B, D)
-    temperature : float
+    temperature : float or array_like of size 1
     reduction : {"mean", "sum", "none"}
         Mean or sum over the 2B rows, or the (2B,) per-row losses.
     normalize : bool
         L2-normalise the rows first (``F.normalize`` semantics, eps 1e-12).
+    label_smoothing : float in [0, 1)
     grad_loss : float or array_like of shape (2B,), optional
         Upstream gradient; ``None`` means 1.
+    temperature_grad : bool
+        Also return ``dt`` (an array of the temperature's shape).
 
     Returns
     -------
     loss : float64 scalar, or ndarray of shape (2B,) for ``"none"``
-    grads : tuple ``(dz,)`` with ``dz`` of shape (2B, D)
+    grads : tuple ``(dz,)``, or ``(dz, dt)`` with ``temperature_grad``
     """
     _check_reduction(reduction)
+    eps = _check_smoothing(label_smoothing)
     z = _f64(z)
     if z.ndim != 2 or z.shape[0] % 2 != 0:
         raise ValueError(f"z must have shape (2B, D), got {z.shape}")
     n = z.shape[0]
     b = n // 2
-    t = float(temperature)
+    t = float(_f64(temperature).reshape(()))
     rows = np.arange(n)
     pos = (rows + b) % n
 
     zn = l2_normalize(z) if normalize else z
     s = zn @ zn.T / t
-    s[rows, rows] = -np.inf
-
-    lse = _logsumexp(s, axis=1)
-    per_row = lse - s[rows, pos]
+    keep = ~np.eye(n, dtype=bool)
+    w = _row_weights(reduction, grad_loss, n)
+    per_row, g = _ce_rows(s, keep, _target(keep, pos, eps), w)
     loss = _reduce(per_row, reduction)
 
-    w = _row_weights(reduction, grad_loss, n)
-    g = np.exp(s - lse[:, None])  # softmax, exactly 0 on the diagonal
-    g[rows, pos] -= 1.0
-    g *= w[:, None]
     dzn = (g + g.T) @ zn / t
     dz = l2_normalize_backward(z, dzn) if normalize else dzn
+    if temperature_grad:
+        return loss, (dz, _dtemperature(g, s, keep, temperature))
+    return loss, (dz,)
+
+
+# --------------------------------------------------------------------------
+# SupCon (Khosla et al. 2020, L_out)
+# --------------------------------------------------------------------------
+
+
+def supcon_loss(
+    z: ArrayLike,
+    labels: ArrayLike,
+    temperature: ArrayLike = 0.1,
+    *,
+    reduction: str = "mean",
+    normalize: bool = False,
+    grad_loss: Optional[ArrayLike] = None,
+    temperature_grad: bool = False,
+) -> Tuple[Loss, Tuple[np.ndarray, ...]]:
+    """Supervised contrastive loss (Khosla et al. 2020, ``L_out``).
+
+    ``z`` stacks every view, ``labels`` (N,) integers.  With ``zn`` as in :func:`nt_xent`,
+    ``S_ij = zn_i . zn_j / t`` and ``P(i) = {p != i : labels_p == labels_i}``::
+
+        loss_i = lse_{a != i} S_ia - (1 / |P(i)|) sum_{p in P(i)} S_ip
+
+    Anchors without a positive (``|P(i)| = 0``) are left out: ``"mean"`` averages over the
+    anchors that have one (0, with a zero gradient, when none has), ``"sum"`` sums those,
+    ``"none"`` gives the others 0.
+
+    Gradient, ``T_ij = [j in P(i)] / |P(i)|`` and ``w_i`` the row weight (0 for an anchor
+    without a positive)::
+
+        G_ij = w_i (softmax_ij - T_ij),  G_ii = 0
+        dzn  = (G + G^T) zn / t,   dt = -sum_ij G_ij S_ij / t
+
+    Parameters
+    ----------
+    z : array_like, shape (N, D)
+    labels : integer array_like, shape (N,)
+    temperature : float or array_like of size 1
+    reduction : {"mean", "sum", "none"}
+    normalize : bool
+    grad_loss : float or array_like of shape (N,), optional
+    temperature_grad : bool
+        Also return ``dt``.
+
+    Returns
+    -------
+    loss : float64 scalar, or ndarray of shape (N,) for ``"none"``
+    grads : tuple ``(dz,)``, or ``(dz, dt)`` with ``temperature_grad``
+    """
+    _check_reduction(reduction)
+    z = _f64(z)
+    if z.ndim != 2:
+        raise ValueError(f"z must have shape (N, D), got {z.shape}")
+    n = z.shape[0]
+    same = _same_label(labels, n)
+    t = float(_f64(temperature).reshape(()))
+
+    zn = l2_normalize(z) if normalize else z
+    s = zn @ zn.T / t
+    keep = ~np.eye(n, dtype=bool)
+    positive = same & keep
+    count = positive.sum(axis=1)
+    has = count > 0
+    target = positive / np.maximum(count, 1)[:, None]
+    if reduction == "mean":
+        w = _row_weights("sum", grad_loss, n) / max(int(has.sum()), 1)
+    else:
+        w = _row_weights(reduction, grad_loss, n)
+    w = np.where(has, w, 0.0)
+    per_row, g = _ce_rows(s, keep, target, w)
+    per_row = np.where(has, per_row, 0.0)
+    if reduction == "mean":
+        loss: Loss = np.float64(per_row.sum() / max(int(has.sum()), 1))
+    else:
+        loss = _reduce(per_row, reduction)
+
+    dzn = (g + g.T) @ zn / t
+    dz = l2_normalize_backward(z, dzn) if normalize else dzn
+    if temperature_grad:
+        return loss, (dz, _dtemperature(g, s, keep, temperature))
     return loss, (dz,)
 
 
@@ -92,10 +236,13 @@ def info_nce(
     temperature: float = 0.1,
     *,
     negatives: Optional[ArrayLike] = None,
+    labels: Optional[ArrayLike] = None,
+    label_smoothing: float = 0.0,
     reduction: str = "mean",
     normalize: bool = False,
     grad_loss: Optional[ArrayLike] = None,
-) -> Tuple[Loss, Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
+    temperature_grad: bool = False,
+) -> Tuple[Loss, Tuple[Optional[np.ndarray], ...]]:
     """InfoNCE loss with in-batch negatives and optional extra negatives.
 
     Query ``i`` is scored against every key (key ``i`` is its positive, the
@@ -108,10 +255,15 @@ def info_nce(
 
     With ``Lk_ij = q_i . k_j / t`` and ``L_i = [Lk_i, Ln_i]`` (N + M logits)::
 
-        loss_i = lse(L_i) - Lk_ii
+        loss_i = lse_{C(i)} L_i - sum_j T_ij L_ij
 
-    Gradient, with ``G = w_i (softmax(L_i) - onehot(i))`` split as
-    ``[Gk (N, N), Gn (N, M)]``::
+    over row i's candidates ``C(i)``: every key and negative, less (with ``labels``) the keys
+    ``j != i`` whose label is row i's (not negatives of row i; the explicit negatives stay).
+    ``T_i``: the one-hot of key i, smoothed by ``eps = label_smoothing`` over ``C(i)`` (as
+    :func:`nt_xent`'s).
+
+    Gradient, with ``G = w_i (softmax_{C(i)}(L_i) - T_i)`` (0 outside ``C(i)``) split as
+    ``[Gk (N, N), Gn (N, M)]``, and ``dt = -sum_ij G_ij L_ij / t``::
 
         dq = (Gk k + Gn n) / t            (paired: dq_i += sum_m Gn_im n_im / t)
         dk = Gk^T q / t
@@ -125,24 +277,32 @@ def info_nce(
         Paired by row.
     temperature : float
     negatives : array_like, shape (M, D) or (N, M, D), optional
+    labels : integer array_like, shape (N,), optional
+        The rows' labels (query i and key i share label i).
+    label_smoothing : float in [0, 1)
     reduction : {"mean", "sum", "none"}
     normalize : bool
         L2-normalise query, key and negatives along D first.
     grad_loss : float or array_like of shape (N,), optional
         Upstream gradient; ``None`` means 1.
+    temperature_grad : bool
+        Also return ``dt``.
 
     Returns
     -------
     loss : float64 scalar, or ndarray of shape (N,) for ``"none"``
-    grads : tuple ``(dquery, dkey, dnegatives)``; ``dnegatives`` is ``None``
-        when ``negatives`` is ``None``, else it has the shape of ``negatives``.
+    grads : tuple ``(dquery, dkey, dnegatives)``, ``+ (dt,)`` with ``temperature_grad``;
+        ``dnegatives`` is ``None`` when ``negatives`` is ``None``, else it has the shape of
+        ``negatives``.
     """
     _check_reduction(reduction)
+    eps = _check_smoothing(label_smoothing)
     q = _f64(query)
     k = _f64(key)
     n = q.shape[0]
-    t = float(temperature)
+    t = float(_f64(temperature).reshape(()))
     rows = np.arange(n)
+    same = _same_label(labels, n)
 
     neg = None if negatives is None else _f64(negatives)
     if neg is not None and neg.ndim not in (2, 3):
@@ -167,14 +327,12 @@ def info_nce(
     else:
         logits = np.concatenate([logits_k, qn @ negn.T / t], axis=1)
 
-    lse = _logsumexp(logits, axis=1)
-    per_row = lse - logits_k[rows, rows]
-    loss = _reduce(per_row, reduction)
-
+    keep = np.ones(logits.shape, dtype=bool)
+    if same is not None:
+        keep[:, :n] = ~same | np.eye(n, dtype=bool)
     w = _row_weights(reduction, grad_loss, n)
-    g = np.exp(logits - lse[:, None])  # softmax over the N + M candidates
-    g[rows, rows] -= 1.0
-    g *= w[:, None]
+    per_row, g = _ce_rows(logits, keep, _target(keep, rows, eps), w)
+    loss = _reduce(per_row, reduction)
     g_k, g_n = g[:, :n], g[:, n:]
 
     dqn = g_k @ kn / t
@@ -194,6 +352,8 @@ def info_nce(
         dneg = None if neg is None else l2_normalize_backward(neg, dnegn)
     else:
         dq, dk, dneg = dqn, dkn, dnegn
+    if temperature_grad:
+        return loss, (dq, dk, dneg, _dtemperature(g, logits, keep, temperature))
     return loss, (dq, dk, dneg)
 
 
@@ -207,6 +367,8 @@ def clip_loss(
     b: ArrayLike,
     logit_scale: ArrayLike,
     *,
+    labels: Optional[ArrayLike] = None,
+    label_smoothing: float = 0.0,
     reduction: str = "mean",
     normalize: bool = False,
     grad_loss: Optional[ArrayLike] = None,
@@ -222,10 +384,15 @@ def clip_loss(
 
     so the ``"mean"`` loss equals
     ``(F.cross_entropy(L, arange(N)) + F.cross_entropy(L.T, arange(N))) / 2``.
+    With ``labels``, a pair ``i != j`` of equal labels is no negative in either direction:
+    ``L_ij`` leaves row i's and column j's log-sum-exp.  ``label_smoothing = eps``: each
+    cross entropy's target is ``1 - eps`` on the diagonal plus ``eps`` spread evenly over
+    that row's (column's) candidates, as ``F.cross_entropy(label_smoothing=eps)``.
 
-    Gradient, with ``R`` / ``C`` the row-wise / column-wise softmax of L::
+    Gradient, with ``R`` / ``C`` the row-wise / column-wise softmax of L over the candidates
+    and ``T^R`` / ``T^C`` the targets (without labels and smoothing: the identity)::
 
-        G_ij          = (w_i (R_ij - [i == j]) + w_j (C_ij - [i == j])) / 2
+        G_ij          = (w_i (R_ij - T^R_ij) + w_j (C_ij - T^C_ij)) / 2
         da            = s G b,   db = s G^T a
         dlogit_scale  = sum_ij G_ij L_ij
 
@@ -238,6 +405,9 @@ def clip_loss(
         Paired by row (e.g. image and text embeddings).
     logit_scale : float or array_like of size 1
         Log of the logit scale (the scale is ``exp(logit_scale)``).
+    labels : integer array_like, shape (N,), optional
+        The pairs' labels.
+    label_smoothing : float in [0, 1)
     reduction : {"mean", "sum", "none"}
         Over the N per-pair losses.
     normalize : bool
@@ -251,6 +421,7 @@ def clip_loss(
         array of the shape of ``np.asarray(logit_scale)``.
     """
     _check_reduction(reduction)
+    eps = _check_smoothing(label_smoothing)
     a = _f64(a)
     b = _f64(b)
     ls = _f64(logit_scale)
@@ -258,23 +429,20 @@ def clip_loss(
         raise ValueError(f"logit_scale must have size 1, got shape {ls.shape}")
     n = a.shape[0]
     rows = np.arange(n)
-    eye = np.eye(n)
+    same = _same_label(labels, n)
+    keep = np.ones((n, n), dtype=bool) if same is None else ~same | np.eye(n, dtype=bool)
 
     an = l2_normalize(a) if normalize else a
     bn = l2_normalize(b) if normalize else b
     s = float(np.exp(ls.reshape(())))
     logits = s * (an @ bn.T)
 
-    lse_row = _logsumexp(logits, axis=1)  # over j, for each row i
-    lse_col = _logsumexp(logits, axis=0)  # over i, for each column j
-    diag = logits[rows, rows]
-    per_pair = 0.5 * ((lse_row - diag) + (lse_col - diag))
-    loss = _reduce(per_pair, reduction)
-
     w = _row_weights(reduction, grad_loss, n)
-    soft_row = np.exp(logits - lse_row[:, None])
-    soft_col = np.exp(logits - lse_col[None, :])
-    g = 0.5 * (w[:, None] * (soft_row - eye) + w[None, :] * (soft_col - eye))
+    row, g_row = _ce_rows(logits, keep, _target(keep, rows, eps), w)  # over j, each row i
+    col, g_col = _ce_rows(logits.T, keep.T, _target(keep.T, rows, eps), w)  # over i, each j
+    per_pair = 0.5 * (row + col)
+    loss = _reduce(per_pair, reduction)
+    g = 0.5 * (g_row + g_col.T)
 
     dan = s * (g @ bn)
     dbn = s * (g.T @ an)
@@ -299,6 +467,7 @@ def siglip_loss(
     logit_scale: ArrayLike,
     logit_bias: ArrayLike,
     *,
+    labels: Optional[ArrayLike] = None,
     reduction: str = "mean",
     normalize: bool = False,
     grad_loss: Optional[ArrayLike] = None,
@@ -306,8 +475,8 @@ def siglip_loss(
     """SigLIP's pairwise sigmoid loss with a learnable log-scale and bias.
 
     With ``s = exp(logit_scale)``, ``β = logit_bias`` and ``L = s a b^T + β`` (after optional
-    L2-normalisation of ``a`` and ``b``), labels ``z_ij = +1`` for ``i == j`` and ``-1``
-    otherwise::
+    L2-normalisation of ``a`` and ``b``), targets ``z_ij = +1`` for ``i == j`` (with
+    ``labels``: for ``labels_i == labels_j``) and ``-1`` otherwise::
 
         row_i = sum_j -log σ(z_ij L_ij)          (the pairs of row i)
 
@@ -328,6 +497,7 @@ def siglip_loss(
     a, b : array_like, shape (N, D)
         Paired by row (e.g. image and text embeddings).
     logit_scale, logit_bias : float or array_like of size 1
+    labels : integer array_like, shape (N,), optional
     reduction : {"mean", "sum", "none"}
     normalize : bool
     grad_loss : float or array_like of shape (N,), optional
@@ -348,7 +518,8 @@ def siglip_loss(
         if v.size != 1:
             raise ValueError(f"{name} must have size 1, got shape {v.shape}")
     n = a.shape[0]
-    z = 2.0 * np.eye(n) - 1.0
+    same = _same_label(labels, n)
+    z = 2.0 * (np.eye(n) if same is None else same) - 1.0
 
     an = l2_normalize(a) if normalize else a
     bn = l2_normalize(b) if normalize else b
