@@ -1,4 +1,4 @@
-"""Device buffers and the small per-row kernels every op shares (``kernels_src/losses/contrastive.cu``).
+"""Device buffers and the small per-row kernels every op shares (``kernels_src/losses/arrays.cu``).
 
 * :func:`buffers` — several outputs / scratch arrays from one allocation (host time);
 * :func:`normalize` / :func:`finish` — the L2 row normalisation and the input-dtype gradient
@@ -21,7 +21,7 @@ from .kernels import BLOCK, acc_dtype
 #: ``F.normalize``'s epsilon: rows are divided by ``max(||x||, NORM_EPS)``.
 NORM_EPS = 1e-12
 #: The row kernels' source (the row-block path's kernels live there too, see losses/row_blocks.py).
-FILE = "losses/contrastive.cu"
+FILE = "losses/arrays.cu"
 # Buffers totalling at most ``config.arena_bytes`` come from one allocation (:func:`buffers`):
 # under ``cupynce.torch`` every allocation goes through torch's caching allocator at 6-20 µs
 # of host time each, more than a tiny op's kernels.  A view keeps its whole allocation

@@ -87,7 +87,7 @@ __device__ __forceinline__ void split_tf32(float x, float& hi, float& lo)
     lo = d;
 }
 
-// ---- F16x3 operand split (tiles_ws_f16x3.cu, contrastive.cu's clip_grad_f16x3) ----------
+// ---- F16x3 operand split (tiles_ws_f16x3.cu, grads.cu's clip_grad_f16x3) ----------
 // x 2^e = hi + lo in float16 with e a power of two per row / column / matrix (the largest
 // |x| into [2^14, 2^15)); see tiles_ws_f16x3.cu.
 // (exponents in [-113, 126]: 2^e and 2^-e normal; a finite largest |x| never needs e < -113;
@@ -295,6 +295,9 @@ __device__ __forceinline__ A block_reduce(A v, A* sh, Op op) {
     __syncthreads();
     return sh[0];
 }
+
+// 16 bytes of A (4 float or 2 double): one vector load / store
+template <typename A> struct __align__(16) Vec16 { A x[16 / sizeof(A)]; };
 
 struct SumOp {
     template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }

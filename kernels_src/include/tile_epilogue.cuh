@@ -562,7 +562,7 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                 for (int j = 0; j < J; ++j) pk[i][h][j] = 0u;
         // SIGLIP's exact path for one score (C: a special tile): L = s a + beta, z = +1 on the
         // positive (col == grow) and -1 elsewhere: softplus(-zL) and sigmoid(-zL) from one
-        // e = exp(-|zL|), as siglip_rows (contrastive.cu); adds to the row's sums, returns
+        // e = exp(-|zL|), as siglip_rows (grads.cu); adds to the row's sums, returns
         // the gradient block's value
         auto siglip_exact = [&](int i, int h, float raw, int col, bool C) -> float {
             const bool posi = C && col == gi[i][h];

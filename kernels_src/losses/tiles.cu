@@ -42,7 +42,7 @@
 // multiples of 8 elements / 16 bytes; sm_80 or newer.
 //
 // Partials are stored in natural-log units (m, s) with s = sum exp(x - m), the Lse<float>
-// convention of common.cuh, so col_combine in contrastive.cu can fold them.
+// convention of common.cuh, so col_combine in stats.cu can fold them.
 #include "include/tile_body.cuh"
 
 // Row statistics from the split partials (in split order):

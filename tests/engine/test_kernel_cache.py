@@ -144,5 +144,5 @@ def test_prebuilt_names_follow_the_source(monkeypatch):
     edited = kernels.read_source("products/blas.cu") + "\n// an edit\n"
     assert kernels.prebuilt_name("products/blas.cu", "sm_90", edited) != name
     assert kernels.build_arch("losses/tiles.cu", "90") == "sm_90a"
-    assert kernels.build_arch("losses/contrastive.cu", "90") == "sm_90"
+    assert kernels.build_arch("losses/stats.cu", "90") == "sm_90"
     assert kernels.build_arch("losses/tiles.cu", "80") == "sm_80"

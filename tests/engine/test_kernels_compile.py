@@ -55,9 +55,9 @@ def _suffixes(filename):
 def test_kernels_dir_layout():
     d = _kernels.kernels_dir()
     assert d.is_dir(), d
-    assert (d / "losses/contrastive.cu").is_file()
+    assert (d / "losses/stats.cu").is_file()
     assert (d / "include/common.cuh").is_file()
-    assert "losses/contrastive.cu" in _cu_files()
+    assert "losses/stats.cu" in _cu_files()
 
 
 def test_dtype_suffixes_cover_supported_dtypes():
@@ -72,7 +72,7 @@ def test_dtype_suffix_rejects_unsupported(dtype):
 
 
 def test_read_source_pastes_includes():
-    src = _kernels.read_source("losses/contrastive.cu")
+    src = _kernels.read_source("losses/stats.cu")
     assert f"#define CPN_BLOCK {_kernels.BLOCK}" in src
     assert not re.search(r'#\s*include\s+"', src), "local includes must be pasted in"
     assert "struct __align__(2) bf16_t" in src  # from common.cuh
@@ -97,7 +97,8 @@ def _missing_symbols(filename, cubin):
 #: kernels written without the ``cpn_<stage>_##SUF`` macros (one dtype), by file
 _SINGLE = {"products/blas.cu": ("cpn_split_tf32_f32", "cpn_fill_f32", "cpn_fill_f64"),
            "splade/splade.cu": ("cpn_splade_scan",),
-           "losses/contrastive.cu": ("cpn_clip_grad_f16x3",),
+           "losses/grads.cu": ("cpn_clip_grad_f16x3",),
+           "losses/arrays.cu": ("cpn_gather_bytes",),
            "products/tiles_ws_f16x3.cu": ("cpn_f16x3_split_rows", "cpn_f16x3_colmax",
                                           "cpn_f16x3_split_t", "cpn_f16x3_split_scaled",
                                           "cpn_f16x3_split_scaled_il", "cpn_f16x3_bound_exp")}
@@ -122,11 +123,12 @@ def test_arch_specific_file_builds_for_sm90a(filename):
 
 
 #: engine module -> {name of a file constant in launch(<const>, "<stage>", ...): file}
-_LAUNCHERS = {"arrays.py": {"FILE": "losses/contrastive.cu"},
-              "losses/row_blocks.py": {"FILE": "losses/contrastive.cu"},
-              "losses/stats.py": {"FILE": "losses/contrastive.cu"},
+_LAUNCHERS = {"arrays.py": {"FILE": "losses/arrays.cu"},
+              "losses/row_blocks.py": {"STATS_FILE": "losses/stats.cu",
+                                       "GRADS_FILE": "losses/grads.cu"},
+              "losses/stats.py": {"FILE": "losses/stats.cu"},
               "losses/score_tiles.py": {"FILE": "losses/tiles.cu",
-                                        "ROWS_FILE": "losses/contrastive.cu"}}
+                                        "ROWS_FILE": "losses/stats.cu"}}
 
 
 @pytest.mark.parametrize("module,const,filename",

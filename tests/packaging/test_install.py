@@ -31,7 +31,7 @@ def test_installed_copy_finds_and_compiles_kernels(installed):
         "import cupynce, cupynce._engine.kernels as k, pathlib;"
         "d = k.kernels_dir();"
         f"assert str(d).startswith({str(installed)!r}), d;"
-        "assert (d / 'losses' / 'contrastive.cu').is_file();"
+        "assert (d / 'losses' / 'stats.cu').is_file();"
         "assert (d / 'include' / 'common.cuh').is_file();"
         # products/blas.cu: the smallest module that pastes a header (test_kernels_compile
         # builds all)

@@ -3,7 +3,7 @@ on the GPU without the full score matrix in memory.
 
 ==============  ============================================================================
 row_blocks.py   score blocks through the products of ``gemm`` (cuBLAS, or the TF32x3 / F16x3
-                tiles for float32), the row / column kernels of ``contrastive.cu`` between
+                tiles for float32), the row / column kernels of ``stats.cu`` / ``grads.cu`` between
                 them: every dtype, every problem
 score_tiles.py  16-bit operands on the fused score tiles (``tiles.cu``, ``tiles_ws.cu``): the
                 scores never leave the registers

@@ -1,5 +1,5 @@
 """The cuBLAS row-block path: score blocks as cuBLAS products, fused row / column kernels
-(``kernels_src/losses/contrastive.cu``) between them.
+(``kernels_src/losses/stats.cu`` and ``grads.cu``) between them.
 
 Every float32 / float64 call, and 16-bit calls the tile kernels do not take
 (``tiling.tiles_ok``), runs here.  The score matrix is processed in row blocks that fit the
@@ -17,12 +17,16 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..arrays import FILE, buffers, fixed_sums, leading_dim, pair_weights, ptr
+from ..arrays import buffers, fixed_sums, leading_dim, pair_weights, ptr
 from ..gemm import CUBLAS, f16x3
 from ..gemm import plan as plan_products
 from ..kernels import BLOCK, acc_dtype
 from ..workspace import fits, plan_rows
 from .stats import FAR_MOD, STATS_ROWS, row_col_stats
+from .stats import FILE as STATS_FILE
+
+#: the gradient blocks' kernels (the statistics' are ``stats.FILE``)
+GRADS_FILE = "losses/grads.cu"
 
 
 def _row_bytes(t, a, cols: int, want_grad: bool, plan, g_in_place: bool = False) -> int:
@@ -87,7 +91,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     dnp = None
     if mp:
         nwarps = n * mp
-        kernels.launch(FILE, "paired_dots", t, ((nwarps * 32 + BLOCK - 1) // BLOCK,),
+        kernels.launch(STATS_FILE, "paired_dots", t, ((nwarps * 32 + BLOCK - 1) // BLOCK,),
                (q, np.int64(leading_dim(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e,
                 0))
     w_arr, w_stride, w_mul = weights
@@ -101,7 +105,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         if ms:
             gemm(qb, neg_s, s_blk[:, nk:], trans_b=True)
         g_blk = g_buf[:nrows] if want_grad else None
-        kernels.launch(FILE, "row_softmax", t, (nrows,), (
+        kernels.launch(STATS_FILE, "row_softmax", t, (nrows,), (
             s_blk, np.int64(ncols), np.int32(ncols),
             ptr(e) + r0 * mp * a.itemsize if mp else 0, np.int64(mp), np.int32(mp),
             np.int32(r0), np.int32(exclude_diag), np.int32(pos_shift), np.int32(pos_mod),
@@ -122,7 +126,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
                 gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
     if want_grad and mp:
         dnp = cp.empty((n, mp, d), a)
-        kernels.launch(FILE, "paired_grad", t, (n,),
+        kernels.launch(GRADS_FILE, "paired_grad", t, (n,),
                (q, np.int64(leading_dim(q)), neg_p, g2, np.int32(mp), np.int32(d), dq, dnp))
     return lse, loss, (dq, dk, dns, dnp)
 
@@ -149,11 +153,11 @@ def nt_xent_kept(z, scale: float, *, pos_shift: int, weights, op: str):
     lse, loss, dz = buffers((((n,), a), ((n,), a), ((n, z.shape[1]), a)))
     CUBLAS.gemm(z, z, s, trans_b=True)
     w_arr, w_stride, w_mul = weights
-    kernels.launch(FILE, "row_softmax", t, (n,), (
+    kernels.launch(STATS_FILE, "row_softmax", t, (n,), (
         s, np.int64(n), np.int32(n), 0, np.int64(0), np.int32(0), np.int32(0), np.int32(1),
         np.int32(pos_shift), np.int32(n), 0, a.type(scale), 0, lse, loss, 0, np.int64(n), 0,
         np.int64(0), ptr(w_arr), np.int64(w_stride), a.type(w_mul)))
-    kernels.launch(FILE, "grad_inplace", t, (n,), (
+    kernels.launch(GRADS_FILE, "grad_inplace", t, (n,), (
         s, np.int64(n), np.int32(n), np.int32(0), np.int32(pos_shift), np.int32(n),
         np.int32(1), a.type(1.0), 0, a.type(scale), lse, lse, ptr(w_arr), np.int64(w_stride),
         a.type(w_mul), 0))
@@ -245,7 +249,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                                   part_s)
             final = r1 == n and not col_state
             mode = (2 if r0 == 0 else 0) | (1 if final else 0)  # fresh | finalize
-            kernels.launch(FILE, "col_combine", t, (-(-nc // 32),), (
+            kernels.launch(STATS_FILE, "col_combine", t, (-(-nc // 32),), (
                 part_m, part_s, np.int32(nch_b), np.int32(nc), ptr(col_m),
                 0 if col_m is None else col_m[1], np.int32(mode),
                 lse_r, row_loss, ptr(lse_c), ptr(pair_loss)))
@@ -263,20 +267,20 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             g_blk = g_buf[:nrows]
             if f16:  # G's halves over the scores (no scale in them: the products take it)
                 e_ptr, e_host, ufac = g16
-                kernels.get_function(FILE, "cpn_clip_grad_f16x3")((nrows,), (BLOCK,), (
+                kernels.get_function(GRADS_FILE, "cpn_clip_grad_f16x3")((nrows,), (BLOCK,), (
                     s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), ls,
                     np.float32(1.0), lse_r.data.ptr - shift, lse_c, ptr(w_arr),
                     np.int64(w_stride), np.float32(w_mul), e_ptr, np.int32(e_host), ufac,
                     dsp.data.ptr - shift))
                 plan.set_grad_block(g_blk, ufac)
             elif split_g:
-                kernels.launch(FILE, "grad_inplace", t, (nrows,), (
+                kernels.launch(GRADS_FILE, "grad_inplace", t, (nrows,), (
                     s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), np.int32(0),
                     np.int32(nc), np.int32(0), a.type(0.5), ls, a.type(1.0),
                     lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride),
                     a.type(w_mul), dsp.data.ptr - shift))
             else:
-                kernels.launch(FILE, "clip_grad", t, (nrows,), (
+                kernels.launch(GRADS_FILE, "clip_grad", t, (nrows,), (
                     s_blk, np.int64(ldn), np.int32(nc), np.int32(row0 + r0), ls, a.type(1.0),
                     lse_r.data.ptr - shift, lse_c, ptr(w_arr), np.int64(w_stride),
                     a.type(w_mul), g_blk, np.int64(ldn), dsp.data.ptr - shift))
@@ -358,7 +362,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
         s_blk = s_buf[:r1 - r0]
         _scores(gemm, prods, an[r0:r1], an, bn, s_blk)
         g_blk = g_buf[:r1 - r0] if want_grad else None
-        kernels.launch(FILE, "siglip_rows", t, (r1 - r0,), (
+        kernels.launch(GRADS_FILE, "siglip_rows", t, (r1 - r0,), (
             s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, lb,
             ptr(row_loss) - row0 * a.itemsize if row_loss is not None else 0,
             ptr(g_blk), np.int64(nc), ptr(w_arr), np.int64(w_stride), a.type(w_mul),
@@ -415,7 +419,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             gemm(q[r0:r1], k, s_blk, trans_b=True)
             nch_b = row_col_stats(s_blk, t, m + r0, 0, FAR_MOD, 0, a.type(scale),
                                   lse_q.data.ptr - shift, 0, part_m, part_s)
-            kernels.launch(FILE, "col_combine", t, (-(-m // 32),), (
+            kernels.launch(STATS_FILE, "col_combine", t, (-(-m // 32),), (
                 part_m, part_s, np.int32(nch_b), np.int32(m), state, state[1],
                 np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
     if want_grad:
@@ -427,7 +431,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             gemm(q[r0:r1], k, s_blk, trans_b=True)
             g_blk = g_buf[:r1 - r0]
             # clip_grad halves w_i p_i(j) + w_j p_j(i): the weights go in doubled
-            kernels.launch(FILE, "clip_grad", t, (r1 - r0,), (
+            kernels.launch(GRADS_FILE, "clip_grad", t, (r1 - r0,), (
                 s_blk, np.int64(m), np.int32(m), np.int32(m + r0), 0, a.type(scale),
                 lse_row, lse_c, ptr(w_arr), np.int64(1), a.type(2 * w_mul), g_blk,
                 np.int64(m), 0))

@@ -70,7 +70,7 @@ import numpy as np
 
 from ... import config
 from .. import kernels, side, tail
-from ..arrays import FILE as ROWS_FILE, buffers, fixed_sums, leading_dim, pair_weights, ptr
+from ..arrays import buffers, fixed_sums, leading_dim, pair_weights, ptr
 from ..gemm import cublas
 from ..kernels import BLOCK
 from ..tiling import (TILE, TILE_ARGS_DTYPE, WS_THREADS, grid_splits, launch_blob,
@@ -78,6 +78,7 @@ from ..tiling import (TILE, TILE_ARGS_DTYPE, WS_THREADS, grid_splits, launch_blo
 from ..tma import available as tma_available
 from ..workspace import fits, plan_rows
 from .stats import FAR_MOD
+from .stats import FILE as ROWS_FILE  # (the statistics kernels between the tiles)
 
 FILE = "losses/tiles.cu"
 

@@ -1,4 +1,4 @@
-"""The statistics kernels every softmax loss path shares (``kernels_src/losses/contrastive.cu``):
+"""The statistics kernels every softmax loss path shares (``kernels_src/losses/stats.cu``):
 the fixed-order merge of column states, the positive dots, a score block's row and column
 statistics in one read.  The row blocks, the score tiles and the TF32x3 NT-Xent use them.
 """
@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import FILE, leading_dim
+from ..arrays import leading_dim
 from ..kernels import BLOCK, acc_dtype, launch
+
+FILE = "losses/stats.cu"
 
 
 def col_lse(states):

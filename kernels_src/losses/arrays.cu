@@ -1,0 +1,193 @@
+// cupynce's small per-row array kernels every op shares: the reduced loss's sums, the device
+// logit-scale guard, L2 normalisation and its backward, the final scale-and-cast of an
+// accumulated gradient, and the CUDA graphs' gather of small outputs.
+//
+// Naming: extern "C" wrappers `cpn_<stage>_<dtype>`, dtype in {f16, bf16, f32, f64}.
+// T is the storage type of inputs and of the gradient matrix fed back to cuBLAS;
+// A (float, or double for f64) is the type of the score matrix S and of every accumulator.
+// Every reduction is a fixed-order tree inside one block or a sequential loop: no atomics,
+// so results are bitwise reproducible.
+#include "include/common.cuh"
+
+// The reduced loss: out[0] = (sum of x[0..n)) / divisor in one block, in a fixed order
+// (thread t adds x[t], x[t + B], ... in turn, then a fixed tree over the threads): the same
+// bits on every run, and one small launch where CuPy's mean / sum take several.  Block b of
+// the launch sums row b of a (gridDim.x, n) array into out[b] (one launch for several sums).
+template <typename A>
+__device__ __forceinline__ void sum_rows_body(const A* __restrict__ x, i64 n, A divisor,
+                                              A* __restrict__ out)
+{
+    __shared__ A sh[CPN_BLOCK];
+    A s = A(0);
+    for (i64 i = threadIdx.x; i < n; i += CPN_BLOCK) s += x[i];
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = CPN_BLOCK / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = sh[0] / divisor;
+}
+
+// The device logit-scale guard (arrays.guard_log_scale): y = x, NaN where x > limit (a log
+// scale whose exp overflows float32) -- a device value is never read on the host, so past
+// the limit it poisons the loss and the gradients instead.  (NaN compares false: kept.)
+template <typename A>
+__device__ __forceinline__ void guard_log_scale_body(const A* __restrict__ x, i64 n, A limit,
+                                                     A* __restrict__ y)
+{
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (i64)gridDim.x * blockDim.x)
+        y[k] = x[k] > limit ? cpn_nan<A>() : x[k];
+}
+
+// Row L2 normalisation, as F.normalize: xn = x / max(||x||, eps). Block per row.
+template <typename T, typename A>
+__device__ __forceinline__ void l2norm_fwd_body(
+    const T* __restrict__ x, i64 ldx, int d, A eps, T* __restrict__ xn, A* __restrict__ norm)
+{
+    __shared__ A sh[64];
+    const i64 i = blockIdx.x;
+    const T* xi = x + i * ldx;
+    A ss = A(0);
+    for (int k = threadIdx.x; k < d; k += blockDim.x) { A v = Conv<T>::load(xi[k]); ss += v * v; }
+    ss = block_sum(ss, sh);
+    A nrm = cpn_sqrt(ss);
+    if (nrm == cpn_inf<A>()) {  // (uniform over the block: every thread holds the block sum)
+        // the sum of squares overflowed (|x| >~ 1.8e19 in float32): ||x|| = m ||x / m|| with
+        // m = max |x_k|, as F.normalize gets it; an inf entry keeps ||x|| = inf
+        A m = A(0);
+        for (int k = threadIdx.x; k < d; k += blockDim.x) {
+            const A v = cpn_abs(Conv<T>::load(xi[k]));
+            m = v > m ? v : m;
+        }
+        m = block_max(m, sh);
+        if (m < cpn_inf<A>()) {  // (x / m, not x * (1 / m): 1 / m may be subnormal, flushed)
+            A s2 = A(0);
+            for (int k = threadIdx.x; k < d; k += blockDim.x) {
+                const A v = Conv<T>::load(xi[k]) / m;
+                s2 += v * v;
+            }
+            nrm = m * cpn_sqrt(block_sum(s2, sh));
+        }
+    }
+    const A den = nrm > eps ? nrm : eps;
+    const A inv = A(1) / den;
+    if (inv >= cpn_min_normal<A>()) {
+        for (int k = threadIdx.x; k < d; k += blockDim.x)
+            xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) * inv);
+    } else {  // ||x|| > 2^126 (float32): 1 / ||x|| would flush to 0 (-ftz); divide instead
+        for (int k = threadIdx.x; k < d; k += blockDim.x)
+            xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) / den);
+    }
+    if (threadIdx.x == 0) norm[i] = nrm;
+}
+
+// Backward of the normalisation, times the upstream scalar *g (when g != null):
+//   dx = g * (dxn - [||x|| > eps] xn (xn . dxn)) / max(||x||, eps)
+template <typename T, typename A>
+__device__ __forceinline__ void l2norm_bwd_body(
+    const T* __restrict__ x, i64 ldx, int d, A eps, const A* __restrict__ norm,
+    const A* __restrict__ dxn, const A* __restrict__ g, T* __restrict__ dx)
+{
+    __shared__ A sh[64];
+    const i64 i = blockIdx.x;
+    const T* xi = x + i * ldx;
+    const A nrm = norm[i];
+    const A den = nrm > eps ? nrm : eps;
+    const A inv = A(1) / den;
+    A dot = A(0);
+    for (int k = threadIdx.x; k < d; k += blockDim.x)
+        dot += Conv<T>::load(xi[k]) * inv * dxn[i * d + k];
+    dot = block_sum(dot, sh);
+    const A proj = nrm > eps ? dot : A(0);
+    const A gs = g ? g[0] : A(1);
+    for (int k = threadIdx.x; k < d; k += blockDim.x) {
+        const A xn = Conv<T>::load(xi[k]) * inv;
+        dx[i * d + k] = Conv<T>::store(gs * (dxn[i * d + k] - xn * proj) * inv);
+    }
+}
+
+// Four fp32 accumulators per 16-byte load and four T per store, for aligned buffers; returns
+// how many leading elements it handled (0: not float or not aligned).  Same arithmetic per
+// element as the scalar loop: one fp32 product, one rounding.
+template <typename T> struct alignas(4 * sizeof(T)) Vec4 { T v[4]; };
+template <typename T, typename A> struct CastVec {
+    static __device__ __forceinline__ i64 run(const A*, i64, A, T*) { return 0; }
+};
+template <typename T> struct CastVec<T, float> {
+    static __device__ __forceinline__ i64 run(const float* __restrict__ acc, i64 n, float gs,
+                                              T* __restrict__ out) {
+        if (((size_t)acc & 15) || ((size_t)out & (4 * sizeof(T) - 1))) return 0;
+        const i64 n4 = n >> 2;
+        for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < n4; q += (i64)gridDim.x * blockDim.x) {
+            const float4 v = reinterpret_cast<const float4*>(acc)[q];
+            Vec4<T> o;
+            o.v[0] = Conv<T>::store(v.x * gs); o.v[1] = Conv<T>::store(v.y * gs);
+            o.v[2] = Conv<T>::store(v.z * gs); o.v[3] = Conv<T>::store(v.w * gs);
+            reinterpret_cast<Vec4<T>*>(out)[q] = o;
+        }
+        return n4 * 4;
+    }
+};
+
+// out[k] = T(acc[k] * (g ? *g : 1)): the final cast of an accumulated gradient.
+template <typename T, typename A>
+__device__ __forceinline__ void scale_cast_body(
+    const A* __restrict__ acc, i64 n, const A* __restrict__ g, T* __restrict__ out)
+{
+    const A gs = g ? g[0] : A(1);
+    const i64 done = CastVec<T, A>::run(acc, n, gs, out);
+    for (i64 k = done + (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (i64)gridDim.x * blockDim.x)
+        out[k] = Conv<T>::store(acc[k] * gs);
+}
+
+// ---- extern "C" wrappers, one per dtype --------------------------------------------
+#define CPN_DEFINE(SUF, T, A)                                                              \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_fwd_##SUF(              \
+    const T* x, i64 ldx, int d, A eps, T* xn, A* norm) {                                   \
+    l2norm_fwd_body<T, A>(x, ldx, d, eps, xn, norm); }                                     \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_bwd_##SUF(              \
+    const T* x, i64 ldx, int d, A eps, const A* norm, const A* dxn, const A* g, T* dx) {   \
+    l2norm_bwd_body<T, A>(x, ldx, d, eps, norm, dxn, g, dx); }                             \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_scale_cast_##SUF(              \
+    const A* acc, i64 n, const A* g, T* out) {                                             \
+    scale_cast_body<T, A>(acc, n, g, out); }
+
+#define CPN_DEFINE_ACC(SUF, A)                                                             \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_sum_rows_##SUF(                \
+    const A* x, i64 n, A divisor, A* out) {                                                \
+    sum_rows_body<A>(x + (i64)blockIdx.x * n, n, divisor, out + blockIdx.x); }             \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_guard_log_scale_##SUF(         \
+    const A* x, i64 n, A limit, A* y) {                                                    \
+    guard_log_scale_body<A>(x, n, limit, y); }
+
+CPN_DEFINE(f16, f16_t, float)
+CPN_DEFINE(bf16, bf16_t, float)
+CPN_DEFINE(f32, float, float)
+CPN_DEFINE(f64, double, double)
+CPN_DEFINE_ACC(f16, float)
+CPN_DEFINE_ACC(bf16, float)
+CPN_DEFINE_ACC(f32, float)
+CPN_DEFINE_ACC(f64, double)
+
+// ops/_graphs.py's pack: a graph gathers a call's small outputs into one block, copied out in
+// one piece.  Range k (blockIdx.y) copies tab[3k + 2] bytes from address tab[3k] to
+// dst + tab[3k + 1]; 16-byte words where both ends are 16-byte aligned, else bytes.  One
+// launch where a memcpy node per output cost ~1.2 us of GPU time each (H100).
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_gather_bytes(
+    const long long* __restrict__ tab, char* __restrict__ dst)
+{
+    const int k = blockIdx.y;
+    const char* const src = (const char*)tab[3 * k];
+    char* const out = dst + tab[3 * k + 1];
+    const long long nb = tab[3 * k + 2];
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long t0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long done = 0;
+    if ((((unsigned long long)src | (unsigned long long)out) & 15) == 0) {
+        const long long nw = nb >> 4;
+        for (long long w = t0; w < nw; w += stride) ((uint4*)out)[w] = ((const uint4*)src)[w];
+        done = nw << 4;
+    }
+    for (long long b = done + t0; b < nb; b += stride) out[b] = src[b];
+}
