@@ -295,19 +295,22 @@ class _Scope:
     """:func:`scope`'s context manager (a class, not a generator: every entry point opens a
     precision scope per call, forward and backward)."""
 
-    __slots__ = ("changes", "prev")
+    __slots__ = ("changes", "precision", "prev")
 
     def __init__(self, changes: tuple):
         self.changes, self.prev = changes, None
+        self.precision = dict(changes).get("float32_precision")
 
     def __enter__(self) -> None:
         loc = _local
         self.prev = (loc.changes, loc.precision, loc.config, loc.base)
-        new = self.changes if loc.changes is None else \
-            tuple(sorted({**dict(loc.changes), **dict(self.changes)}.items()))
+        if loc.changes is None:  # (the common case: an op's precision scope, outermost)
+            new, precision = self.changes, self.precision
+        else:
+            merged = {**dict(loc.changes), **dict(self.changes)}
+            new, precision = tuple(sorted(merged.items())), merged.get("float32_precision")
         if new != loc.changes:
-            loc.changes, loc.config, loc.base = new, None, None
-            loc.precision = dict(new).get("float32_precision")
+            loc.changes, loc.precision, loc.config, loc.base = new, precision, None, None
 
     def __exit__(self, *exc) -> bool:
         loc = _local
