@@ -447,6 +447,37 @@ def check_grad_loss(op: str, grad_loss: Any, reduction: str, n: int, xp: ModuleT
     return grad_loss
 
 
+def check_labels(op: str, labels: Any, n: int, xp: ModuleType, like: Any) -> Any:
+    """``labels`` (None, or an integer array of shape (n,) of the inputs' kind, on ``like``'s
+    device) as int64 laid out in order (a copy only where it is not already), or ``ValueError``
+    / ``TypeError`` naming what it got.  Its values are never read (a device array stays
+    there): any integers are labels."""
+    if labels is None:
+        return None
+    ok = isinstance(labels, np.ndarray) if xp is np else is_cupy_array(labels)
+    if not ok:
+        raise TypeError(f"{op}: labels must be a {xp.__name__} array like the inputs, got "
+                        f"{_described(labels)}")
+    if labels.shape != (n,) or labels.dtype.kind not in "iu":
+        raise ValueError(f"{op}: labels must be an integer array of shape ({n},), got "
+                         f"{labels.dtype} of shape {tuple(labels.shape)}")
+    if xp is not np and labels.data.device_id != like.data.device_id:
+        raise ValueError(f"{op}: labels are on cuda:{labels.device.id} but the inputs are on "
+                         f"cuda:{like.device.id}")
+    return xp.ascontiguousarray(labels, dtype=np.int64)
+
+
+def check_smoothing(op: str, label_smoothing: Any) -> float:
+    """``label_smoothing`` as a float in [0, 1), or ``ValueError`` naming its value."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(f"{op}: label_smoothing must be a real in [0, 1), got "
+                        f"{_described(label_smoothing)}")
+    eps = float(label_smoothing)
+    if not 0.0 <= eps < 1.0:  # (NaN fails too)
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    return eps
+
+
 def check_positive_finite(op: str, name: str, value: Any) -> float:
     """A real scalar, finite and > 0 (module hyper-parameters: ``init_temperature``,
     ``max_logit_scale``, and the ops' ``temperature``): a Python / NumPy number or a 0-d host

@@ -32,7 +32,7 @@ from .losses import nt_xent_tf32, row_blocks, score_tiles, stats
 
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool = False, scale_log=None):
+         self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0):
     """A row softmax over [keys k | shared negatives neg_s | per-query negatives neg_p].
 
     q (N, D) queries; k (Nk, D); neg_s (Ms, D) or None; neg_p (N, Mp, D) or None.  Row i's
@@ -42,11 +42,17 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     Returns ``lse, loss, (dq, dk, dns, dnp)``: float32 (float64) statistics and gradient
     accumulators (None where not asked for).  ``scale_log``: a (1,) device array t of the
     accumulator dtype; the logits are then ``scale · exp(t) · q·c`` (a learnable log scale,
-    never read on the host).  See :func:`row_blocks.rows`.
+    never read on the host).  ``labels`` (row labels, key labels) and ``smoothing``: the
+    label-aware row (a same-label key other than the positive is no candidate; the target
+    smoothed over the candidates) -- on the row blocks alone for now (the tiles' epilogues
+    and the TF32x3 kernels do not take them).  See :func:`row_blocks.rows`.
     """
     kw = dict(exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod, lse_in=lse_in,
               weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
               self_pair=self_pair, scale_log=scale_log)
+    if labels is not None or smoothing:
+        return row_blocks.rows(q, k, neg_s, neg_p, scale, labels=labels, smoothing=smoothing,
+                               **kw)
     if neg_p is None and tiling.tiles_ok(q, k, neg_s):
         if want_grad and lse_in is None and _nt_xent_keeps_scores(
                 q, neg_s, exclude_diag, pos_shift, pos_mod, self_pair, scale_log,

@@ -76,11 +76,12 @@ def pair_dots(an, bn):
 
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool = False, scale_log=None):
+         self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0):
     """``cupynce._engine.rows`` on the CPU: the same arguments and results, the score
     matrix in row blocks of at most ``workspace_bytes`` (default ``NUMPY_WORKSPACE_BYTES``),
     one block buffer reused in place (scores, their exponentials, the gradient block), on the
-    namespace of ``_cpu.current()``."""
+    namespace of ``_cpu.current()``.  ``labels`` / ``smoothing``: as the engine's (the
+    masked key columns -inf before the log-sum-exp, the smoothing over what is left)."""
     xp = _cpu.current()
     a = acc_dtype(q.dtype)
     if scale_log is not None:  # (on the host here: the value can be read)
@@ -125,7 +126,17 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         s *= scale
         if exclude_diag:
             s[at, every[r0:r1]] = -float("inf")
+        if labels is not None:  # a key column j != pos of row i's label: not a candidate
+            lab_r, lab_c = labels
+            same = xp.asarray(lab_r)[r0:r1, None] == xp.asarray(lab_c)[None, :]
+            same[at, pos] = False
+            s[:, :nk][same] = -float("inf")
         s_pos = s[at, pos]
+        if smoothing:  # each row's candidates: their count and their logits' sum
+            cand = s != -float("inf")  # (a -inf score is no candidate: no smoothing mass)
+            count = xp.sum(cand, axis=1)
+            with xp.errstate(invalid="ignore"):
+                s_sum = xp.sum(xp.where(cand, s, 0.0), axis=1)
         if lse_in is None:
             lse_b, inv = exp_lse(xp, s)  # s: exp(s - m), the softmax times 1 / inv
             lse_parts.append(lse_b)
@@ -135,15 +146,25 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             with xp.errstate(over="ignore", invalid="ignore"):
                 xp.exp(s, out=s)  # s: the softmax
         with xp.errstate(invalid="ignore"):
-            loss_parts.append(lse_b - s_pos)
+            if smoothing:
+                loss_parts.append(lse_b - (1.0 - smoothing) * s_pos
+                                  - smoothing * s_sum / count)
+            else:
+                loss_parts.append(lse_b - s_pos)
         if not want_grad:
             continue
-        # the gradient block in place: g = w (softmax - onehot(pos)) scale
+        # the gradient block in place: g = w (softmax - target) scale, target = onehot(pos)
+        # (smoothed: (1 - eps) onehot(pos) + eps / count over the row's candidates)
         w = w_all if one or isinstance(w_all, float) else w_all[r0:r1]
         w_rows = w if isinstance(w, float) else w[:, None]
         with xp.errstate(invalid="ignore"):
             s *= w_rows if inv is None else w_rows * inv
-        xp.add_at(s, (at, pos), -w)
+        if smoothing:
+            with xp.errstate(invalid="ignore"):
+                s -= xp.where(cand, w_rows * (smoothing / count)[:, None], 0.0)
+            xp.add_at(s, (at, pos), -w * (1.0 - smoothing))
+        else:
+            xp.add_at(s, (at, pos), -w)
         g = s if s.shape[1] == nk else s[:, :nk]
         if self_pair and rb < n:  # (dk is dq: every block adds to every row)
             dq[r0:r1] += g @ ka

@@ -62,9 +62,9 @@ def _prep_all(xp, path, query, key, negatives, normalize: bool):
     return (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p)
 
 
-def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
-                     reduction: str = "mean", normalize: bool = False,
-                     workspace_bytes: Optional[int] = None,
+def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, labels=None,
+                     label_smoothing: float = 0.0, reduction: str = "mean",
+                     normalize: bool = False, workspace_bytes: Optional[int] = None,
                      requires_grad: bool = True, group=None,
                      precision: Optional[str] = None) -> Tuple[Any, Context]:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
@@ -76,6 +76,15 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     negatives : None, (M, D) or (N, M, D)
         Extra negatives added to the candidates: shared by every query (M, D), or
         per query (N, M, D).
+    labels : None or an integer (N,) array of the inputs' kind
+        Row i's label (query i's and key i's): a key j != i of row i's label is no negative
+        of query i (left out of its log-sum-exp); the explicit negatives stay negatives.
+        Equal labels mark duplicates or false negatives in the batch.
+    label_smoothing : float in [0, 1), default 0
+        ``F.cross_entropy``'s label smoothing over each query's candidates (those left
+        after ``labels``): the target is 1 - ε on key i plus ε spread evenly over them.
+        With ``labels`` or ε > 0 the GPU call takes the row blocks (the score tiles do not
+        take them yet) and no CUDA-graph replay.
     temperature, reduction, normalize, workspace_bytes, requires_grad : as for nt_xent.
         ``normalize`` applies to query, key and negatives alike.
     group : communicator, optional
@@ -95,14 +104,16 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     Notes
     -----
     ``loss_i = log Σ_{c ∈ C_i} exp(q̂_i·ĉ/τ) − q̂_i·k̂_i/τ`` with candidates C_i = all keys,
-    plus the shared negatives, plus query i's own negatives.  (info-nce-pytorch drops the
+    plus the shared negatives, plus query i's own negatives (less, with ``labels``, the keys
+    of query i's label but its own; with smoothing ε the last term is
+    ``(1 − ε) q̂_i·k̂_i/τ + ε/|C_i| Σ_{c ∈ C_i} q̂_i·ĉ/τ``).  (info-nce-pytorch drops the
     in-batch keys when explicit negatives are given; here they are always candidates.)
     """
     if group is not None:
         return _global_forward(
-            _comm.wrap(group), query, key, temperature, negatives=negatives,
-            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
-            requires_grad=requires_grad, precision=precision)
+            _comm.wrap(group), query, key, temperature, negatives=negatives, labels=labels,
+            label_smoothing=label_smoothing, reduction=reduction, normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=requires_grad, precision=precision)
     sig = _memo.signature("info_nce", query, key, negatives, temperature)
     hit = _memo.known(sig)
     if hit:  # the arrays and temperature passed these checks before, laid out (_memo)
@@ -112,10 +123,13 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
         xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
                           normalize, precision)
     _checks.check_bool("info_nce", "requires_grad", requires_grad)
-    path = Path(xp)
     n = query.shape[0]
+    labels = _checks.check_labels("info_nce", labels, n, xp, query)
+    eps = _checks.check_smoothing("info_nce", label_smoothing)
+    path = Path(xp)
     (query, key, negatives), sig = contig_remembered(xp, sig, hit, query, key, negatives)
     fused = requires_grad and reduction != "none"
+    masks = dict(labels=None if labels is None else (labels, labels), smoothing=eps)
 
     def compute(query, key, negatives=None):
         _, norms, (qn, kn, neg_s, neg_p) = _prep_all(xp, path, query, key, negatives,
@@ -127,7 +141,7 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
             lse, loss, grads = path.rows(
                 qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
                 lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(query.dtype)),
-                want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce")
+                want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce", **masks)
             with br.beside():
                 total = reduce(xp, loss, reduction, out)
         dq, dk, dns, dnp = grads
@@ -135,7 +149,8 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
                 + tuple(norms)), (qn, kn, neg_s, neg_p)
 
     with config.float32_precision(p):  # (the graph key carries it too)
-        if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
+        # (a graph replays only the inputs it was given: labels are not among them)
+        if path.gpu and (fused or not requires_grad) and labels is None and not eps:
             inputs = (query, key) + (() if negatives is None else (negatives,))
             outs = _graphs.run(
                 ("info_nce", t, reduction, normalize, workspace_bytes, fused,
@@ -150,7 +165,7 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None,
     if fused:
         ctx.saved = dict(base, acc=(dq, dk, dneg))
     elif requires_grad:
-        ctx.saved = dict(base, xn=xn, lse=lse, t=t, ws=workspace_bytes)
+        ctx.saved = dict(base, xn=xn, lse=lse, t=t, ws=workspace_bytes, masks=masks)
     return loss, ctx
 
 
@@ -174,46 +189,52 @@ def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
     _, _, (dq, dk, dns, dnp) = path.rows(
         qn, kn, neg_s, neg_p, 1.0 / s["t"], exclude_diag=False, pos_shift=0, pos_mod=ctx.n,
         lse_in=s["lse"], weights=weights(xp, g, ctx.reduction, ctx.n, a), want_grad=True,
-        workspace_bytes=s["ws"], op="info_nce")
+        workspace_bytes=s["ws"], op="info_nce", **s["masks"])
     accs = (dq, dk, dns if dns is not None else dnp)
     return tuple(finish_all(path, s["x"], s["norms"], accs, None))
 
 
 def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.0, *,
-                                 temperature: float = 0.1, reduction: str = "mean",
+                                 temperature: float = 0.1, labels=None,
+                                 label_smoothing: float = 0.0, reduction: str = "mean",
                                  normalize: bool = False, workspace_bytes: Optional[int] = None,
                                  precision: Optional[str] = None):
     """``(dquery, dkey, dnegatives)`` from the inputs and ``ctx.stats[0]`` (row lse) alone.
 
     See :func:`nt_xent_backward_from_stats` (``precision`` too); ``dnegatives`` is None
-    without negatives.
+    without negatives; ``labels`` and ``label_smoothing`` as the forward's.
     """
     xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
                       normalize, precision)
     n = query.shape[0]
+    labels = _checks.check_labels("info_nce", labels, n, xp, query)
+    masks = dict(labels=None if labels is None else (labels, labels),
+                 smoothing=_checks.check_smoothing("info_nce", label_smoothing))
     check_stats("info_nce", xp, n, query.dtype, lse=lse)
     path = Path(xp)
     (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
         xp, path, query, key, negatives, normalize)
     ctx = Context("info_nce", reduction, n, xp, stats=(lse,), precision=p, saved=dict(
         x=(query, key, negatives), norms=(nq, nk, nneg), xn=(qn, kn, neg_s, neg_p), lse=lse,
-        t=t, ws=workspace_bytes))
+        t=t, ws=workspace_bytes, masks=masks))
     return info_nce_backward(ctx, grad_loss)
 
 
-def info_nce(query, key, temperature: float = 0.1, *, negatives=None, reduction: str = "mean",
-             normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
+def info_nce(query, key, temperature: float = 0.1, *, negatives=None, labels=None,
+             label_smoothing: float = 0.0, reduction: str = "mean", normalize: bool = False,
+             workspace_bytes: Optional[int] = None, group=None,
              precision: Optional[str] = None):
     """Query/key InfoNCE loss; see :func:`info_nce_forward`."""
-    return info_nce_forward(query, key, temperature, negatives=negatives, reduction=reduction,
+    return info_nce_forward(query, key, temperature, negatives=negatives, labels=labels,
+                            label_smoothing=label_smoothing, reduction=reduction,
                             normalize=normalize, workspace_bytes=workspace_bytes,
                             requires_grad=False, group=group, precision=precision)[0]
 
 
 # ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
-def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
-                    reduction="mean", normalize=False, workspace_bytes=None,
-                    requires_grad=True, precision=None):
+def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, labels=None,
+                    label_smoothing=0.0, reduction="mean", normalize=False,
+                    workspace_bytes=None, requires_grad=True, precision=None):
     """:func:`info_nce_forward` over ``comm``'s global batch (see :mod:`cupynce.ops._global`).
 
     Every rank's keys and shared (M, D) negatives join every query's candidates; per-query
@@ -225,7 +246,8 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
     xp, t, p = _global.agree(comm, op, lambda: (
         _check(query, key, negatives, temperature, reduction, workspace_bytes, normalize,
                precision),
-        _checks.check_bool(op, "requires_grad", requires_grad))[0],
+        _checks.check_bool(op, "requires_grad", requires_grad),
+        _refuse_global_masks(labels, label_smoothing))[0],
         [query, key, negatives], ["query", "key", "negatives"],
         [temperature, reduction, normalize, requires_grad, kind, precision])
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
@@ -253,6 +275,14 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None,
             ctx.saved = dict(base, xn=(qn, kn, others, neg_p), neg_s=neg_s, lse=lse, t=t,
                              ws=workspace_bytes, comm=comm)
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
+
+
+def _refuse_global_masks(labels, label_smoothing) -> None:
+    """``labels=`` / ``label_smoothing=`` with ``group=``: not yet (raised inside the
+    agreement, so on every rank)."""
+    if labels is not None or label_smoothing != 0.0:
+        raise ValueError("info_nce: labels= and label_smoothing= are not supported with "
+                         "group= yet; call without group=, or without them")
 
 
 def _global_scatter(comm: Comm, xp, grads, n: int, neg_s):

@@ -53,7 +53,10 @@ def _ce_rows(logits: np.ndarray, keep: np.ndarray, target: np.ndarray,
     (``T`` is 0 outside ``keep``.)  Returns ``(per_row, G)``."""
     masked = np.where(keep, logits, -np.inf)
     lse = _logsumexp(masked, axis=1)
-    per_row = lse - np.sum(np.where(keep, target * logits, 0.0), axis=1)
+    # (only where the target has mass: a zero-target column adds nothing, an infinite logit
+    # there included)
+    with np.errstate(invalid="ignore"):
+        per_row = lse - np.sum(np.where(keep & (target != 0), target * logits, 0.0), axis=1)
     g = w[:, None] * (np.exp(masked - lse[:, None]) - target)
     return per_row, g
 
@@ -62,7 +65,9 @@ def _dtemperature(g: np.ndarray, logits: np.ndarray, keep: np.ndarray,
                   temperature: ArrayLike) -> np.ndarray:
     """dL/dt for logits ``L = S / t``: ``-sum_ij G_ij L_ij / t``, in the shape of ``t``."""
     t = _f64(temperature)
-    return np.full(t.shape, -np.sum(g * np.where(keep, logits, 0.0)) / float(t.reshape(())))
+    with np.errstate(invalid="ignore"):
+        total = np.sum(np.where(keep & (g != 0), g * logits, 0.0))
+    return np.full(t.shape, -total / float(t.reshape(())))
 
 
 # --------------------------------------------------------------------------

@@ -18,6 +18,12 @@
 //   loss    = lse - logit[positive]
 //   gradient (when g1 != null): w_i * scale * (softmax - onehot), excluded column 0,
 //             w_i = w_mul * (w_ptr ? w_ptr[i * w_stride] : 1); segment 2 goes to g2 (type A).
+// Labels (lab_r != null): a column j < nlab of segment 1, j != positive, whose lab_c[j] is
+// row i's lab_r[i] is no candidate (left out as the diagonal is).  Smoothing eps > 0: the
+// target is (1 - eps) onehot + eps / K over the row's K candidates, so
+//   loss = lse - (1 - eps) logit[positive] - eps / K sum_{candidates} logit
+// and the gradient subtracts eps / K at every candidate (a -inf logit is no candidate).  K
+// and the logits' sum are block sums in a fixed order, as the log-sum-exp: deterministic.
 template <typename T, typename A>
 __device__ __forceinline__ void row_softmax_body(
     const A* __restrict__ s1, i64 ld1, int n1,
@@ -26,7 +32,8 @@ __device__ __forceinline__ void row_softmax_body(
     const A* __restrict__ scale_log, A scale_mul,
     const A* __restrict__ lse_in, A* __restrict__ lse_out, A* __restrict__ loss_out,
     T* __restrict__ g1, i64 ldg1, A* __restrict__ g2, i64 ldg2,
-    const A* __restrict__ w_ptr, i64 w_stride, A w_mul)
+    const A* __restrict__ w_ptr, i64 w_stride, A w_mul,
+    const i64* __restrict__ lab_r, const i64* __restrict__ lab_c, int nlab, A eps)
 {
     __shared__ A sh[64];
     const int r = blockIdx.x;
@@ -36,6 +43,9 @@ __device__ __forceinline__ void row_softmax_body(
     const A* row2 = s2 ? s2 + (i64)r * ld2 : (const A*)0;
     const int diag = exclude_diag ? i : -1;
     const int pos = (int)(((i64)i + pos_shift) % pos_mod);
+    const i64 li = lab_r ? lab_r[i] : 0;
+    // column j of segment 1 left out: the diagonal, or a same-label key that is not the positive
+#define CPN_OUT(j) ((j) == diag || (lab_r && (j) < nlab && (j) != pos && lab_c[j] == li))
 
     A lse;
     if (lse_in) {
@@ -43,29 +53,54 @@ __device__ __forceinline__ void row_softmax_body(
     } else {
         Lse<A> st; st.init();
         for (int j = threadIdx.x; j < n1; j += blockDim.x)
-            if (j != diag) st.add(scale * row1[j]);
+            if (!CPN_OUT(j)) st.add(scale * row1[j]);
         for (int j = threadIdx.x; j < n2; j += blockDim.x) st.add(scale * row2[j]);
         block_lse(st, sh);
         lse = st.value();
     }
+    A smooth = A(0);  // eps / K: every candidate's share of the smoothing mass
+    A lsum = A(0);    // the candidates' logits' sum
+    if (eps > A(0)) {
+        A cnt = A(0);
+        for (int j = threadIdx.x; j < n1; j += blockDim.x) {
+            const A L = scale * row1[j];
+            if (!CPN_OUT(j) && L != -cpn_inf<A>()) { cnt += A(1); lsum += L; }
+        }
+        for (int j = threadIdx.x; j < n2; j += blockDim.x) {
+            const A L = scale * row2[j];
+            if (L != -cpn_inf<A>()) { cnt += A(1); lsum += L; }
+        }
+        __syncthreads();  // (sh held the log-sum-exp's partials)
+        cnt = block_sum(cnt, sh);
+        lsum = block_sum(lsum, sh);
+        smooth = eps / cnt;
+    }
     if (threadIdx.x == 0) {
         if (lse_out) lse_out[i] = lse;
-        if (loss_out) loss_out[i] = lse - scale * row1[pos];
+        if (loss_out) loss_out[i] = eps > A(0)
+            ? lse - (A(1) - eps) * scale * row1[pos] - smooth * lsum
+            : lse - scale * row1[pos];
     }
     if (!g1) return;
     __syncthreads();  // g1 may alias s1: row1[pos] must be read before it is overwritten
     const A gm = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1)) * scale;
     T* grow1 = g1 + (i64)r * ldg1;
     for (int j = threadIdx.x; j < n1; j += blockDim.x) {
-        A p = (j == diag) ? A(0) : cpn_exp(scale * row1[j] - lse);
-        if (j == pos) p -= A(1);
+        const A L = scale * row1[j];
+        const bool out = CPN_OUT(j);
+        A p = out ? A(0) : cpn_exp(L - lse);
+        if (j == pos) p -= A(1) - eps;
+        if (!out && L != -cpn_inf<A>()) p -= smooth;
         grow1[j] = Conv<T>::store(gm * p);
     }
     if (g2) {
         A* grow2 = g2 + (i64)r * ldg2;
-        for (int j = threadIdx.x; j < n2; j += blockDim.x)
-            grow2[j] = gm * cpn_exp(scale * row2[j] - lse);
+        for (int j = threadIdx.x; j < n2; j += blockDim.x) {
+            const A L = scale * row2[j];
+            grow2[j] = gm * (cpn_exp(L - lse) - (L != -cpn_inf<A>() ? smooth : A(0)));
+        }
     }
+#undef CPN_OUT
 }
 
 // Row and column statistics of a score block in one read (CLIP's, and a global NT-Xent's
@@ -365,10 +400,11 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_row_softmax_##SUF(  
     const A* s1, i64 ld1, int n1, const A* s2, i64 ld2, int n2,                            \
     int row0, int exclude_diag, int pos_shift, int pos_mod,                                \
     const A* scale_log, A scale_mul, const A* lse_in, A* lse_out, A* loss_out,             \
-    T* g1, i64 ldg1, A* g2, i64 ldg2, const A* w_ptr, i64 w_stride, A w_mul) {             \
+    T* g1, i64 ldg1, A* g2, i64 ldg2, const A* w_ptr, i64 w_stride, A w_mul,               \
+    const i64* lab_r, const i64* lab_c, int nlab, A eps) {                                 \
     row_softmax_body<T, A>(s1, ld1, n1, s2, ld2, n2, row0, exclude_diag, pos_shift,        \
         pos_mod, scale_log, scale_mul, lse_in, lse_out, loss_out, g1, ldg1, g2, ldg2,      \
-        w_ptr, w_stride, w_mul); }                                                         \
+        w_ptr, w_stride, w_mul, lab_r, lab_c, nlab, eps); }                                \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_paired_dots_##SUF(             \
     const T* q, i64 ldq, const T* neg, int n, int m, int d, A* e, A* e2) {                 \
     paired_dots_body<T, A>(q, ldq, neg, n, m, d, e, e2); }

@@ -45,14 +45,18 @@ def _row_bytes(t, a, cols: int, want_grad: bool, plan, g_in_place: bool = False)
 
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool = False, scale_log=None):
+         self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0):
     """Row log-sum-exps, per-row losses and (optionally) accumulated gradients.
 
     q (N, D) queries, k (Nk, D) keys (columns 0..Nk-1), neg_s (Ms, D) shared negatives
     (columns Nk..Nk+Ms-1), neg_p (N, Mp, D) per-query negatives.  ``self_pair`` means q is k
-    (NT-Xent): the two gradient products accumulate into one buffer.
+    (NT-Xent): the two gradient products accumulate into one buffer.  ``labels``: (row
+    labels (N,), key labels (Nk,)), int64 device arrays: a key of row i's label other than
+    its positive is no candidate; ``smoothing``: the label smoothing over the candidates
+    (``row_softmax`` in ``stats.cu``).
     Returns ``lse, loss, (dq, dk, dns, dnp)`` with float32/64 gradient accumulators.
     """
+    lab_r, lab_c = (None, None) if labels is None else labels
     import cupy as cp
 
     t = q.dtype
@@ -112,7 +116,9 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             ptr(scale_log), a.type(scale), ptr(lse_in), lse if lse_in is None else 0, loss,
             ptr(g_blk), np.int64(ncols),
             ptr(g2) + r0 * mp * a.itemsize if g2 is not None else 0, np.int64(mp),
-            ptr(w_arr), np.int64(w_stride), a.type(w_mul)))
+            ptr(w_arr), np.int64(w_stride), a.type(w_mul),
+            ptr(lab_r), ptr(lab_c), np.int32(nk if labels is not None else 0),
+            a.type(smoothing)))
         if want_grad:
             acc = 1.0 if r0 else 0.0
             if self_pair:  # dk is dq: its every row is first written by the Gᵀ Q product
@@ -156,7 +162,8 @@ def nt_xent_kept(z, scale: float, *, pos_shift: int, weights, op: str):
     kernels.launch(STATS_FILE, "row_softmax", t, (n,), (
         s, np.int64(n), np.int32(n), 0, np.int64(0), np.int32(0), np.int32(0), np.int32(1),
         np.int32(pos_shift), np.int32(n), 0, a.type(scale), 0, lse, loss, 0, np.int64(n), 0,
-        np.int64(0), ptr(w_arr), np.int64(w_stride), a.type(w_mul)))
+        np.int64(0), ptr(w_arr), np.int64(w_stride), a.type(w_mul), 0, 0, np.int32(0),
+        a.type(0)))
     kernels.launch(GRADS_FILE, "grad_inplace", t, (n,), (
         s, np.int64(n), np.int32(n), np.int32(0), np.int32(pos_shift), np.int32(n),
         np.int32(1), a.type(1.0), 0, a.type(scale), lse, lse, ptr(w_arr), np.int64(w_stride),
