@@ -134,7 +134,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         s_pos = s[at, pos]
         if smoothing:  # each row's candidates: their count and their logits' sum
             cand = s != -float("inf")  # (a -inf score is no candidate: no smoothing mass)
-            count = xp.sum(cand, axis=1)
+            count = xp.astype(xp.sum(cand, axis=1), a)  # (torch: int / int64 is float32)
             with xp.errstate(invalid="ignore"):
                 s_sum = xp.sum(xp.where(cand, s, 0.0), axis=1)
         if lse_in is None:

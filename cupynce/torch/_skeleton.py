@@ -34,8 +34,10 @@ called as its functional API spells them, on arrays (a scalar as its array or it
     <op>_backward_from_stats(<inputs>, <stats>, grad_loss, <param>=, reduction=,
                              normalize=, workspace_bytes=, precision=)
 
-A new kind of input (the labels of SupCon and of label-aware InfoNCE) is a new class beside
-:class:`Rows` and :class:`Scalar` and its cases in :class:`Loss`.
+The labels of the label-aware losses are a third kind of input, :class:`Labels`: an optional
+integer tensor, never differentiable nor cast, given to the core by keyword (its backward
+too); a keyword param (``label_smoothing``) is a param like the temperature (every param is
+passed by name).
 
 An op whose bodies are its own (SPLADE's head) is an :class:`Op` entry of them: the
 registration and the dispatch.
@@ -73,6 +75,15 @@ class Scalar:
     on the host) or as a real (a constant of the call): the arguments ``<name>`` (the tensor,
     or None) and ``<name>_value`` (the real; 0.0 with a tensor).  The fused forward returns
     its 0-d gradient."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Labels:
+    """An optional (N,) integer input (the rows' labels): not differentiable, not cast under
+    autocast, passed to the core's forward and backward by keyword; its "gradient" is an empty
+    placeholder in the backward op's outputs and None in autograd's."""
 
     name: str
 
@@ -175,7 +186,8 @@ class Loss(Op):
         self.inputs, self.params, self.stats = tuple(inputs), tuple(params), tuple(stats)
         #: the inputs the core's forward takes by keyword (the optional ones), by index
         self.by_name = tuple(j for j, x in enumerate(self.inputs)
-                             if isinstance(x, Rows) and x.optional)
+                             if (isinstance(x, Rows) and x.optional) or isinstance(x, Labels))
+        self.is_labels = tuple(isinstance(x, Labels) for x in self.inputs)
         # the forward's argument positions: each input's tensor (a scalar's real after it)
         at, i = [], 0
         for x in self.inputs:
@@ -219,7 +231,8 @@ class Loss(Op):
                 ins += [_parameter(x.name, Optional[Tensor]),
                         _parameter(f"{x.name}_value", float)]
             else:
-                ins.append(_parameter(x.name, Optional[Tensor] if x.optional else Tensor))
+                optional = isinstance(x, Labels) or x.optional
+                ins.append(_parameter(x.name, Optional[Tensor] if optional else Tensor))
         params = [_parameter(p, float) for p in self.params]
         flags = [_parameter("reduction", str), _parameter("normalize", bool),
                  _parameter("workspace_bytes", Optional[int]),
@@ -262,17 +275,13 @@ class Loss(Op):
     def _core_forward(self, args, reduction, normalize, workspace_bytes, requires_grad,
                       precision):
         """The core's forward (the core module's current function) on ``args``' inputs and
-        params."""
+        params (by name)."""
         xs = self._arrays(args)
-        params = args[self.n_in:self.reduction_at]
+        params = dict(zip(self.params, args[self.n_in:self.reduction_at]))
         forward = getattr(self.core, self.forward_name)
-        if self.by_name:
-            named = {self.inputs[j].name: xs[j] for j in self.by_name}
-            return forward(*(x for j, x in enumerate(xs) if j not in self.by_name), *params,
-                           **named, reduction=reduction, normalize=normalize,
-                           workspace_bytes=workspace_bytes, requires_grad=requires_grad,
-                           precision=precision)
-        return forward(*xs, *params, reduction=reduction, normalize=normalize,
+        named = {self.inputs[j].name: xs[j] for j in self.by_name}
+        return forward(*(x for j, x in enumerate(xs) if j not in self.by_name), **params,
+                       **named, reduction=reduction, normalize=normalize,
                        workspace_bytes=workspace_bytes, requires_grad=requires_grad,
                        precision=precision)
 
@@ -319,15 +328,22 @@ class Loss(Op):
         at = self.n_in + len(self.stats)  # grad_loss
         params = dict(zip(self.params, args[at + 1:at + 1 + len(self.params)]))
         reduction, normalize, workspace_bytes, precision = args[at + 1 + len(self.params):]
+        xs = self._arrays(args)
+        labels = {self.inputs[j].name: xs[j] for j, lab in enumerate(self.is_labels) if lab}
         with B.device_scope(x0.device):
             grads = getattr(self.core, self.backward_name)(
-                *self._arrays(args), *(B.array_of(s) for s in args[self.n_in:at]),
-                B.array_of(args[at]), **params, reduction=reduction, normalize=normalize,
+                *(x for x, lab in zip(xs, self.is_labels) if not lab),
+                *(B.array_of(s) for s in args[self.n_in:at]), B.array_of(args[at]), **params,
+                **labels, reduction=reduction, normalize=normalize,
                 workspace_bytes=workspace_bytes, precision=precision)
             if self.single:
                 return B.tensor_of(grads)
-            # (custom ops return tensors: an absent optional input's gradient is empty)
-            return tuple(x0.new_empty((0,)) if x is None else B.tensor_of(x) for x in grads)
+            # (custom ops return tensors: an absent optional input's gradient is empty, and
+            # so is the labels' placeholder)
+            grads = iter(grads)
+            return tuple(x0.new_empty((0,)) if lab else
+                         (lambda g: x0.new_empty((0,)) if g is None else B.tensor_of(g))(
+                             next(grads)) for lab in self.is_labels)
 
     def _fwd_fake(self, args):
         x0 = args[0]
@@ -345,7 +361,9 @@ class Loss(Op):
         out = []
         for i, x in zip(self.input_at, self.inputs):
             t = args[i]
-            if t is not None:
+            if isinstance(x, Labels):
+                out.append(x0.new_empty((0,)))
+            elif t is not None:
                 out.append(t.new_empty(t.shape))
             elif isinstance(x, Scalar):  # (a real: 0-d in the accumulation dtype)
                 out.append(x0.new_empty((), dtype=R.acc_dtype(x0.dtype)))

@@ -194,8 +194,11 @@ def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_
 
 
 def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: Any,
-             normalize: Any, workspace_bytes: Any, group, precision: Any = None) -> Tensor:
-    """``cupynce.torch.info_nce(..., group=group)`` (see the module notes)."""
+             normalize: Any, workspace_bytes: Any, group, precision: Any = None, *,
+             labels: Any = None, label_smoothing: Any = 0.0) -> Tensor:
+    """``cupynce.torch.info_nce(..., group=group)`` (see the module notes; ``labels`` and
+    ``label_smoothing`` are refused there, on every rank, until the global schedule takes
+    them)."""
     op = "info_nce"
     p: List[Any] = [None]
 
@@ -207,7 +210,8 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
         p[0] = R.precision_of(op, precision)
 
     def fwd(comm, q, k, neg, requires_grad):
-        return info_nce_op.info_nce_forward(q, k, temperature, negatives=neg,
+        return info_nce_op.info_nce_forward(q, k, temperature, negatives=neg, labels=labels,
+                                            label_smoothing=label_smoothing,
                                             reduction=reduction, normalize=normalize,
                                             workspace_bytes=workspace_bytes,
                                             requires_grad=requires_grad, group=comm,

@@ -114,7 +114,8 @@ def _info_nce(path):
     if path == "op":
         return ct.info_nce
     return lambda q, k, t=0.1, *, negatives=None, reduction="mean", normalize=False: \
-        tinfo_nce.InfoNCEFunction.apply(q, k, negatives, t, reduction, normalize, None)
+        tinfo_nce.InfoNCEFunction.apply(q, k, negatives, None, t, 0.0, reduction, normalize,
+                                        None)
 
 
 def _clip_loss(path):
@@ -656,13 +657,16 @@ def _opcheck_cases():
     ls = torch.tensor(1.5, dtype=torch.float64)
     lse5 = torch.logsumexp(torch.randn(5, 5, generator=g, dtype=torch.float64), 1)
     one = torch.tensor(1.0, dtype=torch.float64)
+    lab5 = torch.tensor([0, 1, 0, 2, 1])
     r = _leaf
     return [
         ("nt_xent_fwd", (r(z), 0.3, "mean", True, None)),
         ("nt_xent_bwd", (z, tnt_xent.FWD(z, 0.3, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.3, "none", True, None)),
-        ("info_nce_fwd", (r(q), r(k), r(neg), 0.2, "none", False, None)),
-        ("info_nce_fwd", (r(q), r(k), None, 0.2, "sum", True, None)),
-        ("info_nce_bwd", (q, k, None, tinfo_nce.FWD(q, k, None, 0.2, "mean", False, None)[1], one, 0.2, "mean", False, None)),
+        ("info_nce_fwd", (r(q), r(k), r(neg), None, 0.2, 0.0, "none", False, None)),
+        ("info_nce_fwd", (r(q), r(k), None, None, 0.2, 0.0, "sum", True, None)),
+        ("info_nce_fwd", (r(q), r(k), r(neg), lab5, 0.2, 0.1, "mean", False, None)),
+        ("info_nce_bwd", (q, k, None, None, tinfo_nce.FWD(q, k, None, None, 0.2, 0.0, "mean", False, None)[1], one, 0.2, 0.0, "mean", False, None)),
+        ("info_nce_bwd", (q, k, None, lab5, tinfo_nce.FWD(q, k, None, lab5, 0.2, 0.1, "none", False, None)[1], torch.ones(5, dtype=torch.float64), 0.2, 0.1, "none", False, None)),
         ("clip_loss_fwd", (r(a), r(b), r(ls), 0.0, "mean", True, None)),
         ("clip_loss_fwd", (r(a), r(b), None, 2.0, "none", False, None)),
         ("clip_loss_bwd", (a, b, ls, 0.0, lse5, lse5, one, "mean", False, None)),

@@ -11,11 +11,12 @@ from .. import _bridge as B
 from .. import _registry as R
 from .. import _skeleton as S
 
-#: the op: query, key and the optional (M, D) / (N, M, D) negatives, the temperature, the
-#: (N,) row log-sum-exps
+#: the op: query, key, the optional (M, D) / (N, M, D) negatives and (N,) labels, the
+#: temperature and the label smoothing, the (N,) row log-sum-exps
 SPEC = S.Loss("info_nce", "InfoNCEFunction", __name__, core,
-              inputs=(S.Rows("query"), S.Rows("key"), S.Rows("negatives", optional=True)),
-              params=("temperature",), stats=("lse",))
+              inputs=(S.Rows("query"), S.Rows("key"), S.Rows("negatives", optional=True),
+                      S.Labels("labels")),
+              params=("temperature", "label_smoothing"), stats=("lse",))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
 fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
                                                SPEC.setup_context, SPEC.backward)
@@ -23,7 +24,8 @@ InfoNCEFunction, FWD, BWD = SPEC.Function, SPEC.FWD, SPEC.BWD
 
 
 def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
-             negatives: Optional[Tensor] = None, reduction: str = "mean",
+             negatives: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+             label_smoothing: float = 0.0, reduction: str = "mean",
              normalize: bool = False, workspace_bytes: Optional[int] = None,
              group: Optional[Any] = None, precision: Optional[str] = None) -> Tensor:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
@@ -35,6 +37,14 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
     temperature : float > 0, default 0.1
     negatives : Tensor, optional
         (M, D) shared by every query, or (N, M, D) per query; differentiable.
+    labels : integer Tensor (N,), optional
+        Row i's label (query i's and key i's), on the inputs' device: a key j != i of query
+        i's label is no negative of query i (duplicates, false negatives); the explicit
+        negatives stay negatives.
+    label_smoothing : float in [0, 1), default 0
+        ``F.cross_entropy``'s label smoothing over each query's candidates (those left after
+        ``labels``).  With ``labels`` or a smoothing the CUDA call takes the row blocks and no
+        CUDA-graph replay (``cupynce.info_nce``).
     reduction, normalize, workspace_bytes, precision : as for :func:`nt_xent` (``normalize``
         applies to query, key and negatives alike; ``precision=None`` follows torch's TF32
         setting, then ``cupynce.get_float32_precision()``).
@@ -58,11 +68,13 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
         from .. import distributed
 
         return distributed.info_nce(query, key, negatives, temperature, reduction, normalize,
-                                    workspace_bytes, group, precision)
+                                    workspace_bytes, group, precision, labels=labels,
+                                    label_smoothing=label_smoothing)
     t = _checks.check_temperature("info_nce", temperature)
+    eps = _checks.check_smoothing("info_nce", label_smoothing)
     reduction, workspace_bytes = R.scalars("info_nce", reduction, workspace_bytes)
-    B.check_tensors("info_nce", optional=("negatives",), query=query, key=key,
-                     negatives=negatives)
+    B.check_tensors("info_nce", optional=("negatives", "labels"), query=query, key=key,
+                     negatives=negatives, labels=labels)
     normalize = _checks.check_bool("info_nce", "normalize", normalize)
-    return SPEC(query, key, negatives, t, reduction, normalize, workspace_bytes,
+    return SPEC(query, key, negatives, labels, t, eps, reduction, normalize, workspace_bytes,
                 R.precision_of("info_nce", precision))
