@@ -42,7 +42,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     Returns ``lse, loss, (dq, dk, dns, dnp)``: float32 (float64) statistics and gradient
     accumulators (None where not asked for).  ``scale_log``: a (1,) device array t of the
     accumulator dtype; the logits are then ``scale · exp(t) · q·c`` (a learnable log scale,
-    never read on the host).  ``labels`` (row labels, key labels) and ``smoothing``: the
+    never read on the host).  ``labels`` (row labels, labels of the leading columns) and
+    ``smoothing``: the
     label-aware row (a same-label key other than the positive is no candidate; the target
     smoothed over the candidates) -- on the row blocks alone for now (the tiles' epilogues
     and the TF32x3 kernels do not take them).  See :func:`row_blocks.rows`.

@@ -146,7 +146,8 @@ def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequenc
     if any(r[1:base] != rows[0][1:base] for r in rows):
         raise ValueError(f"{op}: every rank of the group must pass the same settings "
                          f"(temperature or logit_scale kind, reduction, normalize, "
-                         f"requires_grad, float32 precision), got {[r[1:base] for r in rows]}")
+                         f"requires_grad, float32 precision, labels or none, label "
+                         f"smoothing), got {[r[1:base] for r in rows]}")
     if any(r != rows[0] for r in rows):
         desc = "; ".join(
             f"rank {i}: " + ", ".join(

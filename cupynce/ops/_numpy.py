@@ -126,11 +126,11 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         s *= scale
         if exclude_diag:
             s[at, every[r0:r1]] = -float("inf")
-        if labels is not None:  # a key column j != pos of row i's label: not a candidate
+        if labels is not None:  # a labelled column j != pos of row i's label: no candidate
             lab_r, lab_c = labels
             same = xp.asarray(lab_r)[r0:r1, None] == xp.asarray(lab_c)[None, :]
             same[at, pos] = False
-            s[:, :nk][same] = -float("inf")
+            s[:, :same.shape[1]][same] = -float("inf")
         s_pos = s[at, pos]
         if smoothing:  # each row's candidates: their count and their logits' sum
             cand = s != -float("inf")  # (a -inf score is no candidate: no smoothing mass)

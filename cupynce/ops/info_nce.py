@@ -84,7 +84,8 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
         ``F.cross_entropy``'s label smoothing over each query's candidates (those left
         after ``labels``): the target is 1 - ε on key i plus ε spread evenly over them.
         With ``labels`` or ε > 0 the GPU call takes the row blocks (the score tiles do not
-        take them yet) and no CUDA-graph replay.
+        take them yet) and no CUDA-graph replay.  With ``group``: each rank's rows' labels,
+        gathered with the keys (every rank passes labels, or none does).
     temperature, reduction, normalize, workspace_bytes, requires_grad : as for nt_xent.
         ``normalize`` applies to query, key and negatives alike.
     group : communicator, optional
@@ -243,13 +244,18 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
     op = "info_nce"
     precision = _global.precision_setting(precision)
     kind = 0 if negatives is None else getattr(negatives, "ndim", 0) - 1
-    xp, t, p = _global.agree(comm, op, lambda: (
-        _check(query, key, negatives, temperature, reduction, workspace_bytes, normalize,
-               precision),
-        _checks.check_bool(op, "requires_grad", requires_grad),
-        _refuse_global_masks(labels, label_smoothing))[0],
-        [query, key, negatives], ["query", "key", "negatives"],
-        [temperature, reduction, normalize, requires_grad, kind, precision])
+    def checks():
+        xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
+                          normalize, precision)
+        _checks.check_bool(op, "requires_grad", requires_grad)
+        lab = _checks.check_labels(op, labels, query.shape[0], xp, query)
+        return xp, t, p, lab, _checks.check_smoothing(op, label_smoothing)
+
+    # (every rank with labels or none: their presence is a setting the ranks agree on)
+    xp, t, p, labels, eps = _global.agree(
+        comm, op, checks, [query, key, negatives], ["query", "key", "negatives"],
+        [temperature, reduction, normalize, requires_grad, kind, precision,
+         labels is not None, label_smoothing])
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         rank, size = comm.rank, comm.size
@@ -260,12 +266,17 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         if neg_s is not None:  # every rank's shared negatives, in rank order, after the keys
             every = comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
             others = every if others is None else xp.concatenate([others, every])
+        masks = dict(smoothing=eps, labels=None)
+        if labels is not None:  # the columns' labels: this rank's keys', then the others'
+            every_lab = _global.others(xp, comm.all_gather(labels)[:, :, None], rank)
+            masks["labels"] = (labels, labels if every_lab is None else
+                               xp.concatenate([labels, every_lab.reshape(-1)]))
         a = acc_dtype(query.dtype)
         fused = requires_grad and reduction != "none"
         lse, rows, grads = _local.info_nce_block(
             path, qn, kn, others, neg_p, 1.0 / t, lse_in=None,
             weights=weights(xp, None, reduction, n * size, a), want_grad=fused,
-            workspace_bytes=workspace_bytes)
+            workspace_bytes=workspace_bytes, **masks)
         ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
                       precision=p)
         base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size)
@@ -273,16 +284,8 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
             ctx.saved = dict(base, acc=_global_scatter(comm, xp, grads, n, neg_s))
         elif requires_grad:
             ctx.saved = dict(base, xn=(qn, kn, others, neg_p), neg_s=neg_s, lse=lse, t=t,
-                             ws=workspace_bytes, comm=comm)
+                             ws=workspace_bytes, comm=comm, masks=masks)
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
-
-
-def _refuse_global_masks(labels, label_smoothing) -> None:
-    """``labels=`` / ``label_smoothing=`` with ``group=``: not yet (raised inside the
-    agreement, so on every rank)."""
-    if labels is not None or label_smoothing != 0.0:
-        raise ValueError("info_nce: labels= and label_smoothing= are not supported with "
-                         "group= yet; call without group=, or without them")
 
 
 def _global_scatter(comm: Comm, xp, grads, n: int, neg_s):
@@ -304,7 +307,7 @@ def _global_acc(ctx: Context, g):
     w = weights(xp, g, "none", ctx.n, s["lse"].dtype)
     _, _, grads = _local.info_nce_block(
         Path(xp), qn, kn, others, neg_p, 1.0 / s["t"], lse_in=s["lse"], weights=w,
-        want_grad=True, workspace_bytes=s["ws"])
+        want_grad=True, workspace_bytes=s["ws"], **s["masks"])
     return _global_scatter(s["comm"], xp, grads, ctx.n, s["neg_s"]), ()
 
 

@@ -196,9 +196,8 @@ def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_
 def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: Any,
              normalize: Any, workspace_bytes: Any, group, precision: Any = None, *,
              labels: Any = None, label_smoothing: Any = 0.0) -> Tensor:
-    """``cupynce.torch.info_nce(..., group=group)`` (see the module notes; ``labels`` and
-    ``label_smoothing`` are refused there, on every rank, until the global schedule takes
-    them)."""
+    """``cupynce.torch.info_nce(..., group=group)`` (see the module notes; ``labels`` are
+    each rank's rows', gathered with its keys)."""
     op = "info_nce"
     p: List[Any] = [None]
 
@@ -206,11 +205,13 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
         _checks.check_temperature(op, temperature)
         R.scalars(op, reduction, workspace_bytes)
         _checks.check_bool(op, "normalize", normalize)
-        B.check_tensors(op, optional=("negatives",), query=query, key=key, negatives=negatives)
+        B.check_tensors(op, optional=("negatives", "labels"), query=query, key=key,
+                        negatives=negatives, labels=labels)
         p[0] = R.precision_of(op, precision)
 
     def fwd(comm, q, k, neg, requires_grad):
-        return info_nce_op.info_nce_forward(q, k, temperature, negatives=neg, labels=labels,
+        lab = B.array_of(labels) if isinstance(labels, Tensor) else labels
+        return info_nce_op.info_nce_forward(q, k, temperature, negatives=neg, labels=lab,
                                             label_smoothing=label_smoothing,
                                             reduction=reduction, normalize=normalize,
                                             workspace_bytes=workspace_bytes,

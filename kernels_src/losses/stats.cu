@@ -18,8 +18,9 @@
 //   loss    = lse - logit[positive]
 //   gradient (when g1 != null): w_i * scale * (softmax - onehot), excluded column 0,
 //             w_i = w_mul * (w_ptr ? w_ptr[i * w_stride] : 1); segment 2 goes to g2 (type A).
-// Labels (lab_r != null): a column j < nlab of segment 1, j != positive, whose lab_c[j] is
-// row i's lab_r[i] is no candidate (left out as the diagonal is).  Smoothing eps > 0: the
+// Labels (lab_r != null): a column j < nlab of segment 1 (the keys, and across ranks the other
+// ranks' keys before the shared negatives), j != positive, whose lab_c[j] is row i's lab_r[i]
+// is no candidate (left out as the diagonal is).  Smoothing eps > 0: the
 // target is (1 - eps) onehot + eps / K over the row's K candidates, so
 //   loss = lse - (1 - eps) logit[positive] - eps / K sum_{candidates} logit
 // and the gradient subtracts eps / K at every candidate (a -inf logit is no candidate).  K

@@ -73,8 +73,11 @@ def _check_nt_xent(xp, dtype, P, n, d, reduction, normalize, device=None, ws=Non
         assert len({float(_host(x[0])) for x in out}) == 1
 
 
-def _check_info_nce(xp, dtype, P, n, d, reduction, normalize, negatives, device=None, ws=None):
+def _check_info_nce(xp, dtype, P, n, d, reduction, normalize, negatives, device=None, ws=None,
+                    labeled=False, eps=0.0):
     N, M = n * P, 3
+    # labels: few classes, so that a query's same-label keys sit on other ranks too
+    L = xp.asarray(np.random.default_rng(8).integers(0, 3, N)) if labeled else None
     Q, K = _batch(xp, dtype, (N, d), 3), _batch(xp, dtype, (N, d), 4)
     NS = _batch(xp, dtype, (P * M, d), 5) if negatives == "shared" else None
     NP = _batch(xp, dtype, (N, M, d), 6) if negatives == "per_query" else None
@@ -86,13 +89,16 @@ def _check_info_nce(xp, dtype, P, n, d, reduction, normalize, negatives, device=
         neg = NS[comm.rank * M:(comm.rank + 1) * M] if NS is not None else \
             (NP[sl] if NP is not None else None)
         loss, ctx = cupynce.info_nce_forward(Q[sl], K[sl], 0.2, negatives=neg,
-                                             reduction=reduction, normalize=normalize,
-                                             workspace_bytes=ws, group=comm)
+                                             labels=None if L is None else L[sl],
+                                             label_smoothing=eps, reduction=reduction,
+                                             normalize=normalize, workspace_bytes=ws,
+                                             group=comm)
         return loss, cupynce.info_nce_backward(ctx, up[sl] if reduction == "none" else up)
 
     out = run(P, rank, device=device)
     neg = NS if NS is not None else NP
-    want, ctx = cupynce.info_nce_forward(Q, K, 0.2, negatives=neg, reduction=reduction,
+    want, ctx = cupynce.info_nce_forward(Q, K, 0.2, negatives=neg, labels=L,
+                                         label_smoothing=eps, reduction=reduction,
                                          normalize=normalize)
     gq, gk, gn = cupynce.info_nce_backward(ctx, up)
     tl, tg = TOL[dtype]
@@ -205,6 +211,15 @@ def test_nt_xent_numpy(P, dtype, reduction, normalize):
 @pytest.mark.parametrize("normalize", [False, True])
 def test_info_nce_numpy(P, dtype, reduction, negatives, normalize):
     _check_info_nce(np, dtype, P, 3, 5, reduction, normalize, negatives)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("negatives", [None, "shared", "per_query"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_info_nce_labels_numpy(P, reduction, negatives, eps):
+    """labels= and label_smoothing= across ranks: each key carries its label to every rank."""
+    _check_info_nce(np, "float64", P, 3, 5, reduction, True, negatives, labeled=True, eps=eps)
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
@@ -356,6 +371,16 @@ def test_nt_xent_gpu(P, dtype, reduction, ws):
 def test_info_nce_gpu(P, dtype, negatives):
     cp = _gpu()
     _check_info_nce(cp, dtype, P, 72, 64, "mean", False, negatives, device=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_info_nce_labels_gpu(P, dtype, reduction):
+    cp = _gpu()
+    _check_info_nce(cp, dtype, P, 72, 64, reduction, True, "shared", device=0, labeled=True,
+                    eps=0.1)
 
 
 @pytest.mark.gpu

@@ -5,8 +5,9 @@ negatives, normalised or not, the fused gradient (mean / sum) and the recomputin
 ("none", ``info_nce_backward_from_stats``). Relative errors ``||x - ref|| / ||ref||``: float64
 1e-12, float32 1e-5, float16 5e-3, bfloat16 3e-2 (the low-precision bounds of
 tests/ops/test_contrastive.py's fallback). Distinct labels are no labels (bit for bit on the
-CPU, where both take one path); bad labels and smoothing raise naming the argument; with
-``group=`` they raise on every rank.
+CPU, where both take one path); bad labels and smoothing raise naming the argument; ranks
+that disagree on labels raise on every rank (the global loss with labels:
+tests/distributed/test_global_emulated.py).
 """
 from __future__ import annotations
 
@@ -164,15 +165,15 @@ def test_bad_smoothing_raises(eps, err):
         core.info_nce_forward(q, k, 0.3, label_smoothing=eps)
 
 
-def test_group_with_labels_raises_on_every_rank():
+def test_group_needs_labels_on_every_rank_or_none():
+    """One rank with labels, another without: both raise (their settings differ)."""
     from emulated_ranks import run
 
     q, k, _ = _inputs(None)
 
-    def rank(comm):  # (rank 0 alone passes labels: rank 1 raises too, naming rank 0)
-        match = ("labels= and label_smoothing= are not supported with group= yet"
-                 if comm.rank == 0 else r"invalid inputs on rank\(s\) \[0\]")
-        with pytest.raises(ValueError, match=match):
+    def rank(comm):
+        with pytest.raises(ValueError, match=r"every rank of the group must pass the same "
+                                             r"settings"):
             core.info_nce_forward(q[:5], k[:5], 0.3, group=comm,
                                   labels=LABELS[:5] if comm.rank == 0 else None)
         return True

@@ -4,7 +4,8 @@ Every way a call runs: the direct eager Function, the registered custom ops (for
 ``torch.compile`` (aot_eager, fullgraph); fused ("mean" / "sum") and per-row ("none", the
 backward op recomputing from the row statistics with the labels). CPU tensors in float64 to
 1e-12 (relative); CUDA (marked ``gpu``) float32 to 1e-5 and bfloat16 to 3e-2. Bad labels are
-refused before any kernel; with ``group=`` they are refused on every rank (gloo).
+refused before any kernel; over gloo (2 and 3 processes) ``group=`` gives the loss of the
+concatenated batch and DDP's convention of its gradients.
 """
 from __future__ import annotations
 
@@ -104,17 +105,40 @@ def test_bad_labels_are_refused():
             ct.info_nce(q, q, 0.3, labels=torch.tensor(LABELS, device="cuda"))
 
 
-def check_labels_refused_with_group(rank, world):
+def check_labels_across_ranks(rank, world):
+    """Each rank's rows, their labels and its shared negatives through ``group=``: the global
+    loss of the concatenated batch, and world times its gradients for the rank's rows (DDP's
+    convention); labels in 3 classes, so that same-label keys sit on other ranks."""
     import torch.distributed as dist
 
-    q = torch.randn(4, D, requires_grad=True)
-    with pytest.raises(ValueError, match="not supported with group= yet|invalid inputs on "
-                                         r"rank\(s\)"):
-        ct.info_nce(q, q, 0.3, labels=torch.arange(4) if rank == 0 else None,
-                    group=dist.group.WORLD)
+    n, m = 4, 2
+    gen = torch.Generator().manual_seed(5)
+    Q, K = (torch.randn(n * world, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    S = torch.randn(world * m, D, generator=gen, dtype=torch.float64)
+    L = torch.randint(0, 3, (n * world,), generator=gen)
+    mine = slice(rank * n, (rank + 1) * n)
+    for reduction in ("mean", "none"):
+        q, k, neg = (x.clone().requires_grad_() for x in (Q[mine], K[mine],
+                                                           S[rank * m:(rank + 1) * m]))
+        loss = ct.info_nce(q, k, 0.3, negatives=neg, labels=L[mine], label_smoothing=0.1,
+                           reduction=reduction, normalize=True, group=dist.group.WORLD)
+        qs, ks, ns = (x.clone().requires_grad_() for x in (Q, K, S))
+        want = ct.info_nce(qs, ks, 0.3, negatives=ns, labels=L, label_smoothing=0.1,
+                           reduction=reduction, normalize=True)
+        up = torch.linspace(0.5, 1.5, n * world, dtype=torch.float64) \
+            if reduction == "none" else torch.tensor(0.7, dtype=torch.float64)
+        loss.backward(up[mine] if reduction == "none" else up)
+        want.backward(up)
+        torch.testing.assert_close(loss, want[mine] if reduction == "none" else want,
+                                   rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(q.grad, world * qs.grad[mine], rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(k.grad, world * ks.grad[mine], rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(neg.grad, world * ns.grad[rank * m:(rank + 1) * m],
+                                   rtol=1e-10, atol=1e-14)
 
 
-def test_group_refuses_labels_on_every_rank():
+@pytest.mark.parametrize("world", [2, 3])
+def test_labels_across_ranks_over_gloo(world):
     from test_torch_distributed import run_ranks
 
-    run_ranks(2, ["check_labels_refused_with_group"], module="test_torch_info_nce_labels")
+    run_ranks(world, ["check_labels_across_ranks"], module="test_torch_info_nce_labels")

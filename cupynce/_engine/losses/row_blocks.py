@@ -51,9 +51,10 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     q (N, D) queries, k (Nk, D) keys (columns 0..Nk-1), neg_s (Ms, D) shared negatives
     (columns Nk..Nk+Ms-1), neg_p (N, Mp, D) per-query negatives.  ``self_pair`` means q is k
     (NT-Xent): the two gradient products accumulate into one buffer.  ``labels``: (row
-    labels (N,), key labels (Nk,)), int64 device arrays: a key of row i's label other than
-    its positive is no candidate; ``smoothing``: the label smoothing over the candidates
-    (``row_softmax`` in ``stats.cu``).
+    labels (N,), column labels (L,)), int64 device arrays for the first L columns (the keys,
+    and across ranks the other ranks' keys that lead the shared negatives): such a column of
+    row i's label other than its positive is no candidate; ``smoothing``: the label
+    smoothing over the candidates (``row_softmax`` in ``stats.cu``).
     Returns ``lse, loss, (dq, dk, dns, dnp)`` with float32/64 gradient accumulators.
     """
     lab_r, lab_c = (None, None) if labels is None else labels
@@ -117,7 +118,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             ptr(g_blk), np.int64(ncols),
             ptr(g2) + r0 * mp * a.itemsize if g2 is not None else 0, np.int64(mp),
             ptr(w_arr), np.int64(w_stride), a.type(w_mul),
-            ptr(lab_r), ptr(lab_c), np.int32(nk if labels is not None else 0),
+            ptr(lab_r), ptr(lab_c), np.int32(0 if lab_c is None else lab_c.shape[0]),
             a.type(smoothing)))
         if want_grad:
             acc = 1.0 if r0 else 0.0
