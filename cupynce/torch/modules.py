@@ -141,15 +141,17 @@ class InfoNCE(nn.Module):
     with ``negative_mode="unpaired"`` an (M, D) set shared by every query, with ``"paired"``
     (N, M, D), query i's own M negatives.  Rows are L2-normalised (``normalize=True``, as
     info-nce-pytorch and the tutorial do); unlike info-nce-pytorch the in-batch keys stay
-    candidates when explicit negatives are given.  See :func:`info_nce` (``precision``, keyword
-    only, too).
+    candidates when explicit negatives are given.  See :func:`info_nce` (``precision``,
+    ``label_smoothing``, keyword only, too); ``forward(..., labels=)`` takes the rows' labels
+    (a key of query i's label other than key i is no negative of it).
     """
 
     _MODES = {"unpaired": (2, "(M, D)"), "paired": (3, "(N, M, D)")}
 
     def __init__(self, temperature: float = 0.1, reduction: str = "mean",
                  negative_mode: str = "unpaired", *, normalize: bool = True,
-                 group: Any = None, precision: Optional[str] = None) -> None:
+                 label_smoothing: float = 0.0, group: Any = None,
+                 precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
         self.temperature = _checks.check_temperature(name, temperature)
@@ -159,14 +161,16 @@ class InfoNCE(nn.Module):
                              f"got {negative_mode!r}")
         self.negative_mode = negative_mode
         self.normalize = R.check_bool(name, "normalize", normalize)
+        self.label_smoothing = _checks.check_smoothing(name, label_smoothing)
         self.group = group  # a torch.distributed group: the global batch's loss (info_nce)
         self.precision = R.module_precision(name, precision)
 
     def forward(self, query: Tensor, key: Optional[Tensor] = None,
-                negatives: Optional[Tensor] = None) -> Tensor:
-        """query, key (N, D), negatives (M, D) / (N, M, D) or None → the loss.  ``key`` is
-        required: without it (one stacked (2B, D) tensor of two views) ``TypeError`` points
-        at :class:`NTXentLoss`."""
+                negatives: Optional[Tensor] = None, *,
+                labels: Optional[Tensor] = None) -> Tensor:
+        """query, key (N, D), negatives (M, D) / (N, M, D) or None, labels (N,) or None → the
+        loss.  ``key`` is required: without it (one stacked (2B, D) tensor of two views)
+        ``TypeError`` points at :class:`NTXentLoss`."""
         name = type(self).__name__
         if key is None:
             raise TypeError(f"{name}.forward takes query and key (N, D), paired by row; got "
@@ -177,13 +181,14 @@ class InfoNCE(nn.Module):
             if negatives.dim() != ndim:
                 raise ValueError(f"{name}: negative_mode={self.negative_mode!r} expects "
                                  f"negatives of shape {shape}, got {tuple(negatives.shape)}")
-        return info_nce(query, key, self.temperature, negatives=negatives,
-                        reduction=self.reduction, normalize=self.normalize, group=self.group,
-                        precision=self.precision)
+        return info_nce(query, key, self.temperature, negatives=negatives, labels=labels,
+                        label_smoothing=self.label_smoothing, reduction=self.reduction,
+                        normalize=self.normalize, group=self.group, precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, reduction={self.reduction!r}, "
                 f"negative_mode={self.negative_mode!r}, normalize={self.normalize}"
+                + (f", label_smoothing={self.label_smoothing}" if self.label_smoothing else "")
                 + _precision_repr(self.precision))
 
 

@@ -89,6 +89,19 @@ def test_cuda_matches_the_oracle(path, dtype, tol, negatives, reduction):
     _case("cuda", dtype, path, negatives, reduction, 0.1, tol)
 
 
+def test_the_module_takes_labels_and_smoothing():
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    lab = torch.tensor(LABELS)
+    mod = ct.InfoNCE(0.3, label_smoothing=0.1)
+    assert "label_smoothing=0.1" in repr(mod)
+    torch.testing.assert_close(mod(q, k, labels=lab),
+                               ct.info_nce(q, k, 0.3, labels=lab, label_smoothing=0.1,
+                                           normalize=True), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"InfoNCE: label_smoothing must be in \[0, 1\)"):
+        ct.InfoNCE(label_smoothing=-0.5)
+
+
 def test_bad_labels_are_refused():
     q = torch.randn(N, D, requires_grad=True)
     with pytest.raises(ValueError, match=r"info_nce: labels must be an integer array of "
