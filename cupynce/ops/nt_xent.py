@@ -21,7 +21,7 @@ from typing import Any, Optional, Tuple
 from .. import _checks, _engine, config
 from .._engine import side, workspace
 from .._engine.kernels import acc_dtype
-from . import _comm, _global, _graphs, _local, _memo
+from . import _comm, _global, _graphs, _local, _memo, _variants
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     in_ctx_precision, prep, reduce, reduce_out, require, row_weight, weights)
 from ._comm import Comm
@@ -55,10 +55,10 @@ def _kept_bytes(z, workspace_bytes) -> int:
     return min(n * n * item, workspace.workspace_bound(workspace_bytes)) + n * d * acc
 
 
-def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
-                    normalize: bool = False, workspace_bytes: Optional[int] = None,
-                    requires_grad: bool = True, group=None,
-                    precision: Optional[str] = None) -> Tuple[Any, Context]:
+def nt_xent_forward(z, temperature: float = 0.5, *, label_smoothing: float = 0.0,
+                    reduction: str = "mean", normalize: bool = False,
+                    workspace_bytes: Optional[int] = None, requires_grad: bool = True,
+                    group=None, precision: Optional[str] = None) -> Tuple[Any, Context]:
     """SimCLR's NT-Xent loss and a context for :func:`nt_xent_backward`.
 
     Parameters
@@ -66,6 +66,11 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
     z : (2B, D) array (numpy or cupy), float16 / bfloat16 / float32 / float64
         The two views stacked: row ``i`` and row ``(i + B) mod 2B`` are a positive pair.
     temperature : float > 0
+    label_smoothing : float in [0, 1), default 0
+        ``F.cross_entropy``'s label smoothing over each row's 2B − 1 candidates: the target
+        is 1 − ε on the positive plus ε spread evenly over them.  Computed as an O(N·D)
+        difference from the plain loss (``cupynce.ops._variants``), so every path serves
+        it; the call makes no CUDA-graph replay.
     reduction : "mean" | "sum" | "none"
     normalize : bool
         L2-normalise the rows first (as ``F.normalize``, eps 1e-12); gradients go through it.
@@ -102,9 +107,9 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
     """
     if group is not None:
         return _global_forward(
-            _comm.wrap(group), z, temperature, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=requires_grad,
-            precision=precision)
+            _comm.wrap(group), z, temperature, label_smoothing=label_smoothing,
+            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
+            requires_grad=requires_grad, precision=precision)
     sig = _memo.signature("nt_xent", z, temperature)
     hit = _memo.known(sig)
     if hit:  # z and temperature passed these checks before, z laid out as given (_memo)
@@ -113,6 +118,7 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
     else:
         xp, t, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)
     _checks.check_bool("nt_xent", "requires_grad", requires_grad)
+    eps = _checks.check_smoothing("nt_xent", label_smoothing)
     path = Path(xp)
     n = z.shape[0]
     (z,), sig = contig_remembered(xp, sig, hit, z)
@@ -124,17 +130,24 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
         # its output allocated before the fork)
         with side.branch() as br:
             out = reduce_out(xp, reduction, acc_dtype(z.dtype))
+            w = weights(xp, None, reduction, n, acc_dtype(z.dtype))
             lse, loss, (dz, *_rest) = path.rows(
                 zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
-                lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(z.dtype)),
-                want_grad=fused, workspace_bytes=workspace_bytes, op="nt_xent",
-                self_pair=True)
+                lse_in=None, weights=w, want_grad=fused, workspace_bytes=workspace_bytes,
+                op="nt_xent", self_pair=True)
+            if eps:  # (the O(N·D) difference: every path serves it)
+                dloss, dacc = _variants.nt_xent_smoothing(
+                    xp, zn, 1.0 / t, eps, _variants.row_weights(w) if fused else None)
+                loss += dloss
+                if fused:
+                    dz += dacc
             with br.beside():
                 total = reduce(xp, loss, reduction, out)
         return total, lse, dz, norm, zn
 
     with config.float32_precision(p):  # (the graph key carries it too)
-        if path.gpu and (fused or not requires_grad):  # nothing kept that aliases z
+        # (nothing kept that aliases z; the smoothing's array ops are no graph's)
+        if path.gpu and (fused or not requires_grad) and not eps:
             loss, lse, dz, norm = _graphs.run(
                 ("nt_xent", t, reduction, normalize, workspace_bytes, fused), (z,),
                 lambda z: compute(z)[:4],
@@ -146,7 +159,7 @@ def nt_xent_forward(z, temperature: float = 0.5, *, reduction: str = "mean",
     if fused:
         ctx.saved = dict(z=z, norm=norm, dz=dz)
     elif requires_grad:
-        ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes)
+        ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes, eps=eps)
     return loss, ctx
 
 
@@ -167,15 +180,20 @@ def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
     if "dz" in s:
         return path.finish(s["z"], s["norm"], s["dz"], path.grad_scale(g, a))
     n = ctx.n
+    w = weights(xp, g, ctx.reduction, n, a)
     _, _, (dz, *_rest) = path.rows(
         s["zn"], s["zn"], None, None, 1.0 / s["t"], exclude_diag=True, pos_shift=n // 2,
-        pos_mod=n, lse_in=s["lse"], weights=weights(xp, g, ctx.reduction, n, a), want_grad=True,
+        pos_mod=n, lse_in=s["lse"], weights=w, want_grad=True,
         workspace_bytes=s["ws"], op="nt_xent", self_pair=True)
+    if s.get("eps"):
+        dz += _variants.nt_xent_smoothing(xp, s["zn"], 1.0 / s["t"], s["eps"],
+                                          _variants.row_weights(w))[1]
     return path.finish(s["z"], s["norm"], dz, None)
 
 
 def nt_xent_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, temperature: float = 0.5,
-                                reduction: str = "mean", normalize: bool = False,
+                                label_smoothing: float = 0.0, reduction: str = "mean",
+                                normalize: bool = False,
                                 workspace_bytes: Optional[int] = None,
                                 precision: Optional[str] = None):
     """``dz`` from the input and the forward's row log-sum-exps (``ctx.stats[0]``) alone.
@@ -189,23 +207,27 @@ def nt_xent_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, temperature: fl
     check_stats("nt_xent", xp, z.shape[0], z.dtype, lse=lse)
     z = contig_inputs(xp, z)[0]
     zn, norm = prep(Path(xp), z, normalize)
+    eps = _checks.check_smoothing("nt_xent", label_smoothing)
     ctx = Context("nt_xent", reduction, z.shape[0], xp, stats=(lse,), precision=p,
-                  saved=dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes))
+                  saved=dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes, eps=eps))
     return nt_xent_backward(ctx, grad_loss)
 
 
-def nt_xent(z, temperature: float = 0.5, *, reduction: str = "mean", normalize: bool = False,
+def nt_xent(z, temperature: float = 0.5, *, label_smoothing: float = 0.0,
+            reduction: str = "mean", normalize: bool = False,
             workspace_bytes: Optional[int] = None, group=None,
             precision: Optional[str] = None):
     """SimCLR's NT-Xent loss of ``z`` (2B, D); see :func:`nt_xent_forward`."""
-    return nt_xent_forward(z, temperature, reduction=reduction, normalize=normalize,
+    return nt_xent_forward(z, temperature, label_smoothing=label_smoothing,
+                           reduction=reduction, normalize=normalize,
                            workspace_bytes=workspace_bytes, requires_grad=False,
                            group=group, precision=precision)[0]
 
 
 # ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
-def _global_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normalize=False,
-                    workspace_bytes=None, requires_grad=True, precision=None):
+def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, reduction="mean",
+                    normalize=False, workspace_bytes=None, requires_grad=True,
+                    precision=None):
     """:func:`nt_xent_forward` over ``comm``'s global batch (see :mod:`cupynce.ops._global`).
 
     ``z`` (2n, D): this rank's [view 1 of its n images; view 2 of them].  Returns the global
@@ -216,8 +238,9 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normali
     precision = _global.precision_setting(precision)
     xp, t, p = _global.agree(comm, op, lambda: (
         _check(z, temperature, reduction, workspace_bytes, normalize, precision),
-        _checks.check_bool(op, "requires_grad", requires_grad))[0], [z], ["z"],
-        [temperature, reduction, normalize, requires_grad, precision])
+        _checks.check_bool(op, "requires_grad", requires_grad),
+        _no_global_smoothing(label_smoothing))[0], [z], ["z"],
+        [temperature, reduction, normalize, requires_grad, precision, label_smoothing])
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         engine = _local.engine_for(xp)
@@ -249,6 +272,13 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, reduction="mean", normali
                 ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
                                  scale=scale, ws=workspace_bytes, comm=comm)
         return _global.loss(comm, xp, rows, reduction, n2 * size), _global.tag(ctx, _GLOBAL)
+
+
+def _no_global_smoothing(label_smoothing) -> None:
+    """``label_smoothing=`` with ``group=``: not yet (raised inside the agreement: on every
+    rank)."""
+    if _checks.check_smoothing("nt_xent", label_smoothing):
+        raise ValueError("nt_xent: label_smoothing= is not supported with group= yet")
 
 
 def _global_acc(ctx: Context, g):

@@ -173,8 +173,9 @@ def _run(op: str, group, checks: Callable[[], Any], fwd: Callable,
 
 
 def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_bytes: Any,
-            group, precision: Any = None) -> Tensor:
-    """``cupynce.torch.nt_xent(..., group=group)`` (see the module notes)."""
+            group, precision: Any = None, *, label_smoothing: Any = 0.0) -> Tensor:
+    """``cupynce.torch.nt_xent(..., group=group)`` (see the module notes; a label smoothing
+    is refused there, on every rank, for now)."""
     op = "nt_xent"
     p: List[Any] = [None]
 
@@ -186,7 +187,8 @@ def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_
         p[0] = R.precision_of(op, precision)
 
     def fwd(comm, z_, requires_grad):
-        return nt_xent_op.nt_xent_forward(z_, temperature, reduction=reduction,
+        return nt_xent_op.nt_xent_forward(z_, temperature, label_smoothing=label_smoothing,
+                                          reduction=reduction,
                                           normalize=normalize, workspace_bytes=workspace_bytes,
                                           requires_grad=requires_grad, group=comm,
                                           precision=p[0])

@@ -54,7 +54,7 @@ class InfoNCEFunction(torch.autograd.Function):
         # mode is off, so requires_grad alone decides)
         ctx.fused = features.requires_grad
         fwd = nt_xent_ops.fwd if R.direct(features) else nt_xent_ops.FWD  # (no autograd inside forward)
-        loss, lse, acc, _norm = fwd(features, t, "mean", False, None, p, ctx.fused)
+        loss, lse, acc, _norm = fwd(features, t, 0.0, "mean", False, None, p, ctx.fused)
         ctx.save_for_backward(acc if ctx.fused else features, lse)
         ctx.temperature, ctx.dtype, ctx.precision = t, features.dtype, p
         return loss
@@ -64,8 +64,8 @@ class InfoNCEFunction(torch.autograd.Function):
         saved, lse = ctx.saved_tensors
         if ctx.fused:
             return R.scaled(None, None, saved, grad_loss, ctx.dtype, False), None, None, None
-        dz = nt_xent_ops.BWD(saved, lse, grad_loss.contiguous(), ctx.temperature, "mean",
-                             False, None, ctx.precision)
+        dz = nt_xent_ops.BWD(saved, lse, grad_loss.contiguous(), ctx.temperature, 0.0,
+                             "mean", False, None, ctx.precision)
         return dz, None, None, None
 
 

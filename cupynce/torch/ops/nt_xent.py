@@ -15,7 +15,7 @@ from .. import _skeleton as S
 #: the op: z's rows, the temperature, the (2B,) row log-sum-exps; the fused forward's
 #: gradient accumulator and norms are the core context's ``dz`` / ``norm``
 SPEC = S.Loss("nt_xent", "NTXentFunction", __name__, core, inputs=(S.Rows("z"),),
-              params=("temperature",), stats=("lse",),
+              params=("temperature", "label_smoothing"), stats=("lse",),
               unit_grads=lambda saved: ((saved["dz"],), (saved["norm"],), ()))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
 fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
@@ -23,9 +23,10 @@ fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
 NTXentFunction, FWD, BWD = SPEC.Function, SPEC.FWD, SPEC.BWD
 
 
-def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
-            normalize: bool = False, workspace_bytes: Optional[int] = None,
-            group: Optional[Any] = None, precision: Optional[str] = None) -> Tensor:
+def nt_xent(z: Tensor, temperature: float = 0.5, *, label_smoothing: float = 0.0,
+            reduction: str = "mean", normalize: bool = False,
+            workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
+            precision: Optional[str] = None) -> Tensor:
     """SimCLR's NT-Xent loss of ``z`` (2B, D), differentiable w.r.t. ``z``.
 
     Parameters
@@ -33,6 +34,9 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
     z : Tensor (2B, D), float16 / bfloat16 / float32 / float64, CPU or CUDA
         The two views stacked: rows ``i`` and ``(i + B) mod 2B`` are a positive pair.
     temperature : float > 0, default 0.5
+    label_smoothing : float in [0, 1), default 0
+        ``F.cross_entropy``'s label smoothing over each row's 2B − 1 candidates (an O(N·D)
+        difference from the plain loss: every path serves it; not yet with ``group``).
     reduction : "mean" (default) | "sum" | "none"
     normalize : bool, default False
         L2-normalise the rows first (as ``F.normalize``); the gradient goes through it.
@@ -71,9 +75,11 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, reduction: str = "mean",
         from .. import distributed
 
         return distributed.nt_xent(z, temperature, reduction, normalize, workspace_bytes,
-                                   group, precision)
+                                   group, precision, label_smoothing=label_smoothing)
     t = _checks.check_temperature("nt_xent", temperature)
+    eps = _checks.check_smoothing("nt_xent", label_smoothing)
     reduction, workspace_bytes = R.scalars("nt_xent", reduction, workspace_bytes)
     B.check_tensors("nt_xent", z=z)
     normalize = _checks.check_bool("nt_xent", "normalize", normalize)
-    return SPEC(z, t, reduction, normalize, workspace_bytes, R.precision_of("nt_xent", precision))
+    return SPEC(z, t, eps, reduction, normalize, workspace_bytes,
+                R.precision_of("nt_xent", precision))

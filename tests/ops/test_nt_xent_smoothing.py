@@ -1,0 +1,159 @@
+"""``nt_xent(label_smoothing=)`` (issue 55) against the float64 oracle, on every path.
+
+The smoothing is an O(N·D) difference added to whichever path computes the plain loss
+(``cupynce.ops._variants``), so the GPU cases cover the paths the chooser takes at their
+sizes: the row blocks (float64), the TF32x3 tiles (float32), the 16-bit score tiles (N = 512,
+D = 64) and the kept scores (bf16, D = 4096). NumPy on the CPU (CI); CuPy and CUDA tensors
+marked ``gpu``. Relative errors ``||x - ref|| / ||ref||``: float64 1e-12, float32 1e-5,
+float16 5e-3, bfloat16 3e-2. ``cupynce.torch`` through the direct Function, the registered ops
+and ``torch.compile``; ``group=`` with a smoothing raises on every rank (not yet supported).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupynce import reference as ref
+from cupynce.ops import nt_xent as core
+
+TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _rel(x, r):
+    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
+    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
+
+
+def _check(xp, dtype, n, d, reduction, normalize, eps, ws=None):
+    dt = _dtype(dtype)
+    z = (np.random.default_rng(n + d).standard_normal((n, d)) / np.sqrt(d)).astype(dt)
+    g = 0.7 if reduction != "none" else np.random.default_rng(1).uniform(0.2, 1.5, n)
+    want, (wz,) = ref.nt_xent(z, 0.2, label_smoothing=eps, reduction=reduction,
+                              normalize=normalize, grad_loss=g)
+    loss, ctx = core.nt_xent_forward(xp.asarray(z), 0.2, label_smoothing=eps,
+                                     reduction=reduction, normalize=normalize,
+                                     workspace_bytes=ws)
+    gl = g if reduction != "none" else xp.asarray(g.astype(np.float64 if dt == np.float64
+                                                            else np.float32))
+    dz = core.nt_xent_backward(ctx, gl)
+    host = (lambda x: x) if xp is np else xp.asnumpy
+    assert _rel(host(loss), want) <= TOL[dtype], "loss"
+    assert dz.dtype == dt
+    assert _rel(host(dz).astype(np.float64), wz) <= TOL[dtype], "dz"
+    if reduction == "none":
+        again = core.nt_xent_backward_from_stats(
+            xp.asarray(z), ctx.stats[0], gl, temperature=0.2, label_smoothing=eps,
+            reduction=reduction, normalize=normalize)
+        assert _rel(host(again).astype(np.float64), wz) <= TOL[dtype], "dz from stats"
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("eps", [0.05, 0.3])
+def test_numpy_matches_the_oracle(dtype, reduction, normalize, eps):
+    _check(np, dtype, 10, 6, reduction, normalize, eps)
+
+
+def test_zero_smoothing_is_the_plain_loss_bit_for_bit():
+    z = np.random.default_rng(0).standard_normal((8, 5))
+    a, ca = core.nt_xent_forward(z, 0.3)
+    b, cb = core.nt_xent_forward(z, 0.3, label_smoothing=0.0)
+    assert a == b
+    np.testing.assert_array_equal(core.nt_xent_backward(ca), core.nt_xent_backward(cb))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,n,d", [("float64", 64, 32), ("float32", 512, 64),
+                                       ("bfloat16", 512, 64), ("float16", 512, 64),
+                                       ("bfloat16", 256, 4096)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_cupy_matches_the_oracle_on_every_path(dtype, n, d, reduction, normalize):
+    cp = pytest.importorskip("cupy")
+    _check(cp, dtype, n, d, reduction, normalize, 0.1)
+
+
+@pytest.mark.parametrize("eps,err,match", [
+    (-0.1, ValueError, r"must be in \[0, 1\), got -0.1"),
+    (1.0, ValueError, r"must be in \[0, 1\), got 1.0"),
+    (float("nan"), ValueError, r"must be in \[0, 1\), got nan"),
+    (None, TypeError, r"must be a real in \[0, 1\), got None"),
+])
+def test_bad_smoothing_raises(eps, err, match):
+    with pytest.raises(err, match="nt_xent: label_smoothing " + match):
+        core.nt_xent_forward(np.ones((4, 3)), 0.5, label_smoothing=eps)
+
+
+def test_group_with_smoothing_raises_on_every_rank():
+    from emulated_ranks import run
+
+    z = np.random.default_rng(2).standard_normal((8, 4))
+
+    def rank(comm):
+        match = ("label_smoothing= is not supported with group= yet" if comm.rank == 0
+                 else r"invalid inputs on rank\(s\) \[0\]|must pass the same settings")
+        with pytest.raises(ValueError, match=match):
+            core.nt_xent_forward(z[4 * comm.rank:4 * comm.rank + 4], 0.5, group=comm,
+                                 label_smoothing=0.1 if comm.rank == 0 else 0.0)
+        return True
+
+    assert run(2, rank) == [True, True]
+
+
+# ---- cupynce.torch ---------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["direct", "registered", "compile"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_cpu_matches_the_oracle(path, reduction):
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+    from cupynce.torch import _registry
+
+    z0 = np.random.default_rng(4).standard_normal((10, 6))
+    z = torch.tensor(z0, requires_grad=True)
+    kw = dict(label_smoothing=0.1, reduction=reduction, normalize=True)
+    if path == "compile":
+        torch._dynamo.reset()
+        out = torch.compile(lambda z: ct.nt_xent(z, 0.2, **kw), backend="aot_eager",
+                            fullgraph=True)(z)
+    elif path == "registered":
+        real = _registry.direct
+        _registry.direct = lambda *tensors: False
+        try:
+            out = ct.nt_xent(z, 0.2, **kw)
+        finally:
+            _registry.direct = real
+    else:
+        out = ct.nt_xent(z, 0.2, **kw)
+    gl = torch.linspace(0.5, 1.5, 10, dtype=torch.float64) if reduction == "none" else \
+        torch.tensor(0.7, dtype=torch.float64)
+    (dz,) = torch.autograd.grad(out, [z], gl)
+    want, (wz,) = ref.nt_xent(z0, 0.2, grad_loss=gl.numpy(), **kw)
+    assert _rel(out.detach().numpy(), want) <= 1e-12
+    assert _rel(dz.numpy(), wz) <= 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_torch_cuda_matches_the_oracle(dtype, tol):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    import cupynce.torch as ct
+
+    z0 = np.random.default_rng(6).standard_normal((512, 64)) / 8
+    z = torch.tensor(z0, device="cuda", dtype=getattr(torch, dtype), requires_grad=True)
+    out = ct.nt_xent(z, 0.2, label_smoothing=0.1, normalize=True)
+    (dz,) = torch.autograd.grad(out, [z])
+    zr = z.detach().double().cpu().numpy()
+    want, (wz,) = ref.nt_xent(zr, 0.2, label_smoothing=0.1, normalize=True)
+    assert _rel(out.detach().double().cpu().numpy(), want) <= tol
+    assert _rel(dz.double().cpu().numpy(), wz) <= tol
