@@ -18,7 +18,7 @@ import numpy as np
 from .. import _checks, _engine, config
 from .._engine import arrays, workspace
 from .._engine.kernels import acc_dtype
-from . import _comm, _cpu, _global, _graphs, _local, _memo, _numpy
+from . import _comm, _cpu, _global, _graphs, _local, _memo, _numpy, _variants
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
                     in_ctx_precision, prep, reduce, require, weights)
 from ._comm import Comm
@@ -121,7 +121,8 @@ def _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision):
                                                  precision)
 
 
-def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
+def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0,
+                      reduction: str = "mean", normalize: bool = False,
                       workspace_bytes: Optional[int] = None,
                       requires_grad: bool = True, group=None,
                       precision: Optional[str] = None) -> Tuple[Any, Context]:
@@ -132,6 +133,10 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     a, b : (N, D) arrays — image and text embeddings, pair i is (a_i, b_i).
     logit_scale : real, or 0-d / (1,) array (learnable log inverse temperature).
         s = exp(logit_scale); a device array is never read back to the host.
+    label_smoothing : float in [0, 1), default 0
+        Each direction's ``F.cross_entropy(label_smoothing=ε)`` (open_clip's request): an
+        O(N·D) difference from the plain loss (``cupynce.ops._variants``), so every path
+        serves it; the call makes no CUDA-graph replay; not yet with ``group``.
     reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
     group : communicator, optional
@@ -154,9 +159,9 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
     """
     if group is not None:
         return _global_forward(
-            _comm.wrap(group), a, b, logit_scale, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=requires_grad,
-            precision=precision)
+            _comm.wrap(group), a, b, logit_scale, label_smoothing=label_smoothing,
+            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
+            requires_grad=requires_grad, precision=precision)
     sig = _memo.signature("clip_loss", a, b, logit_scale)
     hit = _memo.known(sig)
     if hit:  # the arrays and logit_scale passed these checks before, laid out (_memo)
@@ -167,6 +172,7 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
         xp, ls, ls_shape, p = _check(a, b, logit_scale, reduction, workspace_bytes, normalize,
                                      precision)
     _checks.check_bool("clip_loss", "requires_grad", requires_grad)
+    eps = _checks.check_smoothing("clip_loss", label_smoothing)
     path = Path(xp)
     n = a.shape[0]
     acc = acc_dtype(a.dtype)
@@ -184,19 +190,28 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
         # (nothing keeps it here)
         ls_dev = ((lambda: _logit_scale_array(xp, ls_in, acc)) if defer
                   else _logit_scale_array(xp, ls_in, acc))
+        w = weights(xp, None, reduction, n, acc)
         lse_r, lse_c, pair_loss, grads = engine(
-            an, bn, ls_dev, lse_r=None, lse_c=None,
-            weights=weights(xp, None, reduction, n, acc), want_loss=True, want_grad=fused,
-            workspace_bytes=workspace_bytes)
+            an, bn, ls_dev, lse_r=None, lse_c=None, weights=w, want_loss=True,
+            want_grad=fused, workspace_bytes=workspace_bytes)
         da, db, dscale = None, None, None
         if fused:
             da, db, dsp = grads
             dscale = reduce(xp, dsp, "sum")
+        if eps:  # (the O(N·D) difference: every path serves it)
+            dloss, dgrads = _variants.clip_smoothing(
+                xp, an, bn, ls_dev, eps, _variants.row_weights(w) if fused else None)
+            pair_loss = pair_loss + dloss
+            if fused:
+                da += dgrads[0]
+                db += dgrads[1]
+                dscale = dscale + dgrads[2]
         return (reduce(xp, pair_loss, reduction), lse_r, lse_c, da, db, dscale, na,
                 nb), (an, bn, ls_dev)
 
     with config.float32_precision(p):  # (the graph key carries it too)
-        if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
+        # (nothing kept that aliases the inputs; the smoothing's array ops are no graph's)
+        if path.gpu and (fused or not requires_grad) and not eps:
             outs = _graphs.run(
                 ("clip_loss", ls if host_ls else None, reduction, normalize, workspace_bytes,
                  fused), (a, b) if host_ls else (a, b, ls),
@@ -213,7 +228,8 @@ def clip_loss_forward(a, b, logit_scale, *, reduction: str = "mean", normalize: 
         ctx.saved = dict(base, acc=(da, db), dscale=dscale)
     elif requires_grad:
         an, bn, ls_dev = kept
-        ctx.saved = dict(base, xn=(an, bn), ls=ls_dev, lse=(lse_r, lse_c), ws=workspace_bytes)
+        ctx.saved = dict(base, xn=(an, bn), ls=ls_dev, lse=(lse_r, lse_c), ws=workspace_bytes,
+                         eps=eps)
     return loss, ctx
 
 
@@ -241,17 +257,24 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
     else:
         engine = _engine.clip if path.gpu else numpy_clip
         an, bn = s["xn"]
+        w = weights(xp, g, ctx.reduction, ctx.n, acc)
         _, _, _, (da_acc, db_acc, dsp) = engine(
-            an, bn, s["ls"], lse_r=s["lse"][0], lse_c=s["lse"][1],
-            weights=weights(xp, g, ctx.reduction, ctx.n, acc), want_loss=False, want_grad=True,
-            workspace_bytes=s["ws"])
-        da, db = finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
+            an, bn, s["ls"], lse_r=s["lse"][0], lse_c=s["lse"][1], weights=w,
+            want_loss=False, want_grad=True, workspace_bytes=s["ws"])
         dscale = reduce(xp, dsp, "sum")
+        if s.get("eps"):
+            _, (dda, ddb, dds) = _variants.clip_smoothing(xp, an, bn, s["ls"], s["eps"],
+                                                          _variants.row_weights(w))
+            da_acc += dda
+            db_acc += ddb
+            dscale = dscale + dds
+        da, db = finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
     dscale = xp.asarray(dscale).astype(s["ls_dtype"], copy=False).reshape(s["ls_shape"])
     return da, db, dscale
 
 
 def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: Any = 1.0, *,
+                                  label_smoothing: float = 0.0,
                                   reduction: str = "mean", normalize: bool = False,
                                   workspace_bytes: Optional[int] = None,
                                   precision: Optional[str] = None):
@@ -271,22 +294,25 @@ def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: An
     ctx = Context("clip_loss", reduction, n, xp, stats=(lse_r, lse_c), precision=p, saved=dict(
         x=(a, b), norms=(na, nb), ls_shape=ls_shape,
         ls_dtype=acc if isinstance(ls, float) else ls.dtype, xn=(an, bn),
-        ls=_logit_scale_array(xp, ls, acc), lse=(lse_r, lse_c), ws=workspace_bytes))
+        ls=_logit_scale_array(xp, ls, acc), lse=(lse_r, lse_c), ws=workspace_bytes,
+        eps=_checks.check_smoothing("clip_loss", label_smoothing)))
     return clip_loss_backward(ctx, grad_loss)
 
 
-def clip_loss(a, b, logit_scale, *, reduction: str = "mean", normalize: bool = False,
-              workspace_bytes: Optional[int] = None, group=None,
+def clip_loss(a, b, logit_scale, *, label_smoothing: float = 0.0, reduction: str = "mean",
+              normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
               precision: Optional[str] = None):
     """CLIP's symmetric loss; see :func:`clip_loss_forward`."""
-    return clip_loss_forward(a, b, logit_scale, reduction=reduction, normalize=normalize,
+    return clip_loss_forward(a, b, logit_scale, label_smoothing=label_smoothing,
+                             reduction=reduction, normalize=normalize,
                              workspace_bytes=workspace_bytes, requires_grad=False,
                              group=group, precision=precision)[0]
 
 
 # ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
-def _global_forward(comm: Comm, a, b, logit_scale, *, reduction="mean", normalize=False,
-                    workspace_bytes=None, requires_grad=True, precision=None):
+def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, reduction="mean",
+                    normalize=False, workspace_bytes=None, requires_grad=True,
+                    precision=None):
     """:func:`clip_loss_forward` over ``comm``'s global batch: one n × N block per rank for
     both directions (see :mod:`cupynce.ops._global`).  ``logit_scale``'s gradient from
     :func:`cupynce.ops._global.backward` is the global one on every rank.
@@ -296,7 +322,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, reduction="mean", normaliz
     ls_array = hasattr(logit_scale, "shape")
     xp, ls, ls_shape, p = _global.agree(comm, op, lambda: (
         _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision),
-        _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
+        _checks.check_bool(op, "requires_grad", requires_grad),
+        _no_global_smoothing(label_smoothing))[0], [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
          precision])
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
@@ -346,6 +373,13 @@ def _global_grads(comm: Comm, block, xp, an, b_all, ls, row0: int, lse_r, lse_c,
     dscale = comm.all_reduce(dsp.sum().reshape(1) if xp is np else
                              arrays.fixed_sum(dsp, 1).reshape(1)).reshape(())
     return da, db, dscale
+
+
+def _no_global_smoothing(label_smoothing) -> None:
+    """``label_smoothing=`` with ``group=``: not yet (raised inside the agreement: on every
+    rank)."""
+    if _checks.check_smoothing("clip_loss", label_smoothing):
+        raise ValueError("clip_loss: label_smoothing= is not supported with group= yet")
 
 
 def _global_acc(ctx: Context, g):

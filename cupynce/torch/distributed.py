@@ -223,9 +223,11 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
 
 
 def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
-              workspace_bytes: Any, group, resolve: Callable, precision: Any = None) -> Tensor:
+              workspace_bytes: Any, group, resolve: Callable, precision: Any = None, *,
+              label_smoothing: Any = 0.0) -> Tensor:
     """``cupynce.torch.clip_loss(..., group=group)`` (see the module notes); ``resolve``
-    is the single-process op's check of ``logit_scale`` → (tensor or None, host value)."""
+    is the single-process op's check of ``logit_scale`` → (tensor or None, host value); a
+    label smoothing is refused on every rank for now."""
     op = "clip_loss"
     ls: List[Any] = [None, 0.0]
     p: List[Any] = [None]
@@ -238,6 +240,7 @@ def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
 
     def fwd(comm, a_, b_, ls_arr, requires_grad):
         return clip_op.clip_loss_forward(a_, b_, ls[1] if ls_arr is None else ls_arr,
+                                         label_smoothing=label_smoothing,
                                          reduction=reduction, normalize=normalize,
                                          workspace_bytes=workspace_bytes,
                                          requires_grad=requires_grad, group=comm,

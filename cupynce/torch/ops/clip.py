@@ -18,7 +18,7 @@ from .. import _skeleton as S
 #: the fused forward's d loss / d logit_scale is the core context's ``dscale``
 SPEC = S.Loss("clip_loss", "ClipLossFunction", __name__, core,
               inputs=(S.Rows("a"), S.Rows("b"), S.Scalar("logit_scale")),
-              stats=("lse_r", "lse_c"),
+              params=("label_smoothing",), stats=("lse_r", "lse_c"),
               unit_grads=lambda saved: (saved["acc"], saved["norms"], (saved["dscale"],)))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
 fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
@@ -41,7 +41,8 @@ def _logit_scale(a: Any, b: Any, logit_scale: Any) -> Tuple[Optional[Tensor], fl
                     f"{type(logit_scale).__name__}")
 
 
-def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean",
+def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, label_smoothing: float = 0.0,
+              reduction: str = "mean",
               normalize: bool = False, workspace_bytes: Optional[int] = None,
               group: Optional[Any] = None, precision: Optional[str] = None) -> Tensor:
     """CLIP's symmetric contrastive loss, differentiable w.r.t. a, b and a tensor logit_scale.
@@ -76,9 +77,11 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, reduction: str = "mean"
         from .. import distributed
 
         return distributed.clip_loss(a, b, logit_scale, reduction, normalize, workspace_bytes,
-                                     group, _logit_scale, precision)
+                                     group, _logit_scale, precision,
+                                     label_smoothing=label_smoothing)
+    eps = _checks.check_smoothing(op, label_smoothing)
     reduction, workspace_bytes = R.scalars(op, reduction, workspace_bytes)
     ls_tensor, ls_value = _logit_scale(a, b, logit_scale)
     normalize = _checks.check_bool(op, "normalize", normalize)
-    return SPEC(a, b, ls_tensor, ls_value, reduction, normalize, workspace_bytes,
+    return SPEC(a, b, ls_tensor, ls_value, eps, reduction, normalize, workspace_bytes,
                 R.precision_of(op, precision))

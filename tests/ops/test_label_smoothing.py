@@ -1,11 +1,13 @@
-"""``nt_xent(label_smoothing=)`` (issue 55) against the float64 oracle, on every path.
+"""``nt_xent(label_smoothing=)`` and ``clip_loss(label_smoothing=)`` (issue 55) against the
+float64 oracle, on every path.
 
 The smoothing is an O(N·D) difference added to whichever path computes the plain loss
 (``cupynce.ops._variants``), so the GPU cases cover the paths the chooser takes at their
 sizes: the row blocks (float64), the TF32x3 tiles (float32), the 16-bit score tiles (N = 512,
-D = 64) and the kept scores (bf16, D = 4096). NumPy on the CPU (CI); CuPy and CUDA tensors
-marked ``gpu``. Relative errors ``||x - ref|| / ||ref||``: float64 1e-12, float32 1e-5,
-float16 5e-3, bfloat16 3e-2. ``cupynce.torch`` through the direct Function, the registered ops
+D = 64) and the kept scores (bf16, D = 4096; CLIP's at D = 2048). NumPy on the CPU (CI);
+CuPy and CUDA tensors marked ``gpu``. Relative errors ``||x - ref|| / ||ref||``: float64
+1e-12, float32 1e-5, float16 5e-3, bfloat16 3e-2 (CLIP's d logit_scale, a sum of cancelling
+terms: that tolerance times max(|d logit_scale|, 1)). ``cupynce.torch`` through the direct Function, the registered ops
 and ``torch.compile``; ``group=`` with a smoothing raises on every rank (not yet supported).
 """
 from __future__ import annotations
@@ -157,3 +159,71 @@ def test_torch_cuda_matches_the_oracle(dtype, tol):
     want, (wz,) = ref.nt_xent(zr, 0.2, label_smoothing=0.1, normalize=True)
     assert _rel(out.detach().double().cpu().numpy(), want) <= tol
     assert _rel(dz.double().cpu().numpy(), wz) <= tol
+
+
+# ---- CLIP's label smoothing: the same O(N·D) difference, both directions -------------------
+def _check_clip(xp, dtype, n, d, reduction, normalize, eps, learnable):
+    from cupynce.ops import clip as clip_core
+
+    dt = _dtype(dtype)
+    rng = np.random.default_rng(n + 3 * d)
+    a, b = ((rng.standard_normal((n, d)) / np.sqrt(d)).astype(dt) for _ in range(2))
+    ls0 = 2.3
+    g = 0.7 if reduction != "none" else rng.uniform(0.2, 1.5, n)
+    want, (wa, wb, ws) = ref.clip_loss(a, b, ls0, label_smoothing=eps, reduction=reduction,
+                                       normalize=normalize, grad_loss=g)
+    acc = np.float64 if dt == np.float64 else np.float32
+    ls = xp.asarray(np.asarray([ls0], acc)) if learnable else ls0
+    loss, ctx = clip_core.clip_loss_forward(xp.asarray(a), xp.asarray(b), ls,
+                                            label_smoothing=eps, reduction=reduction,
+                                            normalize=normalize)
+    gl = g if reduction != "none" else xp.asarray(g.astype(acc))
+    da, db, dls = clip_core.clip_loss_backward(ctx, gl)
+    host = (lambda x: x) if xp is np else xp.asnumpy
+    tol = TOL[dtype]
+    assert _rel(host(loss), want) <= tol, "loss"
+    assert _rel(host(da).astype(np.float64), wa) <= tol, "da"
+    assert _rel(host(db).astype(np.float64), wb) <= tol, "db"
+    # (d logit_scale sums cancelling terms: its error is bounded against its size or 1, the
+    # order of the loss it differentiates)
+    err = abs(float(host(dls).astype(np.float64).reshape(())) - float(ws.reshape(())))
+    assert err <= tol * max(abs(float(ws.reshape(()))), 1.0), "dlogit_scale"
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_clip_numpy_matches_the_oracle(dtype, reduction, normalize, learnable):
+    _check_clip(np, dtype, 10, 6, reduction, normalize, 0.1, learnable)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,n,d", [("float64", 64, 32), ("float32", 512, 64),
+                                       ("bfloat16", 512, 64), ("bfloat16", 256, 2048)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_clip_cupy_matches_the_oracle_on_every_path(dtype, n, d, reduction, learnable):
+    cp = pytest.importorskip("cupy")
+    _check_clip(cp, dtype, n, d, reduction, True, 0.1, learnable)
+
+
+@pytest.mark.parametrize("path", ["direct", "compile"])
+def test_clip_torch_cpu_matches_the_oracle(path):
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+
+    rng = np.random.default_rng(9)
+    a0, b0 = rng.standard_normal((10, 6)), rng.standard_normal((10, 6))
+    a, b = (torch.tensor(x, requires_grad=True) for x in (a0, b0))
+    ls = torch.tensor(1.7, dtype=torch.float64, requires_grad=True)
+    fn = (lambda a, b, ls: ct.clip_loss(a, b, ls, label_smoothing=0.1, normalize=True))
+    if path == "compile":
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    out = fn(a, b, ls)
+    grads = torch.autograd.grad(out, [a, b, ls])
+    want, wgrads = ref.clip_loss(a0, b0, 1.7, label_smoothing=0.1, normalize=True)
+    assert _rel(out.detach().numpy(), want) <= 1e-12
+    for got, w in zip(grads, wgrads):
+        assert _rel(got.numpy(), w) <= 1e-12
