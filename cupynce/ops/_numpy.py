@@ -124,16 +124,21 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
                 parts.append(xp.einsum("rd,rmd->rm", qb, npa[r0:r1]))
             s = xp.concatenate(parts, axis=1)
         s *= scale
+        if smoothing:  # each row's candidates (the columns not left out): as F.cross_entropy's
+            cand = xp.ones(s.shape, dtype=bool)  # classes, a -inf logit among them included
         if exclude_diag:
             s[at, every[r0:r1]] = -float("inf")
+            if smoothing:
+                cand[at, every[r0:r1]] = False
         if labels is not None:  # a labelled column j != pos of row i's label: no candidate
             lab_r, lab_c = labels
             same = xp.asarray(lab_r)[r0:r1, None] == xp.asarray(lab_c)[None, :]
             same[at, pos] = False
             s[:, :same.shape[1]][same] = -float("inf")
+            if smoothing:
+                cand[:, :same.shape[1]][same] = False
         s_pos = s[at, pos]
-        if smoothing:  # each row's candidates: their count and their logits' sum
-            cand = s != -float("inf")  # (a -inf score is no candidate: no smoothing mass)
+        if smoothing:  # their count and their logits' sum
             count = xp.astype(xp.sum(cand, axis=1), a)  # (torch: int / int64 is float32)
             with xp.errstate(invalid="ignore"):
                 s_sum = xp.sum(xp.where(cand, s, 0.0), axis=1)

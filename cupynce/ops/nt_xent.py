@@ -126,21 +126,27 @@ def nt_xent_forward(z, temperature: float = 0.5, *, label_smoothing: float = 0.0
 
     def compute(z):
         zn, norm = prep(path, z, normalize)
-        # the reduced loss needs only the statistics: beside the gradient pass (_engine/side;
-        # its output allocated before the fork)
-        with side.branch() as br:
-            out = reduce_out(xp, reduction, acc_dtype(z.dtype))
-            w = weights(xp, None, reduction, n, acc_dtype(z.dtype))
+        w = weights(xp, None, reduction, n, acc_dtype(z.dtype))
+        if eps:  # plain loss + the O(N·D) difference (every path serves it), then the
+            # reduction: after the difference, so no side branch (side.py's notes)
             lse, loss, (dz, *_rest) = path.rows(
                 zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
                 lse_in=None, weights=w, want_grad=fused, workspace_bytes=workspace_bytes,
                 op="nt_xent", self_pair=True)
-            if eps:  # (the O(N·D) difference: every path serves it)
-                dloss, dacc = _variants.nt_xent_smoothing(
-                    xp, zn, 1.0 / t, eps, _variants.row_weights(w) if fused else None)
-                loss += dloss
-                if fused:
-                    dz += dacc
+            dloss, dacc = _variants.nt_xent_smoothing(
+                xp, zn, 1.0 / t, eps, _variants.row_weights(w) if fused else None)
+            loss += dloss
+            if fused:
+                dz += dacc
+            return reduce(xp, loss, reduction), lse, dz, norm, zn
+        # the reduced loss needs only the statistics: beside the gradient pass (_engine/side;
+        # its output allocated before the fork)
+        with side.branch() as br:
+            out = reduce_out(xp, reduction, acc_dtype(z.dtype))
+            lse, loss, (dz, *_rest) = path.rows(
+                zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
+                lse_in=None, weights=w, want_grad=fused, workspace_bytes=workspace_bytes,
+                op="nt_xent", self_pair=True)
             with br.beside():
                 total = reduce(xp, loss, reduction, out)
         return total, lse, dz, norm, zn

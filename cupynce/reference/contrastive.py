@@ -28,7 +28,7 @@ def _same_label(labels: Optional[ArrayLike], n: int) -> Optional[np.ndarray]:
     if labels is None:
         return None
     lab = np.asarray(labels)
-    if lab.shape != (n,) or lab.dtype.kind not in "iub":
+    if lab.shape != (n,) or lab.dtype.kind not in "iu":
         raise ValueError(f"labels must be an integer array of shape ({n},), got "
                          f"{lab.dtype} of shape {lab.shape}")
     return lab[:, None] == lab[None, :]

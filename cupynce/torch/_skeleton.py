@@ -328,9 +328,9 @@ class Loss(Op):
         at = self.n_in + len(self.stats)  # grad_loss
         params = dict(zip(self.params, args[at + 1:at + 1 + len(self.params)]))
         reduction, normalize, workspace_bytes, precision = args[at + 1 + len(self.params):]
-        xs = self._arrays(args)
-        labels = {self.inputs[j].name: xs[j] for j, lab in enumerate(self.is_labels) if lab}
         with B.device_scope(x0.device):
+            xs = self._arrays(args)
+            labels = {self.inputs[j].name: xs[j] for j, lab in enumerate(self.is_labels) if lab}
             grads = getattr(self.core, self.backward_name)(
                 *(x for x, lab in zip(xs, self.is_labels) if not lab),
                 *(B.array_of(s) for s in args[self.n_in:at]), B.array_of(args[at]), **params,

@@ -23,8 +23,9 @@
 // is no candidate (left out as the diagonal is).  Smoothing eps > 0: the
 // target is (1 - eps) onehot + eps / K over the row's K candidates, so
 //   loss = lse - (1 - eps) logit[positive] - eps / K sum_{candidates} logit
-// and the gradient subtracts eps / K at every candidate (a -inf logit is no candidate).  K
-// and the logits' sum are block sums in a fixed order, as the log-sum-exp: deterministic.
+// and the gradient subtracts eps / K at every candidate (K counts the columns not left out,
+// as F.cross_entropy counts the classes: a -inf logit among them makes the loss +inf).  K and
+// the logits' sum are block sums in a fixed order, as the log-sum-exp: deterministic.
 template <typename T, typename A>
 __device__ __forceinline__ void row_softmax_body(
     const A* __restrict__ s1, i64 ld1, int n1,
@@ -63,16 +64,10 @@ __device__ __forceinline__ void row_softmax_body(
     A lsum = A(0);    // the candidates' logits' sum
     if (eps > A(0)) {
         A cnt = A(0);
-        for (int j = threadIdx.x; j < n1; j += blockDim.x) {
-            const A L = scale * row1[j];
-            if (!CPN_OUT(j) && L != -cpn_inf<A>()) { cnt += A(1); lsum += L; }
-        }
-        for (int j = threadIdx.x; j < n2; j += blockDim.x) {
-            const A L = scale * row2[j];
-            if (L != -cpn_inf<A>()) { cnt += A(1); lsum += L; }
-        }
-        __syncthreads();  // (sh held the log-sum-exp's partials)
-        cnt = block_sum(cnt, sh);
+        for (int j = threadIdx.x; j < n1; j += blockDim.x)
+            if (!CPN_OUT(j)) { cnt += A(1); lsum += scale * row1[j]; }
+        for (int j = threadIdx.x; j < n2; j += blockDim.x) { cnt += A(1); lsum += scale * row2[j]; }
+        cnt = block_sum(cnt, sh);  // (block_sum protects sh from block_lse's use first)
         lsum = block_sum(lsum, sh);
         smooth = eps / cnt;
     }
@@ -87,19 +82,15 @@ __device__ __forceinline__ void row_softmax_body(
     const A gm = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1)) * scale;
     T* grow1 = g1 + (i64)r * ldg1;
     for (int j = threadIdx.x; j < n1; j += blockDim.x) {
-        const A L = scale * row1[j];
         const bool out = CPN_OUT(j);
-        A p = out ? A(0) : cpn_exp(L - lse);
+        A p = out ? A(0) : cpn_exp(scale * row1[j] - lse) - smooth;
         if (j == pos) p -= A(1) - eps;
-        if (!out && L != -cpn_inf<A>()) p -= smooth;
         grow1[j] = Conv<T>::store(gm * p);
     }
     if (g2) {
         A* grow2 = g2 + (i64)r * ldg2;
-        for (int j = threadIdx.x; j < n2; j += blockDim.x) {
-            const A L = scale * row2[j];
-            grow2[j] = gm * (cpn_exp(L - lse) - (L != -cpn_inf<A>() ? smooth : A(0)));
-        }
+        for (int j = threadIdx.x; j < n2; j += blockDim.x)
+            grow2[j] = gm * (cpn_exp(scale * row2[j] - lse) - smooth);
     }
 #undef CPN_OUT
 }

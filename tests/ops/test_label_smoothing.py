@@ -34,9 +34,16 @@ def _rel(x, r):
     return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
 
 
+def _views(rng, b, d):
+    """Two views of b rows, close to each other: the positives dominate, so the smoothing
+    moves the loss by a large part of itself (a dropped difference fails every tolerance)."""
+    x = rng.standard_normal((b, d)) / np.sqrt(d)
+    return x, x + 0.1 * rng.standard_normal((b, d)) / np.sqrt(d)
+
+
 def _check(xp, dtype, n, d, reduction, normalize, eps, ws=None):
     dt = _dtype(dtype)
-    z = (np.random.default_rng(n + d).standard_normal((n, d)) / np.sqrt(d)).astype(dt)
+    z = np.concatenate(_views(np.random.default_rng(n + d), n // 2, d)).astype(dt)
     g = 0.7 if reduction != "none" else np.random.default_rng(1).uniform(0.2, 1.5, n)
     want, (wz,) = ref.nt_xent(z, 0.2, label_smoothing=eps, reduction=reduction,
                               normalize=normalize, grad_loss=g)
@@ -48,6 +55,8 @@ def _check(xp, dtype, n, d, reduction, normalize, eps, ws=None):
     dz = core.nt_xent_backward(ctx, gl)
     host = (lambda x: x) if xp is np else xp.asnumpy
     assert _rel(host(loss), want) <= TOL[dtype], "loss"
+    plain = ref.nt_xent(z, 0.2, reduction=reduction, normalize=normalize)[0]
+    assert _rel(want, plain) > 3 * TOL[dtype]  # (the smoothing's part is well measurable)
     assert dz.dtype == dt
     assert _rel(host(dz).astype(np.float64), wz) <= TOL[dtype], "dz"
     if reduction == "none":
@@ -167,7 +176,7 @@ def _check_clip(xp, dtype, n, d, reduction, normalize, eps, learnable):
 
     dt = _dtype(dtype)
     rng = np.random.default_rng(n + 3 * d)
-    a, b = ((rng.standard_normal((n, d)) / np.sqrt(d)).astype(dt) for _ in range(2))
+    a, b = (x.astype(dt) for x in _views(rng, n, d))
     ls0 = 2.3
     g = 0.7 if reduction != "none" else rng.uniform(0.2, 1.5, n)
     want, (wa, wb, ws) = ref.clip_loss(a, b, ls0, label_smoothing=eps, reduction=reduction,
