@@ -45,7 +45,8 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
         ``F.cross_entropy``'s label smoothing over each query's candidates (those left after
         ``labels``).  With ``labels`` or a smoothing the CUDA call takes the row blocks and no
         CUDA-graph replay (``cupynce.info_nce``).  With ``group``, each rank passes its rows'
-        labels (every rank, or none).
+        labels (every rank, or none).  With ``reduction="none"`` the backward reads the
+        labels again (as it reads the inputs): do not change them in place before it.
     reduction, normalize, workspace_bytes, precision : as for :func:`nt_xent` (``normalize``
         applies to query, key and negatives alike; ``precision=None`` follows torch's TF32
         setting, then ``cupynce.get_float32_precision()``).
