@@ -77,7 +77,14 @@ class MultipleNegativesRankingLoss(nn.Module):
 
     Keyword-only extras: ``workspace_bytes``, ``group`` (the default group unless given),
     ``precision`` (float32 products on CUDA, as :func:`cupynce.torch.info_nce`'s: None follows
-    torch's TF32 setting, then ``cupynce.get_float32_precision()``).
+    torch's TF32 setting, then ``cupynce.get_float32_precision()``), and ``mask_duplicates``
+    (default False): a positive whose text is anchor i's own positive text (the same token
+    ids, compared exactly on the device: ``torch.unique(input_ids, dim=0)``) is no negative
+    of anchor i (and, in the doc-to-query direction, an anchor whose text is positive i's own
+    anchor text is no negative of it) -- the duplicates the library's ``no_duplicates`` batch
+    sampler avoids by skipping samples. Hard negatives stay negatives. Through
+    :func:`cupynce.torch.info_nce`'s ``labels=`` (its row blocks on CUDA); not yet with
+    ``gather_across_devices``.
     The loss is float32 for 16-bit embeddings (the op's accumulation dtype).
     """
 
@@ -86,9 +93,13 @@ class MultipleNegativesRankingLoss(nn.Module):
                  directions: Sequence[str] = ("query_to_doc",), partition_mode: str = "joint",
                  hardness_mode: Optional[str] = None, hardness_strength: float = 0.0, *,
                  workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
-                 precision: Optional[str] = None):
+                 precision: Optional[str] = None, mask_duplicates: bool = False):
         super().__init__()
         op = type(self).__name__
+        self.mask_duplicates = _checks.check_bool(op, "mask_duplicates", mask_duplicates)
+        if mask_duplicates and gather_across_devices:
+            raise NotImplementedError(f"{op}: mask_duplicates=True with gather_across_devices="
+                                      "True is not supported yet (duplicates across ranks)")
         _checks.check_no_grad(op, "scale", scale)  # (kept as a float: a gradient would be lost)
         try:  # (a real, a NumPy scalar or a one-element tensor, as the library takes)
             value = float(scale)
@@ -139,7 +150,26 @@ class MultipleNegativesRankingLoss(nn.Module):
         if self.model is None:
             raise ValueError(f"{type(self).__name__}: forward() embeds with the model; this "
                              "loss has none (pass model=, or call compute_loss_from_embeddings)")
-        return self.compute_loss_from_embeddings(_embed(self.model, sentence_features), labels)
+        features = list(sentence_features)
+        duplicates = self._duplicates(features)  # (checked before the model runs)
+        return self.compute_loss_from_embeddings(_embed(self.model, features), labels,
+                                                 duplicates=duplicates)
+
+    def _duplicates(self, features: Sequence[Dict[str, Any]]):
+        """With ``mask_duplicates``: (the positives' text ids, the anchors' text ids) -- equal
+        token-id rows share an id (``torch.unique(dim=0)``: exact, on the device); else
+        None."""
+        if not self.mask_duplicates:
+            return None
+        op = type(self).__name__
+        ids = []
+        for i in (1, 0):
+            f = features[i] if i < len(features) else None
+            if not isinstance(f, dict) or not isinstance(f.get("input_ids"), Tensor):
+                raise ValueError(f"{op}: mask_duplicates=True compares the texts' token ids; "
+                                 f"sentence_features[{i}] has no input_ids tensor")
+            ids.append(torch.unique(f["input_ids"], dim=0, return_inverse=True)[1])
+        return tuple(ids)
 
     def _columns(self, embeddings: Sequence[Tensor]):
         if len(embeddings) < 2:
@@ -150,12 +180,19 @@ class MultipleNegativesRankingLoss(nn.Module):
                   precision=self.precision)
         return embeddings[0], embeddings[1], negs, group, size, kw
 
-    def compute_loss_from_embeddings(self, embeddings: Sequence[Tensor], labels: Any = None
+    def compute_loss_from_embeddings(self, embeddings: Sequence[Tensor], labels: Any = None,
+                                     *, duplicates: Optional[Tuple[Tensor, Tensor]] = None
                                      ) -> Tensor:
+        """The loss of the columns' embeddings (anchors, positives, hard negatives...);
+        ``duplicates``: :meth:`_duplicates`' text ids (the positives', the anchors')."""
         q, p, negs, group, size, kw = self._columns(embeddings)
         red = dict(reduction="none", group=group) if size > 1 else {}
         t = 1.0 / self.scale
-        if len(self.directions) == 1:
+        if duplicates is not None:  # (each direction's keys: the other column's text ids)
+            loss = C.info_nce(q, p, t, negatives=negs, labels=duplicates[0], **red, **kw)
+            if len(self.directions) == 2:
+                loss = (loss + C.info_nce(p, q, t, labels=duplicates[1], **red, **kw)) / 2
+        elif len(self.directions) == 1:
             loss = C.info_nce(q, p, t, negatives=negs, **red, **kw)
         elif negs is None:  # both directions, one softmax each: CLIP at a fixed scale
             loss = C.clip_loss(q, p, math.log(self.scale), **red, **kw)
@@ -171,6 +208,7 @@ class MultipleNegativesRankingLoss(nn.Module):
                 "directions": self.directions, "partition_mode": self.partition_mode,
                 "hardness_mode": self.hardness_mode,
                 "hardness_strength": self.hardness_strength, "backend": "cupynce",
+                **({"mask_duplicates": True} if self.mask_duplicates else {}),
                 **({} if self.precision is None else {"precision": self.precision})}
 
     @property
@@ -196,11 +234,11 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
     def __init__(self, model: Optional[nn.Module] = None, scale: float = 20.0,
                  similarity_fct: Optional[Callable] = None, gather_across_devices: bool = False,
                  *, workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
-                 precision: Optional[str] = None):
+                 precision: Optional[str] = None, mask_duplicates: bool = False):
         super().__init__(model, scale, similarity_fct, gather_across_devices,
                          directions=("query_to_doc", "doc_to_query"),
                          partition_mode="per_direction", workspace_bytes=workspace_bytes,
-                         group=group, precision=precision)
+                         group=group, precision=precision, mask_duplicates=mask_duplicates)
 
 
 def _token_ranges(op: str, features: Dict[str, Any], budget: int) -> List[Tuple[int, int]]:
@@ -254,10 +292,12 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
                  directions: Sequence[str] = ("query_to_doc",), partition_mode: str = "joint",
                  show_progress_bar: bool = False, hardness_mode: Optional[str] = None,
                  hardness_strength: float = 0.0, *, workspace_bytes: Optional[int] = None,
-                 group: Optional[Any] = None, precision: Optional[str] = None):
+                 group: Optional[Any] = None, precision: Optional[str] = None,
+                 mask_duplicates: bool = False):
         super().__init__(model, scale, similarity_fct, gather_across_devices, directions,
                          partition_mode, hardness_mode, hardness_strength,
-                         workspace_bytes=workspace_bytes, group=group, precision=precision)
+                         workspace_bytes=workspace_bytes, group=group, precision=precision,
+                         mask_duplicates=mask_duplicates)
         op = type(self).__name__
         if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or \
                 mini_batch_size < 1:
@@ -293,8 +333,10 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         group = dist_group(self.group)[0] if self.gather_across_devices else None
         inner = getattr(model, "_orig_mod", model)  # (a torch.compile'd DDP model)
         ddp = [inner] if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else []
+        duplicates = self._duplicates(features)
         cache = GradientCache(lambda f: model(f)["sentence_embedding"],
-                              lambda *embs: self.compute_loss_from_embeddings(embs, labels),
+                              lambda *embs: self.compute_loss_from_embeddings(
+                                  embs, labels, duplicates=duplicates),
                               self.mini_batch_size, group=group, ddp=ddp,
                               progress=self.show_progress_bar)
         ranges = None if self.mini_batch_num_tokens is None else \
@@ -306,6 +348,9 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         """The library's cached-loss protocol: the loss over the per-mini-batch embeddings
         ``reps`` (one list per column); ``with_backward``: their gradients into ``.grad``,
         the loss returned detached. (``forward`` does not go through it.)"""
+        if self.mask_duplicates:
+            raise NotImplementedError(f"{type(self).__name__}.calculate_loss: mask_duplicates="
+                                      "True needs the texts, which the cached embeddings lack")
         loss = self.compute_loss_from_embeddings([torch.cat(list(r)) for r in reps], labels)
         if with_backward:
             loss.backward()
@@ -329,11 +374,11 @@ class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRanking
                  mini_batch_num_tokens: Optional[int] = None,
                  gather_across_devices: bool = False, show_progress_bar: bool = False, *,
                  workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
-                 precision: Optional[str] = None):
+                 precision: Optional[str] = None, mask_duplicates: bool = False):
         super().__init__(model, scale, similarity_fct, mini_batch_size, mini_batch_num_tokens,
                          gather_across_devices, ("query_to_doc", "doc_to_query"),
                          "per_direction", show_progress_bar, workspace_bytes=workspace_bytes,
-                         group=group, precision=precision)
+                         group=group, precision=precision, mask_duplicates=mask_duplicates)
 
 
 class _DecoderInput(nn.Module):
