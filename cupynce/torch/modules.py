@@ -90,6 +90,7 @@ class InfoNCELoss(nn.Module):
     use_cublas : bool, default False — no effect (see above)
     reduction : "mean" (default) | "sum" | "none" (keyword-only)
     normalize : bool, default False (keyword-only)
+    label_smoothing : float in [0, 1), default 0 (keyword-only) — as :func:`nt_xent`'s
     group : torch.distributed process group, optional (keyword-only) — the loss of the group's
         global batch (see :func:`nt_xent`)
     precision : "auto" | "fp32" | "tf32" | "3xtf32", optional (keyword-only) — float32 products on
@@ -98,7 +99,8 @@ class InfoNCELoss(nn.Module):
     """
 
     def __init__(self, temperature: float = 0.5, use_cublas: bool = False, *,
-                 reduction: str = "mean", normalize: bool = False, group: Any = None,
+                 reduction: str = "mean", normalize: bool = False,
+                 label_smoothing: float = 0.0, group: Any = None,
                  precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
@@ -106,6 +108,7 @@ class InfoNCELoss(nn.Module):
         self.use_cublas = R.check_bool(name, "use_cublas", use_cublas)
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
+        self.label_smoothing = _checks.check_smoothing(name, label_smoothing)
         self.group = group  # a torch.distributed group: the global batch's loss (nt_xent)
         self.precision = R.module_precision(name, precision)
 
@@ -119,12 +122,14 @@ class InfoNCELoss(nn.Module):
                 f"(torch.cat([view1, view2])), rows i and (i + B) mod 2B a positive pair; got "
                 f"{1 + len(others)} tensors. For query/key pairs use cupynce.torch.InfoNCE "
                 f"(or cupynce.torch.info_nce(query, key)), or stack the two views")
-        return nt_xent(features, self.temperature, reduction=self.reduction,
-                       normalize=self.normalize, group=self.group, precision=self.precision)
+        return nt_xent(features, self.temperature, label_smoothing=self.label_smoothing,
+                       reduction=self.reduction, normalize=self.normalize, group=self.group,
+                       precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, use_cublas={self.use_cublas}, "
                 f"reduction={self.reduction!r}, normalize={self.normalize}"
+                + (f", label_smoothing={self.label_smoothing}" if self.label_smoothing else "")
                 + _precision_repr(self.precision))
 
 
@@ -216,12 +221,14 @@ class ClipLoss(nn.Module):
     reduction : "mean" (default) | "sum" | "none" (keyword-only)
     normalize : bool, default True (keyword-only) — L2-normalise a and b first, as the
         tutorial's SymmetricInfoNCE; pass False for embeddings the model already normalised.
+    label_smoothing : float in [0, 1), default 0 (keyword-only) — each direction's, as
+        :func:`clip_loss`'s
     group, precision : keyword-only, as for :func:`clip_loss`.
     """
 
     def __init__(self, init_temperature: float = 0.07, learnable: bool = True,
                  max_logit_scale: float = 100.0, *, reduction: str = "mean",
-                 normalize: bool = True, group: Any = None,
+                 normalize: bool = True, label_smoothing: float = 0.0, group: Any = None,
                  precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
@@ -234,6 +241,7 @@ class ClipLoss(nn.Module):
                              f"[{1.0 / max_scale:.6g}, 1] (the clamped range), "
                              f"got {init_temperature!r}")
         self.max_logit_scale = max_scale
+        self.label_smoothing = _checks.check_smoothing(name, label_smoothing)
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
         self.group = group  # a torch.distributed group: the global batch's loss (clip_loss)
@@ -263,12 +271,14 @@ class ClipLoss(nn.Module):
         return self
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
-        return clip_loss(a, b, self.clamped_logit_scale(), reduction=self.reduction,
-                         normalize=self.normalize, group=self.group, precision=self.precision)
+        return clip_loss(a, b, self.clamped_logit_scale(), label_smoothing=self.label_smoothing,
+                         reduction=self.reduction, normalize=self.normalize, group=self.group,
+                         precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"learnable={self.learnable}, max_logit_scale={self.max_logit_scale}, "
                 f"reduction={self.reduction!r}, normalize={self.normalize}"
+                + (f", label_smoothing={self.label_smoothing}" if self.label_smoothing else "")
                 + _precision_repr(self.precision))
 
 

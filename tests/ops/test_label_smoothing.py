@@ -236,3 +236,22 @@ def test_clip_torch_cpu_matches_the_oracle(path):
     assert _rel(out.detach().numpy(), want) <= 1e-12
     for got, w in zip(grads, wgrads):
         assert _rel(got.numpy(), w) <= 1e-12
+
+
+def test_modules_take_the_smoothing():
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    a, b = (torch.randn(6, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    for cls in (ct.InfoNCELoss, ct.NTXentLoss):
+        mod = cls(0.3, label_smoothing=0.2)
+        assert "label_smoothing=0.2" in repr(mod)
+        assert torch.equal(mod(z), ct.nt_xent(z, 0.3, label_smoothing=0.2))
+    clip = ct.ClipLoss(0.1, label_smoothing=0.2)
+    assert "label_smoothing=0.2" in repr(clip)
+    assert torch.equal(clip(a, b), ct.clip_loss(a, b, clip.clamped_logit_scale(),
+                                                label_smoothing=0.2, normalize=True))
+    with pytest.raises(ValueError, match=r"ClipLoss: label_smoothing must be in \[0, 1\)"):
+        ct.ClipLoss(label_smoothing=1.0)
