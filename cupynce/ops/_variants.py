@@ -49,19 +49,22 @@ def _rows(xp, w, b: int):
     return w[:, None], xp.concatenate([w[b:], w[:b]])[:, None]
 
 
-def nt_xent_smoothing(xp, zn, scale: float, eps: float, w: Optional[Any] = None
-                      ) -> Tuple[Any, Optional[Any]]:
-    """``(Δloss (N,), Δ∂/∂ẑ (N, D) or None)`` of NT-Xent's label smoothing ε (module notes)
-    for the rows ``zn`` (ẑ, as the products use them) and ``scale`` = 1/τ; ``w``: the row
-    weights of the gradient (:func:`row_weights`), None for the loss alone."""
+def nt_xent_smoothing(xp, zn, scale: float, eps: float, w: Optional[Any] = None, *,
+                      want_loss: bool = True) -> Tuple[Optional[Any], Optional[Any]]:
+    """``(Δloss (N,) or None, Δ∂/∂ẑ (N, D) or None)`` of NT-Xent's label smoothing ε (module
+    notes) for the rows ``zn`` (ẑ, as the products use them) and ``scale`` = 1/τ; ``w``: the
+    row weights of the gradient (:func:`row_weights`), None for the loss alone;
+    ``want_loss=False``: the gradient alone (a backward)."""
     a = acc_dtype(zn.dtype)
     n = zn.shape[0]
     b, k = n // 2, n - 1
     z = zn.astype(a, copy=False)
     zp = xp.concatenate([z[b:], z[:b]])  # ẑ_{p(i)}
     s = z.sum(axis=0)
-    other = z @ s - (z * z).sum(axis=1)  # ẑ_i · Σ_{j≠i} ẑ_j
-    dloss = (eps * scale) * ((z * zp).sum(axis=1) - other / k)
+    dloss = None
+    if want_loss:
+        other = z @ s - (z * z).sum(axis=1)  # ẑ_i · Σ_{j≠i} ẑ_j
+        dloss = (eps * scale) * ((z * zp).sum(axis=1) - other / k)
     if w is None:
         return dloss, None
     wi, wp = _rows(xp, w, b)
@@ -70,17 +73,19 @@ def nt_xent_smoothing(xp, zn, scale: float, eps: float, w: Optional[Any] = None
     return dloss, dacc
 
 
-def clip_smoothing(xp, an, bn, ls, eps: float, w: Optional[Any] = None):
-    """``(Δloss (N,), (Δ∂/∂â, Δ∂/∂b̂, Δ∂/∂logit_scale) or None)`` of CLIP's label smoothing ε
-    (module notes) for ``an``, ``bn`` (â, b̂ as the products use them) and ``ls`` (the (1,)
-    log scale array, or a real); ``w`` as :func:`nt_xent_smoothing`'s."""
+def clip_smoothing(xp, an, bn, ls, eps: float, w: Optional[Any] = None, *,
+                   want_loss: bool = True):
+    """``(Δloss (N,) or None, (Δ∂/∂â, Δ∂/∂b̂, Δ∂/∂logit_scale) or None)`` of CLIP's label
+    smoothing ε (module notes) for ``an``, ``bn`` (â, b̂ as the products use them) and ``ls``
+    (the (1,) log scale array, or a real); ``w`` and ``want_loss`` as
+    :func:`nt_xent_smoothing`'s."""
     a = acc_dtype(an.dtype)
     n = an.shape[0]
     x, y = an.astype(a, copy=False), bn.astype(a, copy=False)
     sigma = xp.exp(xp.asarray(ls, dtype=a).reshape(()))
     sa, sb = x.sum(axis=0), y.sum(axis=0)
     diag = (x * y).sum(axis=1)
-    dloss = sigma * (eps * diag - (eps / (2 * n)) * (x @ sb + y @ sa))
+    dloss = sigma * (eps * diag - (eps / (2 * n)) * (x @ sb + y @ sa)) if want_loss else None
     if w is None:
         return dloss, None
     scalar = getattr(w, "ndim", 0) == 0

@@ -264,7 +264,8 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
         dscale = reduce(xp, dsp, "sum")
         if s.get("eps"):
             _, (dda, ddb, dds) = _variants.clip_smoothing(xp, an, bn, s["ls"], s["eps"],
-                                                          _variants.row_weights(w))
+                                                          _variants.row_weights(w),
+                                                          want_loss=False)
             da_acc += dda
             db_acc += ddb
             dscale = dscale + dds

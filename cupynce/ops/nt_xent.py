@@ -193,7 +193,7 @@ def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
         workspace_bytes=s["ws"], op="nt_xent", self_pair=True)
     if s.get("eps"):
         dz += _variants.nt_xent_smoothing(xp, s["zn"], 1.0 / s["t"], s["eps"],
-                                          _variants.row_weights(w))[1]
+                                          _variants.row_weights(w), want_loss=False)[1]
     return path.finish(s["z"], s["norm"], dz, None)
 
 
