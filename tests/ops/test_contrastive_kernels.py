@@ -1007,7 +1007,6 @@ def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc)
     exp(L - max) -- against float64 to the accumulator's rounding, on a strided block with a
     -inf and a large logit (the large logit's block takes the kernel's per-column
     exponentials, the others its shared ones)."""
-    from cupynce._engine.arrays import FILE
     from cupynce._engine.kernels import launch
     from cupynce._engine.losses import stats
 
@@ -1030,10 +1029,11 @@ def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc)
     got = stats.row_col_stats(s, a, row0, shift, mod, ls, a.type(1.0), lse.data.ptr - off,
                               loss.data.ptr - off, pm, ps)
     assert got == chunks
-    launch(FILE, "row_softmax", a, (rows,), (
+    launch(stats.FILE, "row_softmax", a, (rows,), (
         s, np.int64(nc + 3), np.int32(nc), 0, np.int64(0), np.int32(0), np.int32(row0),
         np.int32(0), np.int32(shift), np.int32(mod), ls, a.type(1.0), 0, lse2.data.ptr - off,
-        loss2.data.ptr - off, 0, np.int64(0), 0, np.int64(0), 0, np.int64(0), a.type(0)))
+        loss2.data.ptr - off, 0, np.int64(0), 0, np.int64(0), 0, np.int64(0), a.type(0),
+        0, 0, np.int32(0), a.type(0)))  # (no labels, no smoothing)
     # (the same terms merged in another order: a few roundings apart)
     close = 4 * float(np.finfo(a).eps)
     big = close * (1.0 + float(np.nanmax(np.abs(cp.asnumpy(lse2)))))
