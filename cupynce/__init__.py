@@ -5,6 +5,7 @@ path; ``cupynce.torch`` wraps them for PyTorch):
 
 * :func:`nt_xent` — SimCLR's NT-Xent, z (2B, D), positive i <-> (i + B) mod 2B
 * :func:`info_nce` — query/key InfoNCE with in-batch and optional explicit negatives
+* :func:`supcon_loss` — supervised contrastive (SupCon's L_out), z (N, D) with labels (N,)
 * :func:`clip_loss` — CLIP's symmetric loss with a learnable ``logit_scale``
 * :func:`splade_pool` — SPLADE's max-pooled vocabulary head (+ :func:`flops_regularizer`)
 
@@ -55,6 +56,12 @@ from .ops.siglip import (
     siglip_loss_backward_from_inputs,
     siglip_loss_forward,
 )
+from .ops.supcon import (
+    supcon_backward,
+    supcon_backward_from_stats,
+    supcon_forward,
+    supcon_loss,
+)
 from .ops.splade import (
     flops_regularizer,
     flops_regularizer_backward,
@@ -69,6 +76,7 @@ __all__ = [
     "set_float32_precision", "get_float32_precision",
     "nt_xent", "nt_xent_forward", "nt_xent_backward", "nt_xent_backward_from_stats",
     "info_nce", "info_nce_forward", "info_nce_backward", "info_nce_backward_from_stats",
+    "supcon_loss", "supcon_forward", "supcon_backward", "supcon_backward_from_stats",
     "clip_loss", "clip_loss_forward", "clip_loss_backward", "clip_loss_backward_from_stats",
     "siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
     "siglip_loss_backward_from_inputs",

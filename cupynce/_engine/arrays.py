@@ -4,7 +4,7 @@
 * :func:`normalize` / :func:`finish` — the L2 row normalisation and the input-dtype gradient
   through it (``l2norm_fwd`` / ``l2norm_bwd`` / ``scale_cast``);
 * :func:`fixed_sum` — a fixed-order single-block sum (the reduced loss, the same bits on every
-  run);
+  run); :func:`class_sums` — per-label sums of rows, in a fixed order (SupCon's terms);
 * :func:`scalar` / :func:`grad_scale` — scalars as (1,) device arrays, never read back;
   :func:`guard_log_scale` — a device log scale past the limit made NaN, on the device.
 
@@ -109,6 +109,27 @@ def fixed_sums(x, divisor: int):
     kernels.launch(FILE, "sum_rows", x.dtype, (rows,),
                    (x, np.int64(n), x.dtype.type(divisor), out))
     return out
+
+
+def class_sums(x, groups, w=None):
+    """Each row's class sum: ``out[i] = Σ_{j: labels_j = labels_i} w_j x_j`` (N, D) in the
+    accumulator dtype, in a fixed order (``seg_partial`` / ``seg_heads``: the same bits on
+    every run, no atomics).  ``x`` (N, D) row-major, any float dtype; ``w`` None or an (N,)
+    accumulator-dtype array; ``groups``: ``ops._variants.label_groups``'s (order, sorted
+    labels, each sorted position's class end, each row's class start, ...)."""
+    import cupy as cp
+
+    order, sl, end, start = groups[:4]
+    a = acc_dtype(x.dtype)
+    n, d = x.shape
+    part = cp.empty((n, d), a)
+    chunks = -(-n // 32)  # CPN_SEG_CHUNK
+    kernels.launch(FILE, "seg_partial", x.dtype, (-(-d // BLOCK), min(chunks, 65535)),
+                   (x, np.int64(leading_dim(x)), np.int32(d), order, sl,
+                    0 if w is None else cp.ascontiguousarray(w, dtype=a), np.int64(n), part))
+    kernels.launch(FILE, "seg_heads", a, (min(-(-n * d // BLOCK), 65535 * 16),),
+                   (sl, end, np.int64(n), np.int32(d), part))
+    return part[start]
 
 
 def normalize(x):

@@ -6,12 +6,13 @@
 * :mod:`cupynce.integrations.sentence_transformers` — ``MultipleNegativesRankingLoss``,
   ``MultipleNegativesSymmetricRankingLoss`` and their ``Cached`` forms (gradient caching),
   ``SpladePooling`` (``SentenceTransformerTrainer`` / ``SparseEncoder`` modules);
-* :mod:`cupynce.integrations.lightly` — ``NTXentLoss``.
+* :mod:`cupynce.integrations.lightly` — ``NTXentLoss``;
+* :mod:`cupynce.integrations.pytorch_metric_learning` — ``SupConLoss``.
 
 Each module needs torch; none imports its library at import time (sentence-transformers is
 imported inside the loss's forward, to embed the batch's columns as the library does; the
-open_clip and lightly adapters never need theirs).  The values and gradients are the
-library's, on cupynce's kernels: no N × N logits in memory, the exact global losses of
+open_clip, lightly and pytorch-metric-learning adapters never need theirs).  The values and
+gradients are the library's, on cupynce's kernels: no N × N logits in memory, the exact global losses of
 :mod:`cupynce.torch.distributed` across ranks.  Where a library option has no cupynce
 equivalent yet, the constructor raises ``NotImplementedError`` naming it.
 
@@ -32,7 +33,7 @@ from .. import _checks
 # (every adapter needs torch: without it, say which extra installs it)
 _checks.require_module("torch", "cupynce.integrations")
 
-__all__ = ["open_clip", "sentence_transformers", "lightly"]
+__all__ = ["open_clip", "sentence_transformers", "lightly", "pytorch_metric_learning"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: ``cupynce.integrations.open_clip`` imports torch

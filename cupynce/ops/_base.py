@@ -114,6 +114,7 @@ class Path:
         self.normalize = arrays.normalize if self.gpu else _numpy.normalize
         self.finish = arrays.finish if self.gpu else _numpy.finish
         self.grad_scale = arrays.grad_scale if self.gpu else _numpy.grad_scale
+        self.class_sums = arrays.class_sums if self.gpu else _numpy.class_sums
         self.owned_copy = (arrays.owned_copy if self.gpu
                            else lambda x, dtype: np.asarray(x).astype(dtype, copy=True))
 

@@ -250,3 +250,18 @@ def grad_scale(grad_loss, a):
     if isinstance(grad_loss, float):
         return None if grad_loss == 1.0 else np.asarray(grad_loss, a)
     return np.asarray(grad_loss, a).reshape(())
+
+
+def class_sums(x, groups, w=None):
+    """``arrays.class_sums`` on NumPy: each row's class sum ``Σ_{j: labels_j = labels_i}
+    w_j x_j`` (N, D) in the accumulator dtype, the rows of a class added in sorted order."""
+    order, sl = groups[:2]
+    start = groups[3]
+    a = acc_dtype(x.dtype)
+    xs = x[order].astype(a)
+    if w is not None:
+        xs *= np.asarray(w, dtype=a)[order][:, None]
+    head = np.ones(sl.shape[0], bool)
+    head[1:] = sl[1:] != sl[:-1]
+    sums = np.add.reduceat(xs, np.flatnonzero(head), axis=0)
+    return sums[(np.cumsum(head) - 1)[start]]

@@ -23,6 +23,19 @@ A_w = Σ w_i â_i, B_w = Σ w_j b̂_j::
     Δ∂/∂b̂_j        = σ (ΔGᵀ â)_j = σ (ε/2) (2 w_j â_j − (A_w + w_j A)/N)
     Δ∂/∂logit_scale = Σ_ij ΔG_ij L_ij = σ (ε Σ_i w_i â_i·b̂_i − (ε/2N) (A_w·B + B_w·A))
 
+SupCon (Khosla et al.'s L_out, ``ops/supcon.py``) on NT-Xent's row softmax, whose positive
+is p(i) = (i + h) mod N, h = N // 2 (q = p⁻¹: q(i) = (i − h) mod N).  With C_i = Σ_{y_j = y_i}
+ẑ_j (row i's class sum, ẑ_i included), c_i = |P(i)| = (class size − 1), u_i = w_i / c_i and
+W_i = Σ_{y_k = y_i} u_k ẑ_k::
+
+    loss_i        = [c_i > 0] (lse_i − (ẑ_i·C_i − ‖ẑ_i‖²) / (c_i τ))
+    ΔG_ij         = w_i ([j = p(i)] − [j ∈ P(i)] / c_i)      (G's positive undone, P(i)'s mean)
+    Δ(∂/∂ẑ_i)     = (ΔG ẑ + ΔGᵀ ẑ)_i / τ
+                  = (w_i ẑ_{p(i)} + w_{q(i)} ẑ_{q(i)} − u_i C_i − W_i + 2 u_i ẑ_i) / τ
+
+(w_i = 0 for an anchor without a positive).  The class sums run in a fixed order
+(``arrays.class_sums`` / ``_numpy.class_sums``).
+
 The sums run in the accumulator dtype over the rows in order (the array module's
 reductions); a device scale is never read on the host.
 """
@@ -97,3 +110,53 @@ def clip_smoothing(xp, an, bn, ls, eps: float, w: Optional[Any] = None, *,
     wd = (w * diag).sum() if not scalar else w * diag.sum()
     dscale = sigma * (eps * wd - (eps / (2 * n)) * (aw @ sb + bw @ sa))
     return dloss, (da, db, dscale)
+
+
+def label_groups(xp, labels) -> Tuple[Any, ...]:
+    """The rows grouped by label, for the class sums: ``(order, sorted labels, each sorted
+    position's class end, each row's class start, each row's class end)`` -- int64 arrays on
+    the labels' device (a stable sort and binary searches: no host read, no atomics)."""
+    import numpy as np
+
+    labels = xp.asarray(labels, dtype=np.int64)
+    order = (np.argsort(labels, kind="stable") if xp is np else xp.argsort(labels))
+    order = order.astype(np.int64, copy=False)
+    sl = labels[order]
+    end = xp.searchsorted(sl, sl, side="right").astype(np.int64, copy=False)
+    start = xp.searchsorted(sl, labels, side="left").astype(np.int64, copy=False)
+    stop = xp.searchsorted(sl, labels, side="right").astype(np.int64, copy=False)
+    return order, sl, end, start, stop
+
+
+def has_positive(groups):
+    """(N,) bool: the rows whose class has another row."""
+    return groups[4] - groups[3] > 1
+
+
+def supcon_terms(xp, path, zn, groups, scale: float, lse, w=None, *, acc=None):
+    """SupCon from NT-Xent's row softmax (module notes): the (N,) loss from the row
+    log-sum-exps ``lse`` (None: no loss), and with the (N,) row weights ``w`` the gradient's
+    difference added into ``acc`` (N, D) (the engine's accumulator for the same weights,
+    including 1/τ = ``scale``)."""
+    a = acc_dtype(zn.dtype)
+    n = zn.shape[0]
+    cnt = (groups[4] - groups[3] - 1).astype(a)
+    inv = 1 / xp.maximum(cnt, 1)
+    z = zn.astype(a, copy=False)
+    c = path.class_sums(zn, groups)
+    loss = None
+    if lse is not None:
+        t = (z * c).sum(axis=1) - (z * z).sum(axis=1)  # Σ_{p∈P(i)} ẑ_i·ẑ_p
+        loss = xp.where(cnt > 0, lse - (scale * inv) * t, 0).astype(a, copy=False)
+    if w is None or acc is None:
+        return loss
+    h = n // 2
+    u = (w * inv)[:, None]
+    c *= -u                                          # − u_i C_i
+    c -= path.class_sums(zn, groups, u[:, 0])        # − W_i
+    c += (2 * u) * z
+    c += w[:, None] * xp.roll(z, -h, axis=0)         # w_i ẑ_{p(i)}
+    c += xp.roll(w[:, None] * z, h, axis=0)          # w_{q(i)} ẑ_{q(i)}
+    c *= scale
+    acc += c
+    return loss

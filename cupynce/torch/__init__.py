@@ -11,6 +11,8 @@ autograd through every tensor input):
 
 * :func:`nt_xent` — SimCLR's NT-Xent, z (2B, D)
 * :func:`info_nce` — query/key InfoNCE, shared (M, D) or per-query (N, M, D) negatives
+* :func:`supcon_loss` — supervised contrastive (SupCon's L_out), z (N, D), labels (N,);
+  :class:`SupConLoss`
 * :func:`clip_loss` — CLIP's symmetric loss; ``logit_scale`` a real or a tensor (learnable)
 * :func:`siglip_loss` — SigLIP's sigmoid loss; ``logit_scale`` and ``logit_bias`` reals or
   tensors (learnable); :class:`SigLipLoss` owns both
@@ -105,16 +107,19 @@ _checks.require_module("torch", "cupynce.torch")  # (without torch: say which ex
 from ._registry import HAS_CUSTOM_OPS, MIN_TORCH_CUSTOM_OPS  # noqa: E402
 from .grad_cache import GradientCache  # noqa: E402
 from .modules import (ClipLoss, InfoNCE, InfoNCEFunction, InfoNCELoss,  # noqa: E402
-                      NTXentLoss, SigLipLoss, SpladePooling, SymmetricInfoNCE)
+                      NTXentLoss, SigLipLoss, SpladePooling, SupConLoss,
+                      SymmetricInfoNCE)
 from .ops.clip import clip_loss  # noqa: E402
 from .ops.info_nce import info_nce  # noqa: E402
 from .ops.nt_xent import nt_xent  # noqa: E402
 from .ops.siglip import siglip_loss  # noqa: E402
 from .ops.splade import flops_regularizer, splade_pool  # noqa: E402
+from .ops.supcon import supcon_loss  # noqa: E402
 
 __all__ = [
-    "nt_xent", "info_nce", "clip_loss", "siglip_loss", "splade_pool", "flops_regularizer",
-    "InfoNCELoss", "NTXentLoss", "InfoNCEFunction", "InfoNCE", "ClipLoss", "SymmetricInfoNCE",
-    "SigLipLoss", "GradientCache",
+    "nt_xent", "info_nce", "supcon_loss", "clip_loss", "siglip_loss", "splade_pool",
+    "flops_regularizer",
+    "InfoNCELoss", "NTXentLoss", "InfoNCEFunction", "InfoNCE", "SupConLoss", "ClipLoss",
+    "SymmetricInfoNCE", "SigLipLoss", "GradientCache",
     "SpladePooling", "HAS_CUSTOM_OPS", "MIN_TORCH_CUSTOM_OPS",
 ]

@@ -156,7 +156,9 @@ class Loss(Op):
     ----------
     name, function, module : the custom ops' prefix (``cupynce::<name>_fwd`` / ``_bwd``), the
         direct Function's class name, the op module's ``__name__``.
-    core : the core op module (``cupynce.ops.<op>``).
+    core : the core op module (``cupynce.ops.<op>``); a ``reduce_rows(ctx, rows,
+        reduction)`` there reduces its per-row ("none") forward where the mean is not over
+        every row (SupCon's anchors with a positive).
     inputs : the :class:`Rows` and :class:`Scalar` inputs, in order.
     params : the names of the real parameters that follow them (``("temperature",)``).
     stats : the names of the core's row statistics (``ctx.stats``), the backward op's
@@ -308,7 +310,10 @@ class Loss(Op):
             else:
                 rows, ctx = self._core_forward(args, "none", normalize, workspace_bytes, True,
                                                precision)
-                out = [B.tensor_of(_base.reduce(ctx.xp, rows, reduction))]
+                # (a core whose mean is not over every row reduces its own: SupCon's)
+                reduce = getattr(self.core, "reduce_rows", None)
+                out = [B.tensor_of(reduce(ctx, rows, reduction) if reduce else
+                                   _base.reduce(ctx.xp, rows, reduction))]
                 for x in ctx.stats:
                     out.append(B.tensor_of(x))
             for _ in range(self.n_extra):
@@ -340,7 +345,7 @@ class Loss(Op):
                 return B.tensor_of(grads)
             # (custom ops return tensors: an absent optional input's gradient is empty, and
             # so is the labels' placeholder)
-            grads = iter(grads)
+            grads = iter(grads if isinstance(grads, tuple) else (grads,))  # (one array: z's)
             return tuple(x0.new_empty((0,)) if lab else
                          (lambda g: x0.new_empty((0,)) if g is None else B.tensor_of(g))(
                              next(grads)) for lab in self.is_labels)

@@ -25,6 +25,7 @@ from .ops.info_nce import info_nce
 from .ops.nt_xent import nt_xent
 from .ops.siglip import siglip_loss
 from .ops.splade import splade_pool
+from .ops.supcon import supcon_loss
 
 __all__ = ["InfoNCEFunction", "InfoNCELoss", "NTXentLoss", "InfoNCE", "ClipLoss",
            "SymmetricInfoNCE", "SpladePooling"]
@@ -194,6 +195,77 @@ class InfoNCE(nn.Module):
         return (f"temperature={self.temperature}, reduction={self.reduction!r}, "
                 f"negative_mode={self.negative_mode!r}, normalize={self.normalize}"
                 + (f", label_smoothing={self.label_smoothing}" if self.label_smoothing else "")
+                + _precision_repr(self.precision))
+
+
+class SupConLoss(nn.Module):
+    """Supervised contrastive loss (Khosla et al. 2020, ``L_out``) as a module.
+
+    ``forward(features, labels=None)``:
+
+    * features (N, D) and labels (N,): every view stacked, as pytorch-metric-learning's
+      ``SupConLoss()(embeddings, labels)``;
+    * features (B, V, D) and labels (B,) or None: the SupCon reference code's layout (V views
+      of B samples; its ``contrast_mode="all"``): the views are stacked view-major
+      (``torch.cat(features.unbind(1))``) and the labels repeated; labels None: each sample
+      its own class (SimCLR's loss over V views).
+
+    Returns :func:`supcon_loss`'s loss times ``temperature / base_temperature``.
+
+    Parameters
+    ----------
+    temperature : float > 0, default 0.1
+    base_temperature : float > 0, optional (keyword-only)
+        The reference code's loss scale (its default 0.07); None (default): the temperature
+        (a factor of 1, as pytorch-metric-learning's).
+    reduction : "mean" (default) | "sum" | "none" (keyword-only) — anchors without a
+        positive are left out of the mean (see :func:`supcon_loss`)
+    normalize : bool, default False (keyword-only) — L2-normalise the rows first
+    precision : as for :class:`NTXentLoss` (keyword-only)
+    """
+
+    def __init__(self, temperature: float = 0.1, *, base_temperature: Optional[float] = None,
+                 reduction: str = "mean", normalize: bool = False,
+                 precision: Optional[str] = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.temperature = _checks.check_temperature(name, temperature)
+        self.base_temperature = (self.temperature if base_temperature is None else
+                                 _checks.check_positive_finite(name, "base_temperature",
+                                                               base_temperature))
+        self.reduction = _checks.check_reduction(name, reduction)
+        self.normalize = R.check_bool(name, "normalize", normalize)
+        self.precision = R.module_precision(name, precision)
+
+    def forward(self, features: Tensor, labels: Optional[Tensor] = None) -> Tensor:
+        """features (N, D) with labels (N,), or (B, V, D) with labels (B,) / None → the loss
+        (0-d, or per stacked row for "none")."""
+        name = type(self).__name__
+        if not isinstance(features, Tensor) or features.ndim not in (2, 3):
+            raise ValueError(f"{name}: features must be a tensor (N, D) with labels (N,), or "
+                             f"(B, V, D) with labels (B,) or None; got "
+                             f"{getattr(features, 'shape', type(features).__name__)}")
+        if features.ndim == 3:
+            b, v = features.shape[:2]
+            if labels is None:
+                labels = torch.arange(b, device=features.device)
+            elif not isinstance(labels, Tensor) or labels.shape != (b,):
+                raise ValueError(f"{name}: with features (B, V, D) = {tuple(features.shape)}, "
+                                 f"labels must be a ({b},) tensor or None, got "
+                                 f"{getattr(labels, 'shape', type(labels).__name__)}")
+            features = torch.cat(features.unbind(1))
+            labels = labels.repeat(v)
+        loss = supcon_loss(features, labels, self.temperature, reduction=self.reduction,
+                           normalize=self.normalize, precision=self.precision)
+        if self.base_temperature != self.temperature:
+            loss = loss * (self.temperature / self.base_temperature)
+        return loss
+
+    def extra_repr(self) -> str:
+        return (f"temperature={self.temperature}"
+                + (f", base_temperature={self.base_temperature}"
+                   if self.base_temperature != self.temperature else "")
+                + f", reduction={self.reduction!r}, normalize={self.normalize}"
                 + _precision_repr(self.precision))
 
 

@@ -141,6 +141,61 @@ __device__ __forceinline__ void scale_cast_body(
         out[k] = Conv<T>::store(acc[k] * gs);
 }
 
+// ---- class sums (ops/_variants.py's SupCon terms; arrays.class_sums) -----------------
+// Rows grouped by label: order[k] is the row at sorted position k, sl[k] its label (sorted).
+// Two passes, each sum in a fixed order (the same bits on every run, no atomics):
+//   seg_partial: each run of equal labels inside a chunk of CPN_SEG_CHUNK sorted positions
+//     sums its rows (times w[row] when given) into part at the run's first position;
+//   seg_heads: at each label's first position k, the class total = that partial plus the
+//     partials at the chunk starts inside the class (before end[k]), in order, in place
+//     (those partials belong to this class alone: no other thread reads or writes them).
+// A class of c rows costs c adds per column in the first pass and c / CPN_SEG_CHUNK in the
+// second, so one large class is not one thread's serial loop.
+#define CPN_SEG_CHUNK 32
+
+template <typename T, typename A>
+__device__ __forceinline__ void seg_partial_body(
+    const T* __restrict__ x, i64 ldx, int d, const i64* __restrict__ order,
+    const i64* __restrict__ sl, const A* __restrict__ w, i64 n, A* __restrict__ part)
+{
+    const int col = blockIdx.x * CPN_BLOCK + threadIdx.x;
+    if (col >= d) return;
+    const i64 chunks = (n + CPN_SEG_CHUNK - 1) / CPN_SEG_CHUNK;
+    for (i64 c = blockIdx.y; c < chunks; c += gridDim.y) {
+        const i64 k0 = c * CPN_SEG_CHUNK;
+        const i64 k1 = min(n, k0 + (i64)CPN_SEG_CHUNK);
+        A s = A(0);
+        i64 first = k0;
+        for (i64 k = k0; k < k1; ++k) {
+            const i64 r = order[k];
+            const A v = Conv<T>::load(x[r * ldx + col]);
+            s += w ? w[r] * v : v;
+            if (k + 1 == k1 || sl[k + 1] != sl[k]) {
+                part[first * d + col] = s;
+                s = A(0);
+                first = k + 1;
+            }
+        }
+    }
+}
+
+template <typename A>
+__device__ __forceinline__ void seg_heads_body(
+    const i64* __restrict__ sl, const i64* __restrict__ end, i64 n, int d, A* part)
+{
+    const i64 total = n * d;
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
+        const i64 k = q / d;
+        if (k > 0 && sl[k] == sl[k - 1]) continue;  // not the class's first position
+        const i64 col = q - k * d;
+        const i64 e = end[k];
+        A s = part[k * d + col];
+        for (i64 c = (k / CPN_SEG_CHUNK + 1) * CPN_SEG_CHUNK; c < e; c += CPN_SEG_CHUNK)
+            s += part[c * d + col];
+        part[k * d + col] = s;
+    }
+}
+
 // ---- extern "C" wrappers, one per dtype --------------------------------------------
 #define CPN_DEFINE(SUF, T, A)                                                              \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_fwd_##SUF(              \
@@ -151,7 +206,11 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_bwd_##SUF(   
     l2norm_bwd_body<T, A>(x, ldx, d, eps, norm, dxn, g, dx); }                             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_scale_cast_##SUF(              \
     const A* acc, i64 n, const A* g, T* out) {                                             \
-    scale_cast_body<T, A>(acc, n, g, out); }
+    scale_cast_body<T, A>(acc, n, g, out); }                                               \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_seg_partial_##SUF(             \
+    const T* x, i64 ldx, int d, const i64* order, const i64* sl, const A* w, i64 n,        \
+    A* part) {                                                                             \
+    seg_partial_body<T, A>(x, ldx, d, order, sl, w, n, part); }
 
 #define CPN_DEFINE_ACC(SUF, A)                                                             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_sum_rows_##SUF(                \
@@ -159,7 +218,10 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_sum_rows_##SUF(     
     sum_rows_body<A>(x + (i64)blockIdx.x * n, n, divisor, out + blockIdx.x); }             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_guard_log_scale_##SUF(         \
     const A* x, i64 n, A limit, A* y) {                                                    \
-    guard_log_scale_body<A>(x, n, limit, y); }
+    guard_log_scale_body<A>(x, n, limit, y); }                                             \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_seg_heads_##SUF(               \
+    const i64* sl, const i64* end, i64 n, int d, A* part) {                                \
+    seg_heads_body<A>(sl, end, n, d, part); }
 
 CPN_DEFINE(f16, f16_t, float)
 CPN_DEFINE(bf16, bf16_t, float)

@@ -1,0 +1,198 @@
+"""Supervised contrastive loss (SupCon, Khosla et al. 2020's L_out) on CuPy and NumPy arrays.
+
+z (N, D) stacks every view of the batch, labels (N,) their classes: every other row of row
+i's class is a positive of i, every row but i a candidate of its softmax.  Entry points as
+for NT-Xent (:mod:`cupynce.ops.nt_xent`): :func:`supcon_loss`, :func:`supcon_forward`,
+:func:`supcon_backward`, :func:`supcon_backward_from_stats`.
+
+How it is computed: the softmax's log-sum-exps over j ≠ i are NT-Xent's (the same engine and
+paths, the score tiles included; the N × N matrix never exists unless it fits the
+workspace), and the positives' mean is O(N·D) from class sums of the rows
+(``cupynce.ops._variants.supcon_terms``): Σ_{p∈P(i)} S_ip = (ẑ_i · C_{y_i} − ‖ẑ_i‖²) / τ with
+C_y = Σ_{labels_j = y} ẑ_j, summed in a fixed order (the same bits on every run).  No
+N × N mask is built and the labels are read on the device only.  No CUDA-graph replay (the
+labels change the weights).
+
+Reference: Khosla et al., "Supervised Contrastive Learning", NeurIPS 2020 (L_out, eq. 2).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from .. import _checks, config
+from .._engine.kernels import acc_dtype
+from . import _variants
+from ._base import Context, Path, check_stats, contig_inputs, in_ctx_precision, prep, require
+
+__all__ = ["supcon_loss", "supcon_forward", "supcon_backward", "supcon_backward_from_stats"]
+
+
+def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision, group):
+    op = "supcon_loss"
+    xp = _checks.array_module(op, z=z)
+    _checks.check_matrix(op, "z", z, min_rows=2)
+    if labels is None:
+        raise TypeError(f"{op}: labels are required (an integer array of shape "
+                        f"({z.shape[0]},)), got None")
+    labels = _checks.check_labels(op, labels, z.shape[0], xp, z)
+    t = _checks.check_temperature(op, temperature)
+    p = _checks.check_flags(op, reduction, workspace_bytes, normalize, precision)
+    if group is not None:
+        raise ValueError(f"{op}: group= is not supported yet (the global batch's class sums); "
+                         f"got group={group!r}")
+    return xp, labels, t, p
+
+
+def _row_weights(xp, has, reduction: str, a, grad_loss=None):
+    """The gradient's row weights: 0 for an anchor without a positive; ``"mean"`` divides by
+    the number of anchors with one (a device count: never read on the host); ``grad_loss``
+    (the "none" backward): the upstream gradient per row."""
+    w = has.astype(a)
+    if reduction == "mean":
+        w /= xp.maximum(w.sum(), 1)
+    if grad_loss is not None:
+        w *= xp.asarray(grad_loss, dtype=a).reshape(-1)
+    return w
+
+
+def _reduce(xp, path, loss, has, reduction: str):
+    """The reduced loss: the anchors with a positive summed (their mean for "mean"; 0 when
+    none has one), a fixed-order sum on the GPU."""
+    if reduction == "none":
+        return loss
+    from ._base import reduce
+
+    total = reduce(xp, loss, "sum")
+    if reduction == "mean":
+        total = total / xp.maximum(has.sum(), 1).astype(total.dtype)
+    return xp.asarray(total)
+
+
+def reduce_rows(ctx: Context, rows, reduction: str):
+    """The reduced loss from a per-row ("none") forward's rows and context (``requires_grad``),
+    as the forward with ``reduction`` gives it (``cupynce.torch``'s per-row path)."""
+    return _reduce(ctx.xp, None, rows, ctx.saved["has"], reduction)
+
+
+def _engine_rows(path, zn, t, w, lse_in, want_grad, workspace_bytes):
+    """NT-Xent's row softmax over j ≠ i (its positive (i + N//2) mod N is undone by
+    ``_variants.supcon_terms``): ``(lse, dz accumulator or None)``."""
+    n = zn.shape[0]
+    lse, _, (dz, *_rest) = path.rows(
+        zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
+        lse_in=lse_in, weights=(w, 1, 1.0) if w is not None else (None, 0, 0.0),
+        want_grad=want_grad, workspace_bytes=workspace_bytes, op="supcon_loss",
+        self_pair=True)
+    return lse, dz
+
+
+def supcon_forward(z, labels, temperature: float = 0.1, *, reduction: str = "mean",
+                   normalize: bool = False, workspace_bytes: Optional[int] = None,
+                   requires_grad: bool = True, group=None,
+                   precision: Optional[str] = None) -> Tuple[Any, Context]:
+    """The supervised contrastive loss and a context for :func:`supcon_backward`.
+
+    Parameters
+    ----------
+    z : (N, D) array (numpy or cupy), float16 / bfloat16 / float32 / float64, N >= 2
+        Every view of the batch stacked (any order).
+    labels : integer (N,) array of the same kind (on z's device)
+        The rows' classes; rows with equal labels are positives of each other.  Never read
+        on the host.
+    temperature : float > 0, default 0.1
+    reduction : "mean" | "sum" | "none"
+        Anchors without a positive (their label nowhere else in the batch) are left out:
+        "mean" averages over the anchors that have one (0, with a zero gradient, when none
+        has), "sum" sums those, "none" gives the others 0.
+    normalize : bool
+        L2-normalise the rows first (as ``F.normalize``, eps 1e-12); gradients go through it.
+    workspace_bytes, requires_grad, precision
+        As :func:`cupynce.nt_xent_forward`'s.
+    group : not supported yet (raises ``ValueError``).
+
+    Returns
+    -------
+    loss : 0-d array (mean/sum) or (N,) array (none); float32, float64 for float64 input.
+    ctx : Context
+
+    Notes
+    -----
+    With S = ẑ ẑᵀ / τ and P(i) = {p ≠ i : labels_p = labels_i}::
+
+        loss_i = log Σ_{a≠i} exp(S_ia) − (1/|P(i)|) Σ_{p∈P(i)} S_ip
+        ∂loss/∂ẑ = (G + Gᵀ) ẑ / τ,   G_ij = w_i (softmax_{a≠i}(S_i)_j − [j∈P(i)] / |P(i)|)
+
+    Equal to pytorch-metric-learning's ``SupConLoss`` and to Khosla et al.'s reference
+    implementation's ``L_out`` (contrast_mode="all", base_temperature = temperature).
+    """
+    xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
+                              precision, group)
+    _checks.check_bool("supcon_loss", "requires_grad", requires_grad)
+    path = Path(xp)
+    n = z.shape[0]
+    z = contig_inputs(xp, z)[0]
+    a = acc_dtype(z.dtype)
+    fused = requires_grad and reduction != "none"
+    with config.float32_precision(p):
+        zn, norm = prep(path, z, normalize)
+        groups = _variants.label_groups(xp, labels)
+        has = _variants.has_positive(groups)
+        w = _row_weights(xp, has, reduction, a) if fused else None
+        lse, dz = _engine_rows(path, zn, t, w, None, fused, workspace_bytes)
+        loss = _variants.supcon_terms(xp, path, zn, groups, 1.0 / t, lse, w, acc=dz)
+    ctx = Context("supcon_loss", reduction, n, xp, stats=(lse,) if requires_grad else (),
+                  precision=p)
+    if fused:
+        ctx.saved = dict(z=z, norm=norm, dz=dz)
+    elif requires_grad:
+        ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes,
+                         groups=groups, has=has)
+    return _reduce(xp, path, loss, has, reduction), ctx
+
+
+@in_ctx_precision
+def supcon_backward(ctx: Context, grad_loss: Any = 1.0):
+    """Gradient of :func:`supcon_forward`'s loss w.r.t. ``z``, times ``grad_loss`` (a real or
+    0-d array for mean/sum, an (N,) array for none).  Returns dz (N, D) in z's dtype."""
+    require(ctx, "supcon_loss")
+    xp, s = ctx.xp, ctx.saved
+    path = Path(xp)
+    g = _checks.check_grad_loss("supcon_backward", grad_loss, ctx.reduction, ctx.n, xp)
+    a = acc_dtype(s["z"].dtype)
+    if "dz" in s:
+        return path.finish(s["z"], s["norm"], s["dz"], path.grad_scale(g, a))
+    w = _row_weights(xp, s["has"], ctx.reduction, a, g)
+    _, dz = _engine_rows(path, s["zn"], s["t"], w, s["lse"], True, s["ws"])
+    _variants.supcon_terms(xp, path, s["zn"], s["groups"], 1.0 / s["t"], None, w, acc=dz)
+    return path.finish(s["z"], s["norm"], dz, None)
+
+
+def supcon_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, labels,
+                               temperature: float = 0.1, reduction: str = "mean",
+                               normalize: bool = False,
+                               workspace_bytes: Optional[int] = None,
+                               precision: Optional[str] = None):
+    """``dz`` from the input, the forward's row log-sum-exps (``ctx.stats[0]``) and the labels
+    (by keyword, as the torch ops pass them) alone (the score blocks, the class sums and the normalisation
+    recomputed); the result of :func:`supcon_backward` on the forward's context given the
+    forward's ``precision``."""
+    xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
+                              precision, None)
+    check_stats("supcon_loss", xp, z.shape[0], z.dtype, lse=lse)
+    z = contig_inputs(xp, z)[0]
+    zn, norm = prep(Path(xp), z, normalize)
+    groups = _variants.label_groups(xp, labels)
+    ctx = Context("supcon_loss", reduction, z.shape[0], xp, stats=(lse,), precision=p,
+                  saved=dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes,
+                             groups=groups, has=_variants.has_positive(groups)))
+    return supcon_backward(ctx, grad_loss)
+
+
+def supcon_loss(z, labels, temperature: float = 0.1, *, reduction: str = "mean",
+                normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
+                precision: Optional[str] = None):
+    """The supervised contrastive loss of ``z`` (N, D) with ``labels`` (N,); see
+    :func:`supcon_forward`."""
+    return supcon_forward(z, labels, temperature, reduction=reduction, normalize=normalize,
+                          workspace_bytes=workspace_bytes, requires_grad=False, group=group,
+                          precision=precision)[0]

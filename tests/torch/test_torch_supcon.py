@@ -1,0 +1,150 @@
+"""``cupynce.torch.supcon_loss``, ``SupConLoss`` and pytorch-metric-learning's drop-in
+(issue 55) against the float64 oracle and the library's class: CPU tensors through the direct
+Function, the registered ops and ``torch.compile`` (float64, 1e-12); CUDA marked ``gpu``
+(float32 1e-5, bfloat16 3e-2, relative)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cupynce.torch as ct  # noqa: E402
+from cupynce import reference as ref  # noqa: E402
+
+
+def _rel(x, r):
+    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
+    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
+
+
+def _batch(n=20, d=6, seed=4):
+    rng = np.random.default_rng(seed)
+    lab = rng.integers(0, 6, n)
+    lab[0] = 100  # (an anchor without a positive)
+    return rng.standard_normal((n, d)), lab
+
+
+@pytest.mark.parametrize("path", ["direct", "registered", "compile"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cpu_matches_the_oracle(path, reduction):
+    from cupynce.torch import _registry
+
+    z0, lab = _batch()
+    z = torch.tensor(z0, requires_grad=True)
+    labels = torch.tensor(lab)
+    kw = dict(reduction=reduction, normalize=True)
+    if path == "compile":
+        torch._dynamo.reset()
+        out = torch.compile(lambda z, y: ct.supcon_loss(z, y, 0.2, **kw), backend="aot_eager",
+                            fullgraph=True)(z, labels)
+    elif path == "registered":
+        real = _registry.direct
+        _registry.direct = lambda *tensors: False
+        try:
+            out = ct.supcon_loss(z, labels, 0.2, **kw)
+        finally:
+            _registry.direct = real
+    else:
+        out = ct.supcon_loss(z, labels, 0.2, **kw)
+    gl = (torch.linspace(0.5, 1.5, 20, dtype=torch.float64) if reduction == "none" else
+          torch.tensor(0.7, dtype=torch.float64))
+    (dz,) = torch.autograd.grad(out, [z], gl)
+    want, (wz,) = ref.supcon_loss(z0, lab, 0.2, grad_loss=gl.numpy(), **kw)
+    assert _rel(out.detach().numpy(), want) <= 1e-12
+    assert _rel(dz.numpy(), wz) <= 1e-12
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_registered_mean_without_the_fused_gradient(grad):
+    """The registered forward's per-row path (no fused gradient: grad mode off, or compiled
+    with the gradient taken by the backward op) reduces over the anchors with a positive."""
+    from cupynce.torch.ops import supcon as op
+
+    z0, lab = _batch()
+    z, labels = torch.tensor(z0), torch.tensor(lab)
+    loss = op.fwd(z, labels, 0.2, "mean", False, None, None, False)[0]
+    want, _ = ref.supcon_loss(z0, lab, 0.2)
+    assert _rel(loss.numpy(), want) <= 1e-12
+
+
+def test_module_layouts_and_base_temperature():
+    """(N, D) with labels; (B, V, D) as the reference code (views stacked view-major, labels
+    repeated; None: each sample its class); ``base_temperature`` scales the loss."""
+    rng = np.random.default_rng(2)
+    f = rng.standard_normal((5, 3, 4))
+    lab = np.array([0, 1, 0, 2, 1])
+    flat, flat_lab = np.concatenate([f[:, v] for v in range(3)]), np.tile(lab, 3)
+    want = ref.supcon_loss(flat, flat_lab, 0.1, normalize=True)[0]
+    m = ct.SupConLoss(0.1, normalize=True)
+    assert _rel(m(torch.tensor(f), torch.tensor(lab)).numpy(), want) <= 1e-12
+    assert _rel(m(torch.tensor(flat), torch.tensor(flat_lab)).numpy(), want) <= 1e-12
+    simclr = ref.supcon_loss(flat, np.tile(np.arange(5), 3), 0.1, normalize=True)[0]
+    assert _rel(m(torch.tensor(f)).numpy(), simclr) <= 1e-12
+    scaled = ct.SupConLoss(0.1, base_temperature=0.07, normalize=True)
+    assert _rel(scaled(torch.tensor(f), torch.tensor(lab)).numpy(), want * 0.1 / 0.07) <= 1e-12
+    assert "base_temperature=0.07" in repr(scaled)
+    with pytest.raises(ValueError, match=r"SupConLoss: with features \(B, V, D\)"):
+        m(torch.tensor(f), torch.tensor(lab[:3]))
+    with pytest.raises(ValueError, match="SupConLoss: temperature"):
+        ct.SupConLoss(0.0)
+
+
+def test_bad_input_raises():
+    z = torch.ones(6, 3)
+    with pytest.raises(TypeError, match="supcon_loss: labels is required"):
+        ct.supcon_loss(z, None)
+    with pytest.raises(ValueError, match=r"supcon_loss: labels must be an integer array"):
+        ct.supcon_loss(z, torch.zeros(6))
+    with pytest.raises(ValueError, match="supcon_loss: group= is not supported yet"):
+        ct.supcon_loss(z, torch.zeros(6, dtype=torch.long), group=object())
+
+
+# ---- pytorch-metric-learning's SupConLoss --------------------------------------------------
+@pytest.mark.parametrize("n,classes", [(24, 6), (17, 3), (8, 8)])
+def test_pml_supcon_drop_in(n, classes):
+    pml = pytest.importorskip("pytorch_metric_learning.losses")
+    from cupynce.integrations.pytorch_metric_learning import SupConLoss
+
+    rng = np.random.default_rng(n)
+    z0, lab = rng.standard_normal((n, 5)), torch.tensor(rng.integers(0, classes, n))
+    outs = []
+    for cls in (pml.SupConLoss(temperature=0.15), SupConLoss(temperature=0.15)):
+        z = torch.tensor(z0, requires_grad=True)
+        loss = cls(z, lab)
+        (dz,) = torch.autograd.grad(loss, [z])
+        outs.append((loss.detach().numpy(), dz.numpy()))
+    if not outs[0][0]:  # (no positive pair: both 0, zero gradients)
+        assert not outs[1][0] and not outs[1][1].any() and not outs[0][1].any()
+        return
+    assert _rel(outs[1][0], outs[0][0]) <= 1e-12
+    assert _rel(outs[1][1], outs[0][1]) <= 1e-12
+
+
+def test_pml_drop_in_refuses_other_options():
+    from cupynce.integrations.pytorch_metric_learning import SupConLoss
+
+    with pytest.raises(NotImplementedError, match="SupConLoss: distance, reducer"):
+        SupConLoss(0.1, distance=object(), reducer=object())
+    with pytest.raises(NotImplementedError, match="SupConLoss: indices_tuple="):
+        SupConLoss()(torch.ones(4, 2), torch.zeros(4, dtype=torch.long), indices_tuple=(1,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_cuda_matches_the_oracle(dtype, tol):
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    rng = np.random.default_rng(6)
+    lab = np.repeat(np.arange(128), 4)
+    z0 = (rng.standard_normal((128, 64))[lab] + 0.5 * rng.standard_normal((512, 64))) / 8
+    z = torch.tensor(z0, device="cuda", dtype=getattr(torch, dtype), requires_grad=True)
+    labels = torch.tensor(lab, device="cuda")
+    for reduction in ("mean", "none"):
+        out = ct.supcon_loss(z, labels, 0.1, normalize=True, reduction=reduction)
+        (dz,) = torch.autograd.grad(out.sum(), [z])
+        zr = z.detach().double().cpu().numpy()
+        want, (wz,) = ref.supcon_loss(zr, lab, 0.1, normalize=True, reduction=reduction,
+                                      grad_loss=None if reduction == "mean" else np.ones(512))
+        assert _rel(out.detach().double().cpu().numpy(), want) <= tol
+        assert _rel(dz.double().cpu().numpy(), wz) <= tol
