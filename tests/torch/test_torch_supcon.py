@@ -148,3 +148,29 @@ def test_cuda_matches_the_oracle(dtype, tol):
                                       grad_loss=None if reduction == "mean" else np.ones(512))
         assert _rel(out.detach().double().cpu().numpy(), want) <= tol
         assert _rel(dz.double().cpu().numpy(), wz) <= tol
+
+
+@pytest.mark.parametrize("which", ["fwd_mean", "fwd_none", "bwd"])
+def test_opcheck(which):
+    """``torch.library.opcheck`` of the registered ops (schemas, fake shapes, autograd)."""
+    from cupynce.torch import _registry
+
+    if not _registry.HAS_CUSTOM_OPS:
+        pytest.skip("torch without custom ops")
+    from cupynce.torch.ops import supcon as op
+
+    z0, lab = _batch(8, 3, seed=9)
+    z, labels = torch.tensor(z0), torch.tensor(lab)
+    leaf = z.clone().requires_grad_()
+    if which == "fwd_mean":
+        args = (leaf, labels, 0.2, "mean", True, None, None, True)
+        name = "supcon_loss_fwd"
+    elif which == "fwd_none":
+        args = (leaf, labels, 0.2, "none", False, None, None, False)
+        name = "supcon_loss_fwd"
+    else:
+        lse = op.FWD(z, labels, 0.2, "none", False, None, None, False)[1]
+        args = (z, labels, lse, torch.ones(8, dtype=torch.float64), 0.2, "none", False, None,
+                None)
+        name = "supcon_loss_bwd"
+    torch.library.opcheck(getattr(torch.ops.cupynce, name).default, args)
