@@ -111,12 +111,13 @@ def fixed_sums(x, divisor: int):
     return out
 
 
-def class_sums(x, groups, w=None):
+def class_sums(x, groups, w=None, *, per_row: bool = True):
     """Each row's class sum: ``out[i] = Σ_{j: labels_j = labels_i} w_j x_j`` (N, D) in the
     accumulator dtype, in a fixed order (``seg_partial`` / ``seg_heads``: the same bits on
     every run, no atomics).  ``x`` (N, D) row-major, any float dtype; ``w`` None or an (N,)
     accumulator-dtype array; ``groups``: ``ops._variants.label_groups``'s (order, sorted
-    labels, each sorted position's class end, each row's class start, ...)."""
+    labels, each sorted position's class end, each row's class start, ...).  ``per_row=False``:
+    the sums where the kernels leave them, row i's at row ``start_i`` (no gather)."""
     import cupy as cp
 
     order, sl, end, start = groups[:4]
@@ -129,7 +130,32 @@ def class_sums(x, groups, w=None):
                     0 if w is None else cp.ascontiguousarray(w, dtype=a), np.int64(n), part))
     kernels.launch(FILE, "seg_heads", a, (min(-(-n * d // BLOCK), 65535 * 16),),
                    (sl, end, np.int64(n), np.int32(d), part))
-    return part[start]
+    return part[start] if per_row else part
+
+
+def supcon_rows(zn, groups, scale: float, lse, w, acc):
+    """SupCon's loss rows from NT-Xent's row log-sum-exps ``lse`` (None: no loss) and, with the
+    row weights ``w``, the gradient's difference added into ``acc`` (``supcon_rows``: one
+    pass; ``ops._variants.supcon_terms`` has the formulas).  Returns the (N,) loss or None."""
+    import cupy as cp
+
+    a = acc_dtype(zn.dtype)
+    n, d = zn.shape
+    start, stop = groups[3], groups[4]
+    pc = class_sums(zn, groups, per_row=False)
+    pw = loss = None
+    if w is not None and acc is not None:
+        w = cp.ascontiguousarray(w, dtype=a)
+        pw = class_sums(zn, groups, w / cp.maximum(stop - start - 1, 1).astype(a),
+                        per_row=False)
+    if lse is not None:
+        loss = cp.empty((n,), a)
+    kernels.launch(FILE, "supcon_rows", zn.dtype, (n,), (
+        zn, np.int64(leading_dim(zn)), np.int32(d), np.int64(n), np.int64(n // 2), start, stop,
+        pc, ptr(pw), ptr(w) if pw is not None else 0, ptr(lse), a.type(scale), ptr(loss),
+        ptr(acc) if pw is not None else 0,
+        np.int64(leading_dim(acc, "acc") if pw is not None else 0)))
+    return loss
 
 
 def normalize(x):

@@ -138,6 +138,10 @@ def supcon_terms(xp, path, zn, groups, scale: float, lse, w=None, *, acc=None):
     log-sum-exps ``lse`` (None: no loss), and with the (N,) row weights ``w`` the gradient's
     difference added into ``acc`` (N, D) (the engine's accumulator for the same weights,
     including 1/τ = ``scale``)."""
+    if path.gpu:  # (one kernel pass over the rows: arrays.supcon_rows)
+        from .._engine import arrays
+
+        return arrays.supcon_rows(zn, groups, scale, lse, w, acc)
     a = acc_dtype(zn.dtype)
     n = zn.shape[0]
     cnt = (groups[4] - groups[3] - 1).astype(a)

@@ -76,14 +76,19 @@ def reduce_rows(ctx: Context, rows, reduction: str):
 
 def _engine_rows(path, zn, t, w, lse_in, want_grad, workspace_bytes):
     """NT-Xent's row softmax over j ≠ i (its positive (i + N//2) mod N is undone by
-    ``_variants.supcon_terms``): ``(lse, dz accumulator or None)``."""
+    ``_variants.supcon_terms``): ``(lse, dz accumulator or None)``.  An odd N runs it as a
+    query/key pair (``self_pair=False``): the self-pair paths take the positive for its own
+    inverse, as NT-Xent's (i + N/2) mod N is."""
     n = zn.shape[0]
-    lse, _, (dz, *_rest) = path.rows(
+    pair = n % 2 == 0
+    lse, _, (dq, dk, *_rest) = path.rows(
         zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
         lse_in=lse_in, weights=(w, 1, 1.0) if w is not None else (None, 0, 0.0),
         want_grad=want_grad, workspace_bytes=workspace_bytes, op="supcon_loss",
-        self_pair=True)
-    return lse, dz
+        self_pair=pair)
+    if want_grad and not pair:
+        dq += dk
+    return lse, dq
 
 
 def supcon_forward(z, labels, temperature: float = 0.1, *, reduction: str = "mean",

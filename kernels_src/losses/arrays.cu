@@ -196,6 +196,49 @@ __device__ __forceinline__ void seg_heads_body(
     }
 }
 
+// SupCon's rows from NT-Xent's row softmax (ops/_variants.supcon_terms), block per row i.
+// With C_i = pc[start_i] (row i's class sum of ẑ, seg_heads' layout), W_i = pw[start_i] (the
+// class sum of u ẑ), c_i = stop_i - start_i - 1 (its positives) and u_i = w_i / max(c_i, 1):
+//   loss_i = c_i > 0 ? lse_i - scale (ẑ_i·C_i - |ẑ_i|²) / c_i : 0              (loss given)
+//   acc_i += scale (w_i ẑ_p(i) + w_q(i) ẑ_q(i) - u_i C_i - W_i + 2 u_i ẑ_i)   (acc given)
+// p(i) = (i + h) mod n is the positive the softmax pass used, q its inverse.  The dot is a
+// fixed-order block sum; one pass where CuPy's array expressions took fifteen.
+template <typename T, typename A>
+__device__ __forceinline__ void supcon_rows_body(
+    const T* __restrict__ z, i64 ldz, int d, i64 n, i64 h, const i64* __restrict__ start,
+    const i64* __restrict__ stop, const A* __restrict__ pc, const A* __restrict__ pw,
+    const A* __restrict__ w, const A* __restrict__ lse, A scale, A* __restrict__ loss,
+    A* __restrict__ acc, i64 ld_acc)
+{
+    __shared__ A sh[32];
+    const i64 i = blockIdx.x;
+    const i64 s = start[i];
+    const A cnt = A(stop[i] - s - 1);
+    const T* zi = z + i * ldz;
+    const A* ci = pc + s * d;
+    if (loss) {
+        A t = A(0);
+        for (int k = threadIdx.x; k < d; k += blockDim.x) {
+            const A x = Conv<T>::load(zi[k]);
+            t += x * (ci[k] - x);
+        }
+        t = block_sum(t, sh);
+        if (threadIdx.x == 0) loss[i] = cnt > A(0) ? lse[i] - scale * t / cnt : A(0);
+    }
+    if (acc) {
+        const i64 p = (i + h) % n, q = (i - h % n + n) % n;
+        const A wi = w[i], wq = w[q];
+        const A u = wi / (cnt > A(1) ? cnt : A(1));
+        const T* zp = z + p * ldz;
+        const T* zq = z + q * ldz;
+        const A* wc = pw + s * d;
+        A* ai = acc + i * ld_acc;
+        for (int k = threadIdx.x; k < d; k += blockDim.x)
+            ai[k] += scale * (wi * Conv<T>::load(zp[k]) + wq * Conv<T>::load(zq[k]) - u * ci[k]
+                              - wc[k] + A(2) * u * Conv<T>::load(zi[k]));
+    }
+}
+
 // ---- extern "C" wrappers, one per dtype --------------------------------------------
 #define CPN_DEFINE(SUF, T, A)                                                              \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_fwd_##SUF(              \
@@ -210,7 +253,13 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_scale_cast_##SUF(   
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_seg_partial_##SUF(             \
     const T* x, i64 ldx, int d, const i64* order, const i64* sl, const A* w, i64 n,        \
     A* part) {                                                                             \
-    seg_partial_body<T, A>(x, ldx, d, order, sl, w, n, part); }
+    seg_partial_body<T, A>(x, ldx, d, order, sl, w, n, part); }                            \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_supcon_rows_##SUF(             \
+    const T* z, i64 ldz, int d, i64 n, i64 h, const i64* start, const i64* stop,           \
+    const A* pc, const A* pw, const A* w, const A* lse, A scale, A* loss, A* acc,          \
+    i64 ld_acc) {                                                                          \
+    supcon_rows_body<T, A>(z, ldz, d, n, h, start, stop, pc, pw, w, lse, scale, loss, acc,  \
+                           ld_acc); }
 
 #define CPN_DEFINE_ACC(SUF, A)                                                             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_sum_rows_##SUF(                \

@@ -49,6 +49,25 @@ def clip_loss(a, b, logit_scale, *, reduction="mean", normalize=False):
     return {"mean": per.mean, "sum": per.sum, "none": lambda: per}[reduction]()
 
 
+def supcon_loss(z, labels, temperature=0.1, *, reduction="mean", normalize=False):
+    """SupCon's L_out as its reference code writes it: the N × N logits less the diagonal,
+    log-softmax, the mean over each anchor's same-label rows; anchors without one left out
+    ("mean" over the others, 0 for "none")."""
+    z = _norm(z, normalize)
+    n = z.shape[0]
+    eye = torch.eye(n, dtype=torch.bool, device=z.device)
+    s = (z @ z.T).masked_fill(eye, float("-inf")) / temperature
+    log_prob = torch.log_softmax(s.float() if s.dtype in (torch.float16, torch.bfloat16)
+                                 else s, dim=1).to(s.dtype)
+    pos = (labels[:, None] == labels[None, :]) & ~eye
+    count = pos.sum(1)
+    rows = -(log_prob.masked_fill(~pos, 0).sum(1)) / count.clamp_min(1)
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total / (count > 0).sum().clamp_min(1) if reduction == "mean" else total
+
+
 def loss_and_grads(fn, inputs: Sequence[Optional[torch.Tensor]], grad_output, **kw):
     """``fn(*inputs, **kw)`` and the gradients of ``sum(grad_output * loss)`` w.r.t. the
     tensors of ``inputs`` that require grad (None elsewhere)."""

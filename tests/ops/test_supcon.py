@@ -8,7 +8,8 @@ sizes at which the chooser takes each path, with label patterns that reach the c
 cases: classes of 4 views, classes larger than the kernels' 32-row chunks and crossing them,
 anchors without a positive, a single class, odd N.  NumPy on the CPU (CI); CuPy marked
 ``gpu``.  Relative errors ``||x - ref|| / ||ref||``: float64 1e-12, float32 1e-5, float16
-5e-3, bfloat16 3e-2.
+5e-3, bfloat16 3e-2; the 16-bit gradient with classes of a third of the batch: that, or 2x
+the plain PyTorch formula's own error in the dtype, whichever is larger.
 """
 from __future__ import annotations
 
@@ -79,12 +80,33 @@ def _check(xp, dtype, n, d, reduction, normalize, kind, ws=None, t=0.2):
         assert not np.asarray(host(loss)).any() and not host(dz).astype(np.float64).any()
         return
     assert _rel(host(loss), want) <= tol, "loss"
-    assert _rel(host(dz).astype(np.float64), wz) <= tol, "dz"
+    tol_dz = tol
+    if dtype in ("float16", "bfloat16") and kind == "big":
+        # classes of a third of the batch: the gradient is a small difference of the
+        # softmax and the positives' mean, so the 16-bit gradient block's rounding is large
+        # against it; bounded by 2x the plain PyTorch formula's own error in that dtype
+        tol_dz = max(tol, 2 * _formula_error(z, lab, t, dtype, reduction, g, normalize, wz))
+    assert _rel(host(dz).astype(np.float64), wz) <= tol_dz, "dz"
     if reduction == "none":
         again = core.supcon_backward_from_stats(
             xp.asarray(z), ctx.stats[0], gl, labels=xp.asarray(lab), temperature=t,
             reduction=reduction, normalize=normalize, workspace_bytes=ws)
-        assert _rel(host(again).astype(np.float64), wz) <= tol, "dz from stats"
+        assert _rel(host(again).astype(np.float64), wz) <= tol_dz, "dz from stats"
+
+
+def _formula_error(z, lab, t, dtype, reduction, g, normalize, wz) -> float:
+    """The gradient's relative error of SupCon's plain PyTorch formula
+    (``torch_oracle.supcon_loss``) run on CUDA in ``dtype`` on the same values."""
+    torch = pytest.importorskip("torch")
+    import torch_oracle
+
+    x = torch.tensor(np.asarray(z, np.float32), device="cuda").to(getattr(torch, dtype))
+    x.requires_grad_(True)
+    loss = torch_oracle.supcon_loss(x, torch.tensor(lab, device="cuda"), t,
+                                    reduction=reduction, normalize=normalize)
+    up = torch.tensor(np.asarray(g, np.float32), device="cuda").to(loss.dtype)
+    (dz,) = torch.autograd.grad(loss, [x], up)
+    return _rel(dz.double().cpu().numpy(), wz)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

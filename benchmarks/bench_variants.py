@@ -1,0 +1,179 @@
+"""Issue 55's benchmark: the label-aware variants against the libraries and the plain formulas,
+one GPU, one run.
+
+Run from the repository root on a GPU (pytorch-metric-learning installed for its row)::
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_variants.py [--sizes 16384,65536] [--out DIR]
+
+SupCon (bf16, D = 512, four views a class, the views stacked view-major, L2-normalised inside
+every implementation), forward + backward of the mean loss w.r.t. the embeddings:
+
+* ``cupynce`` — :func:`cupynce.torch.supcon_loss` (``normalize=True``);
+* ``pml`` — pytorch-metric-learning's ``SupConLoss`` (its defaults: the same loss);
+* ``eager`` / ``compile`` — the SupCon reference code's formula (N × N logits, masks and
+  log-probabilities) in plain PyTorch, and ``torch.compile`` of it;
+* ``nt_xent`` (the floor) — :func:`cupynce.torch.nt_xent` on the same rows: the row softmax
+  SupCon shares with it, so ``cupynce ÷ nt_xent`` is the class terms' cost.
+
+CUDA-event medians, peak memory above the inputs (``cupynce.report.harness``), the loss's and
+gradient's relative error against the formula in float64 on the same bf16 values (sizes up to
+``--check-max``).  Out of memory is a result.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cupynce.report.harness import (device_header, device_info, fmt_mib, fmt_ms,  # noqa: E402
+                                    fmt_ratio, markdown_table, run_case)
+
+
+def supcon_formula(z, labels, temperature: float):
+    """The SupCon reference code's ``L_out`` (contrast_mode "all", base_temperature =
+    temperature) on L2-normalised rows: the plain PyTorch users run."""
+    import torch
+
+    z = torch.nn.functional.normalize(z, dim=-1)
+    n = z.shape[0]
+    logits = z @ z.T / temperature
+    logits = logits - logits.max(dim=1, keepdim=True).values.detach()
+    same = (labels[:, None] == labels[None, :]).to(logits.dtype)
+    not_self = 1 - torch.eye(n, device=z.device, dtype=logits.dtype)
+    pos = same * not_self
+    log_prob = logits - torch.log((torch.exp(logits) * not_self).sum(1, keepdim=True))
+    count = pos.sum(1)
+    has = count > 0
+    mean_pos = (pos * log_prob).sum(1) / count.clamp_min(1)
+    return -(mean_pos[has]).mean()
+
+
+def _implementations(temperature: float):
+    """name -> loss(z, labels) (None where the library is missing)."""
+    import torch
+
+    import cupynce.torch as ct
+
+    impls = {
+        "cupynce": lambda z, y: ct.supcon_loss(z, y, temperature, normalize=True),
+        "eager": lambda z, y: supcon_formula(z, y, temperature),
+    }
+    try:
+        from pytorch_metric_learning.losses import SupConLoss
+
+        pml = SupConLoss(temperature=temperature)
+        impls["pml"] = lambda z, y: pml(z, y)
+    except ImportError:
+        impls["pml"] = None
+    compiled = torch.compile(supcon_formula)
+    impls["compile"] = lambda z, y: compiled(z, y, temperature)
+    impls["nt_xent"] = lambda z, y: ct.nt_xent(z, temperature, normalize=True)
+    return impls
+
+
+def _inputs(n: int, d: int, views: int = 4, seed: int = 0):
+    """bf16 leaves: each class's ``views`` rows near a class centre (a SupCon batch); labels
+    view-major, as the reference code's ``torch.cat(features.unbind(1))`` stacks them."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    classes = n // views
+    centre = torch.randn(classes, d, device="cuda", generator=g)
+    labels = torch.arange(classes, device="cuda").repeat(views)
+    z = centre[labels] + 0.7 * torch.randn(n, d, device="cuda", generator=g)
+    return z.to(torch.bfloat16), labels
+
+
+def main(argv=None) -> int:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="16384,65536")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.1)
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--check-max", type=int, default=16384)
+    p.add_argument("--only", default="", help="comma-separated implementations (default all)")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    info = device_info()
+    header = device_header(info)
+    print(header, flush=True)
+    impls = _implementations(args.temperature)
+    only = [s for s in args.only.split(",") if s]
+    rows, raw = [], []
+    for n in (int(s) for s in args.sizes.split(",")):
+        z0, labels = _inputs(n, args.dim)
+        ref = None
+        if n <= args.check_max:
+            z64 = z0.double().requires_grad_()
+            loss64 = supcon_formula(z64, labels, args.temperature)
+            ref = (loss64.detach(), torch.autograd.grad(loss64, [z64])[0])
+            del z64, loss64
+        res = {}
+        for name, fn in impls.items():
+            if fn is None or (only and name not in only):
+                continue
+            z = z0.clone().requires_grad_()
+
+            def step(fn=fn, z=z):
+                loss = fn(z, labels)
+                (dz,) = torch.autograd.grad(loss, [z])
+                return loss.detach(), dz
+
+            case = run_case(step, repeat=args.repeat, keep_result=ref is not None,
+                            catch_errors=True)
+            out = case.pop("result", None)
+            if out is not None and ref is not None:
+                loss, dz = out
+                case["loss_err"] = float(abs(loss.double() - ref[0]) / abs(ref[0]))
+                case["grad_err"] = float((dz.double() - ref[1]).norm() / ref[1].norm())
+            res[name] = case
+            raw.append(dict(n=n, d=args.dim, impl=name, **{k: v for k, v in case.items()
+                                                            if not k.startswith("_")}))
+            print(name, n, {k: case.get(k) for k in ("median_ms", "peak_extra_bytes", "oom",
+                                                     "loss_err", "grad_err", "error")},
+                  flush=True)
+            del z, out
+        ours = res.get("cupynce", {})
+
+        def cell(r):
+            if not r:
+                return "—", "—"
+            if r.get("oom"):
+                return "OOM", "—"
+            return fmt_ms(r.get("median_ms")), fmt_mib(r.get("peak_extra_bytes"))
+
+        def ratio(name):
+            r = res.get(name, {})
+            if r.get("median_ms") and ours.get("median_ms"):
+                return fmt_ratio(r["median_ms"] / ours["median_ms"])
+            return "—"
+
+        err = (f"{ours['loss_err']:.1e} / {ours['grad_err']:.1e}" if "loss_err" in ours
+               else "—")
+        floor = res.get("nt_xent", {}).get("median_ms")
+        rows.append([f"supcon {n}", *cell(ours), *cell(res.get("pml")), *cell(res.get("eager")),
+                     *cell(res.get("compile")), ratio("pml"), ratio("eager"), ratio("compile"),
+                     fmt_ms(floor) if floor else "—",
+                     fmt_ratio(ours["median_ms"] / floor) if floor and ours.get("median_ms")
+                     else "—", err])
+    table = markdown_table(
+        ["op, N", "cupynce ms", "MiB", "pml ms", "pml MiB", "eager ms", "eager MiB",
+         "compile ms", "compile MiB", "pml ÷ cupynce", "eager ÷", "compile ÷",
+         "nt_xent ms (floor)", "cupynce ÷ floor", "cupynce err loss / grad"], rows)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_variants.md").write_text(f"# bench_variants: {header}\n\n{table}\n")
+        (out / "bench_variants.json").write_text(json.dumps(dict(device=info, rows=raw),
+                                                            indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
