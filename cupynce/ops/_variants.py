@@ -36,6 +36,13 @@ W_i = Σ_{y_k = y_i} u_k ẑ_k::
 (w_i = 0 for an anchor without a positive).  The class sums run in a fixed order
 (``arrays.class_sums`` / ``_numpy.class_sums``).
 
+SigLIP's labels (pairs (i, j ≠ i) of one label are positives): −log σ(x) = −log σ(−x) − x, so
+with B_y = Σ_{y_j = y} b̂_j, A^w_y = Σ_{y_i = y} w_i â_i, c_i = |P(i)| and σ = exp(t)::
+
+    Δrow_i  = −Σ_{j ∈ P(i)} L_ij = −(σ â_i·(B_{y_i} − b̂_i) + β c_i)
+    Δ∂/∂â_i = −σ w_i (B_{y_i} − b̂_i),   Δ∂/∂b̂_j = −σ (A^w_{y_j} − w_j â_j)
+    Δ∂/∂t   = −σ Σ_i w_i â_i·(B_{y_i} − b̂_i),   Δ∂/∂β = −Σ_i w_i c_i
+
 The sums run in the accumulator dtype over the rows in order (the array module's
 reductions); a device scale is never read on the host.
 """
@@ -164,3 +171,36 @@ def supcon_terms(xp, path, zn, groups, scale: float, lse, w=None, *, acc=None):
     c *= scale
     acc += c
     return loss
+
+
+def siglip_labels(xp, path, an, bn, groups, ls, lb, w=None, *, want_loss: bool = True):
+    """``(Δrow (N,) or None, (Δ∂/∂â, Δ∂/∂b̂, Δ∂/∂t, Δ∂/∂β) or None)`` of SigLIP's labels
+    (module notes) for ``an``, ``bn`` (â, b̂ as the products use them), the log scale ``ls``
+    and the bias ``lb`` (reals, or device arrays never read on the host), ``groups``
+    (:func:`label_groups`); ``w`` the gradient's row weights (a real, 0-d or (N,) array;
+    None: the loss alone)."""
+    a = acc_dtype(an.dtype)
+    x, y = an.astype(a, copy=False), bn.astype(a, copy=False)
+    sigma = xp.exp(xp.asarray(ls, dtype=a).reshape(()))
+    beta = xp.asarray(lb, dtype=a).reshape(())
+    cnt = (groups[4] - groups[3] - 1).astype(a)
+    other = path.class_sums(bn, groups)
+    other -= y                                       # B_{y_i} − b̂_i
+    dot = (x * other).sum(axis=1)                    # â_i·(B_{y_i} − b̂_i)
+    drow = -(sigma * dot + beta * cnt) if want_loss else None
+    if w is None:
+        return drow, None
+    scalar = getattr(w, "ndim", 0) == 0
+    wc = w if scalar else w[:, None]
+    da = other
+    da *= -sigma * wc
+    if scalar:
+        aw = path.class_sums(an, groups) * w
+    else:
+        aw = path.class_sums(an, groups, xp.ascontiguousarray(w, dtype=a))
+    aw -= wc * x
+    db = aw
+    db *= -sigma
+    dt = -sigma * ((w * dot).sum() if not scalar else w * dot.sum())
+    dbias = -((w * cnt).sum() if not scalar else w * cnt.sum())
+    return drow, (da, db, dt, dbias)

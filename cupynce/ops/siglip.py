@@ -19,7 +19,7 @@ import numpy as np
 from .. import _checks, _engine, config
 from .._engine import arrays
 from .._engine.kernels import acc_dtype
-from . import _comm, _cpu, _global, _graphs, _memo
+from . import _comm, _cpu, _global, _graphs, _memo, _variants
 from ._base import (Context, Path, contig_inputs, contig_remembered, finish_all,
                     in_ctx_precision, prep, reduce, require, weights)
 from ._comm import Comm
@@ -112,7 +112,30 @@ def _engine_for(xp):
     return numpy_engine if xp is np else gpu_engine
 
 
-def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean",
+def _with_labels(engine, xp, path, groups):
+    """``engine`` plus the labels' O(N·D) difference (``_variants.siglip_labels``): the same
+    signature and results; ``groups`` None: ``engine`` itself."""
+    if groups is None:
+        return engine
+
+    def run(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, **kw):
+        row_loss, grads = engine(an, bn, ls, lb, weights=weights, want_loss=want_loss,
+                                 want_grad=want_grad, **kw)
+        drow, dgrads = _variants.siglip_labels(
+            xp, path, an, bn, groups, ls, lb,
+            _variants.row_weights(weights) if want_grad else None, want_loss=want_loss)
+        if want_loss:
+            row_loss += drow
+        if want_grad:
+            da, db, dscale, dbias = grads
+            da += dgrads[0]
+            db += dgrads[1]
+            grads = (da, db, dscale + dgrads[2], dbias + dgrads[3])
+        return row_loss, grads
+    return run
+
+
+def siglip_loss_forward(a, b, logit_scale, logit_bias, *, labels=None, reduction: str = "mean",
                         normalize: bool = False, workspace_bytes: Optional[int] = None,
                         requires_grad: bool = True, group=None,
                         precision: Optional[str] = None) -> Tuple[Any, Context]:
@@ -126,6 +149,11 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
         Device arrays are never read back to the host.  Pass learnable values as arrays: a
         Python float is a constant of the call (on the GPU it is part of the CUDA-graph key
         of repeated calls, so a float that changes every step is captured anew each time).
+    labels : None or an integer (N,) array of the inputs' kind, on their device
+        Pairs (i, j) with equal labels are positives too (z_ij = +1): duplicates and
+        same-class pairs.  An O(N·D) difference from the plain loss
+        (``cupynce.ops._variants.siglip_labels``, class sums in a fixed order): every path
+        serves it; no CUDA-graph replay; not yet with ``group``.
     reduction : "mean" (the sum over all N² pairs divided by N, as open_clip and big_vision)
         | "sum" (the sum over the pairs) | "none" (the (N,) per-row sums).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
@@ -147,9 +175,9 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     """
     if group is not None:
         return _global_forward(
-            _comm.wrap(group), a, b, logit_scale, logit_bias, reduction=reduction,
-            normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad,
-            precision=precision)
+            _comm.wrap(group), a, b, logit_scale, logit_bias, labels=labels,
+            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
+            requires_grad=requires_grad, precision=precision)
     sig = _memo.signature(OP, a, b, logit_scale, logit_bias)
     hit = _memo.known(sig)
     if hit:  # the arrays and scalars passed these checks before, laid out (_memo)
@@ -161,9 +189,11 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
         xp, (ls, ls_shape), (lb, lb_shape), p = _check(
             a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize, precision)
     _checks.check_bool(OP, "requires_grad", requires_grad)
-    engine = _engine_for(xp)
-    path = Path(xp)
     n = a.shape[0]
+    labels = _checks.check_labels(OP, labels, n, xp, a)
+    path = Path(xp)
+    groups = None if labels is None else _variants.label_groups(xp, labels)
+    engine = _with_labels(_engine_for(xp), xp, path, groups)
     acc = acc_dtype(a.dtype)
     (a, b), sig = contig_remembered(xp, sig, hit, a, b)
     fused = requires_grad and reduction != "none"
@@ -182,7 +212,8 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
 
     device = (() if ls_host else (ls,)) + (() if lb_host else (lb,))
     with config.float32_precision(p):  # (the graph key carries it too)
-        if path.gpu and (fused or not requires_grad):  # nothing kept that aliases the inputs
+        # (nothing kept that aliases the inputs; labels are no input a graph replays)
+        if path.gpu and (fused or not requires_grad) and groups is None:
             outs = _graphs.run((OP, on_host, reduction, normalize, workspace_bytes, fused),
                                (a, b) + device, lambda *xs: compute(*xs)[0], layout=sig)
         else:
@@ -194,7 +225,7 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, reduction: str = "mean
     if fused:
         ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
     elif requires_grad:
-        ctx.saved = dict(base, xn=xn, scalars=(ls, lb), ws=workspace_bytes)
+        ctx.saved = dict(base, xn=xn, scalars=(ls, lb), ws=workspace_bytes, groups=groups)
     return loss, ctx
 
 
@@ -219,7 +250,8 @@ def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
         scalars = tuple(v if gs is None else v * gs.reshape(()) for v in s["dscalars"])
     else:
         an, bn = s["xn"]
-        _, (da_acc, db_acc, dscale, dbias) = _engine_for(xp)(
+        engine = _with_labels(_engine_for(xp), xp, path, s.get("groups"))
+        _, (da_acc, db_acc, dscale, dbias) = engine(
             an, bn, *s["scalars"], weights=weights(xp, g, ctx.reduction, ctx.n, acc),
             want_loss=False, want_grad=True, workspace_bytes=s["ws"])
         da, db = finish_all(path, s["x"], s["norms"], (da_acc, db_acc), None)
@@ -230,7 +262,8 @@ def siglip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
 
 
 def siglip_loss_backward_from_inputs(a, b, logit_scale, logit_bias, grad_loss: Any = 1.0, *,
-                                     reduction: str = "mean", normalize: bool = False,
+                                     labels=None, reduction: str = "mean",
+                                     normalize: bool = False,
                                      workspace_bytes: Optional[int] = None,
                                      precision: Optional[str] = None):
     """``(da, db, dlogit_scale, dlogit_bias)`` from the inputs alone (no forward context: the
@@ -242,29 +275,32 @@ def siglip_loss_backward_from_inputs(a, b, logit_scale, logit_bias, grad_loss: A
                                                     workspace_bytes, normalize, precision)
     path = Path(xp)
     acc = acc_dtype(a.dtype)
+    labels = _checks.check_labels(OP, labels, a.shape[0], xp, a)
     a, b = contig_inputs(xp, a, b)
     an, na = prep(path, a, normalize)
     bn, nb = prep(path, b, normalize)
     ctx = Context(OP, reduction, a.shape[0], xp, precision=p, saved=dict(
         x=(a, b), norms=(na, nb), shapes=(ls_shape, lb_shape),
         dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)),
-        xn=(an, bn), scalars=(ls, lb), ws=workspace_bytes))
+        xn=(an, bn), scalars=(ls, lb), ws=workspace_bytes,
+        groups=None if labels is None else _variants.label_groups(xp, labels)))
     return siglip_loss_backward(ctx, grad_loss)
 
 
-def siglip_loss(a, b, logit_scale, logit_bias, *, reduction: str = "mean",
+def siglip_loss(a, b, logit_scale, logit_bias, *, labels=None, reduction: str = "mean",
                 normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
                 precision: Optional[str] = None):
     """SigLIP's sigmoid loss; see :func:`siglip_loss_forward`."""
-    return siglip_loss_forward(a, b, logit_scale, logit_bias, reduction=reduction,
+    return siglip_loss_forward(a, b, logit_scale, logit_bias, labels=labels,
+                               reduction=reduction,
                                normalize=normalize, workspace_bytes=workspace_bytes,
                                requires_grad=False, group=group, precision=precision)[0]
 
 
 # ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
-def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction="mean",
-                    normalize=False, workspace_bytes=None, requires_grad=True,
-                    precision=None):
+def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
+                    reduction="mean", normalize=False, workspace_bytes=None,
+                    requires_grad=True, precision=None):
     """:func:`siglip_loss_forward` over ``comm``'s global batch: the rank's n × N
     block of its images against every text (b all-gathered), no softmax so no statistics to
     exchange; the texts' gradients are reduce-scattered to their owners and the scale's and
@@ -275,7 +311,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction="mea
     xp, (ls, ls_shape), (lb, lb_shape), p = _global.agree(comm, op, lambda: (
         _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize,
                precision),
-        _checks.check_bool(op, "requires_grad", requires_grad))[0], [a, b], ["a", "b"],
+        _checks.check_bool(op, "requires_grad", requires_grad),
+        _no_global_labels(labels))[0], [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
          lb_array, reduction, normalize, requires_grad, precision])
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
@@ -302,6 +339,12 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, reduction="mea
             ctx.saved = dict(base, an=an, b_all=b_all, scalars=(ls, lb), ws=workspace_bytes,
                              comm=comm)
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
+
+
+def _no_global_labels(labels) -> None:
+    """``labels=`` with ``group=``: not yet (raised inside the agreement: on every rank)."""
+    if labels is not None:
+        raise ValueError(f"{OP}: labels= is not supported with group= yet")
 
 
 def _global_scatter(comm: Comm, xp, grads, shape):

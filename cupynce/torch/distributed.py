@@ -251,7 +251,7 @@ def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
 
 def siglip_loss(a: Any, b: Any, logit_scale: Any, logit_bias: Any, reduction: Any,
                 normalize: Any, workspace_bytes: Any, group, resolve: Callable,
-                precision: Any = None) -> Tensor:
+                precision: Any = None, labels: Any = None) -> Tensor:
     """``cupynce.torch.siglip_loss(..., group=group)`` (see the module notes); ``resolve``
     is the single-process op's check of a scalar → (tensor or None, host value)."""
     op = "siglip_loss"
@@ -270,6 +270,7 @@ def siglip_loss(a: Any, b: Any, logit_scale: Any, logit_bias: Any, reduction: An
     def fwd(comm, a_, b_, ls_arr, lb_arr, requires_grad):
         return siglip_op.siglip_loss_forward(
             a_, b_, ls[1] if ls_arr is None else ls_arr, lb[1] if lb_arr is None else lb_arr,
+            labels=B.array_of(labels) if isinstance(labels, Tensor) else labels,
             reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
             requires_grad=requires_grad, group=comm, precision=p[0])
     tensors = [a, b] + [v if isinstance(v, Tensor) else None for v in (logit_scale, logit_bias)]

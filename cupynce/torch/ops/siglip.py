@@ -16,12 +16,12 @@ from .. import _skeleton as S
 
 OP = "siglip_loss"
 
-#: the op: a, b, logit_scale and logit_bias (tensors or reals); no row statistics (the
-#: backward recomputes from the inputs); the fused forward's scalar gradients are the core
-#: context's ``dscalars``
+#: the op: a, b, logit_scale and logit_bias (tensors or reals), the optional (N,) labels;
+#: no row statistics (the backward recomputes from the inputs); the fused forward's scalar
+#: gradients are the core context's ``dscalars``
 SPEC = S.Loss(OP, "SigLipLossFunction", __name__, core,
               inputs=(S.Rows("a"), S.Rows("b"), S.Scalar("logit_scale"),
-                      S.Scalar("logit_bias")),
+                      S.Scalar("logit_bias"), S.Labels("labels")),
               stats=(), backward="siglip_loss_backward_from_inputs",
               unit_grads=lambda saved: (saved["acc"], saved["norms"], saved["dscalars"]),
               strict_double_backward=True)
@@ -45,7 +45,8 @@ def _scalar(name: str, value: Any, a: Tensor) -> Tuple[Optional[Tensor], float]:
 
 
 def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
-                reduction: str = "mean", normalize: bool = False,
+                labels: Optional[Tensor] = None, reduction: str = "mean",
+                normalize: bool = False,
                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
                 precision: Optional[str] = None) -> Tensor:
     """SigLIP's pairwise sigmoid loss, differentiable w.r.t. a, b and tensor scale / bias.
@@ -57,6 +58,11 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
         Log scale t: the logits are ``exp(t) · â b̂ᵀ + logit_bias`` (SigLIP starts at
         log 10).  A tensor is a differentiable input, never read on the host.
     logit_bias : real, or Tensor of shape () or (1,) (SigLIP starts at −10).
+    labels : integer Tensor (N,), optional
+        Pairs (i, j) with equal labels are positives too (duplicates, same-class pairs); an
+        O(N·D) difference from the plain loss (``cupynce.siglip_loss``); not yet with
+        ``group``.  With ``reduction="none"`` the backward reads them again: do not change
+        them in place before it.
     reduction : "mean" (default: the sum over the N² pairs divided by N, as open_clip) |
         "sum" | "none" (the (N,) per-row sums)
     normalize, workspace_bytes, precision : as for :func:`nt_xent` (``precision=None``
@@ -80,9 +86,10 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
         from .. import distributed
 
         return distributed.siglip_loss(a, b, logit_scale, logit_bias, reduction, normalize,
-                                       workspace_bytes, group, _scalar, precision)
+                                       workspace_bytes, group, _scalar, precision,
+                                       labels=labels)
     reduction, workspace_bytes = R.scalars(OP, reduction, workspace_bytes)
-    B.check_tensors(OP, a=a, b=b)
+    B.check_tensors(OP, optional=("labels",), a=a, b=b, labels=labels)
     ls_tensor, ls_value = _scalar("logit_scale", logit_scale, a)
     lb_tensor, lb_value = _scalar("logit_bias", logit_bias, a)
     tensors = dict(a=a, b=b)
@@ -92,5 +99,5 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
         tensors["logit_bias"] = lb_tensor
     B.check_tensors(OP, **tensors)
     normalize = _checks.check_bool(OP, "normalize", normalize)
-    return SPEC(a, b, ls_tensor, ls_value, lb_tensor, lb_value, reduction, normalize,
+    return SPEC(a, b, ls_tensor, ls_value, lb_tensor, lb_value, labels, reduction, normalize,
                 workspace_bytes, R.precision_of(OP, precision))
