@@ -133,28 +133,24 @@ def class_sums(x, groups, w=None, *, per_row: bool = True):
     return part[start] if per_row else part
 
 
-def supcon_rows(zn, groups, scale: float, lse, w, acc):
-    """SupCon's loss rows from NT-Xent's row log-sum-exps ``lse`` (None: no loss) and, with the
-    row weights ``w``, the gradient's difference added into ``acc`` (``supcon_rows``: one
-    pass; ``ops._variants.supcon_terms`` has the formulas).  Returns the (N,) loss or None."""
+def supcon_rows(zn, start, stop, pc, pw, scale: float, lse, w, acc):
+    """SupCon's loss rows from NT-Xent's row log-sum-exps ``lse`` (None: no loss) and, with
+    the row weights ``w`` and the weighted class sums ``pw``, the gradient's difference added
+    into ``acc`` (``supcon_rows``: one pass; ``ops._variants.supcon_terms`` has the
+    formulas).  ``start`` / ``stop``: each row's class bounds in the sorted order; ``pc`` /
+    ``pw``: :func:`class_sums` with ``per_row=False`` (of ẑ, and of u ẑ).  Returns the (N,)
+    loss or None."""
     import cupy as cp
 
     a = acc_dtype(zn.dtype)
     n, d = zn.shape
-    start, stop = groups[3], groups[4]
-    pc = class_sums(zn, groups, per_row=False)
-    pw = loss = None
-    if w is not None and acc is not None:
-        w = cp.ascontiguousarray(w, dtype=a)
-        pw = class_sums(zn, groups, w / cp.maximum(stop - start - 1, 1).astype(a),
-                        per_row=False)
-    if lse is not None:
-        loss = cp.empty((n,), a)
+    loss = None if lse is None else cp.empty((n,), a)
+    grad = pw is not None
     kernels.launch(FILE, "supcon_rows", zn.dtype, (n,), (
-        zn, np.int64(leading_dim(zn)), np.int32(d), np.int64(n), np.int64(n // 2), start, stop,
-        pc, ptr(pw), ptr(w) if pw is not None else 0, ptr(lse), a.type(scale), ptr(loss),
-        ptr(acc) if pw is not None else 0,
-        np.int64(leading_dim(acc, "acc") if pw is not None else 0)))
+        zn, np.int64(leading_dim(zn)), np.int32(d), np.int64(n), np.int64(n // 2),
+        cp.ascontiguousarray(start), cp.ascontiguousarray(stop), pc, ptr(pw),
+        cp.ascontiguousarray(w, dtype=a) if grad else 0, ptr(lse), a.type(scale), ptr(loss),
+        ptr(acc) if grad else 0, np.int64(leading_dim(acc, "acc") if grad else 0)))
     return loss
 
 

@@ -140,34 +140,48 @@ def has_positive(groups):
     return groups[4] - groups[3] > 1
 
 
-def supcon_terms(xp, path, zn, groups, scale: float, lse, w=None, *, acc=None):
+def supcon_terms(xp, path, zn, groups, scale: float, lse, w=None, *, acc=None, every=None):
     """SupCon from NT-Xent's row softmax (module notes): the (N,) loss from the row
     log-sum-exps ``lse`` (None: no loss), and with the (N,) row weights ``w`` the gradient's
     difference added into ``acc`` (N, D) (the engine's accumulator for the same weights,
-    including 1/τ = ``scale``)."""
+    including 1/τ = ``scale``).  ``every``: ``(rows, their groups, their weights or None,
+    row0)`` of the whole batch when ``zn`` is its rows ``row0 ..`` (a rank's rows of the
+    global batch: the class sums run over every rank's rows; ``groups`` and ``w`` are then
+    unused); the positive p(i) = (i + N//2) mod N is among ``zn``'s rows either way."""
+    n = zn.shape[0]
+    z_all, g_all, w_all, row0 = every if every is not None else (zn, groups, w, 0)
+    want_grad = w_all is not None and acc is not None
+    a = acc_dtype(zn.dtype)
+    u_all = None
+    if want_grad:
+        w_all = xp.ascontiguousarray(w_all, dtype=a)
+        u_all = w_all / xp.maximum(g_all[4] - g_all[3] - 1, 1).astype(a)
+        w = w_all[row0:row0 + n]
+    start, stop = g_all[3][row0:row0 + n], g_all[4][row0:row0 + n]
     if path.gpu:  # (one kernel pass over the rows: arrays.supcon_rows)
         from .._engine import arrays
 
-        return arrays.supcon_rows(zn, groups, scale, lse, w, acc)
-    a = acc_dtype(zn.dtype)
-    n = zn.shape[0]
-    cnt = (groups[4] - groups[3] - 1).astype(a)
+        pc = arrays.class_sums(z_all, g_all, per_row=False)
+        pw = arrays.class_sums(z_all, g_all, u_all, per_row=False) if want_grad else None
+        return arrays.supcon_rows(zn, start, stop, pc, pw, scale, lse, w if want_grad else None,
+                                  acc if want_grad else None)
+    cnt = (stop - start - 1).astype(a)
     inv = 1 / xp.maximum(cnt, 1)
     z = zn.astype(a, copy=False)
-    c = path.class_sums(zn, groups)
+    c = path.class_sums(z_all, g_all)[row0:row0 + n]
     loss = None
     if lse is not None:
         t = (z * c).sum(axis=1) - (z * z).sum(axis=1)  # Σ_{p∈P(i)} ẑ_i·ẑ_p
         loss = xp.where(cnt > 0, lse - (scale * inv) * t, 0).astype(a, copy=False)
-    if w is None or acc is None:
+    if not want_grad:
         return loss
     h = n // 2
     u = (w * inv)[:, None]
-    c *= -u                                          # − u_i C_i
-    c -= path.class_sums(zn, groups, u[:, 0])        # − W_i
+    c *= -u                                                   # − u_i C_i
+    c -= path.class_sums(z_all, g_all, u_all)[row0:row0 + n]  # − W_i
     c += (2 * u) * z
-    c += w[:, None] * xp.roll(z, -h, axis=0)         # w_i ẑ_{p(i)}
-    c += xp.roll(w[:, None] * z, h, axis=0)          # w_{q(i)} ẑ_{q(i)}
+    c += w[:, None] * xp.roll(z, -h, axis=0)                  # w_i ẑ_{p(i)}
+    c += xp.roll(w[:, None] * z, h, axis=0)                   # w_{q(i)} ẑ_{q(i)}
     c *= scale
     acc += c
     return loss

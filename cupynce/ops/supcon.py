@@ -21,13 +21,14 @@ from typing import Any, Optional, Tuple
 
 from .. import _checks, config
 from .._engine.kernels import acc_dtype
-from . import _variants
+from . import _comm, _global, _local, _variants
 from ._base import Context, Path, check_stats, contig_inputs, in_ctx_precision, prep, require
+from ._comm import Comm
 
 __all__ = ["supcon_loss", "supcon_forward", "supcon_backward", "supcon_backward_from_stats"]
 
 
-def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision, group):
+def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision):
     op = "supcon_loss"
     xp = _checks.array_module(op, z=z)
     _checks.check_matrix(op, "z", z, min_rows=2)
@@ -37,9 +38,6 @@ def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precis
     labels = _checks.check_labels(op, labels, z.shape[0], xp, z)
     t = _checks.check_temperature(op, temperature)
     p = _checks.check_flags(op, reduction, workspace_bytes, normalize, precision)
-    if group is not None:
-        raise ValueError(f"{op}: group= is not supported yet (the global batch's class sums); "
-                         f"got group={group!r}")
     return xp, labels, t, p
 
 
@@ -113,7 +111,13 @@ def supcon_forward(z, labels, temperature: float = 0.1, *, reduction: str = "mea
         L2-normalise the rows first (as ``F.normalize``, eps 1e-12); gradients go through it.
     workspace_bytes, requires_grad, precision
         As :func:`cupynce.nt_xent_forward`'s.
-    group : not supported yet (raises ``ValueError``).
+    group : communicator, optional
+        The loss of the global batch across ranks (as for :func:`cupynce.nt_xent_forward`):
+        every rank passes its own (n, D) z and (n,) labels, n even and equal on every rank;
+        the global batch is every rank's rows in rank order, each row against all the others
+        and its positives every same-label row of every rank (the labels are gathered with
+        the rows).  The gradients from ``*_backward`` are P times those of the global loss
+        with respect to the local rows (the data-parallel convention).
 
     Returns
     -------
@@ -130,8 +134,12 @@ def supcon_forward(z, labels, temperature: float = 0.1, *, reduction: str = "mea
     Equal to pytorch-metric-learning's ``SupConLoss`` and to Khosla et al.'s reference
     implementation's ``L_out`` (contrast_mode="all", base_temperature = temperature).
     """
+    if group is not None:
+        return _global_forward(_comm.wrap(group), z, labels, temperature, reduction=reduction,
+                               normalize=normalize, workspace_bytes=workspace_bytes,
+                               requires_grad=requires_grad, precision=precision)
     xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
-                              precision, group)
+                              precision)
     _checks.check_bool("supcon_loss", "requires_grad", requires_grad)
     path = Path(xp)
     n = z.shape[0]
@@ -160,6 +168,8 @@ def supcon_backward(ctx: Context, grad_loss: Any = 1.0):
     """Gradient of :func:`supcon_forward`'s loss w.r.t. ``z``, times ``grad_loss`` (a real or
     0-d array for mean/sum, an (N,) array for none).  Returns dz (N, D) in z's dtype."""
     require(ctx, "supcon_loss")
+    if "global" in ctx.saved:
+        return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
     g = _checks.check_grad_loss("supcon_backward", grad_loss, ctx.reduction, ctx.n, xp)
@@ -182,7 +192,7 @@ def supcon_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, labels,
     recomputed); the result of :func:`supcon_backward` on the forward's context given the
     forward's ``precision``."""
     xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
-                              precision, None)
+                              precision)
     check_stats("supcon_loss", xp, z.shape[0], z.dtype, lse=lse)
     z = contig_inputs(xp, z)[0]
     zn, norm = prep(Path(xp), z, normalize)
@@ -201,3 +211,95 @@ def supcon_loss(z, labels, temperature: float = 0.1, *, reduction: str = "mean",
     return supcon_forward(z, labels, temperature, reduction=reduction, normalize=normalize,
                           workspace_bytes=workspace_bytes, requires_grad=False, group=group,
                           precision=precision)[0]
+
+
+# ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
+def _even(z) -> None:
+    if getattr(z, "ndim", 0) == 2 and z.shape[0] % 2:
+        raise ValueError(f"supcon_loss: with group=, z must have an even number of rows on "
+                         f"every rank (NT-Xent's schedule across ranks), got shape "
+                         f"{tuple(z.shape)}")
+
+
+def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
+                    normalize=False, workspace_bytes=None, requires_grad=True, precision=None):
+    """:func:`supcon_forward` over ``comm``'s global batch: NT-Xent's global row softmax
+    (``cupynce.ops._local``'s schedule: the rows gathered, each rank its rows' log-sum-exps
+    and its share of the gradient, reduce-scattered), the labels gathered with the rows and
+    the class terms from the global class sums (every rank sums every rank's rows, in one
+    fixed order: the same bits everywhere)."""
+    op = "supcon_loss"
+    precision = _global.precision_setting(precision)
+    xp, labels, t, p = _global.agree(comm, op, lambda: (
+        _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision),
+        _checks.check_bool(op, "requires_grad", requires_grad), _even(z))[0], [z], ["z"],
+        [temperature, reduction, normalize, requires_grad, precision])
+    with config.float32_precision(p):
+        path = Path(xp)
+        engine = _local.engine_for(xp)
+        rank, size = comm.rank, comm.size
+        n2 = z.shape[0]
+        a = acc_dtype(z.dtype)
+        z = contig_inputs(xp, z)[0]
+        zn, norm = prep(path, z, normalize)
+        plan = _local.NtXentPlan(rank, size, n2)
+        parts = comm.all_gather(zn)
+        groups = _variants.label_groups(xp, comm.all_gather(labels).reshape(-1))
+        has = _variants.has_positive(groups)
+        dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])
+        dots = comm.all_gather(xp.concatenate([dots, dots]))
+        scale = 1.0 / t
+        lse_d, _, partial, state = _local.nt_xent_stats(path, engine, plan, zn, parts, dots,
+                                                        scale, workspace_bytes)
+        states = comm.all_gather(state) if plan.width else None
+        lse = _local.nt_xent_lse(plan, engine, lse_d, partial, states)
+        every = parts.reshape(size * n2, -1)
+        ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else (),
+                      precision=p)
+        acc = None
+        if requires_grad:
+            lse_all = comm.all_gather(lse) if size > 1 else lse[None]
+            base = dict(x=(z,), norms=(norm,), size=size)
+            if reduction != "none":
+                w_all = _row_weights(xp, has, reduction, a)
+                acc = comm.reduce_scatter(_local.nt_xent_grads(
+                    path, engine, plan, zn, parts, scale, lse_all, w_all.reshape(size, n2), 1.0,
+                    workspace_bytes))
+                ctx.saved = dict(base, acc=(acc,))
+            else:
+                ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
+                                 scale=scale, ws=workspace_bytes, comm=comm, groups=groups,
+                                 has=has)
+        rows = _variants.supcon_terms(
+            xp, path, zn, None, scale, lse, acc=acc,
+            every=(every, groups, w_all if acc is not None else None, rank * n2))
+        if reduction == "none":
+            total = rows
+        else:
+            total = _global.loss(comm, xp, rows, "sum", 1)
+            if reduction == "mean":
+                total = total / xp.maximum(has.sum(), 1).astype(total.dtype)
+        return total, _global.tag(ctx, _GLOBAL)
+
+
+def _global_acc(ctx: Context, g):
+    """The "none" backward's accumulator: every rank's upstream gradients (times their
+    anchors' having a positive) as the weights."""
+    s, xp = ctx.saved, ctx.xp
+    comm = s["comm"]
+    size, n2 = comm.size, ctx.n
+    a = s["lse_all"].dtype
+    w_all = comm.all_gather(_global.upstream(xp, g, n2, a)).reshape(-1) * s["has"].astype(a)
+    engine = _local.engine_for(xp)
+    path = Path(xp)
+    acc = comm.reduce_scatter(_local.nt_xent_grads(
+        path, engine, s["plan"], s["zn"], s["parts"], s["scale"], s["lse_all"],
+        w_all.reshape(size, n2), 1.0, s["ws"]))
+    _variants.supcon_terms(xp, path, s["zn"], None, s["scale"], None, acc=acc,
+                           every=(s["parts"].reshape(size * n2, -1), s["groups"], w_all,
+                                  comm.rank * n2))
+    return (acc,), ()
+
+
+_GLOBAL = _global.Schedule(recompute=_global_acc,
+                           result=lambda path, xp, saved, grads, scalars: grads[0])

@@ -46,6 +46,7 @@ from ..ops import clip as clip_op
 from ..ops import info_nce as info_nce_op
 from ..ops import nt_xent as nt_xent_op
 from ..ops import siglip as siglip_op
+from ..ops import supcon as supcon_op
 from ..ops._comm import Comm
 from . import _bridge as B
 from . import _registry as R
@@ -220,6 +221,29 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
                                             requires_grad=requires_grad, group=comm,
                                             precision=p[0])
     return _run(op, group, checks, fwd, [query, key, negatives])
+
+
+def supcon_loss(z: Any, labels: Any, temperature: Any, reduction: Any, normalize: Any,
+                workspace_bytes: Any, group, precision: Any = None) -> Tensor:
+    """``cupynce.torch.supcon_loss(..., group=group)`` (see the module notes; ``labels`` are
+    each rank's rows', gathered with them)."""
+    op = "supcon_loss"
+    p: List[Any] = [None]
+
+    def checks():
+        _checks.check_temperature(op, temperature)
+        R.scalars(op, reduction, workspace_bytes)
+        _checks.check_bool(op, "normalize", normalize)
+        B.check_tensors(op, z=z, labels=labels)
+        p[0] = R.precision_of(op, precision)
+
+    def fwd(comm, z_, requires_grad):
+        lab = B.array_of(labels) if isinstance(labels, Tensor) else labels
+        return supcon_op.supcon_forward(z_, lab, temperature, reduction=reduction,
+                                        normalize=normalize, workspace_bytes=workspace_bytes,
+                                        requires_grad=requires_grad, group=comm,
+                                        precision=p[0])
+    return _run(op, group, checks, fwd, [z])
 
 
 def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,

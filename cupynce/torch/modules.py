@@ -221,11 +221,13 @@ class SupConLoss(nn.Module):
     reduction : "mean" (default) | "sum" | "none" (keyword-only) — anchors without a
         positive are left out of the mean (see :func:`supcon_loss`)
     normalize : bool, default False (keyword-only) — L2-normalise the rows first
+    group : torch.distributed process group, optional (keyword-only) — the loss of the
+        group's global batch (see :func:`supcon_loss`)
     precision : as for :class:`NTXentLoss` (keyword-only)
     """
 
     def __init__(self, temperature: float = 0.1, *, base_temperature: Optional[float] = None,
-                 reduction: str = "mean", normalize: bool = False,
+                 reduction: str = "mean", normalize: bool = False, group: Any = None,
                  precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
@@ -235,6 +237,7 @@ class SupConLoss(nn.Module):
                                                                base_temperature))
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
+        self.group = group  # a torch.distributed group: the global batch's loss
         self.precision = R.module_precision(name, precision)
 
     def forward(self, features: Tensor, labels: Optional[Tensor] = None) -> Tensor:
@@ -256,7 +259,8 @@ class SupConLoss(nn.Module):
             features = torch.cat(features.unbind(1))
             labels = labels.repeat(v)
         loss = supcon_loss(features, labels, self.temperature, reduction=self.reduction,
-                           normalize=self.normalize, precision=self.precision)
+                           normalize=self.normalize, group=self.group,
+                           precision=self.precision)
         if self.base_temperature != self.temperature:
             loss = loss * (self.temperature / self.base_temperature)
         return loss

@@ -114,6 +114,56 @@ def _check_info_nce(xp, dtype, P, n, d, reduction, normalize, negatives, device=
             assert _err(_host(c).astype(np.float64) / P, _host(gn)[own]) <= tg
 
 
+def _check_supcon(xp, dtype, P, n, d, reduction, normalize, device=None, ws=None,
+                  classes=4):
+    """SupCon across ranks: each rank's n rows and labels; few classes, so that a row's
+    positives sit on other ranks too (and with ``classes`` > the rows, some have none)."""
+    N = n * P
+    rng = np.random.default_rng(12)
+    L = xp.asarray(rng.integers(0, classes, N))
+    Z = _batch(xp, dtype, (N, d), 13, 1.0)
+    acc = np.float64 if dtype == "float64" else np.float32
+    up = _upstream(xp, reduction, N, 14, acc)
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        loss, ctx = cupynce.supcon_forward(Z[sl], L[sl], 0.3, reduction=reduction,
+                                           normalize=normalize, workspace_bytes=ws, group=comm)
+        return loss, cupynce.supcon_backward(ctx, up[sl] if reduction == "none" else up)
+
+    out = run(P, rank, device=device)
+    want, ctx = cupynce.supcon_forward(Z, L, 0.3, reduction=reduction, normalize=normalize)
+    dz = cupynce.supcon_backward(ctx, up)
+    tl, tg = TOL[dtype]
+    for r, (loss, g) in enumerate(out):
+        sl = slice(r * n, (r + 1) * n)
+        assert _err(loss, want[sl] if reduction == "none" else want) <= tl
+        assert _err(_host(g).astype(np.float64) / P, _host(dz)[sl]) <= tg
+    if reduction != "none":  # the global loss: the same bits on every rank
+        assert len({float(_host(x[0])) for x in out}) == 1
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("classes", [3, 40])
+def test_supcon_numpy(P, reduction, normalize, classes):
+    _check_supcon(np, "float64", P, 6, 5, reduction, normalize, classes=classes)
+
+
+def test_supcon_odd_rows_raise_on_every_rank():
+    from cupynce.ops import supcon
+
+    z, lab = np.ones((5, 3)), np.zeros(5, np.int64)
+
+    def rank(comm):
+        with pytest.raises(ValueError, match="even number of rows|invalid inputs on rank"):
+            supcon.supcon_forward(z, lab, 0.1, group=comm)
+        return True
+
+    assert run(2, rank) == [True, True]
+
+
 def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None, ws=None):
     N = n * P
     A, B = _batch(xp, dtype, (N, d), 8, 1.0), _batch(xp, dtype, (N, d), 9, 1.0)
@@ -381,6 +431,15 @@ def test_info_nce_labels_gpu(P, dtype, reduction):
     cp = _gpu()
     _check_info_nce(cp, dtype, P, 72, 64, reduction, True, "shared", device=0, labeled=True,
                     eps=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_supcon_gpu(P, dtype, reduction):
+    cp = _gpu()
+    _check_supcon(cp, dtype, P, 72, 64, reduction, True, device=0, classes=8)
 
 
 @pytest.mark.gpu

@@ -168,7 +168,7 @@ def test_bad_input_raises():
         core.supcon_loss(np.ones((6, 3)), lab, -1.0)
     with pytest.raises(ValueError, match=r"supcon_loss: z needs at least 2 rows, got shape \(1, 3\)"):
         core.supcon_loss(np.ones((1, 3)), lab[:1], 0.1)
-    with pytest.raises(ValueError, match=r"supcon_loss: group= is not supported yet"):
+    with pytest.raises(TypeError, match=r"group must be a cupy.cuda.nccl.NcclCommunicator"):
         core.supcon_loss(np.ones((6, 3)), lab, 0.1, group=object())
 
 

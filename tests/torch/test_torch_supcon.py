@@ -96,8 +96,41 @@ def test_bad_input_raises():
         ct.supcon_loss(z, None)
     with pytest.raises(ValueError, match=r"supcon_loss: labels must be an integer array"):
         ct.supcon_loss(z, torch.zeros(6))
-    with pytest.raises(ValueError, match="supcon_loss: group= is not supported yet"):
+    with pytest.raises(ValueError, match="supcon_loss: group=.* needs torch.distributed"):
         ct.supcon_loss(z, torch.zeros(6, dtype=torch.long), group=object())
+
+
+def check_supcon_across_ranks(rank, world):
+    """Each rank's rows and labels through ``group=``: the global loss of the concatenated
+    batch, and world times its gradient for the rank's rows (DDP's convention); labels in 3
+    classes, so that a row's positives sit on other ranks."""
+    import torch.distributed as dist
+
+    n = 4
+    gen = torch.Generator().manual_seed(5)
+    Z = torch.randn(n * world, 5, generator=gen, dtype=torch.float64)
+    L = torch.randint(0, 3, (n * world,), generator=gen)
+    mine = slice(rank * n, (rank + 1) * n)
+    for reduction in ("mean", "none"):
+        z = Z[mine].clone().requires_grad_()
+        loss = ct.supcon_loss(z, L[mine], 0.3, reduction=reduction, normalize=True,
+                              group=dist.group.WORLD)
+        zs = Z.clone().requires_grad_()
+        want = ct.supcon_loss(zs, L, 0.3, reduction=reduction, normalize=True)
+        up = torch.linspace(0.5, 1.5, n * world, dtype=torch.float64) \
+            if reduction == "none" else torch.tensor(0.7, dtype=torch.float64)
+        loss.backward(up[mine] if reduction == "none" else up)
+        want.backward(up)
+        torch.testing.assert_close(loss, want[mine] if reduction == "none" else want,
+                                   rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(z.grad, world * zs.grad[mine], rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_supcon_across_ranks_over_gloo(world):
+    from test_torch_distributed import run_ranks
+
+    run_ranks(world, ["check_supcon_across_ranks"], module="test_torch_supcon")
 
 
 # ---- pytorch-metric-learning's SupConLoss --------------------------------------------------

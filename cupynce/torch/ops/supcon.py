@@ -42,7 +42,12 @@ def supcon_loss(z: Tensor, labels: Tensor, temperature: float = 0.1, *,
         Anchors without a positive are left out: "mean" averages over those with one (0,
         with a zero gradient, when none has), "none" gives the others 0.
     normalize, workspace_bytes, precision : as for :func:`cupynce.torch.nt_xent`.
-    group : not supported yet (raises ``ValueError``).
+    group : torch.distributed process group, optional
+        The loss of the group's global batch: each rank passes its own (n, D) z and (n,)
+        labels (n even, equal on every rank); the global batch is every rank's rows in rank
+        order, each row's positives every same-label row of every rank.  Every rank returns
+        the global loss (its own rows of it for "none"); the gradient follows DDP's
+        convention (``cupynce.torch.distributed``).
 
     Returns
     -------
@@ -56,9 +61,11 @@ def supcon_loss(z: Tensor, labels: Tensor, temperature: float = 0.1, *,
     ``base_temperature = temperature``.  Memory O(N·D): NT-Xent's row softmax plus O(N·D)
     class sums (``cupynce.supcon_loss``); no N × N mask.
     """
-    if group is not None:
-        raise ValueError(f"supcon_loss: group= is not supported yet (the global batch's class "
-                         f"sums); got group={group!r}")
+    if group is not None:  # every check inside the group's first exchange
+        from .. import distributed
+
+        return distributed.supcon_loss(z, labels, temperature, reduction, normalize,
+                                       workspace_bytes, group, precision)
     t = _checks.check_temperature("supcon_loss", temperature)
     reduction, workspace_bytes = R.scalars("supcon_loss", reduction, workspace_bytes)
     B.check_tensors("supcon_loss", z=z, labels=labels)
