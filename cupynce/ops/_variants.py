@@ -70,17 +70,23 @@ def _rows(xp, w, b: int):
 
 
 def nt_xent_smoothing(xp, zn, scale: float, eps: float, w: Optional[Any] = None, *,
-                      want_loss: bool = True) -> Tuple[Optional[Any], Optional[Any]]:
+                      want_loss: bool = True, every=None) -> Tuple[Optional[Any], Optional[Any]]:
     """``(Δloss (N,) or None, Δ∂/∂ẑ (N, D) or None)`` of NT-Xent's label smoothing ε (module
     notes) for the rows ``zn`` (ẑ, as the products use them) and ``scale`` = 1/τ; ``w``: the
     row weights of the gradient (:func:`row_weights`), None for the loss alone;
-    ``want_loss=False``: the gradient alone (a backward)."""
+    ``want_loss=False``: the gradient alone (a backward).  ``every``: ``(rows, weights)`` of
+    the whole batch when ``zn`` is a rank's [view 1; view 2] of the global batch (its
+    positives its own rows): s and s_w run over every rank's rows (in one fixed order, the
+    same on every rank), K = the global count − 1; ``w`` is then ``zn``'s rows' weights."""
     a = acc_dtype(zn.dtype)
     n = zn.shape[0]
-    b, k = n // 2, n - 1
+    b = n // 2
     z = zn.astype(a, copy=False)
     zp = xp.concatenate([z[b:], z[:b]])  # ẑ_{p(i)}
-    s = z.sum(axis=0)
+    z_all, w_all = every if every is not None else (z, w)
+    z_all = z_all.astype(a, copy=False)
+    k = z_all.shape[0] - 1
+    s = z_all.sum(axis=0)
     dloss = None
     if want_loss:
         other = z @ s - (z * z).sum(axis=1)  # ẑ_i · Σ_{j≠i} ẑ_j
@@ -88,34 +94,38 @@ def nt_xent_smoothing(xp, zn, scale: float, eps: float, w: Optional[Any] = None,
     if w is None:
         return dloss, None
     wi, wp = _rows(xp, w, b)
-    s_w = s * w if getattr(w, "ndim", 0) == 0 else (wi * z).sum(axis=0)
+    s_w = s * w_all if getattr(w_all, "ndim", 0) == 0 else (w_all[:, None] * z_all).sum(axis=0)
     dacc = (eps * scale) * ((wi + wp) * zp - (wi * (s - z) + (s_w - wi * z)) / k)
     return dloss, dacc
 
 
 def clip_smoothing(xp, an, bn, ls, eps: float, w: Optional[Any] = None, *,
-                   want_loss: bool = True):
+                   want_loss: bool = True, sums=None):
     """``(Δloss (N,) or None, (Δ∂/∂â, Δ∂/∂b̂, Δ∂/∂logit_scale) or None)`` of CLIP's label
     smoothing ε (module notes) for ``an``, ``bn`` (â, b̂ as the products use them) and ``ls``
     (the (1,) log scale array, or a real); ``w`` and ``want_loss`` as
-    :func:`nt_xent_smoothing`'s."""
+    :func:`nt_xent_smoothing`'s.  ``sums``: ``(A, B, N, A_w, B_w)`` of the global batch when
+    ``an``, ``bn`` are a rank's pairs of it (A_w, B_w only with ``w``); Δ∂/∂logit_scale is
+    then this rank's share (its pairs' terms: the shares add up to the global value)."""
     a = acc_dtype(an.dtype)
     n = an.shape[0]
     x, y = an.astype(a, copy=False), bn.astype(a, copy=False)
     sigma = xp.exp(xp.asarray(ls, dtype=a).reshape(()))
-    sa, sb = x.sum(axis=0), y.sum(axis=0)
+    sa_own, sb_own = x.sum(axis=0), y.sum(axis=0)
+    sa, sb, n_all = sums[:3] if sums is not None else (sa_own, sb_own, n)
     diag = (x * y).sum(axis=1)
-    dloss = sigma * (eps * diag - (eps / (2 * n)) * (x @ sb + y @ sa)) if want_loss else None
+    dloss = sigma * (eps * diag - (eps / (2 * n_all)) * (x @ sb + y @ sa)) if want_loss else None
     if w is None:
         return dloss, None
     scalar = getattr(w, "ndim", 0) == 0
     wc = w if scalar else w[:, None]
-    aw = sa * w if scalar else (wc * x).sum(axis=0)
-    bw = sb * w if scalar else (wc * y).sum(axis=0)
-    da = (sigma * eps / 2) * (2 * wc * y - (wc * sb + bw) / n)
-    db = (sigma * eps / 2) * (2 * wc * x - (aw + wc * sa) / n)
+    aw_own = sa_own * w if scalar else (wc * x).sum(axis=0)
+    bw_own = sb_own * w if scalar else (wc * y).sum(axis=0)
+    aw, bw = sums[3:5] if sums is not None else (aw_own, bw_own)
+    da = (sigma * eps / 2) * (2 * wc * y - (wc * sb + bw) / n_all)
+    db = (sigma * eps / 2) * (2 * wc * x - (aw + wc * sa) / n_all)
     wd = (w * diag).sum() if not scalar else w * diag.sum()
-    dscale = sigma * (eps * wd - (eps / (2 * n)) * (aw @ sb + bw @ sa))
+    dscale = sigma * (eps * wd - (eps / (2 * n_all)) * (aw_own @ sb + bw_own @ sa))
     return dloss, (da, db, dscale)
 
 

@@ -136,7 +136,8 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0,
     label_smoothing : float in [0, 1), default 0
         Each direction's ``F.cross_entropy(label_smoothing=ε)`` (open_clip's request): an
         O(N·D) difference from the plain loss (``cupynce.ops._variants``), so every path
-        serves it; the call makes no CUDA-graph replay; not yet with ``group``.
+        serves it; the call makes no CUDA-graph replay.  With ``group`` the sums run over the
+        global batch (Σ â gathered, Σ b̂ from the gathered texts).
     reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
     group : communicator, optional
@@ -324,9 +325,10 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, reduc
     xp, ls, ls_shape, p = _global.agree(comm, op, lambda: (
         _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision),
         _checks.check_bool(op, "requires_grad", requires_grad),
-        _no_global_smoothing(label_smoothing))[0], [a, b], ["a", "b"],
+        _checks.check_smoothing(op, label_smoothing))[0], [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
-         precision])
+         precision, label_smoothing])
+    eps = float(label_smoothing)
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         rank, size = comm.rank, comm.size
@@ -348,6 +350,12 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, reduc
         lse_c = engine.col_lse(comm.all_gather(state))  # every text's lse, the same on every rank
         own = slice(rank * n, (rank + 1) * n)
         pair = 0.5 * (row_loss + (lse_c[own] - (lse_r - row_loss)))
+        sums = None
+        if eps:  # the smoothing's O(N·D) difference over the global sums (_variants): Σ â of
+            # every rank (gathered, added in rank order), Σ b̂ of the gathered texts
+            sums = (comm.all_gather(an.astype(acc, copy=False).sum(axis=0)).sum(axis=0),
+                    b_all.astype(acc, copy=False).sum(axis=0), n * size)
+            pair = pair + _variants.clip_smoothing(xp, an, bn, ls_dev, eps, sums=sums)[0]
         ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c[own]) if requires_grad else (),
                       precision=p)
         ls_dtype = acc if isinstance(ls, float) else ls.dtype
@@ -355,32 +363,38 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, reduc
         fused = requires_grad and reduction != "none"
         if fused:
             w = weights(xp, None, reduction, n * size, acc)
+            smooth = None
+            if eps:
+                w_row = _variants.row_weights(w)
+                smooth = _variants.clip_smoothing(
+                    xp, an, bn, ls_dev, eps, w_row, want_loss=False,
+                    sums=sums + (sums[0] * w_row, sums[1] * w_row))[1]
             da, db, dscale = _global_grads(comm, block, xp, an, b_all, ls_dev, rank * n, lse_r,
-                                           lse_c, w, workspace_bytes)
+                                           lse_c, w, workspace_bytes, smooth)
             ctx.saved = dict(base, acc=(da, db), dscale=dscale)
         elif requires_grad:
-            ctx.saved = dict(base, an=an, b_all=b_all, ls=ls_dev, lse=(lse_r, lse_c),
-                             ws=workspace_bytes, comm=comm)
+            ctx.saved = dict(base, an=an, bn=bn, b_all=b_all, ls=ls_dev, lse=(lse_r, lse_c),
+                             ws=workspace_bytes, comm=comm, eps=eps, sums=sums)
         return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _global_grads(comm: Comm, block, xp, an, b_all, ls, row0: int, lse_r, lse_c, w, ws):
+def _global_grads(comm: Comm, block, xp, an, b_all, ls, row0: int, lse_r, lse_c, w, ws,
+                  smooth=None):
     """(da, db, dlogit_scale) accumulators of the rank's block: the texts' gradients summed
-    at their owners, d loss / d logit_scale all-reduced (the global value)."""
+    at their owners, d loss / d logit_scale all-reduced (the global value).  ``smooth``: the
+    label smoothing's (Δda, Δdb, this rank's share of Δdlogit_scale) of the rank's pairs,
+    added (the share before the all-reduce)."""
     _, _, _, (da, db_all, dsp) = block(
         an, b_all, ls, lse_r=lse_r, lse_c=lse_c, weights=w, want_loss=False, want_grad=True,
         workspace_bytes=ws, row0=row0)
     db = comm.reduce_scatter(db_all.reshape(comm.size, *an.shape))
-    dscale = comm.all_reduce(dsp.sum().reshape(1) if xp is np else
-                             arrays.fixed_sum(dsp, 1).reshape(1)).reshape(())
+    local = dsp.sum().reshape(1) if xp is np else arrays.fixed_sum(dsp, 1).reshape(1)
+    if smooth is not None:
+        da += smooth[0]
+        db += smooth[1]
+        local = local + xp.asarray(smooth[2]).reshape(1)
+    dscale = comm.all_reduce(local).reshape(())
     return da, db, dscale
-
-
-def _no_global_smoothing(label_smoothing) -> None:
-    """``label_smoothing=`` with ``group=``: not yet (raised inside the agreement: on every
-    rank)."""
-    if _checks.check_smoothing("clip_loss", label_smoothing):
-        raise ValueError("clip_loss: label_smoothing= is not supported with group= yet")
 
 
 def _global_acc(ctx: Context, g):
@@ -392,8 +406,16 @@ def _global_acc(ctx: Context, g):
     acc = s["lse"][0].dtype
     g_all = comm.all_gather(_global.upstream(xp, g, ctx.n, acc)).reshape(-1)
     w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
+    smooth = None
+    if s["eps"]:  # (A_w: every rank's Σ w â, gathered; B_w from the gathered texts)
+        own = g_all[comm.rank * ctx.n:(comm.rank + 1) * ctx.n]
+        an = s["an"].astype(acc, copy=False)
+        a_w = comm.all_gather((own[:, None] * an).sum(axis=0)).sum(axis=0)
+        b_w = (g_all[:, None] * s["b_all"].astype(acc, copy=False)).sum(axis=0)
+        smooth = _variants.clip_smoothing(xp, s["an"], s["bn"], s["ls"], s["eps"], own,
+                                          want_loss=False, sums=s["sums"] + (a_w, b_w))[1]
     da, db, dscale = _global_grads(comm, block, xp, s["an"], s["b_all"], s["ls"],
-                                   comm.rank * ctx.n, *s["lse"], w, s["ws"])
+                                   comm.rank * ctx.n, *s["lse"], w, s["ws"], smooth)
     return (da, db), (dscale,)
 
 

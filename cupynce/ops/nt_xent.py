@@ -70,7 +70,8 @@ def nt_xent_forward(z, temperature: float = 0.5, *, label_smoothing: float = 0.0
         ``F.cross_entropy``'s label smoothing over each row's 2B − 1 candidates: the target
         is 1 − ε on the positive plus ε spread evenly over them.  Computed as an O(N·D)
         difference from the plain loss (``cupynce.ops._variants``), so every path serves
-        it; the call makes no CUDA-graph replay.
+        it; the call makes no CUDA-graph replay.  With ``group`` its sums run over the
+        global batch.
     reduction : "mean" | "sum" | "none"
     normalize : bool
         L2-normalise the rows first (as ``F.normalize``, eps 1e-12); gradients go through it.
@@ -245,8 +246,9 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
     xp, t, p = _global.agree(comm, op, lambda: (
         _check(z, temperature, reduction, workspace_bytes, normalize, precision),
         _checks.check_bool(op, "requires_grad", requires_grad),
-        _no_global_smoothing(label_smoothing))[0], [z], ["z"],
+        _checks.check_smoothing(op, label_smoothing))[0], [z], ["z"],
         [temperature, reduction, normalize, requires_grad, precision, label_smoothing])
+    eps = float(label_smoothing)
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         engine = _local.engine_for(xp)
@@ -264,6 +266,9 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         states = comm.all_gather(state) if plan.width else None
         lse = _local.nt_xent_lse(plan, engine, lse_d, partial, states)
         rows = loss_d + (lse - lse_d)
+        every = parts.reshape(size * n2, -1)
+        if eps:  # the smoothing's O(N·D) difference over the global sums (_variants)
+            rows += _variants.nt_xent_smoothing(xp, zn, scale, eps, every=(every, None))[0]
         ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else (),
                       precision=p)
         if requires_grad:
@@ -273,18 +278,15 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
                 w_mul = row_weight(reduction, n2 * size)
                 acc = _local.nt_xent_grads(path, engine, plan, zn, parts, scale, lse_all, None,
                                            w_mul, workspace_bytes)
-                ctx.saved = dict(base, acc=(comm.reduce_scatter(acc),))
+                acc = comm.reduce_scatter(acc)
+                if eps:
+                    acc += _variants.nt_xent_smoothing(
+                        xp, zn, scale, eps, w_mul, want_loss=False, every=(every, w_mul))[1]
+                ctx.saved = dict(base, acc=(acc,))
             else:
                 ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
-                                 scale=scale, ws=workspace_bytes, comm=comm)
+                                 scale=scale, ws=workspace_bytes, comm=comm, eps=eps)
         return _global.loss(comm, xp, rows, reduction, n2 * size), _global.tag(ctx, _GLOBAL)
-
-
-def _no_global_smoothing(label_smoothing) -> None:
-    """``label_smoothing=`` with ``group=``: not yet (raised inside the agreement: on every
-    rank)."""
-    if _checks.check_smoothing("nt_xent", label_smoothing):
-        raise ValueError("nt_xent: label_smoothing= is not supported with group= yet")
 
 
 def _global_acc(ctx: Context, g):
@@ -293,9 +295,16 @@ def _global_acc(ctx: Context, g):
     comm = s["comm"]
     w_all = comm.all_gather(_global.upstream(xp, g, ctx.n, s["lse_all"].dtype))
     engine = _local.engine_for(xp)
-    acc = _local.nt_xent_grads(Path(xp), engine, s["plan"], s["zn"], s["parts"], s["scale"],
-                               s["lse_all"], w_all, 1.0, s["ws"])
-    return (comm.reduce_scatter(acc),), ()
+    acc = comm.reduce_scatter(_local.nt_xent_grads(
+        Path(xp), engine, s["plan"], s["zn"], s["parts"], s["scale"], s["lse_all"], w_all, 1.0,
+        s["ws"]))
+    if s["eps"]:
+        size, n2 = comm.size, ctx.n
+        w_flat = w_all.reshape(-1)
+        acc += _variants.nt_xent_smoothing(
+            xp, s["zn"], s["scale"], s["eps"], w_flat[comm.rank * n2:(comm.rank + 1) * n2],
+            want_loss=False, every=(s["parts"].reshape(size * n2, -1), w_flat))[1]
+    return (acc,), ()
 
 
 _GLOBAL = _global.Schedule(recompute=_global_acc,

@@ -176,7 +176,7 @@ def _run(op: str, group, checks: Callable[[], Any], fwd: Callable,
 def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_bytes: Any,
             group, precision: Any = None, *, label_smoothing: Any = 0.0) -> Tensor:
     """``cupynce.torch.nt_xent(..., group=group)`` (see the module notes; a label smoothing
-    is refused there, on every rank, for now)."""
+    is the global batch's)."""
     op = "nt_xent"
     p: List[Any] = [None]
 
@@ -251,7 +251,7 @@ def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
               label_smoothing: Any = 0.0) -> Tensor:
     """``cupynce.torch.clip_loss(..., group=group)`` (see the module notes); ``resolve``
     is the single-process op's check of ``logit_scale`` → (tensor or None, host value); a
-    label smoothing is refused on every rank for now."""
+    label smoothing is the global batch's."""
     op = "clip_loss"
     ls: List[Any] = [None, 0.0]
     p: List[Any] = [None]

@@ -47,7 +47,7 @@ def _upstream(xp, reduction, count, seed, acc):
     return 0.7
 
 
-def _check_nt_xent(xp, dtype, P, n, d, reduction, normalize, device=None, ws=None):
+def _check_nt_xent(xp, dtype, P, n, d, reduction, normalize, device=None, ws=None, eps=0.0):
     N = n * P
     Z = _batch(xp, dtype, (2 * N, d), 1)
     acc = np.float64 if dtype == "float64" else np.float32
@@ -56,13 +56,15 @@ def _check_nt_xent(xp, dtype, P, n, d, reduction, normalize, device=None, ws=Non
 
     def rank(comm):
         idx = xp.asarray(rows[comm.rank])
-        loss, ctx = cupynce.nt_xent_forward(Z[idx], 0.3, reduction=reduction,
-                                            normalize=normalize, workspace_bytes=ws, group=comm)
+        loss, ctx = cupynce.nt_xent_forward(Z[idx], 0.3, label_smoothing=eps,
+                                            reduction=reduction, normalize=normalize,
+                                            workspace_bytes=ws, group=comm)
         g = up[idx] if reduction == "none" else up
         return loss, cupynce.nt_xent_backward(ctx, g)
 
     out = run(P, rank, device=device)
-    want, ctx = cupynce.nt_xent_forward(Z, 0.3, reduction=reduction, normalize=normalize)
+    want, ctx = cupynce.nt_xent_forward(Z, 0.3, label_smoothing=eps, reduction=reduction,
+                                        normalize=normalize)
     dz = cupynce.nt_xent_backward(ctx, up)
     tl, tg = TOL[dtype]
     for r, (loss, g) in enumerate(out):
@@ -145,6 +147,22 @@ def _check_supcon(xp, dtype, P, n, d, reduction, normalize, device=None, ws=None
 
 @pytest.mark.parametrize("P", [1, 2, 3])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_clip_smoothing_numpy(P, reduction, learnable):
+    """CLIP's label_smoothing= across ranks: Σ â gathered, Σ b̂ from the gathered texts, the
+    scale's gradient from every rank's share."""
+    _check_clip(np, "float64", P, 3, 5, reduction, True, learnable, eps=0.2)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_nt_xent_smoothing_numpy(P, reduction):
+    """label_smoothing= across ranks: the O(N·D) difference over the global sums."""
+    _check_nt_xent(np, "float64", P, 3, 5, reduction, True, eps=0.2)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("classes", [3, 40])
 def test_supcon_numpy(P, reduction, normalize, classes):
@@ -164,7 +182,8 @@ def test_supcon_odd_rows_raise_on_every_rank():
     assert run(2, rank) == [True, True]
 
 
-def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None, ws=None):
+def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None, ws=None,
+                eps=0.0):
     N = n * P
     A, B = _batch(xp, dtype, (N, d), 8, 1.0), _batch(xp, dtype, (N, d), 9, 1.0)
     acc = np.float64 if dtype == "float64" else np.float32
@@ -173,13 +192,14 @@ def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None
 
     def rank(comm):
         sl = slice(comm.rank * n, (comm.rank + 1) * n)
-        loss, ctx = cupynce.clip_loss_forward(A[sl], B[sl], ls, reduction=reduction,
-                                              normalize=normalize, workspace_bytes=ws,
-                                              group=comm)
+        loss, ctx = cupynce.clip_loss_forward(A[sl], B[sl], ls, label_smoothing=eps,
+                                              reduction=reduction, normalize=normalize,
+                                              workspace_bytes=ws, group=comm)
         return loss, cupynce.clip_loss_backward(ctx, up[sl] if reduction == "none" else up)
 
     out = run(P, rank, device=device)
-    want, ctx = cupynce.clip_loss_forward(A, B, ls, reduction=reduction, normalize=normalize)
+    want, ctx = cupynce.clip_loss_forward(A, B, ls, label_smoothing=eps, reduction=reduction,
+                                          normalize=normalize)
     da, db, dls = cupynce.clip_loss_backward(ctx, up)
     tl, tg = TOL[dtype]
     for r, (loss, (ga, gb, gl)) in enumerate(out):
@@ -431,6 +451,24 @@ def test_info_nce_labels_gpu(P, dtype, reduction):
     cp = _gpu()
     _check_info_nce(cp, dtype, P, 72, 64, reduction, True, "shared", device=0, labeled=True,
                     eps=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_nt_xent_smoothing_gpu(P, dtype, reduction):
+    cp = _gpu()
+    _check_nt_xent(cp, dtype, P, 72, 64, reduction, True, device=0, eps=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_clip_smoothing_gpu(P, dtype, reduction):
+    cp = _gpu()
+    _check_clip(cp, dtype, P, 72, 64, reduction, True, True, device=0, eps=0.1)
 
 
 @pytest.mark.gpu

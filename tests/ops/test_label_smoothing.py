@@ -8,7 +8,8 @@ D = 64) and the kept scores (bf16, D = 4096; CLIP's at D = 2048). NumPy on the C
 CuPy and CUDA tensors marked ``gpu``. Relative errors ``||x - ref|| / ||ref||``: float64
 1e-12, float32 1e-5, float16 5e-3, bfloat16 3e-2 (CLIP's d logit_scale, a sum of cancelling
 terms: that tolerance times max(|d logit_scale|, 1)). ``cupynce.torch`` through the direct Function, the registered ops
-and ``torch.compile``; ``group=`` with a smoothing raises on every rank (not yet supported).
+and ``torch.compile``; ranks that pass different smoothings raise on every rank (``group=``
+with a smoothing: tests/distributed/test_global_emulated.py).
 """
 from __future__ import annotations
 
@@ -104,15 +105,16 @@ def test_bad_smoothing_raises(eps, err, match):
         core.nt_xent_forward(np.ones((4, 3)), 0.5, label_smoothing=eps)
 
 
-def test_group_with_smoothing_raises_on_every_rank():
+def test_ranks_with_different_smoothings_raise_on_every_rank():
+    """``group=`` with a smoothing is the global batch's (tests/distributed); ranks that pass
+    different smoothings raise, every one of them."""
     from emulated_ranks import run
 
     z = np.random.default_rng(2).standard_normal((8, 4))
 
     def rank(comm):
-        match = ("label_smoothing= is not supported with group= yet" if comm.rank == 0
-                 else r"invalid inputs on rank\(s\) \[0\]|must pass the same settings")
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=r"nt_xent: every rank of the group must pass the "
+                                             r"same settings"):
             core.nt_xent_forward(z[4 * comm.rank:4 * comm.rank + 4], 0.5, group=comm,
                                  label_smoothing=0.1 if comm.rank == 0 else 0.0)
         return True
@@ -255,3 +257,63 @@ def test_modules_take_the_smoothing():
                                                 label_smoothing=0.2, normalize=True))
     with pytest.raises(ValueError, match=r"ClipLoss: label_smoothing must be in \[0, 1\)"):
         ct.ClipLoss(label_smoothing=1.0)
+
+
+def check_smoothing_across_ranks(rank, world):
+    """``cupynce.torch.nt_xent`` / ``clip_loss`` with a smoothing through ``group=``: the
+    global loss of the concatenated batch, and world times its gradients for the rank's rows
+    (DDP's convention; the learnable scale's: the global one)."""
+    import torch
+    import torch.distributed as dist
+
+    import cupynce.torch as ct
+
+    n = 3
+    gen = torch.Generator().manual_seed(9)
+    V1, V2, A, B = (torch.randn(n * world, 5, generator=gen, dtype=torch.float64)
+                    for _ in range(4))
+    mine = slice(rank * n, (rank + 1) * n)
+    for reduction in ("mean", "none"):
+        up = torch.linspace(0.5, 1.5, 2 * n * world, dtype=torch.float64)
+        # NT-Xent: the rank's [view 1; view 2]; the global batch [every view 1; every view 2]
+        z = torch.cat([V1[mine], V2[mine]]).requires_grad_()
+        zs = torch.cat([V1, V2]).requires_grad_()
+        loss = ct.nt_xent(z, 0.3, label_smoothing=0.2, reduction=reduction, normalize=True,
+                          group=dist.group.WORLD)
+        want = ct.nt_xent(zs, 0.3, label_smoothing=0.2, reduction=reduction, normalize=True)
+        idx = torch.cat([torch.arange(rank * n, (rank + 1) * n),
+                         n * world + torch.arange(rank * n, (rank + 1) * n)])
+        if reduction == "none":
+            loss.backward(up[idx])
+            want.backward(up)
+            torch.testing.assert_close(loss, want[idx], rtol=1e-12, atol=1e-14)
+        else:
+            loss.backward()
+            want.backward()
+            torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(z.grad, world * zs.grad[idx], rtol=1e-10, atol=1e-14)
+        # CLIP with a learnable log scale
+        a, b = A[mine].clone().requires_grad_(), B[mine].clone().requires_grad_()
+        a_s, b_s = A.clone().requires_grad_(), B.clone().requires_grad_()
+        ls, ls_s = (torch.tensor(1.1, dtype=torch.float64, requires_grad=True)
+                    for _ in range(2))
+        loss = ct.clip_loss(a, b, ls, label_smoothing=0.2, reduction=reduction,
+                            normalize=True, group=dist.group.WORLD)
+        want = ct.clip_loss(a_s, b_s, ls_s, label_smoothing=0.2, reduction=reduction,
+                            normalize=True)
+        g = up[:n * world]
+        loss.backward(g[mine] if reduction == "none" else None)
+        want.backward(g if reduction == "none" else None)
+        torch.testing.assert_close(loss, want[mine] if reduction == "none" else want,
+                                   rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(a.grad, world * a_s.grad[mine], rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(b.grad, world * b_s.grad[mine], rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(ls.grad, ls_s.grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_smoothing_across_ranks_over_gloo(world):
+    pytest.importorskip("torch")
+    from test_torch_distributed import run_ranks
+
+    run_ranks(world, ["check_smoothing_across_ranks"], module="test_label_smoothing")

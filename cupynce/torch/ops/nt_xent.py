@@ -36,7 +36,8 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, label_smoothing: float = 0.0
     temperature : float > 0, default 0.5
     label_smoothing : float in [0, 1), default 0
         ``F.cross_entropy``'s label smoothing over each row's 2B − 1 candidates (an O(N·D)
-        difference from the plain loss: every path serves it; not yet with ``group``).
+        difference from the plain loss: every path serves it; with ``group``, over the global
+        batch).
     reduction : "mean" (default) | "sum" | "none"
     normalize : bool, default False
         L2-normalise the rows first (as ``F.normalize``); the gradient goes through it.
