@@ -20,9 +20,16 @@ class NTXentLoss(nn.Module):
     Parameters (lightly's)
     ----------------------
     temperature : float, default 0.5 (|temperature| < 1e-8 raises ``ValueError`` as lightly).
-    memory_bank_size : int or (size, dim), default 0
-        A non-zero size (MoCo's memory bank) raises ``NotImplementedError``: not in cupynce
-        yet.
+    memory_bank_size : 0 or (size, dim), default 0
+        A memory bank (MoCo's, as lightly keeps it): ``size`` keys of width ``dim``, randomly
+        initialised (``torch.randn``, normalised: lightly's draw), float32.  ``forward``
+        then returns ``info_nce(out0, out1, negatives=bank, in_batch_negatives=False)``:
+        each out0 row against its out1 row and the bank alone, the bank as it was before
+        the call; in training (``out0.requires_grad``) the normalised out1 rows then replace
+        the oldest entries as lightly writes them (a batch that passes the bank's end fills
+        it and the rest is dropped; with ``gather_distributed`` every rank's rows, so every
+        rank's bank is the same).  The write position is a host integer (lightly reads a
+        device one).  A bare non-zero int raises ``ValueError`` as lightly.
     gather_distributed : bool
         With torch.distributed initialised and more than one process: lightly's global batch
         (every rank's view-0 rows, then every rank's view-1 rows; each row against all 2N − 1
@@ -43,12 +50,19 @@ class NTXentLoss(nn.Module):
                  gather_distributed: bool = False, *, workspace_bytes: Optional[int] = None,
                  group: Optional[Any] = None, precision: Optional[str] = None):
         super().__init__()
-        size = memory_bank_size if isinstance(memory_bank_size, int) else \
-            (memory_bank_size[0] if len(memory_bank_size) else 0)
-        if size:
-            raise NotImplementedError(
-                f"NTXentLoss: memory_bank_size={memory_bank_size!r}: a memory bank (MoCo) has "
-                "no cupynce equivalent yet; use memory_bank_size=0 (SimCLR), or lightly's class")
+        shape = (memory_bank_size,) if isinstance(memory_bank_size, int) else \
+            tuple(memory_bank_size)
+        if any(x < 0 for x in shape) or (shape != (0,) and len(shape) != 2) or \
+                (isinstance(memory_bank_size, int) and memory_bank_size > 0):
+            raise ValueError(f"NTXentLoss: illegal memory bank size {memory_bank_size!r}: "
+                             f"expected (num_features, dim), or 0 to disable the memory bank")
+        self.bank: Optional[Tensor]
+        if shape != (0,) and shape[0] > 0:  # (lightly's draw: randn, then normalised)
+            self.register_buffer("bank", torch.nn.functional.normalize(
+                torch.randn(shape).float(), dim=-1), persistent=False)
+        else:
+            self.bank = None
+        self.bank_position = 0
         _checks.check_no_grad("NTXentLoss", "temperature", temperature)
         if abs(temperature) < 1e-8:
             raise ValueError(f"Illegal temperature: abs({temperature}) < 1e-8")
@@ -60,13 +74,36 @@ class NTXentLoss(nn.Module):
         self.workspace_bytes, self.group = workspace_bytes, group
         self.precision = _registry.module_precision("NTXentLoss", precision)
 
+    @torch.no_grad()
+    def _enqueue(self, keys: Tensor, group, size: int) -> None:
+        """lightly's ``_dequeue_and_enqueue``: every rank's rows first with
+        ``gather_distributed``; past the bank's end the rest of the batch is dropped."""
+        if size > 1:
+            every = keys.new_empty((size,) + tuple(keys.shape))
+            torch.distributed.all_gather(list(every.unbind(0)), keys.contiguous(), group=group)
+            keys = every.reshape(-1, keys.shape[1])
+        bank, ptr, n = self.bank, self.bank_position, keys.shape[0]
+        if ptr + n >= bank.shape[0]:
+            bank[ptr:] = keys[:bank.shape[0] - ptr].to(bank.device, bank.dtype)
+            self.bank_position = 0
+        else:
+            bank[ptr:ptr + n] = keys.to(bank.device, bank.dtype)
+            self.bank_position = ptr + n
+
     def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
         if out0.shape != out1.shape or out0.dim() != 2:
             raise ValueError(f"NTXentLoss: out0 and out1 must be (n, D) of one shape, got "
                              f"{tuple(out0.shape)} and {tuple(out1.shape)}")
-        z = torch.cat([out0, out1], 0)
         kw = dict(normalize=True, workspace_bytes=self.workspace_bytes, precision=self.precision)
         group, size = dist_group(self.group) if self.gather_distributed else (None, 1)
+        if self.bank is not None:
+            negatives = self.bank.to(out0.device, out0.dtype, copy=True)  # (before the update)
+            loss = C.info_nce(out0, out1, self.temperature, negatives=negatives,
+                              in_batch_negatives=False, **kw)
+            if out0.requires_grad:
+                self._enqueue(torch.nn.functional.normalize(out1.detach(), dim=1), group, size)
+            return loss
+        z = torch.cat([out0, out1], 0)
         if size == 1:
             return C.nt_xent(z, self.temperature, **kw)
         return rank_share(C.nt_xent(z, self.temperature, reduction="none", group=group, **kw),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
+
 from .. import _checks, config
 from .._engine import side
 from .._engine.kernels import acc_dtype
@@ -62,8 +64,24 @@ def _prep_all(xp, path, query, key, negatives, normalize: bool):
     return (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p)
 
 
+def _batch_labels(xp, labels, in_batch_negatives: Any, n: int, like):
+    """``labels`` as the forward takes them: ``in_batch_negatives=False`` (only key i and the
+    explicit negatives are query i's candidates: MoCo's queue, lightly's memory bank) is one
+    label for every row -- every other key leaves every query's candidates."""
+    if _checks.check_bool("info_nce", "in_batch_negatives", in_batch_negatives):
+        return labels
+    if labels is not None:
+        raise ValueError("info_nce: labels= with in_batch_negatives=False: no in-batch key is "
+                         "a candidate, so there is nothing to mask; pass one of them")
+    if xp is np:
+        return np.zeros((n,), np.int64)
+    with like.device:  # (the inputs' GPU)
+        return xp.zeros((n,), np.int64)
+
+
 def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, labels=None,
-                     label_smoothing: float = 0.0, reduction: str = "mean",
+                     label_smoothing: float = 0.0, in_batch_negatives: bool = True,
+                     replicated_negatives: bool = False, reduction: str = "mean",
                      normalize: bool = False, workspace_bytes: Optional[int] = None,
                      requires_grad: bool = True, group=None,
                      precision: Optional[str] = None) -> Tuple[Any, Context]:
@@ -86,6 +104,15 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
         With ``labels`` or ε > 0 the GPU call takes the row blocks (the score tiles do not
         take them yet) and no CUDA-graph replay.  With ``group``: each rank's rows' labels,
         gathered with the keys (every rank passes labels, or none does).
+    in_batch_negatives : bool, default True
+        False: the other rows' keys are no candidates; query i's are key i and the explicit
+        negatives alone (MoCo's loss against its queue, lightly's memory bank).  Computed as
+        one label for every row (``labels`` must be None): the row blocks, as with labels.
+    replicated_negatives : bool, default False
+        With ``group``: the shared (M, D) negatives are the same on every rank (a queue
+        gathered at its enqueue, :class:`cupynce.torch.NegativeQueue`), so they join the
+        candidates once, not once per rank; their gradient is the global loss's (summed
+        over the ranks, no factor P: the same on every rank).  Without ``group``: no effect.
     temperature, reduction, normalize, workspace_bytes, requires_grad : as for nt_xent.
         ``normalize`` applies to query, key and negatives alike.
     group : communicator, optional
@@ -113,8 +140,11 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
     if group is not None:
         return _global_forward(
             _comm.wrap(group), query, key, temperature, negatives=negatives, labels=labels,
-            label_smoothing=label_smoothing, reduction=reduction, normalize=normalize,
-            workspace_bytes=workspace_bytes, requires_grad=requires_grad, precision=precision)
+            label_smoothing=label_smoothing, in_batch_negatives=in_batch_negatives,
+            replicated_negatives=replicated_negatives, reduction=reduction,
+            normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad,
+            precision=precision)
+    _checks.check_bool("info_nce", "replicated_negatives", replicated_negatives)
     sig = _memo.signature("info_nce", query, key, negatives, temperature)
     hit = _memo.known(sig)
     if hit:  # the arrays and temperature passed these checks before, laid out (_memo)
@@ -125,7 +155,8 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
                           normalize, precision)
     _checks.check_bool("info_nce", "requires_grad", requires_grad)
     n = query.shape[0]
-    labels = _checks.check_labels("info_nce", labels, n, xp, query)
+    labels = _batch_labels(xp, _checks.check_labels("info_nce", labels, n, xp, query),
+                           in_batch_negatives, n, query)
     eps = _checks.check_smoothing("info_nce", label_smoothing)
     path = Path(xp)
     (query, key, negatives), sig = contig_remembered(xp, sig, hit, query, key, negatives)
@@ -197,18 +228,21 @@ def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
 
 def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.0, *,
                                  temperature: float = 0.1, labels=None,
-                                 label_smoothing: float = 0.0, reduction: str = "mean",
+                                 label_smoothing: float = 0.0,
+                                 in_batch_negatives: bool = True, reduction: str = "mean",
                                  normalize: bool = False, workspace_bytes: Optional[int] = None,
                                  precision: Optional[str] = None):
     """``(dquery, dkey, dnegatives)`` from the inputs and ``ctx.stats[0]`` (row lse) alone.
 
     See :func:`nt_xent_backward_from_stats` (``precision`` too); ``dnegatives`` is None
-    without negatives; ``labels`` and ``label_smoothing`` as the forward's.
+    without negatives; ``labels``, ``label_smoothing`` and ``in_batch_negatives`` as the
+    forward's.
     """
     xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
                       normalize, precision)
     n = query.shape[0]
-    labels = _checks.check_labels("info_nce", labels, n, xp, query)
+    labels = _batch_labels(xp, _checks.check_labels("info_nce", labels, n, xp, query),
+                           in_batch_negatives, n, query)
     masks = dict(labels=None if labels is None else (labels, labels),
                  smoothing=_checks.check_smoothing("info_nce", label_smoothing))
     check_stats("info_nce", xp, n, query.dtype, lse=lse)
@@ -222,24 +256,28 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
 
 
 def info_nce(query, key, temperature: float = 0.1, *, negatives=None, labels=None,
-             label_smoothing: float = 0.0, reduction: str = "mean", normalize: bool = False,
-             workspace_bytes: Optional[int] = None, group=None,
+             label_smoothing: float = 0.0, in_batch_negatives: bool = True,
+             replicated_negatives: bool = False, reduction: str = "mean",
+             normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
              precision: Optional[str] = None):
     """Query/key InfoNCE loss; see :func:`info_nce_forward`."""
     return info_nce_forward(query, key, temperature, negatives=negatives, labels=labels,
-                            label_smoothing=label_smoothing, reduction=reduction,
+                            label_smoothing=label_smoothing,
+                            in_batch_negatives=in_batch_negatives,
+                            replicated_negatives=replicated_negatives, reduction=reduction,
                             normalize=normalize, workspace_bytes=workspace_bytes,
                             requires_grad=False, group=group, precision=precision)[0]
 
 
 # ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
 def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, labels=None,
-                    label_smoothing=0.0, reduction="mean", normalize=False,
-                    workspace_bytes=None, requires_grad=True, precision=None):
+                    label_smoothing=0.0, in_batch_negatives=True, replicated_negatives=False,
+                    reduction="mean", normalize=False, workspace_bytes=None,
+                    requires_grad=True, precision=None):
     """:func:`info_nce_forward` over ``comm``'s global batch (see :mod:`cupynce.ops._global`).
 
-    Every rank's keys and shared (M, D) negatives join every query's candidates; per-query
-    (n, M, D) negatives stay with their query.
+    Every rank's keys and shared (M, D) negatives join every query's candidates (replicated
+    ones: once); per-query (n, M, D) negatives stay with their query.
     """
     op = "info_nce"
     precision = _global.precision_setting(precision)
@@ -248,14 +286,17 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
                           normalize, precision)
         _checks.check_bool(op, "requires_grad", requires_grad)
-        lab = _checks.check_labels(op, labels, query.shape[0], xp, query)
+        _checks.check_bool(op, "replicated_negatives", replicated_negatives)
+        lab = _batch_labels(xp, _checks.check_labels(op, labels, query.shape[0], xp, query),
+                            in_batch_negatives, query.shape[0], query)
         return xp, t, p, lab, _checks.check_smoothing(op, label_smoothing)
 
     # (every rank with labels or none: their presence is a setting the ranks agree on)
     xp, t, p, labels, eps = _global.agree(
         comm, op, checks, [query, key, negatives], ["query", "key", "negatives"],
         [temperature, reduction, normalize, requires_grad, kind, precision,
-         labels is not None, label_smoothing])
+         labels is not None, label_smoothing, in_batch_negatives is True,
+         replicated_negatives is True])
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         rank, size = comm.rank, comm.size
@@ -264,7 +305,9 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
             xp, path, query, key, negatives, normalize)
         others = _global.others(xp, comm.all_gather(kn), rank)
         if neg_s is not None:  # every rank's shared negatives, in rank order, after the keys
-            every = comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
+            # (replicated ones, the same on every rank: once)
+            every = neg_s if replicated_negatives else \
+                comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
             others = every if others is None else xp.concatenate([others, every])
         masks = dict(smoothing=eps, labels=None)
         if labels is not None:  # the columns' labels: this rank's keys', then the others'
@@ -280,20 +323,26 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
                       precision=p)
         base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size)
+        rep = bool(replicated_negatives)
         if fused:
-            ctx.saved = dict(base, acc=_global_scatter(comm, xp, grads, n, neg_s))
+            ctx.saved = dict(base, acc=_global_scatter(comm, xp, grads, n, neg_s, rep))
         elif requires_grad:
             ctx.saved = dict(base, xn=(qn, kn, others, neg_p), neg_s=neg_s, lse=lse, t=t,
-                             ws=workspace_bytes, comm=comm, masks=masks)
+                             ws=workspace_bytes, comm=comm, masks=masks, replicated=rep)
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _global_scatter(comm: Comm, xp, grads, n: int, neg_s):
+def _global_scatter(comm: Comm, xp, grads, n: int, neg_s, replicated: bool = False):
     """The rank's (dq, dk, dneg) accumulators: the keys' and shared negatives' column-side
-    gradients summed at their owners."""
+    gradients summed at their owners; replicated negatives': every rank's summed, over P
+    (``_global.backward`` finishes every accumulator with the factor P: theirs is then the
+    global loss's gradient, the same on every rank)."""
     dq, dk, do, dnp = grads
     n_keys = n * (comm.size - 1)
     dk = comm.reduce_scatter(_global.stack_own(xp, dk, do[:n_keys] if n_keys else None, comm.rank))
+    if neg_s is not None and replicated:
+        return dq, dk, comm.all_reduce(xp.ascontiguousarray(do[n_keys:])) / do.dtype.type(
+            comm.size)
     if neg_s is not None:
         return dq, dk, comm.reduce_scatter(do[n_keys:].reshape(comm.size, *neg_s.shape))
     return dq, dk, dnp
@@ -308,7 +357,7 @@ def _global_acc(ctx: Context, g):
     _, _, grads = _local.info_nce_block(
         Path(xp), qn, kn, others, neg_p, 1.0 / s["t"], lse_in=s["lse"], weights=w,
         want_grad=True, workspace_bytes=s["ws"], **s["masks"])
-    return _global_scatter(s["comm"], xp, grads, ctx.n, s["neg_s"]), ()
+    return _global_scatter(s["comm"], xp, grads, ctx.n, s["neg_s"], s["replicated"]), ()
 
 
 _GLOBAL = _global.Schedule(recompute=_global_acc,

@@ -19,6 +19,9 @@ autograd through every tensor input):
 * :func:`splade_pool` — SPLADE's max-pooled vocabulary representation, x (B, L, D), weight
   (V, D), bias (V,), mask (B, L) → (B, V); :func:`flops_regularizer` (plain torch ops)
 
+A queue of negatives (MoCo): :class:`NegativeQueue`, with ``info_nce(...,
+in_batch_negatives=False, replicated_negatives=True)``.
+
 Gradient caching: :class:`GradientCache` — a loss over a big batch whose encoders run in
 chunks (GradCache), for batches whose activations do not fit (``grad_cache.py``).
 
@@ -115,11 +118,12 @@ from .ops.nt_xent import nt_xent  # noqa: E402
 from .ops.siglip import siglip_loss  # noqa: E402
 from .ops.splade import flops_regularizer, splade_pool  # noqa: E402
 from .ops.supcon import supcon_loss  # noqa: E402
+from .queue import NegativeQueue  # noqa: E402
 
 __all__ = [
     "nt_xent", "info_nce", "supcon_loss", "clip_loss", "siglip_loss", "splade_pool",
     "flops_regularizer",
     "InfoNCELoss", "NTXentLoss", "InfoNCEFunction", "InfoNCE", "SupConLoss", "ClipLoss",
-    "SymmetricInfoNCE", "SigLipLoss", "GradientCache",
+    "SymmetricInfoNCE", "SigLipLoss", "GradientCache", "NegativeQueue",
     "SpladePooling", "HAS_CUSTOM_OPS", "MIN_TORCH_CUSTOM_OPS",
 ]

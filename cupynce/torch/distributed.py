@@ -198,7 +198,8 @@ def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_
 
 def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: Any,
              normalize: Any, workspace_bytes: Any, group, precision: Any = None, *,
-             labels: Any = None, label_smoothing: Any = 0.0) -> Tensor:
+             labels: Any = None, label_smoothing: Any = 0.0, in_batch_negatives: Any = True,
+             replicated_negatives: Any = False) -> Tensor:
     """``cupynce.torch.info_nce(..., group=group)`` (see the module notes; ``labels`` are
     each rank's rows', gathered with its keys)."""
     op = "info_nce"
@@ -216,6 +217,8 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
         lab = B.array_of(labels) if isinstance(labels, Tensor) else labels
         return info_nce_op.info_nce_forward(q, k, temperature, negatives=neg, labels=lab,
                                             label_smoothing=label_smoothing,
+                                            in_batch_negatives=in_batch_negatives,
+                                            replicated_negatives=replicated_negatives,
                                             reduction=reduction, normalize=normalize,
                                             workspace_bytes=workspace_bytes,
                                             requires_grad=requires_grad, group=comm,

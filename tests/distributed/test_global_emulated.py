@@ -182,6 +182,45 @@ def test_supcon_odd_rows_raise_on_every_rank():
     assert run(2, rank) == [True, True]
 
 
+def _check_replicated(xp, dtype, P, n, d, reduction, in_batch, device=None):
+    """Shared negatives that are the same on every rank (a queue) with
+    ``replicated_negatives=True``: taken once; their gradient the global loss's on every rank
+    (the same bits), the rows' P times theirs."""
+    N, M = n * P, 7
+    Q, K = _batch(xp, dtype, (N, d), 15), _batch(xp, dtype, (N, d), 16)
+    U = _batch(xp, dtype, (M, d), 17)
+    acc = np.float64 if dtype == "float64" else np.float32
+    up = _upstream(xp, reduction, N, 18, acc)
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        loss, ctx = cupynce.info_nce_forward(Q[sl], K[sl], 0.2, negatives=U,
+                                             in_batch_negatives=in_batch,
+                                             replicated_negatives=True, reduction=reduction,
+                                             normalize=True, group=comm)
+        return loss, cupynce.info_nce_backward(ctx, up[sl] if reduction == "none" else up)
+
+    out = run(P, rank, device=device)
+    want, ctx = cupynce.info_nce_forward(Q, K, 0.2, negatives=U, in_batch_negatives=in_batch,
+                                         reduction=reduction, normalize=True)
+    gq, gk, gu = cupynce.info_nce_backward(ctx, up)
+    tl, tg = TOL[dtype]
+    for r, (loss, (a, b, c)) in enumerate(out):
+        sl = slice(r * n, (r + 1) * n)
+        assert _err(loss, want[sl] if reduction == "none" else want) <= tl
+        assert _err(_host(a).astype(np.float64) / P, _host(gq)[sl]) <= tg
+        assert _err(_host(b).astype(np.float64) / P, _host(gk)[sl]) <= tg
+        assert _err(_host(c).astype(np.float64), _host(gu)) <= tg
+    assert len({_host(x[1][2]).tobytes() for x in out}) == 1
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("in_batch", [True, False])
+def test_replicated_negatives_numpy(P, reduction, in_batch):
+    _check_replicated(np, "float64", P, 3, 5, reduction, in_batch)
+
+
 def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None, ws=None,
                 eps=0.0):
     N = n * P
@@ -469,6 +508,14 @@ def test_nt_xent_smoothing_gpu(P, dtype, reduction):
 def test_clip_smoothing_gpu(P, dtype, reduction):
     cp = _gpu()
     _check_clip(cp, dtype, P, 72, 64, reduction, True, True, device=0, eps=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_replicated_negatives_gpu(P, dtype):
+    cp = _gpu()
+    _check_replicated(cp, dtype, P, 72, 64, "mean", False, device=0)
 
 
 @pytest.mark.gpu

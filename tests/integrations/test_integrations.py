@@ -154,11 +154,39 @@ def test_lightly_ntxent(dtype, n, d, temperature):
     close(g1[1], g0[1], dtype, "out1")
 
 
+@need_lightly
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_lightly_memory_bank(dtype):
+    """MoCo's memory bank as lightly keeps it: each out0 row against its out1 row and the
+    bank as it was before the call, then (training) the out1 rows written in, the overflow
+    of a batch past the bank's end dropped; steps that wrap, and one without a gradient (no
+    update).  lightly's bank is float32 (its class takes float32 only)."""
+    outs = []
+    for cls in (LIGHTLY, c_lightly.NTXentLoss):
+        torch.manual_seed(3)  # (the bank's random start: the same draw for both)
+        loss_fn = cls(0.2, memory_bank_size=(10, 5))
+        g = torch.Generator().manual_seed(4)
+        steps = []
+        for step in range(5):
+            x0, x1 = (torch.randn(4, 5, generator=g, dtype=dtype) for _ in range(2))
+            if step == 3:
+                with torch.no_grad():
+                    steps.append((loss_fn(x0, x1), None))
+                continue
+            steps.append(run(loss_fn, leaves(x0, x1)))
+        outs.append(steps)
+    for (l0, g0), (l1, g1) in zip(*outs):
+        close(l1, l0, dtype, "loss")
+        if g0 is not None:
+            close(g1[0], g0[0], dtype, "out0")
+            close(g1[1], g0[1], dtype, "out1")
+
+
 def test_lightly_options():
-    with pytest.raises(NotImplementedError, match="memory_bank_size"):
-        c_lightly.NTXentLoss(memory_bank_size=(4096, 128))
-    with pytest.raises(NotImplementedError, match="memory_bank_size"):
+    with pytest.raises(ValueError, match="illegal memory bank size 16"):
         c_lightly.NTXentLoss(memory_bank_size=16)
+    with pytest.raises(ValueError, match="illegal memory bank size"):
+        c_lightly.NTXentLoss(memory_bank_size=(4, 5, 6))
     with pytest.raises(ValueError, match="temperature"):
         c_lightly.NTXentLoss(temperature=0.0)
     c_lightly.NTXentLoss(memory_bank_size=(0,))  # lightly's spelling of "none"

@@ -3,6 +3,7 @@ autograd, custom ops: ``_skeleton``) and the public function.
 """
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from ... import _checks
@@ -25,7 +26,8 @@ InfoNCEFunction, FWD, BWD = SPEC.Function, SPEC.FWD, SPEC.BWD
 
 def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
              negatives: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-             label_smoothing: float = 0.0, reduction: str = "mean",
+             label_smoothing: float = 0.0, in_batch_negatives: bool = True,
+             replicated_negatives: bool = False, reduction: str = "mean",
              normalize: bool = False, workspace_bytes: Optional[int] = None,
              group: Optional[Any] = None, precision: Optional[str] = None) -> Tensor:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
@@ -47,6 +49,13 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
         CUDA-graph replay (``cupynce.info_nce``).  With ``group``, each rank passes its rows'
         labels (every rank, or none).  With ``reduction="none"`` the backward reads the
         labels again (as it reads the inputs): do not change them in place before it.
+    in_batch_negatives : bool, default True
+        False: query i's candidates are key i and the explicit negatives alone (MoCo against
+        its queue: ``negatives=queue.negatives()``, :class:`NegativeQueue`); one label for
+        every row underneath (``labels`` must be None).
+    replicated_negatives : bool, default False
+        With ``group``: the shared negatives are the same on every rank (a
+        :class:`NegativeQueue`'s): they join the candidates once, not once per rank.
     reduction, normalize, workspace_bytes, precision : as for :func:`nt_xent` (``normalize``
         applies to query, key and negatives alike; ``precision=None`` follows torch's TF32
         setting, then ``cupynce.get_float32_precision()``).
@@ -71,12 +80,20 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
 
         return distributed.info_nce(query, key, negatives, temperature, reduction, normalize,
                                     workspace_bytes, group, precision, labels=labels,
-                                    label_smoothing=label_smoothing)
+                                    label_smoothing=label_smoothing,
+                                    in_batch_negatives=in_batch_negatives,
+                                    replicated_negatives=replicated_negatives)
     t = _checks.check_temperature("info_nce", temperature)
     eps = _checks.check_smoothing("info_nce", label_smoothing)
     reduction, workspace_bytes = R.scalars("info_nce", reduction, workspace_bytes)
     B.check_tensors("info_nce", optional=("negatives", "labels"), query=query, key=key,
                      negatives=negatives, labels=labels)
     normalize = _checks.check_bool("info_nce", "normalize", normalize)
+    _checks.check_bool("info_nce", "replicated_negatives", replicated_negatives)
+    if not _checks.check_bool("info_nce", "in_batch_negatives", in_batch_negatives):
+        if labels is not None:
+            raise ValueError("info_nce: labels= with in_batch_negatives=False: no in-batch key "
+                             "is a candidate, so there is nothing to mask; pass one of them")
+        labels = query.new_zeros((query.shape[0],), dtype=torch.long)  # (one label for all)
     return SPEC(query, key, negatives, labels, t, eps, reduction, normalize, workspace_bytes,
                 R.precision_of("info_nce", precision))
