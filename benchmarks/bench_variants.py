@@ -15,6 +15,16 @@ every implementation), forward + backward of the mean loss w.r.t. the embeddings
 * ``nt_xent`` (the floor) — :func:`cupynce.torch.nt_xent` on the same rows: the row softmax
   SupCon shares with it, so ``cupynce ÷ nt_xent`` is the class terms' cost.
 
+MoCo (``--moco``: bf16, D = 128, ``--moco-queries`` queries against a ``--moco-queue``-key
+queue, L2-normalised inside), forward + backward w.r.t. the queries and keys (the queue is
+detached, as MoCo's):
+
+* ``cupynce`` — ``info_nce(q, k, negatives=queue, in_batch_negatives=False)``;
+* ``eager`` / ``compile`` — MoCo's formula (the positive's logit beside q̂ queuêᵀ, cross
+  entropy at 0) and ``torch.compile`` of it;
+* ``products`` (the floor) — the two products any implementation computes, q queueᵀ and
+  the gradient block times the queue, alone (cuBLAS through torch).
+
 CUDA-event medians, peak memory above the inputs (``cupynce.report.harness``), the loss's and
 gradient's relative error against the formula in float64 on the same bf16 values (sizes up to
 ``--check-max``).  Out of memory is a result.
@@ -74,6 +84,62 @@ def _implementations(temperature: float):
     return impls
 
 
+def moco_formula(q, k, queue, temperature: float):
+    """MoCo's loss as its code writes it: logits [q̂·k̂, q̂ queuêᵀ] / τ, cross entropy at 0."""
+    import torch
+
+    qn, kn, un = (torch.nn.functional.normalize(x, dim=1) for x in (q, k, queue))
+    logits = torch.cat([(qn * kn).sum(1, keepdim=True), qn @ un.T], 1) / temperature
+    return torch.nn.functional.cross_entropy(
+        logits, torch.zeros(q.shape[0], dtype=torch.long, device=q.device))
+
+
+def _moco_rows(args) -> list:
+    """The MoCo rows (see the module notes)."""
+    import torch
+
+    import cupynce.torch as ct
+
+    t, n, m, d = 0.2, args.moco_queries, args.moco_queue, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q0, k0 = (torch.randn(n, d, device="cuda", generator=g).to(torch.bfloat16)
+              for _ in range(2))
+    queue = torch.nn.functional.normalize(torch.randn(m, d, device="cuda", generator=g),
+                                          dim=1).to(torch.bfloat16)
+    compiled = torch.compile(moco_formula)
+    impls = {
+        "cupynce": lambda q, k: ct.info_nce(q, k, t, negatives=queue, in_batch_negatives=False,
+                                           normalize=True),
+        "eager": lambda q, k: moco_formula(q, k, queue, t),
+        "compile": lambda q, k: compiled(q, k, queue, t),
+    }
+    q64, k64 = (x.double().requires_grad_() for x in (q0, k0))
+    want = moco_formula(q64, k64, queue.double(), t)
+    ref = (want.detach(), torch.autograd.grad(want, [q64, k64]))
+    del q64, k64, want
+    res = {}
+    for name, fn in impls.items():
+        q, k = (x.clone().requires_grad_() for x in (q0, k0))
+
+        def step(fn=fn, q=q, k=k):
+            loss = fn(q, k)
+            return (loss.detach(),) + torch.autograd.grad(loss, [q, k])
+
+        case = run_case(step, repeat=args.repeat, keep_result=True, catch_errors=True)
+        out = case.pop("result", None)
+        if out is not None:
+            case["loss_err"] = float(abs(out[0].double() - ref[0]) / abs(ref[0]))
+            case["grad_err"] = max(float((x.double() - r).norm() / r.norm())
+                                   for x, r in zip(out[1:], ref[1]))
+        res[name] = case
+        print("moco", name, {k: case.get(k) for k in ("median_ms", "peak_extra_bytes", "oom",
+                                                     "loss_err", "grad_err", "error")},
+              flush=True)
+    gblock = torch.randn(n, m, device="cuda", generator=g).to(torch.bfloat16)
+    res["products"] = run_case(lambda: (q0 @ queue.T, gblock @ queue), repeat=args.repeat)
+    return [res]
+
+
 def _inputs(n: int, d: int, views: int = 4, seed: int = 0):
     """bf16 leaves: each class's ``views`` rows near a class centre (a SupCon batch); labels
     view-major, as the reference code's ``torch.cat(features.unbind(1))`` stacks them."""
@@ -97,6 +163,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--check-max", type=int, default=16384)
     p.add_argument("--only", default="", help="comma-separated implementations (default all)")
+    p.add_argument("--moco", action="store_true", help="the MoCo rows too")
+    p.add_argument("--moco-only", action="store_true", help="the MoCo rows alone")
+    p.add_argument("--moco-queries", type=int, default=4096)
+    p.add_argument("--moco-queue", type=int, default=65536)
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     info = device_info()
@@ -105,7 +175,7 @@ def main(argv=None) -> int:
     impls = _implementations(args.temperature)
     only = [s for s in args.only.split(",") if s]
     rows, raw = [], []
-    for n in (int(s) for s in args.sizes.split(",")):
+    for n in (() if args.moco_only else (int(s) for s in args.sizes.split(","))):
         z0, labels = _inputs(n, args.dim)
         ref = None
         if n <= args.check_max:
@@ -165,6 +235,35 @@ def main(argv=None) -> int:
         ["op, N", "cupynce ms", "MiB", "pml ms", "pml MiB", "eager ms", "eager MiB",
          "compile ms", "compile MiB", "pml ÷ cupynce", "eager ÷", "compile ÷",
          "nt_xent ms (floor)", "cupynce ÷ floor", "cupynce err loss / grad"], rows)
+    if args.moco or args.moco_only:
+        (res,) = _moco_rows(args)
+        ours = res["cupynce"]
+
+        def cell2(r):
+            return ("OOM", "—") if r.get("oom") else (fmt_ms(r.get("median_ms")),
+                                                      fmt_mib(r.get("peak_extra_bytes")))
+        moco = markdown_table(
+            ["MoCo, queries × queue", "cupynce ms", "MiB", "eager ms", "eager MiB",
+             "compile ms", "compile MiB", "eager ÷ cupynce", "eager MiB ÷ cupynce MiB",
+             "compile ÷", "products ms (floor)", "cupynce ÷ floor", "cupynce err loss / grad",
+             "eager err loss / grad"],
+            [[f"{args.moco_queries} × {args.moco_queue}", *cell2(ours), *cell2(res["eager"]),
+              *cell2(res["compile"]),
+              fmt_ratio(res["eager"]["median_ms"] / ours["median_ms"])
+              if res["eager"].get("median_ms") and ours.get("median_ms") else "—",
+              fmt_ratio(res["eager"]["peak_extra_bytes"] / ours["peak_extra_bytes"])
+              if res["eager"].get("peak_extra_bytes") and ours.get("peak_extra_bytes") else "—",
+              fmt_ratio(res["compile"]["median_ms"] / ours["median_ms"])
+              if res["compile"].get("median_ms") and ours.get("median_ms") else "—",
+              fmt_ms(res["products"].get("median_ms")),
+              fmt_ratio(ours["median_ms"] / res["products"]["median_ms"])
+              if ours.get("median_ms") and res["products"].get("median_ms") else "—",
+              f"{ours.get('loss_err', float('nan')):.1e} / {ours.get('grad_err', float('nan')):.1e}",
+              f"{res['eager'].get('loss_err', float('nan')):.1e} / "
+              f"{res['eager'].get('grad_err', float('nan')):.1e}"]])
+        table = (table + "\n\n" + moco) if rows else moco
+        raw.append(dict(moco={k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")}
+                              for k, v in res.items()}))
     print(table)
     if args.out:
         out = Path(args.out)
