@@ -225,3 +225,74 @@ def require(ctx, op: str) -> None:
     if not ctx.saved:
         raise ValueError(f"{op}_backward: the forward ran with requires_grad=False; "
                          f"run {op}_forward(..., requires_grad=True)")
+
+
+@dataclass(frozen=True)
+class Temperature:
+    """A loss's temperature τ as the engine takes it (:func:`temperature_input`).
+
+    ``value``: τ on the host (a real, or a NumPy array's value), else None; ``scale_log``: for
+    a device array, −log τ as a (1,) array of the accumulator dtype (the engine's logits are
+    then ``exp(scale_log) · q·c``; never read on the host), else None; ``shape`` /
+    ``dtype``: its gradient's (a real's: 0-d of the accumulator dtype); ``array``: given as
+    an array (its gradient is computed, ``dtemperature``)."""
+
+    value: Optional[float]
+    scale_log: Any
+    shape: Tuple[int, ...]
+    dtype: Any
+    array: bool
+
+    @property
+    def scale(self) -> float:
+        """The engine's real scale: 1/τ on the host, 1 with a device ``scale_log``."""
+        return 1.0 / self.value if self.value is not None else 1.0
+
+    def inverse(self, xp):
+        """1/τ as a multiplier: a real, or a 0-d device array (never read)."""
+        if self.value is not None:
+            return 1.0 / self.value
+        return xp.exp(self.scale_log.reshape(()))
+
+
+def temperature_input(op: str, temperature: Any, xp, like, acc) -> Temperature:
+    """``temperature`` checked: a real > 0 (a Python / NumPy number, a 0-d host array), or a
+    0-d / (1,) floating array of the inputs' kind -- a NumPy one is read (> 0, finite), a CuPy
+    one on ``like``'s device is never read (a value ≤ 0 or non-finite makes the loss NaN
+    or infinite on the device)."""
+    if type(temperature) is float:
+        return Temperature(_checks.check_temperature(op, temperature), None, (), acc, False)
+    cp = _checks.cupy_module()
+    if cp is not None and _checks.is_cupy_array(temperature):
+        value, shape = _checks.check_scalar_input(op, "temperature", temperature, xp)
+        _checks.check_scalar_device(op, "temperature", value, like, xp)
+        with value.device:
+            log = -cp.log(value.astype(acc).reshape(1))
+        return Temperature(None, log, shape, value.dtype, True)
+    if isinstance(temperature, np.ndarray):
+        if xp is not np:
+            raise TypeError(f"{op}: temperature is a numpy array but the inputs are "
+                            f"{xp.__name__} arrays (a real, or an array on their device)")
+        one = temperature.reshape(()) if temperature.shape == (1,) else temperature
+        value = _checks.check_temperature(op, one)  # (a real scalar's checks and messages)
+        floating = temperature.dtype in _checks.SUPPORTED_DTYPES
+        return Temperature(value, None, tuple(temperature.shape),
+                           temperature.dtype if floating else acc, True)
+    return Temperature(_checks.check_temperature(op, temperature), None, (), acc, False)
+
+
+def dtemperature(xp, xn, acc, temp: Temperature, degree: int):
+    """dL/dτ from the gradient the backward has anyway: the logits are homogeneous of degree
+    −1 in τ and ``degree`` in the rows ``xn`` (NT-Xent, SupCon: 2 in ẑ; InfoNCE: 1 in the
+    queries), so ``Σ_ij G_ij L_ij = (1/degree) Σ_i x̂_i · ∂L/∂x̂_i`` and
+    ``dL/dτ = −(1/(degree τ)) Σ_i x̂_i · acc_i`` -- ``acc`` the accumulator of ∂L/∂x̂
+    (before the normalisation's backward).  A 0-d array of the accumulator dtype, summed
+    in the array module's fixed order."""
+    a = acc.dtype
+    dot = (acc * xn.astype(a, copy=False)).sum()
+    return -(dot * temp.inverse(xp)) / a.type(degree)
+
+
+def temperature_result(path: "Path", xp, dt, temp: Temperature):
+    """dτ in the temperature's shape and dtype (a real's: 0-d of the accumulator dtype)."""
+    return path.owned_copy(xp.asarray(dt), temp.dtype).reshape(temp.shape)

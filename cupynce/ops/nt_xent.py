@@ -22,8 +22,9 @@ from .. import _checks, _engine, config
 from .._engine import side, workspace
 from .._engine.kernels import acc_dtype
 from . import _comm, _global, _graphs, _local, _memo, _variants
-from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
-                    in_ctx_precision, prep, reduce, reduce_out, require, row_weight, weights)
+from ._base import (Context, Path, Temperature, check_stats, contig_inputs, contig_remembered,
+                    in_ctx_precision, prep, reduce, reduce_out, require, row_weight,
+                    dtemperature, temperature_input, temperature_result, weights)
 from ._comm import Comm
 
 __all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward",
@@ -37,7 +38,7 @@ def _check(z, temperature, reduction, workspace_bytes, normalize, precision):
     if z.shape[0] % 2:
         raise ValueError(f"nt_xent: z must have an even number of rows (2B views), "
                          f"got shape {tuple(z.shape)}")
-    t = _checks.check_temperature(op, temperature)
+    t = temperature_input(op, temperature, xp, z, acc_dtype(z.dtype))
     return xp, t, _checks.check_flags(op, reduction, workspace_bytes, normalize, precision)
 
 
@@ -55,17 +56,22 @@ def _kept_bytes(z, workspace_bytes) -> int:
     return min(n * n * item, workspace.workspace_bound(workspace_bytes)) + n * d * acc
 
 
-def nt_xent_forward(z, temperature: float = 0.5, *, label_smoothing: float = 0.0,
+def nt_xent_forward(z, temperature: Any = 0.5, *, label_smoothing: float = 0.0,
                     reduction: str = "mean", normalize: bool = False,
                     workspace_bytes: Optional[int] = None, requires_grad: bool = True,
-                    group=None, precision: Optional[str] = None) -> Tuple[Any, Context]:
+                    temperature_grad: bool = False, group=None,
+                    precision: Optional[str] = None) -> Tuple[Any, Context]:
     """SimCLR's NT-Xent loss and a context for :func:`nt_xent_backward`.
 
     Parameters
     ----------
     z : (2B, D) array (numpy or cupy), float16 / bfloat16 / float32 / float64
         The two views stacked: row ``i`` and row ``(i + B) mod 2B`` are a positive pair.
-    temperature : float > 0
+    temperature : float > 0, or a 0-d / (1,) array
+        A real, or an array of z's kind: a NumPy one is read; a CuPy one on z's device is
+        never read on the host (the logits take it as a device scale; the NT-Xent-specific
+        symmetric tiles and TF32x3 kernels take a host scale only, so the call runs the
+        general paths).  An array's gradient is computed (``temperature_grad``).
     label_smoothing : float in [0, 1), default 0
         ``F.cross_entropy``'s label smoothing over each row's 2B − 1 candidates: the target
         is 1 − ε on the positive plus ε spread evenly over them.  Computed as an O(N·D)
@@ -79,6 +85,10 @@ def nt_xent_forward(z, temperature: float = 0.5, *, label_smoothing: float = 0.0
         Cap on the score-block workspace; default ``min(1 GiB, half the free memory)``.
     requires_grad : bool
         Also prepare the gradient (see the module notes).
+    temperature_grad : bool, default False
+        :func:`nt_xent_backward` also returns dL/dτ (in the temperature's shape and dtype;
+        0-d float32 / float64 for a real): ``−(1/(2τ)) Σ_i ẑ_i · ∂L/∂ẑ_i`` (the logits are
+        homogeneous of degree 2 in ẑ and −1 in τ), one O(N·D) dot.
     group : communicator, optional
         The loss of the global batch across ranks: a ``cupy.cuda.nccl.NcclCommunicator``
         (or a ``cupyx.distributed`` NCCL backend) for CuPy arrays, or a
@@ -110,15 +120,22 @@ def nt_xent_forward(z, temperature: float = 0.5, *, label_smoothing: float = 0.0
         return _global_forward(
             _comm.wrap(group), z, temperature, label_smoothing=label_smoothing,
             reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
-            requires_grad=requires_grad, precision=precision)
+            requires_grad=requires_grad, temperature_grad=temperature_grad,
+            precision=precision)
     sig = _memo.signature("nt_xent", z, temperature)
     hit = _memo.known(sig)
     if hit:  # z and temperature passed these checks before, z laid out as given (_memo)
-        xp, t = _checks.cupy_module(), temperature
+        xp = _checks.cupy_module()
+        temp = Temperature(temperature, None, (), acc_dtype(z.dtype), False) \
+            if type(temperature) is float else \
+            temperature_input("nt_xent", temperature, xp, z, acc_dtype(z.dtype))
         p = _checks.check_flags("nt_xent", reduction, workspace_bytes, normalize, precision)
     else:
-        xp, t, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)
+        xp, temp, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)
     _checks.check_bool("nt_xent", "requires_grad", requires_grad)
+    tgrad = _checks.check_bool("nt_xent", "temperature_grad", temperature_grad)
+    want_dt = requires_grad and (temp.array or tgrad)
+    t = temp.value
     eps = _checks.check_smoothing("nt_xent", label_smoothing)
     path = Path(xp)
     n = z.shape[0]
@@ -128,17 +145,20 @@ def nt_xent_forward(z, temperature: float = 0.5, *, label_smoothing: float = 0.0
     def compute(z):
         zn, norm = prep(path, z, normalize)
         w = weights(xp, None, reduction, n, acc_dtype(z.dtype))
-        if eps:  # plain loss + the O(N·D) difference (every path serves it), then the
+        if eps or temp.scale_log is not None or want_dt:
+            # plain loss + the O(N·D) difference (every path serves it), then the
             # reduction: after the difference, so no side branch (side.py's notes)
             lse, loss, (dz, *_rest) = path.rows(
-                zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
-                lse_in=None, weights=w, want_grad=fused, workspace_bytes=workspace_bytes,
-                op="nt_xent", self_pair=True)
-            dloss, dacc = _variants.nt_xent_smoothing(
-                xp, zn, 1.0 / t, eps, _variants.row_weights(w) if fused else None)
-            loss += dloss
-            if fused:
-                dz += dacc
+                zn, zn, None, None, temp.scale, exclude_diag=True, pos_shift=n // 2,
+                pos_mod=n, lse_in=None, weights=w, want_grad=fused,
+                workspace_bytes=workspace_bytes, op="nt_xent", self_pair=True,
+                scale_log=temp.scale_log)
+            if eps:
+                dloss, dacc = _variants.nt_xent_smoothing(
+                    xp, zn, temp.inverse(xp), eps, _variants.row_weights(w) if fused else None)
+                loss += dloss
+                if fused:
+                    dz += dacc
             return reduce(xp, loss, reduction), lse, dz, norm, zn
         # the reduced loss needs only the statistics: beside the gradient pass (_engine/side;
         # its output allocated before the fork)
@@ -154,7 +174,8 @@ def nt_xent_forward(z, temperature: float = 0.5, *, label_smoothing: float = 0.0
 
     with config.float32_precision(p):  # (the graph key carries it too)
         # (nothing kept that aliases z; the smoothing's array ops are no graph's)
-        if path.gpu and (fused or not requires_grad) and not eps:
+        if path.gpu and (fused or not requires_grad) and not eps and temp.scale_log is None \
+                and not want_dt:
             loss, lse, dz, norm = _graphs.run(
                 ("nt_xent", t, reduction, normalize, workspace_bytes, fused), (z,),
                 lambda z: compute(z)[:4],
@@ -164,9 +185,12 @@ def nt_xent_forward(z, temperature: float = 0.5, *, label_smoothing: float = 0.0
     ctx = Context("nt_xent", reduction, n, xp, stats=(lse,) if requires_grad else (),
                   precision=p)
     if fused:
-        ctx.saved = dict(z=z, norm=norm, dz=dz)
+        # (dτ for a unit upstream gradient: the homogeneity dot over the accumulator)
+        dt = dtemperature(xp, zn, dz, temp, 2) if want_dt else None
+        ctx.saved = dict(z=z, norm=norm, dz=dz, dt=dt, temp=temp, tgrad=tgrad)
     elif requires_grad:
-        ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes, eps=eps)
+        ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, temp=temp, ws=workspace_bytes,
+                         eps=eps, tgrad=tgrad)
     return loss, ctx
 
 
@@ -175,7 +199,8 @@ def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
     """Gradient of :func:`nt_xent_forward`'s loss w.r.t. ``z``, times ``grad_loss``.
 
     ``grad_loss``: a real or 0-d array (mean/sum), or a (2B,) array (none).  Returns dz (2B, D)
-    in z's dtype.  Its products run in the forward's float32 precision (``ctx.precision``).
+    in z's dtype, or ``(dz, dtemperature)`` for a forward with ``temperature_grad=True``.
+    Its products run in the forward's float32 precision (``ctx.precision``).
     """
     require(ctx, "nt_xent")
     if "global" in ctx.saved:
@@ -184,43 +209,53 @@ def nt_xent_backward(ctx: Context, grad_loss: Any = 1.0):
     path = Path(xp)
     g = _checks.check_grad_loss("nt_xent_backward", grad_loss, ctx.reduction, ctx.n, xp)
     a = acc_dtype(s["z"].dtype)
+    temp = s["temp"]
     if "dz" in s:
-        return path.finish(s["z"], s["norm"], s["dz"], path.grad_scale(g, a))
+        dz = path.finish(s["z"], s["norm"], s["dz"], path.grad_scale(g, a))
+        if not s["tgrad"]:
+            return dz
+        return dz, temperature_result(path, xp, s["dt"] * g, temp)
     n = ctx.n
     w = weights(xp, g, ctx.reduction, n, a)
     _, _, (dz, *_rest) = path.rows(
-        s["zn"], s["zn"], None, None, 1.0 / s["t"], exclude_diag=True, pos_shift=n // 2,
+        s["zn"], s["zn"], None, None, temp.scale, exclude_diag=True, pos_shift=n // 2,
         pos_mod=n, lse_in=s["lse"], weights=w, want_grad=True,
-        workspace_bytes=s["ws"], op="nt_xent", self_pair=True)
+        workspace_bytes=s["ws"], op="nt_xent", self_pair=True, scale_log=temp.scale_log)
     if s.get("eps"):
-        dz += _variants.nt_xent_smoothing(xp, s["zn"], 1.0 / s["t"], s["eps"],
+        dz += _variants.nt_xent_smoothing(xp, s["zn"], temp.inverse(xp), s["eps"],
                                           _variants.row_weights(w), want_loss=False)[1]
-    return path.finish(s["z"], s["norm"], dz, None)
+    dt = dtemperature(xp, s["zn"], dz, temp, 2) if s["tgrad"] else None
+    dz = path.finish(s["z"], s["norm"], dz, None)
+    return (dz, temperature_result(path, xp, dt, temp)) if s["tgrad"] else dz
 
 
-def nt_xent_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, temperature: float = 0.5,
+def nt_xent_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, temperature: Any = 0.5,
                                 label_smoothing: float = 0.0, reduction: str = "mean",
                                 normalize: bool = False,
                                 workspace_bytes: Optional[int] = None,
+                                temperature_grad: bool = False,
                                 precision: Optional[str] = None):
     """``dz`` from the input and the forward's row log-sum-exps (``ctx.stats[0]``) alone.
 
     For callers that keep only O(N) state between forward and backward (the PyTorch ops):
     the score blocks and the normalisation are recomputed.  Same result as
     :func:`nt_xent_backward` on the forward's context when given the forward's
-    ``precision`` (None: the global default).
+    ``precision`` (None: the global default); ``(dz, dtemperature)`` with
+    ``temperature_grad``.
     """
-    xp, t, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)
+    xp, temp, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)
     check_stats("nt_xent", xp, z.shape[0], z.dtype, lse=lse)
     z = contig_inputs(xp, z)[0]
     zn, norm = prep(Path(xp), z, normalize)
     eps = _checks.check_smoothing("nt_xent", label_smoothing)
+    tgrad = _checks.check_bool("nt_xent", "temperature_grad", temperature_grad)
     ctx = Context("nt_xent", reduction, z.shape[0], xp, stats=(lse,), precision=p,
-                  saved=dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes, eps=eps))
+                  saved=dict(z=z, zn=zn, norm=norm, lse=lse, temp=temp, ws=workspace_bytes,
+                             eps=eps, tgrad=tgrad))
     return nt_xent_backward(ctx, grad_loss)
 
 
-def nt_xent(z, temperature: float = 0.5, *, label_smoothing: float = 0.0,
+def nt_xent(z, temperature: Any = 0.5, *, label_smoothing: float = 0.0,
             reduction: str = "mean", normalize: bool = False,
             workspace_bytes: Optional[int] = None, group=None,
             precision: Optional[str] = None):
@@ -232,9 +267,19 @@ def nt_xent(z, temperature: float = 0.5, *, label_smoothing: float = 0.0,
 
 
 # ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
+def _host_temperature(temp: Temperature) -> Temperature:
+    """With ``group=``: the temperature on the host (a real or a NumPy array; the schedule's
+    products take a host scale), else ``ValueError`` (raised inside the agreement: on every
+    rank)."""
+    if temp.value is None:
+        raise ValueError("nt_xent: a device temperature with group= is not supported yet; "
+                         "pass a real (or, for its gradient, a NumPy array)")
+    return temp
+
+
 def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, reduction="mean",
                     normalize=False, workspace_bytes=None, requires_grad=True,
-                    precision=None):
+                    temperature_grad=False, precision=None):
     """:func:`nt_xent_forward` over ``comm``'s global batch (see :mod:`cupynce.ops._global`).
 
     ``z`` (2n, D): this rank's [view 1 of its n images; view 2 of them].  Returns the global
@@ -243,12 +288,19 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
     """
     op = "nt_xent"
     precision = _global.precision_setting(precision)
-    xp, t, p = _global.agree(comm, op, lambda: (
-        _check(z, temperature, reduction, workspace_bytes, normalize, precision),
-        _checks.check_bool(op, "requires_grad", requires_grad),
-        _checks.check_smoothing(op, label_smoothing))[0], [z], ["z"],
-        [temperature, reduction, normalize, requires_grad, precision, label_smoothing])
+    def checks():
+        xp, temp, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)
+        _checks.check_bool(op, "requires_grad", requires_grad)
+        _checks.check_bool(op, "temperature_grad", temperature_grad)
+        _checks.check_smoothing(op, label_smoothing)
+        return xp, _host_temperature(temp), p
+
+    host_t = temperature if type(temperature) is float else 0.0  # (arrays: compared below)
+    xp, temp, p = _global.agree(comm, op, checks, [z], ["z"],
+                                [host_t, reduction, normalize, requires_grad, precision,
+                                 label_smoothing, temperature_grad is True])
     eps = float(label_smoothing)
+    t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         engine = _local.engine_for(xp)
@@ -282,10 +334,12 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
                 if eps:
                     acc += _variants.nt_xent_smoothing(
                         xp, zn, scale, eps, w_mul, want_loss=False, every=(every, w_mul))[1]
-                ctx.saved = dict(base, acc=(acc,))
+                ctx.saved = dict(base, acc=(acc,), temp=temp, tgrad=tgrad,
+                                 dt=_global_dt(comm, xp, zn, acc, temp) if tgrad else None)
             else:
                 ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
-                                 scale=scale, ws=workspace_bytes, comm=comm, eps=eps)
+                                 scale=scale, ws=workspace_bytes, comm=comm, eps=eps,
+                                 temp=temp, tgrad=tgrad)
         return _global.loss(comm, xp, rows, reduction, n2 * size), _global.tag(ctx, _GLOBAL)
 
 
@@ -304,8 +358,22 @@ def _global_acc(ctx: Context, g):
         acc += _variants.nt_xent_smoothing(
             xp, s["zn"], s["scale"], s["eps"], w_flat[comm.rank * n2:(comm.rank + 1) * n2],
             want_loss=False, every=(s["parts"].reshape(size * n2, -1), w_flat))[1]
-    return (acc,), ()
+    return (acc,), ((_global_dt(comm, xp, s["zn"], acc, s["temp"]),) if s["tgrad"] else ())
 
 
-_GLOBAL = _global.Schedule(recompute=_global_acc,
-                          result=lambda path, xp, saved, grads, scalars: grads[0])
+def _global_dt(comm: Comm, xp, zn, acc, temp: Temperature):
+    """dL/dτ of the global loss: each rank's rows' homogeneity dot, all-reduced (the same
+    value on every rank, no factor P)."""
+    return comm.all_reduce(xp.asarray(dtemperature(xp, zn, acc, temp, 2)).reshape(1)
+                           ).reshape(())
+
+
+def _global_result(path, xp, saved, grads, scalars):
+    """dz, or ``(dz, dtemperature)`` for a forward with ``temperature_grad``."""
+    if not saved.get("tgrad"):
+        return grads[0]
+    return grads[0], temperature_result(path, xp, scalars[0], saved["temp"])
+
+
+_GLOBAL = _global.Schedule(recompute=_global_acc, result=_global_result,
+                          scalars=lambda saved: (saved["dt"],) if saved.get("tgrad") else ())

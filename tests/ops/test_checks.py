@@ -466,8 +466,9 @@ def test_bool_flags_accepted(flag):
         call(op, requires_grad=flag)
 
 
-@pytest.mark.parametrize("value", [np.array([0.5]), np.array([[0.5]])])
-def test_temperature_array_must_be_0d(value, no_work):
+@pytest.mark.parametrize("value", [np.array([[0.5]]), np.array([0.5, 0.5])])
+def test_temperature_array_must_be_0d_or_one(value, no_work):
+    """A temperature array is 0-d or (1,) (its gradient's shape, as a logit scale's)."""
     with pytest.raises(ValueError, match=r"nt_xent: temperature must be a scalar, got a "
                                          r"numpy\.ndarray of shape"):
         call("nt_xent", temperature=value)
