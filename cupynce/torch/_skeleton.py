@@ -300,8 +300,9 @@ class Loss(Op):
                     out.append(R.fused_stat(x))
                 for x in (*accs, *norms):
                     out.append(R.opt_tensor(x, x0))
-                for x in scalars:
-                    out.append(B.tensor_of(ctx.xp.asarray(x)))
+                for x in scalars:  # (None: a real scalar's, never read -- unwritten)
+                    out.append(B.tensor_of(ctx.xp.asarray(x)) if x is not None else
+                               x0.new_empty((), dtype=R.acc_dtype(x0.dtype)))
                 return tuple(out)
             if not self.stats:  # (the backward needs nothing from the forward: the loss alone)
                 loss, _ = self._core_forward(args, reduction, normalize, workspace_bytes,

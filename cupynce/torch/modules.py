@@ -55,7 +55,8 @@ class InfoNCEFunction(torch.autograd.Function):
         # mode is off, so requires_grad alone decides)
         ctx.fused = features.requires_grad
         fwd = nt_xent_ops.fwd if R.direct(features) else nt_xent_ops.FWD  # (no autograd inside forward)
-        loss, lse, acc, _norm = fwd(features, t, 0.0, "mean", False, None, p, ctx.fused)
+        loss, lse, acc, _norm, _dt = fwd(features, None, t, 0.0, "mean", False, None, p,
+                                         ctx.fused)
         ctx.save_for_backward(acc if ctx.fused else features, lse)
         ctx.temperature, ctx.dtype, ctx.precision = t, features.dtype, p
         return loss
@@ -65,8 +66,8 @@ class InfoNCEFunction(torch.autograd.Function):
         saved, lse = ctx.saved_tensors
         if ctx.fused:
             return R.scaled(None, None, saved, grad_loss, ctx.dtype, False), None, None, None
-        dz = nt_xent_ops.BWD(saved, lse, grad_loss.contiguous(), ctx.temperature, 0.0,
-                             "mean", False, None, ctx.precision)
+        dz, _ = nt_xent_ops.BWD(saved, None, ctx.temperature, lse, grad_loss.contiguous(), 0.0,
+                                "mean", False, None, ctx.precision)
         return dz, None, None, None
 
 
@@ -87,8 +88,11 @@ class InfoNCELoss(nn.Module):
 
     Parameters
     ----------
-    temperature : float > 0, default 0.5
+    temperature : float > 0, default 0.5 (with ``learnable``: the initial value)
     use_cublas : bool, default False — no effect (see above)
+    learnable : bool, default False (keyword-only) — the module owns the temperature as a
+        Parameter, ``log_temperature`` (0-d float32, initialised to log ``temperature``; the
+        loss takes ``exp(log_temperature)``, so τ stays positive), trained with the model
     reduction : "mean" (default) | "sum" | "none" (keyword-only)
     normalize : bool, default False (keyword-only)
     label_smoothing : float in [0, 1), default 0 (keyword-only) — as :func:`nt_xent`'s
@@ -100,12 +104,16 @@ class InfoNCELoss(nn.Module):
     """
 
     def __init__(self, temperature: float = 0.5, use_cublas: bool = False, *,
-                 reduction: str = "mean", normalize: bool = False,
+                 learnable: bool = False, reduction: str = "mean", normalize: bool = False,
                  label_smoothing: float = 0.0, group: Any = None,
                  precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
         self.temperature = _checks.check_temperature(name, temperature)
+        self.learnable = R.check_bool(name, "learnable", learnable)
+        if self.learnable:
+            self.log_temperature = nn.Parameter(
+                torch.tensor(math.log(self.temperature), dtype=torch.float32))
         self.use_cublas = R.check_bool(name, "use_cublas", use_cublas)
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
@@ -123,13 +131,19 @@ class InfoNCELoss(nn.Module):
                 f"(torch.cat([view1, view2])), rows i and (i + B) mod 2B a positive pair; got "
                 f"{1 + len(others)} tensors. For query/key pairs use cupynce.torch.InfoNCE "
                 f"(or cupynce.torch.info_nce(query, key)), or stack the two views")
-        return nt_xent(features, self.temperature, label_smoothing=self.label_smoothing,
-                       reduction=self.reduction, normalize=self.normalize, group=self.group,
-                       precision=self.precision)
+        return nt_xent(features, self.current_temperature(),
+                       label_smoothing=self.label_smoothing, reduction=self.reduction,
+                       normalize=self.normalize, group=self.group, precision=self.precision)
+
+    def current_temperature(self) -> Any:
+        """The temperature the loss takes: ``exp(log_temperature)`` (a 0-d tensor) when
+        learnable, else the float."""
+        return self.log_temperature.exp() if self.learnable else self.temperature
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, use_cublas={self.use_cublas}, "
-                f"reduction={self.reduction!r}, normalize={self.normalize}"
+                + ("learnable=True, " if self.learnable else "")
+                + f"reduction={self.reduction!r}, normalize={self.normalize}"
                 + (f", label_smoothing={self.label_smoothing}" if self.label_smoothing else "")
                 + _precision_repr(self.precision))
 

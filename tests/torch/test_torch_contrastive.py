@@ -105,7 +105,7 @@ def _nt_xent(path):
     if path == "op":
         return ct.nt_xent
     return lambda z, t=0.5, *, reduction="mean", normalize=False: \
-        tnt_xent.NTXentFunction.apply(z, t, 0.0, reduction, normalize, None)
+        tnt_xent.NTXentFunction.apply(z, None, t, 0.0, reduction, normalize, None)
 
 
 def _info_nce(path):
@@ -658,12 +658,15 @@ def _opcheck_cases():
     lse5 = torch.logsumexp(torch.randn(5, 5, generator=g, dtype=torch.float64), 1)
     one = torch.tensor(1.0, dtype=torch.float64)
     lab5 = torch.tensor([0, 1, 0, 2, 1])
+    t3 = torch.tensor(0.3, dtype=torch.float64)
     r = _leaf
     return [
-        ("nt_xent_fwd", (r(z), 0.3, 0.0, "mean", True, None)),
-        ("nt_xent_fwd", (r(z), 0.3, 0.1, "sum", False, None)),
-        ("nt_xent_bwd", (z, tnt_xent.FWD(z, 0.3, 0.0, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.3, 0.0, "none", True, None)),
-        ("nt_xent_bwd", (z, tnt_xent.FWD(z, 0.3, 0.1, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.3, 0.1, "none", True, None)),
+        ("nt_xent_fwd", (r(z), None, 0.3, 0.0, "mean", True, None)),
+        ("nt_xent_fwd", (r(z), None, 0.3, 0.1, "sum", False, None)),
+        ("nt_xent_fwd", (r(z), r(t3), 0.0, 0.1, "mean", True, None)),
+        ("nt_xent_bwd", (z, None, 0.3, tnt_xent.FWD(z, None, 0.3, 0.0, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.0, "none", True, None)),
+        ("nt_xent_bwd", (z, None, 0.3, tnt_xent.FWD(z, None, 0.3, 0.1, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.1, "none", True, None)),
+        ("nt_xent_bwd", (z, t3, 0.0, tnt_xent.FWD(z, t3, 0.0, 0.1, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.1, "none", True, None)),
         ("info_nce_fwd", (r(q), r(k), r(neg), None, 0.2, 0.0, "none", False, None)),
         ("info_nce_fwd", (r(q), r(k), None, None, 0.2, 0.0, "sum", True, None)),
         ("info_nce_fwd", (r(q), r(k), r(neg), lab5, 0.2, 0.1, "mean", False, None)),

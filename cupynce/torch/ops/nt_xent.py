@@ -12,18 +12,20 @@ from .. import _bridge as B
 from .. import _registry as R
 from .. import _skeleton as S
 
-#: the op: z's rows, the temperature, the (2B,) row log-sum-exps; the fused forward's
-#: gradient accumulator and norms are the core context's ``dz`` / ``norm``
-SPEC = S.Loss("nt_xent", "NTXentFunction", __name__, core, inputs=(S.Rows("z"),),
-              params=("temperature", "label_smoothing"), stats=("lse",),
-              unit_grads=lambda saved: ((saved["dz"],), (saved["norm"],), ()))
+#: the op: z's rows and the temperature (a tensor or a real), the label smoothing, the (2B,)
+#: row log-sum-exps; the fused forward's gradient accumulator, norms and dτ are the core
+#: context's ``dz`` / ``norm`` / ``dt`` (None for a real temperature)
+SPEC = S.Loss("nt_xent", "NTXentFunction", __name__, core,
+              inputs=(S.Rows("z"), S.Scalar("temperature")), params=("label_smoothing",),
+              stats=("lse",), backward="_torch_backward",
+              unit_grads=lambda saved: ((saved["dz"],), (saved["norm"],), (saved["dt"],)))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
 fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
                                                SPEC.setup_context, SPEC.backward)
 NTXentFunction, FWD, BWD = SPEC.Function, SPEC.FWD, SPEC.BWD
 
 
-def nt_xent(z: Tensor, temperature: float = 0.5, *, label_smoothing: float = 0.0,
+def nt_xent(z: Tensor, temperature: Any = 0.5, *, label_smoothing: float = 0.0,
             reduction: str = "mean", normalize: bool = False,
             workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
             precision: Optional[str] = None) -> Tensor:
@@ -33,7 +35,10 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, label_smoothing: float = 0.0
     ----------
     z : Tensor (2B, D), float16 / bfloat16 / float32 / float64, CPU or CUDA
         The two views stacked: rows ``i`` and ``(i + B) mod 2B`` are a positive pair.
-    temperature : float > 0, default 0.5
+    temperature : float > 0, or a Tensor of shape () or (1,) on z's device, default 0.5
+        A tensor is a differentiable input (a learnable temperature: dL/dτ from the
+        gradient the backward computes anyway), never read on the host; a real is a
+        constant of the call.
     label_smoothing : float in [0, 1), default 0
         ``F.cross_entropy``'s label smoothing over each row's 2B − 1 candidates (an O(N·D)
         difference from the plain loss: every path serves it; with ``group``, over the global
@@ -77,10 +82,18 @@ def nt_xent(z: Tensor, temperature: float = 0.5, *, label_smoothing: float = 0.0
 
         return distributed.nt_xent(z, temperature, reduction, normalize, workspace_bytes,
                                    group, precision, label_smoothing=label_smoothing)
-    t = _checks.check_temperature("nt_xent", temperature)
+    t_tensor, t_value = temperature_arg("nt_xent", temperature)
     eps = _checks.check_smoothing("nt_xent", label_smoothing)
     reduction, workspace_bytes = R.scalars("nt_xent", reduction, workspace_bytes)
-    B.check_tensors("nt_xent", z=z)
+    B.check_tensors("nt_xent", optional=("temperature",), z=z, temperature=t_tensor)
     normalize = _checks.check_bool("nt_xent", "normalize", normalize)
-    return SPEC(z, t, eps, reduction, normalize, workspace_bytes,
+    return SPEC(z, t_tensor, t_value, eps, reduction, normalize, workspace_bytes,
                 R.precision_of("nt_xent", precision))
+
+
+def temperature_arg(op: str, temperature: Any):
+    """A temperature as the ops take it: a tensor → (tensor, 0.0) (differentiable, never read
+    on the host; its shape and dtype are checked by the core), a real → (None, its value)."""
+    if isinstance(temperature, Tensor):
+        return temperature, 0.0
+    return None, _checks.check_temperature(op, temperature)

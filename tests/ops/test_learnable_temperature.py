@@ -1,0 +1,206 @@
+"""A learnable temperature (issue 55): a temperature array and ``temperature_grad=True`` give
+dL/dτ beside the rows' gradients, against the float64 oracle's (``reference``'s
+``temperature_grad=True``, itself checked against finite differences and torch autograd).
+
+dL/dτ comes from the homogeneity dot over the gradient accumulator (``_base.dtemperature``),
+so every path that computes the rows' gradient serves it.  NumPy on the CPU (CI): host
+arrays of shape () and (1,) in float64 and float32, every reduction, label smoothing, the
+per-row backward from the statistics, emulated ranks.  ``cupynce.torch``: a tensor
+temperature through the direct Function, the registered ops and ``torch.compile``, and
+``NTXentLoss(learnable=True)``.  GPU (marked ``gpu``): a CuPy temperature on the device (never
+read), float64 / float32 / bfloat16.  Relative tolerances as the other variants' (float64
+1e-12, float32 1e-5, bfloat16 3e-2), dτ against max(|dτ|, 1).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupynce
+from cupynce import reference as ref
+
+TOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2}
+
+
+def _rel(x, r):
+    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
+    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
+
+
+def _scalar_err(x, r) -> float:
+    x, r = float(np.asarray(x, np.float64).reshape(())), float(np.asarray(r).reshape(()))
+    return abs(x - r) / max(abs(r), 1.0)
+
+
+def _check_nt_xent(xp, dtype, n, d, reduction, eps, tshape, tdtype, normalize=True):
+    dt = np.dtype(dtype) if dtype != "bfloat16" else __import__("ml_dtypes").bfloat16
+    rng = np.random.default_rng(n + d)
+    z = (rng.standard_normal((n, d)) / np.sqrt(d)).astype(dt)
+    t0 = np.asarray(0.3, tdtype).reshape(tshape)
+    tau = float(t0.reshape(()))
+    g = 0.7 if reduction != "none" else rng.uniform(0.2, 1.5, n)
+    want, (wz, wt) = ref.nt_xent(z, tau, label_smoothing=eps, reduction=reduction,
+                                 normalize=normalize, grad_loss=g, temperature_grad=True)
+    acc = np.float64 if dt == np.float64 else np.float32
+    gl = g if reduction != "none" else xp.asarray(g.astype(acc))
+    loss, ctx = cupynce.nt_xent_forward(xp.asarray(z), xp.asarray(t0), label_smoothing=eps,
+                                        reduction=reduction, normalize=normalize,
+                                        temperature_grad=True)
+    dz, dtau = cupynce.nt_xent_backward(ctx, gl)
+    host = (lambda x: x) if xp is np else xp.asnumpy
+    tol = max(TOL[dtype], 1e-6 if np.dtype(tdtype) == np.float32 else 0)
+    assert _rel(host(loss), want) <= TOL[dtype], "loss"
+    assert _rel(host(dz).astype(np.float64), wz) <= TOL[dtype], "dz"
+    assert dtau.shape == t0.shape and dtau.dtype == t0.dtype
+    assert _scalar_err(host(dtau), wt) <= tol, "dtemperature"
+    if reduction == "none":
+        again = cupynce.nt_xent_backward_from_stats(
+            xp.asarray(z), ctx.stats[0], gl, temperature=xp.asarray(t0), label_smoothing=eps,
+            reduction=reduction, normalize=normalize, temperature_grad=True)
+        assert _scalar_err(host(again[1]), wt) <= tol, "dtemperature from stats"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+@pytest.mark.parametrize("tshape,tdtype", [((), np.float64), ((1,), np.float64),
+                                           ((), np.float32)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_nt_xent_numpy(reduction, eps, tshape, tdtype, normalize):
+    _check_nt_xent(np, "float64", 12, 5, reduction, eps, tshape, tdtype, normalize)
+
+
+def test_without_temperature_grad_the_backward_is_unchanged():
+    """An array temperature alone (no ``temperature_grad``): dz as before, the same bits as
+    the real's."""
+    z = np.random.default_rng(1).standard_normal((8, 4))
+    a, ca = cupynce.nt_xent_forward(z, np.asarray(0.4))
+    b, cb = cupynce.nt_xent_forward(z, 0.4)
+    assert a == b
+    np.testing.assert_array_equal(cupynce.nt_xent_backward(ca), cupynce.nt_xent_backward(cb))
+
+
+def test_a_real_temperature_gets_a_0d_gradient():
+    z = np.random.default_rng(2).standard_normal((8, 4))
+    _, ctx = cupynce.nt_xent_forward(z, 0.4, temperature_grad=True)
+    dz, dt = cupynce.nt_xent_backward(ctx)
+    want = ref.nt_xent(z, 0.4, temperature_grad=True)[1][1]
+    assert dt.shape == () and dt.dtype == np.float64 and _scalar_err(dt, want) <= 1e-12
+
+
+def test_bad_temperature_grad_raises():
+    with pytest.raises(TypeError, match="nt_xent: temperature_grad must be a bool"):
+        cupynce.nt_xent_forward(np.ones((4, 3)), 0.5, temperature_grad=1)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_nt_xent_across_ranks(P, reduction):
+    """dτ of the global loss on every rank (the ranks' dots all-reduced; no factor P)."""
+    from emulated_ranks import run
+
+    n = 2
+    rng = np.random.default_rng(3)
+    Z = rng.standard_normal((2 * n * P, 5))
+    rows = [np.r_[r * n:(r + 1) * n, n * P + r * n:n * P + (r + 1) * n] for r in range(P)]
+    up = rng.uniform(0.5, 1.5, 2 * n * P) if reduction == "none" else 0.7
+
+    def rank(comm):
+        idx = rows[comm.rank]
+        _, ctx = cupynce.nt_xent_forward(Z[idx], np.asarray(0.3), label_smoothing=0.1,
+                                         reduction=reduction, normalize=True,
+                                         temperature_grad=True, group=comm)
+        return cupynce.nt_xent_backward(ctx, up[idx] if reduction == "none" else up)
+
+    out = run(P, rank)
+    _, (wz, wt) = ref.nt_xent(Z, 0.3, label_smoothing=0.1, reduction=reduction,
+                              normalize=True, grad_loss=up, temperature_grad=True)
+    for r, (dz, dt) in enumerate(out):
+        assert _rel(dz / P, wz[rows[r]]) <= 1e-12
+        assert _scalar_err(dt, wt) <= 1e-12
+    assert len({np.asarray(x[1]).tobytes() for x in out}) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,n,d", [("float64", 64, 32), ("float32", 512, 64),
+                                       ("bfloat16", 512, 64), ("bfloat16", 256, 4096)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_nt_xent_cupy_device_temperature(dtype, n, d, reduction, eps):
+    cp = pytest.importorskip("cupy")
+    _check_nt_xent(cp, dtype, n, d, reduction, eps, (), np.float32)
+
+
+# ---- cupynce.torch ---------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["direct", "registered", "compile"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_nt_xent(path, reduction):
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+    from cupynce.torch import _registry
+
+    z0 = np.random.default_rng(4).standard_normal((10, 6))
+    z = torch.tensor(z0, requires_grad=True)
+    t = torch.tensor([0.25], dtype=torch.float64, requires_grad=True)
+    kw = dict(label_smoothing=0.1, reduction=reduction, normalize=True)
+
+    def f(z, t):
+        return ct.nt_xent(z, t, **kw)
+    if path == "compile":
+        torch._dynamo.reset()
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(z, t)
+    elif path == "registered":
+        real = _registry.direct
+        _registry.direct = lambda *tensors: False
+        try:
+            out = f(z, t)
+        finally:
+            _registry.direct = real
+    else:
+        out = f(z, t)
+    gl = (torch.linspace(0.5, 1.5, 10, dtype=torch.float64) if reduction == "none" else
+          torch.tensor(0.7, dtype=torch.float64))
+    dz, dt = torch.autograd.grad(out, [z, t], gl)
+    want, (wz, wt) = ref.nt_xent(z0, 0.25, grad_loss=gl.numpy(), temperature_grad=True, **kw)
+    assert _rel(out.detach().numpy(), want) <= 1e-12
+    assert _rel(dz.numpy(), wz) <= 1e-12
+    assert dt.shape == (1,) and _scalar_err(dt.numpy(), wt) <= 1e-12
+
+
+def test_torch_module_learns_its_temperature():
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+
+    torch.manual_seed(0)
+    m = ct.NTXentLoss(0.5, learnable=True, normalize=True)
+    z = torch.randn(16, 8, dtype=torch.float64)
+    assert "learnable=True" in repr(m)
+    loss = m(z)
+    loss.backward()
+    want, (_, wt) = ref.nt_xent(z.numpy(), 0.5, normalize=True, temperature_grad=True)
+    # d loss / d log τ = τ · d loss / d τ
+    assert _scalar_err(m.log_temperature.grad.numpy(), 0.5 * wt) <= 1e-6
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = float(m.log_temperature)
+    opt.step()
+    assert float(m.log_temperature) != before
+    assert ct.NTXentLoss(0.5).learnable is False and not list(ct.NTXentLoss(0.5).parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_torch_cuda_nt_xent(dtype, tol):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    import cupynce.torch as ct
+
+    z0 = np.random.default_rng(6).standard_normal((512, 64)) / 8
+    z = torch.tensor(z0, device="cuda", dtype=getattr(torch, dtype), requires_grad=True)
+    t = torch.tensor(0.2, device="cuda", requires_grad=True)
+    out = ct.nt_xent(z, t, normalize=True)
+    dz, dt = torch.autograd.grad(out, [z, t])
+    zr = z.detach().double().cpu().numpy()
+    want, (wz, wt) = ref.nt_xent(zr, float(t), normalize=True, temperature_grad=True)
+    assert _rel(out.detach().double().cpu().numpy(), want) <= tol
+    assert _rel(dz.double().cpu().numpy(), wz) <= tol
+    assert _scalar_err(dt.double().cpu().numpy(), wt) <= tol
