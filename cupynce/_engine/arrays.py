@@ -111,6 +111,10 @@ def fixed_sums(x, divisor: int):
     return out
 
 
+#: ``CPN_SEG_CHUNK`` of arrays.cu: the sorted positions a ``seg_partial`` thread walks
+SEG_CHUNK = 32
+
+
 def class_sums(x, groups, w=None, *, per_row: bool = True):
     """Each row's class sum: ``out[i] = Σ_{j: labels_j = labels_i} w_j x_j`` (N, D) in the
     accumulator dtype, in a fixed order (``seg_partial`` / ``seg_heads``: the same bits on
@@ -124,7 +128,7 @@ def class_sums(x, groups, w=None, *, per_row: bool = True):
     a = acc_dtype(x.dtype)
     n, d = x.shape
     part = cp.empty((n, d), a)
-    chunks = -(-n // 32)  # CPN_SEG_CHUNK
+    chunks = -(-n // SEG_CHUNK)
     kernels.launch(FILE, "seg_partial", x.dtype, (-(-d // BLOCK), min(chunks, 65535)),
                    (x, np.int64(leading_dim(x)), np.int32(d), order, sl,
                     0 if w is None else cp.ascontiguousarray(w, dtype=a), np.int64(n), part))
@@ -133,13 +137,14 @@ def class_sums(x, groups, w=None, *, per_row: bool = True):
     return part[start] if per_row else part
 
 
-def supcon_rows(zn, start, stop, pc, pw, scale: float, lse, w, acc):
+def supcon_rows(zn, start, stop, pc, pw, scale: float, lse, w, acc, scale_log=None):
     """SupCon's loss rows from NT-Xent's row log-sum-exps ``lse`` (None: no loss) and, with
     the row weights ``w`` and the weighted class sums ``pw``, the gradient's difference added
     into ``acc`` (``supcon_rows``: one pass; ``ops._variants.supcon_terms`` has the
     formulas).  ``start`` / ``stop``: each row's class bounds in the sorted order; ``pc`` /
-    ``pw``: :func:`class_sums` with ``per_row=False`` (of ẑ, and of u ẑ).  Returns the (N,)
-    loss or None."""
+    ``pw``: :func:`class_sums` with ``per_row=False`` (of ẑ, and of u ẑ); ``scale_log``: a
+    (1,) device array, the scale then ``scale · exp(scale_log)`` (never read).  Returns the
+    (N,) loss or None."""
     import cupy as cp
 
     a = acc_dtype(zn.dtype)
@@ -149,8 +154,9 @@ def supcon_rows(zn, start, stop, pc, pw, scale: float, lse, w, acc):
     kernels.launch(FILE, "supcon_rows", zn.dtype, (n,), (
         zn, np.int64(leading_dim(zn)), np.int32(d), np.int64(n), np.int64(n // 2),
         cp.ascontiguousarray(start), cp.ascontiguousarray(stop), pc, ptr(pw),
-        cp.ascontiguousarray(w, dtype=a) if grad else 0, ptr(lse), a.type(scale), ptr(loss),
-        ptr(acc) if grad else 0, np.int64(leading_dim(acc, "acc") if grad else 0)))
+        cp.ascontiguousarray(w, dtype=a) if grad else 0, ptr(lse), a.type(scale),
+        ptr(scale_log), ptr(loss), ptr(acc) if grad else 0,
+        np.int64(leading_dim(acc, "acc") if grad else 0)))
     return loss
 
 

@@ -296,3 +296,13 @@ def dtemperature(xp, xn, acc, temp: Temperature, degree: int):
 def temperature_result(path: "Path", xp, dt, temp: Temperature):
     """dτ in the temperature's shape and dtype (a real's: 0-d of the accumulator dtype)."""
     return path.owned_copy(xp.asarray(dt), temp.dtype).reshape(temp.shape)
+
+
+def host_temperature(op: str, temp: Temperature) -> Temperature:
+    """With ``group=``: the temperature on the host (a real or a NumPy array; the global
+    schedules' products take a host scale), else ``ValueError`` (raised inside the
+    agreement: on every rank)."""
+    if temp.value is None:
+        raise ValueError(f"{op}: a device temperature with group= is not supported yet; pass "
+                         f"a real (or, for its gradient, a NumPy array)")
+    return temp

@@ -66,7 +66,8 @@ import numpy as np
 from .. import _checks
 from .._engine import arrays
 from .._engine.kernels import acc_dtype
-from ._base import Context, Path, finish_all, in_ctx_precision, require
+from ._base import Context, Path, finish_all, in_ctx_precision, require, temperature_result
+from ._base import dtemperature as _local_dtemperature
 from ._comm import Comm
 
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -188,6 +189,26 @@ def loss(comm: Comm, xp, rows, reduction: str, count: int):
     local = np.asarray(rows.sum() / rows.dtype.type(div)) if xp is np else \
         arrays.fixed_sum(rows, div)
     return comm.all_reduce(local.reshape(1)).reshape(())
+
+
+def dtemperature(comm: Comm, xp, xn, acc, temp, degree: int):
+    """dL/dτ of the global loss (``_base.dtemperature``): each rank's rows' homogeneity dot,
+    all-reduced -- the same value on every rank, no factor P."""
+    return comm.all_reduce(xp.asarray(_local_dtemperature(xp, xn, acc, temp, degree)).reshape(1)
+                           ).reshape(())
+
+
+def rows_and_temperature(path, xp, saved, grads, scalars):
+    """A one-input op's ``Schedule.result``: dz, or ``(dz, dtemperature)`` for a forward with
+    ``temperature_grad`` (the temperature's shape and dtype)."""
+    if not saved.get("tgrad"):
+        return grads[0]
+    return grads[0], temperature_result(path, xp, scalars[0], saved["temp"])
+
+
+def saved_temperature_grad(saved):
+    """``Schedule.scalars`` of an op whose fused forward kept dτ (``saved["dt"]``)."""
+    return (saved["dt"],) if saved.get("tgrad") else ()
 
 
 def upstream(xp, g, n: int, acc):

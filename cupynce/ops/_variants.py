@@ -50,6 +50,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
+
 from .._engine.kernels import acc_dtype
 
 
@@ -133,7 +135,6 @@ def label_groups(xp, labels) -> Tuple[Any, ...]:
     """The rows grouped by label, for the class sums: ``(order, sorted labels, each sorted
     position's class end, each row's class start, each row's class end)`` -- int64 arrays on
     the labels' device (a stable sort and binary searches: no host read, no atomics)."""
-    import numpy as np
 
     labels = xp.asarray(labels, dtype=np.int64)
     order = (np.argsort(labels, kind="stable") if xp is np else xp.argsort(labels))
@@ -150,14 +151,17 @@ def has_positive(groups):
     return groups[4] - groups[3] > 1
 
 
-def supcon_terms(xp, path, zn, groups, scale: float, lse, w=None, *, acc=None, every=None):
+def supcon_terms(xp, path, zn, groups, scale, lse, w=None, *, acc=None, every=None,
+                 scale_log=None):
     """SupCon from NT-Xent's row softmax (module notes): the (N,) loss from the row
     log-sum-exps ``lse`` (None: no loss), and with the (N,) row weights ``w`` the gradient's
     difference added into ``acc`` (N, D) (the engine's accumulator for the same weights,
     including 1/τ = ``scale``).  ``every``: ``(rows, their groups, their weights or None,
     row0)`` of the whole batch when ``zn`` is its rows ``row0 ..`` (a rank's rows of the
     global batch: the class sums run over every rank's rows; ``groups`` and ``w`` are then
-    unused); the positive p(i) = (i + N//2) mod N is among ``zn``'s rows either way."""
+    unused); the positive p(i) = (i + N//2) mod N is among ``zn``'s rows either way.
+    ``scale_log``: a (1,) device array, 1/τ then ``scale · exp(scale_log)`` (the GPU's
+    device temperature; never read)."""
     n = zn.shape[0]
     z_all, g_all, w_all, row0 = every if every is not None else (zn, groups, w, 0)
     want_grad = w_all is not None and acc is not None
@@ -174,7 +178,9 @@ def supcon_terms(xp, path, zn, groups, scale: float, lse, w=None, *, acc=None, e
         pc = arrays.class_sums(z_all, g_all, per_row=False)
         pw = arrays.class_sums(z_all, g_all, u_all, per_row=False) if want_grad else None
         return arrays.supcon_rows(zn, start, stop, pc, pw, scale, lse, w if want_grad else None,
-                                  acc if want_grad else None)
+                                  acc if want_grad else None, scale_log)
+    if scale_log is not None:  # (on the host here: the value can be read)
+        scale = scale * float(np.exp(np.asarray(scale_log).reshape(())))
     cnt = (stop - start - 1).astype(a)
     inv = 1 / xp.maximum(cnt, 1)
     z = zn.astype(a, copy=False)

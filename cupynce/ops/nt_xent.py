@@ -24,7 +24,8 @@ from .._engine.kernels import acc_dtype
 from . import _comm, _global, _graphs, _local, _memo, _variants
 from ._base import (Context, Path, Temperature, check_stats, contig_inputs, contig_remembered,
                     in_ctx_precision, prep, reduce, reduce_out, require, row_weight,
-                    dtemperature, temperature_input, temperature_result, weights)
+                    dtemperature, host_temperature, temperature_input, temperature_result,
+                    weights)
 from ._comm import Comm
 
 __all__ = ["nt_xent", "nt_xent_forward", "nt_xent_backward",
@@ -286,16 +287,6 @@ def nt_xent(z, temperature: Any = 0.5, *, label_smoothing: float = 0.0,
 
 
 # ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
-def _host_temperature(temp: Temperature) -> Temperature:
-    """With ``group=``: the temperature on the host (a real or a NumPy array; the schedule's
-    products take a host scale), else ``ValueError`` (raised inside the agreement: on every
-    rank)."""
-    if temp.value is None:
-        raise ValueError("nt_xent: a device temperature with group= is not supported yet; "
-                         "pass a real (or, for its gradient, a NumPy array)")
-    return temp
-
-
 def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, reduction="mean",
                     normalize=False, workspace_bytes=None, requires_grad=True,
                     temperature_grad=False, precision=None):
@@ -312,7 +303,7 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         _checks.check_bool(op, "requires_grad", requires_grad)
         _checks.check_bool(op, "temperature_grad", temperature_grad)
         _checks.check_smoothing(op, label_smoothing)
-        return xp, _host_temperature(temp), p
+        return xp, host_temperature(op, temp), p
 
     host_t = temperature if type(temperature) is float else 0.0  # (arrays: compared below)
     xp, temp, p = _global.agree(comm, op, checks, [z], ["z"],
@@ -354,7 +345,8 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
                     acc += _variants.nt_xent_smoothing(
                         xp, zn, scale, eps, w_mul, want_loss=False, every=(every, w_mul))[1]
                 ctx.saved = dict(base, acc=(acc,), temp=temp, tgrad=tgrad,
-                                 dt=_global_dt(comm, xp, zn, acc, temp) if tgrad else None)
+                                 dt=_global.dtemperature(comm, xp, zn, acc, temp, 2)
+                                 if tgrad else None)
             else:
                 ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
                                  scale=scale, ws=workspace_bytes, comm=comm, eps=eps,
@@ -377,22 +369,9 @@ def _global_acc(ctx: Context, g):
         acc += _variants.nt_xent_smoothing(
             xp, s["zn"], s["scale"], s["eps"], w_flat[comm.rank * n2:(comm.rank + 1) * n2],
             want_loss=False, every=(s["parts"].reshape(size * n2, -1), w_flat))[1]
-    return (acc,), ((_global_dt(comm, xp, s["zn"], acc, s["temp"]),) if s["tgrad"] else ())
+    return (acc,), ((_global.dtemperature(comm, xp, s["zn"], acc, s["temp"], 2),)
+                    if s["tgrad"] else ())
 
 
-def _global_dt(comm: Comm, xp, zn, acc, temp: Temperature):
-    """dL/dτ of the global loss: each rank's rows' homogeneity dot, all-reduced (the same
-    value on every rank, no factor P)."""
-    return comm.all_reduce(xp.asarray(dtemperature(xp, zn, acc, temp, 2)).reshape(1)
-                           ).reshape(())
-
-
-def _global_result(path, xp, saved, grads, scalars):
-    """dz, or ``(dz, dtemperature)`` for a forward with ``temperature_grad``."""
-    if not saved.get("tgrad"):
-        return grads[0]
-    return grads[0], temperature_result(path, xp, scalars[0], saved["temp"])
-
-
-_GLOBAL = _global.Schedule(recompute=_global_acc, result=_global_result,
-                          scalars=lambda saved: (saved["dt"],) if saved.get("tgrad") else ())
+_GLOBAL = _global.Schedule(recompute=_global_acc, result=_global.rows_and_temperature,
+                          scalars=_global.saved_temperature_grad)

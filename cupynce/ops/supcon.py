@@ -22,7 +22,9 @@ from typing import Any, Optional, Tuple
 from .. import _checks, config
 from .._engine.kernels import acc_dtype
 from . import _comm, _global, _local, _variants
-from ._base import Context, Path, check_stats, contig_inputs, in_ctx_precision, prep, require
+from ._base import (Context, Path, Temperature, check_stats, contig_inputs, dtemperature,
+                    host_temperature, in_ctx_precision, prep, require, temperature_input,
+                    temperature_result)
 from ._comm import Comm
 
 __all__ = ["supcon_loss", "supcon_forward", "supcon_backward", "supcon_backward_from_stats"]
@@ -36,7 +38,7 @@ def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precis
         raise TypeError(f"{op}: labels are required (an integer array of shape "
                         f"({z.shape[0]},)), got None")
     labels = _checks.check_labels(op, labels, z.shape[0], xp, z)
-    t = _checks.check_temperature(op, temperature)
+    t = temperature_input(op, temperature, xp, z, acc_dtype(z.dtype))
     p = _checks.check_flags(op, reduction, workspace_bytes, normalize, precision)
     return xp, labels, t, p
 
@@ -72,7 +74,7 @@ def reduce_rows(ctx: Context, rows, reduction: str):
     return _reduce(ctx.xp, None, rows, ctx.saved["has"], reduction)
 
 
-def _engine_rows(path, zn, t, w, lse_in, want_grad, workspace_bytes):
+def _engine_rows(path, zn, t: Temperature, w, lse_in, want_grad, workspace_bytes):
     """NT-Xent's row softmax over j ≠ i (its positive (i + N//2) mod N is undone by
     ``_variants.supcon_terms``): ``(lse, dz accumulator or None)``.  An odd N runs it as a
     query/key pair (``self_pair=False``): the self-pair paths take the positive for its own
@@ -80,18 +82,18 @@ def _engine_rows(path, zn, t, w, lse_in, want_grad, workspace_bytes):
     n = zn.shape[0]
     pair = n % 2 == 0
     lse, _, (dq, dk, *_rest) = path.rows(
-        zn, zn, None, None, 1.0 / t, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
+        zn, zn, None, None, t.scale, exclude_diag=True, pos_shift=n // 2, pos_mod=n,
         lse_in=lse_in, weights=(w, 1, 1.0) if w is not None else (None, 0, 0.0),
         want_grad=want_grad, workspace_bytes=workspace_bytes, op="supcon_loss",
-        self_pair=pair)
+        self_pair=pair, scale_log=t.scale_log)
     if want_grad and not pair:
         dq += dk
     return lse, dq
 
 
-def supcon_forward(z, labels, temperature: float = 0.1, *, reduction: str = "mean",
+def supcon_forward(z, labels, temperature: Any = 0.1, *, reduction: str = "mean",
                    normalize: bool = False, workspace_bytes: Optional[int] = None,
-                   requires_grad: bool = True, group=None,
+                   requires_grad: bool = True, temperature_grad: bool = False, group=None,
                    precision: Optional[str] = None) -> Tuple[Any, Context]:
     """The supervised contrastive loss and a context for :func:`supcon_backward`.
 
@@ -102,15 +104,17 @@ def supcon_forward(z, labels, temperature: float = 0.1, *, reduction: str = "mea
     labels : integer (N,) array of the same kind (on z's device)
         The rows' classes; rows with equal labels are positives of each other.  Never read
         on the host.
-    temperature : float > 0, default 0.1
+    temperature : float > 0, or a 0-d / (1,) array, default 0.1
+        As :func:`cupynce.nt_xent_forward`'s (a CuPy array is never read on the host).
     reduction : "mean" | "sum" | "none"
         Anchors without a positive (their label nowhere else in the batch) are left out:
         "mean" averages over the anchors that have one (0, with a zero gradient, when none
         has), "sum" sums those, "none" gives the others 0.
     normalize : bool
         L2-normalise the rows first (as ``F.normalize``, eps 1e-12); gradients go through it.
-    workspace_bytes, requires_grad, precision
-        As :func:`cupynce.nt_xent_forward`'s.
+    workspace_bytes, requires_grad, temperature_grad, precision
+        As :func:`cupynce.nt_xent_forward`'s (dL/dτ: ``−(1/(2τ)) Σ_i ẑ_i · ∂L/∂ẑ_i``, the class
+        terms being linear in the logits).
     group : communicator, optional
         The loss of the global batch across ranks (as for :func:`cupynce.nt_xent_forward`):
         every rank passes its own (n, D) z and (n,) labels, n even and equal on every rank;
@@ -137,10 +141,13 @@ def supcon_forward(z, labels, temperature: float = 0.1, *, reduction: str = "mea
     if group is not None:
         return _global_forward(_comm.wrap(group), z, labels, temperature, reduction=reduction,
                                normalize=normalize, workspace_bytes=workspace_bytes,
-                               requires_grad=requires_grad, precision=precision)
+                               requires_grad=requires_grad, temperature_grad=temperature_grad,
+                               precision=precision)
     xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
                               precision)
     _checks.check_bool("supcon_loss", "requires_grad", requires_grad)
+    tgrad = _checks.check_bool("supcon_loss", "temperature_grad", temperature_grad)
+    want_dt = requires_grad and (t.array or tgrad)
     path = Path(xp)
     n = z.shape[0]
     z = contig_inputs(xp, z)[0]
@@ -152,13 +159,15 @@ def supcon_forward(z, labels, temperature: float = 0.1, *, reduction: str = "mea
         has = _variants.has_positive(groups)
         w = _row_weights(xp, has, reduction, a) if fused else None
         lse, dz = _engine_rows(path, zn, t, w, None, fused, workspace_bytes)
-        loss = _variants.supcon_terms(xp, path, zn, groups, 1.0 / t, lse, w, acc=dz)
+        loss = _variants.supcon_terms(xp, path, zn, groups, t.scale, lse, w, acc=dz,
+                                      scale_log=t.scale_log)
     ctx = Context("supcon_loss", reduction, n, xp, stats=(lse,) if requires_grad else (),
                   precision=p)
     if fused:
-        ctx.saved = dict(z=z, norm=norm, dz=dz)
+        ctx.saved = dict(z=z, norm=norm, dz=dz, temp=t, tgrad=tgrad,
+                         dt=dtemperature(xp, zn, dz, t, 2) if want_dt else None)
     elif requires_grad:
-        ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes,
+        ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes, tgrad=tgrad,
                          groups=groups, has=has)
     return _reduce(xp, path, loss, has, reduction), ctx
 
@@ -166,7 +175,8 @@ def supcon_forward(z, labels, temperature: float = 0.1, *, reduction: str = "mea
 @in_ctx_precision
 def supcon_backward(ctx: Context, grad_loss: Any = 1.0):
     """Gradient of :func:`supcon_forward`'s loss w.r.t. ``z``, times ``grad_loss`` (a real or
-    0-d array for mean/sum, an (N,) array for none).  Returns dz (N, D) in z's dtype."""
+    0-d array for mean/sum, an (N,) array for none).  Returns dz (N, D) in z's dtype, or
+    ``(dz, dtemperature)`` for a forward with ``temperature_grad=True``."""
     require(ctx, "supcon_loss")
     if "global" in ctx.saved:
         return _global.backward(ctx, grad_loss)
@@ -175,35 +185,64 @@ def supcon_backward(ctx: Context, grad_loss: Any = 1.0):
     g = _checks.check_grad_loss("supcon_backward", grad_loss, ctx.reduction, ctx.n, xp)
     a = acc_dtype(s["z"].dtype)
     if "dz" in s:
-        return path.finish(s["z"], s["norm"], s["dz"], path.grad_scale(g, a))
+        dz = path.finish(s["z"], s["norm"], s["dz"], path.grad_scale(g, a))
+        if not s["tgrad"]:
+            return dz
+        return dz, temperature_result(path, xp, s["dt"] * g, s["temp"])
+    t = s["t"]
     w = _row_weights(xp, s["has"], ctx.reduction, a, g)
-    _, dz = _engine_rows(path, s["zn"], s["t"], w, s["lse"], True, s["ws"])
-    _variants.supcon_terms(xp, path, s["zn"], s["groups"], 1.0 / s["t"], None, w, acc=dz)
-    return path.finish(s["z"], s["norm"], dz, None)
+    _, dz = _engine_rows(path, s["zn"], t, w, s["lse"], True, s["ws"])
+    _variants.supcon_terms(xp, path, s["zn"], s["groups"], t.scale, None, w, acc=dz,
+                           scale_log=t.scale_log)
+    dt = dtemperature(xp, s["zn"], dz, t, 2) if s["tgrad"] else None
+    dz = path.finish(s["z"], s["norm"], dz, None)
+    return (dz, temperature_result(path, xp, dt, t)) if s["tgrad"] else dz
 
 
 def supcon_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, labels,
-                               temperature: float = 0.1, reduction: str = "mean",
+                               temperature: Any = 0.1, reduction: str = "mean",
                                normalize: bool = False,
                                workspace_bytes: Optional[int] = None,
+                               temperature_grad: bool = False,
                                precision: Optional[str] = None):
     """``dz`` from the input, the forward's row log-sum-exps (``ctx.stats[0]``) and the labels
     (by keyword, as the torch ops pass them) alone (the score blocks, the class sums and the normalisation
     recomputed); the result of :func:`supcon_backward` on the forward's context given the
-    forward's ``precision``."""
+    forward's ``precision``; ``(dz, dtemperature)`` with ``temperature_grad``."""
     xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
                               precision)
+    tgrad = _checks.check_bool("supcon_loss", "temperature_grad", temperature_grad)
     check_stats("supcon_loss", xp, z.shape[0], z.dtype, lse=lse)
     z = contig_inputs(xp, z)[0]
     zn, norm = prep(Path(xp), z, normalize)
     groups = _variants.label_groups(xp, labels)
     ctx = Context("supcon_loss", reduction, z.shape[0], xp, stats=(lse,), precision=p,
                   saved=dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes,
-                             groups=groups, has=_variants.has_positive(groups)))
+                             groups=groups, has=_variants.has_positive(groups), tgrad=tgrad))
     return supcon_backward(ctx, grad_loss)
 
 
-def supcon_loss(z, labels, temperature: float = 0.1, *, reduction: str = "mean",
+def _torch_forward(z, temperature, *, labels, **kw):
+    """``cupynce.torch``'s forward: :func:`supcon_forward` with the op's argument order (the
+    temperature an input after z, the labels by keyword)."""
+    return supcon_forward(z, labels, temperature, **kw)
+
+
+def _torch_backward(z, temperature, lse, grad_loss, *, labels, reduction: str = "mean",
+                    normalize: bool = False, workspace_bytes: Optional[int] = None,
+                    precision: Optional[str] = None):
+    """``cupynce.torch``'s backward op: ``(dz, dtemperature)`` (an unwritten 0-d placeholder
+    for a real temperature: no such input needs one)."""
+    kw = dict(labels=labels, temperature=temperature, reduction=reduction,
+              normalize=normalize, workspace_bytes=workspace_bytes, precision=precision)
+    if isinstance(temperature, float):
+        xp = _checks.array_module("supcon_loss", z=z)
+        return supcon_backward_from_stats(z, lse, grad_loss, **kw), \
+            xp.empty((), acc_dtype(z.dtype))
+    return supcon_backward_from_stats(z, lse, grad_loss, temperature_grad=True, **kw)
+
+
+def supcon_loss(z, labels, temperature: Any = 0.1, *, reduction: str = "mean",
                 normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
                 precision: Optional[str] = None):
     """The supervised contrastive loss of ``z`` (N, D) with ``labels`` (N,); see
@@ -222,7 +261,8 @@ def _even(z) -> None:
 
 
 def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
-                    normalize=False, workspace_bytes=None, requires_grad=True, precision=None):
+                    normalize=False, workspace_bytes=None, requires_grad=True,
+                    temperature_grad=False, precision=None):
     """:func:`supcon_forward` over ``comm``'s global batch: NT-Xent's global row softmax
     (``cupynce.ops._local``'s schedule: the rows gathered, each rank its rows' log-sum-exps
     and its share of the gradient, reduce-scattered), the labels gathered with the rows and
@@ -230,10 +270,19 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
     fixed order: the same bits everywhere)."""
     op = "supcon_loss"
     precision = _global.precision_setting(precision)
-    xp, labels, t, p = _global.agree(comm, op, lambda: (
-        _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision),
-        _checks.check_bool(op, "requires_grad", requires_grad), _even(z))[0], [z], ["z"],
-        [temperature, reduction, normalize, requires_grad, precision])
+    def checks():
+        xp, lab, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
+                               precision)
+        _checks.check_bool(op, "requires_grad", requires_grad)
+        _checks.check_bool(op, "temperature_grad", temperature_grad)
+        _even(z)
+        return xp, lab, host_temperature(op, t), p
+
+    host_t = temperature if type(temperature) is float else 0.0  # (arrays: their own check)
+    xp, labels, temp, p = _global.agree(
+        comm, op, checks, [z], ["z"],
+        [host_t, reduction, normalize, requires_grad, precision, temperature_grad is True])
+    t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):
         path = Path(xp)
         engine = _local.engine_for(xp)
@@ -265,14 +314,16 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
                 acc = comm.reduce_scatter(_local.nt_xent_grads(
                     path, engine, plan, zn, parts, scale, lse_all, w_all.reshape(size, n2), 1.0,
                     workspace_bytes))
-                ctx.saved = dict(base, acc=(acc,))
+                ctx.saved = dict(base, acc=(acc,), temp=temp, tgrad=tgrad)
             else:
                 ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
                                  scale=scale, ws=workspace_bytes, comm=comm, groups=groups,
-                                 has=has)
+                                 has=has, temp=temp, tgrad=tgrad)
         rows = _variants.supcon_terms(
             xp, path, zn, None, scale, lse, acc=acc,
             every=(every, groups, w_all if acc is not None else None, rank * n2))
+        if acc is not None and tgrad:  # (after the class terms: dτ of the whole gradient)
+            ctx.saved["dt"] = _global.dtemperature(comm, xp, zn, acc, temp, 2)
         if reduction == "none":
             total = rows
         else:
@@ -298,8 +349,9 @@ def _global_acc(ctx: Context, g):
     _variants.supcon_terms(xp, path, s["zn"], None, s["scale"], None, acc=acc,
                            every=(s["parts"].reshape(size * n2, -1), s["groups"], w_all,
                                   comm.rank * n2))
-    return (acc,), ()
+    return (acc,), ((_global.dtemperature(comm, xp, s["zn"], acc, s["temp"], 2),)
+                    if s["tgrad"] else ())
 
 
-_GLOBAL = _global.Schedule(recompute=_global_acc,
-                           result=lambda path, xp, saved, grads, scalars: grads[0])
+_GLOBAL = _global.Schedule(recompute=_global_acc, result=_global.rows_and_temperature,
+                           scalars=_global.saved_temperature_grad)

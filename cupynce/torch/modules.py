@@ -228,7 +228,10 @@ class SupConLoss(nn.Module):
 
     Parameters
     ----------
-    temperature : float > 0, default 0.1
+    temperature : float > 0, default 0.1 (with ``learnable``: the initial value)
+    learnable : bool, default False (keyword-only) — own the temperature as a Parameter,
+        ``log_temperature`` (as :class:`NTXentLoss`'s); ``base_temperature`` then scales by
+        the current temperature
     base_temperature : float > 0, optional (keyword-only)
         The reference code's loss scale (its default 0.07); None (default): the temperature
         (a factor of 1, as pytorch-metric-learning's).
@@ -240,12 +243,17 @@ class SupConLoss(nn.Module):
     precision : as for :class:`NTXentLoss` (keyword-only)
     """
 
-    def __init__(self, temperature: float = 0.1, *, base_temperature: Optional[float] = None,
-                 reduction: str = "mean", normalize: bool = False, group: Any = None,
+    def __init__(self, temperature: float = 0.1, *, learnable: bool = False,
+                 base_temperature: Optional[float] = None, reduction: str = "mean",
+                 normalize: bool = False, group: Any = None,
                  precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
         self.temperature = _checks.check_temperature(name, temperature)
+        self.learnable = R.check_bool(name, "learnable", learnable)
+        if self.learnable:
+            self.log_temperature = nn.Parameter(
+                torch.tensor(math.log(self.temperature), dtype=torch.float32))
         self.base_temperature = (self.temperature if base_temperature is None else
                                  _checks.check_positive_finite(name, "base_temperature",
                                                                base_temperature))
@@ -272,15 +280,17 @@ class SupConLoss(nn.Module):
                                  f"{getattr(labels, 'shape', type(labels).__name__)}")
             features = torch.cat(features.unbind(1))
             labels = labels.repeat(v)
-        loss = supcon_loss(features, labels, self.temperature, reduction=self.reduction,
+        tau = self.log_temperature.exp() if self.learnable else self.temperature
+        loss = supcon_loss(features, labels, tau, reduction=self.reduction,
                            normalize=self.normalize, group=self.group,
                            precision=self.precision)
         if self.base_temperature != self.temperature:
-            loss = loss * (self.temperature / self.base_temperature)
+            loss = loss * (tau / self.base_temperature)
         return loss
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}"
+                + (", learnable=True" if self.learnable else "")
                 + (f", base_temperature={self.base_temperature}"
                    if self.base_temperature != self.temperature else "")
                 + f", reduction={self.reduction!r}, normalize={self.normalize}"

@@ -201,16 +201,18 @@ __device__ __forceinline__ void seg_heads_body(
 // class sum of u ẑ), c_i = stop_i - start_i - 1 (its positives) and u_i = w_i / max(c_i, 1):
 //   loss_i = c_i > 0 ? lse_i - scale (ẑ_i·C_i - |ẑ_i|²) / c_i : 0              (loss given)
 //   acc_i += scale (w_i ẑ_p(i) + w_q(i) ẑ_q(i) - u_i C_i - W_i + 2 u_i ẑ_i)   (acc given)
-// p(i) = (i + h) mod n is the positive the softmax pass used, q its inverse.  The dot is a
-// fixed-order block sum; one pass where CuPy's array expressions took fifteen.
+// p(i) = (i + h) mod n is the positive the softmax pass used, q its inverse; scale is
+// times exp(scale_log[0]) where given.  The dot is a fixed-order block sum; one pass where
+// CuPy's array expressions took fifteen.
 template <typename T, typename A>
 __device__ __forceinline__ void supcon_rows_body(
     const T* __restrict__ z, i64 ldz, int d, i64 n, i64 h, const i64* __restrict__ start,
     const i64* __restrict__ stop, const A* __restrict__ pc, const A* __restrict__ pw,
-    const A* __restrict__ w, const A* __restrict__ lse, A scale, A* __restrict__ loss,
-    A* __restrict__ acc, i64 ld_acc)
+    const A* __restrict__ w, const A* __restrict__ lse, A scale, const A* __restrict__ scale_log,
+    A* __restrict__ loss, A* __restrict__ acc, i64 ld_acc)
 {
     __shared__ A sh[32];
+    if (scale_log) scale *= exp(scale_log[0]);  // (a device temperature: 1/τ = exp(−log τ))
     const i64 i = blockIdx.x;
     const i64 s = start[i];
     const A cnt = A(stop[i] - s - 1);
@@ -256,10 +258,10 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_seg_partial_##SUF(  
     seg_partial_body<T, A>(x, ldx, d, order, sl, w, n, part); }                            \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_supcon_rows_##SUF(             \
     const T* z, i64 ldz, int d, i64 n, i64 h, const i64* start, const i64* stop,           \
-    const A* pc, const A* pw, const A* w, const A* lse, A scale, A* loss, A* acc,          \
-    i64 ld_acc) {                                                                          \
-    supcon_rows_body<T, A>(z, ldz, d, n, h, start, stop, pc, pw, w, lse, scale, loss, acc,  \
-                           ld_acc); }
+    const A* pc, const A* pw, const A* w, const A* lse, A scale, const A* scale_log,       \
+    A* loss, A* acc, i64 ld_acc) {                                                         \
+    supcon_rows_body<T, A>(z, ldz, d, n, h, start, stop, pc, pw, w, lse, scale, scale_log, \
+                           loss, acc, ld_acc); }
 
 #define CPN_DEFINE_ACC(SUF, A)                                                             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_sum_rows_##SUF(                \

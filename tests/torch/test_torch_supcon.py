@@ -63,7 +63,7 @@ def test_registered_mean_without_the_fused_gradient(grad):
 
     z0, lab = _batch()
     z, labels = torch.tensor(z0), torch.tensor(lab)
-    loss = op.fwd(z, labels, 0.2, "mean", False, None, None, False)[0]
+    loss = op.fwd(z, None, 0.2, labels, "mean", False, None, None, False)[0]
     want, _ = ref.supcon_loss(z0, lab, 0.2)
     assert _rel(loss.numpy(), want) <= 1e-12
 
@@ -183,7 +183,7 @@ def test_cuda_matches_the_oracle(dtype, tol):
         assert _rel(dz.double().cpu().numpy(), wz) <= tol
 
 
-@pytest.mark.parametrize("which", ["fwd_mean", "fwd_none", "bwd"])
+@pytest.mark.parametrize("which", ["fwd_mean", "fwd_none", "fwd_tensor_temperature", "bwd"])
 def test_opcheck(which):
     """``torch.library.opcheck`` of the registered ops (schemas, fake shapes, autograd)."""
     from cupynce.torch import _registry
@@ -196,14 +196,18 @@ def test_opcheck(which):
     z, labels = torch.tensor(z0), torch.tensor(lab)
     leaf = z.clone().requires_grad_()
     if which == "fwd_mean":
-        args = (leaf, labels, 0.2, "mean", True, None, None, True)
+        args = (leaf, None, 0.2, labels, "mean", True, None, None, True)
         name = "supcon_loss_fwd"
     elif which == "fwd_none":
-        args = (leaf, labels, 0.2, "none", False, None, None, False)
+        args = (leaf, None, 0.2, labels, "none", False, None, None, False)
+        name = "supcon_loss_fwd"
+    elif which == "fwd_tensor_temperature":
+        args = (leaf, torch.tensor(0.2, dtype=torch.float64, requires_grad=True), 0.0, labels,
+                "mean", True, None, None, True)
         name = "supcon_loss_fwd"
     else:
-        lse = op.FWD(z, labels, 0.2, "none", False, None, None, False)[1]
-        args = (z, labels, lse, torch.ones(8, dtype=torch.float64), 0.2, "none", False, None,
-                None)
+        lse = op.FWD(z, None, 0.2, labels, "none", False, None, None, False)[1]
+        args = (z, None, 0.2, labels, lse, torch.ones(8, dtype=torch.float64), "none", False,
+                None, None)
         name = "supcon_loss_bwd"
     torch.library.opcheck(getattr(torch.ops.cupynce, name).default, args)

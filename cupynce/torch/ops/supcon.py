@@ -10,20 +10,21 @@ from ...ops import supcon as core
 from .. import _bridge as B
 from .. import _registry as R
 from .. import _skeleton as S
+from .nt_xent import temperature_arg
 
 #: the op: z's rows and their (N,) labels, the temperature, the (N,) row log-sum-exps; the
 #: fused forward's gradient accumulator and norms are the core context's ``dz`` / ``norm``
 SPEC = S.Loss("supcon_loss", "SupConFunction", __name__, core,
-              inputs=(S.Rows("z"), S.Labels("labels")), params=("temperature",),
-              stats=("lse",), forward="supcon_forward", backward="supcon_backward_from_stats",
-              unit_grads=lambda saved: ((saved["dz"],), (saved["norm"],), ()))
+              inputs=(S.Rows("z"), S.Scalar("temperature"), S.Labels("labels")),
+              stats=("lse",), forward="_torch_forward", backward="_torch_backward",
+              unit_grads=lambda saved: ((saved["dz"],), (saved["norm"],), (saved["dt"],)))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
 fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
                                                SPEC.setup_context, SPEC.backward)
 SupConFunction, FWD, BWD = SPEC.Function, SPEC.FWD, SPEC.BWD
 
 
-def supcon_loss(z: Tensor, labels: Tensor, temperature: float = 0.1, *,
+def supcon_loss(z: Tensor, labels: Tensor, temperature: Any = 0.1, *,
                 reduction: str = "mean", normalize: bool = False,
                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
                 precision: Optional[str] = None) -> Tensor:
@@ -37,7 +38,9 @@ def supcon_loss(z: Tensor, labels: Tensor, temperature: float = 0.1, *,
     labels : integer Tensor (N,), on z's device
         The rows' classes: rows with equal labels are positives of each other.  The
         backward reads them again (as it reads z): do not change them in place before it.
-    temperature : float > 0, default 0.1
+    temperature : float > 0, or a Tensor of shape () or (1,) on z's device, default 0.1
+        A tensor is a differentiable input (a learnable temperature), never read on the
+        host (as :func:`cupynce.torch.nt_xent`'s).
     reduction : "mean" (default) | "sum" | "none"
         Anchors without a positive are left out: "mean" averages over those with one (0,
         with a zero gradient, when none has), "none" gives the others 0.
@@ -66,9 +69,10 @@ def supcon_loss(z: Tensor, labels: Tensor, temperature: float = 0.1, *,
 
         return distributed.supcon_loss(z, labels, temperature, reduction, normalize,
                                        workspace_bytes, group, precision)
-    t = _checks.check_temperature("supcon_loss", temperature)
+    t_tensor, t_value = temperature_arg("supcon_loss", temperature)
     reduction, workspace_bytes = R.scalars("supcon_loss", reduction, workspace_bytes)
-    B.check_tensors("supcon_loss", z=z, labels=labels)
+    B.check_tensors("supcon_loss", optional=("temperature",), z=z, labels=labels,
+                    temperature=t_tensor)
     normalize = _checks.check_bool("supcon_loss", "normalize", normalize)
-    return SPEC(z, labels, t, reduction, normalize, workspace_bytes,
+    return SPEC(z, t_tensor, t_value, labels, reduction, normalize, workspace_bytes,
                 R.precision_of("supcon_loss", precision))
