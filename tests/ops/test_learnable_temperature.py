@@ -204,3 +204,143 @@ def test_torch_cuda_nt_xent(dtype, tol):
     assert _rel(out.detach().double().cpu().numpy(), want) <= tol
     assert _rel(dz.double().cpu().numpy(), wz) <= tol
     assert _scalar_err(dt.double().cpu().numpy(), wt) <= tol
+
+
+# ---- SupCon ----------------------------------------------------------------------------------
+def _check_supcon(xp, dtype, n, d, reduction, tshape, tdtype):
+    dt = np.dtype(dtype) if dtype != "bfloat16" else __import__("ml_dtypes").bfloat16
+    rng = np.random.default_rng(n + 2 * d)
+    lab = rng.integers(0, max(2, n // 4), n)
+    z = (rng.standard_normal((n, d)) / np.sqrt(d)).astype(dt)
+    t0 = np.asarray(0.2, tdtype).reshape(tshape)
+    tau = float(t0.reshape(()))
+    g = 0.7 if reduction != "none" else rng.uniform(0.2, 1.5, n)
+    want, (wz, wt) = ref.supcon_loss(z, lab, tau, reduction=reduction, normalize=True,
+                                     grad_loss=g, temperature_grad=True)
+    acc = np.float64 if dt == np.float64 else np.float32
+    gl = g if reduction != "none" else xp.asarray(g.astype(acc))
+    loss, ctx = cupynce.supcon_forward(xp.asarray(z), xp.asarray(lab), xp.asarray(t0),
+                                       reduction=reduction, normalize=True,
+                                       temperature_grad=True)
+    dz, dtau = cupynce.supcon_backward(ctx, gl)
+    host = (lambda x: x) if xp is np else xp.asnumpy
+    tol = max(TOL[dtype], 1e-6 if np.dtype(tdtype) == np.float32 else 0)
+    assert _rel(host(loss), want) <= TOL[dtype], "loss"
+    assert _rel(host(dz).astype(np.float64), wz) <= TOL[dtype], "dz"
+    assert dtau.shape == t0.shape and dtau.dtype == t0.dtype
+    assert _scalar_err(host(dtau), wt) <= tol, "dtemperature"
+    if reduction == "none":
+        again = cupynce.supcon_backward_from_stats(
+            xp.asarray(z), ctx.stats[0], gl, labels=xp.asarray(lab), temperature=xp.asarray(t0),
+            reduction=reduction, normalize=True, temperature_grad=True)
+        assert _scalar_err(host(again[1]), wt) <= tol, "dtemperature from stats"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("tshape,tdtype", [((), np.float64), ((1,), np.float32)])
+@pytest.mark.parametrize("n", [12, 13])
+def test_supcon_numpy(reduction, tshape, tdtype, n):
+    _check_supcon(np, "float64", n, 5, reduction, tshape, tdtype)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_supcon_across_ranks(P, reduction):
+    from emulated_ranks import run
+
+    n = 4
+    rng = np.random.default_rng(5)
+    Z, L = rng.standard_normal((n * P, 5)), rng.integers(0, 3, n * P)
+    up = rng.uniform(0.5, 1.5, n * P) if reduction == "none" else 0.7
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        _, ctx = cupynce.supcon_forward(Z[sl], L[sl], np.asarray(0.3), reduction=reduction,
+                                        normalize=True, temperature_grad=True, group=comm)
+        return cupynce.supcon_backward(ctx, up[sl] if reduction == "none" else up)
+
+    out = run(P, rank)
+    _, (wz, wt) = ref.supcon_loss(Z, L, 0.3, reduction=reduction, normalize=True,
+                                  grad_loss=up, temperature_grad=True)
+    for r, (dz, dt) in enumerate(out):
+        assert _rel(dz / P, wz[r * n:(r + 1) * n]) <= 1e-12
+        assert _scalar_err(dt, wt) <= 1e-12
+
+
+def test_a_device_temperature_with_group_is_refused():
+    """``group=`` takes a host temperature for now (the global schedules' products take a host
+    scale): a device one raises, inside the ranks' agreement (so on every rank)."""
+    from cupynce.ops import _base
+
+    temp = _base.Temperature(None, np.zeros(1), (), np.float64, True)
+    with pytest.raises(ValueError, match="a device temperature with group= is not supported"):
+        _base.host_temperature("supcon_loss", temp)
+
+
+@pytest.mark.gpu
+def test_a_device_temperature_with_group_raises_on_every_rank():
+    cp = pytest.importorskip("cupy")
+    from emulated_ranks import run
+
+    z, lab = cp.ones((4, 3), cp.float32), cp.zeros(4, cp.int64)
+
+    def rank(comm):
+        with pytest.raises(ValueError, match="device temperature with group=|invalid inputs"):
+            cupynce.supcon_forward(z, lab, cp.asarray(0.1), group=comm)
+        return True
+
+    assert run(2, rank, device=0) == [True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,n,d", [("float64", 64, 32), ("float32", 512, 64),
+                                       ("bfloat16", 512, 64), ("bfloat16", 511, 64)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_supcon_cupy_device_temperature(dtype, n, d, reduction):
+    cp = pytest.importorskip("cupy")
+    _check_supcon(cp, dtype, n, d, reduction, (), np.float32)
+
+
+@pytest.mark.parametrize("path", ["direct", "registered", "compile"])
+def test_torch_supcon(path):
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+    from cupynce.torch import _registry
+
+    rng = np.random.default_rng(7)
+    z0, lab = rng.standard_normal((12, 5)), rng.integers(0, 3, 12)
+    z = torch.tensor(z0, requires_grad=True)
+    t = torch.tensor(0.25, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor(lab)
+
+    def f(z, t):
+        return ct.supcon_loss(z, labels, t, normalize=True)
+    if path == "compile":
+        torch._dynamo.reset()
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(z, t)
+    elif path == "registered":
+        real = _registry.direct
+        _registry.direct = lambda *tensors: False
+        try:
+            out = f(z, t)
+        finally:
+            _registry.direct = real
+    else:
+        out = f(z, t)
+    dz, dt = torch.autograd.grad(out, [z, t])
+    want, (wz, wt) = ref.supcon_loss(z0, lab, 0.25, normalize=True, temperature_grad=True)
+    assert _rel(out.detach().numpy(), want) <= 1e-12
+    assert _rel(dz.numpy(), wz) <= 1e-12
+    assert _scalar_err(dt.numpy(), wt) <= 1e-12
+
+
+def test_torch_supcon_module_learns_its_temperature():
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+
+    m = ct.SupConLoss(0.2, learnable=True, normalize=True)
+    rng = np.random.default_rng(8)
+    z, lab = rng.standard_normal((12, 5)), rng.integers(0, 3, 12)
+    m(torch.tensor(z), torch.tensor(lab)).backward()
+    _, (_, wt) = ref.supcon_loss(z, lab, 0.2, normalize=True, temperature_grad=True)
+    assert _scalar_err(m.log_temperature.grad.numpy(), 0.2 * wt) <= 1e-6
