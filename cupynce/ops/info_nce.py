@@ -18,8 +18,9 @@ from .. import _checks, config
 from .._engine import side
 from .._engine.kernels import acc_dtype
 from . import _comm, _global, _graphs, _local, _memo
-from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered, finish_all,
-                    in_ctx_precision, prep, reduce, reduce_out, require, weights)
+from ._base import (Context, Path, Temperature, check_stats, contig_inputs, contig_remembered,
+                    dtemperature, finish_all, host_temperature, in_ctx_precision, prep, reduce,
+                    reduce_out, require, temperature_input, temperature_result, weights)
 from ._comm import Comm
 
 __all__ = ["info_nce", "info_nce_forward", "info_nce_backward",
@@ -49,7 +50,7 @@ def _check(query, key, negatives, temperature, reduction, workspace_bytes,
             raise ValueError(f"info_nce: per-query negatives must be (N={query.shape[0]}, M, D), "
                              f"got shape {tuple(negatives.shape)}")
     _checks.check_same_dtype(op, query=query, key=key, negatives=negatives)
-    t = _checks.check_temperature(op, temperature)
+    t = temperature_input(op, temperature, xp, query, acc_dtype(query.dtype))
     return xp, t, _checks.check_flags(op, reduction, workspace_bytes, normalize, precision)
 
 
@@ -79,11 +80,11 @@ def _batch_labels(xp, labels, in_batch_negatives: Any, n: int, like):
         return xp.zeros((n,), np.int64)
 
 
-def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, labels=None,
+def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labels=None,
                      label_smoothing: float = 0.0, in_batch_negatives: bool = True,
                      replicated_negatives: bool = False, reduction: str = "mean",
                      normalize: bool = False, workspace_bytes: Optional[int] = None,
-                     requires_grad: bool = True, group=None,
+                     requires_grad: bool = True, temperature_grad: bool = False, group=None,
                      precision: Optional[str] = None) -> Tuple[Any, Context]:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
 
@@ -113,8 +114,10 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
         gathered at its enqueue, :class:`cupynce.torch.NegativeQueue`), so they join the
         candidates once, not once per rank; their gradient is the global loss's (summed
         over the ranks, no factor P: the same on every rank).  Without ``group``: no effect.
-    temperature, reduction, normalize, workspace_bytes, requires_grad : as for nt_xent.
-        ``normalize`` applies to query, key and negatives alike.
+    temperature, reduction, normalize, workspace_bytes, requires_grad, temperature_grad : as
+        for nt_xent (a temperature array: its gradient; dL/dτ = ``−(1/τ) Σ_i q̂_i · ∂L/∂q̂_i``,
+        the logits being of degree 1 in the queries).  ``normalize`` applies to query, key
+        and negatives alike.
     group : communicator, optional
         The loss of the global batch across ranks: a ``cupy.cuda.nccl.NcclCommunicator``
         (or a ``cupyx.distributed`` NCCL backend) for CuPy arrays, or a
@@ -143,17 +146,23 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
             label_smoothing=label_smoothing, in_batch_negatives=in_batch_negatives,
             replicated_negatives=replicated_negatives, reduction=reduction,
             normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad,
-            precision=precision)
+            temperature_grad=temperature_grad, precision=precision)
     _checks.check_bool("info_nce", "replicated_negatives", replicated_negatives)
     sig = _memo.signature("info_nce", query, key, negatives, temperature)
     hit = _memo.known(sig)
     if hit:  # the arrays and temperature passed these checks before, laid out (_memo)
-        xp, t = _checks.cupy_module(), temperature
+        xp = _checks.cupy_module()
+        temp = Temperature(temperature, None, (), acc_dtype(query.dtype), False) \
+            if type(temperature) is float else \
+            temperature_input("info_nce", temperature, xp, query, acc_dtype(query.dtype))
         p = _checks.check_flags("info_nce", reduction, workspace_bytes, normalize, precision)
     else:
-        xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
-                          normalize, precision)
+        xp, temp, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
+                             normalize, precision)
     _checks.check_bool("info_nce", "requires_grad", requires_grad)
+    tgrad = _checks.check_bool("info_nce", "temperature_grad", temperature_grad)
+    want_dt = requires_grad and (temp.array or tgrad)
+    t = temp.value
     n = query.shape[0]
     labels = _batch_labels(xp, _checks.check_labels("info_nce", labels, n, xp, query),
                            in_batch_negatives, n, query)
@@ -171,9 +180,10 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
         with side.branch() as br:
             out = reduce_out(xp, reduction, acc_dtype(query.dtype))
             lse, loss, grads = path.rows(
-                qn, kn, neg_s, neg_p, 1.0 / t, exclude_diag=False, pos_shift=0, pos_mod=n,
+                qn, kn, neg_s, neg_p, temp.scale, exclude_diag=False, pos_shift=0, pos_mod=n,
                 lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(query.dtype)),
-                want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce", **masks)
+                want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce",
+                scale_log=temp.scale_log, **masks)
             with br.beside():
                 total = reduce(xp, loss, reduction, out)
         dq, dk, dns, dnp = grads
@@ -182,7 +192,8 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
 
     with config.float32_precision(p):  # (the graph key carries it too)
         # (a graph replays only the inputs it was given: labels are not among them)
-        if path.gpu and (fused or not requires_grad) and labels is None and not eps:
+        if path.gpu and (fused or not requires_grad) and labels is None and not eps \
+                and temp.scale_log is None and not want_dt:
             inputs = (query, key) + (() if negatives is None else (negatives,))
             outs = _graphs.run(
                 ("info_nce", t, reduction, normalize, workspace_bytes, fused,
@@ -193,11 +204,12 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
     loss, lse, dq, dk, dneg, nq, nk, nneg = outs
     ctx = Context("info_nce", reduction, n, xp, stats=(lse,) if requires_grad else (),
                   precision=p)
-    base = dict(x=(query, key, negatives), norms=(nq, nk, nneg))
+    base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), temp=temp, tgrad=tgrad)
     if fused:
-        ctx.saved = dict(base, acc=(dq, dk, dneg))
+        ctx.saved = dict(base, acc=(dq, dk, dneg),
+                         dt=dtemperature(xp, xn[0], dq, temp, 1) if want_dt else None)
     elif requires_grad:
-        ctx.saved = dict(base, xn=xn, lse=lse, t=t, ws=workspace_bytes, masks=masks)
+        ctx.saved = dict(base, xn=xn, lse=lse, ws=workspace_bytes, masks=masks)
     return loss, ctx
 
 
@@ -205,8 +217,9 @@ def info_nce_forward(query, key, temperature: float = 0.1, *, negatives=None, la
 def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
     """Gradients ``(dquery, dkey, dnegatives)`` of :func:`info_nce_forward`'s loss.
 
-    ``dnegatives`` is None when no negatives were given.  Dtypes follow the inputs.  The
-    products run in the forward's float32 precision (``ctx.precision``).
+    ``dnegatives`` is None when no negatives were given.  Dtypes follow the inputs.  For a
+    forward with ``temperature_grad=True``: ``(dquery, dkey, dnegatives, dtemperature)``.
+    The products run in the forward's float32 precision (``ctx.precision``).
     """
     require(ctx, "info_nce")
     if "global" in ctx.saved:
@@ -215,31 +228,39 @@ def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
     path = Path(xp)
     g = _checks.check_grad_loss("info_nce_backward", grad_loss, ctx.reduction, ctx.n, xp)
     a = acc_dtype(s["x"][0].dtype)
+    temp = s["temp"]
     if "acc" in s:
-        return tuple(finish_all(path, s["x"], s["norms"], s["acc"], path.grad_scale(g, a)))
+        grads = tuple(finish_all(path, s["x"], s["norms"], s["acc"], path.grad_scale(g, a)))
+        if not s["tgrad"]:
+            return grads
+        return grads + (temperature_result(path, xp, s["dt"] * g, temp),)
     qn, kn, neg_s, neg_p = s["xn"]
     _, _, (dq, dk, dns, dnp) = path.rows(
-        qn, kn, neg_s, neg_p, 1.0 / s["t"], exclude_diag=False, pos_shift=0, pos_mod=ctx.n,
+        qn, kn, neg_s, neg_p, temp.scale, exclude_diag=False, pos_shift=0, pos_mod=ctx.n,
         lse_in=s["lse"], weights=weights(xp, g, ctx.reduction, ctx.n, a), want_grad=True,
-        workspace_bytes=s["ws"], op="info_nce", **s["masks"])
+        workspace_bytes=s["ws"], op="info_nce", scale_log=temp.scale_log, **s["masks"])
+    dt = dtemperature(xp, qn, dq, temp, 1) if s["tgrad"] else None
     accs = (dq, dk, dns if dns is not None else dnp)
-    return tuple(finish_all(path, s["x"], s["norms"], accs, None))
+    grads = tuple(finish_all(path, s["x"], s["norms"], accs, None))
+    return grads + (temperature_result(path, xp, dt, temp),) if s["tgrad"] else grads
 
 
 def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.0, *,
-                                 temperature: float = 0.1, labels=None,
+                                 temperature: Any = 0.1, labels=None,
                                  label_smoothing: float = 0.0,
                                  in_batch_negatives: bool = True, reduction: str = "mean",
                                  normalize: bool = False, workspace_bytes: Optional[int] = None,
+                                 temperature_grad: bool = False,
                                  precision: Optional[str] = None):
     """``(dquery, dkey, dnegatives)`` from the inputs and ``ctx.stats[0]`` (row lse) alone.
 
     See :func:`nt_xent_backward_from_stats` (``precision`` too); ``dnegatives`` is None
     without negatives; ``labels``, ``label_smoothing`` and ``in_batch_negatives`` as the
-    forward's.
+    forward's; with ``temperature_grad``, ``dtemperature`` last.
     """
     xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
                       normalize, precision)
+    tgrad = _checks.check_bool("info_nce", "temperature_grad", temperature_grad)
     n = query.shape[0]
     labels = _batch_labels(xp, _checks.check_labels("info_nce", labels, n, xp, query),
                            in_batch_negatives, n, query)
@@ -251,11 +272,30 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
         xp, path, query, key, negatives, normalize)
     ctx = Context("info_nce", reduction, n, xp, stats=(lse,), precision=p, saved=dict(
         x=(query, key, negatives), norms=(nq, nk, nneg), xn=(qn, kn, neg_s, neg_p), lse=lse,
-        t=t, ws=workspace_bytes, masks=masks))
+        temp=t, tgrad=tgrad, ws=workspace_bytes, masks=masks))
     return info_nce_backward(ctx, grad_loss)
 
 
-def info_nce(query, key, temperature: float = 0.1, *, negatives=None, labels=None,
+def _torch_backward(query, key, temperature, negatives, lse, grad_loss, *, labels=None,
+                    label_smoothing: float = 0.0, reduction: str = "mean",
+                    normalize: bool = False, workspace_bytes: Optional[int] = None,
+                    precision: Optional[str] = None):
+    """``cupynce.torch``'s backward op: ``(dquery, dkey, dtemperature, dnegatives)``, the op's
+    input order (an unwritten 0-d placeholder for a real temperature: no such input needs
+    one)."""
+    kw = dict(temperature=temperature, labels=labels, label_smoothing=label_smoothing,
+              reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
+              precision=precision)
+    if isinstance(temperature, float):
+        xp = _checks.array_module("info_nce", query=query)
+        dq, dk, dn = info_nce_backward_from_stats(query, key, negatives, lse, grad_loss, **kw)
+        return dq, dk, xp.empty((), acc_dtype(query.dtype)), dn
+    dq, dk, dn, dt = info_nce_backward_from_stats(query, key, negatives, lse, grad_loss,
+                                                  temperature_grad=True, **kw)
+    return dq, dk, dt, dn
+
+
+def info_nce(query, key, temperature: Any = 0.1, *, negatives=None, labels=None,
              label_smoothing: float = 0.0, in_batch_negatives: bool = True,
              replicated_negatives: bool = False, reduction: str = "mean",
              normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
@@ -273,7 +313,7 @@ def info_nce(query, key, temperature: float = 0.1, *, negatives=None, labels=Non
 def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, labels=None,
                     label_smoothing=0.0, in_batch_negatives=True, replicated_negatives=False,
                     reduction="mean", normalize=False, workspace_bytes=None,
-                    requires_grad=True, precision=None):
+                    requires_grad=True, temperature_grad=False, precision=None):
     """:func:`info_nce_forward` over ``comm``'s global batch (see :mod:`cupynce.ops._global`).
 
     Every rank's keys and shared (M, D) negatives join every query's candidates (replicated
@@ -286,17 +326,20 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
                           normalize, precision)
         _checks.check_bool(op, "requires_grad", requires_grad)
+        _checks.check_bool(op, "temperature_grad", temperature_grad)
         _checks.check_bool(op, "replicated_negatives", replicated_negatives)
         lab = _batch_labels(xp, _checks.check_labels(op, labels, query.shape[0], xp, query),
                             in_batch_negatives, query.shape[0], query)
-        return xp, t, p, lab, _checks.check_smoothing(op, label_smoothing)
+        return xp, host_temperature(op, t), p, lab, _checks.check_smoothing(op, label_smoothing)
 
     # (every rank with labels or none: their presence is a setting the ranks agree on)
-    xp, t, p, labels, eps = _global.agree(
+    host_t = temperature if type(temperature) is float else 0.0  # (arrays: their own check)
+    xp, temp, p, labels, eps = _global.agree(
         comm, op, checks, [query, key, negatives], ["query", "key", "negatives"],
-        [temperature, reduction, normalize, requires_grad, kind, precision,
+        [host_t, reduction, normalize, requires_grad, kind, precision,
          labels is not None, label_smoothing, in_batch_negatives is True,
-         replicated_negatives is True])
+         replicated_negatives is True, temperature_grad is True])
+    t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         rank, size = comm.rank, comm.size
@@ -322,10 +365,13 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
             workspace_bytes=workspace_bytes, **masks)
         ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
                       precision=p)
-        base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size)
+        base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size, temp=temp,
+                    tgrad=tgrad)
         rep = bool(replicated_negatives)
         if fused:
-            ctx.saved = dict(base, acc=_global_scatter(comm, xp, grads, n, neg_s, rep))
+            ctx.saved = dict(base, acc=_global_scatter(comm, xp, grads, n, neg_s, rep),
+                             dt=_global.dtemperature(comm, xp, qn, grads[0], temp, 1)
+                             if tgrad else None)
         elif requires_grad:
             ctx.saved = dict(base, xn=(qn, kn, others, neg_p), neg_s=neg_s, lse=lse, t=t,
                              ws=workspace_bytes, comm=comm, masks=masks, replicated=rep)
@@ -357,8 +403,18 @@ def _global_acc(ctx: Context, g):
     _, _, grads = _local.info_nce_block(
         Path(xp), qn, kn, others, neg_p, 1.0 / s["t"], lse_in=s["lse"], weights=w,
         want_grad=True, workspace_bytes=s["ws"], **s["masks"])
-    return _global_scatter(s["comm"], xp, grads, ctx.n, s["neg_s"], s["replicated"]), ()
+    accs = _global_scatter(s["comm"], xp, grads, ctx.n, s["neg_s"], s["replicated"])
+    return accs, ((_global.dtemperature(s["comm"], xp, qn, grads[0], s["temp"], 1),)
+                  if s["tgrad"] else ())
 
 
-_GLOBAL = _global.Schedule(recompute=_global_acc,
-                          result=lambda path, xp, saved, grads, scalars: tuple(grads))
+def _global_result(path, xp, saved, grads, scalars):
+    """``(dq, dk, dnegatives)``, and ``dtemperature`` last for a forward with
+    ``temperature_grad``."""
+    if not saved.get("tgrad"):
+        return tuple(grads)
+    return tuple(grads) + (temperature_result(path, xp, scalars[0], saved["temp"]),)
+
+
+_GLOBAL = _global.Schedule(recompute=_global_acc, result=_global_result,
+                          scalars=_global.saved_temperature_grad)

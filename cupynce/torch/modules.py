@@ -163,18 +163,24 @@ class InfoNCE(nn.Module):
     info-nce-pytorch and the tutorial do); unlike info-nce-pytorch the in-batch keys stay
     candidates when explicit negatives are given.  See :func:`info_nce` (``precision``,
     ``label_smoothing``, keyword only, too); ``forward(..., labels=)`` takes the rows' labels
-    (a key of query i's label other than key i is no negative of it).
+    (a key of query i's label other than key i is no negative of it).  ``learnable=True``
+    (keyword only): the module owns the temperature as ``log_temperature``, as
+    :class:`NTXentLoss` does.
     """
 
     _MODES = {"unpaired": (2, "(M, D)"), "paired": (3, "(N, M, D)")}
 
     def __init__(self, temperature: float = 0.1, reduction: str = "mean",
-                 negative_mode: str = "unpaired", *, normalize: bool = True,
-                 label_smoothing: float = 0.0, group: Any = None,
+                 negative_mode: str = "unpaired", *, learnable: bool = False,
+                 normalize: bool = True, label_smoothing: float = 0.0, group: Any = None,
                  precision: Optional[str] = None) -> None:
         super().__init__()
         name = type(self).__name__
         self.temperature = _checks.check_temperature(name, temperature)
+        self.learnable = R.check_bool(name, "learnable", learnable)
+        if self.learnable:
+            self.log_temperature = nn.Parameter(
+                torch.tensor(math.log(self.temperature), dtype=torch.float32))
         self.reduction = _checks.check_reduction(name, reduction)
         if negative_mode not in self._MODES:
             raise ValueError(f"{name}: negative_mode must be one of {tuple(self._MODES)}, "
@@ -201,12 +207,15 @@ class InfoNCE(nn.Module):
             if negatives.dim() != ndim:
                 raise ValueError(f"{name}: negative_mode={self.negative_mode!r} expects "
                                  f"negatives of shape {shape}, got {tuple(negatives.shape)}")
-        return info_nce(query, key, self.temperature, negatives=negatives, labels=labels,
+        tau = self.log_temperature.exp() if self.learnable else self.temperature
+        return info_nce(query, key, tau, negatives=negatives, labels=labels,
                         label_smoothing=self.label_smoothing, reduction=self.reduction,
                         normalize=self.normalize, group=self.group, precision=self.precision)
 
     def extra_repr(self) -> str:
-        return (f"temperature={self.temperature}, reduction={self.reduction!r}, "
+        return (f"temperature={self.temperature}, "
+                + ("learnable=True, " if self.learnable else "")
+                + f"reduction={self.reduction!r}, "
                 f"negative_mode={self.negative_mode!r}, normalize={self.normalize}"
                 + (f", label_smoothing={self.label_smoothing}" if self.label_smoothing else "")
                 + _precision_repr(self.precision))

@@ -344,3 +344,127 @@ def test_torch_supcon_module_learns_its_temperature():
     m(torch.tensor(z), torch.tensor(lab)).backward()
     _, (_, wt) = ref.supcon_loss(z, lab, 0.2, normalize=True, temperature_grad=True)
     assert _scalar_err(m.log_temperature.grad.numpy(), 0.2 * wt) <= 1e-6
+
+
+# ---- InfoNCE ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("variant", ["plain", "negatives", "labels", "moco"])
+def test_info_nce_numpy(reduction, variant):
+    """dτ = −(1/τ) Σ q̂·∂L/∂q̂ (degree 1 in the queries) with every kind of candidates."""
+    rng = np.random.default_rng(9)
+    q, k, u = rng.standard_normal((7, 5)), rng.standard_normal((7, 5)), rng.standard_normal((4, 5))
+    kw = {"plain": {}, "negatives": dict(negatives=u),
+          "labels": dict(labels=rng.integers(0, 3, 7), label_smoothing=0.1),
+          "moco": dict(negatives=u, labels=np.zeros(7, np.int64))}[variant]
+    ours = dict(kw)
+    if variant == "moco":  # (the oracle's spelling: one label for every row)
+        del ours["labels"]
+        ours["in_batch_negatives"] = False
+    g = rng.uniform(0.5, 1.5, 7) if reduction == "none" else 0.7
+    loss, ctx = cupynce.info_nce_forward(q, k, np.asarray([0.3], np.float32),
+                                         reduction=reduction, normalize=True,
+                                         temperature_grad=True, **ours)
+    out = cupynce.info_nce_backward(ctx, g)
+    t32 = float(np.float32(0.3))
+    want, wg = ref.info_nce(q, k, t32, reduction=reduction, normalize=True, grad_loss=g,
+                            temperature_grad=True, **kw)
+    assert _rel(loss, want) <= 1e-12
+    assert _rel(out[0], wg[0]) <= 1e-12 and _rel(out[1], wg[1]) <= 1e-12
+    assert out[-1].shape == (1,) and out[-1].dtype == np.float32
+    assert _scalar_err(out[-1], wg[-1]) <= 1e-6
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_info_nce_across_ranks(P, reduction):
+    from emulated_ranks import run
+
+    n = 3
+    rng = np.random.default_rng(10)
+    Q, K = rng.standard_normal((n * P, 5)), rng.standard_normal((n * P, 5))
+    up = rng.uniform(0.5, 1.5, n * P) if reduction == "none" else 0.7
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        _, ctx = cupynce.info_nce_forward(Q[sl], K[sl], np.asarray(0.3), reduction=reduction,
+                                          normalize=True, temperature_grad=True, group=comm)
+        return cupynce.info_nce_backward(ctx, up[sl] if reduction == "none" else up)
+
+    out = run(P, rank)
+    _, wg = ref.info_nce(Q, K, 0.3, reduction=reduction, normalize=True, grad_loss=up,
+                         temperature_grad=True)
+    for r, o in enumerate(out):
+        assert _rel(o[0] / P, wg[0][r * n:(r + 1) * n]) <= 1e-12
+        assert _scalar_err(o[-1], wg[-1]) <= 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_info_nce_cupy_device_temperature(dtype, reduction):
+    cp = pytest.importorskip("cupy")
+    dt = np.dtype(dtype) if dtype != "bfloat16" else __import__("ml_dtypes").bfloat16
+    rng = np.random.default_rng(11)
+    q, k = ((rng.standard_normal((512, 64)) / 8).astype(dt) for _ in range(2))
+    g = 0.7 if reduction != "none" else rng.uniform(0.2, 1.5, 512)
+    want, wg = ref.info_nce(q, k, 0.2, reduction=reduction, normalize=True, grad_loss=g,
+                            temperature_grad=True)
+    acc = np.float64 if dt == np.float64 else np.float32
+    loss, ctx = cupynce.info_nce_forward(cp.asarray(q), cp.asarray(k), cp.asarray(0.2, acc),
+                                         reduction=reduction, normalize=True,
+                                         temperature_grad=True)
+    out = cupynce.info_nce_backward(ctx, g if reduction != "none" else cp.asarray(g.astype(acc)))
+    tol = TOL[dtype]
+    assert _rel(cp.asnumpy(loss), want) <= tol
+    assert _rel(cp.asnumpy(out[0]).astype(np.float64), wg[0]) <= tol
+    assert _scalar_err(cp.asnumpy(out[-1]), wg[-1]) <= max(tol, 1e-6)
+
+
+@pytest.mark.parametrize("path", ["direct", "registered", "compile"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_info_nce(path, reduction):
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+    from cupynce.torch import _registry
+
+    rng = np.random.default_rng(12)
+    q0, k0, u0 = rng.standard_normal((6, 5)), rng.standard_normal((6, 5)), rng.standard_normal((4, 5))
+    q, k, u = (torch.tensor(x, requires_grad=True) for x in (q0, k0, u0))
+    t = torch.tensor(0.25, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, u, t):
+        return ct.info_nce(q, k, t, negatives=u, reduction=reduction, normalize=True)
+    if path == "compile":
+        torch._dynamo.reset()
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, u, t)
+    elif path == "registered":
+        real = _registry.direct
+        _registry.direct = lambda *tensors: False
+        try:
+            out = f(q, k, u, t)
+        finally:
+            _registry.direct = real
+    else:
+        out = f(q, k, u, t)
+    gl = (torch.linspace(0.5, 1.5, 6, dtype=torch.float64) if reduction == "none" else
+          torch.tensor(0.7, dtype=torch.float64))
+    grads = torch.autograd.grad(out, [q, k, u, t], gl)
+    want, wg = ref.info_nce(q0, k0, 0.25, negatives=u0, reduction=reduction, normalize=True,
+                            grad_loss=gl.numpy(), temperature_grad=True)
+    assert _rel(out.detach().numpy(), want) <= 1e-12
+    for x, w in zip(grads[:3], wg[:3]):
+        assert _rel(x.numpy(), w) <= 1e-12
+    assert _scalar_err(grads[3].numpy(), wg[3]) <= 1e-12
+
+
+def test_torch_info_nce_module_learns_its_temperature():
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+
+    m = ct.InfoNCE(0.2, learnable=True)
+    rng = np.random.default_rng(13)
+    q, k = rng.standard_normal((6, 5)), rng.standard_normal((6, 5))
+    m(torch.tensor(q), torch.tensor(k)).backward()
+    _, wg = ref.info_nce(q, k, 0.2, normalize=True, temperature_grad=True)
+    assert _scalar_err(m.log_temperature.grad.numpy(), 0.2 * wg[-1]) <= 1e-6
+    assert "learnable=True" in repr(m)

@@ -11,20 +11,22 @@ from ...ops import info_nce as core
 from .. import _bridge as B
 from .. import _registry as R
 from .. import _skeleton as S
+from .nt_xent import temperature_arg
 
 #: the op: query, key, the optional (M, D) / (N, M, D) negatives and (N,) labels, the
 #: temperature and the label smoothing, the (N,) row log-sum-exps
 SPEC = S.Loss("info_nce", "InfoNCEFunction", __name__, core,
-              inputs=(S.Rows("query"), S.Rows("key"), S.Rows("negatives", optional=True),
-                      S.Labels("labels")),
-              params=("temperature", "label_smoothing"), stats=("lse",))
+              inputs=(S.Rows("query"), S.Rows("key"), S.Scalar("temperature"),
+                      S.Rows("negatives", optional=True), S.Labels("labels")),
+              params=("label_smoothing",), stats=("lse",), backward="_torch_backward",
+              unit_grads=lambda saved: (saved["acc"], saved["norms"], (saved["dt"],)))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
 fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
                                                SPEC.setup_context, SPEC.backward)
 InfoNCEFunction, FWD, BWD = SPEC.Function, SPEC.FWD, SPEC.BWD
 
 
-def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
+def info_nce(query: Tensor, key: Tensor, temperature: Any = 0.1, *,
              negatives: Optional[Tensor] = None, labels: Optional[Tensor] = None,
              label_smoothing: float = 0.0, in_batch_negatives: bool = True,
              replicated_negatives: bool = False, reduction: str = "mean",
@@ -36,7 +38,9 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
     ----------
     query, key : Tensor (N, D), paired by row: key i is query i's positive, the other N − 1
         keys its in-batch negatives.
-    temperature : float > 0, default 0.1
+    temperature : float > 0, or a Tensor of shape () or (1,) on the inputs' device, default 0.1
+        A tensor is a differentiable input (a learnable temperature), never read on the
+        host (as :func:`nt_xent`'s).
     negatives : Tensor, optional
         (M, D) shared by every query, or (N, M, D) per query; differentiable.
     labels : integer Tensor (N,), optional
@@ -83,11 +87,11 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
                                     label_smoothing=label_smoothing,
                                     in_batch_negatives=in_batch_negatives,
                                     replicated_negatives=replicated_negatives)
-    t = _checks.check_temperature("info_nce", temperature)
+    t_tensor, t_value = temperature_arg("info_nce", temperature)
     eps = _checks.check_smoothing("info_nce", label_smoothing)
     reduction, workspace_bytes = R.scalars("info_nce", reduction, workspace_bytes)
-    B.check_tensors("info_nce", optional=("negatives", "labels"), query=query, key=key,
-                     negatives=negatives, labels=labels)
+    B.check_tensors("info_nce", optional=("negatives", "labels", "temperature"), query=query,
+                     key=key, negatives=negatives, labels=labels, temperature=t_tensor)
     normalize = _checks.check_bool("info_nce", "normalize", normalize)
     _checks.check_bool("info_nce", "replicated_negatives", replicated_negatives)
     if not _checks.check_bool("info_nce", "in_batch_negatives", in_batch_negatives):
@@ -95,5 +99,5 @@ def info_nce(query: Tensor, key: Tensor, temperature: float = 0.1, *,
             raise ValueError("info_nce: labels= with in_batch_negatives=False: no in-batch key "
                              "is a candidate, so there is nothing to mask; pass one of them")
         labels = query.new_zeros((query.shape[0],), dtype=torch.long)  # (one label for all)
-    return SPEC(query, key, negatives, labels, t, eps, reduction, normalize, workspace_bytes,
-                R.precision_of("info_nce", precision))
+    return SPEC(query, key, t_tensor, t_value, negatives, labels, eps, reduction, normalize,
+                workspace_bytes, R.precision_of("info_nce", precision))
