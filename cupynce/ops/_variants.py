@@ -25,7 +25,7 @@ A_w = Σ w_i â_i, B_w = Σ w_j b̂_j::
 
 SupCon (Khosla et al.'s L_out, ``ops/supcon.py``) on NT-Xent's row softmax, whose positive
 is p(i) = (i + h) mod N, h = N // 2 (q = p⁻¹: q(i) = (i − h) mod N).  With C_i = Σ_{y_j = y_i}
-ẑ_j (row i's class sum, ẑ_i included), c_i = |P(i)| = (class size − 1), u_i = w_i / c_i and
+ẑ_j (row i's class sum, ẑ_i included), c_i = |P(i)| = (class size − 1), u_i = w_i / max(c_i, 1) and
 W_i = Σ_{y_k = y_i} u_k ẑ_k::
 
     loss_i        = [c_i > 0] (lse_i − (ẑ_i·C_i − ‖ẑ_i‖²) / (c_i τ))

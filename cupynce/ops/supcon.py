@@ -206,9 +206,10 @@ def supcon_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, labels,
                                temperature_grad: bool = False,
                                precision: Optional[str] = None):
     """``dz`` from the input, the forward's row log-sum-exps (``ctx.stats[0]``) and the labels
-    (by keyword, as the torch ops pass them) alone (the score blocks, the class sums and the normalisation
-    recomputed); the result of :func:`supcon_backward` on the forward's context given the
-    forward's ``precision``; ``(dz, dtemperature)`` with ``temperature_grad``."""
+    (by keyword, as the torch ops pass them) alone (the score blocks, the class sums and the
+    normalisation recomputed); the result of :func:`supcon_backward` on the forward's
+    context given the forward's ``precision``; ``(dz, dtemperature)`` with
+    ``temperature_grad``."""
     xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
                               precision)
     tgrad = _checks.check_bool("supcon_loss", "temperature_grad", temperature_grad)

@@ -149,8 +149,9 @@ __device__ __forceinline__ void scale_cast_body(
 //   seg_heads: at each label's first position k, the class total = that partial plus the
 //     partials at the chunk starts inside the class (before end[k]), in order, in place
 //     (those partials belong to this class alone: no other thread reads or writes them).
-// A class of c rows costs c adds per column in the first pass and c / CPN_SEG_CHUNK in the
-// second, so one large class is not one thread's serial loop.
+// A class of c rows costs c adds per column in the first pass, spread over c / CPN_SEG_CHUNK
+// threads, and a chain of c / CPN_SEG_CHUNK adds in the second (2048 for one class of 65536
+// rows: latency-bound, a fixed-order tree would shorten it).
 #define CPN_SEG_CHUNK 32
 
 template <typename T, typename A>
