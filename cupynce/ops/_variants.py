@@ -203,34 +203,43 @@ def supcon_terms(xp, path, zn, groups, scale, lse, w=None, *, acc=None, every=No
     return loss
 
 
-def siglip_labels(xp, path, an, bn, groups, ls, lb, w=None, *, want_loss: bool = True):
-    """``(Δrow (N,) or None, (Δ∂/∂â, Δ∂/∂b̂, Δ∂/∂t, Δ∂/∂β) or None)`` of SigLIP's labels
-    (module notes) for ``an``, ``bn`` (â, b̂ as the products use them), the log scale ``ls``
-    and the bias ``lb`` (reals, or device arrays never read on the host), ``groups``
-    (:func:`label_groups`); ``w`` the gradient's row weights (a real, 0-d or (N,) array;
-    None: the loss alone)."""
+def siglip_labels(xp, path, an, bn, groups, ls, lb, w=None, *, want_loss: bool = True,
+                  row0: int = 0):
+    """``(Δrow (n,) or None, (Δ∂/∂â, Δ∂/∂b̂, Δ∂/∂t, Δ∂/∂β) or None)`` of SigLIP's labels
+    (module notes) for ``an`` (n, D) and ``bn`` (Nc, D) (â, b̂ as the products use them), the
+    log scale ``ls`` and the bias ``lb`` (reals, or device arrays never read on the host),
+    ``groups`` (:func:`label_groups` of the Nc texts' labels); ``w`` the gradient's row
+    weights (a real, 0-d, or one per text row; None: the loss alone).  ``an`` holds the image
+    rows ``row0 ..`` of the batch (a rank's share of the global one: Nc = every rank's texts,
+    gathered): Δ∂/∂b̂ is then (Nc, D), every text's, and Δ∂/∂t, Δ∂/∂β this rank's share (the
+    shares add up to the global values)."""
     a = acc_dtype(an.dtype)
-    x, y = an.astype(a, copy=False), bn.astype(a, copy=False)
+    n, nc = an.shape[0], bn.shape[0]
+    own = slice(row0, row0 + n)
+    x, y = an.astype(a, copy=False), bn[own].astype(a, copy=False)
     sigma = xp.exp(xp.asarray(ls, dtype=a).reshape(()))
     beta = xp.asarray(lb, dtype=a).reshape(())
-    cnt = (groups[4] - groups[3] - 1).astype(a)
-    other = path.class_sums(bn, groups)
+    cnt = (groups[4][own] - groups[3][own] - 1).astype(a)
+    other = path.class_sums(bn, groups)[own]
     other -= y                                       # B_{y_i} − b̂_i
     dot = (x * other).sum(axis=1)                    # â_i·(B_{y_i} − b̂_i)
     drow = -(sigma * dot + beta * cnt) if want_loss else None
     if w is None:
         return drow, None
     scalar = getattr(w, "ndim", 0) == 0
-    wc = w if scalar else w[:, None]
+    wo = w if scalar else xp.asarray(w, dtype=a)[own]
+    wc = wo if scalar else wo[:, None]
     da = other
     da *= -sigma * wc
-    if scalar:
-        aw = path.class_sums(an, groups) * w
-    else:
-        aw = path.class_sums(an, groups, xp.ascontiguousarray(w, dtype=a))
-    aw -= wc * x
+    wa = x * wc                                      # w_i â_i of this rank's images
+    if nc != n:  # (the texts' rows: this rank's images' terms at their global rows)
+        full = xp.zeros((nc, x.shape[1]), a)
+        full[own] = wa
+        wa = full
+    aw = path.class_sums(wa, groups)                 # A^w_{y_j}, this rank's images
+    aw[own] -= wa[own] if nc != n else wa
     db = aw
     db *= -sigma
-    dt = -sigma * ((w * dot).sum() if not scalar else w * dot.sum())
-    dbias = -((w * cnt).sum() if not scalar else w * cnt.sum())
+    dt = -sigma * ((wo * dot).sum() if not scalar else wo * dot.sum())
+    dbias = -((wo * cnt).sum() if not scalar else wo * cnt.sum())
     return drow, (da, db, dt, dbias)

@@ -118,12 +118,14 @@ def _with_labels(engine, xp, path, groups):
     if groups is None:
         return engine
 
-    def run(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, **kw):
+    def run(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, row0: int = 0,
+            **kw):
         row_loss, grads = engine(an, bn, ls, lb, weights=weights, want_loss=want_loss,
-                                 want_grad=want_grad, **kw)
+                                 want_grad=want_grad, row0=row0, **kw)
         drow, dgrads = _variants.siglip_labels(
             xp, path, an, bn, groups, ls, lb,
-            _variants.row_weights(weights) if want_grad else None, want_loss=want_loss)
+            _variants.row_weights(weights) if want_grad else None, want_loss=want_loss,
+            row0=row0)
         if want_loss:
             row_loss += drow
         if want_grad:
@@ -153,7 +155,8 @@ def siglip_loss_forward(a, b, logit_scale, logit_bias, *, labels=None, reduction
         Pairs (i, j) with equal labels are positives too (z_ij = +1): duplicates and
         same-class pairs.  An O(N·D) difference from the plain loss
         (``cupynce.ops._variants.siglip_labels``, class sums in a fixed order): every path
-        serves it; no CUDA-graph replay; not yet with ``group``.
+        serves it; no CUDA-graph replay.  With ``group``: each rank's rows' labels, gathered
+        with the texts (every rank passes labels, or none does).
     reduction : "mean" (the sum over all N² pairs divided by N, as open_clip and big_vision)
         | "sum" (the sum over the pairs) | "none" (the (N,) per-row sums).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
@@ -312,9 +315,10 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize,
                precision),
         _checks.check_bool(op, "requires_grad", requires_grad),
-        _no_global_labels(labels))[0], [a, b], ["a", "b"],
+        _checks.check_labels(op, labels, a.shape[0], _checks.array_module(op, a=a), a))[0],
+        [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
-         lb_array, reduction, normalize, requires_grad, precision])
+         lb_array, reduction, normalize, requires_grad, precision, labels is not None])
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         size = comm.size
@@ -323,8 +327,12 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         a, b = contig_inputs(xp, a, b)
         an, na = prep(path, a, normalize)
         bn, nb = prep(path, b, normalize)
-        engine = _engine_for(xp)
         b_all = comm.all_gather(bn).reshape(n * size, -1)
+        groups = None  # (labels: every rank's texts', gathered with them, then grouped)
+        if labels is not None:
+            labels = xp.ascontiguousarray(labels, dtype=np.int64)
+            groups = _variants.label_groups(xp, comm.all_gather(labels).reshape(-1))
+        engine = _with_labels(_engine_for(xp), xp, path, groups)
         fused = requires_grad and reduction != "none"
         w = weights(xp, None, reduction, n * size, acc)
         rows, grads = engine(an, b_all, ls, lb, weights=w, want_loss=True, want_grad=fused,
@@ -337,14 +345,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
             ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
         elif requires_grad:
             ctx.saved = dict(base, an=an, b_all=b_all, scalars=(ls, lb), ws=workspace_bytes,
-                             comm=comm)
+                             comm=comm, groups=groups)
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
-
-
-def _no_global_labels(labels) -> None:
-    """``labels=`` with ``group=``: not yet (raised inside the agreement: on every rank)."""
-    if labels is not None:
-        raise ValueError(f"{OP}: labels= is not supported with group= yet")
 
 
 def _global_scatter(comm: Comm, xp, grads, shape):
@@ -364,9 +366,9 @@ def _global_acc(ctx: Context, g):
     acc = acc_dtype(s["x"][0].dtype)
     g_all = comm.all_gather(_global.upstream(xp, g, ctx.n, acc)).reshape(-1)
     w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
-    _, grads = _engine_for(xp)(s["an"], s["b_all"], *s["scalars"], weights=w,
-                               want_loss=False, want_grad=True, workspace_bytes=s["ws"],
-                               row0=comm.rank * ctx.n)
+    engine = _with_labels(_engine_for(xp), xp, Path(xp), s["groups"])
+    _, grads = engine(s["an"], s["b_all"], *s["scalars"], weights=w, want_loss=False,
+                      want_grad=True, workspace_bytes=s["ws"], row0=comm.rank * ctx.n)
     da, db, dscale, dbias = _global_scatter(comm, xp, grads, s["an"].shape)
     return (da, db), (dscale, dbias)
 

@@ -148,6 +148,15 @@ def _check_supcon(xp, dtype, P, n, d, reduction, normalize, device=None, ws=None
 @pytest.mark.parametrize("P", [1, 2, 3])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("learnable", [False, True])
+def test_siglip_labels_numpy(P, reduction, learnable):
+    """SigLIP's labels across ranks: the labels gathered with the texts; every text's
+    gradient and this rank's share of the scale's and bias's from the global class sums."""
+    _check_siglip(np, "float64", P, 4, 5, reduction, True, learnable, labeled=True)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("learnable", [False, True])
 def test_clip_smoothing_numpy(P, reduction, learnable):
     """CLIP's label_smoothing= across ranks: Σ â gathered, Σ b̂ from the gathered texts, the
     scale's gradient from every rank's share."""
@@ -252,9 +261,11 @@ def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None
 
 
 def _check_siglip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None,
-                  ws=None):
+                  ws=None, labeled=False):
     N = n * P
     A, B = _batch(xp, dtype, (N, d), 11, 1.0), _batch(xp, dtype, (N, d), 12, 1.0)
+    # labels: few classes, so that a row's same-label texts sit on other ranks too
+    L = xp.asarray(np.random.default_rng(19).integers(0, 3, N)) if labeled else None
     acc = np.float64 if dtype == "float64" else np.float32
     ls = xp.asarray(np.array([1.1], acc)) if learnable else 1.1
     lb = xp.asarray(np.array(-2.0, acc)) if learnable else -2.0
@@ -262,13 +273,14 @@ def _check_siglip(xp, dtype, P, n, d, reduction, normalize, learnable, device=No
 
     def rank(comm):
         sl = slice(comm.rank * n, (comm.rank + 1) * n)
-        loss, ctx = cupynce.siglip_loss_forward(A[sl], B[sl], ls, lb, reduction=reduction,
-                                                normalize=normalize, workspace_bytes=ws,
-                                                group=comm)
+        loss, ctx = cupynce.siglip_loss_forward(A[sl], B[sl], ls, lb,
+                                                labels=None if L is None else L[sl],
+                                                reduction=reduction, normalize=normalize,
+                                                workspace_bytes=ws, group=comm)
         return loss, cupynce.siglip_loss_backward(ctx, up[sl] if reduction == "none" else up)
 
     out = run(P, rank, device=device)
-    want, ctx = cupynce.siglip_loss_forward(A, B, ls, lb, reduction=reduction,
+    want, ctx = cupynce.siglip_loss_forward(A, B, ls, lb, labels=L, reduction=reduction,
                                             normalize=normalize)
     da, db, dls, dlb = cupynce.siglip_loss_backward(ctx, up)
     tl, tg = TOL[dtype]
@@ -508,6 +520,15 @@ def test_nt_xent_smoothing_gpu(P, dtype, reduction):
 def test_clip_smoothing_gpu(P, dtype, reduction):
     cp = _gpu()
     _check_clip(cp, dtype, P, 72, 64, reduction, True, True, device=0, eps=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_siglip_labels_gpu(P, dtype, reduction):
+    cp = _gpu()
+    _check_siglip(cp, dtype, P, 72, 64, reduction, True, True, device=0, labeled=True)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ The labels are an O(N·D) difference from the plain loss (``cupynce.ops._variant
 siglip_labels``: −log σ(x) = −log σ(−x) − x, class sums in a fixed order), so the GPU cases
 take the sizes at which the plain loss takes each path: the row blocks (float64), the float32
 products, the 16-bit score tiles (N = 512).  NumPy on the CPU (CI); CuPy and CUDA tensors
-marked ``gpu``.  Relative errors ``||x - ref|| / ||ref||``: float64 1e-12, float32 1e-5,
+marked ``gpu``.  Across ranks: tests/distributed/test_global_emulated.py.  Relative errors ``||x - ref|| / ||ref||``: float64 1e-12, float32 1e-5,
 float16 5e-3, bfloat16 3e-2 (the scale's and bias's gradients: that times max(|ref|, 1)).
 """
 from __future__ import annotations
@@ -100,14 +100,15 @@ def test_bad_labels_raise():
         core.siglip_loss(a, a, 1.0, 0.0, labels=np.zeros(4))
 
 
-def test_group_with_labels_raises_on_every_rank():
+def test_ranks_with_and_without_labels_raise_on_every_rank():
+    """``group=`` with labels is the global batch's (tests/distributed); a rank without them
+    beside one with them: every rank raises."""
     from emulated_ranks import run
 
     a = np.random.default_rng(2).standard_normal((8, 4))
 
     def rank(comm):
-        match = ("labels= is not supported with group= yet" if comm.rank == 0
-                 else r"invalid inputs on rank\(s\) \[0\]|must pass the same settings")
+        match = r"every rank of the group must pass the same settings"
         with pytest.raises(ValueError, match=match):
             core.siglip_loss_forward(a[4 * comm.rank:4 * comm.rank + 4],
                                      a[4 * comm.rank:4 * comm.rank + 4], 1.0, 0.0, group=comm,

@@ -60,8 +60,8 @@ def siglip_loss(a: Tensor, b: Tensor, logit_scale: Any, logit_bias: Any, *,
     logit_bias : real, or Tensor of shape () or (1,) (SigLIP starts at −10).
     labels : integer Tensor (N,), optional
         Pairs (i, j) with equal labels are positives too (duplicates, same-class pairs); an
-        O(N·D) difference from the plain loss (``cupynce.siglip_loss``); not yet with
-        ``group``.  With ``reduction="none"`` the backward reads them again: do not change
+        O(N·D) difference from the plain loss (``cupynce.siglip_loss``); with ``group``, each
+        rank's rows' labels (gathered with the texts).  With ``reduction="none"`` the backward reads them again: do not change
         them in place before it.
     reduction : "mean" (default: the sum over the N² pairs divided by N, as open_clip) |
         "sum" | "none" (the (N,) per-row sums)
