@@ -140,9 +140,9 @@ def label_groups(xp, labels) -> Tuple[Any, ...]:
     order = (np.argsort(labels, kind="stable") if xp is np else xp.argsort(labels))
     order = order.astype(np.int64, copy=False)
     sl = labels[order]
-    end = xp.searchsorted(sl, sl, side="right").astype(np.int64, copy=False)
     start = xp.searchsorted(sl, labels, side="left").astype(np.int64, copy=False)
     stop = xp.searchsorted(sl, labels, side="right").astype(np.int64, copy=False)
+    end = stop[order]  # (sorted position k's class end: its row's)
     return order, sl, end, start, stop
 
 
