@@ -27,6 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import library_losses as LL  # noqa: E402
+import cupynce.torch as C  # noqa: E402
 from cupynce.integrations import lightly as c_lightly  # noqa: E402
 from cupynce.integrations import open_clip as c_open_clip  # noqa: E402
 from cupynce.integrations import sentence_transformers as c_st  # noqa: E402
@@ -326,6 +327,22 @@ def check_lightly(rank, world):
     close(l1, l0, dt, "loss")
     close(g1[0], g0[0], dt, "out0")
     close(g1[1], g0[1], dt, "out1")
+    # the memory bank with gather_distributed: every rank's out1 rows written (rank order),
+    # so every rank's bank is the same; each rank's loss its rows against the bank before
+    torch.manual_seed(5)  # (the same random start on every rank)
+    ours = c_lightly.NTXentLoss(0.2, memory_bank_size=(2 * n * world, 4),
+                                gather_distributed=True)
+    before = ours.bank.clone()
+    x0f, x1f = x0.float(), x1.float()
+    loss, _ = run(ours, leaves(x0f, x1f))
+    want = C.info_nce(x0f, x1f, 0.2, negatives=before, in_batch_negatives=False,
+                      normalize=True)
+    close(loss, want, torch.float32, "memory bank loss")
+    every = torch.cat([_mine(x1_all, r, n) for r in range(world)]).float()
+    torch.testing.assert_close(ours.bank[:n * world],
+                               torch.nn.functional.normalize(every, dim=1))
+    torch.testing.assert_close(ours.bank[n * world:], before[n * world:])
+    assert ours.bank_position == n * world
 
 
 def check_st(rank, world):
