@@ -132,7 +132,7 @@ def class_sums(x, groups, w=None, *, per_row: bool = True):
     kernels.launch(FILE, "seg_partial", x.dtype, (-(-d // BLOCK), min(chunks, 65535)),
                    (x, np.int64(leading_dim(x)), np.int32(d), order, sl,
                     0 if w is None else cp.ascontiguousarray(w, dtype=a), np.int64(n), part))
-    kernels.launch(FILE, "seg_heads", a, (min(-(-n * d // BLOCK), 65535 * 16),),
+    kernels.launch(FILE, "seg_heads", a, (min(n, 1 << 30), min(-(-d // BLOCK), 65535)),
                    (sl, end, np.int64(n), np.int32(d), part))
     return part[start] if per_row else part
 

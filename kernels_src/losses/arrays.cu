@@ -184,16 +184,18 @@ template <typename A>
 __device__ __forceinline__ void seg_heads_body(
     const i64* __restrict__ sl, const i64* __restrict__ end, i64 n, int d, A* part)
 {
-    const i64 total = n * d;
-    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
-        const i64 k = q / d;
+    // block (sorted position k, column tile): the blocks of every position but a class's
+    // first leave at once (one test a block, not one a column)
+    for (i64 k = blockIdx.x; k < n; k += gridDim.x) {
         if (k > 0 && sl[k] == sl[k - 1]) continue;  // not the class's first position
-        const i64 col = q - k * d;
         const i64 e = end[k];
-        A s = part[k * d + col];
-        for (i64 c = (k / CPN_SEG_CHUNK + 1) * CPN_SEG_CHUNK; c < e; c += CPN_SEG_CHUNK)
-            s += part[c * d + col];
-        part[k * d + col] = s;
+        for (i64 col = (i64)blockIdx.y * CPN_BLOCK + threadIdx.x; col < d;
+             col += (i64)gridDim.y * CPN_BLOCK) {
+            A s = part[k * d + col];
+            for (i64 c = (k / CPN_SEG_CHUNK + 1) * CPN_SEG_CHUNK; c < e; c += CPN_SEG_CHUNK)
+                s += part[c * d + col];
+            part[k * d + col] = s;
+        }
     }
 }
 
