@@ -468,3 +468,28 @@ def test_torch_info_nce_module_learns_its_temperature():
     _, wg = ref.info_nce(q, k, 0.2, normalize=True, temperature_grad=True)
     assert _scalar_err(m.log_temperature.grad.numpy(), 0.2 * wg[-1]) <= 1e-6
     assert "learnable=True" in repr(m)
+
+
+def check_tensor_temperature_with_group_refused(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import cupynce.torch as ct
+
+    z = torch.randn(4, 3, dtype=torch.float64)
+    t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    for call in (lambda: ct.nt_xent(z, t, group=dist.group.WORLD),
+                 lambda: ct.info_nce(z, z, t, group=dist.group.WORLD),
+                 lambda: ct.supcon_loss(z, torch.zeros(4, dtype=torch.long), t,
+                                        group=dist.group.WORLD)):
+        with pytest.raises(ValueError, match="a tensor temperature with group= is not "
+                                             "supported yet|invalid inputs on rank"):
+            call()
+
+
+def test_tensor_temperature_with_group_raises_on_every_rank():
+    pytest.importorskip("torch")
+    from test_torch_distributed import run_ranks
+
+    run_ranks(2, ["check_tensor_temperature_with_group_refused"],
+              module="test_learnable_temperature")
