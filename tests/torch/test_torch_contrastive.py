@@ -1053,7 +1053,7 @@ def test_modules_take_a_last_batch_of_one_row():
 def test_exports_only_the_api():
     """``cupynce.torch`` holds its API, its submodules and nothing borrowed."""
     public = {n for n in dir(ct) if not n.startswith("_")}
-    submodules = {"modules", "ops", "distributed", "grad_cache"}  # (distributed: once imported)
+    submodules = {"modules", "ops", "distributed", "grad_cache", "queue"}  # (distributed: once imported)
     assert set(ct.__all__) <= public and public - set(ct.__all__) <= submodules, public
 
 
