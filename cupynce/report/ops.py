@@ -252,6 +252,39 @@ class InfoNCE(_Contrastive):
                           _leaves(torch, inputs[:2], dtype))
 
 
+class SupCon(_Contrastive):
+    name = "supcon_loss"
+    grad_names = ("dz",)
+    description = "supervised contrastive (SupCon), z (N, D), four views a class"
+
+    def inputs(self, xp, shape, dtype, *, check, seed=0):
+        n, d = shape["n"], shape["d"]
+        # (view-major: row i's class i mod N/4, so the bench pairs below share a class)
+        labels = xp.asarray(np.arange(n, dtype=np.int64) % max(1, n // 4))
+        if check:
+            rng = np.random.default_rng(seed)
+            z = (rng.standard_normal((n, d)) / np.sqrt(d)).astype(dtype)
+            return xp.asarray(z), labels
+        x, y = _pairs(xp, -(-n // 2), d, seed)
+        return cast(xp, xp.concatenate([x, y])[:n], dtype), labels
+
+    def run(self, inputs, shape, grad, *, check):
+        loss, ctx = cupynce.supcon_forward(inputs[0], inputs[1], self.temperature,
+                                           normalize=check)
+        return loss, [cupynce.supcon_backward(ctx, grad)]
+
+    def oracle(self, inputs, shape, grad, *, check):
+        loss, grads = R.supcon_loss(inputs[0], inputs[1], self.temperature, normalize=check,
+                                    grad_loss=grad)
+        return loss, list(grads)
+
+    def torch_step(self, torch, inputs, shape, grad, *, dtype=None, compile=False):
+        fn = torch_reference(torch, "supcon_loss", self.temperature)
+        labels = to_torch(torch, inputs[1])
+        return torch_step(torch, torch.compile(fn, dynamic=False) if compile else fn,
+                          _leaves(torch, inputs[:1], dtype), extra=(labels,))
+
+
 class ClipLoss(_Contrastive):
     name = "clip_loss"
     grad_names = ("da", "db", "dlogit_scale")
@@ -483,7 +516,7 @@ def register(spec: OpSpec) -> OpSpec:
     return spec
 
 
-for _spec in (NTXent(), InfoNCE(), ClipLoss(), SigLip(), SpladePool()):
+for _spec in (NTXent(), InfoNCE(), SupCon(), ClipLoss(), SigLip(), SpladePool()):
     register(_spec)
 
 

@@ -43,7 +43,7 @@ def torch_reference(torch, op: str, temperature: float = 0.1) -> Callable[..., A
     """The plain PyTorch formula users run today (the seeds' / open_clip's / SPLADE's).
 
     Arguments of the returned function: ``nt_xent(z)``, ``info_nce(query, key)`` (in-batch
-    negatives), ``clip_loss(a, b, logit_scale)`` (logit_scale a 0-d tensor),
+    negatives), ``supcon_loss(z, labels)``, ``clip_loss(a, b, logit_scale)`` (logit_scale a 0-d tensor),
     ``siglip_loss(a, b, logit_scale, logit_bias)`` (open_clip's SigLipLoss, 0-d scalars),
     ``splade_pool(x, weight, bias, mask)`` (SPLADE's ``max_l log(1 + relu(x Wᵀ + b)) * mask``,
     the (B, V) output).
@@ -64,6 +64,18 @@ def torch_reference(torch, op: str, temperature: float = 0.1) -> Callable[..., A
             labels = torch.arange(q.shape[0], device=q.device)
             return F.cross_entropy(q @ k.T / temperature, labels)
         return info_nce_ref
+
+    if op == "supcon_loss":  # the SupCon reference code's L_out (every anchor has a positive)
+        def supcon_ref(z, labels):
+            n = z.shape[0]
+            eye = torch.eye(n, dtype=torch.bool, device=z.device)
+            s = (z @ z.T).masked_fill(eye, float("-inf")) / temperature
+            log_prob = torch.log_softmax(s, dim=1)
+            pos = (labels[:, None] == labels[None, :]) & ~eye
+            count = pos.sum(1)
+            rows = -log_prob.masked_fill(~pos, 0).sum(1) / count.clamp_min(1)
+            return rows.sum() / (count > 0).sum().clamp_min(1)
+        return supcon_ref
 
     if op == "splade_pool":
         def splade_ref(x, weight, bias, mask):
