@@ -220,8 +220,8 @@ def _described(value: Any) -> str:
 #: what to do instead, per argument, when a tensor that requires grad is given
 _GRAD_HINTS = {
     "temperature": "pass a float or a tensor without grad (.detach()); a learnable temperature "
-                   "is clip_loss's / siglip_loss's logit_scale (a tensor, log(1 / temperature): "
-                   "cupynce.torch.ClipLoss owns one)",
+                   "is a tensor given to cupynce.torch's nt_xent / info_nce / supcon_loss, or "
+                   "the modules' learnable=True (ClipLoss: its logit_scale)",
 }
 
 

@@ -290,7 +290,7 @@ def dtemperature(xp, xn, acc, temp: Temperature, degree: int):
     in the array module's fixed order."""
     a = acc.dtype
     dot = (acc * xn.astype(a, copy=False)).sum()
-    return -(dot * temp.inverse(xp)) / a.type(degree)
+    return xp.asarray(-(dot * temp.inverse(xp)) / a.type(degree), dtype=a)  # (NumPy 1: f64)
 
 
 def temperature_result(path: "Path", xp, dt, temp: Temperature):

@@ -103,6 +103,18 @@ def _dtype_name(code: int) -> str:
     return {c: n for n, c in _DTYPE_CODE.items()}.get(code, "?")
 
 
+def host_setting(value: Any) -> Any:
+    """A scalar argument as the ranks compare it: a host value as a float (a NumPy scalar or
+    array, an int); a device array (refused by the checks with ``group=``) or anything
+    unreadable as 0.0 (its own check raises)."""
+    if type(value) is float or _checks.is_cupy_array(value):
+        return value if type(value) is float else 0.0
+    try:
+        return float(np.asarray(value, dtype=np.float64).reshape(-1)[0])
+    except Exception:  # noqa: BLE001 - (a tensor with grad, ...: never raise before the exchange)
+        return 0.0
+
+
 def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequence[Any],
           names: Sequence[str], settings: Sequence[Any]):
     """Run ``local_checks`` and exchange its outcome, the arrays' shapes / dtypes and the

@@ -333,7 +333,7 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         return xp, host_temperature(op, t), p, lab, _checks.check_smoothing(op, label_smoothing)
 
     # (every rank with labels or none: their presence is a setting the ranks agree on)
-    host_t = temperature if type(temperature) is float else 0.0  # (arrays: their own check)
+    host_t = _global.host_setting(temperature)  # (the ranks compare the host values)
     xp, temp, p, labels, eps = _global.agree(
         comm, op, checks, [query, key, negatives], ["query", "key", "negatives"],
         [host_t, reduction, normalize, requires_grad, kind, precision,

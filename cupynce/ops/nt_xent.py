@@ -305,7 +305,7 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         _checks.check_smoothing(op, label_smoothing)
         return xp, host_temperature(op, temp), p
 
-    host_t = temperature if type(temperature) is float else 0.0  # (arrays: compared below)
+    host_t = _global.host_setting(temperature)  # (the ranks compare the host values)
     xp, temp, p = _global.agree(comm, op, checks, [z], ["z"],
                                 [host_t, reduction, normalize, requires_grad, precision,
                                  label_smoothing, temperature_grad is True])

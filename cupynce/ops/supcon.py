@@ -279,7 +279,7 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
         _even(z)
         return xp, lab, host_temperature(op, t), p
 
-    host_t = temperature if type(temperature) is float else 0.0  # (arrays: their own check)
+    host_t = _global.host_setting(temperature)  # (the ranks compare the host values)
     xp, labels, temp, p = _global.agree(
         comm, op, checks, [z], ["z"],
         [host_t, reduction, normalize, requires_grad, precision, temperature_grad is True])

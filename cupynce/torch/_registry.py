@@ -46,6 +46,14 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 _DIRECT = threading.local()
 
 
+def scalar_placeholder(x: Tensor) -> Optional[Tensor]:
+    """An unwritten 0-d accumulator-dtype placeholder for a scalar's unused gradient output
+    (the fake shows a 0-d); None inside a direct Function's forward (as :func:`empty`)."""
+    if getattr(_DIRECT, "on", False):
+        return None
+    return x.new_empty((), dtype=acc_dtype(x.dtype))
+
+
 def empty(x: Tensor) -> Optional[Tensor]:
     """A (0,) placeholder for an unused output (custom ops return tensors, never None); None
     inside a direct Function's forward, whose extra outputs are only saved for backward."""

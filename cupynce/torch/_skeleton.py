@@ -300,9 +300,10 @@ class Loss(Op):
                     out.append(R.fused_stat(x))
                 for x in (*accs, *norms):
                     out.append(R.opt_tensor(x, x0))
-                for x in scalars:  # (None: a real scalar's, never read -- unwritten)
+                for x in scalars:  # (None: a real scalar's, never read: an unwritten 0-d for
+                    # the custom op, None in the direct Function, whose replay learns it)
                     out.append(B.tensor_of(ctx.xp.asarray(x)) if x is not None else
-                               x0.new_empty((), dtype=R.acc_dtype(x0.dtype)))
+                               R.scalar_placeholder(x0))
                 return tuple(out)
             if not self.stats:  # (the backward needs nothing from the forward: the loss alone)
                 loss, _ = self._core_forward(args, reduction, normalize, workspace_bytes,

@@ -266,6 +266,8 @@ class SupConLoss(nn.Module):
         self.base_temperature = (self.temperature if base_temperature is None else
                                  _checks.check_positive_finite(name, "base_temperature",
                                                                base_temperature))
+        self._scaled = base_temperature is not None and (learnable or
+                                                         self.base_temperature != self.temperature)
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
         self.group = group  # a torch.distributed group: the global batch's loss
@@ -293,15 +295,14 @@ class SupConLoss(nn.Module):
         loss = supcon_loss(features, labels, tau, reduction=self.reduction,
                            normalize=self.normalize, group=self.group,
                            precision=self.precision)
-        if self.base_temperature != self.temperature:
+        if self._scaled:  # (the reference code's τ / base_temperature, τ the current one)
             loss = loss * (tau / self.base_temperature)
         return loss
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}"
                 + (", learnable=True" if self.learnable else "")
-                + (f", base_temperature={self.base_temperature}"
-                   if self.base_temperature != self.temperature else "")
+                + (f", base_temperature={self.base_temperature}" if self._scaled else "")
                 + f", reduction={self.reduction!r}, normalize={self.normalize}"
                 + _precision_repr(self.precision))
 

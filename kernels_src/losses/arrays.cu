@@ -215,7 +215,7 @@ __device__ __forceinline__ void supcon_rows_body(
     A* __restrict__ loss, A* __restrict__ acc, i64 ld_acc)
 {
     __shared__ A sh[32];
-    if (scale_log) scale *= exp(scale_log[0]);  // (a device temperature: 1/τ = exp(−log τ))
+    if (scale_log) scale *= cpn_exp(scale_log[0]);  // (a device temperature: 1/τ = exp(−log τ))
     const i64 i = blockIdx.x;
     const i64 s = start[i];
     const A cnt = A(stop[i] - s - 1);

@@ -493,3 +493,30 @@ def test_tensor_temperature_with_group_raises_on_every_rank():
 
     run_ranks(2, ["check_tensor_temperature_with_group_refused"],
               module="test_learnable_temperature")
+
+
+def test_ranks_with_different_host_temperatures_raise_on_every_rank():
+    """NumPy scalars, ints and host arrays are compared across ranks like floats."""
+    from emulated_ranks import run
+
+    z = np.random.default_rng(14).standard_normal((8, 4))
+    for pair in ((np.float32(0.3), np.float32(0.4)), (1, 2), (np.asarray(0.3), np.asarray(0.4))):
+        def rank(comm, pair=pair):
+            with pytest.raises(ValueError, match="must pass the same settings"):
+                cupynce.nt_xent_forward(z[4 * comm.rank:4 * comm.rank + 4], pair[comm.rank],
+                                        group=comm)
+            return True
+
+        assert run(2, rank) == [True, True]
+
+
+def test_supcon_module_base_temperature_follows_the_learnt_one():
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as ct
+
+    rng = np.random.default_rng(15)
+    z, lab = torch.tensor(rng.standard_normal((12, 5))), torch.tensor(rng.integers(0, 3, 12))
+    plain = ct.SupConLoss(0.2, normalize=True)(z, lab)
+    m = ct.SupConLoss(0.2, learnable=True, base_temperature=0.1, normalize=True)
+    torch.testing.assert_close(m(z, lab).double(), plain.double() * 2.0, rtol=1e-6, atol=0)
+    assert "base_temperature=0.1" in repr(m)

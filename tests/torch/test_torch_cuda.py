@@ -456,11 +456,10 @@ def test_module_bf16_training_step():
     assert torch.isfinite(m.logit_scale.grad) and np.isfinite(float(loss))
 
 
-def test_cuda_tensor_temperature_is_refused():
-    """A CUDA 0-d tensor as temperature would have to be read back (a synchronisation): a
-    clear TypeError; a CPU one is taken as a float."""
+def test_cuda_tensor_temperature_is_an_input():
+    """A CUDA 0-d tensor temperature is an input of the op, never read back (issue 55: a
+    device scale); a CPU one without grad is taken as a float, as before."""
     z = torch.randn(4, 3, device="cuda")
-    with pytest.raises(TypeError, match=r"nt_xent: temperature must be a real number on the "
-                                        r"host, got a GPU torch\.Tensor"):
-        ct.nt_xent(z, torch.tensor(0.5, device="cuda"))
+    torch.testing.assert_close(ct.nt_xent(z, torch.tensor(0.5, device="cuda")),
+                               ct.nt_xent(z, 0.5), rtol=1e-6, atol=1e-6)
     assert torch.equal(ct.nt_xent(z, torch.tensor(0.5)), ct.nt_xent(z, 0.5))

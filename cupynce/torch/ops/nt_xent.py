@@ -92,8 +92,11 @@ def nt_xent(z: Tensor, temperature: Any = 0.5, *, label_smoothing: float = 0.0,
 
 
 def temperature_arg(op: str, temperature: Any):
-    """A temperature as the ops take it: a tensor → (tensor, 0.0) (differentiable, never read
-    on the host; its shape and dtype are checked by the core), a real → (None, its value)."""
-    if isinstance(temperature, Tensor):
+    """A temperature as the ops take it: a tensor that requires grad or lives on a GPU →
+    (tensor, 0.0) (an input, never read on the host; its shape and dtype are checked by the
+    core), a real or a CPU tensor without grad → (None, its value) (read on the host, as
+    before: a constant of the call)."""
+    if isinstance(temperature, Tensor) and (temperature.requires_grad
+                                            or temperature.device.type != "cpu"):
         return temperature, 0.0
     return None, _checks.check_temperature(op, temperature)
