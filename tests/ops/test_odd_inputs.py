@@ -256,8 +256,8 @@ def _torch_only_cases():
     """Arguments only cupynce.torch takes: tensors as scalars."""
     for op in ("nt_xent", "info_nce"):
         yield ok(op, "t-tensor", scalars=dict(temperature=torch.tensor(0.25)))
-        yield bad(op, "t-tensor-grad", TypeError, "temperature",
-                  scalars=dict(temperature=torch.tensor(0.25, requires_grad=True)))
+        yield ok(op, "t-tensor-grad",  # (a learnable temperature: its gradient too)
+                 scalars=dict(temperature=torch.tensor(0.25, requires_grad=True)))
     for op in ("clip_loss", "siglip_loss"):
         yield ok(op, "ls-tensor-grad",
                  scalars=dict(logit_scale=torch.tensor(1.5, requires_grad=True)))
@@ -352,6 +352,9 @@ def _oracle(case: Case):
         return value, {"out": dout}
     if "negatives" in kw:
         kw["negatives"] = _f64(kw["negatives"])
+    t = case.scalars.get("temperature")
+    if isinstance(t, torch.Tensor) and t.requires_grad:
+        kw["temperature_grad"] = True  # (the oracle's dτ, last)
     fn = getattr(R, case.op)
     loss, grads = fn(*(a[k] for k in ARRAYS[case.op]), *s.values(), **kw)
     names = list(ARRAYS[case.op]) + (["negatives"] if case.op == "info_nce" else []) \
