@@ -18,7 +18,7 @@ from .. import _checks, config
 from .._engine import side
 from .._engine.kernels import acc_dtype
 from . import _comm, _global, _graphs, _local, _memo
-from ._base import (Context, Path, Temperature, check_stats, contig_inputs, contig_remembered,
+from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     dtemperature, finish_all, host_temperature, in_ctx_precision, prep, reduce,
                     reduce_out, require, temperature_input, temperature_result, weights)
 from ._comm import Comm
@@ -152,9 +152,7 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
     hit = _memo.known(sig)
     if hit:  # the arrays and temperature passed these checks before, laid out (_memo)
         xp = _checks.cupy_module()
-        temp = Temperature(temperature, None, (), acc_dtype(query.dtype), False) \
-            if type(temperature) is float else \
-            temperature_input("info_nce", temperature, xp, query, acc_dtype(query.dtype))
+        temp = temperature_input("info_nce", temperature, xp, query, acc_dtype(query.dtype))
         p = _checks.check_flags("info_nce", reduction, workspace_bytes, normalize, precision)
     else:
         xp, temp, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,

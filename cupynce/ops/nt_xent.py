@@ -22,7 +22,7 @@ from .. import _checks, _engine, config
 from .._engine import side, workspace
 from .._engine.kernels import acc_dtype
 from . import _comm, _global, _graphs, _local, _memo, _variants
-from ._base import (Context, Path, Temperature, check_stats, contig_inputs, contig_remembered,
+from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     in_ctx_precision, prep, reduce, reduce_out, require, row_weight,
                     dtemperature, host_temperature, temperature_input, temperature_result,
                     weights)
@@ -127,9 +127,7 @@ def nt_xent_forward(z, temperature: Any = 0.5, *, label_smoothing: float = 0.0,
     hit = _memo.known(sig)
     if hit:  # z and temperature passed these checks before, z laid out as given (_memo)
         xp = _checks.cupy_module()
-        temp = Temperature(temperature, None, (), acc_dtype(z.dtype), False) \
-            if type(temperature) is float else \
-            temperature_input("nt_xent", temperature, xp, z, acc_dtype(z.dtype))
+        temp = temperature_input("nt_xent", temperature, xp, z, acc_dtype(z.dtype))
         p = _checks.check_flags("nt_xent", reduction, workspace_bytes, normalize, precision)
     else:
         xp, temp, p = _check(z, temperature, reduction, workspace_bytes, normalize, precision)

@@ -55,7 +55,7 @@ def _row_weights(xp, has, reduction: str, a, grad_loss=None):
     return w
 
 
-def _reduce(xp, path, loss, has, reduction: str):
+def _reduce(xp, loss, has, reduction: str):
     """The reduced loss: the anchors with a positive summed (their mean for "mean"; 0 when
     none has one), a fixed-order sum on the GPU."""
     if reduction == "none":
@@ -71,7 +71,7 @@ def _reduce(xp, path, loss, has, reduction: str):
 def reduce_rows(ctx: Context, rows, reduction: str):
     """The reduced loss from a per-row ("none") forward's rows and context (``requires_grad``),
     as the forward with ``reduction`` gives it (``cupynce.torch``'s per-row path)."""
-    return _reduce(ctx.xp, None, rows, ctx.saved["has"], reduction)
+    return _reduce(ctx.xp, rows, ctx.saved["has"], reduction)
 
 
 def _engine_rows(path, zn, t: Temperature, w, lse_in, want_grad, workspace_bytes):
@@ -169,7 +169,7 @@ def supcon_forward(z, labels, temperature: Any = 0.1, *, reduction: str = "mean"
     elif requires_grad:
         ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes, tgrad=tgrad,
                          groups=groups, has=has)
-    return _reduce(xp, path, loss, has, reduction), ctx
+    return _reduce(xp, loss, has, reduction), ctx
 
 
 @in_ctx_precision

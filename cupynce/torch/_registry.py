@@ -305,6 +305,16 @@ def scalars(op: str, reduction: str, workspace_bytes: Optional[int]) -> Tuple[st
     return _checks.check_reduction(op, reduction), _checks.check_workspace(op, workspace_bytes)
 
 
+def temperature(op: str, value: Any) -> Tuple[Optional[Tensor], float]:
+    """A temperature as the ops take it (a ``Scalar`` input's two arguments): a tensor that
+    requires grad or lives on a GPU → (tensor, 0.0) (an input, never read on the host; its
+    shape and dtype are checked by the core), a real or a CPU tensor without grad → (None,
+    its value) (read on the host: a constant of the call)."""
+    if isinstance(value, Tensor) and (value.requires_grad or value.device.type != "cpu"):
+        return value, 0.0
+    return None, _checks.check_temperature(op, value)
+
+
 def _matmul_fp32_precision_api() -> bool:
     """Whether this torch has ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9)."""
     try:

@@ -35,6 +35,23 @@ def _precision_repr(precision: Optional[str]) -> str:
     return "" if precision is None else f", precision={precision!r}"
 
 
+def _own_temperature(module: nn.Module, name: str, learnable: Any) -> bool:
+    """``learnable=True``: the module owns its temperature as ``log_temperature``, a 0-d
+    float32 Parameter initialised to log ``module.temperature`` (the loss takes its exp, so
+    τ stays positive).  Returns the checked flag."""
+    learnable = R.check_bool(name, "learnable", learnable)
+    if learnable:
+        module.log_temperature = nn.Parameter(
+            torch.tensor(math.log(module.temperature), dtype=torch.float32))
+    return learnable
+
+
+def _current_temperature(module: nn.Module) -> Any:
+    """The temperature the loss takes: ``exp(log_temperature)`` (a 0-d tensor) when
+    learnable, else the float."""
+    return module.log_temperature.exp() if module.learnable else module.temperature
+
+
 class InfoNCEFunction(torch.autograd.Function):
     """CuBlaze's autograd Function: ``InfoNCEFunction.apply(features, temperature, use_cublas)``.
 
@@ -110,10 +127,7 @@ class InfoNCELoss(nn.Module):
         super().__init__()
         name = type(self).__name__
         self.temperature = _checks.check_temperature(name, temperature)
-        self.learnable = R.check_bool(name, "learnable", learnable)
-        if self.learnable:
-            self.log_temperature = nn.Parameter(
-                torch.tensor(math.log(self.temperature), dtype=torch.float32))
+        self.learnable = _own_temperature(self, name, learnable)
         self.use_cublas = R.check_bool(name, "use_cublas", use_cublas)
         self.reduction = _checks.check_reduction(name, reduction)
         self.normalize = R.check_bool(name, "normalize", normalize)
@@ -135,10 +149,7 @@ class InfoNCELoss(nn.Module):
                        label_smoothing=self.label_smoothing, reduction=self.reduction,
                        normalize=self.normalize, group=self.group, precision=self.precision)
 
-    def current_temperature(self) -> Any:
-        """The temperature the loss takes: ``exp(log_temperature)`` (a 0-d tensor) when
-        learnable, else the float."""
-        return self.log_temperature.exp() if self.learnable else self.temperature
+    current_temperature = _current_temperature
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, use_cublas={self.use_cublas}, "
@@ -177,10 +188,7 @@ class InfoNCE(nn.Module):
         super().__init__()
         name = type(self).__name__
         self.temperature = _checks.check_temperature(name, temperature)
-        self.learnable = R.check_bool(name, "learnable", learnable)
-        if self.learnable:
-            self.log_temperature = nn.Parameter(
-                torch.tensor(math.log(self.temperature), dtype=torch.float32))
+        self.learnable = _own_temperature(self, name, learnable)
         self.reduction = _checks.check_reduction(name, reduction)
         if negative_mode not in self._MODES:
             raise ValueError(f"{name}: negative_mode must be one of {tuple(self._MODES)}, "
@@ -207,8 +215,7 @@ class InfoNCE(nn.Module):
             if negatives.dim() != ndim:
                 raise ValueError(f"{name}: negative_mode={self.negative_mode!r} expects "
                                  f"negatives of shape {shape}, got {tuple(negatives.shape)}")
-        tau = self.log_temperature.exp() if self.learnable else self.temperature
-        return info_nce(query, key, tau, negatives=negatives, labels=labels,
+        return info_nce(query, key, _current_temperature(self), negatives=negatives, labels=labels,
                         label_smoothing=self.label_smoothing, reduction=self.reduction,
                         normalize=self.normalize, group=self.group, precision=self.precision)
 
@@ -259,10 +266,7 @@ class SupConLoss(nn.Module):
         super().__init__()
         name = type(self).__name__
         self.temperature = _checks.check_temperature(name, temperature)
-        self.learnable = R.check_bool(name, "learnable", learnable)
-        if self.learnable:
-            self.log_temperature = nn.Parameter(
-                torch.tensor(math.log(self.temperature), dtype=torch.float32))
+        self.learnable = _own_temperature(self, name, learnable)
         self.base_temperature = (self.temperature if base_temperature is None else
                                  _checks.check_positive_finite(name, "base_temperature",
                                                                base_temperature))
@@ -291,7 +295,7 @@ class SupConLoss(nn.Module):
                                  f"{getattr(labels, 'shape', type(labels).__name__)}")
             features = torch.cat(features.unbind(1))
             labels = labels.repeat(v)
-        tau = self.log_temperature.exp() if self.learnable else self.temperature
+        tau = _current_temperature(self)
         loss = supcon_loss(features, labels, tau, reduction=self.reduction,
                            normalize=self.normalize, group=self.group,
                            precision=self.precision)

@@ -11,7 +11,6 @@ from ...ops import info_nce as core
 from .. import _bridge as B
 from .. import _registry as R
 from .. import _skeleton as S
-from .nt_xent import temperature_arg
 
 #: the op: query, key, the optional (M, D) / (N, M, D) negatives and (N,) labels, the
 #: temperature and the label smoothing, the (N,) row log-sum-exps
@@ -87,7 +86,7 @@ def info_nce(query: Tensor, key: Tensor, temperature: Any = 0.1, *,
                                     label_smoothing=label_smoothing,
                                     in_batch_negatives=in_batch_negatives,
                                     replicated_negatives=replicated_negatives)
-    t_tensor, t_value = temperature_arg("info_nce", temperature)
+    t_tensor, t_value = R.temperature("info_nce", temperature)
     eps = _checks.check_smoothing("info_nce", label_smoothing)
     reduction, workspace_bytes = R.scalars("info_nce", reduction, workspace_bytes)
     B.check_tensors("info_nce", optional=("negatives", "labels", "temperature"), query=query,

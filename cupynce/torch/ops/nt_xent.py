@@ -82,7 +82,7 @@ def nt_xent(z: Tensor, temperature: Any = 0.5, *, label_smoothing: float = 0.0,
 
         return distributed.nt_xent(z, temperature, reduction, normalize, workspace_bytes,
                                    group, precision, label_smoothing=label_smoothing)
-    t_tensor, t_value = temperature_arg("nt_xent", temperature)
+    t_tensor, t_value = R.temperature("nt_xent", temperature)
     eps = _checks.check_smoothing("nt_xent", label_smoothing)
     reduction, workspace_bytes = R.scalars("nt_xent", reduction, workspace_bytes)
     B.check_tensors("nt_xent", optional=("temperature",), z=z, temperature=t_tensor)
@@ -90,13 +90,3 @@ def nt_xent(z: Tensor, temperature: Any = 0.5, *, label_smoothing: float = 0.0,
     return SPEC(z, t_tensor, t_value, eps, reduction, normalize, workspace_bytes,
                 R.precision_of("nt_xent", precision))
 
-
-def temperature_arg(op: str, temperature: Any):
-    """A temperature as the ops take it: a tensor that requires grad or lives on a GPU →
-    (tensor, 0.0) (an input, never read on the host; its shape and dtype are checked by the
-    core), a real or a CPU tensor without grad → (None, its value) (read on the host, as
-    before: a constant of the call)."""
-    if isinstance(temperature, Tensor) and (temperature.requires_grad
-                                            or temperature.device.type != "cpu"):
-        return temperature, 0.0
-    return None, _checks.check_temperature(op, temperature)

@@ -10,7 +10,6 @@ from ...ops import supcon as core
 from .. import _bridge as B
 from .. import _registry as R
 from .. import _skeleton as S
-from .nt_xent import temperature_arg
 
 #: the op: z's rows and their (N,) labels, the temperature, the (N,) row log-sum-exps; the
 #: fused forward's gradient accumulator and norms are the core context's ``dz`` / ``norm``
@@ -69,7 +68,7 @@ def supcon_loss(z: Tensor, labels: Tensor, temperature: Any = 0.1, *,
 
         return distributed.supcon_loss(z, labels, temperature, reduction, normalize,
                                        workspace_bytes, group, precision)
-    t_tensor, t_value = temperature_arg("supcon_loss", temperature)
+    t_tensor, t_value = R.temperature("supcon_loss", temperature)
     reduction, workspace_bytes = R.scalars("supcon_loss", reduction, workspace_bytes)
     B.check_tensors("supcon_loss", optional=("temperature",), z=z, labels=labels,
                     temperature=t_tensor)
