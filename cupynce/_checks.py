@@ -478,6 +478,35 @@ def check_smoothing(op: str, label_smoothing: Any) -> float:
     return eps
 
 
+#: sentence-transformers' hardness modes, by the code ``row_softmax`` (stats.cu) takes
+HARDNESS_MODES = {"in_batch_negatives": 1, "hard_negatives": 2, "all_negatives": 3}
+
+
+def check_hardness(op: str, hardness_mode: Any, hardness_strength: Any) -> Tuple[int, float]:
+    """``(code, alpha)`` of a hardness weighting (code 0: none; also when the strength is 0),
+    or an exception naming the argument.  ``hardness_mode``: None, a name of
+    :data:`HARDNESS_MODES`, or its code (the torch ops' schema carries the code, 0 for None);
+    ``hardness_strength``: a finite real >= 0."""
+    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, numbers.Real):
+        raise TypeError(f"{op}: hardness_strength must be a real >= 0, got "
+                        f"{_described(hardness_strength)}")
+    alpha = float(hardness_strength)
+    if not (math.isfinite(alpha) and alpha >= 0.0):
+        raise ValueError(f"{op}: hardness_strength must be finite and >= 0, got "
+                         f"{hardness_strength!r}")
+    if hardness_mode is None:
+        code = 0
+    elif isinstance(hardness_mode, str) and hardness_mode in HARDNESS_MODES:
+        code = HARDNESS_MODES[hardness_mode]
+    elif isinstance(hardness_mode, numbers.Real) and not isinstance(hardness_mode, bool) \
+            and float(hardness_mode) in (0.0, 1.0, 2.0, 3.0):
+        code = int(hardness_mode)
+    else:
+        raise ValueError(f"{op}: hardness_mode must be None, 'in_batch_negatives', "
+                         f"'hard_negatives' or 'all_negatives', got {hardness_mode!r}")
+    return (code, alpha) if code and alpha > 0.0 else (0, 0.0)
+
+
 def check_positive_finite(op: str, name: str, value: Any) -> float:
     """A real scalar, finite and > 0 (module hyper-parameters: ``init_temperature``,
     ``max_logit_scale``, and the ops' ``temperature``): a Python / NumPy number or a 0-d host

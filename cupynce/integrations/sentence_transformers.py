@@ -71,9 +71,11 @@ class MultipleNegativesRankingLoss(nn.Module):
     directions, partition_mode, hardness_mode, hardness_strength
         The default directions ("query_to_doc",) (any partition_mode: with one direction
         they agree), or ("query_to_doc", "doc_to_query") with ``partition_mode=
-        "per_direction"`` (the symmetric loss: :class:`MultipleNegativesSymmetricRankingLoss`),
-        and no hardness weighting (``hardness_mode=None`` or ``hardness_strength=0``); the
-        rest raise ``NotImplementedError``.
+        "per_direction"`` (the symmetric loss: :class:`MultipleNegativesSymmetricRankingLoss`);
+        the rest raise ``NotImplementedError``.  The hardness weighting (Lan et al. 2025) as
+        the library's: the query-to-document logits of the penalised documents gain
+        ``hardness_strength · stopgrad(sim)`` (:func:`cupynce.torch.info_nce`'s
+        ``hardness_mode``; on CUDA its row blocks), also with ``gather_across_devices``.
 
     Keyword-only extras: ``workspace_bytes``, ``group`` (the default group unless given),
     ``precision`` (float32 products on CUDA, as :func:`cupynce.torch.info_nce`'s: None follows
@@ -133,13 +135,7 @@ class MultipleNegativesRankingLoss(nn.Module):
         if hardness_mode not in (None, "in_batch_negatives", "hard_negatives", "all_negatives"):
             raise ValueError(f"{op}: hardness_mode must be None, 'in_batch_negatives', "
                              f"'hard_negatives' or 'all_negatives', got {hardness_mode!r}")
-        if hardness_strength < 0:
-            raise ValueError(f"{op}: hardness_strength must be non-negative, got "
-                             f"{hardness_strength!r}")
-        if hardness_mode is not None and hardness_strength:
-            raise NotImplementedError(f"{op}: hardness_mode={hardness_mode!r} with "
-                                      f"hardness_strength={hardness_strength!r} has no cupynce "
-                                      "equivalent yet")
+        _checks.check_hardness(op, hardness_mode, hardness_strength)
 
     @property
     def normalize(self) -> bool:
@@ -188,16 +184,20 @@ class MultipleNegativesRankingLoss(nn.Module):
         q, p, negs, group, size, kw = self._columns(embeddings)
         red = dict(reduction="none", group=group) if size > 1 else {}
         t = 1.0 / self.scale
+        # (the hardness weights the query-to-document direction alone, as the library's)
+        hard = dict(hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength)
+        weighted = _checks.check_hardness("", **hard)[0] != 0
         if duplicates is not None:  # (each direction's keys: the other column's text ids)
-            loss = C.info_nce(q, p, t, negatives=negs, labels=duplicates[0], **red, **kw)
+            loss = C.info_nce(q, p, t, negatives=negs, labels=duplicates[0], **hard, **red,
+                              **kw)
             if len(self.directions) == 2:
                 loss = (loss + C.info_nce(p, q, t, labels=duplicates[1], **red, **kw)) / 2
         elif len(self.directions) == 1:
-            loss = C.info_nce(q, p, t, negatives=negs, **red, **kw)
-        elif negs is None:  # both directions, one softmax each: CLIP at a fixed scale
+            loss = C.info_nce(q, p, t, negatives=negs, **hard, **red, **kw)
+        elif negs is None and not weighted:  # both directions, one softmax each: CLIP at a fixed scale
             loss = C.clip_loss(q, p, math.log(self.scale), **red, **kw)
         else:
-            loss = (C.info_nce(q, p, t, negatives=negs, **red, **kw)
+            loss = (C.info_nce(q, p, t, negatives=negs, **hard, **red, **kw)
                     + C.info_nce(p, q, t, **red, **kw)) / 2
         return loss if size == 1 else rank_share(loss, size)
 
@@ -276,7 +276,7 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     mini-batches of at most this many non-padding tokens, packed in order; a longer row
     alone), ``gather_across_devices``, ``directions`` / ``partition_mode`` (as
     :class:`MultipleNegativesRankingLoss`), ``show_progress_bar``, ``hardness_mode`` /
-    ``hardness_strength`` (None / 0 only: ``NotImplementedError`` otherwise) — plus the
+    ``hardness_strength`` (as :class:`MultipleNegativesRankingLoss`'s) — plus the
     keyword-only ``workspace_bytes``, ``group``, ``precision``. A mini-batch of padded text
     drops the positions that are padding in all its rows, as the library's does. Not supported
     yet: ``MatryoshkaLoss`` around it, ``DistributedDataParallel(static_graph=True)`` and

@@ -73,7 +73,7 @@ from ._comm import Comm
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
 #: the string settings (reduction, float32 precision) as numbers to compare across ranks
 _STR_CODE = {"mean": 0, "sum": 1, "none": 2, "fp32": 10, "tf32": 11, "3xtf32": 12,
-             "auto": 13}
+             "auto": 13, **{m: 20 + c for m, c in _checks.HARDNESS_MODES.items()}}
 
 
 def _setting(v: Any) -> float:

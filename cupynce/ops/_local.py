@@ -198,7 +198,7 @@ def _cupy():
 
 def info_nce_block(path: Path, q, k, others, neg_p, scale: float, *, lse_in, weights,
                    want_grad: bool, workspace_bytes: Optional[int], scale_log=None,
-                   labels=None, smoothing: float = 0.0
+                   labels=None, smoothing: float = 0.0, hardness=None
                    ) -> Tuple[Any, Any, Tuple[Any, Any, Any, Any]]:
     """A rank's rows of the global InfoNCE.
 
@@ -208,10 +208,12 @@ def info_nce_block(path: Path, q, k, others, neg_p, scale: float, *, lse_in, wei
     (dq, dk, d_others, d_neg_p)`` as :func:`nt_xent_block`.  ``scale_log``: a learnable log
     scale t (a (1,) array); the logits are then ``scale · exp(t) · q·c``.  ``labels``: (the
     rank's row labels, the labels of its keys then of the other ranks' keys) and
-    ``smoothing``, as the engine's ``rows``.
+    ``smoothing``, as the engine's ``rows``; ``hardness``: its :class:`Hardness` (row i's own
+    columns among ``others``: this rank's shared negatives).
     """
     lse, loss, grads = path.rows(
         q, k, others, neg_p, scale, exclude_diag=False, pos_shift=0, pos_mod=q.shape[0],
         lse_in=lse_in, weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes,
-        op="info_nce", scale_log=scale_log, labels=labels, smoothing=smoothing)
+        op="info_nce", scale_log=scale_log, labels=labels, smoothing=smoothing,
+        hardness=hardness)
     return lse, loss, grads

@@ -76,12 +76,14 @@ def pair_dots(an, bn):
 
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0):
+         self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
+         hardness=None):
     """``cupynce._engine.rows`` on the CPU: the same arguments and results, the score
     matrix in row blocks of at most ``workspace_bytes`` (default ``NUMPY_WORKSPACE_BYTES``),
     one block buffer reused in place (scores, their exponentials, the gradient block), on the
     namespace of ``_cpu.current()``.  ``labels`` / ``smoothing``: as the engine's (the
-    masked key columns -inf before the log-sum-exp, the smoothing over what is left)."""
+    masked key columns -inf before the log-sum-exp, the smoothing over what is left);
+    ``hardness``: the penalised columns' logits times scale + α (the gradient keeps scale)."""
     xp = _cpu.current()
     a = acc_dtype(q.dtype)
     if scale_log is not None:  # (on the host here: the value can be read)
@@ -123,7 +125,11 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             if npa is not None:
                 parts.append(xp.einsum("rd,rmd->rm", qb, npa[r0:r1]))
             s = xp.concatenate(parts, axis=1)
-        s *= scale
+        if hardness is None:
+            s *= scale
+        else:
+            s *= xp.where(_penalised(xp, hardness, r0, r1, pos, ncols, s.shape[1]),
+                          scale + hardness.alpha, scale)
         if smoothing:  # each row's candidates (the columns not left out): as F.cross_entropy's
             cand = xp.ones(s.shape, dtype=bool)  # classes, a -inf logit among them included
         if exclude_diag:
@@ -192,6 +198,21 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     host = xp.host
     return host(lse), host(loss), (host(dq), host(dq) if self_pair else host(dk),
                                     host(dns), host(dnp))
+
+
+def _penalised(xp, hardness, r0: int, r1: int, pos, ncols: int, width: int):
+    """(r1 - r0, width) bool: the columns hardness weighting penalises in rows r0..r1
+    (``row_softmax``'s rule: own = row i's hard negatives and the per-query ones)."""
+    i = xp.arange(r0, r1)[:, None]
+    c = xp.arange(width)[None, :]
+    h = hardness
+    own = (c >= h.own_start) & (c < h.own_start + h.own_count) & \
+        ((c - h.own_start) % max(1, h.own_mod) == i)
+    own = own | (c >= ncols)
+    not_pos = c != xp.asarray(pos)[:, None]
+    if h.mode == 1:
+        return not_pos & ~own
+    return own if h.mode == 2 else not_pos
 
 
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,

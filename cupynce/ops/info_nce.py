@@ -17,6 +17,7 @@ import numpy as np
 from .. import _checks, config
 from .._engine import side
 from .._engine.kernels import acc_dtype
+from .._engine.losses.row_blocks import Hardness
 from . import _comm, _global, _graphs, _local, _memo
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     dtemperature, finish_all, host_temperature, in_ctx_precision, prep, reduce,
@@ -65,6 +66,28 @@ def _prep_all(xp, path, query, key, negatives, normalize: bool):
     return (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p)
 
 
+def _hardness(op: str, hardness_mode: Any, hardness_strength: Any, negatives, n: int,
+              replicated: bool, rank: int = 0, size: int = 1) -> Optional[Hardness]:
+    """The row kernel's :class:`Hardness` (None without a weighting), after the checks: row
+    i's own columns are its hard negatives in sentence-transformers' layout -- the rank's
+    shared negatives i, i + n, i + 2n, ... (the library concatenates each negative column's n
+    rows), which follow every rank's keys -- and its per-query negatives; replicated
+    negatives (a queue) are nobody's own.  The in-batch and hard-negative modes need the
+    shared negatives' count a multiple of n (ValueError)."""
+    code, alpha = _checks.check_hardness(op, hardness_mode, hardness_strength)
+    if not code:
+        return None
+    shared = negatives is not None and negatives.ndim == 2 and not replicated
+    m = negatives.shape[0] if shared else 0
+    if code in (1, 2) and m % n:
+        name = {c: m for m, c in _checks.HARDNESS_MODES.items()}[code]
+        raise ValueError(f"{op}: hardness_mode={name!r} finds each query's own hard "
+                         f"negatives in sentence-transformers' layout (shared negatives of "
+                         f"k * N rows, query i's at rows i, i + N, ...): got negatives of "
+                         f"shape {tuple(negatives.shape)} for N = {n}")
+    return Hardness(code, alpha, n * size + rank * m, m, n)
+
+
 def _batch_labels(xp, labels, in_batch_negatives: Any, n: int, like):
     """``labels`` as the forward takes them: ``in_batch_negatives=False`` (only key i and the
     explicit negatives are query i's candidates: MoCo's queue, lightly's memory bank) is one
@@ -85,7 +108,8 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
                      replicated_negatives: bool = False, reduction: str = "mean",
                      normalize: bool = False, workspace_bytes: Optional[int] = None,
                      requires_grad: bool = True, temperature_grad: bool = False, group=None,
-                     precision: Optional[str] = None) -> Tuple[Any, Context]:
+                     precision: Optional[str] = None, hardness_mode: Optional[str] = None,
+                     hardness_strength: float = 0.0) -> Tuple[Any, Context]:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
 
     Parameters
@@ -127,10 +151,17 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
         to the local rows (the data-parallel convention, see ``cupynce.ops._global``).
     precision : "auto" | "fp32" | "tf32" | "3xtf32", optional
         float32 products on the GPU; as for :func:`cupynce.nt_xent_forward`.
-
-    Returns
-    -------
-    loss, ctx — see :func:`nt_xent_forward`.
+    hardness_mode, hardness_strength : None / "in_batch_negatives" / "hard_negatives" /
+        "all_negatives", and a real α >= 0 (default None, 0: none)
+        sentence-transformers' hardness weighting (Lan et al. 2025): a penalised candidate's
+        logit is ``q̂·ĉ/τ + α·stopgrad(q̂·ĉ)`` -- the softmax sees it, the gradient keeps
+        the factor 1/τ.  Query i's *own* candidates are its hard negatives in the library's
+        layout: shared negatives i, i + N, i + 2N, ... (M a multiple of N; with ``group``,
+        the rank's own, and replicated negatives are nobody's) and all its per-query
+        negatives.
+        Penalised: "in_batch_negatives" every candidate but key i and the own ones,
+        "hard_negatives" the own ones, "all_negatives" every candidate but key i.  On the GPU
+        the row blocks, as with labels.
 
     Notes
     -----
@@ -146,7 +177,8 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
             label_smoothing=label_smoothing, in_batch_negatives=in_batch_negatives,
             replicated_negatives=replicated_negatives, reduction=reduction,
             normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad,
-            temperature_grad=temperature_grad, precision=precision)
+            temperature_grad=temperature_grad, precision=precision,
+            hardness_mode=hardness_mode, hardness_strength=hardness_strength)
     _checks.check_bool("info_nce", "replicated_negatives", replicated_negatives)
     sig = _memo.signature("info_nce", query, key, negatives, temperature)
     hit = _memo.known(sig)
@@ -165,10 +197,12 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
     labels = _batch_labels(xp, _checks.check_labels("info_nce", labels, n, xp, query),
                            in_batch_negatives, n, query)
     eps = _checks.check_smoothing("info_nce", label_smoothing)
+    hard = _hardness("info_nce", hardness_mode, hardness_strength, negatives, n, False)
     path = Path(xp)
     (query, key, negatives), sig = contig_remembered(xp, sig, hit, query, key, negatives)
     fused = requires_grad and reduction != "none"
-    masks = dict(labels=None if labels is None else (labels, labels), smoothing=eps)
+    masks = dict(labels=None if labels is None else (labels, labels), smoothing=eps,
+                 hardness=hard)
 
     def compute(query, key, negatives=None):
         _, norms, (qn, kn, neg_s, neg_p) = _prep_all(xp, path, query, key, negatives,
@@ -191,7 +225,7 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
     with config.float32_precision(p):  # (the graph key carries it too)
         # (a graph replays only the inputs it was given: labels are not among them)
         if path.gpu and (fused or not requires_grad) and labels is None and not eps \
-                and temp.scale_log is None and not want_dt:
+                and hard is None and temp.scale_log is None and not want_dt:
             inputs = (query, key) + (() if negatives is None else (negatives,))
             outs = _graphs.run(
                 ("info_nce", t, reduction, normalize, workspace_bytes, fused,
@@ -249,12 +283,15 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
                                  in_batch_negatives: bool = True, reduction: str = "mean",
                                  normalize: bool = False, workspace_bytes: Optional[int] = None,
                                  temperature_grad: bool = False,
-                                 precision: Optional[str] = None):
+                                 precision: Optional[str] = None,
+                                 hardness_mode: Optional[str] = None,
+                                 hardness_strength: float = 0.0):
     """``(dquery, dkey, dnegatives)`` from the inputs and ``ctx.stats[0]`` (row lse) alone.
 
     See :func:`nt_xent_backward_from_stats` (``precision`` too); ``dnegatives`` is None
-    without negatives; ``labels``, ``label_smoothing`` and ``in_batch_negatives`` as the
-    forward's; with ``temperature_grad``, ``dtemperature`` last.
+    without negatives; ``labels``, ``label_smoothing``, ``in_batch_negatives`` and the
+    hardness as the forward's; with
+    ``temperature_grad``, ``dtemperature`` last.
     """
     xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
                       normalize, precision)
@@ -263,7 +300,9 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
     labels = _batch_labels(xp, _checks.check_labels("info_nce", labels, n, xp, query),
                            in_batch_negatives, n, query)
     masks = dict(labels=None if labels is None else (labels, labels),
-                 smoothing=_checks.check_smoothing("info_nce", label_smoothing))
+                 smoothing=_checks.check_smoothing("info_nce", label_smoothing),
+                 hardness=_hardness("info_nce", hardness_mode, hardness_strength, negatives, n,
+                                    False))
     check_stats("info_nce", xp, n, query.dtype, lse=lse)
     path = Path(xp)
     (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
@@ -275,13 +314,15 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
 
 
 def _torch_backward(query, key, temperature, negatives, lse, grad_loss, *, labels=None,
-                    label_smoothing: float = 0.0, reduction: str = "mean",
+                    label_smoothing: float = 0.0, hardness_mode: Any = None,
+                    hardness_strength: float = 0.0, reduction: str = "mean",
                     normalize: bool = False, workspace_bytes: Optional[int] = None,
                     precision: Optional[str] = None):
     """``cupynce.torch``'s backward op: ``(dquery, dkey, dtemperature, dnegatives)``, the op's
     input order (an unwritten 0-d placeholder for a real temperature: no such input needs
     one)."""
     kw = dict(temperature=temperature, labels=labels, label_smoothing=label_smoothing,
+              hardness_mode=hardness_mode, hardness_strength=hardness_strength,
               reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
               precision=precision)
     if isinstance(temperature, float):
@@ -297,10 +338,12 @@ def info_nce(query, key, temperature: Any = 0.1, *, negatives=None, labels=None,
              label_smoothing: float = 0.0, in_batch_negatives: bool = True,
              replicated_negatives: bool = False, reduction: str = "mean",
              normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
-             precision: Optional[str] = None):
+             precision: Optional[str] = None, hardness_mode: Optional[str] = None,
+             hardness_strength: float = 0.0):
     """Query/key InfoNCE loss; see :func:`info_nce_forward`."""
     return info_nce_forward(query, key, temperature, negatives=negatives, labels=labels,
-                            label_smoothing=label_smoothing,
+                            label_smoothing=label_smoothing, hardness_mode=hardness_mode,
+                            hardness_strength=hardness_strength,
                             in_batch_negatives=in_batch_negatives,
                             replicated_negatives=replicated_negatives, reduction=reduction,
                             normalize=normalize, workspace_bytes=workspace_bytes,
@@ -311,7 +354,8 @@ def info_nce(query, key, temperature: Any = 0.1, *, negatives=None, labels=None,
 def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, labels=None,
                     label_smoothing=0.0, in_batch_negatives=True, replicated_negatives=False,
                     reduction="mean", normalize=False, workspace_bytes=None,
-                    requires_grad=True, temperature_grad=False, precision=None):
+                    requires_grad=True, temperature_grad=False, precision=None,
+                    hardness_mode=None, hardness_strength=0.0):
     """:func:`info_nce_forward` over ``comm``'s global batch (see :mod:`cupynce.ops._global`).
 
     Every rank's keys and shared (M, D) negatives join every query's candidates (replicated
@@ -328,6 +372,8 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         _checks.check_bool(op, "replicated_negatives", replicated_negatives)
         lab = _batch_labels(xp, _checks.check_labels(op, labels, query.shape[0], xp, query),
                             in_batch_negatives, query.shape[0], query)
+        _hardness(op, hardness_mode, hardness_strength, negatives, query.shape[0],
+                  replicated_negatives is True)
         return xp, host_temperature(op, t), p, lab, _checks.check_smoothing(op, label_smoothing)
 
     # (every rank with labels or none: their presence is a setting the ranks agree on)
@@ -336,7 +382,8 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         comm, op, checks, [query, key, negatives], ["query", "key", "negatives"],
         [host_t, reduction, normalize, requires_grad, kind, precision,
          labels is not None, label_smoothing, in_batch_negatives is True,
-         replicated_negatives is True, temperature_grad is True])
+         replicated_negatives is True, temperature_grad is True, hardness_mode or 0,
+         hardness_strength])
     t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
@@ -350,7 +397,9 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
             every = neg_s if replicated_negatives else \
                 comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
             others = every if others is None else xp.concatenate([others, every])
-        masks = dict(smoothing=eps, labels=None)
+        masks = dict(smoothing=eps, labels=None, hardness=_hardness(
+            op, hardness_mode, hardness_strength, negatives, n, replicated_negatives is True,
+            rank, size))
         if labels is not None:  # the columns' labels: this rank's keys', then the others'
             every_lab = _global.others(xp, comm.all_gather(labels)[:, :, None], rank)
             masks["labels"] = (labels, labels if every_lab is None else

@@ -247,6 +247,8 @@ def info_nce(
     normalize: bool = False,
     grad_loss: Optional[ArrayLike] = None,
     temperature_grad: bool = False,
+    hardness_mode: Optional[str] = None,
+    hardness_strength: float = 0.0,
 ) -> Tuple[Loss, Tuple[Optional[np.ndarray], ...]]:
     """InfoNCE loss with in-batch negatives and optional extra negatives.
 
@@ -266,6 +268,13 @@ def info_nce(
     ``j != i`` whose label is row i's (not negatives of row i; the explicit negatives stay).
     ``T_i``: the one-hot of key i, smoothed by ``eps = label_smoothing`` over ``C(i)`` (as
     :func:`nt_xent`'s).
+
+    Hardness weighting (sentence-transformers' ``hardness_mode``, strength ``a``): a
+    penalised logit is ``L_ij + a * S_ij`` with the penalty held constant (its gradient
+    dropped), ``S_ij`` the unscaled score.  Own candidates of row i: shared negatives
+    ``m`` with ``m % N == i`` and every paired negative; penalised are, for
+    "in_batch_negatives", the candidates that are neither key i nor own; for
+    "hard_negatives" the own ones; for "all_negatives" all but key i.
 
     Gradient, with ``G = w_i (softmax_{C(i)}(L_i) - T_i)`` (0 outside ``C(i)``) split as
     ``[Gk (N, N), Gn (N, M)]``, and ``dt = -sum_ij G_ij L_ij / t``::
@@ -336,7 +345,15 @@ def info_nce(
     if same is not None:
         keep[:, :n] = ~same | np.eye(n, dtype=bool)
     w = _row_weights(reduction, grad_loss, n)
-    per_row, g = _ce_rows(logits, keep, _target(keep, rows, eps), w)
+    scored = logits
+    if hardness_mode is not None and hardness_strength > 0:
+        col = np.arange(logits.shape[1])[None, :]
+        own = (col >= n) & (paired | ((col - n) % n == rows[:, None]))
+        not_pos = col != rows[:, None]
+        pen = {"in_batch_negatives": not_pos & ~own, "hard_negatives": own,
+               "all_negatives": not_pos}[hardness_mode]
+        scored = logits + np.where(pen, hardness_strength * logits * t, 0.0)
+    per_row, g = _ce_rows(scored, keep, _target(keep, rows, eps), w)
     loss = _reduce(per_row, reduction)
     g_k, g_n = g[:, :n], g[:, n:]
 

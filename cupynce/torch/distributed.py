@@ -208,7 +208,8 @@ def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_
 def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: Any,
              normalize: Any, workspace_bytes: Any, group, precision: Any = None, *,
              labels: Any = None, label_smoothing: Any = 0.0, in_batch_negatives: Any = True,
-             replicated_negatives: Any = False) -> Tensor:
+             replicated_negatives: Any = False, hardness_mode: Any = None,
+             hardness_strength: Any = 0.0) -> Tensor:
     """``cupynce.torch.info_nce(..., group=group)`` (see the module notes; ``labels`` are
     each rank's rows', gathered with its keys)."""
     op = "info_nce"
@@ -229,6 +230,8 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
                                             label_smoothing=label_smoothing,
                                             in_batch_negatives=in_batch_negatives,
                                             replicated_negatives=replicated_negatives,
+                                            hardness_mode=hardness_mode,
+                                            hardness_strength=hardness_strength,
                                             reduction=reduction, normalize=normalize,
                                             workspace_bytes=workspace_bytes,
                                             requires_grad=requires_grad, group=comm,

@@ -26,6 +26,13 @@
 // and the gradient subtracts eps / K at every candidate (K counts the columns not left out,
 // as F.cross_entropy counts the classes: a -inf logit among them makes the loss +inf).  K and
 // the logits' sum are block sums in a fixed order, as the log-sum-exp: deterministic.
+// Hardness (hard_mode > 0, sentence-transformers' hardness_mode): a penalised column's logit
+// is scale * S + hard_alpha * S, the penalty a constant of the gradient (stop-gradient), so
+// the gradient keeps the multiplier scale: w_i * scale * (softmax - onehot).  Row i's own
+// columns are segment 1's own_start + i + own_mod * m (m >= 0, below own_start + own_count:
+// its hard negatives in the library's layout) and all of segment 2; penalised are, for
+// hard_mode 1 (in_batch_negatives) the columns that are neither the positive nor own,
+// 2 (hard_negatives) the own ones, 3 (all_negatives) every column but the positive.
 template <typename T, typename A>
 __device__ __forceinline__ void row_softmax_body(
     const A* __restrict__ s1, i64 ld1, int n1,
@@ -35,7 +42,8 @@ __device__ __forceinline__ void row_softmax_body(
     const A* __restrict__ lse_in, A* __restrict__ lse_out, A* __restrict__ loss_out,
     T* __restrict__ g1, i64 ldg1, A* __restrict__ g2, i64 ldg2,
     const A* __restrict__ w_ptr, i64 w_stride, A w_mul,
-    const i64* __restrict__ lab_r, const i64* __restrict__ lab_c, int nlab, A eps)
+    const i64* __restrict__ lab_r, const i64* __restrict__ lab_c, int nlab, A eps,
+    int hard_mode, A hard_alpha, int own_start, int own_count, int own_mod)
 {
     __shared__ A sh[64];
     const int r = blockIdx.x;
@@ -48,6 +56,13 @@ __device__ __forceinline__ void row_softmax_body(
     const i64 li = lab_r ? lab_r[i] : 0;
     // column j of segment 1 left out: the diagonal, or a same-label key that is not the positive
 #define CPN_OUT(j) ((j) == diag || (lab_r && (j) < nlab && (j) != pos && lab_c[j] == li))
+    // column j of segment 1: own (row i's hard negative), penalised; its logit (see above)
+#define CPN_OWN(j) ((j) >= own_start && (j) < own_start + own_count && ((j) - own_start) % own_mod == i)
+#define CPN_PEN(j) (hard_mode == 1 ? ((j) != pos && !CPN_OWN(j)) \
+                    : hard_mode == 2 ? CPN_OWN(j) : (hard_mode == 3 && (j) != pos))
+#define CPN_L1(j) (hard_mode && CPN_PEN(j) ? fma(hard_alpha, row1[j], scale * row1[j]) \
+                                           : scale * row1[j])
+    const A scale2 = hard_mode >= 2 ? scale + hard_alpha : scale;  // segment 2's multiplier
 
     A lse;
     if (lse_in) {
@@ -55,8 +70,8 @@ __device__ __forceinline__ void row_softmax_body(
     } else {
         Lse<A> st; st.init();
         for (int j = threadIdx.x; j < n1; j += blockDim.x)
-            if (!CPN_OUT(j)) st.add(scale * row1[j]);
-        for (int j = threadIdx.x; j < n2; j += blockDim.x) st.add(scale * row2[j]);
+            if (!CPN_OUT(j)) st.add(CPN_L1(j));
+        for (int j = threadIdx.x; j < n2; j += blockDim.x) st.add(scale2 * row2[j]);
         block_lse(st, sh);
         lse = st.value();
     }
@@ -65,8 +80,8 @@ __device__ __forceinline__ void row_softmax_body(
     if (eps > A(0)) {
         A cnt = A(0);
         for (int j = threadIdx.x; j < n1; j += blockDim.x)
-            if (!CPN_OUT(j)) { cnt += A(1); lsum += scale * row1[j]; }
-        for (int j = threadIdx.x; j < n2; j += blockDim.x) { cnt += A(1); lsum += scale * row2[j]; }
+            if (!CPN_OUT(j)) { cnt += A(1); lsum += CPN_L1(j); }
+        for (int j = threadIdx.x; j < n2; j += blockDim.x) { cnt += A(1); lsum += scale2 * row2[j]; }
         cnt = block_sum(cnt, sh);  // (block_sum protects sh from block_lse's use first)
         lsum = block_sum(lsum, sh);
         smooth = eps / cnt;
@@ -83,16 +98,19 @@ __device__ __forceinline__ void row_softmax_body(
     T* grow1 = g1 + (i64)r * ldg1;
     for (int j = threadIdx.x; j < n1; j += blockDim.x) {
         const bool out = CPN_OUT(j);
-        A p = out ? A(0) : cpn_exp(scale * row1[j] - lse) - smooth;
+        A p = out ? A(0) : cpn_exp(CPN_L1(j) - lse) - smooth;
         if (j == pos) p -= A(1) - eps;
         grow1[j] = Conv<T>::store(gm * p);
     }
     if (g2) {
         A* grow2 = g2 + (i64)r * ldg2;
         for (int j = threadIdx.x; j < n2; j += blockDim.x)
-            grow2[j] = gm * (cpn_exp(scale * row2[j] - lse) - smooth);
+            grow2[j] = gm * (cpn_exp(scale2 * row2[j] - lse) - smooth);
     }
 #undef CPN_OUT
+#undef CPN_OWN
+#undef CPN_PEN
+#undef CPN_L1
 }
 
 // Row and column statistics of a score block in one read (CLIP's, and a global NT-Xent's
@@ -393,10 +411,12 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_row_softmax_##SUF(  
     int row0, int exclude_diag, int pos_shift, int pos_mod,                                \
     const A* scale_log, A scale_mul, const A* lse_in, A* lse_out, A* loss_out,             \
     T* g1, i64 ldg1, A* g2, i64 ldg2, const A* w_ptr, i64 w_stride, A w_mul,               \
-    const i64* lab_r, const i64* lab_c, int nlab, A eps) {                                 \
+    const i64* lab_r, const i64* lab_c, int nlab, A eps,                                   \
+    int hard_mode, A hard_alpha, int own_start, int own_count, int own_mod) {              \
     row_softmax_body<T, A>(s1, ld1, n1, s2, ld2, n2, row0, exclude_diag, pos_shift,        \
         pos_mod, scale_log, scale_mul, lse_in, lse_out, loss_out, g1, ldg1, g2, ldg2,      \
-        w_ptr, w_stride, w_mul, lab_r, lab_c, nlab, eps); }                                \
+        w_ptr, w_stride, w_mul, lab_r, lab_c, nlab, eps, hard_mode, hard_alpha, own_start, \
+        own_count, own_mod); }                                                             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_paired_dots_##SUF(             \
     const T* q, i64 ldq, const T* neg, int n, int m, int d, A* e, A* e2) {                 \
     paired_dots_body<T, A>(q, ldq, neg, n, m, d, e, e2); }

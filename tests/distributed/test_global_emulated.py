@@ -76,8 +76,12 @@ def _check_nt_xent(xp, dtype, P, n, d, reduction, normalize, device=None, ws=Non
 
 
 def _check_info_nce(xp, dtype, P, n, d, reduction, normalize, negatives, device=None, ws=None,
-                    labeled=False, eps=0.0):
-    N, M = n * P, 3
+                    labeled=False, eps=0.0, hard=None):
+    # hard: (hardness_mode, strength); its shared negatives two columns of n a rank (the
+    # library's layout), which the single process takes column by column: [every rank's
+    # first; every rank's second]
+    N, M = n * P, (2 * n if hard else 3)
+    kw = {} if hard is None else dict(hardness_mode=hard[0], hardness_strength=hard[1])
     # labels: few classes, so that a query's same-label keys sit on other ranks too
     L = xp.asarray(np.random.default_rng(8).integers(0, 3, N)) if labeled else None
     Q, K = _batch(xp, dtype, (N, d), 3), _batch(xp, dtype, (N, d), 4)
@@ -94,15 +98,24 @@ def _check_info_nce(xp, dtype, P, n, d, reduction, normalize, negatives, device=
                                              labels=None if L is None else L[sl],
                                              label_smoothing=eps, reduction=reduction,
                                              normalize=normalize, workspace_bytes=ws,
-                                             group=comm)
+                                             group=comm, **kw)
         return loss, cupynce.info_nce_backward(ctx, up[sl] if reduction == "none" else up)
 
     out = run(P, rank, device=device)
     neg = NS if NS is not None else NP
+    order = np.arange(P * M)  # (the single process's row of each rank-order negative)
+    if hard and NS is not None:
+        order = np.concatenate([np.arange(r * M + c * n, r * M + (c + 1) * n)
+                                for c in range(M // n) for r in range(P)])
+        neg = NS[xp.asarray(order)]
     want, ctx = cupynce.info_nce_forward(Q, K, 0.2, negatives=neg, labels=L,
                                          label_smoothing=eps, reduction=reduction,
-                                         normalize=normalize)
+                                         normalize=normalize, **kw)
     gq, gk, gn = cupynce.info_nce_backward(ctx, up)
+    if hard and NS is not None:
+        back = np.empty_like(_host(gn))
+        back[order] = _host(gn)
+        gn = back
     tl, tg = TOL[dtype]
     for r, (loss, (a, b, c)) in enumerate(out):
         sl = slice(r * n, (r + 1) * n)
@@ -343,6 +356,17 @@ def test_info_nce_labels_numpy(P, reduction, negatives, eps):
     _check_info_nce(np, "float64", P, 3, 5, reduction, True, negatives, labeled=True, eps=eps)
 
 
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("negatives", [None, "shared", "per_query"])
+@pytest.mark.parametrize("mode", ["in_batch_negatives", "hard_negatives", "all_negatives"])
+def test_info_nce_hardness_numpy(P, reduction, negatives, mode):
+    """hardness_mode across ranks: a query's own hard negatives are its rank's (labels too:
+    the masks meet in one kernel)."""
+    _check_info_nce(np, "float64", P, 3, 5, reduction, True, negatives, labeled=True,
+                    hard=(mode, 4.0))
+
+
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -502,6 +526,15 @@ def test_info_nce_labels_gpu(P, dtype, reduction):
     cp = _gpu()
     _check_info_nce(cp, dtype, P, 72, 64, reduction, True, "shared", device=0, labeled=True,
                     eps=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("mode", ["in_batch_negatives", "hard_negatives", "all_negatives"])
+def test_info_nce_hardness_gpu(P, dtype, mode):
+    cp = _gpu()
+    _check_info_nce(cp, dtype, P, 72, 64, "mean", True, "shared", device=0, hard=(mode, 5.0))
 
 
 @pytest.mark.gpu

@@ -232,14 +232,43 @@ def test_st_losses(name, dtype, columns, sim, scale):
 
 
 @need_st
+@pytest.mark.parametrize("name", ["MultipleNegativesRankingLoss", "symmetric"])
+@pytest.mark.parametrize("mode", ["in_batch_negatives", "hard_negatives", "all_negatives"])
+@pytest.mark.parametrize("columns", [2, 3, 4])
+@pytest.mark.parametrize("sim", ["cos_sim", "dot_score"])
+def test_st_hardness(name, mode, columns, sim):
+    """sentence-transformers' hardness weighting (Lan et al. 2025): values and gradients of
+    every column as the library's, float64 (the penalty a stop-gradient: the gradients
+    differ from the unweighted loss's, which the last check makes sure of)."""
+    ref_cls, our_cls = _st_pair(name)
+    fn = cos_sim if sim == "cos_sim" else dot_score
+    g = torch.Generator().manual_seed(columns * 13)
+    dt = torch.float64
+    cols = [torch.randn(6, 8, generator=g, dtype=dt) * (1.0 if sim == "cos_sim" else 0.3)
+            for _ in range(columns)]
+    res = []
+    for cls in (ref_cls, our_cls):
+        loss_fn = cls(None, scale=7.0, similarity_fct=fn, hardness_mode=mode,
+                      hardness_strength=5.0)
+        res.append(run(lambda *xs: loss_fn.compute_loss_from_embeddings(list(xs), None),
+                       leaves(*cols)))
+    (l0, g0), (l1, g1) = res
+    close(l1, l0, dt, "loss")
+    for i in range(columns):
+        close(g1[i], g0[i], dt, f"column {i}")
+    plain = our_cls(None, scale=7.0, similarity_fct=fn)
+    l2, _ = run(lambda *xs: plain.compute_loss_from_embeddings(list(xs), None), leaves(*cols))
+    if mode != "hard_negatives" or columns > 2:  # (no hard negative: nothing to weight)
+        assert abs(float(l2) - float(l1)) > 1e-3 * abs(float(l1))
+
+
+@need_st
 def test_st_options():
     M = c_st.MultipleNegativesRankingLoss
     with pytest.raises(NotImplementedError, match="directions"):
         M(None, directions=("query_to_doc", "doc_to_doc"))
     with pytest.raises(NotImplementedError, match="directions"):  # one softmax for both
         M(None, directions=("query_to_doc", "doc_to_query"), partition_mode="joint")
-    with pytest.raises(NotImplementedError, match="hardness_mode"):
-        M(None, hardness_mode="hard_negatives", hardness_strength=1.0)
     with pytest.raises(NotImplementedError, match="similarity_fct"):
         M(None, similarity_fct=lambda a, b: a @ b.T)
     with pytest.raises(ValueError, match="scale"):
@@ -355,14 +384,19 @@ def check_st(rank, world):
         for cols in (2, 3):
             xs = [_mine(x, rank, n) for x in _global(4 + cols, n, 5, world, cols=cols)]
             res = []
-            for cls in _st_pair(name):
-                loss_fn = cls(None, scale=7.0, gather_across_devices=True)
-                res.append(run(lambda *ys: loss_fn.compute_loss_from_embeddings(list(ys), None),
-                               leaves(*xs)))
-            (l0, g0), (l1, g1) = res
-            close(l1, l0, dt, f"{name} {cols} loss")
-            for i in range(cols):
-                close(g1[i], g0[i], dt, f"{name} {cols} column {i}")
+            for hard in (None, "in_batch_negatives", "hard_negatives", "all_negatives"):
+                if hard is not None and name == "MultipleNegativesSymmetricRankingLoss":
+                    continue  # (the deprecated class takes no hardness)
+                kw = {} if hard is None else dict(hardness_mode=hard, hardness_strength=3.0)
+                res = []
+                for cls in _st_pair(name):
+                    loss_fn = cls(None, scale=7.0, gather_across_devices=True, **kw)
+                    res.append(run(lambda *ys: loss_fn.compute_loss_from_embeddings(
+                        list(ys), None), leaves(*xs)))
+                (l0, g0), (l1, g1) = res
+                close(l1, l0, dt, f"{name} {cols} {hard} loss")
+                for i in range(cols):
+                    close(g1[i], g0[i], dt, f"{name} {cols} {hard} column {i}")
 
 
 def distributed_checks():

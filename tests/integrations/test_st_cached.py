@@ -127,6 +127,23 @@ def test_cached_equals_the_library_cached_and_uncached(tiny_bert, name, cols, si
     _same(got, lib, f"{name} vs the library's cached")
 
 
+@pytest.mark.parametrize("mode", ["in_batch_negatives", "hard_negatives", "all_negatives"])
+def test_cached_hardness_as_the_library(tiny_bert, mode):
+    """hardness_mode / hardness_strength: the cached loss's value and parameter gradients
+    as the library's uncached and cached classes' (three columns: hard negatives)."""
+    lib_cached, ours, lib_plain = PAIRS["MNRL"]
+    model = _model(tiny_bert, dropout=False)
+    feats = _features(model, 3)
+    kw = dict(scale=7.0, hardness_mode=mode, hardness_strength=5.0)
+    ref = _step(model, lib_plain(model, **kw), feats)
+    got = _step(model, ours(model, mini_batch_size=4, **kw), feats)
+    _same(got, ref, f"{mode} vs the library's uncached")
+    if not LIB_CACHED_COMPARABLE:
+        pytest.skip(_OLD_LIB + " (the uncached comparison passed)")
+    _same(got, _step(model, lib_cached(model, mini_batch_size=4, **kw), feats),
+          f"{mode} vs the library's cached")
+
+
 @pytest.mark.parametrize("budget", [None, 25])
 def test_dropout_and_token_budgets_as_the_library(tiny_bert, budget):
     """Dropout on: the re-embedding replays the first pass's masks, and both classes draw the
@@ -165,8 +182,8 @@ def test_evaluation_and_config(tiny_bert):
 def test_options_that_are_refused(tiny_bert):
     model = _model(tiny_bert, dropout=False)
     C = c_st.CachedMultipleNegativesRankingLoss
-    with pytest.raises(NotImplementedError, match="hardness_mode='hard_negatives'"):
-        C(model, hardness_mode="hard_negatives", hardness_strength=5.0)
+    with pytest.raises(ValueError, match="hardness_mode must be None"):
+        C(model, hardness_mode="hardest", hardness_strength=5.0)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match=rf"mini_batch_size must be an int >= 1, got {bad!r}"):
             C(model, mini_batch_size=bad)

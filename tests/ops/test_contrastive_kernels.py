@@ -1033,7 +1033,8 @@ def test_row_col_stats_is_row_softmax_and_the_column_partials(a_dtype, rows, nc)
         s, np.int64(nc + 3), np.int32(nc), 0, np.int64(0), np.int32(0), np.int32(row0),
         np.int32(0), np.int32(shift), np.int32(mod), ls, a.type(1.0), 0, lse2.data.ptr - off,
         loss2.data.ptr - off, 0, np.int64(0), 0, np.int64(0), 0, np.int64(0), a.type(0),
-        0, 0, np.int32(0), a.type(0)))  # (no labels, no smoothing)
+        0, 0, np.int32(0), a.type(0), np.int32(0), a.type(0), np.int32(0), np.int32(0),
+        np.int32(1)))  # (no labels, no smoothing, no hardness)
     # (the same terms merged in another order: a few roundings apart)
     close = 4 * float(np.finfo(a).eps)
     big = close * (1.0 + float(np.nanmax(np.abs(cp.asnumpy(lse2)))))

@@ -14,6 +14,8 @@ workspace (``workspace.plan_rows``); per-row statistics and gradient accumulator
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import kernels
@@ -27,6 +29,24 @@ from .stats import FILE as STATS_FILE
 
 #: the gradient blocks' kernels (the statistics' are ``stats.FILE``)
 GRADS_FILE = "losses/grads.cu"
+
+
+class Hardness(NamedTuple):
+    """sentence-transformers' hardness weighting, as ``row_softmax`` (``stats.cu``) takes it:
+    ``mode`` 1 in_batch_negatives, 2 hard_negatives, 3 all_negatives; ``alpha`` the strength;
+    row i's own columns ``own_start + i + own_mod·m`` below ``own_start + own_count`` (its
+    hard negatives in the library's layout) and every per-query negative."""
+
+    mode: int
+    alpha: float
+    own_start: int
+    own_count: int
+    own_mod: int
+
+
+def NO_HARDNESS(a) -> tuple:
+    """``row_softmax``'s trailing arguments without hardness weighting."""
+    return (np.int32(0), a.type(0), np.int32(0), np.int32(0), np.int32(1))
 
 
 def _row_bytes(t, a, cols: int, want_grad: bool, plan, g_in_place: bool = False) -> int:
@@ -45,7 +65,8 @@ def _row_bytes(t, a, cols: int, want_grad: bool, plan, g_in_place: bool = False)
 
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0):
+         self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
+         hardness=None):
     """Row log-sum-exps, per-row losses and (optionally) accumulated gradients.
 
     q (N, D) queries, k (Nk, D) keys (columns 0..Nk-1), neg_s (Ms, D) shared negatives
@@ -54,7 +75,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     labels (N,), column labels (L,)), int64 device arrays for the first L columns (the keys,
     and across ranks the other ranks' keys that lead the shared negatives): such a column of
     row i's label other than its positive is no candidate; ``smoothing``: the label
-    smoothing over the candidates (``row_softmax`` in ``stats.cu``).
+    smoothing over the candidates (``row_softmax`` in ``stats.cu``); ``hardness``: None or a
+    :class:`Hardness` (penalised columns' logits + α·S, detached).
     Returns ``lse, loss, (dq, dk, dns, dnp)`` with float32/64 gradient accumulators.
     """
     lab_r, lab_c = (None, None) if labels is None else labels
@@ -100,6 +122,9 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
                (q, np.int64(leading_dim(q)), neg_p, np.int32(n), np.int32(mp), np.int32(d), e,
                 0))
     w_arr, w_stride, w_mul = weights
+    hard_args = NO_HARDNESS(a) if hardness is None else (
+        np.int32(hardness.mode), a.type(hardness.alpha), np.int32(hardness.own_start),
+        np.int32(hardness.own_count), np.int32(max(1, hardness.own_mod)))
 
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
@@ -119,7 +144,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             ptr(g2) + r0 * mp * a.itemsize if g2 is not None else 0, np.int64(mp),
             ptr(w_arr), np.int64(w_stride), a.type(w_mul),
             ptr(lab_r), ptr(lab_c), np.int32(0 if lab_c is None else lab_c.shape[0]),
-            a.type(smoothing)))
+            a.type(smoothing), *hard_args))
         if want_grad:
             acc = 1.0 if r0 else 0.0
             if self_pair:  # dk is dq: its every row is first written by the Gᵀ Q product
@@ -164,7 +189,7 @@ def nt_xent_kept(z, scale: float, *, pos_shift: int, weights, op: str):
         s, np.int64(n), np.int32(n), 0, np.int64(0), np.int32(0), np.int32(0), np.int32(1),
         np.int32(pos_shift), np.int32(n), 0, a.type(scale), 0, lse, loss, 0, np.int64(n), 0,
         np.int64(0), ptr(w_arr), np.int64(w_stride), a.type(w_mul), 0, 0, np.int32(0),
-        a.type(0)))
+        a.type(0), *NO_HARDNESS(a)))
     kernels.launch(GRADS_FILE, "grad_inplace", t, (n,), (
         s, np.int64(n), np.int32(n), np.int32(0), np.int32(pos_shift), np.int32(n),
         np.int32(1), a.type(1.0), 0, a.type(scale), lse, lse, ptr(w_arr), np.int64(w_stride),

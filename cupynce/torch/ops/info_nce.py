@@ -13,11 +13,13 @@ from .. import _registry as R
 from .. import _skeleton as S
 
 #: the op: query, key, the optional (M, D) / (N, M, D) negatives and (N,) labels, the
-#: temperature and the label smoothing, the (N,) row log-sum-exps
+#: temperature, the label smoothing and the hardness weighting (its mode as
+#: ``_checks.HARDNESS_MODES``' code), the (N,) row log-sum-exps
 SPEC = S.Loss("info_nce", "InfoNCEFunction", __name__, core,
               inputs=(S.Rows("query"), S.Rows("key"), S.Scalar("temperature"),
                       S.Rows("negatives", optional=True), S.Labels("labels")),
-              params=("label_smoothing",), stats=("lse",), backward="_torch_backward",
+              params=("label_smoothing", "hardness_mode", "hardness_strength"), stats=("lse",),
+              backward="_torch_backward",
               unit_grads=lambda saved: (saved["acc"], saved["norms"], (saved["dt"],)))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
 fwd_fake, bwd_fake, setup_context, backward = (SPEC.fwd_fake, SPEC.bwd_fake,
@@ -30,7 +32,8 @@ def info_nce(query: Tensor, key: Tensor, temperature: Any = 0.1, *,
              label_smoothing: float = 0.0, in_batch_negatives: bool = True,
              replicated_negatives: bool = False, reduction: str = "mean",
              normalize: bool = False, workspace_bytes: Optional[int] = None,
-             group: Optional[Any] = None, precision: Optional[str] = None) -> Tensor:
+             group: Optional[Any] = None, precision: Optional[str] = None,
+             hardness_mode: Optional[str] = None, hardness_strength: float = 0.0) -> Tensor:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
 
     Parameters
@@ -59,6 +62,11 @@ def info_nce(query: Tensor, key: Tensor, temperature: Any = 0.1, *,
     replicated_negatives : bool, default False
         With ``group``: the shared negatives are the same on every rank (a
         :class:`NegativeQueue`'s): they join the candidates once, not once per rank.
+    hardness_mode, hardness_strength : sentence-transformers' hardness weighting (None /
+        "in_batch_negatives" / "hard_negatives" / "all_negatives", α >= 0): penalised
+        candidates' logits + α·stopgrad(q̂·ĉ); query i's own negatives are shared negatives
+        i, i + N, ... (the library's layout) and its per-query ones
+        (``cupynce.info_nce_forward``).
     reduction, normalize, workspace_bytes, precision : as for :func:`nt_xent` (``normalize``
         applies to query, key and negatives alike; ``precision=None`` follows torch's TF32
         setting, then ``cupynce.get_float32_precision()``).
@@ -85,9 +93,12 @@ def info_nce(query: Tensor, key: Tensor, temperature: Any = 0.1, *,
                                     workspace_bytes, group, precision, labels=labels,
                                     label_smoothing=label_smoothing,
                                     in_batch_negatives=in_batch_negatives,
-                                    replicated_negatives=replicated_negatives)
+                                    replicated_negatives=replicated_negatives,
+                                    hardness_mode=hardness_mode,
+                                    hardness_strength=hardness_strength)
     t_tensor, t_value = R.temperature("info_nce", temperature)
     eps = _checks.check_smoothing("info_nce", label_smoothing)
+    hard = _checks.check_hardness("info_nce", hardness_mode, hardness_strength)
     reduction, workspace_bytes = R.scalars("info_nce", reduction, workspace_bytes)
     B.check_tensors("info_nce", optional=("negatives", "labels", "temperature"), query=query,
                      key=key, negatives=negatives, labels=labels, temperature=t_tensor)
@@ -98,5 +109,6 @@ def info_nce(query: Tensor, key: Tensor, temperature: Any = 0.1, *,
             raise ValueError("info_nce: labels= with in_batch_negatives=False: no in-batch key "
                              "is a candidate, so there is nothing to mask; pass one of them")
         labels = query.new_zeros((query.shape[0],), dtype=torch.long)  # (one label for all)
-    return SPEC(query, key, t_tensor, t_value, negatives, labels, eps, reduction, normalize,
-                workspace_bytes, R.precision_of("info_nce", precision))
+    return SPEC(query, key, t_tensor, t_value, negatives, labels, eps, float(hard[0]),
+                hard[1], reduction, normalize, workspace_bytes,
+                R.precision_of("info_nce", precision))
