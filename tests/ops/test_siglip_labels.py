@@ -61,7 +61,8 @@ def _check(xp, dtype, n, d, reduction, normalize, classes, learnable):
     tol = TOL[dtype]
     assert _rel(host(loss), want) <= tol, "loss"
     plain = ref.siglip_loss(a, b, ls0, lb0, reduction=reduction, normalize=normalize)[0]
-    assert _rel(want, plain) > 3 * tol  # (the labels move the loss well past the tolerance)
+    if dtype in ("float64", "float32"):  # (the labels move the loss well past the tolerance;
+        assert _rel(want, plain) > 10 * tol  # bf16 / fp16's bound need not be below their share)
     assert da.dtype == dt and db.dtype == dt
     assert _rel(host(da).astype(np.float64), wa) <= tol, "da"
     assert _rel(host(db).astype(np.float64), wb) <= tol, "db"
