@@ -6,6 +6,8 @@ path; ``cupynce.torch`` wraps them for PyTorch):
 * :func:`nt_xent` — SimCLR's NT-Xent, z (2B, D), positive i <-> (i + B) mod 2B
 * :func:`info_nce` — query/key InfoNCE with in-batch and optional explicit negatives
 * :func:`supcon_loss` — supervised contrastive (SupCon's L_out), z (N, D) with labels (N,)
+* :func:`nt_xent_pairs` — NT-Xent over every positive pair of labels (pytorch-metric-learning's
+  ``NTXentLoss``)
 * :func:`clip_loss` — CLIP's symmetric loss with a learnable ``logit_scale``
 * :func:`splade_pool` — SPLADE's max-pooled vocabulary head (+ :func:`flops_regularizer`)
 
@@ -56,6 +58,12 @@ from .ops.siglip import (
     siglip_loss_backward_from_inputs,
     siglip_loss_forward,
 )
+from .ops.nt_xent_pairs import (
+    nt_xent_pairs,
+    nt_xent_pairs_backward,
+    nt_xent_pairs_backward_from_stats,
+    nt_xent_pairs_forward,
+)
 from .ops.supcon import (
     supcon_backward,
     supcon_backward_from_stats,
@@ -77,6 +85,8 @@ __all__ = [
     "nt_xent", "nt_xent_forward", "nt_xent_backward", "nt_xent_backward_from_stats",
     "info_nce", "info_nce_forward", "info_nce_backward", "info_nce_backward_from_stats",
     "supcon_loss", "supcon_forward", "supcon_backward", "supcon_backward_from_stats",
+    "nt_xent_pairs", "nt_xent_pairs_forward", "nt_xent_pairs_backward",
+    "nt_xent_pairs_backward_from_stats",
     "clip_loss", "clip_loss_forward", "clip_loss_backward", "clip_loss_backward_from_stats",
     "siglip_loss", "siglip_loss_forward", "siglip_loss_backward",
     "siglip_loss_backward_from_inputs",

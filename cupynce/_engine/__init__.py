@@ -33,7 +33,7 @@ from .losses import nt_xent_tf32, row_blocks, score_tiles, stats
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None):
+         hardness=None, pair_labels=None):
     """A row softmax over [keys k | shared negatives neg_s | per-query negatives neg_p].
 
     q (N, D) queries; k (Nk, D); neg_s (Ms, D) or None; neg_p (N, Mp, D) or None.  Row i's
@@ -48,15 +48,16 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     label-aware row (a same-label key other than the positive is no candidate; the target
     smoothed over the candidates) -- on the row blocks alone for now (the tiles' epilogues
     and the TF32x3 kernels do not take them).  ``hardness``: a :class:`row_blocks.Hardness`
-    (sentence-transformers' hardness weighting), also on the row blocks alone.  See
+    (sentence-transformers' hardness weighting), and ``pair_labels`` (pytorch-metric-learning's
+    NTXentLoss rows), also on the row blocks alone.  See
     :func:`row_blocks.rows`.
     """
     kw = dict(exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod, lse_in=lse_in,
               weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
               self_pair=self_pair, scale_log=scale_log)
-    if labels is not None or smoothing or hardness is not None:
+    if labels is not None or smoothing or hardness is not None or pair_labels is not None:
         return row_blocks.rows(q, k, neg_s, neg_p, scale, labels=labels, smoothing=smoothing,
-                               hardness=hardness, **kw)
+                               hardness=hardness, pair_labels=pair_labels, **kw)
     if neg_p is None and tiling.tiles_ok(q, k, neg_s):
         if want_grad and lse_in is None and _nt_xent_keeps_scores(
                 q, neg_s, exclude_diag, pos_shift, pos_mod, self_pair, scale_log,

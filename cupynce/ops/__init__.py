@@ -4,6 +4,7 @@
 nt_xent.py       SimCLR's NT-Xent
 info_nce.py      query/key InfoNCE, in-batch and explicit (shared or per-query) negatives
 supcon.py        supervised contrastive (SupCon's L_out) with labels
+nt_xent_pairs.py NT-Xent over every positive pair of labels (pytorch-metric-learning's)
 clip.py          CLIP's symmetric loss with a learnable temperature
 siglip.py        SigLIP's pairwise sigmoid loss with a learnable scale and bias
 splade.py        SPLADE's max-pooled vocabulary head and its FLOPS regularizer

@@ -77,13 +77,14 @@ def pair_dots(an, bn):
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None):
+         hardness=None, pair_labels=None):
     """``cupynce._engine.rows`` on the CPU: the same arguments and results, the score
     matrix in row blocks of at most ``workspace_bytes`` (default ``NUMPY_WORKSPACE_BYTES``),
     one block buffer reused in place (scores, their exponentials, the gradient block), on the
     namespace of ``_cpu.current()``.  ``labels`` / ``smoothing``: as the engine's (the
     masked key columns -inf before the log-sum-exp, the smoothing over what is left);
-    ``hardness``: the penalised columns' logits times scale + α (the gradient keeps scale)."""
+    ``hardness``: the penalised columns' logits times scale + α (the gradient keeps scale);
+    ``pair_labels``: pytorch-metric-learning's NTXentLoss rows (:func:`_pair_rows`)."""
     xp = _cpu.current()
     a = acc_dtype(q.dtype)
     if scale_log is not None:  # (on the host here: the value can be read)
@@ -98,6 +99,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     cap = workspace_bytes or NUMPY_WORKSPACE_BYTES
     rb = max(1, min(n, cap // max(1, ncols * a.itemsize)))
     lse = None if lse_in is None else xp.astype(xp.asarray(lse_in), a)
+    if pair_labels is not None:
+        return _pair_rows(xp, qa, scale, xp.asarray(pair_labels), weights, want_grad, rb, a)
     dq = dk = dns = dnp = None
     if want_grad:
         dq = xp.zeros((n, d), a) if self_pair and rb < n else xp.empty((n, d), a)
@@ -198,6 +201,46 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     host = xp.host
     return host(lse), host(loss), (host(dq), host(dq) if self_pair else host(dk),
                                     host(dns), host(dnp))
+
+
+def _pair_rows(xp, z, scale: float, lab, weights, want_grad: bool, rb: int, a):
+    """The engine's ``row_pairs`` on the CPU (``stats.cu``): each row's log-sum-exp over the
+    rows of another label, its loss the sum over its positive pairs of softplus(lse - l_ip),
+    and the gradient dz = (G + Gᵀ) z in row blocks of ``rb``."""
+    n, d = z.shape
+    dz = xp.zeros((n, d), a) if want_grad else None
+    if want_grad:
+        w_arr, w_stride, w_mul = weights
+        w_all = w_mul * scale
+        if w_arr is not None:
+            w_all = xp.asarray(w_arr)[xp.arange(n) * w_stride] * w_all
+    lse_parts, loss_parts = [], []
+    for r0 in range(0, n, rb):
+        r1 = min(n, r0 + rb)
+        at = xp.arange(r1 - r0)
+        s = (z[r0:r1] @ z.T) * scale
+        same = lab[r0:r1, None] == lab[None, :]
+        pos = same & (xp.arange(n)[None, :] != (at + r0)[:, None])
+        neg = xp.where(same, -float("inf"), s)
+        top = xp.amax(neg, axis=1)
+        top = xp.where(xp.isfinite(top), top, 0.0)
+        with xp.errstate(divide="ignore"):
+            lse = xp.log(xp.sum(xp.exp(neg - top[:, None]), axis=1)) + top
+        x = lse[:, None] - s
+        loss_parts.append(xp.sum(xp.where(pos, xp.softplus(x), 0.0), axis=1))
+        lse_parts.append(lse)
+        if not want_grad:
+            continue
+        sg = xp.where(pos, xp.sigmoid(x), 0.0)
+        with xp.errstate(invalid="ignore", over="ignore"):
+            p_neg = xp.where(same, 0.0, xp.exp(s - lse[:, None]))
+        w = w_all if isinstance(w_all, float) else w_all[r0:r1][:, None]
+        g = w * (xp.sum(sg, axis=1)[:, None] * p_neg - sg)
+        dz[r0:r1] += g @ z
+        dz += g.T @ z[r0:r1]
+    cat = (lambda parts: parts[0] if len(parts) == 1 else xp.concatenate(parts))
+    host = xp.host
+    return host(cat(lse_parts)), host(cat(loss_parts)), (host(dz), host(dz), None, None)
 
 
 def _penalised(xp, hardness, r0: int, r1: int, pos, ncols: int, width: int):

@@ -31,7 +31,7 @@ where ``w_i`` is the weight of row ``i`` in the reduction times
 from __future__ import annotations
 
 from ._common import REDUCTIONS, l2_normalize, l2_normalize_backward
-from .contrastive import clip_loss, info_nce, nt_xent, siglip_loss, supcon_loss
+from .contrastive import clip_loss, info_nce, nt_xent, nt_xent_pairs, siglip_loss, supcon_loss
 from .splade import (SPLADE_ACTIVATIONS, flops_regularizer, splade_argmax, splade_logits,
                      splade_pool)
 
@@ -41,6 +41,7 @@ __all__ = [
     "l2_normalize_backward",
     "nt_xent",
     "supcon_loss",
+    "nt_xent_pairs",
     "info_nce",
     "clip_loss",
     "siglip_loss",

@@ -379,6 +379,61 @@ def info_nce(
     return loss, (dq, dk, dneg)
 
 
+def nt_xent_pairs(z: ArrayLike, labels: ArrayLike, temperature: ArrayLike = 0.07, *,
+                  reduction: str = "mean", normalize: bool = False,
+                  grad_loss: Optional[ArrayLike] = None, temperature_grad: bool = False
+                  ) -> Tuple[Loss, Tuple[np.ndarray, ...]]:
+    """NT-Xent over every positive pair of labels (pytorch-metric-learning's NTXentLoss),
+    pair by pair.  With ``L = zn zn^T / t``, each pair (i, p), p != i, labels equal::
+
+        l_ip = -log( exp(L_ip) / (exp(L_ip) + sum_{n: y_n != y_i} exp(L_in)) )
+
+    "mean" over the pairs (0 without one), "sum", "none": each row's sum over its pairs.
+    Gradient pair by pair: with q = the pair's softmax over [p, negatives],
+    ``dl_ip/dL_ip = q_p - 1``, ``dl_ip/dL_in = q_n``.
+
+    Returns ``loss, (dz,)`` (``+ (dt,)`` with ``temperature_grad``).
+    """
+    _check_reduction(reduction)
+    z0 = _f64(z)
+    y = np.asarray(labels).reshape(-1)
+    n = z0.shape[0]
+    t = float(_f64(temperature).reshape(()))
+    zn = l2_normalize(z0) if normalize else z0
+    logits = zn @ zn.T / t
+    rows = np.zeros(n)
+    g = np.zeros((n, n))
+    count = 0
+    gl = None if grad_loss is None else np.asarray(grad_loss, np.float64)
+    for i in range(n):
+        negs = np.flatnonzero(y != y[i])
+        for p in np.flatnonzero(y == y[i]):
+            if p == i:
+                continue
+            count += 1
+            cand = np.concatenate([[logits[i, p]], logits[i, negs]])
+            m = cand.max()
+            lse = m + np.log(np.exp(cand - m).sum())
+            rows[i] += lse - logits[i, p]
+            q = np.exp(cand - lse)
+            w = 1.0 if gl is None or reduction != "none" else gl[i]
+            g[i, p] += w * (q[0] - 1.0)
+            g[i, negs] += w * q[1:]
+    if reduction == "none":
+        loss: Loss = rows
+    else:
+        loss = rows.sum() / (max(count, 1) if reduction == "mean" else 1.0)
+        scale = (1.0 / max(count, 1) if reduction == "mean" else 1.0) * \
+            (1.0 if gl is None else float(gl))
+        g = g * scale
+    dzn = (g + g.T) @ zn / t
+    dz = l2_normalize_backward(z0, dzn) if normalize else dzn
+    if temperature_grad:
+        keep = np.ones((n, n), dtype=bool)
+        return loss, (dz, _dtemperature(g, logits, keep, temperature))
+    return loss, (dz,)
+
+
 # --------------------------------------------------------------------------
 # CLIP
 # --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ autograd through every tensor input):
 * :func:`info_nce` — query/key InfoNCE, shared (M, D) or per-query (N, M, D) negatives
 * :func:`supcon_loss` — supervised contrastive (SupCon's L_out), z (N, D), labels (N,);
   :class:`SupConLoss`
+* :func:`nt_xent_pairs` — NT-Xent over every positive pair of labels, z (N, D), labels (N,)
 * :func:`clip_loss` — CLIP's symmetric loss; ``logit_scale`` a real or a tensor (learnable)
 * :func:`siglip_loss` — SigLIP's sigmoid loss; ``logit_scale`` and ``logit_bias`` reals or
   tensors (learnable); :class:`SigLipLoss` owns both
@@ -117,11 +118,12 @@ from .ops.info_nce import info_nce  # noqa: E402
 from .ops.nt_xent import nt_xent  # noqa: E402
 from .ops.siglip import siglip_loss  # noqa: E402
 from .ops.splade import flops_regularizer, splade_pool  # noqa: E402
+from .ops.nt_xent_pairs import nt_xent_pairs  # noqa: E402
 from .ops.supcon import supcon_loss  # noqa: E402
 from .queue import NegativeQueue  # noqa: E402
 
 __all__ = [
-    "nt_xent", "info_nce", "supcon_loss", "clip_loss", "siglip_loss", "splade_pool",
+    "nt_xent", "info_nce", "supcon_loss", "nt_xent_pairs", "clip_loss", "siglip_loss", "splade_pool",
     "flops_regularizer",
     "InfoNCELoss", "NTXentLoss", "InfoNCEFunction", "InfoNCE", "SupConLoss", "ClipLoss",
     "SymmetricInfoNCE", "SigLipLoss", "GradientCache", "NegativeQueue",

@@ -113,6 +113,70 @@ __device__ __forceinline__ void row_softmax_body(
 #undef CPN_L1
 }
 
+// pytorch-metric-learning's NTXentLoss(labels): every positive pair (i, p), p != i of row i's
+// label, against row i's negatives (the rows of another label).  One block per row r
+// (global row i = row0 + r) of a block of z zᵀ (n columns: the whole batch), l = scale * S:
+//   lse_i  = log-sum-exp of l_ij over the negatives j (-inf: none; every pair's loss is 0)
+//   loss_i = sum_{p} softplus(lse_i - l_ip)        (-log(e^l_ip / (e^l_ip + sum_j e^l_ij)))
+//   gradient (g != null), w_i = w_mul * (w_ptr ? w_ptr[i * w_stride] : 1), gm = w_i * scale:
+//     g_ij = gm * c_i * exp(l_ij - lse_i)  (a negative; c_i = sum_p sigmoid(lse_i - l_ip))
+//     g_ip = -gm * sigmoid(lse_i - l_ip)   (a positive)        g_ii = 0
+// Block sums in a fixed order: deterministic.  g may alias s (each thread reads, then writes,
+// its own columns after the sums).
+template <typename A>
+__device__ __forceinline__ A cpn_softplus(A x)
+{
+    return x > A(0) ? x + log1p(cpn_exp(-x)) : log1p(cpn_exp(x));
+}
+template <typename A>
+__device__ __forceinline__ A cpn_sigmoid(A x)
+{
+    if (x >= A(0)) return A(1) / (A(1) + cpn_exp(-x));
+    const A e = cpn_exp(x);
+    return e / (A(1) + e);
+}
+template <typename T, typename A>
+__device__ __forceinline__ void row_pairs_body(
+    const A* s, i64 ld, int n, int row0, const A* __restrict__ scale_log,
+    A scale_mul, const i64* __restrict__ lab, A* __restrict__ lse_out, A* __restrict__ loss_out,
+    T* g, i64 ldg, const A* __restrict__ w_ptr, i64 w_stride, A w_mul)
+{
+    __shared__ A sh[64];
+    const int r = blockIdx.x;
+    const int i = row0 + r;
+    const A scale = scale_log ? scale_mul * cpn_exp(scale_log[0]) : scale_mul;
+    const A* row = s + (i64)r * ld;
+    const i64 li = lab[i];
+    Lse<A> st; st.init();
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+        if (lab[j] != li) st.add(scale * row[j]);
+    block_lse(st, sh);
+    const A lse = st.value();
+    A sp = A(0), sg = A(0);
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+        if (j != i && lab[j] == li) {
+            const A x = lse - scale * row[j];
+            sp += cpn_softplus(x);
+            sg += cpn_sigmoid(x);
+        }
+    sp = block_sum(sp, sh);  // (block_sum protects sh from block_lse's use first)
+    sg = block_sum(sg, sh);
+    if (threadIdx.x == 0) {
+        if (lse_out) lse_out[i] = lse;
+        if (loss_out) loss_out[i] = sp;
+    }
+    if (!g) return;
+    __syncthreads();
+    const A gm = w_mul * (w_ptr ? w_ptr[(i64)i * w_stride] : A(1)) * scale;
+    T* grow = g + (i64)r * ldg;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const A l = scale * row[j];
+        const A v = j == i ? A(0)
+                  : lab[j] == li ? -gm * cpn_sigmoid(lse - l) : gm * sg * cpn_exp(l - lse);
+        grow[j] = Conv<T>::store(v);
+    }
+}
+
 // Row and column statistics of a score block in one read (CLIP's, and a global NT-Xent's
 // cross-rank blocks'): row_softmax's lse / loss of each row (no diagonal excluded, no second
 // segment, no gradient) and the column partials col_combine folds (online LSEs over chunks
@@ -417,6 +481,11 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_row_softmax_##SUF(  
         pos_mod, scale_log, scale_mul, lse_in, lse_out, loss_out, g1, ldg1, g2, ldg2,      \
         w_ptr, w_stride, w_mul, lab_r, lab_c, nlab, eps, hard_mode, hard_alpha, own_start, \
         own_count, own_mod); }                                                             \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_row_pairs_##SUF(               \
+    const A* s, i64 ld, int n, int row0, const A* scale_log, A scale_mul, const i64* lab,  \
+    A* lse_out, A* loss_out, T* g, i64 ldg, const A* w_ptr, i64 w_stride, A w_mul) {       \
+    row_pairs_body<T, A>(s, ld, n, row0, scale_log, scale_mul, lab, lse_out, loss_out, g,  \
+        ldg, w_ptr, w_stride, w_mul); }                                                    \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_paired_dots_##SUF(             \
     const T* q, i64 ldq, const T* neg, int n, int m, int d, A* e, A* e2) {                 \
     paired_dots_body<T, A>(q, ldq, neg, n, m, d, e, e2); }

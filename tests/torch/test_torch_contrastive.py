@@ -114,8 +114,8 @@ def _info_nce(path):
     if path == "op":
         return ct.info_nce
     return lambda q, k, t=0.1, *, negatives=None, reduction="mean", normalize=False: \
-        tinfo_nce.InfoNCEFunction.apply(q, k, None, t, negatives, None, 0.0, reduction,
-                                        normalize, None)
+        tinfo_nce.InfoNCEFunction.apply(q, k, None, t, negatives, None, 0.0, 0.0, 0.0,
+                                        reduction, normalize, None)
 
 
 def _clip_loss(path):

@@ -154,6 +154,32 @@ def test_pml_supcon_drop_in(n, classes):
     assert _rel(outs[1][1], outs[0][1]) <= 1e-12
 
 
+@pytest.mark.parametrize("n,classes", [(24, 6), (17, 3), (8, 8), (6, 1)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pml_ntxent_drop_in(n, classes, device):
+    """pytorch-metric-learning's NTXentLoss(embeddings, labels): value and gradient as the
+    library's, float64 (on CUDA too: the row_pairs kernel; classes=1: no negative, 0)."""
+    pml = pytest.importorskip("pytorch_metric_learning.losses")
+    from cupynce.integrations.pytorch_metric_learning import NTXentLoss
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    rng = np.random.default_rng(n + classes)
+    z0 = rng.standard_normal((n, 5))
+    lab = torch.tensor(rng.integers(0, classes, n), device=device)
+    outs = []
+    for cls in (pml.NTXentLoss(temperature=0.2), NTXentLoss(temperature=0.2)):
+        z = torch.tensor(z0, requires_grad=True, device=device)
+        loss = cls(z, lab)
+        dz = torch.autograd.grad(loss, [z], allow_unused=True)[0] if loss.requires_grad \
+            else None
+        outs.append((loss.detach().cpu().numpy(),
+                     np.zeros_like(z0) if dz is None else dz.cpu().numpy()))
+    assert _rel(outs[1][0], outs[0][0]) <= 1e-12 if outs[0][0] else not outs[1][0]
+    assert _rel(outs[1][1], outs[0][1]) <= 1e-12 if outs[0][1].any() else \
+        not outs[1][1].any()
+
+
 def test_pml_drop_in_refuses_other_options():
     from cupynce.integrations.pytorch_metric_learning import SupConLoss
 
@@ -161,6 +187,12 @@ def test_pml_drop_in_refuses_other_options():
         SupConLoss(0.1, distance=object(), reducer=object())
     with pytest.raises(NotImplementedError, match="SupConLoss: indices_tuple="):
         SupConLoss()(torch.ones(4, 2), torch.zeros(4, dtype=torch.long), indices_tuple=(1,))
+    from cupynce.integrations.pytorch_metric_learning import NTXentLoss
+
+    with pytest.raises(NotImplementedError, match="NTXentLoss: distance"):
+        NTXentLoss(0.1, distance=object())
+    with pytest.raises(TypeError, match="NTXentLoss: labels are required"):
+        NTXentLoss()(torch.ones(4, 2))
 
 
 @pytest.mark.gpu

@@ -66,7 +66,7 @@ def _row_bytes(t, a, cols: int, want_grad: bool, plan, g_in_place: bool = False)
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None):
+         hardness=None, pair_labels=None):
     """Row log-sum-exps, per-row losses and (optionally) accumulated gradients.
 
     q (N, D) queries, k (Nk, D) keys (columns 0..Nk-1), neg_s (Ms, D) shared negatives
@@ -76,7 +76,10 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     and across ranks the other ranks' keys that lead the shared negatives): such a column of
     row i's label other than its positive is no candidate; ``smoothing``: the label
     smoothing over the candidates (``row_softmax`` in ``stats.cu``); ``hardness``: None or a
-    :class:`Hardness` (penalised columns' logits + α·S, detached).
+    :class:`Hardness` (penalised columns' logits + α·S, detached); ``pair_labels``: (N,) int64
+    labels of q = k (``self_pair``, no negatives): pytorch-metric-learning's NTXentLoss rows
+    instead of the softmax (``row_pairs`` in ``stats.cu``: each row's loss the sum over its
+    positive pairs; the forward's ``lse_in`` is not needed, the statistics are recomputed).
     Returns ``lse, loss, (dq, dk, dns, dnp)`` with float32/64 gradient accumulators.
     """
     lab_r, lab_c = (None, None) if labels is None else labels
@@ -135,16 +138,22 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         if ms:
             gemm(qb, neg_s, s_blk[:, nk:], trans_b=True)
         g_blk = g_buf[:nrows] if want_grad else None
-        kernels.launch(STATS_FILE, "row_softmax", t, (nrows,), (
-            s_blk, np.int64(ncols), np.int32(ncols),
-            ptr(e) + r0 * mp * a.itemsize if mp else 0, np.int64(mp), np.int32(mp),
-            np.int32(r0), np.int32(exclude_diag), np.int32(pos_shift), np.int32(pos_mod),
-            ptr(scale_log), a.type(scale), ptr(lse_in), lse if lse_in is None else 0, loss,
-            ptr(g_blk), np.int64(ncols),
-            ptr(g2) + r0 * mp * a.itemsize if g2 is not None else 0, np.int64(mp),
-            ptr(w_arr), np.int64(w_stride), a.type(w_mul),
-            ptr(lab_r), ptr(lab_c), np.int32(0 if lab_c is None else lab_c.shape[0]),
-            a.type(smoothing), *hard_args))
+        if pair_labels is not None:
+            kernels.launch(STATS_FILE, "row_pairs", t, (nrows,), (
+                s_blk, np.int64(ncols), np.int32(ncols), np.int32(r0), ptr(scale_log),
+                a.type(scale), pair_labels, lse if lse_in is None else 0, loss, ptr(g_blk),
+                np.int64(ncols), ptr(w_arr), np.int64(w_stride), a.type(w_mul)))
+        else:
+            kernels.launch(STATS_FILE, "row_softmax", t, (nrows,), (
+                s_blk, np.int64(ncols), np.int32(ncols),
+                ptr(e) + r0 * mp * a.itemsize if mp else 0, np.int64(mp), np.int32(mp),
+                np.int32(r0), np.int32(exclude_diag), np.int32(pos_shift), np.int32(pos_mod),
+                ptr(scale_log), a.type(scale), ptr(lse_in), lse if lse_in is None else 0, loss,
+                ptr(g_blk), np.int64(ncols),
+                ptr(g2) + r0 * mp * a.itemsize if g2 is not None else 0, np.int64(mp),
+                ptr(w_arr), np.int64(w_stride), a.type(w_mul),
+                ptr(lab_r), ptr(lab_c), np.int32(0 if lab_c is None else lab_c.shape[0]),
+                a.type(smoothing), *hard_args))
         if want_grad:
             acc = 1.0 if r0 else 0.0
             if self_pair:  # dk is dq: its every row is first written by the Gᵀ Q product

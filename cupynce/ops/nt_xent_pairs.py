@@ -1,0 +1,231 @@
+"""NT-Xent over every positive pair (pytorch-metric-learning's ``NTXentLoss(embeddings,
+labels)``) on CuPy and NumPy arrays.
+
+z (N, D) stacks the batch's rows, labels (N,) their classes.  Each positive pair (i, p) --
+p ≠ i of row i's label -- is its own softmax over p and row i's negatives (the rows of
+another label): ``ℓ_ip = −log(e^{S_ip} / (e^{S_ip} + Σ_{n: y_n ≠ y_i} e^{S_in}))``, S = ẑ ẑᵀ / τ.
+Unlike SupCon, the other positives are no candidates of a pair's softmax, so the loss is not
+linear in the logits of a row: it runs in the row blocks' ``row_pairs`` kernel
+(``kernels_src/losses/stats.cu``), which sums each row's pairs in one pass over its scores:
+``ℓ_ip = softplus(lse_i − S_ip)`` with lse_i over row i's negatives.  The N × N matrix exists
+in row blocks of the workspace only; the labels are read on the device only; no CUDA-graph
+replay.  Entry points as for NT-Xent: :func:`nt_xent_pairs`, :func:`nt_xent_pairs_forward`,
+:func:`nt_xent_pairs_backward`, :func:`nt_xent_pairs_backward_from_stats`.
+
+Reference: Chen et al. 2020 (SimCLR's NT-Xent); the labelled, pair-wise form is
+pytorch-metric-learning's ``NTXentLoss``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .. import _checks, config
+from .._engine.kernels import acc_dtype
+from . import _variants
+from ._base import (Context, Path, Temperature, check_stats, contig_inputs, dtemperature,
+                    in_ctx_precision, prep, reduce, require, temperature_input,
+                    temperature_result)
+
+__all__ = ["nt_xent_pairs", "nt_xent_pairs_forward", "nt_xent_pairs_backward",
+           "nt_xent_pairs_backward_from_stats"]
+
+OP = "nt_xent_pairs"
+
+
+def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision, group):
+    if group is not None:
+        raise NotImplementedError(f"{OP}: group= (the global loss across ranks) is not "
+                                  "supported yet; supcon_loss and nt_xent take it")
+    xp = _checks.array_module(OP, z=z)
+    _checks.check_matrix(OP, "z", z)
+    if z.shape[0] < 2:
+        raise ValueError(f"{OP}: z needs at least 2 rows, got shape {tuple(z.shape)}")
+    labels = _checks.check_labels(OP, labels, z.shape[0], xp, z)
+    if labels is None:
+        raise TypeError(f"{OP}: labels are required (an integer array of shape "
+                        f"({z.shape[0]},))")
+    t = temperature_input(OP, temperature, xp, z, acc_dtype(z.dtype))
+    p = _checks.check_flags(OP, reduction, workspace_bytes, normalize, precision)
+    return xp, xp.asarray(labels, dtype=np.int64), t, p
+
+
+def _pairs(xp, labels, a):
+    """The number of positive pairs Σ_i (|class(y_i)| − 1), a device scalar (a stable sort
+    and binary searches: never read on the host)."""
+    groups = _variants.label_groups(xp, labels)
+    return (groups[4] - groups[3] - 1).sum().astype(a)
+
+
+def _weights(xp, reduction: str, pairs, a, grad_loss=None):
+    """The rows' gradient weights as the engine takes them ``(array, stride, multiplier)``:
+    "mean" 1 / (number of pairs) (a device scalar; 0 pairs: weight 0 -- the loss is 0 and so
+    is its gradient), "sum" 1, "none" the upstream gradient per row."""
+    if reduction == "none":
+        g = None if grad_loss is None else xp.asarray(grad_loss, dtype=a).reshape(-1)
+        return (g, 1, 1.0) if g is not None else (None, 0, 1.0)
+    if reduction == "sum" and grad_loss is None:
+        return None, 0, 1.0
+    w = xp.ones((1,), a) if reduction == "sum" else \
+        (1 / xp.maximum(pairs, 1)).reshape(1).astype(a)
+    if grad_loss is not None:  # (a real or a 0-d array: never read on the host)
+        w = w * xp.asarray(grad_loss, dtype=a)
+    return w, 0, 1.0
+
+
+def _rows(path, zn, labels, t: Temperature, w, want_grad: bool, workspace_bytes):
+    lse, loss, (dz, *_rest) = path.rows(
+        zn, zn, None, None, t.scale, exclude_diag=False, pos_shift=0, pos_mod=zn.shape[0],
+        lse_in=None, weights=w, want_grad=want_grad, workspace_bytes=workspace_bytes, op=OP,
+        self_pair=True, scale_log=t.scale_log, pair_labels=labels)
+    return lse, loss, dz
+
+
+def _reduce(xp, loss, pairs, reduction: str):
+    if reduction == "none":
+        return loss
+    total = reduce(xp, loss, "sum")
+    if reduction == "mean":
+        total = total / xp.maximum(pairs, 1).astype(total.dtype)
+    return xp.asarray(total)
+
+
+def nt_xent_pairs_forward(z, labels, temperature: Any = 0.07, *, reduction: str = "mean",
+                          normalize: bool = False, workspace_bytes: Optional[int] = None,
+                          requires_grad: bool = True, temperature_grad: bool = False,
+                          group=None, precision: Optional[str] = None
+                          ) -> Tuple[Any, Context]:
+    """The pair-wise labelled NT-Xent loss and a context for :func:`nt_xent_pairs_backward`.
+
+    Parameters
+    ----------
+    z : (N, D) array (numpy or cupy), float16 / bfloat16 / float32 / float64, N >= 2
+    labels : integer (N,) array of the same kind (on z's device), required
+        Rows with equal labels are positive pairs (both orders); the rows of other labels are
+        a row's negatives.
+    temperature : float > 0, or a 0-d / (1,) array, default 0.07 (pytorch-metric-learning's)
+        As :func:`cupynce.nt_xent_forward`'s (an array: dL/dτ with ``temperature_grad``).
+    reduction : "mean" | "sum" | "none"
+        "mean": over the positive pairs (pytorch-metric-learning's ``MeanReducer``; 0, with
+        a zero gradient, when the batch has none), "sum": their sum, "none": (N,) each row's
+        sum over its pairs (0 for a row without one).
+    normalize, workspace_bytes, requires_grad, temperature_grad, precision
+        As :func:`cupynce.nt_xent_forward`'s.  ``normalize=True`` is the library's cosine
+        similarity.
+    group : not supported yet (``NotImplementedError``).
+
+    Returns
+    -------
+    loss : 0-d array (mean/sum) or (N,) array (none); float32, float64 for float64 input.
+    ctx : Context
+
+    Notes
+    -----
+    With S = ẑ ẑᵀ / τ, P(i) = {p ≠ i : y_p = y_i}, lse_i = log Σ_{n: y_n ≠ y_i} e^{S_in}::
+
+        loss_i = Σ_{p∈P(i)} softplus(lse_i − S_ip)
+        ∂loss_i/∂S_ip = −σ(lse_i − S_ip),  ∂loss_i/∂S_in = c_i softmax_neg(S_i)_n,
+        c_i = Σ_{p∈P(i)} σ(lse_i − S_ip);  ∂L/∂ẑ = (G + Gᵀ) ẑ / τ
+
+    A row without negatives has lse = −inf: its pairs' losses are 0 (the library's too).
+    The library adds its smallest normal number inside the log; the difference is below
+    one rounding of the loss unless a pair's probability is below ~1e-38 (float32).
+    """
+    xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
+                              precision, group)
+    _checks.check_bool(OP, "requires_grad", requires_grad)
+    tgrad = _checks.check_bool(OP, "temperature_grad", temperature_grad)
+    want_dt = requires_grad and (t.array or tgrad)
+    path = Path(xp)
+    n = z.shape[0]
+    z = contig_inputs(xp, z)[0]
+    a = acc_dtype(z.dtype)
+    fused = requires_grad and reduction != "none"
+    with config.float32_precision(p):
+        zn, norm = prep(path, z, normalize)
+        pairs = _pairs(xp, labels, a)
+        w = _weights(xp, reduction, pairs, a) if fused else (None, 0, 1.0)
+        lse, loss, dz = _rows(path, zn, labels, t, w, fused, workspace_bytes)
+    ctx = Context(OP, reduction, n, xp, stats=(lse,) if requires_grad else (), precision=p)
+    if fused:
+        ctx.saved = dict(z=z, norm=norm, dz=dz, temp=t, tgrad=tgrad,
+                         dt=dtemperature(xp, zn, dz, t, 2) if want_dt else None)
+    elif requires_grad:
+        ctx.saved = dict(z=z, zn=zn, norm=norm, t=t, ws=workspace_bytes, tgrad=tgrad,
+                         labels=labels, pairs=pairs)
+    return _reduce(xp, loss, pairs, reduction), ctx
+
+
+@in_ctx_precision
+def nt_xent_pairs_backward(ctx: Context, grad_loss: Any = 1.0):
+    """Gradient of :func:`nt_xent_pairs_forward`'s loss w.r.t. ``z``, times ``grad_loss`` (a
+    real or 0-d array for mean/sum, an (N,) array for none): dz (N, D) in z's dtype, or
+    ``(dz, dtemperature)`` for a forward with ``temperature_grad=True``."""
+    require(ctx, OP)
+    xp, s = ctx.xp, ctx.saved
+    path = Path(xp)
+    g = _checks.check_grad_loss("nt_xent_pairs_backward", grad_loss, ctx.reduction, ctx.n, xp)
+    a = acc_dtype(s["z"].dtype)
+    if "dz" in s:
+        dz = path.finish(s["z"], s["norm"], s["dz"], path.grad_scale(g, a))
+        if not s["tgrad"]:
+            return dz
+        return dz, temperature_result(path, xp, s["dt"] * g, s["temp"])
+    t = s["t"]
+    w = _weights(xp, ctx.reduction, s["pairs"], a, g)
+    _, _, dz = _rows(path, s["zn"], s["labels"], t, w, True, s["ws"])
+    dt = dtemperature(xp, s["zn"], dz, t, 2) if s["tgrad"] else None
+    dz = path.finish(s["z"], s["norm"], dz, None)
+    return (dz, temperature_result(path, xp, dt, t)) if s["tgrad"] else dz
+
+
+def nt_xent_pairs_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, labels,
+                                      temperature: Any = 0.07, reduction: str = "mean",
+                                      normalize: bool = False,
+                                      workspace_bytes: Optional[int] = None,
+                                      temperature_grad: bool = False,
+                                      precision: Optional[str] = None):
+    """``dz`` from the input and the labels (the statistics recomputed: ``lse``, the forward's
+    ``ctx.stats[0]``, is checked, not needed), as :func:`nt_xent_pairs_backward` gives it;
+    ``(dz, dtemperature)`` with ``temperature_grad``."""
+    xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
+                              precision, None)
+    tgrad = _checks.check_bool(OP, "temperature_grad", temperature_grad)
+    check_stats(OP, xp, z.shape[0], z.dtype, lse=lse)
+    z = contig_inputs(xp, z)[0]
+    zn, norm = prep(Path(xp), z, normalize)
+    ctx = Context(OP, reduction, z.shape[0], xp, stats=(lse,), precision=p,
+                  saved=dict(z=z, zn=zn, norm=norm, t=t, ws=workspace_bytes, tgrad=tgrad,
+                             labels=labels, pairs=_pairs(xp, labels, acc_dtype(z.dtype))))
+    return nt_xent_pairs_backward(ctx, grad_loss)
+
+
+def _torch_forward(z, temperature, *, labels, **kw):
+    """``cupynce.torch``'s forward: the op's argument order (the temperature an input after z,
+    the labels by keyword)."""
+    return nt_xent_pairs_forward(z, labels, temperature, **kw)
+
+
+def _torch_backward(z, temperature, lse, grad_loss, *, labels, reduction: str = "mean",
+                    normalize: bool = False, workspace_bytes: Optional[int] = None,
+                    precision: Optional[str] = None):
+    """``cupynce.torch``'s backward op: ``(dz, dtemperature)`` (an unwritten 0-d placeholder
+    for a real temperature)."""
+    kw = dict(labels=labels, temperature=temperature, reduction=reduction,
+              normalize=normalize, workspace_bytes=workspace_bytes, precision=precision)
+    if isinstance(temperature, float):
+        xp = _checks.array_module(OP, z=z)
+        return nt_xent_pairs_backward_from_stats(z, lse, grad_loss, **kw), \
+            xp.empty((), acc_dtype(z.dtype))
+    return nt_xent_pairs_backward_from_stats(z, lse, grad_loss, temperature_grad=True, **kw)
+
+
+def nt_xent_pairs(z, labels, temperature: Any = 0.07, *, reduction: str = "mean",
+                  normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
+                  precision: Optional[str] = None):
+    """The pair-wise labelled NT-Xent loss of ``z`` (N, D) with ``labels`` (N,); see
+    :func:`nt_xent_pairs_forward`."""
+    return nt_xent_pairs_forward(z, labels, temperature, reduction=reduction,
+                                 normalize=normalize, workspace_bytes=workspace_bytes,
+                                 requires_grad=False, group=group, precision=precision)[0]
