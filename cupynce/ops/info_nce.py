@@ -18,7 +18,8 @@ from .. import _checks, config
 from .._engine import side
 from .._engine.kernels import acc_dtype
 from .._engine.losses.row_blocks import Hardness
-from . import _comm, _global, _graphs, _local, _memo
+from .. import _engine
+from . import _comm, _global, _graphs, _local, _memo, _numpy
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     dtemperature, finish_all, host_temperature, in_ctx_precision, prep, reduce,
                     reduce_out, require, temperature_input, temperature_result, weights)
@@ -86,6 +87,59 @@ def _hardness(op: str, hardness_mode: Any, hardness_strength: Any, negatives, n:
                          f"k * N rows, query i's at rows i, i + N, ...): got negatives of "
                          f"shape {tuple(negatives.shape)} for N = {n}")
     return Hardness(code, alpha, n * size + rank * m, m, n)
+
+
+def _queue_path(in_batch_negatives: Any, eps: float, hard, negatives, n: int,
+                temp) -> bool:
+    """MoCo's rows (``in_batch_negatives=False``, no labels -- the forward refuses both --,
+    no smoothing or hardness, shared negatives at least as many as the rows, a host scale)
+    take :func:`_queue_rows`: the engine's plain row softmax over the queue alone (the score
+    tiles where they apply) instead of the labelled row blocks."""
+    return (in_batch_negatives is False and not eps and hard is None and negatives is not None
+            and negatives.ndim == 2 and negatives.shape[0] >= n and temp.scale_log is None)
+
+
+def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, lse_in=None):
+    """MoCo's rows: query i's candidates are key i and the M >= N shared negatives.
+
+    The queue's log-sum-exps are the engine's row softmax over the negatives alone with a
+    stand-in positive (column i, its loss unused); the key's logit joins them O(N)
+    (lse_i = logaddexp(lse_queue_i, l_ii)).  The gradient pass takes that full lse, so its
+    softmax is right at every negative; the stand-in's "−1 at column i" is undone and the
+    key's column added, O(N·D): dq_i += w_i s (neg_i + (p_i − 1) k_i), dneg_i += w_i s q_i,
+    dk_i = w_i s (p_i − 1) q_i, with w_i s the row's weight times the scale and p_i the key's
+    probability.  Deterministic (each fix-up touches one row).  Returns the engine's
+    ``lse, loss, (dq, dk, dneg, None)``."""
+    n, m = qn.shape[0], neg_s.shape[0]
+    a = acc_dtype(qn.dtype)
+    dots = _engine_pair_dots(xp, qn, kn)
+    pos = dots * a.type(scale)
+    kw = dict(exclude_diag=False, pos_shift=0, pos_mod=m, workspace_bytes=ws, op="info_nce")
+    lse = lse_in
+    if lse is None:
+        lse_q, _, _ = path.rows(qn, neg_s, None, None, scale, lse_in=None,
+                                weights=(None, 0, 0.0), want_grad=False, **kw)
+        lse = xp.logaddexp(xp.asarray(lse_q), pos)
+    loss = lse - pos
+    if not want_grad:
+        return lse, loss, (None, None, None, None)
+    _, _, (dq, dneg, _, _) = path.rows(qn, neg_s, None, None, scale, lse_in=lse, weights=w,
+                                       want_grad=True, **kw)
+    w_arr, stride, mul = w
+    wv = (xp.full((n,), mul * scale, a) if w_arr is None else
+          (xp.asarray(w_arr, dtype=a).reshape(-1)[xp.arange(n) * stride] * a.type(mul * scale)))
+    c = wv * (xp.exp(pos - lse) - 1)
+    qa, ka = qn.astype(a, copy=False), kn.astype(a, copy=False)
+    dq += wv[:, None] * neg_s[:n].astype(a) + c[:, None] * ka
+    dneg[:n] += wv[:, None] * qa
+    return lse, loss, (dq, c[:, None] * qa, dneg, None)
+
+
+def _engine_pair_dots(xp, an, bn):
+    """The raw dots a_i · b_i (n,) in the accumulator dtype, on the arrays' device."""
+    if xp is np:
+        return _numpy.pair_dots(an, bn)
+    return _engine.pair_dots(an, bn)
 
 
 def _batch_labels(xp, labels, in_batch_negatives: Any, n: int, like):
@@ -201,7 +255,8 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
     path = Path(xp)
     (query, key, negatives), sig = contig_remembered(xp, sig, hit, query, key, negatives)
     fused = requires_grad and reduction != "none"
-    masks = dict(labels=None if labels is None else (labels, labels), smoothing=eps,
+    queue = _queue_path(in_batch_negatives, eps, hard, negatives, n, temp)
+    masks = dict(labels=None if labels is None or queue else (labels, labels), smoothing=eps,
                  hardness=hard)
 
     def compute(query, key, negatives=None):
@@ -211,11 +266,16 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
         # its output allocated before the fork)
         with side.branch() as br:
             out = reduce_out(xp, reduction, acc_dtype(query.dtype))
-            lse, loss, grads = path.rows(
-                qn, kn, neg_s, neg_p, temp.scale, exclude_diag=False, pos_shift=0, pos_mod=n,
-                lse_in=None, weights=weights(xp, None, reduction, n, acc_dtype(query.dtype)),
-                want_grad=fused, workspace_bytes=workspace_bytes, op="info_nce",
-                scale_log=temp.scale_log, **masks)
+            w = weights(xp, None, reduction, n, acc_dtype(query.dtype))
+            if queue:
+                lse, loss, grads = _queue_rows(xp, path, qn, kn, neg_s, temp.scale, w, fused,
+                                               workspace_bytes)
+            else:
+                lse, loss, grads = path.rows(
+                    qn, kn, neg_s, neg_p, temp.scale, exclude_diag=False, pos_shift=0,
+                    pos_mod=n, lse_in=None, weights=w, want_grad=fused,
+                    workspace_bytes=workspace_bytes, op="info_nce", scale_log=temp.scale_log,
+                    **masks)
             with br.beside():
                 total = reduce(xp, loss, reduction, out)
         dq, dk, dns, dnp = grads
@@ -241,7 +301,7 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
         ctx.saved = dict(base, acc=(dq, dk, dneg),
                          dt=dtemperature(xp, xn[0], dq, temp, 1) if want_dt else None)
     elif requires_grad:
-        ctx.saved = dict(base, xn=xn, lse=lse, ws=workspace_bytes, masks=masks)
+        ctx.saved = dict(base, xn=xn, lse=lse, ws=workspace_bytes, masks=masks, queue=queue)
     return loss, ctx
 
 
@@ -267,10 +327,15 @@ def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
             return grads
         return grads + (temperature_result(path, xp, s["dt"] * g, temp),)
     qn, kn, neg_s, neg_p = s["xn"]
-    _, _, (dq, dk, dns, dnp) = path.rows(
-        qn, kn, neg_s, neg_p, temp.scale, exclude_diag=False, pos_shift=0, pos_mod=ctx.n,
-        lse_in=s["lse"], weights=weights(xp, g, ctx.reduction, ctx.n, a), want_grad=True,
-        workspace_bytes=s["ws"], op="info_nce", scale_log=temp.scale_log, **s["masks"])
+    w = weights(xp, g, ctx.reduction, ctx.n, a)
+    if s.get("queue"):
+        _, _, (dq, dk, dns, dnp) = _queue_rows(xp, path, qn, kn, neg_s, temp.scale, w, True,
+                                               s["ws"], lse_in=s["lse"])
+    else:
+        _, _, (dq, dk, dns, dnp) = path.rows(
+            qn, kn, neg_s, neg_p, temp.scale, exclude_diag=False, pos_shift=0, pos_mod=ctx.n,
+            lse_in=s["lse"], weights=w, want_grad=True, workspace_bytes=s["ws"], op="info_nce",
+            scale_log=temp.scale_log, **s["masks"])
     dt = dtemperature(xp, qn, dq, temp, 1) if s["tgrad"] else None
     accs = (dq, dk, dns if dns is not None else dnp)
     grads = tuple(finish_all(path, s["x"], s["norms"], accs, None))
@@ -299,17 +364,18 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
     n = query.shape[0]
     labels = _batch_labels(xp, _checks.check_labels("info_nce", labels, n, xp, query),
                            in_batch_negatives, n, query)
-    masks = dict(labels=None if labels is None else (labels, labels),
-                 smoothing=_checks.check_smoothing("info_nce", label_smoothing),
-                 hardness=_hardness("info_nce", hardness_mode, hardness_strength, negatives, n,
-                                    False))
+    eps = _checks.check_smoothing("info_nce", label_smoothing)
+    hard = _hardness("info_nce", hardness_mode, hardness_strength, negatives, n, False)
+    queue = _queue_path(in_batch_negatives, eps, hard, negatives, n, t)
+    masks = dict(labels=None if labels is None or queue else (labels, labels), smoothing=eps,
+                 hardness=hard)
     check_stats("info_nce", xp, n, query.dtype, lse=lse)
     path = Path(xp)
     (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
         xp, path, query, key, negatives, normalize)
     ctx = Context("info_nce", reduction, n, xp, stats=(lse,), precision=p, saved=dict(
         x=(query, key, negatives), norms=(nq, nk, nneg), xn=(qn, kn, neg_s, neg_p), lse=lse,
-        temp=t, tgrad=tgrad, ws=workspace_bytes, masks=masks))
+        temp=t, tgrad=tgrad, ws=workspace_bytes, masks=masks, queue=queue))
     return info_nce_backward(ctx, grad_loss)
 
 

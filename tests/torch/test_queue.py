@@ -32,9 +32,10 @@ def moco_formula(q, k, queue, temperature, reduction="mean", smoothing=0.0):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_numpy_moco_is_the_formula(reduction, eps):
+@pytest.mark.parametrize("m", [10, 4])  # (a queue shorter than the batch: the labelled rows)
+def test_numpy_moco_is_the_formula(reduction, eps, m):
     rng = np.random.default_rng(0)
-    q, k, u = rng.standard_normal((6, 4)), rng.standard_normal((6, 4)), rng.standard_normal((10, 4))
+    q, k, u = rng.standard_normal((6, 4)), rng.standard_normal((6, 4)), rng.standard_normal((m, 4))
     loss, ctx = cupynce.info_nce_forward(q, k, 0.2, negatives=u, in_batch_negatives=False,
                                          label_smoothing=eps, reduction=reduction,
                                          normalize=True)
@@ -158,7 +159,8 @@ def test_queue_across_ranks_over_gloo(world):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
-def test_cuda_moco_is_the_formula(dtype, tol):
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cuda_moco_is_the_formula(dtype, tol, reduction):
     if not torch.cuda.is_available():
         pytest.skip("needs torch with CUDA")
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -168,11 +170,12 @@ def test_cuda_moco_is_the_formula(dtype, tol):
     qu = ct.NegativeQueue(4096, 64, dtype=dt, device="cuda")
     qu.enqueue(torch.randn(4096, 64, device="cuda", generator=gen))
     out = ct.info_nce(q, k, 0.2, negatives=qu.negatives(), in_batch_negatives=False,
-                      normalize=True)
-    gq, gk = torch.autograd.grad(out, [q, k])
+                      normalize=True, reduction=reduction)
+    up = torch.linspace(0.5, 1.5, 512, device="cuda") if reduction == "none" else None
+    gq, gk = torch.autograd.grad(out, [q, k], up)
     q64, k64 = (x.detach().double().requires_grad_() for x in (q, k))
-    want = moco_formula(q64, k64, qu.negatives().double(), 0.2)
-    wq, wk = torch.autograd.grad(want, [q64, k64])
+    want = moco_formula(q64, k64, qu.negatives().double(), 0.2, reduction)
+    wq, wk = torch.autograd.grad(want, [q64, k64], None if up is None else up.double())
     assert _rel(out.detach().double().cpu(), want.detach().cpu()) <= tol
     assert _rel(gq.double().cpu(), wq.cpu()) <= tol
     assert _rel(gk.double().cpu(), wk.cpu()) <= tol
