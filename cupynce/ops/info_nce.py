@@ -379,9 +379,17 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
     return info_nce_backward(ctx, grad_loss)
 
 
+def _torch_forward(query, key, temperature, *, in_batch_negatives: float = 1.0, **kw):
+    """``cupynce.torch``'s forward: :func:`info_nce_forward` with the schema's
+    ``in_batch_negatives`` (a real, 1.0 / 0.0)."""
+    return info_nce_forward(query, key, temperature, in_batch_negatives=bool(in_batch_negatives),
+                            **kw)
+
+
 def _torch_backward(query, key, temperature, negatives, lse, grad_loss, *, labels=None,
                     label_smoothing: float = 0.0, hardness_mode: Any = None,
-                    hardness_strength: float = 0.0, reduction: str = "mean",
+                    hardness_strength: float = 0.0, in_batch_negatives: float = 1.0,
+                    reduction: str = "mean",
                     normalize: bool = False, workspace_bytes: Optional[int] = None,
                     precision: Optional[str] = None):
     """``cupynce.torch``'s backward op: ``(dquery, dkey, dtemperature, dnegatives)``, the op's
@@ -389,8 +397,8 @@ def _torch_backward(query, key, temperature, negatives, lse, grad_loss, *, label
     one)."""
     kw = dict(temperature=temperature, labels=labels, label_smoothing=label_smoothing,
               hardness_mode=hardness_mode, hardness_strength=hardness_strength,
-              reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
-              precision=precision)
+              in_batch_negatives=bool(in_batch_negatives), reduction=reduction,
+              normalize=normalize, workspace_bytes=workspace_bytes, precision=precision)
     if isinstance(temperature, float):
         xp = _checks.array_module("info_nce", query=query)
         dq, dk, dn = info_nce_backward_from_stats(query, key, negatives, lse, grad_loss, **kw)
