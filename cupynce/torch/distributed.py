@@ -154,12 +154,25 @@ class _GlobalLoss(torch.autograd.Function):
         return (None, None, *out)
 
 
-def _no_tensor_temperature(op: str, temperature: Any) -> None:
-    """A tensor temperature with ``group=``: not yet (the global schedules take a host
-    temperature; raised inside the exchange: on every rank)."""
-    if isinstance(temperature, Tensor):
-        raise ValueError(f"{op}: a tensor temperature with group= is not supported yet; pass "
-                         f"a float (a learnable temperature: without group=, for now)")
+def _temperature(op: str, temperature: Any, out: List[Any]) -> None:
+    """``out[:] = (tensor or None, host value)`` as ``_registry.temperature`` resolves it: a
+    tensor temperature is an input of the global op (a CPU one is read on the host, its
+    gradient the global loss's on every rank; a CUDA one is refused by the core's exchange,
+    on every rank, for now)."""
+    out[:] = R.temperature(op, temperature)
+
+
+def _temperature_arg(t_arr: Any, resolved: List[Any]) -> Any:
+    """What the core's forward takes: the tensor's array, else the host value."""
+    return resolved[1] if t_arr is None else t_arr
+
+
+def _tensor(temperature: Any) -> Optional[Tensor]:
+    """A temperature tensor as an input of :class:`_GlobalLoss` (its gradient, if asked for,
+    comes back through it); a real: None.  (A CPU tensor without grad is read on the host as
+    well -- a constant, its gradient None.)"""
+    return temperature if isinstance(temperature, Tensor) and (
+        temperature.requires_grad or temperature.device.type != "cpu") else None
 
 
 def _run(op: str, group, checks: Callable[[], Any], fwd: Callable,
@@ -187,22 +200,23 @@ def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_
     is the global batch's)."""
     op = "nt_xent"
     p: List[Any] = [None]
+    tt: List[Any] = [None, 0.0]
 
     def checks():
-        _no_tensor_temperature(op, temperature)
-        _checks.check_temperature(op, temperature)
+        _temperature(op, temperature, tt)
         R.scalars(op, reduction, workspace_bytes)
         _checks.check_bool(op, "normalize", normalize)
         B.check_tensors(op, z=z)
         p[0] = R.precision_of(op, precision)
 
-    def fwd(comm, z_, requires_grad):
-        return nt_xent_op.nt_xent_forward(z_, temperature, label_smoothing=label_smoothing,
-                                          reduction=reduction,
+    def fwd(comm, z_, t_arr, requires_grad):
+        return nt_xent_op.nt_xent_forward(z_, _temperature_arg(t_arr, tt),
+                                          temperature_grad=t_arr is not None and requires_grad,
+                                          label_smoothing=label_smoothing, reduction=reduction,
                                           normalize=normalize, workspace_bytes=workspace_bytes,
                                           requires_grad=requires_grad, group=comm,
                                           precision=p[0])
-    return _run(op, group, checks, fwd, [z])
+    return _run(op, group, checks, fwd, [z, _tensor(temperature)])
 
 
 def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: Any,
@@ -214,19 +228,21 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
     each rank's rows', gathered with its keys)."""
     op = "info_nce"
     p: List[Any] = [None]
+    tt: List[Any] = [None, 0.0]
 
     def checks():
-        _no_tensor_temperature(op, temperature)
-        _checks.check_temperature(op, temperature)
+        _temperature(op, temperature, tt)
         R.scalars(op, reduction, workspace_bytes)
         _checks.check_bool(op, "normalize", normalize)
         B.check_tensors(op, optional=("negatives", "labels"), query=query, key=key,
                         negatives=negatives, labels=labels)
         p[0] = R.precision_of(op, precision)
 
-    def fwd(comm, q, k, neg, requires_grad):
+    def fwd(comm, q, k, neg, t_arr, requires_grad):
         lab = B.array_of(labels) if isinstance(labels, Tensor) else labels
-        return info_nce_op.info_nce_forward(q, k, temperature, negatives=neg, labels=lab,
+        return info_nce_op.info_nce_forward(q, k, _temperature_arg(t_arr, tt), negatives=neg,
+                                            labels=lab,
+                                            temperature_grad=t_arr is not None and requires_grad,
                                             label_smoothing=label_smoothing,
                                             in_batch_negatives=in_batch_negatives,
                                             replicated_negatives=replicated_negatives,
@@ -236,7 +252,7 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
                                             workspace_bytes=workspace_bytes,
                                             requires_grad=requires_grad, group=comm,
                                             precision=p[0])
-    return _run(op, group, checks, fwd, [query, key, negatives])
+    return _run(op, group, checks, fwd, [query, key, negatives, _tensor(temperature)])
 
 
 def supcon_loss(z: Any, labels: Any, temperature: Any, reduction: Any, normalize: Any,
@@ -245,22 +261,24 @@ def supcon_loss(z: Any, labels: Any, temperature: Any, reduction: Any, normalize
     each rank's rows', gathered with them)."""
     op = "supcon_loss"
     p: List[Any] = [None]
+    tt: List[Any] = [None, 0.0]
 
     def checks():
-        _no_tensor_temperature(op, temperature)
-        _checks.check_temperature(op, temperature)
+        _temperature(op, temperature, tt)
         R.scalars(op, reduction, workspace_bytes)
         _checks.check_bool(op, "normalize", normalize)
         B.check_tensors(op, z=z, labels=labels)
         p[0] = R.precision_of(op, precision)
 
-    def fwd(comm, z_, requires_grad):
+    def fwd(comm, z_, t_arr, requires_grad):
         lab = B.array_of(labels) if isinstance(labels, Tensor) else labels
-        return supcon_op.supcon_forward(z_, lab, temperature, reduction=reduction,
+        return supcon_op.supcon_forward(z_, lab, _temperature_arg(t_arr, tt),
+                                        temperature_grad=t_arr is not None and requires_grad,
+                                        reduction=reduction,
                                         normalize=normalize, workspace_bytes=workspace_bytes,
                                         requires_grad=requires_grad, group=comm,
                                         precision=p[0])
-    return _run(op, group, checks, fwd, [z])
+    return _run(op, group, checks, fwd, [z, _tensor(temperature)])
 
 
 def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,

@@ -470,28 +470,51 @@ def test_torch_info_nce_module_learns_its_temperature():
     assert "learnable=True" in repr(m)
 
 
-def check_tensor_temperature_with_group_refused(rank, world):
+def check_tensor_temperature_with_group(rank, world):
+    """A learnable (CPU tensor) temperature with group= over gloo: every rank's loss is the
+    single process's on the concatenated batch, its rows' gradient P times that one's, and
+    dL/dτ the global loss's on every rank (float64, 1e-12)."""
     import torch
     import torch.distributed as dist
 
     import cupynce.torch as ct
 
-    z = torch.randn(4, 3, dtype=torch.float64)
-    t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    for call in (lambda: ct.nt_xent(z, t, group=dist.group.WORLD),
-                 lambda: ct.info_nce(z, z, t, group=dist.group.WORLD),
-                 lambda: ct.supcon_loss(z, torch.zeros(4, dtype=torch.long), t,
-                                        group=dist.group.WORLD)):
-        with pytest.raises(ValueError, match="a tensor temperature with group= is not "
-                                             "supported yet|invalid inputs on rank"):
-            call()
+    n, d = 4, 3
+    g = torch.Generator().manual_seed(5)  # (the same global batch on every rank)
+    A, B = (torch.randn(world * n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    lab = torch.randint(0, 3, (world * n,), generator=g)
+    mine = slice(rank * n, (rank + 1) * n)
+    calls = {
+        "nt_xent": (lambda a, b, y, t, **kw: ct.nt_xent(torch.cat([a, b]), t, normalize=True,
+                                                          **kw)),
+        "info_nce": (lambda a, b, y, t, **kw: ct.info_nce(a, b, t, normalize=True, **kw)),
+        "supcon_loss": (lambda a, b, y, t, **kw: ct.supcon_loss(a, y, t, normalize=True,
+                                                                **kw)),
+    }
+    for name, f in calls.items():
+        a, b = A[mine].clone().requires_grad_(), B[mine].clone().requires_grad_()
+        t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+        loss = f(a, b, lab[mine], t, group=dist.group.WORLD)
+        loss.backward()
+        a1, b1 = A.clone().requires_grad_(), B.clone().requires_grad_()
+        t1 = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+        want = f(a1, b1, lab, t1)
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=0, msg=name)
+        torch.testing.assert_close(a.grad, world * a1.grad[mine], rtol=1e-10, atol=1e-14,
+                                   msg=name)
+        torch.testing.assert_close(t.grad, t1.grad, rtol=1e-10, atol=1e-14, msg=name)
+        if name != "supcon_loss":
+            torch.testing.assert_close(b.grad, world * b1.grad[mine], rtol=1e-10, atol=1e-14,
+                                       msg=name)
 
 
-def test_tensor_temperature_with_group_raises_on_every_rank():
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_temperature_with_group_over_gloo(world):
     pytest.importorskip("torch")
     from test_torch_distributed import run_ranks
 
-    run_ranks(2, ["check_tensor_temperature_with_group_refused"],
+    run_ranks(world, ["check_tensor_temperature_with_group"],
               module="test_learnable_temperature")
 
 
