@@ -33,7 +33,7 @@ from .losses import nt_xent_tf32, row_blocks, score_tiles, stats
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None, pair_labels=None):
+         hardness=None, pair_labels=None, pair_row0: int = 0):
     """A row softmax over [keys k | shared negatives neg_s | per-query negatives neg_p].
 
     q (N, D) queries; k (Nk, D); neg_s (Ms, D) or None; neg_p (N, Mp, D) or None.  Row i's
@@ -57,7 +57,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
               self_pair=self_pair, scale_log=scale_log)
     if labels is not None or smoothing or hardness is not None or pair_labels is not None:
         return row_blocks.rows(q, k, neg_s, neg_p, scale, labels=labels, smoothing=smoothing,
-                               hardness=hardness, pair_labels=pair_labels, **kw)
+                               hardness=hardness, pair_labels=pair_labels,
+                               pair_row0=pair_row0, **kw)
     if neg_p is None and tiling.tiles_ok(q, k, neg_s):
         if want_grad and lse_in is None and _nt_xent_keeps_scores(
                 q, neg_s, exclude_diag, pos_shift, pos_mod, self_pair, scale_log,

@@ -77,7 +77,7 @@ def pair_dots(an, bn):
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None, pair_labels=None):
+         hardness=None, pair_labels=None, pair_row0: int = 0):
     """``cupynce._engine.rows`` on the CPU: the same arguments and results, the score
     matrix in row blocks of at most ``workspace_bytes`` (default ``NUMPY_WORKSPACE_BYTES``),
     one block buffer reused in place (scores, their exponentials, the gradient block), on the
@@ -100,7 +100,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     rb = max(1, min(n, cap // max(1, ncols * a.itemsize)))
     lse = None if lse_in is None else xp.astype(xp.asarray(lse_in), a)
     if pair_labels is not None:
-        return _pair_rows(xp, qa, scale, xp.asarray(pair_labels), weights, want_grad, rb, a)
+        return _pair_rows(xp, qa, ka, scale, xp.asarray(pair_labels), weights, want_grad,
+                          rb, a, pair_row0, self_pair)
     dq = dk = dns = dnp = None
     if want_grad:
         dq = xp.zeros((n, d), a) if self_pair and rb < n else xp.empty((n, d), a)
@@ -203,12 +204,16 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
                                     host(dns), host(dnp))
 
 
-def _pair_rows(xp, z, scale: float, lab, weights, want_grad: bool, rb: int, a):
-    """The engine's ``row_pairs`` on the CPU (``stats.cu``): each row's log-sum-exp over the
-    rows of another label, its loss the sum over its positive pairs of softplus(lse - l_ip),
-    and the gradient dz = (G + Gᵀ) z in row blocks of ``rb``."""
-    n, d = z.shape
-    dz = xp.zeros((n, d), a) if want_grad else None
+def _pair_rows(xp, q, k, scale: float, lab, weights, want_grad: bool, rb: int, a,
+               row0: int = 0, self_pair: bool = True):
+    """The engine's ``row_pairs`` on the CPU (``stats.cu``): q's rows are k's rows row0 ..
+    (labels: k's); each row's log-sum-exp over the rows of another label, its loss the sum
+    over its positive pairs of softplus(lse - l_ip), and the gradient accumulators dq = G k,
+    dk = Gᵀ q (one array, their sum, for ``self_pair``) in row blocks of ``rb``."""
+    n, d = q.shape
+    m = k.shape[0]
+    dq = xp.zeros((n, d), a) if want_grad else None
+    dk = dq if self_pair else (xp.zeros((m, d), a) if want_grad else None)
     if want_grad:
         w_arr, w_stride, w_mul = weights
         w_all = w_mul * scale
@@ -218,9 +223,9 @@ def _pair_rows(xp, z, scale: float, lab, weights, want_grad: bool, rb: int, a):
     for r0 in range(0, n, rb):
         r1 = min(n, r0 + rb)
         at = xp.arange(r1 - r0)
-        s = (z[r0:r1] @ z.T) * scale
-        same = lab[r0:r1, None] == lab[None, :]
-        pos = same & (xp.arange(n)[None, :] != (at + r0)[:, None])
+        s = (q[r0:r1] @ k.T) * scale
+        same = lab[row0 + r0:row0 + r1, None] == lab[None, :]
+        pos = same & (xp.arange(m)[None, :] != (at + row0 + r0)[:, None])
         neg = xp.where(same, -float("inf"), s)
         top = xp.amax(neg, axis=1)
         top = xp.where(xp.isfinite(top), top, 0.0)
@@ -236,11 +241,11 @@ def _pair_rows(xp, z, scale: float, lab, weights, want_grad: bool, rb: int, a):
             p_neg = xp.where(same, 0.0, xp.exp(s - lse[:, None]))
         w = w_all if isinstance(w_all, float) else w_all[r0:r1][:, None]
         g = w * (xp.sum(sg, axis=1)[:, None] * p_neg - sg)
-        dz[r0:r1] += g @ z
-        dz += g.T @ z[r0:r1]
+        dq[r0:r1] += g @ k
+        dk += g.T @ q[r0:r1]
     cat = (lambda parts: parts[0] if len(parts) == 1 else xp.concatenate(parts))
     host = xp.host
-    return host(cat(lse_parts)), host(cat(loss_parts)), (host(dz), host(dz), None, None)
+    return host(cat(lse_parts)), host(cat(loss_parts)), (host(dq), host(dk), None, None)
 
 
 def _penalised(xp, hardness, r0: int, r1: int, pos, ncols: int, width: int):

@@ -23,10 +23,11 @@ import numpy as np
 
 from .. import _checks, config
 from .._engine.kernels import acc_dtype
-from . import _variants
+from . import _comm, _global, _variants
 from ._base import (Context, Path, Temperature, check_stats, contig_inputs, dtemperature,
-                    in_ctx_precision, prep, reduce, require, temperature_input,
-                    temperature_result)
+                    host_temperature, in_ctx_precision, prep, reduce, require,
+                    temperature_input, temperature_result)
+from ._comm import Comm
 
 __all__ = ["nt_xent_pairs", "nt_xent_pairs_forward", "nt_xent_pairs_backward",
            "nt_xent_pairs_backward_from_stats"]
@@ -34,10 +35,7 @@ __all__ = ["nt_xent_pairs", "nt_xent_pairs_forward", "nt_xent_pairs_backward",
 OP = "nt_xent_pairs"
 
 
-def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision, group):
-    if group is not None:
-        raise NotImplementedError(f"{OP}: group= (the global loss across ranks) is not "
-                                  "supported yet; supcon_loss and nt_xent take it")
+def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision):
     xp = _checks.array_module(OP, z=z)
     _checks.check_matrix(OP, "z", z)
     if z.shape[0] < 2:
@@ -113,7 +111,14 @@ def nt_xent_pairs_forward(z, labels, temperature: Any = 0.07, *, reduction: str 
     normalize, workspace_bytes, requires_grad, temperature_grad, precision
         As :func:`cupynce.nt_xent_forward`'s.  ``normalize=True`` is the library's cosine
         similarity.
-    group : not supported yet (``NotImplementedError``).
+    group : communicator, optional
+        The loss of the global batch across ranks (every rank's rows in rank order, equal
+        counts): each rank passes its own z and labels; the normalised rows and the labels
+        are all-gathered, each rank computes its rows against all of them (its pairs and
+        negatives on every rank), the column-side gradients are reduce-scattered to their
+        owners, "mean" divides by the global number of pairs.  The gradients from
+        ``*_backward`` are P times those of the global loss (the data-parallel convention,
+        ``cupynce.ops._global``); dL/dτ the global one on every rank.
 
     Returns
     -------
@@ -132,8 +137,13 @@ def nt_xent_pairs_forward(z, labels, temperature: Any = 0.07, *, reduction: str 
     The library adds its smallest normal number inside the log; the difference is below
     one rounding of the loss unless a pair's probability is below ~1e-38 (float32).
     """
+    if group is not None:
+        return _global_forward(_comm.wrap(group), z, labels, temperature, reduction=reduction,
+                               normalize=normalize, workspace_bytes=workspace_bytes,
+                               requires_grad=requires_grad, temperature_grad=temperature_grad,
+                               precision=precision)
     xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
-                              precision, group)
+                              precision)
     _checks.check_bool(OP, "requires_grad", requires_grad)
     tgrad = _checks.check_bool(OP, "temperature_grad", temperature_grad)
     want_dt = requires_grad and (t.array or tgrad)
@@ -163,6 +173,8 @@ def nt_xent_pairs_backward(ctx: Context, grad_loss: Any = 1.0):
     real or 0-d array for mean/sum, an (N,) array for none): dz (N, D) in z's dtype, or
     ``(dz, dtemperature)`` for a forward with ``temperature_grad=True``."""
     require(ctx, OP)
+    if "global" in ctx.saved:
+        return _global.backward(ctx, grad_loss)
     xp, s = ctx.xp, ctx.saved
     path = Path(xp)
     g = _checks.check_grad_loss("nt_xent_pairs_backward", grad_loss, ctx.reduction, ctx.n, xp)
@@ -190,7 +202,7 @@ def nt_xent_pairs_backward_from_stats(z, lse, grad_loss: Any = 1.0, *, labels,
     ``ctx.stats[0]``, is checked, not needed), as :func:`nt_xent_pairs_backward` gives it;
     ``(dz, dtemperature)`` with ``temperature_grad``."""
     xp, labels, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
-                              precision, None)
+                              precision)
     tgrad = _checks.check_bool(OP, "temperature_grad", temperature_grad)
     check_stats(OP, xp, z.shape[0], z.dtype, lse=lse)
     z = contig_inputs(xp, z)[0]
@@ -229,3 +241,86 @@ def nt_xent_pairs(z, labels, temperature: Any = 0.07, *, reduction: str = "mean"
     return nt_xent_pairs_forward(z, labels, temperature, reduction=reduction,
                                  normalize=normalize, workspace_bytes=workspace_bytes,
                                  requires_grad=False, group=group, precision=precision)[0]
+
+
+# ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
+def _global_rows(comm: Comm, xp, path, zn, every, every_lab, t: Temperature, w,
+                 want_grad: bool, workspace_bytes):
+    """The rank's rows against every rank's (``every``, gathered): its lse and row losses,
+    and the accumulator of its rows' gradient (its rows' side plus every rank's column-side
+    gradients of them, reduce-scattered)."""
+    n = zn.shape[0]
+    lse, loss, (dq, dk, *_rest) = path.rows(
+        zn, every, None, None, t.scale, exclude_diag=False, pos_shift=0, pos_mod=n,
+        lse_in=None, weights=w, want_grad=want_grad, workspace_bytes=workspace_bytes, op=OP,
+        self_pair=False, scale_log=t.scale_log, pair_labels=every_lab,
+        pair_row0=comm.rank * n)
+    if not want_grad:
+        return lse, loss, None
+    return lse, loss, dq + comm.reduce_scatter(dk.reshape(comm.size, *dq.shape))
+
+
+def _global_forward(comm: Comm, z, labels, temperature=0.07, *, reduction="mean",
+                    normalize=False, workspace_bytes=None, requires_grad=True,
+                    temperature_grad=False, precision=None):
+    """:func:`nt_xent_pairs_forward` over ``comm``'s global batch (see its ``group``)."""
+    precision = _global.precision_setting(precision)
+
+    def checks():
+        xp, lab, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
+                               precision)
+        _checks.check_bool(OP, "requires_grad", requires_grad)
+        _checks.check_bool(OP, "temperature_grad", temperature_grad)
+        return xp, lab, host_temperature(OP, t), p
+
+    host_t = _global.host_setting(temperature)
+    xp, labels, temp, p = _global.agree(
+        comm, OP, checks, [z, labels], ["z", "labels"],
+        [host_t, reduction, normalize, requires_grad, precision, temperature_grad is True])
+    tgrad = bool(temperature_grad) and requires_grad
+    with config.float32_precision(p):
+        path = Path(xp)
+        n = z.shape[0]
+        z = contig_inputs(xp, z)[0]
+        a = acc_dtype(z.dtype)
+        zn, norm = prep(path, z, normalize)
+        every = comm.all_gather(zn).reshape(-1, zn.shape[1])
+        every_lab = comm.all_gather(labels).reshape(-1)
+        pairs = _pairs(xp, every_lab, a)  # (the global count: the same on every rank)
+        fused = requires_grad and reduction != "none"
+        w = _weights(xp, reduction, pairs, a) if fused else (None, 0, 1.0)
+        lse, rows, dz = _global_rows(comm, xp, path, zn, every, every_lab, temp, w, fused,
+                                     workspace_bytes)
+        ctx = Context(OP, reduction, n, xp, stats=(lse,) if requires_grad else (),
+                      precision=p)
+        base = dict(x=(z,), norms=(norm,), size=comm.size, temp=temp, tgrad=tgrad)
+        if fused:
+            ctx.saved = dict(base, acc=(dz,),
+                             dt=_global.dtemperature(comm, xp, zn, dz, temp, 2)
+                             if tgrad else None)
+        elif requires_grad:
+            ctx.saved = dict(base, zn=zn, every=every, every_lab=every_lab, pairs=pairs,
+                             ws=workspace_bytes, comm=comm)
+        if reduction == "none":
+            total = rows
+        else:
+            total = _global.loss(comm, xp, rows, "sum", n * comm.size)
+            if reduction == "mean":
+                total = xp.asarray(total / xp.maximum(pairs, 1).astype(total.dtype))
+        return total, _global.tag(ctx, _GLOBAL)
+
+
+def _global_acc(ctx: Context, g):
+    """The "none" backward's accumulators: the rank's rows weighted by their upstream
+    gradients (collectives: every rank runs it)."""
+    s, xp = ctx.saved, ctx.xp
+    a = acc_dtype(s["z"].dtype) if "z" in s else acc_dtype(s["x"][0].dtype)
+    w = _weights(xp, "none", s["pairs"], a, g)
+    _, _, dz = _global_rows(s["comm"], xp, Path(xp), s["zn"], s["every"], s["every_lab"],
+                            s["temp"], w, True, s["ws"])
+    return (dz,), ((_global.dtemperature(s["comm"], xp, s["zn"], dz, s["temp"], 2),)
+                   if s["tgrad"] else ())
+
+
+_GLOBAL = _global.Schedule(recompute=_global_acc, result=_global.rows_and_temperature,
+                           scalars=_global.saved_temperature_grad)

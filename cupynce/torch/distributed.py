@@ -45,6 +45,7 @@ from ..ops import _global
 from ..ops import clip as clip_op
 from ..ops import info_nce as info_nce_op
 from ..ops import nt_xent as nt_xent_op
+from ..ops import nt_xent_pairs as pairs_op
 from ..ops import siglip as siglip_op
 from ..ops import supcon as supcon_op
 from ..ops._comm import Comm
@@ -278,6 +279,31 @@ def supcon_loss(z: Any, labels: Any, temperature: Any, reduction: Any, normalize
                                         normalize=normalize, workspace_bytes=workspace_bytes,
                                         requires_grad=requires_grad, group=comm,
                                         precision=p[0])
+    return _run(op, group, checks, fwd, [z, _tensor(temperature)])
+
+
+def nt_xent_pairs(z: Any, labels: Any, temperature: Any, reduction: Any, normalize: Any,
+                workspace_bytes: Any, group, precision: Any = None) -> Tensor:
+    """``cupynce.torch.nt_xent_pairs(..., group=group)`` (see the module notes; ``labels`` are
+    each rank's rows', gathered with them)."""
+    op = "nt_xent_pairs"
+    p: List[Any] = [None]
+    tt: List[Any] = [None, 0.0]
+
+    def checks():
+        _temperature(op, temperature, tt)
+        R.scalars(op, reduction, workspace_bytes)
+        _checks.check_bool(op, "normalize", normalize)
+        B.check_tensors(op, z=z, labels=labels)
+        p[0] = R.precision_of(op, precision)
+
+    def fwd(comm, z_, t_arr, requires_grad):
+        lab = B.array_of(labels) if isinstance(labels, Tensor) else labels
+        return pairs_op.nt_xent_pairs_forward(
+            z_, lab, _temperature_arg(t_arr, tt),
+            temperature_grad=t_arr is not None and requires_grad, reduction=reduction,
+            normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad,
+            group=comm, precision=p[0])
     return _run(op, group, checks, fwd, [z, _tensor(temperature)])
 
 

@@ -191,6 +191,51 @@ def test_supcon_numpy(P, reduction, normalize, classes):
     _check_supcon(np, "float64", P, 6, 5, reduction, normalize, classes=classes)
 
 
+def _check_pairs(xp, dtype, P, n, d, reduction, device=None, ws=None, classes=4,
+                 learnable=False):
+    """nt_xent_pairs across ranks: every rank's rows and labels gathered; few classes, so
+    that a row's pairs and negatives sit on other ranks too (many: some rows have no pair);
+    a learnable (host array) temperature's gradient the global one on every rank."""
+    N = n * P
+    rng = np.random.default_rng(17)
+    L = xp.asarray(rng.integers(0, classes, N))
+    Z = _batch(xp, dtype, (N, d), 18, 1.0)
+    acc = np.float64 if dtype == "float64" else np.float32
+    up = _upstream(xp, reduction, N, 19, acc)
+    t = np.asarray(0.3) if learnable else 0.3
+    kw = dict(reduction=reduction, normalize=True, temperature_grad=learnable)
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        loss, ctx = cupynce.nt_xent_pairs_forward(Z[sl], L[sl], t, workspace_bytes=ws,
+                                                  group=comm, **kw)
+        return loss, cupynce.nt_xent_pairs_backward(ctx, up[sl] if reduction == "none"
+                                                    else up)
+
+    out = run(P, rank, device=device)
+    want, ctx = cupynce.nt_xent_pairs_forward(Z, L, t, **kw)
+    wg = cupynce.nt_xent_pairs_backward(ctx, up)
+    dz, dt = wg if learnable else (wg, None)
+    tl, tg = TOL[dtype]
+    for r, (loss, g) in enumerate(out):
+        sl = slice(r * n, (r + 1) * n)
+        gz, gt = g if learnable else (g, None)
+        assert _err(loss, want[sl] if reduction == "none" else want) <= tl
+        assert _err(_host(gz).astype(np.float64) / P, _host(dz)[sl]) <= tg
+        if learnable:
+            assert _err(gt, dt) <= tg
+    if reduction != "none":  # the global loss: the same bits on every rank
+        assert len({float(_host(x[0])) for x in out}) == 1
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("classes", [3, 40])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_nt_xent_pairs_numpy(P, reduction, classes, learnable):
+    _check_pairs(np, "float64", P, 5, 4, reduction, classes=classes, learnable=learnable)
+
+
 def test_supcon_odd_rows_raise_on_every_rank():
     from cupynce.ops import supcon
 
@@ -526,6 +571,15 @@ def test_info_nce_labels_gpu(P, dtype, reduction):
     cp = _gpu()
     _check_info_nce(cp, dtype, P, 72, 64, reduction, True, "shared", device=0, labeled=True,
                     eps=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_nt_xent_pairs_gpu(P, dtype, reduction):
+    cp = _gpu()
+    _check_pairs(cp, dtype, P, 72, 64, reduction, device=0, classes=12, ws=72 * 216 * 4)
 
 
 @pytest.mark.gpu

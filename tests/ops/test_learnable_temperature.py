@@ -490,6 +490,8 @@ def check_tensor_temperature_with_group(rank, world):
         "info_nce": (lambda a, b, y, t, **kw: ct.info_nce(a, b, t, normalize=True, **kw)),
         "supcon_loss": (lambda a, b, y, t, **kw: ct.supcon_loss(a, y, t, normalize=True,
                                                                 **kw)),
+        "nt_xent_pairs": (lambda a, b, y, t, **kw: ct.nt_xent_pairs(a, y, t, normalize=True,
+                                                                    **kw)),
     }
     for name, f in calls.items():
         a, b = A[mine].clone().requires_grad_(), B[mine].clone().requires_grad_()
@@ -504,7 +506,7 @@ def check_tensor_temperature_with_group(rank, world):
         torch.testing.assert_close(a.grad, world * a1.grad[mine], rtol=1e-10, atol=1e-14,
                                    msg=name)
         torch.testing.assert_close(t.grad, t1.grad, rtol=1e-10, atol=1e-14, msg=name)
-        if name != "supcon_loss":
+        if name in ("nt_xent", "info_nce"):
             torch.testing.assert_close(b.grad, world * b1.grad[mine], rtol=1e-10, atol=1e-14,
                                        msg=name)
 

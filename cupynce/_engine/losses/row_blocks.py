@@ -66,7 +66,7 @@ def _row_bytes(t, a, cols: int, want_grad: bool, plan, g_in_place: bool = False)
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None, pair_labels=None):
+         hardness=None, pair_labels=None, pair_row0: int = 0):
     """Row log-sum-exps, per-row losses and (optionally) accumulated gradients.
 
     q (N, D) queries, k (Nk, D) keys (columns 0..Nk-1), neg_s (Ms, D) shared negatives
@@ -79,7 +79,9 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     :class:`Hardness` (penalised columns' logits + α·S, detached); ``pair_labels``: (N,) int64
     labels of q = k (``self_pair``, no negatives): pytorch-metric-learning's NTXentLoss rows
     instead of the softmax (``row_pairs`` in ``stats.cu``: each row's loss the sum over its
-    positive pairs; the forward's ``lse_in`` is not needed, the statistics are recomputed).
+    positive pairs; the forward's ``lse_in`` is not needed, the statistics are recomputed);
+    ``pair_row0``: q's rows are rows ``pair_row0 ..`` of k (a rank's rows among the gathered
+    ones: the labels are k's, the per-row outputs and weights q's).
     Returns ``lse, loss, (dq, dk, dns, dnp)`` with float32/64 gradient accumulators.
     """
     lab_r, lab_c = (None, None) if labels is None else labels
@@ -138,11 +140,14 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         if ms:
             gemm(qb, neg_s, s_blk[:, nk:], trans_b=True)
         g_blk = g_buf[:nrows] if want_grad else None
-        if pair_labels is not None:
+        if pair_labels is not None:  # (per-row pointers shifted back: the kernel's row is k's)
+            back = pair_row0 * a.itemsize
             kernels.launch(STATS_FILE, "row_pairs", t, (nrows,), (
-                s_blk, np.int64(ncols), np.int32(ncols), np.int32(r0), ptr(scale_log),
-                a.type(scale), pair_labels, lse if lse_in is None else 0, loss, ptr(g_blk),
-                np.int64(ncols), ptr(w_arr), np.int64(w_stride), a.type(w_mul)))
+                s_blk, np.int64(ncols), np.int32(ncols), np.int32(pair_row0 + r0),
+                ptr(scale_log), a.type(scale), pair_labels,
+                lse.data.ptr - back if lse_in is None else 0, loss.data.ptr - back, ptr(g_blk),
+                np.int64(ncols), ptr(w_arr) - back * w_stride if w_arr is not None else 0,
+                np.int64(w_stride), a.type(w_mul)))
         else:
             kernels.launch(STATS_FILE, "row_softmax", t, (nrows,), (
                 s_blk, np.int64(ncols), np.int32(ncols),

@@ -39,12 +39,16 @@ def nt_xent_pairs(z: Tensor, labels: Tensor, temperature: Any = 0.07, *,
     a real or a tensor of shape () / (1,) (learnable), default 0.07; reduction "mean" (over
     the positive pairs; 0 with a zero gradient when there is none) | "sum" | "none" ((N,):
     each row's sum over its pairs); normalize, workspace_bytes, precision as for
-    :func:`cupynce.torch.nt_xent`.  ``group`` is not supported yet (NotImplementedError).
+    :func:`cupynce.torch.nt_xent`.  ``group``: a torch.distributed process group -- the loss
+    of the group's global batch (every rank's rows in rank order; DDP's gradient convention,
+    ``cupynce.torch.distributed``).
     Formulas: :func:`cupynce.nt_xent_pairs_forward`.
     """
-    if group is not None:
-        raise NotImplementedError("nt_xent_pairs: group= (the global loss across ranks) is not "
-                                  "supported yet; supcon_loss and nt_xent take it")
+    if group is not None:  # every check inside the group's first exchange
+        from .. import distributed
+
+        return distributed.nt_xent_pairs(z, labels, temperature, reduction, normalize,
+                                         workspace_bytes, group, precision)
     t_tensor, t_value = R.temperature("nt_xent_pairs", temperature)
     reduction, workspace_bytes = R.scalars("nt_xent_pairs", reduction, workspace_bytes)
     B.check_tensors("nt_xent_pairs", optional=("temperature",), z=z, labels=labels,
