@@ -103,7 +103,8 @@ def nt_xent_wide(n: int, d: int) -> bool:
 
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
-         workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
+         workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
+         labels=None):
     """CLIP's row and column statistics (``want_loss``) and gradient accumulators.
 
     ``ls`` is logit_scale as a (1,) device array of the accumulator dtype (or a function
@@ -113,11 +114,14 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     raw positive dots of every column (the tile path's column shift), and ``col_state``
     returns the columns' (2, Nc) (m, s) state over these rows in place of lse_c and the row
     losses in place of pair_loss; the backward takes the merged column lse (:func:`col_lse`).
-    See :func:`row_blocks.clip`.
+    See :func:`row_blocks.clip`.  ``labels`` (CLIP's same-label pairs left out): the row
+    blocks alone for now (the score tiles' epilogues do not take them).
     """
     kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_loss=want_loss,
               want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0,
               col_shift=col_shift, col_state=col_state)
+    if labels is not None:
+        return row_blocks.clip(an, bn, ls, labels=labels, **kw)
     if tiling.tiles_ok(an, bn) and not _clip_keeps_scores(an, bn, want_loss, want_grad,
                                                           workspace_bytes, row0, col_state):
         return score_tiles.clip(an, bn, ls() if callable(ls) else ls, **kw)

@@ -28,12 +28,15 @@ __all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
 
 
 def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
-               workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
+               workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
+               labels=None):
     """``cupynce._engine.clip`` on the CPU (same arguments and results), on the namespace of
     ``_cpu.current()``; keeps the n × Nc logits and, for the column direction, a second
     n × Nc buffer (CPU memory, small sizes; ``workspace_bytes`` and ``col_shift`` are not
     used).  Each direction's exponentials are taken once, in place: the softmax is
-    ``exp(L - m) / sum``; ``dsp_i = Σ_j G_ij L_ij`` is ``â_i · da_i``."""
+    ``exp(L - m) / sum``; ``dsp_i = Σ_j G_ij L_ij`` is ``â_i · da_i``.  ``labels``: (row
+    labels indexed by the global row, column labels): same-label pairs off the positive
+    -inf, as the engine's ``clip_mask``."""
     xp = _cpu.current()
     a = acc_dtype(an.dtype)
     aa, ba = (xp.astype(xp.asarray(x), a) for x in (an, bn))
@@ -43,6 +46,11 @@ def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad:
     logits *= scale
     idx = xp.arange(n)
     pos = idx + row0  # row i's positive column
+    if labels is not None:
+        lab_r, lab_c = (xp.asarray(x) for x in labels)
+        same = lab_r[row0:row0 + n, None] == lab_c[None, :]
+        same[idx, pos] = False
+        logits[same] = -float("inf")
     l_pos = logits[idx, pos]
     pair_loss = state = None
     if col_state:  # (the rank's column states, before the logits turn into exponentials)
@@ -112,6 +120,20 @@ def _score_block_bytes(a, acc, workspace_bytes) -> int:
     return min(n * row, workspace.workspace_bound(workspace_bytes))
 
 
+def _labels(xp, labels, eps: float, like) -> dict:
+    """The engine's ``labels=`` keyword for the pairs' labels (checked: integers, (N,), on
+    the inputs' device), or no keyword."""
+    labels = _checks.check_labels("clip_loss", labels, like.shape[0], xp, like)
+    if labels is None:
+        return {}
+    if eps:
+        raise NotImplementedError("clip_loss: labels= with label_smoothing= is not supported "
+                                  "yet (the smoothing's candidates after the mask); pass one "
+                                  "of them")
+    labels = xp.asarray(labels, dtype=np.int64)
+    return dict(labels=(labels, labels))
+
+
 def _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision):
     op = "clip_loss"
     xp = _checks.check_pairs(op, a, b)
@@ -121,7 +143,7 @@ def _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision):
                                                  precision)
 
 
-def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0,
+def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0, labels=None,
                       reduction: str = "mean", normalize: bool = False,
                       workspace_bytes: Optional[int] = None,
                       requires_grad: bool = True, group=None,
@@ -138,6 +160,13 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0,
         O(N·D) difference from the plain loss (``cupynce.ops._variants``), so every path
         serves it; the call makes no CUDA-graph replay.  With ``group`` the sums run over the
         global batch (Σ â gathered, Σ b̂ from the gathered texts).
+    labels : None or an integer (N,) array of the inputs' kind (on their device)
+        Pair i's label: a pair (i, j), j ≠ i, of one label is no negative in either
+        direction (left out of row i's and column j's softmax): duplicates and false
+        negatives (captions of one image, one class).  On the GPU the cuBLAS row blocks
+        (a mask kernel after each score product; the score tiles do not take it yet) and no
+        CUDA-graph replay; with ``group`` each rank passes its pairs' labels (gathered with
+        the texts).  Not yet with ``label_smoothing`` (NotImplementedError).
     reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
     group : communicator, optional
@@ -161,8 +190,8 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0,
     if group is not None:
         return _global_forward(
             _comm.wrap(group), a, b, logit_scale, label_smoothing=label_smoothing,
-            reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
-            requires_grad=requires_grad, precision=precision)
+            labels=labels, reduction=reduction, normalize=normalize,
+            workspace_bytes=workspace_bytes, requires_grad=requires_grad, precision=precision)
     sig = _memo.signature("clip_loss", a, b, logit_scale)
     hit = _memo.known(sig)
     if hit:  # the arrays and logit_scale passed these checks before, laid out (_memo)
@@ -174,6 +203,7 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0,
                                      precision)
     _checks.check_bool("clip_loss", "requires_grad", requires_grad)
     eps = _checks.check_smoothing("clip_loss", label_smoothing)
+    masks = _labels(xp, labels, eps, a)
     path = Path(xp)
     n = a.shape[0]
     acc = acc_dtype(a.dtype)
@@ -194,7 +224,7 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0,
         w = weights(xp, None, reduction, n, acc)
         lse_r, lse_c, pair_loss, grads = engine(
             an, bn, ls_dev, lse_r=None, lse_c=None, weights=w, want_loss=True,
-            want_grad=fused, workspace_bytes=workspace_bytes)
+            want_grad=fused, workspace_bytes=workspace_bytes, **masks)
         da, db, dscale = None, None, None
         if fused:
             da, db, dsp = grads
@@ -212,7 +242,7 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0,
 
     with config.float32_precision(p):  # (the graph key carries it too)
         # (nothing kept that aliases the inputs; the smoothing's array ops are no graph's)
-        if path.gpu and (fused or not requires_grad) and not eps:
+        if path.gpu and (fused or not requires_grad) and not eps and not masks:
             outs = _graphs.run(
                 ("clip_loss", ls if host_ls else None, reduction, normalize, workspace_bytes,
                  fused), (a, b) if host_ls else (a, b, ls),
@@ -230,7 +260,7 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0,
     elif requires_grad:
         an, bn, ls_dev = kept
         ctx.saved = dict(base, xn=(an, bn), ls=ls_dev, lse=(lse_r, lse_c), ws=workspace_bytes,
-                         eps=eps)
+                         eps=eps, masks=masks)
     return loss, ctx
 
 
@@ -261,7 +291,7 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
         w = weights(xp, g, ctx.reduction, ctx.n, acc)
         _, _, _, (da_acc, db_acc, dsp) = engine(
             an, bn, s["ls"], lse_r=s["lse"][0], lse_c=s["lse"][1], weights=w,
-            want_loss=False, want_grad=True, workspace_bytes=s["ws"])
+            want_loss=False, want_grad=True, workspace_bytes=s["ws"], **s.get("masks", {}))
         dscale = reduce(xp, dsp, "sum")
         if s.get("eps"):
             _, (dda, ddb, dds) = _variants.clip_smoothing(xp, an, bn, s["ls"], s["eps"],
@@ -276,7 +306,7 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
 
 
 def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: Any = 1.0, *,
-                                  label_smoothing: float = 0.0,
+                                  label_smoothing: float = 0.0, labels=None,
                                   reduction: str = "mean", normalize: bool = False,
                                   workspace_bytes: Optional[int] = None,
                                   precision: Optional[str] = None):
@@ -297,24 +327,26 @@ def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: An
         x=(a, b), norms=(na, nb), ls_shape=ls_shape,
         ls_dtype=acc if isinstance(ls, float) else ls.dtype, xn=(an, bn),
         ls=_logit_scale_array(xp, ls, acc), lse=(lse_r, lse_c), ws=workspace_bytes,
-        eps=_checks.check_smoothing("clip_loss", label_smoothing)))
+        eps=_checks.check_smoothing("clip_loss", label_smoothing),
+        masks=_labels(xp, labels, _checks.check_smoothing("clip_loss", label_smoothing), a)))
     return clip_loss_backward(ctx, grad_loss)
 
 
-def clip_loss(a, b, logit_scale, *, label_smoothing: float = 0.0, reduction: str = "mean",
-              normalize: bool = False, workspace_bytes: Optional[int] = None, group=None,
+def clip_loss(a, b, logit_scale, *, label_smoothing: float = 0.0, labels=None,
+              reduction: str = "mean", normalize: bool = False,
+              workspace_bytes: Optional[int] = None, group=None,
               precision: Optional[str] = None):
     """CLIP's symmetric loss; see :func:`clip_loss_forward`."""
-    return clip_loss_forward(a, b, logit_scale, label_smoothing=label_smoothing,
+    return clip_loss_forward(a, b, logit_scale, label_smoothing=label_smoothing, labels=labels,
                              reduction=reduction, normalize=normalize,
                              workspace_bytes=workspace_bytes, requires_grad=False,
                              group=group, precision=precision)[0]
 
 
 # ---- across ranks: this op's schedule for cupynce.ops._global ----------------------------
-def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, reduction="mean",
-                    normalize=False, workspace_bytes=None, requires_grad=True,
-                    precision=None):
+def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, labels=None,
+                    reduction="mean", normalize=False, workspace_bytes=None,
+                    requires_grad=True, precision=None):
     """:func:`clip_loss_forward` over ``comm``'s global batch: one n × N block per rank for
     both directions (see :mod:`cupynce.ops._global`).  ``logit_scale``'s gradient from
     :func:`cupynce.ops._global.backward` is the global one on every rank.
@@ -322,12 +354,19 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, reduc
     op = "clip_loss"
     precision = _global.precision_setting(precision)
     ls_array = hasattr(logit_scale, "shape")
-    xp, ls, ls_shape, p = _global.agree(comm, op, lambda: (
-        _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision),
-        _checks.check_bool(op, "requires_grad", requires_grad),
-        _checks.check_smoothing(op, label_smoothing))[0], [a, b], ["a", "b"],
+    def checks():
+        out = _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision)
+        _checks.check_bool(op, "requires_grad", requires_grad)
+        return out + (_labels(out[0], labels, _checks.check_smoothing(op, label_smoothing),
+                              a),)
+
+    xp, ls, ls_shape, p, masks = _global.agree(
+        comm, op, checks, [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
-         precision, label_smoothing])
+         precision, label_smoothing, labels is not None])
+    if masks:  # (every pair's label, rank order: the rows' are this rank's of them)
+        every_lab = comm.all_gather(masks["labels"][0]).reshape(-1)
+        masks = dict(labels=(every_lab, every_lab))
     eps = float(label_smoothing)
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
@@ -346,7 +385,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, reduc
         lse_r, state, row_loss, _ = block(
             an, b_all, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
             want_grad=False, workspace_bytes=workspace_bytes, row0=rank * n, col_shift=dots,
-            col_state=True)
+            col_state=True, **masks)
         lse_c = engine.col_lse(comm.all_gather(state))  # every text's lse, the same on every rank
         own = slice(rank * n, (rank + 1) * n)
         pair = 0.5 * (row_loss + (lse_c[own] - (lse_r - row_loss)))
@@ -370,23 +409,23 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, reduc
                     xp, an, bn, ls_dev, eps, w_row, want_loss=False,
                     sums=sums + (sums[0] * w_row, sums[1] * w_row))[1]
             da, db, dscale = _global_grads(comm, block, xp, an, b_all, ls_dev, rank * n, lse_r,
-                                           lse_c, w, workspace_bytes, smooth)
+                                           lse_c, w, workspace_bytes, smooth, masks)
             ctx.saved = dict(base, acc=(da, db), dscale=dscale)
         elif requires_grad:
             ctx.saved = dict(base, an=an, bn=bn, b_all=b_all, ls=ls_dev, lse=(lse_r, lse_c),
-                             ws=workspace_bytes, comm=comm, eps=eps, sums=sums)
+                             ws=workspace_bytes, comm=comm, eps=eps, sums=sums, masks=masks)
         return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
 def _global_grads(comm: Comm, block, xp, an, b_all, ls, row0: int, lse_r, lse_c, w, ws,
-                  smooth=None):
+                  smooth=None, masks=None):
     """(da, db, dlogit_scale) accumulators of the rank's block: the texts' gradients summed
     at their owners, d loss / d logit_scale all-reduced (the global value).  ``smooth``: the
     label smoothing's (Δda, Δdb, this rank's share of Δdlogit_scale) of the rank's pairs,
     added (the share before the all-reduce)."""
     _, _, _, (da, db_all, dsp) = block(
         an, b_all, ls, lse_r=lse_r, lse_c=lse_c, weights=w, want_loss=False, want_grad=True,
-        workspace_bytes=ws, row0=row0)
+        workspace_bytes=ws, row0=row0, **(masks or {}))
     db = comm.reduce_scatter(db_all.reshape(comm.size, *an.shape))
     local = dsp.sum().reshape(1) if xp is np else arrays.fixed_sum(dsp, 1).reshape(1)
     if smooth is not None:
@@ -415,7 +454,8 @@ def _global_acc(ctx: Context, g):
         smooth = _variants.clip_smoothing(xp, s["an"], s["bn"], s["ls"], s["eps"], own,
                                           want_loss=False, sums=s["sums"] + (a_w, b_w))[1]
     da, db, dscale = _global_grads(comm, block, xp, s["an"], s["b_all"], s["ls"],
-                                   comm.rank * ctx.n, *s["lse"], w, s["ws"], smooth)
+                                   comm.rank * ctx.n, *s["lse"], w, s["ws"], smooth,
+                                   s["masks"])
     return (da, db), (dscale,)
 
 

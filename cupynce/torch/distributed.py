@@ -309,7 +309,7 @@ def nt_xent_pairs(z: Any, labels: Any, temperature: Any, reduction: Any, normali
 
 def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
               workspace_bytes: Any, group, resolve: Callable, precision: Any = None, *,
-              label_smoothing: Any = 0.0) -> Tensor:
+              label_smoothing: Any = 0.0, labels: Any = None) -> Tensor:
     """``cupynce.torch.clip_loss(..., group=group)`` (see the module notes); ``resolve``
     is the single-process op's check of ``logit_scale`` → (tensor or None, host value); a
     label smoothing is the global batch's."""
@@ -326,6 +326,8 @@ def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
     def fwd(comm, a_, b_, ls_arr, requires_grad):
         return clip_op.clip_loss_forward(a_, b_, ls[1] if ls_arr is None else ls_arr,
                                          label_smoothing=label_smoothing,
+                                         labels=B.array_of(labels)
+                                         if isinstance(labels, Tensor) else labels,
                                          reduction=reduction, normalize=normalize,
                                          workspace_bytes=workspace_bytes,
                                          requires_grad=requires_grad, group=comm,

@@ -384,10 +384,12 @@ class ClipLoss(nn.Module):
         self.logit_scale.clamp_(0.0, math.log(self.max_logit_scale))
         return self
 
-    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+    def forward(self, a: Tensor, b: Tensor, labels: Optional[Tensor] = None) -> Tensor:
+        """a, b (N, D); ``labels`` (N,) optional: same-label pairs are no negatives
+        (:func:`cupynce.torch.clip_loss`'s ``labels``)."""
         return clip_loss(a, b, self.clamped_logit_scale(), label_smoothing=self.label_smoothing,
-                         reduction=self.reduction, normalize=self.normalize, group=self.group,
-                         precision=self.precision)
+                         labels=labels, reduction=self.reduction, normalize=self.normalize,
+                         group=self.group, precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"learnable={self.learnable}, max_logit_scale={self.max_logit_scale}, "

@@ -39,7 +39,7 @@ __device__ __forceinline__ void clip_grad_body(
         A G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lc);
         if (j == i) G -= wi + wj;
         G *= A(0.5);
-        acc += G * L;
+        acc += G != A(0) ? G * L : A(0);  // (a masked pair: G = 0, L = -inf)
         return scale * G;
     };
     int j1 = 0;  // (the columns from j1 on: one at a time)
@@ -127,7 +127,7 @@ __device__ __forceinline__ A grad_inplace_run(
                 A G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lv[e]);
                 if (c == pos) G -= wi + wj;
                 G *= factor;
-                acc += G * L;
+                acc += G != A(0) ? G * L : A(0);  // (a masked pair: G = 0, L = -inf)
                 out[e] = scale * G;
             }
         }
@@ -339,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_grad_f16x3(
                 float G = wi * cpn_exp(L - lr) + wj * cpn_exp(L - lse_col[j]);
                 if (j == i) G -= wi + wj;
                 G *= 0.5f;
-                acc += G * L;
+                acc += G != 0.f ? G * L : 0.f;  // (a masked pair: G = 0, L = -inf)
                 f16x3_split(G, s2, h[k], lo[k]);
             }
         }

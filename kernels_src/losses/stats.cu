@@ -177,6 +177,24 @@ __device__ __forceinline__ void row_pairs_body(
     }
 }
 
+// CLIP's labels: a pair (i, j), j != i, of one label is no negative in either direction --
+// its score set to -inf in a score block (rows row0 + r, every column; lab_r indexed by the
+// global row, lab_c by the column) before the statistics and the gradient read it: exp(-inf)
+// = 0, so it has no probability in its row's or its column's softmax and no gradient (the
+// gradient kernels leave a zero G out of the scale's sum, where 0 * -inf would be NaN).
+template <typename A>
+__device__ __forceinline__ void clip_mask_body(A* s, i64 ld, int n, int row0,
+                                               const i64* __restrict__ lab_r,
+                                               const i64* __restrict__ lab_c)
+{
+    const int r = blockIdx.x;
+    const int i = row0 + r;
+    const i64 li = lab_r[i];
+    A* row = s + (i64)r * ld;
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+        if (j != i && lab_c[j] == li) row[j] = -cpn_inf<A>();
+}
+
 // Row and column statistics of a score block in one read (CLIP's, and a global NT-Xent's
 // cross-rank blocks'): row_softmax's lse / loss of each row (no diagonal excluded, no second
 // segment, no gradient) and the column partials col_combine folds (online LSEs over chunks
@@ -496,6 +514,9 @@ extern "C" __global__ void __launch_bounds__(CPN_BLOCK, RCS_MIN_BLOCKS(A)) cpn_r
     const A* scale_log, A scale_mul, A* lse_out, A* loss_out, A* part_m, A* part_s) {               \
     row_col_stats_body<A>(s, ld, rows, n, row0, pos_shift, pos_mod, scale_log, scale_mul,           \
         lse_out, loss_out, part_m, part_s); }                                                       \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_clip_mask_##SUF(                         \
+    A* s, i64 ld, int n, int row0, const i64* lab_r, const i64* lab_c) {                            \
+    clip_mask_body<A>(s, ld, n, row0, lab_r, lab_c); }                                              \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_col_combine_##SUF(                      \
     const A* part_m, const A* part_s, int chunks, int n, A* col_m, A* col_s,                        \
     int mode, const A* lse_row, const A* row_loss, A* lse_col, A* pair_loss) {                      \

@@ -289,9 +289,11 @@ def test_replicated_negatives_numpy(P, reduction, in_batch):
 
 
 def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None, ws=None,
-                eps=0.0):
+                eps=0.0, labeled=False):
     N = n * P
     A, B = _batch(xp, dtype, (N, d), 8, 1.0), _batch(xp, dtype, (N, d), 9, 1.0)
+    # labels: few classes, so that a pair's same-label pairs sit on other ranks too
+    L = xp.asarray(np.random.default_rng(21).integers(0, 4, N)) if labeled else None
     acc = np.float64 if dtype == "float64" else np.float32
     ls = xp.asarray(np.array([1.3], acc)) if learnable else 1.3
     up = _upstream(xp, reduction, N, 10, acc)
@@ -299,13 +301,14 @@ def _check_clip(xp, dtype, P, n, d, reduction, normalize, learnable, device=None
     def rank(comm):
         sl = slice(comm.rank * n, (comm.rank + 1) * n)
         loss, ctx = cupynce.clip_loss_forward(A[sl], B[sl], ls, label_smoothing=eps,
+                                              labels=None if L is None else L[sl],
                                               reduction=reduction, normalize=normalize,
                                               workspace_bytes=ws, group=comm)
         return loss, cupynce.clip_loss_backward(ctx, up[sl] if reduction == "none" else up)
 
     out = run(P, rank, device=device)
-    want, ctx = cupynce.clip_loss_forward(A, B, ls, label_smoothing=eps, reduction=reduction,
-                                          normalize=normalize)
+    want, ctx = cupynce.clip_loss_forward(A, B, ls, label_smoothing=eps, labels=L,
+                                          reduction=reduction, normalize=normalize)
     da, db, dls = cupynce.clip_loss_backward(ctx, up)
     tl, tg = TOL[dtype]
     for r, (loss, (ga, gb, gl)) in enumerate(out):
@@ -419,6 +422,15 @@ def test_info_nce_hardness_numpy(P, reduction, negatives, mode):
 @pytest.mark.parametrize("learnable", [False, True])
 def test_clip_numpy(P, dtype, reduction, normalize, learnable):
     _check_clip(np, dtype, P, 3, 5, reduction, normalize, learnable)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_clip_labels_numpy(P, reduction, learnable):
+    """CLIP's labels= across ranks: every pair's label gathered with the texts; a pair's
+    same-label pairs on any rank leave both directions' softmaxes."""
+    _check_clip(np, "float64", P, 4, 5, reduction, True, learnable, labeled=True)
 
 
 def test_one_rank_bad_input_raises_on_every_rank():
@@ -540,6 +552,16 @@ GPU_DTYPES = ["bfloat16", "float16", "float32"]
 def test_clip_gpu(P, dtype, reduction, ws):
     cp = _gpu()
     _check_clip(cp, dtype, P, 136, 64, reduction, True, True, device=0, ws=ws)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("ws", [None, 1 << 17])
+def test_clip_labels_gpu(P, dtype, reduction, ws):
+    cp = _gpu()
+    _check_clip(cp, dtype, P, 136, 64, reduction, True, True, device=0, ws=ws, labeled=True)
 
 
 @pytest.mark.gpu

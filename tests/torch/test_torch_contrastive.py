@@ -127,8 +127,8 @@ def _clip_loss(path):
     def fallback(a, b, ls, *, reduction="mean", normalize=False):
         tensor = isinstance(ls, torch.Tensor)
         return tclip.ClipLossFunction.apply(a, b, ls if tensor else None,
-                                            0.0 if tensor else float(ls), 0.0, reduction,
-                                            normalize, None)
+                                            0.0 if tensor else float(ls), None, 0.0,
+                                            reduction, normalize, None)
     return fallback
 
 
@@ -678,11 +678,13 @@ def _opcheck_cases():
         ("info_nce_bwd", (q, k, None, 0.2, None, None, tinfo_nce.FWD(q, k, None, 0.2, None, None, 0.0, 0.0, 0.0, 1.0, "mean", False, None)[1], one, 0.0, 0.0, 0.0, 1.0, "mean", False, None)),
         ("info_nce_bwd", (q, k, None, 0.2, None, lab5, tinfo_nce.FWD(q, k, None, 0.2, None, lab5, 0.1, 0.0, 0.0, 1.0, "none", False, None)[1], torch.ones(5, dtype=torch.float64), 0.1, 0.0, 0.0, 1.0, "none", False, None)),
         ("info_nce_bwd", (q, k, t3, 0.0, r(neg).detach(), None, tinfo_nce.FWD(q, k, t3, 0.0, neg, None, 0.0, 0.0, 0.0, 1.0, "none", False, None)[1], torch.ones(5, dtype=torch.float64), 0.0, 0.0, 0.0, 1.0, "none", False, None)),
-        ("clip_loss_fwd", (r(a), r(b), r(ls), 0.0, 0.0, "mean", True, None)),
-        ("clip_loss_fwd", (r(a), r(b), None, 2.0, 0.0, "none", False, None)),
-        ("clip_loss_fwd", (r(a), r(b), r(ls), 0.0, 0.1, "sum", True, None)),
-        ("clip_loss_bwd", (a, b, ls, 0.0, lse5, lse5, one, 0.0, "mean", False, None)),
-        ("clip_loss_bwd", (a, b, ls, 0.0, lse5, lse5, one, 0.1, "mean", False, None)),
+        ("clip_loss_fwd", (r(a), r(b), r(ls), 0.0, None, 0.0, "mean", True, None)),
+        ("clip_loss_fwd", (r(a), r(b), None, 2.0, None, 0.0, "none", False, None)),
+        ("clip_loss_fwd", (r(a), r(b), r(ls), 0.0, None, 0.1, "sum", True, None)),
+        ("clip_loss_fwd", (r(a), r(b), r(ls), 0.0, lab5, 0.0, "mean", True, None)),
+        ("clip_loss_bwd", (a, b, ls, 0.0, None, lse5, lse5, one, 0.0, "mean", False, None)),
+        ("clip_loss_bwd", (a, b, ls, 0.0, None, lse5, lse5, one, 0.1, "mean", False, None)),
+        ("clip_loss_bwd", (a, b, ls, 0.0, lab5, lse5, lse5, one, 0.0, "mean", False, None)),
     ]
 
 

@@ -222,8 +222,19 @@ def _scores(gemm, prods, a_rows, an, bn, out) -> None:
         prods.prefetch(pre)
 
 
+def _mask(labels, s_blk, row: int) -> None:
+    """CLIP's labels (``clip_mask`` in ``stats.cu``): the same-label pairs of the block's rows
+    ``row ..`` (global) set to -inf."""
+    if labels is not None:
+        lab_r, lab_c = labels
+        kernels.launch(STATS_FILE, "clip_mask", s_blk.dtype, (s_blk.shape[0],), (
+            s_blk, np.int64(leading_dim(s_blk)), np.int32(s_blk.shape[1]), np.int32(row),
+            lab_r, lab_c))
+
+
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
-         workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
+         workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
+         labels=None):
     """Row/column statistics (when ``want_loss``) and the gradient accumulators.
 
     ``ls`` is logit_scale as a (1,) device array of the accumulator dtype, or a function
@@ -234,7 +245,9 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     Returns ``lse_r, lse_c, pair_loss, (da, db, dscale_parts)``; with ``col_state``
     ``lse_r, state, row_loss, grads`` where state (2, Nc) is the columns' running (m, s) over
     these rows (:func:`stats.col_lse` merges the states of several row sets).  ``col_shift`` is the
-    tile path's (unused here).
+    tile path's (unused here).  ``labels``: (row labels indexed by the global row, column
+    labels), int64 device arrays: same-label pairs off the diagonal leave both softmaxes
+    (:func:`_mask` after every score product).
     """
     t = an.dtype
     a = acc_dtype(t)
@@ -270,6 +283,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     if want_loss and n:  # the first block's scores first: the host work below overlaps them
         # (s_buf holds rb rows; a view of an only when it has more: views cost host time)
         _scores(gemm, prods, an if rb == n else an[:rb], an, bn, s_buf)
+        _mask(labels, s_buf[:min(rb, n)], row0)
     if callable(ls):
         ls = ls()
     vec = ((n,), a)
@@ -291,6 +305,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             s_blk = s_buf[:nrows]
             if r0:
                 gemm(an[r0:r1], bn, s_blk, trans_b=True)
+                _mask(labels, s_blk, row0 + r0)
             nch_b = row_col_stats(s_blk, t, row0 + r0, 0, nc, ls, a.type(1.0),
                                   lse_r.data.ptr - shift, row_loss.data.ptr - shift, part_m,
                                   part_s)
@@ -311,6 +326,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             s_blk = s_buf[:nrows]
             if not (reuse and want_loss):
                 _scores(gemm, prods, an[r0:r1], an, bn, s_blk)
+                _mask(labels, s_blk, row0 + r0)
             g_blk = g_buf[:nrows]
             if f16:  # G's halves over the scores (no scale in them: the products take it)
                 e_ptr, e_host, ufac = g16

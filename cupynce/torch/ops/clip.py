@@ -14,10 +14,11 @@ from .. import _bridge as B
 from .. import _registry as R
 from .. import _skeleton as S
 
-#: the op: a, b and logit_scale (a tensor or a real), the (N,) row and column log-sum-exps;
-#: the fused forward's d loss / d logit_scale is the core context's ``dscale``
+#: the op: a, b, logit_scale (a tensor or a real) and the pairs' optional (N,) labels, the
+#: (N,) row and column log-sum-exps; the fused forward's d loss / d logit_scale is the core
+#: context's ``dscale``
 SPEC = S.Loss("clip_loss", "ClipLossFunction", __name__, core,
-              inputs=(S.Rows("a"), S.Rows("b"), S.Scalar("logit_scale")),
+              inputs=(S.Rows("a"), S.Rows("b"), S.Scalar("logit_scale"), S.Labels("labels")),
               params=("label_smoothing",), stats=("lse_r", "lse_c"),
               unit_grads=lambda saved: (saved["acc"], saved["norms"], (saved["dscale"],)))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
@@ -42,7 +43,7 @@ def _logit_scale(a: Any, b: Any, logit_scale: Any) -> Tuple[Optional[Tensor], fl
 
 
 def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, label_smoothing: float = 0.0,
-              reduction: str = "mean",
+              labels: Optional[Tensor] = None, reduction: str = "mean",
               normalize: bool = False, workspace_bytes: Optional[int] = None,
               group: Optional[Any] = None, precision: Optional[str] = None) -> Tensor:
     """CLIP's symmetric contrastive loss, differentiable w.r.t. a, b and a tensor logit_scale.
@@ -54,6 +55,10 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, label_smoothing: float 
         Log inverse temperature: the logits are ``exp(logit_scale) · â b̂ᵀ``.  A tensor is a
         differentiable input (CLIP's learnable temperature) and is never read on the host;
         clamping it is the caller's business (:class:`ClipLoss` does it).
+    labels : integer Tensor (N,), optional
+        Pair i's label, on a's device: a pair (i, j), j ≠ i, of one label is no negative in
+        either direction (``cupynce.clip_loss_forward``); not yet with ``label_smoothing``.
+        Read again by a "none" backward: do not change them in place before it.
     reduction : "mean" (default) | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2)
     normalize, workspace_bytes, precision : as for :func:`nt_xent` (``precision=None``
         follows torch's TF32 setting, then ``cupynce.get_float32_precision()``).
@@ -78,10 +83,16 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, label_smoothing: float 
 
         return distributed.clip_loss(a, b, logit_scale, reduction, normalize, workspace_bytes,
                                      group, _logit_scale, precision,
-                                     label_smoothing=label_smoothing)
+                                     label_smoothing=label_smoothing, labels=labels)
     eps = _checks.check_smoothing(op, label_smoothing)
     reduction, workspace_bytes = R.scalars(op, reduction, workspace_bytes)
     ls_tensor, ls_value = _logit_scale(a, b, logit_scale)
     normalize = _checks.check_bool(op, "normalize", normalize)
-    return SPEC(a, b, ls_tensor, ls_value, eps, reduction, normalize, workspace_bytes,
+    if labels is not None:
+        B.check_tensors(op, optional=("labels",), a=a, labels=labels)
+        if eps:
+            raise NotImplementedError("clip_loss: labels= with label_smoothing= is not "
+                                      "supported yet (the smoothing's candidates after the "
+                                      "mask); pass one of them")
+    return SPEC(a, b, ls_tensor, ls_value, labels, eps, reduction, normalize, workspace_bytes,
                 R.precision_of(op, precision))

@@ -1,0 +1,183 @@
+"""``clip_loss(labels=)`` (issue 55: same-label pairs are no negatives, in both directions)
+against the float64 oracle (``cupynce.reference.clip_loss(labels=)``, itself checked against
+torch autograd below).
+
+NumPy on the CPU (CI); CuPy and CUDA tensors marked ``gpu`` (the cuBLAS row blocks: the mask
+kernel after each score product; one block and several, every float32 product mode).
+Relative errors ``||x - ref|| / ||ref||``: float64 1e-12, float32 1e-5, float16 5e-3,
+bfloat16 3e-2 (logit_scale's gradient: that times max(|ref|, 1)).  Across ranks:
+tests/distributed/test_global_emulated.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupynce import reference as ref
+from cupynce.ops import clip as core
+
+TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
+LABELS = np.array([0, 1, 0, 2, 1, 0, 3, 1, 2, 4])
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _rel(x, r):
+    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
+    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
+
+
+def _scalar_err(x, r) -> float:
+    x, r = float(np.asarray(x, np.float64).reshape(())), float(np.asarray(r).reshape(()))
+    return abs(x - r) / max(abs(r), 1.0)
+
+
+def test_oracle_is_autograd_of_the_masked_formula():
+    """The oracle against torch autograd of CLIP's two cross entropies with the same-label
+    pairs (off the diagonal) at -inf, float64, logit_scale's gradient included."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((10, 6)), rng.standard_normal((10, 6))
+    g = rng.uniform(0.2, 1.5, 10)
+    want, (wa, wb, wls) = ref.clip_loss(a, b, 1.2, labels=LABELS, reduction="none",
+                                        normalize=True, grad_loss=g)
+    A, B = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    ls = torch.tensor(1.2, dtype=torch.float64, requires_grad=True)
+    L = ls.exp() * F.normalize(A, dim=1) @ F.normalize(B, dim=1).T
+    lab = torch.tensor(LABELS)
+    mask = (lab[:, None] == lab[None, :]) & ~torch.eye(10, dtype=torch.bool)
+    L = L.masked_fill(mask, -torch.inf)
+    rows = (F.cross_entropy(L, torch.arange(10), reduction="none")
+            + F.cross_entropy(L.T, torch.arange(10), reduction="none")) / 2
+    (rows * torch.tensor(g)).sum().backward()
+    assert _rel(want, rows.detach()) <= 1e-13
+    assert _rel(wa, A.grad) <= 1e-12 and _rel(wb, B.grad) <= 1e-12
+    assert _scalar_err(wls, ls.grad) <= 1e-12
+
+
+def _check(xp, dtype, reduction, normalize, learnable, n=10, d=6, labels=LABELS, ws=None):
+    rng = np.random.default_rng(n + d)
+    dt = _dtype(dtype)
+    a, b = (rng.standard_normal((n, d)).astype(dt) for _ in range(2))
+    acc = np.float64 if dt == np.float64 else np.float32
+    g = 0.7 if reduction != "none" else rng.uniform(0.2, 1.5, n)
+    want, (wa, wb, wls) = ref.clip_loss(a, b, 1.2, labels=labels, reduction=reduction,
+                                        normalize=normalize, grad_loss=g)
+    ls = xp.asarray(np.asarray([1.2], acc)) if learnable else 1.2
+    kw = dict(labels=xp.asarray(labels), reduction=reduction, normalize=normalize,
+              workspace_bytes=ws)
+    loss, ctx = core.clip_loss_forward(xp.asarray(a), xp.asarray(b), ls, **kw)
+    gl = g if reduction != "none" else xp.asarray(g.astype(acc))
+    da, db, dls = core.clip_loss_backward(ctx, gl)
+    host = (lambda x: x) if xp is np else xp.asnumpy
+    tol = TOL[dtype]
+    assert _rel(host(loss), want) <= tol, "loss"
+    assert da.dtype == dt and db.dtype == dt
+    assert _rel(host(da).astype(np.float64), wa) <= tol, "da"
+    assert _rel(host(db).astype(np.float64), wb) <= tol, "db"
+    assert _scalar_err(host(dls), wls) <= tol, "dlogit_scale"
+    again = core.clip_loss_backward_from_stats(xp.asarray(a), xp.asarray(b), ls, *ctx.stats,
+                                               gl, **kw)
+    assert _rel(host(again[0]).astype(np.float64), wa) <= tol, "da from stats"
+    assert _scalar_err(host(again[2]), wls) <= tol, "dlogit_scale from stats"
+    if dtype in ("float64", "float32"):  # (the labels move the loss well past the tolerance)
+        plain = ref.clip_loss(a, b, 1.2, reduction=reduction, normalize=normalize)[0]
+        assert _rel(want, plain) > 10 * tol
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_numpy_matches_the_oracle(dtype, reduction, normalize, learnable):
+    _check(np, dtype, reduction, normalize, learnable)
+
+
+def test_distinct_labels_are_no_labels():
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((6, 4)), rng.standard_normal((6, 4))
+    assert core.clip_loss(a, b, 1.0, labels=np.arange(6)) == core.clip_loss(a, b, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_cupy_matches_the_oracle(dtype, reduction, learnable):
+    import cupy as cp
+
+    _check(cp, dtype, reduction, True, learnable)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("precision", ["fp32", "3xtf32", "auto"])
+@pytest.mark.parametrize("ws", [None, 64 * 1024])
+def test_cupy_large_rows_and_blocks(dtype, precision, ws):
+    """Wider than a block of threads, in several row blocks (ws), every float32 product
+    mode (the F16x3 gradient halves, the TF32x3 tiles, cuBLAS)."""
+    import cupy as cp
+
+    from cupynce import config
+
+    lab = np.random.default_rng(3).integers(0, 50, 300)
+    with config.float32_precision(precision):
+        _check(cp, dtype, "mean", True, True, n=300, d=64, labels=lab, ws=ws)
+
+
+def test_torch_matches_the_oracle():
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as C
+
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((10, 5)), rng.standard_normal((10, 5))
+    want, (wa, wb, wls) = ref.clip_loss(a, b, 1.1, labels=LABELS, normalize=True)
+    A, B = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    ls = torch.tensor(1.1, dtype=torch.float64, requires_grad=True)
+    loss = C.clip_loss(A, B, ls, labels=torch.tensor(LABELS), normalize=True)
+    loss.backward()
+    assert _rel(loss.item(), want) <= 1e-12
+    assert _rel(A.grad, wa) <= 1e-12 and _rel(B.grad, wb) <= 1e-12
+    assert _scalar_err(ls.grad, wls) <= 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_cuda_matches_the_oracle(dtype):
+    torch = pytest.importorskip("torch")
+    import cupynce.torch as C
+
+    lab = np.random.default_rng(5).integers(0, 30, 256)
+    A, B = (torch.randn(256, 64, device="cuda", dtype=getattr(torch, dtype),
+                        requires_grad=True) for _ in range(2))
+    want, (wa, wb, _) = ref.clip_loss(A.detach().double().cpu().numpy(),
+                                      B.detach().double().cpu().numpy(), 2.0, labels=lab,
+                                      normalize=True)
+    loss = C.clip_loss(A, B, 2.0, labels=torch.tensor(lab, device="cuda"), normalize=True)
+    loss.backward()
+    assert _rel(loss.item(), want) <= TOL[dtype]
+    assert _rel(A.grad.double().cpu(), wa) <= TOL[dtype]
+    assert _rel(B.grad.double().cpu(), wb) <= TOL[dtype]
+
+
+def test_labels_with_smoothing_are_not_supported_yet():
+    a = np.ones((4, 3))
+    with pytest.raises(NotImplementedError, match="labels= with label_smoothing="):
+        core.clip_loss(a, a, 1.0, labels=np.zeros(4, np.int64), label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("labels,err,match", [
+    (np.zeros(3, np.int64), ValueError, "labels"),
+    (np.zeros(4), ValueError, "labels must be an integer array"),
+])
+def test_bad_labels_raise(labels, err, match):
+    a = np.ones((4, 3))
+    with pytest.raises(err, match=match):
+        core.clip_loss(a, a, 1.0, labels=labels)
