@@ -25,6 +25,15 @@ detached, as MoCo's):
 * ``products`` (the floor) — the two products any implementation computes, q queueᵀ and
   the gradient block times the queue, alone (cuBLAS through torch).
 
+CLIP with labels (``--clip``: bf16, D = 512, ``--clip-sizes`` pairs, four pairs a label --
+duplicates, several captions of one image --, L2-normalised inside, a learnable logit_scale),
+forward + backward w.r.t. both sides and the scale:
+
+* ``labels`` — ``clip_loss(a, b, logit_scale, labels=labels)``; ``plain`` — the same call
+  without labels (the target: ``labels ÷ plain`` <= 1.1);
+* ``eager`` / ``compile`` — open_clip's formula with the same-label pairs masked to -inf
+  (``masked_fill`` of the N × N logits, both cross entropies) and ``torch.compile`` of it.
+
 CUDA-event medians, peak memory above the inputs (``cupynce.report.harness``), the loss's and
 gradient's relative error against the formula in float64 on the same bf16 values (sizes up to
 ``--check-max``).  Out of memory is a result.
@@ -140,6 +149,71 @@ def _moco_rows(args) -> list:
     return [res]
 
 
+def clip_formula(a, b, logit_scale, labels):
+    """open_clip's loss with the same-label pairs (off the diagonal) masked out of both
+    directions: the plain PyTorch a user writes."""
+    import torch
+    import torch.nn.functional as F
+
+    a, b = F.normalize(a, dim=1), F.normalize(b, dim=1)
+    logits = logit_scale.exp() * a @ b.T
+    n = a.shape[0]
+    mask = (labels[:, None] == labels[None, :]) & ~torch.eye(n, dtype=torch.bool,
+                                                             device=a.device)
+    logits = logits.masked_fill(mask, float("-inf"))
+    target = torch.arange(n, device=a.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+
+def _clip_rows(args) -> list:
+    """The CLIP-with-labels rows (see the module notes): one dict of cases per size."""
+    import torch
+
+    import cupynce.torch as ct
+
+    out = []
+    for n in (int(s) for s in args.clip_sizes.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(2)
+        a0, b0 = (torch.randn(n, args.dim, device="cuda", generator=g).to(torch.bfloat16)
+                  for _ in range(2))
+        labels = torch.arange(n, device="cuda") // 4
+        ls0 = torch.tensor(2.0, device="cuda")
+        compiled = torch.compile(clip_formula)
+        impls = {
+            "labels": lambda a, b, s: ct.clip_loss(a, b, s, labels=labels, normalize=True),
+            "plain": lambda a, b, s: ct.clip_loss(a, b, s, normalize=True),
+            "eager": lambda a, b, s: clip_formula(a, b, s, labels),
+            "compile": lambda a, b, s: compiled(a, b, s, labels),
+        }
+        ref = None
+        if n <= args.check_max:
+            a64, b64, s64 = (x.double().requires_grad_() for x in (a0, b0, ls0))
+            want = clip_formula(a64, b64, s64, labels)
+            ref = (want.detach(), torch.autograd.grad(want, [a64, b64]))
+            del a64, b64, s64, want
+        res = {}
+        for name, fn in impls.items():
+            a, b, s = (x.clone().requires_grad_() for x in (a0, b0, ls0))
+
+            def step(fn=fn, a=a, b=b, s=s):
+                loss = fn(a, b, s)
+                return (loss.detach(),) + torch.autograd.grad(loss, [a, b, s])
+
+            case = run_case(step, repeat=args.repeat, keep_result=ref is not None,
+                            catch_errors=True)
+            got = case.pop("result", None)
+            if got is not None and ref is not None and name != "plain":
+                case["loss_err"] = float(abs(got[0].double() - ref[0]) / abs(ref[0]))
+                case["grad_err"] = max(float((x.double() - r).norm() / r.norm())
+                                       for x, r in zip(got[1:3], ref[1]))
+            res[name] = case
+            print("clip", n, name, {k: case.get(k) for k in ("median_ms", "peak_extra_bytes",
+                                                            "oom", "loss_err", "grad_err",
+                                                            "error")}, flush=True)
+        out.append((n, res))
+    return out
+
+
 def _inputs(n: int, d: int, views: int = 4, seed: int = 0):
     """bf16 leaves: each class's ``views`` rows near a class centre (a SupCon batch); labels
     view-major, as the reference code's ``torch.cat(features.unbind(1))`` stacks them."""
@@ -167,6 +241,9 @@ def main(argv=None) -> int:
     p.add_argument("--moco-only", action="store_true", help="the MoCo rows alone")
     p.add_argument("--moco-queries", type=int, default=4096)
     p.add_argument("--moco-queue", type=int, default=65536)
+    p.add_argument("--clip", action="store_true", help="the CLIP-with-labels rows too")
+    p.add_argument("--clip-only", action="store_true", help="the CLIP rows alone")
+    p.add_argument("--clip-sizes", default="16384,32768")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     info = device_info()
@@ -175,7 +252,8 @@ def main(argv=None) -> int:
     impls = _implementations(args.temperature)
     only = [s for s in args.only.split(",") if s]
     rows, raw = [], []
-    for n in (() if args.moco_only else (int(s) for s in args.sizes.split(","))):
+    skip_supcon = args.moco_only or args.clip_only
+    for n in (() if skip_supcon else (int(s) for s in args.sizes.split(","))):
         z0, labels = _inputs(n, args.dim)
         ref = None
         if n <= args.check_max:
@@ -235,6 +313,30 @@ def main(argv=None) -> int:
         ["op, N", "cupynce ms", "MiB", "pml ms", "pml MiB", "eager ms", "eager MiB",
          "compile ms", "compile MiB", "pml ÷ cupynce", "eager ÷", "compile ÷",
          "nt_xent ms (floor)", "cupynce ÷ floor", "cupynce err loss / grad"], rows)
+    parts = [table] if rows else []
+    if args.clip or args.clip_only:
+        clip_res = _clip_rows(args)
+
+        def c3(r):
+            return ("OOM", "—") if r.get("oom") else (fmt_ms(r.get("median_ms")),
+                                                      fmt_mib(r.get("peak_extra_bytes")))
+
+        def over(r, base):
+            return (fmt_ratio(r["median_ms"] / base["median_ms"])
+                    if r.get("median_ms") and base.get("median_ms") else "—")
+        clip_table = markdown_table(
+            ["CLIP with labels, N", "labels ms", "MiB", "plain ms", "plain MiB",
+             "labels ÷ plain", "eager ms", "eager MiB", "compile ms", "compile MiB",
+             "eager ÷ labels", "compile ÷ labels", "labels err loss / grad"],
+            [[str(n), *c3(r["labels"]), *c3(r["plain"]), over(r["labels"], r["plain"]),
+              *c3(r["eager"]), *c3(r["compile"]), over(r["eager"], r["labels"]),
+              over(r["compile"], r["labels"]),
+              f"{r['labels'].get('loss_err', float('nan')):.1e} / "
+              f"{r['labels'].get('grad_err', float('nan')):.1e}"] for n, r in clip_res])
+        parts.append(clip_table)
+        raw.append(dict(clip={str(n): {k: {kk: vv for kk, vv in v.items()
+                                          if not kk.startswith("_")}
+                                      for k, v in r.items()} for n, r in clip_res}))
     if args.moco or args.moco_only:
         (res,) = _moco_rows(args)
         ours = res["cupynce"]
@@ -261,9 +363,10 @@ def main(argv=None) -> int:
               f"{ours.get('loss_err', float('nan')):.1e} / {ours.get('grad_err', float('nan')):.1e}",
               f"{res['eager'].get('loss_err', float('nan')):.1e} / "
               f"{res['eager'].get('grad_err', float('nan')):.1e}"]])
-        table = (table + "\n\n" + moco) if rows else moco
+        parts.append(moco)
         raw.append(dict(moco={k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")}
                               for k, v in res.items()}))
+    table = "\n\n".join(parts)
     print(table)
     if args.out:
         out = Path(args.out)

@@ -35,3 +35,15 @@ def test_moco_formula_is_info_nce_without_in_batch_negatives(bench):
     got = bench.moco_formula(*(torch.tensor(x) for x in (q, k, u)), 0.2)
     want = cupynce.info_nce(q, k, 0.2, negatives=u, in_batch_negatives=False, normalize=True)
     assert abs(float(got) - float(want)) <= 1e-12 * abs(float(want))
+
+
+def test_clip_formula_is_clip_loss_with_labels(bench):
+    import cupynce
+
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((8, 4)), rng.standard_normal((8, 4))
+    lab = np.arange(8) // 4
+    got = bench.clip_formula(torch.tensor(a), torch.tensor(b),
+                             torch.tensor(1.5, dtype=torch.float64), torch.tensor(lab))
+    want = cupynce.clip_loss(a, b, 1.5, labels=lab, normalize=True)
+    assert abs(float(got) - float(want)) <= 1e-12 * abs(float(want))
