@@ -120,18 +120,28 @@ def _score_block_bytes(a, acc, workspace_bytes) -> int:
     return min(n * row, workspace.workspace_bound(workspace_bytes))
 
 
-def _labels(xp, labels, eps: float, like) -> dict:
+def _labels(xp, labels, eps: float, like, *, across: bool = False) -> dict:
     """The engine's ``labels=`` keyword for the pairs' labels (checked: integers, (N,), on
-    the inputs' device), or no keyword."""
+    the inputs' device), or no keyword.  ``across`` (a rank's share of a global loss): with
+    smoothing, not supported yet (ValueError inside the ranks' exchange: never a hang)."""
     labels = _checks.check_labels("clip_loss", labels, like.shape[0], xp, like)
     if labels is None:
         return {}
-    if eps:
-        raise NotImplementedError("clip_loss: labels= with label_smoothing= is not supported "
-                                  "yet (the smoothing's candidates after the mask); pass one "
-                                  "of them")
+    if eps and across:  # (a ValueError: the ranks' exchange raises it on every rank)
+        raise ValueError("clip_loss: labels= with label_smoothing= and group= is not "
+                         "supported yet (one process takes both)")
     labels = xp.asarray(labels, dtype=np.int64)
     return dict(labels=(labels, labels))
+
+
+def _smoothing(xp, path, an, bn, ls, eps: float, w, masks: dict, *, want_loss: bool = True):
+    """The label smoothing's O(N·D) difference (``_variants``): over every pair, or with the
+    pairs' labels over each pair's candidates after the mask."""
+    if masks:
+        groups = _variants.label_groups(xp, masks["labels"][0])
+        return _variants.clip_smoothing_labels(xp, path, an, bn, ls, eps, groups, w,
+                                               want_loss=want_loss)
+    return _variants.clip_smoothing(xp, an, bn, ls, eps, w, want_loss=want_loss)
 
 
 def _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision):
@@ -166,7 +176,8 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0, labels
         negatives (captions of one image, one class).  On the GPU the cuBLAS row blocks
         (a mask kernel after each score product; the score tiles do not take it yet) and no
         CUDA-graph replay; with ``group`` each rank passes its pairs' labels (gathered with
-        the texts).  Not yet with ``label_smoothing`` (NotImplementedError).
+        the texts).  With ``label_smoothing`` ε is spread over each pair's candidates left
+        after the mask (class sums, O(N·D)); that pair not yet with ``group``.
     reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
     group : communicator, optional
@@ -230,8 +241,8 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0, labels
             da, db, dsp = grads
             dscale = reduce(xp, dsp, "sum")
         if eps:  # (the O(N·D) difference: every path serves it)
-            dloss, dgrads = _variants.clip_smoothing(
-                xp, an, bn, ls_dev, eps, _variants.row_weights(w) if fused else None)
+            dloss, dgrads = _smoothing(xp, path, an, bn, ls_dev, eps,
+                                       _variants.row_weights(w) if fused else None, masks)
             pair_loss = pair_loss + dloss
             if fused:
                 da += dgrads[0]
@@ -294,9 +305,9 @@ def clip_loss_backward(ctx: Context, grad_loss: Any = 1.0):
             want_loss=False, want_grad=True, workspace_bytes=s["ws"], **s.get("masks", {}))
         dscale = reduce(xp, dsp, "sum")
         if s.get("eps"):
-            _, (dda, ddb, dds) = _variants.clip_smoothing(xp, an, bn, s["ls"], s["eps"],
-                                                          _variants.row_weights(w),
-                                                          want_loss=False)
+            _, (dda, ddb, dds) = _smoothing(xp, path, an, bn, s["ls"], s["eps"],
+                                            _variants.row_weights(w), s.get("masks", {}),
+                                            want_loss=False)
             da_acc += dda
             db_acc += ddb
             dscale = dscale + dds
@@ -358,7 +369,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         out = _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision)
         _checks.check_bool(op, "requires_grad", requires_grad)
         return out + (_labels(out[0], labels, _checks.check_smoothing(op, label_smoothing),
-                              a),)
+                              a, across=True),)
 
     xp, ls, ls_shape, p, masks = _global.agree(
         comm, op, checks, [a, b], ["a", "b"],

@@ -38,41 +38,50 @@ def _scalar_err(x, r) -> float:
     return abs(x - r) / max(abs(r), 1.0)
 
 
-def test_oracle_is_autograd_of_the_masked_formula():
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+def test_oracle_is_autograd_of_the_masked_formula(eps):
     """The oracle against torch autograd of CLIP's two cross entropies with the same-label
-    pairs (off the diagonal) at -inf, float64, logit_scale's gradient included."""
+    pairs (off the diagonal) at -inf -- with smoothing, the target 1 − ε on the pair plus ε
+    spread over the candidates left --, float64, logit_scale's gradient included."""
     torch = pytest.importorskip("torch")
     F = torch.nn.functional
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((10, 6)), rng.standard_normal((10, 6))
     g = rng.uniform(0.2, 1.5, 10)
-    want, (wa, wb, wls) = ref.clip_loss(a, b, 1.2, labels=LABELS, reduction="none",
-                                        normalize=True, grad_loss=g)
+    want, (wa, wb, wls) = ref.clip_loss(a, b, 1.2, labels=LABELS, label_smoothing=eps,
+                                        reduction="none", normalize=True, grad_loss=g)
     A, B = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
     ls = torch.tensor(1.2, dtype=torch.float64, requires_grad=True)
     L = ls.exp() * F.normalize(A, dim=1) @ F.normalize(B, dim=1).T
     lab = torch.tensor(LABELS)
     mask = (lab[:, None] == lab[None, :]) & ~torch.eye(10, dtype=torch.bool)
     L = L.masked_fill(mask, -torch.inf)
-    rows = (F.cross_entropy(L, torch.arange(10), reduction="none")
-            + F.cross_entropy(L.T, torch.arange(10), reduction="none")) / 2
+    keep = (~mask).double()
+    target = (1 - eps) * torch.eye(10, dtype=torch.float64) + eps * keep / keep.sum(1,
+                                                                               keepdim=True)
+
+    def ce(logits):  # (−Σ_j T_ij log softmax_ij over the candidates: masked terms left out)
+        logp = torch.log_softmax(logits, dim=1)
+        return -(target * torch.where(keep > 0, logp, torch.zeros_like(logp))).sum(1)
+    rows = (ce(L) + ce(L.T)) / 2
     (rows * torch.tensor(g)).sum().backward()
     assert _rel(want, rows.detach()) <= 1e-13
     assert _rel(wa, A.grad) <= 1e-12 and _rel(wb, B.grad) <= 1e-12
     assert _scalar_err(wls, ls.grad) <= 1e-12
 
 
-def _check(xp, dtype, reduction, normalize, learnable, n=10, d=6, labels=LABELS, ws=None):
+def _check(xp, dtype, reduction, normalize, learnable, n=10, d=6, labels=LABELS, ws=None,
+           eps=0.0):
     rng = np.random.default_rng(n + d)
     dt = _dtype(dtype)
     a, b = (rng.standard_normal((n, d)).astype(dt) for _ in range(2))
     acc = np.float64 if dt == np.float64 else np.float32
     g = 0.7 if reduction != "none" else rng.uniform(0.2, 1.5, n)
-    want, (wa, wb, wls) = ref.clip_loss(a, b, 1.2, labels=labels, reduction=reduction,
-                                        normalize=normalize, grad_loss=g)
+    want, (wa, wb, wls) = ref.clip_loss(a, b, 1.2, labels=labels, label_smoothing=eps,
+                                        reduction=reduction, normalize=normalize, grad_loss=g)
     ls = xp.asarray(np.asarray([1.2], acc)) if learnable else 1.2
-    kw = dict(labels=xp.asarray(labels), reduction=reduction, normalize=normalize,
-              workspace_bytes=ws)
+    kw = dict(labels=xp.asarray(labels), label_smoothing=eps, reduction=reduction,
+              normalize=normalize, workspace_bytes=ws)
     loss, ctx = core.clip_loss_forward(xp.asarray(a), xp.asarray(b), ls, **kw)
     gl = g if reduction != "none" else xp.asarray(g.astype(acc))
     da, db, dls = core.clip_loss_backward(ctx, gl)
@@ -88,7 +97,8 @@ def _check(xp, dtype, reduction, normalize, learnable, n=10, d=6, labels=LABELS,
     assert _rel(host(again[0]).astype(np.float64), wa) <= tol, "da from stats"
     assert _scalar_err(host(again[2]), wls) <= tol, "dlogit_scale from stats"
     if dtype in ("float64", "float32"):  # (the labels move the loss well past the tolerance)
-        plain = ref.clip_loss(a, b, 1.2, reduction=reduction, normalize=normalize)[0]
+        plain = ref.clip_loss(a, b, 1.2, label_smoothing=eps, reduction=reduction,
+                              normalize=normalize)[0]
         assert _rel(want, plain) > 10 * tol
 
 
@@ -96,8 +106,9 @@ def _check(xp, dtype, reduction, normalize, learnable, n=10, d=6, labels=LABELS,
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("learnable", [False, True])
-def test_numpy_matches_the_oracle(dtype, reduction, normalize, learnable):
-    _check(np, dtype, reduction, normalize, learnable)
+@pytest.mark.parametrize("eps", [0.0, 0.15])
+def test_numpy_matches_the_oracle(dtype, reduction, normalize, learnable, eps):
+    _check(np, dtype, reduction, normalize, learnable, eps=eps)
 
 
 def test_distinct_labels_are_no_labels():
@@ -110,10 +121,11 @@ def test_distinct_labels_are_no_labels():
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("learnable", [False, True])
-def test_cupy_matches_the_oracle(dtype, reduction, learnable):
+@pytest.mark.parametrize("eps", [0.0, 0.15])
+def test_cupy_matches_the_oracle(dtype, reduction, learnable, eps):
     import cupy as cp
 
-    _check(cp, dtype, reduction, True, learnable)
+    _check(cp, dtype, reduction, True, learnable, eps=eps)
 
 
 @pytest.mark.gpu
@@ -167,10 +179,18 @@ def test_torch_cuda_matches_the_oracle(dtype):
     assert _rel(B.grad.double().cpu(), wb) <= TOL[dtype]
 
 
-def test_labels_with_smoothing_are_not_supported_yet():
+def test_labels_with_smoothing_across_ranks_are_not_supported_yet():
+    from emulated_ranks import run
+
     a = np.ones((4, 3))
-    with pytest.raises(NotImplementedError, match="labels= with label_smoothing="):
-        core.clip_loss(a, a, 1.0, labels=np.zeros(4, np.int64), label_smoothing=0.1)
+
+    def rank(comm):
+        with pytest.raises(ValueError, match="labels= with label_smoothing= and group="):
+            core.clip_loss(a, a, 1.0, labels=np.zeros(4, np.int64), label_smoothing=0.1,
+                           group=comm)
+        return True
+
+    assert run(2, rank) == [True, True]
 
 
 @pytest.mark.parametrize("labels,err,match", [

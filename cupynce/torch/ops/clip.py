@@ -57,7 +57,8 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, label_smoothing: float 
         clamping it is the caller's business (:class:`ClipLoss` does it).
     labels : integer Tensor (N,), optional
         Pair i's label, on a's device: a pair (i, j), j ≠ i, of one label is no negative in
-        either direction (``cupynce.clip_loss_forward``); not yet with ``label_smoothing``.
+        either direction (``cupynce.clip_loss_forward``); with ``label_smoothing`` ε spreads
+        over each pair's candidates left (not yet with ``group``).
         Read again by a "none" backward: do not change them in place before it.
     reduction : "mean" (default) | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2)
     normalize, workspace_bytes, precision : as for :func:`nt_xent` (``precision=None``
@@ -90,9 +91,5 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Any, *, label_smoothing: float 
     normalize = _checks.check_bool(op, "normalize", normalize)
     if labels is not None:
         B.check_tensors(op, optional=("labels",), a=a, labels=labels)
-        if eps:
-            raise NotImplementedError("clip_loss: labels= with label_smoothing= is not "
-                                      "supported yet (the smoothing's candidates after the "
-                                      "mask); pass one of them")
     return SPEC(a, b, ls_tensor, ls_value, labels, eps, reduction, normalize, workspace_bytes,
                 R.precision_of(op, precision))
