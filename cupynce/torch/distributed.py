@@ -152,6 +152,9 @@ class _GlobalLoss(torch.autograd.Function):
             grads = grads if isinstance(grads, tuple) else (grads,)
             out = [B.tensor_of(x) if keep and x is not None else None
                    for x, keep in zip(grads, ctx.present)]
+        # (an input without a gradient of its own -- a real temperature's None slot -- gets
+        # None: one gradient for every input)
+        out += [None] * (len(ctx.present) - len(out))
         return (None, None, *out)
 
 
