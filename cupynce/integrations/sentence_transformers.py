@@ -16,6 +16,7 @@ import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _checks
@@ -85,8 +86,9 @@ class MultipleNegativesRankingLoss(nn.Module):
     of anchor i (and, in the doc-to-query direction, an anchor whose text is positive i's own
     anchor text is no negative of it) -- the duplicates the library's ``no_duplicates`` batch
     sampler avoids by skipping samples. Hard negatives stay negatives. Through
-    :func:`cupynce.torch.info_nce`'s ``labels=`` (its row blocks on CUDA); not yet with
-    ``gather_across_devices``.
+    :func:`cupynce.torch.info_nce`'s ``labels=`` (its row blocks on CUDA); with
+    ``gather_across_devices`` the ids are the global batch's (every rank's token ids gathered,
+    padding set apart by the attention mask: a duplicate on another rank is masked too).
     The loss is float32 for 16-bit embeddings (the op's accumulation dtype).
     """
 
@@ -99,9 +101,6 @@ class MultipleNegativesRankingLoss(nn.Module):
         super().__init__()
         op = type(self).__name__
         self.mask_duplicates = _checks.check_bool(op, "mask_duplicates", mask_duplicates)
-        if mask_duplicates and gather_across_devices:
-            raise NotImplementedError(f"{op}: mask_duplicates=True with gather_across_devices="
-                                      "True is not supported yet (duplicates across ranks)")
         _checks.check_no_grad(op, "scale", scale)  # (kept as a float: a gradient would be lost)
         try:  # (a real, a NumPy scalar or a one-element tensor, as the library takes)
             value = float(scale)
@@ -164,8 +163,35 @@ class MultipleNegativesRankingLoss(nn.Module):
             if not isinstance(f, dict) or not isinstance(f.get("input_ids"), Tensor):
                 raise ValueError(f"{op}: mask_duplicates=True compares the texts' token ids; "
                                  f"sentence_features[{i}] has no input_ids tensor")
-            ids.append(torch.unique(f["input_ids"], dim=0, return_inverse=True)[1])
+            ids.append(self._text_ids(f["input_ids"], f.get("attention_mask")))
         return tuple(ids)
+
+    def _text_ids(self, input_ids: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """(n,) ids of the rows' texts, equal for equal token ids (``torch.unique(dim=0)``:
+        exact).  With ``gather_across_devices`` over several ranks: the ids among every
+        rank's rows (the same computation on the same gathered rows on every rank), the
+        padding (attention mask 0, and the columns past a rank's length) as -1."""
+        group, size = dist_group(self.group) if self.gather_across_devices else (None, 1)
+        if size == 1:
+            return torch.unique(input_ids, dim=0, return_inverse=True)[1]
+        x = input_ids.long()
+        if isinstance(mask, Tensor) and mask.shape == x.shape:
+            x = x.masked_fill(mask == 0, -1)
+        shape = torch.tensor(list(x.shape), device=x.device)
+        shapes = [torch.empty_like(shape) for _ in range(size)]
+        dist.all_gather(shapes, shape, group=group)
+        rows = {int(s[0]) for s in shapes}
+        if len(rows) != 1:  # (every rank sees every shape: all raise, none waits)
+            raise ValueError(f"{type(self).__name__}: mask_duplicates=True with "
+                             f"gather_across_devices needs the same batch size on every rank, "
+                             f"got {[int(s[0]) for s in shapes]}")
+        width = max(int(s[1]) for s in shapes)
+        x = torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1)
+        every = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(every, x.contiguous(), group=group)
+        inv = torch.unique(torch.cat(every), dim=0, return_inverse=True)[1]
+        rank = dist.get_rank(group)
+        return inv[rank * x.shape[0]:(rank + 1) * x.shape[0]]
 
     def _columns(self, embeddings: Sequence[Tensor]):
         if len(embeddings) < 2:

@@ -114,10 +114,6 @@ def test_no_duplicates_no_change(tiny_bert):
 
 def test_refusals(tiny_bert):
     model = _model(tiny_bert, dropout=False)
-    with pytest.raises(NotImplementedError, match="mask_duplicates=True with "
-                                                  "gather_across_devices=True"):
-        c_st.MultipleNegativesRankingLoss(model, gather_across_devices=True,
-                                          mask_duplicates=True)
     with pytest.raises(TypeError, match="mask_duplicates must be a bool"):
         c_st.CachedMultipleNegativesRankingLoss(model, mask_duplicates="yes")
     loss = c_st.MultipleNegativesRankingLoss(model, mask_duplicates=True)
@@ -128,3 +124,63 @@ def test_refusals(tiny_bert):
         cached.calculate_loss([[torch.zeros(2, 16)], [torch.zeros(2, 16)]])
     assert c_st.MultipleNegativesRankingLoss(model, mask_duplicates=True).get_config_dict()[
         "mask_duplicates"] is True
+
+
+def _rank_features(rank):
+    """Token ids of one rank's anchors and positives (n = 4, D-free): rank 1's positive 0 is
+    rank 0's positive 2 (a duplicate across ranks), rank 0's positives 1 and 3 are one text;
+    rank 1's rows are padded wider (its attention mask sets the padding apart)."""
+    pos = {0: [[5, 6, 0, 0], [7, 8, 9, 0], [5, 9, 0, 0], [7, 8, 9, 0]],
+           1: [[5, 9, 0, 0, 0, 0], [4, 4, 4, 4, 1, 0], [3, 0, 0, 0, 0, 0], [2, 2, 0, 0, 0, 0]]}
+    anc = {0: [[1, 2, 0], [1, 3, 0], [2, 2, 2], [1, 2, 0]],
+           1: [[1, 2, 0, 0], [6, 6, 6, 6], [2, 2, 2, 0], [9, 0, 0, 0]]}
+
+    def feat(rows):
+        ids = torch.tensor(rows)
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+    return [feat(anc[rank]), feat(pos[rank])]
+
+
+def check_duplicates_across_ranks(rank, world):
+    """mask_duplicates with gather_across_devices over gloo: the ids are the global batch's
+    (the duplicate across ranks masked too); each rank's share of the loss and its rows'
+    gradients as the one process on the concatenated batch gives them (float64)."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(3)
+    embs = [torch.randn(world * 4, 5, generator=g, dtype=torch.float64) for _ in range(2)]
+    mine = slice(rank * 4, (rank + 1) * 4)
+    for cls in (c_st.MultipleNegativesRankingLoss, c_st.MultipleNegativesSymmetricRankingLoss):
+        loss_fn = cls(None, scale=7.0, gather_across_devices=True, mask_duplicates=True)
+        ids = loss_fn._duplicates(_rank_features(rank))
+        xs = [e[mine].clone().requires_grad_() for e in embs]
+        loss = loss_fn.compute_loss_from_embeddings(xs, None, duplicates=ids)
+        loss.backward()
+        # one process: every rank's rows, the text ids by Python tuples over the global batch
+        every = [_rank_features(r) for r in range(world)]
+        glob = []
+        for col in (1, 0):
+            rows = [tuple(t for t, m in zip(r, mk) if m) for f in every
+                    for r, mk in zip(f[col]["input_ids"].tolist(),
+                                     f[col]["attention_mask"].tolist())]
+            glob.append(torch.tensor([sorted(set(rows)).index(r) for r in rows]))
+        assert torch.equal(ids[0], glob[0][mine]) or \
+            len(set(zip(ids[0].tolist(), glob[0][mine].tolist()))) == len(set(ids[0].tolist()))
+        ys = [e.clone().requires_grad_() for e in embs]
+        one = cls(None, scale=7.0, mask_duplicates=True)
+        want = one.compute_loss_from_embeddings(ys, None, duplicates=tuple(glob))
+        want.backward()
+        share = loss.detach().clone()
+        dist.all_reduce(share)
+        torch.testing.assert_close(share / world, want.detach(), **TOL)
+        plain = one.compute_loss_from_embeddings([e.clone() for e in embs], None)
+        assert abs(float(plain) - float(want)) > 1e-3  # (the masks change the loss)
+        for x, y in zip(xs, ys):
+            torch.testing.assert_close(x.grad, world * y.grad[mine], **TOL)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_duplicates_across_ranks_over_gloo(world):
+    from test_torch_distributed import run_ranks
+
+    run_ranks(world, ["check_duplicates_across_ranks"], module="test_st_duplicates")
