@@ -21,7 +21,7 @@ from .._engine.losses.row_blocks import Hardness
 from .. import _engine
 from . import _comm, _global, _graphs, _local, _memo, _numpy
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
-                    dtemperature, finish_all, host_temperature, in_ctx_precision, prep, reduce,
+                    dtemperature, finish_all, in_ctx_precision, prep, reduce,
                     reduce_out, require, temperature_input, temperature_result, weights)
 from ._comm import Comm
 
@@ -448,7 +448,8 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
                             in_batch_negatives, query.shape[0], query)
         _hardness(op, hardness_mode, hardness_strength, negatives, query.shape[0],
                   replicated_negatives is True)
-        return xp, host_temperature(op, t), p, lab, _checks.check_smoothing(op, label_smoothing)
+        # (a device temperature too: the rank's rows take its log scale on the device)
+        return xp, t, p, lab, _checks.check_smoothing(op, label_smoothing)
 
     # (every rank with labels or none: their presence is a setting the ranks agree on)
     host_t = _global.host_setting(temperature)  # (the ranks compare the host values)
@@ -481,7 +482,7 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         a = acc_dtype(query.dtype)
         fused = requires_grad and reduction != "none"
         lse, rows, grads = _local.info_nce_block(
-            path, qn, kn, others, neg_p, 1.0 / t, lse_in=None,
+            path, qn, kn, others, neg_p, temp.scale, scale_log=temp.scale_log, lse_in=None,
             weights=weights(xp, None, reduction, n * size, a), want_grad=fused,
             workspace_bytes=workspace_bytes, **masks)
         ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
@@ -522,7 +523,8 @@ def _global_acc(ctx: Context, g):
     qn, kn, others, neg_p = s["xn"]
     w = weights(xp, g, "none", ctx.n, s["lse"].dtype)
     _, _, grads = _local.info_nce_block(
-        Path(xp), qn, kn, others, neg_p, 1.0 / s["t"], lse_in=s["lse"], weights=w,
+        Path(xp), qn, kn, others, neg_p, s["temp"].scale, scale_log=s["temp"].scale_log,
+        lse_in=s["lse"], weights=w,
         want_grad=True, workspace_bytes=s["ws"], **s["masks"])
     accs = _global_scatter(s["comm"], xp, grads, ctx.n, s["neg_s"], s["replicated"])
     return accs, ((_global.dtemperature(s["comm"], xp, qn, grads[0], s["temp"], 1),)

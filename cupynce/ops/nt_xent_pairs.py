@@ -25,8 +25,8 @@ from .. import _checks, config
 from .._engine.kernels import acc_dtype
 from . import _comm, _global, _variants
 from ._base import (Context, Path, Temperature, check_stats, contig_inputs, dtemperature,
-                    host_temperature, in_ctx_precision, prep, reduce, require,
-                    temperature_input, temperature_result)
+                    in_ctx_precision, prep, reduce, require, temperature_input,
+                    temperature_result)
 from ._comm import Comm
 
 __all__ = ["nt_xent_pairs", "nt_xent_pairs_forward", "nt_xent_pairs_backward",
@@ -271,7 +271,7 @@ def _global_forward(comm: Comm, z, labels, temperature=0.07, *, reduction="mean"
                                precision)
         _checks.check_bool(OP, "requires_grad", requires_grad)
         _checks.check_bool(OP, "temperature_grad", temperature_grad)
-        return xp, lab, host_temperature(OP, t), p
+        return xp, lab, t, p  # (a device temperature too: row_pairs takes its log scale)
 
     host_t = _global.host_setting(temperature)
     xp, labels, temp, p = _global.agree(

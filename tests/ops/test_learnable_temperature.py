@@ -293,6 +293,52 @@ def test_a_device_temperature_with_group_raises_on_every_rank():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["info_nce", "nt_xent_pairs"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_device_temperature_with_group(op, dtype, reduction):
+    """info_nce and nt_xent_pairs take a CuPy temperature with group= (their rows take its
+    log scale on the device): every rank's loss, its rows' P-scaled gradient and dL/dτ equal
+    the one process's with the same device temperature (float32 1e-5, bf16 2e-2)."""
+    cp = pytest.importorskip("cupy")
+    from emulated_ranks import run
+
+    P, n, d = 3, 64, 32
+    rng = np.random.default_rng(31)
+    dt = cp.float32 if dtype == "float32" else None
+    import ml_dtypes
+
+    cast = (lambda x: cp.asarray(x.astype(np.float32))) if dt is not None else \
+        (lambda x: cp.asarray(x.astype(ml_dtypes.bfloat16)))
+    Q, K = cast(rng.standard_normal((P * n, d))), cast(rng.standard_normal((P * n, d)))
+    L = cp.asarray(rng.integers(0, 9, P * n))
+    t = cp.asarray(np.float32(0.3))
+    up = cp.asarray(rng.uniform(0.5, 1.5, P * n).astype(np.float32)) if reduction == "none" \
+        else 0.7
+    kw = dict(reduction=reduction, normalize=True, temperature_grad=True)
+
+    def call(rows, group=None):
+        if op == "info_nce":
+            loss, ctx = cupynce.info_nce_forward(Q[rows], K[rows], t, group=group, **kw)
+            g = cupynce.info_nce_backward(ctx, up[rows] if reduction == "none" else up)
+            return loss, g[0], g[-1]
+        loss, ctx = cupynce.nt_xent_pairs_forward(Q[rows], L[rows], t, group=group, **kw)
+        dz, dtau = cupynce.nt_xent_pairs_backward(ctx, up[rows] if reduction == "none" else up)
+        return loss, dz, dtau
+
+    out = run(P, lambda comm: call(slice(comm.rank * n, (comm.rank + 1) * n), comm), device=0)
+    want, wq, wt = call(slice(None))
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for r, (loss, dq, dtau) in enumerate(out):
+        sl = slice(r * n, (r + 1) * n)
+        w = want[sl] if reduction == "none" else want
+        assert _rel(cp.asnumpy(loss), cp.asnumpy(w)) <= 1e-5
+        assert _rel(cp.asnumpy(dq).astype(np.float64) / P,
+                    cp.asnumpy(wq[sl]).astype(np.float64)) <= tol
+        assert _scalar_err(cp.asnumpy(dtau), cp.asnumpy(wt)) <= tol
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,n,d", [("float64", 64, 32), ("float32", 512, 64),
                                        ("bfloat16", 512, 64), ("bfloat16", 511, 64)])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
