@@ -466,30 +466,47 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         n = query.shape[0]
         (query, key, negatives), (nq, nk, nneg), (qn, kn, neg_s, neg_p) = _prep_all(
             xp, path, query, key, negatives, normalize)
+        a = acc_dtype(query.dtype)
+        fused = requires_grad and reduction != "none"
+        hard = _hardness(op, hardness_mode, hardness_strength, negatives, n,
+                         replicated_negatives is True, rank, size)
+        base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size, temp=temp,
+                    tgrad=tgrad)
+        rep = bool(replicated_negatives)
+        if _queue_path(in_batch_negatives, eps, hard, negatives, n, temp):
+            # MoCo's rows: no other rank's key is a candidate (none gathered); the queue's
+            # rows (every rank's negatives, or the replicated queue once) beside the own key
+            every = neg_s if rep else comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
+            lse, rows, grads = _queue_rows(xp, path, qn, kn, every, temp.scale,
+                                           weights(xp, None, reduction, n * size, a), fused,
+                                           workspace_bytes)
+            ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
+                          precision=p)
+            if fused:
+                ctx.saved = dict(base, acc=_queue_scatter(comm, grads, neg_s, rep),
+                                 dt=_global.dtemperature(comm, xp, qn, grads[0], temp, 1)
+                                 if tgrad else None)
+            elif requires_grad:
+                ctx.saved = dict(base, xn=(qn, kn, every, None), neg_s=neg_s, lse=lse, t=t,
+                                 ws=workspace_bytes, comm=comm, replicated=rep, queue=True)
+            return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
         others = _global.others(xp, comm.all_gather(kn), rank)
         if neg_s is not None:  # every rank's shared negatives, in rank order, after the keys
             # (replicated ones, the same on every rank: once)
             every = neg_s if replicated_negatives else \
                 comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
             others = every if others is None else xp.concatenate([others, every])
-        masks = dict(smoothing=eps, labels=None, hardness=_hardness(
-            op, hardness_mode, hardness_strength, negatives, n, replicated_negatives is True,
-            rank, size))
+        masks = dict(smoothing=eps, labels=None, hardness=hard)
         if labels is not None:  # the columns' labels: this rank's keys', then the others'
             every_lab = _global.others(xp, comm.all_gather(labels)[:, :, None], rank)
             masks["labels"] = (labels, labels if every_lab is None else
                                xp.concatenate([labels, every_lab.reshape(-1)]))
-        a = acc_dtype(query.dtype)
-        fused = requires_grad and reduction != "none"
         lse, rows, grads = _local.info_nce_block(
             path, qn, kn, others, neg_p, temp.scale, scale_log=temp.scale_log, lse_in=None,
             weights=weights(xp, None, reduction, n * size, a), want_grad=fused,
             workspace_bytes=workspace_bytes, **masks)
         ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
                       precision=p)
-        base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size, temp=temp,
-                    tgrad=tgrad)
-        rep = bool(replicated_negatives)
         if fused:
             ctx.saved = dict(base, acc=_global_scatter(comm, xp, grads, n, neg_s, rep),
                              dt=_global.dtemperature(comm, xp, qn, grads[0], temp, 1)
@@ -516,12 +533,28 @@ def _global_scatter(comm: Comm, xp, grads, n: int, neg_s, replicated: bool = Fal
     return dq, dk, dnp
 
 
+def _queue_scatter(comm: Comm, grads, neg_s, replicated: bool):
+    """MoCo's rows' (dq, dk, dneg) accumulators: the rank's own query and key rows stay (no
+    other rank scores them); the negatives' as :func:`_global_scatter` sends them (a
+    replicated queue's: every rank's summed, over P; else each rank's summed at its owner)."""
+    dq, dk, dneg, _ = grads
+    if replicated:
+        return dq, dk, comm.all_reduce(dneg) / dneg.dtype.type(comm.size)
+    return dq, dk, comm.reduce_scatter(dneg.reshape(comm.size, *neg_s.shape))
+
+
 def _global_acc(ctx: Context, g):
     """The "none" backward's accumulators: the rank's rows weighted by their upstream
     gradients."""
     s, xp = ctx.saved, ctx.xp
     qn, kn, others, neg_p = s["xn"]
     w = weights(xp, g, "none", ctx.n, s["lse"].dtype)
+    if s.get("queue"):
+        grads = _queue_rows(xp, Path(xp), qn, kn, others, s["temp"].scale, w, True, s["ws"],
+                            lse_in=s["lse"])[2]
+        return _queue_scatter(s["comm"], grads, s["neg_s"], s["replicated"]), (
+            (_global.dtemperature(s["comm"], xp, qn, grads[0], s["temp"], 1),)
+            if s["tgrad"] else ())
     _, _, grads = _local.info_nce_block(
         Path(xp), qn, kn, others, neg_p, s["temp"].scale, scale_log=s["temp"].scale_log,
         lse_in=s["lse"], weights=w,

@@ -236,6 +236,43 @@ def test_nt_xent_pairs_numpy(P, reduction, classes, learnable):
     _check_pairs(np, "float64", P, 5, 4, reduction, classes=classes, learnable=learnable)
 
 
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("m", [5, 2])  # (M >= n: MoCo's queue rows; M < n: the labelled rows)
+@pytest.mark.parametrize("learnable", [False, True])
+def test_moco_each_rank_own_negatives_numpy(P, reduction, m, learnable):
+    """in_batch_negatives=False across ranks with each rank's own (not replicated) shared
+    negatives: query i's candidates are key i and every rank's negatives -- one process on
+    the concatenated batch (negatives in rank order); dL/dτ the global one on every rank."""
+    n, d = 4, 5
+    N = n * P
+    Q, K = _batch(np, "float64", (N, d), 41), _batch(np, "float64", (N, d), 42)
+    NS = _batch(np, "float64", (P * m, d), 43)
+    up = _upstream(np, reduction, N, 44, np.float64)
+    t = np.asarray(0.3) if learnable else 0.3
+    kw = dict(in_batch_negatives=False, reduction=reduction, normalize=True,
+              temperature_grad=learnable)
+
+    def rank(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        loss, ctx = cupynce.info_nce_forward(Q[sl], K[sl], t, group=comm,
+                                             negatives=NS[comm.rank * m:(comm.rank + 1) * m],
+                                             **kw)
+        return loss, cupynce.info_nce_backward(ctx, up[sl] if reduction == "none" else up)
+
+    out = run(P, rank)
+    want, ctx = cupynce.info_nce_forward(Q, K, t, negatives=NS, **kw)
+    wg = cupynce.info_nce_backward(ctx, up)
+    for r, (loss, g) in enumerate(out):
+        sl, own = slice(r * n, (r + 1) * n), slice(r * m, (r + 1) * m)
+        assert _err(loss, want[sl] if reduction == "none" else want) <= 1e-12
+        assert _err(g[0] / P, wg[0][sl]) <= 1e-12
+        assert _err(g[1] / P, wg[1][sl]) <= 1e-12
+        assert _err(g[2] / P, wg[2][own]) <= 1e-12
+        if learnable:
+            assert _err(g[3], wg[3]) <= 1e-12
+
+
 def test_supcon_odd_rows_raise_on_every_rank():
     from cupynce.ops import supcon
 
