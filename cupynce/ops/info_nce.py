@@ -95,7 +95,7 @@ def _queue_path(in_batch_negatives: Any, eps: float, hard, negatives, n: int,
     no smoothing or hardness, shared negatives at least as many as the rows, a host scale)
     take :func:`_queue_rows`: the engine's plain row softmax over the queue alone (the score
     tiles where they apply) instead of the labelled row blocks."""
-    return (in_batch_negatives is False and not eps and hard is None and negatives is not None
+    return (not in_batch_negatives and not eps and hard is None and negatives is not None
             and negatives.ndim == 2 and negatives.shape[0] >= n and temp.scale_log is None)
 
 
@@ -211,8 +211,8 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
         logit is ``q̂·ĉ/τ + α·stopgrad(q̂·ĉ)`` -- the softmax sees it, the gradient keeps
         the factor 1/τ.  Query i's *own* candidates are its hard negatives in the library's
         layout: shared negatives i, i + N, i + 2N, ... (M a multiple of N; with ``group``,
-        the rank's own, and replicated negatives are nobody's) and all its per-query
-        negatives.
+        the rank's own) and all its per-query negatives; replicated negatives (a queue) are
+        nobody's, with or without ``group``.
         Penalised: "in_batch_negatives" every candidate but key i and the own ones,
         "hard_negatives" the own ones, "all_negatives" every candidate but key i.  On the GPU
         the row blocks, as with labels.
@@ -251,7 +251,8 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
     labels = _batch_labels(xp, _checks.check_labels("info_nce", labels, n, xp, query),
                            in_batch_negatives, n, query)
     eps = _checks.check_smoothing("info_nce", label_smoothing)
-    hard = _hardness("info_nce", hardness_mode, hardness_strength, negatives, n, False)
+    hard = _hardness("info_nce", hardness_mode, hardness_strength, negatives, n,
+                     replicated_negatives is True)
     path = Path(xp)
     (query, key, negatives), sig = contig_remembered(xp, sig, hit, query, key, negatives)
     fused = requires_grad and reduction != "none"
@@ -350,12 +351,13 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
                                  temperature_grad: bool = False,
                                  precision: Optional[str] = None,
                                  hardness_mode: Optional[str] = None,
-                                 hardness_strength: float = 0.0):
+                                 hardness_strength: float = 0.0,
+                                 replicated_negatives: bool = False):
     """``(dquery, dkey, dnegatives)`` from the inputs and ``ctx.stats[0]`` (row lse) alone.
 
     See :func:`nt_xent_backward_from_stats` (``precision`` too); ``dnegatives`` is None
-    without negatives; ``labels``, ``label_smoothing``, ``in_batch_negatives`` and the
-    hardness as the forward's; with
+    without negatives; ``labels``, ``label_smoothing``, ``in_batch_negatives``, the hardness
+    and ``replicated_negatives`` (whose queue has no owner) as the forward's; with
     ``temperature_grad``, ``dtemperature`` last.
     """
     xp, t, p = _check(query, key, negatives, temperature, reduction, workspace_bytes,
@@ -365,7 +367,9 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
     labels = _batch_labels(xp, _checks.check_labels("info_nce", labels, n, xp, query),
                            in_batch_negatives, n, query)
     eps = _checks.check_smoothing("info_nce", label_smoothing)
-    hard = _hardness("info_nce", hardness_mode, hardness_strength, negatives, n, False)
+    hard = _hardness("info_nce", hardness_mode, hardness_strength, negatives, n,
+                     _checks.check_bool("info_nce", "replicated_negatives",
+                                        replicated_negatives))
     queue = _queue_path(in_batch_negatives, eps, hard, negatives, n, t)
     masks = dict(labels=None if labels is None or queue else (labels, labels), smoothing=eps,
                  hardness=hard)
@@ -379,30 +383,32 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
     return info_nce_backward(ctx, grad_loss)
 
 
-def _torch_forward(query, key, temperature, *, in_batch_negatives: float = 1.0, **kw):
+def _torch_forward(query, key, temperature, *, in_batch_negatives: float = 1.0,
+                   replicated_negatives: float = 0.0, **kw):
     """``cupynce.torch``'s forward: :func:`info_nce_forward` with the schema's
-    ``in_batch_negatives`` (a real, 1.0 / 0.0)."""
+    ``in_batch_negatives`` and ``replicated_negatives`` (reals, 1.0 / 0.0)."""
     return info_nce_forward(query, key, temperature, in_batch_negatives=bool(in_batch_negatives),
-                            **kw)
+                            replicated_negatives=bool(replicated_negatives), **kw)
 
 
 def _torch_backward(query, key, temperature, negatives, lse, grad_loss, *, labels=None,
                     label_smoothing: float = 0.0, hardness_mode: Any = None,
                     hardness_strength: float = 0.0, in_batch_negatives: float = 1.0,
-                    reduction: str = "mean",
+                    replicated_negatives: float = 0.0, reduction: str = "mean",
                     normalize: bool = False, workspace_bytes: Optional[int] = None,
                     precision: Optional[str] = None):
     """``cupynce.torch``'s backward op: ``(dquery, dkey, dtemperature, dnegatives)``, the op's
-    input order (an unwritten 0-d placeholder for a real temperature: no such input needs
+    input order (a zero 0-d placeholder for a real temperature: no such input needs
     one)."""
     kw = dict(temperature=temperature, labels=labels, label_smoothing=label_smoothing,
               hardness_mode=hardness_mode, hardness_strength=hardness_strength,
-              in_batch_negatives=bool(in_batch_negatives), reduction=reduction,
+              in_batch_negatives=bool(in_batch_negatives),
+              replicated_negatives=bool(replicated_negatives), reduction=reduction,
               normalize=normalize, workspace_bytes=workspace_bytes, precision=precision)
     if isinstance(temperature, float):
         xp = _checks.array_module("info_nce", query=query)
         dq, dk, dn = info_nce_backward_from_stats(query, key, negatives, lse, grad_loss, **kw)
-        return dq, dk, xp.empty((), acc_dtype(query.dtype)), dn
+        return dq, dk, xp.zeros((), acc_dtype(query.dtype)), dn
     dq, dk, dn, dt = info_nce_backward_from_stats(query, key, negatives, lse, grad_loss,
                                                   temperature_grad=True, **kw)
     return dq, dk, dt, dn

@@ -258,7 +258,7 @@ def _torch_backward(z, temperature, lse, grad_loss, *, label_smoothing: float = 
                     reduction: str = "mean", normalize: bool = False,
                     workspace_bytes: Optional[int] = None, precision: Optional[str] = None):
     """``cupynce.torch``'s backward op: ``(dz, dtemperature)`` from the inputs and the row
-    log-sum-exps, the temperature an array (its gradient) or a real (an unwritten 0-d
+    log-sum-exps, the temperature an array (its gradient) or a real (a zero 0-d
     placeholder: no such input needs one)."""
     if isinstance(temperature, float):
         dz = nt_xent_backward_from_stats(z, lse, grad_loss, temperature=temperature,
@@ -266,7 +266,7 @@ def _torch_backward(z, temperature, lse, grad_loss, *, label_smoothing: float = 
                                          normalize=normalize, workspace_bytes=workspace_bytes,
                                          precision=precision)
         xp = _checks.array_module("nt_xent", z=z)
-        return dz, xp.empty((), acc_dtype(z.dtype))
+        return dz, xp.zeros((), acc_dtype(z.dtype))
     return nt_xent_backward_from_stats(z, lse, grad_loss, temperature=temperature,
                                        label_smoothing=label_smoothing, reduction=reduction,
                                        normalize=normalize, workspace_bytes=workspace_bytes,

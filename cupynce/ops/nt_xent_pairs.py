@@ -59,10 +59,15 @@ def _pairs(xp, labels, a):
 def _weights(xp, reduction: str, pairs, a, grad_loss=None):
     """The rows' gradient weights as the engine takes them ``(array, stride, multiplier)``:
     "mean" 1 / (number of pairs) (a device scalar; 0 pairs: weight 0 -- the loss is 0 and so
-    is its gradient), "sum" 1, "none" the upstream gradient per row."""
+    is its gradient), "sum" 1, "none" the upstream gradient per row (a real or a 0-d array:
+    the same for every row, stride 0)."""
     if reduction == "none":
-        g = None if grad_loss is None else xp.asarray(grad_loss, dtype=a).reshape(-1)
-        return (g, 1, 1.0) if g is not None else (None, 0, 1.0)
+        if grad_loss is None:
+            return None, 0, 1.0
+        if isinstance(grad_loss, float):
+            return None, 0, grad_loss
+        g = xp.asarray(grad_loss, dtype=a).reshape(-1)
+        return g, (1 if g.size > 1 else 0), 1.0
     if reduction == "sum" and grad_loss is None:
         return None, 0, 1.0
     w = xp.ones((1,), a) if reduction == "sum" else \
@@ -222,14 +227,14 @@ def _torch_forward(z, temperature, *, labels, **kw):
 def _torch_backward(z, temperature, lse, grad_loss, *, labels, reduction: str = "mean",
                     normalize: bool = False, workspace_bytes: Optional[int] = None,
                     precision: Optional[str] = None):
-    """``cupynce.torch``'s backward op: ``(dz, dtemperature)`` (an unwritten 0-d placeholder
+    """``cupynce.torch``'s backward op: ``(dz, dtemperature)`` (a zero 0-d placeholder
     for a real temperature)."""
     kw = dict(labels=labels, temperature=temperature, reduction=reduction,
               normalize=normalize, workspace_bytes=workspace_bytes, precision=precision)
     if isinstance(temperature, float):
         xp = _checks.array_module(OP, z=z)
         return nt_xent_pairs_backward_from_stats(z, lse, grad_loss, **kw), \
-            xp.empty((), acc_dtype(z.dtype))
+            xp.zeros((), acc_dtype(z.dtype))
     return nt_xent_pairs_backward_from_stats(z, lse, grad_loss, temperature_grad=True, **kw)
 
 

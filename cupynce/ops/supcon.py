@@ -232,14 +232,14 @@ def _torch_forward(z, temperature, *, labels, **kw):
 def _torch_backward(z, temperature, lse, grad_loss, *, labels, reduction: str = "mean",
                     normalize: bool = False, workspace_bytes: Optional[int] = None,
                     precision: Optional[str] = None):
-    """``cupynce.torch``'s backward op: ``(dz, dtemperature)`` (an unwritten 0-d placeholder
+    """``cupynce.torch``'s backward op: ``(dz, dtemperature)`` (a zero 0-d placeholder
     for a real temperature: no such input needs one)."""
     kw = dict(labels=labels, temperature=temperature, reduction=reduction,
               normalize=normalize, workspace_bytes=workspace_bytes, precision=precision)
     if isinstance(temperature, float):
         xp = _checks.array_module("supcon_loss", z=z)
         return supcon_backward_from_stats(z, lse, grad_loss, **kw), \
-            xp.empty((), acc_dtype(z.dtype))
+            xp.zeros((), acc_dtype(z.dtype))
     return supcon_backward_from_stats(z, lse, grad_loss, temperature_grad=True, **kw)
 
 

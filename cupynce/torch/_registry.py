@@ -47,11 +47,13 @@ _DIRECT = threading.local()
 
 
 def scalar_placeholder(x: Tensor) -> Optional[Tensor]:
-    """An unwritten 0-d accumulator-dtype placeholder for a scalar's unused gradient output
-    (the fake shows a 0-d); None inside a direct Function's forward (as :func:`empty`)."""
+    """A zero 0-d accumulator-dtype placeholder for a scalar's unused gradient output (the
+    fake shows a 0-d); None inside a direct Function's forward (as :func:`empty`).  Zero, not
+    unwritten: an op's outputs are the same bits on every call (torch.library.opcheck compares
+    them between eager and traced runs; an unwritten one held whatever the allocator had)."""
     if getattr(_DIRECT, "on", False):
         return None
-    return x.new_empty((), dtype=acc_dtype(x.dtype))
+    return x.new_zeros((), dtype=acc_dtype(x.dtype))
 
 
 def empty(x: Tensor) -> Optional[Tensor]:

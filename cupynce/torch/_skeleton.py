@@ -300,8 +300,8 @@ class Loss(Op):
                     out.append(R.fused_stat(x))
                 for x in (*accs, *norms):
                     out.append(R.opt_tensor(x, x0))
-                for x in scalars:  # (None: a real scalar's, never read: an unwritten 0-d for
-                    # the custom op, None in the direct Function, whose replay learns it)
+                for x in scalars:  # (None: a real scalar's, never read: a zero 0-d for the
+                    # custom op, None in the direct Function, whose replay learns it)
                     out.append(B.tensor_of(ctx.xp.asarray(x)) if x is not None else
                                R.scalar_placeholder(x0))
                 return tuple(out)

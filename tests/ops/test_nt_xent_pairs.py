@@ -108,6 +108,22 @@ def test_numpy_row_blocks():
     _check(np, "float64", "mixed", "mean", ws=3 * 10 * 8)
 
 
+@pytest.mark.parametrize("g", [1.0, 0.5, np.asarray(0.5)])
+def test_none_with_a_scalar_upstream_gradient(g):
+    """reduction="none" with a real (the default) or 0-d upstream gradient: every row's
+    weight (from the context and from the statistics alike)."""
+    lab = LABELS["mixed"]
+    z = np.random.default_rng(12).standard_normal((lab.size, 4))
+    want, (wz,) = ref.nt_xent_pairs(z, lab, 0.5, reduction="none", normalize=True,
+                                    grad_loss=np.full(lab.size, float(g)))
+    loss, ctx = core.nt_xent_pairs_forward(z, lab, 0.5, reduction="none", normalize=True)
+    assert _rel(core.nt_xent_pairs_backward(ctx, g), wz) <= 1e-12
+    got = core.nt_xent_pairs_backward_from_stats(z, ctx.stats[0], g, labels=lab,
+                                                 temperature=0.5, reduction="none",
+                                                 normalize=True)
+    assert _rel(got, wz) <= 1e-12
+
+
 def test_temperature_gradient():
     z = np.random.default_rng(6).standard_normal((10, 4))
     lab = LABELS["mixed"]

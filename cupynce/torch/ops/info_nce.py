@@ -3,7 +3,6 @@ autograd, custom ops: ``_skeleton``) and the public function.
 """
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 
 from ... import _checks
@@ -14,13 +13,13 @@ from .. import _skeleton as S
 
 #: the op: query, key, the optional (M, D) / (N, M, D) negatives and (N,) labels, the
 #: temperature, the label smoothing and the hardness weighting (its mode as
-#: ``_checks.HARDNESS_MODES``' code), in_batch_negatives (1.0 / 0.0), the (N,) row
-#: log-sum-exps
+#: ``_checks.HARDNESS_MODES``' code), in_batch_negatives and replicated_negatives (1.0 /
+#: 0.0: which negatives are a query's own), the (N,) row log-sum-exps
 SPEC = S.Loss("info_nce", "InfoNCEFunction", __name__, core,
               inputs=(S.Rows("query"), S.Rows("key"), S.Scalar("temperature"),
                       S.Rows("negatives", optional=True), S.Labels("labels")),
               params=("label_smoothing", "hardness_mode", "hardness_strength",
-                      "in_batch_negatives"), stats=("lse",),
+                      "in_batch_negatives", "replicated_negatives"), stats=("lse",),
               forward="_torch_forward", backward="_torch_backward",
               unit_grads=lambda saved: (saved["acc"], saved["norms"], (saved["dt"],)))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
@@ -105,11 +104,12 @@ def info_nce(query: Tensor, key: Tensor, temperature: Any = 0.1, *,
     B.check_tensors("info_nce", optional=("negatives", "labels", "temperature"), query=query,
                      key=key, negatives=negatives, labels=labels, temperature=t_tensor)
     normalize = _checks.check_bool("info_nce", "normalize", normalize)
-    _checks.check_bool("info_nce", "replicated_negatives", replicated_negatives)
+    replicated = _checks.check_bool("info_nce", "replicated_negatives", replicated_negatives)
     in_batch = _checks.check_bool("info_nce", "in_batch_negatives", in_batch_negatives)
     if not in_batch and labels is not None:
         raise ValueError("info_nce: labels= with in_batch_negatives=False: no in-batch key "
                          "is a candidate, so there is nothing to mask; pass one of them")
     return SPEC(query, key, t_tensor, t_value, negatives, labels, eps, float(hard[0]),
-                hard[1], float(in_batch), reduction, normalize, workspace_bytes,
+                hard[1], float(in_batch), float(replicated), reduction, normalize,
+                workspace_bytes,
                 R.precision_of("info_nce", precision))
