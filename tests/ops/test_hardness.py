@@ -224,3 +224,26 @@ def test_bad_hardness_raises(kw, err, match):
     q, k, _ = _inputs(None)
     with pytest.raises(err, match=match):
         core.info_nce(q, k, 0.3, **kw)
+
+
+def test_a_replicated_queue_is_nobodys_own():
+    """replicated_negatives=True (a queue): no query owns a row of it, with or without
+    group= -- "hard_negatives" weights nothing there, "in_batch_negatives" all of it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_support"))
+    from emulated_ranks import run
+
+    rng = np.random.default_rng(9)
+    q, k, u = rng.standard_normal((4, 5)), rng.standard_normal((4, 5)), rng.standard_normal((8, 5))
+    kw = dict(negatives=u, replicated_negatives=True, hardness_strength=4.0)
+    plain = core.info_nce(q, k, 0.3, negatives=u)
+    assert core.info_nce(q, k, 0.3, hardness_mode="hard_negatives", **kw) == plain
+    every = core.info_nce(q, k, 0.3, hardness_mode="in_batch_negatives", **kw)
+    assert abs(every - core.info_nce(q, k, 0.3, hardness_mode="all_negatives", **kw)) < 1e-13
+    for mode in MODES:
+        one = run(1, lambda comm: core.info_nce(q, k, 0.3, hardness_mode=mode, group=comm,
+                                                **kw))[0]
+        assert abs(float(one) - float(core.info_nce(q, k, 0.3, hardness_mode=mode, **kw))) \
+            <= 1e-12 * abs(float(one))
