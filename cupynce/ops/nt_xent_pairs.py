@@ -35,11 +35,13 @@ __all__ = ["nt_xent_pairs", "nt_xent_pairs_forward", "nt_xent_pairs_backward",
 OP = "nt_xent_pairs"
 
 
-def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision):
+def _check(z, labels, temperature, reduction, workspace_bytes, normalize, precision,
+           min_rows: int = 2):
     xp = _checks.array_module(OP, z=z)
     _checks.check_matrix(OP, "z", z)
-    if z.shape[0] < 2:
-        raise ValueError(f"{OP}: z needs at least 2 rows, got shape {tuple(z.shape)}")
+    if z.shape[0] < min_rows:  # (a rank's share of a global batch: one row will do)
+        raise ValueError(f"{OP}: z needs at least {min_rows} rows, got shape "
+                         f"{tuple(z.shape)}")
     labels = _checks.check_labels(OP, labels, z.shape[0], xp, z)
     if labels is None:
         raise TypeError(f"{OP}: labels are required (an integer array of shape "
@@ -273,7 +275,7 @@ def _global_forward(comm: Comm, z, labels, temperature=0.07, *, reduction="mean"
 
     def checks():
         xp, lab, t, p = _check(z, labels, temperature, reduction, workspace_bytes, normalize,
-                               precision)
+                               precision, min_rows=1)
         _checks.check_bool(OP, "requires_grad", requires_grad)
         _checks.check_bool(OP, "temperature_grad", temperature_grad)
         return xp, lab, t, p  # (a device temperature too: row_pairs takes its log scale)

@@ -236,6 +236,12 @@ def test_nt_xent_pairs_numpy(P, reduction, classes, learnable):
     _check_pairs(np, "float64", P, 5, 4, reduction, classes=classes, learnable=learnable)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_nt_xent_pairs_one_row_a_rank_numpy(reduction):
+    """A rank's share may be one row (the global batch has the pairs)."""
+    _check_pairs(np, "float64", 4, 1, 3, reduction, classes=2)
+
+
 @pytest.mark.parametrize("P", [1, 2, 3])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("m", [5, 2])  # (M >= n: MoCo's queue rows; M < n: the labelled rows)
