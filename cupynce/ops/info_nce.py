@@ -18,8 +18,7 @@ from .. import _checks, config
 from .._engine import side
 from .._engine.kernels import acc_dtype
 from .._engine.losses.row_blocks import Hardness
-from .. import _engine
-from . import _comm, _global, _graphs, _local, _memo, _numpy
+from . import _comm, _global, _graphs, _local, _memo
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     dtemperature, finish_all, in_ctx_precision, prep, reduce,
                     reduce_out, require, temperature_input, temperature_result, weights)
@@ -112,7 +111,7 @@ def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, l
     ``lse, loss, (dq, dk, dneg, None)``."""
     n, m = qn.shape[0], neg_s.shape[0]
     a = acc_dtype(qn.dtype)
-    dots = _engine_pair_dots(xp, qn, kn)
+    dots = _local.engine_for(xp).pair_dots(qn, kn)
     pos = dots * a.type(scale)
     kw = dict(exclude_diag=False, pos_shift=0, pos_mod=m, workspace_bytes=ws, op="info_nce")
     lse = lse_in
@@ -133,13 +132,6 @@ def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, l
     dq += wv[:, None] * neg_s[:n].astype(a) + c[:, None] * ka
     dneg[:n] += wv[:, None] * qa
     return lse, loss, (dq, c[:, None] * qa, dneg, None)
-
-
-def _engine_pair_dots(xp, an, bn):
-    """The raw dots a_i · b_i (n,) in the accumulator dtype, on the arrays' device."""
-    if xp is np:
-        return _numpy.pair_dots(an, bn)
-    return _engine.pair_dots(an, bn)
 
 
 def _batch_labels(xp, labels, in_batch_negatives: Any, n: int, like):

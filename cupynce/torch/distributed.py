@@ -259,11 +259,12 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
     return _run(op, group, checks, fwd, [query, key, negatives, _tensor(temperature)])
 
 
-def supcon_loss(z: Any, labels: Any, temperature: Any, reduction: Any, normalize: Any,
-                workspace_bytes: Any, group, precision: Any = None) -> Tensor:
-    """``cupynce.torch.supcon_loss(..., group=group)`` (see the module notes; ``labels`` are
-    each rank's rows', gathered with them)."""
-    op = "supcon_loss"
+def _labelled_rows(op: str, forward: Callable, z: Any, labels: Any, temperature: Any,
+                   reduction: Any, normalize: Any, workspace_bytes: Any, group,
+                   precision: Any) -> Tensor:
+    """A global loss of one side of rows with their (n,) labels (SupCon, the pair-wise
+    NT-Xent): ``forward`` the core's ``*_forward(z, labels, temperature, ...)``; the labels are
+    each rank's rows', gathered with them by the core."""
     p: List[Any] = [None]
     tt: List[Any] = [None, 0.0]
 
@@ -276,38 +277,26 @@ def supcon_loss(z: Any, labels: Any, temperature: Any, reduction: Any, normalize
 
     def fwd(comm, z_, t_arr, requires_grad):
         lab = B.array_of(labels) if isinstance(labels, Tensor) else labels
-        return supcon_op.supcon_forward(z_, lab, _temperature_arg(t_arr, tt),
-                                        temperature_grad=t_arr is not None and requires_grad,
-                                        reduction=reduction,
-                                        normalize=normalize, workspace_bytes=workspace_bytes,
-                                        requires_grad=requires_grad, group=comm,
-                                        precision=p[0])
+        return forward(z_, lab, _temperature_arg(t_arr, tt),
+                       temperature_grad=t_arr is not None and requires_grad,
+                       reduction=reduction, normalize=normalize,
+                       workspace_bytes=workspace_bytes, requires_grad=requires_grad,
+                       group=comm, precision=p[0])
     return _run(op, group, checks, fwd, [z, _tensor(temperature)])
+
+
+def supcon_loss(z: Any, labels: Any, temperature: Any, reduction: Any, normalize: Any,
+                workspace_bytes: Any, group, precision: Any = None) -> Tensor:
+    """``cupynce.torch.supcon_loss(..., group=group)`` (see the module notes)."""
+    return _labelled_rows("supcon_loss", supcon_op.supcon_forward, z, labels, temperature,
+                          reduction, normalize, workspace_bytes, group, precision)
 
 
 def nt_xent_pairs(z: Any, labels: Any, temperature: Any, reduction: Any, normalize: Any,
-                workspace_bytes: Any, group, precision: Any = None) -> Tensor:
-    """``cupynce.torch.nt_xent_pairs(..., group=group)`` (see the module notes; ``labels`` are
-    each rank's rows', gathered with them)."""
-    op = "nt_xent_pairs"
-    p: List[Any] = [None]
-    tt: List[Any] = [None, 0.0]
-
-    def checks():
-        _temperature(op, temperature, tt)
-        R.scalars(op, reduction, workspace_bytes)
-        _checks.check_bool(op, "normalize", normalize)
-        B.check_tensors(op, z=z, labels=labels)
-        p[0] = R.precision_of(op, precision)
-
-    def fwd(comm, z_, t_arr, requires_grad):
-        lab = B.array_of(labels) if isinstance(labels, Tensor) else labels
-        return pairs_op.nt_xent_pairs_forward(
-            z_, lab, _temperature_arg(t_arr, tt),
-            temperature_grad=t_arr is not None and requires_grad, reduction=reduction,
-            normalize=normalize, workspace_bytes=workspace_bytes, requires_grad=requires_grad,
-            group=comm, precision=p[0])
-    return _run(op, group, checks, fwd, [z, _tensor(temperature)])
+                  workspace_bytes: Any, group, precision: Any = None) -> Tensor:
+    """``cupynce.torch.nt_xent_pairs(..., group=group)`` (see the module notes)."""
+    return _labelled_rows("nt_xent_pairs", pairs_op.nt_xent_pairs_forward, z, labels,
+                          temperature, reduction, normalize, workspace_bytes, group, precision)
 
 
 def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
