@@ -128,6 +128,9 @@ class Config:
     #: a fused 16-bit CLIP call at D >= this runs the cuBLAS row blocks that keep the whole
     #: score matrix where it fits the workspace (three products), not the tiles (four)
     keep_scores_min_dim: int = 2048
+    #: CLIP's ``labels=`` on the score tiles (masked in their epilogues) where the tiles
+    #: apply (False: the cuBLAS row blocks with ``clip_mask``, as before)
+    clip_labels_tiles: bool = True
     #: a fused 16-bit NT-Xent call at D >= this and N · D >= the minimum keeps its scores
     #: where they fit (two cuBLAS products), not the tiles (two slower product-equivalents)
     nt_xent_keep_min_dim: int = 4096

@@ -114,18 +114,30 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     raw positive dots of every column (the tile path's column shift), and ``col_state``
     returns the columns' (2, Nc) (m, s) state over these rows in place of lse_c and the row
     losses in place of pair_loss; the backward takes the merged column lse (:func:`col_lse`).
-    See :func:`row_blocks.clip`.  ``labels`` (CLIP's same-label pairs left out): the row
-    blocks alone for now (the score tiles' epilogues do not take them).
+    See :func:`row_blocks.clip`.  ``labels`` (CLIP's same-label pairs left out): on the
+    score tiles too (their ``lse2`` / ``clip`` epilogues mask in registers) where
+    ``config.clip_labels_tiles`` and :func:`_clip_labels_tiles` allow, else the row blocks.
     """
     kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_loss=want_loss,
               want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0,
               col_shift=col_shift, col_state=col_state)
-    if labels is not None:
+    if labels is not None and not _clip_labels_tiles(an, bn, want_loss, row0, col_shift):
         return row_blocks.clip(an, bn, ls, labels=labels, **kw)
     if tiling.tiles_ok(an, bn) and not _clip_keeps_scores(an, bn, want_loss, want_grad,
                                                           workspace_bytes, row0, col_state):
-        return score_tiles.clip(an, bn, ls() if callable(ls) else ls, **kw)
-    return row_blocks.clip(an, bn, ls, **kw)
+        return score_tiles.clip(an, bn, ls() if callable(ls) else ls, labels=labels, **kw)
+    return row_blocks.clip(an, bn, ls, labels=labels, **kw)
+
+
+def _clip_labels_tiles(an, bn, want_loss: bool, row0: int, col_shift) -> bool:
+    """Whether a CLIP call with ``labels`` may take the score tiles (the rest of the choice
+    is :func:`clip`'s, as without labels): ``config.clip_labels_tiles``, and a statistics
+    pass has its column shift -- given (a rank's block: ``ops.clip`` gathers the pairs' dots)
+    or computable here (square: ``score_tiles.clip``'s ``paired_dots``)."""
+    if not config.current().clip_labels_tiles:
+        return False
+    return (not want_loss or col_shift is not None
+            or (row0 == 0 and an.shape[0] == bn.shape[0]))
 
 
 def _clip_keeps_scores(an, bn, want_loss: bool, want_grad: bool, workspace_bytes, row0: int,

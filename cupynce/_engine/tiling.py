@@ -101,12 +101,13 @@ def grid_splits_for(row_tiles: int, col_tiles: int, slots: int) -> int:
 
 #: The contrastive tile kernels' arguments: one by-value struct (``TileArgs`` in tiles.cu),
 #: packed with ``struct`` -- one parameter for CuPy to marshal instead of 31 (~20 us less
-#: host time per launch).  14 pointers, 6 int64, 9 int32, 2 float32, padded to 8 bytes;
-#: ``TILE_ARGS_FIELDS`` is the declaration order (a GPU test checks the offsets).
-TILE_ARGS_FORMAT = "<14Q6q9i2f4x"
+#: host time per launch).  16 pointers, 6 int64, 9 int32, 2 float32, padded to 8 bytes
+#: (224 bytes); ``TILE_ARGS_FIELDS`` is the declaration order (a GPU test checks the offsets).
+#: ``lab_r`` / ``lab_c``: CLIP's int64 labels (the ``lse2`` and ``clip`` stages; 0: none).
+TILE_ARGS_FORMAT = "<16Q6q9i2f4x"
 TILE_ARGS_FIELDS = (
     "A", "B1", "B2", "scale_log", "part_m", "part_s", "pos_out", "colp_m", "colp_s",
-    "lse_row", "lse_col", "w_ptr", "g", "dsp_part",
+    "lse_row", "lse_col", "w_ptr", "g", "dsp_part", "lab_r", "lab_c",
     "lda", "ldb1", "ldb2", "part_ld", "w_stride", "ldg",
     "rows", "row0", "n1", "n2", "d", "exclude_diag", "pos_shift", "pos_mod", "tri",
     "scale_mul", "w_mul")

@@ -392,8 +392,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         block = _engine.clip if path.gpu else numpy_clip
         # the texts and the pairs' raw dots a_j·b_j of every rank (the tile path's column shift)
         b_all = comm.all_gather(bn).reshape(n * size, -1)
-        # (with labels the row blocks run, which take no column shift)
-        dots = None if masks else comm.all_gather(engine.pair_dots(an, bn)).reshape(-1)
+        # (with labels too: the tiles take them, config.clip_labels_tiles)
+        dots = comm.all_gather(engine.pair_dots(an, bn)).reshape(-1)
         lse_r, state, row_loss, _ = block(
             an, b_all, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
             want_grad=False, workspace_bytes=workspace_bytes, row0=rank * n, col_shift=dots,

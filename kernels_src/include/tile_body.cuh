@@ -6,7 +6,8 @@
 #pragma once
 #include "include/tile_epilogue.cuh"
 
-template <typename T, int MODE, bool WG, typename IX = int>
+// LAB: a kernel that takes CLIP's labels (lab_r / lab_c; LSE2 / CLIP, epi_ctx)
+template <typename T, int MODE, bool WG, typename IX = int, bool LAB = false>
 __device__ __forceinline__ void tile_body(
     const T* __restrict__ A, i64 lda, int rows, int row0,
     const T* __restrict__ B1, i64 ldb1, int n1,
@@ -20,7 +21,8 @@ __device__ __forceinline__ void tile_body(
     T* __restrict__ g, i64 ldg, float* __restrict__ dsp_part,
     const unsigned char* __restrict__ mask = 0, const T* __restrict__ bias = 0, int act = 0,
     IX* __restrict__ arg = 0, int sp_batches = 0, int sp_per = 0, int sp_group = 1,
-    int tri = 0)
+    int tri = 0, const long long* __restrict__ lab_r = 0,
+    const long long* __restrict__ lab_c = 0)
 {
     // G / H / CLIP on wgmma write their 16-bit tile through shared memory (stmatrix, then
     // 16-byte coalesced stores): the last of the WSTAGES stage slots becomes that staging
@@ -78,9 +80,9 @@ __device__ __forceinline__ void tile_body(
     const int my_tiles = ntiles > split ? (ntiles - split + splits - 1) / splits : 0;
     const int KT = (d + TBK - 1) / TBK;
     const int total = my_tiles * KT;
-    const EpiCtx<T> ep = epi_ctx<T, MODE>(g, ldg, part_m, part_s, part_ld, pos_out, colp_m,
+    const EpiCtx<T> ep = epi_ctx<T, MODE, LAB>(g, ldg, part_m, part_s, part_ld, pos_out, colp_m,
         colp_s, dsp_part, rows, row0, ncols, m0, split, exclude_diag, scale_mul, scale_log,
-        lse_col, w_mul, tri);
+        lse_col, w_mul, tri, lab_r, lab_c);
     L loop;
     loop.init(smem, lane, warp);
     // SOUT: the staging tile of the thread's warpgroup, in the last stage slot of the

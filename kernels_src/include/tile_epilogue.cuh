@@ -82,10 +82,13 @@ __host__ __device__ __forceinline__ int tri_count(int i, int ct) {
 }
 
 // The contrastive tile kernels take their arguments as one struct passed by value: one
-// kernel parameter for CuPy to marshal instead of 31 (the launch's host time).  Layout:
+// kernel parameter for CuPy to marshal instead of 33 (the launch's host time).  Layout:
 // pointers, then 64-bit integers, then 32-bit fields -- no padding inside; Python packs it
-// with struct format "<14Q6q9i2f4x" (_engine/tiles.py TILE_ARGS_*; a GPU test compares the
-// offsets through cpn_tile_args_layout).
+// with struct format "<16Q6q9i2f4x" (_engine/tiling.py TILE_ARGS_*; a GPU test compares the
+// offsets through cpn_tile_args_layout).  lab_r / lab_c: CLIP's labels (LSE2 and CLIP, 16-bit
+// only; null: none), int64, lab_r indexed by the global row, lab_c by the column: a score
+// whose row and column labels agree, other than the row's positive (col == row), leaves both
+// softmaxes (see label_bits).
 // The TF32x3 tiles' products (tiles_ws_tf32.cu) come out low by this fraction on average:
 // each wgmma k8 step truncates its sum toward zero, and a promoted 32-wide chunk (12 steps,
 // the last 4 at the chunk's magnitude) keeps the loss, the same sign in every chunk, so it
@@ -103,6 +106,7 @@ template <typename T> struct TileArgs {
     const T* A; const T* B1; const T* B2; const float* scale_log;
     float* part_m; float* part_s; float* pos_out; float* colp_m; float* colp_s;
     const float* lse_row; const float* lse_col; const float* w_ptr; T* g; float* dsp_part;
+    const long long* lab_r; const long long* lab_c;
     i64 lda, ldb1, ldb2, part_ld, w_stride, ldg;
     int rows, row0, n1, n2, d, exclude_diag, pos_shift, pos_mod, tri;
     float scale_mul, w_mul;
@@ -113,20 +117,29 @@ template <typename T> struct TileArgs {
 template <typename T> struct EpiCtx {
     T* g;
     float *part_m, *part_s, *pos_out, *colp_m, *colp_s, *dsp_part;
+    const long long *lab_r, *lab_c;  // CLIP's labels (LSE2 / CLIP, 16-bit; else null)
     i64 part_ld, ldg;
     int rows, row0, ncols, m0, split, exclude_diag;
     float scale, sl2, sl2lo, sbias, sb2, w_mul;
     bool sg_loss, sg_grad, tri;
 };
 
-template <typename T, int MODE>
+// LAB: the kernel takes CLIP's labels (the `_lab` kernels of LSE2 / CLIP; lab_r null there
+// still means none).  Every other kernel has ep.lab_r = null as a constant, so the label code
+// of the epilogue compiles out of it: the same code as before labels existed (a run-time
+// null test alone left the no-labels kernels more spills on their hot paths: the label
+// block's registers beside the 128 accumulators).
+template <typename T, int MODE, bool LAB = false>
 __device__ __forceinline__ EpiCtx<T> epi_ctx(
     T* g, i64 ldg, float* part_m, float* part_s, i64 part_ld, float* pos_out, float* colp_m,
     float* colp_s, float* dsp_part, int rows, int row0, int ncols, int m0, int split,
     int exclude_diag, float scale_mul, const float* scale_log, const float* lse_col,
-    float w_mul, int tri) {
+    float w_mul, int tri, const long long* lab_r, const long long* lab_c) {
     EpiCtx<T> ep;
     ep.g = g; ep.ldg = ldg; ep.part_m = part_m; ep.part_s = part_s; ep.part_ld = part_ld;
+    const bool lab = LAB && (MODE == MODE_LSE2 || MODE == MODE_CLIP) && sizeof(T) == 2 && lab_r;
+    ep.lab_r = lab ? lab_r : 0;
+    ep.lab_c = lab ? lab_c : 0;
     ep.pos_out = pos_out; ep.colp_m = colp_m; ep.colp_s = colp_s; ep.dsp_part = dsp_part;
     ep.rows = rows; ep.row0 = row0; ep.ncols = ncols; ep.m0 = m0; ep.split = split;
     ep.exclude_diag = exclude_diag; ep.w_mul = w_mul;
@@ -234,6 +247,63 @@ __device__ __forceinline__ void colv_values(float (&v)[4], const ColRaw& r, floa
     v[3] = r.llo;
 }
 
+// CLIP's labels on one tile (ep.lab_r set: LSE2 and CLIP, 16-bit): bit 2j + e of mb[i][h] is
+// set where the thread's score (i, h, j, e) -- global row gi[i][h], column c = n0 + cbase +
+// 8j + 2cq + e < nlim -- has lab_r[row] == lab_c[c] and c != row (the row's positive, column
+// row in both CLIP stages, stays), as clip_mask (stats.cu) leaves it out of the row blocks.
+// Each thread reads its 2I row labels and its 2J column labels once per tile (8 N bytes
+// each: L1 / L2 hits) and compares them in registers; rows past the end get no bits.
+// Returns whether any bit is set (the caller makes such a tile `special`).
+template <typename L>
+__device__ __forceinline__ bool label_bits(unsigned (&mb)[L::I][2],
+                                           const long long* __restrict__ lab_r,
+                                           const long long* __restrict__ lab_c,
+                                           const int (&gi)[L::I][2], const bool (&rv)[L::I][2],
+                                           int n0, int nlim, int cbase, int cq) {
+    enum { I = L::I, J = L::J };
+    static_assert(2 * J <= 32, "label_bits: one 32-bit mask per row");
+    long long rlab[I][2];
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            // (the row index made opaque: the addresses, hoisted out of the tile loop, cost
+            // long-lived registers -- spills -- for one load a tile)
+            int gr = gi[i][h];
+            asm volatile("" : "+r"(gr));
+            rlab[i][h] = rv[i][h] ? __ldg(lab_r + gr) : 0ll;
+            mb[i][h] = 0u;
+        }
+    const int c0 = n0 + cbase + 2 * cq;  // the thread's first column
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = c0 + j * 8 + e;
+            if (col < nlim) {
+                const long long lc = __ldg(lab_c + col);
+#pragma unroll
+                for (int i = 0; i < I; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        if (lc == rlab[i][h]) mb[i][h] |= 1u << (j * 2 + e);
+            }
+        }
+    bool any = false;
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            // the positive (column == row) keeps its score: clear its bit where it is ours
+            const int dd = gi[i][h] - c0;
+            if (dd >= 0 && dd < 8 * J && (dd & 6) == 0)
+                mb[i][h] &= ~(1u << ((dd >> 3) * 2 + (dd & 1)));
+            if (!rv[i][h]) mb[i][h] = 0u;
+            any |= mb[i][h] != 0u;
+        }
+    return any;
+}
+
 // The epilogue of one 128 x 128 tile (columns n0 .. n0 + 127, those at or past nlim absent) for
 // every MODE but SPMAX: acc in L's fragment layout, rs the thread's rows, cv the tile's column
 // values (colv_values, in shared memory: cv[k][column]), red the LSE2 column-partial scratch
@@ -283,7 +353,34 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
 #pragma unroll
         for (int h = 0; h < 2; ++h)
             special |= (unsigned)(gi[i][h] - n0) < TBN || (unsigned)(pr[i][h] - n0) < TBN;
+    // CLIP's labels (ep.lab_r: a constant null in every kernel but the LSE2 / CLIP `_lab`
+    // ones, where this compiles out, epi_ctx): the masked scores' bits (label_bits); a tile
+    // holding one is special -- the checked copies only, no colfast, no one-exp2 CLIP path
+    unsigned mb[I][2];
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mb[i][h] = 0u;
+    const bool labs = ep.lab_r != 0;  // (uniform: one test a tile)
+    if (labs) special |= label_bits<L>(mb, ep.lab_r, ep.lab_c, gi, rv, n0, nlim, cbase, cq);
     special = __any_sync(0xffffffffu, special);
+    // LSE2: a masked score becomes -inf in the accumulators themselves, so that the row pass
+    // and every column-partial path below (all of which read acc) leave it out: t = -inf
+    // (+inf raw when sl2 < 0; sl2 = 0 gives NaN, as clip_mask's -inf times a zero scale)
+    if (MODE == MODE_LSE2 && labs && special) {
+        const float mval = sl2 < 0.f ? -ninf : ninf;
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                if (mb[i][h]) {
+#pragma unroll
+                    for (int j = 0; j < J; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if ((mb[i][h] >> (j * 2 + e)) & 1u) acc[i][j][h * 2 + e] = mval;
+                }
+    }
     // LSE2 on an unchecked tile (`colfast`): the column sums reuse the row pass's
     // exponentials, 2^(t_ij - c_j) = 2^(t_ij - m_i) 2^(m_i - M) 2^(M - c_j) with M the
     // warp's largest running row max: one exp2 per score instead of two.  Taken when
@@ -656,6 +753,9 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
                                     if (C && col == pos) p -= wi[i][h] + wc[j * 8 + e];
                                     x = scale * p;
                                 }
+                            } else if (C && ((mb[i][h] >> (j * 2 + e)) & 1u)) {
+                                x = 0.f;  // CLIP, a masked score (labels): G = 0, and no
+                                          // G t in the scale's sum (0 * -inf)
                             } else {  // MODE_CLIP
                                 float G = wi[i][h] * exp2f(t - li2[i][h])
                                         + wc[j * 8 + e] * exp2f(t - lc2[j * 8 + e]);

@@ -249,7 +249,7 @@ __device__ __forceinline__ void WsOps16<T>::mm_store(const P& p, const float (&a
 // last (SIGLIP without g, the loss alone, never touches it: not reserved); a stage is
 // Ops::stage_bytes(AR) (16-bit: AR ? 16 : 32 KiB; the TMA fills Ops::tx_bytes(AR) of it),
 // KT = ceil(d / Ops::KSTEP).
-template <typename T, int MODE, bool PP, typename Ops>
+template <typename T, int MODE, bool PP, typename Ops, bool LAB = false>
 __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& p, int ring) {
     typedef WsLayout L;
     enum { I = L::I, J = L::J, NCG = L::NCG,
@@ -349,9 +349,9 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
     // ---------------- consumer warpgroups ----------------
     asm volatile("setmaxnreg.inc.sync.aligned.u32 " WS_STR(WS_CONS_REGS) ";\n" ::: "memory");
     const int c = warp >> 2, lt = tid & 127, gq = lane >> 2;
-    const EpiCtx<T> ep = epi_ctx<T, MODE>(p.g, p.ldg, p.part_m, p.part_s, p.part_ld, p.pos_out,
+    const EpiCtx<T> ep = epi_ctx<T, MODE, LAB>(p.g, p.ldg, p.part_m, p.part_s, p.part_ld, p.pos_out,
         p.colp_m, p.colp_s, p.dsp_part, p.rows, p.row0, ncols, m0, split, p.exclude_diag,
-        p.scale_mul, p.scale_log, p.lse_col, p.w_mul, p.tri);
+        p.scale_mul, p.scale_log, p.lse_col, p.w_mul, p.tri, p.lab_r, p.lab_c);
     RowState<I> rs;
     rows_init<T, MODE, L>(rs, ep, p.lse_row, p.w_ptr, p.w_stride, p.pos_shift, p.pos_mod, warp, gq);
     char* const sout = (char*)ws_smem + (rbase + ST * SB - sw_smem(ws_smem)) + c * WS_SOUT_BYTES(MODE);
@@ -410,14 +410,17 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
     }
 }
 // the 16-bit kernels (tiles_ws.cu): maps of A, B1 and B2
-template <typename T, int MODE, bool PP>
+template <typename T, int MODE, bool PP, bool LAB = false>
 __device__ __forceinline__ void tile_ws(const TmaMap& ta, const TmaMap& tb1, const TmaMap& tb2,
                                         const TileArgs<T>& p, int ring) {
     WsOps16<T> ops;
     ops.ta = &ta; ops.tb1 = &tb1; ops.tb2 = &tb2;
-    tile_ws_walk<T, MODE, PP>(ops, p, ring);
+    tile_ws_walk<T, MODE, PP, WsOps16<T>, LAB>(ops, p, ring);
 }
 #define CPN_WS_BODY(T, MODE) tile_ws<T, MODE, true>(L.a, L.b1, L.b2, L.p, L.ring)
+// (the `_lab` kernels: CLIP's labels, epi_ctx)
+#define CPN_WS_BODY_LAB(T, MODE) tile_ws<T, MODE, true, true>(L.a, L.b1, L.b2, L.p, L.ring)
 #else
 #define CPN_WS_BODY(T, MODE) __trap()  // not an sm_90a build: Python never launches these
+#define CPN_WS_BODY_LAB(T, MODE) __trap()
 #endif

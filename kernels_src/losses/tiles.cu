@@ -24,6 +24,8 @@
 //              H_ij = s (w_i p_ij + w_j p_ji - (w_i + w_j) [j = pos(i)]), H_ii = 0,
 //              p_ji = exp(l_ij - lse_j), so dZ = H Z is one product
 //   MODE_CLIP  CLIP's gradient block s G_ij and the row partials of sum_j G_ij L_ij
+//              (LSE2 and CLIP also as `_lab` kernels: CLIP's labels, TileArgs lab_r / lab_c,
+//              same-label scores off the positive left out -- label_bits, tile_epilogue.cuh)
 //   MODE_SIGLIP SigLIP, one pass (no statistics): with L = s S_ij + beta (beta at lse_col[0])
 //              and z = +1 on the positive, -1 elsewhere, the row partials of the loss
 //              sum_j softplus(-z L) (part_m), of dbias sum_j G_ij (part_s) and of dscale
@@ -117,7 +119,7 @@ __device__ __forceinline__ void tile_sum_body(
     p.A, p.lda, p.rows, p.row0, p.B1, p.ldb1, p.n1, p.B2, p.ldb2, p.n2, p.d, p.scale_mul,  \
     p.scale_log, p.exclude_diag, p.pos_shift, p.pos_mod, p.part_m, p.part_s, p.part_ld,    \
     p.pos_out, p.colp_m, p.colp_s, p.lse_row, p.lse_col, p.w_ptr, p.w_stride, p.w_mul,     \
-    p.g, p.ldg, p.dsp_part, 0, 0, 0, (int*)0, 0, 0, 1, p.tri
+    p.g, p.ldg, p.dsp_part, 0, 0, 0, (int*)0, 0, 0, 1, p.tri, p.lab_r, p.lab_c
 
 #define CPN_TA_OFF(f) (int)((const char*)&x.f - (const char*)&x)
 // offsets of TileArgs' fields in declaration order, then its size (the layout test)
@@ -126,7 +128,8 @@ template <typename T> __device__ void tile_args_layout(int* out) {
     const int o[] = {CPN_TA_OFF(A), CPN_TA_OFF(B1), CPN_TA_OFF(B2), CPN_TA_OFF(scale_log),
         CPN_TA_OFF(part_m), CPN_TA_OFF(part_s), CPN_TA_OFF(pos_out), CPN_TA_OFF(colp_m),
         CPN_TA_OFF(colp_s), CPN_TA_OFF(lse_row), CPN_TA_OFF(lse_col), CPN_TA_OFF(w_ptr),
-        CPN_TA_OFF(g), CPN_TA_OFF(dsp_part), CPN_TA_OFF(lda), CPN_TA_OFF(ldb1),
+        CPN_TA_OFF(g), CPN_TA_OFF(dsp_part), CPN_TA_OFF(lab_r), CPN_TA_OFF(lab_c),
+        CPN_TA_OFF(lda), CPN_TA_OFF(ldb1),
         CPN_TA_OFF(ldb2), CPN_TA_OFF(part_ld), CPN_TA_OFF(w_stride), CPN_TA_OFF(ldg),
         CPN_TA_OFF(rows), CPN_TA_OFF(row0), CPN_TA_OFF(n1), CPN_TA_OFF(n2), CPN_TA_OFF(d),
         CPN_TA_OFF(exclude_diag), CPN_TA_OFF(pos_shift), CPN_TA_OFF(pos_mod), CPN_TA_OFF(tri),
@@ -162,6 +165,14 @@ extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_h_##SUF(      
     CPN_TILE_ARGS(T)) { tile_body<T, MODE_H, true>(CPN_TILE_PASS); }                       \
 extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_clip_##SUF(              \
     CPN_TILE_ARGS(T)) { tile_body<T, MODE_CLIP, true>(CPN_TILE_PASS); }                    \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_lse2_lab_##SUF(            \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_LSE2, false, int, true>(CPN_TILE_PASS); }        \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_tile_clip_lab_##SUF(            \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_CLIP, false, int, true>(CPN_TILE_PASS); }        \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_lse2_lab_##SUF(          \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_LSE2, true, int, true>(CPN_TILE_PASS); }         \
+extern "C" __global__ void __launch_bounds__(TTHREADS) cpn_wgtile_clip_lab_##SUF(          \
+    CPN_TILE_ARGS(T)) { tile_body<T, MODE_CLIP, true, int, true>(CPN_TILE_PASS); }         \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_tile_finish_##SUF(             \
     const float* part_m, const float* part_s, i64 part_ld, int splits, int rows,           \
     const float* pos, float* lse, float* loss) {                                           \

@@ -10,12 +10,14 @@
 //   128 x 64 boxes, 128-byte swizzle (cupynce/_engine/tma.py); p the TileArgs of tiles.cu;
 //   ring = stages | A-resident << 8.
 //   Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory as tile_ws.cuh says.
+//   cpn_wstile_{lse2,clip}_lab_<dtype>: the same with CLIP's labels (TileArgs lab_r / lab_c,
+//   tile_epilogue.cuh's label_bits); the plain kernels compile the label code out.
 // cpn-dtypes: f16 bf16
 #include "include/tile_ws.cuh"
 
 // (NVRTC has no offsetof: the members are laid out in order without gaps)
-static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<f16_t>) == 208 &&
-              sizeof(TileArgs<bf16_t>) == 208 && sizeof(WsLaunch<f16_t>) == 768 &&
+static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<f16_t>) == 224 &&
+              sizeof(TileArgs<bf16_t>) == 224 && sizeof(WsLaunch<f16_t>) == 768 &&
               sizeof(WsLaunch<bf16_t>) == 768, "WsLaunch's layout is tiles.launch_blob's");
 #define CPN_WS_ARGS(T) const __grid_constant__ WsLaunch<T> L
 #define CPN_DEFINE_WS(SUF, T)                                                              \
@@ -30,7 +32,11 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_h_##SUF( 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_clip_##SUF(         \
     CPN_WS_ARGS(T)) { CPN_WS_BODY(T, MODE_CLIP); }                                         \
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_siglip_##SUF(       \
-    CPN_WS_ARGS(T)) { CPN_WS_BODY(T, MODE_SIGLIP); }
+    CPN_WS_ARGS(T)) { CPN_WS_BODY(T, MODE_SIGLIP); }                                       \
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_lse2_lab_##SUF(     \
+    CPN_WS_ARGS(T)) { CPN_WS_BODY_LAB(T, MODE_LSE2); }                                     \
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) cpn_wstile_clip_lab_##SUF(     \
+    CPN_WS_ARGS(T)) { CPN_WS_BODY_LAB(T, MODE_CLIP); }
 
 CPN_DEFINE_WS(f16, f16_t)
 CPN_DEFINE_WS(bf16, bf16_t)

@@ -395,10 +395,10 @@ struct WsF16Launch {
     const float* colf;
     const float* ufac;  // one more factor of every product (a device scalar; null: 1)
 };
-// (p at 512, ring at 720, comp at 724, rowf at 728, colf at 736, ufac at 744, padded to 768)
+// (p at 512, ring at 736, comp at 740, rowf at 744, colf at 752, ufac at 760: 768 exactly)
 // (NVRTC has no offsetof here: the members are laid out in order without gaps, 8-byte
 // pointers after the two 4-byte fields)
-static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<float>) == 208 &&
+static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<float>) == 224 &&
               sizeof(WsF16Launch) == 768, "WsF16Launch's layout is tiles_f16x3.py's");
 
 #define CPN_DEFINE_WS_F16(SUF)                                                             \

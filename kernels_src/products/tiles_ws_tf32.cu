@@ -260,8 +260,8 @@ struct WsTf32Launch {
     TileArgs<float> p;
     int ring;
 };
-// (members in order, no gaps: p at 4 x 128 = 512, ring at 512 + 208 = 720, padded to 768)
-static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<float>) == 208 &&
+// (members in order, no gaps: p at 4 x 128 = 512, ring at 512 + 224 = 736, padded to 768)
+static_assert(sizeof(TmaMap) == 128 && sizeof(TileArgs<float>) == 224 &&
               sizeof(WsTf32Launch) == 768, "WsTf32Launch's layout is tiles.launch_blob's");
 #define CPN_WS_TF32_ARGS const __grid_constant__ WsTf32Launch L
 #define CPN_DEFINE_WS_TF32(SUF)                                                            \

@@ -685,9 +685,9 @@ def test_launch_blob_layout():
     maps = [np.frombuffer(bytes([k + 1]) * 128, tiling.tma.TENSOR_MAP_DTYPE) for k in range(4)]
     raw = bytes(range(tiling.TILE_ARGS_DTYPE.itemsize))
     b = tiling.launch_blob(maps, raw, 0x1234 | 256, b"\x07\x08").tobytes()
-    # (the C side's numbers: TileArgs 208 bytes, the ring at 720, F16x3's comp at 724)
+    # (the C side's numbers: TileArgs 224 bytes, the ring at 736, F16x3's comp at 740)
     assert len(b) == tiling.LAUNCH_BYTES == 768 and tiling.LAUNCH_ARGS_AT == 512
-    assert len(raw) == 208 and tiling._RING.size == 4
+    assert len(raw) == 224 and tiling._RING.size == 4
     assert all(b[128 * k:128 * (k + 1)] == bytes([k + 1]) * 128 for k in range(4))
     at = tiling.LAUNCH_ARGS_AT
     assert b[at:at + len(raw)] == raw
@@ -699,11 +699,11 @@ def test_launch_blob_layout():
     with pytest.raises(ValueError, match="launch_blob: 4 maps"):
         tiling.launch_blob(maps, raw + b"x", 0)
     with pytest.raises(ValueError, match="launch_blob: 4 maps"):  # (a tail past 768 bytes)
-        tiling.launch_blob(maps, raw, 0, bytes(768 - 720 - 4 + 1))
+        tiling.launch_blob(maps, raw, 0, bytes(768 - 736 - 4 + 1))
     from cupynce._engine.gemm import f16x3
-    tail = f16x3._TAIL.pack(1.5, 1, 2, 3)  # comp, rowf, colf, ufac at 724, 728, 736, 744
+    tail = f16x3._TAIL.pack(1.5, 1, 2, 3)  # comp, rowf, colf, ufac at 740, 744, 752, 760
     b = tiling.launch_blob(maps, raw, 7, tail).tobytes()
-    assert int.from_bytes(b[720:724], "little") == 7 and b[724:752] == tail
+    assert int.from_bytes(b[736:740], "little") == 7 and b[740:768] == tail
 
 
 def test_ws_switches_key_cuda_graphs():

@@ -585,7 +585,7 @@ def test_tile_args_struct_layout_matches_kernel(dtype):
     out = cp.full((len(fields) + 1,), -1, cp.int32)
     get_kernel(score_tiles.FILE, "tile_args_layout", dtype)((1,), (1,), (out,))
     got = [int(v) for v in cp.asnumpy(out)]
-    fmt = tiling.TILE_ARGS_FORMAT  # "<14Q6q9i2f4x": the offsets the packer uses, field by field
+    fmt = tiling.TILE_ARGS_FORMAT  # "<16Q6q9i2f4x": the offsets the packer uses, field by field
     codes = "".join(c * int(n) for n, c in re.findall(r"(\d+)([Qqif])", fmt))
     assert len(codes) == len(fields)
     want = [struct.calcsize("<" + codes[:i]) for i in range(len(codes))]

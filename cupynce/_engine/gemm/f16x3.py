@@ -41,8 +41,8 @@ FILE = "products/tiles_ws_f16x3.cu"
 KSTEP = 64
 
 #: the fields of the kernels' one parameter, ``WsF16Launch``, after the ring
-#: (``tf32x3.launch_packed`` packs the rest: maps, TileArgs at 512, ring at 720): comp at
-#: 724, rowf at 728, colf at 736, ufac at 744; 768 bytes in all
+#: (``tf32x3.launch_packed`` packs the rest: maps, TileArgs at 512, ring at 736): comp at
+#: 740, rowf at 744, colf at 752, ufac at 760; 768 bytes in all
 _TAIL = struct.Struct("<fQQQ")
 # the products are scaled by 1 + ``config.f16x3_trunc`` in the store (the launch's ``comp``): the mean loss of
 # the tensor cores' truncating adds, as ``CPN_TF32X3_TRUNC`` for the TF32x3 tiles.  Measured

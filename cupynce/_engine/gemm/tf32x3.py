@@ -175,7 +175,7 @@ def args(a_hi, b_hi, *, rows: int, n1: int, d: int, scale: float, scale_log=None
     w_arr, w_stride, w_mul = weights
     return pack_tile_args(
         a_hi.data.ptr, b_hi.data.ptr, b_hi.data.ptr, ptr(scale_log), part[0], part[1], pos_out,
-        colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), 0,
+        colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), 0, 0, 0,
         ld(a_hi), ld(b_hi), ld(b_hi), part[2], w_stride, 0 if g is None else ld(g),
         rows, row0, n1, 0, d, int(exclude_diag), pos_shift, pos_mod, int(tri), scale, w_mul)
 

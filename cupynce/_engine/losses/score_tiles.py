@@ -136,8 +136,11 @@ def _plan_2d(op: str, rows: int, cols: int, itemsize: int,
 def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale_log=None,
          exclude_diag: bool = False, pos_shift: int = 0, pos_mod: int = 1,
          part=(0, 0, 0), pos_out=0, colp=(0, 0), lse_row=None, lse_col=None,
-         weights=(None, 0, 0.0), g=None, dsp=0, tri: bool = False) -> None:
-    """Launch ``cpn_tile_<stage>`` over rows ``a`` (global row ``row0`` first) x columns b1|b2."""
+         weights=(None, 0, 0.0), g=None, dsp=0, tri: bool = False, labels=(0, 0)) -> None:
+    """Launch ``cpn_tile_<stage>`` over rows ``a`` (global row ``row0`` first) x columns b1|b2.
+    ``labels``: CLIP's (row, column) int64 label pointers (``lse2`` / ``clip``; 0: none), the
+    row labels read at the global row, the column labels at the column: given, the stage's
+    ``_lab`` kernel runs (the plain kernels compile the label code out)."""
     rows, d = a.shape
     w_arr, w_stride, w_mul = weights
     n2 = 0 if b2 is None else b2.shape[0]
@@ -146,13 +149,15 @@ def tile(stage: str, t, grid, a, row0: int, b1, b2, *, scale: float = 1.0, scale
     raw = pack_tile_args(
         a.data.ptr, b1.data.ptr, b2.data.ptr, ptr(scale_log), part[0], part[1], pos_out,
         colp[0], colp[1], ptr(lse_row), ptr(lse_col), ptr(w_arr), ptr(g), dsp,
-        ld(a), ld(b1), ld(b2), part[2], w_stride, 0 if g is None else ld(g),
+        labels[0], labels[1], ld(a), ld(b1), ld(b2), part[2], w_stride, 0 if g is None else ld(g),
         rows, row0, b1.shape[0], n2, d, int(exclude_diag), pos_shift, pos_mod, int(tri),
         scale, w_mul)
+    lab = bool(labels[0])
     if stage in config.current().ws_stages and wstile() and ws_launch(
-            stage, t, grid, a, b1, b2, n2, raw, block=g is not None):
+            stage, t, grid, a, b1, b2, n2, raw, block=g is not None, lab=lab):
         return
-    tile_launch(FILE, stage, t, grid, (np.frombuffer(raw, TILE_ARGS_DTYPE),))
+    tile_launch(FILE, stage + "_lab" if lab else stage, t, grid,
+                (np.frombuffer(raw, TILE_ARGS_DTYPE),))
 
 
 def wstile() -> bool:
@@ -184,9 +189,11 @@ def ws_ring(stage: str, d: int, static_smem: int, smem_max: int,
     return (st, 1024 + st * 32768 + sout) if st >= 2 else None
 
 
-def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, raw: bytes, block: bool = True) -> bool:
+def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, raw: bytes, block: bool = True,
+              lab: bool = False) -> bool:
     """Launch ``cpn_wstile_<stage>`` of ``tiles_ws.cu`` with the packed TileArgs ``raw``
-    (``block``: they give a gradient block, see ws_ring); False (nothing launched) where it
+    (``block``: they give a gradient block, see ws_ring; ``lab``: its ``_lab`` kernel, CLIP's
+    labels in ``raw``, the same ring); False (nothing launched) where it
     does not apply: B2's columns after n1 % 8 != 0 for a stage writing the gradient block (its
     16-byte stores would straddle n1), row coordinates past 2^31 - 128, a tensor map the
     driver refuses, or no ring that fits."""
@@ -199,7 +206,7 @@ def ws_launch(stage: str, t, grid, a, b1, b2, n2: int, raw: bytes, block: bool =
     tb2 = tile_map(b2) if n2 else tb1
     if ta is None or tb1 is None or tb2 is None:
         return False
-    kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}", t)
+    kern = kernels.get_kernel(WS_FILE, f"wstile_{stage}_lab" if lab else f"wstile_{stage}", t)
     ring = ws_ring(stage, a.shape[1], *ws_smem(kern), block=block)
     if ring is None:
         return False
@@ -360,11 +367,16 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
 
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
-         workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False):
+         workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
+         labels=None):
     """:func:`row_blocks.clip` on the tile kernels: row and column statistics in one pass.
 
     ``col_shift`` (tiles only): the raw positive dots a_j·b_j of every column, which the
     column pass shifts its exponentials by (computed here when None: square problems).
+    ``labels`` (row labels indexed by the global row, column labels; int64): the same-label
+    scores off the positive leave both softmaxes and get no gradient, masked in the
+    epilogues of both stages (``label_bits`` in tile_epilogue.cuh) as ``clip_mask`` masks
+    the row blocks' scores.  (UNVALIDATED draft: see DRAFT_NOTES.md.)
     """
     import cupy as cp
 
@@ -372,6 +384,10 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     n, d = an.shape
     nc = bn.shape[0]
     nt, ct = -(-n // TILE), -(-nc // TILE)
+    lab_r = lab_c = 0  # the label pointers (0: no labels)
+    if labels is not None:
+        labs = [cp.ascontiguousarray(x, dtype=np.int64) for x in labels]  # (kept alive)
+        lab_r, lab_c = ptr(labs[0]), ptr(labs[1])
     pair_loss = state = None
     if want_loss:
         # column partials: one (m, s) pair per (row tile, column) of the rows in flight
@@ -402,7 +418,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
             rt = -(-(r1 - r0) // TILE)
             tile("lse2", t, (rt, splits), an[r0:r1], row0 + r0, bn, None, scale_log=ls,
                   pos_mod=nc, part=(part + 4 * r0, part_s + 4 * r0, n),
-                  pos_out=pos + 4 * r0, colp=(colp, colp_s), lse_col=dots)
+                  pos_out=pos + 4 * r0, colp=(colp, colp_s), lse_col=dots,
+                  labels=(lab_r, lab_c))
             if col_m is not None:  # fold into the running column state
                 kernels.launch(ROWS_FILE, "col_combine", t, (-(-nc // 32),), (
                     colp, colp_s, np.int32(rt), np.int32(nc), col_m, col_m[1],
@@ -443,11 +460,14 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 g_blk = g_buf[:r1 - r0, :c1 - c0]
                 # the block as its own problem: columns c0.. numbered from 0, so the rows from
                 # row0 + r0 - c0 (the diagonal test), and the per-index arrays shifted by c0
+                # (the labels too: the kernel reads lab_r at row0 + r0 - c0 + r, lab_c at the
+                # block's column)
                 tile("clip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
                      scale_log=ls, pos_mod=nc, lse_row=lse_r.data.ptr - 4 * (row0 - c0),
                      lse_col=lse_c.data.ptr + 4 * c0,
                      weights=(shifted(w_arr, w_stride, c0), w_stride, w_mul),
-                     g=g_blk, dsp=dpart[k].data.ptr, part=(0, 0, r1 - r0))
+                     g=g_blk, dsp=dpart[k].data.ptr, part=(0, 0, r1 - r0),
+                     labels=(lab_r and lab_r + 8 * c0, lab_c and lab_c + 8 * c0))
                 k += sp
 
                 def products(da, db, r0=r0, r1=r1, c0=c0, c1=c1, g_blk=g_blk):
