@@ -121,7 +121,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_loss=want_loss,
               want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0,
               col_shift=col_shift, col_state=col_state)
-    if labels is not None and not _clip_labels_tiles(an, bn, want_loss, row0, col_shift):
+    if labels is not None and not _clip_labels_tiles(an, bn, want_loss, row0, col_shift,
+                                                     labels):
         return row_blocks.clip(an, bn, ls, labels=labels, **kw)
     if tiling.tiles_ok(an, bn) and not _clip_keeps_scores(an, bn, want_loss, want_grad,
                                                           workspace_bytes, row0, col_state):
@@ -129,12 +130,14 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     return row_blocks.clip(an, bn, ls, labels=labels, **kw)
 
 
-def _clip_labels_tiles(an, bn, want_loss: bool, row0: int, col_shift) -> bool:
+def _clip_labels_tiles(an, bn, want_loss: bool, row0: int, col_shift, labels) -> bool:
     """Whether a CLIP call with ``labels`` may take the score tiles (the rest of the choice
-    is :func:`clip`'s, as without labels): ``config.clip_labels_tiles``, and a statistics
-    pass has its column shift -- given (a rank's block: ``ops.clip`` gathers the pairs' dots)
-    or computable here (square: ``score_tiles.clip``'s ``paired_dots``)."""
-    if not config.current().clip_labels_tiles:
+    is :func:`clip`'s, as without labels): ``config.clip_labels_tiles``, one array for the
+    rows' and the columns' labels (the tiles read both from it: ``ops.clip`` passes one),
+    and a statistics pass has its column shift -- given (a rank's block: ``ops.clip``
+    gathers the pairs' dots) or computable here (square: ``score_tiles.clip``'s
+    ``paired_dots``)."""
+    if not config.current().clip_labels_tiles or labels[0] is not labels[1]:
         return False
     return (not want_loss or col_shift is not None
             or (row0 == 0 and an.shape[0] == bn.shape[0]))

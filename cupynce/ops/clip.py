@@ -173,10 +173,12 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0, labels
     labels : None or an integer (N,) array of the inputs' kind (on their device)
         Pair i's label: a pair (i, j), j ≠ i, of one label is no negative in either
         direction (left out of row i's and column j's softmax): duplicates and false
-        negatives (captions of one image, one class).  On the GPU the cuBLAS row blocks
-        (a mask kernel after each score product; the score tiles do not take it yet) and no
-        CUDA-graph replay; with ``group`` each rank passes its pairs' labels (gathered with
-        the texts).  With ``label_smoothing`` ε is spread over each pair's candidates left
+        negatives (captions of one image, one class).  On the GPU the 16-bit score tiles
+        mask in their epilogues (a tile whose rows and columns cannot share a label, by
+        their 128-block label ranges, reads none), the cuBLAS row blocks with a mask kernel
+        after each score product (float32 / float64, ``config.clip_labels_tiles=False``);
+        the labels are an input of the CUDA-graph replay; with ``group`` each rank passes
+        its pairs' labels (gathered with the texts).  With ``label_smoothing`` ε is spread over each pair's candidates left
         after the mask (class sums, O(N·D)); that pair not yet with ``group``.
     reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
@@ -225,7 +227,8 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0, labels
 
     host_value = ls if host_ls else None  # (a graph plan keeps compute: no device array)
 
-    def compute(a, b, ls_in=host_value, *, defer: bool = False):
+    def compute(a, b, ls_in=host_value, lab=None, *, defer: bool = False):
+        masks = dict(labels=(lab, lab)) if lab is not None else {}
         an, na = prep(path, a, normalize)
         bn, nb = prep(path, b, normalize)
         # defer: the GPU engine makes the device scale once its first product is issued
@@ -253,14 +256,22 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0, labels
 
     with config.float32_precision(p):  # (the graph key carries it too)
         # (nothing kept that aliases the inputs; the smoothing's array ops are no graph's)
-        if path.gpu and (fused or not requires_grad) and not eps and not masks:
+        lab = masks["labels"][0] if masks else None
+        if path.gpu and (fused or not requires_grad) and not eps:
+            # (the labels, an input of the graph when given: their layout is (n,) int64 in
+            # order, _checks.check_labels, so sig and the flag below key it)
+            ins = ((a, b) if host_ls else (a, b, ls)) + (() if lab is None else (lab,))
+            nls = 2 if host_ls else 3
+
+            def graphed(*xs):
+                return compute(*xs[:nls], lab=xs[nls] if len(xs) > nls else None,
+                               defer=True)[0]
             outs = _graphs.run(
                 ("clip_loss", ls if host_ls else None, reduction, normalize, workspace_bytes,
-                 fused), (a, b) if host_ls else (a, b, ls),
-                lambda *xs: compute(*xs, defer=True)[0],
+                 fused, lab is not None), ins, graphed,
                 est_bytes=_score_block_bytes(a, acc, workspace_bytes), layout=sig)
         else:
-            outs, kept = compute(a, b, ls)
+            outs, kept = compute(a, b, ls, lab)
     loss, lse_r, lse_c, da, db, dscale, na, nb = outs
     ctx = Context("clip_loss", reduction, n, xp,
                   stats=(lse_r, lse_c) if requires_grad else (), precision=p)

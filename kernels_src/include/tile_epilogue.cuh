@@ -86,9 +86,9 @@ __host__ __device__ __forceinline__ int tri_count(int i, int ct) {
 // pointers, then 64-bit integers, then 32-bit fields -- no padding inside; Python packs it
 // with struct format "<16Q6q9i2f4x" (_engine/tiling.py TILE_ARGS_*; a GPU test compares the
 // offsets through cpn_tile_args_layout).  lab_r / lab_c: CLIP's labels (LSE2 and CLIP, 16-bit
-// only; null: none), int64, lab_r indexed by the global row, lab_c by the column: a score
-// whose row and column labels agree, other than the row's positive (col == row), leaves both
-// softmaxes (see label_bits).
+// only; null: none): lab_c the int64 labels of rows and columns (one index space), lab_r their
+// 128-block key ranges (cpn_label_ranges, stats.cu): a score whose row and column labels
+// agree, other than the row's positive (col == row), leaves both softmaxes (see label_bits).
 // The TF32x3 tiles' products (tiles_ws_tf32.cu) come out low by this fraction on average:
 // each wgmma k8 step truncates its sum toward zero, and a promoted 32-wide chunk (12 steps,
 // the last 4 at the chunk's magnitude) keeps the loss, the same sign in every chunk, so it
@@ -249,19 +249,37 @@ __device__ __forceinline__ void colv_values(float (&v)[4], const ColRaw& r, floa
 
 // CLIP's labels on one tile (ep.lab_r set: LSE2 and CLIP, 16-bit): bit 2j + e of mb[i][h] is
 // set where the thread's score (i, h, j, e) -- global row gi[i][h], column c = n0 + cbase +
-// 8j + 2cq + e < nlim -- has lab_r[row] == lab_c[c] and c != row (the row's positive, column
+// 8j + 2cq + e < nlim -- has lab[row] == lab[c] and c != row (the row's positive, column
 // row in both CLIP stages, stays), as clip_mask (stats.cu) leaves it out of the row blocks.
-// Each thread reads its 2I row labels and its 2J column labels once per tile (8 N bytes
-// each: L1 / L2 hits) and compares them in registers; rows past the end get no bits.
+// lab (ep.lab_c) holds the labels of rows and columns alike (CLIP: one index space); rng
+// (ep.lab_r, cpn_label_ranges) holds, for each index, the (min, max) of the labels' low 32
+// bits over its aligned 128-block.  The tile's rows ra..rb and columns span at most two
+// such blocks each: where the two key ranges are disjoint no pair can be equal and the tile
+// reads no label (4 broadcast loads: most tiles where labels come grouped, as duplicates and
+// views do).  Else each thread reads its 2I row labels and its 2J column labels (L1 / L2
+// hits) and compares them in registers; rows past the end get no bits.
 // Returns whether any bit is set (the caller makes such a tile `special`).
 template <typename L>
 __device__ __forceinline__ bool label_bits(unsigned (&mb)[L::I][2],
-                                           const long long* __restrict__ lab_r,
-                                           const long long* __restrict__ lab_c,
+                                           const long long* __restrict__ rng,
+                                           const long long* __restrict__ lab,
                                            const int (&gi)[L::I][2], const bool (&rv)[L::I][2],
-                                           int n0, int nlim, int cbase, int cq) {
+                                           int ra, int rb, int n0, int nlim, int cbase, int cq) {
     enum { I = L::I, J = L::J };
     static_assert(2 * J <= 32, "label_bits: one 32-bit mask per row");
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mb[i][h] = 0u;
+    {   // the prefilter: the key ranges of the tile's rows and columns (uniform in the tile)
+        const unsigned long long r1 = __ldg(rng + ra), r2 = __ldg(rng + rb);
+        const unsigned long long c1 = __ldg(rng + n0), c2 = __ldg(rng + min(n0 + TBN, nlim) - 1);
+        const int rlo = min((int)(unsigned)(r1 >> 32), (int)(unsigned)(r2 >> 32));
+        const int rhi = max((int)(unsigned)r1, (int)(unsigned)r2);
+        const int clo = min((int)(unsigned)(c1 >> 32), (int)(unsigned)(c2 >> 32));
+        const int chi = max((int)(unsigned)c1, (int)(unsigned)c2);
+        if (rlo > chi || clo > rhi) return false;
+    }
     long long rlab[I][2];
 #pragma unroll
     for (int i = 0; i < I; ++i)
@@ -271,8 +289,7 @@ __device__ __forceinline__ bool label_bits(unsigned (&mb)[L::I][2],
             // long-lived registers -- spills -- for one load a tile)
             int gr = gi[i][h];
             asm volatile("" : "+r"(gr));
-            rlab[i][h] = rv[i][h] ? __ldg(lab_r + gr) : 0ll;
-            mb[i][h] = 0u;
+            rlab[i][h] = rv[i][h] ? __ldg(lab + gr) : 0ll;
         }
     const int c0 = n0 + cbase + 2 * cq;  // the thread's first column
 #pragma unroll
@@ -281,7 +298,7 @@ __device__ __forceinline__ bool label_bits(unsigned (&mb)[L::I][2],
         for (int e = 0; e < 2; ++e) {
             const int col = c0 + j * 8 + e;
             if (col < nlim) {
-                const long long lc = __ldg(lab_c + col);
+                const long long lc = __ldg(lab + col);
 #pragma unroll
                 for (int i = 0; i < I; ++i)
 #pragma unroll
@@ -362,7 +379,9 @@ __device__ __forceinline__ void tile_epilogue(const EpiCtx<T>& ep, RowState<L::I
 #pragma unroll
         for (int h = 0; h < 2; ++h) mb[i][h] = 0u;
     const bool labs = ep.lab_r != 0;  // (uniform: one test a tile)
-    if (labs) special |= label_bits<L>(mb, ep.lab_r, ep.lab_c, gi, rv, n0, nlim, cbase, cq);
+    if (labs)
+        special |= label_bits<L>(mb, ep.lab_r, ep.lab_c, gi, rv, row0 + m0,
+                                 row0 + min(m0 + TBM, rows) - 1, n0, nlim, cbase, cq);
     special = __any_sync(0xffffffffu, special);
     // LSE2: a masked score becomes -inf in the accumulators themselves, so that the row pass
     // and every column-partial path below (all of which read acc) leave it out: t = -inf

@@ -195,6 +195,30 @@ __device__ __forceinline__ void clip_mask_body(A* s, i64 ld, int n, int row0,
         if (j != i && lab_c[j] == li) row[j] = -cpn_inf<A>();
 }
 
+// CLIP's labels on the score tiles (label_bits, tile_epilogue.cuh): out[i] = the (min, max)
+// of the keys k = (int) low 32 bits of lab[j] over i's aligned 128-block, packed as
+// (min << 32) | (unsigned) max.  Equal labels have equal keys, so a tile whose rows' key range
+// and columns' key range are disjoint holds no same-label pair.  One 128-thread block a
+// 128-block; a thread past n takes the block's first key (no effect on the range).
+extern "C" __global__ void __launch_bounds__(128) cpn_label_ranges(
+    const i64* __restrict__ lab, int n, unsigned long long* __restrict__ out)
+{
+    __shared__ int smin[4], smax[4];
+    const int i0 = blockIdx.x * 128, i = i0 + threadIdx.x;
+    const int k = (int)(unsigned)(unsigned long long)lab[i < n ? i : i0];
+    int mn = k, mx = k;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+        mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    }
+    if ((threadIdx.x & 31) == 0) { smin[threadIdx.x >> 5] = mn; smax[threadIdx.x >> 5] = mx; }
+    __syncthreads();
+    mn = min(min(smin[0], smin[1]), min(smin[2], smin[3]));
+    mx = max(max(smax[0], smax[1]), max(smax[2], smax[3]));
+    if (i < n) out[i] = ((unsigned long long)(unsigned)mn << 32) | (unsigned)mx;
+}
+
 // Row and column statistics of a score block in one read (CLIP's, and a global NT-Xent's
 // cross-rank blocks'): row_softmax's lse / loss of each row (no diagonal excluded, no second
 // segment, no gradient) and the column partials col_combine folds (online LSEs over chunks

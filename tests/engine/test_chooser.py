@@ -88,18 +88,23 @@ def test_graph_estimates_count_the_kept_scores(configure):
 
 
 def test_clip_labels_take_the_tiles_where_a_column_shift_exists(configure):
-    """CLIP's labels= on the score tiles (``config.clip_labels_tiles``, default on; DRAFT,
-    the kernels' masking is checked on the GPU: tests/ops/test_clip_labels.py): where the
+    """CLIP's labels= on the score tiles (``config.clip_labels_tiles``, default on; the
+    kernels' masking is checked on the GPU: tests/ops/test_clip_labels.py): where the
     statistics pass has its column shift -- square problems compute it, a rank's block
     (row0, more columns than rows) must be given it -- and always for a gradient pass alone."""
     n, d = 200, 64
     a, b_all = _rows(n, d), _rows(3 * n, d)
-    on_tiles = _engine._clip_labels_tiles
+    lab = np.zeros(3 * n, np.int64)
+    labs = (lab, lab)
+
+    def on_tiles(*args, labels=labs):
+        return _engine._clip_labels_tiles(*args, labels)
     assert on_tiles(a, a, True, 0, None), "square: score_tiles.clip computes the shift"
     assert not on_tiles(a, b_all, True, n, None), "a rank's block without the pairs' dots"
     assert not on_tiles(a, b_all, True, 0, None), "rank 0's block: more columns than rows"
     assert on_tiles(a, b_all, True, n, np.zeros(3 * n, np.float32)), "the dots given"
     assert on_tiles(a, b_all, False, n, None), "the gradient pass takes no shift"
+    assert not on_tiles(a, a, True, 0, None, labels=(lab, lab.copy())), "two label arrays"
     configure(clip_labels_tiles=False)
     assert not on_tiles(a, a, True, 0, None)
     assert not on_tiles(a, b_all, False, n, None)

@@ -145,6 +145,8 @@ def inputs(op, n, d, dtype, seed=0, ls_kind="array"):
     if op == "siglip_loss":
         lb = cp.asarray(np.float32(-10.0 + seed)) if ls_kind == "array" else -10.0 + seed
         return (mat(n), mat(n), ls, lb), {}
+    if op == "clip_labels":  # (the labels an input of the graph: a seed's own values)
+        return (mat(n), mat(n), ls), {"labels": cp.asarray(rng.integers(0, n // 3, n))}
     return (mat(n), mat(n), ls), {}
 
 
@@ -167,7 +169,7 @@ def step(op, args, kw, *, normalize=False, reduction="mean", requires_grad=True)
         grads = cupynce.siglip_loss_backward(ctx, g) if requires_grad else ()
     else:
         loss, ctx = cupynce.clip_loss_forward(*args, normalize=normalize, reduction=reduction,
-                                              requires_grad=requires_grad)
+                                              requires_grad=requires_grad, **kw)
         grads = cupynce.clip_loss_backward(ctx, g) if requires_grad else ()
     return [bits(loss)] + [bits(s) for s in ctx.stats] + [bits(x) for x in grads]
 
@@ -187,7 +189,7 @@ def plain(fn):
         return fn()
 
 
-OPS = ["nt_xent", "info_nce", "info_nce_neg", "clip_loss", "siglip_loss"]
+OPS = ["nt_xent", "info_nce", "info_nce_neg", "clip_loss", "clip_labels", "siglip_loss"]
 
 
 @gpu
@@ -240,7 +242,7 @@ def test_inputs_read_afresh_and_outputs_kept(op):
         loss, ctx = (cupynce.nt_xent_forward(args[0], 0.2) if op == "nt_xent" else
                      cupynce.info_nce_forward(args[0], args[1], 0.1, **kw)
                      if op.startswith("info_nce") else cupynce.siglip_loss_forward(*args)
-                     if op == "siglip_loss" else cupynce.clip_loss_forward(*args))
+                     if op == "siglip_loss" else cupynce.clip_loss_forward(*args, **kw))
         outs.append((loss, ctx.stats))
     assert _graphs.info()["plans"] == 1
     for (loss, stats), w in zip(outs, want):

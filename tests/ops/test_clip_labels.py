@@ -201,3 +201,40 @@ def test_bad_labels_raise(labels, err, match):
     a = np.ones((4, 3))
     with pytest.raises(err, match=match):
         core.clip_loss(a, a, 1.0, labels=labels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("loop", ["ws", "wgmma", "mma"])
+@pytest.mark.parametrize("n,classes", [(300, "4"), (300, "280"), (1000, "40"), (1000, "grouped"),
+                                       (777, "negative"), (500, "high")])
+@pytest.mark.parametrize("ws", [None, 256 * 1024])
+@pytest.mark.parametrize("on_tiles", [True, False])
+def test_cupy_labels_on_the_score_tiles(dtype, loop, n, classes, ws, on_tiles, monkeypatch):
+    """The score tiles' label epilogues (``config.clip_labels_tiles``) on every main loop
+    (warp-specialised, cp.async wgmma, mma.sync), N not a multiple of the 128-row tile, few
+    random classes (a masked pair in every tile) and many, grouped labels (most tiles skip
+    the labels: their 128-block key ranges are disjoint), negative ones, labels equal in
+    their low 32 bits (the ranges' keys) but not above; one column block and several
+    (``ws``); ``on_tiles=False``: the row blocks, the A/B.  The route taken is asserted."""
+    import cupy as cp
+
+    from cupynce import config
+    from cupynce._engine.losses import row_blocks, score_tiles
+
+    calls = {"tiles": 0, "rows": 0}
+    for mod, key in ((score_tiles, "tiles"), (row_blocks, "rows")):
+        orig = mod.clip
+
+        def spy(*args, _orig=orig, _key=key, **kw):
+            calls[_key] += kw.get("labels") is not None
+            return _orig(*args, **kw)
+        monkeypatch.setattr(mod, "clip", spy)
+    rng = np.random.default_rng(n)
+    lab = {"grouped": np.arange(n) // 3, "negative": np.arange(n) // 5 - 100,
+           "high": (rng.integers(0, 3, n) << 32) + np.arange(n) // 4,
+           }.get(classes) if not classes.isdigit() else rng.integers(0, int(classes), n)
+    loops = {"ws": {}, "wgmma": dict(ws_tiles=False), "mma": dict(wgmma=False)}[loop]
+    with config.override(tiles=True, clip_labels_tiles=on_tiles, **loops):
+        _check(cp, dtype, "mean", True, True, n=n, d=64, labels=lab, ws=ws)
+    assert calls["tiles" if on_tiles else "rows"] > 0 and calls["rows" if on_tiles else "tiles"] == 0

@@ -366,6 +366,21 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
     return lse, loss, (dq, dk, dns, None)
 
 
+def label_ranges(labels):
+    """CLIP's labels for the tile kernels: the contiguous int64 labels and, for each index,
+    the (min, max) of the labels' low 32 bits over its aligned 128-block (uint64, packed:
+    ``cpn_label_ranges``), which lets a tile whose rows and columns cannot share a label
+    skip the labels (``label_bits``)."""
+    import cupy as cp
+
+    lab = cp.ascontiguousarray(labels, dtype=np.int64)
+    rng = cp.empty(lab.shape[0], np.uint64)
+    if lab.shape[0]:
+        kernels.get_function(ROWS_FILE, "cpn_label_ranges")(
+            (-(-lab.shape[0] // 128),), (128,), (lab, np.int32(lab.shape[0]), rng))
+    return lab, rng
+
+
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
          workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
          labels=None):
@@ -373,10 +388,11 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
 
     ``col_shift`` (tiles only): the raw positive dots a_j·b_j of every column, which the
     column pass shifts its exponentials by (computed here when None: square problems).
-    ``labels`` (row labels indexed by the global row, column labels; int64): the same-label
-    scores off the positive leave both softmaxes and get no gradient, masked in the
-    epilogues of both stages (``label_bits`` in tile_epilogue.cuh) as ``clip_mask`` masks
-    the row blocks' scores.  (UNVALIDATED draft: see DRAFT_NOTES.md.)
+    ``labels`` (the pair (row labels, column labels) of one array, indexed by the global row
+    and by the column alike): the same-label scores off the positive leave both softmaxes
+    and get no gradient, masked in the epilogues of both stages (``label_bits`` in
+    tile_epilogue.cuh; :func:`label_ranges` lets most tiles skip the labels) as
+    ``clip_mask`` masks the row blocks' scores.
     """
     import cupy as cp
 
@@ -385,9 +401,9 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     nc = bn.shape[0]
     nt, ct = -(-n // TILE), -(-nc // TILE)
     lab_r = lab_c = 0  # the label pointers (0: no labels)
-    if labels is not None:
-        labs = [cp.ascontiguousarray(x, dtype=np.int64) for x in labels]  # (kept alive)
-        lab_r, lab_c = ptr(labs[0]), ptr(labs[1])
+    if labels is not None:  # (kept alive below: lab, rng)
+        lab, rng = label_ranges(labels[1])
+        lab_r, lab_c = ptr(rng), ptr(lab)
     pair_loss = state = None
     if want_loss:
         # column partials: one (m, s) pair per (row tile, column) of the rows in flight
