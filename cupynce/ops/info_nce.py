@@ -107,10 +107,16 @@ def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, l
     softmax is right at every negative; the stand-in's "−1 at column i" is undone and the
     key's column added, O(N·D): dq_i += w_i s (neg_i + (p_i − 1) k_i), dneg_i += w_i s q_i,
     dk_i = w_i s (p_i − 1) q_i, with w_i s the row's weight times the scale and p_i the key's
-    probability.  Deterministic (each fix-up touches one row).  Returns the engine's
-    ``lse, loss, (dq, dk, dneg, None)``."""
+    probability.  Deterministic (each fix-up touches one row).  On the GPU the workspace
+    defaults to ``config.tile_workspace_bytes`` (the gradient block in row blocks).  Returns
+    the engine's ``lse, loss, (dq, dk, dneg, None)``."""
     n, m = qn.shape[0], neg_s.shape[0]
     a = acc_dtype(qn.dtype)
+    if ws is None and xp is not np:
+        # (the N x M gradient block under the CLIP / SigLIP tiles' default budget, not the
+        # general cap: a 4096 x 65536 bf16 queue's whole block is 512 MiB, eager PyTorch's
+        # logits and their gradient ~1.5 GiB)
+        ws = config.current().tile_workspace_bytes
     dots = _local.engine_for(xp).pair_dots(qn, kn)
     pos = dots * a.type(scale)
     kw = dict(exclude_diag=False, pos_shift=0, pos_mod=m, workspace_bytes=ws, op="info_nce")
