@@ -53,16 +53,3 @@ def collecting(run: Optional[Callable[[Tuple[Any, ...], Callable[..., None]], No
         yield rec
     finally:
         _tls.rec = prev
-
-
-@contextmanager
-def not_last() -> Iterator[None]:
-    """The :func:`products` issued meanwhile run now, inside any capture (the caller's later
-    work reads or adds to what they write: MoCo's queue fix-ups, SupCon's class terms), so
-    a graph holds them and copies their outputs out as it does any other."""
-    prev = getattr(_tls, "rec", None)
-    _tls.rec = None
-    try:
-        yield
-    finally:
-        _tls.rec = prev
