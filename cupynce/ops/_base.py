@@ -298,11 +298,3 @@ def temperature_result(path: "Path", xp, dt, temp: Temperature):
     return path.owned_copy(xp.asarray(dt), temp.dtype).reshape(temp.shape)
 
 
-def host_temperature(op: str, temp: Temperature) -> Temperature:
-    """With ``group=``: the temperature on the host (a real or a NumPy array; the global
-    schedules' products take a host scale), else ``ValueError`` (raised inside the
-    agreement: on every rank)."""
-    if temp.value is None:
-        raise ValueError(f"{op}: a device temperature with group= is not supported yet; pass "
-                         f"a real (or, for its gradient, a NumPy array)")
-    return temp

@@ -210,6 +210,21 @@ def dtemperature(comm: Comm, xp, xn, acc, temp, degree: int):
                            ).reshape(())
 
 
+def scaled_rows(xp, zn, temp) -> Tuple[Any, Any, float]:
+    """The rows a symmetric schedule (NT-Xent's, SupCon's) multiplies, their root factor and
+    the host scale: ``(zn, None, 1/τ)`` for a host τ; for a device one (``temp.scale_log``,
+    never read) ``(√s ẑ, √s, 1)`` with s = exp(scale_log) = 1/τ -- the products at scale 1
+    then give ``s ẑ_i·ẑ_j``, and the schedule's gradient ∂L/∂(√s ẑ) times √s is ∂L/∂ẑ
+    (the dτ dot ``ẑ · ∂L/∂ẑ`` is the same on either side).  The prescaled rows are rounded to
+    the rows' dtype once more (16-bit: one more rounding of each logit's factors than a host τ
+    gets, within the dtype's tolerance); the schedules' cross blocks take no device scale."""
+    if temp.scale_log is None:
+        return zn, None, 1.0 / temp.value
+    a = acc_dtype(zn.dtype)
+    root = xp.exp(xp.asarray(temp.scale_log, dtype=a).reshape(()) * a.type(0.5))
+    return (zn.astype(a) * root).astype(zn.dtype, copy=False), root, 1.0
+
+
 def rows_and_temperature(path, xp, saved, grads, scalars):
     """A one-input op's ``Schedule.result``: dz, or ``(dz, dtemperature)`` for a forward with
     ``temperature_grad`` (the temperature's shape and dtype)."""

@@ -24,7 +24,7 @@ from .._engine.kernels import acc_dtype
 from . import _comm, _global, _graphs, _local, _memo, _variants
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     in_ctx_precision, prep, reduce, reduce_out, require, row_weight,
-                    dtemperature, host_temperature, temperature_input, temperature_result,
+                    dtemperature, temperature_input, temperature_result,
                     weights)
 from ._comm import Comm
 
@@ -301,14 +301,14 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         _checks.check_bool(op, "requires_grad", requires_grad)
         _checks.check_bool(op, "temperature_grad", temperature_grad)
         _checks.check_smoothing(op, label_smoothing)
-        return xp, host_temperature(op, temp), p
+        return xp, temp, p  # (a device one too: _global.scaled_rows)
 
     host_t = _global.host_setting(temperature)  # (the ranks compare the host values)
     xp, temp, p = _global.agree(comm, op, checks, [z], ["z"],
                                 [host_t, reduction, normalize, requires_grad, precision,
                                  label_smoothing, temperature_grad is True])
     eps = float(label_smoothing)
-    t, tgrad = temp.value, bool(temperature_grad) and requires_grad
+    tgrad = bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         engine = _local.engine_for(xp)
@@ -316,11 +316,11 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         n2 = z.shape[0]
         z = contig_inputs(xp, z)[0]
         zn, norm = prep(path, z, normalize)
+        zn, root, scale = _global.scaled_rows(xp, zn, temp)  # (a device τ: √s ẑ, scale 1)
         plan = _local.NtXentPlan(rank, size, n2)
         parts = comm.all_gather(zn)
         dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])  # the rows' raw positive dots
         dots = comm.all_gather(xp.concatenate([dots, dots]))
-        scale = 1.0 / t
         lse_d, loss_d, partial, state = _local.nt_xent_stats(path, engine, plan, zn, parts, dots,
                                                              scale, workspace_bytes)
         states = comm.all_gather(state) if plan.width else None
@@ -342,13 +342,15 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
                 if eps:
                     acc += _variants.nt_xent_smoothing(
                         xp, zn, scale, eps, w_mul, want_loss=False, every=(every, w_mul))[1]
-                ctx.saved = dict(base, acc=(acc,), temp=temp, tgrad=tgrad,
-                                 dt=_global.dtemperature(comm, xp, zn, acc, temp, 2)
-                                 if tgrad else None)
+                # (dτ from the schedule's rows and gradient: the same dot as ẑ · ∂L/∂ẑ)
+                dt = _global.dtemperature(comm, xp, zn, acc, temp, 2) if tgrad else None
+                if root is not None:  # ∂L/∂ẑ from ∂L/∂(√s ẑ)
+                    acc *= root
+                ctx.saved = dict(base, acc=(acc,), temp=temp, tgrad=tgrad, dt=dt)
             else:
                 ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
                                  scale=scale, ws=workspace_bytes, comm=comm, eps=eps,
-                                 temp=temp, tgrad=tgrad)
+                                 temp=temp, tgrad=tgrad, root=root)
         return _global.loss(comm, xp, rows, reduction, n2 * size), _global.tag(ctx, _GLOBAL)
 
 
@@ -367,8 +369,11 @@ def _global_acc(ctx: Context, g):
         acc += _variants.nt_xent_smoothing(
             xp, s["zn"], s["scale"], s["eps"], w_flat[comm.rank * n2:(comm.rank + 1) * n2],
             want_loss=False, every=(s["parts"].reshape(size * n2, -1), w_flat))[1]
-    return (acc,), ((_global.dtemperature(comm, xp, s["zn"], acc, s["temp"], 2),)
-                    if s["tgrad"] else ())
+    # (dτ from the schedule's rows and gradient: the same dot as ẑ · ∂L/∂ẑ)
+    dt = (_global.dtemperature(comm, xp, s["zn"], acc, s["temp"], 2),) if s["tgrad"] else ()
+    if s["root"] is not None:  # ∂L/∂ẑ from ∂L/∂(√s ẑ)
+        acc *= s["root"]
+    return (acc,), dt
 
 
 _GLOBAL = _global.Schedule(recompute=_global_acc, result=_global.rows_and_temperature,

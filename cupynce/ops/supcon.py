@@ -23,7 +23,7 @@ from .. import _checks, config
 from .._engine.kernels import acc_dtype
 from . import _comm, _global, _local, _variants
 from ._base import (Context, Path, Temperature, check_stats, contig_inputs, dtemperature,
-                    host_temperature, in_ctx_precision, prep, require, temperature_input,
+                    in_ctx_precision, prep, require, temperature_input,
                     temperature_result)
 from ._comm import Comm
 
@@ -277,13 +277,13 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
         _checks.check_bool(op, "requires_grad", requires_grad)
         _checks.check_bool(op, "temperature_grad", temperature_grad)
         _even(z)
-        return xp, lab, host_temperature(op, t), p
+        return xp, lab, t, p  # (a device one too: _global.scaled_rows)
 
     host_t = _global.host_setting(temperature)  # (the ranks compare the host values)
     xp, labels, temp, p = _global.agree(
         comm, op, checks, [z], ["z"],
         [host_t, reduction, normalize, requires_grad, precision, temperature_grad is True])
-    t, tgrad = temp.value, bool(temperature_grad) and requires_grad
+    tgrad = bool(temperature_grad) and requires_grad
     with config.float32_precision(p):
         path = Path(xp)
         engine = _local.engine_for(xp)
@@ -292,13 +292,13 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
         a = acc_dtype(z.dtype)
         z = contig_inputs(xp, z)[0]
         zn, norm = prep(path, z, normalize)
+        zn, root, scale = _global.scaled_rows(xp, zn, temp)  # (a device τ: √s ẑ, scale 1)
         plan = _local.NtXentPlan(rank, size, n2)
         parts = comm.all_gather(zn)
         groups = _variants.label_groups(xp, comm.all_gather(labels).reshape(-1))
         has = _variants.has_positive(groups)
         dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])
         dots = comm.all_gather(xp.concatenate([dots, dots]))
-        scale = 1.0 / t
         lse_d, _, partial, state = _local.nt_xent_stats(path, engine, plan, zn, parts, dots,
                                                         scale, workspace_bytes)
         states = comm.all_gather(state) if plan.width else None
@@ -319,12 +319,15 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
             else:
                 ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
                                  scale=scale, ws=workspace_bytes, comm=comm, groups=groups,
-                                 has=has, temp=temp, tgrad=tgrad)
+                                 has=has, temp=temp, tgrad=tgrad, root=root)
         rows = _variants.supcon_terms(
             xp, path, zn, None, scale, lse, acc=acc,
             every=(every, groups, w_all if acc is not None else None, rank * n2))
-        if acc is not None and tgrad:  # (after the class terms: dτ of the whole gradient)
+        if acc is not None and tgrad:  # (after the class terms: dτ of the whole gradient;
+            # from the schedule's rows and gradient: the same dot as ẑ · ∂L/∂ẑ)
             ctx.saved["dt"] = _global.dtemperature(comm, xp, zn, acc, temp, 2)
+        if acc is not None and root is not None:  # ∂L/∂ẑ from ∂L/∂(√s ẑ)
+            acc *= root
         if reduction == "none":
             total = rows
         else:
@@ -350,8 +353,11 @@ def _global_acc(ctx: Context, g):
     _variants.supcon_terms(xp, path, s["zn"], None, s["scale"], None, acc=acc,
                            every=(s["parts"].reshape(size * n2, -1), s["groups"], w_all,
                                   comm.rank * n2))
-    return (acc,), ((_global.dtemperature(comm, xp, s["zn"], acc, s["temp"], 2),)
-                    if s["tgrad"] else ())
+    # (dτ from the schedule's rows and gradient: the same dot as ẑ · ∂L/∂ẑ)
+    dt = (_global.dtemperature(comm, xp, s["zn"], acc, s["temp"], 2),) if s["tgrad"] else ()
+    if s["root"] is not None:  # ∂L/∂ẑ from ∂L/∂(√s ẑ)
+        acc *= s["root"]
+    return (acc,), dt
 
 
 _GLOBAL = _global.Schedule(recompute=_global_acc, result=_global.rows_and_temperature,

@@ -160,9 +160,9 @@ class _GlobalLoss(torch.autograd.Function):
 
 def _temperature(op: str, temperature: Any, out: List[Any]) -> None:
     """``out[:] = (tensor or None, host value)`` as ``_registry.temperature`` resolves it: a
-    tensor temperature is an input of the global op (a CPU one is read on the host, its
-    gradient the global loss's on every rank; a CUDA one is refused by the core's exchange,
-    on every rank, for now)."""
+    tensor temperature is an input of the global op (a CPU one is read on the host, a CUDA
+    one never is: its log scale on the device; its gradient the global loss's on every
+    rank)."""
     out[:] = R.temperature(op, temperature)
 
 

@@ -267,39 +267,58 @@ def test_supcon_across_ranks(P, reduction):
         assert _scalar_err(dt, wt) <= 1e-12
 
 
-def test_a_device_temperature_with_group_is_refused():
-    """``group=`` takes a host temperature for now (the global schedules' products take a host
-    scale): a device one raises, inside the ranks' agreement (so on every rank)."""
-    from cupynce.ops import _base
-
-    temp = _base.Temperature(None, np.zeros(1), (), np.float64, True)
-    with pytest.raises(ValueError, match="a device temperature with group= is not supported"):
-        _base.host_temperature("supcon_loss", temp)
-
-
-@pytest.mark.gpu
-def test_a_device_temperature_with_group_raises_on_every_rank():
-    cp = pytest.importorskip("cupy")
+@pytest.mark.parametrize("op", ["nt_xent", "supcon_loss"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_symmetric_schedules_with_a_device_scale(op, reduction, monkeypatch):
+    """NT-Xent's and SupCon's global schedules with a temperature the host does not read
+    (``Temperature.scale_log``: a GPU array's; here a NumPy one stands in for it, float64):
+    the rows prescaled by √(1/τ) (``_global.scaled_rows``) give the host temperature's loss,
+    gradients and dL/dτ to 1e-12 (the GPU test below runs the device arrays)."""
     from emulated_ranks import run
 
-    z, lab = cp.ones((4, 3), cp.float32), cp.zeros(4, cp.int64)
+    from cupynce.ops import _base, nt_xent as nt_mod, supcon as sc_mod
 
-    def rank(comm):
-        with pytest.raises(ValueError, match="device temperature with group=|invalid inputs"):
-            cupynce.supcon_forward(z, lab, cp.asarray(0.1), group=comm)
-        return True
+    real = _base.temperature_input
 
-    assert run(2, rank, device=0) == [True, True]
+    def device_like(op_, temperature, xp, like, acc):
+        if isinstance(temperature, np.ndarray):  # (as a CuPy array comes: −log τ, unread)
+            return _base.Temperature(None, -np.log(temperature.astype(acc).reshape(1)), (),
+                                     temperature.dtype, True)
+        return real(op_, temperature, xp, like, acc)
+    for mod in (nt_mod, sc_mod):
+        monkeypatch.setattr(mod, "temperature_input", device_like)
+    P, n = 3, 4
+    rng = np.random.default_rng(9)
+    Z, L = rng.standard_normal((2 * n * P, 5)), rng.integers(0, 3, 2 * n * P)
+    up = rng.uniform(0.5, 1.5, 2 * n) if reduction == "none" else 0.7
+
+    def rank(comm, temp):
+        sl = slice(comm.rank * 2 * n, (comm.rank + 1) * 2 * n)
+        kw = dict(reduction=reduction, normalize=True, temperature_grad=True, group=comm)
+        if op == "nt_xent":
+            loss, ctx = cupynce.nt_xent_forward(Z[sl], temp, **kw)
+            return (loss,) + tuple(cupynce.nt_xent_backward(ctx, up))
+        loss, ctx = cupynce.supcon_forward(Z[sl], L[sl], temp, **kw)
+        return (loss,) + tuple(cupynce.supcon_backward(ctx, up))
+
+    got = run(P, lambda comm: rank(comm, np.asarray(0.3)))
+    want = run(P, lambda comm: rank(comm, 0.3))
+    for g, w in zip(got, want):
+        assert _rel(g[0], w[0]) <= 1e-12 and _rel(g[1], w[1]) <= 1e-12
+        assert _scalar_err(g[2], w[2]) <= 1e-12
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["info_nce", "nt_xent_pairs"])
+@pytest.mark.parametrize("op", ["info_nce", "nt_xent_pairs", "nt_xent", "supcon_loss"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_device_temperature_with_group(op, dtype, reduction):
-    """info_nce and nt_xent_pairs take a CuPy temperature with group= (their rows take its
-    log scale on the device): every rank's loss, its rows' P-scaled gradient and dL/dτ equal
-    the one process's with the same device temperature (float32 1e-5, bf16 2e-2)."""
+    """Every op takes a CuPy temperature with group= (info_nce's and nt_xent_pairs' rows take
+    its log scale on the device; NT-Xent's and SupCon's symmetric schedules multiply rows
+    prescaled by √(1/τ), ``_global.scaled_rows``): every rank's loss, its rows' P-scaled
+    gradient and dL/dτ equal the one process's with the same device temperature, or for
+    NT-Xent and SupCon the same ranks' with the host temperature (float32 1e-5, bf16 2e-2:
+    the prescaled rows are rounded once more)."""
     cp = pytest.importorskip("cupy")
     from emulated_ranks import run
 
@@ -317,18 +336,37 @@ def test_device_temperature_with_group(op, dtype, reduction):
         else 0.7
     kw = dict(reduction=reduction, normalize=True, temperature_grad=True)
 
-    def call(rows, group=None):
+    def call(rows, group=None, temp=t):
         if op == "info_nce":
-            loss, ctx = cupynce.info_nce_forward(Q[rows], K[rows], t, group=group, **kw)
+            loss, ctx = cupynce.info_nce_forward(Q[rows], K[rows], temp, group=group, **kw)
             g = cupynce.info_nce_backward(ctx, up[rows] if reduction == "none" else up)
             return loss, g[0], g[-1]
-        loss, ctx = cupynce.nt_xent_pairs_forward(Q[rows], L[rows], t, group=group, **kw)
-        dz, dtau = cupynce.nt_xent_pairs_backward(ctx, up[rows] if reduction == "none" else up)
-        return loss, dz, dtau
+        if op == "nt_xent":  # (a rank's rows: its two views, as nt_xent takes them)
+            loss, ctx = cupynce.nt_xent_forward(cp.concatenate([Q[rows], K[rows]]), temp,
+                                                group=group, **kw)
+            return (loss,) + tuple(cupynce.nt_xent_backward(
+                ctx, cp.concatenate([up[rows]] * 2) if reduction == "none" else up))
+        fwd, bwd = ((cupynce.supcon_forward, cupynce.supcon_backward) if op == "supcon_loss"
+                    else (cupynce.nt_xent_pairs_forward, cupynce.nt_xent_pairs_backward))
+        loss, ctx = fwd(Q[rows], L[rows], temp, group=group, **kw)
+        return (loss,) + tuple(bwd(ctx, up[rows] if reduction == "none" else up))
 
-    out = run(P, lambda comm: call(slice(comm.rank * n, (comm.rank + 1) * n), comm), device=0)
-    want, wq, wt = call(slice(None))
+    def share(comm, temp=t):
+        return call(slice(comm.rank * n, (comm.rank + 1) * n), comm, temp)
+
+    out = run(P, share, device=0)
     tol = 1e-5 if dtype == "float32" else 2e-2
+    if op in ("nt_xent", "supcon_loss"):
+        # (their global batch is every rank's rows in the schedule's order: against the same
+        # ranks with the host temperature, that path checked against one process elsewhere)
+        want = run(P, lambda comm: share(comm, 0.3), device=0)
+        for (loss, dz, dtau), (wl, wz, wt) in zip(out, want):
+            assert _rel(cp.asnumpy(loss), cp.asnumpy(wl)) <= tol
+            assert _rel(cp.asnumpy(dz).astype(np.float64),
+                        cp.asnumpy(wz).astype(np.float64)) <= tol
+            assert _scalar_err(cp.asnumpy(dtau), cp.asnumpy(wt)) <= tol
+        return
+    want, wq, wt = call(slice(None))
     for r, (loss, dq, dtau) in enumerate(out):
         sl = slice(r * n, (r + 1) * n)
         w = want[sl] if reduction == "none" else want
