@@ -10,9 +10,14 @@ the anchors (n, D), column 1 their positives, further columns hard negatives.
 ``CachedMultipleNegativesRankingLoss`` and ``CachedMultipleNegativesSymmetricRankingLoss``:
 the same losses with gradient caching (:class:`cupynce.torch.GradientCache`), for batches
 whose encoder activations do not fit.
+
+A SparseEncoder's: ``SpladePooling`` (fused with the masked LM's decoder),
+``SparseMultipleNegativesRankingLoss``, and ``SpladeLoss`` / ``CachedSpladeLoss`` (the
+library's, with cupynce's sparse MNRL as the base loss; the cached one on GradientCache).
 """
 import bisect
 import math
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,7 +32,8 @@ from ._common import dist_group, rank_share
 
 __all__ = ["MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss",
            "CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss",
-           "SpladePooling"]
+           "SparseMultipleNegativesRankingLoss", "SpladePooling", "SpladeLoss",
+           "CachedSpladeLoss"]
 
 
 def _normalize_for(op: str, fn: Optional[Callable]) -> bool:
@@ -284,6 +290,26 @@ def _token_ranges(op: str, features: Dict[str, Any], budget: int) -> List[Tuple[
     return out
 
 
+def _check_mini_batches(op: str, mini_batch_size: Any, mini_batch_num_tokens: Any) -> None:
+    """The cached losses' ``mini_batch_size`` (an int >= 1) and ``mini_batch_num_tokens``
+    (None or an int >= 1), or ``ValueError`` naming the argument and its value."""
+    if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or \
+            mini_batch_size < 1:
+        raise ValueError(f"{op}: mini_batch_size must be an int >= 1, got {mini_batch_size!r}")
+    if mini_batch_num_tokens is not None and (
+            isinstance(mini_batch_num_tokens, bool)
+            or not isinstance(mini_batch_num_tokens, int) or mini_batch_num_tokens < 1):
+        raise ValueError(f"{op}: mini_batch_num_tokens must be None or an int >= 1, got "
+                         f"{mini_batch_num_tokens!r}")
+
+
+def _ddp_of(model: nn.Module) -> List[nn.Module]:
+    """The DistributedDataParallel wrapper an encoder's calls run through (a torch.compile'd
+    one too), for :class:`GradientCache`'s single all-reduce."""
+    inner = getattr(model, "_orig_mod", model)
+    return [inner] if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else []
+
+
 class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     """:class:`MultipleNegativesRankingLoss` with gradient caching: the library's
     ``CachedMultipleNegativesRankingLoss`` (its constructor and call), on
@@ -324,16 +350,7 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
                          partition_mode, hardness_mode, hardness_strength,
                          workspace_bytes=workspace_bytes, group=group, precision=precision,
                          mask_duplicates=mask_duplicates)
-        op = type(self).__name__
-        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or \
-                mini_batch_size < 1:
-            raise ValueError(f"{op}: mini_batch_size must be an int >= 1, got "
-                             f"{mini_batch_size!r}")
-        if mini_batch_num_tokens is not None and (
-                isinstance(mini_batch_num_tokens, bool)
-                or not isinstance(mini_batch_num_tokens, int) or mini_batch_num_tokens < 1):
-            raise ValueError(f"{op}: mini_batch_num_tokens must be None or an int >= 1, got "
-                             f"{mini_batch_num_tokens!r}")
+        _check_mini_batches(type(self).__name__, mini_batch_size, mini_batch_num_tokens)
         self.mini_batch_size, self.mini_batch_num_tokens = mini_batch_size, mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
 
@@ -347,7 +364,8 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
                 f"{op} inside MatryoshkaLoss is not supported yet (it re-weights the cached "
                 "embeddings through the library's calculate_loss); use the library's cached "
                 "class there, or cupynce's uncached MultipleNegativesRankingLoss")
-        features = list(sentence_features)
+        # (a tokenizer's BatchEncoding is a Mapping, as the trainer's dicts are)
+        features = [dict(f) if isinstance(f, Mapping) else f for f in sentence_features]
         for i, f in enumerate(features):
             if not isinstance(f, dict):
                 raise TypeError(f"{op}: sentence_features[{i}] is a {type(f).__name__}; "
@@ -357,8 +375,7 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
                                           "supported yet")
         model = self.model
         group = dist_group(self.group)[0] if self.gather_across_devices else None
-        inner = getattr(model, "_orig_mod", model)  # (a torch.compile'd DDP model)
-        ddp = [inner] if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else []
+        ddp = _ddp_of(model)
         duplicates = self._duplicates(features)
         cache = GradientCache(lambda f: model(f)["sentence_embedding"],
                               lambda *embs: self.compute_loss_from_embeddings(
@@ -405,6 +422,155 @@ class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRanking
                          gather_across_devices, ("query_to_doc", "doc_to_query"),
                          "per_direction", show_progress_bar, workspace_bytes=workspace_bytes,
                          group=group, precision=precision, mask_duplicates=mask_duplicates)
+
+
+class SparseMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
+    """sentence-transformers' ``SparseMultipleNegativesRankingLoss``: a SparseEncoder's
+    ranking loss, :class:`MultipleNegativesRankingLoss` on the (B, V) sparse embeddings with
+    the library's sparse defaults -- ``similarity_fct=dot_score`` (None means it here), scale
+    1 -- and the same arguments otherwise.  The base loss of :class:`SpladeLoss` and
+    :class:`CachedSpladeLoss` (which turn the library's class given as ``loss`` into this
+    one), or of the library's own ``SpladeLoss``."""
+
+    def __init__(self, model: Optional[nn.Module] = None, scale: float = 1.0,
+                 similarity_fct: Optional[Callable] = None, gather_across_devices: bool = False,
+                 directions: Sequence[str] = ("query_to_doc",), partition_mode: str = "joint",
+                 hardness_mode: Optional[str] = None, hardness_strength: float = 0.0, *,
+                 workspace_bytes: Optional[int] = None, group: Optional[Any] = None,
+                 precision: Optional[str] = None, mask_duplicates: bool = False):
+        if similarity_fct is None:
+            from sentence_transformers.util import dot_score as similarity_fct
+        super().__init__(model, scale, similarity_fct, gather_across_devices, directions,
+                         partition_mode, hardness_mode, hardness_strength,
+                         workspace_bytes=workspace_bytes, group=group, precision=precision,
+                         mask_duplicates=mask_duplicates)
+
+
+def _as_cupynce(loss: nn.Module) -> nn.Module:
+    """``SpladeLoss``'s base loss: the library's ``SparseMultipleNegativesRankingLoss`` as
+    cupynce's, with its settings; any other loss (cupynce's, the library's margin or
+    distillation losses, ...) as given."""
+    from sentence_transformers.sparse_encoder.losses import \
+        SparseMultipleNegativesRankingLoss as Lib
+    if type(loss) is not Lib:
+        return loss
+    return SparseMultipleNegativesRankingLoss(
+        loss.model, loss.scale, loss.similarity_fct, loss.gather_across_devices,
+        loss.directions, loss.partition_mode, loss.hardness_mode, loss.hardness_strength)
+
+
+_SPLADE_LOSS_DOC = """sentence-transformers' ``SpladeLoss`` (its arguments) with the base
+    loss on cupynce's kernels: a library ``SparseMultipleNegativesRankingLoss`` given as
+    ``loss`` becomes :class:`SparseMultipleNegativesRankingLoss` with the same settings;
+    another base loss runs as given.  The FLOPS regularisers are the library's.  A subclass
+    of the library's class (built at first use: sentence-transformers is imported then), so
+    the trainer and the model card treat it as the library's."""
+
+_CACHED_SPLADE_DOC = """sentence-transformers' ``CachedSpladeLoss`` (its arguments: those
+    of :class:`SpladeLoss` plus ``mini_batch_size``, ``mini_batch_num_tokens``,
+    ``show_progress_bar``) on :class:`cupynce.torch.GradientCache`: every column embedded in
+    mini-batches without a graph, the whole loss -- the base loss (cupynce's sparse MNRL, as
+    :class:`SpladeLoss` chooses it) plus the weighted FLOPS regularisers -- once over the
+    whole batch, and at ``backward()`` each mini-batch embedded again with a graph under its
+    saved random states, backpropagating its rows of the embeddings' gradient.  With cupynce's
+    fused ``SpladePooling`` in the SparseEncoder no mini-batch forms its (b, L, V) logits
+    either.  ``forward`` returns the library's dict of components (the trainer sums it; the
+    first carries the gradient, the others are detached values for the logs).  Under DDP the
+    gradients are all-reduced once, at the last mini-batch; with the base loss's
+    ``gather_across_devices`` the ranks' inputs are compared first."""
+
+
+def _splade_loss_classes():
+    """cupynce's SpladeLoss and CachedSpladeLoss, subclasses of the library's SpladeLoss
+    (imported here, on first use)."""
+    from sentence_transformers.sparse_encoder.losses import SpladeLoss as LibSpladeLoss
+
+    class SpladeLoss(LibSpladeLoss):
+        __doc__ = _SPLADE_LOSS_DOC
+
+        def __init__(self, model, loss, *args, **kwargs):
+            super().__init__(model, _as_cupynce(loss), *args, **kwargs)
+
+        def components(self, embeddings: List[Tensor], labels: Any = None
+                       ) -> Dict[str, Tensor]:
+            """The loss's parts from the columns' embeddings (column 0 the queries): the
+            base loss (its own dict, or ``base_loss``), the weighted document and query
+            regularisers."""
+            parts: Dict[str, Tensor] = {}
+            base = self.loss.compute_loss_from_embeddings(embeddings, labels)
+            parts.update(base if isinstance(base, dict) else {"base_loss": base})
+            docs = embeddings if self.use_document_regularizer_only else embeddings[1:]
+            parts["document_regularizer_loss"] = self.document_regularizer_weight * \
+                self.document_regularizer.compute_loss_from_embeddings(torch.cat(docs))
+            if self.query_regularizer_weight is not None:
+                parts["query_regularizer_loss"] = self.query_regularizer_weight * \
+                    self.query_regularizer.compute_loss_from_embeddings(embeddings[0])
+            return parts
+
+    class CachedSpladeLoss(SpladeLoss):
+        __doc__ = _CACHED_SPLADE_DOC
+        uses_gradient_cache = True  # (the library's flag: the backward re-embeds)
+
+        def __init__(self, model, loss, document_regularizer_weight: float,
+                     query_regularizer_weight: Optional[float] = None,
+                     document_regularizer: Optional[nn.Module] = None,
+                     query_regularizer: Optional[nn.Module] = None,
+                     document_regularizer_threshold: Optional[int] = None,
+                     query_regularizer_threshold: Optional[int] = None,
+                     use_document_regularizer_only: bool = False, mini_batch_size: int = 32,
+                     mini_batch_num_tokens: Optional[int] = None,
+                     show_progress_bar: bool = False):
+            super().__init__(model, loss, document_regularizer_weight, query_regularizer_weight,
+                             document_regularizer, query_regularizer,
+                             document_regularizer_threshold, query_regularizer_threshold,
+                             use_document_regularizer_only)
+            _check_mini_batches("CachedSpladeLoss", mini_batch_size, mini_batch_num_tokens)
+            self.mini_batch_size = mini_batch_size
+            self.mini_batch_num_tokens = mini_batch_num_tokens
+            self.show_progress_bar = show_progress_bar
+
+        def forward(self, sentence_features: Iterable[Dict[str, Any]],
+                    labels: Any = None) -> Dict[str, Tensor]:
+            op = "CachedSpladeLoss"
+            # (a tokenizer's BatchEncoding is a Mapping, as the trainer's dicts are)
+            features = [dict(f) if isinstance(f, Mapping) else f for f in sentence_features]
+            for i, f in enumerate(features):
+                if not isinstance(f, dict):
+                    raise TypeError(f"{op}: sentence_features[{i}] is a {type(f).__name__}; "
+                                    "expected the tokenizer's dict of tensors")
+                if "cu_seq_lens_q" in f:
+                    raise NotImplementedError(f"{op}: flattened (unpadded) batches are not "
+                                              "supported yet")
+            model, values = self.model, {}
+
+            def total(*embeddings: Tensor) -> Tensor:
+                parts = self.components(list(embeddings), labels)
+                values.update((k, v.detach()) for k, v in parts.items())
+                return sum(parts.values())
+            base = self.loss
+            group = dist_group(getattr(base, "group", None))[0] \
+                if getattr(base, "gather_across_devices", False) else None
+            cache = GradientCache(lambda f: model(f)["sentence_embedding"], total,
+                                  self.mini_batch_size, group=group, ddp=_ddp_of(model),
+                                  progress=self.show_progress_bar)
+            ranges = None if self.mini_batch_num_tokens is None else \
+                [_token_ranges(op, f, self.mini_batch_num_tokens) for f in features]
+            loss = cache(*features, ranges=ranges)
+            # (the trainer sums the dict: the first part carries the loss and its gradient,
+            # the others are the detached values; their sum is the loss)
+            first = next(iter(values))
+            out = dict(values)
+            out[first] = loss - sum(v for k, v in values.items() if k != first)
+            return out
+
+        def get_config_dict(self) -> Dict[str, Any]:
+            return {**super().get_config_dict(), "mini_batch_size": self.mini_batch_size,
+                    "mini_batch_num_tokens": self.mini_batch_num_tokens}
+
+    for cls in (SpladeLoss, CachedSpladeLoss):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+    return SpladeLoss, CachedSpladeLoss
 
 
 class _DecoderInput(nn.Module):
@@ -536,9 +702,12 @@ def _splade_pooling_class():
     return SpladePooling
 
 
-def __getattr__(name: str) -> Any:  # SpladePooling: built (and sentence-transformers imported)
-    if name == "SpladePooling":    # at first use
+def __getattr__(name: str) -> Any:  # the library's subclasses: built (and sentence-transformers
+    if name == "SpladePooling":    # imported) at first use
         cls = _splade_pooling_class()
         globals()["SpladePooling"] = cls
         return cls
+    if name in ("SpladeLoss", "CachedSpladeLoss"):
+        globals()["SpladeLoss"], globals()["CachedSpladeLoss"] = _splade_loss_classes()
+        return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

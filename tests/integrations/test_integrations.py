@@ -634,6 +634,56 @@ def test_st_sparse_encoder_two_sgd_steps(tiny_mlm):
     close(w1, w0, torch.float32, "embeddings after two steps")
 
 
+@need_st
+@pytest.mark.parametrize("cached", [None, dict(mini_batch_size=3),
+                                    dict(mini_batch_size=32, mini_batch_num_tokens=9)])
+def test_st_splade_losses_against_the_library(tiny_mlm, cached):
+    """cupynce's SpladeLoss / CachedSpladeLoss (the library's SparseMultipleNegativesRanking
+    loss turned into cupynce's; the cached one on GradientCache, in mini-batches of 3 rows or
+    of at most 9 tokens) with cupynce's fused pooling, against the library's SpladeLoss with
+    its own pooling: two SGD steps in float64, the loss's parts at each step and the weights
+    after them to 1e-10.  The library's own CachedSpladeLoss agrees to 1e-6 only (its cached
+    pass rounds through float32 somewhere: 1e-8 apart from its uncached loss, measured)."""
+    import sentence_transformers.sparse_encoder.losses as L
+
+    kw = dict(document_regularizer_weight=3e-3, query_regularizer_weight=5e-3)
+
+    def train(ours, cached):
+        model, t = _sparse_encoder(tiny_mlm, ours)
+        model.to(torch.float64)
+        model.train()
+        mod = c_st if ours else L
+        base = L.SparseMultipleNegativesRankingLoss(model)
+        loss_fn = (mod.CachedSpladeLoss(model, base, **kw, **cached) if cached
+                   else mod.SpladeLoss(model, base, **kw))
+        if ours:
+            assert type(loss_fn.loss) is c_st.SparseMultipleNegativesRankingLoss
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        steps = []
+        for _ in range(2):
+            opt.zero_grad()
+            parts = loss_fn([model.preprocess(SENTS), model.preprocess(SENTS[::-1])], None)
+            loss = sum(parts.values())  # (as the trainer)
+            loss.backward()
+            opt.step()
+            steps.append({k: float(v.detach()) for k, v in parts.items()})
+        return steps, t.auto_model.bert.embeddings.word_embeddings.weight.detach().clone()
+
+    def agree(got, want, rel):
+        (s1, w1), (s0, w0) = got, want
+        for a, b in zip(s0, s1):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert b[k] == pytest.approx(a[k], rel=rel, abs=1e-14), k
+        assert float((w1 - w0).norm() / w0.norm()) <= rel
+
+    want = train(False, None)
+    assert want[0][0]["base_loss"] != want[0][1]["base_loss"]
+    agree(train(True, cached), want, 1e-10)
+    if cached:
+        agree(train(False, cached), want, 1e-6)
+
+
 # ---- the review's cases (issue 22) ---------------------------------------------------------
 @need_st
 def test_st_splade_pooling_saves_and_reloads(tiny_mlm, tmp_path):
@@ -887,3 +937,19 @@ def test_integrations_over_nccl_one_rank_per_gpu():
 
     run_ranks(torch.cuda.device_count(), distributed_checks(), backend="nccl", device="cuda",
               module="test_integrations")
+
+
+@need_st
+def test_st_cached_splade_loss_bad_arguments(tiny_mlm):
+    import sentence_transformers.sparse_encoder.losses as L
+
+    model, _ = _sparse_encoder(tiny_mlm, True)
+    base = L.SparseMultipleNegativesRankingLoss(model)
+    for kw, match in ((dict(mini_batch_size=0), "mini_batch_size must be an int >= 1, got 0"),
+                      (dict(mini_batch_num_tokens=True), "mini_batch_num_tokens must be None")):
+        with pytest.raises(ValueError, match=match):
+            c_st.CachedSpladeLoss(model, base, 3e-3, **kw)
+    fn = c_st.CachedSpladeLoss(model, base, 3e-3, mini_batch_size=2)
+    with pytest.raises(TypeError, match=r"sentence_features\[0\] is a list"):
+        fn([[1, 2]], None)
+    assert fn.get_config_dict()["mini_batch_size"] == 2
