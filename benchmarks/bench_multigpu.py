@@ -36,7 +36,9 @@ slowest rank's median), the peak memory above the inputs on the fullest rank (gr
 included), and, in ``--report``, the scaling efficiency T(1) / (P · T(P)) against the
 single-GPU op at the same N.  ``--once``: one step (after one small warm-up step that
 compiles and plans), timed and measured in the same call — for sizes where a step takes
-seconds.
+seconds.  ``--breakdown``: after each cupynce case, three more steps under torch.profiler on
+every rank -- the kernels' time split into NCCL's, copies and the rest, the GPU's idle time
+and the host's -- reported for the slowest rank beside the 1-GPU compute / P.
 """
 from __future__ import annotations
 
@@ -177,9 +179,45 @@ def _once(fn: Callable[[], Any], device: str) -> Dict[str, Any]:
         return {"oom": True} if is_oom(exc) else {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
+def _breakdown(fn: Callable[[], Any], steps: int = 3) -> Dict[str, Any]:
+    """Where this rank's step goes (``--breakdown``): ``steps`` steps under torch.profiler
+    (CUDA kernels), per step: the CUDA-event wall time, the host time to issue it, the
+    kernels' time split into NCCL's (the exchange), copies / memsets, and the rest (the
+    compute); ``gap_ms`` = wall − the kernels' sum: the GPU idle (host-bound launches,
+    waiting on another rank), negative where kernels overlap."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        h0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        host = (time.perf_counter() - h0) * 1e3 / steps
+        end.record()
+        torch.cuda.synchronize()
+    out = {"wall_ms": start.elapsed_time(end) / steps, "host_ms": host, "nccl_ms": 0.0,
+           "copy_ms": 0.0, "compute_ms": 0.0}
+    for ev in prof.key_averages():
+        t = ev.device_time_total / 1e3 / steps
+        if t <= 0:
+            continue
+        key = ev.key.lower()
+        kind = "nccl_ms" if "nccl" in key else "copy_ms" if key.startswith(("memcpy", "memset")) \
+            else "compute_ms"
+        out[kind] += t
+    out["gap_ms"] = out["wall_ms"] - out["nccl_ms"] - out["copy_ms"] - out["compute_ms"]
+    return out
+
+
 def run_rank(ops: List[str], sizes: List[int], d: int = 512, repeat: int = 5,
              once: bool = False, peers: bool = True, device: str = "cuda",
-             dtype_name: str = "bfloat16") -> List[Dict[str, Any]]:
+             dtype_name: str = "bfloat16", breakdown: bool = False) -> List[Dict[str, Any]]:
     """Every case on this rank (inside an initialised process group); rank 0 gets the rows
     (one dict per case, merged over the ranks: slowest median, fullest memory)."""
     import torch
@@ -216,6 +254,9 @@ def run_rank(ops: List[str], sizes: List[int], d: int = 512, repeat: int = 5,
                     res = _once(fn, device) if once else \
                         run_case(fn, warmup=1, repeat=repeat, memory=device == "cuda",
                                  catch_errors=True, device=device)
+                    if breakdown and name == "cupynce" and device == "cuda" \
+                            and res.get("median_ms") is not None:
+                        res["breakdown"] = _breakdown(fn)
                     del fn
                 res.pop("result", None)
                 every = [None] * P
@@ -234,6 +275,8 @@ def _merge(op: str, N: int, P: int, impl: str, every: List[Dict[str, Any]]) -> D
         row["ms_ranks"] = [r["median_ms"] for r in ok]
         peaks = [r["peak_extra_bytes"] for r in ok if r.get("peak_extra_bytes") is not None]
         row["peak_bytes"] = max(peaks) if peaks else None  # None: not measured (the CPU)
+        if all("breakdown" in r for r in ok):  # (the slowest rank's, by wall time)
+            row["breakdown"] = max((r["breakdown"] for r in ok), key=lambda b: b["wall_ms"])
     else:
         bad = next(r for r in every if r.get("median_ms") is None)
         row["failed"] = bad.get("skipped") or ("OOM" if bad.get("oom") else
@@ -263,6 +306,22 @@ def report(paths: List[str]) -> str:
     table = markdown_table(["op", "global N", "GPUs", "rows a GPU", "cupynce ms", "MiB a GPU",
                             "scaling T1/(P·TP)", "open_clip formula ms", "MiB a GPU",
                             "speed-up"], out)
+    split = []  # where a rank's step goes (--breakdown), the slowest rank's
+    for (op, N, P, impl), r in sorted(by.items(), key=lambda kv: (OPS.index(kv[0][0]),
+                                                                  kv[0][1], kv[0][2])):
+        b = r.get("breakdown")
+        if impl != "cupynce" or not b:
+            continue
+        one = by.get((op, N, 1, "cupynce"), {}).get("breakdown")
+        ideal = fmt_ms(one["compute_ms"] / P) if one else "—"
+        split.append([op, N, P, fmt_ms(b["wall_ms"]), fmt_ms(b["compute_ms"]), ideal,
+                      fmt_ms(b["nccl_ms"]), fmt_ms(b["copy_ms"]), fmt_ms(b["gap_ms"]),
+                      fmt_ms(b["host_ms"])])
+    if split:
+        table += "\n\nWhere a rank's step goes (torch.profiler, 3 steps, the slowest rank):\n\n"
+        table += markdown_table(["op", "global N", "GPUs", "step ms", "compute ms",
+                                 "1-GPU compute / P", "NCCL ms", "copies ms", "GPU idle ms",
+                                 "host ms"], split)
     return "\n".join(headers) + "\n\n" + table
 
 
@@ -284,6 +343,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-peers", action="store_true", help="cupynce only")
     p.add_argument("--json", help="where rank 0 writes the rows")
     p.add_argument("--report", nargs="*", help="JSON files to merge into tables (no run)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also where each cupynce step goes (compute, NCCL, copies, idle)")
     args = p.parse_args(argv)
     if args.report:
         print(report(args.report))
@@ -302,7 +363,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                             device_id=torch.device("cuda", local))
     try:
         rows = run_rank(args.ops, args.sizes, args.dim, args.repeat, args.once,
-                        not args.no_peers)
+                        not args.no_peers, breakdown=args.breakdown)
         if dist.get_rank() == 0:
             data = {"P": dist.get_world_size(), "device": device_info(), "rows": rows,
                     "dim": args.dim, "once": args.once,

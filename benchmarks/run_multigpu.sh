@@ -4,6 +4,8 @@
 #   bash benchmarks/run_multigpu.sh tests     # the multi-GPU tests on 2 GPUs and on all of them
 #   bash benchmarks/run_multigpu.sh largest   # the largest global batch, CLIP, every GPU
 #   bash benchmarks/run_multigpu.sh scaling   # bench_multigpu.py on 1, 2, 4, 8 GPUs (as present)
+#   bash benchmarks/run_multigpu.sh breakdown # N = 65536 on 1, 2, ... GPUs: where a rank's step
+#                                             # goes (compute, NCCL, copies, idle, host)
 #
 # Logs and JSON go to $OUT (default ./multigpu-out).  NVLink multicast stays off: a program that
 # uses it can put a shared host's GPUs out of service.
@@ -35,6 +37,14 @@ largest | all)
   timeout 300 torchrun --standalone --nproc_per_node "$G" benchmarks/bench_multigpu.py \
     --ops clip_loss --sizes 1048576 4194304 --once --no-peers --json "$OUT/largest.json"
   ;;&
+breakdown)
+  files=()
+  for P in $(counts); do
+    timeout 300 torchrun --standalone --nproc_per_node "$P" benchmarks/bench_multigpu.py \
+      --sizes 65536 --no-peers --breakdown --json "$OUT/b$P.json" && files+=("$OUT/b$P.json")
+  done
+  python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/breakdown.md"
+  ;;
 scaling | all)
   files=()
   for P in $(counts); do
