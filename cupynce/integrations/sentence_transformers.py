@@ -303,6 +303,21 @@ def _check_mini_batches(op: str, mini_batch_size: Any, mini_batch_num_tokens: An
                          f"{mini_batch_num_tokens!r}")
 
 
+def _cached_features(op: str, sentence_features: Iterable[Any]) -> List[Dict[str, Any]]:
+    """The columns a cached loss embeds in mini-batches: the tokenizer's dicts of tensors (a
+    ``BatchEncoding`` is a Mapping, as the trainer's dicts are), or an exception naming the
+    column; flattened (unpadded) batches are not supported yet."""
+    features = [dict(f) if isinstance(f, Mapping) else f for f in sentence_features]
+    for i, f in enumerate(features):
+        if not isinstance(f, dict):
+            raise TypeError(f"{op}: sentence_features[{i}] is a {type(f).__name__}; "
+                            "expected the tokenizer's dict of tensors")
+        if "cu_seq_lens_q" in f:
+            raise NotImplementedError(f"{op}: flattened (unpadded) batches are not "
+                                      "supported yet")
+    return features
+
+
 def _ddp_of(model: nn.Module) -> List[nn.Module]:
     """The DistributedDataParallel wrapper an encoder's calls run through (a torch.compile'd
     one too), for :class:`GradientCache`'s single all-reduce."""
@@ -364,15 +379,7 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
                 f"{op} inside MatryoshkaLoss is not supported yet (it re-weights the cached "
                 "embeddings through the library's calculate_loss); use the library's cached "
                 "class there, or cupynce's uncached MultipleNegativesRankingLoss")
-        # (a tokenizer's BatchEncoding is a Mapping, as the trainer's dicts are)
-        features = [dict(f) if isinstance(f, Mapping) else f for f in sentence_features]
-        for i, f in enumerate(features):
-            if not isinstance(f, dict):
-                raise TypeError(f"{op}: sentence_features[{i}] is a {type(f).__name__}; "
-                                "expected the tokenizer's dict of tensors")
-            if "cu_seq_lens_q" in f:
-                raise NotImplementedError(f"{op}: flattened (unpadded) batches are not "
-                                          "supported yet")
+        features = _cached_features(op, sentence_features)
         model = self.model
         group = dist_group(self.group)[0] if self.gather_across_devices else None
         ddp = _ddp_of(model)
@@ -532,15 +539,7 @@ def _splade_loss_classes():
         def forward(self, sentence_features: Iterable[Dict[str, Any]],
                     labels: Any = None) -> Dict[str, Tensor]:
             op = "CachedSpladeLoss"
-            # (a tokenizer's BatchEncoding is a Mapping, as the trainer's dicts are)
-            features = [dict(f) if isinstance(f, Mapping) else f for f in sentence_features]
-            for i, f in enumerate(features):
-                if not isinstance(f, dict):
-                    raise TypeError(f"{op}: sentence_features[{i}] is a {type(f).__name__}; "
-                                    "expected the tokenizer's dict of tensors")
-                if "cu_seq_lens_q" in f:
-                    raise NotImplementedError(f"{op}: flattened (unpadded) batches are not "
-                                              "supported yet")
+            features = _cached_features(op, sentence_features)
             model, values = self.model, {}
 
             def total(*embeddings: Tensor) -> Tensor:
