@@ -21,6 +21,7 @@ on the way out: measured ≤ 3.4e-3 on an H100, where the libraries' own bf16 ru
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -399,11 +400,58 @@ def check_st(rank, world):
                     close(g1[i], g0[i], dt, f"{name} {cols} {hard} column {i}")
 
 
+def check_st_splade(rank, world):
+    """cupynce's CachedSpladeLoss (fused pooling, sparse MNRL with gather_across_devices,
+    mini-batches of 2) against the library's SpladeLoss on each rank's share, float64: the
+    same loss parts and MLM gradients on every rank."""
+    import os
+    import shutil
+    import tempfile
+
+    import sentence_transformers.sparse_encoder.losses as L
+    import torch.distributed as dist
+
+    kw = dict(document_regularizer_weight=3e-3, query_regularizer_weight=5e-3)
+    queries = [f"w{3 * i} w{3 * i + 1}" for i in range(3 * rank, 3 * rank + 3)]
+    docs = [f"w{i} w{i + 7} w{i + 2} w{i + 30}" for i in range(3 * rank, 3 * rank + 3)]
+    # (transformers saves on rank 0 alone once torch.distributed is up: one folder, written
+    # by rank 0 -- the ranks are one launcher's children -- read by all)
+    d = Path(tempfile.gettempdir()) / f"cupynce-tiny-mlm-{os.getppid()}"
+    if rank == 0:
+        d.mkdir(exist_ok=True)
+        _make_tiny_mlm(d)
+    dist.barrier()
+    try:
+        path = str(d)
+        res = []
+        for ours in (False, True):
+            model, t = _sparse_encoder(path, ours)
+            model.to(torch.float64)
+            model.train()
+            base = L.SparseMultipleNegativesRankingLoss(model, gather_across_devices=True)
+            fn = (c_st.CachedSpladeLoss(model, base, mini_batch_size=2, **kw) if ours
+                  else L.SpladeLoss(model, base, **kw))
+            parts = fn([model.preprocess(queries), model.preprocess(docs)], None)
+            sum(parts.values()).backward()
+            res.append(({k: float(v.detach()) for k, v in parts.items()},
+                        t.auto_model.bert.embeddings.word_embeddings.weight.grad.clone()))
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+    (p0, g0), (p1, g1) = res
+    assert p0.keys() == p1.keys()
+    for k in p0:
+        assert p1[k] == pytest.approx(p0[k], rel=1e-10, abs=1e-14), (rank, k)
+    assert float((g1 - g0).norm() / g0.norm()) <= 1e-10, rank
+
+
 def distributed_checks():
     """The check functions of the libraries that are installed."""
     names = ([] if OC is None else ["check_open_clip_clip", "check_open_clip_siglip",
                                     "check_open_clip_unequal_sizes"]) + \
-        ([] if LIGHTLY is None else ["check_lightly"]) + ([] if ST is None else ["check_st"])
+        ([] if LIGHTLY is None else ["check_lightly"]) + \
+        ([] if ST is None else ["check_st", "check_st_splade"])
     if not names:
         pytest.skip("none of open_clip_torch, lightly, sentence-transformers is installed")
     return names
@@ -527,9 +575,13 @@ def tiny_mlm(tmp_path_factory):
     """A one-layer BERT masked LM (V = 65, D = 16, no dropout) saved offline, and its
     tokenizer: what a fill-mask Transformer module loads."""
     pytest.importorskip("transformers")
+    return _make_tiny_mlm(tmp_path_factory.mktemp("mlm"))
+
+
+def _make_tiny_mlm(d) -> str:
+    """:func:`tiny_mlm` into the folder ``d`` (the same weights every time: seed 0)."""
     from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
 
-    d = tmp_path_factory.mktemp("mlm")
     words = [f"w{i}" for i in range(60)]
     (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
                                            + words))
