@@ -132,7 +132,7 @@ def clip_smoothing(xp, an, bn, ls, eps: float, w: Optional[Any] = None, *,
 
 
 def clip_smoothing_labels(xp, path, an, bn, ls, eps: float, groups, w: Optional[Any] = None,
-                          *, want_loss: bool = True):
+                          *, want_loss: bool = True, every=None):
     """:func:`clip_smoothing` with CLIP's labels: pair i's candidates in either direction are
     i and the pairs of another label, K_i = N − c_i + 1 of them (c_i its class's size), so the
     smoothing term's sums lose the class: Σ_{C_i} L_ij = σ â_i · (B − B_{y_i} + b̂_i), the
@@ -143,24 +143,32 @@ def clip_smoothing_labels(xp, path, an, bn, ls, eps: float, groups, w: Optional[
     and with u_i = w_i εσ / 2K_i: Δ∂/∂â_k = εσ w_k b̂_k − u_k (B − B_{y_k} + 2 b̂_k) − U_b +
     U_b,{y_k} (U_b = Σ u_i b̂_i, its class sum U_b,{y_k}), Δ∂/∂b̂_k likewise, Δ∂/∂logit_scale
     = Σ w_i Δ_i (Δ is linear in σ).  ``groups``: :func:`label_groups` of the pairs' labels.
-    One process (``group=`` with labels and smoothing is not supported yet)."""
+    ``every``: ``(â of every pair, b̂ of every pair, every pair's weight or None, row0)`` when
+    ``an``, ``bn`` are a rank's pairs row0 .. of the global batch (``groups`` then the global
+    labels'; ``w`` this rank's pairs' weights): the sums and class sums over every pair, in
+    one fixed order on every rank; Δ∂/∂logit_scale is then this rank's share."""
     a = acc_dtype(an.dtype)
     x, y = an.astype(a, copy=False), bn.astype(a, copy=False)
     n = x.shape[0]
+    xa, ya, w_all, row0 = every if every is not None else (x, y, w, 0)
+    xa, ya = xa.astype(a, copy=False), ya.astype(a, copy=False)
+    n_all, own = xa.shape[0], slice(row0, row0 + n)
     sigma = xp.exp(xp.asarray(ls, dtype=a).reshape(()))
-    k = (n + 1 - (groups[4] - groups[3])).astype(a)  # (each pair's candidates)
-    ca, cb = path.class_sums(x, groups), path.class_sums(y, groups)
-    ra = x.sum(axis=0)[None, :] - ca + x  # A − A_{y_i} + â_i
-    rb = y.sum(axis=0)[None, :] - cb + y
+    k_all = (n_all + 1 - (groups[4] - groups[3])).astype(a)  # (each pair's candidates)
+    k = k_all[own]
+    ra = xa.sum(axis=0)[None, :] - path.class_sums(xa, groups)[own] + x  # A − A_{y_i} + â_i
+    rb = ya.sum(axis=0)[None, :] - path.class_sums(ya, groups)[own] + y
     diag = (x * y).sum(axis=1)
     delta = sigma * (eps * diag - (eps / (2 * k)) * ((x * rb).sum(axis=1)
                                                      + (y * ra).sum(axis=1)))
     if w is None:
         return (delta if want_loss else None), None
     wv = xp.broadcast_to(xp.asarray(w, dtype=a), (n,))
-    u = wv * (sigma * eps / 2) / k
-    uy, ux = path.class_sums(y, groups, u), path.class_sums(x, groups, u)
-    sy, sx = (u[:, None] * y).sum(axis=0), (u[:, None] * x).sum(axis=0)
+    u_all = xp.broadcast_to(xp.asarray(w_all, dtype=a), (n_all,)) * (sigma * eps / 2) / k_all
+    u = u_all[own]
+    uy = path.class_sums(ya, groups, u_all)[own]
+    ux = path.class_sums(xa, groups, u_all)[own]
+    sy, sx = (u_all[:, None] * ya).sum(axis=0), (u_all[:, None] * xa).sum(axis=0)
     da = (sigma * eps) * wv[:, None] * y - u[:, None] * (rb + y) - sy[None, :] + uy
     db = (sigma * eps) * wv[:, None] * x - u[:, None] * (ra + x) - sx[None, :] + ux
     return (delta if want_loss else None), (da, db, (wv * delta).sum())

@@ -120,16 +120,12 @@ def _score_block_bytes(a, acc, workspace_bytes) -> int:
     return min(n * row, workspace.workspace_bound(workspace_bytes))
 
 
-def _labels(xp, labels, eps: float, like, *, across: bool = False) -> dict:
+def _labels(xp, labels, like) -> dict:
     """The engine's ``labels=`` keyword for the pairs' labels (checked: integers, (N,), on
-    the inputs' device), or no keyword.  ``across`` (a rank's share of a global loss): with
-    smoothing, not supported yet (ValueError inside the ranks' exchange: never a hang)."""
+    the inputs' device), or no keyword."""
     labels = _checks.check_labels("clip_loss", labels, like.shape[0], xp, like)
     if labels is None:
         return {}
-    if eps and across:  # (a ValueError: the ranks' exchange raises it on every rank)
-        raise ValueError("clip_loss: labels= with label_smoothing= and group= is not "
-                         "supported yet (one process takes both)")
     labels = xp.asarray(labels, dtype=np.int64)
     return dict(labels=(labels, labels))
 
@@ -178,8 +174,9 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0, labels
         their 128-block label ranges, reads none), the cuBLAS row blocks with a mask kernel
         after each score product (float32 / float64, ``config.clip_labels_tiles=False``);
         the labels are an input of the CUDA-graph replay; with ``group`` each rank passes
-        its pairs' labels (gathered with the texts).  With ``label_smoothing`` ε is spread over each pair's candidates left
-        after the mask (class sums, O(N·D)); that pair not yet with ``group``.
+        its pairs' labels (gathered with the texts).  With ``label_smoothing`` ε is spread
+        over each pair's candidates left after the mask (class sums, O(N·D); with ``group``
+        over every rank's pairs: the images gathered too).
     reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
     group : communicator, optional
@@ -216,7 +213,7 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0, labels
                                      precision)
     _checks.check_bool("clip_loss", "requires_grad", requires_grad)
     eps = _checks.check_smoothing("clip_loss", label_smoothing)
-    masks = _labels(xp, labels, eps, a)
+    masks = _labels(xp, labels, a)
     path = Path(xp)
     n = a.shape[0]
     acc = acc_dtype(a.dtype)
@@ -350,7 +347,7 @@ def clip_loss_backward_from_stats(a, b, logit_scale, lse_r, lse_c, grad_loss: An
         ls_dtype=acc if isinstance(ls, float) else ls.dtype, xn=(an, bn),
         ls=_logit_scale_array(xp, ls, acc), lse=(lse_r, lse_c), ws=workspace_bytes,
         eps=_checks.check_smoothing("clip_loss", label_smoothing),
-        masks=_labels(xp, labels, _checks.check_smoothing("clip_loss", label_smoothing), a)))
+        masks=_labels(xp, labels, a)))
     return clip_loss_backward(ctx, grad_loss)
 
 
@@ -379,8 +376,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
     def checks():
         out = _check(a, b, logit_scale, reduction, workspace_bytes, normalize, precision)
         _checks.check_bool(op, "requires_grad", requires_grad)
-        return out + (_labels(out[0], labels, _checks.check_smoothing(op, label_smoothing),
-                              a, across=True),)
+        _checks.check_smoothing(op, label_smoothing)
+        return out + (_labels(out[0], labels, a),)
 
     xp, ls, ls_shape, p, masks = _global.agree(
         comm, op, checks, [a, b], ["a", "b"],
@@ -412,9 +409,14 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         lse_c = engine.col_lse(comm.all_gather(state))  # every text's lse, the same on every rank
         own = slice(rank * n, (rank + 1) * n)
         pair = 0.5 * (row_loss + (lse_c[own] - (lse_r - row_loss)))
-        sums = None
-        if eps:  # the smoothing's O(N·D) difference over the global sums (_variants): Σ â of
-            # every rank (gathered, added in rank order), Σ b̂ of the gathered texts
+        sums = lab = None
+        if eps and masks:  # with labels: every rank's images too (the class sums), O(N·D)
+            lab = (_variants.label_groups(xp, masks["labels"][0]),
+                   comm.all_gather(an).reshape(n * size, -1))
+            pair = pair + _variants.clip_smoothing_labels(
+                xp, path, an, bn, ls_dev, eps, lab[0], every=(lab[1], b_all, None, rank * n))[0]
+        elif eps:  # the smoothing's O(N·D) difference over the global sums (_variants): Σ â
+            # of every rank (gathered, added in rank order), Σ b̂ of the gathered texts
             sums = (comm.all_gather(an.astype(acc, copy=False).sum(axis=0)).sum(axis=0),
                     b_all.astype(acc, copy=False).sum(axis=0), n * size)
             pair = pair + _variants.clip_smoothing(xp, an, bn, ls_dev, eps, sums=sums)[0]
@@ -428,15 +430,18 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
             smooth = None
             if eps:
                 w_row = _variants.row_weights(w)
-                smooth = _variants.clip_smoothing(
-                    xp, an, bn, ls_dev, eps, w_row, want_loss=False,
-                    sums=sums + (sums[0] * w_row, sums[1] * w_row))[1]
+                smooth = (_variants.clip_smoothing_labels(
+                    xp, path, an, bn, ls_dev, eps, lab[0], w_row, want_loss=False,
+                    every=(lab[1], b_all, w_row, rank * n))[1] if lab is not None else
+                    _variants.clip_smoothing(xp, an, bn, ls_dev, eps, w_row, want_loss=False,
+                                             sums=sums + (sums[0] * w_row, sums[1] * w_row))[1])
             da, db, dscale = _global_grads(comm, block, xp, an, b_all, ls_dev, rank * n, lse_r,
                                            lse_c, w, workspace_bytes, smooth, masks)
             ctx.saved = dict(base, acc=(da, db), dscale=dscale)
         elif requires_grad:
             ctx.saved = dict(base, an=an, bn=bn, b_all=b_all, ls=ls_dev, lse=(lse_r, lse_c),
-                             ws=workspace_bytes, comm=comm, eps=eps, sums=sums, masks=masks)
+                             ws=workspace_bytes, comm=comm, eps=eps, sums=sums, masks=masks,
+                             lab=lab)
         return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
@@ -469,8 +474,12 @@ def _global_acc(ctx: Context, g):
     g_all = comm.all_gather(_global.upstream(xp, g, ctx.n, acc)).reshape(-1)
     w = weights(xp, g_all, "none", ctx.n * comm.size, acc)
     smooth = None
-    if s["eps"]:  # (A_w: every rank's Σ w â, gathered; B_w from the gathered texts)
-        own = g_all[comm.rank * ctx.n:(comm.rank + 1) * ctx.n]
+    own = g_all[comm.rank * ctx.n:(comm.rank + 1) * ctx.n]
+    if s["eps"] and s["lab"] is not None:  # (with labels: the class sums of every pair)
+        smooth = _variants.clip_smoothing_labels(
+            xp, Path(xp), s["an"], s["bn"], s["ls"], s["eps"], s["lab"][0], own,
+            want_loss=False, every=(s["lab"][1], s["b_all"], g_all, comm.rank * ctx.n))[1]
+    elif s["eps"]:  # (A_w: every rank's Σ w â, gathered; B_w from the gathered texts)
         an = s["an"].astype(acc, copy=False)
         a_w = comm.all_gather((own[:, None] * an).sum(axis=0)).sum(axis=0)
         b_w = (g_all[:, None] * s["b_all"].astype(acc, copy=False)).sum(axis=0)

@@ -476,6 +476,15 @@ def test_clip_labels_numpy(P, reduction, learnable):
     _check_clip(np, "float64", P, 4, 5, reduction, True, learnable, labeled=True)
 
 
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_clip_labels_with_smoothing_numpy(P, reduction, learnable):
+    """labels= and label_smoothing= together across ranks: ε over each pair's candidates
+    left after the mask, from the class sums of every rank's images (gathered) and texts."""
+    _check_clip(np, "float64", P, 4, 5, reduction, True, learnable, eps=0.15, labeled=True)
+
+
 def test_one_rank_bad_input_raises_on_every_rank():
     """Rank 1's z has an odd row count: rank 1 raises its own error, the others a ValueError
     naming rank 1; nobody hangs (the emulated barrier would time out)."""
@@ -602,9 +611,11 @@ def test_clip_gpu(P, dtype, reduction, ws):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("ws", [None, 1 << 17])
-def test_clip_labels_gpu(P, dtype, reduction, ws):
+@pytest.mark.parametrize("eps", [0.0, 0.15])
+def test_clip_labels_gpu(P, dtype, reduction, ws, eps):
     cp = _gpu()
-    _check_clip(cp, dtype, P, 136, 64, reduction, True, True, device=0, ws=ws, labeled=True)
+    _check_clip(cp, dtype, P, 136, 64, reduction, True, True, device=0, ws=ws, labeled=True,
+                eps=eps)
 
 
 @pytest.mark.gpu

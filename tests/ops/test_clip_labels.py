@@ -179,20 +179,6 @@ def test_torch_cuda_matches_the_oracle(dtype):
     assert _rel(B.grad.double().cpu(), wb) <= TOL[dtype]
 
 
-def test_labels_with_smoothing_across_ranks_are_not_supported_yet():
-    from emulated_ranks import run
-
-    a = np.ones((4, 3))
-
-    def rank(comm):
-        with pytest.raises(ValueError, match="labels= with label_smoothing= and group="):
-            core.clip_loss(a, a, 1.0, labels=np.zeros(4, np.int64), label_smoothing=0.1,
-                           group=comm)
-        return True
-
-    assert run(2, rank) == [True, True]
-
-
 @pytest.mark.parametrize("labels,err,match", [
     (np.zeros(3, np.int64), ValueError, "labels"),
     (np.zeros(4), ValueError, "labels must be an integer array"),
