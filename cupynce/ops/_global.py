@@ -105,8 +105,9 @@ def _dtype_name(code: int) -> str:
 
 def host_setting(value: Any) -> Any:
     """A scalar argument as the ranks compare it: a host value as a float (a NumPy scalar or
-    array, an int); a device array (refused by the checks with ``group=``) or anything
-    unreadable as 0.0 (its own check raises)."""
+    array, an int); a device array (never read: the ranks cannot compare it, so every rank
+    must pass the same value, as DDP keeps a parameter) or anything unreadable as 0.0 (its
+    own check raises)."""
     if type(value) is float or _checks.is_cupy_array(value):
         return value if type(value) is float else 0.0
     try:
@@ -217,7 +218,8 @@ def scaled_rows(xp, zn, temp) -> Tuple[Any, Any, float]:
     then give ``s ẑ_i·ẑ_j``, and the schedule's gradient ∂L/∂(√s ẑ) times √s is ∂L/∂ẑ
     (the dτ dot ``ẑ · ∂L/∂ẑ`` is the same on either side).  The prescaled rows are rounded to
     the rows' dtype once more (16-bit: one more rounding of each logit's factors than a host τ
-    gets, within the dtype's tolerance); the schedules' cross blocks take no device scale."""
+    gets, within the dtype's tolerance; float16 rows past 65504 / √s overflow -- unnormalised
+    rows that large); the schedules' cross blocks take no device scale."""
     if temp.scale_log is None:
         return zn, None, 1.0 / temp.value
     a = acc_dtype(zn.dtype)
