@@ -15,27 +15,10 @@ import pytest
 
 from cupynce import reference as ref
 from cupynce.ops import clip as core
+# (tests/_support, on sys.path by conftest)
+from numerics import TOL, dtype_of as _dtype, rel as _rel, scalar_err as _scalar_err
 
-TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 LABELS = np.array([0, 1, 0, 2, 1, 0, 3, 1, 2, 4])
-
-
-def _dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
-
-
-def _rel(x, r):
-    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
-
-
-def _scalar_err(x, r) -> float:
-    x, r = float(np.asarray(x, np.float64).reshape(())), float(np.asarray(r).reshape(()))
-    return abs(x - r) / max(abs(r), 1.0)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.2])
@@ -223,4 +206,5 @@ def test_cupy_labels_on_the_score_tiles(dtype, loop, n, classes, ws, on_tiles, m
     loops = {"ws": {}, "wgmma": dict(ws_tiles=False), "mma": dict(wgmma=False)}[loop]
     with config.override(tiles=True, clip_labels_tiles=on_tiles, **loops):
         _check(cp, dtype, "mean", True, True, n=n, d=64, labels=lab, ws=ws)
-    assert calls["tiles" if on_tiles else "rows"] > 0 and calls["rows" if on_tiles else "tiles"] == 0
+    taken, other = ("tiles", "rows") if on_tiles else ("rows", "tiles")
+    assert calls[taken] > 0 and calls[other] == 0

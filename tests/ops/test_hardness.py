@@ -17,23 +17,11 @@ import pytest
 
 from cupynce import reference as ref
 from cupynce.ops import info_nce as core
+# (tests/_support, on sys.path by conftest)
+from numerics import TOL, dtype_of as _dtype, rel as _rel
 
 MODES = ["in_batch_negatives", "hard_negatives", "all_negatives"]
-TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 N, D = 8, 6
-
-
-def _dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
-
-
-def _rel(x, r):
-    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
 
 
 def _inputs(negatives, n=N, d=D, seed=0):

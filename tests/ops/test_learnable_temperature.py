@@ -18,18 +18,8 @@ import pytest
 
 import cupynce
 from cupynce import reference as ref
-
-TOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2}
-
-
-def _rel(x, r):
-    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
-
-
-def _scalar_err(x, r) -> float:
-    x, r = float(np.asarray(x, np.float64).reshape(())), float(np.asarray(r).reshape(()))
-    return abs(x - r) / max(abs(r), 1.0)
+# (tests/_support, on sys.path by conftest)
+from numerics import TOL, rel as _rel, scalar_err as _scalar_err
 
 
 def _check_nt_xent(xp, dtype, n, d, reduction, eps, tshape, tdtype, normalize=True):

@@ -14,19 +14,12 @@ import pytest
 
 from cupynce import reference as ref
 from cupynce.ops import nt_xent_pairs as core
+# (tests/_support, on sys.path by conftest)
+from numerics import TOL, dtype_of as _dtype
 
-TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 #: labels: classes of several sizes, a singleton (no pair), all one class (no negative)
 LABELS = {"mixed": np.array([3, 1, 3, 0, 1, 3, 7, 1, 0, 2]),
           "singletons": np.arange(6), "one_class": np.zeros(5, np.int64)}
-
-
-def _dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
 
 
 def _rel(x, r):

@@ -15,26 +15,8 @@ import pytest
 
 from cupynce import reference as ref
 from cupynce.ops import siglip as core
-
-TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
-
-
-def _dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
-
-
-def _rel(x, r):
-    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
-
-
-def _scalar_err(x, r) -> float:
-    x, r = float(np.asarray(x, np.float64).reshape(())), float(np.asarray(r).reshape(()))
-    return abs(x - r) / max(abs(r), 1.0)
+# (tests/_support, on sys.path by conftest)
+from numerics import TOL, dtype_of as _dtype, rel as _rel, scalar_err as _scalar_err
 
 
 def _check(xp, dtype, n, d, reduction, normalize, classes, learnable):

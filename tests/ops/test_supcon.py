@@ -19,21 +19,8 @@ import pytest
 from cupynce import reference as ref
 from cupynce.ops import _numpy, _variants
 from cupynce.ops import supcon as core
-
-TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
-
-
-def _dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
-
-
-def _rel(x, r):
-    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
+# (tests/_support, on sys.path by conftest)
+from numerics import TOL, dtype_of as _dtype, rel as _rel
 
 
 def _labels(kind: str, n: int, rng):
