@@ -478,47 +478,39 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         base = dict(x=(query, key, negatives), norms=(nq, nk, nneg), size=size, temp=temp,
                     tgrad=tgrad)
         rep = bool(replicated_negatives)
+        w = weights(xp, None, reduction, n * size, a)
         if _queue_path(in_batch_negatives, eps, hard, negatives, n, temp):
             # MoCo's rows: no other rank's key is a candidate (none gathered); the queue's
             # rows (every rank's negatives, or the replicated queue once) beside the own key
             every = neg_s if rep else comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
-            lse, rows, grads = _queue_rows(xp, path, qn, kn, every, temp.scale,
-                                           weights(xp, None, reduction, n * size, a), fused,
+            lse, rows, grads = _queue_rows(xp, path, qn, kn, every, temp.scale, w, fused,
                                            workspace_bytes)
-            ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
-                          precision=p)
-            if fused:
-                ctx.saved = dict(base, acc=_queue_scatter(comm, grads, neg_s, rep),
-                                 dt=_global.dtemperature(comm, xp, qn, grads[0], temp, 1)
-                                 if tgrad else None)
-            elif requires_grad:
-                ctx.saved = dict(base, xn=(qn, kn, every, None), neg_s=neg_s, lse=lse, t=t,
-                                 ws=workspace_bytes, comm=comm, replicated=rep, queue=True)
-            return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
-        others = _global.others(xp, comm.all_gather(kn), rank)
-        if neg_s is not None:  # every rank's shared negatives, in rank order, after the keys
-            # (replicated ones, the same on every rank: once)
-            every = neg_s if replicated_negatives else \
-                comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
-            others = every if others is None else xp.concatenate([others, every])
-        masks = dict(smoothing=eps, labels=None, hardness=hard)
-        if labels is not None:  # the columns' labels: this rank's keys', then the others'
-            every_lab = _global.others(xp, comm.all_gather(labels)[:, :, None], rank)
-            masks["labels"] = (labels, labels if every_lab is None else
-                               xp.concatenate([labels, every_lab.reshape(-1)]))
-        lse, rows, grads = _local.info_nce_block(
-            path, qn, kn, others, neg_p, temp.scale, scale_log=temp.scale_log, lse_in=None,
-            weights=weights(xp, None, reduction, n * size, a), want_grad=fused,
-            workspace_bytes=workspace_bytes, **masks)
+            kept = dict(xn=(qn, kn, every, None), queue=True)
+        else:
+            others = _global.others(xp, comm.all_gather(kn), rank)
+            if neg_s is not None:  # every rank's shared negatives, in rank order, after the
+                # keys (replicated ones, the same on every rank: once)
+                every = neg_s if rep else comm.all_gather(neg_s).reshape(-1, neg_s.shape[1])
+                others = every if others is None else xp.concatenate([others, every])
+            masks = dict(smoothing=eps, labels=None, hardness=hard)
+            if labels is not None:  # the columns' labels: this rank's keys', then the others'
+                every_lab = _global.others(xp, comm.all_gather(labels)[:, :, None], rank)
+                masks["labels"] = (labels, labels if every_lab is None else
+                                   xp.concatenate([labels, every_lab.reshape(-1)]))
+            lse, rows, grads = _local.info_nce_block(
+                path, qn, kn, others, neg_p, temp.scale, scale_log=temp.scale_log, lse_in=None,
+                weights=w, want_grad=fused, workspace_bytes=workspace_bytes, **masks)
+            kept = dict(xn=(qn, kn, others, neg_p), masks=masks)
         ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
                       precision=p)
         if fused:
-            ctx.saved = dict(base, acc=_global_scatter(comm, xp, grads, n, neg_s, rep),
-                             dt=_global.dtemperature(comm, xp, qn, grads[0], temp, 1)
-                             if tgrad else None)
+            acc = (_queue_scatter(comm, grads, neg_s, rep) if kept.get("queue") else
+                   _global_scatter(comm, xp, grads, n, neg_s, rep))
+            ctx.saved = dict(base, acc=acc, dt=_global.dtemperature(comm, xp, qn, grads[0],
+                                                                    temp, 1) if tgrad else None)
         elif requires_grad:
-            ctx.saved = dict(base, xn=(qn, kn, others, neg_p), neg_s=neg_s, lse=lse, t=t,
-                             ws=workspace_bytes, comm=comm, masks=masks, replicated=rep)
+            ctx.saved = dict(base, neg_s=neg_s, lse=lse, t=t, ws=workspace_bytes, comm=comm,
+                             replicated=rep, **kept)
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
