@@ -195,7 +195,7 @@ __device__ __forceinline__ void clip_mask_body(A* s, i64 ld, int n, int row0,
         if (j != i && lab_c[j] == li) row[j] = -cpn_inf<A>();
 }
 
-// CLIP's labels on the score tiles (label_bits, tile_epilogue.cuh): out[i] = the (min, max)
+// CLIP's labels on the score tiles (label_bits, tile_labels.cuh): out[i] = the (min, max)
 // of the keys k = (int) low 32 bits of lab[j] over i's aligned 128-block, packed as
 // (min << 32) | (unsigned) max.  Equal labels have equal keys, so a tile whose rows' key range
 // and columns' key range are disjoint holds no same-label pair.  One 128-thread block a

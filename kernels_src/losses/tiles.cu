@@ -25,7 +25,7 @@
 //              p_ji = exp(l_ij - lse_j), so dZ = H Z is one product
 //   MODE_CLIP  CLIP's gradient block s G_ij and the row partials of sum_j G_ij L_ij
 //              (LSE2 and CLIP also as `_lab` kernels: CLIP's labels, TileArgs lab_r / lab_c,
-//              same-label scores off the positive left out -- label_bits, tile_epilogue.cuh)
+//              same-label scores off the positive left out -- label_bits, tile_labels.cuh)
 //   MODE_SIGLIP SigLIP, one pass (no statistics): with L = s S_ij + beta (beta at lse_col[0])
 //              and z = +1 on the positive, -1 elsewhere, the row partials of the loss
 //              sum_j softplus(-z L) (part_m), of dbias sum_j G_ij (part_s) and of dscale

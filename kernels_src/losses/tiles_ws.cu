@@ -11,7 +11,7 @@
 //   ring = stages | A-resident << 8.
 //   Grid (ceil(rows / 128), splits), 384 threads, dynamic shared memory as tile_ws.cuh says.
 //   cpn_wstile_{lse2,clip}_lab_<dtype>: the same with CLIP's labels (TileArgs lab_r / lab_c,
-//   tile_epilogue.cuh's label_bits); the plain kernels compile the label code out.
+//   tile_labels.cuh's label_bits); the plain kernels compile the label code out.
 // cpn-dtypes: f16 bf16
 #include "include/tile_ws.cuh"
 

@@ -391,7 +391,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     ``labels`` (the pair (row labels, column labels) of one array, indexed by the global row
     and by the column alike): the same-label scores off the positive leave both softmaxes
     and get no gradient, masked in the epilogues of both stages (``label_bits`` in
-    tile_epilogue.cuh; :func:`label_ranges` lets most tiles skip the labels) as
+    tile_labels.cuh; :func:`label_ranges` lets most tiles skip the labels) as
     ``clip_mask`` masks the row blocks' scores.
     """
     import cupy as cp
