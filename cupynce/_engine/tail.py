@@ -53,3 +53,24 @@ def collecting(run: Optional[Callable[[Tuple[Any, ...], Callable[..., None]], No
         yield rec
     finally:
         _tls.rec = prev
+
+
+@contextmanager
+def not_last() -> Iterator[None]:
+    """The :func:`products` issued meanwhile run now, inside any capture (the caller's later
+    work reads or adds to what they write: MoCo's queue fix-ups, SupCon's class terms), so
+    a graph holds them and copies their outputs out as it does any other."""
+    prev = getattr(_tls, "rec", None), getattr(_tls, "later", False)
+    _tls.rec, _tls.later = None, True
+    try:
+        yield
+    finally:
+        _tls.rec, _tls.later = prev
+
+
+def later_work() -> bool:
+    """Whether the caller's later work reads what the products write (inside
+    :func:`not_last`): then the products are no call's last work, and nothing may start
+    beside them (``side.fork_point``: a capture gathers the small outputs on that branch,
+    which would read those outputs before the later work has written them)."""
+    return getattr(_tls, "later", False)

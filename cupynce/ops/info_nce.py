@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .. import _checks, config
-from .._engine import side
+from .._engine import side, tail
 from .._engine.kernels import acc_dtype
 from .._engine.losses.row_blocks import Hardness
 from . import _comm, _global, _graphs, _local, _memo
@@ -128,8 +128,9 @@ def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, l
     loss = lse - pos
     if not want_grad:
         return lse, loss, (None, None, None, None)
-    _, _, (dq, dneg, _, _) = path.rows(qn, neg_s, None, None, scale, lse_in=lse, weights=w,
-                                       want_grad=True, **kw)
+    with tail.not_last():  # (the fix-ups below add to what the products write)
+        _, _, (dq, dneg, _, _) = path.rows(qn, neg_s, None, None, scale, lse_in=lse,
+                                           weights=w, want_grad=True, **kw)
     w_arr, stride, mul = w
     wv = (xp.full((n,), mul * scale, a) if w_arr is None else
           (xp.asarray(w_arr, dtype=a).reshape(-1)[xp.arange(n) * stride] * a.type(mul * scale)))
@@ -282,14 +283,14 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
                 + tuple(norms)), (qn, kn, neg_s, neg_p)
 
     with config.float32_precision(p):  # (the graph key carries it too)
-        # (a graph replays only the inputs it was given: labels are not among them; the
-        # queue rows' fix-ups add to what the graph's deferred products write: no graph)
-        if path.gpu and (fused or not requires_grad) and labels is None and not eps \
-                and hard is None and temp.scale_log is None and not want_dt:
+        # (a graph replays only the inputs it was given: labels are not among them -- the
+        # queue path reads none)
+        if path.gpu and (fused or not requires_grad) and (labels is None or queue) \
+                and not eps and hard is None and temp.scale_log is None and not want_dt:
             inputs = (query, key) + (() if negatives is None else (negatives,))
             outs = _graphs.run(
                 ("info_nce", t, reduction, normalize, workspace_bytes, fused,
-                 None if negatives is None else negatives.ndim), inputs,
+                 None if negatives is None else negatives.ndim, queue), inputs,
                 lambda *xs: compute(*xs)[0], layout=sig)
         else:
             outs, xn = compute(query, key, negatives)

@@ -20,12 +20,14 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from .. import _checks, config
+from .._engine import tail
 from .._engine.kernels import acc_dtype
-from . import _comm, _global, _local, _variants
+from . import _comm, _global, _graphs, _local, _variants
 from ._base import (Context, Path, Temperature, check_stats, contig_inputs, dtemperature,
                     in_ctx_precision, prep, require, temperature_input,
                     temperature_result)
 from ._comm import Comm
+from .nt_xent import _kept_bytes  # (NT-Xent's row softmax: the same kept block)
 
 __all__ = ["supcon_loss", "supcon_forward", "supcon_backward", "supcon_backward_from_stats"]
 
@@ -153,14 +155,30 @@ def supcon_forward(z, labels, temperature: Any = 0.1, *, reduction: str = "mean"
     z = contig_inputs(xp, z)[0]
     a = acc_dtype(z.dtype)
     fused = requires_grad and reduction != "none"
-    with config.float32_precision(p):
+
+    def compute(z, labels):
         zn, norm = prep(path, z, normalize)
         groups = _variants.label_groups(xp, labels)
         has = _variants.has_positive(groups)
         w = _row_weights(xp, has, reduction, a) if fused else None
-        lse, dz = _engine_rows(path, zn, t, w, None, fused, workspace_bytes)
+        with tail.not_last():  # (the class terms add to what the products write)
+            lse, dz = _engine_rows(path, zn, t, w, None, fused, workspace_bytes)
         loss = _variants.supcon_terms(xp, path, zn, groups, t.scale, lse, w, acc=dz,
                                       scale_log=t.scale_log)
+        return (_reduce(xp, loss, has, reduction), lse, dz, norm), (zn, groups, has)
+
+    with config.float32_precision(p):  # (the graph key carries it too)
+        # (z and the labels are the graph's inputs: the host's Python -- the label groups'
+        # sort and searches, the class sums -- replayed as one launch; a device temperature
+        # or its gradient: no graph, as for nt_xent)
+        if path.gpu and (fused or not requires_grad) and t.scale_log is None and not want_dt:
+            outs = _graphs.run(("supcon_loss", t.value, reduction, normalize,
+                                workspace_bytes, fused), (z, labels),
+                               lambda *xs: compute(*xs)[0],
+                               est_bytes=_kept_bytes(z, workspace_bytes) if fused else 0)
+        else:
+            outs, (zn, groups, has) = compute(z, labels)
+    total, lse, dz, norm = outs
     ctx = Context("supcon_loss", reduction, n, xp, stats=(lse,) if requires_grad else (),
                   precision=p)
     if fused:
@@ -169,7 +187,7 @@ def supcon_forward(z, labels, temperature: Any = 0.1, *, reduction: str = "mean"
     elif requires_grad:
         ctx.saved = dict(z=z, zn=zn, norm=norm, lse=lse, t=t, ws=workspace_bytes, tgrad=tgrad,
                          groups=groups, has=has)
-    return _reduce(xp, loss, has, reduction), ctx
+    return total, ctx
 
 
 @in_ctx_precision

@@ -326,7 +326,9 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
         return lse, loss, (None, None, None, None)
     ldg = -(-ncols // 8) * 8  # 16-byte rows for the kernel's paired stores and cuBLAS
     rb = plan_rows(op, n, ldg * t.itemsize, workspace_bytes, align=TILE)
-    if rb >= n:  # the statistics are final: what needs only them may run beside (side.py).
+    if rb >= n and not tail.later_work():  # the statistics are final: what needs only
+        # them may run beside (side.py); not where the caller's later work adds to the
+        # products' outputs (tail.not_last: a capture's gather beside would read them early).
         # (One block only: its products are the call's last work, which a graph defers, so
         # no small output is written after this point; with several blocks the products of
         # the first ones run inside the graph, and a gather beside would read them early.)
