@@ -98,6 +98,17 @@ def _queue_path(in_batch_negatives: Any, eps: float, hard, negatives, n: int,
             and negatives.ndim == 2 and negatives.shape[0] >= n and temp.scale_log is None)
 
 
+def _queue_plan_bytes(query, negatives, workspace_bytes) -> int:
+    """What a graph plan of the queue rows holds beside its O(N·D) outputs, at most: the
+    queue's static copy, its float32 gradient and the gradient block (under the tiles' budget,
+    :func:`_queue_rows`) -- ``_graphs.run``'s ``est_bytes``, so that a queue too large for a
+    plan runs uncaptured at once instead of after a refused capture."""
+    n, (m, d) = query.shape[0], negatives.shape
+    block = min(n * m * query.dtype.itemsize, config.current().tile_workspace_bytes
+                if workspace_bytes is None else workspace_bytes)
+    return negatives.nbytes + 4 * m * d + block
+
+
 def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, lse_in=None):
     """MoCo's rows: query i's candidates are key i and the M >= N shared negatives.
 
@@ -291,7 +302,8 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
             outs = _graphs.run(
                 ("info_nce", t, reduction, normalize, workspace_bytes, fused,
                  None if negatives is None else negatives.ndim, queue), inputs,
-                lambda *xs: compute(*xs)[0], layout=sig)
+                lambda *xs: compute(*xs)[0], layout=sig,
+                est_bytes=_queue_plan_bytes(query, negatives, workspace_bytes) if queue else 0)
         else:
             outs, xn = compute(query, key, negatives)
     loss, lse, dq, dk, dneg, nq, nk, nneg = outs

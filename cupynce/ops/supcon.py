@@ -170,7 +170,9 @@ def supcon_forward(z, labels, temperature: Any = 0.1, *, reduction: str = "mean"
     with config.float32_precision(p):  # (the graph key carries it too)
         # (z and the labels are the graph's inputs: the host's Python -- the label groups'
         # sort and searches, the class sums -- replayed as one launch; a device temperature
-        # or its gradient: no graph, as for nt_xent)
+        # or its gradient: no graph, as for nt_xent.  The sort is CuPy's Thrust argsort,
+        # capturable where it runs par_nosync (CuPy 14); an older CuPy's synchronising sort
+        # makes the capture fail, which _graphs refuses once: the plain call then runs)
         if path.gpu and (fused or not requires_grad) and t.scale_log is None and not want_dt:
             outs = _graphs.run(("supcon_loss", t.value, reduction, normalize,
                                 workspace_bytes, fused), (z, labels),
