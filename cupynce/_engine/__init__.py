@@ -33,7 +33,7 @@ from .losses import nt_xent_tf32, row_blocks, score_tiles, stats
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None, pair_labels=None, pair_row0: int = 0):
+         hardness=None, pair_labels=None, pair_row0: int = 0, col_grads: bool = True):
     """A row softmax over [keys k | shared negatives neg_s | per-query negatives neg_p].
 
     q (N, D) queries; k (Nk, D); neg_s (Ms, D) or None; neg_p (N, Mp, D) or None.  Row i's
@@ -49,8 +49,10 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     smoothed over the candidates) -- on the row blocks alone for now (the tiles' epilogues
     and the TF32x3 kernels do not take them).  ``hardness``: a :class:`row_blocks.Hardness`
     (sentence-transformers' hardness weighting), and ``pair_labels`` (pytorch-metric-learning's
-    NTXentLoss rows), also on the row blocks alone.  See
-    :func:`row_blocks.rows`.
+    NTXentLoss rows), also on the row blocks alone.  ``col_grads=False``: the caller needs
+    no column-side gradient (dk, dns: MoCo's detached queue as the keys); the score tiles
+    then skip those products and return None for them (the other paths may still return
+    them).  See :func:`row_blocks.rows`.
     """
     kw = dict(exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod, lse_in=lse_in,
               weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
@@ -65,7 +67,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
                 workspace_bytes, op):
             return row_blocks.nt_xent_kept(q, scale, pos_shift=pos_shift, weights=weights,
                                            op=op)
-        return score_tiles.rows(q, k, neg_s, scale, **kw)
+        return score_tiles.rows(q, k, neg_s, scale, col_grads=col_grads, **kw)
     if neg_p is None and nt_xent_tf32.applies(q, k, neg_s, exclude_diag=exclude_diag,
                                               pos_shift=pos_shift, pos_mod=pos_mod,
                                               self_pair=self_pair, scale_log=scale_log):

@@ -168,8 +168,10 @@ def normalize(x):
     n, d = x.shape
     xn = cp.empty((n, d), x.dtype)
     norm = cp.empty((n,), a)
-    kernels.launch(FILE, "l2norm_fwd", x.dtype, (n,),
-                   (x, np.int64(leading_dim(x)), np.int32(d), a.type(NORM_EPS), xn, norm))
+    if n:  # (a warp per row: BLOCK // 32 rows a block)
+        kernels.launch(FILE, "l2norm_fwd", x.dtype, (-(-n // (BLOCK // 32)),),
+                       (x, np.int64(leading_dim(x)), np.int64(n), np.int32(d),
+                        a.type(NORM_EPS), xn, norm))
     return xn, norm
 
 
@@ -182,9 +184,9 @@ def finish(x, norm, acc, g):
         return out
     if norm is not None:
         n, d = x.shape
-        kernels.launch(FILE, "l2norm_bwd", x.dtype, (n,),
-                       (x, np.int64(leading_dim(x)), np.int32(d), acc.dtype.type(NORM_EPS),
-                        norm, acc, ptr(g), out))
+        kernels.launch(FILE, "l2norm_bwd", x.dtype, (-(-n // (BLOCK // 32)),),
+                       (x, np.int64(leading_dim(x)), np.int64(n), np.int32(d),
+                        acc.dtype.type(NORM_EPS), norm, acc, ptr(g), out))
     else:
         per_thread = 4 if acc.dtype == np.float32 else 1  # (4-wide loads for fp32, aligned)
         grid = min(-(-acc.size // (BLOCK * per_thread)), 65535)

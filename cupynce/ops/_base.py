@@ -192,10 +192,11 @@ def prep(path: Path, x, normalize: bool):
 
 
 def finish_all(path: Path, originals, norms, accs, g):
-    """Each input's gradient in its dtype: ``g * acc``, through its normalisation if any."""
+    """Each input's gradient in its dtype: ``g * acc``, through its normalisation if any
+    (None for an absent input, or one whose gradient was not asked for: acc None)."""
     out = []
     for x, nrm, acc in zip(originals, norms, accs):
-        if x is None:
+        if x is None or acc is None:
             out.append(None)
             continue
         if x.ndim == 3:

@@ -77,14 +77,15 @@ def pair_dots(an, bn):
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None, pair_labels=None, pair_row0: int = 0):
+         hardness=None, pair_labels=None, pair_row0: int = 0, col_grads: bool = True):
     """``cupynce._engine.rows`` on the CPU: the same arguments and results, the score
     matrix in row blocks of at most ``workspace_bytes`` (default ``NUMPY_WORKSPACE_BYTES``),
     one block buffer reused in place (scores, their exponentials, the gradient block), on the
     namespace of ``_cpu.current()``.  ``labels`` / ``smoothing``: as the engine's (the
     masked key columns -inf before the log-sum-exp, the smoothing over what is left);
     ``hardness``: the penalised columns' logits times scale + α (the gradient keeps scale);
-    ``pair_labels``: pytorch-metric-learning's NTXentLoss rows (:func:`_pair_rows`)."""
+    ``pair_labels``: pytorch-metric-learning's NTXentLoss rows (:func:`_pair_rows`).
+    ``col_grads`` is accepted and ignored: the column gradients come from the same block."""
     xp = _cpu.current()
     a = acc_dtype(q.dtype)
     if scale_log is not None:  # (on the host here: the value can be read)

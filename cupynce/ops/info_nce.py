@@ -98,18 +98,20 @@ def _queue_path(in_batch_negatives: Any, eps: float, hard, negatives, n: int,
             and negatives.ndim == 2 and negatives.shape[0] >= n and temp.scale_log is None)
 
 
-def _queue_plan_bytes(query, negatives, workspace_bytes) -> int:
+def _queue_plan_bytes(query, negatives, workspace_bytes, neg_grad: bool = True) -> int:
     """What a graph plan of the queue rows holds beside its O(N·D) outputs, at most: the
-    queue's static copy, its float32 gradient and the gradient block (under the tiles' budget,
+    queue's static copy, its float32 gradient (with ``neg_grad``) and the gradient block
+    (under the tiles' budget,
     :func:`_queue_rows`) -- ``_graphs.run``'s ``est_bytes``, so that a queue too large for a
     plan runs uncaptured at once instead of after a refused capture."""
     n, (m, d) = query.shape[0], negatives.shape
     block = min(n * m * query.dtype.itemsize, config.current().tile_workspace_bytes
                 if workspace_bytes is None else workspace_bytes)
-    return negatives.nbytes + 4 * m * d + block
+    return negatives.nbytes + (4 * m * d if neg_grad else 0) + block
 
 
-def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, lse_in=None):
+def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, lse_in=None,
+                neg_grad: bool = True):
     """MoCo's rows: query i's candidates are key i and the M >= N shared negatives.
 
     The queue's log-sum-exps are the engine's row softmax over the negatives alone with a
@@ -119,8 +121,10 @@ def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, l
     key's column added, O(N·D): dq_i += w_i s (neg_i + (p_i − 1) k_i), dneg_i += w_i s q_i,
     dk_i = w_i s (p_i − 1) q_i, with w_i s the row's weight times the scale and p_i the key's
     probability.  Deterministic (each fix-up touches one row).  On the GPU the workspace
-    defaults to ``config.tile_workspace_bytes`` (the gradient block in row blocks).  Returns
-    the engine's ``lse, loss, (dq, dk, dneg, None)``."""
+    defaults to ``config.tile_workspace_bytes`` (the gradient block in row blocks).
+    ``neg_grad=False`` (a detached queue, MoCo's): no dneg -- the score tiles skip the
+    queue's product Gᵀ q̂, a third of the gradient pass's products.  Returns the engine's
+    ``lse, loss, (dq, dk, dneg, None)``."""
     n, m = qn.shape[0], neg_s.shape[0]
     a = acc_dtype(qn.dtype)
     if ws is None and xp is not np:
@@ -141,14 +145,18 @@ def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, l
         return lse, loss, (None, None, None, None)
     with tail.not_last():  # (the fix-ups below add to what the products write)
         _, _, (dq, dneg, _, _) = path.rows(qn, neg_s, None, None, scale, lse_in=lse,
-                                           weights=w, want_grad=True, **kw)
+                                           weights=w, want_grad=True, col_grads=neg_grad,
+                                           **kw)
     w_arr, stride, mul = w
     wv = (xp.full((n,), mul * scale, a) if w_arr is None else
           (xp.asarray(w_arr, dtype=a).reshape(-1)[xp.arange(n) * stride] * a.type(mul * scale)))
     c = wv * (xp.exp(pos - lse) - 1)
     qa, ka = qn.astype(a, copy=False), kn.astype(a, copy=False)
     dq += wv[:, None] * neg_s[:n].astype(a) + c[:, None] * ka
-    dneg[:n] += wv[:, None] * qa
+    if not neg_grad:
+        dneg = None
+    else:
+        dneg[:n] += wv[:, None] * qa
     return lse, loss, (dq, c[:, None] * qa, dneg, None)
 
 
@@ -173,7 +181,8 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
                      normalize: bool = False, workspace_bytes: Optional[int] = None,
                      requires_grad: bool = True, temperature_grad: bool = False, group=None,
                      precision: Optional[str] = None, hardness_mode: Optional[str] = None,
-                     hardness_strength: float = 0.0) -> Tuple[Any, Context]:
+                     hardness_strength: float = 0.0,
+                     negatives_grad: bool = True) -> Tuple[Any, Context]:
     """Query/key InfoNCE with in-batch negatives (and optional explicit ones).
 
     Parameters
@@ -226,6 +235,11 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
         Penalised: "in_batch_negatives" every candidate but key i and the own ones,
         "hard_negatives" the own ones, "all_negatives" every candidate but key i.  On the GPU
         the row blocks, as with labels.
+    negatives_grad : bool, default True
+        False: the negatives need no gradient (MoCo's queue is detached), and
+        :func:`info_nce_backward` returns None for them.  With ``in_batch_negatives=False``
+        the gradient pass then skips their product (a third of its products; the
+        ``cupynce.torch`` op passes ``negatives.requires_grad``).  With ``group``: ignored.
 
     Notes
     -----
@@ -235,6 +249,7 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
     ``(1 − ε) q̂_i·k̂_i/τ + ε/|C_i| Σ_{c ∈ C_i} q̂_i·ĉ/τ``).  (info-nce-pytorch drops the
     in-batch keys when explicit negatives are given; here they are always candidates.)
     """
+    neg_grad = _checks.check_bool("info_nce", "negatives_grad", negatives_grad)
     if group is not None:
         return _global_forward(
             _comm.wrap(group), query, key, temperature, negatives=negatives, labels=labels,
@@ -255,6 +270,7 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
                              normalize, precision)
     _checks.check_bool("info_nce", "requires_grad", requires_grad)
     tgrad = _checks.check_bool("info_nce", "temperature_grad", temperature_grad)
+    neg_grad = neg_grad and negatives is not None
     want_dt = requires_grad and (temp.array or tgrad)
     t = temp.value
     n = query.shape[0]
@@ -280,7 +296,7 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
             w = weights(xp, None, reduction, n, acc_dtype(query.dtype))
             if queue:
                 lse, loss, grads = _queue_rows(xp, path, qn, kn, neg_s, temp.scale, w, fused,
-                                               workspace_bytes)
+                                               workspace_bytes, neg_grad=neg_grad)
             else:
                 lse, loss, grads = path.rows(
                     qn, kn, neg_s, neg_p, temp.scale, exclude_diag=False, pos_shift=0,
@@ -290,7 +306,7 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
             with br.beside():
                 total = reduce(xp, loss, reduction, out)
         dq, dk, dns, dnp = grads
-        return ((total, lse, dq, dk, dns if dns is not None else dnp)
+        return ((total, lse, dq, dk, (dns if dns is not None else dnp) if neg_grad else None)
                 + tuple(norms)), (qn, kn, neg_s, neg_p)
 
     with config.float32_precision(p):  # (the graph key carries it too)
@@ -301,9 +317,10 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
             inputs = (query, key) + (() if negatives is None else (negatives,))
             outs = _graphs.run(
                 ("info_nce", t, reduction, normalize, workspace_bytes, fused,
-                 None if negatives is None else negatives.ndim, queue), inputs,
+                 None if negatives is None else negatives.ndim, queue, neg_grad), inputs,
                 lambda *xs: compute(*xs)[0], layout=sig,
-                est_bytes=_queue_plan_bytes(query, negatives, workspace_bytes) if queue else 0)
+                est_bytes=_queue_plan_bytes(query, negatives, workspace_bytes, neg_grad)
+                if queue else 0)
         else:
             outs, xn = compute(query, key, negatives)
     loss, lse, dq, dk, dneg, nq, nk, nneg = outs
@@ -314,7 +331,8 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
         ctx.saved = dict(base, acc=(dq, dk, dneg),
                          dt=dtemperature(xp, xn[0], dq, temp, 1) if want_dt else None)
     elif requires_grad:
-        ctx.saved = dict(base, xn=xn, lse=lse, ws=workspace_bytes, masks=masks, queue=queue)
+        ctx.saved = dict(base, xn=xn, lse=lse, ws=workspace_bytes, masks=masks, queue=queue,
+                         neg_grad=neg_grad)
     return loss, ctx
 
 
@@ -322,7 +340,8 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
 def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
     """Gradients ``(dquery, dkey, dnegatives)`` of :func:`info_nce_forward`'s loss.
 
-    ``dnegatives`` is None when no negatives were given.  Dtypes follow the inputs.  For a
+    ``dnegatives`` is None when no negatives were given (or the forward had
+    ``negatives_grad=False``).  Dtypes follow the inputs.  For a
     forward with ``temperature_grad=True``: ``(dquery, dkey, dnegatives, dtemperature)``.
     The products run in the forward's float32 precision (``ctx.precision``).
     """
@@ -341,16 +360,17 @@ def info_nce_backward(ctx: Context, grad_loss: Any = 1.0):
         return grads + (temperature_result(path, xp, s["dt"] * g, temp),)
     qn, kn, neg_s, neg_p = s["xn"]
     w = weights(xp, g, ctx.reduction, ctx.n, a)
+    neg_grad = s.get("neg_grad", True)
     if s.get("queue"):
         _, _, (dq, dk, dns, dnp) = _queue_rows(xp, path, qn, kn, neg_s, temp.scale, w, True,
-                                               s["ws"], lse_in=s["lse"])
+                                               s["ws"], lse_in=s["lse"], neg_grad=neg_grad)
     else:
         _, _, (dq, dk, dns, dnp) = path.rows(
             qn, kn, neg_s, neg_p, temp.scale, exclude_diag=False, pos_shift=0, pos_mod=ctx.n,
             lse_in=s["lse"], weights=w, want_grad=True, workspace_bytes=s["ws"], op="info_nce",
             scale_log=temp.scale_log, **s["masks"])
     dt = dtemperature(xp, qn, dq, temp, 1) if s["tgrad"] else None
-    accs = (dq, dk, dns if dns is not None else dnp)
+    accs = (dq, dk, (dns if dns is not None else dnp) if neg_grad else None)
     grads = tuple(finish_all(path, s["x"], s["norms"], accs, None))
     return grads + (temperature_result(path, xp, dt, temp),) if s["tgrad"] else grads
 
@@ -396,22 +416,25 @@ def info_nce_backward_from_stats(query, key, negatives, lse, grad_loss: Any = 1.
 
 
 def _torch_forward(query, key, temperature, *, in_batch_negatives: float = 1.0,
-                   replicated_negatives: float = 0.0, **kw):
+                   replicated_negatives: float = 0.0, negatives_grad: float = 1.0, **kw):
     """``cupynce.torch``'s forward: :func:`info_nce_forward` with the schema's
-    ``in_batch_negatives`` and ``replicated_negatives`` (reals, 1.0 / 0.0)."""
+    ``in_batch_negatives``, ``replicated_negatives`` and ``negatives_grad`` (reals, 1.0 /
+    0.0)."""
     return info_nce_forward(query, key, temperature, in_batch_negatives=bool(in_batch_negatives),
-                            replicated_negatives=bool(replicated_negatives), **kw)
+                            replicated_negatives=bool(replicated_negatives),
+                            negatives_grad=bool(negatives_grad), **kw)
 
 
 def _torch_backward(query, key, temperature, negatives, lse, grad_loss, *, labels=None,
                     label_smoothing: float = 0.0, hardness_mode: Any = None,
                     hardness_strength: float = 0.0, in_batch_negatives: float = 1.0,
-                    replicated_negatives: float = 0.0, reduction: str = "mean",
-                    normalize: bool = False, workspace_bytes: Optional[int] = None,
-                    precision: Optional[str] = None):
+                    replicated_negatives: float = 0.0, negatives_grad: float = 1.0,
+                    reduction: str = "mean", normalize: bool = False,
+                    workspace_bytes: Optional[int] = None, precision: Optional[str] = None):
     """``cupynce.torch``'s backward op: ``(dquery, dkey, dtemperature, dnegatives)``, the op's
     input order (a zero 0-d placeholder for a real temperature: no such input needs
-    one)."""
+    one).  ``negatives_grad`` is the forward's; this recompute returns dnegatives anyway
+    (autograd drops what no input needs)."""
     kw = dict(temperature=temperature, labels=labels, label_smoothing=label_smoothing,
               hardness_mode=hardness_mode, hardness_strength=hardness_strength,
               in_batch_negatives=bool(in_batch_negatives),

@@ -63,10 +63,14 @@ from . import _registry as R
 class Rows:
     """An input of rows, (N, D) or (N, M, D), such as the embeddings: differentiable, cast to
     the autocast dtype under autocast; the fused forward returns its gradient accumulator and
-    its row norms.  ``optional``: may be None (InfoNCE's negatives)."""
+    its row norms.  ``optional``: may be None (InfoNCE's negatives).  ``grad_param``: the
+    name of a real param (1.0 / 0.0) saying whether the fused forward computes this input's
+    accumulator at all (InfoNCE's ``negatives_grad``: a detached queue's product is skipped;
+    0.0 gives the (0,) placeholder, and the backward refuses to use it)."""
 
     name: str
     optional: bool = False
+    grad_param: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -355,13 +359,21 @@ class Loss(Op):
     def _fwd_fake(self, args):
         x0 = args[0]
         reduction, normalize, _, _, fused = args[self.reduction_at:]
+        params = args[self.n_in:self.reduction_at]
         rows = [args[i] for i in self.rows_at]
+        accs = [None if self._skipped(params, i) else args[i] for i in self.rows_at]
         # (one tensor each: outputs never alias each other)
         scalars = tuple(x0.new_empty((), dtype=R.acc_dtype(x0.dtype)) if fused else R.empty(x0)
                         for _ in self.scalar_at)
         return ((R.loss_like(x0, reduction),) + tuple(R.stat_like(x0) for _ in self.stats)
-                + tuple(R.acc_like(x, fused, x0) for x in rows)
+                + tuple(R.acc_like(x, fused, x0) for x in accs)
                 + tuple(R.norm_like(x, fused, normalize, x0) for x in rows) + scalars)
+
+    def _skipped(self, params, i: int) -> bool:
+        """Whether the fused forward skips the accumulator of the row input at argument
+        ``i`` (its ``grad_param``'s value in ``params`` is 0.0)."""
+        x = self.inputs[self.input_at.index(i)]
+        return bool(x.grad_param) and not params[self.params.index(x.grad_param)]
 
     def _bwd_fake(self, args):
         x0 = args[0]
@@ -417,6 +429,10 @@ class Loss(Op):
             direct = getattr(ctx, "direct", False)
             for j, i in enumerate(self.rows_at):
                 if need[i]:
+                    if self._skipped(ctx.args, i):  # (the op passes requires_grad: never)
+                        raise RuntimeError(f"{self.name}: the forward skipped the gradient of "
+                                           f"{self.inputs[self.input_at.index(i)].name} "
+                                           "(it required none then); run the forward again")
                     grads[i] = R.scaled(saved[j], saved[2 * n + j], saved[n + j], grad_loss,
                                         ctx.dtypes[j], normalize, direct)
             for j, i in enumerate(self.scalar_at):

@@ -278,18 +278,22 @@ __device__ __forceinline__ void block_lse(Lse<A>& st, A* sh) {
 // warp 0 over the warps' results.  op(a, b) combines two values; lanes past the warp count
 // hold A(0), the identity of both uses below.  `sh` needs 32 slots.
 template <typename A, typename Op>
-__device__ __forceinline__ A block_reduce(A v, A* sh, Op op) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+__device__ __forceinline__ A warp_reduce(A v, Op op) {  // every lane gets the warp's result
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+template <typename A, typename Op>
+__device__ __forceinline__ A block_reduce(A v, A* sh, Op op) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_reduce(v, op);
     __syncthreads();  // protect `sh` from a previous use
     if (lane == 0) sh[warp] = v;
     __syncthreads();
     if (warp == 0) {
         const int nw = blockDim.x >> 5;
-        A t = lane < nw ? sh[lane] : A(0);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) t = op(t, __shfl_xor_sync(0xffffffffu, t, o));
+        const A t = warp_reduce(lane < nw ? sh[lane] : A(0), op);
         if (lane == 0) sh[0] = t;
     }
     __syncthreads();

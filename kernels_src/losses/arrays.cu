@@ -40,68 +40,75 @@ __device__ __forceinline__ void guard_log_scale_body(const A* __restrict__ x, i6
         y[k] = x[k] > limit ? cpn_nan<A>() : x[k];
 }
 
-// Row L2 normalisation, as F.normalize: xn = x / max(||x||, eps). Block per row.
+// Row L2 normalisation, as F.normalize: xn = x / max(||x||, eps).  One warp per row (a
+// block holds CPN_BLOCK / 32 rows): a block per row left most threads idle at D = 128 and
+// paid two block barriers a row -- MoCo's 65536-key queue took ~80 us, 8x its bytes' time.
+// The sums run in a fixed order (lane-strided, then the warp's xor tree): deterministic.
 template <typename T, typename A>
 __device__ __forceinline__ void l2norm_fwd_body(
-    const T* __restrict__ x, i64 ldx, int d, A eps, T* __restrict__ xn, A* __restrict__ norm)
+    const T* __restrict__ x, i64 ldx, i64 n, int d, A eps, T* __restrict__ xn,
+    A* __restrict__ norm)
 {
-    __shared__ A sh[64];
-    const i64 i = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (i >= n) return;  // (uniform over the warp; no block barrier below)
     const T* xi = x + i * ldx;
     A ss = A(0);
-    for (int k = threadIdx.x; k < d; k += blockDim.x) { A v = Conv<T>::load(xi[k]); ss += v * v; }
-    ss = block_sum(ss, sh);
+    for (int k = lane; k < d; k += 32) { A v = Conv<T>::load(xi[k]); ss += v * v; }
+    ss = warp_reduce(ss, SumOp());
     A nrm = cpn_sqrt(ss);
-    if (nrm == cpn_inf<A>()) {  // (uniform over the block: every thread holds the block sum)
+    if (nrm == cpn_inf<A>()) {  // (uniform over the warp: every lane holds the warp sum)
         // the sum of squares overflowed (|x| >~ 1.8e19 in float32): ||x|| = m ||x / m|| with
         // m = max |x_k|, as F.normalize gets it; an inf entry keeps ||x|| = inf
         A m = A(0);
-        for (int k = threadIdx.x; k < d; k += blockDim.x) {
+        for (int k = lane; k < d; k += 32) {
             const A v = cpn_abs(Conv<T>::load(xi[k]));
             m = v > m ? v : m;
         }
-        m = block_max(m, sh);
+        m = warp_reduce(m, MaxOp());
         if (m < cpn_inf<A>()) {  // (x / m, not x * (1 / m): 1 / m may be subnormal, flushed)
             A s2 = A(0);
-            for (int k = threadIdx.x; k < d; k += blockDim.x) {
+            for (int k = lane; k < d; k += 32) {
                 const A v = Conv<T>::load(xi[k]) / m;
                 s2 += v * v;
             }
-            nrm = m * cpn_sqrt(block_sum(s2, sh));
+            nrm = m * cpn_sqrt(warp_reduce(s2, SumOp()));
         }
     }
     const A den = nrm > eps ? nrm : eps;
     const A inv = A(1) / den;
     if (inv >= cpn_min_normal<A>()) {
-        for (int k = threadIdx.x; k < d; k += blockDim.x)
+        for (int k = lane; k < d; k += 32)
             xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) * inv);
     } else {  // ||x|| > 2^126 (float32): 1 / ||x|| would flush to 0 (-ftz); divide instead
-        for (int k = threadIdx.x; k < d; k += blockDim.x)
+        for (int k = lane; k < d; k += 32)
             xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) / den);
     }
-    if (threadIdx.x == 0) norm[i] = nrm;
+    if (lane == 0) norm[i] = nrm;
 }
 
-// Backward of the normalisation, times the upstream scalar *g (when g != null):
+// Backward of the normalisation, times the upstream scalar *g (when g != null), one warp per
+// row as the forward:
 //   dx = g * (dxn - [||x|| > eps] xn (xn . dxn)) / max(||x||, eps)
 template <typename T, typename A>
 __device__ __forceinline__ void l2norm_bwd_body(
-    const T* __restrict__ x, i64 ldx, int d, A eps, const A* __restrict__ norm,
+    const T* __restrict__ x, i64 ldx, i64 n, int d, A eps, const A* __restrict__ norm,
     const A* __restrict__ dxn, const A* __restrict__ g, T* __restrict__ dx)
 {
-    __shared__ A sh[64];
-    const i64 i = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (i >= n) return;
     const T* xi = x + i * ldx;
     const A nrm = norm[i];
     const A den = nrm > eps ? nrm : eps;
     const A inv = A(1) / den;
     A dot = A(0);
-    for (int k = threadIdx.x; k < d; k += blockDim.x)
+    for (int k = lane; k < d; k += 32)
         dot += Conv<T>::load(xi[k]) * inv * dxn[i * d + k];
-    dot = block_sum(dot, sh);
+    dot = warp_reduce(dot, SumOp());
     const A proj = nrm > eps ? dot : A(0);
     const A gs = g ? g[0] : A(1);
-    for (int k = threadIdx.x; k < d; k += blockDim.x) {
+    for (int k = lane; k < d; k += 32) {
         const A xn = Conv<T>::load(xi[k]) * inv;
         dx[i * d + k] = Conv<T>::store(gs * (dxn[i * d + k] - xn * proj) * inv);
     }
@@ -247,11 +254,12 @@ __device__ __forceinline__ void supcon_rows_body(
 // ---- extern "C" wrappers, one per dtype --------------------------------------------
 #define CPN_DEFINE(SUF, T, A)                                                              \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_fwd_##SUF(              \
-    const T* x, i64 ldx, int d, A eps, T* xn, A* norm) {                                   \
-    l2norm_fwd_body<T, A>(x, ldx, d, eps, xn, norm); }                                     \
+    const T* x, i64 ldx, i64 n, int d, A eps, T* xn, A* norm) {                            \
+    l2norm_fwd_body<T, A>(x, ldx, n, d, eps, xn, norm); }                                  \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_bwd_##SUF(              \
-    const T* x, i64 ldx, int d, A eps, const A* norm, const A* dxn, const A* g, T* dx) {   \
-    l2norm_bwd_body<T, A>(x, ldx, d, eps, norm, dxn, g, dx); }                             \
+    const T* x, i64 ldx, i64 n, int d, A eps, const A* norm, const A* dxn, const A* g,     \
+    T* dx) {                                                                               \
+    l2norm_bwd_body<T, A>(x, ldx, n, d, eps, norm, dxn, g, dx); }                          \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_scale_cast_##SUF(              \
     const A* acc, i64 n, const A* g, T* out) {                                             \
     scale_cast_body<T, A>(acc, n, g, out); }                                               \

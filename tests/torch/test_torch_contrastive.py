@@ -115,7 +115,8 @@ def _info_nce(path):
         return ct.info_nce
     return lambda q, k, t=0.1, *, negatives=None, reduction="mean", normalize=False: \
         tinfo_nce.InfoNCEFunction.apply(q, k, None, t, negatives, None, 0.0, 0.0, 0.0, 1.0,
-                                        0.0, reduction, normalize, None)
+                                        0.0, float(negatives is not None), reduction,
+                                        normalize, None)
 
 
 def _clip_loss(path):
@@ -668,16 +669,18 @@ def _opcheck_cases():
         ("nt_xent_bwd", (z, None, 0.3, tnt_xent.FWD(z, None, 0.3, 0.0, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.0, "none", True, None)),
         ("nt_xent_bwd", (z, None, 0.3, tnt_xent.FWD(z, None, 0.3, 0.1, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.1, "none", True, None)),
         ("nt_xent_bwd", (z, t3, 0.0, tnt_xent.FWD(z, t3, 0.0, 0.1, "none", True, None)[1], torch.ones(6, dtype=torch.float64), 0.1, "none", True, None)),
-        ("info_nce_fwd", (r(q), r(k), None, 0.2, r(neg), None, 0.0, 0.0, 0.0, 1.0, 0.0, "none", False, None)),
-        ("info_nce_fwd", (r(q), r(k), None, 0.2, None, None, 0.0, 0.0, 0.0, 1.0, 0.0, "sum", True, None)),
-        ("info_nce_fwd", (r(q), r(k), None, 0.2, r(neg), lab5, 0.1, 0.0, 0.0, 1.0, 0.0, "mean", False, None)),
-        ("info_nce_fwd", (r(q), r(k), r(t3), 0.0, r(neg), None, 0.0, 0.0, 0.0, 1.0, 0.0, "mean", True, None)),
-        ("info_nce_fwd", (r(q), r(k), None, 0.2, r(neg), lab5, 0.0, 3.0, 4.0, 1.0, 0.0, "mean", True, None)),  # (hardness)
-        ("info_nce_fwd", (r(q), r(k), None, 0.2, r(queue), None, 0.0, 0.0, 0.0, 0.0, 0.0, "mean", True, None)),
-        ("info_nce_bwd", (q, k, None, 0.2, queue, None, tinfo_nce.FWD(q, k, None, 0.2, queue, None, 0.0, 0.0, 0.0, 0.0, 0.0, "none", False, None)[1], torch.ones(5, dtype=torch.float64), 0.0, 0.0, 0.0, 0.0, 0.0, "none", False, None)),
-        ("info_nce_bwd", (q, k, None, 0.2, None, None, tinfo_nce.FWD(q, k, None, 0.2, None, None, 0.0, 0.0, 0.0, 1.0, 0.0, "mean", False, None)[1], one, 0.0, 0.0, 0.0, 1.0, 0.0, "mean", False, None)),
-        ("info_nce_bwd", (q, k, None, 0.2, None, lab5, tinfo_nce.FWD(q, k, None, 0.2, None, lab5, 0.1, 0.0, 0.0, 1.0, 0.0, "none", False, None)[1], torch.ones(5, dtype=torch.float64), 0.1, 0.0, 0.0, 1.0, 0.0, "none", False, None)),
-        ("info_nce_bwd", (q, k, t3, 0.0, r(neg).detach(), None, tinfo_nce.FWD(q, k, t3, 0.0, neg, None, 0.0, 0.0, 0.0, 1.0, 0.0, "none", False, None)[1], torch.ones(5, dtype=torch.float64), 0.0, 0.0, 0.0, 1.0, 0.0, "none", False, None)),
+        ("info_nce_fwd", (r(q), r(k), None, 0.2, r(neg), None, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, "none", False, None)),
+        ("info_nce_fwd", (r(q), r(k), None, 0.2, None, None, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, "sum", True, None)),
+        ("info_nce_fwd", (r(q), r(k), None, 0.2, r(neg), lab5, 0.1, 0.0, 0.0, 1.0, 0.0, 1.0, "mean", False, None)),
+        ("info_nce_fwd", (r(q), r(k), r(t3), 0.0, r(neg), None, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, "mean", True, None)),
+        ("info_nce_fwd", (r(q), r(k), None, 0.2, r(neg), lab5, 0.0, 3.0, 4.0, 1.0, 0.0, 1.0, "mean", True, None)),  # (hardness)
+        ("info_nce_fwd", (r(q), r(k), None, 0.2, r(queue), None, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, "mean", True, None)),
+        # (a detached queue: negatives_grad 0.0, the fused forward skips its accumulator)
+        ("info_nce_fwd", (r(q), r(k), None, 0.2, queue, None, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "mean", True, None, None, True)),
+        ("info_nce_bwd", (q, k, None, 0.2, queue, None, tinfo_nce.FWD(q, k, None, 0.2, queue, None, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, "none", False, None)[1], torch.ones(5, dtype=torch.float64), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, "none", False, None)),
+        ("info_nce_bwd", (q, k, None, 0.2, None, None, tinfo_nce.FWD(q, k, None, 0.2, None, None, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, "mean", False, None)[1], one, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, "mean", False, None)),
+        ("info_nce_bwd", (q, k, None, 0.2, None, lab5, tinfo_nce.FWD(q, k, None, 0.2, None, lab5, 0.1, 0.0, 0.0, 1.0, 0.0, 1.0, "none", False, None)[1], torch.ones(5, dtype=torch.float64), 0.1, 0.0, 0.0, 1.0, 0.0, 1.0, "none", False, None)),
+        ("info_nce_bwd", (q, k, t3, 0.0, r(neg).detach(), None, tinfo_nce.FWD(q, k, t3, 0.0, neg, None, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, "none", False, None)[1], torch.ones(5, dtype=torch.float64), 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, "none", False, None)),
         ("clip_loss_fwd", (r(a), r(b), r(ls), 0.0, None, 0.0, "mean", True, None)),
         ("clip_loss_fwd", (r(a), r(b), None, 2.0, None, 0.0, "none", False, None)),
         ("clip_loss_fwd", (r(a), r(b), r(ls), 0.0, None, 0.1, "sum", True, None)),

@@ -296,12 +296,13 @@ def self_symmetric(n: int, neg_s, exclude_diag: bool, pos_shift: int, pos_mod: i
 
 def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
-         self_pair: bool, scale_log=None):
+         self_pair: bool, scale_log=None, col_grads: bool = True):
     """:func:`row_blocks.rows` on the tile kernels (no per-query negatives).
 
     The gradient pass writes the 16-bit gradient block G (or, for NT-Xent, H = G + Gᵀ, which
     needs one product instead of two) straight from the tile registers, then cuBLAS
-    multiplies it by the keys / queries.
+    multiplies it by the keys / queries.  ``col_grads=False`` (not with ``self_pair``): only
+    dq = G [k | neg_s]; the column products Gᵀ q are skipped, dk and dns None.
     """
     import cupy as cp
 
@@ -335,8 +336,9 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
         side.fork_point()
     g_buf = cp.empty((rb, ldg), t)
     dq = cp.empty((n, d), f32)
-    dk = dq if self_pair else cp.empty((nk, d), f32)  # first row block: beta = 0
-    dns = cp.empty((ms, d), f32) if ms else None
+    cols = col_grads or self_pair
+    dk = dq if self_pair else cp.empty((nk, d), f32) if cols else None  # first block: beta 0
+    dns = cp.empty((ms, d), f32) if ms and cols else None
     ct = -(-ncols // TILE)
     tri = symmetric and cfg.symmetric_h and rb >= n  # all of H in one block: tiles mirrored
     for r0 in range(0, n, rb):
@@ -353,16 +355,17 @@ def rows(q, k, neg_s, scale: float, *, exclude_diag: bool, pos_shift: int,
         def products(*o, r0=r0, r1=r1, qb=qb, g_blk=g_blk):
             it = iter(o)
             dq = next(it)
-            dk = dq if self_pair else next(it)
-            dns = next(it) if ms else None
+            dk = dq if self_pair else next(it) if cols else None
+            dns = next(it) if ms and cols else None
             acc = 1.0 if r0 else 0.0
             cublas.gemm(g_blk[:, :nk], k, dq[r0:r1])
-            if not self_pair:
+            if dk is not None and not self_pair:
                 cublas.gemm(g_blk[:, :nk], qb, dk, trans_a=True, beta=acc)
             if ms:
                 cublas.gemm(g_blk[:, nk:], neg_s, dq[r0:r1], beta=1.0)
-                cublas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
-        outs = (dq,) + (() if self_pair else (dk,)) + ((dns,) if ms else ())
+                if dns is not None:
+                    cublas.gemm(g_blk[:, nk:], qb, dns, trans_a=True, beta=acc)
+        outs = (dq,) + tuple(x for x in (dk, dns) if x is not None and x is not dq)
         # (one block: the call's last work, which a graph may leave out, tail.py)
         tail.products(outs, products, last=rb >= n)
     return lse, loss, (dq, dk, dns, None)

@@ -14,12 +14,15 @@ from .. import _skeleton as S
 #: the op: query, key, the optional (M, D) / (N, M, D) negatives and (N,) labels, the
 #: temperature, the label smoothing and the hardness weighting (its mode as
 #: ``_checks.HARDNESS_MODES``' code), in_batch_negatives and replicated_negatives (1.0 /
-#: 0.0: which negatives are a query's own), the (N,) row log-sum-exps
+#: 0.0: which negatives are a query's own), negatives_grad (1.0 / 0.0: the negatives
+#: require a gradient; a detached queue's product is skipped), the (N,) row log-sum-exps
 SPEC = S.Loss("info_nce", "InfoNCEFunction", __name__, core,
               inputs=(S.Rows("query"), S.Rows("key"), S.Scalar("temperature"),
-                      S.Rows("negatives", optional=True), S.Labels("labels")),
+                      S.Rows("negatives", optional=True, grad_param="negatives_grad"),
+                      S.Labels("labels")),
               params=("label_smoothing", "hardness_mode", "hardness_strength",
-                      "in_batch_negatives", "replicated_negatives"), stats=("lse",),
+                      "in_batch_negatives", "replicated_negatives", "negatives_grad"),
+              stats=("lse",),
               forward="_torch_forward", backward="_torch_backward",
               unit_grads=lambda saved: (saved["acc"], saved["norms"], (saved["dt"],)))
 fwd, bwd, evaluate = SPEC.fwd, SPEC.bwd, SPEC.evaluate
@@ -110,6 +113,7 @@ def info_nce(query: Tensor, key: Tensor, temperature: Any = 0.1, *,
         raise ValueError("info_nce: labels= with in_batch_negatives=False: no in-batch key "
                          "is a candidate, so there is nothing to mask; pass one of them")
     return SPEC(query, key, t_tensor, t_value, negatives, labels, eps, float(hard[0]),
-                hard[1], float(in_batch), float(replicated), reduction, normalize,
+                hard[1], float(in_batch), float(replicated),
+                float(negatives is not None and negatives.requires_grad), reduction, normalize,
                 workspace_bytes,
                 R.precision_of("info_nce", precision))
