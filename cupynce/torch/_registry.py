@@ -152,8 +152,9 @@ def scaled(x: Optional[Tensor], norm: Optional[Tensor], acc: Tensor, grad_loss: 
     dependence on them; raise instead (the per-row path's backward op has no autograd formula
     and fails the same way)."""
     refuse_double_backward()
-    if normalize:
-        return FINISH(x, norm, acc, grad_loss.contiguous())
+    if normalize:  # (direct: plain eager, no transform or mode to meet -- the op's body
+        # itself, without the dispatcher's host time)
+        return (grad_finish if direct else FINISH)(x, norm, acc, grad_loss.contiguous())
     if not direct:  # (out= is for plain tensors: the registered ops meet transforms, modes)
         return (acc * grad_loss).to(dtype)
     # one kernel: the product in acc's dtype, rounded once into the output's (as .to(dtype))
