@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .. import _checks, config
-from .._engine import side, tail
+from .._engine import side, tail, tiling
 from .._engine.kernels import acc_dtype
 from .._engine.losses.row_blocks import Hardness
 from . import _comm, _global, _graphs, _local, _memo
@@ -100,14 +100,15 @@ def _queue_path(in_batch_negatives: Any, eps: float, hard, negatives, n: int,
 
 def _queue_plan_bytes(query, negatives, workspace_bytes, neg_grad: bool = True) -> int:
     """What a graph plan of the queue rows holds beside its O(N·D) outputs, at most: the
-    queue's static copy, its float32 gradient (with ``neg_grad``) and the gradient block
-    (under the tiles' budget,
+    queue's static copy, its float32 gradient (unless ``neg_grad`` is False and the score
+    tiles run, which then skip it) and the gradient block (under the tiles' budget,
     :func:`_queue_rows`) -- ``_graphs.run``'s ``est_bytes``, so that a queue too large for a
     plan runs uncaptured at once instead of after a refused capture."""
     n, (m, d) = query.shape[0], negatives.shape
     block = min(n * m * query.dtype.itemsize, config.current().tile_workspace_bytes
                 if workspace_bytes is None else workspace_bytes)
-    return negatives.nbytes + (4 * m * d if neg_grad else 0) + block
+    skipped = not neg_grad and tiling.tiles_ok(query, negatives)
+    return negatives.nbytes + (0 if skipped else 4 * m * d) + block
 
 
 def _queue_rows(xp, path, qn, kn, neg_s, scale: float, w, want_grad: bool, ws, lse_in=None,
@@ -237,9 +238,11 @@ def info_nce_forward(query, key, temperature: Any = 0.1, *, negatives=None, labe
         the row blocks, as with labels.
     negatives_grad : bool, default True
         False: the negatives need no gradient (MoCo's queue is detached), and
-        :func:`info_nce_backward` returns None for them.  With ``in_batch_negatives=False``
-        the gradient pass then skips their product (a third of its products; the
-        ``cupynce.torch`` op passes ``negatives.requires_grad``).  With ``group``: ignored.
+        :func:`info_nce_backward` returns None for them.  On MoCo's queue rows
+        (``in_batch_negatives=False``, 2-D negatives, M >= N) on the score tiles the gradient
+        pass then skips their product (a third of its products); elsewhere their gradient
+        is computed and dropped.  The ``cupynce.torch`` op passes
+        ``negatives.requires_grad``.  With ``group``: ignored (computed).
 
     Notes
     -----

@@ -398,8 +398,10 @@ class Loss(Op):
         direct Function's inputs (not passed)."""
         ctx.fused = R.fused_flag(inputs, self.fused_at)
         n_stats = len(self.stats)
-        if ctx.fused:  # (+ the inputs, only to normalise through)
-            rows = [inputs[i] for i in self.rows_at]
+        if ctx.fused:  # (+ the inputs, only to normalise through; not one whose gradient
+            # the forward skipped: a detached queue may be written in place before backward)
+            params = inputs[self.n_in:self.reduction_at]
+            rows = [None if self._skipped(params, i) else inputs[i] for i in self.rows_at]
             ctx.dtypes = [None if x is None else x.dtype for x in rows]
             if not inputs[self.reduction_at + 1]:
                 rows = self.no_rows

@@ -6,6 +6,11 @@ the loss uses as shared negatives, the same on every rank.
                                   in_batch_negatives=False, group=group,
                                   replicated_negatives=group is not None)
     queue.enqueue(k, group=group)   # after the loss: the keys join the next steps' negatives
+    loss.backward()
+
+The enqueue writes the queue in place, so it comes after the loss; before or after backward,
+which keeps nothing of the queue (its gradient is skipped: the queue is detached) -- except
+with ``reduction="none"``, whose backward recomputes from the queue: enqueue after it.
 
 Across ranks the enqueue all-gathers the keys (rank order) before it writes, so every rank
 holds the same queue -- what lightly #1018 and pytorch-metric-learning #639 got wrong -- and

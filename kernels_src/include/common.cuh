@@ -274,16 +274,17 @@ __device__ __forceinline__ void block_lse(Lse<A>& st, A* sh) {
     st.m = sh[0]; st.s = sh[32];
 }
 
-// Block-wide reduction in a fixed order (deterministic): xor-shuffles inside each warp, then
-// warp 0 over the warps' results.  op(a, b) combines two values; lanes past the warp count
-// hold A(0), the identity of both uses below.  `sh` needs 32 slots.
+// Warp-wide reduction in a fixed order (xor-shuffles: every lane gets the same bits).
 template <typename A, typename Op>
-__device__ __forceinline__ A warp_reduce(A v, Op op) {  // every lane gets the warp's result
+__device__ __forceinline__ A warp_reduce(A v, Op op) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
+// Block-wide reduction in a fixed order (deterministic): xor-shuffles inside each warp, then
+// warp 0 over the warps' results.  op(a, b) combines two values; lanes past the warp count
+// hold A(0), the identity of both uses below.  `sh` needs 32 slots.
 template <typename A, typename Op>
 __device__ __forceinline__ A block_reduce(A v, A* sh, Op op) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -133,6 +133,26 @@ def test_torch_moco_is_the_formula(path):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_enqueue_between_loss_and_backward(normalize):
+    """The queue is written in place by the enqueue: the fused forward keeps nothing of a
+    detached queue, so enqueueing before backward leaves the gradients as they were."""
+    gen = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    qu = ct.NegativeQueue(6, 3, dtype=torch.float64)
+    qu.enqueue(torch.randn(6, 3, generator=gen, dtype=torch.float64))
+    want = torch.autograd.grad(moco_formula(q, k, qu.negatives().clone(), 0.3), [q, k])
+    loss = ct.info_nce(q, k, 0.3, negatives=qu.negatives(), in_batch_negatives=False,
+                       normalize=normalize)
+    if not normalize:
+        want = torch.autograd.grad(ct.info_nce(q, k, 0.3, negatives=qu.negatives().clone(),
+                                               in_batch_negatives=False), [q, k])
+    qu.enqueue(k.detach())
+    for g, w in zip(torch.autograd.grad(loss, [q, k]), want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+
+
 def test_queue_is_a_ring():
     qu = ct.NegativeQueue(5, 2, dtype=torch.float64)
     assert qu.negatives().shape == (0, 2)
@@ -221,22 +241,40 @@ def test_cuda_moco_is_the_formula(dtype, tol, reduction):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_negatives_grad_false_skips_the_queue_product(dtype):
-    """The score tiles skip Gᵀ q̂ for a detached queue: dq and dk keep their bits, and the
-    queue's gradient (asked for) is the float64 formula's."""
+@pytest.mark.parametrize("ws", [None, 1 << 20], ids=["one_block", "row_blocks"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_negatives_grad_false_skips_the_queue_product(dtype, ws, monkeypatch):
+    """The score tiles skip Gᵀ q̂ for a detached queue (spied: col_grads False, no dk, over one
+    block and over several row blocks): dq and dk keep their bits, and the queue's gradient
+    (asked for) is the float64 formula's."""
     cp = pytest.importorskip("cupy")
     from numerics import dtype_of
 
+    from cupynce._engine.losses import score_tiles
+
+    seen = []
+    real = score_tiles.rows
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        if kw.get("want_grad"):
+            seen.append((kw.get("col_grads", True), out[2][1] is None))
+        return out
+    monkeypatch.setattr(score_tiles, "rows", spy)
     rng = np.random.default_rng(5)
     n, m, d = 512, 4096, 64
     q, k, u = (cp.asarray(rng.standard_normal(s).astype(dtype_of(dtype)))
                for s in ((n, d), (n, d), (m, d)))
     got = []
-    for flag in (True, False):
-        loss, ctx = cupynce.info_nce_forward(q, k, 0.2, negatives=u, in_batch_negatives=False,
-                                             normalize=True, negatives_grad=flag)
-        got.append((loss, cupynce.info_nce_backward(ctx, 1.0)))
+    with cupynce.config.scope(graphs=False):  # (each call runs the engine: the spy sees it)
+        for flag in (True, False):
+            loss, ctx = cupynce.info_nce_forward(q, k, 0.2, negatives=u,
+                                                 in_batch_negatives=False, normalize=True,
+                                                 negatives_grad=flag, workspace_bytes=ws)
+            got.append((loss, cupynce.info_nce_backward(ctx, 1.0)))
+    if not seen:
+        pytest.skip("the score tiles do not run here (config.tiles / not Hopper)")
+    assert seen == [(True, False), (False, True)], seen
     (l1, (dq1, dk1, du1)), (l2, (dq2, dk2, du2)) = got
     assert du2 is None
     for a, b in ((l1, l2), (dq1, dq2), (dk1, dk2)):
@@ -245,7 +283,4 @@ def test_cuda_negatives_grad_false_skips_the_queue_product(dtype):
                   for x in (q, k, u))
     want = moco_formula(tq, tk, tu, 0.2)
     wu = torch.autograd.grad(want, [tu])[0]
-    # (the queue's gradient sums the 512 queries' terms of both signs: float32 measured
-    # 1.08e-5 on the H200, against 1e-5 for dq / dk in the test above)
-    tol = 3e-5 if dtype == "float32" else 3e-2
-    assert _rel(cp.asnumpy(du1).astype(np.float64), wu.numpy()) <= tol
+    assert _rel(cp.asnumpy(du1).astype(np.float64), wu.numpy()) <= 3e-2
