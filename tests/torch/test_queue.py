@@ -13,7 +13,6 @@ torch = pytest.importorskip("torch")
 
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
-from cupynce import reference as ref  # noqa: E402
 
 
 def _rel(x, r):
