@@ -227,6 +227,16 @@ def scaled_rows(xp, zn, temp) -> Tuple[Any, Any, float]:
     return (zn.astype(a) * root).astype(zn.dtype, copy=False), root, 1.0
 
 
+def unscale_rows(comm: Comm, xp, zn, acc, temp, root, tgrad: bool):
+    """A symmetric schedule's gradient back from :func:`scaled_rows`' rows: dL/dτ (with
+    ``tgrad``, else None) from the schedule's rows and ``acc`` -- the same dot as ẑ · ∂L/∂ẑ --,
+    then ``acc`` (∂L/∂(√s ẑ)) times √s in place: ∂L/∂ẑ.  Returns dL/dτ."""
+    dt = dtemperature(comm, xp, zn, acc, temp, 2) if tgrad else None
+    if root is not None:
+        acc *= root
+    return dt
+
+
 def rows_and_temperature(path, xp, saved, grads, scalars):
     """A one-input op's ``Schedule.result``: dz, or ``(dz, dtemperature)`` for a forward with
     ``temperature_grad`` (the temperature's shape and dtype)."""

@@ -342,10 +342,7 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
                 if eps:
                     acc += _variants.nt_xent_smoothing(
                         xp, zn, scale, eps, w_mul, want_loss=False, every=(every, w_mul))[1]
-                # (dτ from the schedule's rows and gradient: the same dot as ẑ · ∂L/∂ẑ)
-                dt = _global.dtemperature(comm, xp, zn, acc, temp, 2) if tgrad else None
-                if root is not None:  # ∂L/∂ẑ from ∂L/∂(√s ẑ)
-                    acc *= root
+                dt = _global.unscale_rows(comm, xp, zn, acc, temp, root, tgrad)
                 ctx.saved = dict(base, acc=(acc,), temp=temp, tgrad=tgrad, dt=dt)
             else:
                 ctx.saved = dict(base, plan=plan, zn=zn, parts=parts, lse_all=lse_all,
@@ -369,11 +366,8 @@ def _global_acc(ctx: Context, g):
         acc += _variants.nt_xent_smoothing(
             xp, s["zn"], s["scale"], s["eps"], w_flat[comm.rank * n2:(comm.rank + 1) * n2],
             want_loss=False, every=(s["parts"].reshape(size * n2, -1), w_flat))[1]
-    # (dτ from the schedule's rows and gradient: the same dot as ẑ · ∂L/∂ẑ)
-    dt = (_global.dtemperature(comm, xp, s["zn"], acc, s["temp"], 2),) if s["tgrad"] else ()
-    if s["root"] is not None:  # ∂L/∂ẑ from ∂L/∂(√s ẑ)
-        acc *= s["root"]
-    return (acc,), dt
+    dt = _global.unscale_rows(comm, xp, s["zn"], acc, s["temp"], s["root"], s["tgrad"])
+    return (acc,), (dt,) if s["tgrad"] else ()
 
 
 _GLOBAL = _global.Schedule(recompute=_global_acc, result=_global.rows_and_temperature,

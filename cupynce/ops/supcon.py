@@ -343,11 +343,10 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
         rows = _variants.supcon_terms(
             xp, path, zn, None, scale, lse, acc=acc,
             every=(every, groups, w_all if acc is not None else None, rank * n2))
-        if acc is not None and tgrad:  # (after the class terms: dτ of the whole gradient;
-            # from the schedule's rows and gradient: the same dot as ẑ · ∂L/∂ẑ)
-            ctx.saved["dt"] = _global.dtemperature(comm, xp, zn, acc, temp, 2)
-        if acc is not None and root is not None:  # ∂L/∂ẑ from ∂L/∂(√s ẑ)
-            acc *= root
+        if acc is not None:  # (after the class terms: dτ of the whole gradient)
+            dt = _global.unscale_rows(comm, xp, zn, acc, temp, root, tgrad)
+            if tgrad:
+                ctx.saved["dt"] = dt
         if reduction == "none":
             total = rows
         else:
@@ -373,11 +372,8 @@ def _global_acc(ctx: Context, g):
     _variants.supcon_terms(xp, path, s["zn"], None, s["scale"], None, acc=acc,
                            every=(s["parts"].reshape(size * n2, -1), s["groups"], w_all,
                                   comm.rank * n2))
-    # (dτ from the schedule's rows and gradient: the same dot as ẑ · ∂L/∂ẑ)
-    dt = (_global.dtemperature(comm, xp, s["zn"], acc, s["temp"], 2),) if s["tgrad"] else ()
-    if s["root"] is not None:  # ∂L/∂ẑ from ∂L/∂(√s ẑ)
-        acc *= s["root"]
-    return (acc,), dt
+    dt = _global.unscale_rows(comm, xp, s["zn"], acc, s["temp"], s["root"], s["tgrad"])
+    return (acc,), (dt,) if s["tgrad"] else ()
 
 
 _GLOBAL = _global.Schedule(recompute=_global_acc, result=_global.rows_and_temperature,
