@@ -30,7 +30,6 @@ import functools
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -43,6 +42,7 @@ from bench_grad_cache import _oom_is_a_result, _timed  # noqa: E402
 
 from cupynce.report.environment import device_header, device_info  # noqa: E402
 from cupynce.report.formatting import markdown_table  # noqa: E402
+from cupynce.report.timing import time_cpu  # noqa: E402
 
 SHAPES = {"bert-base": dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12,
                             num_attention_heads=12, intermediate_size=3072),
@@ -119,11 +119,9 @@ def case(path: str, impl: str, cached: bool, n: int, args) -> Dict[str, Any]:
     loss_obj = loss_for(model, impl, cached, args.mini_batch)
     feats = batch(n, args.length, vocab, n, args.device)
     step = step_fn(model, loss_obj, feats, args.device)
-    if args.device != "cuda":  # (the CPU smoke run: time only)
-        t0 = time.perf_counter()
-        for _ in range(max(args.steps, 1)):
-            step()
-        row = {"step_s": (time.perf_counter() - t0) / max(args.steps, 1), "peak_gib": None}
+    if args.device != "cuda":  # (the CPU smoke run: time only, the median step)
+        ms = time_cpu(step, warmup=0, repeat=max(args.steps, 1))["median_ms"]
+        row = {"step_s": ms / 1e3, "peak_gib": None}
     else:
         row = _oom_is_a_result(functools.partial(_timed, step, args.steps))
     del model, loss_obj, feats, step
