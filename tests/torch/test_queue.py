@@ -13,11 +13,7 @@ torch = pytest.importorskip("torch")
 
 import cupynce  # noqa: E402
 import cupynce.torch as ct  # noqa: E402
-
-
-def _rel(x, r):
-    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
+from numerics import dtype_of, rel  # noqa: E402
 
 
 def moco_formula(q, k, queue, temperature, reduction="mean", smoothing=0.0):
@@ -44,13 +40,13 @@ def test_numpy_moco_is_the_formula(reduction, eps, m):
     want = moco_formula(tq, tk, tu, 0.2, reduction, eps)
     want.backward(torch.tensor(g) if reduction == "none" else torch.tensor(0.7,
                                                                          dtype=torch.float64))
-    assert _rel(loss, want.detach().numpy()) <= 1e-12
+    assert rel(loss, want.detach().numpy()) <= 1e-12
     for x, t in zip(grads, (tq, tk, tu)):
-        assert _rel(x, t.grad.numpy()) <= 1e-12
+        assert rel(x, t.grad.numpy()) <= 1e-12
     again = cupynce.info_nce_backward_from_stats(
         q, k, u, ctx.stats[0], g, temperature=0.2, label_smoothing=eps,
         in_batch_negatives=False, reduction=reduction, normalize=True)
-    assert _rel(again[0], tq.grad.numpy()) <= 1e-12
+    assert rel(again[0], tq.grad.numpy()) <= 1e-12
 
 
 def test_moco_with_labels_raises():
@@ -234,9 +230,9 @@ def test_cuda_moco_is_the_formula(dtype, tol, reduction):
     q64, k64 = (x.detach().double().requires_grad_() for x in (q, k))
     want = moco_formula(q64, k64, qu.negatives().double(), 0.2, reduction)
     wq, wk = torch.autograd.grad(want, [q64, k64], None if up is None else up.double())
-    assert _rel(out.detach().double().cpu(), want.detach().cpu()) <= tol
-    assert _rel(gq.double().cpu(), wq.cpu()) <= tol
-    assert _rel(gk.double().cpu(), wk.cpu()) <= tol
+    assert rel(out.detach().double().cpu(), want.detach().cpu()) <= tol
+    assert rel(gq.double().cpu(), wq.cpu()) <= tol
+    assert rel(gk.double().cpu(), wk.cpu()) <= tol
 
 
 @pytest.mark.gpu
@@ -247,8 +243,6 @@ def test_cuda_negatives_grad_false_skips_the_queue_product(dtype, ws, monkeypatc
     block and over several row blocks): dq and dk keep their bits, and the queue's gradient
     (asked for) is the float64 formula's."""
     cp = pytest.importorskip("cupy")
-    from numerics import dtype_of
-
     from cupynce._engine.losses import score_tiles
 
     seen = []
@@ -282,4 +276,4 @@ def test_cuda_negatives_grad_false_skips_the_queue_product(dtype, ws, monkeypatc
                   for x in (q, k, u))
     want = moco_formula(tq, tk, tu, 0.2)
     wu = torch.autograd.grad(want, [tu])[0]
-    assert _rel(cp.asnumpy(du1).astype(np.float64), wu.numpy()) <= 3e-2
+    assert rel(cp.asnumpy(du1).astype(np.float64), wu.numpy()) <= 3e-2
