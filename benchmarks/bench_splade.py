@@ -15,7 +15,8 @@ Implementations (each computes out and the gradients of x, W and bias):
 
 ``cupynce``      ``splade_pool_forward`` + ``splade_pool_backward`` on CuPy arrays; also timed
                  alone: ``fwd`` and ``bwd`` (the backward's cost follows the density).
-``eager``        ``logits = x @ W.T + b; masked_fill(~mask, -inf); max over L; log1p(relu)``,
+``eager``        ``logits = F.linear(x, W, b); masked_fill(~mask, -inf); max over L;
+                 log1p(relu)`` (the masked LM decoder's logits, rounded after the bias),
                  gradients with ``torch.autograd.grad`` (same bits, through DLPack).
 ``compile``      ``torch.compile`` of the same function (compile time outside the timing).
 ``gemm``         the single forward GEMM (B·L × D by D × V) alone, torch ``x2d @ W.T`` into a
@@ -70,7 +71,7 @@ def make_inputs(b: int, l: int, d: int, v: int, density: float, seed: int = 0):
 
 def torch_fn(torch):
     def f(x, w, bias, mask):
-        logits = torch.matmul(x, w.t()) + bias
+        logits = torch.nn.functional.linear(x, w, bias)  # (one rounding, after the bias)
         logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
         return torch.log1p(torch.relu(logits.max(dim=1).values))
     return f

@@ -160,6 +160,21 @@ def supcon_rows(zn, start, stop, pc, pw, scale: float, lse, w, acc, scale_log=No
     return loss
 
 
+#: entries a lane of the normalisation kernels sums at most before a row takes more warps
+_NORM_PER_LANE = 64
+
+
+def norm_warps(d: int) -> int:
+    """Warps per row of the row-normalisation kernels (1, 2, 4 or 8): one up to 64 · 32 = 2048
+    columns, then enough that a lane sums at most ``_NORM_PER_LANE`` entries, at most a block's
+    8.  (A warp per row took 4.5× F.normalize's time at 8 rows × 32768 on an H200; a block per
+    row 8× its bytes' time at 65536 × 128: docs/decisions.md.)"""
+    w = 1
+    while w < BLOCK // 32 and d > _NORM_PER_LANE * 32 * w:
+        w *= 2
+    return w
+
+
 def normalize(x):
     """``(x / max(||x_i||, NORM_EPS), ||x_i||)`` for the rows of the (N, D) matrix ``x``."""
     import cupy as cp
@@ -168,10 +183,11 @@ def normalize(x):
     n, d = x.shape
     xn = cp.empty((n, d), x.dtype)
     norm = cp.empty((n,), a)
-    if n:  # (a warp per row: BLOCK // 32 rows a block)
-        kernels.launch(FILE, "l2norm_fwd", x.dtype, (-(-n // (BLOCK // 32)),),
+    if n:  # (norm_warps(d) warps a row: BLOCK // 32 // that many rows a block)
+        wpr = norm_warps(d)
+        kernels.launch(FILE, "l2norm_fwd", x.dtype, (-(-n // (BLOCK // 32 // wpr)),),
                        (x, np.int64(leading_dim(x)), np.int64(n), np.int32(d),
-                        a.type(NORM_EPS), xn, norm))
+                        a.type(NORM_EPS), xn, norm, np.int32(wpr)))
     return xn, norm
 
 
@@ -184,9 +200,10 @@ def finish(x, norm, acc, g):
         return out
     if norm is not None:
         n, d = x.shape
-        kernels.launch(FILE, "l2norm_bwd", x.dtype, (-(-n // (BLOCK // 32)),),
+        wpr = norm_warps(d)
+        kernels.launch(FILE, "l2norm_bwd", x.dtype, (-(-n // (BLOCK // 32 // wpr)),),
                        (x, np.int64(leading_dim(x)), np.int64(n), np.int32(d),
-                        acc.dtype.type(NORM_EPS), norm, acc, ptr(g), out))
+                        acc.dtype.type(NORM_EPS), norm, acc, ptr(g), out, np.int32(wpr)))
     else:
         per_thread = 4 if acc.dtype == np.float32 else 1  # (4-wide loads for fp32, aligned)
         grid = min(-(-acc.size // (BLOCK * per_thread)), 65535)

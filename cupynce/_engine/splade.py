@@ -4,22 +4,25 @@ How it is computed
 ------------------
 Forward, fused (float16/bfloat16 with D and W's row stride multiples of 8 and a (V, D) weight,
 where the tensor-core tiles run: by default on Hopper, see ``CUPYNCE_TILES``): the max and
-arg-max over L are taken in the epilogue of the product tiles, each logit rounded to the dtype
-first; no logits and no workspace at all.  On Hopper the product is the warp-specialised
+arg-max over L are taken in the epilogue of the product tiles, each logit the fp32 product plus
+the bias rounded to the dtype once (as ``F.linear(x, W, bias)`` gives it); no logits and no
+workspace at all.  On Hopper the product is the warp-specialised
 kernel of kernels_src/splade/splade_wgmma.cu (TMA loads by a producer warp, 128 x 256 wgmma tiles;
 ``config.splade_ws``); elsewhere, or where the driver cannot encode its tensor maps, the MODE_SPMAX
 epilogue of the tile loop (kernels_src/splade/splade_tiles.cu: 128 x 128 tiles, cp.async loads).
 Both give the same bits.
 
-Forward, cuBLAS tiles (everything else): the logits of a tile of batches × vocabulary are one
-cuBLAS product (fp32 accumulation; stored in the input dtype, as PyTorch's half matmul does)
-into a workspace of at most ``workspace_bytes`` (default 64 MiB); a kernel reduces max and
-arg-max over L for every (b, v) of the tile and writes ``act(max + bias)`` (when a tile is too
-narrow to fill the GPU, the sequence is split over several blocks whose partial maxima, < 2 MiB,
-are merged in a fixed order by a second kernel).  The logits make one round trip through
-memory per tile: that traffic, not the arithmetic, is what the forward adds to the product
-(docs/design.md).  The bias is constant over L, so it is added after the max; both
-activations are monotone, so the activation is applied once.  What stays for backward is the
+Forward, cuBLAS tiles (everything else): the products of a tile of batches × vocabulary are one
+cuBLAS product into a workspace of at most ``workspace_bytes`` (default 64 MiB), kept in the
+accumulator type (float32 for half inputs: the fp32 sums, unrounded); a kernel adds the bias,
+rounds each logit to the dtype (``spl_logit``: the same logits as the fused paths and as
+``F.linear``), reduces max and arg-max over L for every (b, v) of the tile and writes
+``act(max)`` (when a tile is too narrow to fill the GPU, the sequence is split over several
+blocks whose partial maxima, < 2 MiB, are merged in a fixed order by a second kernel).  The
+products make one round trip through memory per tile: that traffic, not the arithmetic, is
+what the forward adds to the product (docs/design.md); for half inputs it is 4 bytes a logit
+(rounding after the bias needs the unrounded sum: docs/decisions.md).  Both activations are
+monotone, so the activation is applied once, to the max.  What stays for backward is the
 output and the arg-max, (B, V) int16 (int32 when L > 32768).
 
 Backward (sparse, deterministic): with ``g' = grad_out · act'(out)`` (1 for relu, 1/(1+m) =
@@ -106,7 +109,8 @@ def _weight_operand(weight):
 
 
 def _plan_tiles(op, b, l, v, item, workspace_bytes) -> Tuple[int, int]:
-    """(batches per tile, vocabulary columns per tile) for a workspace of (nb·L) × vt items."""
+    """(batches per tile, vocabulary columns per tile) for a workspace of (nb·L) × vt items of
+    ``item`` bytes (the accumulator type's: 4 for half inputs)."""
     cap = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     per_col = b * l * item
     vt = cap // per_col
@@ -156,14 +160,14 @@ def forward(x, weight, bias, mask, act: int, workspace_bytes):
             np.int32(d), m8 if m8 is not None else 0, bias if bias is not None else 0,
             np.int32(act), out, arg, np.int32(b), np.int32(per), np.int32(group)))
         return out, arg
-    nb, vt = _plan_tiles("splade_pool", b, l, v, dt.itemsize, workspace_bytes)
-    ws = cp.empty((nb * l, vt), dt)
+    acc = acc_dtype(dt)  # the workspace's: the products unrounded, the bias added before rounding
+    nb, vt = _plan_tiles("splade_pool", b, l, v, acc.itemsize, workspace_bytes)
+    ws = cp.empty((nb * l, vt), acc)
     tag = index_tag(idt)
     fn = kernels.get_kernel(FILE, f"splade_max_{tag}", dt)
-    cols = 32 * (8 // dt.itemsize)  # vocabulary columns of a max block (8 bytes per lane)
+    cols = 32 * (8 // dt.itemsize)  # vocabulary columns of a max block (8 bytes of T per lane)
     nz = _position_chunks(-(-vt // cols) * nb, l)
     lchunk = -(-l // nz)
-    acc = acc_dtype(dt)
     part = [cp.empty((nz, nb, vt), t) for t in (acc, np.int32, np.uint8)] if nz > 1 else None
     pv, pa, pn = part if part is not None else (0, 0, 0)
     combine = None if part is None else kernels.get_kernel(FILE, f"splade_max_combine_{tag}", dt)
@@ -186,7 +190,7 @@ def forward(x, weight, bias, mask, act: int, workspace_bytes):
             if combine is not None:
                 combine((-(-(nbt * vtt) // BLOCK),), (BLOCK,),
                         (pv, pa, pn, np.int32(nz), np.int32(nbt), np.int32(vtt)) + common
-                        + (bias if bias is not None else 0, np.int32(act), out, arg))
+                        + (np.int32(act), out, arg))
     return out, arg
 
 

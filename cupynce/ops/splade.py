@@ -1,7 +1,8 @@
 """SPLADE's sparse max-pool head and its FLOPS regularizer.
 
-``out[b, v] = act(max_{l : mask[b, l]} (x[b, l, :] · W[v, :]) + bias[v])`` with
-``act = relu`` or ``log1p∘relu``, computed without ever holding the (B, L, V) logits.
+``out[b, v] = act(max_{l : mask[b, l]} (x[b, l, :] · W[v, :] + bias[v]))`` with
+``act = relu`` or ``log1p∘relu``, computed without ever holding the (B, L, V) logits; each
+logit is rounded to the inputs' dtype after the bias, as ``F.linear(x, W, bias)`` gives it.
 
 Entry points (as for the InfoNCE ops):
 
@@ -86,11 +87,12 @@ def _check(x, weight, bias, mask, activation, workspace_bytes, op="splade_pool")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     workspace_bytes = _checks.check_workspace(op, workspace_bytes)
-    itemsize = x.dtype.itemsize
+    itemsize = acc_dtype(x.dtype).itemsize  # the workspace holds the unrounded products
     if workspace_bytes is not None and workspace_bytes < l * itemsize:
         raise ValueError(f"{op}: workspace_bytes={workspace_bytes} is smaller than one column of "
-                         f"logits over the sequence (L * itemsize = {l * itemsize} bytes); give "
-                         f"at least that")
+                         f"logits over the sequence (L * {itemsize} bytes, the products kept "
+                         f"in {acc_dtype(x.dtype).name} = {l * itemsize} bytes); give at least "
+                         f"that")
     if xp is not np and b > _gpu.MAX_GRID_Y:
         raise ValueError(f"{op}: x has B={b} rows; the GPU path takes at most "
                          f"{_gpu.MAX_GRID_Y} per call (split the batch)")
@@ -151,7 +153,9 @@ def _np_forward(x, weight, bias, mask, act, workspace_bytes):
         v1 = min(v, v0 + step)
         # (vc, B, L): the max over the sequence reduces the contiguous last axis
         logits = xp.astype(wt[v0:v1], a) @ xa.T
-        if half:  # the GPU path stores the logits in the input dtype before the max
+        if bias is not None:  # before the rounding and the max, as F.linear and the GPU paths
+            logits += xp.astype(xp.asarray(bias[v0:v1]), a)[:, None]
+        if half:  # rounded to the input dtype, then the max (ties judged on these values)
             logits = xp.astype(xp.astype(logits, dt), a)
         logits = logits.reshape(v1 - v0, b, l)
         if drop is not None:
@@ -159,8 +163,6 @@ def _np_forward(x, weight, bias, mask, act, workspace_bytes):
         idx = xp.argmax(logits, axis=2)  # first occurrence: ties go to the lowest l; NaN wins
         m = xp.take_along_axis(logits, idx[:, :, None], axis=2)[:, :, 0].T
         idx = idx.T
-        if bias is not None:
-            m = m + xp.astype(xp.asarray(bias[v0:v1]), a)
         val = _np_act(xp, m, act)
         if empty is not None:
             val, idx = xp.where(empty, 0, val), xp.where(empty, 0, idx)
@@ -246,6 +248,8 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
     workspace_bytes : int, optional
         Cap on the logit workspace of the cuBLAS-tile forward, default 64 MiB: the logits of
         (batches × vocabulary) tiles are computed one tile at a time; (B, L, V) never exists.
+        The workspace holds the unrounded products in the accumulator type (4 bytes a logit
+        for 16-bit inputs), so it must hold at least L of them.
         The fused forward (16-bit inputs where the tensor-core tiles run, see the module
         docstring) holds no logits and ignores it.
     requires_grad : bool
@@ -259,16 +263,19 @@ def splade_pool_forward(x, weight, bias=None, mask=None, *, activation: str = "l
     Returns
     -------
     out : (B, V) array, x's dtype
-        ``act(max_{l: mask[b,l]} x[b,l]·W[v] + bias[v])``; 0 for a row whose mask is all zero.
+        ``act(max_{l: mask[b,l]} round(x[b,l]·W[v] + bias[v]))``; 0 for a row whose mask is
+        all zero.
     ctx : Context
         ``ctx.stats == (argmax,)``: (B, V) int16 (int32 when L > 32768), the winning l; ties
         go to the lowest l; 0 for all-masked rows.
 
     Notes
     -----
-    For float16 / bfloat16 the logits are accumulated in float32 and rounded to the input
-    dtype before the max (as a PyTorch half matmul gives them), so ties are judged on the
-    rounded values; the bias is added in float32 and the result rounded once.  A NaN logit
+    For float16 / bfloat16 the logits are accumulated in float32, the bias added in float32,
+    and the sum rounded to the input dtype once before the max -- the logits
+    ``F.linear(x, W, bias)`` gives (the library's SPLADE head takes its max over those), so
+    ties and the arg-max are judged on the same values as the library's; every path (the
+    fused tiles, the cuBLAS tiles, NumPy) rounds alike (docs/decisions.md).  A NaN logit
     that reaches the max gives a NaN output (its arg-max is then unspecified, and the NaN
     reaches the gradients).
     """

@@ -98,10 +98,14 @@ __device__ __forceinline__ void tile_body(
     const bool (&rv)[I][2] = rs.rv;
     int win[I][2];
     bool nanr[I][2];
+    float bvr[I][2];  // SPMAX: the row's bias, added to each fp32 logit before its rounding
 #pragma unroll
     for (int i = 0; i < I; ++i)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) { win[i][h] = -1; nanr[i][h] = false; }
+        for (int h = 0; h < 2; ++h) {
+            win[i][h] = -1; nanr[i][h] = false;
+            bvr[i][h] = MODE == MODE_SPMAX && bias && rv[i][h] ? Conv<T>::load(bias[gi[i][h]]) : 0.f;
+        }
 
     // Loads: thread tid copies 16-byte chunk lc of rows lr0 + 32 u (u < LU) of the A and B
     // tiles; the A rows are fixed for the CTA, the B rows are set once per column tile.
@@ -203,7 +207,7 @@ __device__ __forceinline__ void tile_body(
                     for (int j = 0; j < J; ++j)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {  // increasing column: strict > keeps the first
-                            const float x = Conv<T>::load(Conv<T>::store(acc[i][j][h * 2 + e]));
+                            const float x = spl_logit<T>(acc[i][j][h * 2 + e], bvr[i][h]);
                             const bool on = onc[j * 8 + e] != 0.f;
                             const bool gt = on && x > rm[i][h];
                             rm[i][h] = gt ? x : rm[i][h];
@@ -236,7 +240,7 @@ __device__ __forceinline__ void tile_body(
                         isnan |= v[2] != 0.f;
                     }
                     spl_write<T, IX, float>(m, w, isnan, tile_batch(cur), gi[i][h], 0, rows,
-                                            bias, act, g, arg);
+                                            act, g, arg);
                 });
 #pragma unroll
             for (int i = 0; i < I; ++i)

@@ -40,77 +40,112 @@ __device__ __forceinline__ void guard_log_scale_body(const A* __restrict__ x, i6
         y[k] = x[k] > limit ? cpn_nan<A>() : x[k];
 }
 
-// Row L2 normalisation, as F.normalize: xn = x / max(||x||, eps).  One warp per row (a
-// block holds CPN_BLOCK / 32 rows): a block per row left most threads idle at D = 128 and
-// paid two block barriers a row -- MoCo's 65536-key queue took ~80 us, 8x its bytes' time.
-// The sums run in a fixed order (lane-strided, then the warp's xor tree): deterministic.
+// Row L2 normalisation, as F.normalize: xn = x / max(||x||, eps).  A row takes `wpr` warps
+// (1, 2, 4 or 8; a block holds (CPN_BLOCK / 32) / wpr rows), so that each lane sums at most
+// ~64 of its entries (arrays.normalize picks wpr from D): a block per row left most threads
+// idle at D = 128 and paid two block barriers a row (MoCo's 65536-key queue took ~80 us, 8x
+// its bytes' time), a warp per row left the GPU nearly empty at few wide rows (8 x 32768:
+// 4.5x F.normalize's time).  With wpr = 1 there is no block barrier; with wpr > 1 every
+// thread of the block reaches each one (rows past n load nothing).  The sums run in a fixed
+// order (group-strided, the warp's xor tree, then the row's warps in order): deterministic.
+
+// The row's sum (or max) of the group's values: warp_reduce, then (wpr > 1) the row's warps'
+// results from `red` (CPN_BLOCK / 32 slots) in warp order.  Every thread gets the same bits.
+template <typename A, typename Op>
+__device__ __forceinline__ A row_group_reduce(A v, Op op, int wpr, A* red) {
+    v = warp_reduce(v, op);
+    if (wpr == 1) return v;
+    const int warp = threadIdx.x >> 5;
+    __syncthreads();  // red's previous readers are done
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    const int g0 = warp & ~(wpr - 1);
+    A t = red[g0];
+    for (int k = 1; k < wpr; ++k) t = op(t, red[g0 + k]);
+    return t;
+}
+
 template <typename T, typename A>
 __device__ __forceinline__ void l2norm_fwd_body(
     const T* __restrict__ x, i64 ldx, i64 n, int d, A eps, T* __restrict__ xn,
-    A* __restrict__ norm)
+    A* __restrict__ norm, int wpr)
 {
-    const int lane = threadIdx.x & 31;
-    const i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (i >= n) return;  // (uniform over the warp; no block barrier below)
-    const T* xi = x + i * ldx;
+    __shared__ A red[CPN_BLOCK / 32];
+    const int warp = threadIdx.x >> 5;
+    const int gl = (warp & (wpr - 1)) * 32 + (threadIdx.x & 31), gs = 32 * wpr;
+    const i64 i = (i64)blockIdx.x * ((blockDim.x >> 5) / wpr) + warp / wpr;
+    const bool live = i < n;
+    if (wpr == 1 && !live) return;  // (uniform over the warp; no block barrier below)
+    const T* xi = x + (live ? i : 0) * ldx;
     A ss = A(0);
-    for (int k = lane; k < d; k += 32) { A v = Conv<T>::load(xi[k]); ss += v * v; }
-    ss = warp_reduce(ss, SumOp());
+    if (live)
+        for (int k = gl; k < d; k += gs) { A v = Conv<T>::load(xi[k]); ss += v * v; }
+    ss = row_group_reduce(ss, SumOp(), wpr, red);
     A nrm = cpn_sqrt(ss);
-    if (nrm == cpn_inf<A>()) {  // (uniform over the warp: every lane holds the warp sum)
+    const bool over = live && nrm == cpn_inf<A>();
+    // (uniform: over the warp -- every lane holds the row's sum -- or, wpr > 1, the block)
+    if (wpr == 1 ? over : __syncthreads_or(over)) {
         // the sum of squares overflowed (|x| >~ 1.8e19 in float32): ||x|| = m ||x / m|| with
         // m = max |x_k|, as F.normalize gets it; an inf entry keeps ||x|| = inf
         A m = A(0);
-        for (int k = lane; k < d; k += 32) {
-            const A v = cpn_abs(Conv<T>::load(xi[k]));
-            m = v > m ? v : m;
-        }
-        m = warp_reduce(m, MaxOp());
-        if (m < cpn_inf<A>()) {  // (x / m, not x * (1 / m): 1 / m may be subnormal, flushed)
-            A s2 = A(0);
-            for (int k = lane; k < d; k += 32) {
+        if (over)
+            for (int k = gl; k < d; k += gs) {
+                const A v = cpn_abs(Conv<T>::load(xi[k]));
+                m = v > m ? v : m;
+            }
+        m = row_group_reduce(m, MaxOp(), wpr, red);
+        const bool rescale = over && m < cpn_inf<A>();
+        A s2 = A(0);
+        if (rescale)  // (x / m, not x * (1 / m): 1 / m may be subnormal, flushed)
+            for (int k = gl; k < d; k += gs) {
                 const A v = Conv<T>::load(xi[k]) / m;
                 s2 += v * v;
             }
-            nrm = m * cpn_sqrt(warp_reduce(s2, SumOp()));
-        }
+        s2 = row_group_reduce(s2, SumOp(), wpr, red);
+        if (rescale) nrm = m * cpn_sqrt(s2);
     }
+    if (!live) return;  // (after the last barrier)
     const A den = nrm > eps ? nrm : eps;
     const A inv = A(1) / den;
     if (inv >= cpn_min_normal<A>()) {
-        for (int k = lane; k < d; k += 32)
+        for (int k = gl; k < d; k += gs)
             xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) * inv);
     } else {  // ||x|| > 2^126 (float32): 1 / ||x|| would flush to 0 (-ftz); divide instead
-        for (int k = lane; k < d; k += 32)
+        for (int k = gl; k < d; k += gs)
             xn[i * d + k] = Conv<T>::store(Conv<T>::load(xi[k]) / den);
     }
-    if (lane == 0) norm[i] = nrm;
+    if (gl == 0) norm[i] = nrm;
 }
 
-// Backward of the normalisation, times the upstream scalar *g (when g != null), one warp per
-// row as the forward:
+// Backward of the normalisation, times the upstream scalar *g (when g != null), `wpr` warps
+// per row as the forward:
 //   dx = g * (dxn - [||x|| > eps] xn (xn . dxn)) / max(||x||, eps)
 template <typename T, typename A>
 __device__ __forceinline__ void l2norm_bwd_body(
     const T* __restrict__ x, i64 ldx, i64 n, int d, A eps, const A* __restrict__ norm,
-    const A* __restrict__ dxn, const A* __restrict__ g, T* __restrict__ dx)
+    const A* __restrict__ dxn, const A* __restrict__ g, T* __restrict__ dx, int wpr)
 {
-    const int lane = threadIdx.x & 31;
-    const i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (i >= n) return;
-    const T* xi = x + i * ldx;
-    const A nrm = norm[i];
+    __shared__ A red[CPN_BLOCK / 32];
+    const int warp = threadIdx.x >> 5;
+    const int gl = (warp & (wpr - 1)) * 32 + (threadIdx.x & 31), gs = 32 * wpr;
+    const i64 i = (i64)blockIdx.x * ((blockDim.x >> 5) / wpr) + warp / wpr;
+    const bool live = i < n;
+    if (wpr == 1 && !live) return;
+    const T* xi = x + (live ? i : 0) * ldx;
+    const A nrm = live ? norm[i] : A(1);
     const A den = nrm > eps ? nrm : eps;
     const A inv = A(1) / den;
     A dot = A(0);
-    for (int k = lane; k < d; k += 32)
-        dot += Conv<T>::load(xi[k]) * inv * dxn[i * d + k];
-    dot = warp_reduce(dot, SumOp());
+    if (live)
+        for (int k = gl; k < d; k += gs)
+            dot += Conv<T>::load(xi[k]) * inv * dxn[i * d + k];
+    dot = row_group_reduce(dot, SumOp(), wpr, red);
+    if (!live) return;  // (after the barrier)
     const A proj = nrm > eps ? dot : A(0);
-    const A gs = g ? g[0] : A(1);
-    for (int k = lane; k < d; k += 32) {
+    const A gs_ = g ? g[0] : A(1);
+    for (int k = gl; k < d; k += gs) {
         const A xn = Conv<T>::load(xi[k]) * inv;
-        dx[i * d + k] = Conv<T>::store(gs * (dxn[i * d + k] - xn * proj) * inv);
+        dx[i * d + k] = Conv<T>::store(gs_ * (dxn[i * d + k] - xn * proj) * inv);
     }
 }
 
@@ -254,12 +289,12 @@ __device__ __forceinline__ void supcon_rows_body(
 // ---- extern "C" wrappers, one per dtype --------------------------------------------
 #define CPN_DEFINE(SUF, T, A)                                                              \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_fwd_##SUF(              \
-    const T* x, i64 ldx, i64 n, int d, A eps, T* xn, A* norm) {                            \
-    l2norm_fwd_body<T, A>(x, ldx, n, d, eps, xn, norm); }                                  \
+    const T* x, i64 ldx, i64 n, int d, A eps, T* xn, A* norm, int wpr) {                   \
+    l2norm_fwd_body<T, A>(x, ldx, n, d, eps, xn, norm, wpr); }                             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_l2norm_bwd_##SUF(              \
     const T* x, i64 ldx, i64 n, int d, A eps, const A* norm, const A* dxn, const A* g,     \
-    T* dx) {                                                                               \
-    l2norm_bwd_body<T, A>(x, ldx, n, d, eps, norm, dxn, g, dx); }                          \
+    T* dx, int wpr) {                                                                      \
+    l2norm_bwd_body<T, A>(x, ldx, n, d, eps, norm, dxn, g, dx, wpr); }                     \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_scale_cast_##SUF(              \
     const A* acc, i64 n, const A* g, T* out) {                                             \
     scale_cast_body<T, A>(acc, n, g, out); }                                               \

@@ -1,7 +1,9 @@
 // cupynce SPLADE head kernels: the max over the sequence around cuBLAS logit tiles, and the
 // sparse backward over the active (b, v) entries.
 //
-//   out[b, v] = act(max_{l : mask[b, l]} (x[b, l, :] . W[v, :]) + bias[v]),  act = relu | log1p∘relu
+//   out[b, v] = act(max_{l : mask[b, l]} round_T(x[b, l, :] . W[v, :] + bias[v])),  act = relu | log1p∘relu
+//
+// (each logit rounded to T after the bias, as F.linear gives it: splade_common.cuh spl_logit)
 //
 // Naming: extern "C" wrappers `cpn_<stage>_<index>_<dtype>`, index in {i16, i32} (the type of
 // the stored arg-max), dtype in {f16, bf16, f32, f64}.  T is the storage type of x, W, bias,
@@ -38,11 +40,13 @@ __device__ __forceinline__ bool spl_entry(const T* __restrict__ out, const T* __
     return gp != A(0) && (unsigned)l < (unsigned)L;
 }
 
-// Max over the sequence of one logit tile. ws holds the logits of batches [b0, b0 + nb) x
-// vocabulary [v0, v0 + vt): row (bl * L + l), column j, leading dim ldw (cuBLAS output, in T:
-// half inputs are rounded to T before the max, as PyTorch's half matmul does).
-// Block (32, SPL_MAX_SLICES): lane -> SPL_E consecutive columns (one 8-byte load when ldw is a
-// multiple of SPL_E), warp y -> positions l = y, y + SPL_MAX_SLICES, ...  SPL_MAX_UNROLL rows'
+// Max over the sequence of one logit tile. ws holds the products x . W (no bias) of batches
+// [b0, b0 + nb) x vocabulary [v0, v0 + vt) in the accumulator type A (cuBLAS's fp32 sums for
+// half inputs, unrounded): row (bl * L + l), column j, leading dim ldw.  Each is made the
+// logit spl_logit (+ bias[v], rounded to T) before the max.
+// Block (32, SPL_MAX_SLICES): lane -> E = 8 / sizeof(T) consecutive columns (one load of
+// E * sizeof(A) bytes when ldw is a multiple of E), warp y -> positions l = y, y +
+// SPL_MAX_SLICES, ...  SPL_MAX_UNROLL rows'
 // loads are issued before their compares (the loop is latency-bound otherwise).  The per-slice
 // (max, arg) are merged in a fixed order.  Grid (ceil(vt / (32 SPL_E)), nb).
 // Ties go to the lowest l.  A NaN logit makes the output NaN (tracked apart from the max, so
@@ -50,9 +54,10 @@ __device__ __forceinline__ bool spl_entry(const T* __restrict__ out, const T* __
 #define SPL_MAX_SLICES 8
 #define SPL_MAX_UNROLL 4
 
-template <typename T> struct SplVec {  // 8 bytes of T
+template <typename T> struct SplVec {  // the workspace's A values of 8 bytes of T
+    typedef typename Conv<T>::acc A;
     enum { E = 8 / sizeof(T) };
-    struct alignas(8) type { T v[E]; };
+    struct alignas(E * sizeof(A)) type { A v[E]; };
 };
 
 // Grid (ceil(vt / (32 SPL_E)), nb, nz): block z covers the positions [z lchunk, (z+1) lchunk)
@@ -61,8 +66,8 @@ template <typename T> struct SplVec {  // 8 bytes of T
 // z order by splade_max_combine.
 template <typename T, typename I>
 __device__ __forceinline__ void splade_max_body(
-    const T* __restrict__ ws, i64 ldw, int L, int vt, int b0, int v0, int V,
-    const unsigned char* __restrict__ mask, const T* __restrict__ bias, int act,
+    const typename Conv<T>::acc* __restrict__ ws, i64 ldw, int L, int vt, int b0, int v0,
+    int V, const unsigned char* __restrict__ mask, const T* __restrict__ bias, int act,
     T* __restrict__ out, I* __restrict__ arg, int lchunk, int stage_mask,
     typename Conv<T>::acc* __restrict__ pv, int* __restrict__ pa, unsigned char* __restrict__ pn)
 {
@@ -78,7 +83,11 @@ __device__ __forceinline__ void splade_max_body(
     const bool live = jj < vt;  // lanes past the tile's last column load nothing
     const int bl = blockIdx.y;
     const int b = b0 + bl;
-    const T* tile = ws + (i64)bl * L * ldw + jj;
+    const A* tile = ws + (i64)bl * L * ldw + jj;
+    A bj[E];  // this lane's columns' bias (constant over the positions)
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+        bj[e] = bias && jj + e < vt ? Conv<T>::load(bias[v0 + jj + e]) : A(0);
     // the row's mask, staged in shared memory: a global load there would sit between each
     // row's address and its data load (a dependent latency per step)
     // (only when the launch gives L bytes of dynamic shared memory; long sequences read it in
@@ -103,7 +112,7 @@ __device__ __forceinline__ void splade_max_body(
         for (int u = 0; u < SPL_MAX_UNROLL; ++u) {
             const int l = l0 + u * SPL_MAX_SLICES;
             on[u] = live && l < lend && (!mrow || mrow[l]);
-            const T* row = tile + (i64)l * ldw;
+            const A* row = tile + (i64)l * ldw;
             if (on[u] && vec) {
                 val[u] = *reinterpret_cast<const Vec*>(row);
             } else if (on[u]) {
@@ -117,7 +126,7 @@ __device__ __forceinline__ void splade_max_body(
             const int l = l0 + u * SPL_MAX_SLICES;
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const A s = Conv<T>::load(val[u].v[e]);
+                const A s = spl_logit<T>(val[u].v[e], bj[e]);
                 const bool gt = s > best[e];  // strict: the first (lowest l) of equal values
                 best[e] = gt ? s : best[e];
                 win[e] = gt ? l : win[e];
@@ -150,7 +159,7 @@ __device__ __forceinline__ void splade_max_body(
             pa[p] = w;
             pn[p] = isnan;
         } else {
-            spl_write<T, I, A>(m, w, isnan, b, j, v0, V, bias, act, out, arg);
+            spl_write<T, I, A>(m, w, isnan, b, j, v0, V, act, out, arg);
         }
     }
 }
@@ -161,7 +170,7 @@ template <typename T, typename I>
 __device__ __forceinline__ void splade_max_combine_body(
     const typename Conv<T>::acc* __restrict__ pv, const int* __restrict__ pa,
     const unsigned char* __restrict__ pn, int nz, int nb, int vt, int b0, int v0, int V,
-    const T* __restrict__ bias, int act, T* __restrict__ out, I* __restrict__ arg)
+    int act, T* __restrict__ out, I* __restrict__ arg)
 {
     typedef typename Conv<T>::acc A;
     const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -175,7 +184,7 @@ __device__ __forceinline__ void splade_max_combine_body(
         spl_merge(m, w, pv[p], pa[p]);
         isnan |= pn[p] != 0;
     }
-    spl_write<T, I, A>(m, w, isnan, b0 + bl, j, v0, V, bias, act, out, arg);
+    spl_write<T, I, A>(m, w, isnan, b0 + bl, j, v0, V, act, out, arg);
 }
 
 // dW[v, :] = sum_b g'[b, v] x[b, l*(b, v), :] and dbias[v] = sum_b g'[b, v], in b order.
@@ -393,11 +402,11 @@ cpn_splade_scan(const int* __restrict__ counts, int n, int* __restrict__ incl,
 }
 
 // ---- extern "C" wrappers, one per (index type, dtype) ----------------------------------
-#define SPL_MAX_ARGS(T, I) const T* ws, i64 ldw, int L, int vt, int b0, int v0, int V,           \
+#define SPL_MAX_ARGS(T, I) const Conv<T>::acc* ws, i64 ldw, int L, int vt, int b0, int v0, int V,           \
     const unsigned char* mask, const T* bias, int act, T* out, I* arg, int lchunk,            \
     int stage_mask, Conv<T>::acc* pv, int* pa, unsigned char* pn
 #define SPL_COMBINE_ARGS(T, I) const Conv<T>::acc* pv, const int* pa, const unsigned char* pn,  \
-    int nz, int nb, int vt, int b0, int v0, int V, const T* bias, int act, T* out, I* arg
+    int nz, int nb, int vt, int b0, int v0, int V, int act, T* out, I* arg
 #define SPL_DW_ARGS(T, I) const T* x, const T* out, const T* g, const I* arg, int B, int L,       \
     int D, int V, int act, T* dw, T* dbias
 #define SPL_COUNT_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
@@ -415,10 +424,10 @@ cpn_splade_max_i32_##SUF(SPL_MAX_ARGS(T, int))                                  
                           stage_mask, pv, pa, pn); }                                                     \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_max_combine_i16_##SUF(SPL_COMBINE_ARGS(T, short))                                 \
-{ splade_max_combine_body<T, short>(pv, pa, pn, nz, nb, vt, b0, v0, V, bias, act, out, arg); }\
+{ splade_max_combine_body<T, short>(pv, pa, pn, nz, nb, vt, b0, v0, V, act, out, arg); }\
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_max_combine_i32_##SUF(SPL_COMBINE_ARGS(T, int))                                   \
-{ splade_max_combine_body<T, int>(pv, pa, pn, nz, nb, vt, b0, v0, V, bias, act, out, arg); }  \
+{ splade_max_combine_body<T, int>(pv, pa, pn, nz, nb, vt, b0, v0, V, act, out, arg); }  \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_dw_i16_##SUF(SPL_DW_ARGS(T, short))                                               \
 { splade_dw_body<T, short>(x, out, g, arg, B, L, D, V, act, dw, dbias); }                    \

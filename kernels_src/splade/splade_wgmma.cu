@@ -1,7 +1,7 @@
 // cupynce SPLADE forward on Hopper (sm_90a): the max over the sequence in the epilogue of a
 // warp-specialised TMA + wgmma product.  Same result as tiles.cu MODE_SPMAX (and as the
-// cuBLAS path of splade.cu): out[b, v] = act(max over unmasked l of round_T(x[b, l] . W[v])
-// + bias[v]), the first arg-max, NaN when a NaN logit is seen; the (B, L, V) logits never
+// cuBLAS path of splade.cu): out[b, v] = act(max over unmasked l of round_T(x[b, l] . W[v]
+// + bias[v])), the first arg-max, NaN when a NaN logit is seen; the (B, L, V) logits never
 // exist.  What differs is the main loop:
 //
 //   * one CTA = 2 consumer warpgroups (warps 0-7) and a producer warp (warp 8).  One thread
@@ -167,12 +167,13 @@ __device__ __forceinline__ void spmax_ws(
     // this thread's rows: v0 + c * 64 + warp * 16 + h * 8 + gq (h = 0, 1); its columns of a
     // tile: j * 8 + 2 * cq + e (j < 32, e < 2), in acc[j * 4 + h * 2 + e]
     int vrow[2];
-    float rm[2];
+    float rm[2], bv[2];  // bv: the row's bias, added to each fp32 logit before its rounding
     int win[2];
     bool nanr[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         vrow[h] = v0 + c * 64 + warp * 16 + h * 8 + gq;
+        bv[h] = bias && vrow[h] < V ? Conv<T>::load(bias[vrow[h]]) : 0.f;
         rm[h] = ninf; win[h] = -1; nanr[h] = false;
     }
     float acc[128];
@@ -221,8 +222,9 @@ __device__ __forceinline__ void spmax_ws(
         asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumers: flags written
 
         // running (max, arg-max, NaN) of each row over the positions, in increasing position:
-        // strict > keeps the first; each logit rounded to T first (as the cuBLAS path), two
-        // at a time (cvt to T x 2); positions that do not count become -inf (never > the
+        // strict > keeps the first; each logit is the fp32 product plus the row's bias rounded
+        // to T (spl_logit, as every path), two at a time (cvt to T x 2); positions that do
+        // not count become -inf (never > the
         // running max, which starts at -inf; a row of -inf only gives arg -1: out 0); NaN seen
         // through a NaN-propagating packed max.  Tiles where every position counts skip the
         // mask (the same result, fewer instructions).
@@ -242,7 +244,8 @@ __device__ __forceinline__ void spmax_ws(
                 unsigned nanp = Pack2<T>::NEG_INF2;
 #pragma unroll
                 for (int j = 0; j < 32; ++j) {
-                    unsigned pk = Pack2<T>::round(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1]);
+                    unsigned pk = Pack2<T>::round(acc[j * 4 + h * 2] + bv[h],
+                                                  acc[j * 4 + h * 2 + 1] + bv[h]);
                     if (masked) {
                         const unsigned bw = bits[j >> 2] >> ((j & 3) * 8);
                         pk = ((bw & 1u) ? pk : (pk & 0xffff0000u) | (Pack2<T>::NEG_INF2 & 0xffffu));
@@ -275,8 +278,8 @@ __device__ __forceinline__ void spmax_ws(
                     spl_merge(rm[h], win[h], om, ow);
                 }
                 if (cq == 0 && vrow[h] < V)
-                    spl_write<T, IX, float>(rm[h], win[h], nanr[h], b, vrow[h], 0, V, bias, act,
-                                            out, arg);
+                    spl_write<T, IX, float>(rm[h], win[h], nanr[h], b, vrow[h], 0, V, act, out,
+                                            arg);
                 rm[h] = ninf; win[h] = -1; nanr[h] = false;
             }
         }

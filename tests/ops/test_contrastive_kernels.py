@@ -908,6 +908,55 @@ def test_normalize_huge_rows(op, neg, dtype, gpu_path):
         assert rel(g64 / s, r64 / s) <= gt
 
 
+#: (rows, D) of the wide-row normalisation test: 1 to 8 warps a row (arrays.norm_warps), rows
+#: that leave a block's last row slots empty, D not a multiple of the group's lanes
+WIDE_ROWS = [(1, 32768), (3, 8192), (9, 4099), (17, 2049), (5, 2048), (40, 300)]
+#: bound on a row's relative error: a lane sums at most 64 entries, then <= 8 tree levels,
+#: so ||x||^2 is within 72 u of its float64 value (the standard gamma_n bound), with room;
+#: a 16-bit output is then rounded once more (its u)
+WIDE_TOL = {np.dtype(np.float32): 80 * 2.0 ** -24, BF16: 2.0 ** -8 + 80 * 2.0 ** -24,
+            np.dtype(np.float64): 80 * 2.0 ** -53}
+
+
+@pytest.mark.parametrize("dtype", list(WIDE_TOL), ids=str)
+@pytest.mark.parametrize("n,d", WIDE_ROWS, ids=str)
+def test_normalize_wide_rows(n, d, dtype):
+    """The row normalisation (forward ``arrays.normalize``, backward ``arrays.finish``) with
+    several warps a row at wide D, against float64 row by row, the sum-of-squares overflow
+    (every other row huge: rows that rescale and rows that do not share a block's barriers)
+    included; the same bits twice."""
+    from cupynce._engine import arrays
+
+    # a lane sums at most 64 entries: warps a row by D (a power of 2, at most 8)
+    assert arrays.norm_warps(d) == {32768: 8, 8192: 4, 4099: 4, 2049: 2, 2048: 1, 300: 1}[d]
+    rng = np.random.default_rng(zlib.crc32(f"wide{n}{d}{dtype}".encode()))
+    x64 = rng.standard_normal((n, d))
+    if d == 8192:
+        x64[::2] *= HUGE[dtype]  # rows 0, 2: the overflow path, row 1 not
+    x = x64.astype(dtype)
+    xr = x.astype(np.float64)
+    norm_ref = np.linalg.norm(xr, axis=1)
+    xn_ref = xr / np.maximum(norm_ref, 1e-12)[:, None]
+    dxn = rng.standard_normal((n, d))
+    acc = np.float64 if dtype == np.float64 else np.float32
+    dxn = dxn.astype(acc).astype(np.float64)
+    proj = (xn_ref * dxn).sum(axis=1, keepdims=True)
+    dx_ref = (dxn - xn_ref * proj) / norm_ref[:, None]
+    tol = WIDE_TOL[dtype]
+    runs = []
+    for _ in range(2):
+        xn, norm = arrays.normalize(cp.asarray(x))
+        dx = arrays.finish(cp.asarray(x), norm, cp.asarray(dxn.astype(acc)), None)
+        runs.append([cp.asnumpy(a) for a in (xn, norm, dx)])
+    for a, b in zip(*runs):
+        assert a.tobytes() == b.tobytes()
+    xn, norm, dx = (a.astype(np.float64) for a in runs[0])
+    np.testing.assert_array_less(np.abs(norm - norm_ref) / norm_ref, tol)
+    for name, got, want in (("xn", xn, xn_ref), ("dx", dx, dx_ref)):
+        err = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+        assert (err <= 2 * tol).all(), f"{name}: rows {np.nonzero(err > 2 * tol)[0]}, {err.max():.2e}"
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op,neg", [("info_nce", None), ("info_nce", "shared"),

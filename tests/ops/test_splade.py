@@ -22,8 +22,9 @@ then be exactly 0.  The tolerances (``TOL`` below):
 
 * float64 1e-10, float32 1e-5 (out) / 1e-4 (gradients): the figures asked for, far above
   the measured errors (float64 <= 4.4e-16, float32 <= 2.3e-7 in units of A);
-* float16 / bfloat16, with the unit roundoff u (2^-11 / 2^-8): out 2u -- the logit is rounded
-  to the dtype before the max (<= u S) and out once more at the end (<= u |out|), the fp32
+* float16 / bfloat16, with the unit roundoff u (2^-11 / 2^-8): out 2u -- the logit plus the
+  bias is rounded to the dtype before the max (<= u (S + |bias|)) and out once more at the
+  end (<= u |out|), the fp32
   accumulation adds ~D 2^-24 S; gradients 8u -- g' = grad_out exp(-out) is formed from the
   rounded out (relative error <= u (|out| + S + |bias|)) <= ~5u for this data), the
   sum is accumulated in fp32 (negligible) and rounded once (u).  Measured on the NumPy path
@@ -35,14 +36,15 @@ then be exactly 0.  The tolerances (``TOL`` below):
 Arg-max.  With continuous data the low-precision logits can tie or swap where the float64
 ones do not; the op's winner l' is accepted iff its float64 logit is within the rounding of
 both logits of the float64 maximum: ``z[l'] >= z[l_ref] - delta(l') - delta(l_ref)``,
-``delta = (u_round + D u_acc) S`` (u_round = u of the dtype for half inputs, whose logits are
-rounded, else 0; u_acc = 2^-24, or 2^-53 for float64).  out and the gradients are then compared
+``delta = u_round (S + |bias|) + D u_acc S`` (u_round = u of the dtype for half inputs, whose
+logits are rounded after the bias, else 0; u_acc = 2^-24, or 2^-53 for float64).  out and the gradients are then compared
 with the oracle evaluated at the op's winners (``reference.splade_pool(..., argmax=)``), so the
 check of the gradients is not loosened by a legitimate swap.  Separately, data on a coarse grid
 (every logit exact in every dtype, many exact ties) must give exactly the oracle's arg-max
 (ties to the lowest l) in every dtype, and a float16 / bfloat16 case where two logits differ in
 float64 but round to the same value must pick the lower l (the spec: ties judged on the
-rounded logits).
+rounded logits), and one where they tie only once the bias is added (the spec: the logits
+rounded after the bias, as ``F.linear`` gives them).
 
 ReLU kink.  Where the float64 pre-activation is within rounding of 0 the op may see it on the
 other side; the data generator sets grad_out = 0 at those entries (``make_inputs``), so that
@@ -235,11 +237,14 @@ def check_elementwise(name, got, want, mag, tol, case, atol=0.0):
 
 
 def argmax_slack(inp, dtype, s):
-    """delta(b, v) of the winner's logit (module docstring): how far rounding may move it."""
+    """delta(b, v) of the winner's logit (module docstring): how far rounding may move it --
+    a 16-bit logit is rounded after the bias, so its rounding scales with S + |bias|."""
     u_round = U[dtype] if np.dtype(dtype).itemsize == 2 else 0.0
     u_acc = U[F64] if dtype == F64 else U[F32]
     d = inp["x"].shape[2]
-    return 2.0 * (u_round + d * u_acc) * s  # x2: safety for the few-term accumulation
+    bias = 0.0 if inp["bias"] is None else np.abs(f64(inp["bias"]))[None, :]
+    # x2: safety for the few-term accumulation
+    return 2.0 * (u_round * (s + bias) + d * u_acc * s)
 
 
 ALL_PARTS = ("out", "dx", "dweight", "dbias")
@@ -370,6 +375,29 @@ def test_half_logits_are_rounded_before_the_max(dtype):
     assert ref.splade_argmax(x, w)[0, 0] == 1  # in float64 position 1 is larger
     assert int(ctx.stats[0][0, 0]) == 0, "the rounded logits tie: the lowest l must win"
     assert float(out[0, 0]) == 1.0
+
+
+def tie_after_the_bias(dtype, xp=np, pad=0):
+    """(x, w, bias): logits 1 and 1 + ulp(1), distinct in the dtype, plus a bias of 4: 5 and
+    5 + ulp(1), which round to the same 5 (ulp(4) = 4 ulp(1)).  Rounded after the bias (as
+    ``F.linear``) the logits tie and position 0 wins; rounded before it, position 1 would.
+    ``pad`` zero columns widen D (D = 8 lets the fused GPU paths take it)."""
+    tiny = 2.0 ** -10 if dtype == F16 else 2.0 ** -7  # ulp of 1.0 in the dtype
+    z = [0.0] * pad
+    x = xp.asarray(np.array([[[1.0, 0.0] + z, [1.0, tiny] + z]], dtype))
+    w = xp.asarray(np.array([[1.0, 1.0] + z], dtype))
+    return x, w, xp.asarray(np.array([4.0], dtype))
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(F16, id="f16"), pytest.param(BF16, id="bf16")])
+def test_half_logits_are_rounded_after_the_bias(dtype):
+    """Spec: a 16-bit logit is x.W + bias rounded once (F.linear's), so two logits that differ
+    in the dtype tie once the bias is added, and the lower l wins; out is act of that logit."""
+    x, w, b = tie_after_the_bias(dtype)
+    assert float((x.astype(np.float64) @ w[0].astype(np.float64))[0, 1]) > 1.0  # distinct
+    out, ctx = cupynce.splade_pool_forward(x, w, b, activation="relu")
+    assert int(ctx.stats[0][0, 0]) == 0, "logit + bias ties: the lowest l must win"
+    assert float(out[0, 0]) == 5.0
 
 
 def test_argmax_int32_when_L_exceeds_int16():

@@ -160,6 +160,21 @@ def test_half_logits_are_rounded_before_the_max(dtype):
     assert float(out[0, 0]) == 1.0
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(C.F16, id="f16"), pytest.param(C.BF16, id="bf16")])
+def test_half_logits_are_rounded_after_the_bias(dtype, forward_path, configure):
+    """Every forward path (the forward_path fixture) rounds x.W + bias once: logits distinct in
+    the dtype tie after the bias, the lowest l wins (test_splade.tie_after_the_bias).  On the
+    cuBLAS path with cuBLAS itself (no small-product kernel) and with the small-product
+    kernel."""
+    x, w, b = C.tie_after_the_bias(dtype, cp, pad=6)
+    for small in ((0, None) if forward_path == "cublas" else (None,)):
+        if small is not None:
+            configure(small_gemm_macs=small)
+        out, ctx = cupynce.splade_pool_forward(x, w, b, activation="relu")
+        assert int(ctx.stats[0][0, 0]) == 0, f"{forward_path} small_gemm_macs={small}: l* must be 0"
+        assert float(out[0, 0]) == 5.0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_rows_masked_and_L1_edge(dtype):
     """Every row masked: zeros everywhere; L = 1 with that one position masked in one row."""
@@ -262,7 +277,7 @@ def test_small_workspace_agrees_with_the_default(dtype, tiles):
     within that rounding of each other (the data here has no such near-ties).
     """
     b, l, d, v = 4, 16, 32, 1000
-    item = np.dtype(dtype).itemsize
+    item = max(np.dtype(dtype).itemsize, 4)  # the workspace's: the products in fp32 / fp64
     # "columns": one batch x 37 columns per tile; "batches": 2 batches x 256 columns
     ws = l * item * 37 if tiles == "columns" else 2 * l * 256 * item
     inp = C.make_inputs((b, l, d, v), dtype, "rand01", True, seed=10)
