@@ -28,11 +28,15 @@ output and the arg-max, (B, V) int16 (int32 when L > 32768).
 Backward (sparse, deterministic): with ``g' = grad_out · act'(out)`` (1 for relu, 1/(1+m) =
 exp(-out) for log1p_relu, 0 where out = 0), only the active entries (``g' != 0``) are touched:
 
-* ``dW[v] = Σ_b g'[b, v] x[b, l*(b, v)]`` and ``dbias[v] = Σ_b g'[b, v]`` — one block per v, a
-  sequential loop over b;
+* ``dW[v] = Σ_b g'[b, v] x[b, l*(b, v)]`` and ``dbias[v] = Σ_b g'[b, v]`` — a CTA per 16
+  vocabulary rows (2 a warp), a sequential loop over b: the (g', l*) of 16 batches × those rows
+  staged with coalesced loads, then the x rows of the active entries gathered 16 bytes a lane;
 * ``dx[b, l] = Σ_{v : l*(b, v) = l} g'[b, v] W[v]`` — the active v of each batch are grouped by
-  l with a stable counting sort (integer counts, a scan, a warp-ordered placement), then one
-  block per (b, l) sums its list in increasing v.
+  l with a stable counting sort (integer counts, a scan, a warp-ordered placement), then a warp
+  per (b, l) sums its list in increasing v (W rows 16 bytes a lane).
+
+Each gradient element is one sequential sum in a fixed order (b for dW, v for dx), whatever
+the tiling: the same bits as the block-per-v / block-per-(b, l) kernels before them.
 
 No floating-point atomics: the same inputs give the same bits.  Gradients are in the inputs'
 dtypes (a bf16 weight gets a bf16 gradient, accumulated in fp32; no fp32 copy of W).
@@ -64,7 +68,9 @@ _WS_CLUSTER = 2  # SW_CLUSTER: CTAs per cluster, sharing (multicasting) the x lo
 #: SW_SMEM_BYTES: 4 stages x (128 + 256) rows x 64 x 2 bytes + 1 KiB to align the stages (a
 #: GPU test checks it against cpn_spmax_ws_smem)
 _WS_SMEM = 4 * (_WS_BM + _WS_BN) * _WS_BK * 2 + 1024
-_SPL_DK = 4  # SPL_DK in splade.cu: accumulators per thread along D
+_GRAD_NV = 4  # SPL_GRAD_NV in splade.cu: column chunks a lane of the gradient kernels covers
+_DW_TV = 16  # SPL_DW_TV: vocabulary rows a dW CTA covers
+_DX_ROWS = BLOCK // 32  # (b, l) a dx CTA covers: a warp each
 _MAX_SLICES = 8  # SPL_MAX_SLICES: warps of a max block, warp y over the positions l = y mod 8
 _MAX_FILL = 1024  # max blocks per tile wanted (~8 per SM of an H100)
 _MIN_CHUNK = 64  # fewest positions per chunk when the sequence is split across blocks
@@ -252,6 +258,19 @@ def _segments(v: int) -> Tuple[int, int]:
     return seg, -(-v // seg)
 
 
+def _rows_aligned(ptr: int, d: int, stride: int, item: int) -> bool:
+    """Whether rows of ``d`` elements, ``stride`` elements apart from ``ptr``, can be read as
+    16-byte vectors (and the contiguous (.., d) gradient rows written so)."""
+    e = 16 // item
+    return ptr % 16 == 0 and d % e == 0 and stride % e == 0
+
+
+def _grad_chunks(d: int, vec: bool, item: int) -> int:
+    """The gradient kernels' grid along D: 32 lanes x ``_GRAD_NV`` chunks of 16 bytes (vec) or
+    of one element each per CTA."""
+    return max(1, -(-d // (32 * _GRAD_NV * (16 // item if vec else 1))))
+
+
 def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     """``(dx, dweight, dbias)`` from the forward's out and arg-max (see the module notes)."""
     import cupy as cp
@@ -264,14 +283,15 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     g = cp.ascontiguousarray(g.astype(dt, copy=False))
     out = cp.ascontiguousarray(out)  # the kernels index (B, V) arrays as b * V + v
     arg = cp.ascontiguousarray(arg)
-    dchunks = -(-d // (_SPL_DK * BLOCK))
     dw = cp.empty((v, d), dt)
     dbias = cp.empty((v,), dt) if has_bias else None
+    # 16-byte row access where every row the kernel reads or writes is 16-byte aligned
+    vec_x = _rows_aligned(xs.data.ptr, d, 1, dt.itemsize)
     kernels.get_kernel(FILE, f"splade_dw_{tag}", dt)(
-        (v, dchunks), (BLOCK,),
+        (-(-v // _DW_TV), _grad_chunks(d, vec_x, dt.itemsize)), (BLOCK,),
         (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v), np.int32(act),
-         dw, dbias if dbias is not None else 0))
-    # dx: group the active (b, v) by (b, l*) in increasing v, then one block per (b, l)
+         np.int32(vec_x), dw, dbias if dbias is not None else 0))
+    # dx: group the active (b, v) by (b, l*) in increasing v, then a warp per (b, l)
     seg, nseg = _segments(v)
     counts = cp.zeros((b, l, nseg), np.int32)
     scal = (np.int32(v), np.int32(l), np.int32(seg), np.int32(nseg), np.int32(act))
@@ -291,12 +311,14 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
         (nseg, b), (32,), (out, g, arg) + scal + (excl, cursors if glob else 0, lst),
         shared_mem=0 if glob else 4 * l)
     item = dt.itemsize
+    sv, sd = weight.strides[0] // item, weight.strides[1] // item
+    vec_w = sd == 1 and _rows_aligned(weight.data.ptr, d, sv, item)
     dx = cp.empty((b, l, d), dt)
     kernels.get_kernel(FILE, "splade_dx", dt)(
-        (l, b, dchunks), (BLOCK,),
-        (weight, np.int64(weight.strides[0] // item), np.int64(weight.strides[1] // item), out,
-         g, lst, excl, incl, np.int32(v), np.int32(l), np.int32(d), np.int32(nseg),
-         np.int32(act), dx))
+        (-(-(b * l) // _DX_ROWS), _grad_chunks(d, vec_w, item)), (BLOCK,),
+        (weight, np.int64(sv), np.int64(sd), out, g, lst, excl, incl, np.int32(b),
+         np.int32(v), np.int32(l), np.int32(d), np.int32(nseg), np.int32(act),
+         np.int32(vec_w), dx))
     return dx, dw, dbias
 
 

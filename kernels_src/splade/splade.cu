@@ -14,9 +14,6 @@
 #include "include/common.cuh"
 #include "splade/splade_common.cuh"
 
-// accumulators per thread along D in the gradient kernels (a block covers SPL_DK * CPN_BLOCK)
-#define SPL_DK 4
-
 // g' = grad_out * act'(m) from the stored output: 1 (relu) or 1 / (1 + m) = exp(-out)
 // (log1p_relu) where out > 0, 0 where out == 0, NaN where out is NaN.
 template <typename A>
@@ -187,52 +184,124 @@ __device__ __forceinline__ void splade_max_combine_body(
     spl_write<T, I, A>(m, w, isnan, b0 + bl, j, v0, V, act, out, arg);
 }
 
-// dW[v, :] = sum_b g'[b, v] x[b, l*(b, v), :] and dbias[v] = sum_b g'[b, v], in b order.
-// Grid (V, ceil(D / (SPL_DK * CPN_BLOCK))); the block first stages (g', l*) of CPN_BLOCK
-// batches in shared memory, then gathers only the x rows of the active entries.
-template <typename T, typename I>
-__device__ __forceinline__ void splade_dw_body(
+// 16 bytes of T, the gradient kernels' vector access (VEC) where rows are aligned
+template <typename T> struct alignas(16) SplRow16 { T v[16 / sizeof(T)]; };
+
+// Columns a lane of the gradient kernels covers: NV chunks of E consecutive columns, E = 16
+// bytes of T with vector access, else 1; chunk q of lane `lane` starts at (q * 32 + lane) * E.
+#define SPL_GRAD_NV 4
+// gradient row += w * src row over the lane's columns [d0 .. ) (E-wide chunks, NV of them)
+template <typename T, bool VEC, typename A, int E>
+__device__ __forceinline__ void spl_axpy(A (&acc)[SPL_GRAD_NV][E], A w,
+                                         const T* __restrict__ row, i64 sd, int dbase, int D,
+                                         int lane)
+{
+#pragma unroll
+    for (int q = 0; q < SPL_GRAD_NV; ++q) {
+        const int d = dbase + (q * 32 + lane) * E;
+        if (d >= D) continue;
+        if (VEC) {
+            const SplRow16<T> r = *reinterpret_cast<const SplRow16<T>*>(row + d);
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[q][e] += w * Conv<T>::load(r.v[e]);
+        } else {
+            acc[q][0] += w * Conv<T>::load(row[(i64)d * sd]);
+        }
+    }
+}
+
+template <typename T, bool VEC, typename A, int E>
+__device__ __forceinline__ void spl_store_row(const A (&acc)[SPL_GRAD_NV][E], T* __restrict__ dst,
+                                              int dbase, int D, int lane)
+{
+#pragma unroll
+    for (int q = 0; q < SPL_GRAD_NV; ++q) {
+        const int d = dbase + (q * 32 + lane) * E;
+        if (d >= D) continue;
+        if (VEC) {
+            SplRow16<T> r;
+#pragma unroll
+            for (int e = 0; e < E; ++e) r.v[e] = Conv<T>::store(acc[q][e]);
+            *reinterpret_cast<SplRow16<T>*>(dst + d) = r;
+        } else {
+            dst[d] = Conv<T>::store(acc[q][0]);
+        }
+    }
+}
+
+// dW[v, :] = sum_b g'[b, v] x[b, l*(b, v), :] and dbias[v] = sum_b g'[b, v], each in
+// increasing b (the same sums, in the same order, whatever the tiling).
+// CTA: SPL_DW_TV vocabulary rows (SPL_DW_TV / 8 a warp) x 32 E SPL_GRAD_NV columns of D.
+// The (g', l*) of SPL_DW_BC batches x those rows are staged in shared memory by one load per
+// thread, consecutive threads on consecutive v (coalesced: a block per v read each entry
+// alone, a 32-byte sector for 2 bytes); then each warp walks the batches for its rows and
+// gathers only the x rows of the active entries, 16 bytes a lane (VEC) where x's rows allow.
+// Grid (ceil(V / SPL_DW_TV), ceil(D / (32 E SPL_GRAD_NV))), CPN_BLOCK threads.
+#define SPL_DW_TV 16
+#define SPL_DW_BC (CPN_BLOCK / SPL_DW_TV)
+template <typename T, typename I, bool VEC>
+__device__ __forceinline__ void splade_dw_impl(
     const T* __restrict__ x, const T* __restrict__ out, const T* __restrict__ g,
     const I* __restrict__ arg, int B, int L, int D, int V, int act,
     T* __restrict__ dw, T* __restrict__ dbias)
 {
     typedef typename Conv<T>::acc A;
-    __shared__ A sg[CPN_BLOCK];
-    __shared__ int sl[CPN_BLOCK];
-    const int v = blockIdx.x;
-    const int d0 = blockIdx.y * (SPL_DK * CPN_BLOCK) + threadIdx.x;
-    A acc[SPL_DK];
+    enum { E = VEC ? 16 / sizeof(T) : 1, VPW = SPL_DW_TV / (CPN_BLOCK / 32) };
+    __shared__ A sg[SPL_DW_BC][SPL_DW_TV];
+    __shared__ int sl[SPL_DW_BC][SPL_DW_TV];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int v0 = blockIdx.x * SPL_DW_TV;
+    const int dbase = blockIdx.y * (32 * E * SPL_GRAD_NV);
+    A acc[VPW][SPL_GRAD_NV][E];
+    A bsum[VPW];
 #pragma unroll
-    for (int q = 0; q < SPL_DK; ++q) acc[q] = A(0);
-    A bsum = A(0);
-    for (int bb = 0; bb < B; bb += CPN_BLOCK) {
-        const int b = bb + threadIdx.x;
+    for (int r = 0; r < VPW; ++r) {
+        bsum[r] = A(0);
+#pragma unroll
+        for (int q = 0; q < SPL_GRAD_NV; ++q)
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[r][q][e] = A(0);
+    }
+    const int tb = threadIdx.x / SPL_DW_TV, tv = threadIdx.x % SPL_DW_TV;
+    for (int bb = 0; bb < B; bb += SPL_DW_BC) {
+        const int b = bb + tb, v = v0 + tv;
         A gp = A(0);
         int l = 0;
-        if (b < B && !spl_entry(out, g, arg, (i64)b * V + v, L, act, gp, l)) gp = A(0);
+        if (b < B && v < V && !spl_entry(out, g, arg, (i64)b * V + v, L, act, gp, l)) gp = A(0);
         __syncthreads();  // the previous chunk's readers are done
-        sg[threadIdx.x] = gp;
-        sl[threadIdx.x] = l;
+        sg[tb][tv] = gp;
+        sl[tb][tv] = l;
         __syncthreads();
-        const int nb = min(CPN_BLOCK, B - bb);
+        const int nb = min(SPL_DW_BC, B - bb);
         for (int k = 0; k < nb; ++k) {
-            const A w = sg[k];
-            if (w == A(0)) continue;  // inactive (a NaN g' is active and propagates)
-            bsum += w;
-            const T* row = x + ((i64)(bb + k) * L + sl[k]) * D;
 #pragma unroll
-            for (int q = 0; q < SPL_DK; ++q) {
-                const int d = d0 + q * CPN_BLOCK;
-                if (d < D) acc[q] += w * Conv<T>::load(row[d]);
+            for (int r = 0; r < VPW; ++r) {
+                const int j = warp * VPW + r;
+                const A w = sg[k][j];
+                if (w == A(0)) continue;  // inactive (a NaN g' is active and propagates)
+                bsum[r] += w;
+                spl_axpy<T, VEC, A, E>(acc[r], w, x + ((i64)(bb + k) * L + sl[k][j]) * D, 1,
+                                       dbase, D, lane);
             }
         }
     }
 #pragma unroll
-    for (int q = 0; q < SPL_DK; ++q) {
-        const int d = d0 + q * CPN_BLOCK;
-        if (d < D) dw[(i64)v * D + d] = Conv<T>::store(acc[q]);
+    for (int r = 0; r < VPW; ++r) {
+        const int v = v0 + warp * VPW + r;
+        if (v >= V) continue;
+        spl_store_row<T, VEC, A, E>(acc[r], dw + (i64)v * D, dbase, D, lane);
+        if (dbias && blockIdx.y == 0 && lane == 0) dbias[v] = Conv<T>::store(bsum[r]);
     }
-    if (dbias && blockIdx.y == 0 && threadIdx.x == 0) dbias[v] = Conv<T>::store(bsum);
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void splade_dw_body(
+    const T* __restrict__ x, const T* __restrict__ out, const T* __restrict__ g,
+    const I* __restrict__ arg, int B, int L, int D, int V, int act, int vec,
+    T* __restrict__ dw, T* __restrict__ dbias)
+{
+    if (vec) splade_dw_impl<T, I, true>(x, out, g, arg, B, L, D, V, act, dw, dbias);
+    else splade_dw_impl<T, I, false>(x, out, g, arg, B, L, D, V, act, dw, dbias);
 }
 
 // dx grouping, pass 1: counts[b, l, s] = number of active v of segment s of batch b whose
@@ -309,50 +378,59 @@ __device__ __forceinline__ void splade_place_body(
 
 // dx[b, l, :] = sum over the active v with l*(b, v) = l, in increasing v, of g'[b, v] W[v, :].
 // W is (V, D) with element strides (sv, sd): a row-major matrix or the transpose of one.
-// Grid (L, B, ceil(D / (SPL_DK * CPN_BLOCK))); every (b, l) is written (zeros when empty).
+// A warp per (b, l) (8 consecutive positions a CTA) and 32 E SPL_GRAD_NV columns of D: the
+// lanes read 32 entries of the (b, l) run of the list at once (its v and g'), then the warp
+// adds their W rows in list order, 16 bytes a lane (VEC: sd == 1, aligned rows).  No block
+// barrier.  Grid (ceil(B L / 8), ceil(D / (32 E SPL_GRAD_NV))), CPN_BLOCK threads; every
+// (b, l) is written (zeros when its run is empty).
+template <typename T, bool VEC>
+__device__ __forceinline__ void splade_dx_impl(
+    const T* __restrict__ W, i64 sv, i64 sd, const T* __restrict__ out,
+    const T* __restrict__ g, const int* __restrict__ list, const int* __restrict__ excl,
+    const int* __restrict__ incl, int B, int V, int L, int D, int nseg, int act,
+    T* __restrict__ dx)
+{
+    typedef typename Conv<T>::acc A;
+    enum { E = VEC ? 16 / sizeof(T) : 1 };
+    const int lane = threadIdx.x & 31;
+    const i64 bl = (i64)blockIdx.x * (CPN_BLOCK / 32) + (threadIdx.x >> 5);
+    if (bl >= (i64)B * L) return;  // (uniform over the warp)
+    const i64 b = bl / L;
+    const int dbase = blockIdx.y * (32 * E * SPL_GRAD_NV);
+    const int start = excl[bl * nseg];
+    const int end = incl[bl * nseg + nseg - 1];
+    A acc[SPL_GRAD_NV][E];
+#pragma unroll
+    for (int q = 0; q < SPL_GRAD_NV; ++q)
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[q][e] = A(0);
+    for (int e0 = start; e0 < end; e0 += 32) {
+        int vl = 0;
+        A wl = A(0);
+        if (e0 + lane < end) {
+            vl = list[b * V + e0 + lane];
+            const i64 o = b * V + vl;
+            wl = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act);
+        }
+        const int n = min(32, end - e0);
+        for (int k = 0; k < n; ++k) {
+            const int v = __shfl_sync(0xffffffffu, vl, k);
+            const A w = __shfl_sync(0xffffffffu, wl, k);
+            spl_axpy<T, VEC, A, E>(acc, w, W + (i64)v * sv, sd, dbase, D, lane);
+        }
+    }
+    spl_store_row<T, VEC, A, E>(acc, dx + bl * D, dbase, D, lane);
+}
+
 template <typename T>
 __device__ __forceinline__ void splade_dx_body(
     const T* __restrict__ W, i64 sv, i64 sd, const T* __restrict__ out,
     const T* __restrict__ g, const int* __restrict__ list, const int* __restrict__ excl,
-    const int* __restrict__ incl, int V, int L, int D, int nseg, int act, T* __restrict__ dx)
+    const int* __restrict__ incl, int B, int V, int L, int D, int nseg, int act, int vec,
+    T* __restrict__ dx)
 {
-    typedef typename Conv<T>::acc A;
-    __shared__ int sv_[CPN_BLOCK];
-    __shared__ A sw_[CPN_BLOCK];
-    const int l = blockIdx.x, b = blockIdx.y;
-    const int d0 = blockIdx.z * (SPL_DK * CPN_BLOCK) + threadIdx.x;
-    const i64 bl = (i64)b * L + l;
-    const int start = excl[bl * nseg];
-    const int end = incl[bl * nseg + nseg - 1];
-    A acc[SPL_DK];
-#pragma unroll
-    for (int q = 0; q < SPL_DK; ++q) acc[q] = A(0);
-    for (int e0 = start; e0 < end; e0 += CPN_BLOCK) {
-        const int e = e0 + threadIdx.x;
-        __syncthreads();
-        if (e < end) {
-            const int v = list[(i64)b * V + e];
-            const i64 o = (i64)b * V + v;
-            sv_[threadIdx.x] = v;
-            sw_[threadIdx.x] = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act);
-        }
-        __syncthreads();
-        const int n = min(CPN_BLOCK, end - e0);
-        for (int k = 0; k < n; ++k) {
-            const A w = sw_[k];
-            const T* row = W + (i64)sv_[k] * sv;
-#pragma unroll
-            for (int q = 0; q < SPL_DK; ++q) {
-                const int d = d0 + q * CPN_BLOCK;
-                if (d < D) acc[q] += w * Conv<T>::load(row[(i64)d * sd]);
-            }
-        }
-    }
-#pragma unroll
-    for (int q = 0; q < SPL_DK; ++q) {
-        const int d = d0 + q * CPN_BLOCK;
-        if (d < D) dx[bl * D + d] = Conv<T>::store(acc[q]);
-    }
+    if (vec) splade_dx_impl<T, true>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, dx);
+    else splade_dx_impl<T, false>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, dx);
 }
 
 // dx grouping, between the passes: per batch row b, the inclusive and exclusive prefix sums
@@ -408,7 +486,7 @@ cpn_splade_scan(const int* __restrict__ counts, int n, int* __restrict__ incl,
 #define SPL_COMBINE_ARGS(T, I) const Conv<T>::acc* pv, const int* pa, const unsigned char* pn,  \
     int nz, int nb, int vt, int b0, int v0, int V, int act, T* out, I* arg
 #define SPL_DW_ARGS(T, I) const T* x, const T* out, const T* g, const I* arg, int B, int L,       \
-    int D, int V, int act, T* dw, T* dbias
+    int D, int V, int act, int vec, T* dw, T* dbias
 #define SPL_COUNT_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
     int nseg, int act, int global, int* counts
 #define SPL_PLACE_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
@@ -430,10 +508,10 @@ cpn_splade_max_combine_i32_##SUF(SPL_COMBINE_ARGS(T, int))                      
 { splade_max_combine_body<T, int>(pv, pa, pn, nz, nb, vt, b0, v0, V, act, out, arg); }  \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_dw_i16_##SUF(SPL_DW_ARGS(T, short))                                               \
-{ splade_dw_body<T, short>(x, out, g, arg, B, L, D, V, act, dw, dbias); }                    \
+{ splade_dw_body<T, short>(x, out, g, arg, B, L, D, V, act, vec, dw, dbias); }                    \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_dw_i32_##SUF(SPL_DW_ARGS(T, int))                                                 \
-{ splade_dw_body<T, int>(x, out, g, arg, B, L, D, V, act, dw, dbias); }                      \
+{ splade_dw_body<T, int>(x, out, g, arg, B, L, D, V, act, vec, dw, dbias); }                      \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_count_i16_##SUF(SPL_COUNT_ARGS(T, short))                                         \
 { splade_count_body<T, short>(out, g, arg, V, L, seg, nseg, act, global, counts); }                  \
@@ -448,8 +526,9 @@ cpn_splade_place_i32_##SUF(SPL_PLACE_ARGS(T, int))                              
 { splade_place_body<T, int>(out, g, arg, V, L, seg, nseg, act, offsets, gcur, list); }             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_dx_##SUF(const T* W, i64 sv, i64 sd, const T* out, const T* g, const int* list,  \
-    const int* excl, const int* incl, int V, int L, int D, int nseg, int act, T* dx)        \
-{ splade_dx_body<T>(W, sv, sd, out, g, list, excl, incl, V, L, D, nseg, act, dx); }
+    const int* excl, const int* incl, int B, int V, int L, int D, int nseg, int act,        \
+    int vec, T* dx)                                                                          \
+{ splade_dx_body<T>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, vec, dx); }
 
 SPL_DEFINE(f16, f16_t)
 SPL_DEFINE(bf16, bf16_t)

@@ -231,6 +231,37 @@ def test_transposed_weight_view_is_not_copied():
     assert grown < w_dv.nbytes // 2, f"the forward allocated {grown} B (weight: {w_dv.nbytes} B)"
 
 
+@pytest.mark.parametrize("d", [1032, 1030, 516], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_kernels_row_access(dtype, d, forward_path):
+    """The gradient kernels' column chunks (32 lanes x 4 chunks of 16 bytes, or of one element
+    where rows are not 16-byte aligned) and vocabulary tiles (16 rows a CTA): D over one chunk
+    (several CTAs along D), D not a multiple of 16 bytes (the scalar access), V not a multiple
+    of 16; then the backward from the same (out, arg-max) with x and W one element past a
+    16-byte boundary (the scalar access): the same bits as the aligned call, each gradient
+    element being one sum in a fixed order either way."""
+    inp = C.make_inputs((3, 9, d, 37), dtype, "bool", True, seed=23, bias_shift=0.3)
+    for act in ACTIVATIONS:
+        r0 = run(inp, act)
+        C.check_against_reference(inp, act, *r0, case=f"D={d}")
+    if forward_path != "cublas":
+        return  # (the backward below does not depend on the forward's path)
+    item = np.dtype(dtype).itemsize
+    shift = max(1, 2 // item)  # (an element past an aligned start: 2, 4 or 8 bytes)
+    xb = cp.zeros(inp["x"].size + shift, dtype)
+    wb = cp.zeros(inp["weight"].size + shift, dtype)
+    xs = xb[shift:].reshape(inp["x"].shape)
+    ws = wb[shift:].reshape(inp["weight"].shape)
+    xs[...] = cp.asarray(inp["x"])
+    ws[...] = cp.asarray(inp["weight"])
+    assert xs.data.ptr % 16 and ws.data.ptr % 16
+    out, am, grads = run(inp, "log1p_relu")
+    again = cupynce.splade_pool_backward_from_stats(
+        xs, ws, out, am, cp.asarray(inp["grad_out"]), bias=cp.asarray(inp["bias"]),
+        activation="log1p_relu")
+    assert_bitwise((out, am, grads), (out, am, again), "misaligned x / W")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_noncontiguous_x_and_mask(dtype):
     inp = C.make_inputs((3, 6, 10, 301), dtype, "bool", True, seed=7)
