@@ -19,6 +19,11 @@ Implementations (each computes out and the gradients of x, W and bias):
                  log1p(relu)`` (the masked LM decoder's logits, rounded after the bias),
                  gradients with ``torch.autograd.grad`` (same bits, through DLPack).
 ``compile``      ``torch.compile`` of the same function (compile time outside the timing).
+``sparton``      Sparton's ``SpartonHead`` (Nguyen et al. 2026, its public Triton kernels), when
+                 the ``sparton`` package is installed: the head tied to an ``nn.Linear``
+                 decoder holding W and the bias, ``head(x, mask)`` (SPLADE's log1p(relu)
+                 max-pool), gradients with ``torch.autograd.grad``; "not installed" otherwise
+                 (it is not on PyPI: install it from its repository to compare).
 ``gemm``         the single forward GEMM (B·L × D by D × V) alone, torch ``x2d @ W.T`` into a
                  preallocated bf16 output: the yardstick of the issue's 1.6× / 1.3× targets.
 
@@ -84,6 +89,27 @@ def torch_step(torch, fn, x, w, bias, mask, g):
     return step
 
 
+def sparton_step(torch, x, w, bias, mask, g):
+    """A training step of Sparton's head on (x, W, bias), through its documented API only
+    (``SpartonHead(V, D, use_bias=True)``, ``tie_weights(decoder)``, ``head(hidden,
+    attention_mask)``); ImportError when the package is not installed."""
+    from sparton import SpartonHead  # optional peer, never vendored
+
+    v, d = w.shape
+    dec = torch.nn.Linear(d, v, bias=True, device=x.device, dtype=x.dtype)
+    with torch.no_grad():
+        dec.weight.copy_(w)
+        dec.bias.copy_(bias)
+    head = SpartonHead(v, d, use_bias=True).to(device=x.device, dtype=x.dtype)
+    head.tie_weights(dec)
+    params = (x, dec.weight, dec.bias)
+
+    def step():
+        out = head(x, mask)
+        return torch.autograd.grad(out, params, g)
+    return step
+
+
 def run_one(shape, density, args, torch) -> Dict[str, Any]:
     import cupy as cp
 
@@ -125,6 +151,12 @@ def run_one(shape, density, args, torch) -> Dict[str, Any]:
         for impl in args.impls:
             if impl == "eager":
                 step = torch_step(torch, fn, tx, tw, tb, tm, tg)
+            elif impl == "sparton":
+                try:
+                    step = sparton_step(torch, tx, tw.detach(), tb.detach(), tm, tg)
+                except ImportError:
+                    rec[impl] = {"error": "not installed"}
+                    continue
             else:
                 torch._dynamo.reset()
                 step = torch_step(torch, torch.compile(fn, dynamic=False), tx, tw, tb, tm, tg)
@@ -159,6 +191,9 @@ def table(records: List[Dict[str, Any]]) -> str:
     rows = []
     for r in records:
         ours, gemm, eager, comp = (_ms(r.get(k)) for k in ("cupynce", "gemm", "eager", "compile"))
+        spr = r.get("sparton") or {}
+        sparton = (spr["error"] if "error" in spr and spr["error"]
+                   else f"{fmt_ms(_ms(spr))}, {fmt_mib(spr.get('peak_extra_bytes'))}")
         mem = r.get("cupynce", {}).get("peak_extra_bytes")
         emem = (r.get("eager") or {}).get("peak_extra_bytes")
         cmem = (r.get("compile") or {}).get("peak_extra_bytes")
@@ -166,13 +201,14 @@ def table(records: List[Dict[str, Any]]) -> str:
             f"{r['B']}, {r['L']}, {r['D']}, {r['V']}", f"{100 * r['density']:.1f}%",
             f"{fmt_ms(ours)} ({fmt_ms(_ms(r.get('cupynce_fwd')))} + {fmt_ms(_ms(r.get('cupynce_bwd')))})",
             fmt_mib(mem), f"{fmt_ms(eager)}, {fmt_mib(emem)}", f"{fmt_ms(comp)}, {fmt_mib(cmem)}",
-            fmt_ms(gemm),
+            sparton, fmt_ms(gemm),
             fmt_ratio(ours / gemm if ours and gemm else None),
             fmt_ratio(eager / ours if ours and eager else None),
             fmt_ratio(mem / emem if mem is not None and emem else None).replace("×", ""),
         ])
     return markdown_table(["B, L, D, V", "density", "cupynce ms (fwd + bwd)", "MiB",
-                           "eager ms, MiB", "compile ms, MiB", "GEMM ms", "cupynce / GEMM",
+                           "eager ms, MiB", "compile ms, MiB", "sparton ms, MiB", "GEMM ms",
+                           "cupynce / GEMM",
                            "eager / cupynce", "memory / eager"], rows)
 
 
@@ -180,7 +216,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the first shape only")
     p.add_argument("--out", type=Path, default=None, help="write every measurement as JSON")
-    p.add_argument("--impls", nargs="*", default=["eager", "compile"], choices=["eager", "compile"])
+    p.add_argument("--impls", nargs="*", default=["eager", "compile", "sparton"],
+                   choices=["eager", "compile", "sparton"])
     p.add_argument("--shapes", type=int, nargs="*", default=None,
                    help="indices into SHAPES (default: all; --quick: the first)")
     p.add_argument("--workspace-mib", type=int, default=None,
