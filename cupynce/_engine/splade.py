@@ -286,7 +286,7 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     dw = cp.empty((v, d), dt)
     dbias = cp.empty((v,), dt) if has_bias else None
     # 16-byte row access where every row the kernel reads or writes is 16-byte aligned
-    vec_x = _rows_aligned(xs.data.ptr, d, 1, dt.itemsize)
+    vec_x = _rows_aligned(xs.data.ptr, d, d, dt.itemsize)  # (contiguous: rows d apart)
     kernels.get_kernel(FILE, f"splade_dw_{tag}", dt)(
         (-(-v // _DW_TV), _grad_chunks(d, vec_x, dt.itemsize)), (BLOCK,),
         (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v), np.int32(act),

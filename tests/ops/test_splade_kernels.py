@@ -233,17 +233,25 @@ def test_transposed_weight_view_is_not_copied():
 
 @pytest.mark.parametrize("d", [1032, 1030, 516], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gradient_kernels_row_access(dtype, d, forward_path):
+def test_gradient_kernels_row_access(dtype, d, forward_path, monkeypatch):
     """The gradient kernels' column chunks (32 lanes x 4 chunks of 16 bytes, or of one element
     where rows are not 16-byte aligned) and vocabulary tiles (16 rows a CTA): D over one chunk
     (several CTAs along D), D not a multiple of 16 bytes (the scalar access), V not a multiple
     of 16; then the backward from the same (out, arg-max) with x and W one element past a
     16-byte boundary (the scalar access): the same bits as the aligned call, each gradient
     element being one sum in a fixed order either way."""
+    from cupynce._engine import splade
+
+    seen = []
+    real = splade._rows_aligned
+    monkeypatch.setattr(splade, "_rows_aligned", lambda *a: seen.append(real(*a)) or seen[-1])
     inp = C.make_inputs((3, 9, d, 37), dtype, "bool", True, seed=23, bias_shift=0.3)
     for act in ACTIVATIONS:
         r0 = run(inp, act)
         C.check_against_reference(inp, act, *r0, case=f"D={d}")
+    # x's rows (dW), then W's (dx): 16-byte access exactly where D fills whole 16-byte chunks
+    whole = d * np.dtype(dtype).itemsize % 16 == 0
+    assert seen[-2:] == [whole, whole], seen
     if forward_path != "cublas":
         return  # (the backward below does not depend on the forward's path)
     item = np.dtype(dtype).itemsize
@@ -259,6 +267,7 @@ def test_gradient_kernels_row_access(dtype, d, forward_path):
     again = cupynce.splade_pool_backward_from_stats(
         xs, ws, out, am, cp.asarray(inp["grad_out"]), bias=cp.asarray(inp["bias"]),
         activation="log1p_relu")
+    assert seen[-2:] == [False, False], seen
     assert_bitwise((out, am, grads), (out, am, again), "misaligned x / W")
 
 
