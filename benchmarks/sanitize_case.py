@@ -20,7 +20,10 @@ SigLIP and InfoNCE's float32 products on those tiles: the interleaved consumers,
 transposed product mmt, the accumulating product, split_t; and CLIP's row_col_stats /
 clip_grad in float32 and float64, 16-byte and scalar paths) or "f16x3" (the F16x3 tiles'
 splits and products, tiles_ws_f16x3.cu, then CLIP under "auto" on them; "f16x3clip": that
-CLIP alone).  racecheck exits with code 9 and no
+CLIP alone) or "splade" (SPLADE's three forward paths with a bias -- the wgmma kernel, the
+MODE_SPMAX tiles, the cuBLAS tiles with a workspace small enough to split the sequence over
+blocks --, its backward with the 16-byte and the element-wise row access, a transposed weight;
+and the row normalisation with 1 to 8 warps a row, overflowing rows mixed in).  racecheck exits with code 9 and no
 report partway through the "blocks" half (after ~350 instrumented launches; each of its kernels
 is clean alone, docs/decisions.md): run racecheck on "tiles", memcheck on everything.
 """
@@ -71,6 +74,28 @@ if part in ("all", "blocks"):
     l, c = cupynce.clip_loss_forward(af, bf32, 2.0, workspace_bytes=40000); cupynce.clip_loss_backward(c, 1.0)
     l, c = cupynce.nt_xent_forward(af, 0.1, workspace_bytes=40000); cupynce.nt_xent_backward(c, 1.0)
     l, c = cupynce.info_nce_forward(a, bb, 0.1, workspace_bytes=1 << 20); cupynce.info_nce_backward(c, 1.0)
+if part in ("all", "splade"):
+    from cupynce._engine import arrays
+    for dt in (np.float32, bf):  # the normalisation: wpr = 4, 4, 8, 1
+        for n, d in ((3, 8192), (9, 4099), (2, 32768), (5, 300)):
+            xr = rng.standard_normal((n, d)).astype(np.float32)
+            xr[::2] *= 1e20  # (the overflow rescaling beside rows without it)
+            xc = cp.asarray(xr.astype(dt))
+            xn, nrm = arrays.normalize(xc)
+            arrays.finish(xc, nrm, cp.asarray(rng.standard_normal((n, d)).astype(np.float32)), None)
+    x = cp.asarray(rng.standard_normal((2, 200, 72)).astype(bf))
+    w = cp.asarray(rng.standard_normal((300, 72)).astype(bf))
+    b = cp.asarray(rng.standard_normal(300).astype(bf))
+    m = cp.asarray(rng.random((2, 200)) > 0.3)
+    for tiles, ws_kernel in ((True, True), (True, False), (False, False)):
+        with config.override(tiles=tiles, splade_ws=ws_kernel):
+            for ws_bytes in (None, 200 * 4 * 40):
+                o, ctx = cupynce.splade_pool_forward(x, w, b, m, workspace_bytes=ws_bytes)
+                cupynce.splade_pool_backward(ctx, cp.ones_like(o))
+    x5 = cp.asarray(rng.standard_normal((2, 30, 70)).astype(bf))  # D = 70: element-wise rows
+    w5 = cp.asarray(rng.standard_normal((70, 130)).astype(bf)).T  # transposed (130, 70) view
+    o, ctx = cupynce.splade_pool_forward(x5, w5)
+    cupynce.splade_pool_backward(ctx, cp.ones_like(o))
 if part in ("all", "siglip", "siglip1"):
     # SigLIP's row-block kernel (siglip_rows): one block, then several (small workspace), bf16
     # and float32, scale / bias as device arrays and as floats, the fused and the

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU test suite, compute-sanitizer and the SPLADE / variants benchmarks on one GPU, on the
+# checkout (PYTHONPATH, CUPYNCE_TEST_CHECKOUT=1), e.g. on a lent machine with no network:
+#
+#   bash benchmarks/run_gpu.sh suite1     # tests/ops, engine, distributed (~8 min on an H200)
+#   bash benchmarks/run_gpu.sh suite2     # tests/torch, integrations, packaging, report (~4 min)
+#   bash benchmarks/run_gpu.sh sanitize   # memcheck + racecheck over benchmarks/sanitize_case.py
+#   bash benchmarks/run_gpu.sh splade     # the SPLADE GPU tests, bench_splade --quick (fused
+#                                         # and cuBLAS paths), bench_splade_argmax
+#   bash benchmarks/run_gpu.sh variants   # bench_variants (SupCon, MoCo, CLIP with labels)
+#
+# Several modes run in turn: bash benchmarks/run_gpu.sh suite1 sanitize.  The comparison
+# libraries the integration tests import (open_clip_torch, lightly, pytorch-metric-learning,
+# sentence-transformers at the test extra's versions) are taken from wheels in ./.whl when
+# present (pip download ... -d .whl on a machine with a network), installed to /tmp/site.
+# Logs go to $OUT (default ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    >"$OUT/wheels.log" 2>&1 || echo "wheels: install failed (see $OUT/wheels.log)"
+  SITE=/tmp/site
+fi
+export PYTHONPATH="$PWD${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}" CUPYNCE_TEST_CHECKOUT=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+pytest() { python -m pytest -p no:cacheprovider -q -n 16 --maxprocesses=16 "$@"; }
+
+for mode in "${@:-suite1}"; do
+  echo "=== $mode $(date -u +%FT%TZ)"
+  case $mode in
+  suite1) pytest tests/ops tests/engine tests/distributed 2>&1 | tee "$OUT/suite1.log" | tail -15 ;;
+  suite2) pytest tests/torch tests/integrations tests/packaging tests/report 2>&1 \
+            | tee "$OUT/suite2.log" | tail -15 ;;
+  sanitize)
+    # racecheck on the tile kernels only: it stops partway through the "blocks" half
+    # (docs/decisions.md); memcheck on everything
+    for args in "memcheck wg" "memcheck ws" "memcheck mma" "racecheck wg tiles" \
+                "racecheck mma tiles" "racecheck ws ws" "racecheck wg splade"; do
+      set -- $args
+      log="$OUT/san_$1_$2_${3:-all}.log"
+      compute-sanitizer --tool "$1" python benchmarks/sanitize_case.py "$2" ${3:-} >"$log" 2>&1
+      echo "$args: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+    done ;;
+  splade)
+    pytest tests/ops/test_splade.py tests/ops/test_splade_fused.py tests/ops/test_splade_kernels.py \
+      tests/torch/test_torch_splade.py 2>&1 | tee "$OUT/splade_tests.log" | tail -5
+    python benchmarks/bench_splade.py --quick --out "$OUT/splade.json" 2>&1 | tail -8
+    CUPYNCE_TILES=0 python benchmarks/bench_splade.py --quick --impls --out "$OUT/splade_cublas.json" \
+      2>&1 | tail -6
+    python benchmarks/bench_splade_argmax.py --out "$OUT/argmax" 2>&1 | tail -6 ;;
+  variants) python benchmarks/bench_variants.py --repeat 5 --moco --clip --out "$OUT/variants" \
+              2>&1 | tail -20 ;;
+  *) echo "unknown mode: $mode" ;;
+  esac
+done
