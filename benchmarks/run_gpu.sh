@@ -8,6 +8,8 @@
 #   bash benchmarks/run_gpu.sh splade     # the SPLADE GPU tests, bench_splade --quick (fused
 #                                         # and cuBLAS paths), bench_splade_argmax
 #   bash benchmarks/run_gpu.sh variants   # bench_variants (SupCon, MoCo, CLIP with labels)
+#   bash benchmarks/run_gpu.sh sparse     # bench_sparse_encoder: a SparseEncoder's training
+#                                         # step, library vs cupynce, uncached and cached
 #
 # Several modes run in turn: bash benchmarks/run_gpu.sh suite1 sanitize.  The comparison
 # libraries the integration tests import (open_clip_torch, lightly, pytorch-metric-learning,
@@ -51,6 +53,7 @@ for mode in "${@:-suite1}"; do
     CUPYNCE_TILES=0 python benchmarks/bench_splade.py --quick --impls --out "$OUT/splade_cublas.json" \
       2>&1 | tail -6
     python benchmarks/bench_splade_argmax.py --out "$OUT/argmax" 2>&1 | tail -6 ;;
+  sparse) python benchmarks/bench_sparse_encoder.py --out "$OUT" 2>&1 | tail -12 ;;
   variants) python benchmarks/bench_variants.py --repeat 5 --moco --clip --out "$OUT/variants" \
               2>&1 | tail -20 ;;
   *) echo "unknown mode: $mode" ;;
