@@ -11,7 +11,12 @@ adapts ``torch.distributed``; the tests adapt an in-process emulation of P ranks
 * ``reduce_scatter(x)`` for x (P, *s) → (*s): the sum over the ranks of their x[rank];
 * ``exchange(ints)`` → every rank's list of Python ints (the host-side agreement check that
   comes before any other collective, so that bad input raises on every rank, never a hang);
-* ``problem(arrays)``: this rank's reason the engine cannot carry these arrays, or None.
+* ``problem(arrays)``: this rank's reason the engine cannot carry these arrays, or None;
+* ``ring_shift(x)`` → a :class:`Pending`: x starts towards rank + 1 (mod P) while rank − 1's
+  array of x's shape and dtype comes in; ``wait()`` gives it.  What the caller issues between
+  the two overlaps the transfer -- the point-to-point step of the ring schedules, which
+  compute on one column chunk while the next travels.  Only where ``ring`` is True; a
+  communicator without it keeps the all-gather schedules.
 
 Every collective is issued on the current CuPy stream (device arrays) and is deterministic
 for a fixed world size: NCCL's and gloo's reductions add in a fixed order for a given
@@ -19,7 +24,22 @@ topology, and every rank receives the same bits.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
+
+
+class Pending:
+    """An array on its way (:meth:`Comm.ring_shift`): ``wait()`` returns it, ordered before
+    the caller's later work (on the current stream for device arrays: a stream wait, not a
+    host one).  ``wait`` releases what the transfer held; call it once."""
+
+    def __init__(self, out, finish: Optional[Callable[[], None]] = None):
+        self.out, self._finish = out, finish
+
+    def wait(self):
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return self.out
 
 
 class Comm:
@@ -27,6 +47,11 @@ class Comm:
 
     rank: int = 0
     size: int = 1
+    #: whether :meth:`ring_shift` is implemented (the ring schedules need it)
+    ring: bool = False
+
+    def ring_shift(self, x) -> Pending:
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point ring_shift")
 
     def all_gather(self, x):
         raise NotImplementedError
@@ -59,10 +84,13 @@ class NcclComm(Comm):
     float32 / float64 accumulators and int64 metadata only.
     """
 
+    ring = True
+
     def __init__(self, comm):
         self.comm = comm
         self.rank = int(comm.rank_id())
         self.size = int(comm.size())
+        self._side = None  # the ring's stream (made at the first shift, on the comm's GPU)
 
     def _stream(self) -> int:
         import cupy
@@ -103,6 +131,37 @@ class NcclComm(Comm):
         self.comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, self._type(x.dtype),
                                 _nccl().NCCL_SUM, self._stream())
         return out
+
+    def ring_shift(self, x) -> Pending:
+        """NCCL send to rank + 1 and receive from rank − 1 (one group) on a side stream that
+        waits for x: the current stream runs on meanwhile and waits for the received array at
+        ``wait()``.  x and the received buffer come from the current stream's pool and are
+        held until then, so neither is reused while the side stream reads or writes it."""
+        import cupy
+
+        nccl = _nccl()
+        x = cupy.ascontiguousarray(x)
+        out = cupy.empty_like(x)
+        if self.size == 1:
+            out[...] = x
+            return Pending(out)
+        if self._side is None:
+            self._side = cupy.cuda.Stream(non_blocking=True)
+        cur, side = cupy.cuda.get_current_stream(), self._side
+        side.wait_event(cur.record())
+        nccl.groupStart()
+        self.comm.send(x.data.ptr, x.nbytes, nccl.NCCL_UINT8, (self.rank + 1) % self.size,
+                       side.ptr)
+        self.comm.recv(out.data.ptr, out.nbytes, nccl.NCCL_UINT8, (self.rank - 1) % self.size,
+                       side.ptr)
+        nccl.groupEnd()
+        done = side.record()
+        held = [x]
+
+        def finish():
+            cupy.cuda.get_current_stream().wait_event(done)
+            held.clear()  # (the current stream's later frees come after the transfer)
+        return Pending(out, finish)
 
     def exchange(self, ints: Sequence[int]) -> List[List[int]]:
         import cupy

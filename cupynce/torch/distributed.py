@@ -48,7 +48,7 @@ from ..ops import nt_xent as nt_xent_op
 from ..ops import nt_xent_pairs as pairs_op
 from ..ops import siglip as siglip_op
 from ..ops import supcon as supcon_op
-from ..ops._comm import Comm
+from ..ops._comm import Comm, Pending
 from . import _bridge as B
 from . import _registry as R
 
@@ -116,6 +116,30 @@ class TorchComm(Comm):
     def reduce_scatter(self, x):
         t = B.tensor_of(_xp(x).ascontiguousarray(x))
         return B.array_of(reduce_scatter_rows(t, self.group, self.rank, self.size))
+
+    ring = True
+
+    def ring_shift(self, x):
+        """``batch_isend_irecv`` of x to rank + 1 and from rank − 1 (the group's global ranks):
+        NCCL runs it on its own stream, which ``wait()`` makes torch's current stream wait
+        for; gloo's transfer runs on its threads and ``wait()`` blocks until it is done."""
+        t = B.tensor_of(_xp(x).ascontiguousarray(x))
+        out = torch.empty_like(t)
+        if self.size == 1:
+            out.copy_(t)
+            return Pending(B.array_of(out))
+        peer = (lambda r: r) if self.group is None else \
+            (lambda r: dist.get_global_rank(self.group, r))
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, t, peer((self.rank + 1) % self.size), group=self.group),
+            dist.P2POp(dist.irecv, out, peer((self.rank - 1) % self.size), group=self.group)])
+        held = [t]
+
+        def finish():
+            for w in works:
+                w.wait()
+            held.clear()
+        return Pending(B.array_of(out), finish)
 
     def exchange(self, ints):
         mine = torch.tensor(list(ints), dtype=torch.int64, device=self.device)

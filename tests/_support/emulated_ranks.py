@@ -16,7 +16,7 @@ from typing import Any, Callable, List
 
 import numpy as np
 
-from cupynce.ops._comm import Comm
+from cupynce.ops._comm import Comm, Pending
 
 TIMEOUT_S = 120.0
 
@@ -117,6 +117,19 @@ class EmulatedComm(Comm):
         self._sync(out)
         self._done()
         return out
+
+    ring = True
+
+    def ring_shift(self, x):
+        """Rank − 1's array (a rendezvous now; ``wait()`` hands it over)."""
+        xp = _xp(x)
+        posts = self._rendezvous("ring_shift", xp.ascontiguousarray(x))
+        got = posts[(self.rank - 1) % self.size]
+        assert got.shape == x.shape and got.dtype == x.dtype, (got.shape, x.shape)
+        out = got.copy()
+        self._sync(out)
+        self._done()
+        return Pending(out)
 
     def exchange(self, ints):
         posts = self._rendezvous("exchange", [int(v) for v in ints])

@@ -158,6 +158,31 @@ def _check_supcon(xp, dtype, P, n, d, reduction, normalize, device=None, ws=None
         assert len({float(_host(x[0])) for x in out}) == 1
 
 
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_ring_shift_emulated(P):
+    """The test communicator's ring_shift (what the ring schedules run on in these tests): k
+    shifts bring rank (rank - k) mod P's array, P shifts every array home."""
+    def body(comm):
+        cur = np.full((3, 2), comm.rank, np.int64)
+        seen = []
+        for _ in range(P):
+            cur = comm.ring_shift(cur).wait()
+            seen.append(int(cur[0, 0]))
+        return seen
+    for rank, seen in enumerate(run(P, body)):
+        assert seen == [(rank - k) % P for k in range(1, P + 1)]
+
+
+def test_a_communicator_without_the_ring_says_so():
+    """The interface's default: ring False, ring_shift raising (the schedules then keep the
+    all-gathers)."""
+    from cupynce.ops._comm import Comm
+
+    assert Comm.ring is False
+    with pytest.raises(NotImplementedError, match="ring_shift"):
+        Comm().ring_shift(np.zeros(2))
+
+
 @pytest.mark.parametrize("P", [1, 2, 3])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("learnable", [False, True])

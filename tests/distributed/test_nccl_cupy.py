@@ -74,7 +74,29 @@ def _run(op, arrays, group):
     return loss, list(cupynce.clip_loss_backward(ctx, 0.7))
 
 
+def _check_ring_shift(rank: int, P: int, comm) -> None:
+    """NcclComm.ring_shift: after k shifts (each with work on the current stream between its
+    start and its wait) the rank holds rank (rank - k) mod P's array, bit for bit."""
+    import ml_dtypes
+
+    from cupynce.ops._comm import wrap
+
+    ring = wrap(comm)
+    assert ring.ring
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.int64):
+        def of(r):
+            return (np.arange(4096).reshape(64, 64) * 7 + 100 * r).astype(dtype)
+        cur = cp.asarray(of(rank))
+        for k in range(1, P + 1):
+            pending = ring.ring_shift(cur)
+            busy = cp.ones((2048, 2048), cp.float32) @ cp.ones((2048, 2048), cp.float32)
+            cur = pending.wait()
+            assert (cur.get().view(np.uint8) == of((rank - k) % P).view(np.uint8)).all(), (dtype, k)
+            del busy
+
+
 def _check_rank(rank: int, P: int, comm) -> None:
+    _check_ring_shift(rank, P, comm)
     for op, whole, local, rows in _cases(rank, P):
         loss, grads = _run(op, local, comm)
         want, wgrads = _run(op, whole, None)

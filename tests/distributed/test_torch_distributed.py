@@ -353,6 +353,29 @@ def check_precision_reaches_every_product(rank, P):
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def check_ring_shift(rank, P):
+    """TorchComm.ring_shift: after k shifts (each started, work issued, then waited) a rank
+    holds rank (rank - k) mod P's array, bit for bit, for float, bfloat16 and integer arrays;
+    P shifts bring every array home."""
+    from cupynce.torch.distributed import TorchComm
+    from cupynce.torch import _bridge as Bridge
+
+    comm = TorchComm(dist.group.WORLD, torch.device(DEVICE))
+    assert comm.ring
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        def of(r):
+            return (torch.arange(15, device=DEVICE).reshape(3, 5) * 7 + 100 * r).to(dtype)
+        with Bridge.device_scope(torch.device(DEVICE)):
+            cur = Bridge.array_of(of(rank))
+            for k in range(1, P + 1):
+                pending = comm.ring_shift(cur)
+                busy = torch.randn(64, 64, device=DEVICE) @ torch.randn(64, 64, device=DEVICE)
+                cur = pending.wait()
+                got = Bridge.tensor_of(cur)
+                assert torch.equal(got, of((rank - k) % P)), (dtype, k, got)
+                del busy
+
+
 # ---- the launcher -------------------------------------------------------------------------
 def _worker(rank, world, init_file, names, queue, backend="gloo", device="cpu", module=""):
     """Rank ``rank``'s process: the check functions ``names`` of this module (or of the test
@@ -417,7 +440,7 @@ def run_ranks(world, names, timeout=240, backend="gloo", device="cpu", module=""
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_global_losses_over_gloo(world):
     names = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
-             "check_ddp_step"]
+             "check_ddp_step", "check_ring_shift"]
     if world > 1:
         names += ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere",
                   "check_precision_reaches_every_product"]
@@ -428,7 +451,7 @@ def test_global_losses_over_gloo(world):
 gpu = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")
 CHECKS = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
-          "check_ddp_step"]
+          "check_ddp_step", "check_ring_shift"]
 
 
 @gpu
