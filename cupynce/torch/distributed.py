@@ -101,6 +101,9 @@ class TorchComm(Comm):
         # CPU inputs) on NCCL, else the inputs' device
         self.device = device if not self.nccl or device.type == "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
+        # point-to-point: NCCL's on CUDA tensors, gloo's on CPU ones only (gloo has no send /
+        # recv of CUDA tensors): elsewhere the all-gather schedules
+        self.ring = self.nccl or device.type == "cpu"
 
     def all_gather(self, x):
         t = B.tensor_of(_xp(x).ascontiguousarray(x))
@@ -116,8 +119,6 @@ class TorchComm(Comm):
     def reduce_scatter(self, x):
         t = B.tensor_of(_xp(x).ascontiguousarray(x))
         return B.array_of(reduce_scatter_rows(t, self.group, self.rank, self.size))
-
-    ring = True
 
     def ring_shift(self, x):
         """``batch_isend_irecv`` of x to rank + 1 and from rank − 1 (the group's global ranks):
