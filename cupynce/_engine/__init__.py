@@ -174,12 +174,12 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
 
 
 def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes,
-           row0: int = 0):
+           row0: int = 0, col0: int = 0):
     """SigLIP's per-row losses and gradient accumulators: the tensor-core tiles where they
     apply (16-bit, aligned; ``score_tiles.siglip``), else the cuBLAS row blocks
     (:func:`row_blocks.siglip`, which documents the arguments and returns)."""
     kw = dict(weights=weights, want_loss=want_loss, want_grad=want_grad,
-              workspace_bytes=workspace_bytes, row0=row0)
+              workspace_bytes=workspace_bytes, row0=row0, col0=col0)
     if tiling.tiles_ok(an, bn):
         return score_tiles.siglip(an, bn, ls, lb, **kw)
     return row_blocks.siglip(an, bn, ls, lb, **kw)

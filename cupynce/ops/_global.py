@@ -204,6 +204,32 @@ def loss(comm: Comm, xp, rows, reduction: str, count: int):
     return comm.all_reduce(local.reshape(1)).reshape(())
 
 
+def ring_blocks(comm: Comm, cols, block: Callable[[int, int, Any], Tuple[Any, Any]], *,
+                col_grads: bool) -> Tuple[List[Any], Any]:
+    """The ring schedule of a rank's rows against every rank's columns (``comm.ring``): for
+    k = 0 .. P − 1, ``block(k, q, chunk)`` with ``chunk`` rank q = (rank − k) mod P's ``cols``
+    (this rank's own at k = 0), while chunk k + 1 travels (:meth:`Comm.ring_shift`: the
+    exchange overlaps the compute instead of an all-gather before it).
+
+    ``block`` returns ``(result, dcols)``: anything the caller sums over the steps (in step
+    order), and -- with ``col_grads`` -- this rank's rows' gradient of chunk q's columns.
+    Those travel the ring too: rank q + 1 adds its part to rank q's, q + 2 to that, ...
+    (a fixed order for a fixed P, whichever rank computes), and a last shift hands each
+    column owner its total.  Returns ``(the steps' results, this rank's columns' gradient
+    or None)``.  The same number of shifts on every rank, in the same order."""
+    size, rank = comm.size, comm.rank
+    cur, results, partial = cols, [], None
+    for k in range(size):
+        nxt = comm.ring_shift(cur) if k < size - 1 else None
+        res, dcols = block(k, (rank - k) % size, cur)
+        results.append(res)
+        if col_grads:  # (the partial of chunk q from rank − 1, then this rank's part)
+            partial = comm.ring_shift(dcols if partial is None else partial.wait() + dcols)
+        if nxt is not None:
+            cur = nxt.wait()
+    return results, (partial.wait() if col_grads else None)
+
+
 def dtemperature(comm: Comm, xp, xn, acc, temp, degree: int):
     """dL/dτ of the global loss (``_base.dtemperature``): each rank's rows' homogeneity dot,
     all-reduced -- the same value on every rank, no factor P."""
@@ -254,7 +280,9 @@ def upstream(xp, g, n: int, acc):
     """This rank's rows' upstream gradients as an (n,) array (a float broadcast)."""
     if isinstance(g, float):
         return xp.full((n,), g, acc)
-    return xp.ascontiguousarray(xp.broadcast_to(g.astype(acc, copy=False), (n,)))
+    # (a copy, O(n): a broadcast or an (n,) input view is read-only in NumPy, which torch's
+    # from_numpy on the gloo path warns about and may not write)
+    return xp.array(xp.broadcast_to(g.astype(acc, copy=False), (n,)))
 
 
 def _scale(path: Path, g, size: int, a):

@@ -31,11 +31,12 @@ OP = "siglip_loss"
 
 
 def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
-                 row0: int = 0):
+                 row0: int = 0, col0: int = 0):
     """The NumPy path: ``(row_loss, (da, db, dscale, dbias))`` in the accumulation dtype
     (None where not asked for), on the namespace of ``_cpu.current()``.  an holds the rows
-    ``row0 ..`` of the image side, bn every column (row r's positive is column row0 + r; the
-    weights are read at the global rows).  Keeps the n × Nc logits (CPU memory, small sizes)
+    ``row0 ..`` of the image side, bn the columns ``col0 ..`` (every column, or one rank's
+    chunk of them: row r's positive is global column row0 + r, where bn holds it; the weights
+    are read at the global rows).  Keeps the n × Nc logits (CPU memory, small sizes)
     and, for the loss, one more n × Nc buffer.
 
     Off the diagonal ``z = −1``: the terms are softplus(L) and ``G = w σ(L)``, one pass each
@@ -50,8 +51,9 @@ def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
     logits = xp.matmul(aa, ba.T)
     logits *= scale
     logits += bias
-    idx = xp.arange(n)
-    pos = idx + row0
+    grow = xp.arange(n) + row0  # the global rows
+    on = (grow >= col0) & (grow < col0 + ba.shape[0])  # rows whose positive bn holds
+    idx, pos = xp.arange(n)[on], grow[on] - col0
     l_pos = logits[idx, pos]
     row_loss = grads = None
     if want_loss:
@@ -62,11 +64,11 @@ def numpy_siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
     if want_grad:
         w_arr, stride, mul = weights
         w = (xp.full((n,), float(mul), a) if w_arr is None
-             else xp.astype(xp.asarray(w_arr)[pos * stride] * mul, a))
+             else xp.astype(xp.asarray(w_arr)[grow * stride] * mul, a))
         with xp.errstate(invalid="ignore"):  # (NaN scores give NaN gradients)
             g = xp.sigmoid(logits, out=logits)
             g *= w[:, None]
-            g[idx, pos] = -w * xp.sigmoid(-l_pos)
+            g[idx, pos] = -w[idx] * xp.sigmoid(-l_pos)
         da = g @ ba
         da *= scale
         db = g.T @ aa
@@ -89,14 +91,14 @@ def _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize,
 
 
 def numpy_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
-                 workspace_bytes=None, row0: int = 0):
+                 workspace_bytes=None, row0: int = 0, col0: int = 0):
     """:func:`numpy_siglip` with the GPU engine's signature (``workspace_bytes`` unused)."""
     return numpy_siglip(an, bn, ls, lb, weights=weights, want_loss=want_loss,
-                        want_grad=want_grad, row0=row0)
+                        want_grad=want_grad, row0=row0, col0=col0)
 
 
 def gpu_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
-               workspace_bytes=None, row0: int = 0):
+               workspace_bytes=None, row0: int = 0, col0: int = 0):
     """``cupynce._engine.siglip`` with the scalars as (1,) device arrays of the accumulator
     dtype (a Python float becomes one by a fill kernel; a device array is never read)."""
     acc = acc_dtype(an.dtype)
@@ -105,7 +107,8 @@ def gpu_engine(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool,
     if not isinstance(ls, float):  # (a device value past the host check's limit: NaN)
         ls_dev = arrays.guard_log_scale(ls_dev, _checks.LOG_SCALE_LIMIT)
     return _engine.siglip(an, bn, ls_dev, lb_dev, weights=weights, want_loss=want_loss,
-                          want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0)
+                          want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0,
+                          col0=col0)
 
 
 def _engine_for(xp):
@@ -327,19 +330,27 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         a, b = contig_inputs(xp, a, b)
         an, na = prep(path, a, normalize)
         bn, nb = prep(path, b, normalize)
+        fused = requires_grad and reduction != "none"
+        w = weights(xp, None, reduction, n * size, acc)
+        ctx = Context(op, reduction, n, xp, precision=p)
+        base = dict(x=(a, b), norms=(na, nb), size=size, shapes=(ls_shape, lb_shape),
+                    dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
+        if _ring_applies(comm, xp, labels, requires_grad, reduction):
+            rows, grads = _ring_share(comm, xp, an, bn, ls, lb, w, fused, workspace_bytes)
+            if fused:
+                da, db, dscale, dbias = grads
+                both = comm.all_reduce(xp.stack([xp.asarray(dscale).reshape(()),
+                                                 xp.asarray(dbias).reshape(())]))
+                ctx.saved = dict(base, acc=(da, db), dscalars=(both[0], both[1]))
+            return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
         b_all = comm.all_gather(bn).reshape(n * size, -1)
         groups = None  # (labels: every rank's texts', gathered with them, then grouped)
         if labels is not None:
             labels = xp.ascontiguousarray(labels, dtype=np.int64)
             groups = _variants.label_groups(xp, comm.all_gather(labels).reshape(-1))
         engine = _with_labels(_engine_for(xp), xp, path, groups)
-        fused = requires_grad and reduction != "none"
-        w = weights(xp, None, reduction, n * size, acc)
         rows, grads = engine(an, b_all, ls, lb, weights=w, want_loss=True, want_grad=fused,
                              workspace_bytes=workspace_bytes, row0=comm.rank * n)
-        ctx = Context(op, reduction, n, xp, precision=p)
-        base = dict(x=(a, b), norms=(na, nb), size=size, shapes=(ls_shape, lb_shape),
-                    dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
         if fused:
             da, db, dscale, dbias = _global_scatter(comm, xp, grads, an.shape)
             ctx.saved = dict(base, acc=(da, db), dscalars=(dscale, dbias))
@@ -347,6 +358,42 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
             ctx.saved = dict(base, an=an, b_all=b_all, scalars=(ls, lb), ws=workspace_bytes,
                              comm=comm, groups=groups)
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
+
+
+def _ring_applies(comm: Comm, xp, labels, requires_grad: bool, reduction: str) -> bool:
+    """Whether the rank's share runs the ring schedule (:func:`_ring_share`): a communicator
+    with ``ring_shift``, several ranks, no labels, and a backward that needs no recompute
+    (the "none" recompute keeps the gathered texts).  So far on the NumPy engine only: the
+    GPU engines take the positives at a column offset next (issue 57)."""
+    return (comm.ring and comm.size > 1 and labels is None and xp is np
+            and not (requires_grad and reduction == "none"))
+
+
+def _ring_share(comm: Comm, xp, an, bn, ls, lb, w, fused: bool, workspace_bytes):
+    """The rank's rows against every rank's texts chunk by chunk on the ring
+    (:func:`cupynce.ops._global.ring_blocks`): each chunk's block while the next travels, the
+    texts' gradients summed along the ring to their owners.  Returns ``rows, grads`` as the
+    all-gather schedule's engine call, but with ``grads = (da, db of this rank's texts,
+    dscale, dbias)`` (this rank's rows' scalar parts, to all-reduce); the steps' parts are
+    added in step order (own chunk first)."""
+    n = an.shape[0]
+    engine = _engine_for(xp)
+
+    def block(k, q, chunk):
+        rows, grads = engine(an, chunk, ls, lb, weights=w, want_loss=True, want_grad=fused,
+                             workspace_bytes=workspace_bytes, row0=comm.rank * n, col0=q * n)
+        if not fused:
+            return (rows,), None
+        return (rows,) + tuple(grads[i] for i in (0, 2, 3)), grads[1]
+
+    steps, db = _global.ring_blocks(comm, bn, block, col_grads=fused)
+    total = list(steps[0])
+    for part in steps[1:]:
+        total = [t + p for t, p in zip(total, part)]
+    if not fused:
+        return total[0], None
+    rows, da, dscale, dbias = total
+    return rows, (da, db, dscale, dbias)
 
 
 def _global_scatter(comm: Comm, xp, grads, shape):

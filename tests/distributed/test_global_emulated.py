@@ -173,6 +173,51 @@ def test_ring_shift_emulated(P):
         assert seen == [(rank - k) % P for k in range(1, P + 1)]
 
 
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_siglip_ring_schedule_numpy(P, reduction, requires_grad):
+    """SigLIP's ring schedule (issue 57: each chunk of texts' block while the next travels, the
+    texts' gradients summed along the ring) against the all-gather schedule on the same float64
+    ranks: the same loss and gradients to rounding (the sums run in another order), the ring
+    taken exactly where it applies (not for "none" with a gradient: its recompute keeps the
+    gathered texts), the same bits run to run, and the global values' bits on every rank."""
+    from emulated_ranks import run as run_ranks
+
+    n, d = 3, 5
+    A, B = _batch(np, "float64", (n * P, d), 31, 1.0), _batch(np, "float64", (n * P, d), 32, 1.0)
+
+    def rank(ring):
+        def body(comm):
+            comm.ring = ring
+            sl = slice(comm.rank * n, (comm.rank + 1) * n)
+            loss, ctx = cupynce.siglip_loss_forward(A[sl], B[sl], 1.1, -2.0, reduction=reduction,
+                                                    requires_grad=requires_grad, group=comm)
+            if not requires_grad:
+                return loss, ()
+            return loss, cupynce.siglip_loss_backward(ctx, 0.7)
+        out = run_ranks(P, body)
+        return out, [list(log) for log in run_ranks.log]
+
+    ring, log = rank(True)
+    again, _ = rank(True)
+    gathered, glog = rank(False)
+    takes = not (requires_grad and reduction == "none")
+    assert all(("ring_shift" in lg) == takes for lg in log), log[0]
+    assert not any("ring_shift" in lg for lg in glog)
+    for (l1, g1), (l2, g2), (l3, g3) in zip(ring, again, gathered):
+        assert _err(l1, l3) <= 1e-13
+        for x, y, z in zip(g1, g2, g3):
+            assert _err(x, z) <= 1e-13
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        assert np.asarray(l1).tobytes() == np.asarray(l2).tobytes()
+    if reduction != "none":
+        assert len({np.asarray(x[0]).tobytes() for x in ring}) == 1
+    if requires_grad:
+        for k in (2, 3):
+            assert len({np.asarray(x[1][k]).tobytes() for x in ring}) == 1
+
+
 def test_a_communicator_without_the_ring_says_so():
     """The interface's default: ring False, ring_shift raising (the schedules then keep the
     all-gathers)."""
@@ -616,6 +661,40 @@ def _gpu():
     except Exception:  # noqa: BLE001
         pytest.skip("needs a CUDA GPU (none here)")
     return cp
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("ws", [None, 1 << 16])
+def test_siglip_engine_column_chunks_gpu(dtype, weighted, ws):
+    """The GPU SigLIP engine (tiles for 16-bit, cuBLAS row blocks for float32; a small
+    workspace: several row and column blocks) on column chunks (``col0``, the ring schedule's
+    step) adds up to the call on every column: the rows' losses and da and the scalar parts
+    summed over the chunks, db chunk by chunk; per-row weights (reduction "none") shifted with
+    the chunk.  Rows of rank 1 of 3, chunks of every rank.  Both sides sum in fp32, in other
+    orders (a chunk's partials, then the chunks): 1e-4 relative, far above that reordering
+    (~1e-6) and far below a misplaced positive or weight (O(1))."""
+    cp = _gpu()
+    from cupynce.ops import siglip as S
+
+    P, n, d = 3, 40, 64
+    r = 1
+    acc = np.float32
+    A, B = _batch(cp, dtype, (n * P, d), 41, 0.3), _batch(cp, dtype, (n * P, d), 42, 0.3)
+    an = A[r * n:(r + 1) * n]
+    w = ((cp.asarray(np.random.default_rng(43).standard_normal(n * P).astype(acc)), 1, 1.0)
+         if weighted else (None, 0, 1.0 / (n * P)))
+    kw = dict(weights=w, want_loss=True, want_grad=True, workspace_bytes=ws, row0=r * n)
+    whole_rows, (wda, wdb, wsc, wbi) = S.gpu_engine(an, B, 1.1, -2.0, **kw)
+    rows = da = sc = bi = 0
+    for q in range(P):
+        cr, (cda, cdb, csc, cbi) = S.gpu_engine(an, B[q * n:(q + 1) * n], 1.1, -2.0, col0=q * n,
+                                                **kw)
+        rows, da, sc, bi = rows + cr, da + cda, sc + csc, bi + cbi
+        assert _err(cdb, wdb[q * n:(q + 1) * n]) <= 1e-4, q
+    for got, want in ((rows, whole_rows), (da, wda), (sc, wsc), (bi, wbi)):
+        assert _err(got, want) <= 1e-4
 
 
 GPU_DTYPES = ["bfloat16", "float16", "float32"]

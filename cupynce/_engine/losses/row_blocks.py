@@ -391,12 +391,13 @@ def _f16_grad_args(weights, length: int):
 
 
 def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes,
-           row0: int = 0):
+           row0: int = 0, col0: int = 0):
     """SigLIP's per-row losses (``want_loss``) and gradient accumulators, in row blocks.
 
     ``ls`` / ``lb``: logit_scale and logit_bias as (1,) device arrays of the accumulator
-    dtype.  an holds the rows ``row0 ..`` of the image side, bn every column (a rank's block
-    of a global SigLIP: row r's positive is column row0 + r, the weights are read at the
+    dtype.  an holds the rows ``row0 ..`` of the image side, bn the columns ``col0 ..`` (a
+    rank's block of a global SigLIP, against every column or one rank's chunk of them: row
+    r's positive is global column row0 + r, where bn holds it; the weights are read at the
     global rows).  Returns ``row_loss, (da, db, dscale, dbias)``: (n,) losses, (n, D) / (Nc, D)
     accumulators and the two 0-d scalar gradients (fixed-order sums of per-row parts); None
     where not asked for.  Each score block: one cuBLAS product, the ``siglip_rows`` kernel
@@ -418,6 +419,10 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
     if not split_g:
         g_buf = s_buf if want_grad else None
     w_arr, w_stride, w_mul = weights
+    # the kernel's row index i0 + r: its positive is bn's column i0 + r; the outputs and the
+    # weights are shifted to match (the global row row0 + r is i0 + r + col0)
+    i0 = row0 - col0
+    w_ptr = ptr(w_arr) + a.itemsize * col0 * w_stride if w_arr is not None else 0
     # the gradient products' operands split on a side stream beside S's product (one block)
     prods = plan if plan.side_splits(want_grad, rb >= n) else None
     for r0 in range(0, n, rb):
@@ -426,11 +431,11 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
         _scores(gemm, prods, an[r0:r1], an, bn, s_blk)
         g_blk = g_buf[:r1 - r0] if want_grad else None
         kernels.launch(GRADS_FILE, "siglip_rows", t, (r1 - r0,), (
-            s_blk, np.int64(nc), np.int32(nc), np.int32(row0 + r0), ls, lb,
-            ptr(row_loss) - row0 * a.itemsize if row_loss is not None else 0,
-            ptr(g_blk), np.int64(nc), ptr(w_arr), np.int64(w_stride), a.type(w_mul),
-            ptr(parts) - row0 * a.itemsize if parts is not None else 0,
-            0 if parts is None else parts.data.ptr + (n - row0) * a.itemsize))
+            s_blk, np.int64(nc), np.int32(nc), np.int32(i0 + r0), ls, lb,
+            ptr(row_loss) - i0 * a.itemsize if row_loss is not None else 0,
+            ptr(g_blk), np.int64(nc), w_ptr, np.int64(w_stride), a.type(w_mul),
+            ptr(parts) - i0 * a.itemsize if parts is not None else 0,
+            0 if parts is None else parts.data.ptr + (n - i0) * a.itemsize))
         if want_grad:  # (the block holds s G / w_mul; the first block's products write db)
             gemm(g_blk, bn, da[r0:r1], alpha=w_mul)
             gemm(g_blk, an[r0:r1], db, trans_a=True, alpha=w_mul, beta=1.0 if r0 else 0.0)

@@ -508,7 +508,7 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
 
 
 def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspace_bytes,
-           row0: int = 0):
+           row0: int = 0, col0: int = 0):
     """:func:`row_blocks.siglip` on the tile kernels (``MODE_SIGLIP``): the score tiles never
     reach memory.  Per row block one launch gives the rows' loss, dbias and dscale partials
     (per column split, summed in split order by ``tile_sum``) and, for the gradient, the
@@ -542,11 +542,12 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
             loss_p = part[0, k] if want_loss else None
             dbias_p, dscale_p = (part[-2, k], part[-1, k]) if want_grad else (None, None)
             g_blk = g_buf[:m, :c1 - c0] if want_grad else None
-            # the block as its own problem (see clip): rows from row0 + r0 - c0, the row
-            # weights shifted by c0; lse_col holds the bias
-            tile("siglip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
+            # the block as its own problem (see clip): rows from row0 + r0 - c0 - col0 (bn's
+            # columns start at global column col0), the row weights shifted by c0 + col0;
+            # lse_col holds the bias
+            tile("siglip", t, (rt, sp), an[r0:r1], row0 + r0 - c0 - col0, bn[c0:c1], None,
                  scale_log=ls, pos_mod=FAR_MOD, part=(ptr(loss_p), ptr(dbias_p), m),
-                 lse_col=lb, weights=(shifted(w_arr, w_stride, c0), w_stride, w_mul),
+                 lse_col=lb, weights=(shifted(w_arr, w_stride, c0 + col0), w_stride, w_mul),
                  g=g_blk, dsp=ptr(dscale_p))
             k += sp
             if want_grad:  # (the block holds s G' = s G / w_mul; first blocks write da, db)
