@@ -287,10 +287,10 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     dbias = cp.empty((v,), dt) if has_bias else None
     # 16-byte row access where every row the kernel reads or writes is 16-byte aligned
     vec_x = _rows_aligned(xs.data.ptr, d, d, dt.itemsize)  # (contiguous: rows d apart)
-    kernels.get_kernel(FILE, f"splade_dw_{tag}", dt)(
+    kernels.get_kernel(FILE, f"splade_dw{'v' if vec_x else ''}_{tag}", dt)(
         (-(-v // _DW_TV), _grad_chunks(d, vec_x, dt.itemsize)), (BLOCK,),
         (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v), np.int32(act),
-         np.int32(vec_x), dw, dbias if dbias is not None else 0))
+         dw, dbias if dbias is not None else 0))
     # dx: group the active (b, v) by (b, l*) in increasing v, then a warp per (b, l)
     seg, nseg = _segments(v)
     counts = cp.zeros((b, l, nseg), np.int32)
@@ -314,11 +314,10 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     sv, sd = weight.strides[0] // item, weight.strides[1] // item
     vec_w = sd == 1 and _rows_aligned(weight.data.ptr, d, sv, item)
     dx = cp.empty((b, l, d), dt)
-    kernels.get_kernel(FILE, "splade_dx", dt)(
+    kernels.get_kernel(FILE, "splade_dxv" if vec_w else "splade_dx", dt)(
         (-(-(b * l) // _DX_ROWS), _grad_chunks(d, vec_w, item)), (BLOCK,),
         (weight, np.int64(sv), np.int64(sd), out, g, lst, excl, incl, np.int32(b),
-         np.int32(v), np.int32(l), np.int32(d), np.int32(nseg), np.int32(act),
-         np.int32(vec_w), dx))
+         np.int32(v), np.int32(l), np.int32(d), np.int32(nseg), np.int32(act), dx))
     return dx, dw, dbias
 
 

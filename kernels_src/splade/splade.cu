@@ -294,16 +294,6 @@ __device__ __forceinline__ void splade_dw_impl(
     }
 }
 
-template <typename T, typename I>
-__device__ __forceinline__ void splade_dw_body(
-    const T* __restrict__ x, const T* __restrict__ out, const T* __restrict__ g,
-    const I* __restrict__ arg, int B, int L, int D, int V, int act, int vec,
-    T* __restrict__ dw, T* __restrict__ dbias)
-{
-    if (vec) splade_dw_impl<T, I, true>(x, out, g, arg, B, L, D, V, act, dw, dbias);
-    else splade_dw_impl<T, I, false>(x, out, g, arg, B, L, D, V, act, dw, dbias);
-}
-
 // dx grouping, pass 1: counts[b, l, s] = number of active v of segment s of batch b whose
 // arg-max is l (integer atomics in shared memory: the counts do not depend on the order).
 // Grid (nseg, B); dynamic shared memory L ints.
@@ -422,17 +412,6 @@ __device__ __forceinline__ void splade_dx_impl(
     spl_store_row<T, VEC, A, E>(acc, dx + bl * D, dbase, D, lane);
 }
 
-template <typename T>
-__device__ __forceinline__ void splade_dx_body(
-    const T* __restrict__ W, i64 sv, i64 sd, const T* __restrict__ out,
-    const T* __restrict__ g, const int* __restrict__ list, const int* __restrict__ excl,
-    const int* __restrict__ incl, int B, int V, int L, int D, int nseg, int act, int vec,
-    T* __restrict__ dx)
-{
-    if (vec) splade_dx_impl<T, true>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, dx);
-    else splade_dx_impl<T, false>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, dx);
-}
-
 // dx grouping, between the passes: per batch row b, the inclusive and exclusive prefix sums
 // of counts[b, :] (n = L * nseg ints in (l, s) order): excl is the place pass's offsets (and
 // excl2, when given, its global cursors: a copy it may overwrite), incl and excl bound each
@@ -486,7 +465,9 @@ cpn_splade_scan(const int* __restrict__ counts, int n, int* __restrict__ incl,
 #define SPL_COMBINE_ARGS(T, I) const Conv<T>::acc* pv, const int* pa, const unsigned char* pn,  \
     int nz, int nb, int vt, int b0, int v0, int V, int act, T* out, I* arg
 #define SPL_DW_ARGS(T, I) const T* x, const T* out, const T* g, const I* arg, int B, int L,       \
-    int D, int V, int act, int vec, T* dw, T* dbias
+    int D, int V, int act, T* dw, T* dbias
+#define SPL_DX_ARGS(T) const T* W, i64 sv, i64 sd, const T* out, const T* g, const int* list,   \
+    const int* excl, const int* incl, int B, int V, int L, int D, int nseg, int act, T* dx
 #define SPL_COUNT_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
     int nseg, int act, int global, int* counts
 #define SPL_PLACE_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
@@ -508,10 +489,16 @@ cpn_splade_max_combine_i32_##SUF(SPL_COMBINE_ARGS(T, int))                      
 { splade_max_combine_body<T, int>(pv, pa, pn, nz, nb, vt, b0, v0, V, act, out, arg); }  \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_dw_i16_##SUF(SPL_DW_ARGS(T, short))                                               \
-{ splade_dw_body<T, short>(x, out, g, arg, B, L, D, V, act, vec, dw, dbias); }                    \
+{ splade_dw_impl<T, short, false>(x, out, g, arg, B, L, D, V, act, dw, dbias); }             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_dw_i32_##SUF(SPL_DW_ARGS(T, int))                                                 \
-{ splade_dw_body<T, int>(x, out, g, arg, B, L, D, V, act, vec, dw, dbias); }                      \
+{ splade_dw_impl<T, int, false>(x, out, g, arg, B, L, D, V, act, dw, dbias); }               \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_dwv_i16_##SUF(SPL_DW_ARGS(T, short))                                              \
+{ splade_dw_impl<T, short, true>(x, out, g, arg, B, L, D, V, act, dw, dbias); }              \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_dwv_i32_##SUF(SPL_DW_ARGS(T, int))                                                \
+{ splade_dw_impl<T, int, true>(x, out, g, arg, B, L, D, V, act, dw, dbias); }                \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_count_i16_##SUF(SPL_COUNT_ARGS(T, short))                                         \
 { splade_count_body<T, short>(out, g, arg, V, L, seg, nseg, act, global, counts); }                  \
@@ -525,10 +512,11 @@ extern "C" __global__ void __launch_bounds__(32)                                
 cpn_splade_place_i32_##SUF(SPL_PLACE_ARGS(T, int))                                           \
 { splade_place_body<T, int>(out, g, arg, V, L, seg, nseg, act, offsets, gcur, list); }             \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
-cpn_splade_dx_##SUF(const T* W, i64 sv, i64 sd, const T* out, const T* g, const int* list,  \
-    const int* excl, const int* incl, int B, int V, int L, int D, int nseg, int act,        \
-    int vec, T* dx)                                                                          \
-{ splade_dx_body<T>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, vec, dx); }
+cpn_splade_dx_##SUF(SPL_DX_ARGS(T))                                                          \
+{ splade_dx_impl<T, false>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, dx); } \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
+cpn_splade_dxv_##SUF(SPL_DX_ARGS(T))                                                         \
+{ splade_dx_impl<T, true>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, dx); }
 
 SPL_DEFINE(f16, f16_t)
 SPL_DEFINE(bf16, bf16_t)
