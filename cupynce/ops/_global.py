@@ -280,9 +280,10 @@ def upstream(xp, g, n: int, acc):
     """This rank's rows' upstream gradients as an (n,) array (a float broadcast)."""
     if isinstance(g, float):
         return xp.full((n,), g, acc)
-    # (a copy, O(n): a broadcast or an (n,) input view is read-only in NumPy, which torch's
-    # from_numpy on the gloo path warns about and may not write)
-    return xp.array(xp.broadcast_to(g.astype(acc, copy=False), (n,)))
+    out = xp.ascontiguousarray(xp.broadcast_to(g.astype(acc, copy=False), (n,)))
+    # (NumPy: an (n,) input comes back as its broadcast view, read-only, which torch's
+    # from_numpy on the gloo path warns about and may not write: a copy, O(n))
+    return out.copy() if xp is np and not out.flags.writeable else out
 
 
 def _scale(path: Path, g, size: int, a):
