@@ -10,6 +10,8 @@
 #   bash benchmarks/run_gpu.sh variants   # bench_variants (SupCon, MoCo, CLIP with labels)
 #   bash benchmarks/run_gpu.sh sparse     # bench_sparse_encoder: a SparseEncoder's training
 #                                         # step, library vs cupynce, uncached and cached
+#   bash benchmarks/run_gpu.sh ncu-splade # Nsight Compute over SPLADE's backward kernels at
+#                                         # (32, 256, 768, 30522), 1 % and 50 % density
 #
 # Several modes run in turn: bash benchmarks/run_gpu.sh suite1 sanitize.  The comparison
 # libraries the integration tests import (open_clip_torch, lightly, pytorch-metric-learning,
@@ -54,6 +56,17 @@ for mode in "${@:-suite1}"; do
       2>&1 | tail -6
     python benchmarks/bench_splade_argmax.py --out "$OUT/argmax" 2>&1 | tail -6 ;;
   sparse) python benchmarks/bench_sparse_encoder.py --out "$OUT" 2>&1 | tail -12 ;;
+  ncu-splade)
+    for dens in 0.01 0.5; do
+      ncu --kernel-name regex:'splade_(dw|dx|count|place|scan)' --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --csv python -c "
+import sys; sys.path.insert(0, 'benchmarks')
+import cupynce, bench_splade as S
+x, w, b, m, g = S.make_inputs(32, 256, 768, 30522, $dens)
+out, ctx = cupynce.splade_pool_forward(x, w, b, m)
+cupynce.splade_pool_backward(ctx, g)" >"$OUT/ncu_splade_$dens.csv" 2>&1
+      echo "density $dens: rc=$? ($OUT/ncu_splade_$dens.csv)"
+    done ;;
   variants) python benchmarks/bench_variants.py --repeat 5 --moco --clip --out "$OUT/variants" \
               2>&1 | tail -20 ;;
   *) echo "unknown mode: $mode" ;;
