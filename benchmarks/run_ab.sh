@@ -11,6 +11,10 @@
 #                before / after / before / after (the second pair shows the noise): NT-Xent,
 #                CLIP, SigLIP, InfoNCE; bf16 and float32; N = 1024, 4096, 16384; D = 512;
 #                then the median of each case per tree and after / before        [~4 min]
+#   splade       bench_splade.py --quick --impls (cupynce and the GEMM alone: fwd, bwd and
+#                fwd + bwd at 1 % and 50 % density, (32, 256, 768, 30522) bf16) on both trees,
+#                alternating, with the fused forward and with CUPYNCE_TILES=0 (the cuBLAS
+#                tiles); the JSON of each run in $OUT                            [~3 min]
 #   torch        bench_torch_overhead.py (cupynce.torch, the CuPy core, the autograd floor;
 #                CLIP and NT-Xent, bf16, N = 256, 1024) on both trees, alternating: the host
 #                time a call costs                                              [~2 min]
@@ -84,6 +88,20 @@ for k in keys:
 print(f"\nafter / before over {len(ratios)} cases: median {statistics.median(ratios):.3f}, "
       f"min {min(ratios):.3f}, max {max(ratios):.3f}")
 PY
+    ;;
+  splade)
+    for round in 1 2; do
+      for tree in before after; do
+        dir=$BEFORE; [ $tree = after ] && dir=$AFTER
+        for tiles in auto 0; do
+          CUPYNCE_TILES=$tiles in_tree "$dir" python benchmarks/bench_splade.py --quick --impls \
+            --out "$OUT/splade_${tree}_tiles${tiles}_$round.json" \
+            >"$OUT/splade_${tree}_tiles${tiles}_$round.log" 2>&1
+          stamp "splade $tree tiles=$tiles $round" $?
+          tail -6 "$OUT/splade_${tree}_tiles${tiles}_$round.log"
+        done
+      done
+    done
     ;;
   torch)
     for round in 1 2; do
