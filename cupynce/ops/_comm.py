@@ -30,16 +30,23 @@ from typing import Any, Callable, List, Optional, Sequence
 class Pending:
     """An array on its way (:meth:`Comm.ring_shift`): ``wait()`` returns it, ordered before
     the caller's later work (on the current stream for device arrays: a stream wait, not a
-    host one).  ``wait`` releases what the transfer held; call it once."""
+    host one) and releases what the transfer held.  A Pending dropped without ``wait()`` (an
+    error between the two) still orders the transfer before its buffers can be reused."""
 
     def __init__(self, out, finish: Optional[Callable[[], None]] = None):
         self.out, self._finish = out, finish
 
     def wait(self):
         if self._finish is not None:
-            self._finish()
-            self._finish = None
+            finish, self._finish = self._finish, None
+            finish()
         return self.out
+
+    def __del__(self):
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - (interpreter shutdown: nothing left to order)
+            pass
 
 
 class Comm:
@@ -90,7 +97,6 @@ class NcclComm(Comm):
         self.comm = comm
         self.rank = int(comm.rank_id())
         self.size = int(comm.size())
-        self._side = None  # the ring's stream (made at the first shift, on the comm's GPU)
 
     def _stream(self) -> int:
         import cupy
@@ -133,10 +139,12 @@ class NcclComm(Comm):
         return out
 
     def ring_shift(self, x) -> Pending:
-        """NCCL send to rank + 1 and receive from rank − 1 (one group) on a side stream that
-        waits for x: the current stream runs on meanwhile and waits for the received array at
-        ``wait()``.  x and the received buffer come from the current stream's pool and are
-        held until then, so neither is reused while the side stream reads or writes it."""
+        """NCCL send to rank + 1 and receive from rank − 1 (one group) on the GPU's ring
+        stream, which first waits for the issuing stream (x written): the issuing stream runs
+        on meanwhile.  x and the received buffer come from the issuing stream's pool, so at
+        ``wait()`` (or when the Pending is dropped) the issuing stream -- and the stream then
+        current, if another -- waits for the transfer before x is released and anything
+        there reuses either buffer."""
         import cupy
 
         nccl = _nccl()
@@ -145,22 +153,28 @@ class NcclComm(Comm):
         if self.size == 1:
             out[...] = x
             return Pending(out)
-        if self._side is None:
-            self._side = cupy.cuda.Stream(non_blocking=True)
-        cur, side = cupy.cuda.get_current_stream(), self._side
-        side.wait_event(cur.record())
+        cur, side = cupy.cuda.get_current_stream(), _ring_stream(int(self.comm.device_id()))
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(cur)
+        side.wait_event(ready)
         nccl.groupStart()
-        self.comm.send(x.data.ptr, x.nbytes, nccl.NCCL_UINT8, (self.rank + 1) % self.size,
-                       side.ptr)
-        self.comm.recv(out.data.ptr, out.nbytes, nccl.NCCL_UINT8, (self.rank - 1) % self.size,
-                       side.ptr)
-        nccl.groupEnd()
-        done = side.record()
+        try:
+            self.comm.send(x.data.ptr, x.nbytes, nccl.NCCL_UINT8, (self.rank + 1) % self.size,
+                           side.ptr)
+            self.comm.recv(out.data.ptr, out.nbytes, nccl.NCCL_UINT8,
+                           (self.rank - 1) % self.size, side.ptr)
+        finally:
+            nccl.groupEnd()
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(side)
         held = [x]
 
         def finish():
-            cupy.cuda.get_current_stream().wait_event(done)
-            held.clear()  # (the current stream's later frees come after the transfer)
+            cur.wait_event(done)
+            now = cupy.cuda.get_current_stream()
+            if now.ptr != cur.ptr:
+                now.wait_event(done)
+            held.clear()
         return Pending(out, finish)
 
     def exchange(self, ints: Sequence[int]) -> List[List[int]]:
@@ -182,6 +196,21 @@ class NcclComm(Comm):
             if x.device.id != dev:
                 return f"the communicator is on cuda:{dev}, an input is on cuda:{x.device.id}"
         return None
+
+
+_RING_STREAMS: dict = {}
+
+
+def _ring_stream(device: int):
+    """The stream the NCCL ring shifts of ``device`` run on (one a GPU, made on it once: the
+    adapters are made per call)."""
+    import cupy
+
+    s = _RING_STREAMS.get(device)
+    if s is None:
+        with cupy.cuda.Device(device):
+            s = _RING_STREAMS[device] = cupy.cuda.Stream(non_blocking=True)
+    return s
 
 
 def wrap(group) -> Comm:

@@ -117,14 +117,17 @@ def host_setting(value: Any) -> Any:
 
 
 def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequence[Any],
-          names: Sequence[str], settings: Sequence[Any]):
+          names: Sequence[str], settings: Sequence[Any], ring_wish: Optional[bool] = None):
     """Run ``local_checks`` and exchange its outcome, the arrays' shapes / dtypes and the
     ``settings`` (numbers, bools, the reduction) with every rank; raise on every rank if any
     rank failed or they differ.
 
-    Returns ``local_checks()``'s result.  The first collective of every call, of the same
-    length on every rank: a rank whose inputs are wrong still takes part, so the others never
-    wait on it.
+    Returns ``local_checks()``'s result; with ``ring_wish`` (whether this rank could run the
+    op's ring schedule: it depends on the rank's communicator and arrays, not only on the
+    compared settings), ``(result, every rank wishes it)`` -- the schedule every rank then
+    takes, so that no rank shifts while another gathers.  The first collective of every call,
+    of the same length on every rank: a rank whose inputs are wrong still takes part, so the
+    others never wait on it.
     """
     err: Optional[BaseException] = None
     result = None
@@ -150,7 +153,10 @@ def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequenc
             continue
         meta += [len(shape)] + [int(d) for d in shape[:3]] + [0] * (3 - min(len(shape), 3)) \
             + [_DTYPE_CODE.get(str(getattr(x, "dtype", "")), 0)]
-    rows = comm.exchange(meta)
+    extra = [] if ring_wish is None else [int(bool(ring_wish))]
+    rows = comm.exchange(meta + extra)
+    ring = bool(extra) and all(r[-1] for r in rows)
+    rows = [r[:len(meta)] for r in rows]
     if err is not None:
         raise err
     bad = [i for i, r in enumerate(rows) if r[0]]
@@ -171,7 +177,7 @@ def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequenc
             for i, r in enumerate(rows))
         raise ValueError(f"{op}: every rank of the group must pass the same local shapes and "
                          f"dtypes (equal local batch sizes), got {desc}")
-    return result
+    return result if ring_wish is None else (result, ring)
 
 
 # ---- the pieces every schedule uses --------------------------------------------------------
@@ -218,16 +224,22 @@ def ring_blocks(comm: Comm, cols, block: Callable[[int, int, Any], Tuple[Any, An
     column owner its total.  Returns ``(the steps' results, this rank's columns' gradient
     or None)``.  The same number of shifts on every rank, in the same order."""
     size, rank = comm.size, comm.rank
-    cur, results, partial = cols, [], None
-    for k in range(size):
-        nxt = comm.ring_shift(cur) if k < size - 1 else None
-        res, dcols = block(k, (rank - k) % size, cur)
-        results.append(res)
-        if col_grads:  # (the partial of chunk q from rank − 1, then this rank's part)
-            partial = comm.ring_shift(dcols if partial is None else partial.wait() + dcols)
-        if nxt is not None:
-            cur = nxt.wait()
-    return results, (partial.wait() if col_grads else None)
+    cur, results, partial, nxt = cols, [], None, None
+    try:
+        for k in range(size):
+            nxt = comm.ring_shift(cur) if k < size - 1 else None
+            res, dcols = block(k, (rank - k) % size, cur)
+            results.append(res)
+            if col_grads:  # (the partial of chunk q from rank − 1, then this rank's part)
+                partial = comm.ring_shift(dcols if partial is None else partial.wait() + dcols)
+            if nxt is not None:
+                cur, nxt = nxt.wait(), None
+        own, partial = (partial.wait() if col_grads else None), None
+        return results, own
+    finally:  # (an error in a block: the transfers in flight end before their buffers go)
+        for p in (nxt, partial):
+            if p is not None:
+                p.wait()
 
 
 def dtemperature(comm: Comm, xp, xn, acc, temp, degree: int):

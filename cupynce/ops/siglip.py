@@ -314,14 +314,15 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
     op = "siglip_loss"
     precision = _global.precision_setting(precision)
     ls_array, lb_array = hasattr(logit_scale, "shape"), hasattr(logit_bias, "shape")
-    xp, (ls, ls_shape), (lb, lb_shape), p = _global.agree(comm, op, lambda: (
+    (xp, (ls, ls_shape), (lb, lb_shape), p), ring = _global.agree(comm, op, lambda: (
         _check(a, b, logit_scale, logit_bias, reduction, workspace_bytes, normalize,
                precision),
         _checks.check_bool(op, "requires_grad", requires_grad),
         _checks.check_labels(op, labels, a.shape[0], _checks.array_module(op, a=a), a))[0],
         [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
-         lb_array, reduction, normalize, requires_grad, precision, labels is not None])
+         lb_array, reduction, normalize, requires_grad, precision, labels is not None],
+        ring_wish=_ring_wish(comm, a, labels, requires_grad, reduction))
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         size = comm.size
@@ -335,7 +336,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         ctx = Context(op, reduction, n, xp, precision=p)
         base = dict(x=(a, b), norms=(na, nb), size=size, shapes=(ls_shape, lb_shape),
                     dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
-        if _ring_applies(comm, xp, labels, requires_grad, reduction):
+        if ring:
             rows, grads = _ring_share(comm, xp, an, bn, ls, lb, w, fused, workspace_bytes)
             if fused:
                 da, db, dscale, dbias = grads
@@ -360,13 +361,14 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_applies(comm: Comm, xp, labels, requires_grad: bool, reduction: str) -> bool:
-    """Whether the rank's share runs the ring schedule (:func:`_ring_share`): a communicator
-    with ``ring_shift``, several ranks, no labels, and a backward that needs no recompute
-    (the "none" recompute keeps the gathered texts).  So far on the NumPy engine only: the
-    GPU engines take the positives at a column offset next (issue 57)."""
-    return (comm.ring and comm.size > 1 and labels is None and xp is np
-            and not (requires_grad and reduction == "none"))
+def _ring_wish(comm: Comm, a, labels, requires_grad: bool, reduction: str) -> bool:
+    """Whether this rank could run the ring schedule (:func:`_ring_share`; every rank must,
+    ``_global.agree`` decides): a communicator with ``ring_shift``, several ranks, no
+    labels, a backward that needs no recompute (the "none" recompute keeps the gathered
+    texts), and NumPy arrays -- so far on the NumPy engine only: the GPU engines take the
+    chunks' column offset (``col0``) and join once measured (issue 57)."""
+    return bool(comm.ring and comm.size > 1 and labels is None and isinstance(a, np.ndarray)
+                and not (requires_grad and reduction == "none"))
 
 
 def _ring_share(comm: Comm, xp, an, bn, ls, lb, w, fused: bool, workspace_bytes):

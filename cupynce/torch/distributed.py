@@ -102,8 +102,10 @@ class TorchComm(Comm):
         self.device = device if not self.nccl or device.type == "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
         # point-to-point: NCCL's on CUDA tensors, gloo's on CPU ones only (gloo has no send /
-        # recv of CUDA tensors): elsewhere the all-gather schedules
-        self.ring = self.nccl or device.type == "cpu"
+        # recv of CUDA tensors); other backends: the all-gather schedules
+        backend = str(dist.get_backend(group))
+        self.ring = ("nccl" in backend and device.type == "cuda") or \
+            ("gloo" in backend and device.type == "cpu")
 
     def all_gather(self, x):
         t = B.tensor_of(_xp(x).ascontiguousarray(x))
@@ -131,9 +133,13 @@ class TorchComm(Comm):
             return Pending(B.array_of(out))
         peer = (lambda r: r) if self.group is None else \
             (lambda r: dist.get_global_rank(self.group, r))
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, t, peer((self.rank + 1) % self.size), group=self.group),
-            dist.P2POp(dist.irecv, out, peer((self.rank - 1) % self.size), group=self.group)])
+        ops = [dist.P2POp(dist.isend, t, peer((self.rank + 1) % self.size), group=self.group),
+               dist.P2POp(dist.irecv, out, peer((self.rank - 1) % self.size), group=self.group)]
+        if t.is_cuda:  # (NCCL's point-to-point needs the tensors' GPU current in torch)
+            with torch.cuda.device(t.device):
+                works = dist.batch_isend_irecv(ops)
+        else:
+            works = dist.batch_isend_irecv(ops)
         held = [t]
 
         def finish():

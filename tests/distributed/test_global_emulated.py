@@ -218,6 +218,27 @@ def test_siglip_ring_schedule_numpy(P, reduction, requires_grad):
             assert len({np.asarray(x[1][k]).tobytes() for x in ring}) == 1
 
 
+def test_siglip_ring_is_every_rank_or_none():
+    """The schedule is agreed (``_global.agree``'s ring wish): one rank whose communicator
+    cannot shift makes every rank gather (no rank shifts while another gathers: a hang), with
+    the same results."""
+    from emulated_ranks import run as run_ranks
+
+    P, n, d = 3, 2, 4
+    A, B = _batch(np, "float64", (n * P, d), 51, 1.0), _batch(np, "float64", (n * P, d), 52, 1.0)
+
+    def body(comm):
+        comm.ring = comm.rank != 1
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        loss, ctx = cupynce.siglip_loss_forward(A[sl], B[sl], 1.1, -2.0, group=comm)
+        return loss, cupynce.siglip_loss_backward(ctx, 0.7)
+    out = run_ranks(P, body)
+    assert not any("ring_shift" in log for log in run_ranks.log), run_ranks.log[0]
+    want, ctx = cupynce.siglip_loss_forward(A, B, 1.1, -2.0)
+    for loss, _ in out:
+        assert _err(loss, want) <= 1e-13
+
+
 def test_a_communicator_without_the_ring_says_so():
     """The interface's default: ring False, ring_shift raising (the schedules then keep the
     all-gathers)."""
