@@ -466,6 +466,10 @@ cpn_splade_scan(const int* __restrict__ counts, int n, int* __restrict__ incl,
     int nz, int nb, int vt, int b0, int v0, int V, int act, T* out, I* arg
 #define SPL_DW_ARGS(T, I) const T* x, const T* out, const T* g, const I* arg, int B, int L,       \
     int D, int V, int act, T* dw, T* dbias
+// dW's kernels: index type I, 16-byte rows (VEC) or element-wise
+#define SPL_DW_KERNEL(NAME, SUF, T, I, VEC)                                                  \
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) NAME##_##SUF(SPL_DW_ARGS(T, I))      \
+{ splade_dw_impl<T, I, VEC>(x, out, g, arg, B, L, D, V, act, dw, dbias); }
 #define SPL_DX_ARGS(T) const T* W, i64 sv, i64 sd, const T* out, const T* g, const int* list,   \
     const int* excl, const int* incl, int B, int V, int L, int D, int nseg, int act, T* dx
 #define SPL_COUNT_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
@@ -487,18 +491,10 @@ cpn_splade_max_combine_i16_##SUF(SPL_COMBINE_ARGS(T, short))                    
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_max_combine_i32_##SUF(SPL_COMBINE_ARGS(T, int))                                   \
 { splade_max_combine_body<T, int>(pv, pa, pn, nz, nb, vt, b0, v0, V, act, out, arg); }  \
-extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
-cpn_splade_dw_i16_##SUF(SPL_DW_ARGS(T, short))                                               \
-{ splade_dw_impl<T, short, false>(x, out, g, arg, B, L, D, V, act, dw, dbias); }             \
-extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
-cpn_splade_dw_i32_##SUF(SPL_DW_ARGS(T, int))                                                 \
-{ splade_dw_impl<T, int, false>(x, out, g, arg, B, L, D, V, act, dw, dbias); }               \
-extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
-cpn_splade_dwv_i16_##SUF(SPL_DW_ARGS(T, short))                                              \
-{ splade_dw_impl<T, short, true>(x, out, g, arg, B, L, D, V, act, dw, dbias); }              \
-extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
-cpn_splade_dwv_i32_##SUF(SPL_DW_ARGS(T, int))                                                \
-{ splade_dw_impl<T, int, true>(x, out, g, arg, B, L, D, V, act, dw, dbias); }                \
+SPL_DW_KERNEL(cpn_splade_dw_i16, SUF, T, short, false)                                       \
+SPL_DW_KERNEL(cpn_splade_dw_i32, SUF, T, int, false)                                         \
+SPL_DW_KERNEL(cpn_splade_dwv_i16, SUF, T, short, true)                                       \
+SPL_DW_KERNEL(cpn_splade_dwv_i32, SUF, T, int, true)                                         \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_count_i16_##SUF(SPL_COUNT_ARGS(T, short))                                         \
 { splade_count_body<T, short>(out, g, arg, V, L, seg, nseg, act, global, counts); }                  \
