@@ -340,9 +340,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
             rows, grads = _ring_share(comm, xp, an, bn, ls, lb, w, fused, workspace_bytes)
             if fused:
                 da, db, dscale, dbias = grads
-                both = comm.all_reduce(xp.stack([xp.asarray(dscale).reshape(()),
-                                                 xp.asarray(dbias).reshape(())]))
-                ctx.saved = dict(base, acc=(da, db), dscalars=(both[0], both[1]))
+                ctx.saved = dict(base, acc=(da, db),
+                                 dscalars=_global_scalars(comm, xp, dscale, dbias))
             return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
         b_all = comm.all_gather(bn).reshape(n * size, -1)
         groups = None  # (labels: every rank's texts', gathered with them, then grouped)
@@ -403,9 +402,15 @@ def _global_scatter(comm: Comm, xp, grads, shape):
     the all-reduced d loss / d logit_scale, d loss / d logit_bias."""
     da, db_all, dscale, dbias = grads
     db = comm.reduce_scatter(db_all.reshape(comm.size, *shape))
+    return (da, db) + _global_scalars(comm, xp, dscale, dbias)
+
+
+def _global_scalars(comm: Comm, xp, dscale, dbias):
+    """d loss / d logit_scale, d loss / d logit_bias of the global loss from this rank's
+    parts: one all-reduce of both (the same bits on every rank)."""
     both = comm.all_reduce(xp.stack([xp.asarray(dscale).reshape(()),
                                      xp.asarray(dbias).reshape(())]))
-    return da, db, both[0], both[1]
+    return both[0], both[1]
 
 
 def _global_acc(ctx: Context, g):
