@@ -92,6 +92,11 @@ if part in ("all", "splade"):
             for ws_bytes in (None, 200 * 4 * 40):
                 o, ctx = cupynce.splade_pool_forward(x, w, b, m, workspace_bytes=ws_bytes)
                 cupynce.splade_pool_backward(ctx, cp.ones_like(o))
+    # the 16-byte gradient kernels' rings: B over one dW staging chunk (64), long (b, l) runs
+    x7 = cp.asarray((0.5 * rng.standard_normal((70, 3, 40)) + 0.7).astype(bf))
+    w7 = cp.asarray(rng.standard_normal((300, 40)).astype(bf))
+    o, ctx = cupynce.splade_pool_forward(x7, w7)
+    cupynce.splade_pool_backward(ctx, cp.ones_like(o))
     x5 = cp.asarray(rng.standard_normal((2, 30, 70)).astype(bf))  # D = 70: element-wise rows
     w5 = cp.asarray(rng.standard_normal((70, 130)).astype(bf)).T  # transposed (130, 70) view
     o, ctx = cupynce.splade_pool_forward(x5, w5)
@@ -199,4 +204,4 @@ if part in ("f16x3", "f16x3clip"):
         l, c = cupynce.clip_loss_forward(x, y, 2.0, reduction=red, workspace_bytes=ws,
                                          precision="auto")
         cupynce.clip_loss_backward(c, cp.ones(4100, np.float32) if red == "none" else 1.0)
-cp.cuda.runtime.deviceSynchronize(); print("ok", float(cp.asarray(l).sum()))
+cp.cuda.runtime.deviceSynchronize(); print("ok")

@@ -70,6 +70,7 @@ _WS_CLUSTER = 2  # SW_CLUSTER: CTAs per cluster, sharing (multicasting) the x lo
 _WS_SMEM = 4 * (_WS_BM + _WS_BN) * _WS_BK * 2 + 1024
 _GRAD_NV = 4  # SPL_GRAD_NV in splade.cu: column chunks a lane of the gradient kernels covers
 _DW_TV = 16  # SPL_DW_TV: vocabulary rows a dW CTA covers
+_RING = 4  # SPL_RING: gathered rows a warp of the 16-byte gradient kernels has in flight, + 1
 _DX_ROWS = BLOCK // 32  # (b, l) a dx CTA covers: a warp each
 _MAX_SLICES = 8  # SPL_MAX_SLICES: warps of a max block, warp y over the positions l = y mod 8
 _MAX_FILL = 1024  # max blocks per tile wanted (~8 per SM of an H100)
@@ -271,6 +272,16 @@ def _grad_chunks(d: int, vec: bool, item: int) -> int:
     return max(1, -(-d // (32 * _GRAD_NV * (16 // item if vec else 1))))
 
 
+def _ring_smem(kern) -> int:
+    """The dynamic shared memory of the 16-byte gradient kernels (splade_dwv, splade_dxv): a
+    ring of ``_RING`` gathered rows per warp (SPL_RING_BYTES a warp), opted in above 48 KiB once
+    per kernel."""
+    smem = (BLOCK // 32) * _RING * _GRAD_NV * 32 * 16
+    if kern.max_dynamic_shared_size_bytes < smem:
+        kern.max_dynamic_shared_size_bytes = smem
+    return smem
+
+
 def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     """``(dx, dweight, dbias)`` from the forward's out and arg-max (see the module notes)."""
     import cupy as cp
@@ -287,10 +298,10 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     dbias = cp.empty((v,), dt) if has_bias else None
     # 16-byte row access where every row the kernel reads or writes is 16-byte aligned
     vec_x = _rows_aligned(xs.data.ptr, d, d, dt.itemsize)  # (contiguous: rows d apart)
-    kernels.get_kernel(FILE, f"splade_dw{'v' if vec_x else ''}_{tag}", dt)(
-        (-(-v // _DW_TV), _grad_chunks(d, vec_x, dt.itemsize)), (BLOCK,),
-        (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v), np.int32(act),
-         dw, dbias if dbias is not None else 0))
+    kern = kernels.get_kernel(FILE, f"splade_dw{'v' if vec_x else ''}_{tag}", dt)
+    kern((-(-v // _DW_TV), _grad_chunks(d, vec_x, dt.itemsize)), (BLOCK,),
+         (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v), np.int32(act),
+          dw, dbias if dbias is not None else 0), shared_mem=_ring_smem(kern) if vec_x else 0)
     # dx: group the active (b, v) by (b, l*) in increasing v, then a warp per (b, l)
     seg, nseg = _segments(v)
     counts = cp.zeros((b, l, nseg), np.int32)
@@ -314,10 +325,11 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     sv, sd = weight.strides[0] // item, weight.strides[1] // item
     vec_w = sd == 1 and _rows_aligned(weight.data.ptr, d, sv, item)
     dx = cp.empty((b, l, d), dt)
-    kernels.get_kernel(FILE, "splade_dxv" if vec_w else "splade_dx", dt)(
-        (-(-(b * l) // _DX_ROWS), _grad_chunks(d, vec_w, item)), (BLOCK,),
-        (weight, np.int64(sv), np.int64(sd), out, g, lst, excl, incl, np.int32(b),
-         np.int32(v), np.int32(l), np.int32(d), np.int32(nseg), np.int32(act), dx))
+    kern = kernels.get_kernel(FILE, "splade_dxv" if vec_w else "splade_dx", dt)
+    kern((-(-(b * l) // _DX_ROWS), _grad_chunks(d, vec_w, item)), (BLOCK,),
+         (weight, np.int64(sv), np.int64(sd), out, g, lst, excl, incl, np.int32(b),
+          np.int32(v), np.int32(l), np.int32(d), np.int32(nseg), np.int32(act), dx),
+         shared_mem=_ring_smem(kern) if vec_w else 0)
     return dx, dw, dbias
 
 

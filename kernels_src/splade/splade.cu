@@ -229,6 +229,65 @@ __device__ __forceinline__ void spl_store_row(const A (&acc)[SPL_GRAD_NV][E], T*
     }
 }
 
+// The 16-byte gradient kernels keep SPL_RING rows in flight per warp: each lane copies its own
+// chunks of a gathered row into a per-warp ring in shared memory (cp.async: the copies hold no
+// registers, where loads into registers held them until their use, one row a warp in flight,
+// and left the kernels waiting on L2's latency) and reads back only its own chunks, so no
+// barrier is needed: cp.async.wait_group orders a thread's own copies before its reads, and a
+// slot is refilled only after its row was summed (the adds read it first, in program order).
+// Slot layout [warp][SPL_RING][SPL_GRAD_NV][32 lanes] x 16 bytes (conflict-free).
+#define SPL_RING 4
+#define SPL_RING_BYTES (SPL_RING * SPL_GRAD_NV * 32 * 16)  // a warp's ring
+__device__ __forceinline__ void spl_copy16(uint4* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    unsigned d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
+#else
+    *dst = *reinterpret_cast<const uint4*>(src);  // no cp.async before sm_80: a plain copy
+#endif
+}
+__device__ __forceinline__ void spl_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// wait until at most SPL_RING - 1 of this thread's copy groups are pending
+__device__ __forceinline__ void spl_wait_ring() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(SPL_RING - 1) : "memory");
+#endif
+}
+// start copying the lane's chunks of `row` (16-byte aligned, D of T) into ring slot `slot`
+template <typename T>
+__device__ __forceinline__ void spl_ring_fill(uint4* ring, int slot, const T* row, int dbase,
+                                              int D, int lane)
+{
+    enum { E = 16 / sizeof(T) };
+#pragma unroll
+    for (int q = 0; q < SPL_GRAD_NV; ++q) {
+        const int d = dbase + (q * 32 + lane) * E;
+        if (d < D) spl_copy16(ring + (slot * SPL_GRAD_NV + q) * 32 + lane, row + d);
+    }
+}
+// acc += w * the row in ring slot `slot` (the lane's chunks), in the order spl_axpy adds
+template <typename T, typename A>
+__device__ __forceinline__ void spl_ring_axpy(A (&acc)[SPL_GRAD_NV][16 / sizeof(T)], A w,
+                                              const uint4* ring, int slot, int dbase, int D,
+                                              int lane)
+{
+    enum { E = 16 / sizeof(T) };
+#pragma unroll
+    for (int q = 0; q < SPL_GRAD_NV; ++q) {
+        const int d = dbase + (q * 32 + lane) * E;
+        if (d >= D) continue;
+        const uint4 raw = ring[(slot * SPL_GRAD_NV + q) * 32 + lane];
+        const SplRow16<T> r = *reinterpret_cast<const SplRow16<T>*>(&raw);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[q][e] += w * Conv<T>::load(r.v[e]);
+    }
+}
+
 // dW[v, :] = sum_b g'[b, v] x[b, l*(b, v), :] and dbias[v] = sum_b g'[b, v], each in
 // increasing b (the same sums, in the same order, whatever the tiling).
 // CTA: SPL_DW_TV vocabulary rows (SPL_DW_TV / 8 a warp) x 32 E SPL_GRAD_NV columns of D.
@@ -294,6 +353,94 @@ __device__ __forceinline__ void splade_dw_impl(
     }
 }
 
+// dW with 16-byte rows: as splade_dw_impl (the same sums in the same order), with the (g', l*)
+// of SPL_DWV_BC batches staged at once and the x rows gathered through the warp's ring.  Each
+// warp first lists its active entries of the chunk, (k, r) in increasing k (ballot, prefix
+// popcount), then keeps SPL_RING - 1 rows in flight ahead of the one it adds.
+// Dynamic shared memory: SPL_DWV_SMEM bytes (splade.py: _DWV_SMEM).
+#define SPL_DWV_BC 64
+#define SPL_DWV_SMEM ((CPN_BLOCK / 32) * SPL_RING_BYTES)
+template <typename T, typename I>
+__device__ __forceinline__ void splade_dwv_impl(
+    const T* __restrict__ x, const T* __restrict__ out, const T* __restrict__ g,
+    const I* __restrict__ arg, int B, int L, int D, int V, int act,
+    T* __restrict__ dw, T* __restrict__ dbias)
+{
+    typedef typename Conv<T>::acc A;
+    enum { E = 16 / sizeof(T), NW = CPN_BLOCK / 32, VPW = SPL_DW_TV / NW };
+    __shared__ A sg[SPL_DWV_BC][SPL_DW_TV];
+    __shared__ int sl[SPL_DWV_BC][SPL_DW_TV];
+    __shared__ short slist[NW][SPL_DWV_BC * VPW];  // a warp's active (k VPW + r), in order
+    extern __shared__ uint4 rings[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint4* ring = rings + warp * (SPL_RING_BYTES / 16);
+    short* list = slist[warp];
+    const int v0 = blockIdx.x * SPL_DW_TV;
+    const int dbase = blockIdx.y * (32 * E * SPL_GRAD_NV);
+    A acc[VPW][SPL_GRAD_NV][E];
+    A bsum[VPW];
+#pragma unroll
+    for (int r = 0; r < VPW; ++r) {
+        bsum[r] = A(0);
+#pragma unroll
+        for (int q = 0; q < SPL_GRAD_NV; ++q)
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[r][q][e] = A(0);
+    }
+    for (int bb = 0; bb < B; bb += SPL_DWV_BC) {
+        __syncthreads();  // the previous chunk's readers are done
+        for (int t = threadIdx.x; t < SPL_DWV_BC * SPL_DW_TV; t += CPN_BLOCK) {
+            const int tb = t / SPL_DW_TV, tv = t % SPL_DW_TV;
+            const int b = bb + tb, v = v0 + tv;
+            A gp = A(0);
+            int l = 0;
+            if (b < B && v < V && !spl_entry(out, g, arg, (i64)b * V + v, L, act, gp, l)) gp = A(0);
+            sg[tb][tv] = gp;
+            sl[tb][tv] = l;
+        }
+        __syncthreads();
+        const int nb = min(SPL_DWV_BC, B - bb);
+        int n = 0;  // the warp's active entries of this chunk
+        for (int c0 = 0; c0 < nb * VPW; c0 += 32) {
+            const int c = c0 + lane;
+            const bool on = c < nb * VPW && sg[c / VPW][warp * VPW + c % VPW] != A(0);
+            const unsigned m = __ballot_sync(0xffffffffu, on);
+            if (on) list[n + __popc(m & ((1u << lane) - 1u))] = (short)c;
+            n += __popc(m);
+        }
+        __syncwarp();
+        auto fill = [&](int i) {
+            const int c = list[i], k = c / VPW, j = warp * VPW + c % VPW;
+            spl_ring_fill<T>(ring, i % SPL_RING, x + ((i64)(bb + k) * L + sl[k][j]) * D, dbase,
+                             D, lane);
+        };
+        for (int i = 0; i < SPL_RING - 1; ++i) {
+            if (i < n) fill(i);
+            spl_commit();
+        }
+        for (int i = 0; i < n; ++i) {
+            if (i + SPL_RING - 1 < n) fill(i + SPL_RING - 1);
+            spl_commit();
+            spl_wait_ring();
+            const int c = list[i], k = c / VPW, r = c % VPW;
+            const A w = sg[k][warp * VPW + r];
+#pragma unroll
+            for (int rr = 0; rr < VPW; ++rr) {
+                if (rr != r) continue;
+                bsum[rr] += w;
+                spl_ring_axpy<T, A>(acc[rr], w, ring, i % SPL_RING, dbase, D, lane);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < VPW; ++r) {
+        const int v = v0 + warp * VPW + r;
+        if (v >= V) continue;
+        spl_store_row<T, true, A, E>(acc[r], dw + (i64)v * D, dbase, D, lane);
+        if (dbias && blockIdx.y == 0 && lane == 0) dbias[v] = Conv<T>::store(bsum[r]);
+    }
+}
+
 // dx grouping, pass 1: counts[b, l, s] = number of active v of segment s of batch b whose
 // arg-max is l (integer atomics in shared memory: the counts do not depend on the order).
 // Grid (nseg, B); dynamic shared memory L ints.
@@ -328,6 +475,7 @@ __device__ __forceinline__ void splade_count_body(
 // v in increasing order, 32 at a time, and writes each active v at
 //   list[b, offset[b, l, s] + (active v of (b, l) in segment s before it)]
 // so that list[b] is ordered by (l, v).  Grid (nseg, B), 32 threads, L ints of shared memory.
+#define SPL_PLACE_ROUNDS 4
 template <typename T, typename I>
 __device__ __forceinline__ void splade_place_body(
     const T* __restrict__ out, const T* __restrict__ g, const I* __restrict__ arg,
@@ -346,23 +494,34 @@ __device__ __forceinline__ void splade_place_body(
         for (int l = lane; l < L; l += 32) scur[l] = offsets[((i64)b * L + l) * nseg + s];
     __syncwarp();
     const int v1 = min(V, (s + 1) * seg);
-    for (int base = s * seg; base < v1; base += 32) {
-        const int v = base + lane;
-        bool on = false;
-        int l = 0;
-        A gp;
-        if (v < v1) on = spl_entry(out, g, arg, (i64)b * V + v, L, act, gp, l);
-        const unsigned am = __ballot_sync(0xffffffffu, on);
-        if (on) {
-            const unsigned peers = __match_any_sync(am, l);
-            const int rank = __popc(peers & ((1u << lane) - 1u));
-            int* c = cur + cbase + (i64)l * cstride;
-            list[(i64)b * V + *c + rank] = v;
-            __syncwarp(am);  // every peer has read the cursor
-            if (rank == __popc(peers) - 1) *c += __popc(peers);
-            if (gcur) __threadfence_block();  // the next round's readers see the update
+    // SPL_PLACE_ROUNDS rounds of 32 v: their entries are all read first (the reads of one
+    // round at a time left the warp waiting on each), then placed round by round
+    for (int base = s * seg; base < v1; base += 32 * SPL_PLACE_ROUNDS) {
+        bool on[SPL_PLACE_ROUNDS];
+        int ls[SPL_PLACE_ROUNDS];
+#pragma unroll
+        for (int u = 0; u < SPL_PLACE_ROUNDS; ++u) {
+            const int v = base + 32 * u + lane;
+            A gp;
+            on[u] = false;
+            ls[u] = 0;
+            if (v < v1) on[u] = spl_entry(out, g, arg, (i64)b * V + v, L, act, gp, ls[u]);
         }
-        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < SPL_PLACE_ROUNDS; ++u) {
+            const int v = base + 32 * u + lane, l = ls[u];
+            const unsigned am = __ballot_sync(0xffffffffu, on[u]);
+            if (on[u]) {
+                const unsigned peers = __match_any_sync(am, l);
+                const int rank = __popc(peers & ((1u << lane) - 1u));
+                int* c = cur + cbase + (i64)l * cstride;
+                list[(i64)b * V + *c + rank] = v;
+                __syncwarp(am);  // every peer has read the cursor
+                if (rank == __popc(peers) - 1) *c += __popc(peers);
+                if (gcur) __threadfence_block();  // the next round's readers see the update
+            }
+            __syncwarp();
+        }
     }
 }
 
@@ -410,6 +569,69 @@ __device__ __forceinline__ void splade_dx_impl(
         }
     }
     spl_store_row<T, VEC, A, E>(acc, dx + bl * D, dbase, D, lane);
+}
+
+// dx with 16-byte W rows: as splade_dx_impl (the same sums in the same order), with the W rows
+// gathered through the warp's ring, SPL_RING - 1 rows in flight ahead of the one it adds.  The
+// lanes hold the (v, g') of the run's 32-entry chunk being added and of the next one.
+// Dynamic shared memory: SPL_DXV_SMEM bytes (splade.py: _DXV_SMEM).
+#define SPL_DXV_SMEM ((CPN_BLOCK / 32) * SPL_RING_BYTES)
+template <typename T>
+__device__ __forceinline__ void splade_dxv_impl(
+    const T* __restrict__ W, i64 sv, const T* __restrict__ out, const T* __restrict__ g,
+    const int* __restrict__ list, const int* __restrict__ excl, const int* __restrict__ incl,
+    int B, int V, int L, int D, int nseg, int act, T* __restrict__ dx)
+{
+    typedef typename Conv<T>::acc A;
+    enum { E = 16 / sizeof(T) };
+    extern __shared__ uint4 rings[];
+    const int lane = threadIdx.x & 31;
+    uint4* ring = rings + (threadIdx.x >> 5) * (SPL_RING_BYTES / 16);
+    const i64 bl = (i64)blockIdx.x * (CPN_BLOCK / 32) + (threadIdx.x >> 5);
+    if (bl >= (i64)B * L) return;  // (uniform over the warp; no block barrier below)
+    const i64 b = bl / L;
+    const int dbase = blockIdx.y * (32 * E * SPL_GRAD_NV);
+    const int start = excl[bl * nseg];
+    const int n = incl[bl * nseg + nseg - 1] - start;
+    A acc[SPL_GRAD_NV][E];
+#pragma unroll
+    for (int q = 0; q < SPL_GRAD_NV; ++q)
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[q][e] = A(0);
+    auto chunk = [&](int c, int& vl, A& wl) {  // the lane's entry of the run's chunk c
+        const int e = c * 32 + lane;
+        vl = 0;
+        wl = A(0);
+        if (e < n) {
+            vl = list[b * V + start + e];
+            const i64 o = b * V + vl;
+            wl = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act);
+        }
+    };
+    int vc, vn;  // chunk of the entry being added, and the next
+    A wc, wn;
+    chunk(0, vc, wc);
+    chunk(1, vn, wn);
+    for (int i = 0; i < SPL_RING - 1; ++i) {  // (SPL_RING - 1 < 32: all in chunk 0)
+        const int v = __shfl_sync(0xffffffffu, vc, i);
+        if (i < n) spl_ring_fill<T>(ring, i, W + (i64)v * sv, dbase, D, lane);
+        spl_commit();
+    }
+    for (int i = 0; i < n; ++i) {
+        const int j = i + SPL_RING - 1;
+        const int v = __shfl_sync(0xffffffffu, (j >> 5) == (i >> 5) ? vc : vn, j & 31);
+        if (j < n) spl_ring_fill<T>(ring, j % SPL_RING, W + (i64)v * sv, dbase, D, lane);
+        spl_commit();
+        spl_wait_ring();
+        const A w = __shfl_sync(0xffffffffu, wc, i & 31);
+        spl_ring_axpy<T, A>(acc, w, ring, i % SPL_RING, dbase, D, lane);
+        if ((i & 31) == 31) {
+            vc = vn;
+            wc = wn;
+            chunk((i >> 5) + 2, vn, wn);
+        }
+    }
+    spl_store_row<T, true, A, E>(acc, dx + bl * D, dbase, D, lane);
 }
 
 // dx grouping, between the passes: per batch row b, the inclusive and exclusive prefix sums
@@ -467,9 +689,9 @@ cpn_splade_scan(const int* __restrict__ counts, int n, int* __restrict__ incl,
 #define SPL_DW_ARGS(T, I) const T* x, const T* out, const T* g, const I* arg, int B, int L,       \
     int D, int V, int act, T* dw, T* dbias
 // dW's kernels: index type I, 16-byte rows (VEC) or element-wise
-#define SPL_DW_KERNEL(NAME, SUF, T, I, VEC)                                                  \
+#define SPL_DW_KERNEL(NAME, SUF, T, I, IMPL)                                                 \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK) NAME##_##SUF(SPL_DW_ARGS(T, I))      \
-{ splade_dw_impl<T, I, VEC>(x, out, g, arg, B, L, D, V, act, dw, dbias); }
+{ IMPL(x, out, g, arg, B, L, D, V, act, dw, dbias); }
 #define SPL_DX_ARGS(T) const T* W, i64 sv, i64 sd, const T* out, const T* g, const int* list,   \
     const int* excl, const int* incl, int B, int V, int L, int D, int nseg, int act, T* dx
 #define SPL_COUNT_ARGS(T, I) const T* out, const T* g, const I* arg, int V, int L, int seg,       \
@@ -491,10 +713,10 @@ cpn_splade_max_combine_i16_##SUF(SPL_COMBINE_ARGS(T, short))                    
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_max_combine_i32_##SUF(SPL_COMBINE_ARGS(T, int))                                   \
 { splade_max_combine_body<T, int>(pv, pa, pn, nz, nb, vt, b0, v0, V, act, out, arg); }  \
-SPL_DW_KERNEL(cpn_splade_dw_i16, SUF, T, short, false)                                       \
-SPL_DW_KERNEL(cpn_splade_dw_i32, SUF, T, int, false)                                         \
-SPL_DW_KERNEL(cpn_splade_dwv_i16, SUF, T, short, true)                                       \
-SPL_DW_KERNEL(cpn_splade_dwv_i32, SUF, T, int, true)                                         \
+SPL_DW_KERNEL(cpn_splade_dw_i16, SUF, T, short, (splade_dw_impl<T, short, false>))                                       \
+SPL_DW_KERNEL(cpn_splade_dw_i32, SUF, T, int, (splade_dw_impl<T, int, false>))                                       \
+SPL_DW_KERNEL(cpn_splade_dwv_i16, SUF, T, short, (splade_dwv_impl<T, short>))                                       \
+SPL_DW_KERNEL(cpn_splade_dwv_i32, SUF, T, int, (splade_dwv_impl<T, int>))                                       \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_count_i16_##SUF(SPL_COUNT_ARGS(T, short))                                         \
 { splade_count_body<T, short>(out, g, arg, V, L, seg, nseg, act, global, counts); }                  \
@@ -512,7 +734,7 @@ cpn_splade_dx_##SUF(SPL_DX_ARGS(T))                                             
 { splade_dx_impl<T, false>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, dx); } \
 extern "C" __global__ void __launch_bounds__(CPN_BLOCK)                                      \
 cpn_splade_dxv_##SUF(SPL_DX_ARGS(T))                                                         \
-{ splade_dx_impl<T, true>(W, sv, sd, out, g, list, excl, incl, B, V, L, D, nseg, act, dx); }
+{ splade_dxv_impl<T>(W, sv, out, g, list, excl, incl, B, V, L, D, nseg, act, dx); }
 
 SPL_DEFINE(f16, f16_t)
 SPL_DEFINE(bf16, bf16_t)

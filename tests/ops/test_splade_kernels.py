@@ -271,6 +271,35 @@ def test_gradient_kernels_row_access(dtype, d, forward_path, monkeypatch):
     assert_bitwise((out, am, grads), (out, am, again), "misaligned x / W")
 
 
+@pytest.mark.parametrize("shape", [(70, 3, 40, 300), (4, 2, 264, 2500)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_kernels_ring(dtype, shape, forward_path):
+    """The 16-byte gradient kernels gather their rows through a per-warp ring (SPL_RING rows in
+    flight): (70, 3, ..) has B over one dW staging chunk (64 batches) and (b, l) runs of ~50
+    entries; (4, 2, 264, 2500) runs of ~600 entries, over many of dx's 32-entry chunks, and D
+    over one CTA's columns for float64.  Checked against the float64 oracle, and bitwise against
+    the element-wise kernels (x and W one element past a 16-byte boundary): each gradient
+    element is the same sum in the same order either way."""
+    if forward_path != "cublas":
+        pytest.skip("the backward does not depend on the forward's path (run once, cublas)")
+    item = np.dtype(dtype).itemsize
+    inp = C.make_inputs(shape, dtype, "bool", True, seed=29, bias_shift=0.5)
+    out, am, grads = run(inp, "log1p_relu")
+    C.check_against_reference(inp, "log1p_relu", out, am, grads, case=f"ring {shape}")
+    assert (cp.asnumpy(out) > 0).mean() > 0.3  # dense enough for long runs
+    shift = max(1, 2 // item)
+    xb = cp.zeros(inp["x"].size + shift, dtype)
+    wb = cp.zeros(inp["weight"].size + shift, dtype)
+    xs = xb[shift:].reshape(inp["x"].shape)
+    ws = wb[shift:].reshape(inp["weight"].shape)
+    xs[...] = cp.asarray(inp["x"])
+    ws[...] = cp.asarray(inp["weight"])
+    again = cupynce.splade_pool_backward_from_stats(
+        xs, ws, out, am, cp.asarray(inp["grad_out"]), bias=cp.asarray(inp["bias"]),
+        activation="log1p_relu")
+    assert_bitwise((out, am, grads), (out, am, again), f"ring vs element-wise {shape}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_noncontiguous_x_and_mask(dtype):
     inp = C.make_inputs((3, 6, 10, 301), dtype, "bool", True, seed=7)
