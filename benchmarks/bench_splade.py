@@ -26,6 +26,10 @@ Implementations (each computes out and the gradients of x, W and bias):
                  (it is not on PyPI: install it from its repository to compare).
 ``gemm``         the single forward GEMM (B·L × D by D × V) alone, torch ``x2d @ W.T`` into a
                  preallocated bf16 output: the yardstick of the issue's 1.6× / 1.3× targets.
+``gather``       the backward's floor as a gather: for every active (b, v) the two rows its
+                 gradients read, x[b, l*] and W[v] (``_GATHER``: 16-byte loads, a warp per
+                 row, every SM full of warps, no arithmetic), i.e. the bytes dW and dx must
+                 bring to the SMs once the rows are read once per active entry.
 
 Timing and memory through ``cupynce.report.harness`` (CUDA events, medians of several runs, peak
 memory above the inputs from CuPy's pool hook + torch's allocator statistics).
@@ -110,6 +114,54 @@ def sparton_step(torch, x, w, bias, mask, g):
     return step
 
 
+#: the gather floor's kernel (a measurement, not part of cupynce): warp i reads rows i, i + warps,
+#: ... of ``a`` (``chunks`` 16-byte chunks a row) through L2, folding them into a value that
+#: only decides whether one word is written (so no load is optimised away)
+_GATHER = r"""
+extern "C" __global__ void __launch_bounds__(256) gather_rows(
+    const uint4* __restrict__ a, const long long* __restrict__ rows, long long n, int chunks,
+    unsigned* __restrict__ sink)
+{
+    unsigned acc = 0;
+    const long long nw = ((long long)gridDim.x * blockDim.x) >> 5;
+    const int lane = threadIdx.x & 31;
+#pragma unroll 4
+    for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < n; i += nw) {
+        const uint4* r = a + rows[i] * chunks;
+        for (int c = lane; c < chunks; c += 32) {
+            const uint4 v = __ldcg(r + c);
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+"""
+
+
+def gather_floor(x, w, out, arg, g):
+    """A callable reading, for each active (b, v) (out > 0, grad_out != 0), the rows x[b, l*]
+    and W[v] once (16-byte rows only): the backward's gathers without their arithmetic."""
+    import cupy as cp
+
+    b, l, d = x.shape
+    item = x.dtype.itemsize
+    if d * item % 16:
+        return None
+    kern = cp.RawKernel(_GATHER, "gather_rows")
+    bi, vi = cp.nonzero((out.astype(cp.float32) > 0) & (g.astype(cp.float32) != 0))
+    xrows = (bi * l + arg[bi, vi].astype(cp.int64)).astype(cp.int64)
+    wrows = vi.astype(cp.int64)
+    xs, ws = (cp.ascontiguousarray(a).view(cp.uint8) for a in (x, w))
+    sink = cp.zeros(1, cp.uint32)
+    chunks = np.int32(d * item // 16)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+
+    def run():
+        for a, rows in ((xs, xrows), (ws, wrows)):
+            kern((8 * sms,), (256,), (a, rows, np.int64(rows.size), chunks, sink))
+    return run
+
+
 def run_one(shape, density, args, torch) -> Dict[str, Any]:
     import cupy as cp
 
@@ -138,7 +190,10 @@ def run_one(shape, density, args, torch) -> Dict[str, Any]:
     _o, c = fwd(x, w, bias, mask)
     rec["cupynce_bwd"] = run_case(lambda: cupynce.splade_pool_backward(c, g), **rep,
                                   memory=False, catch_errors=True)
-    del _o, c
+    floor = gather_floor(x, w, _o, c.stats[0], g)
+    if floor is not None:
+        rec["gather"] = run_case(floor, **rep, memory=False, catch_errors=True)
+    del _o, c, floor
     if torch is not None:
         tx, tw, tb = (torch.from_dlpack(a).clone().requires_grad_(True) for a in (x, w, bias))
         tm, tg = torch.from_dlpack(mask).clone(), torch.from_dlpack(g).clone()
@@ -200,13 +255,14 @@ def table(records: List[Dict[str, Any]]) -> str:
         rows.append([
             f"{r['B']}, {r['L']}, {r['D']}, {r['V']}", f"{100 * r['density']:.1f}%",
             f"{fmt_ms(ours)} ({fmt_ms(_ms(r.get('cupynce_fwd')))} + {fmt_ms(_ms(r.get('cupynce_bwd')))})",
+            fmt_ms(_ms(r.get("gather"))),
             fmt_mib(mem), f"{fmt_ms(eager)}, {fmt_mib(emem)}", f"{fmt_ms(comp)}, {fmt_mib(cmem)}",
             sparton, fmt_ms(gemm),
             fmt_ratio(ours / gemm if ours and gemm else None),
             fmt_ratio(eager / ours if ours and eager else None),
             fmt_ratio(mem / emem if mem is not None and emem else None).replace("×", ""),
         ])
-    return markdown_table(["B, L, D, V", "density", "cupynce ms (fwd + bwd)", "MiB",
+    return markdown_table(["B, L, D, V", "density", "cupynce ms (fwd + bwd)", "gather ms", "MiB",
                            "eager ms, MiB", "compile ms, MiB", "sparton ms, MiB", "GEMM ms",
                            "cupynce / GEMM",
                            "eager / cupynce", "memory / eager"], rows)

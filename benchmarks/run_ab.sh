@@ -19,7 +19,8 @@
 #                CLIP and NT-Xent, bf16, N = 256, 1024) on both trees, alternating: the host
 #                time a call costs                                              [~2 min]
 #
-# Logs and JSON go to $OUT (default ./ab-out); the CuPy kernel cache to $OUT/cupy_cache
+# Logs and JSON go to $OUT (default ./ab-out); the CuPy kernel cache to $TMPDIR/cupynce_ab_cache
+# (outside $OUT: a lent machine sends back a limited count of files)
 # (both trees compile the same pasted sources: they share it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,7 @@ if [ -z "$BEFORE" ] && { [ -z "${BASELINE:-}" ] || [[ " $* " == *" bench "* ]]; 
   echo "set BEFORE to the old tree (BASELINE alone serves the fingerprint stage)"; exit 2
 fi
 OUT=$(mkdir -p "${OUT:-ab-out}" && cd "${OUT:-ab-out}" && pwd)
-export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$OUT/cupy_cache}
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/cupynce_ab_cache}
 nvidia-smi -L | tee "$OUT/device.txt"
 T0=$(date +%s)
 stamp() { echo "[$1: rc $2, $(( $(date +%s) - T0 )) s]"; }

@@ -69,7 +69,8 @@ _WS_CLUSTER = 2  # SW_CLUSTER: CTAs per cluster, sharing (multicasting) the x lo
 #: GPU test checks it against cpn_spmax_ws_smem)
 _WS_SMEM = 4 * (_WS_BM + _WS_BN) * _WS_BK * 2 + 1024
 _GRAD_NV = 4  # SPL_GRAD_NV in splade.cu: column chunks a lane of the gradient kernels covers
-_DW_TV = 16  # SPL_DW_TV: vocabulary rows a dW CTA covers
+_DW_TV = 16  # SPL_DW_TV: vocabulary rows a dW CTA covers (element-wise rows)
+_DWV_TV = BLOCK // 32  # SPL_DWV_TV: vocabulary rows a 16-byte dW CTA covers, a warp each
 _RING = 4  # SPL_RING: gathered rows a warp of the 16-byte gradient kernels has in flight, + 1
 _DX_ROWS = BLOCK // 32  # (b, l) a dx CTA covers: a warp each
 _MAX_SLICES = 8  # SPL_MAX_SLICES: warps of a max block, warp y over the positions l = y mod 8
@@ -81,10 +82,14 @@ _MIN_CHUNK = 64  # fewest positions per chunk when the sequence is split across 
 _MAX_STAGED_MASK = 32 << 10
 _MAX_SHARED_CURSORS = 32 << 10
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (batches per launch)
-#: Vocabulary segments per batch in the dx grouping (more segments: more parallel placement,
-#: larger count arrays).
-_MAX_SEGMENTS = 16
-_MIN_SEGMENT = 2048
+#: Vocabulary segments per batch in the dx grouping: each is placed by one warp, so more
+#: segments place in parallel (at (32, 256, 768, 30522), 16 segments of 2048 left ~480 warps
+#: for the GPU and the place pass took ~90 us), at the price of larger count arrays (B L nseg
+#: ints, three of them) and a longer scan per batch row, held to _MAX_SCAN ints.
+_MAX_SEGMENTS = 64
+_MIN_SEGMENT = 512
+_MAX_SCAN = 16384
+_SCAN_BLOCK = 1024  # SPL_SCAN_BLOCK: threads of the scan (16 ints each: a row of _MAX_SCAN at once)
 
 
 def index_dtype(length: int) -> np.dtype:
@@ -254,8 +259,10 @@ def _position_chunks(blocks: int, l: int) -> int:
     return max(1, min(-(-_MAX_FILL // max(blocks, 1)), l // _MIN_CHUNK))
 
 
-def _segments(v: int) -> Tuple[int, int]:
-    seg = max(_MIN_SEGMENT, -(-v // _MAX_SEGMENTS))
+def _segments(v: int, l: int) -> Tuple[int, int]:
+    """(segment length, segments) of the dx grouping for ``v`` words and ``l`` positions."""
+    most = max(1, min(_MAX_SEGMENTS, _MAX_SCAN // max(l, 1)))
+    seg = max(_MIN_SEGMENT, -(-v // most))
     return seg, -(-v // seg)
 
 
@@ -299,11 +306,11 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     # 16-byte row access where every row the kernel reads or writes is 16-byte aligned
     vec_x = _rows_aligned(xs.data.ptr, d, d, dt.itemsize)  # (contiguous: rows d apart)
     kern = kernels.get_kernel(FILE, f"splade_dw{'v' if vec_x else ''}_{tag}", dt)
-    kern((-(-v // _DW_TV), _grad_chunks(d, vec_x, dt.itemsize)), (BLOCK,),
+    kern((-(-v // (_DWV_TV if vec_x else _DW_TV)), _grad_chunks(d, vec_x, dt.itemsize)), (BLOCK,),
          (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v), np.int32(act),
           dw, dbias if dbias is not None else 0), shared_mem=_ring_smem(kern) if vec_x else 0)
     # dx: group the active (b, v) by (b, l*) in increasing v, then a warp per (b, l)
-    seg, nseg = _segments(v)
+    seg, nseg = _segments(v, l)
     counts = cp.zeros((b, l, nseg), np.int32)
     scal = (np.int32(v), np.int32(l), np.int32(seg), np.int32(nseg), np.int32(act))
     glob = 4 * l > _MAX_SHARED_CURSORS  # long sequences: counts and cursors in global memory
@@ -315,7 +322,7 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     incl, excl = (cp.empty((b, l * nseg), np.int32) for _ in range(2))
     cursors = cp.empty((b, l * nseg), np.int32) if glob else None
     kernels.get_function(FILE, "cpn_splade_scan")(
-        (b,), (BLOCK,), (counts, np.int32(l * nseg), incl, excl,
+        (b,), (_SCAN_BLOCK,), (counts, np.int32(l * nseg), incl, excl,
                          cursors if cursors is not None else 0))
     lst = cp.empty((b, v), np.int32)
     kernels.get_kernel(FILE, f"splade_place_{tag}", dt)(

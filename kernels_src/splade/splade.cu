@@ -229,24 +229,54 @@ __device__ __forceinline__ void spl_store_row(const A (&acc)[SPL_GRAD_NV][E], T*
     }
 }
 
-// The 16-byte gradient kernels keep SPL_RING rows in flight per warp: each lane copies its own
-// chunks of a gathered row into a per-warp ring in shared memory (cp.async: the copies hold no
-// registers, where loads into registers held them until their use, one row a warp in flight,
-// and left the kernels waiting on L2's latency) and reads back only its own chunks, so no
-// barrier is needed: cp.async.wait_group orders a thread's own copies before its reads, and a
-// slot is refilled only after its row was summed (the adds read it first, in program order).
-// Slot layout [warp][SPL_RING][SPL_GRAD_NV][32 lanes] x 16 bytes (conflict-free).
+// The 16-byte gradient kernels keep SPL_RING - 1 rows in flight per warp beyond the one they
+// add: each lane copies its own chunks of a gathered row into a per-warp ring in shared memory
+// (cp.async: the copies hold no registers, where loads into registers held them until their
+// use, one row a warp in flight) and reads back only its own chunks, so no barrier is needed:
+// cp.async.wait_group orders a thread's own copies before its reads, and a slot is refilled
+// only after its row was added (the adds consume the reads first, in program order).
+// Slot layout [warp][SPL_RING][SPL_GRAD_NV][32 lanes] x 16 bytes (conflict-free).  The kernels
+// are issue-bound, not memory-bound, once rows are in flight: every address is a base set up
+// once plus a constant (chunk q of a row is 512 bytes after chunk q - 1, in global and shared
+// memory alike), and the 16 bytes are widened to A with integer shifts (bf16) where possible.
 #define SPL_RING 4
 #define SPL_RING_BYTES (SPL_RING * SPL_GRAD_NV * 32 * 16)  // a warp's ring
-__device__ __forceinline__ void spl_copy16(uint4* dst, const void* src) {
+#define SPL_SLOT_BYTES (SPL_GRAD_NV * 32 * 16)
+struct SplRing {
+    unsigned base;  // shared address of the lane's chunk 0 in slot 0
+    int nq;         // the lane's chunks inside [0, D): q < nq
+    __device__ __forceinline__ SplRing(const void* warp_ring, int dbase, int D, int E, int lane) {
+        asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+            : "=r"(base) : "l"(warp_ring));
+        base += lane * 16;
+        const int d0 = dbase + lane * E;  // chunk q starts at d0 + 32 E q
+        nq = d0 < D ? min(SPL_GRAD_NV, (D - d0 + 32 * E - 1) / (32 * E)) : 0;
+    }
+    // start copying the lane's chunks of a row (src: the row + the lane's first column)
+    __device__ __forceinline__ void fill(int slot, const void* src) const {
+        const unsigned dst = base + slot * SPL_SLOT_BYTES;
+        const char* g = static_cast<const char*>(src);
+#pragma unroll
+        for (int q = 0; q < SPL_GRAD_NV; ++q) {
+            if (q >= nq) break;
 #if __CUDA_ARCH__ >= 800
-    unsigned d;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
-#else
-    *dst = *reinterpret_cast<const uint4*>(src);  // no cp.async before sm_80: a plain copy
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                         :: "r"(dst + q * 512), "l"(g + q * 512));
+#else  // no cp.async before sm_80: a plain copy
+            uint4 v = *reinterpret_cast<const uint4*>(g + q * 512);
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                         :: "r"(dst + q * 512), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 #endif
-}
+        }
+    }
+    __device__ __forceinline__ uint4 read(int slot, int q) const {
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(base + slot * SPL_SLOT_BYTES + q * 512));
+        return v;
+    }
+};
 __device__ __forceinline__ void spl_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::);
@@ -258,33 +288,55 @@ __device__ __forceinline__ void spl_wait_ring() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(SPL_RING - 1) : "memory");
 #endif
 }
-// start copying the lane's chunks of `row` (16-byte aligned, D of T) into ring slot `slot`
-template <typename T>
-__device__ __forceinline__ void spl_ring_fill(uint4* ring, int slot, const T* row, int dbase,
-                                              int D, int lane)
-{
-    enum { E = 16 / sizeof(T) };
+// acc[e] += w * the 16 bytes u as E values of T (in order e = 0 .. E - 1)
+template <typename T, typename A>
+__device__ __forceinline__ void spl_fma16(A* acc, A w, uint4 u) {
+    const SplRow16<T> r = *reinterpret_cast<const SplRow16<T>*>(&u);
 #pragma unroll
-    for (int q = 0; q < SPL_GRAD_NV; ++q) {
-        const int d = dbase + (q * 32 + lane) * E;
-        if (d < D) spl_copy16(ring + (slot * SPL_GRAD_NV + q) * 32 + lane, row + d);
+    for (int e = 0; e < 16 / (int)sizeof(T); ++e) acc[e] += w * Conv<T>::load(r.v[e]);
+}
+template <>
+__device__ __forceinline__ void spl_fma16<bf16_t, float>(float* acc, float w, uint4 u) {
+    const unsigned p[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // element 2k in the low half, 2k + 1 in the high half
+        acc[2 * k] += w * __uint_as_float(p[k] << 16);
+        acc[2 * k + 1] += w * __uint_as_float(p[k] & 0xffff0000u);
+    }
+}
+template <>
+__device__ __forceinline__ void spl_fma16<float, float>(float* acc, float w, uint4 u) {
+    acc[0] += w * __uint_as_float(u.x);
+    acc[1] += w * __uint_as_float(u.y);
+    acc[2] += w * __uint_as_float(u.z);
+    acc[3] += w * __uint_as_float(u.w);
+}
+template <>
+__device__ __forceinline__ void spl_fma16<double, double>(double* acc, double w, uint4 u) {
+    acc[0] += w * __hiloint2double((int)u.y, (int)u.x);
+    acc[1] += w * __hiloint2double((int)u.w, (int)u.z);
+}
+template <>
+__device__ __forceinline__ void spl_fma16<f16_t, float>(float* acc, float w, uint4 u) {
+    const unsigned p[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        f16_t lo, hi;
+        lo.bits = (unsigned short)(p[k] & 0xffffu);
+        hi.bits = (unsigned short)(p[k] >> 16);
+        acc[2 * k] += w * to_f32(lo);
+        acc[2 * k + 1] += w * to_f32(hi);
     }
 }
 // acc += w * the row in ring slot `slot` (the lane's chunks), in the order spl_axpy adds
 template <typename T, typename A>
 __device__ __forceinline__ void spl_ring_axpy(A (&acc)[SPL_GRAD_NV][16 / sizeof(T)], A w,
-                                              const uint4* ring, int slot, int dbase, int D,
-                                              int lane)
+                                              const SplRing& ring, int slot)
 {
-    enum { E = 16 / sizeof(T) };
 #pragma unroll
     for (int q = 0; q < SPL_GRAD_NV; ++q) {
-        const int d = dbase + (q * 32 + lane) * E;
-        if (d >= D) continue;
-        const uint4 raw = ring[(slot * SPL_GRAD_NV + q) * 32 + lane];
-        const SplRow16<T> r = *reinterpret_cast<const SplRow16<T>*>(&raw);
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[q][e] += w * Conv<T>::load(r.v[e]);
+        if (q >= ring.nq) break;
+        spl_fma16<T, A>(acc[q], w, ring.read(slot, q));
     }
 }
 
@@ -294,7 +346,8 @@ __device__ __forceinline__ void spl_ring_axpy(A (&acc)[SPL_GRAD_NV][16 / sizeof(
 // The (g', l*) of SPL_DW_BC batches x those rows are staged in shared memory by one load per
 // thread, consecutive threads on consecutive v (coalesced: a block per v read each entry
 // alone, a 32-byte sector for 2 bytes); then each warp walks the batches for its rows and
-// gathers only the x rows of the active entries, 16 bytes a lane (VEC) where x's rows allow.
+// gathers only the x rows of the active entries (instantiated element-wise, VEC = false: the
+// 16-byte kernel for aligned rows is splade_dwv_impl).
 // Grid (ceil(V / SPL_DW_TV), ceil(D / (32 E SPL_GRAD_NV))), CPN_BLOCK threads.
 #define SPL_DW_TV 16
 #define SPL_DW_BC (CPN_BLOCK / SPL_DW_TV)
@@ -353,11 +406,14 @@ __device__ __forceinline__ void splade_dw_impl(
     }
 }
 
-// dW with 16-byte rows: as splade_dw_impl (the same sums in the same order), with the (g', l*)
-// of SPL_DWV_BC batches staged at once and the x rows gathered through the warp's ring.  Each
-// warp first lists its active entries of the chunk, (k, r) in increasing k (ballot, prefix
+// dW with 16-byte rows: as splade_dw_impl (the same sums in the same order), one vocabulary
+// row a warp (SPL_DWV_TV = 8 a CTA: two rows' accumulators left too few warps resident), the
+// (g', l*) of SPL_DWV_BC batches staged at once and the x rows gathered through the warp's
+// ring.  Each warp first lists its active entries of the chunk in increasing b (ballot, prefix
 // popcount), then keeps SPL_RING - 1 rows in flight ahead of the one it adds.
-// Dynamic shared memory: SPL_DWV_SMEM bytes (splade.py: _DWV_SMEM).
+// Grid (ceil(V / SPL_DWV_TV), ceil(D / (32 E SPL_GRAD_NV))), CPN_BLOCK threads; dynamic shared
+// memory SPL_DWV_SMEM bytes (splade.py: _ring_smem).
+#define SPL_DWV_TV (CPN_BLOCK / 32)
 #define SPL_DWV_BC 64
 #define SPL_DWV_SMEM ((CPN_BLOCK / 32) * SPL_RING_BYTES)
 template <typename T, typename I>
@@ -367,78 +423,70 @@ __device__ __forceinline__ void splade_dwv_impl(
     T* __restrict__ dw, T* __restrict__ dbias)
 {
     typedef typename Conv<T>::acc A;
-    enum { E = 16 / sizeof(T), NW = CPN_BLOCK / 32, VPW = SPL_DW_TV / NW };
-    __shared__ A sg[SPL_DWV_BC][SPL_DW_TV];
-    __shared__ int sl[SPL_DWV_BC][SPL_DW_TV];
-    __shared__ short slist[NW][SPL_DWV_BC * VPW];  // a warp's active (k VPW + r), in order
+    enum { E = 16 / sizeof(T), NW = CPN_BLOCK / 32 };
+    __shared__ A sg[SPL_DWV_BC][SPL_DWV_TV];
+    __shared__ int sl[SPL_DWV_BC][SPL_DWV_TV];
+    // a warp's active entries of the chunk, in increasing b: g' and the x row (b L + l)
+    __shared__ A lw[NW][SPL_DWV_BC];
+    __shared__ long long lrow[NW][SPL_DWV_BC];
     extern __shared__ uint4 rings[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    uint4* ring = rings + warp * (SPL_RING_BYTES / 16);
-    short* list = slist[warp];
-    const int v0 = blockIdx.x * SPL_DW_TV;
+    const int v = blockIdx.x * SPL_DWV_TV + warp;  // the warp's row
     const int dbase = blockIdx.y * (32 * E * SPL_GRAD_NV);
-    A acc[VPW][SPL_GRAD_NV][E];
-    A bsum[VPW];
+    const SplRing ring(rings + warp * (SPL_RING_BYTES / 16), dbase, D, E, lane);
+    const T* xl = x + dbase + lane * E;  // + row * D: the lane's first column of a row
+    A acc[SPL_GRAD_NV][E];
+    A bsum = A(0);
 #pragma unroll
-    for (int r = 0; r < VPW; ++r) {
-        bsum[r] = A(0);
+    for (int q = 0; q < SPL_GRAD_NV; ++q)
 #pragma unroll
-        for (int q = 0; q < SPL_GRAD_NV; ++q)
-#pragma unroll
-            for (int e = 0; e < E; ++e) acc[r][q][e] = A(0);
-    }
+        for (int e = 0; e < E; ++e) acc[q][e] = A(0);
     for (int bb = 0; bb < B; bb += SPL_DWV_BC) {
         __syncthreads();  // the previous chunk's readers are done
-        for (int t = threadIdx.x; t < SPL_DWV_BC * SPL_DW_TV; t += CPN_BLOCK) {
-            const int tb = t / SPL_DW_TV, tv = t % SPL_DW_TV;
-            const int b = bb + tb, v = v0 + tv;
+        for (int t = threadIdx.x; t < SPL_DWV_BC * SPL_DWV_TV; t += CPN_BLOCK) {
+            const int tb = t / SPL_DWV_TV, tv = t % SPL_DWV_TV;
+            const int b = bb + tb, vt = blockIdx.x * SPL_DWV_TV + tv;
             A gp = A(0);
             int l = 0;
-            if (b < B && v < V && !spl_entry(out, g, arg, (i64)b * V + v, L, act, gp, l)) gp = A(0);
+            if (b < B && vt < V && !spl_entry(out, g, arg, (i64)b * V + vt, L, act, gp, l))
+                gp = A(0);
             sg[tb][tv] = gp;
             sl[tb][tv] = l;
         }
         __syncthreads();
         const int nb = min(SPL_DWV_BC, B - bb);
-        int n = 0;  // the warp's active entries of this chunk
-        for (int c0 = 0; c0 < nb * VPW; c0 += 32) {
-            const int c = c0 + lane;
-            const bool on = c < nb * VPW && sg[c / VPW][warp * VPW + c % VPW] != A(0);
+        int n = 0;  // the warp's active entries of this chunk, listed in order
+        for (int k0 = 0; k0 < nb; k0 += 32) {
+            const int k = k0 + lane;
+            const A w = k < nb ? sg[k][warp] : A(0);
+            const bool on = w != A(0);  // (a NaN g' is active and propagates)
             const unsigned m = __ballot_sync(0xffffffffu, on);
-            if (on) list[n + __popc(m & ((1u << lane) - 1u))] = (short)c;
+            if (on) {
+                const int p = n + __popc(m & ((1u << lane) - 1u));
+                lw[warp][p] = w;
+                lrow[warp][p] = (long long)(bb + k) * L + sl[k][warp];
+            }
             n += __popc(m);
         }
         __syncwarp();
-        auto fill = [&](int i) {
-            const int c = list[i], k = c / VPW, j = warp * VPW + c % VPW;
-            spl_ring_fill<T>(ring, i % SPL_RING, x + ((i64)(bb + k) * L + sl[k][j]) * D, dbase,
-                             D, lane);
-        };
         for (int i = 0; i < SPL_RING - 1; ++i) {
-            if (i < n) fill(i);
+            if (i < n) ring.fill(i, xl + lrow[warp][i] * D);
             spl_commit();
         }
         for (int i = 0; i < n; ++i) {
-            if (i + SPL_RING - 1 < n) fill(i + SPL_RING - 1);
+            const int j = i + SPL_RING - 1;
+            if (j < n) ring.fill(j % SPL_RING, xl + lrow[warp][j] * D);
             spl_commit();
             spl_wait_ring();
-            const int c = list[i], k = c / VPW, r = c % VPW;
-            const A w = sg[k][warp * VPW + r];
-#pragma unroll
-            for (int rr = 0; rr < VPW; ++rr) {
-                if (rr != r) continue;
-                bsum[rr] += w;
-                spl_ring_axpy<T, A>(acc[rr], w, ring, i % SPL_RING, dbase, D, lane);
-            }
+            const A w = lw[warp][i];
+            bsum += w;
+            spl_ring_axpy<T, A>(acc, w, ring, i % SPL_RING);
         }
+        __syncwarp();  // the list is read before the next chunk rewrites it
     }
-#pragma unroll
-    for (int r = 0; r < VPW; ++r) {
-        const int v = v0 + warp * VPW + r;
-        if (v >= V) continue;
-        spl_store_row<T, true, A, E>(acc[r], dw + (i64)v * D, dbase, D, lane);
-        if (dbias && blockIdx.y == 0 && lane == 0) dbias[v] = Conv<T>::store(bsum[r]);
-    }
+    if (v >= V) return;
+    spl_store_row<T, true, A, E>(acc, dw + (i64)v * D, dbase, D, lane);
+    if (dbias && blockIdx.y == 0 && lane == 0) dbias[v] = Conv<T>::store(bsum);
 }
 
 // dx grouping, pass 1: counts[b, l, s] = number of active v of segment s of batch b whose
@@ -529,8 +577,8 @@ __device__ __forceinline__ void splade_place_body(
 // W is (V, D) with element strides (sv, sd): a row-major matrix or the transpose of one.
 // A warp per (b, l) (8 consecutive positions a CTA) and 32 E SPL_GRAD_NV columns of D: the
 // lanes read 32 entries of the (b, l) run of the list at once (its v and g'), then the warp
-// adds their W rows in list order, 16 bytes a lane (VEC: sd == 1, aligned rows).  No block
-// barrier.  Grid (ceil(B L / 8), ceil(D / (32 E SPL_GRAD_NV))), CPN_BLOCK threads; every
+// adds their W rows in list order (instantiated element-wise, VEC = false: any strides; the
+// 16-byte kernel for aligned rows with sd == 1 is splade_dxv_impl).  No block barrier.  Grid (ceil(B L / 8), ceil(D / (32 E SPL_GRAD_NV))), CPN_BLOCK threads; every
 // (b, l) is written (zeros when its run is empty).
 template <typename T, bool VEC>
 __device__ __forceinline__ void splade_dx_impl(
@@ -586,45 +634,46 @@ __device__ __forceinline__ void splade_dxv_impl(
     enum { E = 16 / sizeof(T) };
     extern __shared__ uint4 rings[];
     const int lane = threadIdx.x & 31;
-    uint4* ring = rings + (threadIdx.x >> 5) * (SPL_RING_BYTES / 16);
     const i64 bl = (i64)blockIdx.x * (CPN_BLOCK / 32) + (threadIdx.x >> 5);
     if (bl >= (i64)B * L) return;  // (uniform over the warp; no block barrier below)
     const i64 b = bl / L;
     const int dbase = blockIdx.y * (32 * E * SPL_GRAD_NV);
-    const int start = excl[bl * nseg];
-    const int n = incl[bl * nseg + nseg - 1] - start;
+    const SplRing ring(rings + (threadIdx.x >> 5) * (SPL_RING_BYTES / 16), dbase, D, E, lane);
+    const T* wl = W + dbase + lane * E;  // + v sv: the lane's first column of row v
+    const int* run = list + b * V + excl[bl * nseg];  // the (b, l) run: its v, increasing
+    const int n = incl[bl * nseg + nseg - 1] - excl[bl * nseg];
     A acc[SPL_GRAD_NV][E];
 #pragma unroll
     for (int q = 0; q < SPL_GRAD_NV; ++q)
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[q][e] = A(0);
-    auto chunk = [&](int c, int& vl, A& wl) {  // the lane's entry of the run's chunk c
+    // the lanes hold the (v, g') of the run's 32-entry chunk being added and of the next
+    auto chunk = [&](int c, int& vl, A& wl_) {
         const int e = c * 32 + lane;
         vl = 0;
-        wl = A(0);
+        wl_ = A(0);
         if (e < n) {
-            vl = list[b * V + start + e];
+            vl = run[e];
             const i64 o = b * V + vl;
-            wl = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act);
+            wl_ = spl_gprime(Conv<T>::load(out[o]), Conv<T>::load(g[o]), act);
         }
     };
-    int vc, vn;  // chunk of the entry being added, and the next
+    int vc, vn;
     A wc, wn;
     chunk(0, vc, wc);
     chunk(1, vn, wn);
     for (int i = 0; i < SPL_RING - 1; ++i) {  // (SPL_RING - 1 < 32: all in chunk 0)
         const int v = __shfl_sync(0xffffffffu, vc, i);
-        if (i < n) spl_ring_fill<T>(ring, i, W + (i64)v * sv, dbase, D, lane);
+        if (i < n) ring.fill(i, wl + v * sv);
         spl_commit();
     }
     for (int i = 0; i < n; ++i) {
         const int j = i + SPL_RING - 1;
         const int v = __shfl_sync(0xffffffffu, (j >> 5) == (i >> 5) ? vc : vn, j & 31);
-        if (j < n) spl_ring_fill<T>(ring, j % SPL_RING, W + (i64)v * sv, dbase, D, lane);
+        if (j < n) ring.fill(j % SPL_RING, wl + v * sv);
         spl_commit();
         spl_wait_ring();
-        const A w = __shfl_sync(0xffffffffu, wc, i & 31);
-        spl_ring_axpy<T, A>(acc, w, ring, i % SPL_RING, dbase, D, lane);
+        spl_ring_axpy<T, A>(acc, __shfl_sync(0xffffffffu, wc, i & 31), ring, i % SPL_RING);
         if ((i & 31) == 31) {
             vc = vn;
             wc = wn;
@@ -637,27 +686,41 @@ __device__ __forceinline__ void splade_dxv_impl(
 // dx grouping, between the passes: per batch row b, the inclusive and exclusive prefix sums
 // of counts[b, :] (n = L * nseg ints in (l, s) order): excl is the place pass's offsets (and
 // excl2, when given, its global cursors: a copy it may overwrite), incl and excl bound each
-// (b, l)'s run in the dx pass.  Integer sums, exact in any order.  Grid (B), CPN_BLOCK threads:
-// the row in chunks of CPN_BLOCK, a warp-shuffle scan, the warps' totals scanned by warp 0.
-extern "C" __global__ void __launch_bounds__(CPN_BLOCK)
+// (b, l)'s run in the dx pass.  Integer sums, exact in any order.  Grid (B), SPL_SCAN_BLOCK threads:
+// the row in chunks of SPL_SCAN_ITEMS SPL_SCAN_BLOCK ints (one chunk for rows up to splade.py's
+// _MAX_SCAN), warp w over the chunk's w-th run of 32 SPL_SCAN_ITEMS ints, lane over ints
+// lane, lane + 32, ...: every read and write coalesced, all of a thread's reads issued at
+// once; SPL_SCAN_ITEMS warp-shuffle scans per warp, the warps' totals scanned by warp 0.
+#define SPL_SCAN_ITEMS 16
+#define SPL_SCAN_BLOCK 1024
+extern "C" __global__ void __launch_bounds__(SPL_SCAN_BLOCK)
 cpn_splade_scan(const int* __restrict__ counts, int n, int* __restrict__ incl,
                 int* __restrict__ excl, int* __restrict__ excl2)
 {
-    constexpr int WARPS = CPN_BLOCK / 32;
+    constexpr int WARPS = SPL_SCAN_BLOCK / 32;
     __shared__ int wsum[WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const i64 row = (i64)blockIdx.x * n;
     int carry = 0;
-    for (int base = 0; base < n; base += CPN_BLOCK) {
-        const int i = base + threadIdx.x;
-        const int c = i < n ? counts[row + i] : 0;
-        int x = c;
+    for (int base = 0; base < n; base += SPL_SCAN_ITEMS * SPL_SCAN_BLOCK) {
+        const int i0 = base + warp * (32 * SPL_SCAN_ITEMS) + lane;  // + 32 k
+        int c[SPL_SCAN_ITEMS], inc[SPL_SCAN_ITEMS];
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
+        for (int k = 0; k < SPL_SCAN_ITEMS; ++k)
+            c[k] = i0 + 32 * k < n ? counts[row + i0 + 32 * k] : 0;
+        int run = 0;  // the warp's total of its ints before int 32 k
+#pragma unroll
+        for (int k = 0; k < SPL_SCAN_ITEMS; ++k) {
+            int x = c[k];
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, x, o);
+                if (lane >= o) x += y;
+            }
+            inc[k] = run + x;
+            run += __shfl_sync(0xffffffffu, x, 31);
         }
-        if (lane == 31) wsum[warp] = x;
+        if (lane == 0) wsum[warp] = run;
         __syncthreads();
         if (warp == 0) {
             int w = lane < WARPS ? wsum[lane] : 0;
@@ -669,11 +732,15 @@ cpn_splade_scan(const int* __restrict__ counts, int n, int* __restrict__ incl,
             if (lane < WARPS) wsum[lane] = w;  // inclusive totals of warps 0 .. lane
         }
         __syncthreads();
-        const int inc = carry + (warp ? wsum[warp - 1] : 0) + x;
-        if (i < n) {
-            incl[row + i] = inc;
-            excl[row + i] = inc - c;
-            if (excl2) excl2[row + i] = inc - c;
+        const int off = carry + (warp ? wsum[warp - 1] : 0);
+#pragma unroll
+        for (int k = 0; k < SPL_SCAN_ITEMS; ++k) {
+            const int i = i0 + 32 * k;
+            if (i < n) {
+                incl[row + i] = off + inc[k];
+                excl[row + i] = off + inc[k] - c[k];
+                if (excl2) excl2[row + i] = off + inc[k] - c[k];
+            }
         }
         carry += wsum[WARPS - 1];
         __syncthreads();  // every thread has read wsum before the next chunk rewrites it

@@ -235,9 +235,9 @@ def test_transposed_weight_view_is_not_copied():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gradient_kernels_row_access(dtype, d, forward_path, monkeypatch):
     """The gradient kernels' column chunks (32 lanes x 4 chunks of 16 bytes, or of one element
-    where rows are not 16-byte aligned) and vocabulary tiles (16 rows a CTA): D over one chunk
-    (several CTAs along D), D not a multiple of 16 bytes (the scalar access), V not a multiple
-    of 16; then the backward from the same (out, arg-max) with x and W one element past a
+    where rows are not 16-byte aligned) and vocabulary tiles (16 rows a CTA element-wise, 8
+    with 16-byte rows): D over one chunk (several CTAs along D), D not a multiple of 16 bytes
+    (the scalar access), V not a multiple of 8 or 16; then the backward from the same (out, arg-max) with x and W one element past a
     16-byte boundary (the scalar access): the same bits as the aligned call, each gradient
     element being one sum in a fixed order either way."""
     from cupynce._engine import splade
@@ -663,7 +663,7 @@ def test_from_stats_with_non_contiguous_out_and_argmax():
 def test_scan_kernel(b, n, cursors):
     """``cpn_splade_scan``: each row's inclusive and exclusive prefix sums of int32 counts
     (and the cursors' copy of the exclusive ones), exact, nothing written past n."""
-    from cupynce._engine import kernels
+    from cupynce._engine import kernels, splade
 
     rng = np.random.default_rng(b * 1000 + n)
     counts = rng.integers(0, 300, size=(b, n)).astype(np.int32)
@@ -672,7 +672,7 @@ def test_scan_kernel(b, n, cursors):
     pad = 16
     incl, excl, cur = (cp.full((b, n + pad), -5, np.int32) for _ in range(3))
     kernels.get_function("splade/splade.cu", "cpn_splade_scan")(
-        (b,), (kernels.BLOCK,), (d_counts, np.int32(n), incl, excl, cur if cursors else 0))
+        (b,), (splade._SCAN_BLOCK,), (d_counts, np.int32(n), incl, excl, cur if cursors else 0))
     # (rows laid out with stride n: view the written region as (b, n))
     flat = lambda a: cp.asnumpy(a).reshape(-1)[: b * n].reshape(b, n)  # noqa: E731
     want = np.cumsum(counts, axis=1, dtype=np.int64)
