@@ -341,6 +341,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--once", action="store_true", help="one timed step per case")
     p.add_argument("--no-peers", action="store_true", help="cupynce only")
+    p.add_argument("--backend", default="nccl",
+                   help='the process group\'s backend: "nccl" (the agreement check\'s '
+                        'integers on the GPU) or "cpu:gloo,cuda:nccl" (through gloo)')
     p.add_argument("--json", help="where rank 0 writes the rows")
     p.add_argument("--report", nargs="*", help="JSON files to merge into tables (no run)")
     p.add_argument("--breakdown", action="store_true",
@@ -359,7 +362,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     cupy.cuda.Device(local).use()  # the harness times and synchronises CuPy's current device
-    dist.init_process_group("nccl", timeout=_dt.timedelta(minutes=5),
+    dist.init_process_group(args.backend, timeout=_dt.timedelta(minutes=5),
                             device_id=torch.device("cuda", local))
     try:
         rows = run_rank(args.ops, args.sizes, args.dim, args.repeat, args.once,
@@ -367,7 +370,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if dist.get_rank() == 0:
             data = {"P": dist.get_world_size(), "device": device_info(), "rows": rows,
                     "dim": args.dim, "once": args.once,
-                    "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+                    "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+                    "backend": args.backend}
             if args.json:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps(data, indent=1))

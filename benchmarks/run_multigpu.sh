@@ -5,7 +5,8 @@
 #   bash benchmarks/run_multigpu.sh largest   # the largest global batch, CLIP, every GPU
 #   bash benchmarks/run_multigpu.sh scaling   # bench_multigpu.py on 1, 2, 4, 8 GPUs (as present)
 #   bash benchmarks/run_multigpu.sh breakdown # N = 65536 on 1, 2, ... GPUs: where a rank's step
-#                                             # goes (compute, NCCL, copies, idle, host)
+#                                             # goes (compute, NCCL, copies, idle, host), with
+#                                             # an NCCL-only group and with gloo beside it
 #
 # Logs and JSON go to $OUT (default ./multigpu-out).  NVLink multicast stays off: a program that
 # uses it can put a shared host's GPUs out of service.
@@ -38,12 +39,16 @@ largest | all)
     --ops clip_loss --sizes 1048576 4194304 --once --no-peers --json "$OUT/largest.json"
   ;;&
 breakdown)
-  files=()
-  for P in $(counts); do
-    timeout 300 torchrun --standalone --nproc_per_node "$P" benchmarks/bench_multigpu.py \
-      --sizes 65536 --no-peers --breakdown --json "$OUT/b$P.json" && files+=("$OUT/b$P.json")
+  # with an NCCL-only group (the agreement check read on the GPU) and with gloo beside it
+  for be in nccl cpu:gloo,cuda:nccl; do
+    tag=${be%%:*}; files=()
+    for P in $(counts); do
+      timeout 300 torchrun --standalone --nproc_per_node "$P" benchmarks/bench_multigpu.py \
+        --sizes 65536 --no-peers --breakdown --backend "$be" --json "$OUT/b${P}_$tag.json" \
+        && files+=("$OUT/b${P}_$tag.json")
+    done
+    python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/breakdown_$tag.md"
   done
-  python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/breakdown.md"
   ;;
 scaling | all)
   files=()

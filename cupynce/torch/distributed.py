@@ -97,13 +97,19 @@ class TorchComm(Comm):
         self.rank, self.size = world(group)
         self.nccl = _nccl(group)
         self.pending = pending
-        # where the agreement check's integers travel: the inputs' GPU (the current one for
-        # CPU inputs) on NCCL, else the inputs' device
+        backend = str(dist.get_backend(group))
+        # where the agreement check's integers travel: host memory on a group whose backend
+        # carries CPU tensors (gloo; also "cpu:gloo,cuda:nccl", torch's default when
+        # init_process_group is given no backend): the check's read then waits for no GPU
+        # work.  On an NCCL-only group they travel on the inputs' GPU (the current one for
+        # CPU inputs), and reading the result waits for the work queued before it -- the
+        # step's one synchronisation (docs/distributed.md).
+        self.exchange_device = torch.device("cpu") if "gloo" in backend else \
+            device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
         self.device = device if not self.nccl or device.type == "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
         # point-to-point: NCCL's on CUDA tensors, gloo's on CPU ones only (gloo has no send /
         # recv of CUDA tensors); other backends: the all-gather schedules
-        backend = str(dist.get_backend(group))
         self.ring = ("nccl" in backend and device.type == "cuda") or \
             ("gloo" in backend and device.type == "cpu")
 
@@ -149,7 +155,7 @@ class TorchComm(Comm):
         return Pending(B.array_of(out), finish)
 
     def exchange(self, ints):
-        mine = torch.tensor(list(ints), dtype=torch.int64, device=self.device)
+        mine = torch.tensor(list(ints), dtype=torch.int64, device=self.exchange_device)
         every = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(every, mine, group=self.group)
         return torch.stack(every).cpu().tolist()  # (the check's one host read)

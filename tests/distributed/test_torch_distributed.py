@@ -49,14 +49,19 @@ def _close(got, want, tol, what):
 
 
 class _no_sync:
-    """On NCCL: any host synchronisation inside the block raises (the backward has none)."""
+    """On NCCL: any host synchronisation inside the block raises -- the backward has none;
+    with ``forward=True`` only where the group also has gloo ("cpu:gloo,cuda:nccl"), whose
+    forward has none either (the agreement check's read is of host memory)."""
+
+    def __init__(self, forward: bool = False):
+        self.on = "nccl" in BACKEND and DEVICE == "cuda" and (not forward or "gloo" in BACKEND)
 
     def __enter__(self):
-        if BACKEND == "nccl":
+        if self.on:
             torch.cuda.set_sync_debug_mode("error")
 
     def __exit__(self, *exc):
-        if BACKEND == "nccl":
+        if self.on:
             torch.cuda.set_sync_debug_mode(0)
 
 
@@ -78,8 +83,9 @@ def check_nt_xent(rank, P):
                 gl = torch.randn(2 * N, generator=gen, dtype=torch.float64).to(DEVICE)
                 mine = _nt_xent_rows(rank, n, N).to(DEVICE)
                 z = Z[mine].clone().requires_grad_(True)
-                loss = ct.nt_xent(z, 0.3, reduction=reduction, normalize=normalize,
-                                  group=dist.group.WORLD)
+                with _no_sync(forward=True):
+                    loss = ct.nt_xent(z, 0.3, reduction=reduction, normalize=normalize,
+                                      group=dist.group.WORLD)
                 zs = Z.clone().requires_grad_(True)
                 want = ct.nt_xent(zs, 0.3, reduction=reduction, normalize=normalize)
                 up = gl.to(want.dtype) if reduction == "none" else \
@@ -158,8 +164,9 @@ def _check_paired(rank, P, op, scalars, seed):
                 sc = [torch.tensor(v, dtype=torch.float32, device=DEVICE, requires_grad=True)
                       for v in scalars]
                 a, b = (x[mine].clone().requires_grad_(True) for x in (A, Bm))
-                loss = fn(a, b, *sc, reduction=reduction, normalize=normalize,
-                          group=dist.group.WORLD)
+                with _no_sync(forward=True):
+                    loss = fn(a, b, *sc, reduction=reduction, normalize=normalize,
+                              group=dist.group.WORLD)
                 scs = [x.detach().clone().requires_grad_(True) for x in sc]
                 As, Bs = (x.clone().requires_grad_(True) for x in (A, Bm))
                 want = fn(As, Bs, *scs, reduction=reduction, normalize=normalize)
@@ -353,6 +360,19 @@ def check_precision_reaches_every_product(rank, P):
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def check_exchange(rank, P):
+    """TorchComm.exchange (the agreement check's all-gather of integers): every rank's list in
+    rank order, through host memory wherever the group's backend has gloo (no GPU work to wait
+    for), on the GPU on an NCCL-only group."""
+    from cupynce.torch.distributed import TorchComm
+
+    comm = TorchComm(dist.group.WORLD, torch.device(DEVICE))
+    assert comm.exchange_device.type == ("cpu" if "gloo" in BACKEND else "cuda"), \
+        (BACKEND, comm.exchange_device)
+    rows = comm.exchange([rank, -rank, 2 ** 40 + rank])
+    assert rows == [[r, -r, 2 ** 40 + r] for r in range(P)], rows
+
+
 def check_ring_shift(rank, P):
     """TorchComm.ring_shift: after k shifts (each started, work issued, then waited) a rank
     holds rank (rank - k) mod P's array, bit for bit, for float, bfloat16 and integer arrays;
@@ -361,7 +381,8 @@ def check_ring_shift(rank, P):
     from cupynce.torch import _bridge as Bridge
 
     comm = TorchComm(dist.group.WORLD, torch.device(DEVICE))
-    assert comm.ring == (BACKEND == "nccl" or DEVICE == "cpu")  # (gloo: CPU tensors only)
+    assert comm.ring == (("nccl" in BACKEND and DEVICE == "cuda") or
+                         ("gloo" in BACKEND and DEVICE == "cpu"))  # (gloo: CPU tensors only)
     if not comm.ring:
         return
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -442,7 +463,7 @@ def run_ranks(world, names, timeout=240, backend="gloo", device="cpu", module=""
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_global_losses_over_gloo(world):
     names = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
-             "check_ddp_step", "check_ring_shift"]
+             "check_ddp_step", "check_ring_shift", "check_exchange"]
     if world > 1:
         names += ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere",
                   "check_precision_reaches_every_product"]
@@ -453,7 +474,7 @@ def test_global_losses_over_gloo(world):
 gpu = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")
 CHECKS = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
-          "check_ddp_step", "check_ring_shift"]
+          "check_ddp_step", "check_ring_shift", "check_exchange"]
 
 
 @gpu
@@ -471,8 +492,17 @@ def test_nccl_one_rank():
 
 @gpu
 @cuda
+def test_nccl_with_gloo_one_rank():
+    """A "cpu:gloo,cuda:nccl" group (torch's default): CUDA tensors through NCCL, the
+    agreement check's integers through gloo."""
+    run_ranks(1, CHECKS, backend="cpu:gloo,cuda:nccl", device="cuda")
+
+
+@gpu
+@cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_nccl_one_rank_per_gpu():
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_nccl_one_rank_per_gpu(backend):
     run_ranks(torch.cuda.device_count(),
               CHECKS + ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"],
-              backend="nccl", device="cuda")
+              backend=backend, device="cuda")
