@@ -231,6 +231,21 @@ def test_transposed_weight_view_is_not_copied():
     assert grown < w_dv.nbytes // 2, f"the forward allocated {grown} B (weight: {w_dv.nbytes} B)"
 
 
+def _backward_misaligned(inp, out, am):
+    """The backward from (out, arg-max) with copies of x and W one element past a 16-byte
+    boundary (2, 4 or 8 bytes): the element-wise gradient kernels' access."""
+    dtype = inp["x"].dtype
+    shift = max(1, 2 // dtype.itemsize)
+    xs, ws = (cp.zeros(inp[k].size + shift, dtype)[shift:].reshape(inp[k].shape)
+              for k in ("x", "weight"))
+    xs[...] = cp.asarray(inp["x"])
+    ws[...] = cp.asarray(inp["weight"])
+    assert xs.data.ptr % 16 and ws.data.ptr % 16
+    return cupynce.splade_pool_backward_from_stats(
+        xs, ws, out, am, cp.asarray(inp["grad_out"]), bias=cp.asarray(inp["bias"]),
+        activation="log1p_relu")
+
+
 @pytest.mark.parametrize("d", [1032, 1030, 516], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gradient_kernels_row_access(dtype, d, forward_path, monkeypatch):
@@ -254,19 +269,8 @@ def test_gradient_kernels_row_access(dtype, d, forward_path, monkeypatch):
     assert seen[-2:] == [whole, whole], seen
     if forward_path != "cublas":
         return  # (the backward below does not depend on the forward's path)
-    item = np.dtype(dtype).itemsize
-    shift = max(1, 2 // item)  # (an element past an aligned start: 2, 4 or 8 bytes)
-    xb = cp.zeros(inp["x"].size + shift, dtype)
-    wb = cp.zeros(inp["weight"].size + shift, dtype)
-    xs = xb[shift:].reshape(inp["x"].shape)
-    ws = wb[shift:].reshape(inp["weight"].shape)
-    xs[...] = cp.asarray(inp["x"])
-    ws[...] = cp.asarray(inp["weight"])
-    assert xs.data.ptr % 16 and ws.data.ptr % 16
     out, am, grads = run(inp, "log1p_relu")
-    again = cupynce.splade_pool_backward_from_stats(
-        xs, ws, out, am, cp.asarray(inp["grad_out"]), bias=cp.asarray(inp["bias"]),
-        activation="log1p_relu")
+    again = _backward_misaligned(inp, out, am)
     assert seen[-2:] == [False, False], seen
     assert_bitwise((out, am, grads), (out, am, again), "misaligned x / W")
 
@@ -282,21 +286,11 @@ def test_gradient_kernels_ring(dtype, shape, forward_path):
     element is the same sum in the same order either way."""
     if forward_path != "cublas":
         pytest.skip("the backward does not depend on the forward's path (run once, cublas)")
-    item = np.dtype(dtype).itemsize
     inp = C.make_inputs(shape, dtype, "bool", True, seed=29, bias_shift=0.5)
     out, am, grads = run(inp, "log1p_relu")
     C.check_against_reference(inp, "log1p_relu", out, am, grads, case=f"ring {shape}")
     assert (cp.asnumpy(out) > 0).mean() > 0.3  # dense enough for long runs
-    shift = max(1, 2 // item)
-    xb = cp.zeros(inp["x"].size + shift, dtype)
-    wb = cp.zeros(inp["weight"].size + shift, dtype)
-    xs = xb[shift:].reshape(inp["x"].shape)
-    ws = wb[shift:].reshape(inp["weight"].shape)
-    xs[...] = cp.asarray(inp["x"])
-    ws[...] = cp.asarray(inp["weight"])
-    again = cupynce.splade_pool_backward_from_stats(
-        xs, ws, out, am, cp.asarray(inp["grad_out"]), bias=cp.asarray(inp["bias"]),
-        activation="log1p_relu")
+    again = _backward_misaligned(inp, out, am)
     assert_bitwise((out, am, grads), (out, am, again), f"ring vs element-wise {shape}")
 
 
