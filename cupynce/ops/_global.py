@@ -34,6 +34,10 @@ here by tagging the forward's context with it (:func:`tag`).  The schedules:
   on every rank); the gradient pass reuses the block's recompute for both directions.  Half
   the products of computing the rows of both directions separately (open_clip's
   ``local_loss=True``), and half its gather.
+* **Ring schedules** (:func:`ring_blocks`, where every rank's communicator can shift:
+  ``agree``'s ``ring_wish``; so far SigLIP and CLIP on NumPy arrays): the column side is not
+  gathered first but shifted chunk by chunk around the ring while each chunk's block is
+  computed, and the column gradients travel back the same way (a fixed order of adds).
 * The loss of the mean / sum is all-reduced (a scalar): every rank returns the global loss;
   ``reduction="none"`` returns the rank's own rows of the global per-row loss.
 * Gradients: the column-side gradients are reduce-scattered to the ranks that own those rows,
@@ -222,12 +226,14 @@ def ring_blocks(comm: Comm, cols, block: Callable[[int, int, Any], Tuple[Any, An
     Those travel the ring too: rank q + 1 adds its part to rank q's, q + 2 to that, ...
     (a fixed order for a fixed P, whichever rank computes), and a last shift hands each
     column owner its total.  Returns ``(the steps' results, this rank's columns' gradient
-    or None)``.  The same number of shifts on every rank, in the same order."""
+    or None)``.  The same number of shifts on every rank, in the same order.  ``cols=None``:
+    the chunks do not travel (a second pass over chunks the caller kept; ``block`` gets
+    None), only the gradients do."""
     size, rank = comm.size, comm.rank
     cur, results, partial, nxt = cols, [], None, None
     try:
         for k in range(size):
-            nxt = comm.ring_shift(cur) if k < size - 1 else None
+            nxt = comm.ring_shift(cur) if k < size - 1 and cols is not None else None
             res, dcols = block(k, (rank - k) % size, cur)
             results.append(res)
             if col_grads:  # (the partial of chunk q from rank − 1, then this rank's part)

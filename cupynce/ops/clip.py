@@ -11,7 +11,7 @@ Supervision" (CLIP), ICML 2021.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -29,14 +29,16 @@ __all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
 
 def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
-               labels=None):
+               labels=None, positives: bool = True):
     """``cupynce._engine.clip`` on the CPU (same arguments and results), on the namespace of
     ``_cpu.current()``; keeps the n × Nc logits and, for the column direction, a second
     n × Nc buffer (CPU memory, small sizes; ``workspace_bytes`` and ``col_shift`` are not
     used).  Each direction's exponentials are taken once, in place: the softmax is
     ``exp(L - m) / sum``; ``dsp_i = Σ_j G_ij L_ij`` is ``â_i · da_i``.  ``labels``: (row
     labels indexed by the global row, column labels): same-label pairs off the positive
-    -inf, as the engine's ``clip_mask``."""
+    -inf, as the engine's ``clip_mask``.  ``positives=False``: the block holds no pair
+    (a ring chunk of another rank's texts, constant weights): no −δ term in the gradient (the
+    row loss it returns is then meaningless)."""
     xp = _cpu.current()
     a = acc_dtype(an.dtype)
     aa, ba = (xp.astype(xp.asarray(x), a) for x in (an, bn))
@@ -83,7 +85,8 @@ def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad:
             logits *= (0.5 * w)[:, None] * inv_r
             cols *= (0.5 * wc)[None, :] * inv_c
         logits += cols
-        logits[idx, pos] -= w
+        if positives:
+            logits[idx, pos] -= w
         da = logits @ ba
         da *= scale
         db = logits.T @ aa
@@ -379,10 +382,11 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         _checks.check_smoothing(op, label_smoothing)
         return out + (_labels(out[0], labels, a),)
 
-    xp, ls, ls_shape, p, masks = _global.agree(
+    (xp, ls, ls_shape, p, masks), ring = _global.agree(
         comm, op, checks, [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
-         precision, label_smoothing, labels is not None])
+         precision, label_smoothing, labels is not None],
+        ring_wish=_ring_wish(comm, a, labels, label_smoothing, requires_grad, reduction))
     if masks:  # (every pair's label, rank order: the rows' are this rank's of them)
         every_lab = comm.all_gather(masks["labels"][0]).reshape(-1)
         masks = dict(labels=(every_lab, every_lab))
@@ -398,6 +402,18 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         ls_dev = _logit_scale_array(xp, ls, acc)
         engine = _local.engine_for(xp)
         block = _engine.clip if path.gpu else numpy_clip
+        fused = requires_grad and reduction != "none"
+        ls_dtype = acc if isinstance(ls, float) else ls.dtype
+        base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype, size=size)
+        if ring:
+            w = weights(xp, None, reduction, n * size, acc) if fused else None
+            pair, lse_r, lse_c, grads = _ring_share(comm, engine, an, bn, ls_dev, w,
+                                                    workspace_bytes)
+            ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c) if requires_grad else (),
+                          precision=p)
+            if fused:
+                ctx.saved = dict(base, acc=grads[:2], dscale=grads[2])
+            return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
         # the texts and the pairs' raw dots a_j·b_j of every rank (the tile path's column shift)
         b_all = comm.all_gather(bn).reshape(n * size, -1)
         # (with labels too: the tiles take them, config.clip_labels_tiles)
@@ -422,9 +438,6 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
             pair = pair + _variants.clip_smoothing(xp, an, bn, ls_dev, eps, sums=sums)[0]
         ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c[own]) if requires_grad else (),
                       precision=p)
-        ls_dtype = acc if isinstance(ls, float) else ls.dtype
-        base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype, size=size)
-        fused = requires_grad and reduction != "none"
         if fused:
             w = weights(xp, None, reduction, n * size, acc)
             smooth = None
@@ -443,6 +456,69 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
                              ws=workspace_bytes, comm=comm, eps=eps, sums=sums, masks=masks,
                              lab=lab)
         return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
+
+
+def _ring_wish(comm: Comm, a, labels, label_smoothing, requires_grad: bool,
+               reduction: str) -> bool:
+    """Whether this rank could run the ring schedule (:func:`_ring_share`; ``_global.agree``
+    decides for every rank): a communicator with ``ring_shift``, several ranks, no labels or
+    label smoothing (their class sums and O(N·D) sums keep the gathered rows), a backward
+    that needs no recompute ("none" with a gradient keeps the gathered texts), and NumPy
+    arrays -- the GPU engine joins once its chunks are measured (issue 57)."""
+    return bool(comm.ring and comm.size > 1 and labels is None and not label_smoothing
+                and isinstance(a, np.ndarray) and not (requires_grad and reduction == "none"))
+
+
+def _ring_share(comm: Comm, engine, an, bn, ls, w, ws):
+    """The rank's rows against every rank's texts on the ring (``_global.ring_blocks``), in
+    two passes.  First, each chunk of texts' block while the next chunk travels: the rows'
+    log-sum-exps over the chunk and the chunk's column states over the rank's rows (the
+    positive logits from the rank's own chunk); the rows' partials are merged in rank order,
+    every rank's column states all-gathered (2 N floats a rank) and merged in rank order as
+    the all-gather schedule merges them.  Then, with ``w`` (a gradient wanted), each kept
+    chunk's gradient block, the texts' gradients summed along the ring to their owners.
+
+    Returns ``(pair losses, lse_r, this rank's texts' lse_c, (da, db, d logit_scale) or
+    None)``; the rank's rows' parts are added in step order (own chunk first)."""
+    xp = np
+    n, rank, size = an.shape[0], comm.rank, comm.size
+    chunks: List[Any] = [None] * size
+    lse_parts: List[Any] = [None] * size
+    states: List[Any] = [None] * size
+    own_row_loss = []
+
+    def stats(k, q, chunk):
+        chunks[q] = chunk
+        lse_q, states[q], rl, _ = numpy_clip(
+            an, chunk, ls, lse_r=None, lse_c=None, weights=None, want_loss=True,
+            want_grad=False, workspace_bytes=ws, col_state=True)
+        lse_parts[q] = lse_q
+        if q == rank:
+            own_row_loss.append(rl)  # lse over the own chunk − the positive logit
+        return None, None
+
+    _global.ring_blocks(comm, bn, stats, col_grads=False)
+    # each row's log-sum-exp from the chunks' ((m, s) = (lse_q, 1)), merged in rank order
+    lse_r = engine.col_lse(xp.stack([xp.stack([x, xp.ones_like(x)]) for x in lse_parts]))
+    lse_c = engine.col_lse(comm.all_gather(xp.concatenate(states, axis=1)))
+    l_pos = lse_parts[rank] - own_row_loss[0]
+    own = lse_c[rank * n:(rank + 1) * n]
+    pair = 0.5 * ((lse_r - l_pos) + (own - l_pos))
+    if w is None:
+        return pair, lse_r, own, None
+
+    def grads(k, q, _):
+        _, _, _, (da, db, dsp) = numpy_clip(
+            an, chunks[q], ls, lse_r=lse_r, lse_c=lse_c[q * n:(q + 1) * n], weights=w,
+            want_loss=False, want_grad=True, workspace_bytes=ws, positives=q == rank)
+        return (da, dsp.sum()), db
+
+    steps, db = _global.ring_blocks(comm, None, grads, col_grads=True)
+    da, dsp = steps[0]
+    for part in steps[1:]:
+        da, dsp = da + part[0], dsp + part[1]
+    dscale = comm.all_reduce(xp.asarray(dsp).reshape(1)).reshape(())
+    return pair, lse_r, own, (da, db, dscale)
 
 
 def _global_grads(comm: Comm, block, xp, an, b_all, ls, row0: int, lse_r, lse_c, w, ws,

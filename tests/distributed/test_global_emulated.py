@@ -173,15 +173,28 @@ def test_ring_shift_emulated(P):
         assert seen == [(rank - k) % P for k in range(1, P + 1)]
 
 
+def _ring_op(op, a, b, reduction, requires_grad, comm):
+    """(loss, gradients or ()) of SigLIP (scale 1.1, bias −2) or CLIP (scale 1.1) over comm."""
+    if op == "siglip":
+        loss, ctx = cupynce.siglip_loss_forward(a, b, 1.1, -2.0, reduction=reduction,
+                                                requires_grad=requires_grad, group=comm)
+        return loss, cupynce.siglip_loss_backward(ctx, 0.7) if requires_grad else ()
+    loss, ctx = cupynce.clip_loss_forward(a, b, 1.1, reduction=reduction,
+                                          requires_grad=requires_grad, group=comm)
+    return loss, cupynce.clip_loss_backward(ctx, 0.7) if requires_grad else ()
+
+
+@pytest.mark.parametrize("op", ["siglip", "clip"])
 @pytest.mark.parametrize("P", [2, 3, 4])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("requires_grad", [True, False])
-def test_siglip_ring_schedule_numpy(P, reduction, requires_grad):
-    """SigLIP's ring schedule (issue 57: each chunk of texts' block while the next travels, the
-    texts' gradients summed along the ring) against the all-gather schedule on the same float64
-    ranks: the same loss and gradients to rounding (the sums run in another order), the ring
-    taken exactly where it applies (not for "none" with a gradient: its recompute keeps the
-    gathered texts), the same bits run to run, and the global values' bits on every rank."""
+def test_ring_schedule_numpy(op, P, reduction, requires_grad):
+    """The ring schedules (issue 57: each chunk of texts' block while the next travels, the
+    texts' gradients summed along the ring; CLIP in two passes, its column states all-gathered
+    between them) against the all-gather schedules on the same float64 ranks: the same loss
+    and gradients to rounding (the sums run in another order), the ring taken exactly where it
+    applies (not for "none" with a gradient: its recompute keeps the gathered texts), the same
+    bits run to run, and the global values' bits on every rank."""
     from emulated_ranks import run as run_ranks
 
     n, d = 3, 5
@@ -191,11 +204,7 @@ def test_siglip_ring_schedule_numpy(P, reduction, requires_grad):
         def body(comm):
             comm.ring = ring
             sl = slice(comm.rank * n, (comm.rank + 1) * n)
-            loss, ctx = cupynce.siglip_loss_forward(A[sl], B[sl], 1.1, -2.0, reduction=reduction,
-                                                    requires_grad=requires_grad, group=comm)
-            if not requires_grad:
-                return loss, ()
-            return loss, cupynce.siglip_loss_backward(ctx, 0.7)
+            return _ring_op(op, A[sl], B[sl], reduction, requires_grad, comm)
         out = run_ranks(P, body)
         return out, [list(log) for log in run_ranks.log]
 
@@ -213,8 +222,8 @@ def test_siglip_ring_schedule_numpy(P, reduction, requires_grad):
         assert np.asarray(l1).tobytes() == np.asarray(l2).tobytes()
     if reduction != "none":
         assert len({np.asarray(x[0]).tobytes() for x in ring}) == 1
-    if requires_grad:
-        for k in (2, 3):
+    if requires_grad:  # (the scalars' gradients)
+        for k in ((2, 3) if op == "siglip" else (2,)):
             assert len({np.asarray(x[1][k]).tobytes() for x in ring}) == 1
 
 
@@ -614,13 +623,23 @@ def test_group_of_the_wrong_kind():
 
 
 def test_clip_sends_only_the_texts():
-    """The one-block CLIP's collectives: one feature gather (b) where two blocks need two."""
+    """The one-block CLIP's collectives: one feature gather (b) where two blocks need two;
+    on the ring, the texts' chunks shift once a step but the last (P − 1), the column states
+    are gathered, and the texts' gradients shift once a step (P)."""
     A = np.random.default_rng(1).standard_normal((8, 4))
-    run(2, lambda comm: cupynce.clip_loss_forward(A[4 * comm.rank:][:4], A[:4], 0.0,
-                                                  group=comm))
+
+    def body(ring):
+        def f(comm):
+            comm.ring = ring
+            return cupynce.clip_loss_forward(A[4 * comm.rank:][:4], A[:4], 0.0, group=comm)
+        return f
+    run(2, body(False))
     # the check; b, the dots, the column states; db to its owners, dlogit_scale, the loss
     assert run.log[0] == ["exchange", "all_gather", "all_gather", "all_gather",
                           "reduce_scatter", "all_reduce", "all_reduce"], run.log[0]
+    run(2, body(True))
+    assert run.log[0] == ["exchange", "ring_shift", "all_gather", "ring_shift", "ring_shift",
+                          "all_reduce", "all_reduce"], run.log[0]
 
 
 @pytest.mark.parametrize("P", range(1, 10))
