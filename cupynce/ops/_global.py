@@ -35,7 +35,7 @@ here by tagging the forward's context with it (:func:`tag`).  The schedules:
   the products of computing the rows of both directions separately (open_clip's
   ``local_loss=True``), and half its gather.
 * **Ring schedules** (:func:`ring_blocks`, where every rank's communicator can shift:
-  ``agree``'s ``ring_wish``; so far SigLIP and CLIP on NumPy arrays): the column side is not
+  ``agree``'s ``ring_wish``; so far SigLIP, CLIP and InfoNCE on NumPy arrays): the column side is not
   gathered first but shifted chunk by chunk around the ring while each chunk's block is
   computed, and the column gradients travel back the same way (a fixed order of adds).
 * The loss of the mean / sum is all-reduced (a scalar): every rank returns the global loss;

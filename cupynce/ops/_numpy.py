@@ -77,7 +77,8 @@ def pair_dots(an, bn):
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None, pair_labels=None, pair_row0: int = 0, col_grads: bool = True):
+         hardness=None, pair_labels=None, pair_row0: int = 0, col_grads: bool = True,
+         positives: bool = True):
     """``cupynce._engine.rows`` on the CPU: the same arguments and results, the score
     matrix in row blocks of at most ``workspace_bytes`` (default ``NUMPY_WORKSPACE_BYTES``),
     one block buffer reused in place (scores, their exponentials, the gradient block), on the
@@ -85,7 +86,10 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     masked key columns -inf before the log-sum-exp, the smoothing over what is left);
     ``hardness``: the penalised columns' logits times scale + α (the gradient keeps scale);
     ``pair_labels``: pytorch-metric-learning's NTXentLoss rows (:func:`_pair_rows`).
-    ``col_grads`` is accepted and ignored: the column gradients come from the same block."""
+    ``col_grads`` is accepted and ignored: the column gradients come from the same block.
+    ``positives=False``: the columns hold no row's positive (a ring chunk of another rank's
+    keys; no labels, smoothing or hardness): no −w target in the gradient (the row loss it
+    returns is then meaningless)."""
     xp = _cpu.current()
     a = acc_dtype(q.dtype)
     if scale_log is not None:  # (on the host here: the value can be read)
@@ -179,7 +183,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
             with xp.errstate(invalid="ignore"):
                 s -= xp.where(cand, w_rows * (smoothing / count)[:, None], 0.0)
             xp.add_at(s, (at, pos), -w * (1.0 - smoothing))
-        else:
+        elif positives:
             xp.add_at(s, (at, pos), -w)
         g = s if s.shape[1] == nk else s[:, :nk]
         if self_pair and rb < n:  # (dk is dq: every block adds to every row)

@@ -10,7 +10,7 @@ Coding", 2018.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from .. import _checks, config
 from .._engine import side, tail, tiling
 from .._engine.kernels import acc_dtype
 from .._engine.losses.row_blocks import Hardness
-from . import _comm, _global, _graphs, _local, _memo
+from . import _comm, _global, _graphs, _local, _memo, _numpy
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     dtemperature, finish_all, in_ctx_precision, prep, reduce,
                     reduce_out, require, temperature_input, temperature_result, weights)
@@ -497,12 +497,16 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
 
     # (every rank with labels or none: their presence is a setting the ranks agree on)
     host_t = _global.host_setting(temperature)  # (the ranks compare the host values)
-    xp, temp, p, labels, eps = _global.agree(
+    (xp, temp, p, labels, eps), ring = _global.agree(
         comm, op, checks, [query, key, negatives], ["query", "key", "negatives"],
         [host_t, reduction, normalize, requires_grad, kind, precision,
          labels is not None, label_smoothing, in_batch_negatives is True,
          replicated_negatives is True, temperature_grad is True, hardness_mode or 0,
-         hardness_strength])
+         hardness_strength],
+        ring_wish=bool(comm.ring and comm.size > 1 and isinstance(query, np.ndarray)
+                       and negatives is None and labels is None and not label_smoothing
+                       and not hardness_mode and in_batch_negatives is True
+                       and not (requires_grad and reduction == "none")))
     t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
@@ -518,6 +522,14 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
                     tgrad=tgrad)
         rep = bool(replicated_negatives)
         w = weights(xp, None, reduction, n * size, a)
+        if ring:  # (no negatives, labels, smoothing or hardness: _ring_share)
+            lse, rows, acc = _ring_share(comm, path, qn, kn, temp, w, fused, workspace_bytes)
+            ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
+                          precision=p)
+            if fused:
+                ctx.saved = dict(base, acc=acc, dt=_global.dtemperature(
+                    comm, xp, qn, acc[0], temp, 1) if tgrad else None)
+            return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
         if _queue_path(in_batch_negatives, eps, hard, negatives, n, temp):
             # MoCo's rows: no other rank's key is a candidate (none gathered); the queue's
             # rows (every rank's negatives, or the replicated queue once) beside the own key
@@ -551,6 +563,48 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
             ctx.saved = dict(base, neg_s=neg_s, lse=lse, t=t, ws=workspace_bytes, comm=comm,
                              replicated=rep, **kept)
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
+
+
+def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws):
+    """The rank's queries against every rank's keys on the ring (``_global.ring_blocks``;
+    the ranks agreed on it: in-batch negatives only, no labels, smoothing or hardness), in two
+    passes: each chunk of keys' rows log-sum-exps while the next chunk travels (the positive
+    logits from the rank's own chunk), merged in rank order; then, for a gradient, each kept
+    chunk's gradient block with the full log-sum-exps, the keys' gradients summed along the
+    ring to their owners.  Returns ``(lse, the rows' losses, (dq, dk, None) or None)``; dq adds
+    the steps' parts in step order (own chunk first)."""
+    xp = np
+    n, rank, size = qn.shape[0], comm.rank, comm.size
+    chunks: List[Any] = [None] * size
+    parts: List[Any] = [None] * size
+    own = []
+    kw = dict(exclude_diag=False, pos_shift=0, pos_mod=n, op="info_nce",
+              scale_log=temp.scale_log, workspace_bytes=ws)
+
+    def stats(k, q, chunk):
+        chunks[q] = chunk
+        parts[q], loss, _ = path.rows(qn, chunk, None, None, temp.scale, lse_in=None,
+                                      weights=None, want_grad=False, **kw)
+        if q == rank:
+            own.append(parts[q] - loss)  # the positive logits
+        return None, None
+
+    _global.ring_blocks(comm, kn, stats, col_grads=False)
+    lse = _numpy.col_lse(xp.stack([xp.stack([x, xp.ones_like(x)]) for x in parts]))
+    rows = lse - own[0]
+    if not fused:
+        return lse, rows, None
+
+    def grads(k, q, _):
+        _, _, (dq, dk, _, _) = path.rows(qn, chunks[q], None, None, temp.scale, lse_in=lse,
+                                         weights=w, want_grad=True, positives=q == rank, **kw)
+        return dq, dk
+
+    steps, dk = _global.ring_blocks(comm, None, grads, col_grads=True)
+    dq = steps[0]
+    for part in steps[1:]:
+        dq = dq + part
+    return lse, rows, (dq, dk, None)
 
 
 def _global_scatter(comm: Comm, xp, grads, n: int, neg_s, replicated: bool = False):

@@ -174,17 +174,22 @@ def test_ring_shift_emulated(P):
 
 
 def _ring_op(op, a, b, reduction, requires_grad, comm):
-    """(loss, gradients or ()) of SigLIP (scale 1.1, bias −2) or CLIP (scale 1.1) over comm."""
+    """(loss, gradients or ()) of SigLIP (scale 1.1, bias −2), CLIP (scale 1.1) or InfoNCE
+    (τ = 0.3) over comm."""
     if op == "siglip":
         loss, ctx = cupynce.siglip_loss_forward(a, b, 1.1, -2.0, reduction=reduction,
                                                 requires_grad=requires_grad, group=comm)
         return loss, cupynce.siglip_loss_backward(ctx, 0.7) if requires_grad else ()
+    if op == "info_nce":
+        loss, ctx = cupynce.info_nce_forward(a, b, 0.3, reduction=reduction,
+                                             requires_grad=requires_grad, group=comm)
+        return loss, cupynce.info_nce_backward(ctx, 0.7) if requires_grad else ()
     loss, ctx = cupynce.clip_loss_forward(a, b, 1.1, reduction=reduction,
                                           requires_grad=requires_grad, group=comm)
     return loss, cupynce.clip_loss_backward(ctx, 0.7) if requires_grad else ()
 
 
-@pytest.mark.parametrize("op", ["siglip", "clip"])
+@pytest.mark.parametrize("op", ["siglip", "clip", "info_nce"])
 @pytest.mark.parametrize("P", [2, 3, 4])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("requires_grad", [True, False])
@@ -217,13 +222,16 @@ def test_ring_schedule_numpy(op, P, reduction, requires_grad):
     for (l1, g1), (l2, g2), (l3, g3) in zip(ring, again, gathered):
         assert _err(l1, l3) <= 1e-13
         for x, y, z in zip(g1, g2, g3):
+            if x is None:  # (InfoNCE's dnegatives without negatives)
+                assert y is None and z is None
+                continue
             assert _err(x, z) <= 1e-13
             assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
         assert np.asarray(l1).tobytes() == np.asarray(l2).tobytes()
     if reduction != "none":
         assert len({np.asarray(x[0]).tobytes() for x in ring}) == 1
     if requires_grad:  # (the scalars' gradients)
-        for k in ((2, 3) if op == "siglip" else (2,)):
+        for k in {"siglip": (2, 3), "clip": (2,), "info_nce": ()}[op]:
             assert len({np.asarray(x[1][k]).tobytes() for x in ring}) == 1
 
 
