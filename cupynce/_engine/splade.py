@@ -311,9 +311,11 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
           dw, dbias if dbias is not None else 0), shared_mem=_ring_smem(kern) if vec_x else 0)
     # dx: group the active (b, v) by (b, l*) in increasing v, then a warp per (b, l)
     seg, nseg = _segments(v, l)
-    counts = cp.zeros((b, l, nseg), np.int32)
     scal = (np.int32(v), np.int32(l), np.int32(seg), np.int32(nseg), np.int32(act))
     glob = 4 * l > _MAX_SHARED_CURSORS  # long sequences: counts and cursors in global memory
+    # (the shared-memory count pass writes every (b, l, s) entry: no fill needed; the global
+    # one adds to them)
+    counts = (cp.zeros if glob else cp.empty)((b, l, nseg), np.int32)
     kernels.get_kernel(FILE, f"splade_count_{tag}", dt)(
         (nseg, b), (BLOCK,), (out, g, arg) + scal + (np.int32(glob), counts),
         shared_mem=0 if glob else 4 * l)
