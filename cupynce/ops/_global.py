@@ -35,7 +35,8 @@ here by tagging the forward's context with it (:func:`tag`).  The schedules:
   the products of computing the rows of both directions separately (open_clip's
   ``local_loss=True``), and half its gather.
 * **Ring schedules** (:func:`ring_blocks`, where every rank's communicator can shift:
-  ``agree``'s ``ring_wish``; so far SigLIP, CLIP and InfoNCE on NumPy arrays): the column side is not
+  ``agree``'s ``ring_wish``; so far on NumPy arrays, every op: SigLIP, CLIP, InfoNCE with
+  in-batch negatives, NT-Xent on its mirrored plan): the column side is not
   gathered first but shifted chunk by chunk around the ring while each chunk's block is
   computed, and the column gradients travel back the same way (a fixed order of adds).
 * The loss of the mean / sum is all-reduced (a scalar): every rank returns the global loss;
@@ -215,7 +216,7 @@ def loss(comm: Comm, xp, rows, reduction: str, count: int):
 
 
 def ring_blocks(comm: Comm, cols, block: Callable[[int, int, Any], Tuple[Any, Any]], *,
-                col_grads: bool) -> Tuple[List[Any], Any]:
+                col_grads: bool, steps: Optional[int] = None) -> Tuple[List[Any], Any]:
     """The ring schedule of a rank's rows against every rank's columns (``comm.ring``): for
     k = 0 .. P − 1, ``block(k, q, chunk)`` with ``chunk`` rank q = (rank − k) mod P's ``cols``
     (this rank's own at k = 0), while chunk k + 1 travels (:meth:`Comm.ring_shift`: the
@@ -228,12 +229,15 @@ def ring_blocks(comm: Comm, cols, block: Callable[[int, int, Any], Tuple[Any, An
     column owner its total.  Returns ``(the steps' results, this rank's columns' gradient
     or None)``.  The same number of shifts on every rank, in the same order.  ``cols=None``:
     the chunks do not travel (a second pass over chunks the caller kept; ``block`` gets
-    None), only the gradients do."""
+    None), only the gradients do.  ``steps``: the first ``steps`` chunks only (a schedule
+    that needs the nearest ranks' chunks: NT-Xent's; without ``col_grads``)."""
     size, rank = comm.size, comm.rank
+    steps = size if steps is None else steps
+    assert not (col_grads and steps != size), "the gradients travel the whole ring"
     cur, results, partial, nxt = cols, [], None, None
     try:
-        for k in range(size):
-            nxt = comm.ring_shift(cur) if k < size - 1 and cols is not None else None
+        for k in range(steps):
+            nxt = comm.ring_shift(cur) if k < steps - 1 and cols is not None else None
             res, dcols = block(k, (rank - k) % size, cur)
             results.append(res)
             if col_grads:  # (the partial of chunk q from rank − 1, then this rank's part)

@@ -52,16 +52,18 @@ class NtXentPlan:
     ``cols``: the main block's columns as (owner rank, row slice); ``lead``: this rank also
     computes rows [0, n) × R_opp (the split pair's half); ``width``: the length of the
     column-state buffer every rank sends; :meth:`sources`: where this rank's own rows sit
-    among the gathered column states.
+    among the gathered column states.  ``ring=True``: the mirrored plan, blocks (r, r − k)
+    (the chunks a ring brings first: rank r − k's at step k).
     """
 
-    def __init__(self, rank: int, size: int, n2: int):
+    def __init__(self, rank: int, size: int, n2: int, ring: bool = False):
         self.rank, self.size, self.n2, self.h = rank, size, n2, n2 // 2
         self.k = (size - 1) // 2
         self.even = size % 2 == 0
         self.opp = (rank + size // 2) % size if self.even else None
         self.lead = self.even and rank < size // 2
-        self.cols = [((rank + k) % size, slice(0, n2)) for k in range(1, self.k + 1)]
+        self.dir = -1 if ring else 1
+        self.cols = [((rank + self.dir * k) % size, slice(0, n2)) for k in range(1, self.k + 1)]
         if self.even and not self.lead:
             self.cols.append((self.opp, slice(self.h, n2)))
         self.width = self.k * n2 + (n2 if self.even else 0)
@@ -73,7 +75,7 @@ class NtXentPlan:
     def sources(self):
         """(rank, column offset, this rank's rows) of every column state over this rank's
         rows in the gathered (P, 2, width) states, in a fixed order."""
-        out = [((self.rank - k) % self.size, (k - 1) * self.n2, slice(0, self.n2))
+        out = [((self.rank - self.dir * k) % self.size, (k - 1) * self.n2, slice(0, self.n2))
                for k in range(1, self.k + 1)]
         if self.even:  # the split pair: the other rank's extra columns / its half block
             rows = slice(self.h, self.n2) if self.lead else slice(0, self.n2)
@@ -124,12 +126,13 @@ def nt_xent_lse(plan: NtXentPlan, engine, lse_d, partial, states):
     order (the same bits for the same inputs and world size)."""
     xp = np if isinstance(lse_d, np.ndarray) else _cupy()
     src = plan.sources()
-    stack = _empty_states(xp, 3 + len(src), plan.n2, lse_d.dtype)
+    own = 1 + partial.shape[0]  # (the all-gather schedule's 2 partials, the ring's one a block)
+    stack = _empty_states(xp, own + len(src), plan.n2, lse_d.dtype)
     stack[0, 0] = lse_d
     stack[0, 1] = 1
-    stack[1:3] = partial
+    stack[1:own] = partial
     for i, (r, off, rows) in enumerate(src):
-        stack[3 + i, :, rows] = states[r, :, off:off + rows.stop - rows.start]
+        stack[own + i, :, rows] = states[r, :, off:off + rows.stop - rows.start]
     return engine.col_lse(stack)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
+
 from .. import _checks, _engine, config
 from .._engine import side, workspace
 from .._engine.kernels import acc_dtype
@@ -304,9 +306,12 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         return xp, temp, p  # (a device one too: _global.scaled_rows)
 
     host_t = _global.host_setting(temperature)  # (the ranks compare the host values)
-    xp, temp, p = _global.agree(comm, op, checks, [z], ["z"],
-                                [host_t, reduction, normalize, requires_grad, precision,
-                                 label_smoothing, temperature_grad is True])
+    (xp, temp, p), ring = _global.agree(
+        comm, op, checks, [z], ["z"],
+        [host_t, reduction, normalize, requires_grad, precision, label_smoothing,
+         temperature_grad is True],
+        ring_wish=bool(comm.ring and comm.size > 1 and isinstance(z, np.ndarray)
+                       and not label_smoothing and not (requires_grad and reduction == "none")))
     eps = float(label_smoothing)
     tgrad = bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
@@ -317,6 +322,18 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         z = contig_inputs(xp, z)[0]
         zn, norm = prep(path, z, normalize)
         zn, root, scale = _global.scaled_rows(xp, zn, temp)  # (a device τ: √s ẑ, scale 1)
+        if ring:  # (no smoothing, no "none" recompute: _ring_share)
+            fused = requires_grad and reduction != "none"
+            lse, rows, acc = _ring_share(comm, path, engine, zn, scale,
+                                         row_weight(reduction, n2 * size) if fused else None,
+                                         workspace_bytes)
+            ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else (),
+                          precision=p)
+            if fused:
+                dt = _global.unscale_rows(comm, xp, zn, acc, temp, root, tgrad)
+                ctx.saved = dict(x=(z,), norms=(norm,), size=size, acc=(acc,), temp=temp,
+                                 tgrad=tgrad, dt=dt)
+            return _global.loss(comm, xp, rows, reduction, n2 * size), _global.tag(ctx, _GLOBAL)
         plan = _local.NtXentPlan(rank, size, n2)
         parts = comm.all_gather(zn)
         dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])  # the rows' raw positive dots
@@ -349,6 +366,84 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
                                  scale=scale, ws=workspace_bytes, comm=comm, eps=eps,
                                  temp=temp, tgrad=tgrad, root=root)
         return _global.loss(comm, xp, rows, reduction, n2 * size), _global.tag(ctx, _GLOBAL)
+
+
+def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[float], ws):
+    """The rank's blocks of the global NT-Xent on the ring (``_global.ring_blocks``; the
+    ranks agreed on it): the plan mirrored (``NtXentPlan(ring=True)``: blocks (r, r − k), the
+    chunks the ring brings first), so the rows travel only P // 2 steps.  First the diagonal
+    block and each arriving chunk's block (the split pair's half at step P / 2 for even P)
+    while the next chunk travels: the rank's rows' partials, and the chunks' column states
+    all-gathered (the other ranks' rows' partials) and merged in a fixed order; then, with
+    ``w_mul`` (a gradient wanted), the same blocks' gradients from every row's log-sum-exp
+    (all-gathered, 2n floats a rank), the kept chunks' rows' gradients summed along the ring
+    to their owners (a full circle: ranks that computed no block of a chunk add nothing).
+
+    Returns ``(lse, the rows' losses, ∂L/∂(scaled rows) or None)``."""
+    xp = np
+    rank, size, n2 = comm.rank, comm.size, zn.shape[0]
+    h = n2 // 2
+    plan = _local.NtXentPlan(rank, size, n2, ring=True)
+    a = np.float64 if zn.dtype == np.float64 else np.float32
+    half = size // 2 if plan.even else None  # the step of the split pair's chunk (opp's)
+    lse_d, loss_d, _ = path.rows(
+        zn, zn, None, None, scale, exclude_diag=True, pos_shift=h, pos_mod=n2, lse_in=None,
+        weights=(None, 0, 0.0), want_grad=False, workspace_bytes=ws, op="nt_xent",
+        self_pair=True)
+    chunks = {}
+    partial = _local._empty_states(xp, plan.k + plan.even, n2, a)  # a block's rows each
+    state = _local._empty_states(xp, 1, plan.width, a)[0]
+
+    def block_of(k, chunk):
+        """(rows, columns of the chunk, state offset) of step k's block."""
+        if k <= plan.k:
+            return slice(0, n2), slice(0, n2), (k - 1) * n2
+        return (slice(0, h), slice(0, n2), plan.k * n2) if plan.lead else \
+            (slice(0, n2), slice(h, n2), plan.k * n2)
+
+    def stats(k, q, chunk):
+        if k == 0:
+            return None, None
+        chunks[q] = chunk
+        rows, cols, off = block_of(k, chunk)
+        lse_b, st, _ = engine.cross(zn[rows], chunk[cols], scale, lse_r=None, lse_c=None,
+                                    weights=None, want_stats=True, want_grad=False,
+                                    workspace_bytes=ws)
+        partial[k - 1, 0, rows] = lse_b
+        partial[k - 1, 1, rows] = 1
+        state[:, off:off + st.shape[1]] = st
+        return None, None
+
+    _global.ring_blocks(comm, zn, stats, col_grads=False,
+                        steps=plan.k + 1 + (1 if plan.even else 0))
+    lse = _local.nt_xent_lse(plan, engine, lse_d, partial, comm.all_gather(state))
+    rows = loss_d + (lse - lse_d)
+    if w_mul is None:
+        return lse, rows, None
+    lse_all = comm.all_gather(lse)
+
+    def grads(k, q, _):
+        if k == 0:  # the diagonal block: its rows' and columns' parts are both this rank's
+            _, _, (dd, _, _, _) = path.rows(
+                zn, zn, None, None, scale, exclude_diag=True, pos_shift=h, pos_mod=n2,
+                lse_in=lse, weights=(None, 1, w_mul), want_grad=True, workspace_bytes=ws,
+                op="nt_xent", self_pair=True)
+            return dd, xp.zeros_like(dd)
+        dq, dk = xp.zeros(zn.shape, a), xp.zeros(zn.shape, a)
+        if k <= plan.k or k == half:
+            rows, cols, _ = block_of(k, None)
+            _, _, (gq, gk) = engine.cross(
+                zn[rows], chunks[q][cols], scale, lse_r=lse[rows], lse_c=lse_all[q][cols],
+                weights=(None, None, w_mul), want_stats=False, want_grad=True,
+                workspace_bytes=ws)
+            dq[rows], dk[cols] = gq, gk
+        return dq, dk
+
+    steps, dk = _global.ring_blocks(comm, None, grads, col_grads=True)
+    acc = steps[0]
+    for part in steps[1:]:
+        acc = acc + part
+    return lse, rows, acc + dk
 
 
 def _global_acc(ctx: Context, g):

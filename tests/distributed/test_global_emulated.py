@@ -174,12 +174,16 @@ def test_ring_shift_emulated(P):
 
 
 def _ring_op(op, a, b, reduction, requires_grad, comm):
-    """(loss, gradients or ()) of SigLIP (scale 1.1, bias −2), CLIP (scale 1.1) or InfoNCE
-    (τ = 0.3) over comm."""
+    """(loss, gradients or ()) of SigLIP (scale 1.1, bias −2), CLIP (scale 1.1), InfoNCE or
+    NT-Xent (τ = 0.3) over comm."""
     if op == "siglip":
         loss, ctx = cupynce.siglip_loss_forward(a, b, 1.1, -2.0, reduction=reduction,
                                                 requires_grad=requires_grad, group=comm)
         return loss, cupynce.siglip_loss_backward(ctx, 0.7) if requires_grad else ()
+    if op == "nt_xent":  # (a, b: the rank's two views)
+        loss, ctx = cupynce.nt_xent_forward(np.concatenate([a, b]), 0.3, reduction=reduction,
+                                            requires_grad=requires_grad, group=comm)
+        return loss, (cupynce.nt_xent_backward(ctx, 0.7),) if requires_grad else ()
     if op == "info_nce":
         loss, ctx = cupynce.info_nce_forward(a, b, 0.3, reduction=reduction,
                                              requires_grad=requires_grad, group=comm)
@@ -189,8 +193,8 @@ def _ring_op(op, a, b, reduction, requires_grad, comm):
     return loss, cupynce.clip_loss_backward(ctx, 0.7) if requires_grad else ()
 
 
-@pytest.mark.parametrize("op", ["siglip", "clip", "info_nce"])
-@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("op", ["siglip", "clip", "info_nce", "nt_xent"])
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_ring_schedule_numpy(op, P, reduction, requires_grad):
@@ -231,7 +235,7 @@ def test_ring_schedule_numpy(op, P, reduction, requires_grad):
     if reduction != "none":
         assert len({np.asarray(x[0]).tobytes() for x in ring}) == 1
     if requires_grad:  # (the scalars' gradients)
-        for k in {"siglip": (2, 3), "clip": (2,), "info_nce": ()}[op]:
+        for k in {"siglip": (2, 3), "clip": (2,)}.get(op, ()):
             assert len({np.asarray(x[1][k]).tobytes() for x in ring}) == 1
 
 
@@ -651,16 +655,17 @@ def test_clip_sends_only_the_texts():
 
 
 @pytest.mark.parametrize("P", range(1, 10))
-def test_nt_xent_plan_covers_each_pair_of_blocks_once(P):
-    """The symmetric NT-Xent schedule: every entry of the global score matrix is computed
-    exactly once (in one orientation), and each rank finds its rows' column states where the
-    computing rank put them."""
+@pytest.mark.parametrize("ring", [False, True])
+def test_nt_xent_plan_covers_each_pair_of_blocks_once(P, ring):
+    """The symmetric NT-Xent schedule (and the ring's mirrored one, blocks (r, r − k)): every
+    entry of the global score matrix is computed exactly once (in one orientation), and each
+    rank finds its rows' column states where the computing rank put them."""
     from cupynce.ops._local import NtXentPlan
 
     n2 = 6
     h = n2 // 2
     seen = np.zeros((P * n2, P * n2), int)
-    plans = [NtXentPlan(r, P, n2) for r in range(P)]
+    plans = [NtXentPlan(r, P, n2, ring=ring) for r in range(P)]
     layout = {}  # (computing rank, state column) -> (owner rank, owner row)
     for r, pl in enumerate(plans):
         own = np.arange(r * n2, (r + 1) * n2)
@@ -689,15 +694,27 @@ def test_nt_xent_plan_covers_each_pair_of_blocks_once(P):
         assert got == want
 
 
-def test_nt_xent_collectives():
+@pytest.mark.parametrize("P", [2, 3])
+def test_nt_xent_collectives(P):
     """The symmetric NT-Xent's collectives: the rows, their dots, the column states and the
-    rows' lse gathered (O(N·D) + O(N)), the gradients reduce-scattered, the loss reduced."""
-    Z = np.random.default_rng(1).standard_normal((16, 4))
-    run(2, lambda comm: cupynce.nt_xent_forward(
-        np.concatenate([Z[4 * comm.rank:4 * comm.rank + 4], Z[8 + 4 * comm.rank:][:4]]), 0.5,
-        group=comm))
+    rows' lse gathered (O(N·D) + O(N)), the gradients reduce-scattered, the loss reduced; on
+    the ring, the rows shift P // 2 times (the chunks of the mirrored plan's blocks), the
+    column states and the lse are gathered, the gradients shift P times, the loss reduced."""
+    Z = np.random.default_rng(1).standard_normal((8 * P, 4))
+
+    def body(ring):
+        def f(comm):
+            comm.ring = ring
+            r = comm.rank
+            return cupynce.nt_xent_forward(
+                np.concatenate([Z[4 * r:4 * r + 4], Z[4 * P + 4 * r:][:4]]), 0.5, group=comm)
+        return f
+    run(P, body(False))
     assert run.log[0] == ["exchange", "all_gather", "all_gather", "all_gather", "all_gather",
                           "reduce_scatter", "all_reduce"], run.log[0]
+    run(P, body(True))
+    assert run.log[0] == (["exchange"] + ["ring_shift"] * (P // 2) + ["all_gather"] * 2
+                          + ["ring_shift"] * P + ["all_reduce"]), run.log[0]
 
 
 # ---- GPU: the CuPy paths -------------------------------------------------------------------
