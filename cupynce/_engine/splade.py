@@ -56,6 +56,8 @@ from .kernels import BLOCK, acc_dtype
 #: Default cap on the cuBLAS-tile forward's logit workspace (bytes).
 DEFAULT_WORKSPACE_BYTES = 64 << 20
 FILE = "splade/splade.cu"
+#: the backward's kernels (dW, dbias, dx and the dx grouping)
+GRAD_FILE = "splade/splade_grad.cu"
 #: SPLADE's fused max on the tile kernels (tiles.cu's main loops, MODE_SPMAX epilogue)
 TILES_FILE = "splade/splade_tiles.cu"
 # ``config.splade_ws``: the fused forward on Hopper runs kernels_src/splade/splade_wgmma.cu
@@ -305,7 +307,7 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     dbias = cp.empty((v,), dt) if has_bias else None
     # 16-byte row access where every row the kernel reads or writes is 16-byte aligned
     vec_x = _rows_aligned(xs.data.ptr, d, d, dt.itemsize)  # (contiguous: rows d apart)
-    kern = kernels.get_kernel(FILE, f"splade_dw{'v' if vec_x else ''}_{tag}", dt)
+    kern = kernels.get_kernel(GRAD_FILE, f"splade_dw{'v' if vec_x else ''}_{tag}", dt)
     kern((-(-v // (_DWV_TV if vec_x else _DW_TV)), _grad_chunks(d, vec_x, dt.itemsize)), (BLOCK,),
          (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v), np.int32(act),
           dw, dbias if dbias is not None else 0), shared_mem=_ring_smem(kern) if vec_x else 0)
@@ -316,25 +318,25 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     # (the shared-memory count pass writes every (b, l, s) entry: no fill needed; the global
     # one adds to them)
     counts = (cp.zeros if glob else cp.empty)((b, l, nseg), np.int32)
-    kernels.get_kernel(FILE, f"splade_count_{tag}", dt)(
+    kernels.get_kernel(GRAD_FILE, f"splade_count_{tag}", dt)(
         (nseg, b), (BLOCK,), (out, g, arg) + scal + (np.int32(glob), counts),
         shared_mem=0 if glob else 4 * l)
     # the rows' prefix sums of the counts (our kernel, not cp.cumsum: nothing for CuPy to
     # compile at a first call); long sequences also get the place pass's global cursors
     incl, excl = (cp.empty((b, l * nseg), np.int32) for _ in range(2))
     cursors = cp.empty((b, l * nseg), np.int32) if glob else None
-    kernels.get_function(FILE, "cpn_splade_scan")(
+    kernels.get_function(GRAD_FILE, "cpn_splade_scan")(
         (b,), (_SCAN_BLOCK,), (counts, np.int32(l * nseg), incl, excl,
                          cursors if cursors is not None else 0))
     lst = cp.empty((b, v), np.int32)
-    kernels.get_kernel(FILE, f"splade_place_{tag}", dt)(
+    kernels.get_kernel(GRAD_FILE, f"splade_place_{tag}", dt)(
         (nseg, b), (32,), (out, g, arg) + scal + (excl, cursors if glob else 0, lst),
         shared_mem=0 if glob else 4 * l)
     item = dt.itemsize
     sv, sd = weight.strides[0] // item, weight.strides[1] // item
     vec_w = sd == 1 and _rows_aligned(weight.data.ptr, d, sv, item)
     dx = cp.empty((b, l, d), dt)
-    kern = kernels.get_kernel(FILE, "splade_dxv" if vec_w else "splade_dx", dt)
+    kern = kernels.get_kernel(GRAD_FILE, "splade_dxv" if vec_w else "splade_dx", dt)
     kern((-(-(b * l) // _DX_ROWS), _grad_chunks(d, vec_w, item)), (BLOCK,),
          (weight, np.int64(sv), np.int64(sd), out, g, lst, excl, incl, np.int32(b),
           np.int32(v), np.int32(l), np.int32(d), np.int32(nseg), np.int32(act), dx),

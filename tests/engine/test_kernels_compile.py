@@ -96,7 +96,7 @@ def _missing_symbols(filename, cubin):
 
 #: kernels written without the ``cpn_<stage>_##SUF`` macros (one dtype), by file
 _SINGLE = {"products/blas.cu": ("cpn_split_tf32_f32", "cpn_fill_f32", "cpn_fill_f64"),
-           "splade/splade.cu": ("cpn_splade_scan",),
+           "splade/splade_grad.cu": ("cpn_splade_scan",),
            "losses/grads.cu": ("cpn_clip_grad_f16x3",),
            "losses/arrays.cu": ("cpn_gather_bytes",),
            "products/tiles_ws_f16x3.cu": ("cpn_f16x3_split_rows", "cpn_f16x3_colmax",

@@ -665,7 +665,7 @@ def test_scan_kernel(b, n, cursors):
     d_counts = cp.asarray(counts)
     pad = 16
     incl, excl, cur = (cp.full((b, n + pad), -5, np.int32) for _ in range(3))
-    kernels.get_function("splade/splade.cu", "cpn_splade_scan")(
+    kernels.get_function(splade.GRAD_FILE, "cpn_splade_scan")(
         (b,), (splade._SCAN_BLOCK,), (d_counts, np.int32(n), incl, excl, cur if cursors else 0))
     # (rows laid out with stride n: view the written region as (b, n))
     flat = lambda a: cp.asnumpy(a).reshape(-1)[: b * n].reshape(b, n)  # noqa: E731
