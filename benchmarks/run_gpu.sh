@@ -8,8 +8,11 @@
 #   bash benchmarks/run_gpu.sh splade     # the SPLADE GPU tests, bench_splade --quick (fused
 #                                         # and cuBLAS paths), bench_splade_argmax
 #   bash benchmarks/run_gpu.sh variants   # bench_variants (SupCon, MoCo, CLIP with labels)
+#   bash benchmarks/run_gpu.sh splade-bench # bench_splade on every shape and density, with
+#                                         # eager, torch.compile and Sparton (if installed)
 #   bash benchmarks/run_gpu.sh sparse     # bench_sparse_encoder: a SparseEncoder's training
 #                                         # step, library vs cupynce, uncached and cached
+#   bash benchmarks/run_gpu.sh sparse-largest # its largest batch that fits, each (up to 4096)
 #   bash benchmarks/run_gpu.sh ncu-splade # Nsight Compute over SPLADE's backward kernels at
 #                                         # (32, 256, 768, 30522), 1 % and 50 % density
 #
@@ -55,7 +58,11 @@ for mode in "${@:-suite1}"; do
     CUPYNCE_TILES=0 python benchmarks/bench_splade.py --quick --impls --out "$OUT/splade_cublas.json" \
       2>&1 | tail -6
     python benchmarks/bench_splade_argmax.py --out "$OUT/argmax" 2>&1 | tail -6 ;;
+  splade-bench) python benchmarks/bench_splade.py --out "$OUT/bench_splade.json" 2>&1 \
+                  | tee "$OUT/bench_splade.log" | tail -12 ;;
   sparse) python benchmarks/bench_sparse_encoder.py --out "$OUT" 2>&1 | tail -12 ;;
+  sparse-largest) python benchmarks/bench_sparse_encoder.py --sizes 128 --largest --largest-max 4096 \
+                    --out "$OUT" --name bench_sparse_encoder_largest 2>&1 | tail -14 ;;
   ncu-splade)
     for dens in 0.01 0.5; do
       ncu --kernel-name regex:'splade_(dw|dx|count|place|scan)' --section SpeedOfLight \
