@@ -28,22 +28,26 @@ output and the arg-max, (B, V) int16 (int32 when L > 32768).
 Backward (sparse, deterministic): with ``g' = grad_out · act'(out)`` (1 for relu, 1/(1+m) =
 exp(-out) for log1p_relu, 0 where out = 0), only the active entries (``g' != 0``) are touched:
 
-* ``dW[v] = Σ_b g'[b, v] x[b, l*(b, v)]`` and ``dbias[v] = Σ_b g'[b, v]`` — a CTA per 16
-  vocabulary rows (2 a warp), a sequential loop over b: the (g', l*) of 16 batches × those rows
-  staged with coalesced loads, then the x rows of the active entries gathered 16 bytes a lane;
+* ``dW[v] = Σ_b g'[b, v] x[b, l*(b, v)]`` and ``dbias[v] = Σ_b g'[b, v]`` — a warp per
+  vocabulary row (8 a CTA), a sequential loop over b: the (g', l*) of 64 batches × those rows
+  staged with coalesced loads, the warp's active entries listed, then their x rows gathered 16
+  bytes a lane through a 4-slot cp.async ring a warp (SPL_RING rows in flight);
 * ``dx[b, l] = Σ_{v : l*(b, v) = l} g'[b, v] W[v]`` — the active v of each batch are grouped by
-  l with a stable counting sort (integer counts, a scan, a warp-ordered placement), then a warp
-  per (b, l) sums its list in increasing v (W rows 16 bytes a lane).
+  l with a stable counting sort (integer counts, a one-pass scan, a warp-ordered placement
+  over up to 64 vocabulary segments), then a warp per (b, l) sums its list in increasing v
+  (W rows through the same ring).
 
-Each gradient element is one sequential sum in a fixed order (b for dW, v for dx), whatever
-the tiling: the same bits as the block-per-v / block-per-(b, l) kernels before them.
+Rows that are not 16-byte aligned, and devices where the ring does not fit a block or has no
+cp.async (before sm_80), take element-wise kernels (16 vocabulary rows a CTA for dW).  Each
+gradient element is one sequential sum in a fixed order (b for dW, v for dx), whatever the
+kernel: the same bits either way (tested).
 
 No floating-point atomics: the same inputs give the same bits.  Gradients are in the inputs'
 dtypes (a bf16 weight gets a bf16 gradient, accumulated in fp32; no fp32 copy of W).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -70,7 +74,7 @@ _WS_CLUSTER = 2  # SW_CLUSTER: CTAs per cluster, sharing (multicasting) the x lo
 #: SW_SMEM_BYTES: 4 stages x (128 + 256) rows x 64 x 2 bytes + 1 KiB to align the stages (a
 #: GPU test checks it against cpn_spmax_ws_smem)
 _WS_SMEM = 4 * (_WS_BM + _WS_BN) * _WS_BK * 2 + 1024
-_GRAD_NV = 4  # SPL_GRAD_NV in splade.cu: column chunks a lane of the gradient kernels covers
+_GRAD_NV = 4  # SPL_GRAD_NV in splade_grad.cu: column chunks a lane of the gradient kernels covers
 _DW_TV = 16  # SPL_DW_TV: vocabulary rows a dW CTA covers (element-wise rows)
 _DWV_TV = BLOCK // 32  # SPL_DWV_TV: vocabulary rows a 16-byte dW CTA covers, a warp each
 _RING = 4  # SPL_RING: gathered rows a warp of the 16-byte gradient kernels has in flight, + 1
@@ -281,14 +285,31 @@ def _grad_chunks(d: int, vec: bool, item: int) -> int:
     return max(1, -(-d // (32 * _GRAD_NV * (16 // item if vec else 1))))
 
 
-def _ring_smem(kern) -> int:
-    """The dynamic shared memory of the 16-byte gradient kernels (splade_dwv, splade_dxv): a
-    ring of ``_RING`` gathered rows per warp (SPL_RING_BYTES a warp), opted in above 48 KiB once
-    per kernel."""
-    smem = (BLOCK // 32) * _RING * _GRAD_NV * 32 * 16
-    if kern.max_dynamic_shared_size_bytes < smem:
-        kern.max_dynamic_shared_size_bytes = smem
-    return smem
+#: the 16-byte gradient kernels' dynamic shared memory: a ring of ``_RING`` gathered rows a
+#: warp (SPL_RING_BYTES: SPL_RING x SPL_GRAD_NV x 32 lanes x 16 bytes)
+_RING_SMEM = (BLOCK // 32) * _RING * _GRAD_NV * 32 * 16
+#: per kernel (by id, each held): whether its ring fits this device, after the opt-in
+_RING_FITS: Dict[int, Tuple[object, bool]] = {}
+
+
+def _ring_kernel(name: str, dt):
+    """``kernels_src/splade/splade_grad.cu``'s 16-byte gradient kernel ``name`` (splade_dwv,
+    splade_dxv), opted in to its ring's dynamic shared memory once, or None where the ring
+    does not fit a block on this device (static + dynamic above the opt-in maximum: Turing's
+    64 KiB) or its copies would not be asynchronous (no cp.async before sm_80): the callers
+    then take the element-wise kernels, the same sums in the same order."""
+    import cupy as cp
+
+    kern = kernels.get_kernel(GRAD_FILE, name, dt)
+    seen = _RING_FITS.get(id(kern))
+    if seen is None or seen[0] is not kern:
+        dev = cp.cuda.Device()
+        fits = int(dev.compute_capability) >= 80 and int(kern.attributes["shared_size_bytes"]) \
+            + _RING_SMEM <= int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
+        if fits and kern.max_dynamic_shared_size_bytes < _RING_SMEM:
+            kern.max_dynamic_shared_size_bytes = _RING_SMEM
+        seen = _RING_FITS[id(kern)] = (kern, fits)
+    return kern if seen[1] else None
 
 
 def backward(x, weight, out, arg, g, has_bias: bool, act: int):
@@ -305,12 +326,15 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
     arg = cp.ascontiguousarray(arg)
     dw = cp.empty((v, d), dt)
     dbias = cp.empty((v,), dt) if has_bias else None
-    # 16-byte row access where every row the kernel reads or writes is 16-byte aligned
-    vec_x = _rows_aligned(xs.data.ptr, d, d, dt.itemsize)  # (contiguous: rows d apart)
-    kern = kernels.get_kernel(GRAD_FILE, f"splade_dw{'v' if vec_x else ''}_{tag}", dt)
-    kern((-(-v // (_DWV_TV if vec_x else _DW_TV)), _grad_chunks(d, vec_x, dt.itemsize)), (BLOCK,),
-         (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v), np.int32(act),
-          dw, dbias if dbias is not None else 0), shared_mem=_ring_smem(kern) if vec_x else 0)
+    # 16-byte row access where every row the kernel reads or writes is 16-byte aligned (and
+    # the ring fits the device)
+    ring = _rows_aligned(xs.data.ptr, d, d, dt.itemsize) and \
+        _ring_kernel(f"splade_dwv_{tag}", dt)  # (x contiguous: rows d apart)
+    kern = ring or kernels.get_kernel(GRAD_FILE, f"splade_dw_{tag}", dt)
+    kern((-(-v // (_DWV_TV if ring else _DW_TV)), _grad_chunks(d, bool(ring), dt.itemsize)),
+         (BLOCK,), (xs, out, g, arg, np.int32(b), np.int32(l), np.int32(d), np.int32(v),
+                    np.int32(act), dw, dbias if dbias is not None else 0),
+         shared_mem=_RING_SMEM if ring else 0)
     # dx: group the active (b, v) by (b, l*) in increasing v, then a warp per (b, l)
     seg, nseg = _segments(v, l)
     scal = (np.int32(v), np.int32(l), np.int32(seg), np.int32(nseg), np.int32(act))
@@ -334,13 +358,14 @@ def backward(x, weight, out, arg, g, has_bias: bool, act: int):
         shared_mem=0 if glob else 4 * l)
     item = dt.itemsize
     sv, sd = weight.strides[0] // item, weight.strides[1] // item
-    vec_w = sd == 1 and _rows_aligned(weight.data.ptr, d, sv, item)
+    ring = sd == 1 and _rows_aligned(weight.data.ptr, d, sv, item) and \
+        _ring_kernel("splade_dxv", dt)
     dx = cp.empty((b, l, d), dt)
-    kern = kernels.get_kernel(GRAD_FILE, "splade_dxv" if vec_w else "splade_dx", dt)
-    kern((-(-(b * l) // _DX_ROWS), _grad_chunks(d, vec_w, item)), (BLOCK,),
+    kern = ring or kernels.get_kernel(GRAD_FILE, "splade_dx", dt)
+    kern((-(-(b * l) // _DX_ROWS), _grad_chunks(d, bool(ring), item)), (BLOCK,),
          (weight, np.int64(sv), np.int64(sd), out, g, lst, excl, incl, np.int32(b),
           np.int32(v), np.int32(l), np.int32(d), np.int32(nseg), np.int32(act), dx),
-         shared_mem=_ring_smem(kern) if vec_w else 0)
+         shared_mem=_RING_SMEM if ring else 0)
     return dx, dw, dbias
 
 

@@ -261,7 +261,7 @@ __device__ __forceinline__ void splade_dw_impl(
 // ring.  Each warp first lists its active entries of the chunk in increasing b (ballot, prefix
 // popcount), then keeps SPL_RING - 1 rows in flight ahead of the one it adds.
 // Grid (ceil(V / SPL_DWV_TV), ceil(D / (32 E SPL_GRAD_NV))), CPN_BLOCK threads; dynamic shared
-// memory SPL_DWV_SMEM bytes (splade.py: _ring_smem).
+// memory SPL_DWV_SMEM bytes (splade.py: _RING_SMEM).
 #define SPL_DWV_TV (CPN_BLOCK / 32)
 #define SPL_DWV_BC 64
 #define SPL_DWV_SMEM ((CPN_BLOCK / 32) * SPL_RING_BYTES)
@@ -471,7 +471,7 @@ __device__ __forceinline__ void splade_dx_impl(
 // dx with 16-byte W rows: as splade_dx_impl (the same sums in the same order), with the W rows
 // gathered through the warp's ring, SPL_RING - 1 rows in flight ahead of the one it adds.  The
 // lanes hold the (v, g') of the run's 32-entry chunk being added and of the next one.
-// Dynamic shared memory: SPL_DXV_SMEM bytes (splade.py: _DXV_SMEM).
+// Dynamic shared memory: SPL_DXV_SMEM bytes (splade.py: _RING_SMEM).
 #define SPL_DXV_SMEM ((CPN_BLOCK / 32) * SPL_RING_BYTES)
 template <typename T>
 __device__ __forceinline__ void splade_dxv_impl(

@@ -854,3 +854,25 @@ def test_warp_specialised_forward_row_limit():
     assert not splade._ws_fits(2 ** 31 - splade._WS_BN)
     assert not splade._ws_fits(32769 * 65536)  # B = 32769, L = 65536
     assert _tma.TENSOR_MAP_DTYPE.itemsize == 128
+
+
+def test_gradient_kernel_constants_match_the_source():
+    """The launch side's copies of splade_grad.cu's constants (grids, block sizes, the rings'
+    dynamic shared memory) are the kernel's own (a CPU check: the source is read, not built)."""
+    from cupynce._engine import kernels, splade
+
+    src = (kernels.kernels_dir() / splade.GRAD_FILE).read_text()
+
+    def define(name):
+        m = re.search(rf"^#define {name} (\d+)$", src, re.M)
+        assert m, f"#define {name} not found in {splade.GRAD_FILE}"
+        return int(m.group(1))
+    assert define("SPL_RING") == splade._RING
+    assert define("SPL_GRAD_NV") == splade._GRAD_NV
+    assert define("SPL_DW_TV") == splade._DW_TV
+    assert define("SPL_SCAN_BLOCK") == splade._SCAN_BLOCK
+    assert "#define SPL_DWV_TV (CPN_BLOCK / 32)" in src and splade._DWV_TV == kernels.BLOCK // 32
+    # SPL_DWV_SMEM = SPL_DXV_SMEM = warps x SPL_RING x SPL_GRAD_NV x 32 lanes x 16 bytes
+    assert "#define SPL_RING_BYTES (SPL_RING * SPL_GRAD_NV * 32 * 16)" in src
+    assert src.count("((CPN_BLOCK / 32) * SPL_RING_BYTES)") == 2
+    assert splade._RING_SMEM == kernels.BLOCK // 32 * splade._RING * splade._GRAD_NV * 32 * 16
