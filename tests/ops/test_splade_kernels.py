@@ -277,7 +277,7 @@ def test_gradient_kernels_row_access(dtype, d, forward_path, monkeypatch):
 
 @pytest.mark.parametrize("shape", [(70, 3, 40, 300), (4, 2, 264, 2500)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gradient_kernels_ring(dtype, shape, forward_path):
+def test_gradient_kernels_ring(dtype, shape, forward_path, monkeypatch):
     """The 16-byte gradient kernels gather their rows through a per-warp ring (SPL_RING rows in
     flight): (70, 3, ..) has B over one dW staging chunk (64 batches) and (b, l) runs of ~50
     entries; (4, 2, 264, 2500) runs of ~600 entries, over many of dx's 32-entry chunks, and D
@@ -292,6 +292,13 @@ def test_gradient_kernels_ring(dtype, shape, forward_path):
     assert (cp.asnumpy(out) > 0).mean() > 0.3  # dense enough for long runs
     again = _backward_misaligned(inp, out, am)
     assert_bitwise((out, am, grads), (out, am, again), f"ring vs element-wise {shape}")
+    # a device where the ring does not fit (Turing): the element-wise kernels, aligned rows
+    from cupynce._engine import splade
+    monkeypatch.setattr(splade, "_ring_kernel", lambda *a: None)
+    plain = cupynce.splade_pool_backward_from_stats(
+        cp.asarray(inp["x"]), cp.asarray(inp["weight"]), out, am, cp.asarray(inp["grad_out"]),
+        bias=cp.asarray(inp["bias"]), activation="log1p_relu")
+    assert_bitwise((out, am, grads), (out, am, plain), f"no ring {shape}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
