@@ -122,20 +122,23 @@ def host_setting(value: Any) -> Any:
 
 
 def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequence[Any],
-          names: Sequence[str], settings: Sequence[Any], ring_wish: Optional[bool] = None):
+          names: Sequence[str], settings: Sequence[Any],
+          ring_wish: Optional[Callable[[], Any]] = None):
     """Run ``local_checks`` and exchange its outcome, the arrays' shapes / dtypes and the
     ``settings`` (numbers, bools, the reduction) with every rank; raise on every rank if any
     rank failed or they differ.
 
-    Returns ``local_checks()``'s result; with ``ring_wish`` (whether this rank could run the
-    op's ring schedule: it depends on the rank's communicator and arrays, not only on the
-    compared settings), ``(result, every rank wishes it)`` -- the schedule every rank then
-    takes, so that no rank shifts while another gathers.  The first collective of every call,
-    of the same length on every rank: a rank whose inputs are wrong still takes part, so the
-    others never wait on it.
+    Returns ``local_checks()``'s result; with ``ring_wish`` (a callable: whether this rank
+    could run the op's ring schedule -- it depends on the rank's communicator and arrays, not
+    only on the compared settings -- asked only once the checks passed, inside them, so that
+    an argument it cannot read fails like any bad argument), ``(result, every rank wishes
+    it)``: the schedule every rank then takes, so that no rank shifts while another gathers.
+    The first collective of every call, of the same length on every rank: a rank whose
+    inputs are wrong still takes part, so the others never wait on it.
     """
     err: Optional[BaseException] = None
     result = None
+    wish = False
     pending = getattr(comm, "pending", None)  # an adapter's own argument check failed
     try:
         if pending is not None:
@@ -144,6 +147,8 @@ def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequenc
         problem = comm.problem(arrays_)
         if problem is not None:
             err = ValueError(f"{op}: {problem}")
+        elif ring_wish is not None:
+            wish = bool(ring_wish())
     except (TypeError, ValueError) as e:
         err = e
     meta: List[int] = [int(err is not None)]
@@ -158,7 +163,7 @@ def agree(comm: Comm, op: str, local_checks: Callable[[], Any], arrays_: Sequenc
             continue
         meta += [len(shape)] + [int(d) for d in shape[:3]] + [0] * (3 - min(len(shape), 3)) \
             + [_DTYPE_CODE.get(str(getattr(x, "dtype", "")), 0)]
-    extra = [] if ring_wish is None else [int(bool(ring_wish))]
+    extra = [] if ring_wish is None else [int(wish)]
     rows = comm.exchange(meta + extra)
     ring = bool(extra) and all(r[-1] for r in rows)
     rows = [r[:len(meta)] for r in rows]
@@ -233,7 +238,9 @@ def ring_blocks(comm: Comm, cols, block: Callable[[int, int, Any], Tuple[Any, An
     that needs the nearest ranks' chunks: NT-Xent's; without ``col_grads``)."""
     size, rank = comm.size, comm.rank
     steps = size if steps is None else steps
-    assert not (col_grads and steps != size), "the gradients travel the whole ring"
+    if not 1 <= steps <= size or (col_grads and steps != size):
+        raise ValueError(f"ring_blocks: steps must be in [1, {size}] and {size} with column "
+                         f"gradients (they travel the whole ring), got {steps}")
     cur, results, partial, nxt = cols, [], None, None
     try:
         for k in range(steps):
@@ -246,10 +253,46 @@ def ring_blocks(comm: Comm, cols, block: Callable[[int, int, Any], Tuple[Any, An
                 cur, nxt = nxt.wait(), None
         own, partial = (partial.wait() if col_grads else None), None
         return results, own
-    finally:  # (an error in a block: the transfers in flight end before their buffers go)
+    finally:  # (an error in a block: the transfers in flight end before their buffers go;
+        # a transfer failing too -- its peer gone -- must not hide that error)
         for p in (nxt, partial):
             if p is not None:
-                p.wait()
+                try:
+                    p.wait()
+                except Exception:  # noqa: BLE001
+                    pass
+
+
+def ring_possible(comm: Comm, x, requires_grad: bool, reduction: str) -> bool:
+    """What every op's ring wish (``agree``) holds: a communicator with ``ring_shift``,
+    several ranks, NumPy arrays (the GPU engines join once measured: issue 57), and no "none"
+    with a gradient (its recompute keeps the gathered columns)."""
+    return bool(comm.ring and comm.size > 1 and isinstance(x, np.ndarray)
+                and not (requires_grad and reduction == "none"))
+
+
+def sum_steps(steps: Sequence[Any]):
+    """The ring steps' parts added in step order (own chunk first): arrays, or tuples of them
+    element by element."""
+    total = steps[0]
+    for part in steps[1:]:
+        total = tuple(t + p for t, p in zip(total, part)) if isinstance(total, tuple) else \
+            total + part
+    return total
+
+
+def merge_lse(engine, parts: Sequence[Any]):
+    """Log-sum-exps over disjoint column sets (one array a chunk) merged into one, in the
+    order given (``engine.col_lse`` of the states (lse, 1)): the same bits for the same
+    parts and order."""
+    xp = np if isinstance(parts[0], np.ndarray) else _cupy()
+    return engine.col_lse(xp.stack([xp.stack([x, xp.ones_like(x)]) for x in parts]))
+
+
+def _cupy():
+    import cupy
+
+    return cupy
 
 
 def dtemperature(comm: Comm, xp, xn, acc, temp, degree: int):

@@ -90,6 +90,9 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     ``positives=False``: the columns hold no row's positive (a ring chunk of another rank's
     keys; no labels, smoothing or hardness): no −w target in the gradient (the row loss it
     returns is then meaningless)."""
+    if not positives and (smoothing or labels is not None or hardness is not None
+                          or pair_labels is not None):
+        raise ValueError("rows: positives=False takes no labels, smoothing or hardness")
     xp = _cpu.current()
     a = acc_dtype(q.dtype)
     if scale_log is not None:  # (on the host here: the value can be read)

@@ -39,6 +39,8 @@ def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad:
     -inf, as the engine's ``clip_mask``.  ``positives=False``: the block holds no pair
     (a ring chunk of another rank's texts, constant weights): no −δ term in the gradient (the
     row loss it returns is then meaningless)."""
+    if not positives and (labels is not None or (weights is not None and weights[0] is not None)):
+        raise ValueError("numpy_clip: positives=False takes neither labels nor per-pair weights")
     xp = _cpu.current()
     a = acc_dtype(an.dtype)
     aa, ba = (xp.astype(xp.asarray(x), a) for x in (an, bn))
@@ -386,7 +388,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         comm, op, checks, [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
          precision, label_smoothing, labels is not None],
-        ring_wish=_ring_wish(comm, a, labels, label_smoothing, requires_grad, reduction))
+        ring_wish=lambda: labels is None and not label_smoothing and _global.ring_possible(
+            comm, a, requires_grad, reduction))
     if masks:  # (every pair's label, rank order: the rows' are this rank's of them)
         every_lab = comm.all_gather(masks["labels"][0]).reshape(-1)
         masks = dict(labels=(every_lab, every_lab))
@@ -458,17 +461,6 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_wish(comm: Comm, a, labels, label_smoothing, requires_grad: bool,
-               reduction: str) -> bool:
-    """Whether this rank could run the ring schedule (:func:`_ring_share`; ``_global.agree``
-    decides for every rank): a communicator with ``ring_shift``, several ranks, no labels or
-    label smoothing (their class sums and O(N·D) sums keep the gathered rows), a backward
-    that needs no recompute ("none" with a gradient keeps the gathered texts), and NumPy
-    arrays -- the GPU engine joins once its chunks are measured (issue 57)."""
-    return bool(comm.ring and comm.size > 1 and labels is None and not label_smoothing
-                and isinstance(a, np.ndarray) and not (requires_grad and reduction == "none"))
-
-
 def _ring_share(comm: Comm, engine, an, bn, ls, w, ws):
     """The rank's rows against every rank's texts on the ring (``_global.ring_blocks``), in
     two passes.  First, each chunk of texts' block while the next chunk travels: the rows'
@@ -499,7 +491,7 @@ def _ring_share(comm: Comm, engine, an, bn, ls, w, ws):
 
     _global.ring_blocks(comm, bn, stats, col_grads=False)
     # each row's log-sum-exp from the chunks' ((m, s) = (lse_q, 1)), merged in rank order
-    lse_r = engine.col_lse(xp.stack([xp.stack([x, xp.ones_like(x)]) for x in lse_parts]))
+    lse_r = _global.merge_lse(engine, lse_parts)
     lse_c = engine.col_lse(comm.all_gather(xp.concatenate(states, axis=1)))
     l_pos = lse_parts[rank] - own_row_loss[0]
     own = lse_c[rank * n:(rank + 1) * n]
@@ -508,15 +500,16 @@ def _ring_share(comm: Comm, engine, an, bn, ls, w, ws):
         return pair, lse_r, own, None
 
     def grads(k, q, _):
-        _, _, _, (da, db, dsp) = numpy_clip(
+        _, _, _, (da, db, _) = numpy_clip(
             an, chunks[q], ls, lse_r=lse_r, lse_c=lse_c[q * n:(q + 1) * n], weights=w,
             want_loss=False, want_grad=True, workspace_bytes=ws, positives=q == rank)
-        return (da, dsp.sum()), db
+        return da, db
 
     steps, db = _global.ring_blocks(comm, None, grads, col_grads=True)
-    da, dsp = steps[0]
-    for part in steps[1:]:
-        da, dsp = da + part[0], dsp + part[1]
+    da = _global.sum_steps(steps)
+    # d loss / d logit_scale = Σ_i â_i · da_i once, from the summed da (the all-gather
+    # schedule's sum; the chunks' parts added would turn an inf into inf − inf = NaN)
+    dsp = np.sum(np.einsum("ij,ij->i", an.astype(da.dtype, copy=False), da))
     dscale = comm.all_reduce(xp.asarray(dsp).reshape(1)).reshape(())
     return pair, lse_r, own, (da, db, dscale)
 

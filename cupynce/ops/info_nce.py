@@ -501,12 +501,11 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         comm, op, checks, [query, key, negatives], ["query", "key", "negatives"],
         [host_t, reduction, normalize, requires_grad, kind, precision,
          labels is not None, label_smoothing, in_batch_negatives is True,
-         replicated_negatives is True, temperature_grad is True, hardness_mode or 0,
-         hardness_strength],
-        ring_wish=bool(comm.ring and comm.size > 1 and isinstance(query, np.ndarray)
-                       and negatives is None and labels is None and not label_smoothing
-                       and not hardness_mode and in_batch_negatives is True
-                       and not (requires_grad and reduction == "none")))
+         replicated_negatives is True, temperature_grad is True,
+         hardness_mode if isinstance(hardness_mode, str) else 0, hardness_strength],
+        ring_wish=lambda: (negatives is None and labels is None and not label_smoothing
+                           and not hardness_mode and in_batch_negatives is True
+                           and _global.ring_possible(comm, query, requires_grad, reduction)))
     t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
@@ -573,7 +572,6 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws):
     chunk's gradient block with the full log-sum-exps, the keys' gradients summed along the
     ring to their owners.  Returns ``(lse, the rows' losses, (dq, dk, None) or None)``; dq adds
     the steps' parts in step order (own chunk first)."""
-    xp = np
     n, rank, size = qn.shape[0], comm.rank, comm.size
     chunks: List[Any] = [None] * size
     parts: List[Any] = [None] * size
@@ -590,7 +588,7 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws):
         return None, None
 
     _global.ring_blocks(comm, kn, stats, col_grads=False)
-    lse = _numpy.col_lse(xp.stack([xp.stack([x, xp.ones_like(x)]) for x in parts]))
+    lse = _global.merge_lse(_numpy, parts)
     rows = lse - own[0]
     if not fused:
         return lse, rows, None
@@ -601,10 +599,7 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws):
         return dq, dk
 
     steps, dk = _global.ring_blocks(comm, None, grads, col_grads=True)
-    dq = steps[0]
-    for part in steps[1:]:
-        dq = dq + part
-    return lse, rows, (dq, dk, None)
+    return lse, rows, (_global.sum_steps(steps), dk, None)
 
 
 def _global_scatter(comm: Comm, xp, grads, n: int, neg_s, replicated: bool = False):

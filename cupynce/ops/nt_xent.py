@@ -310,8 +310,8 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         comm, op, checks, [z], ["z"],
         [host_t, reduction, normalize, requires_grad, precision, label_smoothing,
          temperature_grad is True],
-        ring_wish=bool(comm.ring and comm.size > 1 and isinstance(z, np.ndarray)
-                       and not label_smoothing and not (requires_grad and reduction == "none")))
+        ring_wish=lambda: not label_smoothing and _global.ring_possible(comm, z, requires_grad,
+                                                                       reduction))
     eps = float(label_smoothing)
     tgrad = bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
@@ -440,10 +440,7 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
         return dq, dk
 
     steps, dk = _global.ring_blocks(comm, None, grads, col_grads=True)
-    acc = steps[0]
-    for part in steps[1:]:
-        acc = acc + part
-    return lse, rows, acc + dk
+    return lse, rows, _global.sum_steps(steps) + dk
 
 
 def _global_acc(ctx: Context, g):

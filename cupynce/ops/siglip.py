@@ -322,7 +322,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
          lb_array, reduction, normalize, requires_grad, precision, labels is not None],
-        ring_wish=_ring_wish(comm, a, labels, requires_grad, reduction))
+        ring_wish=lambda: labels is None and _global.ring_possible(comm, a, requires_grad,
+                                                                  reduction))
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         size = comm.size
@@ -360,16 +361,6 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_wish(comm: Comm, a, labels, requires_grad: bool, reduction: str) -> bool:
-    """Whether this rank could run the ring schedule (:func:`_ring_share`; every rank must,
-    ``_global.agree`` decides): a communicator with ``ring_shift``, several ranks, no
-    labels, a backward that needs no recompute (the "none" recompute keeps the gathered
-    texts), and NumPy arrays -- so far on the NumPy engine only: the GPU engines take the
-    chunks' column offset (``col0``) and join once measured (issue 57)."""
-    return bool(comm.ring and comm.size > 1 and labels is None and isinstance(a, np.ndarray)
-                and not (requires_grad and reduction == "none"))
-
-
 def _ring_share(comm: Comm, xp, an, bn, ls, lb, w, fused: bool, workspace_bytes):
     """The rank's rows against every rank's texts chunk by chunk on the ring
     (:func:`cupynce.ops._global.ring_blocks`): each chunk's block while the next travels, the
@@ -388,12 +379,13 @@ def _ring_share(comm: Comm, xp, an, bn, ls, lb, w, fused: bool, workspace_bytes)
         return (rows,) + tuple(grads[i] for i in (0, 2, 3)), grads[1]
 
     steps, db = _global.ring_blocks(comm, bn, block, col_grads=fused)
-    total = list(steps[0])
-    for part in steps[1:]:
-        total = [t + p for t, p in zip(total, part)]
+    total = _global.sum_steps(steps)
     if not fused:
         return total[0], None
-    rows, da, dscale, dbias = total
+    rows, da, _, dbias = total
+    # d loss / d logit_scale = Σ_i â_i · da_i once from the summed da (as the engine: a sum
+    # over the chunks' parts would turn an inf into inf − inf = NaN)
+    dscale = np.sum(np.einsum("ij,ij->i", an.astype(da.dtype, copy=False), da))
     return rows, (da, db, dscale, dbias)
 
 

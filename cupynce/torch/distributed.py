@@ -8,7 +8,9 @@ arrays cross as DLPack / ``from_numpy`` views, no copy) and wraps it in one auto
 With P ranks in ``g``, each holding n local rows (the same n everywhere; the global batch is
 the concatenation in rank order):
 
-* forward: the column-side rows are all-gathered, O(N·D) bytes per rank; each rank computes
+* forward: the column-side rows are all-gathered (on gloo with CPU tensors: shifted around
+  the ring chunk by chunk while each chunk's block is computed, ``cupynce.ops._global``),
+  O(N·D) bytes per rank; each rank computes
   its share with the single-process engine — never an n × N logits matrix in memory (NT-Xent:
   each unordered pair of ranks' blocks once; CLIP: one n × N block for both directions); the
   loss of the mean / sum is all-reduced, so every rank returns the global loss;
@@ -103,11 +105,10 @@ class TorchComm(Comm):
         # init_process_group is given no backend): the check's read then waits for no GPU
         # work.  On an NCCL-only group they travel on the inputs' GPU (the current one for
         # CPU inputs), and reading the result waits for the work queued before it -- the
-        # step's one synchronisation (docs/distributed.md).
-        self.exchange_device = torch.device("cpu") if "gloo" in backend else \
-            device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        # step's one synchronisation (docs/distributed.md); other backends: the inputs' device.
         self.device = device if not self.nccl or device.type == "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
+        self.exchange_device = torch.device("cpu") if "gloo" in backend else self.device
         # point-to-point: NCCL's on CUDA tensors, gloo's on CPU ones only (gloo has no send /
         # recv of CUDA tensors); other backends: the all-gather schedules
         self.ring = ("nccl" in backend and device.type == "cuda") or \

@@ -239,6 +239,64 @@ def test_ring_schedule_numpy(op, P, reduction, requires_grad):
             assert len({np.asarray(x[1][k]).tobytes() for x in ring}) == 1
 
 
+@pytest.mark.parametrize("op", ["siglip", "clip", "info_nce", "nt_xent"])
+def test_ring_bad_argument_raises_on_every_rank(op):
+    """With the ring possible, one rank's argument that the ring's wish would read (an array
+    for requires_grad) fails inside the agreement like any bad argument: every rank raises,
+    none waits in the exchange (the wish is asked only once the checks pass)."""
+    from emulated_ranks import run as run_ranks
+
+    P, n, d = 3, 2, 4
+    A, B = _batch(np, "float64", (n * P, d), 61, 1.0), _batch(np, "float64", (n * P, d), 62, 1.0)
+
+    def body(comm):
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        rg = np.array([True, False]) if comm.rank == 1 else True
+        try:
+            if op == "nt_xent":
+                cupynce.nt_xent_forward(np.concatenate([A[sl], B[sl]]), 0.3, requires_grad=rg,
+                                        group=comm)
+            elif op == "info_nce":
+                cupynce.info_nce_forward(A[sl], B[sl], 0.3, requires_grad=rg, group=comm)
+            elif op == "clip":
+                cupynce.clip_loss_forward(A[sl], B[sl], 1.1, requires_grad=rg, group=comm)
+            else:
+                cupynce.siglip_loss_forward(A[sl], B[sl], 1.1, -2.0, requires_grad=rg,
+                                            group=comm)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+        return None
+    out = run_ranks(P, body)
+    assert "requires_grad" in out[1], out
+    assert all(out[r] and "invalid inputs on rank(s) [1]" in out[r] for r in (0, 2)), out
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (the ranks' threads: inf − inf)
+@pytest.mark.parametrize("op", ["siglip", "clip"])
+def test_ring_scale_gradient_of_an_infinite_row(op):
+    """An infinite input: the ring's d loss / d logit_scale is the all-gather schedule's (inf
+    stays inf: the scale's dot is taken once from the summed row gradients, not added over
+    the chunks, where inf − inf would make NaN)."""
+    from emulated_ranks import run as run_ranks
+
+    P, n, d = 3, 2, 3
+    A, B = _batch(np, "float32", (n * P, d), 71, 1.0), _batch(np, "float32", (n * P, d), 72, 1.0)
+    A[n, 0] = np.inf
+
+    def rank(ring):
+        def body(comm):
+            comm.ring = ring
+            sl = slice(comm.rank * n, (comm.rank + 1) * n)
+            return _ring_op(op, A[sl], B[sl], "mean", True, comm)
+        return run_ranks(P, body)
+    ring, gathered = rank(True), rank(False)
+    for (_, g1), (_, g3) in zip(ring, gathered):
+        for k in {"siglip": (2, 3), "clip": (2,)}[op]:
+            x, z = np.asarray(g1[k], np.float64), np.asarray(g3[k], np.float64)
+            assert np.isnan(x) == np.isnan(z) and (np.isnan(x) or x == z or
+                                                   abs(x - z) <= 1e-5 * abs(z)), (k, x, z)
+
+
 def test_siglip_ring_is_every_rank_or_none():
     """The schedule is agreed (``_global.agree``'s ring wish): one rank whose communicator
     cannot shift makes every rank gather (no rank shifts while another gathers: a hang), with

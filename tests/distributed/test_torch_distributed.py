@@ -49,7 +49,8 @@ def _close(got, want, tol, what):
 
 
 class _no_sync:
-    """On NCCL: any host synchronisation inside the block raises -- the backward has none;
+    """On NCCL: any host synchronisation torch makes inside the block raises (torch's sync
+    debug mode: CuPy's own are not seen) -- the backward has none;
     with ``forward=True`` only where the group also has gloo ("cpu:gloo,cuda:nccl"), whose
     forward has none either (the agreement check's read is of host memory)."""
 
