@@ -23,6 +23,7 @@ environment variable            field                   effect
 ``CUPYNCE_PREBUILT=0``          ``prebuilt``            ignore the wheel's cubins (JIT)
 ``CUPYNCE_DEBUG_KERNELS``       ``debug_kernels``       print each kernel's resources
 ``CUPYNCE_CPU_TORCH=0``         ``cpu_torch``           torch CPU tensors on the NumPy path
+``CUPYNCE_RING_GPU=1``          ``ring_gpu``            the global rings on CuPy arrays too
 ==============================  ======================  =====================================
 
 In code::
@@ -147,6 +148,10 @@ class Config:
     graphs: bool = True
     #: a graph per variant of a repeated problem (``ops._graphs``)
     graph_variants: bool = True
+    #: the global losses' ring schedules (``ops._global.ring_blocks``: the exchange overlapped
+    #: with the compute) on CuPy arrays too, SigLIP's and NT-Xent's: off until measured on
+    #: several GPUs (issue 57); NumPy arrays take them wherever the communicator can shift
+    ring_gpu: bool = False
 
     # -- the kernel loader (``_engine.kernels``) -----------------------------------------------
     #: load the wheel's prebuilt cubins where they match (False: NVRTC at the first call)
@@ -201,6 +206,7 @@ class Config:
             side_streams=on("CUPYNCE_SIDE"),
             graphs=on("CUPYNCE_GRAPHS"),
             graph_variants=on("CUPYNCE_GRAPH_VARIANTS"),
+            ring_gpu=env.get("CUPYNCE_RING_GPU", "0") == "1",
             prebuilt=env.get("CUPYNCE_PREBUILT", "1") != "0",
             debug_kernels=bool(env.get("CUPYNCE_DEBUG_KERNELS")),
             cpu_torch=on("CUPYNCE_CPU_TORCH"))

@@ -68,7 +68,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import _checks
+from .. import _checks, config
 from .._engine import arrays
 from .._engine.kernels import acc_dtype
 from ._base import Context, Path, finish_all, in_ctx_precision, require, temperature_result
@@ -263,11 +263,14 @@ def ring_blocks(comm: Comm, cols, block: Callable[[int, int, Any], Tuple[Any, An
                     pass
 
 
-def ring_possible(comm: Comm, x, requires_grad: bool, reduction: str) -> bool:
+def ring_possible(comm: Comm, x, requires_grad: bool, reduction: str, gpu: bool = False) -> bool:
     """What every op's ring wish (``agree``) holds: a communicator with ``ring_shift``,
-    several ranks, NumPy arrays (the GPU engines join once measured: issue 57), and no "none"
-    with a gradient (its recompute keeps the gathered columns)."""
-    return bool(comm.ring and comm.size > 1 and isinstance(x, np.ndarray)
+    several ranks, NumPy arrays -- or, for an op whose GPU engines take column chunks
+    (``gpu``), CuPy arrays under ``config.ring_gpu`` (off until measured: issue 57) -- and no
+    "none" with a gradient (its recompute keeps the gathered columns)."""
+    arrays = isinstance(x, np.ndarray) or (gpu and config.current().ring_gpu
+                                           and _checks.is_cupy_array(x))
+    return bool(comm.ring and comm.size > 1 and arrays
                 and not (requires_grad and reduction == "none"))
 
 

@@ -310,8 +310,8 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         comm, op, checks, [z], ["z"],
         [host_t, reduction, normalize, requires_grad, precision, label_smoothing,
          temperature_grad is True],
-        ring_wish=lambda: not label_smoothing and _global.ring_possible(comm, z, requires_grad,
-                                                                       reduction))
+        ring_wish=lambda: not label_smoothing and _global.ring_possible(
+            comm, z, requires_grad, reduction, gpu=True))
     eps = float(label_smoothing)
     tgrad = bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
@@ -380,11 +380,11 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
     to their owners (a full circle: ranks that computed no block of a chunk add nothing).
 
     Returns ``(lse, the rows' losses, ∂L/∂(scaled rows) or None)``."""
-    xp = np
+    xp = np if isinstance(zn, np.ndarray) else _local._cupy()
     rank, size, n2 = comm.rank, comm.size, zn.shape[0]
     h = n2 // 2
     plan = _local.NtXentPlan(rank, size, n2, ring=True)
-    a = np.float64 if zn.dtype == np.float64 else np.float32
+    a = acc_dtype(zn.dtype)
     half = size // 2 if plan.even else None  # the step of the split pair's chunk (opp's)
     lse_d, loss_d, _ = path.rows(
         zn, zn, None, None, scale, exclude_diag=True, pos_shift=h, pos_mod=n2, lse_in=None,

@@ -323,7 +323,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
          lb_array, reduction, normalize, requires_grad, precision, labels is not None],
         ring_wish=lambda: labels is None and _global.ring_possible(comm, a, requires_grad,
-                                                                  reduction))
+                                                                  reduction, gpu=True))
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         size = comm.size
@@ -385,7 +385,7 @@ def _ring_share(comm: Comm, xp, an, bn, ls, lb, w, fused: bool, workspace_bytes)
     rows, da, _, dbias = total
     # d loss / d logit_scale = Σ_i â_i · da_i once from the summed da (as the engine: a sum
     # over the chunks' parts would turn an inf into inf − inf = NaN)
-    dscale = np.sum(np.einsum("ij,ij->i", an.astype(da.dtype, copy=False), da))
+    dscale = xp.sum(xp.einsum("ij,ij->i", an.astype(da.dtype, copy=False), da))
     return rows, (da, db, dscale, dbias)
 
 
