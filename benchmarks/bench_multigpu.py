@@ -341,6 +341,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--once", action="store_true", help="one timed step per case")
     p.add_argument("--no-peers", action="store_true", help="cupynce only")
+    p.add_argument("--ring", action="store_true",
+                   help="config.ring_gpu: SigLIP's and NT-Xent's ring schedules on the GPUs")
     p.add_argument("--backend", default="nccl",
                    help='the process group\'s backend: "nccl" (the agreement check\'s '
                         'integers on the GPU) or "cpu:gloo,cuda:nccl" (through gloo)')
@@ -362,6 +364,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     cupy.cuda.Device(local).use()  # the harness times and synchronises CuPy's current device
+    if args.ring:
+        import cupynce.config as cfg
+
+        cfg.set(ring_gpu=True)
     dist.init_process_group(args.backend, timeout=_dt.timedelta(minutes=5),
                             device_id=torch.device("cuda", local))
     try:
@@ -371,7 +377,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             data = {"P": dist.get_world_size(), "device": device_info(), "rows": rows,
                     "dim": args.dim, "once": args.once,
                     "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
-                    "backend": args.backend}
+                    "backend": args.backend, "ring_gpu": args.ring}
             if args.json:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps(data, indent=1))

@@ -39,13 +39,17 @@ largest | all)
     --ops clip_loss --sizes 1048576 4194304 --once --no-peers --json "$OUT/largest.json"
   ;;&
 breakdown)
-  # with an NCCL-only group (the agreement check read on the GPU) and with gloo beside it
-  for be in nccl cpu:gloo,cuda:nccl; do
-    tag=${be%%:*}; files=()
+  # with an NCCL-only group (the agreement check read on the GPU), with gloo beside it, and
+  # with gloo and the rings on the GPUs (config.ring_gpu: SigLIP's, NT-Xent's)
+  # (one GPU once: the 1-GPU step, the yardstick of each table)
+  for run in nccl: cpu:gloo,cuda:nccl: cpu:gloo,cuda:nccl:--ring; do
+    be=${run%:*}; extra=${run##*:}; files=()
+    tag=$([ "$be" = nccl ] && echo nccl || echo gloo)${extra:+_ring}
     for P in $(counts); do
+      f="$OUT/b${P}_$tag.json"
+      [ "$P" = 1 ] && f="$OUT/b1.json" && [ -f "$f" ] && { files+=("$f"); continue; }
       timeout 300 torchrun --standalone --nproc_per_node "$P" benchmarks/bench_multigpu.py \
-        --sizes 65536 --no-peers --breakdown --backend "$be" --json "$OUT/b${P}_$tag.json" \
-        && files+=("$OUT/b${P}_$tag.json")
+        --sizes 65536 --no-peers --breakdown --backend "$be" $extra --json "$f" && files+=("$f")
     done
     python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/breakdown_$tag.md"
   done
