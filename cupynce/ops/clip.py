@@ -29,18 +29,14 @@ __all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
 
 def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
-               labels=None, positives: bool = True):
+               labels=None):
     """``cupynce._engine.clip`` on the CPU (same arguments and results), on the namespace of
     ``_cpu.current()``; keeps the n × Nc logits and, for the column direction, a second
     n × Nc buffer (CPU memory, small sizes; ``workspace_bytes`` and ``col_shift`` are not
     used).  Each direction's exponentials are taken once, in place: the softmax is
     ``exp(L - m) / sum``; ``dsp_i = Σ_j G_ij L_ij`` is ``â_i · da_i``.  ``labels``: (row
     labels indexed by the global row, column labels): same-label pairs off the positive
-    -inf, as the engine's ``clip_mask``.  ``positives=False``: the block holds no pair
-    (a ring chunk of another rank's texts, constant weights): no −δ term in the gradient (the
-    row loss it returns is then meaningless)."""
-    if not positives and (labels is not None or (weights is not None and weights[0] is not None)):
-        raise ValueError("numpy_clip: positives=False takes neither labels nor per-pair weights")
+    -inf, as the engine's ``clip_mask``."""
     xp = _cpu.current()
     a = acc_dtype(an.dtype)
     aa, ba = (xp.astype(xp.asarray(x), a) for x in (an, bn))
@@ -87,8 +83,7 @@ def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad:
             logits *= (0.5 * w)[:, None] * inv_r
             cols *= (0.5 * wc)[None, :] * inv_c
         logits += cols
-        if positives:
-            logits[idx, pos] -= w
+        logits[idx, pos] -= w
         da = logits @ ba
         da *= scale
         db = logits.T @ aa
@@ -389,7 +384,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
          precision, label_smoothing, labels is not None],
         ring_wish=lambda: labels is None and not label_smoothing and _global.ring_possible(
-            comm, a, requires_grad, reduction))
+            comm, a, requires_grad, reduction, gpu=True))
     if masks:  # (every pair's label, rank order: the rows' are this rank's of them)
         every_lab = comm.all_gather(masks["labels"][0]).reshape(-1)
         masks = dict(labels=(every_lab, every_lab))
@@ -410,8 +405,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype, size=size)
         if ring:
             w = weights(xp, None, reduction, n * size, acc) if fused else None
-            pair, lse_r, lse_c, grads = _ring_share(comm, engine, an, bn, ls_dev, w,
-                                                    workspace_bytes)
+            pair, lse_r, lse_c, grads = _ring_share(comm, xp, engine, block, an, bn, ls, ls_dev,
+                                                    w, workspace_bytes)
             ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c) if requires_grad else (),
                           precision=p)
             if fused:
@@ -461,7 +456,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_share(comm: Comm, engine, an, bn, ls, w, ws):
+def _ring_share(comm: Comm, xp, engine, block, an, bn, ls, ls_dev, w, ws):
     """The rank's rows against every rank's texts on the ring (``_global.ring_blocks``), in
     two passes.  First, each chunk of texts' block while the next chunk travels: the rows'
     log-sum-exps over the chunk and the chunk's column states over the rank's rows (the
@@ -470,10 +465,22 @@ def _ring_share(comm: Comm, engine, an, bn, ls, w, ws):
     the all-gather schedule merges them.  Then, with ``w`` (a gradient wanted), each kept
     chunk's gradient block, the texts' gradients summed along the ring to their owners.
 
+    The own chunk is the op's block (``block``: its pairs on the diagonal); another rank's
+    holds no pair, which is ``engine.cross``'s block of one two-sided softmax, at the scale
+    s = exp(logit_scale): a host value as the product's scale; a device one folded into the
+    rows (â · s, rounded to their dtype once more, as the symmetric schedules fold a device
+    τ) and the rows' gradient times s after.
+
     Returns ``(pair losses, lse_r, this rank's texts' lse_c, (da, db, d logit_scale) or
     None)``; the rank's rows' parts are added in step order (own chunk first)."""
-    xp = np
     n, rank, size = an.shape[0], comm.rank, comm.size
+    acc = acc_dtype(an.dtype)
+    if _checks.is_cupy_array(ls):  # (a device logit_scale: never read)
+        back = xp.exp(ls_dev.astype(acc, copy=False)).reshape(())
+        ax, scale = (an * back).astype(an.dtype, copy=False), 1.0
+    else:
+        back, ax = None, an
+        scale = float(np.exp(np.asarray(ls, acc).reshape(())))
     chunks: List[Any] = [None] * size
     lse_parts: List[Any] = [None] * size
     states: List[Any] = [None] * size
@@ -481,12 +488,16 @@ def _ring_share(comm: Comm, engine, an, bn, ls, w, ws):
 
     def stats(k, q, chunk):
         chunks[q] = chunk
-        lse_q, states[q], rl, _ = numpy_clip(
-            an, chunk, ls, lse_r=None, lse_c=None, weights=None, want_loss=True,
-            want_grad=False, workspace_bytes=ws, col_state=True)
-        lse_parts[q] = lse_q
         if q == rank:
+            lse_parts[q], states[q], rl, _ = block(
+                an, chunk, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
+                want_grad=False, workspace_bytes=ws, col_shift=engine.pair_dots(an, chunk),
+                col_state=True)
             own_row_loss.append(rl)  # lse over the own chunk − the positive logit
+        else:
+            lse_parts[q], states[q], _ = engine.cross(
+                ax, chunk, scale, lse_r=None, lse_c=None, weights=None, want_stats=True,
+                want_grad=False, workspace_bytes=ws)
         return None, None
 
     _global.ring_blocks(comm, bn, stats, col_grads=False)
@@ -500,16 +511,23 @@ def _ring_share(comm: Comm, engine, an, bn, ls, w, ws):
         return pair, lse_r, own, None
 
     def grads(k, q, _):
-        _, _, _, (da, db, _) = numpy_clip(
-            an, chunks[q], ls, lse_r=lse_r, lse_c=lse_c[q * n:(q + 1) * n], weights=w,
-            want_loss=False, want_grad=True, workspace_bytes=ws, positives=q == rank)
-        return da, db
+        lse_q = lse_c[q * n:(q + 1) * n]
+        if q == rank:
+            _, _, _, (da, db, _) = block(
+                an, chunks[q], ls_dev, lse_r=lse_r, lse_c=lse_q, weights=w, want_loss=False,
+                want_grad=True, workspace_bytes=ws)
+            return da, db
+        # G = ½ w (softmax_row + softmax_col): no pair, so no −δ term
+        _, _, (da, db) = engine.cross(
+            ax, chunks[q], scale, lse_r=lse_r, lse_c=lse_q, weights=(None, None, 0.5 * w[2]),
+            want_stats=False, want_grad=True, workspace_bytes=ws)
+        return (da if back is None else da * back), db
 
     steps, db = _global.ring_blocks(comm, None, grads, col_grads=True)
     da = _global.sum_steps(steps)
     # d loss / d logit_scale = Σ_i â_i · da_i once, from the summed da (the all-gather
     # schedule's sum; the chunks' parts added would turn an inf into inf − inf = NaN)
-    dsp = np.sum(np.einsum("ij,ij->i", an.astype(da.dtype, copy=False), da))
+    dsp = xp.sum(xp.einsum("ij,ij->i", an.astype(da.dtype, copy=False), da))
     dscale = comm.all_reduce(xp.asarray(dsp).reshape(1)).reshape(())
     return pair, lse_r, own, (da, db, dscale)
 

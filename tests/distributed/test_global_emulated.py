@@ -821,14 +821,14 @@ def test_siglip_engine_column_chunks_gpu(dtype, weighted, ws):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["siglip", "nt_xent"])
+@pytest.mark.parametrize("op", ["siglip", "clip", "nt_xent"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_ring_schedule_gpu(op, dtype, P, configure):
-    """``config.ring_gpu``: SigLIP's and NT-Xent's rings on CuPy arrays (the engines on column
-    chunks) against the all-gather schedules on the same emulated ranks: the ring taken, the
-    loss and gradients to fp32 reordering (1e-4 relative), the global values' bits the same
-    on every rank."""
+    """``config.ring_gpu``: SigLIP's, CLIP's and NT-Xent's rings on CuPy arrays (the engines on
+    column chunks; CLIP's other chunks on ``cross``) against the all-gather schedules on the
+    same emulated ranks: the ring taken, the loss and gradients to fp32 reordering (1e-4
+    relative), the global values' bits the same on every rank."""
     cp = _gpu()
     from emulated_ranks import run as run_ranks
 
