@@ -97,6 +97,14 @@ def _check_ring_shift(rank: int, P: int, comm) -> None:
 
 def _check_rank(rank: int, P: int, comm) -> None:
     _check_ring_shift(rank, P, comm)
+    _check_ops(rank, P, comm)
+    import cupynce.config as cfg
+
+    with cfg.override(ring_gpu=True):  # SigLIP's, CLIP's and NT-Xent's rings on NcclComm
+        _check_ops(rank, P, comm)
+
+
+def _check_ops(rank: int, P: int, comm) -> None:
     for op, whole, local, rows in _cases(rank, P):
         loss, grads = _run(op, local, comm)
         want, wgrads = _run(op, whole, None)

@@ -193,6 +193,21 @@ def check_siglip_loss(rank, P):
     _check_paired(rank, P, "siglip_loss", (2.3, -10.0), 37)
 
 
+def check_rings_on_gpu(rank, P):
+    """``config.ring_gpu`` over NCCL: SigLIP's, CLIP's and NT-Xent's ring schedules on the
+    GPUs (the columns shifted through ``TorchComm.ring_shift``) against one process, every
+    dtype and reduction, as the all-gather schedules are checked (the forward free of torch
+    host syncs on a group with gloo)."""
+    if DEVICE != "cuda" or "nccl" not in BACKEND:
+        return
+    import cupynce.config as cfg
+
+    with cfg.override(ring_gpu=True):
+        check_nt_xent(rank, P)
+        check_clip_loss(rank, P)
+        check_siglip_loss(rank, P)
+
+
 def check_ddp_step(rank, P):
     """A DDP step on P ranks equals one process's step on the concatenated batch."""
     import cupynce.torch as ct
@@ -505,5 +520,5 @@ def test_nccl_with_gloo_one_rank():
 @pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
 def test_nccl_one_rank_per_gpu(backend):
     run_ranks(torch.cuda.device_count(),
-              CHECKS + ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere"],
-              backend=backend, device="cuda")
+              CHECKS + ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere",
+                        "check_rings_on_gpu"], backend=backend, device="cuda")
