@@ -47,7 +47,7 @@ dtypes (a bf16 weight gets a bf16 gradient, accumulated in fp32; no fp32 copy of
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
 import numpy as np
 
@@ -288,28 +288,18 @@ def _grad_chunks(d: int, vec: bool, item: int) -> int:
 #: the 16-byte gradient kernels' dynamic shared memory: a ring of ``_RING`` gathered rows a
 #: warp (SPL_RING_BYTES: SPL_RING x SPL_GRAD_NV x 32 lanes x 16 bytes)
 _RING_SMEM = (BLOCK // 32) * _RING * _GRAD_NV * 32 * 16
-#: per kernel (by id, each held): whether its ring fits this device, after the opt-in
-_RING_FITS: Dict[int, Tuple[object, bool]] = {}
 
 
 def _ring_kernel(name: str, dt):
     """``kernels_src/splade/splade_grad.cu``'s 16-byte gradient kernel ``name`` (splade_dwv,
-    splade_dxv), opted in to its ring's dynamic shared memory once, or None where the ring
-    does not fit a block on this device (static + dynamic above the opt-in maximum: Turing's
-    64 KiB) or its copies would not be asynchronous (no cp.async before sm_80): the callers
-    then take the element-wise kernels, the same sums in the same order."""
-    import cupy as cp
-
+    splade_dxv), opted in to the device's dynamic shared memory once (``tiling.ws_smem``), or
+    None where its ring does not fit a block (static + dynamic above the opt-in maximum:
+    Turing's 64 KiB) or its copies would not be asynchronous (no cp.async before sm_80): the
+    callers then take the element-wise kernels, the same sums in the same order."""
     kern = kernels.get_kernel(GRAD_FILE, name, dt)
-    seen = _RING_FITS.get(id(kern))
-    if seen is None or seen[0] is not kern:
-        dev = cp.cuda.Device()
-        fits = int(dev.compute_capability) >= 80 and int(kern.attributes["shared_size_bytes"]) \
-            + _RING_SMEM <= int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
-        if fits and kern.max_dynamic_shared_size_bytes < _RING_SMEM:
-            kern.max_dynamic_shared_size_bytes = _RING_SMEM
-        seen = _RING_FITS[id(kern)] = (kern, fits)
-    return kern if seen[1] else None
+    static, smem_max = tiling.ws_smem(kern)
+    fits = int(kernels._compute_capability()()) >= 80 and static + _RING_SMEM <= smem_max
+    return kern if fits else None
 
 
 def backward(x, weight, out, arg, g, has_bias: bool, act: int):

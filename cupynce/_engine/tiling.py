@@ -175,7 +175,8 @@ _WS_SMEM: Dict[int, Tuple[int, int, object]] = {}
 
 def ws_smem(kern) -> Tuple[int, int]:
     """(static shared memory, the device's opt-in maximum per block) of the warp-specialised
-    kernel ``kern``, opted in to all the dynamic shared memory that leaves (once)."""
+    kernel ``kern`` (or any kernel with dynamic shared memory: SPLADE's gradient rings), opted
+    in to all the dynamic shared memory that leaves (once)."""
     info = _WS_SMEM.get(id(kern))
     if info is None or info[2] is not kern:
         import cupy as cp

@@ -288,14 +288,8 @@ def merge_lse(engine, parts: Sequence[Any]):
     """Log-sum-exps over disjoint column sets (one array a chunk) merged into one, in the
     order given (``engine.col_lse`` of the states (lse, 1)): the same bits for the same
     parts and order."""
-    xp = np if isinstance(parts[0], np.ndarray) else _cupy()
+    xp = np if isinstance(parts[0], np.ndarray) else _checks.cupy_module()
     return engine.col_lse(xp.stack([xp.stack([x, xp.ones_like(x)]) for x in parts]))
-
-
-def _cupy():
-    import cupy
-
-    return cupy
 
 
 def dtemperature(comm: Comm, xp, xn, acc, temp, degree: int):

@@ -322,6 +322,7 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         z = contig_inputs(xp, z)[0]
         zn, norm = prep(path, z, normalize)
         zn, root, scale = _global.scaled_rows(xp, zn, temp)  # (a device τ: √s ẑ, scale 1)
+        base = dict(x=(z,), norms=(norm,), size=size)
         if ring:  # (no smoothing, no "none" recompute: _ring_share)
             fused = requires_grad and reduction != "none"
             lse, rows, acc = _ring_share(comm, path, engine, zn, scale,
@@ -331,8 +332,7 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
                           precision=p)
             if fused:
                 dt = _global.unscale_rows(comm, xp, zn, acc, temp, root, tgrad)
-                ctx.saved = dict(x=(z,), norms=(norm,), size=size, acc=(acc,), temp=temp,
-                                 tgrad=tgrad, dt=dt)
+                ctx.saved = dict(base, acc=(acc,), temp=temp, tgrad=tgrad, dt=dt)
             return _global.loss(comm, xp, rows, reduction, n2 * size), _global.tag(ctx, _GLOBAL)
         plan = _local.NtXentPlan(rank, size, n2)
         parts = comm.all_gather(zn)
@@ -350,7 +350,6 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
                       precision=p)
         if requires_grad:
             lse_all = comm.all_gather(lse) if size > 1 else lse[None]
-            base = dict(x=(z,), norms=(norm,), size=size)
             if reduction != "none":
                 w_mul = row_weight(reduction, n2 * size)
                 acc = _local.nt_xent_grads(path, engine, plan, zn, parts, scale, lse_all, None,
@@ -394,7 +393,7 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
     partial = _local._empty_states(xp, plan.k + plan.even, n2, a)  # a block's rows each
     state = _local._empty_states(xp, 1, plan.width, a)[0]
 
-    def block_of(k, chunk):
+    def block_of(k):
         """(rows, columns of the chunk, state offset) of step k's block."""
         if k <= plan.k:
             return slice(0, n2), slice(0, n2), (k - 1) * n2
@@ -405,7 +404,7 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
         if k == 0:
             return None, None
         chunks[q] = chunk
-        rows, cols, off = block_of(k, chunk)
+        rows, cols, off = block_of(k)
         lse_b, st, _ = engine.cross(zn[rows], chunk[cols], scale, lse_r=None, lse_c=None,
                                     weights=None, want_stats=True, want_grad=False,
                                     workspace_bytes=ws)
@@ -431,7 +430,7 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
             return dd, xp.zeros_like(dd)
         dq, dk = xp.zeros(zn.shape, a), xp.zeros(zn.shape, a)
         if k <= plan.k or k == half:
-            rows, cols, _ = block_of(k, None)
+            rows, cols, _ = block_of(k)
             _, _, (gq, gk) = engine.cross(
                 zn[rows], chunks[q][cols], scale, lse_r=lse[rows], lse_c=lse_all[q][cols],
                 weights=(None, None, w_mul), want_stats=False, want_grad=True,

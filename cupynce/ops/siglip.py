@@ -376,13 +376,13 @@ def _ring_share(comm: Comm, xp, an, bn, ls, lb, w, fused: bool, workspace_bytes)
                              workspace_bytes=workspace_bytes, row0=comm.rank * n, col0=q * n)
         if not fused:
             return (rows,), None
-        return (rows,) + tuple(grads[i] for i in (0, 2, 3)), grads[1]
+        return (rows, grads[0], grads[3]), grads[1]  # (rows, da, dbias; dscale below)
 
     steps, db = _global.ring_blocks(comm, bn, block, col_grads=fused)
     total = _global.sum_steps(steps)
     if not fused:
         return total[0], None
-    rows, da, _, dbias = total
+    rows, da, dbias = total
     # d loss / d logit_scale = Σ_i â_i · da_i once from the summed da (as the engine: a sum
     # over the chunks' parts would turn an inf into inf − inf = NaN)
     dscale = xp.sum(xp.einsum("ij,ij->i", an.astype(da.dtype, copy=False), da))
