@@ -166,6 +166,8 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     off-diagonal rank block): q's row statistics and k's column state over it, or both sides'
     gradient accumulators.  See :func:`row_blocks.cross`; ``col_shift`` (the raw positive dots
     of k's rows) is the tile path's column shift."""
+    if want_stats and col_shift is None:  # (the tiles would read address 0)
+        raise ValueError("cross: want_stats needs col_shift, the raw positive dots of k's rows")
     kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_stats=want_stats,
               want_grad=want_grad, workspace_bytes=workspace_bytes, col_shift=col_shift)
     if tiling.tiles_ok(q, k):  # (the statistics pass needs col_shift there)

@@ -274,7 +274,10 @@ def _penalised(xp, hardness, r0: int, r1: int, pos, ncols: int, width: int):
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
           workspace_bytes=None, col_shift=None):
     """``cupynce._engine.cross`` on the CPU (same arguments and results; keeps the n × m
-    logits of the block: CPU memory, small sizes)."""
+    logits of the block: CPU memory, small sizes; ``col_shift`` is required with
+    ``want_stats``, as there, and not read)."""
+    if want_stats and col_shift is None:
+        raise ValueError("cross: want_stats needs col_shift, the raw positive dots of k's rows")
     a = acc_dtype(q.dtype)
     qa, ka = q.astype(a), k.astype(a)
     s = (qa @ ka.T) * a.type(scale)

@@ -486,6 +486,10 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls, ls_dev, w, ws):
     states: List[Any] = [None] * size
     own_row_loss = []
 
+    # every pair's raw dot of the product's rows (ax) with its text: the column shift of the
+    # other ranks' chunks on the tile path (a device logit_scale is in ax: scale 1)
+    dots = comm.all_gather(engine.pair_dots(ax, bn))
+
     def stats(k, q, chunk):
         chunks[q] = chunk
         if q == rank:
@@ -497,7 +501,7 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls, ls_dev, w, ws):
         else:
             lse_parts[q], states[q], _ = engine.cross(
                 ax, chunk, scale, lse_r=None, lse_c=None, weights=None, want_stats=True,
-                want_grad=False, workspace_bytes=ws)
+                want_grad=False, workspace_bytes=ws, col_shift=dots[q])
         return None, None
 
     _global.ring_blocks(comm, bn, stats, col_grads=False)

@@ -405,9 +405,13 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
             return None, None
         chunks[q] = chunk
         rows, cols, off = block_of(k)
+        # the chunk's rows' raw positive dots (the tile path's column shift), as its owner
+        # computes them for the all-gather schedule: the same bits
+        dots = engine.pair_dots(chunk[:h], chunk[h:])
         lse_b, st, _ = engine.cross(zn[rows], chunk[cols], scale, lse_r=None, lse_c=None,
                                     weights=None, want_stats=True, want_grad=False,
-                                    workspace_bytes=ws)
+                                    workspace_bytes=ws,
+                                    col_shift=xp.concatenate([dots, dots])[cols])
         partial[k - 1, 0, rows] = lse_b
         partial[k - 1, 1, rows] = 1
         state[:, off:off + st.shape[1]] = st

@@ -694,8 +694,9 @@ def test_group_of_the_wrong_kind():
 
 def test_clip_sends_only_the_texts():
     """The one-block CLIP's collectives: one feature gather (b) where two blocks need two;
-    on the ring, the texts' chunks shift once a step but the last (P − 1), the column states
-    are gathered, and the texts' gradients shift once a step (P)."""
+    on the ring, the pairs' dots are gathered (the tile path's column shift), the texts'
+    chunks shift once a step but the last (P − 1), the column states are gathered, and the
+    texts' gradients shift once a step (P)."""
     A = np.random.default_rng(1).standard_normal((8, 4))
 
     def body(ring):
@@ -708,8 +709,8 @@ def test_clip_sends_only_the_texts():
     assert run.log[0] == ["exchange", "all_gather", "all_gather", "all_gather",
                           "reduce_scatter", "all_reduce", "all_reduce"], run.log[0]
     run(2, body(True))
-    assert run.log[0] == ["exchange", "ring_shift", "all_gather", "ring_shift", "ring_shift",
-                          "all_reduce", "all_reduce"], run.log[0]
+    assert run.log[0] == ["exchange", "all_gather", "ring_shift", "all_gather", "ring_shift",
+                          "ring_shift", "all_reduce", "all_reduce"], run.log[0]
 
 
 @pytest.mark.parametrize("P", range(1, 10))
