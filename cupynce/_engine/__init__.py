@@ -161,15 +161,18 @@ def _clip_keeps_scores(an, bn, want_loss: bool, want_grad: bool, workspace_bytes
 
 
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
-          workspace_bytes, col_shift=None):
+          workspace_bytes, col_shift=None, scale_log=None):
     """The block of two disjoint row sets of one symmetric softmax (a global NT-Xent's
     off-diagonal rank block): q's row statistics and k's column state over it, or both sides'
     gradient accumulators.  See :func:`row_blocks.cross`; ``col_shift`` (the raw positive dots
-    of k's rows) is the tile path's column shift."""
+    of k's rows) is the tile path's column shift; ``scale_log`` (a (1,) device array of the
+    accumulator dtype, or None) multiplies the scale by its exp in the kernels (CLIP's ring
+    with a device logit_scale: no host read, no rows rescaled)."""
     if want_stats and col_shift is None:  # (the tiles would read address 0)
         raise ValueError("cross: want_stats needs col_shift, the raw positive dots of k's rows")
     kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_stats=want_stats,
-              want_grad=want_grad, workspace_bytes=workspace_bytes, col_shift=col_shift)
+              want_grad=want_grad, workspace_bytes=workspace_bytes, col_shift=col_shift,
+              scale_log=scale_log)
     if tiling.tiles_ok(q, k):  # (the statistics pass needs col_shift there)
         return score_tiles.cross(q, k, scale, **kw)
     return row_blocks.cross(q, k, scale, **kw)

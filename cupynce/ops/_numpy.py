@@ -272,13 +272,15 @@ def _penalised(xp, hardness, r0: int, r1: int, pos, ncols: int, width: int):
 
 
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
-          workspace_bytes=None, col_shift=None):
+          workspace_bytes=None, col_shift=None, scale_log=None):
     """``cupynce._engine.cross`` on the CPU (same arguments and results; keeps the n × m
     logits of the block: CPU memory, small sizes; ``col_shift`` is required with
     ``want_stats``, as there, and not read)."""
     if want_stats and col_shift is None:
         raise ValueError("cross: want_stats needs col_shift, the raw positive dots of k's rows")
     a = acc_dtype(q.dtype)
+    if scale_log is not None:
+        scale = a.type(scale) * np.exp(np.asarray(scale_log, a).reshape(()))
     qa, ka = q.astype(a), k.astype(a)
     s = (qa @ ka.T) * a.type(scale)
     lse_q = state = grads = None
@@ -290,7 +292,8 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
         wr = a.type(mul) * (np.ones(n, a) if w_r is None else np.asarray(w_r, a))
         wc = a.type(mul) * (np.ones(m, a) if w_c is None else np.asarray(w_c, a))
         with np.errstate(over="ignore", invalid="ignore"):
-            h = (wr[:, None] * np.exp(s - lse_r[:, None]) + wc[None, :] * np.exp(s - lse_c[None, :]))
+            h = (wr[:, None] * np.exp(s - lse_r[:, None])
+                 + wc[None, :] * np.exp(s - lse_c[None, :]))
         h *= a.type(scale)
         grads = (h @ ka, h.T @ qa)
     return lse_q, state, grads

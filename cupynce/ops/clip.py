@@ -405,7 +405,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype, size=size)
         if ring:
             w = weights(xp, None, reduction, n * size, acc) if fused else None
-            pair, lse_r, lse_c, grads = _ring_share(comm, xp, engine, block, an, bn, ls, ls_dev,
+            pair, lse_r, lse_c, grads = _ring_share(comm, xp, engine, block, an, bn, ls_dev,
                                                     w, workspace_bytes)
             ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c) if requires_grad else (),
                           precision=p)
@@ -456,7 +456,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_share(comm: Comm, xp, engine, block, an, bn, ls, ls_dev, w, ws):
+def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws):
     """The rank's rows against every rank's texts on the ring (``_global.ring_blocks``), in
     two passes.  First, each chunk of texts' block while the next chunk travels: the rows'
     log-sum-exps over the chunk and the chunk's column states over the rank's rows (the
@@ -467,28 +467,20 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls, ls_dev, w, ws):
 
     The own chunk is the op's block (``block``: its pairs on the diagonal); another rank's
     holds no pair, which is ``engine.cross``'s block of one two-sided softmax, at the scale
-    s = exp(logit_scale): a host value as the product's scale; a device one folded into the
-    rows (â · s, rounded to their dtype once more, as the symmetric schedules fold a device
-    τ) and the rows' gradient times s after.
+    s = exp(logit_scale) the kernels take from ``ls_dev`` as the own chunk's block does (the
+    same scale bits, no host read of a device logit_scale).
 
     Returns ``(pair losses, lse_r, this rank's texts' lse_c, (da, db, d logit_scale) or
     None)``; the rank's rows' parts are added in step order (own chunk first)."""
     n, rank, size = an.shape[0], comm.rank, comm.size
-    acc = acc_dtype(an.dtype)
-    if _checks.is_cupy_array(ls):  # (a device logit_scale: never read)
-        back = xp.exp(ls_dev.astype(acc, copy=False)).reshape(())
-        ax, scale = (an * back).astype(an.dtype, copy=False), 1.0
-    else:
-        back, ax = None, an
-        scale = float(np.exp(np.asarray(ls, acc).reshape(())))
     chunks: List[Any] = [None] * size
     lse_parts: List[Any] = [None] * size
     states: List[Any] = [None] * size
     own_row_loss = []
 
-    # every pair's raw dot of the product's rows (ax) with its text: the column shift of the
-    # other ranks' chunks on the tile path (a device logit_scale is in ax: scale 1)
-    dots = comm.all_gather(engine.pair_dots(ax, bn))
+    # every pair's raw dot a_j · b_j: the column shift of the other ranks' chunks on the tile
+    # path (the all-gather schedule's)
+    dots = comm.all_gather(engine.pair_dots(an, bn))
 
     def stats(k, q, chunk):
         chunks[q] = chunk
@@ -500,8 +492,8 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls, ls_dev, w, ws):
             own_row_loss.append(rl)  # lse over the own chunk − the positive logit
         else:
             lse_parts[q], states[q], _ = engine.cross(
-                ax, chunk, scale, lse_r=None, lse_c=None, weights=None, want_stats=True,
-                want_grad=False, workspace_bytes=ws, col_shift=dots[q])
+                an, chunk, 1.0, lse_r=None, lse_c=None, weights=None, want_stats=True,
+                want_grad=False, workspace_bytes=ws, col_shift=dots[q], scale_log=ls_dev)
         return None, None
 
     _global.ring_blocks(comm, bn, stats, col_grads=False)
@@ -523,9 +515,9 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls, ls_dev, w, ws):
             return da, db
         # G = ½ w (softmax_row + softmax_col): no pair, so no −δ term
         _, _, (da, db) = engine.cross(
-            ax, chunks[q], scale, lse_r=lse_r, lse_c=lse_q, weights=(None, None, 0.5 * w[2]),
-            want_stats=False, want_grad=True, workspace_bytes=ws)
-        return (da if back is None else da * back), db
+            an, chunks[q], 1.0, lse_r=lse_r, lse_c=lse_q, weights=(None, None, 0.5 * w[2]),
+            want_stats=False, want_grad=True, workspace_bytes=ws, scale_log=ls_dev)
+        return da, db
 
     steps, db = _global.ring_blocks(comm, None, grads, col_grads=True)
     da = _global.sum_steps(steps)

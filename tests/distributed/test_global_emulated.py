@@ -828,8 +828,12 @@ def test_siglip_engine_column_chunks_gpu(dtype, weighted, ws):
 def test_ring_schedule_gpu(op, dtype, P, configure):
     """``config.ring_gpu``: SigLIP's, CLIP's and NT-Xent's rings on CuPy arrays (the engines on
     column chunks; CLIP's other chunks on ``cross``) against the all-gather schedules on the
-    same emulated ranks: the ring taken, the loss and gradients to fp32 reordering (1e-4
-    relative), the global values' bits the same on every rank."""
+    same emulated ranks: the ring taken, the loss to fp32 reordering (1e-4 relative), the
+    gradients too in float32; in bfloat16 to 2e-3, because CLIP's other chunks' gradient
+    blocks are rounded to bfloat16 by another epilogue (the cross block's H, not CLIP's G:
+    the same values in exact arithmetic, so only the elements at a rounding boundary round
+    apart; 2.2e-4 and 4.6e-4 measured on an H200); the global values' bits the same on every
+    rank."""
     cp = _gpu()
     from emulated_ranks import run as run_ranks
 
@@ -847,10 +851,11 @@ def test_ring_schedule_gpu(op, dtype, P, configure):
     ring, log = rank(True)
     gathered, glog = rank(False)
     assert all("ring_shift" in lg for lg in log) and not any("ring_shift" in lg for lg in glog)
+    tol = 1e-4 if dtype == "float32" else 2e-3
     for (l1, g1), (l3, g3) in zip(ring, gathered):
         assert _err(l1, l3) <= 1e-4
         for x, z in zip(g1, g3):
-            assert _err(x, z) <= 1e-4
+            assert _err(x, z) <= tol
     assert len({cp.asnumpy(x[0]).tobytes() for x in ring}) == 1
 
 

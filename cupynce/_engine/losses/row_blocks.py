@@ -449,7 +449,7 @@ def siglip(an, bn, ls, lb, *, weights, want_loss: bool, want_grad: bool, workspa
 
 
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
-          workspace_bytes, col_shift=None):
+          workspace_bytes, col_shift=None, scale_log=None):
     """The block of two disjoint row sets q (n, D), k (m, D) of one symmetric softmax (a
     global NT-Xent's off-diagonal rank block: S = scale · q kᵀ, no diagonal or positive in it).
 
@@ -458,7 +458,9 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
     full log-sum-exps ``lse_r`` (n,) and ``lse_c`` (m,): the accumulators (n, D), (m, D) of
     the weighted losses of both row sets, through H_ij = w_i p_i(j) + w_j p_j(i):
     ``dq = scale · H k``, ``dk = scale · Hᵀ q``.  ``weights``: ``(w_r, w_c, mul)``, per-row
-    arrays (or None: 1) and their common multiplier.  ``col_shift`` is the tile path's.
+    arrays (or None: 1) and their common multiplier.  ``col_shift`` is the tile path's;
+    ``scale_log`` (a (1,) array of the accumulator dtype, or None): the scale times its exp,
+    read by the kernels.
     Returns ``lse_q, state, (dq, dk)`` (None where not asked for).
     """
     t = q.dtype
@@ -485,7 +487,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             r1 = min(n, r0 + rb)
             s_blk = s_buf[:r1 - r0]
             gemm(q[r0:r1], k, s_blk, trans_b=True)
-            nch_b = row_col_stats(s_blk, t, m + r0, 0, FAR_MOD, 0, a.type(scale),
+            nch_b = row_col_stats(s_blk, t, m + r0, 0, FAR_MOD, ptr(scale_log), a.type(scale),
                                   lse_q.data.ptr - shift, 0, part_m, part_s)
             kernels.launch(STATS_FILE, "col_combine", t, (-(-m // 32),), (
                 part_m, part_s, np.int32(nch_b), np.int32(m), state, state[1],
@@ -500,7 +502,7 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             g_blk = g_buf[:r1 - r0]
             # clip_grad halves w_i p_i(j) + w_j p_j(i): the weights go in doubled
             kernels.launch(GRADS_FILE, "clip_grad", t, (r1 - r0,), (
-                s_blk, np.int64(m), np.int32(m), np.int32(m + r0), 0, a.type(scale),
+                s_blk, np.int64(m), np.int32(m), np.int32(m + r0), ptr(scale_log), a.type(scale),
                 lse_row, lse_c, ptr(w_arr), np.int64(1), a.type(2 * w_mul), g_blk,
                 np.int64(m), 0))
             gemm(g_blk, k, dq[r0:r1])
