@@ -365,10 +365,11 @@ def check_lightly(rank, world):
     before = ours.bank.clone()
     x0f, x1f = x0.float(), x1.float()
     loss, _ = run(ours, leaves(x0f, x1f))
-    want = C.info_nce(x0f, x1f, 0.2, negatives=before, in_batch_negatives=False,
+    # (the bank is the module's buffer: on the CPU here, where the module was built)
+    want = C.info_nce(x0f, x1f, 0.2, negatives=before.to(x0f.device), in_batch_negatives=False,
                       normalize=True)
     close(loss, want, torch.float32, "memory bank loss")
-    every = torch.cat([_mine(x1_all, r, n) for r in range(world)]).float()
+    every = torch.cat([_mine(x1_all, r, n) for r in range(world)]).float().to(ours.bank.device)
     torch.testing.assert_close(ours.bank[:n * world],
                                torch.nn.functional.normalize(every, dim=1))
     torch.testing.assert_close(ours.bank[n * world:], before[n * world:])
