@@ -404,7 +404,8 @@ def check_st(rank, world):
 def check_st_splade(rank, world):
     """cupynce's CachedSpladeLoss (fused pooling, sparse MNRL with gather_across_devices,
     mini-batches of 2) against the library's SpladeLoss on each rank's share, float64: the
-    same loss parts and MLM gradients on every rank."""
+    same loss parts and MLM gradients on every rank (on the launcher's device: the
+    library's gather takes no CPU tensor over an NCCL-only group)."""
     import os
     import shutil
     import tempfile
@@ -423,16 +424,20 @@ def check_st_splade(rank, world):
         _make_tiny_mlm(d)
     dist.barrier()
     try:
-        path = str(d)
+        path, dev = str(d), _device()
         res = []
+
+        def feats(texts):
+            return {k: v.to(dev) if torch.is_tensor(v) else v
+                    for k, v in model.preprocess(texts).items()}
         for ours in (False, True):
             model, t = _sparse_encoder(path, ours)
-            model.to(torch.float64)
+            model.to(dev, torch.float64)
             model.train()
             base = L.SparseMultipleNegativesRankingLoss(model, gather_across_devices=True)
             fn = (c_st.CachedSpladeLoss(model, base, mini_batch_size=2, **kw) if ours
                   else L.SpladeLoss(model, base, **kw))
-            parts = fn([model.preprocess(queries), model.preprocess(docs)], None)
+            parts = fn([feats(queries), feats(docs)], None)
             sum(parts.values()).backward()
             res.append(({k: float(v.detach()) for k, v in parts.items()},
                         t.auto_model.bert.embeddings.word_embeddings.weight.grad.clone()))
@@ -962,10 +967,14 @@ def test_sentence_transformers(dtype, cols, symmetric):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sentence_transformers_splade_pooling(tiny_mlm, dtype):
     """A SparseEncoder (one-layer BERT masked LM) with cupynce's fused SpladePooling, in
-    ``dtype`` on the GPU, against the library's pooling with the model in float64."""
+    ``dtype`` on the GPU, against the library's pooling with the model in float64: within
+    10x the dtype's tolerance, or -- where the whole model's ``dtype`` backward is that far
+    off float64 itself (bfloat16: the word embeddings' gradient 0.24 off for the library's
+    pooling as for ours, H200) -- within 5 % of the library's own error in ``dtype``, and
+    near the library's values in ``dtype`` (the output bitwise, measured)."""
     pytest.importorskip("sentence_transformers.sparse_encoder")
     res = []
-    for ours, dt in ((False, torch.float64), (True, dtype)):
+    for ours, dt in ((False, torch.float64), (True, dtype), (False, dtype)):
         model, t = _sparse_encoder(tiny_mlm, ours)
         model.to("cuda", dt)
         model.train()
@@ -977,8 +986,13 @@ def test_sentence_transformers_splade_pooling(tiny_mlm, dtype):
         res.append([out.detach().double(), am.bert.embeddings.word_embeddings.weight.grad.double(),
                     am.cls.predictions.bias.grad.double()])
     tl, tg = CUDA_TOL[dtype]
-    for i, (g, r) in enumerate(zip(res[1], res[0])):
-        assert float((g - r).norm() / r.norm()) <= (tl if i == 0 else tg) * 10, i
+
+    def err(x, y):
+        return float((x - y).norm() / y.norm())
+    for i, (g, r, lib) in enumerate(zip(res[1], res[0], res[2])):
+        tol = tl if i == 0 else tg
+        assert err(g, r) <= max(10 * tol, 1.05 * err(lib, r)), i
+        assert err(g, lib) <= 10 * tol, i
 
 
 @gpu
