@@ -39,6 +39,8 @@ compiles and plans), timed and measured in the same call — for sizes where a s
 seconds.  ``--breakdown``: after each cupynce case, three more steps under torch.profiler on
 every rank -- the kernels' time split into NCCL's, copies and the rest, the GPU's idle time
 and the host's -- reported for the slowest rank beside the 1-GPU compute / P.
+``--host-profile``: the same with the host profiled too (its events of most self CPU time a
+step: where it waits), in separate runs since the CPU profiling adds host time.
 """
 from __future__ import annotations
 
@@ -179,12 +181,15 @@ def _once(fn: Callable[[], Any], device: str) -> Dict[str, Any]:
         return {"oom": True} if is_oom(exc) else {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def _breakdown(fn: Callable[[], Any], steps: int = 3) -> Dict[str, Any]:
+def _breakdown(fn: Callable[[], Any], steps: int = 3, host: bool = False) -> Dict[str, Any]:
     """Where this rank's step goes (``--breakdown``): ``steps`` steps under torch.profiler
     (CUDA kernels), per step: the CUDA-event wall time, the host time to issue it, the
     kernels' time split into NCCL's (the exchange), copies / memsets, and the rest (the
     compute); ``gap_ms`` = wall − the kernels' sum: the GPU idle (host-bound launches,
-    waiting on another rank), negative where kernels overlap."""
+    waiting on another rank), negative where kernels overlap.  ``host`` (``--host-profile``):
+    the CPU side profiled too, ``host_top`` the host events (torch ops, CUDA runtime and
+    driver calls, gloo / NCCL calls) of most self CPU time a step -- where a host blocked on
+    the GPU or on another rank shows (a synchronising call's time is its wait)."""
     import time
 
     import torch
@@ -193,7 +198,8 @@ def _breakdown(fn: Callable[[], Any], steps: int = 3) -> Dict[str, Any]:
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+    with profile(activities=acts) as prof:
         start.record()
         h0 = time.perf_counter()
         for _ in range(steps):
@@ -212,12 +218,17 @@ def _breakdown(fn: Callable[[], Any], steps: int = 3) -> Dict[str, Any]:
             else "compute_ms"
         out[kind] += t
     out["gap_ms"] = out["wall_ms"] - out["nccl_ms"] - out["copy_ms"] - out["compute_ms"]
+    if host:
+        top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        out["host_top"] = [[e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps]
+                           for e in top[:12] if e.self_cpu_time_total > 0]
     return out
 
 
 def run_rank(ops: List[str], sizes: List[int], d: int = 512, repeat: int = 5,
              once: bool = False, peers: bool = True, device: str = "cuda",
-             dtype_name: str = "bfloat16", breakdown: bool = False) -> List[Dict[str, Any]]:
+             dtype_name: str = "bfloat16", breakdown: bool = False,
+             host_profile: bool = False) -> List[Dict[str, Any]]:
     """Every case on this rank (inside an initialised process group); rank 0 gets the rows
     (one dict per case, merged over the ranks: slowest median, fullest memory)."""
     import torch
@@ -256,7 +267,7 @@ def run_rank(ops: List[str], sizes: List[int], d: int = 512, repeat: int = 5,
                                  catch_errors=True, device=device)
                     if breakdown and name == "cupynce" and device == "cuda" \
                             and res.get("median_ms") is not None:
-                        res["breakdown"] = _breakdown(fn)
+                        res["breakdown"] = _breakdown(fn, host=host_profile)
                     del fn
                 res.pop("result", None)
                 every = [None] * P
@@ -322,6 +333,14 @@ def report(paths: List[str]) -> str:
         table += markdown_table(["op", "global N", "GPUs", "step ms", "compute ms",
                                  "1-GPU compute / P", "NCCL ms", "copies ms", "GPU idle ms",
                                  "host ms"], split)
+    hosts = [[op, P, name, fmt_ms(ms), f"{calls:g}"]
+             for (op, N, P, impl), r in sorted(by.items(), key=lambda kv: (
+                 OPS.index(kv[0][0]), kv[0][1], kv[0][2]))
+             if impl == "cupynce" and r.get("breakdown", {}).get("host_top")
+             for name, ms, calls in r["breakdown"]["host_top"][:6]]
+    if hosts:
+        table += "\n\nThe host's events of most self CPU time a step (--host-profile):\n\n"
+        table += markdown_table(["op", "GPUs", "event", "self CPU ms", "calls"], hosts)
     return "\n".join(headers) + "\n\n" + table
 
 
@@ -350,6 +369,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--report", nargs="*", help="JSON files to merge into tables (no run)")
     p.add_argument("--breakdown", action="store_true",
                    help="also where each cupynce step goes (compute, NCCL, copies, idle)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="--breakdown with the host profiled too: its costliest events")
     args = p.parse_args(argv)
     if args.report:
         print(report(args.report))
@@ -372,7 +393,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                             device_id=torch.device("cuda", local))
     try:
         rows = run_rank(args.ops, args.sizes, args.dim, args.repeat, args.once,
-                        not args.no_peers, breakdown=args.breakdown)
+                        not args.no_peers, breakdown=args.breakdown or args.host_profile,
+                        host_profile=args.host_profile)
         if dist.get_rank() == 0:
             data = {"P": dist.get_world_size(), "device": device_info(), "rows": rows,
                     "dim": args.dim, "once": args.once,

@@ -7,6 +7,8 @@
 #   bash benchmarks/run_multigpu.sh breakdown # N = 65536 on 1, 2, ... GPUs: where a rank's step
 #                                             # goes (compute, NCCL, copies, idle, host), with
 #                                             # an NCCL-only group and with gloo beside it
+#   bash benchmarks/run_multigpu.sh host      # N = 65536 on 1 and every GPU (gloo beside NCCL):
+#                                             # the host's costliest events a step
 #
 # Logs and JSON go to $OUT (default ./multigpu-out).  NVLink multicast stays off: a program that
 # uses it can put a shared host's GPUs out of service.
@@ -53,6 +55,16 @@ breakdown)
     done
     python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/breakdown_$tag.md"
   done
+  ;;
+host)
+  # the host's events under the CPU profiler (gloo beside NCCL: the default group)
+  files=()
+  for P in $(printf '%s\n' 1 "$G" | sort -un); do
+    timeout 300 torchrun --standalone --nproc_per_node "$P" benchmarks/bench_multigpu.py \
+      --sizes 65536 --no-peers --host-profile --backend cpu:gloo,cuda:nccl \
+      --json "$OUT/h$P.json" && files+=("$OUT/h$P.json")
+  done
+  python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/host.md"
   ;;
 scaling | all)
   files=()

@@ -58,3 +58,24 @@ def test_bench_multigpu_over_gloo(tmp_path, monkeypatch):
     assert len(lines) == 2, table
     assert "100 %" in lines[0], table  # P = 1 is its own baseline
     assert "%" in lines[1], table  # P = 2 against it
+
+
+def test_report_breakdown_and_host_events(tmp_path):
+    """``--report`` of ``--breakdown`` / ``--host-profile`` rows (the GPU runs' fields, written
+    here by hand): the step's split against the 1-GPU compute / P, and the host's events."""
+    def row(P, wall, host_top=None):
+        b = {"wall_ms": wall, "host_ms": 1.5, "nccl_ms": 0.5 * (P > 1), "copy_ms": 0.0,
+             "compute_ms": 8.0 / P, "gap_ms": 0.25}
+        if host_top:
+            b["host_top"] = host_top
+        return {"op": "clip_loss", "N": 64, "P": P, "impl": "cupynce", "ms": wall,
+                "ms_ranks": [wall] * P, "peak_bytes": 1 << 20, "breakdown": b}
+    top = [["cudaStreamSynchronize", 3.25, 2.0], ["aten::empty", 0.125, 40.0]]
+    for P, r in ((1, row(1, 8.0)), (2, row(2, 4.5, top))):
+        (tmp_path / f"h{P}.json").write_text(json.dumps({"P": P, "device": {"gpu": None},
+                                                         "rows": [r]}))
+    table = _bench().report([str(tmp_path / "h1.json"), str(tmp_path / "h2.json")])
+    split = [ln for ln in table.splitlines() if ln.startswith("| clip_loss") and "4.00" in ln]
+    assert split, table  # P = 2: compute 4.00 ms and the 1-GPU compute / P, 4.00 ms
+    events = table.split("self CPU time a step")[1]
+    assert "cudaStreamSynchronize" in events and "3.25" in events and "aten::empty" in events
