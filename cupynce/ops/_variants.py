@@ -48,7 +48,7 @@ reductions); a device scale is never read on the host.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -72,23 +72,30 @@ def _rows(xp, w, b: int):
 
 
 def nt_xent_smoothing(xp, zn, scale: float, eps: float, w: Optional[Any] = None, *,
-                      want_loss: bool = True, every=None) -> Tuple[Optional[Any], Optional[Any]]:
+                      want_loss: bool = True, every=None,
+                      sums=None) -> Tuple[Optional[Any], Optional[Any]]:
     """``(Δloss (N,) or None, Δ∂/∂ẑ (N, D) or None)`` of NT-Xent's label smoothing ε (module
     notes) for the rows ``zn`` (ẑ, as the products use them) and ``scale`` = 1/τ; ``w``: the
     row weights of the gradient (:func:`row_weights`), None for the loss alone;
     ``want_loss=False``: the gradient alone (a backward).  ``every``: ``(rows, weights)`` of
     the whole batch when ``zn`` is a rank's [view 1; view 2] of the global batch (its
     positives its own rows): s and s_w run over every rank's rows (in one fixed order, the
-    same on every rank), K = the global count − 1; ``w`` is then ``zn``'s rows' weights."""
+    same on every rank), K = the global count − 1; ``w`` is then ``zn``'s rows' weights.
+    ``sums``: ``(s, global count)`` in place of ``every`` (:func:`global_sums`: a ring
+    schedule's, which gathers no rows), the weights then one real for every row."""
     a = acc_dtype(zn.dtype)
     n = zn.shape[0]
     b = n // 2
     z = zn.astype(a, copy=False)
     zp = xp.concatenate([z[b:], z[:b]])  # ẑ_{p(i)}
-    z_all, w_all = every if every is not None else (z, w)
-    z_all = z_all.astype(a, copy=False)
-    k = z_all.shape[0] - 1
-    s = z_all.sum(axis=0)
+    if sums is not None:
+        s, count = sums
+        k, w_all = count - 1, w
+    else:
+        z_all, w_all = every if every is not None else (z, w)
+        z_all = z_all.astype(a, copy=False)
+        k = z_all.shape[0] - 1
+        s = z_all.sum(axis=0)
     dloss = None
     if want_loss:
         other = z @ s - (z * z).sum(axis=1)  # ẑ_i · Σ_{j≠i} ẑ_j
@@ -99,6 +106,59 @@ def nt_xent_smoothing(xp, zn, scale: float, eps: float, w: Optional[Any] = None,
     s_w = s * w_all if getattr(w_all, "ndim", 0) == 0 else (w_all[:, None] * z_all).sum(axis=0)
     dacc = (eps * scale) * ((wi + wp) * zp - (wi * (s - z) + (s_w - wi * z)) / k)
     return dloss, dacc
+
+
+def cross_class_sums(xp, path, lab_a, lab_b, x, w) -> Any:
+    """Class sums across two row sets (a rank's rows and a ring's chunk): ``x`` (n + m, D)
+    the two sets' rows stacked, ``w`` (n + m,) their weights (0 leaves a row out); each row's
+    sum of the weighted rows of its label (``path.class_sums`` over the labels of both sets:
+    a fixed order).  With the first set's weights 0, the first n rows' results are each row's
+    same-label sum over the second set, and the other way round."""
+    groups = label_groups(xp, xp.concatenate([lab_a, lab_b]))
+    return path.class_sums(x, groups, w)
+
+
+def siglip_labels_block(xp, path, an, bn, lab_a, lab_b, ls, lb, w=None, *,
+                        want_loss: bool = True, same: bool = False):
+    """:func:`siglip_labels`'s terms of one block, the images ``an`` (n, D; labels ``lab_a``)
+    against the texts ``bn`` (m, D; ``lab_b``): a ring's chunk of texts.  ``same``: bn are
+    an's own pairs (pair i's own text is its positive already: left out).  ``w``: one real
+    for every row (the rings': no per-row weights).  Returns ``(Δrow part (n,), (Δ∂/∂â part,
+    Δ∂/∂b̂ of these texts, Δ∂/∂t part, Δ∂/∂β part) or None)``; the parts of every chunk add
+    up to :func:`siglip_labels`' values (every term is linear in the class sums)."""
+    a = acc_dtype(an.dtype)
+    n, m = an.shape[0], bn.shape[0]
+    x, y = an.astype(a, copy=False), bn.astype(a, copy=False)
+    sigma = xp.exp(xp.asarray(ls, dtype=a).reshape(()))
+    beta = xp.asarray(lb, dtype=a).reshape(())
+    both = xp.concatenate([x, y])
+    texts = xp.concatenate([xp.zeros(n, a), xp.ones(m, a)])
+    other = cross_class_sums(xp, path, lab_a, lab_b, both, texts)[:n]  # B_{y_i} over bn
+    cnt = cross_class_sums(xp, path, lab_a, lab_b, xp.ones((n + m, 1), a), texts)[:n, 0]
+    if same:
+        other -= y
+        cnt -= 1
+    dot = (x * other).sum(axis=1)
+    drow = -(sigma * dot + beta * cnt) if want_loss else None
+    if w is None:
+        return drow, None
+    da = other
+    da *= -sigma * w
+    images = xp.concatenate([xp.full(n, w, a), xp.zeros(m, a)])
+    db = cross_class_sums(xp, path, lab_a, lab_b, both, images)[n:]  # A^w_{y_j} over an
+    if same:
+        db -= w * x
+    db *= -sigma
+    return drow, (da, db, -sigma * w * dot.sum(), -w * cnt.sum())
+
+
+def global_sums(comm, xp, *rows) -> List[Any]:
+    """Each of ``rows``' column sums over every rank's rows, in the accumulator dtype: the
+    ranks' own sums all-gathered (one call, D floats each a rank) and added in rank order --
+    the same bits on every rank, without gathering the rows (the rings' label smoothing)."""
+    own = xp.stack([r.astype(acc_dtype(r.dtype), copy=False).sum(axis=0) for r in rows])
+    every = comm.all_gather(own)  # (P, len(rows), D)
+    return [every[:, i].sum(axis=0) for i in range(len(rows))]
 
 
 def clip_smoothing(xp, an, bn, ls, eps: float, w: Optional[Any] = None, *,

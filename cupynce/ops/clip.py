@@ -383,7 +383,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         comm, op, checks, [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
          precision, label_smoothing, labels is not None],
-        ring_wish=lambda: labels is None and not label_smoothing and _global.ring_possible(
+        ring_wish=lambda: labels is None and _global.ring_possible(
             comm, a, requires_grad, reduction, gpu=True))
     if masks:  # (every pair's label, rank order: the rows' are this rank's of them)
         every_lab = comm.all_gather(masks["labels"][0]).reshape(-1)
@@ -407,10 +407,20 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
             w = weights(xp, None, reduction, n * size, acc) if fused else None
             pair, lse_r, lse_c, grads = _ring_share(comm, xp, engine, block, an, bn, ls_dev,
                                                     w, workspace_bytes)
+            if eps:  # the smoothing's O(N·D) difference over the global sums (no rows)
+                sums = tuple(_variants.global_sums(comm, xp, an, bn)) + (n * size,)
+                pair = pair + _variants.clip_smoothing(xp, an, bn, ls_dev, eps, sums=sums)[0]
+                if fused:
+                    w_row = _variants.row_weights(w)
+                    dda, ddb, dsh = _variants.clip_smoothing(
+                        xp, an, bn, ls_dev, eps, w_row, want_loss=False,
+                        sums=sums + (sums[0] * w_row, sums[1] * w_row))[1]
+                    grads = (grads[0] + dda, grads[1] + ddb, grads[2] + dsh)
             ctx = Context(op, reduction, n, xp, stats=(lse_r, lse_c) if requires_grad else (),
                           precision=p)
-            if fused:
-                ctx.saved = dict(base, acc=grads[:2], dscale=grads[2])
+            if fused:  # (d loss / d logit_scale: the rank's shares all-reduced once)
+                dscale = comm.all_reduce(xp.asarray(grads[2]).reshape(1)).reshape(())
+                ctx.saved = dict(base, acc=grads[:2], dscale=dscale)
             return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
         # the texts and the pairs' raw dots a_j·b_j of every rank (the tile path's column shift)
         b_all = comm.all_gather(bn).reshape(n * size, -1)
@@ -470,8 +480,9 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws):
     s = exp(logit_scale) the kernels take from ``ls_dev`` as the own chunk's block does (the
     same scale bits, no host read of a device logit_scale).
 
-    Returns ``(pair losses, lse_r, this rank's texts' lse_c, (da, db, d logit_scale) or
-    None)``; the rank's rows' parts are added in step order (own chunk first)."""
+    Returns ``(pair losses, lse_r, this rank's texts' lse_c, (da, db, this rank's share of
+    d logit_scale) or None)``; the rank's rows' parts are added in step order (own chunk
+    first)."""
     n, rank, size = an.shape[0], comm.rank, comm.size
     chunks: List[Any] = [None] * size
     lse_parts: List[Any] = [None] * size
@@ -524,8 +535,7 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws):
     # d loss / d logit_scale = Σ_i â_i · da_i once, from the summed da (the all-gather
     # schedule's sum; the chunks' parts added would turn an inf into inf − inf = NaN)
     dsp = xp.sum(xp.einsum("ij,ij->i", an.astype(da.dtype, copy=False), da))
-    dscale = comm.all_reduce(xp.asarray(dsp).reshape(1)).reshape(())
-    return pair, lse_r, own, (da, db, dscale)
+    return pair, lse_r, own, (da, db, dsp)
 
 
 def _global_grads(comm: Comm, block, xp, an, b_all, ls, row0: int, lse_r, lse_c, w, ws,

@@ -310,8 +310,7 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         comm, op, checks, [z], ["z"],
         [host_t, reduction, normalize, requires_grad, precision, label_smoothing,
          temperature_grad is True],
-        ring_wish=lambda: not label_smoothing and _global.ring_possible(
-            comm, z, requires_grad, reduction, gpu=True))
+        ring_wish=lambda: _global.ring_possible(comm, z, requires_grad, reduction, gpu=True))
     eps = float(label_smoothing)
     tgrad = bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
@@ -323,11 +322,16 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         zn, norm = prep(path, z, normalize)
         zn, root, scale = _global.scaled_rows(xp, zn, temp)  # (a device τ: √s ẑ, scale 1)
         base = dict(x=(z,), norms=(norm,), size=size)
-        if ring:  # (no smoothing, no "none" recompute: _ring_share)
+        if ring:  # (no "none" recompute: _ring_share)
             fused = requires_grad and reduction != "none"
-            lse, rows, acc = _ring_share(comm, path, engine, zn, scale,
-                                         row_weight(reduction, n2 * size) if fused else None,
-                                         workspace_bytes)
+            w_mul = row_weight(reduction, n2 * size) if fused else None
+            lse, rows, acc = _ring_share(comm, path, engine, zn, scale, w_mul, workspace_bytes)
+            if eps:  # the smoothing's O(N·D) difference over the global row sum (no rows)
+                sums = (_variants.global_sums(comm, xp, zn)[0], n2 * size)
+                drow, dacc = _variants.nt_xent_smoothing(xp, zn, scale, eps, w_mul, sums=sums)
+                rows += drow
+                if fused:
+                    acc += dacc
             ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else (),
                           precision=p)
             if fused:

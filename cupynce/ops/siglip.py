@@ -322,8 +322,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, 0.0 if lb_array else logit_bias,
          lb_array, reduction, normalize, requires_grad, precision, labels is not None],
-        ring_wish=lambda: labels is None and _global.ring_possible(comm, a, requires_grad,
-                                                                  reduction, gpu=True))
+        ring_wish=lambda: _global.ring_possible(comm, a, requires_grad, reduction,
+                                                gpu=labels is None))
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
         size = comm.size
@@ -338,7 +338,10 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         base = dict(x=(a, b), norms=(na, nb), size=size, shapes=(ls_shape, lb_shape),
                     dtypes=tuple(acc if isinstance(v, float) else v.dtype for v in (ls, lb)))
         if ring:
-            rows, grads = _ring_share(comm, xp, an, bn, ls, lb, w, fused, workspace_bytes)
+            labs = None if labels is None else comm.all_gather(
+                xp.ascontiguousarray(labels, dtype=np.int64))  # (P, n): every rank's labels
+            rows, grads = _ring_share(comm, xp, path, an, bn, ls, lb, w, fused, workspace_bytes,
+                                      labs)
             if fused:
                 da, db, dscale, dbias = grads
                 ctx.saved = dict(base, acc=(da, db),
@@ -361,19 +364,28 @@ def _global_forward(comm: Comm, a, b, logit_scale, logit_bias, *, labels=None,
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_share(comm: Comm, xp, an, bn, ls, lb, w, fused: bool, workspace_bytes):
+def _ring_share(comm: Comm, xp, path, an, bn, ls, lb, w, fused: bool, workspace_bytes,
+                labs=None):
     """The rank's rows against every rank's texts chunk by chunk on the ring
     (:func:`cupynce.ops._global.ring_blocks`): each chunk's block while the next travels, the
     texts' gradients summed along the ring to their owners.  Returns ``rows, grads`` as the
     all-gather schedule's engine call, but with ``grads = (da, db of this rank's texts,
     dscale, dbias)`` (this rank's rows' scalar parts, to all-reduce); the steps' parts are
-    added in step order (own chunk first)."""
-    n = an.shape[0]
+    added in step order (own chunk first).  ``labs`` (P, n): every rank's labels, whose
+    O(n·D) difference each chunk's block adds (``_variants.siglip_labels_block``)."""
+    n, rank = an.shape[0], comm.rank
     engine = _engine_for(xp)
+    w_row = _variants.row_weights(w) if fused else None
 
     def block(k, q, chunk):
         rows, grads = engine(an, chunk, ls, lb, weights=w, want_loss=True, want_grad=fused,
-                             workspace_bytes=workspace_bytes, row0=comm.rank * n, col0=q * n)
+                             workspace_bytes=workspace_bytes, row0=rank * n, col0=q * n)
+        if labs is not None:
+            drow, dg = _variants.siglip_labels_block(xp, path, an, chunk, labs[rank], labs[q],
+                                                     ls, lb, w_row, same=q == rank)
+            rows = rows + drow
+            if fused:  # (Δ∂/∂t: in dscale from the summed da below)
+                grads = (grads[0] + dg[0], grads[1] + dg[1], None, grads[3] + dg[3])
         if not fused:
             return (rows,), None
         return (rows, grads[0], grads[3]), grads[1]  # (rows, da, dbias; dscale below)

@@ -173,23 +173,20 @@ def test_ring_shift_emulated(P):
         assert seen == [(rank - k) % P for k in range(1, P + 1)]
 
 
-def _ring_op(op, a, b, reduction, requires_grad, comm):
+def _ring_op(op, a, b, reduction, requires_grad, comm, **kw):
     """(loss, gradients or ()) of SigLIP (scale 1.1, bias −2), CLIP (scale 1.1), InfoNCE or
-    NT-Xent (τ = 0.3) over comm."""
+    NT-Xent (τ = 0.3) over comm; ``kw`` the op's other arguments (a variant)."""
+    kw.update(reduction=reduction, requires_grad=requires_grad, group=comm)
     if op == "siglip":
-        loss, ctx = cupynce.siglip_loss_forward(a, b, 1.1, -2.0, reduction=reduction,
-                                                requires_grad=requires_grad, group=comm)
+        loss, ctx = cupynce.siglip_loss_forward(a, b, 1.1, -2.0, **kw)
         return loss, cupynce.siglip_loss_backward(ctx, 0.7) if requires_grad else ()
-    if op == "nt_xent":  # (a, b: the rank's two views)
-        loss, ctx = cupynce.nt_xent_forward(np.concatenate([a, b]), 0.3, reduction=reduction,
-                                            requires_grad=requires_grad, group=comm)
+    if op == "nt_xent":  # (a, b: the rank's two views; the labels kw: a callable of rank)
+        loss, ctx = cupynce.nt_xent_forward(np.concatenate([a, b]), 0.3, **kw)
         return loss, (cupynce.nt_xent_backward(ctx, 0.7),) if requires_grad else ()
     if op == "info_nce":
-        loss, ctx = cupynce.info_nce_forward(a, b, 0.3, reduction=reduction,
-                                             requires_grad=requires_grad, group=comm)
+        loss, ctx = cupynce.info_nce_forward(a, b, 0.3, **kw)
         return loss, cupynce.info_nce_backward(ctx, 0.7) if requires_grad else ()
-    loss, ctx = cupynce.clip_loss_forward(a, b, 1.1, reduction=reduction,
-                                          requires_grad=requires_grad, group=comm)
+    loss, ctx = cupynce.clip_loss_forward(a, b, 1.1, **kw)
     return loss, cupynce.clip_loss_backward(ctx, 0.7) if requires_grad else ()
 
 
@@ -204,6 +201,12 @@ def test_ring_schedule_numpy(op, P, reduction, requires_grad):
     and gradients to rounding (the sums run in another order), the ring taken exactly where it
     applies (not for "none" with a gradient: its recompute keeps the gathered texts), the same
     bits run to run, and the global values' bits on every rank."""
+    _check_ring_numpy(op, P, reduction, requires_grad)
+
+
+def _check_ring_numpy(op, P, reduction, requires_grad, **kw):
+    """test_ring_schedule_numpy's comparison for ``op`` with the arguments ``kw`` (values
+    that are callables of the rank: that rank's value)."""
     from emulated_ranks import run as run_ranks
 
     n, d = 3, 5
@@ -213,7 +216,8 @@ def test_ring_schedule_numpy(op, P, reduction, requires_grad):
         def body(comm):
             comm.ring = ring
             sl = slice(comm.rank * n, (comm.rank + 1) * n)
-            return _ring_op(op, A[sl], B[sl], reduction, requires_grad, comm)
+            mine = {k: v(comm.rank) if callable(v) else v for k, v in kw.items()}
+            return _ring_op(op, A[sl], B[sl], reduction, requires_grad, comm, **mine)
         out = run_ranks(P, body)
         return out, [list(log) for log in run_ranks.log]
 
@@ -237,6 +241,30 @@ def test_ring_schedule_numpy(op, P, reduction, requires_grad):
     if requires_grad:  # (the scalars' gradients)
         for k in {"siglip": (2, 3), "clip": (2,)}.get(op, ()):
             assert len({np.asarray(x[1][k]).tobytes() for x in ring}) == 1
+
+
+def _ring_labels(rank, n=3):
+    """The rank's labels of a global batch with duplicates within and across ranks."""
+    return (np.arange(rank * n, (rank + 1) * n) * 5) % 4
+
+
+#: the variants on the rings: (op, its arguments; callables of the rank give that rank's)
+RING_VARIANTS = {
+    "siglip-labels": ("siglip", dict(labels=_ring_labels)),
+    "nt_xent-smoothing": ("nt_xent", dict(label_smoothing=0.1)),
+    "clip-smoothing": ("clip", dict(label_smoothing=0.1)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(RING_VARIANTS))
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_ring_variants_numpy(variant, P, reduction, requires_grad):
+    """The variants' rings (label smoothing over the global row sums, ...) against their
+    all-gather schedules, as :func:`test_ring_schedule_numpy` checks the plain ops."""
+    op, kw = RING_VARIANTS[variant]
+    _check_ring_numpy(op, P, reduction, requires_grad, **kw)
 
 
 @pytest.mark.parametrize("op", ["siglip", "clip", "info_nce", "nt_xent"])
