@@ -88,11 +88,10 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     ``pair_labels``: pytorch-metric-learning's NTXentLoss rows (:func:`_pair_rows`).
     ``col_grads`` is accepted and ignored: the column gradients come from the same block.
     ``positives=False``: the columns hold no row's positive (a ring chunk of another rank's
-    keys; no labels, smoothing or hardness): no −w target in the gradient (the row loss it
-    returns is then meaningless)."""
-    if not positives and (smoothing or labels is not None or hardness is not None
-                          or pair_labels is not None):
-        raise ValueError("rows: positives=False takes no labels, smoothing or hardness")
+    keys; no smoothing or hardness): no −w target in the gradient, every same-label column
+    left out with ``labels`` (the row loss it returns is then meaningless)."""
+    if not positives and (smoothing or hardness is not None or pair_labels is not None):
+        raise ValueError("rows: positives=False takes no smoothing or hardness")
     xp = _cpu.current()
     a = acc_dtype(q.dtype)
     if scale_log is not None:  # (on the host here: the value can be read)
@@ -151,7 +150,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         if labels is not None:  # a labelled column j != pos of row i's label: no candidate
             lab_r, lab_c = labels
             same = xp.asarray(lab_r)[r0:r1, None] == xp.asarray(lab_c)[None, :]
-            same[at, pos] = False
+            if positives:
+                same[at, pos] = False
             s[:, :same.shape[1]][same] = -float("inf")
             if smoothing:
                 cand[:, :same.shape[1]][same] = False

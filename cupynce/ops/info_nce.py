@@ -503,8 +503,8 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
          labels is not None, label_smoothing, in_batch_negatives is True,
          replicated_negatives is True, temperature_grad is True,
          hardness_mode if isinstance(hardness_mode, str) else 0, hardness_strength],
-        ring_wish=lambda: (negatives is None and labels is None and not label_smoothing
-                           and not hardness_mode and in_batch_negatives is True
+        ring_wish=lambda: (not label_smoothing and not hardness_mode
+                           and in_batch_negatives is True
                            and _global.ring_possible(comm, query, requires_grad, reduction)))
     t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
@@ -521,8 +521,9 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
                     tgrad=tgrad)
         rep = bool(replicated_negatives)
         w = weights(xp, None, reduction, n * size, a)
-        if ring:  # (no negatives, labels, smoothing or hardness: _ring_share)
-            lse, rows, acc = _ring_share(comm, path, qn, kn, temp, w, fused, workspace_bytes)
+        if ring:  # (no smoothing or hardness: _ring_share)
+            lse, rows, acc = _ring_share(comm, path, qn, kn, temp, w, fused, workspace_bytes,
+                                         neg_s, neg_p, rep, labels)
             ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
                           precision=p)
             if fused:
@@ -564,42 +565,68 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
         return _global.loss(comm, xp, rows, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws):
+def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, neg_p=None,
+                replicated: bool = False, labels=None):
     """The rank's queries against every rank's keys on the ring (``_global.ring_blocks``;
-    the ranks agreed on it: in-batch negatives only, no labels, smoothing or hardness), in two
-    passes: each chunk of keys' rows log-sum-exps while the next chunk travels (the positive
-    logits from the rank's own chunk), merged in rank order; then, for a gradient, each kept
-    chunk's gradient block with the full log-sum-exps, the keys' gradients summed along the
-    ring to their owners.  Returns ``(lse, the rows' losses, (dq, dk, None) or None)``; dq adds
-    the steps' parts in step order (own chunk first)."""
+    the ranks agreed on it: in-batch negatives, no smoothing or hardness), in two passes:
+    each chunk of keys' rows log-sum-exps while the next chunk travels (the positive logits
+    from the rank's own chunk), merged in rank order; then, for a gradient, each kept chunk's
+    gradient block with the full log-sum-exps, the keys' gradients summed along the ring to
+    their owners.  Shared negatives ``neg_s`` travel with their rank's keys (one chunk: the
+    keys then the negatives; their gradients come back the same way); replicated ones (the
+    same on every rank) and per-query ``neg_p`` join the own chunk's block; ``labels`` (the
+    rank's, gathered once: n integers a rank) leave every same-label key but the positive
+    out of a row's candidates.  Returns ``(lse, the rows' losses, (dq, dk, dneg) or None)``
+    as :func:`_global_scatter`'s (dq adds the steps' parts in step order, own chunk first)."""
+    xp = np  # (the NumPy path alone: ring_possible)
     n, rank, size = qn.shape[0], comm.rank, comm.size
     chunks: List[Any] = [None] * size
     parts: List[Any] = [None] * size
-    own = []
+    own, extra = [], {}
+    travel = neg_s is not None and not replicated
+    labs = None if labels is None else comm.all_gather(labels)  # (P, n)
     kw = dict(exclude_diag=False, pos_shift=0, pos_mod=n, op="info_nce",
               scale_log=temp.scale_log, workspace_bytes=ws)
 
+    def block(q, chunk, **more):
+        """path.rows of chunk q: its keys and travelling negatives, the own chunk's
+        replicated and per-query negatives, the labels; the positives in the own chunk."""
+        mine = q == rank
+        ns = chunk[n:] if travel else (neg_s if mine else None)
+        lab = None if labs is None else (labels, labs[q])
+        return path.rows(qn, chunk[:n], ns, neg_p if mine else None, temp.scale,
+                         labels=lab, positives=mine, **kw, **more)
+
     def stats(k, q, chunk):
         chunks[q] = chunk
-        parts[q], loss, _ = path.rows(qn, chunk, None, None, temp.scale, lse_in=None,
-                                      weights=None, want_grad=False, **kw)
+        parts[q], loss, _ = block(q, chunk, lse_in=None, weights=None, want_grad=False)
         if q == rank:
             own.append(parts[q] - loss)  # the positive logits
         return None, None
 
-    _global.ring_blocks(comm, kn, stats, col_grads=False)
+    cols = xp.concatenate([kn, neg_s]) if travel else kn
+    _global.ring_blocks(comm, cols, stats, col_grads=False)
     lse = _global.merge_lse(_numpy, parts)
     rows = lse - own[0]
     if not fused:
         return lse, rows, None
 
     def grads(k, q, _):
-        _, _, (dq, dk, _, _) = path.rows(qn, chunks[q], None, None, temp.scale, lse_in=lse,
-                                         weights=w, want_grad=True, positives=q == rank, **kw)
+        _, _, (dq, dk, dns, dnp) = block(q, chunks[q], lse_in=lse, weights=w, want_grad=True)
+        if travel:
+            return dq, xp.concatenate([dk, dns])
+        if q == rank:  # (the replicated or per-query negatives' gradients: this chunk's)
+            extra["dneg"] = dns if dns is not None else dnp
         return dq, dk
 
-    steps, dk = _global.ring_blocks(comm, None, grads, col_grads=True)
-    return lse, rows, (_global.sum_steps(steps), dk, None)
+    steps, dcols = _global.ring_blocks(comm, None, grads, col_grads=True)
+    dq = _global.sum_steps(steps)
+    if travel:
+        return lse, rows, (dq, dcols[:n], dcols[n:])
+    dneg = extra.get("dneg")
+    if neg_s is not None:  # replicated: every rank's part summed, over P (_global_scatter's)
+        dneg = comm.all_reduce(xp.ascontiguousarray(dneg)) / dneg.dtype.type(size)
+    return lse, rows, (dq, dcols, dneg)
 
 
 def _global_scatter(comm: Comm, xp, grads, n: int, neg_s, replicated: bool = False):

@@ -248,8 +248,20 @@ def _ring_labels(rank, n=3):
     return (np.arange(rank * n, (rank + 1) * n) * 5) % 4
 
 
+def _ring_negatives(shape, rank=0):
+    """A rank's explicit negatives (float64), ``rank`` seeding them."""
+    return np.random.default_rng(40 + rank).standard_normal(shape)
+
+
 #: the variants on the rings: (op, its arguments; callables of the rank give that rank's)
 RING_VARIANTS = {
+    "info_nce-shared": ("info_nce", dict(negatives=lambda r: _ring_negatives((4, 5), r))),
+    "info_nce-replicated": ("info_nce", dict(negatives=_ring_negatives((4, 5)),
+                                             replicated_negatives=True)),
+    "info_nce-per-query": ("info_nce", dict(negatives=lambda r: _ring_negatives((3, 2, 5), r))),
+    "info_nce-labels": ("info_nce", dict(labels=_ring_labels)),
+    "info_nce-labels-shared": ("info_nce", dict(labels=_ring_labels,
+                                                negatives=lambda r: _ring_negatives((4, 5), r))),
     "siglip-labels": ("siglip", dict(labels=_ring_labels)),
     "nt_xent-smoothing": ("nt_xent", dict(label_smoothing=0.1)),
     "clip-smoothing": ("clip", dict(label_smoothing=0.1)),
