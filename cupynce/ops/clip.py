@@ -383,8 +383,9 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         comm, op, checks, [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
          precision, label_smoothing, labels is not None],
-        ring_wish=lambda: labels is None and _global.ring_possible(
-            comm, a, requires_grad, reduction, gpu=True))
+        ring_wish=lambda: (not (labels is not None and label_smoothing)  # (class sums)
+                           and _global.ring_possible(comm, a, requires_grad, reduction,
+                                                     gpu=labels is None)))
     if masks:  # (every pair's label, rank order: the rows' are this rank's of them)
         every_lab = comm.all_gather(masks["labels"][0]).reshape(-1)
         masks = dict(labels=(every_lab, every_lab))
@@ -405,8 +406,9 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         base = dict(x=(a, b), norms=(na, nb), ls_shape=ls_shape, ls_dtype=ls_dtype, size=size)
         if ring:
             w = weights(xp, None, reduction, n * size, acc) if fused else None
+            labs = masks["labels"][0].reshape(size, n) if masks else None
             pair, lse_r, lse_c, grads = _ring_share(comm, xp, engine, block, an, bn, ls_dev,
-                                                    w, workspace_bytes)
+                                                    w, workspace_bytes, labs)
             if eps:  # the smoothing's O(N·D) difference over the global sums (no rows)
                 sums = tuple(_variants.global_sums(comm, xp, an, bn)) + (n * size,)
                 pair = pair + _variants.clip_smoothing(xp, an, bn, ls_dev, eps, sums=sums)[0]
@@ -466,7 +468,7 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws):
+def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None):
     """The rank's rows against every rank's texts on the ring (``_global.ring_blocks``), in
     two passes.  First, each chunk of texts' block while the next chunk travels: the rows'
     log-sum-exps over the chunk and the chunk's column states over the rank's rows (the
@@ -478,7 +480,9 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws):
     The own chunk is the op's block (``block``: its pairs on the diagonal); another rank's
     holds no pair, which is ``engine.cross``'s block of one two-sided softmax, at the scale
     s = exp(logit_scale) the kernels take from ``ls_dev`` as the own chunk's block does (the
-    same scale bits, no host read of a device logit_scale).
+    same scale bits, no host read of a device logit_scale).  ``labs`` (P, n): every pair's
+    label (the NumPy path's alone), the same-label pairs off the positive left out of both
+    softmaxes in every chunk's block.
 
     Returns ``(pair losses, lse_r, this rank's texts' lse_c, (da, db, this rank's share of
     d logit_scale) or None)``; the rank's rows' parts are added in step order (own chunk
@@ -488,6 +492,11 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws):
     lse_parts: List[Any] = [None] * size
     states: List[Any] = [None] * size
     own_row_loss = []
+
+    own_lab = {} if labs is None else dict(labels=(labs[rank], labs[rank]))
+
+    def lab_of(q):  # (another rank's chunk: its pairs' labels against this rank's)
+        return {} if labs is None else dict(labels=(labs[rank], labs[q]))
 
     # every pair's raw dot a_j · b_j: the column shift of the other ranks' chunks on the tile
     # path (the all-gather schedule's)
@@ -499,12 +508,13 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws):
             lse_parts[q], states[q], rl, _ = block(
                 an, chunk, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
                 want_grad=False, workspace_bytes=ws, col_shift=engine.pair_dots(an, chunk),
-                col_state=True)
+                col_state=True, **own_lab)
             own_row_loss.append(rl)  # lse over the own chunk − the positive logit
         else:
             lse_parts[q], states[q], _ = engine.cross(
                 an, chunk, 1.0, lse_r=None, lse_c=None, weights=None, want_stats=True,
-                want_grad=False, workspace_bytes=ws, col_shift=dots[q], scale_log=ls_dev)
+                want_grad=False, workspace_bytes=ws, col_shift=dots[q], scale_log=ls_dev,
+                **lab_of(q))
         return None, None
 
     _global.ring_blocks(comm, bn, stats, col_grads=False)
@@ -522,12 +532,12 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws):
         if q == rank:
             _, _, _, (da, db, _) = block(
                 an, chunks[q], ls_dev, lse_r=lse_r, lse_c=lse_q, weights=w, want_loss=False,
-                want_grad=True, workspace_bytes=ws)
+                want_grad=True, workspace_bytes=ws, **own_lab)
             return da, db
         # G = ½ w (softmax_row + softmax_col): no pair, so no −δ term
         _, _, (da, db) = engine.cross(
             an, chunks[q], 1.0, lse_r=lse_r, lse_c=lse_q, weights=(None, None, 0.5 * w[2]),
-            want_stats=False, want_grad=True, workspace_bytes=ws, scale_log=ls_dev)
+            want_stats=False, want_grad=True, workspace_bytes=ws, scale_log=ls_dev, **lab_of(q))
         return da, db
 
     steps, db = _global.ring_blocks(comm, None, grads, col_grads=True)

@@ -265,6 +265,7 @@ RING_VARIANTS = {
     "siglip-labels": ("siglip", dict(labels=_ring_labels)),
     "nt_xent-smoothing": ("nt_xent", dict(label_smoothing=0.1)),
     "clip-smoothing": ("clip", dict(label_smoothing=0.1)),
+    "clip-labels": ("clip", dict(labels=_ring_labels)),
 }
 
 
