@@ -863,12 +863,14 @@ def test_siglip_engine_column_chunks_gpu(dtype, weighted, ws):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["siglip", "clip", "nt_xent"])
+@pytest.mark.parametrize("op", ["siglip", "clip", "nt_xent", "clip-smoothing",
+                                "nt_xent-smoothing"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_ring_schedule_gpu(op, dtype, P, configure):
     """``config.ring_gpu``: SigLIP's, CLIP's and NT-Xent's rings on CuPy arrays (the engines on
-    column chunks; CLIP's other chunks on ``cross``) against the all-gather schedules on the
+    column chunks; CLIP's other chunks on ``cross``; the label smoothing over the global sums:
+    ``-smoothing``) against the all-gather schedules on the
     same emulated ranks: the ring taken, the loss to fp32 reordering (1e-4 relative), the
     gradients too in float32; in bfloat16 to 2e-3, because CLIP's other chunks' gradient
     blocks are rounded to bfloat16 by another epilogue (the cross block's H, not CLIP's G:
@@ -880,13 +882,14 @@ def test_ring_schedule_gpu(op, dtype, P, configure):
 
     n, d = 40, 64
     A, B = _batch(cp, dtype, (n * P, d), 81, 0.3), _batch(cp, dtype, (n * P, d), 82, 0.3)
+    op, kw = RING_VARIANTS[op] if op in RING_VARIANTS else (op, {})
 
     def rank(ring):
         configure(ring_gpu=ring)
 
         def body(comm):
             sl = slice(comm.rank * n, (comm.rank + 1) * n)
-            return _ring_op(op, A[sl], B[sl], "mean", True, comm)
+            return _ring_op(op, A[sl], B[sl], "mean", True, comm, **kw)
         out = run_ranks(P, body)
         return out, [list(log) for log in run_ranks.log]
     ring, log = rank(True)
