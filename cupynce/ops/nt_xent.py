@@ -371,7 +371,8 @@ def _global_forward(comm: Comm, z, temperature=0.5, *, label_smoothing=0.0, redu
         return _global.loss(comm, xp, rows, reduction, n2 * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[float], ws):
+def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[float], ws,
+                w_all=None, classes=None):
     """The rank's blocks of the global NT-Xent on the ring (``_global.ring_blocks``; the
     ranks agreed on it): the plan mirrored (``NtXentPlan(ring=True)``: blocks (r, r − k), the
     chunks the ring brings first), so the rows travel only P // 2 steps.  First the diagonal
@@ -382,7 +383,13 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
     (all-gathered, 2n floats a rank), the kept chunks' rows' gradients summed along the ring
     to their owners (a full circle: ranks that computed no block of a chunk add nothing).
 
-    Returns ``(lse, the rows' losses, ∂L/∂(scaled rows) or None)``."""
+    ``w_all`` (P, 2n): every row's gradient weight (times ``w_mul``; None: all 1).
+    ``classes``: SupCon's class terms (``supcon.RingClasses``), which every block feeds
+    (its rows' class sums over the block's columns and the other way round); the column
+    rows' dot terms travel in the gathered states, their gradient terms with the chunk's.
+
+    Returns ``(lse, the rows' losses, ∂L/∂(scaled rows) or None)`` (with ``classes``: the
+    class terms of the rank's own rows not yet in it, ``classes.finish`` adds them)."""
     xp = np if isinstance(zn, np.ndarray) else _local._cupy()
     rank, size, n2 = comm.rank, comm.size, zn.shape[0]
     h = n2 // 2
@@ -393,9 +400,13 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
         zn, zn, None, None, scale, exclude_diag=True, pos_shift=h, pos_mod=n2, lse_in=None,
         weights=(None, 0, 0.0), want_grad=False, workspace_bytes=ws, op="nt_xent",
         self_pair=True)
+    if classes is not None:
+        classes.diag()
     chunks = {}
     partial = _local._empty_states(xp, plan.k + plan.even, n2, a)  # a block's rows each
-    state = _local._empty_states(xp, 1, plan.width, a)[0]
+    # the column states (m, s) and, with classes, the column rows' class dots (zeros: none)
+    state = xp.zeros((2 if classes is None else 3, plan.width), a)
+    state[0] = -np.inf
 
     def block_of(k):
         """(rows, columns of the chunk, state offset) of step k's block."""
@@ -418,22 +429,28 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
                                     col_shift=xp.concatenate([dots, dots])[cols])
         partial[k - 1, 0, rows] = lse_b
         partial[k - 1, 1, rows] = 1
-        state[:, off:off + st.shape[1]] = st
+        state[:2, off:off + st.shape[1]] = st
+        if classes is not None:
+            state[2, off:off + st.shape[1]] = classes.block(q, rows, cols, chunk)
         return None, None
 
     _global.ring_blocks(comm, zn, stats, col_grads=False,
                         steps=plan.k + 1 + (1 if plan.even else 0))
-    lse = _local.nt_xent_lse(plan, engine, lse_d, partial, comm.all_gather(state))
+    states = comm.all_gather(state)
+    lse = _local.nt_xent_lse(plan, engine, lse_d, partial, states[:, :2])
+    if classes is not None:
+        classes.gathered(plan.sources(), states[:, 2])
     rows = loss_d + (lse - lse_d)
     if w_mul is None:
         return lse, rows, None
     lse_all = comm.all_gather(lse)
+    w_own = None if w_all is None else w_all[rank]
 
     def grads(k, q, _):
         if k == 0:  # the diagonal block: its rows' and columns' parts are both this rank's
             _, _, (dd, _, _, _) = path.rows(
                 zn, zn, None, None, scale, exclude_diag=True, pos_shift=h, pos_mod=n2,
-                lse_in=lse, weights=(None, 1, w_mul), want_grad=True, workspace_bytes=ws,
+                lse_in=lse, weights=(w_own, 1, w_mul), want_grad=True, workspace_bytes=ws,
                 op="nt_xent", self_pair=True)
             return dd, xp.zeros_like(dd)
         dq, dk = xp.zeros(zn.shape, a), xp.zeros(zn.shape, a)
@@ -441,9 +458,12 @@ def _ring_share(comm: Comm, path, engine, zn, scale: float, w_mul: Optional[floa
             rows, cols, _ = block_of(k)
             _, _, (gq, gk) = engine.cross(
                 zn[rows], chunks[q][cols], scale, lse_r=lse[rows], lse_c=lse_all[q][cols],
-                weights=(None, None, w_mul), want_stats=False, want_grad=True,
-                workspace_bytes=ws)
+                weights=(None if w_own is None else w_own[rows],
+                         None if w_all is None else w_all[q][cols], w_mul),
+                want_stats=False, want_grad=True, workspace_bytes=ws)
             dq[rows], dk[cols] = gq, gk
+            if classes is not None:  # (the chunk's rows' class terms travel home with gk)
+                dk[cols] += classes.col_grad(q)
         return dq, dk
 
     steps, dk = _global.ring_blocks(comm, None, grads, col_grads=True)

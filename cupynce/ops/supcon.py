@@ -28,6 +28,7 @@ from ._base import (Context, Path, Temperature, check_stats, contig_inputs, dtem
                     temperature_result)
 from ._comm import Comm
 from .nt_xent import _kept_bytes  # (NT-Xent's row softmax: the same kept block)
+from .nt_xent import _ring_share  # (NT-Xent's ring, SupCon's class terms beside)
 
 __all__ = ["supcon_loss", "supcon_forward", "supcon_backward", "supcon_backward_from_stats"]
 
@@ -300,9 +301,10 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
         return xp, lab, t, p  # (a device one too: _global.scaled_rows)
 
     host_t = _global.host_setting(temperature)  # (the ranks compare the host values)
-    xp, labels, temp, p = _global.agree(
+    (xp, labels, temp, p), ring = _global.agree(
         comm, op, checks, [z], ["z"],
-        [host_t, reduction, normalize, requires_grad, precision, temperature_grad is True])
+        [host_t, reduction, normalize, requires_grad, precision, temperature_grad is True],
+        ring_wish=lambda: _global.ring_possible(comm, z, requires_grad, reduction))
     tgrad = bool(temperature_grad) and requires_grad
     with config.float32_precision(p):
         path = Path(xp)
@@ -313,10 +315,28 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
         z = contig_inputs(xp, z)[0]
         zn, norm = prep(path, z, normalize)
         zn, root, scale = _global.scaled_rows(xp, zn, temp)  # (a device τ: √s ẑ, scale 1)
+        labs = comm.all_gather(labels)  # (P, 2n): every row's label
+        groups = _variants.label_groups(xp, labs.reshape(-1))
+        has = _variants.has_positive(groups)
+        if ring:  # (no "none" with a gradient: NT-Xent's ring with the class terms beside)
+            fused = requires_grad and reduction != "none"
+            w_all = _row_weights(xp, has, reduction, a).reshape(size, n2) if fused else None
+            classes = RingClasses(xp, path, zn, labs, groups, w_all, rank, scale)
+            lse, _, acc = _ring_share(comm, path, engine, zn, scale, 1.0 if fused else None,
+                                      workspace_bytes, w_all=w_all, classes=classes)
+            rows = classes.loss(lse)
+            ctx = Context(op, reduction, n2, xp, stats=(lse,) if requires_grad else (),
+                          precision=p)
+            if fused:
+                classes.finish(acc)
+                ctx.saved = dict(x=(z,), norms=(norm,), size=size, acc=(acc,), temp=temp,
+                                 tgrad=tgrad)
+                dt = _global.unscale_rows(comm, xp, zn, acc, temp, root, tgrad)
+                if tgrad:
+                    ctx.saved["dt"] = dt
+            return _global_total(comm, xp, rows, has, reduction), _global.tag(ctx, _GLOBAL)
         plan = _local.NtXentPlan(rank, size, n2)
         parts = comm.all_gather(zn)
-        groups = _variants.label_groups(xp, comm.all_gather(labels).reshape(-1))
-        has = _variants.has_positive(groups)
         dots = engine.pair_dots(zn[:n2 // 2], zn[n2 // 2:])
         dots = comm.all_gather(xp.concatenate([dots, dots]))
         lse_d, _, partial, state = _local.nt_xent_stats(path, engine, plan, zn, parts, dots,
@@ -347,13 +367,103 @@ def _global_forward(comm: Comm, z, labels, temperature=0.1, *, reduction="mean",
             dt = _global.unscale_rows(comm, xp, zn, acc, temp, root, tgrad)
             if tgrad:
                 ctx.saved["dt"] = dt
-        if reduction == "none":
-            total = rows
-        else:
-            total = _global.loss(comm, xp, rows, "sum", 1)
-            if reduction == "mean":
-                total = total / xp.maximum(has.sum(), 1).astype(total.dtype)
-        return total, _global.tag(ctx, _GLOBAL)
+        return _global_total(comm, xp, rows, has, reduction), _global.tag(ctx, _GLOBAL)
+
+
+def _global_total(comm: Comm, xp, rows, has, reduction: str):
+    """The rank's rows' losses reduced over every rank (the anchors with a positive)."""
+    if reduction == "none":
+        return rows
+    total = _global.loss(comm, xp, rows, "sum", 1)
+    if reduction == "mean":
+        total = total / xp.maximum(has.sum(), 1).astype(total.dtype)
+    return total
+
+
+class RingClasses:
+    """SupCon's class terms (``_variants`` module notes) on NT-Xent's ring
+    (``nt_xent._ring_share``), from the blocks the rank computes: the diagonal block's class
+    sums, and each chunk block's class sums both ways (``_variants.cross_class_sums``) -- its
+    rows' sums over the chunk's rows and the chunk's rows' over its rows.  The latter's
+    dots ẑ_j · C_j travel in the gathered column states (:meth:`block`'s return), their
+    gradient terms −u_j C_j − W_j with the chunk's gradient (:meth:`col_grad`); the rank's
+    own rows' totals make the loss (:meth:`loss`) and their gradient terms (:meth:`finish`).
+    Every pair of rows meets in one block, so the parts add up to the class sums over the
+    global batch (in another order: the same values to rounding).
+
+    ``labs`` (P, 2n) every row's label, ``groups`` their ``label_groups``, ``w_all`` (P, 2n)
+    the rows' gradient weights (None: the loss alone), ``scale`` = 1/τ."""
+
+    def __init__(self, xp, path, zn, labs, groups, w_all, rank: int, scale: float):
+        a = acc_dtype(zn.dtype)
+        size, n2 = labs.shape
+        self.xp, self.path, self.rank, self.scale, self.a = xp, path, rank, scale, a
+        self.z = zn.astype(a, copy=False)
+        self.labs = labs
+        self.cnt = (groups[4] - groups[3] - 1).reshape(size, n2)  # |P(i)|, every row
+        self.w = w_all
+        self.u = None if w_all is None else \
+            w_all / xp.maximum(self.cnt, 1).astype(a)  # u_i = w_i / max(c_i, 1)
+        self.c = xp.zeros(self.z.shape, a)  # the rank's rows' class sums C_i (its blocks')
+        self.wc = None if w_all is None else xp.zeros(self.z.shape, a)  # and W_i
+        self.t_in = xp.zeros(n2, a)  # ẑ_i · C_i from the other ranks' blocks
+        self.cols = {}
+
+    def diag(self) -> None:
+        """The diagonal block: the class sums among the rank's rows (each row's own too)."""
+        g = _variants.label_groups(self.xp, self.labs[self.rank])
+        self.c += self.path.class_sums(self.z, g)
+        if self.u is not None:
+            self.wc += self.path.class_sums(self.z, g, self.u[self.rank])
+
+    def block(self, q: int, rows, cols, chunk):
+        """The block of the rank's ``rows`` against rank q's rows ``cols`` (``chunk``):
+        returns the chunk rows' dots ẑ_j · (their class sums over ``rows``)."""
+        xp, a = self.xp, self.a
+        z, y = self.z[rows], chunk[cols].astype(a, copy=False)
+        la, lb = self.labs[self.rank][rows], self.labs[q][cols]
+        nr, m = z.shape[0], y.shape[0]
+        both = xp.concatenate([z, y])
+
+        def sums(wa, wb):
+            return _variants.cross_class_sums(xp, self.path, la, lb, both,
+                                              xp.concatenate([wa, wb]))
+        zr, zc, one_r, one_c = xp.zeros(nr, a), xp.zeros(m, a), xp.ones(nr, a), xp.ones(m, a)
+        self.c[rows] += sums(zr, one_c)[:nr]
+        col_c = sums(one_r, zc)[nr:]
+        if self.u is not None:
+            self.wc[rows] += sums(zr, self.u[q][cols])[:nr]
+            col_w = sums(self.u[self.rank][rows], zc)[nr:]
+            self.cols[q] = -(self.u[q][cols][:, None] * col_c) - col_w
+        return (y * col_c).sum(axis=1)
+
+    def gathered(self, sources, t_states) -> None:
+        """The dots of the rank's rows that other ranks' blocks sent (``t_states`` (P,
+        width), ``sources`` ``NtXentPlan.sources``)."""
+        for r, off, rows in sources:
+            self.t_in[rows] += t_states[r, off:off + rows.stop - rows.start]
+
+    def col_grad(self, q: int):
+        """Chunk q's rows' gradient terms from this rank's block (times 1/τ)."""
+        return self.scale * self.cols[q]
+
+    def loss(self, lse):
+        """The rank's rows' SupCon losses from their log-sum-exps."""
+        xp, z = self.xp, self.z
+        t = (z * self.c).sum(axis=1) + self.t_in - (z * z).sum(axis=1)
+        cnt = self.cnt[self.rank].astype(self.a)
+        return xp.where(cnt > 0, lse - (self.scale / xp.maximum(cnt, 1)) * t,
+                        0).astype(self.a, copy=False)
+
+    def finish(self, acc) -> None:
+        """The rank's rows' class and positive terms added into ``acc``."""
+        xp, z = self.xp, self.z
+        h = z.shape[0] // 2
+        w, u = self.w[self.rank], self.u[self.rank][:, None]
+        c = -u * self.c - self.wc + (2 * u) * z
+        c += w[:, None] * xp.roll(z, -h, axis=0)  # w_i ẑ_{p(i)}
+        c += xp.roll(w[:, None] * z, h, axis=0)  # w_{q(i)} ẑ_{q(i)}
+        acc += self.scale * c
 
 
 def _global_acc(ctx: Context, g):

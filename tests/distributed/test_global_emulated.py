@@ -183,6 +183,9 @@ def _ring_op(op, a, b, reduction, requires_grad, comm, **kw):
     if op == "nt_xent":  # (a, b: the rank's two views; the labels kw: a callable of rank)
         loss, ctx = cupynce.nt_xent_forward(np.concatenate([a, b]), 0.3, **kw)
         return loss, (cupynce.nt_xent_backward(ctx, 0.7),) if requires_grad else ()
+    if op == "supcon":  # (a, b: the rank's two views; labels for both)
+        loss, ctx = cupynce.supcon_forward(np.concatenate([a, b]), kw.pop("labels"), 0.3, **kw)
+        return loss, (cupynce.supcon_backward(ctx, 0.7),) if requires_grad else ()
     if op == "info_nce":
         loss, ctx = cupynce.info_nce_forward(a, b, 0.3, **kw)
         return loss, cupynce.info_nce_backward(ctx, 0.7) if requires_grad else ()
@@ -266,6 +269,8 @@ RING_VARIANTS = {
     "nt_xent-smoothing": ("nt_xent", dict(label_smoothing=0.1)),
     "clip-smoothing": ("clip", dict(label_smoothing=0.1)),
     "clip-labels": ("clip", dict(labels=_ring_labels)),
+    "supcon": ("supcon", dict(labels=lambda r: _ring_labels(r, 6))),
+    "supcon-singletons": ("supcon", dict(labels=lambda r: np.arange(6 * r, 6 * r + 6) % 9)),
 }
 
 
