@@ -222,7 +222,29 @@ def _breakdown(fn: Callable[[], Any], steps: int = 3, host: bool = False) -> Dic
         top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         out["host_top"] = [[e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps]
                            for e in top[:12] if e.self_cpu_time_total > 0]
+        out["host_py"] = _python_profile(fn, steps)
     return out
+
+
+def _python_profile(fn: Callable[[], Any], steps: int) -> List[List[Any]]:
+    """The Python functions of most own time a step (cProfile over ``steps`` steps, then a
+    synchronisation): [function, own ms, calls] -- a C call that waits (a synchronising
+    CUDA call, a collective waiting for another rank) shows as a builtin's own time."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:12]
+    return [[f"{Path(f).name}:{line}({name})", tt * 1e3 / steps, nc / steps]
+            for (f, line, name), (_, nc, tt, _, _) in rows]
 
 
 def run_rank(ops: List[str], sizes: List[int], d: int = 512, repeat: int = 5,
@@ -341,6 +363,14 @@ def report(paths: List[str]) -> str:
     if hosts:
         table += "\n\nThe host's events of most self CPU time a step (--host-profile):\n\n"
         table += markdown_table(["op", "GPUs", "event", "self CPU ms", "calls"], hosts)
+    py = [[op, P, name, fmt_ms(ms), f"{calls:g}"]
+          for (op, N, P, impl), r in sorted(by.items(), key=lambda kv: (
+              OPS.index(kv[0][0]), kv[0][1], kv[0][2]))
+          if impl == "cupynce" and r.get("breakdown", {}).get("host_py")
+          for name, ms, calls in r["breakdown"]["host_py"][:6]]
+    if py:
+        table += "\n\nThe Python functions of most own time a step (cProfile, --host-profile):\n\n"
+        table += markdown_table(["op", "GPUs", "function", "own ms", "calls"], py)
     return "\n".join(headers) + "\n\n" + table
 
 

@@ -68,6 +68,7 @@ def test_report_breakdown_and_host_events(tmp_path):
              "compute_ms": 8.0 / P, "gap_ms": 0.25}
         if host_top:
             b["host_top"] = host_top
+            b["host_py"] = [["_comm.py:184(exchange)", 2.5, 1.0]]
         return {"op": "clip_loss", "N": 64, "P": P, "impl": "cupynce", "ms": wall,
                 "ms_ranks": [wall] * P, "peak_bytes": 1 << 20, "breakdown": b}
     top = [["cudaStreamSynchronize", 3.25, 2.0], ["aten::empty", 0.125, 40.0]]
@@ -77,5 +78,6 @@ def test_report_breakdown_and_host_events(tmp_path):
     table = _bench().report([str(tmp_path / "h1.json"), str(tmp_path / "h2.json")])
     split = [ln for ln in table.splitlines() if ln.startswith("| clip_loss") and "4.00" in ln]
     assert split, table  # P = 2: compute 4.00 ms and the 1-GPU compute / P, 4.00 ms
-    events = table.split("self CPU time a step")[1]
+    events = table.split("self CPU time a step")[1].split("cProfile")[0]
     assert "cudaStreamSynchronize" in events and "3.25" in events and "aten::empty" in events
+    assert "_comm.py:184(exchange)" in table.split("cProfile")[1]
