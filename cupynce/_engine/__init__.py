@@ -106,7 +106,7 @@ def nt_xent_wide(n: int, d: int) -> bool:
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
          workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
-         labels=None):
+         labels=None, positives: bool = True):
     """CLIP's row and column statistics (``want_loss``) and gradient accumulators.
 
     ``ls`` is logit_scale as a (1,) device array of the accumulator dtype (or a function
@@ -119,10 +119,28 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     See :func:`row_blocks.clip`.  ``labels`` (CLIP's same-label pairs left out): on the
     score tiles too (their ``lse2`` / ``clip`` epilogues mask in registers) where
     ``config.clip_labels_tiles`` and :func:`_clip_labels_tiles` allow, else the row blocks.
+    ``positives=False``: a block without pairs (a ring's chunk of another rank's texts; with
+    ``col_state`` and ``col_shift``, no labels or row weights): G = ½ w (p_row + p_col), the
+    row losses None -- the tiles' CLIP epilogues with the rows numbered past the columns, or
+    elsewhere :func:`cross`'s block, the same values.
     """
     kw = dict(lse_r=lse_r, lse_c=lse_c, weights=weights, want_loss=want_loss,
               want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0,
               col_shift=col_shift, col_state=col_state)
+    if not positives:
+        if (labels is not None or (want_loss and (not col_state or col_shift is None))
+                or (want_grad and weights[0] is not None)):
+            raise ValueError("clip: positives=False takes col_state and col_shift (the "
+                             "statistics), no labels or row weights")
+        ls = ls() if callable(ls) else ls
+        if tiling.tiles_ok(an, bn):
+            return score_tiles.clip(an, bn, ls, positives=False, **kw)
+        w = None if not want_grad else (None, None, 0.5 * weights[2])
+        lse_q, state, g = cross(an, bn, 1.0, lse_r=lse_r, lse_c=lse_c, weights=w,
+                                want_stats=want_loss, want_grad=want_grad,
+                                workspace_bytes=workspace_bytes, col_shift=col_shift,
+                                scale_log=ls)
+        return lse_q, state, None, None if g is None else (g[0], g[1], None)
     if labels is not None and not _clip_labels_tiles(an, bn, want_loss, row0, col_shift,
                                                      labels):
         return row_blocks.clip(an, bn, ls, labels=labels, **kw)

@@ -272,12 +272,10 @@ def _penalised(xp, hardness, r0: int, r1: int, pos, ncols: int, width: int):
 
 
 def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_grad: bool,
-          workspace_bytes=None, col_shift=None, scale_log=None, labels=None):
+          workspace_bytes=None, col_shift=None, scale_log=None):
     """``cupynce._engine.cross`` on the CPU (same arguments and results; keeps the n × m
     logits of the block: CPU memory, small sizes; ``col_shift`` is required with
-    ``want_stats``, as there, and not read).  ``labels``: (q's labels, k's labels), the
-    same-label scores left out of both softmaxes (CLIP's labels on its ring; the NumPy
-    path's alone)."""
+    ``want_stats``, as there, and not read)."""
     if want_stats and col_shift is None:
         raise ValueError("cross: want_stats needs col_shift, the raw positive dots of k's rows")
     a = acc_dtype(q.dtype)
@@ -285,8 +283,6 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
         scale = a.type(scale) * np.exp(np.asarray(scale_log, a).reshape(()))
     qa, ka = q.astype(a), k.astype(a)
     s = (qa @ ka.T) * a.type(scale)
-    if labels is not None:
-        s[np.asarray(labels[0])[:, None] == np.asarray(labels[1])[None, :]] = -np.inf
     lse_q = state = grads = None
     if want_stats:
         lse_q, state = row_lse(s), col_state(s)

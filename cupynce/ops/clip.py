@@ -29,14 +29,16 @@ __all__ = ["clip_loss", "clip_loss_forward", "clip_loss_backward",
 
 def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
-               labels=None):
+               labels=None, positives: bool = True):
     """``cupynce._engine.clip`` on the CPU (same arguments and results), on the namespace of
     ``_cpu.current()``; keeps the n × Nc logits and, for the column direction, a second
     n × Nc buffer (CPU memory, small sizes; ``workspace_bytes`` and ``col_shift`` are not
     used).  Each direction's exponentials are taken once, in place: the softmax is
     ``exp(L - m) / sum``; ``dsp_i = Σ_j G_ij L_ij`` is ``â_i · da_i``.  ``labels``: (row
     labels indexed by the global row, column labels): same-label pairs off the positive
-    -inf, as the engine's ``clip_mask``."""
+    -inf, as the engine's ``clip_mask``.  ``positives=False``: no pair in the block (a ring's
+    chunk of another rank's texts; uniform weights): no positive term, every same-label pair
+    -inf, the row losses None."""
     xp = _cpu.current()
     a = acc_dtype(an.dtype)
     aa, ba = (xp.astype(xp.asarray(x), a) for x in (an, bn))
@@ -49,16 +51,17 @@ def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad:
     if labels is not None:
         lab_r, lab_c = (xp.asarray(x) for x in labels)
         same = lab_r[row0:row0 + n, None] == lab_c[None, :]
-        same[idx, pos] = False
+        if positives:
+            same[idx, pos] = False
         logits[same] = -float("inf")
-    l_pos = logits[idx, pos]
+    l_pos = logits[idx, pos] if positives else None
     pair_loss = state = None
     if col_state:  # (the rank's column states, before the logits turn into exponentials)
         state = _numpy.col_state(xp.host(logits))
     cols = None if col_state or not (want_loss or want_grad) else xp.copy(logits)
     if want_loss:
         lse_r, inv_r = _numpy.exp_lse(xp, logits, axis=1)  # logits: exp(L - m_row)
-        row_loss = lse_r - l_pos
+        row_loss = lse_r - l_pos if positives else None
         if col_state:
             lse_c, pair_loss = state, row_loss
         else:
@@ -77,20 +80,22 @@ def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad:
         w_arr, w_stride, w_mul = weights
         wc = w_mul * (xp.asarray(w_arr)[xp.arange(nc) * w_stride] if w_arr is not None
                       else xp.full((nc,), 1.0, a))
-        w = wc[pos]
+        w = wc[pos] if positives else xp.full((n,), w_mul, a)  # (no pair: uniform weights)
         # G = ½[w_i (softmax_row − δ) + w_j (softmax_col − δ)], in the logits' buffer
         with xp.errstate(invalid="ignore"):
             logits *= (0.5 * w)[:, None] * inv_r
             cols *= (0.5 * wc)[None, :] * inv_c
         logits += cols
-        logits[idx, pos] -= w
+        if positives:
+            logits[idx, pos] -= w
         da = logits @ ba
         da *= scale
         db = logits.T @ aa
         db *= scale
         grads = (da, db, xp.einsum("ij,ij->i", aa, da))
     host = xp.host
-    return (host(lse_r), state if col_state else host(lse_c), host(pair_loss),
+    return (host(lse_r), state if col_state else host(lse_c),
+            None if pair_loss is None else host(pair_loss),
             grads and tuple(host(x) for x in grads))
 
 
@@ -477,12 +482,11 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None)
     the all-gather schedule merges them.  Then, with ``w`` (a gradient wanted), each kept
     chunk's gradient block, the texts' gradients summed along the ring to their owners.
 
-    The own chunk is the op's block (``block``: its pairs on the diagonal); another rank's
-    holds no pair, which is ``engine.cross``'s block of one two-sided softmax, at the scale
-    s = exp(logit_scale) the kernels take from ``ls_dev`` as the own chunk's block does (the
-    same scale bits, no host read of a device logit_scale).  ``labs`` (P, n): every pair's
-    label (the NumPy path's alone), the same-label pairs off the positive left out of both
-    softmaxes in every chunk's block.
+    Every chunk runs on the op's block (``block``): the own chunk holds the rank's pairs, on
+    the diagonal; another rank's holds none (``positives=False``: G = ½ w (p_row + p_col),
+    on the GPU the same tile epilogues with the rows numbered past the columns).
+    ``labs`` (P, n): every pair's label (the NumPy path's alone), the same-label pairs off
+    the positive left out of both softmaxes in every chunk's block.
 
     Returns ``(pair losses, lse_r, this rank's texts' lse_c, (da, db, this rank's share of
     d logit_scale) or None)``; the rank's rows' parts are added in step order (own chunk
@@ -493,9 +497,7 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None)
     states: List[Any] = [None] * size
     own_row_loss = []
 
-    own_lab = {} if labs is None else dict(labels=(labs[rank], labs[rank]))
-
-    def lab_of(q):  # (another rank's chunk: its pairs' labels against this rank's)
+    def lab_of(q):  # (chunk q's pairs' labels against this rank's)
         return {} if labs is None else dict(labels=(labs[rank], labs[q]))
 
     # every pair's raw dot a_j · b_j: the column shift of the other ranks' chunks on the tile
@@ -504,17 +506,12 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None)
 
     def stats(k, q, chunk):
         chunks[q] = chunk
+        lse_parts[q], states[q], rl, _ = block(
+            an, chunk, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
+            want_grad=False, workspace_bytes=ws, col_state=True, positives=q == rank,
+            col_shift=engine.pair_dots(an, chunk) if q == rank else dots[q], **lab_of(q))
         if q == rank:
-            lse_parts[q], states[q], rl, _ = block(
-                an, chunk, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
-                want_grad=False, workspace_bytes=ws, col_shift=engine.pair_dots(an, chunk),
-                col_state=True, **own_lab)
             own_row_loss.append(rl)  # lse over the own chunk − the positive logit
-        else:
-            lse_parts[q], states[q], _ = engine.cross(
-                an, chunk, 1.0, lse_r=None, lse_c=None, weights=None, want_stats=True,
-                want_grad=False, workspace_bytes=ws, col_shift=dots[q], scale_log=ls_dev,
-                **lab_of(q))
         return None, None
 
     _global.ring_blocks(comm, bn, stats, col_grads=False)
@@ -528,16 +525,10 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None)
         return pair, lse_r, own, None
 
     def grads(k, q, _):
-        lse_q = lse_c[q * n:(q + 1) * n]
-        if q == rank:
-            _, _, _, (da, db, _) = block(
-                an, chunks[q], ls_dev, lse_r=lse_r, lse_c=lse_q, weights=w, want_loss=False,
-                want_grad=True, workspace_bytes=ws, **own_lab)
-            return da, db
-        # G = ½ w (softmax_row + softmax_col): no pair, so no −δ term
-        _, _, (da, db) = engine.cross(
-            an, chunks[q], 1.0, lse_r=lse_r, lse_c=lse_q, weights=(None, None, 0.5 * w[2]),
-            want_stats=False, want_grad=True, workspace_bytes=ws, scale_log=ls_dev, **lab_of(q))
+        _, _, _, (da, db, _) = block(
+            an, chunks[q], ls_dev, lse_r=lse_r, lse_c=lse_c[q * n:(q + 1) * n], weights=w,
+            want_loss=False, want_grad=True, workspace_bytes=ws, positives=q == rank,
+            **lab_of(q))
         return da, db
 
     steps, db = _global.ring_blocks(comm, None, grads, col_grads=True)

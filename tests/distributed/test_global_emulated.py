@@ -874,14 +874,13 @@ def test_siglip_engine_column_chunks_gpu(dtype, weighted, ws):
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_ring_schedule_gpu(op, dtype, P, configure):
     """``config.ring_gpu``: SigLIP's, CLIP's and NT-Xent's rings on CuPy arrays (the engines on
-    column chunks; CLIP's other chunks on ``cross``; the label smoothing over the global sums:
-    ``-smoothing``) against the all-gather schedules on the
+    column chunks; CLIP's other chunks on its block with ``positives=False``; the label
+    smoothing over the global sums: ``-smoothing``) against the all-gather schedules on the
     same emulated ranks: the ring taken, the loss to fp32 reordering (1e-4 relative), the
-    gradients too in float32; in bfloat16 to 2e-3, because CLIP's other chunks' gradient
-    blocks are rounded to bfloat16 by another epilogue (the cross block's H, not CLIP's G:
-    the same values in exact arithmetic, so only the elements at a rounding boundary round
-    apart; 2.2e-4 and 4.6e-4 measured on an H200); the global values' bits the same on every
-    rank."""
+    gradients too in float32; in bfloat16 to 2e-3: the 16-bit gradient blocks round from
+    fp32 values that differ by reordering, so an element at a rounding boundary rounds apart
+    (2.2e-4 and 4.6e-4 measured on an H200 when CLIP's other chunks ran on ``cross``'s
+    epilogue); the global values' bits the same on every rank."""
     cp = _gpu()
     from emulated_ranks import run as run_ranks
 

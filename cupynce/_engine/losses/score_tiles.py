@@ -388,8 +388,12 @@ def label_ranges(labels):
 
 def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
          workspace_bytes, row0: int = 0, col_shift=None, col_state: bool = False,
-         labels=None):
+         labels=None, positives: bool = True):
     """:func:`row_blocks.clip` on the tile kernels: row and column statistics in one pass.
+
+    ``positives=False``: no pair in the block (a ring's chunk of another rank's texts): the
+    rows numbered past the columns (no diagonal, no positive: G = ½ w (p_row + p_col)), the
+    row losses None (``_engine.clip`` checks the rest of its arguments).
 
     ``col_shift`` (tiles only): the raw positive dots a_j·b_j of every column, which the
     column pass shifts its exponentials by (computed here when None: square problems).
@@ -405,6 +409,9 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
     n, d = an.shape
     nc = bn.shape[0]
     nt, ct = -(-n // TILE), -(-nc // TILE)
+    # the rows' global numbering (the diagonal test, the per-row arrays' offsets) and the
+    # positive's modulus: without positives, rows past every column and no positive at all
+    base, pmod = (row0, nc) if positives else (nc, FAR_MOD)
     lab_r = lab_c = 0  # the label pointers (0: no labels)
     if labels is not None:  # (kept alive below: lab, rng)
         lab, rng = label_ranges(labels[1])
@@ -437,18 +444,19 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
         for r0 in range(0, n, rg):
             r1 = min(n, r0 + rg)
             rt = -(-(r1 - r0) // TILE)
-            tile("lse2", t, (rt, splits), an[r0:r1], row0 + r0, bn, None, scale_log=ls,
-                  pos_mod=nc, part=(part + 4 * r0, part_s + 4 * r0, n),
-                  pos_out=pos + 4 * r0, colp=(colp, colp_s), lse_col=dots,
-                  labels=(lab_r, lab_c))
+            tile("lse2", t, (rt, splits), an[r0:r1], base + r0, bn, None, scale_log=ls,
+                  pos_mod=pmod, part=(part + 4 * r0, part_s + 4 * r0, n),
+                  pos_out=pos + 4 * r0 if positives else 0, colp=(colp, colp_s),
+                  lse_col=dots, labels=(lab_r, lab_c))
             if col_m is not None:  # fold into the running column state
                 kernels.launch(ROWS_FILE, "col_combine", t, (-(-nc // 32),), (
                     colp, colp_s, np.int32(rt), np.int32(nc), col_m, col_m[1],
                     np.int32(2 if r0 == 0 else 0), 0, 0, 0, 0))
         lse_r = cp.empty((n,), f32)
-        row_loss = cp.empty((n,), f32)
+        row_loss = cp.empty((n,), f32) if positives else None
         kernels.launch(FILE, "tile_finish", t, cgrid,
-               (part, part_s, np.int64(n), np.int32(splits), np.int32(n), pos, lse_r, row_loss))
+               (part, part_s, np.int64(n), np.int32(splits), np.int32(n),
+                pos if positives else 0, lse_r, ptr(row_loss)))
         if col_state:  # the column (m, s) state over these rows, to merge with other rows'
             state, pair_loss = col_m, row_loss
         else:
@@ -483,8 +491,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                 # row0 + r0 - c0 (the diagonal test), and the per-index arrays shifted by c0
                 # (the labels too: the kernel reads lab_r at row0 + r0 - c0 + r, lab_c at the
                 # block's column)
-                tile("clip", t, (rt, sp), an[r0:r1], row0 + r0 - c0, bn[c0:c1], None,
-                     scale_log=ls, pos_mod=nc, lse_row=lse_r.data.ptr - 4 * (row0 - c0),
+                tile("clip", t, (rt, sp), an[r0:r1], base + r0 - c0, bn[c0:c1], None,
+                     scale_log=ls, pos_mod=pmod, lse_row=lse_r.data.ptr - 4 * (base - c0),
                      lse_col=lse_c.data.ptr + 4 * c0,
                      weights=(shifted(w_arr, w_stride, c0), w_stride, w_mul),
                      g=g_blk, dsp=dpart[k].data.ptr, part=(0, 0, r1 - r0),
