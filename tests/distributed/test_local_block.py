@@ -281,3 +281,47 @@ def test_info_nce_blocks_gpu(P, neg, dtype, gpu_path):
     assert rel(dQ, grads[0]) <= tg and rel(dK, grads[1]) <= tg
     if neg is not None:
         assert rel(dS if neg == "shared" else dNp, grads[2]) <= tg
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+@pytest.mark.parametrize("m", [40, 256])
+def test_clip_block_without_positives_gpu(dtype, m, gpu_path):
+    """``_engine.clip(positives=False)`` (CLIP's ring: another rank's chunk of texts) against
+    NumPy's block of the same rows (``numpy_clip(positives=False)``, float64 from the same
+    16-bit values): the rows' log-sum-exps and the columns' (m, s) state merged to the
+    column lse (1e-5), then the gradients from given statistics (float32 1e-4, bfloat16
+    through its 16-bit gradient block 1e-2); the row losses None.  m = 256: several column
+    tiles; the tiles (aligned) and the cuBLAS fallback both."""
+    from cupynce import _engine
+    from cupynce.ops import _numpy
+    from cupynce.ops.clip import numpy_clip
+
+    rng = np.random.default_rng(zlib.crc32(f"cnp{m}{dtype}".encode()))
+    n, d = 64, 64
+    A, B = ((rng.standard_normal(s) / 8).astype(dtype) for s in ((n, d), (m, d)))
+    Af, Bf = A.astype(np.float64), B.astype(np.float64)
+    ls = 1.3
+    shift = (Af @ Bf.T).max(axis=0)  # (each column's largest raw dot: a stable shift)
+    w = (None, 0, 0.7)
+    kw = dict(weights=None, want_grad=False, workspace_bytes=None, col_state=True,
+              positives=False)
+    lr, st, rl, _ = _engine.clip(cp.asarray(A), cp.asarray(B),
+                                 cp.asarray(np.full(1, ls, np.float32)), lse_r=None,
+                                 lse_c=None, want_loss=True, col_shift=cp.asarray(
+                                     shift.astype(np.float32)), **kw)
+    wr, wst, wrl, _ = numpy_clip(Af, Bf, np.full(1, ls), lse_r=None, lse_c=None,
+                                 want_loss=True, col_shift=shift, **kw)
+    assert rl is None and wrl is None
+    assert rel(_np(lr), wr) <= 1e-5
+    assert rel(_np(_engine.col_lse(st[None])), _numpy.col_lse(np.asarray(wst)[None])) <= 1e-5
+    lse_r, lse_c = wr, _numpy.col_lse(np.asarray(wst)[None])
+    kw.update(weights=w, want_grad=True, col_state=False)
+    _, _, _, (da, db, _) = _engine.clip(
+        cp.asarray(A), cp.asarray(B), cp.asarray(np.full(1, ls, np.float32)),
+        lse_r=cp.asarray(lse_r.astype(np.float32)), lse_c=cp.asarray(lse_c.astype(np.float32)),
+        want_loss=False, col_shift=None, **kw)
+    _, _, _, (wa, wb, _) = numpy_clip(Af, Bf, np.full(1, ls), lse_r=lse_r, lse_c=lse_c,
+                                      want_loss=False, col_shift=None, **kw)
+    tg = 1e-4 if dtype == np.float32 else 1e-2
+    assert rel(_np(da), wa) <= tg and rel(_np(db), wb) <= tg
