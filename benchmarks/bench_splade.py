@@ -5,7 +5,8 @@ Run from the repository root::
     PYTHONUNBUFFERED=1 python benchmarks/bench_splade.py --out splade.json
     python benchmarks/bench_splade.py --quick       # the first shape only
 
-Cases: (B, L, D, V) in the issue's four shapes, bfloat16, activation log1p_relu, each with the
+Cases: (B, L, D, V) in the issues' shapes (issue 4's four, issue 56's (128, 256, 768,
+250002) last), bfloat16, activation log1p_relu, each with the
 output density set to about 1 % and about 50 % by shifting the bias: the exact (float32) max
 logits ``m[b, v]`` are computed once and the bias is ``bias0 - quantile(m + bias0, 1 - density)``.
 The attention mask marks a random length in [L/2, L] per row (padding as in real batches).
@@ -52,7 +53,9 @@ from cupynce.report.harness import (device_header, device_info, fmt_mib, fmt_ms,
 from cupynce._engine.kernels import BFLOAT16  # noqa: E402
 
 SHAPES = [(32, 256, 768, 30522), (128, 256, 768, 30522), (32, 256, 768, 250002),
-          (16, 768, 1024, 151936)]
+          (16, 768, 1024, 151936), (128, 256, 768, 250002)]
+#: issue 56's shapes of its target "fwd + bwd <= 1.0x the forward's GEMM" (32 / 128 x 256 x 768,
+#: V = 30522 and 250002): ``--shapes 0 1 2 4``
 DENSITIES = [0.01, 0.5]
 
 

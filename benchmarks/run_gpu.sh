@@ -10,6 +10,8 @@
 #   bash benchmarks/run_gpu.sh variants   # bench_variants (SupCon, MoCo, CLIP with labels)
 #   bash benchmarks/run_gpu.sh splade-bench # bench_splade on every shape and density, with
 #                                         # eager, torch.compile and Sparton (if installed)
+#   bash benchmarks/run_gpu.sh splade-gemm # bench_splade, cupynce against the GEMM alone, on
+#                                         # issue 56's four shapes (no peers: minutes)
 #   bash benchmarks/run_gpu.sh sparse     # bench_sparse_encoder: a SparseEncoder's training
 #                                         # step, library vs cupynce, uncached and cached
 #   bash benchmarks/run_gpu.sh sparse-largest # its largest batch that fits, each (up to 4096)
@@ -60,6 +62,8 @@ for mode in "${@:-suite1}"; do
     python benchmarks/bench_splade_argmax.py --out "$OUT/argmax" 2>&1 | tail -6 ;;
   splade-bench) python benchmarks/bench_splade.py --out "$OUT/bench_splade.json" 2>&1 \
                   | tee "$OUT/bench_splade.log" | tail -12 ;;
+  splade-gemm) python benchmarks/bench_splade.py --impls --shapes 0 1 2 4 \
+                 --out "$OUT/splade_gemm.json" 2>&1 | tee "$OUT/splade_gemm.log" | tail -14 ;;
   sparse) python benchmarks/bench_sparse_encoder.py --out "$OUT" 2>&1 | tail -12 ;;
   sparse-largest) python benchmarks/bench_sparse_encoder.py --sizes 128 --largest --largest-max 4096 \
                     --out "$OUT" --name bench_sparse_encoder_largest 2>&1 | tail -14 ;;
