@@ -57,12 +57,16 @@ from cupynce.report.harness import is_oom  # noqa: E402
 SHAPES = {"minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                          intermediate_size=1536),
           "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                            intermediate_size=3072)}
+                            intermediate_size=3072),
+          # (the CPU tests' encoder)
+          "tiny": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=64)}
 VOCAB = 30522
 
 
-def build(shape: str, folder: str):
-    """A SentenceTransformer (BERT of ``shape``, random weights, mean pooling) on CUDA."""
+def build(shape: str, folder: str, device: str = "cuda"):
+    """A SentenceTransformer (BERT of ``shape``, random weights, mean pooling) on
+    ``device``."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import BertConfig, BertModel, BertTokenizerFast
@@ -77,14 +81,14 @@ def build(shape: str, folder: str):
                          **SHAPES[shape])).save_pretrained(str(path))
     t = Transformer(str(path))
     return SentenceTransformer(modules=[t, Pooling(SHAPES[shape]["hidden_size"], "mean")],
-                               device="cuda")
+                               device=device)
 
 
-def batch(n: int, length: int, seed: int) -> List[Dict[str, torch.Tensor]]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [{"input_ids": torch.randint(5, VOCAB, (n, length), device="cuda", generator=g),
-             "attention_mask": torch.ones(n, length, dtype=torch.long, device="cuda"),
-             "token_type_ids": torch.zeros(n, length, dtype=torch.long, device="cuda")}
+def batch(n: int, length: int, seed: int, device: str = "cuda") -> List[Dict[str, torch.Tensor]]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [{"input_ids": torch.randint(5, VOCAB, (n, length), device=device, generator=g),
+             "attention_mask": torch.ones(n, length, dtype=torch.long, device=device),
+             "token_type_ids": torch.zeros(n, length, dtype=torch.long, device=device)}
             for _ in range(2)]
 
 

@@ -9,6 +9,9 @@
 #                                             # an NCCL-only group and with gloo beside it
 #   bash benchmarks/run_multigpu.sh host      # N = 65536 on 1 and every GPU (gloo beside NCCL):
 #                                             # the host's costliest events a step
+#   bash benchmarks/run_multigpu.sh cached    # sentence-transformers' cached MNRL across the
+#                                             # GPUs at a global batch of 262144 (MiniLM), on
+#                                             # 1, 2, ... GPUs (bench_grad_cache_multigpu.py)
 #
 # Logs and JSON go to $OUT (default ./multigpu-out).  NVLink multicast stays off: a program that
 # uses it can put a shared host's GPUs out of service.
@@ -65,6 +68,20 @@ host)
       --json "$OUT/h$P.json" && files+=("$OUT/h$P.json")
   done
   python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/host.md"
+  ;;
+cached)
+  # (sentence-transformers and its dependencies from ./.whl when present: run_gpu.sh's way)
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+  files=()
+  for P in $(counts); do
+    timeout 400 torchrun --standalone --nproc_per_node "$P" \
+      benchmarks/bench_grad_cache_multigpu.py --global-batch 262144 --json "$OUT/c$P.json" \
+      && files+=("$OUT/c$P.json")
+  done
+  python benchmarks/bench_grad_cache_multigpu.py --report "${files[@]}" | tee "$OUT/cached.md"
   ;;
 scaling | all)
   files=()

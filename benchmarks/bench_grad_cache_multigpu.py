@@ -1,0 +1,205 @@
+"""The cached step across GPUs (issue 57): sentence-transformers' cached MNRL with
+``gather_across_devices=True`` -- cupynce's drop-in, and with ``--losses`` the library's -- on P
+ranks at one global batch N (N / P pairs a rank), against the same N on one GPU.
+
+The encoder, batches and loop are ``bench_grad_cache.py``'s (BERT of ``--shape`` with random
+weights, mean pooling, pre-tokenised random ids of ``--length``, the "plain" AMP loop: bf16
+autocast around the loss call, ``backward()`` outside it, fused AdamW; mini-batches of
+``--mini-batch``).  With P > 1 the model runs under ``DistributedDataParallel``
+(``find_unused_parameters``: BERT's pooler gets no gradient) and the loss's ``model`` is the
+DDP module, as ``SentenceTransformerTrainer`` sets it; every rank's rows are in
+every rank's softmax (``gather_across_devices``).  Per loss: one warm-up step, then the median
+of ``--steps`` steps (each started after a barrier, synchronised at its end), the slowest
+rank's; peak ``max_memory_allocated``, the fullest GPU's.  Rank 0 writes the rows as JSON;
+``--report`` merges launches (P = 1, 2, 4, ...) into the scaling table T1 / (P · TP).
+
+    torchrun --standalone --nproc_per_node P benchmarks/bench_grad_cache_multigpu.py \\
+        --global-batch 262144 --json out/c$P.json
+    python benchmarks/bench_grad_cache_multigpu.py --report out/c1.json out/c2.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cupynce.report.environment import device_header, device_info  # noqa: E402
+from cupynce.report.formatting import markdown_table  # noqa: E402
+
+LOSSES = ("cupynce cached", "library cached")
+
+
+def _steps(step: Callable[[], None], steps: int, cuda: bool):
+    """(median seconds of ``steps`` steps after a warm-up, peak bytes or None on the CPU);
+    each step starts after a barrier, so the ranks' times are of the same step."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        if dist.is_initialized():
+            dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), (torch.cuda.max_memory_allocated() if cuda else None)
+
+
+def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 64,
+             mini_batch: int = 1024, steps: int = 2, device: str = "cuda"
+             ) -> List[Dict[str, Any]]:
+    """Every loss's cached step on this rank (inside an initialised process group, or alone);
+    rank 0 gets the merged rows."""
+    import torch
+    import torch.distributed as dist
+    from sentence_transformers.sentence_transformer import losses as ST
+
+    import bench_grad_cache as G
+    from cupynce.integrations import sentence_transformers as c_st
+
+    grouped = dist.is_initialized()
+    rank, size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    if global_batch % size:
+        raise SystemExit(f"--global-batch {global_batch} is not a multiple of {size} ranks")
+    n = global_batch // size
+    cuda = device == "cuda"
+    rows = []
+    # (transformers saves on rank 0 alone once torch.distributed is up: one folder for the
+    # launch -- the ranks are one launcher's children -- written by rank 0, then read by all)
+    shared = Path(tempfile.gettempdir()) / f"cupynce-bench-cached-{os.getppid()}"
+    with tempfile.TemporaryDirectory() as own:
+        folder = str(shared) if size > 1 else own
+        if rank == 0:
+            model = G.build(shape, folder, device)  # (seeded: the same weights everywhere)
+        if size > 1:
+            dist.barrier()
+        if rank != 0:
+            model = G.build(shape, folder, device)
+        model.train()
+        wrapped = model
+        if size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # (BERT's pooler gets no gradient under mean pooling: unused parameters)
+            wrapped = DDP(model, device_ids=[torch.cuda.current_device()] if cuda else None,
+                          find_unused_parameters=True)
+        feats = G.batch(n, length, seed=1000 + rank, device=device)
+        for name in losses:
+            cls = c_st.CachedMultipleNegativesRankingLoss if name == "cupynce cached" else \
+                ST.CachedMultipleNegativesRankingLoss
+            loss_obj = cls(model, mini_batch_size=mini_batch, gather_across_devices=size > 1)
+            loss_obj.model = wrapped  # (SentenceTransformerTrainer's: the DDP module)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+
+            def step(loss_obj=loss_obj, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                    loss = loss_obj([dict(f) for f in feats], None)
+                loss.backward()
+                opt.step()
+
+            t, peak = _steps(step, steps, cuda)
+            mine = {"step_s": t, "peak_bytes": peak}
+            every = [mine]
+            if grouped:
+                every = [None] * size
+                dist.all_gather_object(every, mine)
+            if rank == 0:
+                peaks = [e["peak_bytes"] for e in every if e["peak_bytes"] is not None]
+                rows.append({"shape": shape, "loss": name, "N": global_batch, "P": size,
+                             "n": n, "mini_batch": mini_batch, "length": length,
+                             "step_s": max(e["step_s"] for e in every),
+                             "step_s_ranks": [e["step_s"] for e in every],
+                             "peak_gib": max(peaks) / 2 ** 30 if peaks else None})
+                print(json.dumps(rows[-1]), flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+    if size > 1:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(shared, ignore_errors=True)
+    return rows
+
+
+def report(paths: List[str]) -> str:
+    """The scaling table of several launches' JSON files."""
+    rows, headers = [], []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        rows += data["rows"]
+        headers.append(f"P = {data['P']}: {device_header(data['device'])}")
+    one = {(r["shape"], r["loss"], r["N"]): r["step_s"] for r in rows if r["P"] == 1}
+    out = []
+    for r in sorted(rows, key=lambda r: (r["shape"], r["loss"], r["N"], r["P"])):
+        base = one.get((r["shape"], r["loss"], r["N"]))
+        eff = f"{100 * base / (r['P'] * r['step_s']):.0f} %" if base else "—"
+        out.append([r["shape"], r["loss"], r["N"], r["P"], r["n"], f"{r['step_s']:.3f}",
+                    "—" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", eff])
+    return "\n".join(headers) + "\n\n" + markdown_table(
+        ["shape", "loss", "global N", "GPUs", "pairs a GPU", "step s", "peak GiB a GPU",
+         "scaling T1/(P·TP)"], out)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="minilm")
+    p.add_argument("--global-batch", type=int, default=262144)
+    p.add_argument("--losses", default="cupynce cached",
+                   help=f"comma-separated, of {', '.join(LOSSES)}")
+    p.add_argument("--length", type=int, default=64)
+    p.add_argument("--mini-batch", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--json", help="where rank 0 writes the rows")
+    p.add_argument("--report", nargs="*", help="JSON files to merge into the table (no run)")
+    args = p.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
+    losses = args.losses.split(",")
+    if any(x not in LOSSES for x in losses):
+        raise SystemExit(f"--losses: each of {', '.join(LOSSES)}, got {args.losses!r}")
+    import torch
+    import torch.distributed as dist
+
+    grouped = "LOCAL_RANK" in os.environ
+    if grouped:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=_dt.timedelta(minutes=10),
+                                device_id=torch.device("cuda", local))
+    try:
+        rows = run_rank(args.shape, args.global_batch, losses, length=args.length,
+                        mini_batch=args.mini_batch, steps=args.steps)
+        if not grouped or dist.get_rank() == 0:
+            data = {"P": dist.get_world_size() if grouped else 1, "device": device_info(),
+                    "rows": rows}
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(data, indent=1))
+                print(report([args.json]))
+    finally:
+        if grouped:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

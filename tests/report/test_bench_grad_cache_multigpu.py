@@ -1,0 +1,58 @@
+"""benchmarks/bench_grad_cache_multigpu.py on the CPU: the cached step of cupynce's and the
+library's cached MNRL with ``gather_across_devices`` over gloo with 1 and 2 processes (a tiny
+BERT under DDP), rank 0 collecting one row per loss, and ``--report``'s scaling table.  The
+GPU run (torchrun, NCCL) is ``benchmarks/run_multigpu.sh cached``."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sentence_transformers")
+import torch.distributed as dist  # noqa: E402
+
+import test_torch_distributed as D  # noqa: E402  (its folder is on sys.path: conftest)
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))
+    import bench_grad_cache_multigpu
+
+    return bench_grad_cache_multigpu
+
+
+def check_cached_rank(rank, P):
+    """This rank's steps; rank 0 writes the rows where the test said."""
+    b = _bench()
+    rows = b.run_rank("tiny", 8, list(b.LOSSES), length=6, mini_batch=2, steps=1,
+                      device="cpu")
+    if rank == 0:
+        assert [r["loss"] for r in rows] == list(b.LOSSES), rows
+        for r in rows:
+            assert r["P"] == P and r["n"] == 8 // P and r["step_s"] > 0, r
+            assert len(r["step_s_ranks"]) == P and r["peak_gib"] is None, r
+        path = Path(os.environ["CUPYNCE_BENCH_OUT"]) / f"c{P}.json"
+        path.write_text(json.dumps({"P": P, "device": {"gpu": None}, "rows": rows}))
+    else:
+        assert rows == []
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_bench_grad_cache_multigpu_over_gloo(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPYNCE_BENCH_OUT", str(tmp_path))  # the spawned ranks inherit it
+    for P in (1, 2):
+        D.run_ranks(P, ["check_cached_rank"], module="test_bench_grad_cache_multigpu",
+                    timeout=400)
+    table = _bench().report([str(tmp_path / "c1.json"), str(tmp_path / "c2.json")])
+    cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in table.splitlines()
+             if ln.startswith("| tiny")]
+    assert [(c[1], c[3]) for c in cells] == [(loss, P) for loss in sorted(_bench().LOSSES)
+                                             for P in ("1", "2")], table
+    for c in cells:  # (P = 1 is its own baseline; P = 2 against it)
+        assert c[7] == "100 %" if c[3] == "1" else c[7].endswith("%"), table
