@@ -128,10 +128,8 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
               want_grad=want_grad, workspace_bytes=workspace_bytes, row0=row0,
               col_shift=col_shift, col_state=col_state)
     if not positives:
-        if (labels is not None or (want_loss and (not col_state or col_shift is None))
-                or (want_grad and weights[0] is not None)):
-            raise ValueError("clip: positives=False takes col_state and col_shift (the "
-                             "statistics), no labels or row weights")
+        check_without_positives(labels, want_loss, want_grad, col_state, col_shift, weights,
+                                gpu=True)
         ls = ls() if callable(ls) else ls
         if tiling.tiles_ok(an, bn):
             return score_tiles.clip(an, bn, ls, positives=False, **kw)
@@ -148,6 +146,19 @@ def clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad: bool,
                                                           workspace_bytes, row0, col_state):
         return score_tiles.clip(an, bn, ls() if callable(ls) else ls, labels=labels, **kw)
     return row_blocks.clip(an, bn, ls, labels=labels, **kw)
+
+
+def check_without_positives(labels, want_loss: bool, want_grad: bool, col_state: bool,
+                            col_shift, weights, gpu: bool) -> None:
+    """A CLIP block call with ``positives=False`` (no pair in it: a ring's chunk of another
+    rank's texts): the statistics as column states (with the GPU's column shift), uniform
+    weights, labels on the NumPy path alone -- what its G = ½ w (p_row + p_col) and its
+    missing row losses allow."""
+    if ((gpu and labels is not None) or (want_loss and not col_state)
+            or (gpu and want_loss and col_shift is None)
+            or (want_grad and weights is not None and weights[0] is not None)):
+        raise ValueError("clip: positives=False takes col_state (and on the GPU col_shift) "
+                         "for the statistics, uniform weights, no labels on the GPU")
 
 
 def _clip_labels_tiles(an, bn, want_loss: bool, row0: int, col_shift, labels) -> bool:

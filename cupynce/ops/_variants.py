@@ -89,6 +89,8 @@ def nt_xent_smoothing(xp, zn, scale: float, eps: float, w: Optional[Any] = None,
     z = zn.astype(a, copy=False)
     zp = xp.concatenate([z[b:], z[:b]])  # ẑ_{p(i)}
     if sums is not None:
+        if getattr(w, "ndim", 0) != 0:
+            raise ValueError("nt_xent_smoothing: sums= takes one weight for every row")
         s, count = sums
         k, w_all = count - 1, w
     else:

@@ -39,6 +39,9 @@ def numpy_clip(an, bn, ls, *, lse_r, lse_c, weights, want_loss: bool, want_grad:
     -inf, as the engine's ``clip_mask``.  ``positives=False``: no pair in the block (a ring's
     chunk of another rank's texts; uniform weights): no positive term, every same-label pair
     -inf, the row losses None."""
+    if not positives:
+        _engine.check_without_positives(labels, want_loss, want_grad, col_state, col_shift,
+                                        weights, gpu=False)
     xp = _cpu.current()
     a = acc_dtype(an.dtype)
     aa, ba = (xp.astype(xp.asarray(x), a) for x in (an, bn))

@@ -1076,3 +1076,23 @@ def test_tile_gradient_block_plan_and_shifted_weights():
     assert score_tiles._plan_2d("clip_loss", 65536, 65536, 2, 256 << 20) == (8192, 16384)
     assert tiling.shifted(None, 1, 5) is None
     assert tiling.shifted(4096, 3, 2) == 4096 + 4 * 3 * 2  # (float32 weights, stride 3)
+
+
+def test_ring_blocks_refuse_what_they_cannot_compute():
+    """The rings' internal blocks refuse the calls whose results they could not give: CLIP's
+    block without pairs with row weights (G's rows would take another weight than its
+    columns) or statistics without column states (no row losses), NT-Xent's smoothing over
+    global sums with per-row weights."""
+    from cupynce.ops import _variants
+    from cupynce.ops.clip import numpy_clip
+
+    a = np.ones((3, 2))
+    kw = dict(lse_r=np.zeros(3), lse_c=np.zeros(3), workspace_bytes=None, positives=False)
+    with pytest.raises(ValueError, match="uniform weights"):
+        numpy_clip(a, a, np.full(1, 1.1), weights=(np.full(3, 5.0), 1, 1.0), want_loss=False,
+                   want_grad=True, **kw)
+    with pytest.raises(ValueError, match="col_state"):
+        numpy_clip(a, a, np.full(1, 1.1), weights=None, want_loss=True, want_grad=False, **kw)
+    with pytest.raises(ValueError, match="one weight for every row"):
+        _variants.nt_xent_smoothing(np, np.ones((4, 2)), 2.0, 0.1, np.ones(4),
+                                    sums=(np.ones(2), 8))
