@@ -286,7 +286,8 @@ def test_info_nce_blocks_gpu(P, neg, dtype, gpu_path):
 @gpu
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
 @pytest.mark.parametrize("m", [40, 256])
-def test_clip_block_without_positives_gpu(dtype, m, gpu_path):
+@pytest.mark.parametrize("d", [64, 60])
+def test_clip_block_without_positives_gpu(dtype, m, d, gpu_path):
     """``_engine.clip(positives=False)`` (CLIP's ring: another rank's chunk of texts) against
     NumPy's block of the same rows (``numpy_clip(positives=False)``, float64 from the same
     16-bit values): the rows' log-sum-exps and the columns' (m, s) state merged to the
