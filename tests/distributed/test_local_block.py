@@ -293,13 +293,14 @@ def test_clip_block_without_positives_gpu(dtype, m, d, gpu_path):
     16-bit values): the rows' log-sum-exps and the columns' (m, s) state merged to the
     column lse (1e-5), then the gradients from given statistics (float32 1e-4, bfloat16
     through its 16-bit gradient block 1e-2); the row losses None.  m = 256: several column
-    tiles; the tiles (aligned) and the cuBLAS fallback both."""
+    tiles; the tiles (aligned) and the cuBLAS fallback both (d = 60: 16-bit rows the tiles
+    do not take)."""
     from cupynce import _engine
     from cupynce.ops import _numpy
     from cupynce.ops.clip import numpy_clip
 
-    rng = np.random.default_rng(zlib.crc32(f"cnp{m}{dtype}".encode()))
-    n, d = 64, 64
+    rng = np.random.default_rng(zlib.crc32(f"cnp{m}{d}{dtype}".encode()))
+    n = 64
     A, B = ((rng.standard_normal(s) / 8).astype(dtype) for s in ((n, d), (m, d)))
     Af, Bf = A.astype(np.float64), B.astype(np.float64)
     ls = 1.3
