@@ -391,7 +391,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--once", action="store_true", help="one timed step per case")
     p.add_argument("--no-peers", action="store_true", help="cupynce only")
     p.add_argument("--ring", action="store_true",
-                   help="config.ring_gpu: SigLIP's, CLIP's and NT-Xent's rings on the GPUs")
+                   help="config.ring_gpu: the plain ops' rings on the GPUs")
     p.add_argument("--backend", default="nccl",
                    help='the process group\'s backend: "nccl" (the agreement check\'s '
                         'integers on the GPU) or "cpu:gloo,cuda:nccl" (through gloo)')

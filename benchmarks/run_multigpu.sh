@@ -45,7 +45,7 @@ largest | all)
   ;;&
 breakdown)
   # with an NCCL-only group (the agreement check read on the GPU), with gloo beside it, and
-  # with gloo and the rings on the GPUs (config.ring_gpu: SigLIP's, CLIP's, NT-Xent's)
+  # with gloo and the rings on the GPUs (config.ring_gpu: every plain op's)
   # (one GPU once: the 1-GPU step, the yardstick of each table)
   for run in nccl: cpu:gloo,cuda:nccl: cpu:gloo,cuda:nccl:--ring; do
     be=${run%:*}; extra=${run##*:}; files=()

@@ -149,8 +149,9 @@ class Config:
     #: a graph per variant of a repeated problem (``ops._graphs``)
     graph_variants: bool = True
     #: the global losses' ring schedules (``ops._global.ring_blocks``: the exchange overlapped
-    #: with the compute) on CuPy arrays too, SigLIP's, CLIP's and NT-Xent's: off until measured on
-    #: several GPUs (issue 57); NumPy arrays take them wherever the communicator can shift
+    #: with the compute) on CuPy arrays too, the plain ops' (and the label smoothing): off until
+    #: measured on several GPUs (issue 57); NumPy arrays take them wherever the communicator
+    #: can shift
     ring_gpu: bool = False
 
     # -- the kernel loader (``_engine.kernels``) -----------------------------------------------

@@ -33,7 +33,8 @@ from .losses import nt_xent_tf32, row_blocks, score_tiles, stats
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None, pair_labels=None, pair_row0: int = 0, col_grads: bool = True):
+         hardness=None, pair_labels=None, pair_row0: int = 0, col_grads: bool = True,
+         positives: bool = True):
     """A row softmax over [keys k | shared negatives neg_s | per-query negatives neg_p].
 
     q (N, D) queries; k (Nk, D); neg_s (Ms, D) or None; neg_p (N, Mp, D) or None.  Row i's
@@ -52,8 +53,19 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     NTXentLoss rows), also on the row blocks alone.  ``col_grads=False``: the caller needs
     no column-side gradient (dk, dns: MoCo's detached queue as the keys); the score tiles
     then skip those products and return None for them (the other paths may still return
-    them).  See :func:`row_blocks.rows`.
+    them).  ``positives=False``: the columns hold no row's positive (InfoNCE's ring, another
+    rank's keys), the gradient pass alone (``lse_in`` given, no labels, smoothing, hardness
+    or pairs): every row's positive numbered past the last column, no row loss (None).
+    See :func:`row_blocks.rows`.
     """
+    if not positives:
+        if (lse_in is None or labels is not None or smoothing or hardness is not None
+                or pair_labels is not None or self_pair):
+            raise ValueError("rows: positives=False is the gradient pass of a block without "
+                             "positives (lse_in given; no labels, smoothing, hardness, pairs)")
+        # (i + ncols) mod FAR_MOD: no column of the keys or the shared negatives
+        pos_shift = k.shape[0] + (0 if neg_s is None else neg_s.shape[0])
+        pos_mod = stats.FAR_MOD
     kw = dict(exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod, lse_in=lse_in,
               weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
               self_pair=self_pair, scale_log=scale_log)
@@ -78,7 +90,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         except tf32x3.TF32TilesUnavailable:
             pass  # (a tensor map or the shared memory refused at launch: the row blocks,
             # fp32-accurate under "auto", cuBLAS 3xTF32 under "3xtf32", as elsewhere)
-    return row_blocks.rows(q, k, neg_s, neg_p, scale, **kw)
+    return row_blocks.rows(q, k, neg_s, neg_p, scale, positives=positives, **kw)
 
 
 def _nt_xent_keeps_scores(q, neg_s, exclude_diag: bool, pos_shift: int, pos_mod: int,

@@ -18,7 +18,7 @@ from .. import _checks, config
 from .._engine import side, tail, tiling
 from .._engine.kernels import acc_dtype
 from .._engine.losses.row_blocks import Hardness
-from . import _comm, _global, _graphs, _local, _memo, _numpy
+from . import _comm, _global, _graphs, _local, _memo
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     dtemperature, finish_all, in_ctx_precision, prep, reduce,
                     reduce_out, require, temperature_input, temperature_result, weights)
@@ -505,7 +505,8 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
          hardness_mode if isinstance(hardness_mode, str) else 0, hardness_strength],
         ring_wish=lambda: (not label_smoothing and not hardness_mode
                            and in_batch_negatives is True
-                           and _global.ring_possible(comm, query, requires_grad, reduction)))
+                           and _global.ring_possible(comm, query, requires_grad, reduction,
+                                                     gpu=negatives is None and labels is None)))
     t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
@@ -577,8 +578,11 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, 
     same on every rank) and per-query ``neg_p`` join the own chunk's block; ``labels`` (the
     rank's, gathered once: n integers a rank) leave every same-label key but the positive
     out of a row's candidates.  Returns ``(lse, the rows' losses, (dq, dk, dneg) or None)``
-    as :func:`_global_scatter`'s (dq adds the steps' parts in step order, own chunk first)."""
-    xp = np  # (the NumPy path alone: ring_possible)
+    as :func:`_global_scatter`'s (dq adds the steps' parts in step order, own chunk first).
+    On CuPy arrays (``config.ring_gpu``) the plain op's alone: another rank's chunk's
+    gradient block on ``_engine.rows(positives=False)``."""
+    xp = np if isinstance(qn, np.ndarray) else _local._cupy()
+    engine = _local.engine_for(xp)
     n, rank, size = qn.shape[0], comm.rank, comm.size
     chunks: List[Any] = [None] * size
     parts: List[Any] = [None] * size
@@ -588,31 +592,38 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, 
     kw = dict(exclude_diag=False, pos_shift=0, pos_mod=n, op="info_nce",
               scale_log=temp.scale_log, workspace_bytes=ws)
 
-    def block(q, chunk, **more):
+    def block(q, chunk, grad: bool, **more):
         """path.rows of chunk q: its keys and travelling negatives, the own chunk's
-        replicated and per-query negatives, the labels; the positives in the own chunk."""
+        replicated and per-query negatives, the labels; the positives in the own chunk (the
+        GPU's statistics pass takes another chunk's diagonal as its positive: a row loss
+        never read, its log-sum-exp the same)."""
         mine = q == rank
         ns = chunk[n:] if travel else (neg_s if mine else None)
         lab = None if labs is None else (labels, labs[q])
+        extra = dict(labels=lab) if lab is not None else {}
+        if xp is np or grad:
+            extra["positives"] = mine
         return path.rows(qn, chunk[:n], ns, neg_p if mine else None, temp.scale,
-                         labels=lab, positives=mine, **kw, **more)
+                         **extra, **kw, **more)
 
     def stats(k, q, chunk):
         chunks[q] = chunk
-        parts[q], loss, _ = block(q, chunk, lse_in=None, weights=None, want_grad=False)
+        parts[q], loss, _ = block(q, chunk, False, lse_in=None, weights=None,
+                                  want_grad=False)
         if q == rank:
             own.append(parts[q] - loss)  # the positive logits
         return None, None
 
     cols = xp.concatenate([kn, neg_s]) if travel else kn
     _global.ring_blocks(comm, cols, stats, col_grads=False)
-    lse = _global.merge_lse(_numpy, parts)
+    lse = _global.merge_lse(engine, parts)
     rows = lse - own[0]
     if not fused:
         return lse, rows, None
 
     def grads(k, q, _):
-        _, _, (dq, dk, dns, dnp) = block(q, chunks[q], lse_in=lse, weights=w, want_grad=True)
+        _, _, (dq, dk, dns, dnp) = block(q, chunks[q], True, lse_in=lse, weights=w,
+                                         want_grad=True)
         if travel:
             return dq, xp.concatenate([dk, dns])
         if q == rank:  # (the replicated or per-query negatives' gradients: this chunk's)

@@ -868,13 +868,14 @@ def test_siglip_engine_column_chunks_gpu(dtype, weighted, ws):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["siglip", "clip", "nt_xent", "clip-smoothing",
+@pytest.mark.parametrize("op", ["siglip", "clip", "nt_xent", "info_nce", "clip-smoothing",
                                 "nt_xent-smoothing"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_ring_schedule_gpu(op, dtype, P, configure):
-    """``config.ring_gpu``: SigLIP's, CLIP's and NT-Xent's rings on CuPy arrays (the engines on
-    column chunks; CLIP's other chunks on its block with ``positives=False``; the label
+    """``config.ring_gpu``: SigLIP's, CLIP's, NT-Xent's and InfoNCE's rings on CuPy arrays (the
+    engines on column chunks; CLIP's and InfoNCE's other chunks on their blocks with
+    ``positives=False``; the label
     smoothing over the global sums: ``-smoothing``) against the all-gather schedules on the
     same emulated ranks: the ring taken, the loss to fp32 reordering (1e-4 relative), the
     gradients too in float32; in bfloat16 to 2e-3: the 16-bit gradient blocks round from

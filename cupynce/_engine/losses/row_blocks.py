@@ -66,7 +66,7 @@ def _row_bytes(t, a, cols: int, want_grad: bool, plan, g_in_place: bool = False)
 def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int,
          pos_mod: int, lse_in, weights, want_grad: bool, workspace_bytes, op: str,
          self_pair: bool = False, scale_log=None, labels=None, smoothing: float = 0.0,
-         hardness=None, pair_labels=None, pair_row0: int = 0):
+         hardness=None, pair_labels=None, pair_row0: int = 0, positives: bool = True):
     """Row log-sum-exps, per-row losses and (optionally) accumulated gradients.
 
     q (N, D) queries, k (Nk, D) keys (columns 0..Nk-1), neg_s (Ms, D) shared negatives
@@ -81,7 +81,9 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     instead of the softmax (``row_pairs`` in ``stats.cu``: each row's loss the sum over its
     positive pairs; the forward's ``lse_in`` is not needed, the statistics are recomputed);
     ``pair_row0``: q's rows are rows ``pair_row0 ..`` of k (a rank's rows among the gathered
-    ones: the labels are k's, the per-row outputs and weights q's).
+    ones: the labels are k's, the per-row outputs and weights q's).  ``positives=False``
+    (``_engine.rows``' block without positives, the positives numbered past the columns):
+    no row loss, so ``row_softmax`` never reads a row's positive score.
     Returns ``lse, loss, (dq, dk, dns, dnp)`` with float32/64 gradient accumulators.
     """
     lab_r, lab_c = (None, None) if labels is None else labels
@@ -110,7 +112,7 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         ((rb, ncols), a), ((rb, ncols), t) if split_g else None,
         ((n, mp), a) if mp else None, ((n, mp), a) if mp and want_grad else None))
     lse, loss, dq, dk, dns = buffers((
-        ((n,), a) if lse_in is None else None, ((n,), a),
+        ((n,), a) if lse_in is None else None, ((n,), a) if positives else None,
         ((n, d), a) if want_grad else None,
         ((nk, d), a) if want_grad and not self_pair else None,
         ((ms, d), a) if want_grad and ms else None))
@@ -153,8 +155,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
                 s_blk, np.int64(ncols), np.int32(ncols),
                 ptr(e) + r0 * mp * a.itemsize if mp else 0, np.int64(mp), np.int32(mp),
                 np.int32(r0), np.int32(exclude_diag), np.int32(pos_shift), np.int32(pos_mod),
-                ptr(scale_log), a.type(scale), ptr(lse_in), lse if lse_in is None else 0, loss,
-                ptr(g_blk), np.int64(ncols),
+                ptr(scale_log), a.type(scale), ptr(lse_in), lse if lse_in is None else 0,
+                ptr(loss), ptr(g_blk), np.int64(ncols),
                 ptr(g2) + r0 * mp * a.itemsize if g2 is not None else 0, np.int64(mp),
                 ptr(w_arr), np.int64(w_stride), a.type(w_mul),
                 ptr(lab_r), ptr(lab_c), np.int32(0 if lab_c is None else lab_c.shape[0]),
