@@ -66,6 +66,9 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         # (i + ncols) mod FAR_MOD: no column of the keys or the shared negatives
         pos_shift = k.shape[0] + (0 if neg_s is None else neg_s.shape[0])
         pos_mod = stats.FAR_MOD
+        if q.shape[0] + pos_shift >= pos_mod:
+            raise ValueError(f"rows: {q.shape[0]} rows and {pos_shift} columns: no index past "
+                             f"the columns below {pos_mod}")
     kw = dict(exclude_diag=exclude_diag, pos_shift=pos_shift, pos_mod=pos_mod, lse_in=lse_in,
               weights=weights, want_grad=want_grad, workspace_bytes=workspace_bytes, op=op,
               self_pair=self_pair, scale_log=scale_log)

@@ -600,11 +600,11 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, 
         mine = q == rank
         ns = chunk[n:] if travel else (neg_s if mine else None)
         lab = None if labs is None else (labels, labs[q])
-        extra = dict(labels=lab) if lab is not None else {}
+        opt = dict(labels=lab) if lab is not None else {}
         if xp is np or grad:
-            extra["positives"] = mine
+            opt["positives"] = mine
         return path.rows(qn, chunk[:n], ns, neg_p if mine else None, temp.scale,
-                         **extra, **kw, **more)
+                         **opt, **kw, **more)
 
     def stats(k, q, chunk):
         chunks[q] = chunk

@@ -332,25 +332,35 @@ def test_clip_block_without_positives_gpu(dtype, m, d, gpu_path):
 @gpu
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
 @pytest.mark.parametrize("d", [64, 60])
-def test_rows_without_positives_gpu(dtype, d, gpu_path):
+@pytest.mark.parametrize("case", ["keys", "shared", "blocks"])
+def test_rows_without_positives_gpu(dtype, d, case, gpu_path):
     """``_engine.rows(positives=False)`` (InfoNCE's ring: the gradient block of another rank's
     keys, no positive among them) against NumPy's (``_numpy.rows(positives=False)``, float64
     from the same 16-bit values) given the same row log-sum-exps: dq and dk (float32 1e-4,
     bfloat16 through its 16-bit gradient block 1e-2), no row loss; the tiles and the cuBLAS
-    row blocks (d = 60: rows the tiles do not take)."""
+    row blocks (d = 60: rows the tiles do not take); with shared negatives beside the keys
+    (``shared``: every positive numbered past them too), and in several row blocks
+    (``blocks``: a small workspace)."""
     from cupynce import _engine
     from cupynce.ops import _numpy
 
-    rng = np.random.default_rng(zlib.crc32(f"rnp{d}{dtype}".encode()))
-    n, m = 64, 200
-    Q, K = ((rng.standard_normal(s) / 8).astype(dtype) for s in ((n, d), (m, d)))
-    Qf, Kf = Q.astype(np.float64), K.astype(np.float64)
-    lse = np.log(np.exp((Qf @ Kf.T) * 5.0).sum(axis=1)) + 0.5  # (any row statistics)
+    rng = np.random.default_rng(zlib.crc32(f"rnp{d}{dtype}{case}".encode()))
+    n, m, ms = 192, 200, 56
+    Q, K, S = ((rng.standard_normal(s) / 8).astype(dtype) for s in ((n, d), (m, d), (ms, d)))
+    Qf, Kf, Sf = (x.astype(np.float64) for x in (Q, K, S))
+    cols = np.concatenate([Kf, Sf]) if case == "shared" else Kf
+    lse = np.log(np.exp((Qf @ cols.T) * 5.0).sum(axis=1)) + 0.5  # (any row statistics)
     kw = dict(exclude_diag=False, pos_shift=0, pos_mod=n, weights=(None, 0, 0.7),
-              want_grad=True, workspace_bytes=None, op="info_nce", positives=False)
-    _, loss, (dq, dk, _, _) = _engine.rows(cp.asarray(Q), cp.asarray(K), None, None, 5.0,
-                                          lse_in=cp.asarray(lse.astype(np.float32)), **kw)
-    _, _, (wq, wk, _, _) = _numpy.rows(Qf, Kf, None, None, 5.0, lse_in=lse, **kw)
+              want_grad=True, op="info_nce", positives=False,
+              workspace_bytes=64 * m * 2 if case == "blocks" else None)
+    shared = case == "shared"
+    _, loss, (dq, dk, ds, _) = _engine.rows(
+        cp.asarray(Q), cp.asarray(K), cp.asarray(S) if shared else None, None, 5.0,
+        lse_in=cp.asarray(lse.astype(np.float32)), **kw)
+    _, _, (wq, wk, ws, _) = _numpy.rows(Qf, Kf, Sf if shared else None, None, 5.0,
+                                        lse_in=lse, **kw)
     assert loss is None
     tg = 1e-4 if dtype == np.float32 else 1e-2
     assert rel(_np(dq), wq) <= tg and rel(_np(dk), wk) <= tg
+    if shared:
+        assert rel(_np(ds), ws) <= tg

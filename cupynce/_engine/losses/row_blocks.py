@@ -87,6 +87,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     Returns ``lse, loss, (dq, dk, dns, dnp)`` with float32/64 gradient accumulators.
     """
     lab_r, lab_c = (None, None) if labels is None else labels
+    if not positives and pair_labels is not None:
+        raise ValueError("rows: positives=False takes no pair_labels")
     import cupy as cp
 
     t = q.dtype
