@@ -17,7 +17,7 @@ pytorch-metric-learning's ``NTXentLoss``.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -267,6 +267,71 @@ def _global_rows(comm: Comm, xp, path, zn, every, every_lab, t: Temperature, w,
     return lse, loss, dq + comm.reduce_scatter(dk.reshape(comm.size, *dq.shape))
 
 
+def _ring_rows(comm: Comm, zn, labs, t: Temperature, w, want_grad: bool):
+    """:func:`_global_rows` on the ring (``_global.ring_blocks``; NumPy arrays): the rank's
+    rows against each rank's chunk of rows while the next travels, in three passes over the
+    chunks -- each row's log-sum-exp over its negatives (the rows of another label: merged
+    over the chunks in rank order), then its pairs' losses softplus(lse_i − l_ip) and
+    γ_i = Σ_p sigmoid(lse_i − l_ip) over the kept chunks, then the gradient blocks
+    G_ij = w_i (γ_i p_ij [j a negative] − sigmoid(lse_i − l_ij) [j a positive]) with the
+    chunks' rows' gradients summed along the ring to their owners.  ``labs`` (P, n): every
+    rank's labels.  Returns :func:`_global_rows`' ``lse, loss, dz``."""
+    rank, size, n = comm.rank, comm.size, zn.shape[0]
+    a = acc_dtype(zn.dtype)
+    scale = t.scale
+    if t.scale_log is not None:  # (on the host here: the value can be read)
+        scale = scale * float(np.exp(np.asarray(t.scale_log, a).reshape(())))
+    z = zn.astype(a, copy=False)
+    chunks: List[Any] = [None] * size
+    parts: List[Any] = [None] * size
+
+    def block(q):
+        """Chunk q's scores, same-label mask and positive pairs with this rank's rows."""
+        s = (z @ chunks[q].astype(a, copy=False).T) * a.type(scale)
+        same = labs[rank][:, None] == labs[q][None, :]
+        pos = same.copy()
+        if q == rank:  # (a row is no pair of itself)
+            np.fill_diagonal(pos, False)
+        return s, same, pos
+
+    def stats(k, q, chunk):
+        chunks[q] = chunk
+        s, same, _ = block(q)
+        parts[q] = np.logaddexp.reduce(np.where(same, -np.inf, s), axis=1)
+        return None, None
+
+    _global.ring_blocks(comm, zn, stats, col_grads=False)
+    lse = np.logaddexp.reduce(np.stack(parts), axis=0)  # (rank order; no negative: −inf)
+    loss, gamma = np.zeros(n, a), np.zeros(n, a)
+    for q in range(size):
+        s, _, pos = block(q)
+        x = lse[:, None] - s
+        loss += np.where(pos, np.logaddexp(0.0, x), 0.0).sum(axis=1)
+        gamma += np.where(pos, _numpy_sigmoid(x), 0.0).sum(axis=1)
+    if not want_grad:
+        return lse, loss, None
+    w_arr, w_stride, w_mul = w
+    w_rows = a.type(w_mul * scale) * (np.ones(n, a) if w_arr is None else
+                                      np.asarray(w_arr, a)[np.arange(n) * w_stride])
+
+    def grads(k, q, _):
+        s, same, pos = block(q)
+        with np.errstate(over="ignore", invalid="ignore"):
+            p_neg = np.where(same, 0.0, np.exp(s - lse[:, None]))
+        g = w_rows[:, None] * (gamma[:, None] * p_neg
+                               - np.where(pos, _numpy_sigmoid(lse[:, None] - s), 0.0))
+        return g @ chunks[q].astype(a, copy=False), g.T @ z
+
+    steps, dk = _global.ring_blocks(comm, None, grads, col_grads=True)
+    return lse, loss, _global.sum_steps(steps) + dk
+
+
+def _numpy_sigmoid(x):
+    """1 / (1 + e^−x) without overflow warnings (e^−x = inf gives 0)."""
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
 def _global_forward(comm: Comm, z, labels, temperature=0.07, *, reduction="mean",
                     normalize=False, workspace_bytes=None, requires_grad=True,
                     temperature_grad=False, precision=None):
@@ -281,9 +346,10 @@ def _global_forward(comm: Comm, z, labels, temperature=0.07, *, reduction="mean"
         return xp, lab, t, p  # (a device temperature too: row_pairs takes its log scale)
 
     host_t = _global.host_setting(temperature)
-    xp, labels, temp, p = _global.agree(
+    (xp, labels, temp, p), ring = _global.agree(
         comm, OP, checks, [z, labels], ["z", "labels"],
-        [host_t, reduction, normalize, requires_grad, precision, temperature_grad is True])
+        [host_t, reduction, normalize, requires_grad, precision, temperature_grad is True],
+        ring_wish=lambda: _global.ring_possible(comm, z, requires_grad, reduction))
     tgrad = bool(temperature_grad) and requires_grad
     with config.float32_precision(p):
         path = Path(xp)
@@ -291,13 +357,17 @@ def _global_forward(comm: Comm, z, labels, temperature=0.07, *, reduction="mean"
         z = contig_inputs(xp, z)[0]
         a = acc_dtype(z.dtype)
         zn, norm = prep(path, z, normalize)
-        every = comm.all_gather(zn).reshape(-1, zn.shape[1])
-        every_lab = comm.all_gather(labels).reshape(-1)
+        labs = comm.all_gather(labels)  # (P, n)
+        every_lab = labs.reshape(-1)
         pairs = _pairs(xp, every_lab, a)  # (the global count: the same on every rank)
         fused = requires_grad and reduction != "none"
         w = _weights(xp, reduction, pairs, a) if fused else (None, 0, 1.0)
-        lse, rows, dz = _global_rows(comm, xp, path, zn, every, every_lab, temp, w, fused,
-                                     workspace_bytes)
+        if ring:  # (NumPy arrays, no "none" with a gradient: _ring_rows)
+            lse, rows, dz = _ring_rows(comm, zn, labs, temp, w, fused)
+        else:
+            every = comm.all_gather(zn).reshape(-1, zn.shape[1])
+            lse, rows, dz = _global_rows(comm, xp, path, zn, every, every_lab, temp, w, fused,
+                                         workspace_bytes)
         ctx = Context(OP, reduction, n, xp, stats=(lse,) if requires_grad else (),
                       precision=p)
         base = dict(x=(z,), norms=(norm,), size=comm.size, temp=temp, tgrad=tgrad)

@@ -186,6 +186,10 @@ def _ring_op(op, a, b, reduction, requires_grad, comm, **kw):
     if op == "supcon":  # (a, b: the rank's two views; labels for both)
         loss, ctx = cupynce.supcon_forward(np.concatenate([a, b]), kw.pop("labels"), 0.3, **kw)
         return loss, (cupynce.supcon_backward(ctx, 0.7),) if requires_grad else ()
+    if op == "nt_xent_pairs":  # (pytorch-metric-learning's rows; labels for both views)
+        loss, ctx = cupynce.nt_xent_pairs_forward(np.concatenate([a, b]), kw.pop("labels"),
+                                                  0.3, **kw)
+        return loss, (cupynce.nt_xent_pairs_backward(ctx, 0.7),) if requires_grad else ()
     if op == "info_nce":
         loss, ctx = cupynce.info_nce_forward(a, b, 0.3, **kw)
         return loss, cupynce.info_nce_backward(ctx, 0.7) if requires_grad else ()
@@ -271,6 +275,10 @@ RING_VARIANTS = {
     "clip-labels": ("clip", dict(labels=_ring_labels)),
     "supcon": ("supcon", dict(labels=lambda r: _ring_labels(r, 6))),
     "supcon-singletons": ("supcon", dict(labels=lambda r: np.arange(6 * r, 6 * r + 6) % 9)),
+    "nt_xent_pairs": ("nt_xent_pairs", dict(labels=lambda r: _ring_labels(r, 6))),
+    "nt_xent_pairs-singletons": ("nt_xent_pairs",
+                                 dict(labels=lambda r: np.arange(6 * r, 6 * r + 6) % 9)),
+    "nt_xent_pairs-one-class": ("nt_xent_pairs", dict(labels=lambda r: np.zeros(6, int))),
 }
 
 
