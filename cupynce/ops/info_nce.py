@@ -18,7 +18,7 @@ from .. import _checks, config
 from .._engine import side, tail, tiling
 from .._engine.kernels import acc_dtype
 from .._engine.losses.row_blocks import Hardness
-from . import _comm, _global, _graphs, _local, _memo
+from . import _comm, _global, _graphs, _local, _memo, _variants
 from ._base import (Context, Path, check_stats, contig_inputs, contig_remembered,
                     dtemperature, finish_all, in_ctx_precision, prep, reduce,
                     reduce_out, require, temperature_input, temperature_result, weights)
@@ -503,10 +503,11 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
          labels is not None, label_smoothing, in_batch_negatives is True,
          replicated_negatives is True, temperature_grad is True,
          hardness_mode if isinstance(hardness_mode, str) else 0, hardness_strength],
-        ring_wish=lambda: (not label_smoothing and not hardness_mode
+        ring_wish=lambda: (not (label_smoothing and labels is not None) and not hardness_mode
                            and in_batch_negatives is True
                            and _global.ring_possible(comm, query, requires_grad, reduction,
-                                                     gpu=negatives is None and labels is None)))
+                                                     gpu=negatives is None and labels is None
+                                                     and not label_smoothing)))
     t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
@@ -522,9 +523,9 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
                     tgrad=tgrad)
         rep = bool(replicated_negatives)
         w = weights(xp, None, reduction, n * size, a)
-        if ring:  # (no smoothing or hardness: _ring_share)
+        if ring:  # (no hardness, no smoothing with labels: _ring_share)
             lse, rows, acc = _ring_share(comm, path, qn, kn, temp, w, fused, workspace_bytes,
-                                         neg_s, neg_p, rep, labels)
+                                         neg_s, neg_p, rep, labels, eps)
             ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
                           precision=p)
             if fused:
@@ -567,7 +568,7 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
 
 
 def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, neg_p=None,
-                replicated: bool = False, labels=None):
+                replicated: bool = False, labels=None, eps: float = 0.0):
     """The rank's queries against every rank's keys on the ring (``_global.ring_blocks``;
     the ranks agreed on it: in-batch negatives, no smoothing or hardness), in two passes:
     each chunk of keys' rows log-sum-exps while the next chunk travels (the positive logits
@@ -577,8 +578,11 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, 
     keys then the negatives; their gradients come back the same way); replicated ones (the
     same on every rank) and per-query ``neg_p`` join the own chunk's block; ``labels`` (the
     rank's, gathered once: n integers a rank) leave every same-label key but the positive
-    out of a row's candidates.  Returns ``(lse, the rows' losses, (dq, dk, dneg) or None)``
-    as :func:`_global_scatter`'s (dq adds the steps' parts in step order, own chunk first).
+    out of a row's candidates; the label smoothing ``eps`` (without labels: every row's
+    candidates are every column) is the plain loss's O(N·D) difference from the global column
+    sums (:func:`_RingSmoothing`).  Returns ``(lse, the rows' losses, (dq, dk, dneg) or
+    None)`` as :func:`_global_scatter`'s (dq adds the steps' parts in step order, own chunk
+    first).
     On CuPy arrays (``config.ring_gpu``) the plain op's alone: another rank's chunk's
     gradient block on ``_engine.rows(positives=False)``."""
     xp = np if isinstance(qn, np.ndarray) else _local._cupy()
@@ -618,6 +622,10 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, 
     _global.ring_blocks(comm, cols, stats, col_grads=False)
     lse = _global.merge_lse(engine, parts)
     rows = lse - own[0]
+    smooth = None
+    if eps:
+        smooth = _RingSmoothing(comm, xp, qn, kn, neg_s, neg_p, travel, temp, eps, own[0])
+        rows = rows + smooth.dloss
     if not fused:
         return lse, rows, None
 
@@ -632,12 +640,63 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, 
 
     steps, dcols = _global.ring_blocks(comm, None, grads, col_grads=True)
     dq = _global.sum_steps(steps)
-    if travel:
-        return lse, rows, (dq, dcols[:n], dcols[n:])
-    dneg = extra.get("dneg")
-    if neg_s is not None:  # replicated: every rank's part summed, over P (_global_scatter's)
+    dk, dneg = (dcols[:n], dcols[n:]) if travel else (dcols, extra.get("dneg"))
+    if smooth is not None:  # (the replicated negatives' part: this rank's rows', summed below)
+        smooth.add_grads(_variants.row_weights(w), dq, dk, dneg, neg_p is not None)
+    if neg_s is not None and not travel:  # replicated: every rank's part summed, over P
         dneg = comm.all_reduce(xp.ascontiguousarray(dneg)) / dneg.dtype.type(size)
-    return lse, rows, (dq, dcols, dneg)
+    return lse, rows, (dq, dk, dneg)
+
+
+class _RingSmoothing:
+    """InfoNCE's label smoothing ε on the ring (no labels): row i's target moves ε from its
+    positive evenly over its K candidates (every rank's keys, the shared negatives -- every
+    rank's, or the replicated ones once -- and its own per-query negatives), so with the
+    logits s_ij = s q̂_i · c_j::
+
+        Δloss_i = ε (s_{i,pos} − (s / K) q̂_i · C_i),   C_i = Σ_keys k̂ + Σ_shared n̂ + Σ_m n̂_im
+        Δ∂/∂q̂_i = s ε w (k̂_i − C_i / K),   Δ∂/∂k̂_j = s ε w (q̂_j − Q / K),
+        Δ∂/∂n̂ (shared) = −s ε w Q / K,     Δ∂/∂n̂_im = −s ε w q̂_i / K,   Q = Σ_all q̂
+
+    from the global sums (``_variants.global_sums``: the ranks' sums in rank order); the
+    replicated negatives get this rank's rows' part (``Q`` of its own rows), which the
+    caller all-reduces.  ``pos``: the positive logits s_{i,pos} the ring computed."""
+
+    def __init__(self, comm: Comm, xp, qn, kn, neg_s, neg_p, travel: bool, temp, eps: float,
+                 pos):
+        a = acc_dtype(qn.dtype)
+        self.xp, self.a, self.comm, self.travel = xp, a, comm, travel
+        scale = temp.scale
+        if temp.scale_log is not None:  # (the NumPy path's: the value can be read)
+            scale = scale * float(np.exp(np.asarray(temp.scale_log, a).reshape(())))
+        self.scale, self.eps = scale, eps
+        self.q, self.k = qn.astype(a, copy=False), kn.astype(a, copy=False)
+        sums = _variants.global_sums(comm, xp, qn, kn, *([neg_s] if travel else []))
+        self.q_all = sums[0]
+        c = sums[1] + (sums[2] if travel else 0.0)
+        count = kn.shape[0] * comm.size
+        if neg_s is not None:
+            c = c + (0.0 if travel else neg_s.astype(a, copy=False).sum(axis=0))
+            count += neg_s.shape[0] * (comm.size if travel else 1)
+        c = xp.broadcast_to(c, self.q.shape)
+        if neg_p is not None:
+            c = c + neg_p.astype(a, copy=False).sum(axis=1)
+            count += neg_p.shape[1]
+        self.c, self.count = c, count
+        self.dloss = eps * (pos - (scale / count) * (self.q * c).sum(axis=1))
+
+    def add_grads(self, w, dq, dk, dneg, per_query: bool) -> None:
+        """The differences added into the ring's accumulators (``w``: the rows' weight)."""
+        f = self.scale * self.eps * w
+        dq += f * (self.k - self.c / self.count)
+        dk += f * (self.q - self.q_all / self.count)
+        if dneg is None:
+            return
+        if per_query:
+            dneg -= (f / self.count) * self.q[:, None, :]
+        else:  # (shared: every rank's rows; replicated: this rank's rows, all-reduced after)
+            q = self.q_all if self.travel else self.q.sum(axis=0)
+            dneg -= (f / self.count) * q
 
 
 def _global_scatter(comm: Comm, xp, grads, n: int, neg_s, replicated: bool = False):

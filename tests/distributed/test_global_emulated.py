@@ -267,6 +267,14 @@ RING_VARIANTS = {
                                              replicated_negatives=True)),
     "info_nce-per-query": ("info_nce", dict(negatives=lambda r: _ring_negatives((3, 2, 5), r))),
     "info_nce-labels": ("info_nce", dict(labels=_ring_labels)),
+    "info_nce-smoothing": ("info_nce", dict(label_smoothing=0.1)),
+    "info_nce-smoothing-dt": ("info_nce", dict(label_smoothing=0.1, temperature_grad=True)),
+    "info_nce-smoothing-shared": ("info_nce", dict(
+        label_smoothing=0.1, negatives=lambda r: _ring_negatives((4, 5), r))),
+    "info_nce-smoothing-replicated": ("info_nce", dict(
+        label_smoothing=0.1, negatives=_ring_negatives((4, 5)), replicated_negatives=True)),
+    "info_nce-smoothing-per-query": ("info_nce", dict(
+        label_smoothing=0.1, negatives=lambda r: _ring_negatives((3, 2, 5), r))),
     "info_nce-labels-shared": ("info_nce", dict(labels=_ring_labels,
                                                 negatives=lambda r: _ring_negatives((4, 5), r))),
     "siglip-labels": ("siglip", dict(labels=_ring_labels)),
