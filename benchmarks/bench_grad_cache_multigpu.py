@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cupynce.report.environment import device_header, device_info  # noqa: E402
+from cupynce.report.environment import device_info  # noqa: E402
 from cupynce.report.formatting import markdown_table  # noqa: E402
 
 LOSSES = ("cupynce cached", "library cached")
@@ -141,11 +141,9 @@ def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 
 
 def report(paths: List[str]) -> str:
     """The scaling table of several launches' JSON files."""
-    rows, headers = [], []
-    for p in paths:
-        data = json.loads(Path(p).read_text())
-        rows += data["rows"]
-        headers.append(f"P = {data['P']}: {device_header(data['device'])}")
+    from bench_multigpu import launches
+
+    rows, headers = launches(paths)
     one = {(r["shape"], r["loss"], r["N"]): r["step_s"] for r in rows if r["P"] == 1}
     out = []
     for r in sorted(rows, key=lambda r: (r["shape"], r["loss"], r["N"], r["P"])):

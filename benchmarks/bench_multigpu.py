@@ -318,13 +318,20 @@ def _merge(op: str, N: int, P: int, impl: str, every: List[Dict[str, Any]]) -> D
 
 
 # ---- the report ---------------------------------------------------------------------------
-def report(paths: List[str]) -> str:
-    """Markdown tables from the JSON files of several launches (P = 1, 2, 4, ...)."""
+def launches(paths: List[str]):
+    """(every row, one header line a launch) of several launches' JSON files (P = 1, 2, ...;
+    each ``{"P", "device", "rows"}``)."""
     rows, headers = [], []
     for p in paths:
         data = json.loads(Path(p).read_text())
         rows += data["rows"]
         headers.append(f"P = {data['P']}: {device_header(data['device'])}")
+    return rows, headers
+
+
+def report(paths: List[str]) -> str:
+    """Markdown tables from the JSON files of several launches (P = 1, 2, 4, ...)."""
+    rows, headers = launches(paths)
     by = {(r["op"], r["N"], r["P"], r["impl"]): r for r in rows}
     Ps = sorted({r["P"] for r in rows})
     out = []
@@ -355,22 +362,19 @@ def report(paths: List[str]) -> str:
         table += markdown_table(["op", "global N", "GPUs", "step ms", "compute ms",
                                  "1-GPU compute / P", "NCCL ms", "copies ms", "GPU idle ms",
                                  "host ms"], split)
-    hosts = [[op, P, name, fmt_ms(ms), f"{calls:g}"]
-             for (op, N, P, impl), r in sorted(by.items(), key=lambda kv: (
-                 OPS.index(kv[0][0]), kv[0][1], kv[0][2]))
-             if impl == "cupynce" and r.get("breakdown", {}).get("host_top")
-             for name, ms, calls in r["breakdown"]["host_top"][:6]]
-    if hosts:
-        table += "\n\nThe host's events of most self CPU time a step (--host-profile):\n\n"
-        table += markdown_table(["op", "GPUs", "event", "self CPU ms", "calls"], hosts)
-    py = [[op, P, name, fmt_ms(ms), f"{calls:g}"]
-          for (op, N, P, impl), r in sorted(by.items(), key=lambda kv: (
-              OPS.index(kv[0][0]), kv[0][1], kv[0][2]))
-          if impl == "cupynce" and r.get("breakdown", {}).get("host_py")
-          for name, ms, calls in r["breakdown"]["host_py"][:6]]
-    if py:
-        table += "\n\nThe Python functions of most own time a step (cProfile, --host-profile):\n\n"
-        table += markdown_table(["op", "GPUs", "function", "own ms", "calls"], py)
+    for key, title, what, unit in (
+            ("host_top", "The host's events of most self CPU time a step", "event",
+             "self CPU ms"),
+            ("host_py", "The Python functions of most own time a step (cProfile)", "function",
+             "own ms")):
+        top = [[op, P, name, fmt_ms(ms), f"{calls:g}"]
+               for (op, N, P, impl), r in sorted(by.items(), key=lambda kv: (
+                   OPS.index(kv[0][0]), kv[0][1], kv[0][2]))
+               if impl == "cupynce" and r.get("breakdown", {}).get(key)
+               for name, ms, calls in r["breakdown"][key][:6]]
+        if top:
+            table += f"\n\n{title}, --host-profile:\n\n"
+            table += markdown_table(["op", "GPUs", what, unit, "calls"], top)
     return "\n".join(headers) + "\n\n" + table
 
 

@@ -78,6 +78,6 @@ def test_report_breakdown_and_host_events(tmp_path):
     table = _bench().report([str(tmp_path / "h1.json"), str(tmp_path / "h2.json")])
     split = [ln for ln in table.splitlines() if ln.startswith("| clip_loss") and "4.00" in ln]
     assert split, table  # P = 2: compute 4.00 ms and the 1-GPU compute / P, 4.00 ms
-    events = table.split("self CPU time a step")[1].split("cProfile")[0]
+    events = table.split("self CPU time a step")[1].split("(cProfile)")[0]
     assert "cudaStreamSynchronize" in events and "3.25" in events and "aten::empty" in events
-    assert "_comm.py:184(exchange)" in table.split("cProfile")[1]
+    assert "_comm.py:184(exchange)" in table.split("(cProfile)")[1]
