@@ -503,8 +503,7 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
          labels is not None, label_smoothing, in_batch_negatives is True,
          replicated_negatives is True, temperature_grad is True,
          hardness_mode if isinstance(hardness_mode, str) else 0, hardness_strength],
-        ring_wish=lambda: (not (label_smoothing and labels is not None) and not hardness_mode
-                           and in_batch_negatives is True
+        ring_wish=lambda: (not hardness_mode and in_batch_negatives is True
                            and _global.ring_possible(comm, query, requires_grad, reduction,
                                                      gpu=negatives is None and labels is None
                                                      and not label_smoothing)))
@@ -523,7 +522,7 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
                     tgrad=tgrad)
         rep = bool(replicated_negatives)
         w = weights(xp, None, reduction, n * size, a)
-        if ring:  # (no hardness, no smoothing with labels: _ring_share)
+        if ring:  # (no hardness: _ring_share)
             lse, rows, acc = _ring_share(comm, path, qn, kn, temp, w, fused, workspace_bytes,
                                          neg_s, neg_p, rep, labels, eps)
             ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
@@ -610,28 +609,35 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, 
         return path.rows(qn, chunk[:n], ns, neg_p if mine else None, temp.scale,
                          **opt, **kw, **more)
 
+    smooth = _RingSmoothing(comm, xp, path, qn, kn, neg_s, neg_p, travel, temp, eps, labels,
+                            labs) if eps else None
+
     def stats(k, q, chunk):
         chunks[q] = chunk
         parts[q], loss, _ = block(q, chunk, False, lse_in=None, weights=None,
                                   want_grad=False)
         if q == rank:
             own.append(parts[q] - loss)  # the positive logits
+        if smooth is not None:
+            smooth.chunk(q, chunk[:n])
         return None, None
 
     cols = xp.concatenate([kn, neg_s]) if travel else kn
     _global.ring_blocks(comm, cols, stats, col_grads=False)
     lse = _global.merge_lse(engine, parts)
     rows = lse - own[0]
-    smooth = None
-    if eps:
-        smooth = _RingSmoothing(comm, xp, qn, kn, neg_s, neg_p, travel, temp, eps, own[0])
-        rows = rows + smooth.dloss
+    if smooth is not None:
+        rows = rows + smooth.finish(own[0])
     if not fused:
         return lse, rows, None
+    if smooth is not None:
+        smooth.weigh(_variants.row_weights(w))
 
     def grads(k, q, _):
         _, _, (dq, dk, dns, dnp) = block(q, chunks[q], True, lse_in=lse, weights=w,
                                          want_grad=True)
+        if smooth is not None and labs is not None:  # (the chunk's keys' U_y: home with dk)
+            dk = dk + smooth.chunk_grad(q, chunks[q][:n])
         if travel:
             return dq, xp.concatenate([dk, dns])
         if q == rank:  # (the replicated or per-query negatives' gradients: this chunk's)
@@ -642,35 +648,42 @@ def _ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, 
     dq = _global.sum_steps(steps)
     dk, dneg = (dcols[:n], dcols[n:]) if travel else (dcols, extra.get("dneg"))
     if smooth is not None:  # (the replicated negatives' part: this rank's rows', summed below)
-        smooth.add_grads(_variants.row_weights(w), dq, dk, dneg, neg_p is not None)
+        smooth.add_grads(dq, dk, dneg, neg_p is not None)
     if neg_s is not None and not travel:  # replicated: every rank's part summed, over P
         dneg = comm.all_reduce(xp.ascontiguousarray(dneg)) / dneg.dtype.type(size)
     return lse, rows, (dq, dk, dneg)
 
 
 class _RingSmoothing:
-    """InfoNCE's label smoothing ε on the ring (no labels): row i's target moves ε from its
-    positive evenly over its K candidates (every rank's keys, the shared negatives -- every
-    rank's, or the replicated ones once -- and its own per-query negatives), so with the
-    logits s_ij = s q̂_i · c_j::
+    """InfoNCE's label smoothing ε on the ring: row i's target moves ε from its positive
+    evenly over its K_i candidates (every rank's keys but those of its label other than its
+    positive, the shared negatives -- every rank's, or the replicated ones once -- and its
+    own per-query negatives), so with the logits s_ij = s q̂_i · c_j, u_i = w q̂_i / K_i::
 
-        Δloss_i = ε (s_{i,pos} − (s / K) q̂_i · C_i),   C_i = Σ_keys k̂ + Σ_shared n̂ + Σ_m n̂_im
-        Δ∂/∂q̂_i = s ε w (k̂_i − C_i / K),   Δ∂/∂k̂_j = s ε w (q̂_j − Q / K),
-        Δ∂/∂n̂ (shared) = −s ε w Q / K,     Δ∂/∂n̂_im = −s ε w q̂_i / K,   Q = Σ_all q̂
+        Δloss_i = ε (s_{i,pos} − (s / K_i) q̂_i · C_i)
+        C_i     = Σ_keys k̂ − B_{y_i} + k̂_i + Σ_shared n̂ + Σ_m n̂_im   (B_y: the keys of label y)
+        Δ∂/∂q̂_i = s ε (w k̂_i − u_i K_i C_i / K_i)   (= s ε w (k̂_i − C_i / K_i))
+        Δ∂/∂k̂_j = s ε (w q̂_j − u_j − U + U_{y_j}),   U = Σ_all u,  U_y = Σ_{y_i = y} u_i
+        Δ∂/∂n̂ (shared) = −s ε U,   Δ∂/∂n̂_im = −s ε u_i
 
-    from the global sums (``_variants.global_sums``: the ranks' sums in rank order); the
-    replicated negatives get this rank's rows' part (``Q`` of its own rows), which the
-    caller all-reduces.  ``pos``: the positive logits s_{i,pos} the ring computed."""
+    (without labels B_{y_i} = k̂_i and U_{y_j} = u_j).  The global sums come from
+    ``_variants.global_sums`` (the ranks' sums in rank order); the class sums across ranks
+    chunk by chunk: each arriving chunk's keys' sums for this rank's rows (:meth:`chunk`),
+    and in the gradient pass this rank's rows' U_y for the chunk's keys, which travel home
+    with their gradient (:meth:`chunk_grad`).  The replicated negatives get this rank's
+    rows' part, which the caller all-reduces."""
 
-    def __init__(self, comm: Comm, xp, qn, kn, neg_s, neg_p, travel: bool, temp, eps: float,
-                 pos):
+    def __init__(self, comm: Comm, xp, path, qn, kn, neg_s, neg_p, travel: bool, temp,
+                 eps: float, labels, labs):
         a = acc_dtype(qn.dtype)
-        self.xp, self.a, self.comm, self.travel = xp, a, comm, travel
+        self.xp, self.path, self.a, self.comm, self.travel = xp, path, a, comm, travel
         scale = temp.scale
         if temp.scale_log is not None:  # (the NumPy path's: the value can be read)
             scale = scale * float(np.exp(np.asarray(temp.scale_log, a).reshape(())))
         self.scale, self.eps = scale, eps
         self.q, self.k = qn.astype(a, copy=False), kn.astype(a, copy=False)
+        self.labels, self.labs = labels, labs
+        n = qn.shape[0]
         sums = _variants.global_sums(comm, xp, qn, kn, *([neg_s] if travel else []))
         self.q_all = sums[0]
         c = sums[1] + (sums[2] if travel else 0.0)
@@ -682,21 +695,59 @@ class _RingSmoothing:
         if neg_p is not None:
             c = c + neg_p.astype(a, copy=False).sum(axis=1)
             count += neg_p.shape[1]
-        self.c, self.count = c, count
-        self.dloss = eps * (pos - (scale / count) * (self.q * c).sum(axis=1))
+        self.c = xp.array(c)
+        self.count = xp.full(n, count, a)
+        if labels is not None:  # (each row's other keys of its label leave its candidates)
+            self.count -= (labs.reshape(-1)[None, :] == labels[:, None]).sum(axis=1) - 1
+            self.c += self.k  # (+ k̂_i; − B_{y_i}: chunk by chunk)
 
-    def add_grads(self, w, dq, dk, dneg, per_query: bool) -> None:
-        """The differences added into the ring's accumulators (``w``: the rows' weight)."""
-        f = self.scale * self.eps * w
-        dq += f * (self.k - self.c / self.count)
-        dk += f * (self.q - self.q_all / self.count)
+    def chunk(self, q: int, keys) -> None:
+        """Chunk q's keys of each row's label out of its candidates' sum."""
+        if self.labels is not None:
+            self.c -= self._cross(q, keys.astype(self.a, copy=False), rows=True)
+
+    def _cross(self, q: int, y, rows: bool, u=None):
+        """Class sums across this rank's rows and chunk q's keys ``y``: each row's sum of the
+        chunk's keys of its label (``rows``), or each key's sum of ``u`` (this rank's rows'
+        values) over the rows of its label."""
+        xp, a, n = self.xp, self.a, self.q.shape[0]
+        m = y.shape[0]
+        both = xp.concatenate([xp.zeros_like(self.q) if rows else u, y])
+        keep = xp.concatenate([xp.zeros(n, a), xp.ones(m, a)]) if rows else \
+            xp.concatenate([xp.ones(n, a), xp.zeros(m, a)])
+        out = _variants.cross_class_sums(xp, self.path, self.labels, self.labs[q], both, keep)
+        return out[:n] if rows else out[n:]
+
+    def finish(self, pos):
+        """Δloss from the positive logits s_{i,pos} the ring computed."""
+        return self.eps * (pos - (self.scale / self.count) * (self.q * self.c).sum(axis=1))
+
+    def weigh(self, w) -> None:
+        """The gradient's row values u_i = w q̂_i / K_i and U (``w``: the rows' weight)."""
+        self.w = w
+        self.u = (w / self.count)[:, None] * self.q
+        self.u_all = _variants.global_sums(self.comm, self.xp, self.u)[0]
+
+    def chunk_grad(self, q: int, keys):
+        """s ε U_{y_j} of this rank's rows for chunk q's keys (labels: else None)."""
+        if self.labels is None:
+            return None
+        return (self.scale * self.eps) * self._cross(q, keys.astype(self.a, copy=False),
+                                                     rows=False, u=self.u)
+
+    def add_grads(self, dq, dk, dneg, per_query: bool) -> None:
+        """The rest of the differences, added into the ring's accumulators."""
+        f = self.scale * self.eps
+        dq += f * (self.w * self.k - (self.w / self.count)[:, None] * self.c)
+        dk += f * (self.w * self.q - self.u_all)
+        if self.labels is not None:  # (without labels U_{y_j} = u_j cancels − u_j)
+            dk -= f * self.u
         if dneg is None:
             return
         if per_query:
-            dneg -= (f / self.count) * self.q[:, None, :]
+            dneg -= f * self.u[:, None, :]
         else:  # (shared: every rank's rows; replicated: this rank's rows, all-reduced after)
-            q = self.q_all if self.travel else self.q.sum(axis=0)
-            dneg -= (f / self.count) * q
+            dneg -= f * (self.u_all if self.travel else self.u.sum(axis=0))
 
 
 def _global_scatter(comm: Comm, xp, grads, n: int, neg_s, replicated: bool = False):

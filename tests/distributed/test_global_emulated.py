@@ -275,6 +275,16 @@ RING_VARIANTS = {
         label_smoothing=0.1, negatives=_ring_negatives((4, 5)), replicated_negatives=True)),
     "info_nce-smoothing-per-query": ("info_nce", dict(
         label_smoothing=0.1, negatives=lambda r: _ring_negatives((3, 2, 5), r))),
+    "info_nce-smoothing-labels": ("info_nce", dict(label_smoothing=0.1, labels=_ring_labels)),
+    "info_nce-smoothing-labels-shared": ("info_nce", dict(
+        label_smoothing=0.1, labels=_ring_labels,
+        negatives=lambda r: _ring_negatives((4, 5), r))),
+    "info_nce-smoothing-labels-replicated": ("info_nce", dict(
+        label_smoothing=0.1, labels=_ring_labels, negatives=_ring_negatives((4, 5)),
+        replicated_negatives=True)),
+    "info_nce-smoothing-labels-per-query": ("info_nce", dict(
+        label_smoothing=0.1, labels=_ring_labels,
+        negatives=lambda r: _ring_negatives((3, 2, 5), r))),
     "info_nce-labels-shared": ("info_nce", dict(labels=_ring_labels,
                                                 negatives=lambda r: _ring_negatives((4, 5), r))),
     "siglip-labels": ("siglip", dict(labels=_ring_labels)),
