@@ -99,26 +99,28 @@ def _autocast_forward(model):
     model.forward = torch.autocast("cuda", dtype=torch.bfloat16)(model._plain_forward)
 
 
-def _timed(step, steps: int):
+def _timed(step, steps: int, cuda: bool = True, before=None):
     """(median seconds of ``steps`` steps after a warm-up, their peak bytes); ``steps`` = 0:
-    the one step alone, warm-up included (the largest batches: one step is minutes)."""
-    torch.cuda.synchronize()
-    if steps == 0:
+    the one step alone, warm-up included (the largest batches: one step is minutes).
+    ``cuda=False``: CPU steps, no peak (None); ``before``: called before each timed step
+    (the multi-GPU bench's barrier, so that the ranks time the same step)."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    if steps:
+        step()  # (warm-up: kernels, the allocator, cuBLAS handles)
+        sync()
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0, torch.cuda.max_memory_allocated()
-    step()  # (warm-up: kernels, the allocator, cuBLAS handles)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(steps):
+    for _ in range(max(steps, 1)):
+        if before is not None:
+            before()
+        sync()
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.cuda.max_memory_allocated()
+    return statistics.median(times), (torch.cuda.max_memory_allocated() if cuda else None)
 
 
 def _oom_is_a_result(run) -> Dict[str, Any]:

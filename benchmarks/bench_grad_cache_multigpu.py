@@ -24,12 +24,10 @@ import datetime as _dt
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,29 +36,6 @@ from cupynce.report.environment import device_info  # noqa: E402
 from cupynce.report.formatting import markdown_table  # noqa: E402
 
 LOSSES = ("cupynce cached", "library cached")
-
-
-def _steps(step: Callable[[], None], steps: int, cuda: bool):
-    """(median seconds of ``steps`` steps after a warm-up, peak bytes or None on the CPU);
-    each step starts after a barrier, so the ranks' times are of the same step."""
-    import torch
-    import torch.distributed as dist
-
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step()
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        if dist.is_initialized():
-            dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), (torch.cuda.max_memory_allocated() if cuda else None)
 
 
 def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 64,
@@ -116,7 +91,8 @@ def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 
                 loss.backward()
                 opt.step()
 
-            t, peak = _steps(step, steps, cuda)
+            # (each timed step after a barrier: the ranks time the same step)
+            t, peak = G._timed(step, steps, cuda, before=dist.barrier if grouped else None)
             mine = {"step_s": t, "peak_bytes": peak}
             every = [mine]
             if grouped:

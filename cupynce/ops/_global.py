@@ -35,10 +35,11 @@ here by tagging the forward's context with it (:func:`tag`).  The schedules:
   the products of computing the rows of both directions separately (open_clip's
   ``local_loss=True``), and half its gather.
 * **Ring schedules** (:func:`ring_blocks`, where every rank's communicator can shift:
-  ``agree``'s ``ring_wish``; so far on NumPy arrays, every op: SigLIP, CLIP, InfoNCE with
-  in-batch negatives, NT-Xent on its mirrored plan): the column side is not
-  gathered first but shifted chunk by chunk around the ring while each chunk's block is
-  computed, and the column gradients travel back the same way (a fixed order of adds).
+  ``agree``'s ``ring_wish``; on NumPy arrays every op and most variants, on CuPy arrays
+  the plain ops under ``config.ring_gpu``: docs/distributed.md lists them): the column
+  side is not gathered first but shifted chunk by chunk around the ring while each chunk's
+  block is computed, and the column gradients travel back the same way (a fixed order of
+  adds).
 * The loss of the mean / sum is all-reduced (a scalar): every rank returns the global loss;
   ``reduction="none"`` returns the rank's own rows of the global per-row loss.
 * Gradients: the column-side gradients are reduce-scattered to the ranks that own those rows,

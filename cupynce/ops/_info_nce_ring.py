@@ -129,7 +129,7 @@ class _RingSmoothing:
             scale = scale * float(np.exp(np.asarray(temp.scale_log, a).reshape(())))
         self.scale, self.eps = scale, eps
         self.q, self.k = qn.astype(a, copy=False), kn.astype(a, copy=False)
-        self.labels, self.labs = labels, labs
+        self.labels, self.labs, self.groups = labels, labs, {}
         n = qn.shape[0]
         sums = _variants.global_sums(comm, xp, qn, kn, *([neg_s] if travel else []))
         self.q_all = sums[0]
@@ -156,13 +156,15 @@ class _RingSmoothing:
     def _cross(self, q: int, y, rows: bool, u=None):
         """Class sums across this rank's rows and chunk q's keys ``y``: each row's sum of the
         chunk's keys of its label (``rows``), or each key's sum of ``u`` (this rank's rows'
-        values) over the rows of its label."""
+        values) over the rows of its label (the chunk's grouping kept for both passes)."""
         xp, a, n = self.xp, self.a, self.q.shape[0]
         m = y.shape[0]
+        if q not in self.groups:
+            self.groups[q] = _variants.cross_groups(xp, self.labels, self.labs[q])
         both = xp.concatenate([xp.zeros_like(self.q) if rows else u, y])
         keep = xp.concatenate([xp.zeros(n, a), xp.ones(m, a)]) if rows else \
             xp.concatenate([xp.ones(n, a), xp.zeros(m, a)])
-        out = _variants.cross_class_sums(xp, self.path, self.labels, self.labs[q], both, keep)
+        out = self.path.class_sums(both, self.groups[q], keep)
         return out[:n] if rows else out[n:]
 
     def finish(self, pos):

@@ -110,14 +110,14 @@ def nt_xent_smoothing(xp, zn, scale: float, eps: float, w: Optional[Any] = None,
     return dloss, dacc
 
 
-def cross_class_sums(xp, path, lab_a, lab_b, x, w) -> Any:
-    """Class sums across two row sets (a rank's rows and a ring's chunk): ``x`` (n + m, D)
-    the two sets' rows stacked, ``w`` (n + m,) their weights (0 leaves a row out); each row's
-    sum of the weighted rows of its label (``path.class_sums`` over the labels of both sets:
-    a fixed order).  With the first set's weights 0, the first n rows' results are each row's
-    same-label sum over the second set, and the other way round."""
-    groups = label_groups(xp, xp.concatenate([lab_a, lab_b]))
-    return path.class_sums(x, groups, w)
+def cross_groups(xp, lab_a, lab_b) -> Tuple[Any, ...]:
+    """The :func:`label_groups` of two row sets stacked (a rank's rows, then a ring's chunk),
+    for class sums across them: ``path.class_sums(x, groups, w)`` with ``x`` (n + m, D) the
+    two sets' rows stacked and ``w`` (n + m,) their weights (0 leaves a row out) gives each
+    row the sum of the weighted rows of its label, in a fixed order -- with the first set's
+    weights 0, the first n results are each row's same-label sum over the second set, and
+    the other way round."""
+    return label_groups(xp, xp.concatenate([lab_a, lab_b]))
 
 
 def siglip_labels_block(xp, path, an, bn, lab_a, lab_b, ls, lb, w=None, *,
@@ -126,17 +126,19 @@ def siglip_labels_block(xp, path, an, bn, lab_a, lab_b, ls, lb, w=None, *,
     against the texts ``bn`` (m, D; ``lab_b``): a ring's chunk of texts.  ``same``: bn are
     an's own pairs (pair i's own text is its positive already: left out).  ``w``: one real
     for every row (the rings': no per-row weights).  Returns ``(Δrow part (n,), (Δ∂/∂â part,
-    Δ∂/∂b̂ of these texts, Δ∂/∂t part, Δ∂/∂β part) or None)``; the parts of every chunk add
-    up to :func:`siglip_labels`' values (every term is linear in the class sums)."""
+    Δ∂/∂b̂ of these texts, Δ∂/∂β part) or None)``; the parts of every chunk add up to
+    :func:`siglip_labels`' values (every term is linear in the class sums; Δ∂/∂t, which the
+    rings take from the summed Δ∂/∂â, is not returned)."""
     a = acc_dtype(an.dtype)
     n, m = an.shape[0], bn.shape[0]
     x, y = an.astype(a, copy=False), bn.astype(a, copy=False)
     sigma = xp.exp(xp.asarray(ls, dtype=a).reshape(()))
     beta = xp.asarray(lb, dtype=a).reshape(())
     both = xp.concatenate([x, y])
+    groups = cross_groups(xp, lab_a, lab_b)
     texts = xp.concatenate([xp.zeros(n, a), xp.ones(m, a)])
-    other = cross_class_sums(xp, path, lab_a, lab_b, both, texts)[:n]  # B_{y_i} over bn
-    cnt = cross_class_sums(xp, path, lab_a, lab_b, xp.ones((n + m, 1), a), texts)[:n, 0]
+    other = path.class_sums(both, groups, texts)[:n]  # B_{y_i} over bn
+    cnt = path.class_sums(xp.ones((n + m, 1), a), groups, texts)[:n, 0]
     if same:
         other -= y
         cnt -= 1
@@ -147,11 +149,11 @@ def siglip_labels_block(xp, path, an, bn, lab_a, lab_b, ls, lb, w=None, *,
     da = other
     da *= -sigma * w
     images = xp.concatenate([xp.full(n, w, a), xp.zeros(m, a)])
-    db = cross_class_sums(xp, path, lab_a, lab_b, both, images)[n:]  # A^w_{y_j} over an
+    db = path.class_sums(both, groups, images)[n:]  # A^w_{y_j} over an
     if same:
         db -= w * x
     db *= -sigma
-    return drow, (da, db, -sigma * w * dot.sum(), -w * cnt.sum())
+    return drow, (da, db, -w * cnt.sum())
 
 
 def global_sums(comm, xp, *rows) -> List[Any]:

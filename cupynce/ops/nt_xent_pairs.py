@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _checks, config
 from .._engine.kernels import acc_dtype
-from . import _comm, _global, _variants
+from . import _comm, _cpu, _global, _variants
 from ._base import (Context, Path, Temperature, check_stats, contig_inputs, dtemperature,
                     in_ctx_precision, prep, reduce, require, temperature_input,
                     temperature_result)
@@ -306,8 +306,8 @@ def _ring_rows(comm: Comm, zn, labs, t: Temperature, w, want_grad: bool):
     for q in range(size):
         s, _, pos = block(q)
         x = lse[:, None] - s
-        loss += np.where(pos, np.logaddexp(0.0, x), 0.0).sum(axis=1)
-        gamma += np.where(pos, _numpy_sigmoid(x), 0.0).sum(axis=1)
+        loss += np.where(pos, _cpu.NUMPY.softplus(x), 0.0).sum(axis=1)
+        gamma += np.where(pos, _cpu.NUMPY.sigmoid(x), 0.0).sum(axis=1)
     if not want_grad:
         return lse, loss, None
     w_arr, w_stride, w_mul = w
@@ -319,17 +319,11 @@ def _ring_rows(comm: Comm, zn, labs, t: Temperature, w, want_grad: bool):
         with np.errstate(over="ignore", invalid="ignore"):
             p_neg = np.where(same, 0.0, np.exp(s - lse[:, None]))
         g = w_rows[:, None] * (gamma[:, None] * p_neg
-                               - np.where(pos, _numpy_sigmoid(lse[:, None] - s), 0.0))
+                               - np.where(pos, _cpu.NUMPY.sigmoid(lse[:, None] - s), 0.0))
         return g @ chunks[q].astype(a, copy=False), g.T @ z
 
     steps, dk = _global.ring_blocks(comm, None, grads, col_grads=True)
     return lse, loss, _global.sum_steps(steps) + dk
-
-
-def _numpy_sigmoid(x):
-    """1 / (1 + e^−x) without overflow warnings (e^−x = inf gives 0)."""
-    with np.errstate(over="ignore"):
-        return 1.0 / (1.0 + np.exp(-x))
 
 
 def _global_forward(comm: Comm, z, labels, temperature=0.07, *, reduction="mean",

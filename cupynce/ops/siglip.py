@@ -385,7 +385,7 @@ def _ring_share(comm: Comm, xp, path, an, bn, ls, lb, w, fused: bool, workspace_
                                                      ls, lb, w_row, same=q == rank)
             rows = rows + drow
             if fused:  # (Δ∂/∂t: in dscale from the summed da below)
-                grads = (grads[0] + dg[0], grads[1] + dg[1], None, grads[3] + dg[3])
+                grads = (grads[0] + dg[0], grads[1] + dg[1], None, grads[3] + dg[2])
         if not fused:
             return (rows,), None
         return (rows, grads[0], grads[3]), grads[1]  # (rows, da, dbias; dscale below)

@@ -383,7 +383,7 @@ def _global_total(comm: Comm, xp, rows, has, reduction: str):
 class RingClasses:
     """SupCon's class terms (``_variants`` module notes) on NT-Xent's ring
     (``nt_xent._ring_share``), from the blocks the rank computes: the diagonal block's class
-    sums, and each chunk block's class sums both ways (``_variants.cross_class_sums``) -- its
+    sums, and each chunk block's class sums both ways (``_variants.cross_groups``) -- its
     rows' sums over the chunk's rows and the chunk's rows' over its rows.  The latter's
     dots ẑ_j · C_j travel in the gathered column states (:meth:`block`'s return), their
     gradient terms −u_j C_j − W_j with the chunk's gradient (:meth:`col_grad`); the rank's
@@ -424,10 +424,10 @@ class RingClasses:
         la, lb = self.labs[self.rank][rows], self.labs[q][cols]
         nr, m = z.shape[0], y.shape[0]
         both = xp.concatenate([z, y])
+        groups = _variants.cross_groups(xp, la, lb)
 
         def sums(wa, wb):
-            return _variants.cross_class_sums(xp, self.path, la, lb, both,
-                                              xp.concatenate([wa, wb]))
+            return self.path.class_sums(both, groups, xp.concatenate([wa, wb]))
         zr, zc, one_r, one_c = xp.zeros(nr, a), xp.zeros(m, a), xp.ones(nr, a), xp.ones(m, a)
         self.c[rows] += sums(zr, one_c)[:nr]
         col_c = sums(one_r, zc)[nr:]
