@@ -193,6 +193,7 @@ def _breakdown(fn: Callable[[], Any], steps: int = 3, host: bool = False) -> Dic
     import time
 
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -211,7 +212,9 @@ def _breakdown(fn: Callable[[], Any], steps: int = 3, host: bool = False) -> Dic
            "copy_ms": 0.0, "compute_ms": 0.0}
     for ev in prof.key_averages():
         t = ev.device_time_total / 1e3 / steps
-        if t <= 0:
+        # (the device's events alone: with the CPU profiled, an op's device total holds its
+        # kernels' time once more)
+        if t <= 0 or ev.device_type != DeviceType.CUDA:
             continue
         key = ev.key.lower()
         kind = "nccl_ms" if "nccl" in key else "copy_ms" if key.startswith(("memcpy", "memset")) \
@@ -234,7 +237,13 @@ def _python_profile(fn: Callable[[], Any], steps: int) -> List[List[Any]]:
     import pstats
 
     import torch
+    import torch.distributed as dist
 
+    # (every rank starts together: the torch.profiler's post-processing before this takes a
+    # different time on each, and a collective would wait that skew out under the profile)
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):

@@ -61,8 +61,8 @@ def ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, n
 
     def stats(k, q, chunk):
         chunks[q] = chunk
-        parts[q], loss, _ = block(q, chunk, False, lse_in=None, weights=None,
-                                  want_grad=False)
+        parts[q], loss, _ = block(q, chunk, False, lse_in=None, weights=w,
+                                  want_grad=False)  # (w unread: the engine takes a triple)
         if q == rank:
             own.append(parts[q] - loss)  # the positive logits
         if smooth is not None:

@@ -92,6 +92,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     left out with ``labels`` (the row loss it returns is then meaningless)."""
     if not positives and (smoothing or hardness is not None or pair_labels is not None):
         raise ValueError("rows: positives=False takes no smoothing or hardness")
+    if weights is None or len(weights) != 3:  # (the GPU engine unpacks it on every call)
+        raise TypeError(f"rows: weights is a (w, stride, multiplier) triple, got {weights!r}")
     xp = _cpu.current()
     a = acc_dtype(q.dtype)
     if scale_log is not None:  # (on the host here: the value can be read)
