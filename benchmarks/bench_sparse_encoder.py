@@ -131,18 +131,22 @@ def case(path: str, impl: str, cached: bool, n: int, args) -> Dict[str, Any]:
 
 
 def largest(path: str, impl: str, cached: bool, start: int, args) -> Dict[str, Any]:
-    """The batch doubled from ``start`` until a step runs out of memory (one step each)."""
-    fit, n = None, start
+    """The batch doubled from ``start`` until a step runs out of memory (one step each) or
+    passes ``--largest-max``; ``oom_at`` None then: the largest that fits lies at or beyond
+    the last size tried (``bounded``)."""
+    fit, n, oom = None, start, False
     while n <= args.largest_max:
         one = argparse.Namespace(**{**vars(args), "steps": 0})
         row = case(path, impl, cached, n, one)
         if row["step_s"] is None:
+            oom = True
             break
         fit, n = row, 2 * n
     return {"impl": impl, "loss": "CachedSpladeLoss" if cached else "SpladeLoss",
             "largest": None if fit is None else fit["n"],
             "peak_gib": None if fit is None else fit["peak_gib"],
-            "step_s": None if fit is None else fit["step_s"], "oom_at": n}
+            "step_s": None if fit is None else fit["step_s"], "oom_at": n if oom else None,
+            "bounded": not oom}
 
 
 def main(argv=None) -> None:
@@ -155,6 +159,8 @@ def main(argv=None) -> None:
     p.add_argument("--losses", default="uncached,cached")
     p.add_argument("--largest", action="store_true")
     p.add_argument("--largest-max", type=int, default=1 << 16)
+    p.add_argument("--largest-start", type=int, default=128)
+    p.add_argument("--impls", default="library,cupynce")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--name", default="bench_sparse_encoder")
@@ -165,15 +171,16 @@ def main(argv=None) -> None:
     big: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
         path = save_mlm(args.shape, folder)
-        for n in (int(s) for s in args.sizes.split(",")):
+        impls = args.impls.split(",")
+        for n in (int(s) for s in args.sizes.split(",") if s):
             for cached in (c == "cached" for c in args.losses.split(",")):
-                for impl in ("library", "cupynce"):
+                for impl in impls:
                     rows.append(case(path, impl, cached, n, args))
                     print(json.dumps(rows[-1]), flush=True)
         if args.largest:
             for cached in (c == "cached" for c in args.losses.split(",")):
-                for impl in ("library", "cupynce"):
-                    big.append(largest(path, impl, cached, 128, args))
+                for impl in impls:
+                    big.append(largest(path, impl, cached, args.largest_start, args))
                     print(json.dumps(big[-1]), flush=True)
     by = {(r["impl"], r["loss"], r["n"]): r for r in rows}
     table = []
@@ -193,11 +200,13 @@ def main(argv=None) -> None:
           markdown_table(["loss", "batch", "library ms", "library GiB", "cupynce ms",
                           "cupynce GiB", "step ÷ library", "peak ÷ library"], table)]
     if big:
-        md += ["", "Largest batch that fits (doubling from 128; one step each):", "",
+        md += ["", f"Largest batch that fits (doubling from {args.largest_start} up to "
+               f"{args.largest_max}; one step each):", "",
                markdown_table(["impl", "loss", "largest batch", "its peak GiB", "its step s",
                                "out of memory at"],
                               [[b["impl"], b["loss"], b["largest"] or "—",
-                                _fmt(b["peak_gib"]), _fmt(b["step_s"]), b["oom_at"]]
+                                _fmt(b["peak_gib"]), _fmt(b["step_s"]),
+                                b["oom_at"] or f"not reached (≤ {args.largest_max})"]
                                for b in big])]
     text = "\n".join(md)
     print(text)

@@ -930,6 +930,9 @@ def test_ring_schedule_gpu(op, dtype, P, configure):
     for (l1, g1), (l3, g3) in zip(ring, gathered):
         assert _err(l1, l3) <= 1e-4
         for x, z in zip(g1, g3):
+            if x is None:  # (InfoNCE's dnegatives without negatives)
+                assert z is None
+                continue
             assert _err(x, z) <= tol
     assert len({cp.asnumpy(x[0]).tobytes() for x in ring}) == 1
 
