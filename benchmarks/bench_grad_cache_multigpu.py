@@ -39,10 +39,12 @@ LOSSES = ("cupynce cached", "library cached")
 
 
 def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 64,
-             mini_batch: int = 1024, steps: int = 2, device: str = "cuda"
-             ) -> List[Dict[str, Any]]:
+             mini_batch: int = 1024, steps: int = 2, device: str = "cuda",
+             profile: bool = False) -> List[Dict[str, Any]]:
     """Every loss's cached step on this rank (inside an initialised process group, or alone);
-    rank 0 gets the merged rows."""
+    rank 0 gets the merged rows.  ``profile``: then one step more under torch.profiler and
+    one under cProfile (``bench_multigpu._breakdown``: compute, NCCL, copies, GPU idle, the
+    host's top events), the slowest rank's kept as the row's ``breakdown``."""
     import torch
     import torch.distributed as dist
     from sentence_transformers.sentence_transformer import losses as ST
@@ -94,6 +96,12 @@ def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 
             # (each timed step after a barrier: the ranks time the same step)
             t, peak = G._timed(step, steps, cuda, before=dist.barrier if grouped else None)
             mine = {"step_s": t, "peak_bytes": peak}
+            if profile and cuda:
+                from bench_multigpu import _breakdown
+
+                if grouped:
+                    dist.barrier()
+                mine["breakdown"] = _breakdown(step, steps=1, host=True)
             every = [mine]
             if grouped:
                 every = [None] * size
@@ -105,6 +113,9 @@ def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 
                              "step_s": max(e["step_s"] for e in every),
                              "step_s_ranks": [e["step_s"] for e in every],
                              "peak_gib": max(peaks) / 2 ** 30 if peaks else None})
+                if profile and cuda:
+                    rows[-1]["breakdown"] = max(every, key=lambda e: e["breakdown"]["wall_ms"]
+                                                )["breakdown"]
                 print(json.dumps(rows[-1]), flush=True)
             if cuda:
                 torch.cuda.empty_cache()
@@ -127,9 +138,24 @@ def report(paths: List[str]) -> str:
         eff = f"{100 * base / (r['P'] * r['step_s']):.0f} %" if base else "—"
         out.append([r["shape"], r["loss"], r["N"], r["P"], r["n"], f"{r['step_s']:.3f}",
                     "—" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", eff])
-    return "\n".join(headers) + "\n\n" + markdown_table(
+    text = "\n".join(headers) + "\n\n" + markdown_table(
         ["shape", "loss", "global N", "GPUs", "pairs a GPU", "step s", "peak GiB a GPU",
          "scaling T1/(P·TP)"], out)
+    prof = [r for r in rows if r.get("breakdown")]
+    if prof:  # (--profile: one step, the slowest rank)
+        text += "\n\nWhere a rank's step goes (--profile: one step, the slowest rank):\n\n"
+        text += markdown_table(
+            ["loss", "GPUs", "step s", "compute s", "NCCL s", "copies s", "GPU idle s",
+             "host s"],
+            [[r["loss"], r["P"]] + [f"{r['breakdown'][k] / 1e3:.3f}" for k in (
+                "wall_ms", "compute_ms", "nccl_ms", "copy_ms", "gap_ms", "host_ms")]
+             for r in prof])
+        for key, title in (("host_top", "host events"), ("host_py", "Python functions")):
+            text += f"\n\nThe {title} of most own time (ms a step):\n\n" + markdown_table(
+                ["loss", "GPUs", "name", "ms", "calls"],
+                [[r["loss"], r["P"], name, f"{ms:.1f}", f"{calls:g}"]
+                 for r in prof for name, ms, calls in r["breakdown"].get(key, [])[:8]])
+    return text
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -141,6 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--mini-batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--profile", action="store_true",
+                   help="then where a step goes: one step under torch.profiler and cProfile")
     p.add_argument("--json", help="where rank 0 writes the rows")
     p.add_argument("--report", nargs="*", help="JSON files to merge into the table (no run)")
     args = p.parse_args(argv)
@@ -161,7 +189,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 device_id=torch.device("cuda", local))
     try:
         rows = run_rank(args.shape, args.global_batch, losses, length=args.length,
-                        mini_batch=args.mini_batch, steps=args.steps)
+                        mini_batch=args.mini_batch, steps=args.steps, profile=args.profile)
         if not grouped or dist.get_rank() == 0:
             data = {"P": dist.get_world_size() if grouped else 1, "device": device_info(),
                     "rows": rows}

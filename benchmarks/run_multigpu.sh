@@ -12,6 +12,8 @@
 #   bash benchmarks/run_multigpu.sh cached    # sentence-transformers' cached MNRL across the
 #                                             # GPUs at a global batch of 262144 (MiniLM), on
 #                                             # 1, 2, ... GPUs (bench_grad_cache_multigpu.py)
+#   bash benchmarks/run_multigpu.sh cached-profile # the same on 1 and every GPU, then where a
+#                                             # rank's cached step goes (--profile)
 #
 # Logs and JSON go to $OUT (default ./multigpu-out).  NVLink multicast stays off: a program that
 # uses it can put a shared host's GPUs out of service.
@@ -69,19 +71,21 @@ host)
   done
   python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/host.md"
   ;;
-cached)
+cached | cached-profile)
   # (sentence-transformers and its dependencies from ./.whl when present: run_gpu.sh's way)
   if ls .whl/*.whl >/dev/null 2>&1; then
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
       >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
   fi
-  files=()
-  for P in $(counts); do
+  files=(); extra=(); Ps=$(counts); tag=cached
+  [ "$1" = cached-profile ] && extra=(--profile) && Ps=$(printf '%s\n' 1 "$G" | sort -un) \
+    && tag=cached_profile
+  for P in $Ps; do
     timeout 400 torchrun --standalone --nproc_per_node "$P" \
-      benchmarks/bench_grad_cache_multigpu.py --global-batch 262144 --json "$OUT/c$P.json" \
-      && files+=("$OUT/c$P.json")
+      benchmarks/bench_grad_cache_multigpu.py --global-batch 262144 "${extra[@]}" \
+      --json "$OUT/${tag}$P.json" && files+=("$OUT/${tag}$P.json")
   done
-  python benchmarks/bench_grad_cache_multigpu.py --report "${files[@]}" | tee "$OUT/cached.md"
+  python benchmarks/bench_grad_cache_multigpu.py --report "${files[@]}" | tee "$OUT/$tag.md"
   ;;
 scaling | all)
   files=()

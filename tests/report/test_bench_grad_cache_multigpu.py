@@ -56,3 +56,23 @@ def test_bench_grad_cache_multigpu_over_gloo(tmp_path, monkeypatch):
                                              for P in ("1", "2")], table
     for c in cells:  # (P = 1 is its own baseline; P = 2 against it)
         assert c[7] == "100 %" if c[3] == "1" else c[7].endswith("%"), table
+
+
+def test_report_profile(tmp_path):
+    """``--profile``'s rows (a GPU run: ``breakdown`` in ms, the slowest rank's) become the
+    breakdown table in seconds and the host's and Python's top entries."""
+    b = _bench()
+    brk = {"wall_ms": 14200.0, "compute_ms": 11000.0, "nccl_ms": 900.0, "copy_ms": 12.0,
+           "gap_ms": 2288.0, "host_ms": 13900.0, "host_top": [["aten::mm", 800.0, 512]],
+           "host_py": [["distributed_c10d.py:1(all_gather)", 1500.0, 2]]}
+    row = {"shape": "minilm", "loss": "cupynce cached", "N": 16, "P": 2, "n": 8,
+           "mini_batch": 4, "length": 6, "step_s": 14.2, "step_s_ranks": [14.2, 14.1],
+           "peak_gib": 8.7, "breakdown": brk}
+    path = tmp_path / "c2.json"
+    path.write_text(json.dumps({"P": 2, "device": {"gpu": None}, "rows": [row]}))
+    table = b.report([str(path)])
+    cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in table.splitlines()
+             if ln.startswith("| cupynce cached")]
+    assert cells[0] == ["cupynce cached", "2", "14.200", "11.000", "0.900", "0.012", "2.288",
+                        "13.900"], table
+    assert "aten::mm" in table and "all_gather" in table and "1500.0" in table, table
