@@ -21,8 +21,12 @@ split over P = 8 ranks (n = N / P a rank), forward + backward of rank 0's share:
                    and under ``torch.autocast(bfloat16)`` (``amp``: how open_clip trains with
                    ``--precision amp_bf16``; cross_entropy runs in float32).
 
-Also the bytes each rank sends per step over a ring (all-gathers of the column-side rows in
-bf16 and of the O(N) statistics, reduce-scatter of the float32 gradients).  CUDA-event
+``host ms`` is the host's time to issue rank 0's step (until the backward returns, no
+synchronisation: ``issue_median_ms``) beside its GPU time: where the two meet, the rank's
+step waits on the host, not on the GPU (the real communicators add their own calls' host
+time to it: torch.distributed's, NCCL's).  Also the bytes each rank sends per step over a
+ring (all-gathers of the column-side rows in bf16 and of the O(N) statistics,
+reduce-scatter of the float32 gradients).  CUDA-event
 medians, peak memory above the inputs (``cupynce.report.harness``).
 """
 from __future__ import annotations
@@ -205,7 +209,8 @@ def main(argv=None) -> int:
             def ratio(x, y, key="median_ms", div=1.0):
                 return fmt_ratio(x[key] / (y[key] / div)) if x.get(key) and y.get(key) else "—"
 
-            row = [op, N, N // P, ms(blk), fmt_mib(blk.get("peak_extra_bytes")), ms(lean),
+            host = fmt_ms(blk["issue_median_ms"]) if blk.get("issue_median_ms") else "—"
+            row = [op, N, N // P, ms(blk), host, fmt_mib(blk.get("peak_extra_bytes")), ms(lean),
                    fmt_mib(lean.get("peak_extra_bytes")), ms(one, P), ratio(blk, one, div=P)]
             for ref in (res["open_clip"], res["amp"]):
                 row += [ms(ref), fmt_mib(ref.get("peak_extra_bytes")), ratio(ref, blk),
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(row, flush=True)
     table = markdown_table(
-        ["op", "N", "n", "cupynce ms", "MiB", "lean ms", "lean MiB", "1/P single ms",
+        ["op", "N", "n", "cupynce ms", "host ms", "MiB", "lean ms", "lean MiB", "1/P single ms",
          "cupynce / (1/P single)", "open_clip ms", "MiB", "speed-up", "memory ÷ lean",
          "open_clip amp ms", "MiB", "speed-up", "memory ÷ lean", "MiB sent per rank"], rows)
     print(f"\n{device_header(device_info())} · P = {P}, D = {d}, bf16, forward + "

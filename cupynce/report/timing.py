@@ -66,7 +66,9 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10,
     """Time ``fn()`` with CUDA events; see the module notes for what the span covers.
 
     Returns ``median_ms, p20_ms, p80_ms, min_ms`` (event times), ``wall_median_ms,
-    wall_min_ms`` (host time between device synchronisations), ``times_ms`` (every repeat),
+    wall_min_ms`` (host time between device synchronisations), ``issue_median_ms`` (the host's
+    time to issue the calls, until ``fn`` returns: where it reaches the event time, the host
+    and not the GPU sets the pace), ``times_ms`` (every repeat),
     ``warmup`` and ``repeat``; with NVML, ``sm_mhz``, ``sm_mhz_median`` and ``throttle`` (see
     the module notes).  ``fn``'s return value is dropped after each call, outside the timed
     span.  ``burst`` > 1: each timed span holds that many calls back to back and the times are
@@ -89,6 +91,7 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10,
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     ev_ms: List[float] = []
     wall_ms: List[float] = []
+    issue_ms: List[float] = []
     mhz: List[int] = []
     reasons = 0
     for _ in range(repeat):
@@ -100,6 +103,7 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10,
         for _ in range(burst - 1):
             del out
             out = fn()
+        issue_ms.append((time.perf_counter() - t0) * 1e3 / burst)
         end.record(stream)
         _synchronize()
         t1 = time.perf_counter()
@@ -111,6 +115,7 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 10,
             mhz.append(m)
             reasons |= why
     res = _timing(ev_ms, wall_ms, warmup, repeat)
+    res["issue_median_ms"] = _percentile(sorted(issue_ms), 50)
     if burst > 1:
         res["burst"] = burst
     if mhz:
