@@ -1,6 +1,7 @@
 """InfoNCE's ring schedule across ranks (issue 57; ``cupynce.ops._global.ring_blocks``): the
 rank's queries against each rank's chunk of keys while the next travels, with its explicit
-negatives, labels and label smoothing (:func:`ring_share`, :class:`_RingSmoothing`), split
+negatives, labels, label smoothing and hardness weighting (:func:`ring_share`,
+:class:`_RingSmoothing`, :func:`_chunk_hardness`), split
 from ``info_nce.py`` (its all-gather schedule and its single-process op) by size."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, List
 import numpy as np
 
 from .._engine.kernels import acc_dtype
+from .._engine.losses.row_blocks import Hardness
 from . import _global, _local, _variants
 from ._comm import Comm
 
@@ -16,9 +18,10 @@ __all__ = ["ring_share"]
 
 
 def ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, neg_p=None,
-               replicated: bool = False, labels=None, eps: float = 0.0):
+               replicated: bool = False, labels=None, eps: float = 0.0, hard=None):
     """The rank's queries against every rank's keys on the ring (``_global.ring_blocks``;
-    the ranks agreed on it: in-batch negatives, no hardness), in two passes:
+    the ranks agreed on it: in-batch negatives; hardness ``hard`` -- the rank's
+    :class:`Hardness` in the gathered layout -- without smoothing), in two passes:
     each chunk of keys' rows log-sum-exps while the next chunk travels (the positive logits
     from the rank's own chunk), merged in rank order; then, for a gradient, each kept chunk's
     gradient block with the full log-sum-exps, the keys' gradients summed along the ring to
@@ -51,6 +54,9 @@ def ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, n
         ns = chunk[n:] if travel else (neg_s if mine else None)
         lab = None if labs is None else (labels, labs[q])
         opt = dict(labels=lab) if lab is not None else {}
+        if hard is not None:
+            opt["hardness"] = _chunk_hardness(hard, n, ns.shape[0] if mine and travel else 0,
+                                              mine)
         if xp is np or grad:
             opt["positives"] = mine
         return path.rows(qn, chunk[:n], ns, neg_p if mine else None, temp.scale,
@@ -99,6 +105,18 @@ def ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, n
     if neg_s is not None and not travel:  # replicated: every rank's part summed, over P
         dneg = comm.all_reduce(xp.ascontiguousarray(dneg)) / dneg.dtype.type(size)
     return lse, rows, (dq, dk, dneg)
+
+
+def _chunk_hardness(hard: Hardness, n: int, m_own: int, mine: bool):
+    """A chunk's block's :class:`Hardness` (``row_softmax``'s rule, renumbered from the
+    gathered layout to the block's columns): the own chunk holds the rank's keys, then its
+    ``m_own`` travelling shared negatives (row i's own at n + i, n + i + n, ...; replicated
+    negatives are nobody's) and its per-query negatives (own); another rank's chunk holds no
+    positive and nothing of row i's own, so "in_batch_negatives" and "all_negatives" penalise
+    every column of it and "hard_negatives" none (None)."""
+    if mine:
+        return Hardness(hard.mode, hard.alpha, n, m_own, n)
+    return None if hard.mode == 2 else Hardness(hard.mode, hard.alpha, 0, 0, 1)
 
 
 class _RingSmoothing:

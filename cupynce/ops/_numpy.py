@@ -88,10 +88,11 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
     ``pair_labels``: pytorch-metric-learning's NTXentLoss rows (:func:`_pair_rows`).
     ``col_grads`` is accepted and ignored: the column gradients come from the same block.
     ``positives=False``: the columns hold no row's positive (a ring chunk of another rank's
-    keys; no smoothing or hardness): no −w target in the gradient, every same-label column
-    left out with ``labels`` (the row loss it returns is then meaningless)."""
-    if not positives and (smoothing or hardness is not None or pair_labels is not None):
-        raise ValueError("rows: positives=False takes no smoothing or hardness")
+    keys; no smoothing or pairs): no −w target in the gradient, every same-label column
+    left out with ``labels``, no column spared by ``hardness`` as the positive (the row loss
+    it returns is then meaningless)."""
+    if not positives and (smoothing or pair_labels is not None):
+        raise ValueError("rows: positives=False takes no smoothing or pair_labels")
     if weights is None or len(weights) != 3:  # (the GPU engine unpacks it on every call)
         raise TypeError(f"rows: weights is a (w, stride, multiplier) triple, got {weights!r}")
     xp = _cpu.current()
@@ -141,8 +142,8 @@ def rows(q, k, neg_s, neg_p, scale: float, *, exclude_diag: bool, pos_shift: int
         if hardness is None:
             s *= scale
         else:
-            s *= xp.where(_penalised(xp, hardness, r0, r1, pos, ncols, s.shape[1]),
-                          scale + hardness.alpha, scale)
+            s *= xp.where(_penalised(xp, hardness, r0, r1, pos if positives else None,
+                                     ncols, s.shape[1]), scale + hardness.alpha, scale)
         if smoothing:  # each row's candidates (the columns not left out): as F.cross_entropy's
             cand = xp.ones(s.shape, dtype=bool)  # classes, a -inf logit among them included
         if exclude_diag:
@@ -260,14 +261,15 @@ def _pair_rows(xp, q, k, scale: float, lab, weights, want_grad: bool, rb: int, a
 
 def _penalised(xp, hardness, r0: int, r1: int, pos, ncols: int, width: int):
     """(r1 - r0, width) bool: the columns hardness weighting penalises in rows r0..r1
-    (``row_softmax``'s rule: own = row i's hard negatives and the per-query ones)."""
+    (``row_softmax``'s rule: own = row i's hard negatives and the per-query ones; ``pos``
+    None: no positive among the columns)."""
     i = xp.arange(r0, r1)[:, None]
     c = xp.arange(width)[None, :]
     h = hardness
     own = (c >= h.own_start) & (c < h.own_start + h.own_count) & \
         ((c - h.own_start) % max(1, h.own_mod) == i)
     own = own | (c >= ncols)
-    not_pos = c != xp.asarray(pos)[:, None]
+    not_pos = (c >= 0) if pos is None else c != xp.asarray(pos)[:, None]
     if h.mode == 1:
         return not_pos & ~own
     return own if h.mode == 2 else not_pos

@@ -504,10 +504,12 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
          labels is not None, label_smoothing, in_batch_negatives is True,
          replicated_negatives is True, temperature_grad is True,
          hardness_mode if isinstance(hardness_mode, str) else 0, hardness_strength],
-        ring_wish=lambda: (not hardness_mode and in_batch_negatives is True
+        ring_wish=lambda: (not (hardness_mode and hardness_strength and label_smoothing)
+                           and in_batch_negatives is True
                            and _global.ring_possible(comm, query, requires_grad, reduction,
                                                      gpu=negatives is None and labels is None
-                                                     and not label_smoothing)))
+                                                     and not label_smoothing
+                                                     and not hardness_mode)))
     t, tgrad = temp.value, bool(temperature_grad) and requires_grad
     with config.float32_precision(p):  # every product of the rank's share (and graph keys)
         path = Path(xp)
@@ -523,9 +525,9 @@ def _global_forward(comm: Comm, query, key, temperature=0.1, *, negatives=None, 
                     tgrad=tgrad)
         rep = bool(replicated_negatives)
         w = weights(xp, None, reduction, n * size, a)
-        if ring:  # (no hardness: _info_nce_ring)
+        if ring:  # (_info_nce_ring; hardness without smoothing)
             lse, rows, acc = ring_share(comm, path, qn, kn, temp, w, fused, workspace_bytes,
-                                         neg_s, neg_p, rep, labels, eps)
+                                         neg_s, neg_p, rep, labels, eps, hard)
             ctx = Context(op, reduction, n, xp, stats=(lse,) if requires_grad else (),
                           precision=p)
             if fused:

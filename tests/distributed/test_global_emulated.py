@@ -287,6 +287,34 @@ RING_VARIANTS = {
         negatives=lambda r: _ring_negatives((3, 2, 5), r))),
     "info_nce-labels-shared": ("info_nce", dict(labels=_ring_labels,
                                                 negatives=lambda r: _ring_negatives((4, 5), r))),
+    "info_nce-hard-in-batch": ("info_nce", dict(hardness_mode="in_batch_negatives",
+                                                hardness_strength=0.7)),
+    "info_nce-hard-all-dt": ("info_nce", dict(hardness_mode="all_negatives",
+                                              hardness_strength=0.7, temperature_grad=True)),
+    "info_nce-hard-in-batch-shared": ("info_nce", dict(
+        hardness_mode="in_batch_negatives", hardness_strength=0.7,
+        negatives=lambda r: _ring_negatives((6, 5), r))),
+    "info_nce-hard-negatives-shared": ("info_nce", dict(
+        hardness_mode="hard_negatives", hardness_strength=0.7,
+        negatives=lambda r: _ring_negatives((6, 5), r))),
+    "info_nce-hard-all-shared": ("info_nce", dict(
+        hardness_mode="all_negatives", hardness_strength=0.7,
+        negatives=lambda r: _ring_negatives((4, 5), r))),
+    "info_nce-hard-all-replicated": ("info_nce", dict(
+        hardness_mode="all_negatives", hardness_strength=0.7, negatives=_ring_negatives((4, 5)),
+        replicated_negatives=True)),
+    "info_nce-hard-in-batch-replicated": ("info_nce", dict(
+        hardness_mode="in_batch_negatives", hardness_strength=0.7,
+        negatives=_ring_negatives((6, 5)), replicated_negatives=True)),
+    "info_nce-hard-in-batch-per-query": ("info_nce", dict(
+        hardness_mode="in_batch_negatives", hardness_strength=0.7,
+        negatives=lambda r: _ring_negatives((3, 2, 5), r))),
+    "info_nce-hard-negatives-per-query": ("info_nce", dict(
+        hardness_mode="hard_negatives", hardness_strength=0.7,
+        negatives=lambda r: _ring_negatives((3, 2, 5), r))),
+    "info_nce-hard-negatives-labels-shared": ("info_nce", dict(
+        hardness_mode="hard_negatives", hardness_strength=0.7, labels=_ring_labels,
+        negatives=lambda r: _ring_negatives((6, 5), r))),
     "siglip-labels": ("siglip", dict(labels=_ring_labels)),
     "nt_xent-smoothing": ("nt_xent", dict(label_smoothing=0.1)),
     "clip-smoothing": ("clip", dict(label_smoothing=0.1)),
@@ -309,6 +337,27 @@ def test_ring_variants_numpy(variant, P, reduction, requires_grad):
     all-gather schedules, as :func:`test_ring_schedule_numpy` checks the plain ops."""
     op, kw = RING_VARIANTS[variant]
     _check_ring_numpy(op, P, reduction, requires_grad, **kw)
+
+
+def test_ring_hardness_with_smoothing_gathers():
+    """InfoNCE's hardness weighting together with label smoothing stays on the all-gather
+    schedule (the ring's smoothing term takes the candidates' logits unpenalised), and its
+    result is the one-process loss's."""
+    from emulated_ranks import run as run_ranks
+
+    P, n, d = 3, 3, 5
+    A, B = _batch(np, "float64", (n * P, d), 31, 1.0), _batch(np, "float64", (n * P, d), 32, 1.0)
+    kw = dict(hardness_mode="all_negatives", hardness_strength=0.7, label_smoothing=0.1)
+
+    def body(comm):
+        comm.ring = True
+        sl = slice(comm.rank * n, (comm.rank + 1) * n)
+        return _ring_op("info_nce", A[sl], B[sl], "mean", False, comm, **dict(kw))[0]
+    out = run_ranks(P, body)
+    assert not any("ring_shift" in lg for lg in run_ranks.log)
+    whole, _ = cupynce.info_nce_forward(A, B, 0.3, requires_grad=False, **kw)
+    for loss in out:
+        assert _err(loss, whole) <= 1e-13
 
 
 @pytest.mark.parametrize("op", ["siglip", "clip", "info_nce", "nt_xent"])
