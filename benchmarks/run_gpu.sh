@@ -3,7 +3,8 @@
 # checkout (PYTHONPATH, CUPYNCE_TEST_CHECKOUT=1), e.g. on a lent machine with no network:
 #
 #   bash benchmarks/run_gpu.sh suite1     # tests/ops, engine, distributed (~8 min on an H200)
-#   bash benchmarks/run_gpu.sh suite2     # tests/torch, integrations, packaging, report (~4 min)
+#   bash benchmarks/run_gpu.sh suite2     # tests/torch, integrations, packaging, report (~4 min
+#                                         # warm, over 5 min on a fresh machine)
 #   bash benchmarks/run_gpu.sh sanitize   # memcheck + racecheck over benchmarks/sanitize_case.py
 #   bash benchmarks/run_gpu.sh splade     # the SPLADE GPU tests, bench_splade --quick (fused
 #                                         # and cuBLAS paths), bench_splade_argmax
