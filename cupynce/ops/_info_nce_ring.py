@@ -34,6 +34,9 @@ def ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, n
     rows' losses, (dq, dk, dneg) or None)`` as ``info_nce._global_scatter``'s (dq adds the
     steps' parts in step order, own chunk first).  On CuPy arrays (``config.ring_gpu``) the plain op's alone: another rank's chunk's
     gradient block on ``_engine.rows(positives=False)``."""
+    if hard is not None and eps:  # (the smoothing term takes the logits unpenalised)
+        raise ValueError("ring_share: hardness with label smoothing is the all-gather "
+                         "schedule's (the ring wish refuses it)")
     xp = np if isinstance(qn, np.ndarray) else _local._cupy()
     engine = _local.engine_for(xp)
     n, rank, size = qn.shape[0], comm.rank, comm.size

@@ -260,7 +260,8 @@ def _pair_rows(xp, q, k, scale: float, lab, weights, want_grad: bool, rb: int, a
 
 
 def _penalised(xp, hardness, r0: int, r1: int, pos, ncols: int, width: int):
-    """(r1 - r0, width) bool: the columns hardness weighting penalises in rows r0..r1
+    """(r1 - r0, width) bool (or a row of it that broadcasts so: ``pos`` None with
+    "all_negatives"): the columns hardness weighting penalises in rows r0..r1
     (``row_softmax``'s rule: own = row i's hard negatives and the per-query ones; ``pos``
     None: no positive among the columns)."""
     i = xp.arange(r0, r1)[:, None]
