@@ -196,7 +196,7 @@ def clip_smoothing(xp, an, bn, ls, eps: float, w: Optional[Any] = None, *,
 
 
 def clip_smoothing_labels(xp, path, an, bn, ls, eps: float, groups, w: Optional[Any] = None,
-                          *, want_loss: bool = True, every=None):
+                          *, want_loss: bool = True, every=None, ring=None):
     """:func:`clip_smoothing` with CLIP's labels: pair i's candidates in either direction are
     i and the pairs of another label, K_i = N − c_i + 1 of them (c_i its class's size), so the
     smoothing term's sums lose the class: Σ_{C_i} L_ij = σ â_i · (B − B_{y_i} + b̂_i), the
@@ -210,29 +210,47 @@ def clip_smoothing_labels(xp, path, an, bn, ls, eps: float, groups, w: Optional[
     ``every``: ``(â of every pair, b̂ of every pair, every pair's weight or None, row0)`` when
     ``an``, ``bn`` are a rank's pairs row0 .. of the global batch (``groups`` then the global
     labels'; ``w`` this rank's pairs' weights): the sums and class sums over every pair, in
-    one fixed order on every rank; Δ∂/∂logit_scale is then this rank's share."""
+    one fixed order on every rank; Δ∂/∂logit_scale is then this rank's share.  ``ring``:
+    ``(K of this rank's pairs (n,), A, B, A_{y_i}, B_{y_i} (n, D) of this rank's pairs,
+    U)`` -- the sums over every pair and the class sums a ring brought chunk by chunk
+    (``groups`` unused), ``U(u)`` the global sums ``(Σ u_i â_i, Σ u_i b̂_i)`` of this
+    rank's u; ``w`` one real then (the rings' reductions): a class's pairs share u, so
+    U_b,{y_k} = u_k B_{y_k}."""
     a = acc_dtype(an.dtype)
     x, y = an.astype(a, copy=False), bn.astype(a, copy=False)
     n = x.shape[0]
-    xa, ya, w_all, row0 = every if every is not None else (x, y, w, 0)
-    xa, ya = xa.astype(a, copy=False), ya.astype(a, copy=False)
-    n_all, own = xa.shape[0], slice(row0, row0 + n)
     sigma = xp.exp(xp.asarray(ls, dtype=a).reshape(()))
-    k_all = (n_all + 1 - (groups[4] - groups[3])).astype(a)  # (each pair's candidates)
-    k = k_all[own]
-    ra = xa.sum(axis=0)[None, :] - path.class_sums(xa, groups)[own] + x  # A − A_{y_i} + â_i
-    rb = ya.sum(axis=0)[None, :] - path.class_sums(ya, groups)[own] + y
+    if ring is not None:
+        k, sa, sb, ca, cb, usums = ring
+        ra, rb = sa[None, :] - ca + x, sb[None, :] - cb + y
+    else:
+        xa, ya, w_all, row0 = every if every is not None else (x, y, w, 0)
+        xa, ya = xa.astype(a, copy=False), ya.astype(a, copy=False)
+        n_all, own = xa.shape[0], slice(row0, row0 + n)
+        k_all = (n_all + 1 - (groups[4] - groups[3])).astype(a)  # (each pair's candidates)
+        k = k_all[own]
+        # A − A_{y_i} + â_i, B − B_{y_i} + b̂_i
+        ra = xa.sum(axis=0)[None, :] - path.class_sums(xa, groups)[own] + x
+        rb = ya.sum(axis=0)[None, :] - path.class_sums(ya, groups)[own] + y
     diag = (x * y).sum(axis=1)
     delta = sigma * (eps * diag - (eps / (2 * k)) * ((x * rb).sum(axis=1)
                                                      + (y * ra).sum(axis=1)))
     if w is None:
         return (delta if want_loss else None), None
     wv = xp.broadcast_to(xp.asarray(w, dtype=a), (n,))
-    u_all = xp.broadcast_to(xp.asarray(w_all, dtype=a), (n_all,)) * (sigma * eps / 2) / k_all
-    u = u_all[own]
-    uy = path.class_sums(ya, groups, u_all)[own]
-    ux = path.class_sums(xa, groups, u_all)[own]
-    sy, sx = (u_all[:, None] * ya).sum(axis=0), (u_all[:, None] * xa).sum(axis=0)
+    if ring is not None:
+        if getattr(w, "ndim", 0):
+            raise ValueError("clip_smoothing_labels: a ring's weight is one real")
+        u = wv * (sigma * eps / 2) / k
+        uy, ux = u[:, None] * cb, u[:, None] * ca
+        sx, sy = usums(u)
+    else:
+        u_all = (xp.broadcast_to(xp.asarray(w_all, dtype=a), (n_all,)) * (sigma * eps / 2)
+                 / k_all)
+        u = u_all[own]
+        uy = path.class_sums(ya, groups, u_all)[own]
+        ux = path.class_sums(xa, groups, u_all)[own]
+        sy, sx = (u_all[:, None] * ya).sum(axis=0), (u_all[:, None] * xa).sum(axis=0)
     da = (sigma * eps) * wv[:, None] * y - u[:, None] * (rb + y) - sy[None, :] + uy
     db = (sigma * eps) * wv[:, None] * x - u[:, None] * (ra + x) - sx[None, :] + ux
     return (delta if want_loss else None), (da, db, (wv * delta).sum())

@@ -391,9 +391,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         comm, op, checks, [a, b], ["a", "b"],
         [0.0 if ls_array else logit_scale, ls_array, reduction, normalize, requires_grad,
          precision, label_smoothing, labels is not None],
-        ring_wish=lambda: (not (labels is not None and label_smoothing)  # (class sums)
-                           and _global.ring_possible(comm, a, requires_grad, reduction,
-                                                     gpu=labels is None)))
+        ring_wish=lambda: _global.ring_possible(comm, a, requires_grad, reduction,
+                                                gpu=labels is None))
     if masks:  # (every pair's label, rank order: the rows' are this rank's of them)
         every_lab = comm.all_gather(masks["labels"][0]).reshape(-1)
         masks = dict(labels=(every_lab, every_lab))
@@ -415,9 +414,25 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         if ring:
             w = weights(xp, None, reduction, n * size, acc) if fused else None
             labs = masks["labels"][0].reshape(size, n) if masks else None
-            pair, lse_r, lse_c, grads = _ring_share(comm, xp, engine, block, an, bn, ls_dev,
-                                                    w, workspace_bytes, labs)
-            if eps:  # the smoothing's O(N·D) difference over the global sums (no rows)
+            pair, lse_r, lse_c, grads, cls = _ring_share(
+                comm, xp, engine, block, an, bn, ls_dev, w, workspace_bytes, labs,
+                path=path if eps and masks else None)
+            if eps and masks:  # over the global sums and the class sums the ring brought
+                groups = _variants.label_groups(xp, masks["labels"][0])
+                k = (n * size + 1 - (groups[4] - groups[3]))[rank * n:(rank + 1) * n]
+
+                def usums(u):  # (Σ u_i â_i, Σ u_i b̂_i) over every rank's pairs
+                    return _variants.global_sums(comm, xp, u[:, None] * an.astype(acc),
+                                                 u[:, None] * bn.astype(acc))
+                ring_sums = (k.astype(acc), *_variants.global_sums(comm, xp, an, bn), *cls,
+                             usums)
+                d, g = _variants.clip_smoothing_labels(
+                    xp, path, an, bn, ls_dev, eps, None,
+                    _variants.row_weights(w) if fused else None, ring=ring_sums)
+                pair = pair + d
+                if fused:
+                    grads = (grads[0] + g[0], grads[1] + g[1], grads[2] + g[2])
+            elif eps:  # the smoothing's O(N·D) difference over the global sums (no rows)
                 sums = tuple(_variants.global_sums(comm, xp, an, bn)) + (n * size,)
                 pair = pair + _variants.clip_smoothing(xp, an, bn, ls_dev, eps, sums=sums)[0]
                 if fused:
@@ -476,7 +491,8 @@ def _global_forward(comm: Comm, a, b, logit_scale, *, label_smoothing=0.0, label
         return _global.loss(comm, xp, pair, reduction, n * size), _global.tag(ctx, _GLOBAL)
 
 
-def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None):
+def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None, *,
+                path=None):
     """The rank's rows against every rank's texts on the ring (``_global.ring_blocks``), in
     two passes.  First, each chunk of texts' block while the next chunk travels: the rows'
     log-sum-exps over the chunk and the chunk's column states over the rank's rows (the
@@ -489,16 +505,23 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None)
     the diagonal; another rank's holds none (``positives=False``: G = ½ w (p_row + p_col),
     on the GPU the same tile epilogues with the rows numbered past the columns).
     ``labs`` (P, n): every pair's label (the NumPy path's alone), the same-label pairs off
-    the positive left out of both softmaxes in every chunk's block.
+    the positive left out of both softmaxes in every chunk's block.  ``path`` (with
+    ``labs``: the label smoothing's class sums): the images travel with their texts in the
+    first pass (the all-gather schedule's bytes), and each chunk adds, for this rank's pairs,
+    its images' and texts' sums of their labels (``_variants.cross_groups``; in step order).
 
     Returns ``(pair losses, lse_r, this rank's texts' lse_c, (da, db, this rank's share of
-    d logit_scale) or None)``; the rank's rows' parts are added in step order (own chunk
-    first)."""
+    d logit_scale) or None, (A_{y_i}, B_{y_i}) (n, D) or None)``; the rank's rows' parts are
+    added in step order (own chunk first)."""
     n, rank, size = an.shape[0], comm.rank, comm.size
     chunks: List[Any] = [None] * size
     lse_parts: List[Any] = [None] * size
     states: List[Any] = [None] * size
     own_row_loss = []
+    acc, cls = acc_dtype(an.dtype), None
+    if path is not None:  # (the class sums: (A_{y_i}, B_{y_i}) of this rank's pairs)
+        cls = [xp.zeros(an.shape, acc), xp.zeros(bn.shape, acc)]
+        keep = xp.concatenate([xp.zeros(n, acc), xp.ones(n, acc)])
 
     def lab_of(q):  # (chunk q's pairs' labels against this rank's)
         return {} if labs is None else dict(labels=(labs[rank], labs[q]))
@@ -508,6 +531,12 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None)
     dots = comm.all_gather(engine.pair_dots(an, bn))
 
     def stats(k, q, chunk):
+        if cls is not None:  # (chunk: the texts, then their images)
+            groups = _variants.cross_groups(xp, labs[rank], labs[q])
+            for i, rows in enumerate((chunk[n:], chunk[:n])):
+                both = xp.concatenate([xp.zeros((n, rows.shape[1]), acc), rows.astype(acc)])
+                cls[i] += path.class_sums(both, groups, keep)[:n]
+            chunk = chunk[:n]
         chunks[q] = chunk
         lse_parts[q], states[q], rl, _ = block(
             an, chunk, ls_dev, lse_r=None, lse_c=None, weights=None, want_loss=True,
@@ -517,7 +546,8 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None)
             own_row_loss.append(rl)  # lse over the own chunk − the positive logit
         return None, None
 
-    _global.ring_blocks(comm, bn, stats, col_grads=False)
+    _global.ring_blocks(comm, bn if cls is None else xp.concatenate([bn, an]), stats,
+                        col_grads=False)
     # each row's log-sum-exp from the chunks' ((m, s) = (lse_q, 1)), merged in rank order
     lse_r = _global.merge_lse(engine, lse_parts)
     lse_c = engine.col_lse(comm.all_gather(xp.concatenate(states, axis=1)))
@@ -525,7 +555,7 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None)
     own = lse_c[rank * n:(rank + 1) * n]
     pair = 0.5 * ((lse_r - l_pos) + (own - l_pos))
     if w is None:
-        return pair, lse_r, own, None
+        return pair, lse_r, own, None, cls
 
     def grads(k, q, _):
         _, _, _, (da, db, _) = block(
@@ -539,7 +569,7 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None)
     # d loss / d logit_scale = Σ_i â_i · da_i once, from the summed da (the all-gather
     # schedule's sum; the chunks' parts added would turn an inf into inf − inf = NaN)
     dsp = xp.sum(xp.einsum("ij,ij->i", an.astype(da.dtype, copy=False), da))
-    return pair, lse_r, own, (da, db, dsp)
+    return pair, lse_r, own, (da, db, dsp), cls
 
 
 def _global_grads(comm: Comm, block, xp, an, b_all, ls, row0: int, lse_r, lse_c, w, ws,

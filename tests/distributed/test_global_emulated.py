@@ -319,6 +319,11 @@ RING_VARIANTS = {
     "nt_xent-smoothing": ("nt_xent", dict(label_smoothing=0.1)),
     "clip-smoothing": ("clip", dict(label_smoothing=0.1)),
     "clip-labels": ("clip", dict(labels=_ring_labels)),
+    "clip-smoothing-labels": ("clip", dict(label_smoothing=0.1, labels=_ring_labels)),
+    "clip-smoothing-labels-rank-classes": ("clip", dict(label_smoothing=0.2,
+                                                        labels=lambda r: np.full(3, r % 2))),
+    "clip-smoothing-labels-singletons": ("clip", dict(
+        label_smoothing=0.1, labels=lambda r: np.arange(3 * r, 3 * r + 3))),
     "supcon": ("supcon", dict(labels=lambda r: _ring_labels(r, 6))),
     "supcon-singletons": ("supcon", dict(labels=lambda r: np.arange(6 * r, 6 * r + 6) % 9)),
     "nt_xent_pairs": ("nt_xent_pairs", dict(labels=lambda r: _ring_labels(r, 6))),
