@@ -184,7 +184,8 @@ def clip_loss_forward(a, b, logit_scale, *, label_smoothing: float = 0.0, labels
         the labels are an input of the CUDA-graph replay; with ``group`` each rank passes
         its pairs' labels (gathered with the texts).  With ``label_smoothing`` ε is spread
         over each pair's candidates left after the mask (class sums, O(N·D); with ``group``
-        over every rank's pairs: the images gathered too).
+        over every rank's pairs: the images gathered too, or on the ring schedule
+        travelling with their texts).
     reduction : "mean" | "sum" | "none" (per pair: (row CE_i + column CE_i) / 2).
     normalize, workspace_bytes, requires_grad : as for nt_xent.
     group : communicator, optional
