@@ -32,8 +32,9 @@ def ring_share(comm: Comm, path, qn, kn, temp, w, fused: bool, ws, neg_s=None, n
     out of a row's candidates; the label smoothing ``eps`` is the plain loss's O(N·D)
     difference from the global column sums (:class:`_RingSmoothing`).  Returns ``(lse, the
     rows' losses, (dq, dk, dneg) or None)`` as ``info_nce._global_scatter``'s (dq adds the
-    steps' parts in step order, own chunk first).  On CuPy arrays (``config.ring_gpu``) the plain op's alone: another rank's chunk's
-    gradient block on ``_engine.rows(positives=False)``."""
+    steps' parts in step order, own chunk first).  On CuPy arrays (``config.ring_gpu``)
+    the plain op's alone: another rank's chunk's gradient block on
+    ``_engine.rows(positives=False)``."""
     if hard is not None and eps:  # (the smoothing term takes the logits unpenalised)
         raise ValueError("ring_share: hardness with label smoothing is the all-gather "
                          "schedule's (the ring wish refuses it)")

@@ -214,8 +214,8 @@ def clip_smoothing_labels(xp, path, an, bn, ls, eps: float, groups, w: Optional[
     ``(K of this rank's pairs (n,), A, B, A_{y_i}, B_{y_i} (n, D) of this rank's pairs,
     U)`` -- the sums over every pair and the class sums a ring brought chunk by chunk
     (``groups`` unused), ``U(u)`` the sums ``(Σ u_i â_i, Σ u_i b̂_i)`` over every pair,
-    each rank giving its own pairs' u; ``w`` one real then (the rings' reductions): a class's pairs share u, so
-    U_b,{y_k} = u_k B_{y_k}."""
+    each rank giving its own pairs' u; ``w`` one real then (the rings' reductions): a
+    class's pairs share u, so U_b,{y_k} = u_k B_{y_k}."""
     a = acc_dtype(an.dtype)
     x, y = an.astype(a, copy=False), bn.astype(a, copy=False)
     n = x.shape[0]

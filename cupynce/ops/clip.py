@@ -521,8 +521,7 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None,
     own_row_loss = []
     acc, cls = acc_dtype(an.dtype), None
     if path is not None:  # (the class sums: (A_{y_i}, B_{y_i}) of this rank's pairs)
-        cls = [xp.zeros(an.shape, acc), xp.zeros(bn.shape, acc)]
-        keep = xp.concatenate([xp.zeros(n, acc), xp.ones(n, acc)])
+        cls = xp.zeros((n, 2 * an.shape[1]), acc)
 
     def lab_of(q):  # (chunk q's pairs' labels against this rank's)
         return {} if labs is None else dict(labels=(labs[rank], labs[q]))
@@ -532,11 +531,11 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None,
     dots = comm.all_gather(engine.pair_dots(an, bn))
 
     def stats(k, q, chunk):
-        if cls is not None:  # (chunk: the texts, then their images)
-            groups = _variants.cross_groups(xp, labs[rank], labs[q])
-            for i, rows in enumerate((chunk[n:], chunk[:n])):
-                both = xp.concatenate([xp.zeros((n, rows.shape[1]), acc), rows.astype(acc)])
-                cls[i] += path.class_sums(both, groups, keep)[:n]
+        if cls is not None:  # (chunk: the texts, then their images; the pairs' [â | b̂] after
+            # this rank's zero rows: each of its pairs' sums over the chunk's of its label)
+            pairs = xp.concatenate([chunk[n:], chunk[:n]], axis=1).astype(acc)
+            cls[:] += path.class_sums(xp.concatenate([xp.zeros_like(pairs), pairs]),
+                                      _variants.cross_groups(xp, labs[rank], labs[q]))[:n]
             chunk = chunk[:n]
         chunks[q] = chunk
         lse_parts[q], states[q], rl, _ = block(
@@ -555,6 +554,7 @@ def _ring_share(comm: Comm, xp, engine, block, an, bn, ls_dev, w, ws, labs=None,
     l_pos = lse_parts[rank] - own_row_loss[0]
     own = lse_c[rank * n:(rank + 1) * n]
     pair = 0.5 * ((lse_r - l_pos) + (own - l_pos))
+    cls = None if cls is None else (cls[:, :an.shape[1]], cls[:, an.shape[1]:])
     if w is None:
         return pair, lse_r, own, None, cls
 

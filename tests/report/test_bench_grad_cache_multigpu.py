@@ -16,15 +16,11 @@ pytest.importorskip("sentence_transformers")
 import torch.distributed as dist  # noqa: E402
 
 import test_torch_distributed as D  # noqa: E402  (its folder is on sys.path: conftest)
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from bench_scripts import load  # noqa: E402
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))
-    import bench_grad_cache_multigpu
-
-    return bench_grad_cache_multigpu
+    return load("bench_grad_cache_multigpu")
 
 
 def check_cached_rank(rank, P):

@@ -14,13 +14,11 @@ pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import test_torch_distributed as D  # noqa: E402  (its folder is on sys.path: conftest)
+from bench_scripts import load  # noqa: E402
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
 def _bench():
-    sys.path.insert(0, str(BENCH))
-    import bench_multigpu
-
-    return bench_multigpu
+    return load("bench_multigpu")
 
 
 def check_bench_rank(rank, P):

@@ -506,8 +506,8 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             g_blk = g_buf[:r1 - r0]
             # clip_grad halves w_i p_i(j) + w_j p_j(i): the weights go in doubled
             kernels.launch(GRADS_FILE, "clip_grad", t, (r1 - r0,), (
-                s_blk, np.int64(m), np.int32(m), np.int32(m + r0), ptr(scale_log), a.type(scale),
-                lse_row, lse_c, ptr(w_arr), np.int64(1), a.type(2 * w_mul), g_blk,
+                s_blk, np.int64(m), np.int32(m), np.int32(m + r0), ptr(scale_log),
+                a.type(scale), lse_row, lse_c, ptr(w_arr), np.int64(1), a.type(2 * w_mul), g_blk,
                 np.int64(m), 0))
             gemm(g_blk, k, dq[r0:r1])
             gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0)

@@ -606,7 +606,8 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             r1 = min(n, r0 + rg)
             rt = -(-(r1 - r0) // TILE)
             tile("lse2", t, (rt, splits), q[r0:r1], m + r0, k, None, scale=scale,
-                 scale_log=scale_log, pos_mod=FAR_MOD, part=(part + 4 * r0, part_s + 4 * r0, n),
+                 scale_log=scale_log, pos_mod=FAR_MOD,
+                 part=(part + 4 * r0, part_s + 4 * r0, n),
                  colp=(colp, colp_s), lse_col=col_shift)
             kernels.launch(ROWS_FILE, "col_combine", t, (-(-m // 32),), (
                 colp, colp_s, np.int32(rt), np.int32(m), state, state[1],
@@ -628,8 +629,8 @@ def cross(q, k, scale: float, *, lse_r, lse_c, weights, want_stats: bool, want_g
             rt = -(-(r1 - r0) // TILE)
             g_blk = g_buf[:r1 - r0, :m]
             tile("h", t, (rt, grid_splits(rt, ct)), q[r0:r1], m + r0, k, None, scale=scale,
-                 scale_log=scale_log, pos_mod=FAR_MOD, lse_row=lse_row, lse_col=lse_c, weights=(w_arr, 1, w_mul),
-                 g=g_blk)
+                 scale_log=scale_log, pos_mod=FAR_MOD, lse_row=lse_row, lse_col=lse_c,
+                 weights=(w_arr, 1, w_mul), g=g_blk)
             cublas.gemm(g_blk, k, dq[r0:r1])
             cublas.gemm(g_blk, q[r0:r1], dk, trans_a=True, beta=1.0 if r0 else 0.0)
         grads = (dq, dk)
