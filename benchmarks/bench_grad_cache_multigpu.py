@@ -40,11 +40,14 @@ LOSSES = ("cupynce cached", "library cached")
 
 def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 64,
              mini_batch: int = 1024, steps: int = 2, device: str = "cuda",
-             profile: bool = False) -> List[Dict[str, Any]]:
+             profile: bool = False, cprofile: bool = False) -> List[Dict[str, Any]]:
     """Every loss's cached step on this rank (inside an initialised process group, or alone);
     rank 0 gets the merged rows.  ``profile``: then one step more under torch.profiler and
     one under cProfile (``bench_multigpu._breakdown``: compute, NCCL, copies, GPU idle, the
-    host's top events), the slowest rank's kept as the row's ``breakdown``."""
+    host's top events), the slowest rank's kept as the row's ``breakdown``.  ``cprofile``:
+    then one step under cProfile alone (``host_py``: the Python functions of most own time,
+    the slowest rank's; ``cprofile_s`` that step's time) -- what ``profile`` finds at a
+    fraction of its cost, for steps too long for torch.profiler (a few million events)."""
     import torch
     import torch.distributed as dist
     from sentence_transformers.sentence_transformer import losses as ST
@@ -102,6 +105,14 @@ def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 
                 if grouped:
                     dist.barrier()
                 mine["breakdown"] = _breakdown(step, steps=1, host=True)
+            if cprofile:
+                import time
+
+                from bench_multigpu import _python_profile
+
+                t0 = time.perf_counter()
+                mine["host_py"] = _python_profile(step, 1, cuda=cuda)
+                mine["cprofile_s"] = time.perf_counter() - t0
             every = [mine]
             if grouped:
                 every = [None] * size
@@ -116,6 +127,9 @@ def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 
                 if profile and cuda:
                     rows[-1]["breakdown"] = max(every, key=lambda e: e["breakdown"]["wall_ms"]
                                                 )["breakdown"]
+                if cprofile:
+                    slow = max(every, key=lambda e: e["cprofile_s"])
+                    rows[-1].update(host_py=slow["host_py"], cprofile_s=slow["cprofile_s"])
                 print(json.dumps(rows[-1]), flush=True)
             if cuda:
                 torch.cuda.empty_cache()
@@ -155,6 +169,13 @@ def report(paths: List[str]) -> str:
                 ["loss", "GPUs", "name", "ms", "calls"],
                 [[r["loss"], r["P"], name, f"{ms:.1f}", f"{calls:g}"]
                  for r in prof for name, ms, calls in r["breakdown"].get(key, [])[:8]])
+    alone = [r for r in rows if r.get("host_py")]
+    if alone:  # (--cprofile: one step under cProfile alone, the slowest rank)
+        text += "\n\nThe Python functions of most own time, one step under cProfile alone " \
+                "(the slowest rank; ms):\n\n" + markdown_table(
+                    ["loss", "global N", "GPUs", "step s (profiled)", "name", "ms", "calls"],
+                    [[r["loss"], r["N"], r["P"], f"{r['cprofile_s']:.3f}", name, f"{ms:.1f}",
+                      f"{calls:g}"] for r in alone for name, ms, calls in r["host_py"][:10]])
     return text
 
 
@@ -169,6 +190,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--profile", action="store_true",
                    help="then where a step goes: one step under torch.profiler and cProfile")
+    p.add_argument("--cprofile", action="store_true",
+                   help="then one step under cProfile alone (long steps: --profile's cost)")
     p.add_argument("--json", help="where rank 0 writes the rows")
     p.add_argument("--report", nargs="*", help="JSON files to merge into the table (no run)")
     args = p.parse_args(argv)
@@ -189,7 +212,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 device_id=torch.device("cuda", local))
     try:
         rows = run_rank(args.shape, args.global_batch, losses, length=args.length,
-                        mini_batch=args.mini_batch, steps=args.steps, profile=args.profile)
+                        mini_batch=args.mini_batch, steps=args.steps, profile=args.profile,
+                        cprofile=args.cprofile)
         if not grouped or dist.get_rank() == 0:
             data = {"P": dist.get_world_size() if grouped else 1, "device": device_info(),
                     "rows": rows}

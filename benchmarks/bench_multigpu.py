@@ -229,10 +229,11 @@ def _breakdown(fn: Callable[[], Any], steps: int = 3, host: bool = False) -> Dic
     return out
 
 
-def _python_profile(fn: Callable[[], Any], steps: int) -> List[List[Any]]:
+def _python_profile(fn: Callable[[], Any], steps: int, cuda: bool = True) -> List[List[Any]]:
     """The Python functions of most own time a step (cProfile over ``steps`` steps, then a
     synchronisation): [function, own ms, calls] -- a C call that waits (a synchronising
-    CUDA call, a collective waiting for another rank) shows as a builtin's own time."""
+    CUDA call, a collective waiting for another rank) shows as a builtin's own time.
+    ``cuda`` False: no CUDA synchronisation (a CPU run)."""
     import cProfile
     import pstats
 
@@ -241,7 +242,8 @@ def _python_profile(fn: Callable[[], Any], steps: int) -> List[List[Any]]:
 
     # (every rank starts together: the torch.profiler's post-processing before this takes a
     # different time on each, and a collective would wait that skew out under the profile)
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     if dist.is_initialized():
         dist.barrier()
     prof = cProfile.Profile()
@@ -249,7 +251,7 @@ def _python_profile(fn: Callable[[], Any], steps: int) -> List[List[Any]]:
     for _ in range(steps):
         fn()
     prof.disable()
-    torch.cuda.synchronize()
+    sync()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:12]
     return [[f"{Path(f).name}:{line}({name})", tt * 1e3 / steps, nc / steps]

@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/run_multigpu.sh tests     # the multi-GPU tests on 2 GPUs and on all of them
 #   bash benchmarks/run_multigpu.sh largest   # the largest global batch, CLIP, every GPU
-#   bash benchmarks/run_multigpu.sh scaling   # bench_multigpu.py on 1, 2, 4, 8 GPUs (as present)
+#   bash benchmarks/run_multigpu.sh scaling   # bench_multigpu.py on 1, 2, 4, 8 GPUs (as present),
+#                                             # the all-gather schedule and the rings
 #   bash benchmarks/run_multigpu.sh breakdown # N = 65536 on 1, 2, ... GPUs: where a rank's step
 #                                             # goes (compute, NCCL, copies, idle, host), with
 #                                             # an NCCL-only group and with gloo beside it
@@ -14,6 +15,8 @@
 #                                             # 1, 2, ... GPUs (bench_grad_cache_multigpu.py)
 #   bash benchmarks/run_multigpu.sh cached-profile # the same on 1 and every GPU, then where a
 #                                             # rank's cached step goes (--profile)
+#   bash benchmarks/run_multigpu.sh cached-cprofile # 131072 pairs a GPU on 1 and every GPU,
+#                                             # one step more under cProfile alone (--cprofile)
 #
 # Logs and JSON go to $OUT (default ./multigpu-out).  NVLink multicast stays off: a program that
 # uses it can put a shared host's GPUs out of service.
@@ -71,7 +74,7 @@ host)
   done
   python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/host.md"
   ;;
-cached | cached-profile)
+cached | cached-profile | cached-cprofile)
   # (sentence-transformers and its dependencies from ./.whl when present: run_gpu.sh's way)
   if ls .whl/*.whl >/dev/null 2>&1; then
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
@@ -80,19 +83,30 @@ cached | cached-profile)
   files=(); extra=(); Ps=$(counts); tag=cached
   [ "$1" = cached-profile ] && extra=(--profile) && Ps=$(printf '%s\n' 1 "$G" | sort -un) \
     && tag=cached_profile
+  [ "$1" = cached-cprofile ] && extra=(--cprofile) && Ps=$(printf '%s\n' 1 "$G" | sort -un) \
+    && tag=cached_cprofile
   for P in $Ps; do
+    # (--cprofile: the same rows a GPU at every P, 131072: where a rank's step grows with P)
+    N=262144 && [ "$1" = cached-cprofile ] && N=$((131072 * P))
     timeout 400 torchrun --standalone --nproc_per_node "$P" \
-      benchmarks/bench_grad_cache_multigpu.py --global-batch 262144 "${extra[@]}" \
+      benchmarks/bench_grad_cache_multigpu.py --global-batch "$N" "${extra[@]}" \
       --json "$OUT/${tag}$P.json" && files+=("$OUT/${tag}$P.json")
   done
   python benchmarks/bench_grad_cache_multigpu.py --report "${files[@]}" | tee "$OUT/$tag.md"
   ;;
 scaling | all)
-  files=()
-  for P in $(counts); do
-    timeout 300 torchrun --standalone --nproc_per_node "$P" benchmarks/bench_multigpu.py \
-      --json "$OUT/p$P.json" && files+=("$OUT/p$P.json")
+  # the group docs/distributed.md recommends (gloo beside NCCL): the all-gather schedule with
+  # open_clip's formula beside it (scaling.md), then the rings (config.ring_gpu, cupynce alone;
+  # scaling_ring.md), both against the same 1-GPU launch
+  for extra in "" --ring; do
+    files=(); tag=scaling${extra:+_ring}
+    for P in $(counts); do
+      f="$OUT/p$P${extra:+_ring}.json"
+      [ "$P" = 1 ] && f="$OUT/p1.json" && [ -f "$f" ] && { files+=("$f"); continue; }
+      timeout 300 torchrun --standalone --nproc_per_node "$P" benchmarks/bench_multigpu.py \
+        --backend cpu:gloo,cuda:nccl $extra ${extra:+--no-peers} --json "$f" && files+=("$f")
+    done
+    python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/$tag.md"
   done
-  python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/scaling.md"
   ;;
 esac

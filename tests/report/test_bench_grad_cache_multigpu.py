@@ -27,12 +27,16 @@ def check_cached_rank(rank, P):
     """This rank's steps; rank 0 writes the rows where the test said."""
     b = _bench()
     rows = b.run_rank("tiny", 8, list(b.LOSSES), length=6, mini_batch=2, steps=1,
-                      device="cpu")
+                      device="cpu", cprofile=True)
     if rank == 0:
         assert [r["loss"] for r in rows] == list(b.LOSSES), rows
         for r in rows:
             assert r["P"] == P and r["n"] == 8 // P and r["step_s"] > 0, r
             assert len(r["step_s_ranks"]) == P and r["peak_gib"] is None, r
+            # (--cprofile: the profiled step's time and its functions, own ms and calls)
+            assert r["cprofile_s"] > 0 and r["host_py"], r
+            assert all(isinstance(f, str) and ms >= 0 and calls >= 1
+                       for f, ms, calls in r["host_py"]), r["host_py"]
         path = Path(os.environ["CUPYNCE_BENCH_OUT"]) / f"c{P}.json"
         path.write_text(json.dumps({"P": P, "device": {"gpu": None}, "rows": rows}))
     else:
@@ -52,6 +56,10 @@ def test_bench_grad_cache_multigpu_over_gloo(tmp_path, monkeypatch):
                                              for P in ("1", "2")], table
     for c in cells:  # (P = 1 is its own baseline; P = 2 against it)
         assert c[7] == "100 %" if c[3] == "1" else c[7].endswith("%"), table
+    prof = [[c.strip() for c in ln.split("|")[1:-1]] for ln in table.split("cProfile alone")[1]
+            .splitlines() if ln.startswith("| ") and "cached" in ln]
+    assert {(c[0], c[2]) for c in prof} == {(loss, P) for loss in _bench().LOSSES
+                                            for P in ("1", "2")}, table
 
 
 def test_report_profile(tmp_path):
