@@ -28,12 +28,19 @@ time to it: torch.distributed's, NCCL's).  Also the bytes each rank sends per st
 ring (all-gathers of the column-side rows in bf16 and of the O(N) statistics,
 reduce-scatter of the float32 gradients).  CUDA-event
 medians, peak memory above the inputs (``cupynce.report.harness``).
+
+``--kernels``: then, per op and size, where the share's time goes beyond 1/P of the
+single-GPU op: both profiled for a few steps (torch.profiler: CUPTI sees CuPy's and cuBLAS's
+kernels alike), each kernel's time a step in the share against its time in the single op
+divided by P, sorted by the excess, and the GPU's idle time (the median step minus its
+kernels) of each -- the fixed costs that keep a rank's share above 1/P.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Dict, List
 
 import numpy as np
 
@@ -173,6 +180,52 @@ def sent_bytes(op, P, N, d):
     return (P - 1) * n * d * (2 + 4) + extra
 
 
+def kernel_times(fn, steps: int = 3) -> Dict[str, List[float]]:
+    """{kernel name: [ms a step, launches a step]} of ``steps`` calls of ``fn`` (after one
+    unprofiled call), the device's events alone."""
+    import cupy as cp
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    cp.cuda.runtime.deviceSynchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        cp.cuda.runtime.deviceSynchronize()
+    return {ev.key: [ev.device_time_total / 1e3 / steps, ev.count / steps]
+            for ev in prof.key_averages()
+            if ev.device_type == DeviceType.CUDA and ev.device_time_total > 0}
+
+
+def excess_table(share: Dict[str, List[float]], single: Dict[str, List[float]], P: int,
+                 share_ms: float, single_ms: float, top: int = 12) -> str:
+    """The kernels of most excess time in a rank's share over 1/P of the single op (ms a
+    step; launches), then the totals and the GPU's idle time (a median step minus its
+    kernels' sum) of each: ``share`` / ``single`` from :func:`kernel_times`."""
+    rows = []
+    for name in set(share) | set(single):
+        s_ms, s_n = share.get(name, [0.0, 0])
+        o_ms, o_n = single.get(name, [0.0, 0])
+        rows.append([name, s_ms, s_n, o_ms / P, o_n, s_ms - o_ms / P])
+    rows.sort(key=lambda r: -r[5])
+
+    def short(name: str) -> str:
+        return name if len(name) <= 70 else name[:67] + "..."
+
+    out = [[short(r[0]), fmt_ms(r[1]), f"{r[2]:g}", fmt_ms(r[3]), f"{r[4]:g}",
+            f"{r[5]:+.3f}"] for r in rows[:top]]
+    k_share = sum(r[1] for r in rows)
+    k_single = sum(r[3] for r in rows)
+    out.append(["(every kernel)", fmt_ms(k_share), f"{sum(r[2] for r in rows):g}",
+                fmt_ms(k_single), f"{sum(r[4] for r in rows):g}", f"{k_share - k_single:+.3f}"])
+    out.append(["(GPU idle: median step − kernels)", fmt_ms(share_ms - k_share), "",
+                fmt_ms(single_ms / P - k_single), "",
+                f"{(share_ms - k_share) - (single_ms / P - k_single):+.3f}"])
+    return markdown_table(["kernel", "share ms", "launches", "single ms / P",
+                           "single launches", "excess ms"], out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--P", type=int, default=8)
@@ -180,8 +233,10 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--ops", nargs="*", default=["clip_loss", "nt_xent", "info_nce"])
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--kernels", action="store_true",
+                   help="then each kernel's time in the share against 1/P of the single op's")
     args = p.parse_args(argv)
-    rows = []
+    rows, excess = [], []
     P, d = args.P, args.dim
     for op in args.ops:
         for N in args.sizes:
@@ -218,12 +273,24 @@ def main(argv=None) -> int:
             row.append(f"{sent_bytes(op, P, N, d) / 2**20:.0f}")
             rows.append(row)
             print(row, flush=True)
+            if args.kernels and blk.get("median_ms") and one.get("median_ms"):
+                free_memory(full_gc=True)
+                share_k = kernel_times(cupynce_rank(op, P, N, d))
+                free_memory(full_gc=True)
+                single_k = kernel_times(single(op, N, d))
+                excess.append(f"{op}, N = {N}, P = {P} (share {fmt_ms(blk['median_ms'])} ms, "
+                              f"single / P {fmt_ms(one['median_ms'] / P)} ms):\n\n"
+                              + excess_table(share_k, single_k, P, blk["median_ms"],
+                                             one["median_ms"]))
+                print(excess[-1], flush=True)
     table = markdown_table(
         ["op", "N", "n", "cupynce ms", "host ms", "MiB", "lean ms", "lean MiB", "1/P single ms",
          "cupynce / (1/P single)", "open_clip ms", "MiB", "speed-up", "memory ÷ lean",
          "open_clip amp ms", "MiB", "speed-up", "memory ÷ lean", "MiB sent per rank"], rows)
     print(f"\n{device_header(device_info())} · P = {P}, D = {d}, bf16, forward + "
           f"backward of one rank's share (rank 0)\n\n{table}")
+    for text in excess:
+        print(f"\n{text}")
     return 0
 
 

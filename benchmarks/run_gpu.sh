@@ -18,7 +18,8 @@
 #   bash benchmarks/run_gpu.sh sparse-largest # its largest batch that fits, each (up to 4096)
 #   bash benchmarks/run_gpu.sh share     # bench_distributed: a rank's share of P = 4 and 8 at
 #                                         # N = 65536 on one GPU, its GPU time beside the
-#                                         # host's time to issue it (issue 57)
+#                                         # host's time to issue it, and its kernels
+#                                         # against 1/P of the single op's (issue 57)
 #   bash benchmarks/run_gpu.sh ncu-splade # Nsight Compute over SPLADE's backward kernels at
 #                                         # (32, 256, 768, 30522), 1 % and 50 % density
 #
@@ -83,7 +84,7 @@ cupynce.splade_pool_backward(ctx, g)" >"$OUT/ncu_splade_$dens.csv" 2>&1
       echo "density $dens: rc=$? ($OUT/ncu_splade_$dens.csv)"
     done ;;
   share) for P in 4 8; do
-           python benchmarks/bench_distributed.py --P $P --sizes 65536 2>&1 \
+           python benchmarks/bench_distributed.py --P $P --sizes 65536 --kernels 2>&1 \
              | tee "$OUT/share_p$P.log" | tail -8
          done ;;
   variants) python benchmarks/bench_variants.py --repeat 5 --moco --clip --out "$OUT/variants" \
