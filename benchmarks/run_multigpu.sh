@@ -13,8 +13,10 @@
 #   bash benchmarks/run_multigpu.sh cached    # sentence-transformers' cached MNRL across the
 #                                             # GPUs at a global batch of 262144 (MiniLM), on
 #                                             # 1, 2, ... GPUs (bench_grad_cache_multigpu.py)
-#   bash benchmarks/run_multigpu.sh cached-profile # the same on 1 and every GPU, then where a
-#                                             # rank's cached step goes (--profile)
+#   bash benchmarks/run_multigpu.sh cached-profile # at 32768 on 1 and every GPU, then where a
+#                                             # rank's cached step goes (--profile; at 262144
+#                                             # torch.profiler's millions of events a step take
+#                                             # longer than a run may)
 #   bash benchmarks/run_multigpu.sh cached-cprofile # 131072 pairs a GPU on 1 and every GPU,
 #                                             # one step more under cProfile alone (--cprofile)
 #
@@ -88,6 +90,7 @@ cached | cached-profile | cached-cprofile)
   for P in $Ps; do
     # (--cprofile: the same rows a GPU at every P, 131072: where a rank's step grows with P)
     N=262144 && [ "$1" = cached-cprofile ] && N=$((131072 * P))
+    [ "$1" = cached-profile ] && N=32768
     timeout 400 torchrun --standalone --nproc_per_node "$P" \
       benchmarks/bench_grad_cache_multigpu.py --global-batch "$N" "${extra[@]}" \
       --json "$OUT/${tag}$P.json" && files+=("$OUT/${tag}$P.json")
