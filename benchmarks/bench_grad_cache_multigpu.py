@@ -40,14 +40,18 @@ LOSSES = ("cupynce cached", "library cached")
 
 def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 64,
              mini_batch: int = 1024, steps: int = 2, device: str = "cuda",
-             profile: bool = False, cprofile: bool = False) -> List[Dict[str, Any]]:
+             profile: bool = False, cprofile: bool = False,
+             ddp: bool = True) -> List[Dict[str, Any]]:
     """Every loss's cached step on this rank (inside an initialised process group, or alone);
     rank 0 gets the merged rows.  ``profile``: then one step more under torch.profiler and
     one under cProfile (``bench_multigpu._breakdown``: compute, NCCL, copies, GPU idle, the
     host's top events), the slowest rank's kept as the row's ``breakdown``.  ``cprofile``:
     then one step under cProfile alone (``host_py``: the Python functions of most own time,
     the slowest rank's; ``cprofile_s`` that step's time) -- what ``profile`` finds at a
-    fraction of its cost, for steps too long for torch.profiler (a few million events)."""
+    fraction of its cost, for steps too long for torch.profiler (a few million events).
+    ``ddp`` False (a diagnostic, not a training setup): the model not under DDP, its
+    parameters' gradients left on each rank (no all-reduce, the ranks' weights drift apart),
+    the loss still global -- what DDP's own machinery costs a cached step."""
     import torch
     import torch.distributed as dist
     from sentence_transformers.sentence_transformer import losses as ST
@@ -75,7 +79,7 @@ def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 
             model = G.build(shape, folder, device)
         model.train()
         wrapped = model
-        if size > 1:
+        if size > 1 and ddp:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             # (BERT's pooler gets no gradient under mean pooling: unused parameters)
@@ -121,6 +125,7 @@ def run_rank(shape: str, global_batch: int, losses: List[str], *, length: int = 
                 peaks = [e["peak_bytes"] for e in every if e["peak_bytes"] is not None]
                 rows.append({"shape": shape, "loss": name, "N": global_batch, "P": size,
                              "n": n, "mini_batch": mini_batch, "length": length,
+                             **({} if ddp or size == 1 else {"ddp": False}),
                              "step_s": max(e["step_s"] for e in every),
                              "step_s_ranks": [e["step_s"] for e in every],
                              "peak_gib": max(peaks) / 2 ** 30 if peaks else None})
@@ -150,7 +155,8 @@ def report(paths: List[str]) -> str:
     for r in sorted(rows, key=lambda r: (r["shape"], r["loss"], r["N"], r["P"])):
         base = one.get((r["shape"], r["loss"], r["N"]))
         eff = f"{100 * base / (r['P'] * r['step_s']):.0f} %" if base else "—"
-        out.append([r["shape"], r["loss"], r["N"], r["P"], r["n"], f"{r['step_s']:.3f}",
+        name = r["loss"] + ("" if r.get("ddp", True) else " (no DDP)")
+        out.append([r["shape"], name, r["N"], r["P"], r["n"], f"{r['step_s']:.3f}",
                     "—" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", eff])
     text = "\n".join(headers) + "\n\n" + markdown_table(
         ["shape", "loss", "global N", "GPUs", "pairs a GPU", "step s", "peak GiB a GPU",
@@ -192,6 +198,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="then where a step goes: one step under torch.profiler and cProfile")
     p.add_argument("--cprofile", action="store_true",
                    help="then one step under cProfile alone (long steps: --profile's cost)")
+    p.add_argument("--no-ddp", action="store_true",
+                   help="diagnostic: the model without DDP (its gradients not all-reduced)")
     p.add_argument("--json", help="where rank 0 writes the rows")
     p.add_argument("--report", nargs="*", help="JSON files to merge into the table (no run)")
     args = p.parse_args(argv)
@@ -213,7 +221,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         rows = run_rank(args.shape, args.global_batch, losses, length=args.length,
                         mini_batch=args.mini_batch, steps=args.steps, profile=args.profile,
-                        cprofile=args.cprofile)
+                        cprofile=args.cprofile, ddp=not args.no_ddp)
         if not grouped or dist.get_rank() == 0:
             data = {"P": dist.get_world_size() if grouped else 1, "device": device_info(),
                     "rows": rows}

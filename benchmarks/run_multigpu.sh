@@ -19,6 +19,8 @@
 #                                             # longer than a run may)
 #   bash benchmarks/run_multigpu.sh cached-cprofile # 131072 pairs a GPU on 1 and every GPU,
 #                                             # one step more under cProfile alone (--cprofile)
+#   bash benchmarks/run_multigpu.sh cached-noddp # 262144 on every GPU with and without DDP
+#                                             # (--no-ddp: what DDP's machinery costs the step)
 #
 # Logs and JSON go to $OUT (default ./multigpu-out).  NVLink multicast stays off: a program that
 # uses it can put a shared host's GPUs out of service.
@@ -31,6 +33,13 @@ mkdir -p "$OUT"
 G=$(nvidia-smi -L | wc -l)
 devices() { seq -s, 0 $(($1 - 1)); }
 counts() { for P in 1 2 4 8; do [ "$P" -le "$G" ] && echo "$P"; done; }
+# sentence-transformers and its dependencies from ./.whl when present (run_gpu.sh's way)
+wheels() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+}
 
 case "${1:-all}" in
 tests | all)
@@ -77,11 +86,7 @@ host)
   python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/host.md"
   ;;
 cached | cached-profile | cached-cprofile)
-  # (sentence-transformers and its dependencies from ./.whl when present: run_gpu.sh's way)
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-      >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  fi
+  wheels
   files=(); extra=(); Ps=$(counts); tag=cached
   [ "$1" = cached-profile ] && extra=(--profile) && Ps=$(printf '%s\n' 1 "$G" | sort -un) \
     && tag=cached_profile
@@ -96,6 +101,17 @@ cached | cached-profile | cached-cprofile)
       --json "$OUT/${tag}$P.json" && files+=("$OUT/${tag}$P.json")
   done
   python benchmarks/bench_grad_cache_multigpu.py --report "${files[@]}" | tee "$OUT/$tag.md"
+  ;;
+cached-noddp)
+  wheels
+  files=()
+  for extra in "" --no-ddp; do
+    f="$OUT/cached_ddp$G${extra:+_off}.json"
+    timeout 280 torchrun --standalone --nproc_per_node "$G" \
+      benchmarks/bench_grad_cache_multigpu.py --global-batch 262144 $extra --json "$f" \
+      && files+=("$f")
+  done
+  python benchmarks/bench_grad_cache_multigpu.py --report "${files[@]}" | tee "$OUT/cached_noddp.md"
   ;;
 scaling | all)
   # the group docs/distributed.md recommends (gloo beside NCCL): the all-gather schedule with

@@ -43,6 +43,27 @@ def check_cached_rank(rank, P):
         assert rows == []
 
 
+def check_no_ddp_rank(rank, P):
+    """--no-ddp: the model not wrapped (the loss still global), the row marked."""
+    b = _bench()
+    rows = b.run_rank("tiny", 8, ["cupynce cached"], length=6, mini_batch=2, steps=1,
+                      device="cpu", ddp=False)
+    if rank == 0:
+        assert len(rows) == 1 and rows[0]["ddp"] is False and rows[0]["P"] == P, rows
+        path = Path(os.environ["CUPYNCE_BENCH_OUT"]) / "nd.json"
+        path.write_text(json.dumps({"P": P, "device": {"gpu": None}, "rows": rows}))
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_bench_grad_cache_no_ddp_over_gloo(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPYNCE_BENCH_OUT", str(tmp_path))
+    D.run_ranks(2, ["check_no_ddp_rank"], module="test_bench_grad_cache_multigpu", timeout=400)
+    table = _bench().report([str(tmp_path / "nd.json")])
+    cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in table.splitlines()
+             if ln.startswith("| tiny")]
+    assert [c[1] for c in cells] == ["cupynce cached (no DDP)"], table
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_bench_grad_cache_multigpu_over_gloo(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPYNCE_BENCH_OUT", str(tmp_path))  # the spawned ranks inherit it
