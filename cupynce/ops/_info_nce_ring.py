@@ -146,10 +146,10 @@ class _RingSmoothing:
                  eps: float, labels, labs):
         a = acc_dtype(qn.dtype)
         self.xp, self.path, self.a, self.comm, self.travel = xp, path, a, comm, travel
-        scale = temp.scale
-        if temp.scale_log is not None:  # (the NumPy path's: the value can be read)
-            scale = scale * float(np.exp(np.asarray(temp.scale_log, a).reshape(())))
-        self.scale, self.eps = scale, eps
+        # (NumPy arrays alone -- ring_possible keeps CuPy ones, whose τ may be a device
+        # array, off this ring --: τ is a host value)
+        assert temp.scale_log is None, "the smoothing / hardness ring takes NumPy arrays"
+        self.scale, self.eps = temp.scale, eps
         self.q, self.k = qn.astype(a, copy=False), kn.astype(a, copy=False)
         self.labels, self.labs, self.groups = labels, labs, {}
         n = qn.shape[0]

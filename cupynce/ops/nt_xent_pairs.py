@@ -278,9 +278,9 @@ def _ring_rows(comm: Comm, zn, labs, t: Temperature, w, want_grad: bool):
     rank's labels.  Returns :func:`_global_rows`' ``lse, loss, dz``."""
     rank, size, n = comm.rank, comm.size, zn.shape[0]
     a = acc_dtype(zn.dtype)
+    # (NumPy arrays alone: τ is a host value)
+    assert t.scale_log is None, "the pairs' ring takes NumPy arrays"
     scale = t.scale
-    if t.scale_log is not None:  # (on the host here: the value can be read)
-        scale = scale * float(np.exp(np.asarray(t.scale_log, a).reshape(())))
     z = zn.astype(a, copy=False)
     chunks: List[Any] = [None] * size
     parts: List[Any] = [None] * size
