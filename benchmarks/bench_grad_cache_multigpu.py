@@ -203,7 +203,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", help="where rank 0 writes the rows")
     p.add_argument("--report", nargs="*", help="JSON files to merge into the table (no run)")
     args = p.parse_args(argv)
-    if args.report:
+    if args.report is not None:  # (no files -- every launch failed --: nothing to run)
+        if not args.report:
+            print("--report: no launch wrote its JSON file", file=sys.stderr)
+            return 1
         print(report(args.report))
         return 0
     losses = args.losses.split(",")

@@ -417,7 +417,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--host-profile", action="store_true",
                    help="--breakdown with the host profiled too: its costliest events")
     args = p.parse_args(argv)
-    if args.report:
+    if args.report is not None:  # (no files -- every launch failed --: nothing to run)
+        if not args.report:
+            print("--report: no launch wrote its JSON file", file=sys.stderr)
+            return 1
         print(report(args.report))
         return 0
     import torch

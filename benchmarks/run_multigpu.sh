@@ -22,6 +22,9 @@
 #   bash benchmarks/run_multigpu.sh cached-noddp # 262144 on every GPU with and without DDP
 #                                             # (--no-ddp: what DDP's machinery costs the step)
 #
+# The scaling and cached modes log the GPUs' clocks, power and temperature through each launch
+# (clocks_<launch>.csv, summarised in clocks.md: benchmarks/gpu_clocks.py).
+#
 # Logs and JSON go to $OUT (default ./multigpu-out).  NVLink multicast stays off: a program that
 # uses it can put a shared host's GPUs out of service.
 set -uo pipefail
@@ -33,6 +36,23 @@ mkdir -p "$OUT"
 G=$(nvidia-smi -L | wc -l)
 devices() { seq -s, 0 $(($1 - 1)); }
 counts() { for P in 1 2 4 8; do [ "$P" -le "$G" ] && echo "$P"; done; }
+# clocks NAME CMD...: CMD with the GPUs' clocks, power and temperature logged every 0.5 s
+# ($OUT/clocks_NAME.csv; benchmarks/gpu_clocks.py's summary appended to $OUT/clocks.md)
+clocks() {
+  local name=$1 smi reasons=clocks_event_reasons.active rc
+  shift
+  nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 \
+    || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu,$reasons \
+    --format=csv,noheader,nounits -lms 500 >"$OUT/clocks_$name.csv" 2>/dev/null &
+  smi=$!
+  "$@"
+  rc=$?
+  kill "$smi" 2>/dev/null
+  wait "$smi" 2>/dev/null
+  python benchmarks/gpu_clocks.py "$OUT/clocks_$name.csv" >>"$OUT/clocks.md" 2>&1
+  return $rc
+}
 # sentence-transformers and its dependencies from ./.whl when present (run_gpu.sh's way)
 wheels() {
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -96,7 +116,7 @@ cached | cached-profile | cached-cprofile)
     # (--cprofile: the same rows a GPU at every P, 131072: where a rank's step grows with P)
     N=262144 && [ "$1" = cached-cprofile ] && N=$((131072 * P))
     [ "$1" = cached-profile ] && N=32768
-    timeout 400 torchrun --standalone --nproc_per_node "$P" \
+    clocks "${tag}$P" timeout 400 torchrun --standalone --nproc_per_node "$P" \
       benchmarks/bench_grad_cache_multigpu.py --global-batch "$N" "${extra[@]}" \
       --json "$OUT/${tag}$P.json" && files+=("$OUT/${tag}$P.json")
   done
@@ -107,9 +127,9 @@ cached-noddp)
   files=()
   for extra in "" --no-ddp; do
     f="$OUT/cached_ddp$G${extra:+_off}.json"
-    timeout 280 torchrun --standalone --nproc_per_node "$G" \
-      benchmarks/bench_grad_cache_multigpu.py --global-batch 262144 $extra --json "$f" \
-      && files+=("$f")
+    clocks "cached_ddp$G${extra:+_off}" timeout 280 torchrun --standalone \
+      --nproc_per_node "$G" benchmarks/bench_grad_cache_multigpu.py --global-batch 262144 \
+      $extra --json "$f" && files+=("$f")
   done
   python benchmarks/bench_grad_cache_multigpu.py --report "${files[@]}" | tee "$OUT/cached_noddp.md"
   ;;
@@ -122,8 +142,9 @@ scaling | all)
     for P in $(counts); do
       f="$OUT/p$P${extra:+_ring}.json"
       [ "$P" = 1 ] && f="$OUT/p1.json" && [ -f "$f" ] && { files+=("$f"); continue; }
-      timeout 300 torchrun --standalone --nproc_per_node "$P" benchmarks/bench_multigpu.py \
-        --backend cpu:gloo,cuda:nccl $extra ${extra:+--no-peers} --json "$f" && files+=("$f")
+      clocks "p$P${extra:+_ring}" timeout 300 torchrun --standalone --nproc_per_node "$P" \
+        benchmarks/bench_multigpu.py --backend cpu:gloo,cuda:nccl $extra ${extra:+--no-peers} \
+        --json "$f" && files+=("$f")
     done
     python benchmarks/bench_multigpu.py --report "${files[@]}" | tee "$OUT/$tag.md"
   done

@@ -101,3 +101,11 @@ def test_report_profile(tmp_path):
     assert cells[0] == ["cupynce cached", "2", "14.200", "11.000", "0.900", "0.012", "2.288",
                         "13.900"], table
     assert "aten::mm" in table and "all_gather" in table and "1500.0" in table, table
+
+
+def test_report_without_files_runs_nothing(capsys):
+    """``--report`` with no file (every launch of run_multigpu.sh failed): an error, not a
+    run of the benchmark in this process."""
+    assert _bench().main(["--report"]) == 1
+    assert "no launch wrote its JSON file" in capsys.readouterr().err
+    assert load("bench_multigpu").main(["--report"]) == 1
