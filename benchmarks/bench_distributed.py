@@ -182,10 +182,11 @@ def sent_bytes(op, P, N, d):
 
 def kernel_times(fn, steps: int = 3) -> Dict[str, List[float]]:
     """{kernel name: [ms a step, launches a step]} of ``steps`` calls of ``fn`` (after one
-    unprofiled call), the device's events alone."""
+    unprofiled call), the device's events alone (``bench_multigpu.device_events``)."""
     import cupy as cp
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from bench_multigpu import device_events  # (benchmarks/ is the script's folder)
 
     fn()
     cp.cuda.runtime.deviceSynchronize()
@@ -193,9 +194,7 @@ def kernel_times(fn, steps: int = 3) -> Dict[str, List[float]]:
         for _ in range(steps):
             fn()
         cp.cuda.runtime.deviceSynchronize()
-    return {ev.key: [ev.device_time_total / 1e3 / steps, ev.count / steps]
-            for ev in prof.key_averages()
-            if ev.device_type == DeviceType.CUDA and ev.device_time_total > 0}
+    return device_events(prof, steps)
 
 
 def excess_table(share: Dict[str, List[float]], single: Dict[str, List[float]], P: int,

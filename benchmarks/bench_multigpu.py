@@ -193,7 +193,6 @@ def _breakdown(fn: Callable[[], Any], steps: int = 3, host: bool = False) -> Dic
     import time
 
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -210,13 +209,8 @@ def _breakdown(fn: Callable[[], Any], steps: int = 3, host: bool = False) -> Dic
         torch.cuda.synchronize()
     out = {"wall_ms": start.elapsed_time(end) / steps, "host_ms": host, "nccl_ms": 0.0,
            "copy_ms": 0.0, "compute_ms": 0.0}
-    for ev in prof.key_averages():
-        t = ev.device_time_total / 1e3 / steps
-        # (the device's events alone: with the CPU profiled, an op's device total holds its
-        # kernels' time once more)
-        if t <= 0 or ev.device_type != DeviceType.CUDA:
-            continue
-        key = ev.key.lower()
+    for name, (t, _) in device_events(prof, steps).items():
+        key = name.lower()
         kind = "nccl_ms" if "nccl" in key else "copy_ms" if key.startswith(("memcpy", "memset")) \
             else "compute_ms"
         out[kind] += t
@@ -227,6 +221,17 @@ def _breakdown(fn: Callable[[], Any], steps: int = 3, host: bool = False) -> Dic
                            for e in top[:12] if e.self_cpu_time_total > 0]
         out["host_py"] = _python_profile(fn, steps)
     return out
+
+
+def device_events(prof, steps: int) -> Dict[str, List[float]]:
+    """{kernel, copy or memset name: [ms a step, launches a step]} of a torch.profiler run of
+    ``steps`` steps -- the device's events alone: with the CPU profiled, an op's device total
+    holds its kernels' time once more."""
+    from torch.autograd import DeviceType
+
+    return {ev.key: [ev.device_time_total / 1e3 / steps, ev.count / steps]
+            for ev in prof.key_averages()
+            if ev.device_type == DeviceType.CUDA and ev.device_time_total > 0}
 
 
 def _python_profile(fn: Callable[[], Any], steps: int, cuda: bool = True) -> List[List[Any]]:

@@ -12,8 +12,9 @@ clock above its idle floor, power above a fifth of the run's highest)::
 
     python benchmarks/gpu_clocks.py clocks.csv
 
-The event reasons are NVML's ``nvmlClocksEventReasons`` bits (the share of the busy samples
-that carry each one).
+The event reasons are NVML's clock-event (throttle) bits, named as the timing harness names
+them (``cupynce.report.timing.throttle_names``), with the share of the busy samples that carry
+each one.
 """
 from __future__ import annotations
 
@@ -25,11 +26,7 @@ from typing import Dict, List
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cupynce.report.formatting import markdown_table  # noqa: E402
-
-#: NVML's clock event (throttle) reasons, by bit.
-REASONS = {0x1: "idle", 0x2: "application clocks", 0x4: "power cap (software)",
-           0x8: "hardware slowdown", 0x10: "sync boost", 0x20: "thermal (software)",
-           0x40: "thermal (hardware)", 0x80: "power brake (hardware)", 0x100: "display clock"}
+from cupynce.report.timing import throttle_names  # noqa: E402
 
 
 def parse(text: str) -> Dict[int, List[List[float]]]:
@@ -56,11 +53,12 @@ def summary(text: str) -> str:
     for gpu, samples in sorted(parse(text).items()):
         top = max(s[1] for s in samples)
         busy = [s for s in samples if s[1] > 0.2 * top] or samples
-        seen = []
-        for bit, name in REASONS.items():
-            k = sum(1 for s in busy if int(s[3]) & bit)
-            if k and bit != 0x1:
-                seen.append(f"{name} {100 * k / len(busy):.0f} %")
+        counts: Dict[str, int] = {}
+        for s in busy:
+            for name in throttle_names(int(s[3])):
+                counts[name] = counts.get(name, 0) + 1
+        seen = [f"{name} {100 * counts[name] / len(busy):.0f} %"
+                for name in throttle_names(~0) if name in counts]  # (the table's order)
         rows.append([gpu, len(busy), f"{statistics.median(s[0] for s in busy):.0f}",
                      f"{min(s[0] for s in busy):.0f}",
                      f"{statistics.fmean(s[1] for s in busy):.0f}", f"{top:.0f}",

@@ -79,3 +79,23 @@ def test_report_breakdown_and_host_events(tmp_path):
     events = table.split("self CPU time a step")[1].split("(cProfile)")[0]
     assert "cudaStreamSynchronize" in events and "3.25" in events and "aten::empty" in events
     assert "_comm.py:184(exchange)" in table.split("(cProfile)")[1]
+
+
+def test_device_events_keep_the_device_side_alone():
+    """``device_events``: the kernels' own entries, per step; an op's CPU-side entry (whose
+    device total repeats its kernels' time) and entries without device time left out."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    b = load("bench_multigpu")
+    evs = [SimpleNamespace(key="gemm_kernel", device_type=DeviceType.CUDA,
+                           device_time_total=3000.0, count=6),
+           SimpleNamespace(key="aten::mm", device_type=DeviceType.CPU,
+                           device_time_total=3000.0, count=6),
+           SimpleNamespace(key="cudaLaunchKernel", device_type=DeviceType.CPU,
+                           device_time_total=0.0, count=6),
+           SimpleNamespace(key="Memset (Device)", device_type=DeviceType.CUDA,
+                           device_time_total=0.0, count=3)]
+    prof = SimpleNamespace(key_averages=lambda: evs)
+    assert b.device_events(prof, 3) == {"gemm_kernel": [1.0, 2.0]}

@@ -32,4 +32,4 @@ def test_summary_busy_samples_and_reasons():
     # (idle samples, power under a fifth of the highest, left out)
     assert rows[0] == ["0", "2", "1980", "1980", "645", "650", "57", "none"], rows
     assert rows[1][:7] == ["1", "2", "1680", "1605", "699", "700", "66"], rows
-    assert rows[1][7] == "power cap (software) 100 %, thermal (hardware) 50 %", rows
+    assert rows[1][7] == "power cap 100 %, HW thermal 50 %", rows
