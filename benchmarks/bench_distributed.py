@@ -4,8 +4,9 @@ Run from the repository root on a GPU::
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_distributed.py            # P = 8, N = 65536, 262144
 
-For CLIP, NT-Xent and InfoNCE, bf16, D = 512, a global batch of N (pairs, images or queries)
-split over P = 8 ranks (n = N / P a rank), forward + backward of rank 0's share:
+For CLIP, NT-Xent and InfoNCE, bf16 (``--dtype float32``: float32), D = 512, a global batch
+of N (pairs, images or queries) split over P = 8 ranks (n = N / P a rank), forward + backward
+of rank 0's share:
 
 ``cupynce``        ``cupynce.<op>_forward(..., group=comm)`` and its backward, the library's
                    own code, with a loop-back communicator (:class:`Loopback`: the gathers
@@ -75,6 +76,11 @@ class Loopback(Comm):
         return [list(ints)] * self.size
 
 
+#: the inputs' dtype (``--dtype``): "bf16", or "float32" (the products on the float32
+#: paths the library picks by default, as a gradient-cached step's float32 embeddings take)
+DTYPE = "bf16"
+
+
 def _unit(rs, rows, d):
     import cupy as cp
 
@@ -82,7 +88,7 @@ def _unit(rs, rows, d):
 
     x = rs.standard_normal((rows, d), dtype=cp.float32)
     x /= cp.linalg.norm(x, axis=1, keepdims=True)
-    return x.astype(BFLOAT16)
+    return x if DTYPE == "float32" else x.astype(BFLOAT16)
 
 
 def cupynce_rank(op, P, N, d, ws=None):
@@ -136,7 +142,7 @@ def open_clip_rank(op, P, N, d, amp=False):
 
     def leaf(rows):
         x = F.normalize(torch.randn(rows, d, device="cuda", generator=g), dim=-1)
-        return x.to(torch.bfloat16).requires_grad_(True)
+        return x.to(torch.bfloat16 if DTYPE == "bf16" else torch.float32).requires_grad_(True)
 
     if op in ("clip_loss", "info_nce"):
         a, b, B = leaf(n), leaf(n), leaf(N)
@@ -232,9 +238,13 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--ops", nargs="*", default=["clip_loss", "nt_xent", "info_nce"])
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--dtype", choices=["bf16", "float32"], default="bf16")
+    p.add_argument("--no-peers", action="store_true", help="cupynce and 1/P single alone")
     p.add_argument("--kernels", action="store_true",
                    help="then each kernel's time in the share against 1/P of the single op's")
     args = p.parse_args(argv)
+    global DTYPE
+    DTYPE = args.dtype
     rows, excess = [], []
     P, d = args.P, args.dim
     for op in args.ops:
@@ -245,6 +255,9 @@ def main(argv=None) -> int:
                                 ("single", lambda: single(op, N, d)),
                                 ("open_clip", lambda: open_clip_rank(op, P, N, d)),
                                 ("amp", lambda: open_clip_rank(op, P, N, d, amp=True))):
+                if args.no_peers and name in ("open_clip", "amp"):
+                    res[name] = {}
+                    continue
                 free_memory(full_gc=True)
                 fn = None
                 try:
@@ -286,7 +299,7 @@ def main(argv=None) -> int:
         ["op", "N", "n", "cupynce ms", "host ms", "MiB", "lean ms", "lean MiB", "1/P single ms",
          "cupynce / (1/P single)", "open_clip ms", "MiB", "speed-up", "memory ÷ lean",
          "open_clip amp ms", "MiB", "speed-up", "memory ÷ lean", "MiB sent per rank"], rows)
-    print(f"\n{device_header(device_info())} · P = {P}, D = {d}, bf16, forward + "
+    print(f"\n{device_header(device_info())} · P = {P}, D = {d}, {DTYPE}, forward + "
           f"backward of one rank's share (rank 0)\n\n{table}")
     for text in excess:
         print(f"\n{text}")

@@ -19,7 +19,7 @@ Two ways to a gradient (``fused``, chosen by the public functions):
 Unused outputs are (0,) placeholders (custom ops return tensors, never None).
 """
 import threading
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -222,6 +222,33 @@ def non_differentiable(ctx, *outputs: Tensor) -> None:
 _autocast_lib = None  # keeps the Autocast* kernel registrations alive
 
 
+def autocast_row(a: Any, device_type: str, dtype: torch.dtype) -> Any:
+    """The autocast cast of one embedding input: a floating tensor on ``device_type``, not
+    float64, goes to ``dtype`` (float16 / bfloat16 inputs already in it are returned as they
+    are, no copy); anything else as it is.  One rule for the ops' Autocast kernels
+    (:func:`register_autocast`) and the global losses (:func:`autocast_rows`)."""
+    if isinstance(a, Tensor) and a.is_floating_point() and a.dtype != torch.float64 \
+            and a.device.type == device_type:
+        return a.to(dtype)
+    return a
+
+
+def autocast_rows(rows: Sequence[Any]) -> List[Any]:
+    """``rows`` (embedding inputs, or None) as the single-process ops' Autocast kernels cast
+    them, for a call that does not go through the dispatcher (the global losses of
+    ``cupynce.torch.distributed``): inside an autocast region for a tensor's device type it
+    goes to that region's dtype; outside one, or on torch without
+    ``torch.get_autocast_dtype`` (< 2.4: no casts there either), unchanged."""
+    if not HAS_CUSTOM_OPS:
+        return list(rows)
+    out = []
+    for a in rows:
+        if isinstance(a, Tensor) and torch.is_autocast_enabled(a.device.type):
+            a = autocast_row(a, a.device.type, torch.get_autocast_dtype(a.device.type))
+        out.append(a)
+    return out
+
+
 def register_autocast(qualname: str, cast_positions: Tuple[int, ...]) -> None:
     """AutocastCPU / AutocastCUDA kernels for ``qualname``: the embeddings at
     ``cast_positions`` go to the *current* autocast dtype (``torch.library.register_autocast``
@@ -236,11 +263,8 @@ def register_autocast(qualname: str, cast_positions: Tuple[int, ...]) -> None:
 
         def kernel(_keyset, *args, _device_type=device_type, _exclude=exclude):
             dtype = torch.get_autocast_dtype(_device_type)
-            args = tuple(
-                a.to(dtype) if i in cast_positions and isinstance(a, Tensor)
-                and a.is_floating_point() and a.dtype != torch.float64
-                and a.device.type == _device_type else a
-                for i, a in enumerate(args))
+            args = tuple(autocast_row(a, _device_type, dtype) if i in cast_positions else a
+                         for i, a in enumerate(args))
             with torch._C._ExcludeDispatchKeyGuard(_exclude):
                 return op(*args)
 

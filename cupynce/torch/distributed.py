@@ -20,6 +20,11 @@ the concatenation in rank order):
   for float64 inputs).  With mean / sum and a gradient wanted this happens in the forward and
   the backward is local; ``"none"`` recomputes in the backward, which then holds collectives.
 
+**Autocast.** Inside ``torch.autocast`` the embeddings are cast as the single-process ops
+cast them (float32 → the autocast dtype; float16 / bfloat16 as they are; float64, the
+temperature, ``logit_scale`` and ``logit_bias`` untouched) and the rank's share runs with
+autocast off, so P ranks compute in the dtype one process would.
+
 **Gradient convention (DDP).** ``DistributedDataParallel`` averages the parameter gradients
 over the ranks, so each rank's backward returns P times the gradient of the global loss with
 respect to its local rows: after DDP's average the parameter gradients equal those of one
@@ -167,14 +172,22 @@ class TorchComm(Comm):
         return None
 
 
+def _no_autocast(device: torch.device):
+    """A region with autocast off for ``device``'s type."""
+    return torch.autocast(device.type, enabled=False)
+
+
 class _GlobalLoss(torch.autograd.Function):
     """One rank's share of a global loss: ``fwd(comm, *arrays, requires_grad=...)`` (an op's
     forward with ``group=comm``: its schedule on :mod:`cupynce.ops._global`) on the tensors'
     memory; the backward is :func:`cupynce.ops._global.backward`."""
 
+    # (forward and backward with autocast off, as the ops' Autocast kernels run theirs: the
+    # inputs come cast already, and the NumPy engine's torch products on CPU tensors must
+    # keep their dtypes)
     @staticmethod
     def forward(ctx, fwd: Callable, comm: TorchComm, *tensors: Optional[Tensor]) -> Tensor:
-        with B.device_scope(comm.device):
+        with B.device_scope(comm.device), _no_autocast(comm.device):
             arrs = [None if t is None else B.array_of(t.detach()) for t in tensors]
             loss, core = fwd(comm, *arrs, requires_grad=any(ctx.needs_input_grad[2:]))
             out = B.tensor_of(loss)
@@ -185,7 +198,7 @@ class _GlobalLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         R.refuse_double_backward()
-        with B.device_scope(g.device):
+        with B.device_scope(g.device), _no_autocast(g.device):
             grads = _global.backward(ctx.core, B.array_of(g.contiguous()))
             grads = grads if isinstance(grads, tuple) else (grads,)
             out = [B.tensor_of(x) if keep and x is not None else None
@@ -218,10 +231,12 @@ def _tensor(temperature: Any) -> Optional[Tensor]:
 
 
 def _run(op: str, group, checks: Callable[[], Any], fwd: Callable,
-         tensors: Sequence[Any]) -> Tensor:
+         tensors: Sequence[Any], rows: int) -> Tensor:
     """Run ``checks()`` (the torch-level argument checks; an error there is exchanged, not
     raised here, so that no rank is left waiting), then the global forward ``fwd`` on
-    ``tensors`` through :class:`_GlobalLoss`."""
+    ``tensors`` through :class:`_GlobalLoss`.  The first ``rows`` tensors are the
+    embeddings: inside ``torch.autocast`` they are cast as the single-process ops cast them
+    (``_registry.autocast_rows``), so a rank computes in the dtype one process would."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{op}: group={group!r} needs torch.distributed to be initialised "
                          f"(torch.distributed.init_process_group)")
@@ -233,6 +248,7 @@ def _run(op: str, group, checks: Callable[[], Any], fwd: Callable,
         comm = TorchComm(group, device, exc)
         fwd(comm, *(None for _ in tensors), requires_grad=False)  # raises on every rank
         raise AssertionError("unreachable: the exchange raises") from exc  # pragma: no cover
+    tensors = R.autocast_rows(tensors[:rows]) + list(tensors[rows:])
     return _GlobalLoss.apply(fwd, TorchComm(group, device), *tensors)
 
 
@@ -258,7 +274,7 @@ def nt_xent(z: Any, temperature: Any, reduction: Any, normalize: Any, workspace_
                                           normalize=normalize, workspace_bytes=workspace_bytes,
                                           requires_grad=requires_grad, group=comm,
                                           precision=p[0])
-    return _run(op, group, checks, fwd, [z, _tensor(temperature)])
+    return _run(op, group, checks, fwd, [z, _tensor(temperature)], rows=1)
 
 
 def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: Any,
@@ -294,7 +310,8 @@ def info_nce(query: Any, key: Any, negatives: Any, temperature: Any, reduction: 
                                             workspace_bytes=workspace_bytes,
                                             requires_grad=requires_grad, group=comm,
                                             precision=p[0])
-    return _run(op, group, checks, fwd, [query, key, negatives, _tensor(temperature)])
+    return _run(op, group, checks, fwd, [query, key, negatives, _tensor(temperature)],
+                rows=3)
 
 
 def _labelled_rows(op: str, forward: Callable, z: Any, labels: Any, temperature: Any,
@@ -320,7 +337,7 @@ def _labelled_rows(op: str, forward: Callable, z: Any, labels: Any, temperature:
                        reduction=reduction, normalize=normalize,
                        workspace_bytes=workspace_bytes, requires_grad=requires_grad,
                        group=comm, precision=p[0])
-    return _run(op, group, checks, fwd, [z, _tensor(temperature)])
+    return _run(op, group, checks, fwd, [z, _tensor(temperature)], rows=1)
 
 
 def supcon_loss(z: Any, labels: Any, temperature: Any, reduction: Any, normalize: Any,
@@ -363,7 +380,7 @@ def clip_loss(a: Any, b: Any, logit_scale: Any, reduction: Any, normalize: Any,
                                          requires_grad=requires_grad, group=comm,
                                          precision=p[0])
     tensors = [a, b, logit_scale if isinstance(logit_scale, Tensor) else None]
-    return _run(op, group, checks, fwd, tensors)
+    return _run(op, group, checks, fwd, tensors, rows=2)
 
 
 def siglip_loss(a: Any, b: Any, logit_scale: Any, logit_bias: Any, reduction: Any,
@@ -391,4 +408,4 @@ def siglip_loss(a: Any, b: Any, logit_scale: Any, logit_bias: Any, reduction: An
             reduction=reduction, normalize=normalize, workspace_bytes=workspace_bytes,
             requires_grad=requires_grad, group=comm, precision=p[0])
     tensors = [a, b] + [v if isinstance(v, Tensor) else None for v in (logit_scale, logit_bias)]
-    return _run(op, group, checks, fwd, tensors)
+    return _run(op, group, checks, fwd, tensors, rows=2)

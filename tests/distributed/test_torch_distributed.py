@@ -193,6 +193,54 @@ def check_siglip_loss(rank, P):
     _check_paired(rank, P, "siglip_loss", (2.3, -10.0), 37)
 
 
+def check_autocast(rank, P):
+    """Under ``torch.autocast`` a global loss casts the embeddings as the single-process op
+    does (float32 → the autocast dtype; the scalars stay float32): every op's loss and
+    gradients on float32 leaves equal one process's under the same autocast, the gradients
+    come back float32, and the autocast result differs from the float32 one by more than the
+    tolerance (so the comparison sees whether the cast happened)."""
+    import cupynce.torch as ct
+
+    n, d = (4, 6) if DEVICE == "cpu" else (40, 64)
+    N = n * P
+    mine = torch.arange(rank * n, (rank + 1) * n, device=DEVICE)
+    gen = torch.Generator().manual_seed(41)
+    A, Bm = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(DEVICE,
+             torch.float32) for _ in range(2))
+    S = (torch.randn(2 * P, d, generator=gen, dtype=torch.float64) / 4).to(DEVICE, torch.float32)
+    lab = torch.arange(N, device=DEVICE) % 3
+    ops = {
+        "nt_xent": (lambda x, y, s, idx, **g: ct.nt_xent(torch.cat([x, y]), 0.3, **g)),
+        "info_nce": (lambda x, y, s, idx, **g: ct.info_nce(x, y, 0.2, negatives=s, **g)),
+        "clip_loss": (lambda x, y, s, idx, **g: ct.clip_loss(x, y, 2.3, **g)),
+        "siglip_loss": (lambda x, y, s, idx, **g: ct.siglip_loss(x, y, 2.3, -10.0, **g)),
+        "supcon_loss": (lambda x, y, s, idx, **g: ct.supcon_loss(x, lab[idx], 0.1, **g)),
+    }
+    tl, tg = TOL[torch.bfloat16]
+    for name, fn in ops.items():
+        a, b = (x[mine].clone().requires_grad_(True) for x in (A, Bm))
+        s = S[2 * rank:2 * rank + 2].clone().requires_grad_(True)
+        As, Bs, Ss = (x.clone().requires_grad_(True) for x in (A, Bm, S))
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = fn(a, b, s, mine, group=dist.group.WORLD)
+            want = fn(As, Bs, Ss, torch.arange(N, device=DEVICE))
+        plain = fn(A, Bm, S, torch.arange(N, device=DEVICE))
+        loss.backward()
+        want.backward()
+        case = f"{name} P={P} autocast"
+        assert loss.dtype == want.dtype == torch.float32, (case, loss.dtype, want.dtype)
+        _close(loss, want, tl, case + " loss")
+        err = abs(want.item() - plain.item()) / abs(plain.item())
+        assert err > tl, f"{case}: the bf16 loss is within {tl:g} of float32's ({err:.1e})"
+        for x, xs, what in ((a, As, "da"), (b, Bs, "db")):
+            if name == "supcon_loss" and what == "db":
+                continue  # (SupCon takes a alone)
+            assert x.grad.dtype == torch.float32, (case, what, x.grad.dtype)
+            _close(x.grad, P * xs.grad[mine], tg, f"{case} {what}")
+        if name == "info_nce":
+            _close(s.grad, P * Ss.grad[2 * rank:2 * rank + 2], tg, case + " dneg")
+
+
 def check_rings_on_gpu(rank, P):
     """``config.ring_gpu`` over NCCL: SigLIP's, CLIP's and NT-Xent's ring schedules on the
     GPUs (the columns shifted through ``TorchComm.ring_shift``) against one process, every
@@ -479,7 +527,7 @@ def run_ranks(world, names, timeout=240, backend="gloo", device="cpu", module=""
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_global_losses_over_gloo(world):
     names = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
-             "check_ddp_step", "check_ring_shift", "check_exchange"]
+             "check_ddp_step", "check_ring_shift", "check_exchange", "check_autocast"]
     if world > 1:
         names += ["check_mismatched_sizes_raise", "check_bad_inputs_raise_everywhere",
                   "check_precision_reaches_every_product"]
@@ -490,7 +538,7 @@ def test_global_losses_over_gloo(world):
 gpu = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")
 CHECKS = ["check_nt_xent", "check_info_nce", "check_clip_loss", "check_siglip_loss",
-          "check_ddp_step", "check_ring_shift", "check_exchange"]
+          "check_ddp_step", "check_ring_shift", "check_exchange", "check_autocast"]
 
 
 @gpu
