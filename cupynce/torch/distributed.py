@@ -21,9 +21,9 @@ the concatenation in rank order):
   the backward is local; ``"none"`` recomputes in the backward, which then holds collectives.
 
 **Autocast.** Inside ``torch.autocast`` the embeddings are cast as the single-process ops
-cast them (float32 → the autocast dtype; float16 / bfloat16 as they are; float64, the
-temperature, ``logit_scale`` and ``logit_bias`` untouched) and the rank's share runs with
-autocast off, so P ranks compute in the dtype one process would.
+cast them (float32 and the other 16-bit type → the autocast dtype; inputs already in it pass
+as they are; float64, the temperature, ``logit_scale`` and ``logit_bias`` untouched) and the
+rank's share runs with autocast off, so P ranks compute in the dtype one process would.
 
 **Gradient convention (DDP).** ``DistributedDataParallel`` averages the parameter gradients
 over the ranks, so each rank's backward returns P times the gradient of the global loss with

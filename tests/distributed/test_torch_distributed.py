@@ -195,50 +195,67 @@ def check_siglip_loss(rank, P):
 
 def check_autocast(rank, P):
     """Under ``torch.autocast`` a global loss casts the embeddings as the single-process op
-    does (float32 → the autocast dtype; the scalars stay float32): every op's loss and
-    gradients on float32 leaves equal one process's under the same autocast, the gradients
-    come back float32, and the autocast result differs from the float32 one by more than the
-    tolerance (so the comparison sees whether the cast happened)."""
+    does (float32 → the autocast dtype) and nothing else (the temperature, ``logit_scale`` and
+    ``logit_bias`` stay float32): every op's loss and gradients on float32 leaves -- the
+    scalars' too, tensors that require a gradient -- equal one process's under the same
+    autocast, the gradients come back float32, and the autocast result differs from the
+    float32 one by more than the tolerance (so the comparison sees whether the cast
+    happened)."""
     import cupynce.torch as ct
 
     n, d = (4, 6) if DEVICE == "cpu" else (40, 64)
     N = n * P
     mine = torch.arange(rank * n, (rank + 1) * n, device=DEVICE)
+    every = torch.arange(N, device=DEVICE)
     gen = torch.Generator().manual_seed(41)
     A, Bm = ((torch.randn(N, d, generator=gen, dtype=torch.float64) / 4).to(DEVICE,
              torch.float32) for _ in range(2))
     S = (torch.randn(2 * P, d, generator=gen, dtype=torch.float64) / 4).to(DEVICE, torch.float32)
+    gl = torch.randn(N, generator=gen, dtype=torch.float64).to(DEVICE, torch.float32)
     lab = torch.arange(N, device=DEVICE) % 3
+    # op: (its call on (a, b, negatives, the rows' indices, its scalars), its scalars' values)
     ops = {
-        "nt_xent": (lambda x, y, s, idx, **g: ct.nt_xent(torch.cat([x, y]), 0.3, **g)),
-        "info_nce": (lambda x, y, s, idx, **g: ct.info_nce(x, y, 0.2, negatives=s, **g)),
-        "clip_loss": (lambda x, y, s, idx, **g: ct.clip_loss(x, y, 2.3, **g)),
-        "siglip_loss": (lambda x, y, s, idx, **g: ct.siglip_loss(x, y, 2.3, -10.0, **g)),
-        "supcon_loss": (lambda x, y, s, idx, **g: ct.supcon_loss(x, lab[idx], 0.1, **g)),
+        "nt_xent": (lambda x, y, s, idx, t, **g: ct.nt_xent(torch.cat([x, y]), t, **g), (0.3,)),
+        "info_nce": (lambda x, y, s, idx, t, **g: ct.info_nce(x, y, t, negatives=s, **g),
+                     (0.2,)),
+        "clip_loss": (lambda x, y, s, idx, ls, **g: ct.clip_loss(x, y, ls, **g), (2.3,)),
+        "siglip_loss": (lambda x, y, s, idx, ls, lb, **g: ct.siglip_loss(x, y, ls, lb, **g),
+                        (2.3, -10.0)),
+        "supcon_loss": (lambda x, y, s, idx, t, **g: ct.supcon_loss(x, lab[idx], t, **g),
+                        (0.1,)),
+        "nt_xent_pairs": (lambda x, y, s, idx, t, **g: ct.nt_xent_pairs(x, lab[idx], t, **g),
+                          (0.2,)),
     }
     tl, tg = TOL[torch.bfloat16]
-    for name, fn in ops.items():
-        a, b = (x[mine].clone().requires_grad_(True) for x in (A, Bm))
-        s = S[2 * rank:2 * rank + 2].clone().requires_grad_(True)
-        As, Bs, Ss = (x.clone().requires_grad_(True) for x in (A, Bm, S))
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            loss = fn(a, b, s, mine, group=dist.group.WORLD)
-            want = fn(As, Bs, Ss, torch.arange(N, device=DEVICE))
-        plain = fn(A, Bm, S, torch.arange(N, device=DEVICE))
-        loss.backward()
-        want.backward()
-        case = f"{name} P={P} autocast"
-        assert loss.dtype == want.dtype == torch.float32, (case, loss.dtype, want.dtype)
-        _close(loss, want, tl, case + " loss")
-        err = abs(want.item() - plain.item()) / abs(plain.item())
-        assert err > tl, f"{case}: the bf16 loss is within {tl:g} of float32's ({err:.1e})"
-        for x, xs, what in ((a, As, "da"), (b, Bs, "db")):
-            if name == "supcon_loss" and what == "db":
-                continue  # (SupCon takes a alone)
-            assert x.grad.dtype == torch.float32, (case, what, x.grad.dtype)
-            _close(x.grad, P * xs.grad[mine], tg, f"{case} {what}")
-        if name == "info_nce":
-            _close(s.grad, P * Ss.grad[2 * rank:2 * rank + 2], tg, case + " dneg")
+    for name, (fn, values) in ops.items():
+        for reduction in ("mean", "none") if name == "info_nce" else ("mean",):
+            a, b = (x[mine].clone().requires_grad_(True) for x in (A, Bm))
+            s = S[2 * rank:2 * rank + 2].clone().requires_grad_(True)
+            As, Bs, Ss = (x.clone().requires_grad_(True) for x in (A, Bm, S))
+            sc, scs = ([torch.tensor(v, device=DEVICE, requires_grad=True) for v in values]
+                       for _ in range(2))
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                loss = fn(a, b, s, mine, *sc, reduction=reduction, group=dist.group.WORLD)
+                want = fn(As, Bs, Ss, every, *scs, reduction=reduction)
+            plain = fn(A, Bm, S, every, *values, reduction=reduction)
+            up = gl if reduction == "none" else torch.tensor(0.7, device=DEVICE)
+            loss.backward(up[mine] if reduction == "none" else up)
+            want.backward(up)
+            case = f"{name} P={P} {reduction} autocast"
+            assert loss.dtype == want.dtype == torch.float32, (case, loss.dtype, want.dtype)
+            _close(loss, want[mine] if reduction == "none" else want, tl, case + " loss")
+            err = ((want - plain).norm() / plain.norm()).item()
+            assert err > tl, f"{case}: the bf16 loss is within {tl:g} of float32's ({err:.1e})"
+            grads = [(a, As, "da")] + ([] if name in ("supcon_loss", "nt_xent_pairs")
+                                       else [(b, Bs, "db")])
+            for x, xs, what in grads:
+                assert x.grad.dtype == torch.float32, (case, what, x.grad.dtype)
+                _close(x.grad, P * xs.grad[mine], tg, f"{case} {what}")
+            if name == "info_nce":
+                _close(s.grad, P * Ss.grad[2 * rank:2 * rank + 2], tg, case + " dneg")
+            for i, (x, xs) in enumerate(zip(sc, scs)):  # (the global gradient on every rank)
+                assert x.grad.dtype == torch.float32, (case, i, x.grad.dtype)
+                _close(x.grad, xs.grad, tg, f"{case} scalar {i}")
 
 
 def check_rings_on_gpu(rank, P):
