@@ -86,6 +86,12 @@ class Config:
     tf32x3_min_dim_scale: int = 512
     #: the TF32x3 ``mm`` kernel's two consumers interleave their K steps (same bits)
     mm_interleave: bool = True
+    #: the TF32x3 ``mm``'s K split: the row blocks' dA = G·B (K = N, few output tiles) runs
+    #: its K over up to this many CTAs a tile, the partials summed in a fixed order
+    #: (``tf32x3.k_splits``: chosen from K alone, so the same bits at every row block and on
+    #: every GPU, not the unsplit product's); 1: never -- the default until it is measured on
+    #: a GPU (docs/api.md, "At large N")
+    mm_k_splits: int = 1
     #: the F16x3 products' store compensation 1 + this (the tensor cores' mean truncation)
     f16x3_trunc: float = 0.86e-7
     #: split the gradient products' operands on a side stream beside the score product

@@ -91,7 +91,7 @@ struct WsRing {
 // resident, the B box alone); a tile is two wgmma m64n128k16 per k16 into acc, one K step's
 // batch kept in flight while the next is issued.
 template <typename T> struct WsOps16 {
-    enum { KSTEP = TBK, AR_OK = 1 };
+    enum { KSTEP = TBK, AR_OK = 1, K_SPLIT = 0 };
     typedef const TmaMap* BSrc;  // the tile's B map (B1 or B2)
     const TmaMap *ta, *tb1, *tb2;
     static __device__ __forceinline__ unsigned stage_bytes(bool ar) {
@@ -232,8 +232,9 @@ __device__ __forceinline__ void ws_tile_store(float* g, i64 ldg, int rows, float
 template <typename L, typename P>
 __device__ __forceinline__ void ws_mm_store(const P& p, const float (&acc)[2][16][4], int m0,
                                             int n0, int nlim, int warp, int lane) {
-    ws_tile_store<L>((float*)p.g, p.ldg, p.rows, p.scale_mul, acc, m0, n0, nlim, false, warp,
-                     lane, (float)CPN_TF32X3_TRUNC, p.tri != 0);
+    // (grid z > 1: the K split's partial, into slice z of p.g -- the host passes tri = 0)
+    ws_tile_store<L>((float*)p.g + (i64)blockIdx.z * p.part_ld, p.ldg, p.rows, p.scale_mul, acc,
+                     m0, n0, nlim, false, warp, lane, (float)CPN_TF32X3_TRUNC, p.tri != 0);
 }
 
 template <typename T>
@@ -278,7 +279,19 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
         return TRI ? (tri_i + ct) % CT : ct;
     };
     auto tile_n0 = [&](int ct) { return ct < CT1 ? ct * TBN : n1 + (ct - CT1) * TBN; };
-    const int KT = (p.d + Ops::KSTEP - 1) / Ops::KSTEP;
+    const int KTA = (p.d + Ops::KSTEP - 1) / Ops::KSTEP;  // K steps in all
+    // MODE_MM split over K (grid z > 1: tf32x3.mm's K splits, policies with K_SPLIT): this
+    // CTA's K steps are kt0 .. kt0 + KT - 1 of KTA, its tile the partial product into its own
+    // slice of p.g (z p.part_ld floats on: ws_mm_store), summed in z order by
+    // cpn_mm_sum_splits_f32.  The host keeps gridDim.z <= KTA; a CTA without a K step would
+    // never signal `issued` (a hang), so it traps instead.  Every other mode and policy, and
+    // z = 1: all of K (kt0 = 0, KT = KTA).
+    const bool KS = MODE == MODE_MM && Ops::K_SPLIT;
+    const int kz = KS ? (int)blockIdx.z : 0;
+    const int kzs = KS ? (int)gridDim.z : 1;
+    const int kt0 = (int)((long long)KTA * kz / kzs);
+    const int KT = (int)((long long)KTA * (kz + 1) / kzs) - kt0;
+    if (KS && KT <= 0) __trap();
     const int ST = ring & 0xff;
     const bool AR = Ops::AR_OK && ((ring >> 8) & 1);
     // IL (MODE_MM, ring bit 9): the two consumers' tiles t, t + 1 interleaved in the ring a
@@ -287,7 +300,7 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
     const bool IL = MODE == MODE_MM && ((ring >> 9) & 1);
     const unsigned SB = Ops::stage_bytes(AR);  // a ring stage
     const unsigned abase = (sw_smem(ws_smem) + 1023u) & ~1023u;  // swizzle atoms: 1 KiB
-    const unsigned rbase = AR ? abase + KT * WS_A_BYTES : abase;  // the ring
+    const unsigned rbase = AR ? abase + KTA * WS_A_BYTES : abase;  // the ring
     const unsigned full0 = sw_smem(&bars[0]), empty0 = sw_smem(&bars[2 * WS_MAX_STAGES]);
     const unsigned abar = sw_smem(&bars[3 * WS_MAX_STAGES]);
     if (tid == 0) {
@@ -306,7 +319,8 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
         if (tid == 256) {
             if (AR && my_tiles > 0) {  // the CTA's 128 rows of A, once (one phase, parity 0)
                 mbar_expect_tx(abar, KT * WS_A_BYTES);
-                for (int kt = 0; kt < KT; ++kt) ops.load_a(abase + kt * WS_A_BYTES, kt, m0, abar);
+                for (int kt = 0; kt < KT; ++kt)
+                    ops.load_a(abase + kt * WS_A_BYTES, kt0 + kt, m0, abar);
             }
             int s = 0;
             unsigned ph = 0;  // parity of the current use of stage s
@@ -319,7 +333,7 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
                 mbar_wait(empty0 + 8 * s, ph ^ 1);  // use u - 1 released (u = 0: passes)
                 const unsigned a = rbase + s * SB;
                 mbar_expect_tx(fullc + 8 * s, Ops::tx_bytes(AR));
-                ops.load_stage(a, AR, kt, m0, tb, brow, fullc + 8 * s);
+                ops.load_stage(a, AR, kt0 + kt, m0, tb, brow, fullc + 8 * s);
                 if (++s == ST) { s = 0; ph ^= 1; }
             };
             if (IL) {  // tiles t, t + 1 (both consumers) a K step each in turn
@@ -338,7 +352,7 @@ __device__ __forceinline__ void tile_ws_walk(const Ops& ops, const TileArgs<T>& 
                         mbar_wait(empty0 + 8 * s, ph ^ 1);  // use u - 1 released (u = 0: passes)
                         const unsigned a = rbase + s * SB;
                         mbar_expect_tx(fullc + 8 * s, Ops::tx_bytes(AR));
-                        ops.load_stage(a, AR, kt, m0, tb, brow, fullc + 8 * s);
+                        ops.load_stage(a, AR, kt0 + kt, m0, tb, brow, fullc + 8 * s);
                         if (++s == ST) { s = 0; ph ^= 1; }
                     }
                 }

@@ -94,6 +94,26 @@ extern "C" __global__ void __launch_bounds__(256) cpn_split_tf32_t_f32(
     }
 }
 
+// ---- the K splits' sum of a TF32x3 product (tf32x3.mm with k_splits > 1) ------------------
+// out[r][c] = (accumulate ? out[r][c] : 0) + ((part[0][r][c] + part[1][r][c]) + ...), the
+// partials added in z order (each one already scaled and compensated by the tiles' store):
+// the same arithmetic whatever the grid, the same bits run after run.  part: nz slices
+// zstride floats apart, each (rows, cols) of row stride ldp; out: row stride ldo.  Grid
+// ceil(rows * cols / CPN_BLOCK).
+extern "C" __global__ void __launch_bounds__(CPN_BLOCK) cpn_mm_sum_splits_f32(
+    const float* __restrict__ part, i64 zstride, int nz, i64 ldp, float* __restrict__ out,
+    i64 ldo, i64 rows, int cols, int accumulate)
+{
+    const i64 idx = (i64)blockIdx.x * CPN_BLOCK + threadIdx.x;
+    if (idx >= rows * cols) return;
+    const i64 r = idx / cols, c = idx - r * cols;
+    const float* p = part + r * ldp + c;
+    float v = p[0];
+    for (int z = 1; z < nz; ++z) v += p[(i64)z * zstride];
+    float* o = out + r * ldo + c;
+    *o = accumulate ? *o + v : v;
+}
+
 // ---- fills (a device scalar, a sentinel) -------------------------------------------------
 // x[i] = value for i < n: what cupy.full would do, but from this file's cubin, so a first
 // call compiles no CuPy kernel (issue 52: the release wheel's prebuilt kernels are all a first

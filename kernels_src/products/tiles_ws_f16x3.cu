@@ -231,7 +231,7 @@ __device__ __forceinline__ unsigned long long wg_desc_mn(unsigned saddr) {
 // 64-column group's 256 bytes hold its 64 hi, then its 64 lo), read through 3-D maps (64,
 // groups, rows) whose (64, 1, rows) boxes land as the 2-D boxes do.
 template <bool TRANS_A, bool ILA = false> struct WsOpsF16x3 {
-    enum { KSTEP = WS_F16_KSTEP, AR_OK = 0 };
+    enum { KSTEP = WS_F16_KSTEP, AR_OK = 0, K_SPLIT = 0 };
     typedef int BSrc;  // (B1 always)
     const TmaMap *ahi, *alo, *bhi, *blo;
     const float *rowf, *colf, *ufac;

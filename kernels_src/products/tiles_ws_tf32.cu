@@ -21,7 +21,10 @@
 //   p.scale_mul; A = the float32 H block, its map in ahi's place and split by the consumers,
 //   alo unread; B = the keys transposed, split; d = the block's columns; ring | 1 << 9: the
 //   consumers interleaved, tile_ws.cuh); mmt writes p.g = alpha Aᵀ B^T from the map of the
-//   stored A (K x M) with 32 x 32 boxes, transposed by the consumers (split_a_t).
+//   stored A (K x M) with 32 x 32 boxes, transposed by the consumers (split_a_t).  MM / mmt
+//   with grid z > 1 (tf32x3.mm's K split): CTA z takes the K steps KTA z / Z .. KTA (z + 1)
+//   / Z - 1 and stores its partial into p.g + z p.part_ld (no accumulate), which
+//   blas.cu's cpn_mm_sum_splits_f32 adds up in z order.
 //
 // Why the promotion: Hopper's tensor cores add each MMA step's products to the accumulator
 // truncating toward zero, ~0.5 ulp of the partial sum lost per k8 step, always the same way,
@@ -60,7 +63,7 @@ template <> struct Pack2<float> {
 // them into registers, transposes and splits them into the K-major boxes (split_a_t).  B1
 // only, no A-resident ring.
 template <bool SPLIT_A, bool TRANS_A = false> struct WsOpsTf32x3 {
-    enum { KSTEP = WS_TF32_KSTEP, AR_OK = 0 };
+    enum { KSTEP = WS_TF32_KSTEP, AR_OK = 0, K_SPLIT = 1 };  // (K_SPLIT: MODE_MM's grid z)
     typedef int BSrc;  // (B1 always)
     const TmaMap *ahi, *alo, *bhi, *blo;
     static __device__ __forceinline__ unsigned stage_bytes(bool) { return 4 * WS_TF32_BOX; }

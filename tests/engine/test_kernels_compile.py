@@ -95,7 +95,8 @@ def _missing_symbols(filename, cubin):
 
 
 #: kernels written without the ``cpn_<stage>_##SUF`` macros (one dtype), by file
-_SINGLE = {"products/blas.cu": ("cpn_split_tf32_f32", "cpn_fill_f32", "cpn_fill_f64"),
+_SINGLE = {"products/blas.cu": ("cpn_split_tf32_f32", "cpn_fill_f32", "cpn_fill_f64",
+                                 "cpn_mm_sum_splits_f32"),
            "splade/splade_grad.cu": ("cpn_splade_scan",),
            "losses/grads.cu": ("cpn_clip_grad_f16x3",),
            "losses/arrays.cu": ("cpn_gather_bytes",),

@@ -534,6 +534,93 @@ def test_info_nce_shared_negatives_on_the_tiles(tf32, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("m,c,k", [(300, 384, 65536 + 96), (1024, 130, 8200), (5, 7, 4100)])
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_k_split_is_its_slices_products_summed_in_order(tf32, m, c, k, trans_a, interleave,
+                                                         configure):
+    """``config.mm_k_splits`` > 1: a long K runs in ``k_splits`` slices of whole K steps
+    (grid z), each CTA's partial tile into its own slice, summed in z order.  Bit for bit,
+    the unsplit products of the K slices added in float32 in that order (plain and
+    accumulating), the same bits run after run, and within ``MM_TOL`` of float64."""
+    configure(mm_interleave=interleave)
+    rng = np.random.default_rng(m + k)
+
+    def view(rows, cols, fill=np.nan, mult=2):  # (rows, cols) of a buffer whose leading
+        ld = -(-cols // mult) * mult  # dimension the kernels take (even; A: 4 floats)
+        return cp.full((rows, ld), fill, np.float32)[:, :cols]
+
+    a = view(*((k, m) if trans_a else (m, k)), mult=4)
+    a[...] = cp.asarray(rng.standard_normal(a.shape).astype(np.float32))
+    b = cp.asarray(rng.standard_normal((c, k)).astype(np.float32))
+    steps = -(-k // tf32x3.KSTEP)
+    configure(mm_k_splits=8)
+    ks = tf32x3.k_splits(steps)
+    assert ks == min(8, steps // tf32x3.K_SPLIT_STEPS) > 1
+    parts = tf32x3.split(b)
+    got = tf32x3.mm(a, parts, view(m, c), alpha=0.75, trans_a=trans_a, k_split=True)
+    again = tf32x3.mm(a, parts, view(m, c), alpha=0.75, trans_a=trans_a, k_split=True)
+    assert np.array_equal(_bits(got), _bits(again))
+    base = cp.asarray(rng.standard_normal((m, c)).astype(np.float32))
+    acc = view(m, c)
+    acc[...] = base
+    tf32x3.mm(a, parts, acc, alpha=0.75, trans_a=trans_a, accumulate=True, k_split=True)
+    whole = tf32x3.mm(a, parts, view(m, c), alpha=0.75, trans_a=trans_a)  # (not opted in)
+    configure(mm_k_splits=1)
+    want = None
+    for z in range(ks):  # (the kernel's slices: K steps kt0 .. kt1 - 1 of z)
+        k0, k1 = (tf32x3.KSTEP * (steps * j // ks) for j in (z, z + 1))
+        k1 = min(k1, k)
+        az = tf32x3.padded(cp.ascontiguousarray(a[k0:k1].T if trans_a else a[:, k0:k1]))
+        pz = tf32x3.mm(az, tf32x3.split(b[:, k0:k1]), view(m, c), alpha=0.75)
+        want = pz if want is None else want + pz
+    assert np.array_equal(_bits(got), _bits(want))
+    assert np.array_equal(_bits(acc), _bits(base + want))
+    unsplit = tf32x3.mm(a, parts, view(m, c), alpha=0.75, trans_a=trans_a, k_split=True)
+    assert np.array_equal(_bits(whole), _bits(unsplit))  # (mm_k_splits = 1: K whole)
+    assert not np.array_equal(_bits(whole), _bits(got))
+    ref = 0.75 * (cp.asnumpy(a).astype(np.float64).T if trans_a
+                  else cp.asnumpy(a).astype(np.float64)) @ cp.asnumpy(b).astype(np.float64).T
+    assert _rel(cp.asnumpy(got), ref) <= MM_TOL
+
+
+@gpu
+def test_info_nce_with_k_splits(tf32, configure, monkeypatch):
+    """InfoNCE in row blocks under "3xtf32" with ``config.mm_k_splits`` = 8 (its dA = G·B
+    products split over K): within the float32 tolerances of the oracle and of the unsplit
+    run, and the same bits run after run."""
+    import cupynce
+    from cupynce import reference as R
+    from cupynce.ops import _graphs
+
+    rng = np.random.default_rng(23)
+    n, d = 8200, 64
+    q, k = (rng.standard_normal((n, d)).astype(np.float32) for _ in range(2))
+    ref_loss, ref_grads = R.info_nce(q, k, 0.1, normalize=True)
+    runs, split = [], []
+    real = tf32x3.k_splits
+    monkeypatch.setattr(tf32x3, "k_splits", lambda s: split.append(real(s)) or split[-1])
+    for ks in (1, 8, 8):
+        configure(mm_k_splits=ks)
+        _graphs.clear()
+        del split[:]
+        loss, ctx = cupynce.info_nce_forward(cp.asarray(q), cp.asarray(k), 0.1,
+                                             normalize=True, precision="3xtf32",
+                                             workspace_bytes=512 * n * 4)
+        grads = [g_ for g_ in cupynce.info_nce_backward(ctx) if g_ is not None]
+        runs.append([cp.asnumpy(loss)] + [cp.asnumpy(g_) for g_ in grads])
+        # (the dA products of the blocks asked, and split where allowed)
+        assert split and max(split) == (1 if ks == 1 else 4), (ks, split)
+    for x, y in zip(runs[1], runs[2]):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    assert _rel(runs[1][0], ref_loss) <= FP32_TOL[0]
+    assert _rel(runs[1][0], runs[0][0]) <= FP32_TOL[0]
+    for name, g_, g1, r in zip(("dq", "dk"), runs[1][1:], runs[0][1:], ref_grads):
+        assert _rel(g_, r) <= FP32_TOL[1], name
+        assert _rel(g_, g1) <= FP32_TOL[1], name
+
+
+@gpu
 def test_tiny_products_keep_small_gemm(tf32, monkeypatch):
     """Products within config.small_gemm_macs take cublas.gemm's fp32 small_gemm route under
     "3xtf32" too (as docs/api.md says of every mode), not the tiles."""
@@ -596,3 +683,15 @@ def test_applies_thresholds(monkeypatch, configure):
     configure(tiles=None)
     assert not ok(5, 7, 3, "3xtf32")
     assert not CUBLAS.tiles
+
+
+def test_k_splits_from_k_alone(configure):
+    """The K split is chosen from K alone: 1 unless ``config.mm_k_splits`` allows more, then
+    as many slices of at least ``K_SPLIT_STEPS`` K steps as K holds, up to the setting."""
+    assert tf32x3.k_splits(10 ** 6) == 1  # (the default: off)
+    configure(mm_k_splits=8)
+    S = tf32x3.K_SPLIT_STEPS
+    assert [tf32x3.k_splits(s) for s in (0, 1, S - 1, S, 2 * S - 1, 2 * S, 5 * S, 8 * S,
+                                          10 ** 6)] == [1, 1, 1, 1, 1, 2, 5, 8, 8]
+    configure(mm_k_splits=0)
+    assert tf32x3.k_splits(10 ** 6) == 1

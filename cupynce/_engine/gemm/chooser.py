@@ -350,7 +350,10 @@ class TilesPlan(Plan):
         if ok and _rows16(a):
             parts = tf32x3.split(b, "b") if trans_b else self._split_t(b)
             try:
-                tf32x3.mm(a, parts, out, alpha, accumulate=beta == 1.0, trans_a=trans_a)
+                # (dA = G·B: a row block's few output tiles over K = N, the one product
+                # of long K and a small output; it may run K-split, tf32x3.k_splits)
+                tf32x3.mm(a, parts, out, alpha, accumulate=beta == 1.0, trans_a=trans_a,
+                          k_split=not trans_a and not trans_b)
                 return
             except tf32x3.TF32TilesUnavailable:
                 pass  # (a launch the tiles refused: cuBLAS fp32, below)

@@ -181,7 +181,7 @@ def args(a_hi, b_hi, *, rows: int, n1: int, d: int, scale: float, scale_log=None
 
 
 def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
-       accumulate: bool = False, trans_a: bool = False):
+       accumulate: bool = False, trans_a: bool = False, k_split: bool = False):
     """``out = alpha · op(A) Bᵀ`` (``accumulate``: ``+ out``) on the TF32x3 tiles (A split in
     shared memory, three TF32 products per 32-wide K step, promoted to an fp32 register sum,
     scaled by 1 + CPN_TF32X3_TRUNC: the mean truncation loss).
@@ -194,7 +194,9 @@ def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
     ``bt_parts`` = (B_hi, B_lo) (c, k) (:func:`split`) -- both K-major, as TF32 wgmma wants
     --, ``out`` (m, c) float32 with an even leading dimension; ``accumulate``: each element
     read, added to (round to nearest) and stored by one thread (a product summed over row
-    blocks in a fixed order).  Returns ``out``."""
+    blocks in a fixed order).  ``k_split``: K may run split (:func:`k_splits`; the caller
+    opts in for a product of few output tiles and long K, a row block's dA = G·B: a split
+    of a large output would only add its partials' memory and pass).  Returns ``out``."""
     b_hi, b_lo = bt_parts
     k, m = a.shape if trans_a else a.shape[::-1]
     c = b_hi.shape[0]
@@ -210,10 +212,42 @@ def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
         raise ValueError(f"tf32x3.mm: out needs an even leading dimension, got strides "
                          f"{out.strides}")
     rt, ct = -(-m // TILE), -(-c // TILE)
+    ks = k_splits(-(-b_hi.shape[1] // KSTEP)) if k_split else 1
+    flags = (1 << 9) if config.current().mm_interleave else 0
+    mode = "mmt" if trans_a else "mm"
+    if ks == 1:
+        if splits is None:
+            splits = grid_splits(rt, ct)
+        # (MODE_MM reads TileArgs' tri as its accumulate flag)
+        raw = args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=out, tri=accumulate)
+        launch(mode, (a, a, b_hi, b_lo), (rt, splits), raw, flags)
+        return out
+    # K split: grid z = the split, each CTA's partial tile into its slice of `part` (TileArgs'
+    # part_ld: the slices' stride), then their sum in z order (+ out) into out
+    import cupy as cp
+
+    ldp = c + (c & 1)  # (the store wants an even leading dimension)
+    part = cp.empty((ks, m, ldp), np.float32)
     if splits is None:
-        splits = grid_splits(rt, ct)
-    # (MODE_MM reads TileArgs' tri as its accumulate flag)
-    raw = args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=out, tri=accumulate)
-    launch("mmt" if trans_a else "mm", (a, a, b_hi, b_lo), (rt, splits), raw,
-           (1 << 9) if config.current().mm_interleave else 0)
+        splits = grid_splits(rt * ks, ct)
+    raw = args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=part[0],
+               part=(0, 0, m * ldp))
+    launch(mode, (a, a, b_hi, b_lo), (rt, splits, ks), raw, flags)
+    kernels.launch("products/blas.cu", "mm_sum_splits", np.float32,
+                   (-(-m * c // kernels.BLOCK),),
+                   (part, np.int64(m * ldp), np.int32(ks), np.int64(ldp), out,
+                    np.int64(leading_dim(out)), np.int64(m), np.int32(c), np.int32(accumulate)))
     return out
+
+
+#: fewest K steps (of :data:`KSTEP`) a K split takes: 64 x 32 = 2048 of K
+K_SPLIT_STEPS = 64
+
+
+def k_splits(k_steps: int) -> int:
+    """How many K splits :func:`mm` runs a product of ``k_steps`` K steps in: up to
+    ``config.mm_k_splits``, each of at least :data:`K_SPLIT_STEPS` steps -- from K alone, so
+    that a product's bits depend neither on its rows (the row blocks a workspace gives) nor on
+    the GPU.  A split puts more CTAs on a product whose output has few tiles (a row block's
+    dA = G·B: (rows / 128) x ceil(D / 128) tiles, K = N); 1 leaves K whole."""
+    return max(1, min(config.current().mm_k_splits, k_steps // K_SPLIT_STEPS))
