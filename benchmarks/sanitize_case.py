@@ -20,7 +20,9 @@ SigLIP and InfoNCE's float32 products on those tiles: the interleaved consumers,
 transposed product mmt, the accumulating product, split_t; and CLIP's row_col_stats /
 clip_grad in float32 and float64, 16-byte and scalar paths) or "f16x3" (the F16x3 tiles'
 splits and products, tiles_ws_f16x3.cu, then CLIP under "auto" on them; "f16x3clip": that
-CLIP alone) or "splade" (SPLADE's three forward paths with a bias -- the wgmma kernel, the
+CLIP alone) or "ksplit" (the TF32x3 product split over K, config.mm_k_splits: its
+partials and their sum, plain / accumulating / transposed, then InfoNCE in row blocks on
+it) or "splade" (SPLADE's three forward paths with a bias -- the wgmma kernel, the
 MODE_SPMAX tiles, the cuBLAS tiles with a workspace small enough to split the sequence over
 blocks --, its backward with the 16-byte and the element-wise row access, a transposed weight;
 and the row normalisation with 1 to 8 warps a row, overflowing rows mixed in).  racecheck exits with code 9 and no
@@ -169,6 +171,27 @@ if part == "tf32products":
         x = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
         y = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
         l, c = cupynce.clip_loss_forward(x, y, 2.0, precision="fp32"); cupynce.clip_loss_backward(c)
+if part == "ksplit":
+    # the TF32x3 product split over K (config.mm_k_splits; tf32x3.mm's grid z and
+    # blas.cu's cpn_mm_sum_splits_f32): plain, accumulating and transposed (mmt), partial
+    # tiles and an odd column count, a split of 2 and of 4 (K = 4100: a last K step of 4);
+    # then InfoNCE in row blocks under "3xtf32", whose dA = G·B products split
+    from cupynce._engine.gemm import tf32x3
+    config.set(mm_k_splits=8)
+    for m, c, k in ((300, 136, 4100), (130, 7, 8200)):
+        for trans in (False, True):
+            ld = -(-m // 4) * 4 if trans else k
+            x = cp.zeros((k, ld) if trans else (m, ld), np.float32)
+            x[:, :m if trans else k] = cp.asarray(rng.standard_normal((k, m) if trans else (m, k)).astype(np.float32))
+            xa = x[:, :m] if trans else x
+            parts = tf32x3.split(cp.asarray(rng.standard_normal((c, k)).astype(np.float32)))
+            o = cp.zeros((m, c + (c & 1)), np.float32)[:, :c]
+            tf32x3.mm(xa, parts, o, trans_a=trans, k_split=True)
+            tf32x3.mm(xa, parts, o, trans_a=trans, accumulate=True, k_split=True)
+    x = cp.asarray(rng.standard_normal((8200, 64)).astype(np.float32))
+    y = cp.asarray(rng.standard_normal((8200, 64)).astype(np.float32))
+    l, c = cupynce.info_nce_forward(x, y, 0.1, precision="3xtf32", workspace_bytes=512 * 8200 * 4)
+    cupynce.info_nce_backward(c)
 if part == "f16x3":
     # the F16x3 prototype (tiles_ws_f16x3.cu): every split, mm / mmt on separate and
     # interleaved halves, accumulating; partial tiles, boxes and K steps (1100 x 264 x 260),
