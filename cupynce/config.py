@@ -24,6 +24,7 @@ environment variable            field                   effect
 ``CUPYNCE_DEBUG_KERNELS``       ``debug_kernels``       print each kernel's resources
 ``CUPYNCE_CPU_TORCH=0``         ``cpu_torch``           torch CPU tensors on the NumPy path
 ``CUPYNCE_RING_GPU=1``          ``ring_gpu``            the global rings on CuPy arrays too
+``CUPYNCE_MM_K_SPLITS``         ``mm_k_splits``         TF32x3 dA = G·B split over K (e.g. 8)
 ==============================  ======================  =====================================
 
 In code::
@@ -214,9 +215,22 @@ class Config:
             graphs=on("CUPYNCE_GRAPHS"),
             graph_variants=on("CUPYNCE_GRAPH_VARIANTS"),
             ring_gpu=env.get("CUPYNCE_RING_GPU", "0") == "1",
+            mm_k_splits=_env_int(env, "CUPYNCE_MM_K_SPLITS", 1),
             prebuilt=env.get("CUPYNCE_PREBUILT", "1") != "0",
             debug_kernels=bool(env.get("CUPYNCE_DEBUG_KERNELS")),
             cpu_torch=on("CUPYNCE_CPU_TORCH"))
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    """The integer environment variable ``name`` (``default`` when unset); a ValueError
+    naming it otherwise."""
+    value = env.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected an integer") from None
 
 
 _OPT_BOOL = object()

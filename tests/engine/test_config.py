@@ -22,14 +22,19 @@ def test_defaults_and_environment():
         "CUPYNCE_FLOAT32": "3xtf32", "CUPYNCE_TILES": "0", "CUPYNCE_WSTILE": "0",
         "CUPYNCE_TILE_WORKSPACE_MIB": "64", "CUPYNCE_F16X3": "0", "CUPYNCE_SIDE": "0",
         "CUPYNCE_GRAPHS": "0", "CUPYNCE_GRAPH_VARIANTS": "0", "CUPYNCE_PREBUILT": "0",
-        "CUPYNCE_DEBUG_KERNELS": "1", "CUPYNCE_CPU_TORCH": "0"})
+        "CUPYNCE_DEBUG_KERNELS": "1", "CUPYNCE_CPU_TORCH": "0", "CUPYNCE_MM_K_SPLITS": "8"})
     assert got == cfg.Config(float32_precision="3xtf32", tiles=False, ws_tiles=False,
                              tile_workspace_bytes=64 << 20, f16x3=False, side_streams=False,
                              graphs=False, graph_variants=False, prebuilt=False,
-                             debug_kernels=True, cpu_torch=False)
+                             debug_kernels=True, cpu_torch=False, mm_k_splits=8)
     assert env.cpu_torch is True
     assert cfg.Config.from_env({"CUPYNCE_TILES": "1"}).tiles is True
     assert cfg.Config.from_env({"CUPYNCE_TILES": "auto"}).tiles is None
+
+
+def test_environment_integer_is_validated():
+    with pytest.raises(ValueError, match=r"CUPYNCE_MM_K_SPLITS='eight': expected an integer$"):
+        cfg.Config.from_env({"CUPYNCE_MM_K_SPLITS": "eight"})
 
 
 def test_environment_precision_is_validated():
