@@ -7,7 +7,8 @@ class to 1e-9 relative (dropout off); with dropout on, the library's cached clas
 chunk the same way and draw the same random stream); ``mini_batch_num_tokens`` packs as the
 library does; two ``SentenceTransformerTrainer`` steps give the library's losses and weights;
 unsupported options raise naming them; over gloo (2 processes, DDP, ``gather_across_devices``)
-the parameter gradients are one process's on the whole batch. Marked ``gpu``: the same model on CUDA in float32 and
+the parameter gradients are one process's on the whole batch, also under bf16 autocast (the
+ranks' loss in the dtype one process's takes). Marked ``gpu``: the same model on CUDA in float32 and
 under bf16 autocast, within 2x the library's own error against its float64 run.
 
 Against the library's cached classes only from sentence-transformers 6.2 (the pinned version):
@@ -321,8 +322,60 @@ def check_st_cached_ddp(rank, world):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"rank {rank} grad {i}: {m}")
 
 
+def check_st_cached_ddp_autocast(rank, world):
+    """The bf16 AMP loop (forward under ``torch.autocast``, ``backward()`` outside it) on a
+    float32 model: the ranks' cached loss with ``gather_across_devices`` computes in the dtype
+    one process's does (the global loss casts its embeddings as the single-process op), so
+    the mean of the ranks' losses and DDP's averaged gradients are one process's cached step
+    on the whole batch under the same autocast, to bf16's rounding of the rank blocks' sums."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n = 4
+    name = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    if rank == 0:
+        _saved_bert(name[0])
+    dist.barrier()
+    single = _model(name[0], dropout=False, dtype=torch.float32)
+    model = _model(name[0], dropout=False, dtype=torch.float32)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(name[0], ignore_errors=True)
+    texts = [_texts(n * world, seed=30 + c) for c in range(2)]
+    whole = [dict(single.tokenize(t)) for t in texts]
+    mine = [dict(model.tokenize(t[rank * n:(rank + 1) * n])) for t in texts]
+    one = c_st.CachedMultipleNegativesRankingLoss(single, scale=20.0, mini_batch_size=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = one([dict(f) for f in whole], None)
+    want.backward()
+    ddp = DDP(model, find_unused_parameters=True)
+    loss = c_st.CachedMultipleNegativesRankingLoss(ddp, scale=20.0, mini_batch_size=3,
+                                                   gather_across_devices=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = loss([dict(f) for f in mine], None)
+    out.backward()
+    total = out.detach().clone()
+    dist.all_reduce(total)
+    # (measured on the CPU: loss 0 and gradients 8e-5 apart; with the ranks' loss in float32
+    # instead -- no cast -- 3.9e-4 and 7.2e-3)
+    torch.testing.assert_close(total / world, want.detach(), rtol=1e-5, atol=1e-7)
+    got = [p.grad for p in model.parameters() if p.grad is not None]
+    ref = [p.grad for p in single.parameters() if p.grad is not None]
+    assert len(got) == len(ref) > 0
+    # (norm-wise over all parameters: the encoder's own bf16 backward runs other chunks on a
+    # rank than in one process, which moves small elements by a few per cent)
+    a, b = (torch.cat([g.double().flatten() for g in gs]) for gs in (got, ref))
+    err = ((a - b).norm() / b.norm()).item()
+    assert err <= 1e-3, f"rank {rank}: gradients' relative error {err:.2e} > 1e-3"
+
+
 @pytest.mark.parametrize("world", [2])  # (3 ranks: the helper's own test, test_grad_cache)
 def test_cached_over_gloo(world):
     from test_torch_distributed import run_ranks
 
-    run_ranks(world, ["check_st_cached_ddp"], module="test_st_cached")
+    run_ranks(world, ["check_st_cached_ddp", "check_st_cached_ddp_autocast"],
+              module="test_st_cached")
