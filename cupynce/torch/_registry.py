@@ -225,8 +225,9 @@ _autocast_lib = None  # keeps the Autocast* kernel registrations alive
 def autocast_row(a: Any, device_type: str, dtype: torch.dtype) -> Any:
     """The autocast cast of one embedding input: a floating tensor on ``device_type``, not
     float64, goes to ``dtype`` (one already in it is returned as it is, no copy; a 16-bit
-    input of the other type is cast); anything else as it is.  One rule for the ops' Autocast kernels
-    (:func:`register_autocast`) and the global losses (:func:`autocast_rows`)."""
+    input of the other type is cast); anything else as it is.  One rule for the ops'
+    Autocast kernels (:func:`register_autocast`) and the global losses
+    (:func:`autocast_rows`)."""
     if isinstance(a, Tensor) and a.is_floating_point() and a.dtype != torch.float64 \
             and a.device.type == device_type:
         return a.to(dtype)

@@ -281,29 +281,37 @@ def _saved_bert(folder):
     return folder
 
 
-def check_st_cached_ddp(rank, world):
-    """Each rank's shard through DDP and the cached loss with ``gather_across_devices``: after
-    DDP's average the parameter gradients are one process's on the whole batch, and the mean
-    of the ranks' losses is its loss."""
+def _rank_models(rank, dtype=torch.float64):
+    """(the single-process model, this rank's model): the same saved tiny BERT, dropout off.
+    transformers saves on rank 0 alone once torch.distributed is up: rank 0 saves, every rank
+    loads from its folder."""
     import shutil
     import tempfile
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    n = 4
-    # (transformers saves on rank 0 alone once torch.distributed is up: rank 0 saves, every
-    # rank loads from its folder)
     name = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(name, src=0)
     if rank == 0:
         _saved_bert(name[0])
     dist.barrier()
-    single = _model(name[0], dropout=False)
-    model = _model(name[0], dropout=False)
+    single = _model(name[0], dropout=False, dtype=dtype)
+    model = _model(name[0], dropout=False, dtype=dtype)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(name[0], ignore_errors=True)
+    return single, model
+
+
+def check_st_cached_ddp(rank, world):
+    """Each rank's shard through DDP and the cached loss with ``gather_across_devices``: after
+    DDP's average the parameter gradients are one process's on the whole batch, and the mean
+    of the ranks' losses is its loss."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n = 4
+    single, model = _rank_models(rank)
     texts = [_texts(n * world, seed=20 + c) for c in range(2)]
     whole = [dict(single.tokenize(t)) for t in texts]
     want = _step(single, ST.MultipleNegativesRankingLoss(single, scale=20.0), whole)
@@ -328,23 +336,11 @@ def check_st_cached_ddp_autocast(rank, world):
     one process's does (the global loss casts its embeddings as the single-process op), so
     the mean of the ranks' losses and DDP's averaged gradients are one process's cached step
     on the whole batch under the same autocast, to bf16's rounding of the rank blocks' sums."""
-    import shutil
-    import tempfile
-
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     n = 4
-    name = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    if rank == 0:
-        _saved_bert(name[0])
-    dist.barrier()
-    single = _model(name[0], dropout=False, dtype=torch.float32)
-    model = _model(name[0], dropout=False, dtype=torch.float32)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(name[0], ignore_errors=True)
+    single, model = _rank_models(rank, torch.float32)
     texts = [_texts(n * world, seed=30 + c) for c in range(2)]
     whole = [dict(single.tokenize(t)) for t in texts]
     mine = [dict(model.tokenize(t[rank * n:(rank + 1) * n])) for t in texts]

@@ -213,30 +213,28 @@ def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
                          f"{out.strides}")
     rt, ct = -(-m // TILE), -(-c // TILE)
     ks = k_splits(-(-b_hi.shape[1] // KSTEP)) if k_split else 1
-    flags = (1 << 9) if config.current().mm_interleave else 0
-    mode = "mmt" if trans_a else "mm"
-    if ks == 1:
-        if splits is None:
-            splits = grid_splits(rt, ct)
-        # (MODE_MM reads TileArgs' tri as its accumulate flag)
-        raw = args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=out, tri=accumulate)
-        launch(mode, (a, a, b_hi, b_lo), (rt, splits), raw, flags)
-        return out
-    # K split: grid z = the split, each CTA's partial tile into its slice of `part` (TileArgs'
-    # part_ld: the slices' stride), then their sum in z order (+ out) into out
-    import cupy as cp
+    # (MODE_MM reads TileArgs' tri as its accumulate flag.)  K split: grid z = the split, each
+    # CTA's partial tile into its slice of `slices` (TileArgs' part_ld: their stride,
+    # no accumulate), then their sum in z order (+ out) into out
+    g, slices, part = out, None, (0, 0, 0)
+    if ks > 1:
+        import cupy as cp
 
-    ldp = c + (c & 1)  # (the store wants an even leading dimension)
-    part = cp.empty((ks, m, ldp), np.float32)
+        ldp = c + (c & 1)  # (the store wants an even leading dimension)
+        slices = cp.empty((ks, m, ldp), np.float32)
+        g, part = slices[0], (0, 0, m * ldp)
     if splits is None:
         splits = grid_splits(rt * ks, ct)
-    raw = args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=part[0],
-               part=(0, 0, m * ldp))
-    launch(mode, (a, a, b_hi, b_lo), (rt, splits, ks), raw, flags)
-    kernels.launch("products/blas.cu", "mm_sum_splits", np.float32,
-                   (-(-m * c // kernels.BLOCK),),
-                   (part, np.int64(m * ldp), np.int32(ks), np.int64(ldp), out,
-                    np.int64(leading_dim(out)), np.int64(m), np.int32(c), np.int32(accumulate)))
+    raw = args(a, b_hi, rows=m, n1=c, d=b_hi.shape[1], scale=alpha, g=g, part=part,
+               tri=accumulate and ks == 1)
+    launch("mmt" if trans_a else "mm", (a, a, b_hi, b_lo), (rt, splits, ks), raw,
+           (1 << 9) if config.current().mm_interleave else 0)
+    if slices is not None:
+        kernels.launch("products/blas.cu", "mm_sum_splits", np.float32,
+                       (-(-m * c // kernels.BLOCK),),
+                       (slices, np.int64(m * ldp), np.int32(ks), np.int64(ldp), out,
+                        np.int64(leading_dim(out)), np.int64(m), np.int32(c),
+                        np.int32(accumulate)))
     return out
 
 
