@@ -53,7 +53,7 @@ for mode in "${@:-suite1}"; do
     # (docs/decisions.md); memcheck on everything
     for args in "memcheck wg" "memcheck ws" "memcheck mma" "racecheck wg tiles" \
                 "racecheck mma tiles" "racecheck ws ws" "racecheck wg splade" \
-                "memcheck ws ksplit" "racecheck ws ksplit"; do
+                "memcheck ws ksplit" "racecheck ws ksplit0"; do
       set -- $args
       log="$OUT/san_$1_$2_${3:-all}.log"
       compute-sanitizer --tool "$1" python benchmarks/sanitize_case.py "$2" ${3:-} >"$log" 2>&1

@@ -22,7 +22,7 @@ clip_grad in float32 and float64, 16-byte and scalar paths) or "f16x3" (the F16x
 splits and products, tiles_ws_f16x3.cu, then CLIP under "auto" on them; "f16x3clip": that
 CLIP alone) or "ksplit" (the TF32x3 product split over K, config.mm_k_splits: its
 partials and their sum, plain / accumulating / transposed, then InfoNCE in row blocks on
-it) or "splade" (SPLADE's three forward paths with a bias -- the wgmma kernel, the
+it; "ksplit0" the same with the consumers not interleaved, for racecheck) or "splade" (SPLADE's three forward paths with a bias -- the wgmma kernel, the
 MODE_SPMAX tiles, the cuBLAS tiles with a workspace small enough to split the sequence over
 blocks --, its backward with the 16-byte and the element-wise row access, a transposed weight;
 and the row normalisation with 1 to 8 warps a row, overflowing rows mixed in).  racecheck exits with code 9 and no
@@ -171,13 +171,16 @@ if part == "tf32products":
         x = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
         y = cp.asarray(rng.standard_normal((n, 40)).astype(dt))
         l, c = cupynce.clip_loss_forward(x, y, 2.0, precision="fp32"); cupynce.clip_loss_backward(c)
-if part == "ksplit":
+if part in ("ksplit", "ksplit0"):
     # the TF32x3 product split over K (config.mm_k_splits; tf32x3.mm's grid z and
     # blas.cu's cpn_mm_sum_splits_f32): plain, accumulating and transposed (mmt), partial
     # tiles and an odd column count, a split of 2 and of 4 (K = 4100: a last K step of 4);
-    # then InfoNCE in row blocks under "3xtf32", whose dA = G·B products split
+    # then InfoNCE in row blocks under "3xtf32", whose dA = G·B products split.  "ksplit0":
+    # the consumers not interleaved -- racecheck does not follow the interleaved mm's slot
+    # hand-over through a TMA-completed phase (docs/decisions.md), so it runs on this one
     from cupynce._engine.gemm import tf32x3
-    config.set(mm_k_splits=8)
+    config.set(mm_k_splits=8, mm_interleave=part == "ksplit")
+    tf32x3.K_SPLIT_MIN_K = 0  # (K = 4100 and 8200 split too)
     for m, c, k in ((300, 136, 4100), (130, 7, 8200)):
         for trans in (False, True):
             ld = -(-m // 4) * 4 if trans else k

@@ -24,7 +24,7 @@ environment variable            field                   effect
 ``CUPYNCE_DEBUG_KERNELS``       ``debug_kernels``       print each kernel's resources
 ``CUPYNCE_CPU_TORCH=0``         ``cpu_torch``           torch CPU tensors on the NumPy path
 ``CUPYNCE_RING_GPU=1``          ``ring_gpu``            the global rings on CuPy arrays too
-``CUPYNCE_MM_K_SPLITS``         ``mm_k_splits``         TF32x3 dA = G·B split over K (e.g. 8)
+``CUPYNCE_MM_K_SPLITS=1``       ``mm_k_splits``         TF32x3 dA = G·B K whole (default 8)
 ==============================  ======================  =====================================
 
 In code::
@@ -90,9 +90,10 @@ class Config:
     #: the TF32x3 ``mm``'s K split: the row blocks' dA = G·B (K = N, few output tiles) runs
     #: its K over up to this many CTAs a tile, the partials summed in a fixed order
     #: (``tf32x3.k_splits``: chosen from K alone, so the same bits at every row block and on
-    #: every GPU, not the unsplit product's); 1: never -- the default until it is measured on
-    #: a GPU (docs/api.md, "At large N")
-    mm_k_splits: int = 1
+    #: every GPU, not the unsplit product's), for K >= ``tf32x3.K_SPLIT_MIN_K`` (65536)
+    #: alone; 1: never.  Default 8: float32 InfoNCE at D = 384 2.4x faster at N = 262144,
+    #: 1.18x at 65536 on an H200 (docs/api.md, "At large N")
+    mm_k_splits: int = 8
     #: the F16x3 products' store compensation 1 + this (the tensor cores' mean truncation)
     f16x3_trunc: float = 0.86e-7
     #: split the gradient products' operands on a side stream beside the score product
@@ -215,7 +216,7 @@ class Config:
             graphs=on("CUPYNCE_GRAPHS"),
             graph_variants=on("CUPYNCE_GRAPH_VARIANTS"),
             ring_gpu=env.get("CUPYNCE_RING_GPU", "0") == "1",
-            mm_k_splits=_env_int(env, "CUPYNCE_MM_K_SPLITS", 1),
+            mm_k_splits=_env_int(env, "CUPYNCE_MM_K_SPLITS", 8),
             prebuilt=env.get("CUPYNCE_PREBUILT", "1") != "0",
             debug_kernels=bool(env.get("CUPYNCE_DEBUG_KERNELS")),
             cpu_torch=on("CUPYNCE_CPU_TORCH"))

@@ -240,12 +240,20 @@ def mm(a, bt_parts, out, alpha: float = 1.0, splits: Optional[int] = None,
 
 #: fewest K steps (of :data:`KSTEP`) a K split takes: 64 x 32 = 2048 of K
 K_SPLIT_STEPS = 64
+#: shortest K that is split at all: the smallest measured to gain.  float32 InfoNCE at
+#: D = 384 on an H200 (a rank's share of P = 2, forward + backward): 8 splits 1.18x faster at
+#: N = 65536 and 2.4x at 262144, but 2-8 % slower at N = 8192-32768 (the grid is full
+#: there; the partials' sum and launches cost more than they give)
+K_SPLIT_MIN_K = 65536
 
 
 def k_splits(k_steps: int) -> int:
-    """How many K splits :func:`mm` runs a product of ``k_steps`` K steps in: up to
-    ``config.mm_k_splits``, each of at least :data:`K_SPLIT_STEPS` steps -- from K alone, so
-    that a product's bits depend neither on its rows (the row blocks a workspace gives) nor on
-    the GPU.  A split puts more CTAs on a product whose output has few tiles (a row block's
-    dA = G·B: (rows / 128) x ceil(D / 128) tiles, K = N); 1 leaves K whole."""
+    """How many K splits :func:`mm` runs a product of ``k_steps`` K steps in: 1 for a K
+    shorter than :data:`K_SPLIT_MIN_K`, else up to ``config.mm_k_splits``, each of at least
+    :data:`K_SPLIT_STEPS` steps -- from K alone, so that a product's bits depend neither on
+    its rows (the row blocks a workspace gives) nor on the GPU.  A split puts more CTAs on a
+    product whose output has few tiles (a row block's dA = G·B: (rows / 128) x ceil(D / 128)
+    tiles, K = N); 1 leaves K whole."""
+    if k_steps * KSTEP < K_SPLIT_MIN_K:
+        return 1
     return max(1, min(config.current().mm_k_splits, k_steps // K_SPLIT_STEPS))
