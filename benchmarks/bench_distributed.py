@@ -30,6 +30,10 @@ ring (all-gathers of the column-side rows in bf16 and of the O(N) statistics,
 reduce-scatter of the float32 gradients).  CUDA-event
 medians, peak memory above the inputs (``cupynce.report.harness``).
 
+``--cprofile``: then the Python functions of most own host time issuing each share (cProfile
+over 10 steps, each waited for outside the profile): where the host's time goes where it
+meets the GPU's (CLIP at P = 8).
+
 ``--kernels``: then, per op and size, where the share's time goes beyond 1/P of the
 single-GPU op: both profiled for a few steps (torch.profiler: CUPTI sees CuPy's and cuBLAS's
 kernels alike), each kernel's time a step in the share against its time in the single op
@@ -62,9 +66,16 @@ class Loopback(Comm):
         self.rank, self.size = rank, size
 
     def all_gather(self, x):
+        """P copies of ``x`` in one launch (a broadcast copy), as NCCL's all-gather is one
+        call (``cp.stack`` of P arrays was P copies: at P = 8, 24 of CLIP's share's launches
+        and their host time, which a real communicator does not have; before 2026-11-30
+        the share was measured that way)."""
         import cupy as cp
 
-        return cp.stack([x] * self.size)
+        out = cp.empty((self.size,) + x.shape, x.dtype)
+        raw = f"u{x.dtype.itemsize}"  # (a plain unsigned view: the bytes, whatever the dtype)
+        out.view(raw)[...] = x.view(raw)
+        return out
 
     def all_reduce(self, x):
         return x.copy()
@@ -242,6 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-peers", action="store_true", help="cupynce and 1/P single alone")
     p.add_argument("--kernels", action="store_true",
                    help="then each kernel's time in the share against 1/P of the single op's")
+    p.add_argument("--cprofile", action="store_true",
+                   help="then the host's costliest Python functions issuing the share")
     args = p.parse_args(argv)
     global DTYPE
     DTYPE = args.dtype
@@ -269,6 +282,8 @@ def main(argv=None) -> int:
             blk, lean, one = res["rank"], res["lean"], res["single"]
 
             def ms(r, div=1):
+                if not r:  # (not run: --no-peers)
+                    return "—"
                 return fmt_ms(r["median_ms"] / div) if r.get("median_ms") else \
                     ("OOM" if r.get("oom") or "memory" in str(r.get("error", "")).lower()
                      else "error")
@@ -303,7 +318,39 @@ def main(argv=None) -> int:
           f"backward of one rank's share (rank 0)\n\n{table}")
     for text in excess:
         print(f"\n{text}")
+    if args.cprofile:
+        for op in args.ops:
+            for N in args.sizes:
+                free_memory(full_gc=True)
+                print(f"\n{op}, N = {N}, P = {P}: the share's host time by function\n\n"
+                      + host_profile(cupynce_rank(op, P, N, d)), flush=True)
     return 0
+
+
+def host_profile(fn, steps: int = 10, top: int = 30) -> str:
+    """cProfile over ``steps`` issues of ``fn`` (each outside the profile waited for, so
+    the host never blocks on a full queue inside it): the ``top`` functions by own time,
+    per step (pstats' text)."""
+    import cProfile
+    import io
+    import pstats
+
+    import cupy as cp
+
+    for _ in range(3):
+        fn()
+    cp.cuda.Device().synchronize()
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        prof.enable()
+        fn()
+        prof.disable()
+        cp.cuda.Device().synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    out.write(f"{steps} steps; the times below are their totals\n")
+    stats.sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@
 #                                         # N = 65536 on one GPU, its GPU time beside the
 #                                         # host's time to issue it, and its kernels
 #                                         # against 1/P of the single op's (issue 57)
+#   bash benchmarks/run_gpu.sh share-host # the same at P = 8 (no peers), then the Python
+#                                         # functions of most host time issuing each share
 #   bash benchmarks/run_gpu.sh ncu-splade # Nsight Compute over SPLADE's backward kernels at
 #                                         # (32, 256, 768, 30522), 1 % and 50 % density
 #
@@ -88,6 +90,8 @@ cupynce.splade_pool_backward(ctx, g)" >"$OUT/ncu_splade_$dens.csv" 2>&1
            python benchmarks/bench_distributed.py --P $P --sizes 65536 --kernels 2>&1 \
              | tee "$OUT/share_p$P.log" | tail -8
          done ;;
+  share-host) python benchmarks/bench_distributed.py --P 8 --sizes 65536 --no-peers --cprofile \
+                2>&1 | tee "$OUT/share_host_p8.log" | grep -A3 "cupynce / " ;;
   variants) python benchmarks/bench_variants.py --repeat 5 --moco --clip --out "$OUT/variants" \
               2>&1 | tail -20 ;;
   *) echo "unknown mode: $mode" ;;
