@@ -40,3 +40,29 @@ def test_sent_bytes_ring():
     # InfoNCE: (P − 1) of the rank's n × D keys in bf16 and their float32 gradients
     assert b.sent_bytes("info_nce", 8, 65536, 512) == 7 * 8192 * 512 * 6
     assert b.sent_bytes("clip_loss", 1, 4096, 64) == 0
+
+
+def test_host_profile_lists_the_costliest_functions(monkeypatch):
+    """``--cprofile``'s table: the issued function's own callees by own time, ``steps`` calls
+    profiled (the device waits stand in for a GPU here)."""
+    import sys
+    import types
+
+    waits = []
+    device = types.SimpleNamespace(synchronize=lambda: waits.append(1))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda: device)))
+    b = load("bench_distributed")
+    calls = []
+
+    def costly_issue():
+        return sum(i * i for i in range(20000))
+
+    def fn():
+        calls.append(1)
+        return costly_issue()
+
+    text = b.host_profile(fn, steps=4, top=5)
+    assert len(calls) == 3 + 4 and len(waits) == 1 + 4, (calls, waits)
+    assert text.startswith("4 steps; the times below are their totals"), text
+    assert "costly_issue" in text and "Ordered by: internal time" in text, text
