@@ -210,7 +210,7 @@ class Config:
                                               "CUPYNCE_FLOAT32"),
             tiles={"0": False, "1": True}.get(env.get("CUPYNCE_TILES", "auto")),
             ws_tiles=on("CUPYNCE_WSTILE"),
-            tile_workspace_bytes=int(env.get("CUPYNCE_TILE_WORKSPACE_MIB", "256")) << 20,
+            tile_workspace_bytes=_env_int(env, "CUPYNCE_TILE_WORKSPACE_MIB", 256) << 20,
             f16x3=on("CUPYNCE_F16X3"),
             side_streams=on("CUPYNCE_SIDE"),
             graphs=on("CUPYNCE_GRAPHS"),

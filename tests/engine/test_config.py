@@ -35,6 +35,9 @@ def test_defaults_and_environment():
 def test_environment_integer_is_validated():
     with pytest.raises(ValueError, match=r"CUPYNCE_MM_K_SPLITS='eight': expected an integer$"):
         cfg.Config.from_env({"CUPYNCE_MM_K_SPLITS": "eight"})
+    with pytest.raises(ValueError,
+                       match=r"CUPYNCE_TILE_WORKSPACE_MIB='1G': expected an integer$"):
+        cfg.Config.from_env({"CUPYNCE_TILE_WORKSPACE_MIB": "1G"})
 
 
 def test_environment_precision_is_validated():
