@@ -50,6 +50,7 @@ from typing import Dict, List
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (bench_multigpu's helpers)
 
 from cupynce.ops._comm import Comm  # noqa: E402
 from cupynce.report.harness import (device_header, device_info, fmt_mib, fmt_ms,  # noqa: E402
@@ -203,7 +204,7 @@ def kernel_times(fn, steps: int = 3) -> Dict[str, List[float]]:
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_multigpu import device_events  # (benchmarks/ is the script's folder)
+    from bench_multigpu import device_events
 
     fn()
     cp.cuda.runtime.deviceSynchronize()
@@ -330,24 +331,19 @@ def main(argv=None) -> int:
 def host_profile(fn, steps: int = 10, top: int = 30) -> str:
     """cProfile over ``steps`` issues of ``fn`` (each outside the profile waited for, so
     the host never blocks on a full queue inside it): the ``top`` functions by own time,
-    per step (pstats' text)."""
-    import cProfile
+    their totals over the steps (pstats' text)."""
     import io
-    import pstats
 
     import cupy as cp
+    from bench_multigpu import profile_calls
 
     for _ in range(3):
         fn()
-    cp.cuda.Device().synchronize()
-    prof = cProfile.Profile()
-    for _ in range(steps):
-        prof.enable()
-        fn()
-        prof.disable()
-        cp.cuda.Device().synchronize()
+    sync = cp.cuda.Device().synchronize
+    sync()
+    stats = profile_calls(fn, steps, sync, each=True)
     out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
+    stats.stream = out
     out.write(f"{steps} steps; the times below are their totals\n")
     stats.sort_stats("tottime").print_stats(top)
     return out.getvalue()

@@ -234,14 +234,31 @@ def device_events(prof, steps: int) -> Dict[str, List[float]]:
             if ev.device_type == DeviceType.CUDA and ev.device_time_total > 0}
 
 
+def profile_calls(fn: Callable[[], Any], steps: int, sync: Callable[[], Any],
+                  each: bool = False):
+    """cProfile over ``steps`` calls of ``fn``, then ``sync()`` outside the profile: after
+    each call (``each``: the host never blocks on a full queue inside the profile) or after
+    the last.  Returns the ``pstats.Stats``; the caller syncs before, as its case needs."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        prof.enable()
+        fn()
+        prof.disable()
+        if each:
+            sync()
+    if not each:
+        sync()
+    return pstats.Stats(prof)
+
+
 def _python_profile(fn: Callable[[], Any], steps: int, cuda: bool = True) -> List[List[Any]]:
     """The Python functions of most own time a step (cProfile over ``steps`` steps, then a
     synchronisation): [function, own ms, calls] -- a C call that waits (a synchronising
     CUDA call, a collective waiting for another rank) shows as a builtin's own time.
     ``cuda`` False: no CUDA synchronisation (a CPU run)."""
-    import cProfile
-    import pstats
-
     import torch
     import torch.distributed as dist
 
@@ -251,13 +268,8 @@ def _python_profile(fn: Callable[[], Any], steps: int, cuda: bool = True) -> Lis
     sync()
     if dist.is_initialized():
         dist.barrier()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        fn()
-    prof.disable()
-    sync()
-    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    # {(file, line, name): (cc, nc, tt, ct, callers)}
+    stats = profile_calls(fn, steps, sync).stats
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:12]
     return [[f"{Path(f).name}:{line}({name})", tt * 1e3 / steps, nc / steps]
             for (f, line, name), (_, nc, tt, _, _) in rows]
